@@ -1,1 +1,22 @@
-pub mod x {}
+//! Pieces every Rivet daemon shares, so that six daemons look and behave alike:
+//!
+//! - [`socket`] and [`grpc`]: gRPC over Unix sockets (single instance per
+//!   socket, peer-UID allow list, client retry and deadlines, restart
+//!   detection by `boot_id`);
+//! - [`telemetry`]: logs plus OTLP traces, W3C trace context across processes;
+//! - [`config`]: flags + env + config dir, and the flags all daemons share;
+//! - [`state_file`]: crash-safe, versioned state files;
+//! - [`metrics`]: Prometheus metrics and `/healthz`;
+//! - [`daemon`]: the run loop a daemon's `main` ends with;
+//! - [`backoff`]: retry delays.
+
+pub mod backoff;
+pub mod config;
+pub mod daemon;
+pub mod grpc;
+pub mod metrics;
+pub mod socket;
+pub mod state_file;
+pub mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;

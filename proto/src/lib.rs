@@ -20,6 +20,38 @@ pub mod ipam {
     }
 }
 
+/// svc-identity: identities and the IP cache (`rivet.identity.v1`).
+pub mod identity {
+    /// Version 1.
+    pub mod v1 {
+        tonic::include_proto!("rivet.identity.v1");
+    }
+}
+
+/// svc-endpoint: endpoints, policies and namespace labels (`rivet.endpoint.v1`).
+pub mod endpoint {
+    /// Version 1.
+    pub mod v1 {
+        tonic::include_proto!("rivet.endpoint.v1");
+    }
+}
+
+/// svc-loader: the privileged datapath owner (`rivet.loader.v1`).
+pub mod loader {
+    /// Version 1.
+    pub mod v1 {
+        tonic::include_proto!("rivet.loader.v1");
+    }
+}
+
+/// svc-gc: conntrack and NAT garbage collection (`rivet.gc.v1`).
+pub mod gc {
+    /// Version 1.
+    pub mod v1 {
+        tonic::include_proto!("rivet.gc.v1");
+    }
+}
+
 /// A message that carries the `boot_id` of the server that produced it.
 pub trait HasBootId {
     /// The server's boot id (random per process start).
@@ -41,4 +73,44 @@ has_boot_id!(
     ipam::v1::AllocateResponse,
     ipam::v1::ReleaseResponse,
     ipam::v1::ListResponse,
+    identity::v1::AllocateIdentityResponse,
+    identity::v1::ReleaseIdentityResponse,
+    identity::v1::GetIdentityResponse,
+    identity::v1::LookupIdentityResponse,
+    identity::v1::ListIdentitiesResponse,
+    identity::v1::WatchIdentitiesResponse,
+    identity::v1::AllocateCidrIdentitiesResponse,
+    identity::v1::ReleaseCidrIdentitiesResponse,
+    identity::v1::GetStatusResponse,
+    identity::v1::UpsertIpResponse,
+    identity::v1::DeleteIpResponse,
+    identity::v1::ListIpcacheResponse,
+    identity::v1::WatchIpcacheResponse,
+    endpoint::v1::CreateEndpointResponse,
+    endpoint::v1::DeleteEndpointResponse,
+    endpoint::v1::UpdateLabelsResponse,
+    endpoint::v1::GetEndpointResponse,
+    endpoint::v1::ListEndpointsResponse,
+    endpoint::v1::GetStatusResponse,
+    endpoint::v1::UpsertPolicyResponse,
+    endpoint::v1::DeletePolicyResponse,
+    endpoint::v1::ListPoliciesResponse,
+    endpoint::v1::GetPolicyResponse,
+    endpoint::v1::SetNamespaceLabelsResponse,
+    endpoint::v1::ListNamespacesResponse,
+    loader::v1::UpsertEndpointResponse,
+    loader::v1::RemoveEndpointResponse,
+    loader::v1::ReplaceEndpointPolicyResponse,
+    loader::v1::GetEndpointPolicyResponse,
+    loader::v1::ListEndpointsResponse,
+    loader::v1::UpsertIpcacheResponse,
+    loader::v1::DeleteIpcacheResponse,
+    loader::v1::ReplaceIpcacheResponse,
+    loader::v1::ListIpcacheResponse,
+    loader::v1::GetDatapathStatusResponse,
+    loader::v1::DumpConntrackResponse,
+    loader::v1::GetDropCountersResponse,
+    loader::v1::MonitorEvent,
+    gc::v1::RunNowResponse,
+    gc::v1::StatusResponse,
 );

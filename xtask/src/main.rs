@@ -1,1 +1,101 @@
-fn main(){}
+//! Developer and CI entry points for the Rivet workspace, run as `cargo xtask <command>`
+//! (the alias lives in `.cargo/config.toml`).
+//!
+//! This is the `xtask` idiom aya uses: the project's build, test, demo and benchmark
+//! procedures are plain Rust in the workspace instead of shell scripts, so they run the
+//! same on a developer's machine and in CI, and every command first installs what it
+//! needs so a fresh Debian 12 machine with only the Rust toolchain is enough.
+
+mod bench;
+mod cmd;
+mod demo;
+mod install;
+mod test;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+/// Rivet's developer tasks. Run as root on Debian 12: every command first installs the
+/// Debian packages and the bpffs mount that the privileged tests, the demo and the
+/// benchmarks need.
+#[derive(Debug, Parser)]
+#[command(name = "xtask", bin_name = "cargo xtask", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Install the Debian packages and mount bpffs (idempotent; needs root).
+    Install,
+    /// Run the whole suite: fmt check, clippy -D warnings, all tests, doc tests.
+    ///
+    /// Arguments after `--` are appended to both `cargo test` invocations, e.g.
+    /// `cargo xtask test -- ipam -- --nocapture`.
+    Test {
+        /// Extra arguments for `cargo test` (after `--`).
+        #[arg(last = true, value_name = "CARGO_TEST_ARGS")]
+        cargo_test_args: Vec<String>,
+    },
+    /// Build the binaries and run the demo: svc-ipam driven through the `rivet` CLI.
+    Demo,
+    /// Run one benchmark of the `rivet-bench` crate with the bench-release profile.
+    Bench(bench::Args),
+}
+
+/// Runs the command; errors are printed as a short cause chain (no backtrace, even with
+/// `RUST_BACKTRACE` set: the messages name the failing command, which is what matters).
+fn main() -> ExitCode {
+    match run(Cli::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> Result<()> {
+    match command {
+        Command::Install => install::run(),
+        Command::Test { cargo_test_args } => {
+            install::run()?;
+            test::run(&cargo_test_args)
+        }
+        Command::Demo => {
+            install::run()?;
+            demo::run()
+        }
+        Command::Bench(args) => {
+            install::run()?;
+            bench::run(&args)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn test_passes_everything_after_double_dash() {
+        let cli = Cli::try_parse_from(["xtask", "test", "--", "ipam", "--", "--nocapture"])
+            .expect("parses");
+        let Command::Test { cargo_test_args } = cli.command else {
+            panic!("expected test, got {:?}", cli.command);
+        };
+        assert_eq!(cargo_test_args, ["ipam", "--", "--nocapture"]);
+    }
+}

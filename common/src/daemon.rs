@@ -1,0 +1,75 @@
+//! The run loop every daemon's `main` ends with: serve gRPC on its socket and
+//! metrics on HTTP until SIGTERM/SIGINT, then drain and stop both.
+
+use std::sync::Arc;
+
+use prometheus_client::registry::Registry;
+use tonic::service::Routes;
+
+use crate::config::CommonArgs;
+use crate::grpc::{self, DaemonIdentity, ServeError};
+use crate::metrics::{Health, MetricsError, MetricsServer};
+use crate::socket::{SocketError, SocketOptions, UnixSocketListener};
+
+/// Why a daemon stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// Its socket could not be bound.
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+    /// gRPC serving failed.
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    /// The metrics listener failed.
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
+}
+
+/// Binds the daemon's socket `<socket-dir>/<name>.sock` with the common flags'
+/// UID allow list. Call it before touching state: it holds the
+/// single-instance lock, so two instances never share a state dir.
+pub fn bind_socket(common: &CommonArgs, name: &str) -> Result<UnixSocketListener, SocketError> {
+    UnixSocketListener::bind(
+        &common.socket_path(name),
+        &SocketOptions {
+            allowed_uids: common.allowed_uids.clone(),
+            ..SocketOptions::default()
+        },
+    )
+}
+
+/// Serves `routes` (plus the `Daemon` info service) on `listener`, and
+/// `/metrics` + `/healthz` when `--metrics-address` is set, until SIGTERM or
+/// SIGINT.
+pub async fn run(
+    common: &CommonArgs,
+    listener: UnixSocketListener,
+    identity: DaemonIdentity,
+    routes: Routes,
+    registry: Registry,
+    health: Health,
+) -> Result<(), DaemonError> {
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let metrics = match common.metrics_address {
+        Some(address) => {
+            let server = MetricsServer::bind(address).await?;
+            let mut rx = stop_rx.clone();
+            let stopped = async move {
+                let _ = rx.wait_for(|s| *s).await;
+            };
+            Some(tokio::spawn(server.serve(Arc::new(registry), health.clone(), stopped)))
+        }
+        None => None,
+    };
+    health.set_serving();
+    let result = grpc::serve_unix(listener, identity, routes, grpc::shutdown_signal()).await;
+    health.set_unhealthy("shutting down");
+    let _ = stop_tx.send(true);
+    if let Some(task) = metrics {
+        match task.await {
+            Ok(r) => r?,
+            Err(e) => tracing::warn!(error = %e, "metrics task panicked"),
+        }
+    }
+    Ok(result?)
+}

@@ -1,0 +1,467 @@
+//! gRPC over Unix sockets: serving a daemon (with the shared `Daemon` info
+//! service and trace-context extraction), connecting to one (retry, backoff,
+//! per-call deadlines, trace-context injection) and noticing when a server
+//! restarted (`boot_id`, DESIGN.md §1).
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use hyper_util::rt::TokioIo;
+use rivet_proto::HasBootId;
+use rivet_proto::daemon::v1 as pb;
+use tokio::net::UnixStream;
+use tonic::service::Routes;
+use tonic::transport::{Channel, Endpoint, Server};
+use tower::Layer;
+
+use crate::backoff::Backoff;
+use crate::socket::UnixSocketListener;
+use crate::telemetry::{TraceContextClient, TraceContextClientLayer, TraceContextServerLayer};
+
+/// Random identifier of one process start. Servers put it in every response a
+/// client caches against; a client that sees it change replays its state.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BootId(Arc<str>);
+
+impl BootId {
+    /// A fresh random boot id.
+    pub fn random() -> Self {
+        Self(uuid::Uuid::new_v4().to_string().into())
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for BootId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&BootId> for String {
+    fn from(b: &BootId) -> Self {
+        b.0.to_string()
+    }
+}
+
+/// Who a daemon process is; served by the `rivet.daemon.v1.Daemon` service
+/// every daemon exposes.
+#[derive(Debug, Clone)]
+pub struct DaemonIdentity {
+    /// Daemon name, e.g. `svc-ipam`; also its socket's file name.
+    pub name: &'static str,
+    /// Binary version.
+    pub version: &'static str,
+    /// Node this daemon serves.
+    pub node_name: String,
+    /// This process start's boot id.
+    pub boot_id: BootId,
+    /// Process start time.
+    pub started_at: SystemTime,
+}
+
+impl DaemonIdentity {
+    /// Identity of the current process with a fresh boot id.
+    ///
+    /// ```
+    /// let id = rivet_common::grpc::DaemonIdentity::new("svc-ipam", env!("CARGO_PKG_VERSION"), "node-1".into());
+    /// assert_eq!(id.boot_id.as_str().len(), 36);
+    /// ```
+    pub fn new(name: &'static str, version: &'static str, node_name: String) -> Self {
+        Self {
+            name,
+            version,
+            node_name,
+            boot_id: BootId::random(),
+            started_at: SystemTime::now(),
+        }
+    }
+
+    /// The identity as the protobuf message.
+    pub fn to_proto(&self) -> pb::DaemonInfo {
+        pb::DaemonInfo {
+            name: self.name.to_string(),
+            version: self.version.to_string(),
+            boot_id: self.boot_id.to_string(),
+            node_name: self.node_name.clone(),
+            started_at_unix: self
+                .started_at
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or_default(),
+            pid: std::process::id(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DaemonInfoService(DaemonIdentity);
+
+#[tonic::async_trait]
+impl pb::daemon_server::Daemon for DaemonInfoService {
+    async fn get_info(
+        &self,
+        _request: tonic::Request<pb::GetInfoRequest>,
+    ) -> Result<tonic::Response<pb::DaemonInfo>, tonic::Status> {
+        Ok(tonic::Response::new(self.0.to_proto()))
+    }
+}
+
+/// Why serving stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The gRPC server failed.
+    #[error("serving {daemon} on {path}: {source}")]
+    Transport {
+        /// Daemon name.
+        daemon: &'static str,
+        /// Socket path.
+        path: PathBuf,
+        /// The transport error.
+        source: tonic::transport::Error,
+    },
+}
+
+/// Serves `routes` plus the shared `Daemon` info service on `listener` until
+/// `shutdown` completes, then drains in-flight calls. Requests carry their
+/// caller's trace context into the server span.
+///
+/// ```no_run
+/// # async fn run(routes: tonic::service::Routes) -> Result<(), Box<dyn std::error::Error>> {
+/// use rivet_common::{grpc, socket};
+/// let listener = socket::UnixSocketListener::bind("/tmp/x.sock".as_ref(), &Default::default())?;
+/// let me = grpc::DaemonIdentity::new("svc-x", "0.1.0", "node-1".into());
+/// grpc::serve_unix(listener, me, routes, grpc::shutdown_signal()).await?;
+/// # Ok(()) }
+/// ```
+pub async fn serve_unix(
+    listener: UnixSocketListener,
+    identity: DaemonIdentity,
+    routes: Routes,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let path = listener.path().to_path_buf();
+    let daemon = identity.name;
+    tracing::info!(
+        daemon,
+        socket = %path.display(),
+        boot_id = %identity.boot_id,
+        node = %identity.node_name,
+        "serving gRPC"
+    );
+    let routes = routes.add_service(pb::daemon_server::DaemonServer::new(DaemonInfoService(identity)));
+    Server::builder()
+        .layer(TraceContextServerLayer::default())
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(listener.incoming(), shutdown)
+        .await
+        .map_err(|source| ServeError::Transport {
+            daemon,
+            path,
+            source,
+        })
+}
+
+/// Completes on SIGTERM or SIGINT (logging which), for graceful shutdown.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing a SIGINT handler");
+    let name = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!(signal = name, "shutting down");
+}
+
+/// A client channel to a daemon: a tonic channel over a Unix socket that
+/// injects the caller's trace context into every request.
+pub type DaemonChannel = TraceContextClient<Channel>;
+
+/// How a client connects and how long calls may take.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Total time to keep retrying the first connection (daemon starting up).
+    pub connect_timeout: Duration,
+    /// Deadline of each call (and of reconnecting within a call).
+    pub request_timeout: Duration,
+    /// Delay between connection attempts.
+    pub backoff: Backoff,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            connect_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(10),
+            backoff: Backoff::default(),
+        }
+    }
+}
+
+/// Why a client could not connect.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// Every attempt within the connect timeout failed.
+    #[error("connecting to {path} (gave up after {attempts} attempts in {waited:?}; is the daemon running?): {source}")]
+    Unreachable {
+        /// Socket path.
+        path: PathBuf,
+        /// Attempts made.
+        attempts: u32,
+        /// Time spent.
+        waited: Duration,
+        /// The last attempt's error.
+        source: tonic::transport::Error,
+    },
+}
+
+/// Connects to the daemon socket at `path`, retrying with backoff until
+/// `options.connect_timeout`. Once connected the channel reconnects by itself
+/// when the daemon restarts.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use rivet_common::grpc::{connect_unix, ClientOptions};
+/// use rivet_proto::daemon::v1::{daemon_client::DaemonClient, GetInfoRequest};
+/// let channel = connect_unix("/var/run/rivet/sockets/svc-ipam.sock".as_ref(), &ClientOptions::default()).await?;
+/// let info = DaemonClient::new(channel).get_info(GetInfoRequest {}).await?.into_inner();
+/// println!("{} boot {}", info.name, info.boot_id);
+/// # Ok(()) }
+/// ```
+pub async fn connect_unix(path: &Path, options: &ClientOptions) -> Result<DaemonChannel, ConnectError> {
+    // The URI is required by tonic but unused: the connector dials the socket.
+    let endpoint = Endpoint::from_static("http://rivet.invalid")
+        .timeout(options.request_timeout)
+        .connect_timeout(options.request_timeout);
+    let started = Instant::now();
+    let mut backoff = options.backoff.clone();
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let socket = path.to_path_buf();
+        let connector = tower::service_fn(move |_: http::Uri| {
+            let socket = socket.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
+        });
+        match endpoint.connect_with_connector(connector).await {
+            Ok(channel) => return Ok(TraceContextClientLayer.layer(channel)),
+            Err(source) => {
+                let delay = backoff.next_delay();
+                if started.elapsed() + delay > options.connect_timeout {
+                    return Err(ConnectError::Unreachable {
+                        path: path.to_path_buf(),
+                        attempts,
+                        waited: started.elapsed(),
+                        source,
+                    });
+                }
+                tracing::debug!(socket = %path.display(), attempt = attempts, ?delay, "daemon not reachable yet; retrying");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+/// A server restart noticed by a [`BootIdWatch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerRestart {
+    /// Which server (for logs).
+    pub server: String,
+    /// The boot id seen before.
+    pub previous: String,
+    /// The new boot id.
+    pub current: String,
+}
+
+type RestartHook = Box<dyn Fn(&ServerRestart) + Send + Sync>;
+
+/// Watches the `boot_id` of one server across responses and calls a hook
+/// when it changes, so the client replays its desired state (level-triggered
+/// resync, DESIGN.md §1). The first boot id seen never triggers the hook:
+/// a client pushes its state on first contact anyway.
+///
+/// The hook runs inline; it should only schedule work (notify a task).
+///
+/// ```
+/// use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+/// use rivet_common::grpc::BootIdWatch;
+///
+/// let resyncs = Arc::new(AtomicU32::new(0));
+/// let counter = resyncs.clone();
+/// let watch = BootIdWatch::new("svc-ipam", move |_| { counter.fetch_add(1, Ordering::SeqCst); });
+/// watch.observe("a");
+/// watch.observe("a");
+/// watch.observe("b");
+/// assert_eq!(resyncs.load(Ordering::SeqCst), 1);
+/// ```
+pub struct BootIdWatch {
+    server: String,
+    last: Mutex<Option<String>>,
+    hook: RestartHook,
+}
+
+impl std::fmt::Debug for BootIdWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BootIdWatch")
+            .field("server", &self.server)
+            .field("last", &self.last)
+            .finish_non_exhaustive()
+    }
+}
+
+impl BootIdWatch {
+    /// A watch for `server` that calls `hook` on every observed restart.
+    pub fn new(server: impl Into<String>, hook: impl Fn(&ServerRestart) + Send + Sync + 'static) -> Self {
+        Self {
+            server: server.into(),
+            last: Mutex::new(None),
+            hook: Box::new(hook),
+        }
+    }
+
+    /// Records a boot id; returns the restart (after calling the hook) when
+    /// it differs from the previous one. Empty ids are ignored.
+    pub fn observe(&self, boot_id: &str) -> Option<ServerRestart> {
+        if boot_id.is_empty() {
+            return None;
+        }
+        let restart = {
+            let mut last = self.last.lock().expect("boot id lock poisoned");
+            match last.replace(boot_id.to_string()) {
+                Some(previous) if previous != boot_id => Some(ServerRestart {
+                    server: self.server.clone(),
+                    previous,
+                    current: boot_id.to_string(),
+                }),
+                _ => None,
+            }
+        };
+        if let Some(r) = &restart {
+            tracing::info!(server = %r.server, previous = %r.previous, current = %r.current, "server restarted; resyncing");
+            (self.hook)(r);
+        }
+        restart
+    }
+
+    /// [`observe`](Self::observe) for any message carrying a boot id.
+    pub fn observe_message<M: HasBootId>(&self, message: &M) -> Option<ServerRestart> {
+        self.observe(message.boot_id())
+    }
+
+    /// The last boot id seen.
+    pub fn current(&self) -> Option<String> {
+        self.last.lock().expect("boot id lock poisoned").clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::socket::SocketOptions;
+    use pb::daemon_client::DaemonClient;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use tokio::sync::oneshot;
+
+    struct RunningDaemon {
+        stop: Option<oneshot::Sender<()>>,
+        task: tokio::task::JoinHandle<Result<(), ServeError>>,
+    }
+
+    impl RunningDaemon {
+        fn start(path: &Path, node: &str) -> Self {
+            let listener = UnixSocketListener::bind(path, &SocketOptions::default()).expect("bind test socket");
+            let (tx, rx) = oneshot::channel();
+            let identity = DaemonIdentity::new("svc-test", "0.0.0", node.to_string());
+            let task = tokio::spawn(serve_unix(listener, identity, Routes::default(), async {
+                let _ = rx.await;
+            }));
+            Self { stop: Some(tx), task }
+        }
+
+        async fn stop(mut self) {
+            let _ = self.stop.take().unwrap().send(());
+            self.task.await.unwrap().expect("graceful shutdown must not fail");
+        }
+    }
+
+    #[tokio::test]
+    async fn client_sees_restart_and_resyncs_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("svc-test.sock");
+        let daemon = RunningDaemon::start(&path, "n1");
+
+        let channel = connect_unix(&path, &ClientOptions::default()).await.expect("connect to a live daemon");
+        let mut client = DaemonClient::new(channel);
+        let resyncs = Arc::new(AtomicU32::new(0));
+        let counter = resyncs.clone();
+        let watch = BootIdWatch::new("svc-test", move |_| {
+            counter.fetch_add(1, Ordering::SeqCst);
+        });
+
+        let first = client.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
+        assert_eq!(first.name, "svc-test");
+        assert_eq!(first.node_name, "n1");
+        assert!(watch.observe_message(&first).is_none(), "first contact is not a restart");
+
+        daemon.stop().await;
+        assert!(!path.exists(), "a gracefully stopped daemon removes its socket");
+        let daemon = RunningDaemon::start(&path, "n1");
+
+        // The same channel reconnects to the new process by itself.
+        let mut second = None;
+        for _ in 0..50 {
+            match client.get_info(pb::GetInfoRequest {}).await {
+                Ok(r) => {
+                    second = Some(r.into_inner());
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        let second = second.expect("the channel must reconnect to the restarted daemon");
+        assert_ne!(first.boot_id, second.boot_id, "every process start has a new boot id");
+        let restart = watch.observe_message(&second).expect("a new boot id is a restart");
+        assert_eq!(restart.previous, first.boot_id);
+        watch.observe_message(&second);
+        assert_eq!(resyncs.load(Ordering::SeqCst), 1, "one restart triggers exactly one resync");
+        daemon.stop().await;
+    }
+
+    #[tokio::test]
+    async fn connect_gives_up_with_the_socket_path_in_the_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("absent.sock");
+        let options = ClientOptions {
+            connect_timeout: Duration::from_millis(200),
+            ..ClientOptions::default()
+        };
+        let err = connect_unix(&path, &options).await.expect_err("nobody listens");
+        let text = err.to_string();
+        assert!(text.contains("absent.sock"), "the error must name the socket: {text}");
+    }
+
+    #[tokio::test]
+    async fn connect_waits_for_a_daemon_that_starts_late() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("late.sock");
+        let starter = {
+            let path = path.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                RunningDaemon::start(&path, "n1")
+            })
+        };
+        let channel = connect_unix(&path, &ClientOptions::default())
+            .await
+            .expect("the client keeps retrying until the daemon is up");
+        let info = DaemonClient::new(channel).get_info(pb::GetInfoRequest {}).await.unwrap();
+        assert_eq!(info.into_inner().name, "svc-test");
+        starter.await.unwrap().stop().await;
+    }
+}

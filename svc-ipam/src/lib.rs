@@ -1,0 +1,17 @@
+//! svc-ipam: per-node address pools served over gRPC on a Unix socket.
+//!
+//! - [`pool`]: pool configuration (`--pool NAME=CIDR[,CIDR...]`), validated
+//!   at start (size, alignment, overlap);
+//! - [`allocator`]: the allocation rules, pure and in memory;
+//! - [`store`]: the allocator made durable (group-committed state file);
+//! - [`service`]: the `rivet.ipam.v1.Ipam` gRPC service;
+//! - [`events`]: logs and metrics, emitted together.
+
+pub mod allocator;
+pub mod events;
+pub mod pool;
+pub mod service;
+pub mod store;
+
+/// The daemon's name: its socket is `<socket-dir>/svc-ipam.sock`.
+pub const DAEMON_NAME: &str = "svc-ipam";

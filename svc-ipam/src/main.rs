@@ -1,0 +1,57 @@
+//! svc-ipam: flags and wiring; the logic lives in the library.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use prometheus_client::registry::Registry;
+use rivet_common::config::{self, CommonArgs};
+use rivet_common::grpc::DaemonIdentity;
+use rivet_common::metrics::Health;
+use rivet_common::{daemon, telemetry};
+use svc_ipam::events::IpamMetrics;
+use svc_ipam::pool::{PoolSet, PoolSpec};
+use svc_ipam::service::IpamService;
+use svc_ipam::store::IpamStore;
+use tonic::service::Routes;
+
+/// Rivet's per-node address pools.
+#[derive(Debug, Parser)]
+#[command(name = "svc-ipam", version, about)]
+struct Flags {
+    #[command(flatten)]
+    common: CommonArgs,
+
+    /// An address pool, NAME=CIDR[,CIDR...] (IPv4 and/or IPv6); repeat for
+    /// several pools. In the env var, separate pools with ';'.
+    #[arg(long = "pool", env = "RIVET_IPAM_POOL", value_delimiter = ';')]
+    pools: Vec<PoolSpec>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let flags: Flags = config::load();
+    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
+        service_name: svc_ipam::DAEMON_NAME.into(),
+        log_format: flags.common.log_format,
+        default_filter: "info".into(),
+    })?;
+    let pools = PoolSet::new(&flags.pools).context("invalid --pool configuration")?;
+    // The socket lock comes first: it keeps a second instance off the state.
+    let listener = daemon::bind_socket(&flags.common, svc_ipam::DAEMON_NAME)?;
+
+    let metrics = IpamMetrics::default();
+    let mut registry = Registry::with_prefix("rivet");
+    metrics.register(&mut registry);
+    let store = IpamStore::open(&flags.common.state_dir.join("ipam"), pools, metrics.clone())?;
+
+    let identity = DaemonIdentity::new(
+        svc_ipam::DAEMON_NAME,
+        env!("CARGO_PKG_VERSION"),
+        flags.common.node_name(),
+    );
+    let service = IpamService::new(Arc::new(store), identity.boot_id.clone(), metrics);
+    let routes = Routes::new(service.into_server());
+    daemon::run(&flags.common, listener, identity, routes, registry, Health::default()).await?;
+    Ok(())
+}

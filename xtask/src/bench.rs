@@ -1,0 +1,78 @@
+//! `cargo xtask bench <name>`: run one benchmark of the `bench/` crate.
+//!
+//! The benchmarks live in the `rivet-bench` binary, which takes the benchmark name and
+//! prints its `RESULT ...` line itself; this only builds it with the `bench-release`
+//! profile (optimised, with line tables for profiling) and passes the arguments on.
+
+use anyhow::Result;
+
+use crate::cmd;
+
+/// Arguments of `cargo xtask bench`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// List the benchmarks instead of running one.
+    #[arg(long, conflicts_with = "name")]
+    list: bool,
+    /// The benchmark to run, e.g. `ipam`.
+    #[arg(required_unless_present = "list")]
+    name: Option<String>,
+    /// Further arguments for the benchmark binary.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        requires = "name",
+        value_name = "BENCH_ARGS"
+    )]
+    args: Vec<String>,
+}
+
+/// Builds and runs `rivet-bench` with the chosen benchmark (or `--list`).
+pub fn run(args: &Args) -> Result<()> {
+    cmd::run(
+        cmd::cargo()
+            .args(["run", "--profile", "bench-release"])
+            .args(["-p", "rivet-bench", "--bin", "rivet-bench", "--"])
+            .args(bench_args(args)),
+    )
+}
+
+/// The arguments handed to the `rivet-bench` binary.
+fn bench_args(args: &Args) -> Vec<String> {
+    if args.list {
+        return vec!["--list".to_string()];
+    }
+    args.name.iter().chain(&args.args).cloned().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn parse(argv: &[&str]) -> Result<Vec<String>, clap::Error> {
+        let cli = Cli::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))?;
+        Ok(bench_args(&cli.args))
+    }
+
+    #[test]
+    fn name_and_extra_args_pass_through() {
+        assert_eq!(parse(&["ipam"]).unwrap(), ["ipam"]);
+        assert_eq!(
+            parse(&["ipam", "--clients", "16", "--list"]).unwrap(),
+            ["ipam", "--clients", "16", "--list"]
+        );
+    }
+
+    #[test]
+    fn list_passes_through_and_name_is_otherwise_required() {
+        assert_eq!(parse(&["--list"]).unwrap(), ["--list"]);
+        assert!(parse(&[]).is_err());
+    }
+}

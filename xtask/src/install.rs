@@ -1,0 +1,155 @@
+//! `cargo xtask install`: make a fresh Debian 12 machine (root, Rust toolchain only)
+//! ready for the tests, the demo and the benchmarks. Every other command runs it first,
+//! so it must be idempotent and cheap when there is nothing to do: it asks dpkg and
+//! /proc/mounts first and only acts on what is missing.
+
+use std::fs;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::cmd;
+
+/// Debian packages the workspace needs, and why:
+/// - clang, llvm, libbpf-dev: compile the C datapath (`clang -target bpf`) in
+///   svc-loader's build script;
+/// - iproute2, iputils-ping, iperf3: network namespaces, veth and traffic in the
+///   cross-process tests, the demo and the benchmarks;
+/// - etcd-server: the kvstore the daemons use, run on 127.0.0.1 in tests;
+/// - protobuf-compiler: a `protoc` for etcd-client's build script (our own protos are
+///   compiled without one).
+pub const PACKAGES: &[&str] = &[
+    "clang",
+    "llvm",
+    "libbpf-dev",
+    "iproute2",
+    "iputils-ping",
+    "iperf3",
+    "etcd-server",
+    "protobuf-compiler",
+];
+
+/// Where BPF programs and maps are pinned; the loader and the tests expect a bpffs here.
+const BPFFS: &str = "/sys/fs/bpf";
+
+/// Installs the missing Debian packages and mounts bpffs if needed.
+pub fn run() -> Result<()> {
+    require_root()?;
+    install_packages()?;
+    mount_bpffs()
+}
+
+/// Everything after this needs root: apt-get and mount here, and later the privileged
+/// tests, which load BPF programs and create network namespaces (CAP_BPF,
+/// CAP_SYS_ADMIN, CAP_NET_ADMIN). Failing here is clearer than failing deep in a test.
+fn require_root() -> Result<()> {
+    let status = fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let euid = effective_uid(&status).context("no Uid line in /proc/self/status")?;
+    if euid != 0 {
+        bail!(
+            "cargo xtask must run as root (effective uid is {euid}): it installs Debian \
+             packages and mounts bpffs at {BPFFS}, and the privileged tests load BPF programs \
+             and create network namespaces, which need CAP_BPF, CAP_SYS_ADMIN and \
+             CAP_NET_ADMIN. Re-run it as root."
+        );
+    }
+    Ok(())
+}
+
+/// The effective uid from the text of `/proc/<pid>/status` (its `Uid:` line lists the
+/// real, effective, saved and filesystem uids). Read from procfs to stay within std.
+fn effective_uid(proc_status: &str) -> Option<u32> {
+    proc_status
+        .lines()
+        .find_map(|line| line.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Installs the packages of [`PACKAGES`] that are not installed; touches apt only if
+/// at least one is missing, so a prepared machine needs no network and no apt lock.
+fn install_packages() -> Result<()> {
+    let mut missing = Vec::new();
+    for &package in PACKAGES {
+        if !is_installed(package)? {
+            missing.push(package);
+        }
+    }
+    if missing.is_empty() {
+        println!("deps: all present");
+        return Ok(());
+    }
+    println!("deps: installing {}", missing.join(" "));
+    cmd::run_keeping_stderr(apt_get().args(["-q", "update"]))?;
+    cmd::run_keeping_stderr(
+        apt_get()
+            .args(["-q", "install", "-y", "--no-install-recommends"])
+            .args(&missing),
+    )
+}
+
+/// `apt-get` that never stops to ask a question (CI has no stdin).
+fn apt_get() -> Command {
+    let mut apt = Command::new("apt-get");
+    apt.env("DEBIAN_FRONTEND", "noninteractive");
+    apt
+}
+
+/// Whether dpkg reports `package` as fully installed. An unknown package makes
+/// dpkg-query exit non-zero, which here simply means "not installed"; a package that
+/// was removed but left its config files ("deinstall ok config-files") is not installed.
+fn is_installed(package: &str) -> Result<bool> {
+    let mut query = Command::new("dpkg-query");
+    query.args(["-W", "-f=${Status}", package]);
+    let output = query
+        .output()
+        .with_context(|| format!("could not run `{}`", cmd::display(&query)))?;
+    Ok(
+        output.status.success()
+            && String::from_utf8_lossy(&output.stdout) == "install ok installed",
+    )
+}
+
+/// Mounts bpffs at [`BPFFS`] unless a bpf filesystem is already mounted there.
+fn mount_bpffs() -> Result<()> {
+    let mounts = fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    if is_bpffs_mounted(&mounts) {
+        println!("bpffs: already mounted at {BPFFS}");
+        return Ok(());
+    }
+    println!("bpffs: mounting at {BPFFS}");
+    fs::create_dir_all(BPFFS).with_context(|| format!("creating {BPFFS}"))?;
+    cmd::run_keeping_stderr(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))
+}
+
+/// Whether the text of `/proc/mounts` has a filesystem of type `bpf` at [`BPFFS`]
+/// (fields: device, mount point, type, options, dump, pass).
+fn is_bpffs_mounted(proc_mounts: &str) -> bool {
+    proc_mounts.lines().any(|line| {
+        let mut fields = line.split_whitespace();
+        fields.nth(1) == Some(BPFFS) && fields.next() == Some("bpf")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_effective_not_real_uid() {
+        let status = "Name:\tcargo\nUid:\t1000\t0\t0\t0\nGid:\t0\t0\t0\t0\n";
+        assert_eq!(effective_uid(status), Some(0));
+        assert_eq!(effective_uid("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn bpffs_needs_type_bpf_at_the_mount_point() {
+        let mounted = "sysfs /sys sysfs rw 0 0\nbpf /sys/fs/bpf bpf rw,nosuid,mode=700 0 0\n";
+        assert!(is_bpffs_mounted(mounted));
+        assert!(!is_bpffs_mounted("sysfs /sys sysfs rw 0 0\n"));
+        assert!(!is_bpffs_mounted("tmpfs /sys/fs/bpf tmpfs rw 0 0\n"));
+        assert!(!is_bpffs_mounted("bpf /run/bpf bpf rw 0 0\n"));
+    }
+}
