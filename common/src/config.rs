@@ -226,7 +226,11 @@ mod tests {
     }
 
     fn load_with(dir: &tempfile::TempDir, extra: &[&str]) -> Result<Flags, ConfigError> {
-        let mut args = vec!["daemon".to_string(), "--config-dir".into(), dir.path().display().to_string()];
+        let mut args = vec![
+            "daemon".to_string(),
+            "--config-dir".into(),
+            dir.path().display().to_string(),
+        ];
         args.extend(extra.iter().map(|s| s.to_string()));
         try_load_from::<Flags, _, _>(args)
     }

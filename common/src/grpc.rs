@@ -155,17 +155,39 @@ pub async fn serve_unix(
         "serving gRPC"
     );
     let routes = routes.add_service(pb::daemon_server::DaemonServer::new(DaemonInfoService(identity)));
-    Server::builder()
+    let (draining_tx, draining_rx) = tokio::sync::oneshot::channel::<()>();
+    let signal = async move {
+        shutdown.await;
+        let _ = draining_tx.send(());
+    };
+    let serve = Server::builder()
         .layer(TraceContextServerLayer::default())
         .add_routes(routes)
-        .serve_with_incoming_shutdown(listener.incoming(), shutdown)
-        .await
-        .map_err(|source| ServeError::Transport {
+        .serve_with_incoming_shutdown(listener.incoming(), signal);
+    // Draining waits for clients to close their connections; long-lived
+    // streams and idle channels of other daemons would hold it forever.
+    let drain_deadline = async {
+        if draining_rx.await.is_ok() {
+            tokio::time::sleep(DRAIN_TIMEOUT).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        result = serve => result.map_err(|source| ServeError::Transport {
             daemon,
             path,
             source,
-        })
+        }),
+        () = drain_deadline => {
+            tracing::warn!(daemon, timeout = ?DRAIN_TIMEOUT, "connections still open after the drain timeout; closing them");
+            Ok(())
+        }
+    }
 }
+
+/// How long a stopping daemon lets in-flight calls finish.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Completes on SIGTERM or SIGINT (logging which), for graceful shutdown.
 pub async fn shutdown_signal() {
@@ -396,7 +418,9 @@ mod tests {
         let path = dir.path().join("svc-test.sock");
         let daemon = RunningDaemon::start(&path, "n1");
 
-        let channel = connect_unix(&path, &ClientOptions::default()).await.expect("connect to a live daemon");
+        let channel = connect_unix(&path, &ClientOptions::default())
+            .await
+            .expect("connect to a live daemon");
         let mut client = DaemonClient::new(channel);
         let resyncs = Arc::new(AtomicU32::new(0));
         let counter = resyncs.clone();
@@ -407,7 +431,10 @@ mod tests {
         let first = client.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
         assert_eq!(first.name, "svc-test");
         assert_eq!(first.node_name, "n1");
-        assert!(watch.observe_message(&first).is_none(), "first contact is not a restart");
+        assert!(
+            watch.observe_message(&first).is_none(),
+            "first contact is not a restart"
+        );
 
         daemon.stop().await;
         assert!(!path.exists(), "a gracefully stopped daemon removes its socket");
@@ -429,7 +456,11 @@ mod tests {
         let restart = watch.observe_message(&second).expect("a new boot id is a restart");
         assert_eq!(restart.previous, first.boot_id);
         watch.observe_message(&second);
-        assert_eq!(resyncs.load(Ordering::SeqCst), 1, "one restart triggers exactly one resync");
+        assert_eq!(
+            resyncs.load(Ordering::SeqCst),
+            1,
+            "one restart triggers exactly one resync"
+        );
         daemon.stop().await;
     }
 
@@ -460,7 +491,10 @@ mod tests {
         let channel = connect_unix(&path, &ClientOptions::default())
             .await
             .expect("the client keeps retrying until the daemon is up");
-        let info = DaemonClient::new(channel).get_info(pb::GetInfoRequest {}).await.unwrap();
+        let info = DaemonClient::new(channel)
+            .get_info(pb::GetInfoRequest {})
+            .await
+            .unwrap();
         assert_eq!(info.into_inner().name, "svc-test");
         starter.await.unwrap().stop().await;
     }

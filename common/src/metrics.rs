@@ -90,7 +90,9 @@ impl MetricsServer {
         let listener = tokio::net::TcpListener::bind(address)
             .await
             .map_err(|source| MetricsError::Bind { address, source })?;
-        let address = listener.local_addr().map_err(|source| MetricsError::Bind { address, source })?;
+        let address = listener
+            .local_addr()
+            .map_err(|source| MetricsError::Bind { address, source })?;
         Ok(Self { listener, address })
     }
 
@@ -176,8 +178,14 @@ mod tests {
         }));
 
         let body = get(addr, "/metrics").await;
-        assert!(body.contains("rivet_test_events_total 1"), "metrics must be exported: {body}");
-        assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 503"), "starting is unhealthy");
+        assert!(
+            body.contains("rivet_test_events_total 1"),
+            "metrics must be exported: {body}"
+        );
+        assert!(
+            get(addr, "/healthz").await.starts_with("HTTP/1.1 503"),
+            "starting is unhealthy"
+        );
         health.set_serving();
         assert!(get(addr, "/healthz").await.starts_with("HTTP/1.1 200"));
         tx.send(()).unwrap();

@@ -58,11 +58,7 @@ pub enum SocketError {
 
 fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> SocketError + use<> {
     let path = path.to_path_buf();
-    move |source| SocketError::Io {
-        action,
-        path,
-        source,
-    }
+    move |source| SocketError::Io { action, path, source }
 }
 
 /// Options for [`UnixSocketListener::bind`].
@@ -167,8 +163,7 @@ impl UnixSocketListener {
             path: path.to_path_buf(),
             _lock: lock,
         };
-        fs::set_permissions(path, fs::Permissions::from_mode(options.mode))
-            .map_err(io_err("setting mode of", path))?;
+        fs::set_permissions(path, fs::Permissions::from_mode(options.mode)).map_err(io_err("setting mode of", path))?;
         Ok(Self {
             listener: Some(listener),
             guard,
@@ -236,12 +231,15 @@ mod tests {
     async fn second_instance_on_a_live_socket_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d/svc.sock");
-        let first = UnixSocketListener::bind(&path, &SocketOptions::default())
-            .expect("the first instance binds a fresh path");
+        let first =
+            UnixSocketListener::bind(&path, &SocketOptions::default()).expect("the first instance binds a fresh path");
         let err = UnixSocketListener::bind(&path, &SocketOptions::default())
             .expect_err("a second instance must not steal a live socket");
         assert!(matches!(err, SocketError::AlreadyRunning { .. }), "{err}");
-        assert!(path.exists(), "the refused instance must leave the live socket in place");
+        assert!(
+            path.exists(),
+            "the refused instance must leave the live socket in place"
+        );
         drop(first);
         assert!(!path.exists(), "dropping the listener removes its socket");
     }
@@ -253,8 +251,7 @@ mod tests {
         // A socket file nobody listens on, as left by kill -9.
         drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
         assert!(path.exists());
-        let l = UnixSocketListener::bind(&path, &SocketOptions::default())
-            .expect("a stale socket is replaced");
+        let l = UnixSocketListener::bind(&path, &SocketOptions::default()).expect("a stale socket is replaced");
         let mode = fs::metadata(l.path()).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o660, "daemon sockets are owner+group only");
     }
@@ -294,7 +291,10 @@ mod tests {
         let mut incoming = Box::pin(listener.incoming());
         let _client = UnixStream::connect(&path).await.unwrap();
         let accepted = tokio::time::timeout(std::time::Duration::from_millis(300), incoming.next()).await;
-        assert!(accepted.is_err(), "a peer whose UID is not allowed must never reach the server");
+        assert!(
+            accepted.is_err(),
+            "a peer whose UID is not allowed must never reach the server"
+        );
 
         let dir2 = tempfile::tempdir().unwrap();
         let path2 = dir2.path().join("svc.sock");
@@ -305,9 +305,6 @@ mod tests {
         let mut incoming = Box::pin(UnixSocketListener::bind(&path2, &opts).unwrap().incoming());
         let _client = UnixStream::connect(&path2).await.unwrap();
         let accepted = tokio::time::timeout(std::time::Duration::from_secs(5), incoming.next()).await;
-        assert!(
-            matches!(accepted, Ok(Some(Ok(_)))),
-            "an allowed UID must be accepted"
-        );
+        assert!(matches!(accepted, Ok(Some(Ok(_)))), "an allowed UID must be accepted");
     }
 }

@@ -171,7 +171,10 @@ impl<T: Serialize + DeserializeOwned> StateFile<T> {
 /// Writes `bytes` to `path` atomically and durably (tmp + fsync + rename +
 /// fsync of the directory). Creates the parent directory if needed.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), (&'static str, io::Error)> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     fs::create_dir_all(dir).map_err(|e| ("creating directory for", e))?;
     let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
     tmp_name.push(".tmp");
@@ -224,7 +227,10 @@ mod tests {
             "a truncated file must be reported as corrupt"
         );
         fs::write(f.path(), b"").unwrap();
-        assert!(matches!(f.load(), Err(StateFileError::Corrupt { .. })), "an empty file is corrupt too");
+        assert!(
+            matches!(f.load(), Err(StateFileError::Corrupt { .. })),
+            "an empty file is corrupt too"
+        );
     }
 
     #[test]
@@ -234,7 +240,14 @@ mod tests {
         StateFile::<S>::new(&path, "s", 2).store(&S { n: 1 }).unwrap();
         let err = StateFile::<S>::new(&path, "s", 1).load().unwrap_err();
         assert!(
-            matches!(err, StateFileError::UnsupportedVersion { found: 2, supported: 1, .. }),
+            matches!(
+                err,
+                StateFileError::UnsupportedVersion {
+                    found: 2,
+                    supported: 1,
+                    ..
+                }
+            ),
             "{err}"
         );
         let err = StateFile::<S>::new(&path, "other", 2).load().unwrap_err();

@@ -260,11 +260,11 @@ impl fmt::Debug for TelemetryGuard {
 
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
-        if let Some(export) = self.export.take() {
-            if let Err(err) = export.shutdown() {
-                let source = std::error::Error::source(&err).map(ToString::to_string);
-                tracing::warn!(error = %err, source, "spans may have been lost at exit");
-            }
+        if let Some(export) = self.export.take()
+            && let Err(err) = export.shutdown()
+        {
+            let source = std::error::Error::source(&err).map(ToString::to_string);
+            tracing::warn!(error = %err, source, "spans may have been lost at exit");
         }
     }
 }
@@ -303,9 +303,7 @@ pub fn init(opts: TelemetryOptions) -> Result<TelemetryGuard, TelemetryError> {
     let env_filter = env_filter(&opts.default_filter)?;
 
     let export = match std::env::var(OTLP_ENDPOINT_VAR) {
-        Ok(endpoint) if !endpoint.trim().is_empty() => {
-            Some(otlp_export(&opts.service_name, endpoint)?)
-        }
+        Ok(endpoint) if !endpoint.trim().is_empty() => Some(otlp_export(&opts.service_name, endpoint)?),
         _ => None,
     };
 
@@ -379,9 +377,7 @@ fn otlp_export(service_name: &str, endpoint: String) -> Result<OtlpExport, Telem
         let _entered = runtime.enter();
         // The endpoint itself is read by the builder from the standard
         // variables (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT wins over ours).
-        opentelemetry_otlp::SpanExporter::builder()
-            .with_tonic()
-            .build()
+        opentelemetry_otlp::SpanExporter::builder().with_tonic().build()
     };
     let exporter = match exporter {
         Ok(exporter) => exporter,
@@ -423,10 +419,7 @@ impl Injector for HeaderInjector<'_> {
     fn set(&mut self, key: &str, value: String) {
         // Propagators only produce valid header names and values; anything
         // else is dropped rather than corrupting the request.
-        if let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(key.as_bytes()),
-            HeaderValue::from_str(&value),
-        ) {
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(key.as_bytes()), HeaderValue::from_str(&value)) {
             self.0.insert(name, value);
         }
     }
@@ -485,9 +478,7 @@ pub fn inject_context(headers: &mut HeaderMap) {
 /// assert!(!cx.span().span_context().is_valid()); // no traceparent, no parent
 /// ```
 pub fn extract_context(headers: &HeaderMap) -> Context {
-    opentelemetry::global::get_text_map_propagator(|propagator| {
-        propagator.extract(&HeaderExtractor(headers))
-    })
+    opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&HeaderExtractor(headers)))
 }
 
 /// Splits a gRPC request path `/pkg.Service/Method` into `("pkg.Service", "Method")`.
@@ -507,7 +498,7 @@ fn is_server_error(code: i64) -> bool {
 /// Tower layer for a tonic **server** that continues the caller's trace.
 ///
 /// For each request it opens
-/// `info_span!("grpc.server", otel.name = "/pkg.Service/Method", otel.kind = "server",
+/// `info_span!("grpc.server", otel.name = "pkg.Service/Method", otel.kind = "server",
 /// rpc.system = "grpc", rpc.service = "pkg.Service", rpc.method = "Method",
 /// rpc.grpc.status_code = <recorded>)`, whose parent is the context extracted
 /// from the request's `traceparent` header (if any), and runs the handler in
@@ -530,7 +521,11 @@ fn is_server_error(code: i64) -> bool {
 ///     .await
 /// # }
 /// ```
+///
+/// Construct it with `TraceContextServerLayer::default()` (the type is `#[non_exhaustive]`
+/// so that options can be added later).
 #[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
 pub struct TraceContextServerLayer;
 
 impl<S> Layer<S> for TraceContextServerLayer {
@@ -599,7 +594,8 @@ where
         let (service, method) = split_grpc_path(path);
         let span = tracing::info_span!(
             "grpc.server",
-            otel.name = path,
+            // OTel RPC convention: `pkg.Service/Method`, no leading slash.
+            otel.name = path.trim_start_matches('/'),
             otel.kind = "server",
             rpc.system = "grpc",
             rpc.service = service,
@@ -659,7 +655,11 @@ where
 ///     .await?;
 /// # drop(info); Ok(()) }
 /// ```
+///
+/// Construct it with `TraceContextClientLayer::default()` (the type is `#[non_exhaustive]`
+/// so that options can be added later).
 #[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
 pub struct TraceContextClientLayer;
 
 impl<S> Layer<S> for TraceContextClientLayer {
@@ -759,8 +759,7 @@ mod tests {
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(memory.clone())
             .build();
-        let subscriber = Registry::default()
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        let subscriber = Registry::default().with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
         (subscriber, memory)
     }
 
@@ -873,8 +872,8 @@ mod tests {
             }
             Ok::<_, Infallible>(response)
         });
-        let server = TraceContextServerLayer.layer(handler);
-        let client = TraceContextClientLayer.layer(server);
+        let server = TraceContextServerLayer::default().layer(handler);
+        let client = TraceContextClientLayer::default().layer(server);
 
         let caller = tracing::info_span!("caller");
         async {
@@ -889,13 +888,10 @@ mod tests {
         drop(caller);
 
         let spans = memory.0.lock().unwrap().clone();
-        let servers: Vec<_> = spans
-            .iter()
-            .filter(|s| s.span_kind == SpanKind::Server)
-            .collect();
+        let servers: Vec<_> = spans.iter().filter(|s| s.span_kind == SpanKind::Server).collect();
         assert_eq!(servers.len(), 2, "one server span per request: {spans:#?}");
         let ok = servers[0];
-        assert_eq!(ok.name, "/rivet.daemon.v1.Daemon/GetInfo");
+        assert_eq!(ok.name, "rivet.daemon.v1.Daemon/GetInfo");
         assert_eq!(ok.span_context.trace_id(), caller_cx.trace_id());
         assert_eq!(ok.parent_span_id, caller_cx.span_id());
         assert!(ok.parent_span_is_remote, "the parent came from headers");
@@ -923,24 +919,25 @@ mod tests {
     async fn telemetry_server_span_without_traceparent_is_a_root() {
         let (subscriber, memory) = otel_subscriber();
         let _default = tracing::subscriber::set_default(subscriber);
-        let handler = tower::service_fn(|_req: http::Request<()>| async {
-            Ok::<_, Infallible>(http::Response::new(()))
-        });
+        let handler =
+            tower::service_fn(|_req: http::Request<()>| async { Ok::<_, Infallible>(http::Response::new(())) });
         let req = http::Request::builder().uri("/a.B/C").body(()).unwrap();
-        TraceContextServerLayer.layer(handler).oneshot(req).await.unwrap();
+        TraceContextServerLayer::default()
+            .layer(handler)
+            .oneshot(req)
+            .await
+            .unwrap();
 
         let spans = memory.0.lock().unwrap().clone();
         assert_eq!(spans.len(), 1, "{spans:#?}");
         assert_eq!(spans[0].parent_span_id, opentelemetry::trace::SpanId::INVALID);
-        assert_eq!(spans[0].name, "/a.B/C");
+        assert_eq!(spans[0].name, "a.B/C");
     }
 
     /// `DaemonClient::new(TraceContextClient<Channel>)` must type-check.
     #[allow(dead_code)]
     fn client_over_a_channel_compiles(channel: tonic::transport::Channel) {
-        let mut client = rivet_proto::daemon::v1::daemon_client::DaemonClient::new(
-            TraceContextClient::new(channel),
-        );
+        let mut client = rivet_proto::daemon::v1::daemon_client::DaemonClient::new(TraceContextClient::new(channel));
         drop(client.get_info(rivet_proto::daemon::v1::GetInfoRequest {}));
     }
 }

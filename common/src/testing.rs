@@ -1,4 +1,5 @@
-//! Test support (cargo feature `testing`): an in-process OTLP trace collector.
+//! Test support (cargo feature `testing`): an in-process OTLP trace collector
+//! and real daemon processes under test ([`DaemonCommand`], [`DaemonProcess`]).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -15,18 +16,17 @@
 //! # Ok(()) }
 //! ```
 
+mod process;
+pub use process::{DaemonCommand, DaemonProcess};
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{TraceService, TraceServiceServer};
+use opentelemetry_proto::tonic::collector::trace::v1::{ExportTraceServiceRequest, ExportTraceServiceResponse};
 use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
 use tokio::sync::oneshot;
 
@@ -111,9 +111,9 @@ impl OtlpCollector {
         std::thread::Builder::new()
             .name("otlp-collector".to_owned())
             .spawn(move || run(sink, ready_tx, stop_rx))?;
-        let addr = ready_rx.await.map_err(|_| {
-            std::io::Error::other("the OTLP collector thread exited before it was ready")
-        })??;
+        let addr = ready_rx
+            .await
+            .map_err(|_| std::io::Error::other("the OTLP collector thread exited before it was ready"))??;
         Ok(Self {
             addr,
             spans,
@@ -156,11 +156,7 @@ impl OtlpCollector {
     /// assert!(spans.len() >= 2, "expected two spans, got {spans:#?}");
     /// # }
     /// ```
-    pub async fn wait_for(
-        &self,
-        timeout: Duration,
-        pred: impl Fn(&[CollectedSpan]) -> bool,
-    ) -> Vec<CollectedSpan> {
+    pub async fn wait_for(&self, timeout: Duration, pred: impl Fn(&[CollectedSpan]) -> bool) -> Vec<CollectedSpan> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
             let spans = self.spans();
@@ -183,15 +179,8 @@ impl Drop for OtlpCollector {
 
 /// Body of the collector thread: serve until told to stop (or the collector
 /// is dropped), then abort the server and drop the runtime.
-fn run(
-    sink: Sink,
-    ready: oneshot::Sender<std::io::Result<SocketAddr>>,
-    stop: oneshot::Receiver<()>,
-) {
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+fn run(sink: Sink, ready: oneshot::Sender<std::io::Result<SocketAddr>>, stop: oneshot::Receiver<()>) {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(err) => {
             let _ = ready.send(Err(err));
@@ -272,9 +261,7 @@ impl TraceService for Sink {
 
 /// Locks, ignoring poisoning (a panicking test must not hide its spans).
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn find(attributes: &[KeyValue], key: &str) -> Option<String> {

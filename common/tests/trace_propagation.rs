@@ -9,9 +9,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rivet_common::telemetry::{
-    self, LogFormat, TelemetryOptions, TraceContextClientLayer, TraceContextServerLayer,
-};
+use rivet_common::telemetry::{self, LogFormat, TelemetryOptions, TraceContextClientLayer, TraceContextServerLayer};
 use rivet_common::testing::{CollectedSpan, OtlpCollector};
 use rivet_proto::daemon::v1::daemon_client::DaemonClient;
 use rivet_proto::daemon::v1::daemon_server::{Daemon, DaemonServer};
@@ -39,7 +37,7 @@ impl Daemon for TestDaemon {
 }
 
 fn is_server_span(span: &CollectedSpan) -> bool {
-    span.kind == KIND_SERVER && span.name == "/rivet.daemon.v1.Daemon/GetInfo"
+    span.kind == KIND_SERVER && span.name == "rivet.daemon.v1.Daemon/GetInfo"
 }
 
 // current_thread: no runtime worker threads exist while the environment is
@@ -73,16 +71,15 @@ async fn server_span_joins_the_client_trace() -> Result<(), Box<dyn std::error::
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
 
-    let channel = tonic::transport::Endpoint::try_from("http://[::]:50051")?
-        .connect_with_connector(tower::service_fn(move |_| {
-            let p = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(p).await?,
-                ))
-            }
-        }))
-        .await?;
+    let channel =
+        tonic::transport::Endpoint::try_from("http://[::]:50051")?
+            .connect_with_connector(tower::service_fn(move |_| {
+                let p = path.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+                }
+            }))
+            .await?;
     let svc = tower::ServiceBuilder::new()
         .layer(TraceContextClientLayer::default())
         .service(channel);

@@ -68,7 +68,9 @@ pub enum AllocError {
         size: u128,
     },
     /// The address is outside the pool or reserved.
-    #[error("{address} is not a usable address of pool {pool} (outside its ranges, or its network, gateway or broadcast address)")]
+    #[error(
+        "{address} is not a usable address of pool {pool} (outside its ranges, or its network, gateway or broadcast address)"
+    )]
     NotUsable {
         /// Pool.
         pool: String,
@@ -523,14 +525,22 @@ mod tests {
             ..other
         };
         let (b, _) = a.allocate(&other, "default", Family::V4, None).unwrap();
-        assert_ne!(b.address, v4.address, "another interface of the same container is another owner");
+        assert_ne!(
+            b.address, v4.address,
+            "another interface of the same container is another owner"
+        );
     }
 
     #[test]
     fn exhaustion_names_pool_and_size_and_released_addresses_come_back() {
         let mut a = Allocator::new(pools(&["small=198.18.0.0/29"]));
         let got: Vec<_> = (0..5)
-            .map(|i| a.allocate(&owner(&i.to_string()), "small", Family::V4, None).unwrap().0.address)
+            .map(|i| {
+                a.allocate(&owner(&i.to_string()), "small", Family::V4, None)
+                    .unwrap()
+                    .0
+                    .address
+            })
             .collect();
         let unique: BTreeSet<_> = got.iter().collect();
         assert_eq!(unique.len(), 5, "no address is handed out twice");
@@ -541,7 +551,10 @@ mod tests {
             );
         }
         let err = a.allocate(&owner("x"), "small", Family::V4, None).unwrap_err();
-        assert_eq!(err.to_string(), "pool small is exhausted: all 5 ipv4 addresses are allocated");
+        assert_eq!(
+            err.to_string(),
+            "pool small is exhausted: all 5 ipv4 addresses are allocated"
+        );
         let released = a.release_owner(&owner("2"));
         assert_eq!(released.len(), 1);
         let (next, _) = a.allocate(&owner("x"), "small", Family::V4, None).unwrap();
@@ -554,13 +567,18 @@ mod tests {
         let (first, _) = a.allocate(&owner("a"), "default", Family::V4, None).unwrap();
         a.release_owner(&owner("a"));
         let (second, _) = a.allocate(&owner("b"), "default", Family::V4, None).unwrap();
-        assert_ne!(first.address, second.address, "the cursor moves on past a released address");
+        assert_ne!(
+            first.address, second.address,
+            "the cursor moves on past a released address"
+        );
     }
 
     #[test]
     fn requested_address_rules() {
         let mut a = Allocator::new(pools(&["default=198.18.0.0/24", "other=198.18.1.0/24"]));
-        let (r, _) = a.allocate(&owner("a"), "default", Family::V4, Some(ip("198.18.0.50"))).unwrap();
+        let (r, _) = a
+            .allocate(&owner("a"), "default", Family::V4, Some(ip("198.18.0.50")))
+            .unwrap();
         assert_eq!(r.address, ip("198.18.0.50"));
         assert!(matches!(
             a.allocate(&owner("b"), "default", Family::V4, Some(ip("198.18.0.50"))),
@@ -625,11 +643,11 @@ mod tests {
         let state = AllocatorState {
             allocations: vec![
                 alloc("default", "198.18.0.2", "a"),
-                alloc("default", "198.18.0.2", "b"),  // duplicate
-                alloc("default", "198.18.9.9", "c"),  // outside the pool now
-                alloc("default", "198.18.0.1", "d"),  // the gateway
-                alloc("default", "198.18.0.3", "a"),  // a holds two
-                alloc("removed", "198.18.0.4", "e"),  // pool gone, address inside another pool
+                alloc("default", "198.18.0.2", "b"), // duplicate
+                alloc("default", "198.18.9.9", "c"), // outside the pool now
+                alloc("default", "198.18.0.1", "d"), // the gateway
+                alloc("default", "198.18.0.3", "a"), // a holds two
+                alloc("removed", "198.18.0.4", "e"), // pool gone, address inside another pool
             ],
             cursors: BTreeMap::new(),
         };
@@ -637,7 +655,13 @@ mod tests {
         let kinds: Vec<_> = found.iter().map(Inconsistency::kind).collect();
         assert_eq!(
             kinds,
-            ["duplicate_address", "orphaned", "reserved_address", "owner_holds_several", "orphaned"]
+            [
+                "duplicate_address",
+                "orphaned",
+                "reserved_address",
+                "owner_holds_several",
+                "orphaned"
+            ]
         );
         // 198.18.0.2, .3, .4 are taken; /29 usable = .2-.6 → two left.
         let mut got = BTreeSet::new();
@@ -646,11 +670,18 @@ mod tests {
         }
         assert_eq!(got, BTreeSet::from([ip("198.18.0.5"), ip("198.18.0.6")]));
         assert!(
-            matches!(a.allocate(&owner("z"), "default", Family::V4, None), Err(AllocError::Exhausted { .. })),
+            matches!(
+                a.allocate(&owner("z"), "default", Family::V4, None),
+                Err(AllocError::Exhausted { .. })
+            ),
             "addresses held by inconsistent records are never handed out again"
         );
         assert_eq!(a.orphaned().count(), 2);
-        assert_eq!(a.release_owner(&owner("c")).len(), 1, "an orphan is released by its owner");
+        assert_eq!(
+            a.release_owner(&owner("c")).len(),
+            1,
+            "an orphan is released by its owner"
+        );
     }
 
     #[test]

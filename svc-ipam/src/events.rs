@@ -60,7 +60,11 @@ impl IpamMetrics {
     /// Registers every metric under `registry` (prefix it with `rivet`).
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("ipam");
-        r.register("addresses_allocated", "Allocated addresses per pool and family", self.allocated.clone());
+        r.register(
+            "addresses_allocated",
+            "Allocated addresses per pool and family",
+            self.allocated.clone(),
+        );
         r.register(
             "addresses_available",
             "Addresses that can still be handed out per pool and family",
@@ -73,7 +77,11 @@ impl IpamMetrics {
             "Problems found in the state file at start, by kind",
             self.inconsistencies.clone(),
         );
-        r.register("request_errors", "Failed requests by method and kind", self.request_errors.clone());
+        r.register(
+            "request_errors",
+            "Failed requests by method and kind",
+            self.request_errors.clone(),
+        );
         r.register(
             "state_write_duration_seconds",
             "Time to write and fsync the state file",

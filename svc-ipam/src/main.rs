@@ -1,5 +1,6 @@
 //! svc-ipam: flags and wiring; the logic lives in the library.
 
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -28,9 +29,19 @@ struct Flags {
     pools: Vec<PoolSpec>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     let flags: Flags = config::load();
+    match run(flags) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}: {e:#}", svc_ipam::DAEMON_NAME);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main]
+async fn run(flags: Flags) -> anyhow::Result<()> {
     let _telemetry = telemetry::init(telemetry::TelemetryOptions {
         service_name: svc_ipam::DAEMON_NAME.into(),
         log_format: flags.common.log_format,

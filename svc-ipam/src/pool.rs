@@ -126,7 +126,9 @@ impl FromStr for PoolSpec {
         let name = name.trim();
         if name.is_empty()
             || name.len() > 63
-            || !name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            || !name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         {
             return Err(PoolConfigError::Name(name.into()));
         }
@@ -340,7 +342,11 @@ mod tests {
         let s = set(&["default=198.18.0.0/29,2001:2::/125"]).unwrap();
         let v4 = &s.ranges()[0];
         assert_eq!(v4.gateway.to_string(), "198.18.0.1");
-        assert_eq!(v4.address_at(0).to_string(), "198.18.0.2", "network and gateway are never handed out");
+        assert_eq!(
+            v4.address_at(0).to_string(),
+            "198.18.0.2",
+            "network and gateway are never handed out"
+        );
         assert_eq!(v4.size(), 5, "a /29 has 8 addresses minus network, gateway, broadcast");
         assert!(!v4.is_usable(&"198.18.0.7".parse().unwrap()), "broadcast is reserved");
         let v6 = &s.ranges()[1];
@@ -350,15 +356,30 @@ mod tests {
 
     #[test]
     fn too_small_misaligned_and_bad_specs_are_refused() {
-        assert!(matches!(set(&["a=198.18.0.0/31"]), Err(PoolConfigError::TooSmall { .. })));
-        assert!(matches!(set(&["a=198.18.0.0/32"]), Err(PoolConfigError::TooSmall { .. })));
-        assert!(matches!(set(&["a=2001:2::/127"]), Err(PoolConfigError::TooSmall { .. })));
+        assert!(matches!(
+            set(&["a=198.18.0.0/31"]),
+            Err(PoolConfigError::TooSmall { .. })
+        ));
+        assert!(matches!(
+            set(&["a=198.18.0.0/32"]),
+            Err(PoolConfigError::TooSmall { .. })
+        ));
+        assert!(matches!(
+            set(&["a=2001:2::/127"]),
+            Err(PoolConfigError::TooSmall { .. })
+        ));
         assert!(set(&["a=198.18.0.0/30"]).is_ok(), "a /30 leaves one pod address");
         let err = set(&["a=198.18.0.5/24"]).unwrap_err();
         assert!(err.to_string().contains("did you mean 198.18.0.0/24"), "{err}");
         assert!(matches!("a".parse::<PoolSpec>(), Err(PoolConfigError::Syntax(_))));
-        assert!(matches!("A_b=198.18.0.0/24".parse::<PoolSpec>(), Err(PoolConfigError::Name(_))));
-        assert!(matches!("a=198.18.0.0/33".parse::<PoolSpec>(), Err(PoolConfigError::Cidr { .. })));
+        assert!(matches!(
+            "A_b=198.18.0.0/24".parse::<PoolSpec>(),
+            Err(PoolConfigError::Name(_))
+        ));
+        assert!(matches!(
+            "a=198.18.0.0/33".parse::<PoolSpec>(),
+            Err(PoolConfigError::Cidr { .. })
+        ));
         assert!(matches!(set(&[]), Err(PoolConfigError::Empty)));
         assert!(matches!(
             set(&["a=198.18.0.0/24", "a=198.18.1.0/24"]),
@@ -375,6 +396,9 @@ mod tests {
             let err = set(&specs).unwrap_err();
             assert!(matches!(err, PoolConfigError::Overlap { .. }), "{err}");
         }
-        assert!(set(&["a=198.18.0.0/25", "b=198.18.0.128/25"]).is_ok(), "adjacent ranges do not overlap");
+        assert!(
+            set(&["a=198.18.0.0/25", "b=198.18.0.128/25"]).is_ok(),
+            "adjacent ranges do not overlap"
+        );
     }
 }

@@ -266,7 +266,9 @@ fn owner(raw: Option<&pb::Owner>) -> Result<Owner, Status> {
         || ifname.len() > 15
         || ifname == "."
         || ifname == ".."
-        || ifname.bytes().any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace() || b == 0)
+        || ifname
+            .bytes()
+            .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace() || b == 0)
     {
         return Err(Status::invalid_argument(format!(
             "owner.interface: {ifname:?} is not a valid interface name (1-15 bytes, no '/', ':' or whitespace)"
@@ -340,7 +342,10 @@ mod tests {
             (req("", "eth0", pb::Family::Ipv4, ""), "owner.container_id"),
             (req("a/b", "eth0", pb::Family::Ipv4, ""), "owner.container_id"),
             (req("abc", "", pb::Family::Ipv4, ""), "owner.interface"),
-            (req("abc", "much-too-long-name", pb::Family::Ipv4, ""), "owner.interface"),
+            (
+                req("abc", "much-too-long-name", pb::Family::Ipv4, ""),
+                "owner.interface",
+            ),
             (req("abc", "eth0", pb::Family::Unspecified, ""), "family"),
             (req("abc", "eth0", pb::Family::Ipv4, "nope"), "requested_address"),
             (req("abc", "eth0", pb::Family::Ipv6, "198.18.0.9"), "family"),
@@ -348,7 +353,11 @@ mod tests {
         for (r, field) in cases {
             let err = svc.allocate(r).await.unwrap_err();
             assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
-            assert!(err.message().starts_with(field), "the error names {field}: {}", err.message());
+            assert!(
+                err.message().starts_with(field),
+                "the error names {field}: {}",
+                err.message()
+            );
         }
         let mut r = req("abc", "eth0", pb::Family::Ipv4, "");
         r.get_mut().owner = None;
@@ -359,7 +368,11 @@ mod tests {
     async fn codes_for_rule_violations() {
         let dir = tempfile::tempdir().unwrap();
         let svc = service(dir.path(), "default=198.18.0.0/30");
-        let ok = svc.allocate(req("a", "eth0", pb::Family::Ipv4, "")).await.unwrap().into_inner();
+        let ok = svc
+            .allocate(req("a", "eth0", pb::Family::Ipv4, ""))
+            .await
+            .unwrap()
+            .into_inner();
         assert_eq!(ok.allocation.as_ref().unwrap().address, "198.18.0.2");
         assert_eq!(ok.allocation.as_ref().unwrap().gateway, "198.18.0.1");
         assert_eq!(ok.allocation.as_ref().unwrap().prefix_length, 30);
@@ -367,9 +380,16 @@ mod tests {
 
         let err = svc.allocate(req("b", "eth0", pb::Family::Ipv4, "")).await.unwrap_err();
         assert_eq!(err.code(), Code::ResourceExhausted);
-        assert!(err.message().contains("pool default") && err.message().contains("all 1"), "{}", err.message());
+        assert!(
+            err.message().contains("pool default") && err.message().contains("all 1"),
+            "{}",
+            err.message()
+        );
 
-        let err = svc.allocate(req("b", "eth0", pb::Family::Ipv4, "198.18.0.2")).await.unwrap_err();
+        let err = svc
+            .allocate(req("b", "eth0", pb::Family::Ipv4, "198.18.0.2"))
+            .await
+            .unwrap_err();
         assert_eq!(err.code(), Code::AlreadyExists);
 
         let restore = Request::new(pb::RestoreRequest {
@@ -382,7 +402,11 @@ mod tests {
         });
         let err = svc.restore(restore).await.unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition);
-        assert!(err.message().contains("held by a/eth0"), "restore names the current owner: {}", err.message());
+        assert!(
+            err.message().contains("held by a/eth0"),
+            "restore names the current owner: {}",
+            err.message()
+        );
 
         let err = svc.allocate(req("b", "eth0", pb::Family::Ipv6, "")).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());

@@ -158,7 +158,11 @@ impl IpamStore {
     }
 
     /// Releases one address whoever holds it; durable on return.
-    pub async fn release_address(&self, pool: Option<&str>, address: &IpAddr) -> Result<Option<Allocation>, StoreError> {
+    pub async fn release_address(
+        &self,
+        pool: Option<&str>,
+        address: &IpAddr,
+    ) -> Result<Option<Allocation>, StoreError> {
         let (result, generation) = self.change(|a| {
             let r = a.release_address(pool, address);
             let changed = matches!(r, Ok(Some(_)));
@@ -199,7 +203,8 @@ impl IpamStore {
         let (result, changed) = f(&mut inner.allocator);
         if changed {
             inner.generation += 1;
-            self.metrics.set_usage(inner.allocator.pools(), &inner.allocator.usage());
+            self.metrics
+                .set_usage(inner.allocator.pools(), &inner.allocator.usage());
         }
         (result, inner.generation)
     }
@@ -324,7 +329,11 @@ mod tests {
     #[tokio::test]
     async fn corrupt_state_refuses_to_start() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(state_path(dir.path()), b"{\"kind\":\"rivet-ipam-allocations\",\"schema_ver").unwrap();
+        std::fs::write(
+            state_path(dir.path()),
+            b"{\"kind\":\"rivet-ipam-allocations\",\"schema_ver",
+        )
+        .unwrap();
         let err = IpamStore::open(dir.path(), pools(), IpamMetrics::default()).unwrap_err();
         assert!(
             matches!(err, StoreError::Load(StateFileError::Corrupt { .. })),
@@ -339,7 +348,10 @@ mod tests {
         let store = IpamStore::open(&state_dir, pools(), IpamMetrics::default()).unwrap();
         // A regular file where the state directory should be makes every write fail.
         std::fs::write(&state_dir, b"").unwrap();
-        let err = store.allocate(&owner("a"), "default", Family::V4, None).await.unwrap_err();
+        let err = store
+            .allocate(&owner("a"), "default", Family::V4, None)
+            .await
+            .unwrap_err();
         assert!(matches!(err, StoreError::Persist(_)), "{err}");
         assert!(
             store.list().allocations.is_empty(),

@@ -27,8 +27,10 @@ pub struct Args {
     args: Vec<String>,
 }
 
-/// Builds and runs `rivet-bench` with the chosen benchmark (or `--list`).
+/// Builds every binary in the bench profile (benchmarks drive the real
+/// daemons, found next to `rivet-bench`), then runs the chosen benchmark.
 pub fn run(args: &Args) -> Result<()> {
+    cmd::run(cmd::cargo().args(["build", "--profile", "bench-release", "--workspace", "--bins"]))?;
     cmd::run(
         cmd::cargo()
             .args(["run", "--profile", "bench-release"])

@@ -99,10 +99,7 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 /// failure is about the machine: apt-get, mount).
 pub fn run_keeping_stderr(cmd: &mut Command) -> Result<()> {
     echo(cmd);
-    let mut child = cmd
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| spawn_error(cmd))?;
+    let mut child = cmd.stderr(Stdio::piped()).spawn().with_context(|| spawn_error(cmd))?;
     let mut pipe = child.stderr.take().expect("stderr was piped");
     let tee = thread::spawn(move || {
         let mut kept = Vec::new();
@@ -151,13 +148,8 @@ mod tests {
     #[test]
     fn display_quotes_only_what_needs_it() {
         let mut cmd = Command::new("/usr/bin/apt-get");
-        cmd.env("DEBIAN_FRONTEND", "noninteractive").args([
-            "install",
-            "-y",
-            "it's here",
-            "a b",
-            "${Status}",
-        ]);
+        cmd.env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["install", "-y", "it's here", "a b", "${Status}"]);
         assert_eq!(
             display(&cmd),
             r"DEBIAN_FRONTEND=noninteractive apt-get install -y 'it'\''s here' 'a b' '${Status}'"

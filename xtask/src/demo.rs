@@ -114,10 +114,7 @@ impl Demo {
             "Allocate for pod-b: another owner gets another address.",
             &ipam_allocate("pod-b", "ipv4"),
         )?;
-        self.show(
-            "List the allocations and the pool's usage.",
-            &["ipam", "list"],
-        )?;
+        self.show("List the allocations and the pool's usage.", &["ipam", "list"])?;
 
         explain(
             "Kill svc-ipam with SIGKILL (no chance to clean up) and start it again: an \
@@ -132,20 +129,10 @@ impl Demo {
              status`): that is how its clients notice a restart and resync.",
             &["status"],
         )?;
-        self.show(
-            "The same allocations as before the kill.",
-            &["ipam", "list"],
-        )?;
+        self.show("The same allocations as before the kill.", &["ipam", "list"])?;
         self.show(
             "Release what pod-a's eth0 holds (Release is idempotent too).",
-            &[
-                "ipam",
-                "release",
-                "--container-id",
-                "pod-a",
-                "--interface",
-                "eth0",
-            ],
+            &["ipam", "release", "--container-id", "pod-a", "--interface", "eth0"],
         )?;
         self.show(
             "pod-a's addresses are free again; pod-b keeps its address.",
@@ -288,17 +275,11 @@ impl Daemon {
     /// Spawns `command` with stdin closed and stdout and stderr going to `log`.
     fn spawn(mut command: Command, log: File) -> Result<Self> {
         let log_for_stdout = log.try_clone().context("duplicating the log file handle")?;
-        command
-            .stdin(Stdio::null())
-            .stdout(log_for_stdout)
-            .stderr(log);
+        command.stdin(Stdio::null()).stdout(log_for_stdout).stderr(log);
         println!("$ {} &", cmd::display(&command));
-        let child = command.spawn().with_context(|| {
-            format!(
-                "could not start {}",
-                Path::new(command.get_program()).display()
-            )
-        })?;
+        let child = command
+            .spawn()
+            .with_context(|| format!("could not start {}", Path::new(command.get_program()).display()))?;
         Ok(Self { child })
     }
 
@@ -335,10 +316,7 @@ impl Daemon {
                 return Ok(status);
             }
             if Instant::now() >= deadline {
-                bail!(
-                    "pid {pid} still running {} s after SIGTERM",
-                    timeout.as_secs()
-                );
+                bail!("pid {pid} still running {} s after SIGTERM", timeout.as_secs());
             }
             sleep(POLL_INTERVAL);
         }
@@ -375,10 +353,7 @@ impl TempDir {
                 }
             }
         }
-        bail!(
-            "could not find a free temp dir name under {}",
-            base.display()
-        )
+        bail!("could not find a free temp dir name under {}", base.display())
     }
 
     fn path(&self) -> &Path {

@@ -106,10 +106,7 @@ fn is_installed(package: &str) -> Result<bool> {
     let output = query
         .output()
         .with_context(|| format!("could not run `{}`", cmd::display(&query)))?;
-    Ok(
-        output.status.success()
-            && String::from_utf8_lossy(&output.stdout) == "install ok installed",
-    )
+    Ok(output.status.success() && String::from_utf8_lossy(&output.stdout) == "install ok installed")
 }
 
 /// Mounts bpffs at [`BPFFS`] unless a bpf filesystem is already mounted there.

@@ -91,8 +91,7 @@ mod tests {
 
     #[test]
     fn test_passes_everything_after_double_dash() {
-        let cli = Cli::try_parse_from(["xtask", "test", "--", "ipam", "--", "--nocapture"])
-            .expect("parses");
+        let cli = Cli::try_parse_from(["xtask", "test", "--", "ipam", "--", "--nocapture"]).expect("parses");
         let Command::Test { cargo_test_args } = cli.command else {
             panic!("expected test, got {:?}", cli.command);
         };

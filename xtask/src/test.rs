@@ -42,9 +42,7 @@ fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Command)> {
         .args(cargo_test_args);
 
     let mut doc_tests = cmd::cargo();
-    doc_tests
-        .args(["test", "--workspace", "--doc"])
-        .args(cargo_test_args);
+    doc_tests.args(["test", "--workspace", "--doc"]).args(cargo_test_args);
 
     vec![
         ("fmt", fmt),
@@ -60,11 +58,7 @@ mod tests {
 
     #[test]
     fn extra_args_go_to_both_test_runs_only() {
-        let extra = [
-            "ipam".to_string(),
-            "--".to_string(),
-            "--nocapture".to_string(),
-        ];
+        let extra = ["ipam".to_string(), "--".to_string(), "--nocapture".to_string()];
         let rendered: Vec<(&str, String)> = steps(&extra)
             .iter()
             .map(|(name, command)| (*name, cmd::display(command)))
@@ -78,10 +72,6 @@ mod tests {
                 .1
                 .ends_with("test --workspace --all-targets ipam -- --nocapture")
         );
-        assert!(
-            rendered[3]
-                .1
-                .ends_with("test --workspace --doc ipam -- --nocapture")
-        );
+        assert!(rendered[3].1.ends_with("test --workspace --doc ipam -- --nocapture"));
     }
 }

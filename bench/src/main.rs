@@ -1,0 +1,43 @@
+//! `rivet-bench <name>`: runs one benchmark, prints its `RESULT` line and
+//! writes `target/rivet-bench/<name>.json`. Run it through `cargo xtask bench`.
+
+mod ipam;
+mod report;
+
+use clap::{Parser, Subcommand};
+
+/// Rivet's benchmarks. Each compares against a peer measured in the same run.
+#[derive(Debug, Parser)]
+#[command(name = "rivet-bench")]
+struct Cli {
+    /// List the benchmarks and exit.
+    #[arg(long)]
+    list: bool,
+    #[command(subcommand)]
+    bench: Option<Bench>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Bench {
+    /// Allocate+Release pairs/s over svc-ipam's socket vs in-process.
+    Ipam(ipam::IpamArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let bench = match (cli.list, cli.bench) {
+        (false, Some(b)) => b,
+        _ => {
+            println!(
+                "ipam  Allocate+Release pairs/s over svc-ipam's socket vs in-process (ratio = socket / in-process)"
+            );
+            return Ok(());
+        }
+    };
+    let result = match bench {
+        Bench::Ipam(args) => ipam::run(&args).await?,
+    };
+    result.publish(&report::target_dir()?)?;
+    Ok(())
+}

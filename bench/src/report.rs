@@ -1,0 +1,99 @@
+//! The one result format every benchmark ends with: a line
+//! `RESULT name=<bench> <metric>=<value> ... ratio=<value>` on stdout and the
+//! same as JSON in `target/rivet-bench/<bench>.json`.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+/// A benchmark's result: named metrics plus the ratio against its peer.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchResult {
+    /// Benchmark name.
+    pub name: String,
+    /// Metrics in print order.
+    pub metrics: Vec<(String, f64)>,
+    /// Our number divided by the peer's, oriented as documented per bench.
+    pub ratio: f64,
+}
+
+impl BenchResult {
+    /// The `RESULT ...` line.
+    pub fn line(&self) -> String {
+        let mut line = format!("RESULT name={}", self.name);
+        for (k, v) in &self.metrics {
+            line.push_str(&format!(" {k}={}", fmt(*v)));
+        }
+        line.push_str(&format!(" ratio={}", fmt(self.ratio)));
+        line
+    }
+
+    /// Prints the line and writes `<target>/rivet-bench/<name>.json`.
+    pub fn publish(&self, target_dir: &Path) -> anyhow::Result<PathBuf> {
+        let dir = target_dir.join("rivet-bench");
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join(format!("{}.json", self.name));
+        let mut json = serde_json::Map::new();
+        json.insert("name".into(), self.name.clone().into());
+        for (k, v) in &self.metrics {
+            json.insert(k.clone(), (*v).into());
+        }
+        json.insert("ratio".into(), self.ratio.into());
+        std::fs::write(&path, serde_json::to_vec_pretty(&json)?)?;
+        println!("{}", self.line());
+        Ok(path)
+    }
+}
+
+fn fmt(v: f64) -> String {
+    if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+/// The cargo target dir holding the running benchmark binary
+/// (`<target>/<profile>/rivet-bench`).
+pub fn target_dir() -> anyhow::Result<PathBuf> {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR") {
+        return Ok(PathBuf::from(dir));
+    }
+    let exe = std::env::current_exe()?;
+    exe.parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .ok_or_else(|| anyhow::anyhow!("cannot find the target dir from {}", exe.display()))
+}
+
+/// A binary of this workspace built in the same profile as the benchmark.
+pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let path = exe.with_file_name(name);
+    anyhow::ensure!(
+        path.exists(),
+        "{} is missing: build the workspace binaries in the benchmark's profile first (cargo xtask bench does)",
+        path.display()
+    );
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn result_line_and_json_match() {
+        let r = BenchResult {
+            name: "x".into(),
+            metrics: vec![("a_per_s".into(), 1234.4), ("b_ms".into(), 0.5)],
+            ratio: 0.25,
+        };
+        assert_eq!(r.line(), "RESULT name=x a_per_s=1234 b_ms=0.500 ratio=0.250");
+        let dir = tempfile::tempdir().unwrap();
+        let path = r.publish(dir.path()).unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        assert_eq!(json["ratio"], 0.25);
+        assert_eq!(json["a_per_s"], 1234.4);
+    }
+}

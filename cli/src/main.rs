@@ -1,0 +1,61 @@
+//! `rivet`: flags and dispatch; the commands live in the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use rivet_cli::{Context, Output, ipam, status};
+
+/// Inspect and drive a Rivet node.
+#[derive(Debug, Parser)]
+#[command(name = "rivet", version, about)]
+struct Cli {
+    /// Directory of the daemon sockets.
+    #[arg(
+        long,
+        global = true,
+        env = "RIVET_SOCKET_DIR",
+        default_value = "/var/run/rivet/sockets"
+    )]
+    socket_dir: PathBuf,
+    /// Output format.
+    #[arg(short, long, global = true, value_enum, default_value_t = Output::Table)]
+    output: Output,
+    /// Deadline for reaching a daemon and for each call, in seconds.
+    #[arg(long, global = true, default_value_t = 5.0)]
+    timeout: f64,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Every daemon of the node: running, boot id, version.
+    Status,
+    /// Address pools (svc-ipam).
+    #[command(subcommand)]
+    Ipam(ipam::IpamCommand),
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let ctx = Context {
+        socket_dir: cli.socket_dir,
+        output: cli.output,
+        timeout: Duration::from_secs_f64(cli.timeout.max(0.1)),
+    };
+    let result = match cli.command {
+        Command::Status => status::run(&ctx).await,
+        Command::Ipam(c) => ipam::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
