@@ -86,10 +86,10 @@ mod tests {
     fn result_line_and_json_match() {
         let r = BenchResult {
             name: "x".into(),
-            metrics: vec![("a_per_s".into(), 1234.4), ("b_ms".into(), 0.5)],
+            metrics: vec![("a_per_s".into(), 1234.4), ("b_ms".into(), 0.5), ("n".into(), 8.0)],
             ratio: 0.25,
         };
-        assert_eq!(r.line(), "RESULT name=x a_per_s=1234 b_ms=0.500 ratio=0.250");
+        assert_eq!(r.line(), "RESULT name=x a_per_s=1234 b_ms=0.500 n=8 ratio=0.250");
         let dir = tempfile::tempdir().unwrap();
         let path = r.publish(dir.path()).unwrap();
         let json: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();

@@ -280,3 +280,55 @@ async fn sigterm_stops_gracefully_and_removes_the_socket() {
     assert!(status.success(), "SIGTERM is a clean exit: {status}\n{}", daemon.log());
     assert!(!socket.exists(), "a graceful stop removes the socket");
 }
+
+#[tokio::test]
+async fn config_dir_supplies_pools_and_metrics_report_usage_per_pool_and_family() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    std::fs::create_dir(&config).unwrap();
+    // A mounted ConfigMap: one file per flag, one pool per line.
+    std::fs::write(config.join("pool"), "default=198.18.0.0/28,2001:2::/124\nextra=198.18.1.0/29\n").unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    std::fs::write(config.join("metrics-address"), format!("127.0.0.1:{port}")).unwrap();
+    let daemon = command(dir.path(), &[])
+        .args(["--config-dir".as_ref(), config.as_os_str()])
+        .spawn()
+        .await
+        .expect("svc-ipam starts from its config dir");
+    let mut c = client(&daemon).await;
+    c.allocate(allocate_req("a", pb::Family::Ipv4)).await.unwrap();
+    c.allocate(allocate_req("a", pb::Family::Ipv6)).await.unwrap();
+
+    let metrics = http_get(port, "/metrics").await;
+    for line in [
+        r#"rivet_ipam_addresses_allocated{pool="default",family="ipv4"} 1"#,
+        r#"rivet_ipam_addresses_available{pool="default",family="ipv4"} 12"#,
+        r#"rivet_ipam_addresses_allocated{pool="default",family="ipv6"} 1"#,
+        r#"rivet_ipam_addresses_available{pool="extra",family="ipv4"} 5"#,
+    ] {
+        assert!(metrics.contains(line), "metrics must report {line}:\n{metrics}");
+    }
+    assert!(http_get(port, "/healthz").await.starts_with("HTTP/1.1 200"), "a serving daemon is healthy");
+
+    std::fs::write(config.join("pools"), "typo").unwrap();
+    let out = command(dir.path(), &[])
+        .args(["--config-dir".as_ref(), config.as_os_str()])
+        .run_to_exit(Duration::from_secs(10))
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("pools"),
+        "an unknown config file is an error naming it: {stderr}"
+    );
+}
+
+async fn http_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}

@@ -114,7 +114,7 @@ impl Demo {
             "Allocate for pod-b: another owner gets another address.",
             &ipam_allocate("pod-b", "ipv4"),
         )?;
-        self.show("List the allocations and the pool's usage.", &["ipam", "list"])?;
+        self.show("List the allocations and the pool's usage.", &["ipam", "list", "--allocations"])?;
 
         explain(
             "Kill svc-ipam with SIGKILL (no chance to clean up) and start it again: an \
@@ -129,14 +129,14 @@ impl Demo {
              status`): that is how its clients notice a restart and resync.",
             &["status"],
         )?;
-        self.show("The same allocations as before the kill.", &["ipam", "list"])?;
+        self.show("The same allocations as before the kill.", &["ipam", "list", "--allocations"])?;
         self.show(
             "Release what pod-a's eth0 holds (Release is idempotent too).",
             &["ipam", "release", "--container-id", "pod-a", "--interface", "eth0"],
         )?;
         self.show(
             "pod-a's addresses are free again; pod-b keeps its address.",
-            &["ipam", "list"],
+            &["ipam", "list", "--allocations"],
         )?;
 
         explain("Stop svc-ipam with SIGTERM: it shuts down gracefully.");
