@@ -287,8 +287,16 @@ async fn config_dir_supplies_pools_and_metrics_report_usage_per_pool_and_family(
     let config = dir.path().join("config");
     std::fs::create_dir(&config).unwrap();
     // A mounted ConfigMap: one file per flag, one pool per line.
-    std::fs::write(config.join("pool"), "default=198.18.0.0/28,2001:2::/124\nextra=198.18.1.0/29\n").unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    std::fs::write(
+        config.join("pool"),
+        "default=198.18.0.0/28,2001:2::/124\nextra=198.18.1.0/29\n",
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     std::fs::write(config.join("metrics-address"), format!("127.0.0.1:{port}")).unwrap();
     let daemon = command(dir.path(), &[])
         .args(["--config-dir".as_ref(), config.as_os_str()])
@@ -308,7 +316,10 @@ async fn config_dir_supplies_pools_and_metrics_report_usage_per_pool_and_family(
     ] {
         assert!(metrics.contains(line), "metrics must report {line}:\n{metrics}");
     }
-    assert!(http_get(port, "/healthz").await.starts_with("HTTP/1.1 200"), "a serving daemon is healthy");
+    assert!(
+        http_get(port, "/healthz").await.starts_with("HTTP/1.1 200"),
+        "a serving daemon is healthy"
+    );
 
     std::fs::write(config.join("pools"), "typo").unwrap();
     let out = command(dir.path(), &[])

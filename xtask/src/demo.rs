@@ -114,7 +114,10 @@ impl Demo {
             "Allocate for pod-b: another owner gets another address.",
             &ipam_allocate("pod-b", "ipv4"),
         )?;
-        self.show("List the allocations and the pool's usage.", &["ipam", "list", "--allocations"])?;
+        self.show(
+            "List the allocations and the pool's usage.",
+            &["ipam", "list", "--allocations"],
+        )?;
 
         explain(
             "Kill svc-ipam with SIGKILL (no chance to clean up) and start it again: an \
@@ -129,7 +132,10 @@ impl Demo {
              status`): that is how its clients notice a restart and resync.",
             &["status"],
         )?;
-        self.show("The same allocations as before the kill.", &["ipam", "list", "--allocations"])?;
+        self.show(
+            "The same allocations as before the kill.",
+            &["ipam", "list", "--allocations"],
+        )?;
         self.show(
             "Release what pod-a's eth0 holds (Release is idempotent too).",
             &["ipam", "release", "--container-id", "pod-a", "--interface", "eth0"],
