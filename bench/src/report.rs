@@ -46,7 +46,7 @@ impl BenchResult {
 }
 
 fn fmt(v: f64) -> String {
-    if v.abs() >= 100.0 {
+    if v.abs() >= 100.0 || v.fract() == 0.0 {
         format!("{v:.0}")
     } else {
         format!("{v:.3}")
