@@ -151,16 +151,9 @@ async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
 mod tests {
     use super::*;
     use prometheus_client::metrics::counter::Counter;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     async fn get(addr: SocketAddr, path: &str) -> String {
-        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
-            .await
-            .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).await.unwrap();
-        out
+        crate::testing::http_get(addr, path).await.unwrap()
     }
 
     #[tokio::test]

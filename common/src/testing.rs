@@ -306,6 +306,19 @@ fn render(value: Option<&AnyValue>) -> String {
     }
 }
 
+/// A plain HTTP/1.1 GET to `addr` (a daemon's `/metrics` or `/healthz`);
+/// returns the raw response, status line first.
+pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: rivet\r\nConnection: close\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    stream.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

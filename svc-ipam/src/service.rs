@@ -146,7 +146,7 @@ impl pb::ipam_server::Ipam for IpamService {
 
 impl IpamService {
     fn allocation_proto(&self, a: &Allocation) -> pb::Allocation {
-        let pools = self.store.list().pools;
+        let pools = self.store.pools();
         let range = pools.range_of(&a.pool, &a.address).map(|i| &pools.ranges()[i]);
         allocation_proto(a, range)
     }

@@ -70,6 +70,8 @@ struct Inner {
 /// ```
 #[derive(Debug)]
 pub struct IpamStore {
+    /// The configuration, immutable for the process lifetime.
+    pools: PoolSet,
     inner: Mutex<Inner>,
     file: StateFile<AllocatorState>,
     /// Generation known to be on disk.
@@ -101,6 +103,7 @@ impl IpamStore {
         );
         metrics.set_usage(allocator.pools(), &allocator.usage());
         Ok(Self {
+            pools: allocator.pools().clone(),
             inner: Mutex::new(Inner {
                 allocator,
                 // Resolved inconsistencies are written back on the first change.
@@ -186,6 +189,11 @@ impl IpamStore {
             allocations: a.allocations().cloned().collect(),
             orphaned: a.orphaned().cloned().collect(),
         }
+    }
+
+    /// The pool configuration.
+    pub fn pools(&self) -> &PoolSet {
+        &self.pools
     }
 
     /// The state file's path.

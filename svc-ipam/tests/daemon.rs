@@ -334,12 +334,7 @@ async fn config_dir_supplies_pools_and_metrics_report_usage_per_pool_and_family(
 }
 
 async fn http_get(port: u16, path: &str) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+    rivet_common::testing::http_get(([127, 0, 0, 1], port).into(), path)
         .await
-        .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
+        .unwrap()
 }
