@@ -17,6 +17,7 @@
 //! ```
 
 mod process;
+pub mod netns;
 pub use process::{DaemonCommand, DaemonProcess};
 
 use std::collections::BTreeMap;

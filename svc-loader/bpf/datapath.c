@@ -1,0 +1,942 @@
+// SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause)
+/*
+ * Rivet datapath. One object per node; the same two programs serve every
+ * endpoint and find their endpoint by ifindex in the endpoints map:
+ *
+ *   from_container  tc ingress of the host-side veth: packets leaving the pod.
+ *                   Answers ARP / IPv6 neighbour solicitations for the pod's
+ *                   gateway, checks the source address, applies the pod's
+ *                   egress policy through conntrack, delivers to local pods by
+ *                   redirect, hands everything else to the node's stack.
+ *   to_container    tc egress of the host-side veth: packets entering the pod.
+ *                   Applies the pod's ingress policy through conntrack.
+ *
+ * A connection's first packet is judged by policy and creates a conntrack
+ * entry keyed by (tuple, direction of the endpoint); later packets and
+ * replies only touch that entry. Pod-to-pod traffic on the node meets the
+ * source's egress policy in from_container and the destination's ingress
+ * policy in to_container (the redirect goes through the destination veth's
+ * egress hook), each exactly once.
+ */
+#include <linux/bpf.h>
+#include <linux/pkt_cls.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+#include <linux/in.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+#include "rivet.h"
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct endpoint_key);
+	__type(value, struct endpoint_info);
+} endpoints SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 524288);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct ipcache_key);
+	__type(value, struct ipcache_value);
+} ipcache SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 1048576);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct policy_key);
+	__type(value, struct policy_value);
+} policy SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 786432);
+	__type(key, struct ct4_key);
+	__type(value, struct ct_entry);
+} ct4 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 786432);
+	__type(key, struct ct6_key);
+	__type(value, struct ct_entry);
+} ct6 SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, METRICS_ENTRIES);
+	__type(key, __u32);
+	__type(value, struct metrics_value);
+} metrics SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 20);
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct datapath_config);
+} config SEC(".maps");
+
+#define NSEC_PER_SEC 1000000000ULL
+
+/* From linux/if_arp.h, which drags in libc headers. */
+#define ARPHRD_ETHER 1
+#define ARPOP_REQUEST 1
+#define ARPOP_REPLY 2
+/* From linux/icmp.h and linux/icmpv6.h, for the same reason. */
+#define ICMP_ECHOREPLY 0
+#define ICMP_DEST_UNREACH 3
+#define ICMP_ECHO 8
+#define ICMP_TIME_EXCEEDED 11
+#define ICMP_PARAMETERPROB 12
+#define ICMPV6_DEST_UNREACH 1
+#define ICMPV6_PARAMPROB 4
+#define ICMPV6_ECHO_REQUEST 128
+#define ICMPV6_ECHO_REPLY 129
+
+/* Defaults when the loader left a timeout at 0 (seconds). */
+#define CT_DEFAULT_TCP_SYN 60
+#define CT_DEFAULT_TCP_ESTABLISHED 21600
+#define CT_DEFAULT_TCP_CLOSING 10
+#define CT_DEFAULT_UDP 60
+#define CT_DEFAULT_ICMP 60
+#define CT_DEFAULT_OTHER 60
+
+#define TCP_FLAG_FIN 0x01
+#define TCP_FLAG_SYN 0x02
+#define TCP_FLAG_RST 0x04
+#define TCP_FLAG_ACK 0x10
+
+#define ETH_HLEN_ 14
+#define IP4_OFF ETH_HLEN_
+#define IP6_OFF ETH_HLEN_
+
+/* A parsed packet: the tuple in network order plus what policy needs. */
+struct pkt {
+	__u32 saddr[4];
+	__u32 daddr[4];
+	__u16 sport;
+	__u16 dport;
+	__u8 family;
+	__u8 protocol;
+	__u8 tcp_flags;
+	__u8 icmp_error;   /* an ICMP error: the tuple is the reversed inner one */
+	__u8 fragment;     /* a non-first fragment: no L4 header */
+	__u8 pad[3];
+	__u32 l4_off;
+	__u32 len;
+};
+
+static __always_inline struct datapath_config *get_config(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&config, &zero);
+}
+
+static __always_inline void count(__u8 reason, __u8 dir, __u32 len)
+{
+	__u32 idx = (__u32)reason * 4 + dir;
+	struct metrics_value *m;
+
+	if (idx >= METRICS_ENTRIES)
+		return;
+	m = bpf_map_lookup_elem(&metrics, &idx);
+	if (m) {
+		m->packets += 1;
+		m->bytes += len;
+	}
+}
+
+static __always_inline void emit(__u8 type, __u8 reason, __u8 dir, __u8 verdict, const struct pkt *p,
+				 const struct endpoint_info *ep, __u32 src_id, __u32 dst_id)
+{
+	struct event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+
+	if (!e)
+		return;
+	e->timestamp = bpf_ktime_get_ns();
+	e->type = type;
+	e->reason = reason;
+	e->direction = dir;
+	e->verdict = verdict;
+	e->family = p->family;
+	e->protocol = p->protocol;
+	e->pad = 0;
+	e->endpoint_id = ep ? ep->endpoint_id : 0;
+	e->ifindex = ep ? ep->ifindex : 0;
+	e->src_identity = src_id;
+	e->dst_identity = dst_id;
+	__builtin_memcpy(e->saddr, p->saddr, 16);
+	__builtin_memcpy(e->daddr, p->daddr, 16);
+	e->sport = p->sport;
+	e->dport = p->dport;
+	e->length = p->len;
+	bpf_ringbuf_submit(e, 0);
+}
+
+static __always_inline int drop(__u8 reason, __u8 dir, const struct pkt *p, const struct endpoint_info *ep,
+				__u32 src_id, __u32 dst_id)
+{
+	count(reason, dir, p->len);
+	emit(EVENT_DROP, reason, dir, 0, p, ep, src_id, dst_id);
+	return TC_ACT_SHOT;
+}
+
+/* ------------------------------------------------------------------ parsing */
+
+static __always_inline int parse_ports(struct __sk_buff *skb, struct pkt *p)
+{
+	if (p->fragment)
+		return 0;
+	if (p->protocol == IPPROTO_TCP) {
+		__u8 hdr[14];
+		if (bpf_skb_load_bytes(skb, p->l4_off, hdr, sizeof(hdr)) < 0)
+			return -1;
+		__builtin_memcpy(&p->sport, &hdr[0], 2);
+		__builtin_memcpy(&p->dport, &hdr[2], 2);
+		p->tcp_flags = hdr[13];
+	} else if (p->protocol == IPPROTO_UDP) {
+		__u16 ports[2];
+		if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
+			return -1;
+		p->sport = ports[0];
+		p->dport = ports[1];
+	}
+	return 0;
+}
+
+/* ICMP: echo id in both ports; errors carry the offending packet, whose
+ * reversed tuple is the connection the error belongs to. */
+static __always_inline int parse_icmp4(struct __sk_buff *skb, struct pkt *p)
+{
+	__u8 hdr[8];
+
+	if (p->fragment)
+		return 0;
+	if (bpf_skb_load_bytes(skb, p->l4_off, hdr, sizeof(hdr)) < 0)
+		return -1;
+	if (hdr[0] == ICMP_ECHO || hdr[0] == ICMP_ECHOREPLY) {
+		__builtin_memcpy(&p->sport, &hdr[4], 2);
+		p->dport = p->sport;
+		return 0;
+	}
+	if (hdr[0] == ICMP_DEST_UNREACH || hdr[0] == ICMP_TIME_EXCEEDED || hdr[0] == ICMP_PARAMETERPROB) {
+		struct iphdr inner;
+		__u32 off = p->l4_off + 8;
+		__u16 ports[2] = {};
+
+		if (bpf_skb_load_bytes(skb, off, &inner, sizeof(inner)) < 0)
+			return -1;
+		off += (inner.ihl & 0xf) * 4;
+		if (inner.protocol == IPPROTO_TCP || inner.protocol == IPPROTO_UDP) {
+			if (bpf_skb_load_bytes(skb, off, ports, sizeof(ports)) < 0)
+				return -1;
+		} else if (inner.protocol == IPPROTO_ICMP) {
+			__u8 ih[8];
+			if (bpf_skb_load_bytes(skb, off, ih, sizeof(ih)) < 0)
+				return -1;
+			__builtin_memcpy(&ports[0], &ih[4], 2);
+			ports[1] = ports[0];
+		}
+		p->icmp_error = 1;
+		p->protocol = inner.protocol;
+		p->saddr[0] = inner.daddr;
+		p->daddr[0] = inner.saddr;
+		p->sport = ports[1];
+		p->dport = ports[0];
+	}
+	return 0;
+}
+
+static __always_inline int parse_icmp6(struct __sk_buff *skb, struct pkt *p)
+{
+	__u8 hdr[8];
+
+	if (bpf_skb_load_bytes(skb, p->l4_off, hdr, sizeof(hdr)) < 0)
+		return -1;
+	if (hdr[0] == ICMPV6_ECHO_REQUEST || hdr[0] == ICMPV6_ECHO_REPLY) {
+		__builtin_memcpy(&p->sport, &hdr[4], 2);
+		p->dport = p->sport;
+		return 0;
+	}
+	if (hdr[0] >= ICMPV6_DEST_UNREACH && hdr[0] <= ICMPV6_PARAMPROB) {
+		struct ipv6hdr inner;
+		__u32 off = p->l4_off + 8;
+		__u16 ports[2] = {};
+
+		if (bpf_skb_load_bytes(skb, off, &inner, sizeof(inner)) < 0)
+			return -1;
+		off += sizeof(inner);
+		if (inner.nexthdr == IPPROTO_TCP || inner.nexthdr == IPPROTO_UDP) {
+			if (bpf_skb_load_bytes(skb, off, ports, sizeof(ports)) < 0)
+				return -1;
+		} else if (inner.nexthdr == IPPROTO_ICMPV6) {
+			__u8 ih[8];
+			if (bpf_skb_load_bytes(skb, off, ih, sizeof(ih)) < 0)
+				return -1;
+			__builtin_memcpy(&ports[0], &ih[4], 2);
+			ports[1] = ports[0];
+		}
+		p->icmp_error = 1;
+		p->protocol = inner.nexthdr;
+		__builtin_memcpy(p->saddr, &inner.daddr, 16);
+		__builtin_memcpy(p->daddr, &inner.saddr, 16);
+		p->sport = ports[1];
+		p->dport = ports[0];
+	}
+	return 0;
+}
+
+/* Returns 0 on success, -1 for a malformed packet. */
+static __always_inline int parse_ipv4(struct __sk_buff *skb, struct pkt *p)
+{
+	struct iphdr ip;
+
+	if (bpf_skb_load_bytes(skb, IP4_OFF, &ip, sizeof(ip)) < 0)
+		return -1;
+	if (ip.ihl < 5)
+		return -1;
+	p->family = 4;
+	p->protocol = ip.protocol;
+	p->saddr[0] = ip.saddr;
+	p->daddr[0] = ip.daddr;
+	p->l4_off = IP4_OFF + (ip.ihl & 0xf) * 4;
+	p->fragment = (bpf_ntohs(ip.frag_off) & 0x1fff) != 0;
+	if (p->protocol == IPPROTO_ICMP)
+		return parse_icmp4(skb, p);
+	return parse_ports(skb, p);
+}
+
+static __always_inline int parse_ipv6(struct __sk_buff *skb, struct pkt *p)
+{
+	struct ipv6hdr ip;
+
+	if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
+		return -1;
+	p->family = 6;
+	p->protocol = ip.nexthdr;
+	__builtin_memcpy(p->saddr, &ip.saddr, 16);
+	__builtin_memcpy(p->daddr, &ip.daddr, 16);
+	p->l4_off = IP6_OFF + sizeof(ip);
+	if (p->protocol == 44 /* fragment header */) {
+		__u8 frag[8];
+		if (bpf_skb_load_bytes(skb, p->l4_off, frag, sizeof(frag)) < 0)
+			return -1;
+		p->protocol = frag[0];
+		p->l4_off += 8;
+		p->fragment = ((frag[2] << 8 | frag[3]) & 0xfff8) != 0;
+	}
+	if (p->protocol == IPPROTO_ICMPV6)
+		return p->fragment ? 0 : parse_icmp6(skb, p);
+	return parse_ports(skb, p);
+}
+
+static __always_inline int ipv6_is_link_local(const __u32 *a)
+{
+	return (bpf_ntohl(a[0]) & 0xffc00000) == 0xfe800000;
+}
+
+static __always_inline int ipv6_equal(const __u32 *a, const __u32 *b)
+{
+	return ((a[0] ^ b[0]) | (a[1] ^ b[1]) | (a[2] ^ b[2]) | (a[3] ^ b[3])) == 0;
+}
+
+static __always_inline int ipv6_is_multicast(const __u32 *a)
+{
+	return (bpf_ntohl(a[0]) & 0xff000000) == 0xff000000;
+}
+
+/* -------------------------------------------------------------- endpoints */
+
+static __always_inline struct endpoint_info *endpoint_by_ifindex(__u32 ifindex)
+{
+	struct endpoint_key k = {.kind = EP_KEY_IFINDEX, .addr = {ifindex, 0, 0, 0}};
+	return bpf_map_lookup_elem(&endpoints, &k);
+}
+
+static __always_inline struct endpoint_info *endpoint_by_addr(const struct pkt *p, const __u32 *addr)
+{
+	struct endpoint_key k = {};
+
+	if (p->family == 4) {
+		k.kind = EP_KEY_IPV4;
+		k.addr[0] = addr[0];
+	} else {
+		k.kind = EP_KEY_IPV6;
+		__builtin_memcpy(k.addr, addr, 16);
+	}
+	return bpf_map_lookup_elem(&endpoints, &k);
+}
+
+/* Identity of an address: a local endpoint's, else the ipcache's longest
+ * prefix, else world. */
+static __always_inline __u32 identity_of(const struct pkt *p, const __u32 *addr)
+{
+	struct endpoint_info *ep = endpoint_by_addr(p, addr);
+	struct ipcache_key k = {};
+	struct ipcache_value *v;
+
+	if (ep)
+		return ep->identity;
+	k.family = p->family;
+	if (p->family == 4) {
+		k.prefixlen = 32 + 32;
+		k.addr[0] = addr[0];
+	} else {
+		k.prefixlen = 32 + 128;
+		__builtin_memcpy(k.addr, addr, 16);
+	}
+	v = bpf_map_lookup_elem(&ipcache, &k);
+	return v ? v->identity : IDENTITY_WORLD;
+}
+
+/* ----------------------------------------------------------------- policy */
+
+static __always_inline struct policy_value *policy_get(__u32 ep_id, __u32 identity, __u8 dir, __u8 proto, __u16 dport)
+{
+	struct policy_key k = {
+		.prefixlen = POLICY_PREFIX_FULL_BITS,
+		.endpoint_id = ep_id,
+		.identity = identity,
+		.direction = dir,
+		.protocol = proto,
+		.dport = dport,
+	};
+	return bpf_map_lookup_elem(&policy, &k);
+}
+
+/* Deny wins over allow; no match is default deny. Returns VERDICT_ALLOW,
+ * or the drop reason. The matching entries count the packet. */
+static __always_inline int policy_verdict(__u32 ep_id, __u32 peer, __u8 dir, const struct pkt *p)
+{
+	__u16 port = (p->protocol == IPPROTO_ICMP || p->protocol == IPPROTO_ICMPV6) ? 0 : p->dport;
+	struct policy_value *v[4];
+	int allow = 0, deny = 0, i;
+
+	v[0] = policy_get(ep_id, peer, dir, p->protocol, port);
+	v[1] = policy_get(ep_id, peer, dir, 0, 0);
+	v[2] = policy_get(ep_id, IDENTITY_ANY, dir, p->protocol, port);
+	v[3] = policy_get(ep_id, IDENTITY_ANY, dir, 0, 0);
+#pragma unroll
+	for (i = 0; i < 4; i++) {
+		if (!v[i])
+			continue;
+		if (v[i]->verdict == VERDICT_DENY)
+			deny = 1;
+		else if (v[i]->verdict == VERDICT_ALLOW)
+			allow = 1;
+		__sync_fetch_and_add(&v[i]->packets, 1);
+		__sync_fetch_and_add(&v[i]->bytes, p->len);
+	}
+	if (deny)
+		return DROP_POLICY_DENIED;
+	return allow ? VERDICT_ALLOW : DROP_POLICY_DEFAULT_DENY;
+}
+
+/* -------------------------------------------------------------- conntrack */
+
+static __always_inline __u64 ct_lifetime(const struct datapath_config *cfg, __u8 proto, __u8 tcp_state)
+{
+	__u32 s = 0;
+
+	if (proto == IPPROTO_TCP) {
+		if (tcp_state == CT_TCP_ESTABLISHED)
+			s = cfg ? cfg->ct.tcp_established : 0;
+		else if (tcp_state == CT_TCP_CLOSING)
+			s = cfg ? cfg->ct.tcp_closing : 0;
+		else
+			s = cfg ? cfg->ct.tcp_syn : 0;
+		if (!s)
+			s = tcp_state == CT_TCP_ESTABLISHED ? CT_DEFAULT_TCP_ESTABLISHED
+			    : tcp_state == CT_TCP_CLOSING   ? CT_DEFAULT_TCP_CLOSING
+							    : CT_DEFAULT_TCP_SYN;
+	} else if (proto == IPPROTO_UDP) {
+		s = cfg && cfg->ct.udp ? cfg->ct.udp : CT_DEFAULT_UDP;
+	} else if (proto == IPPROTO_ICMP || proto == IPPROTO_ICMPV6) {
+		s = cfg && cfg->ct.icmp ? cfg->ct.icmp : CT_DEFAULT_ICMP;
+	} else {
+		s = cfg && cfg->ct.other ? cfg->ct.other : CT_DEFAULT_OTHER;
+	}
+	return (__u64)s * NSEC_PER_SEC;
+}
+
+/* The key of packet `p` seen in direction `dir` (forward), or of its reply
+ * (`reverse`: addresses and ports swapped, opposite direction). */
+static __always_inline void ct4_key_of(struct ct4_key *k, const struct pkt *p, __u8 dir, int reverse)
+{
+	k->saddr = reverse ? p->daddr[0] : p->saddr[0];
+	k->daddr = reverse ? p->saddr[0] : p->daddr[0];
+	k->sport = reverse ? p->dport : p->sport;
+	k->dport = reverse ? p->sport : p->dport;
+	k->protocol = p->protocol;
+	k->direction = reverse ? (dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS) : dir;
+	k->pad = 0;
+}
+
+static __always_inline void ct6_key_of(struct ct6_key *k, const struct pkt *p, __u8 dir, int reverse)
+{
+	__builtin_memcpy(k->saddr, reverse ? p->daddr : p->saddr, 16);
+	__builtin_memcpy(k->daddr, reverse ? p->saddr : p->daddr, 16);
+	k->sport = reverse ? p->dport : p->sport;
+	k->dport = reverse ? p->sport : p->dport;
+	k->protocol = p->protocol;
+	k->direction = reverse ? (dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS) : dir;
+	k->pad = 0;
+}
+
+#define CT_NEW 0
+#define CT_ESTABLISHED 1
+#define CT_REPLY 2
+
+static __always_inline struct ct_entry *ct_find(const struct pkt *p, __u8 dir, int reverse)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_key_of(&k, p, dir, reverse);
+		return bpf_map_lookup_elem(&ct4, &k);
+	} else {
+		struct ct6_key k;
+		ct6_key_of(&k, p, dir, reverse);
+		return bpf_map_lookup_elem(&ct6, &k);
+	}
+}
+
+static __always_inline void ct_delete(const struct pkt *p, __u8 dir)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_key_of(&k, p, dir, 0);
+		bpf_map_delete_elem(&ct4, &k);
+	} else {
+		struct ct6_key k;
+		ct6_key_of(&k, p, dir, 0);
+		bpf_map_delete_elem(&ct6, &k);
+	}
+}
+
+/* Advances a TCP entry's state; returns the new state. */
+static __always_inline __u8 tcp_advance(struct ct_entry *e, __u8 flags, int reply)
+{
+	__u8 state = e->tcp_state;
+
+	if (flags & TCP_FLAG_RST)
+		return CT_TCP_CLOSING;
+	if (flags & TCP_FLAG_FIN) {
+		e->flags |= reply ? CT_F_CLOSING_REV : CT_F_CLOSING_FWD;
+		if ((e->flags & (CT_F_CLOSING_FWD | CT_F_CLOSING_REV)) == (CT_F_CLOSING_FWD | CT_F_CLOSING_REV))
+			return CT_TCP_CLOSING;
+	}
+	if (state == CT_TCP_SYN && reply && (flags & TCP_FLAG_ACK))
+		return CT_TCP_ESTABLISHED;
+	return state;
+}
+
+/* Looks the packet up; on a hit updates counters, TCP state and lifetime.
+ * A fresh SYN on a closing entry is a new connection (the port was reused):
+ * the entry is dropped and policy decides again. */
+static __always_inline int ct_lookup(const struct pkt *p, __u8 dir, const struct datapath_config *cfg)
+{
+	struct ct_entry *e;
+	int reply = 0;
+	__u64 now, expires;
+	__u8 state;
+
+	e = ct_find(p, dir, 0);
+	if (!e) {
+		e = ct_find(p, dir, 1);
+		if (!e)
+			return CT_NEW;
+		reply = 1;
+	}
+	if (p->icmp_error)
+		return CT_REPLY;
+	if (!reply && p->protocol == IPPROTO_TCP && e->tcp_state == CT_TCP_CLOSING &&
+	    (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN) {
+		ct_delete(p, dir);
+		return CT_NEW;
+	}
+	if (reply) {
+		__sync_fetch_and_add(&e->packets_rev, 1);
+		__sync_fetch_and_add(&e->bytes_rev, p->len);
+		e->tcp_flags_rev |= p->tcp_flags;
+		if (!(e->flags & CT_F_SEEN_REPLY))
+			e->flags |= CT_F_SEEN_REPLY;
+	} else {
+		__sync_fetch_and_add(&e->packets_fwd, 1);
+		__sync_fetch_and_add(&e->bytes_fwd, p->len);
+		e->tcp_flags_fwd |= p->tcp_flags;
+	}
+	state = e->tcp_state;
+	if (p->protocol == IPPROTO_TCP)
+		state = tcp_advance(e, p->tcp_flags, reply);
+	now = bpf_ktime_get_ns();
+	expires = now + ct_lifetime(cfg, p->protocol, state);
+	/* Refresh at most once a second per entry: fewer cache-line writes. */
+	if (state != e->tcp_state || expires > e->expires + NSEC_PER_SEC) {
+		e->tcp_state = state;
+		e->expires = expires;
+	}
+	return reply ? CT_REPLY : CT_ESTABLISHED;
+}
+
+static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_identity, __u32 ep_id,
+				     const struct datapath_config *cfg)
+{
+	struct ct_entry e = {};
+
+	if (p->protocol == IPPROTO_TCP) {
+		e.tcp_state = CT_TCP_SYN;
+		if (p->tcp_flags & TCP_FLAG_RST)
+			e.tcp_state = CT_TCP_CLOSING;
+		e.tcp_flags_fwd = p->tcp_flags;
+	}
+	e.expires = bpf_ktime_get_ns() + ct_lifetime(cfg, p->protocol, e.tcp_state);
+	e.packets_fwd = 1;
+	e.bytes_fwd = p->len;
+	e.src_identity = src_identity;
+	e.endpoint_id = ep_id;
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_key_of(&k, p, dir, 0);
+		return bpf_map_update_elem(&ct4, &k, &e, BPF_ANY);
+	} else {
+		struct ct6_key k;
+		ct6_key_of(&k, p, dir, 0);
+		return bpf_map_update_elem(&ct6, &k, &e, BPF_ANY);
+	}
+}
+
+/* Conntrack + policy for one direction of one endpoint. Returns 0 to pass
+ * or a drop reason. */
+static __always_inline int enforce(const struct pkt *p, const struct endpoint_info *ep, __u8 dir, __u32 peer,
+				   const struct datapath_config *cfg)
+{
+	__u32 enforce_flag = dir == DIR_EGRESS ? EP_F_ENFORCE_EGRESS : EP_F_ENFORCE_INGRESS;
+	__u32 src_id = dir == DIR_EGRESS ? ep->identity : peer;
+	__u32 dst_id = dir == DIR_EGRESS ? peer : ep->identity;
+	int ct, verdict = VERDICT_ALLOW;
+
+	if (p->fragment)
+		return (ep->flags & enforce_flag) ? DROP_FRAGMENT_UNSUPPORTED : 0;
+	ct = ct_lookup(p, dir, cfg);
+	if (ct != CT_NEW)
+		return 0;
+	/* An ICMP error of no known connection is judged as plain ICMP and
+	 * never opens one. */
+	if (ep->flags & enforce_flag) {
+		if (dir == DIR_INGRESS && peer == IDENTITY_HOST && (ep->flags & EP_F_ALLOW_FROM_HOST))
+			verdict = VERDICT_ALLOW;
+		else
+			verdict = policy_verdict(ep->endpoint_id, peer, dir, p);
+	}
+	if (cfg && (cfg->event_flags & CONFIG_EVENT_VERDICTS))
+		emit(EVENT_POLICY_VERDICT, verdict == VERDICT_ALLOW ? 0 : verdict, dir,
+		     verdict == VERDICT_ALLOW ? VERDICT_ALLOW : VERDICT_DENY, p, ep, src_id, dst_id);
+	if (verdict != VERDICT_ALLOW)
+		return verdict;
+	if (p->icmp_error)
+		return 0;
+	if (ct_create(p, dir, src_id, ep->endpoint_id, cfg) < 0)
+		return DROP_CT_MAP_FULL;
+	return 0;
+}
+
+/* --------------------------------------------------- ARP and neighbours */
+
+struct arp_eth {
+	__u8 dst[6];
+	__u8 src[6];
+	__u16 proto;
+	__u16 htype;
+	__u16 ptype;
+	__u8 hlen;
+	__u8 plen;
+	__u16 op;
+	__u8 sha[6];
+	__u8 spa[4];
+	__u8 tha[6];
+	__u8 tpa[4];
+} __attribute__((packed));
+
+/* Answers the pod's ARP requests (its gateway, or any address it believes
+ * on-link) with the host-side veth MAC, so no proxy-ARP sysctl is needed. */
+static __always_inline int arp_respond(struct __sk_buff *skb, const struct endpoint_info *ep)
+{
+	struct arp_eth a;
+	__u8 tmp[4];
+	__u32 target;
+
+	if (bpf_skb_load_bytes(skb, 0, &a, sizeof(a)) < 0)
+		return TC_ACT_SHOT;
+	if (a.htype != bpf_htons(ARPHRD_ETHER) || a.ptype != bpf_htons(ETH_P_IP) || a.op != bpf_htons(ARPOP_REQUEST))
+		return TC_ACT_OK;
+	/* Its own address: duplicate address detection or gratuitous ARP. */
+	__builtin_memcpy(&target, a.tpa, 4);
+	if (target == ep->ipv4)
+		return TC_ACT_OK;
+	__builtin_memcpy(a.dst, a.src, 6);
+	__builtin_memcpy(a.src, ep->node_mac, 6);
+	a.op = bpf_htons(ARPOP_REPLY);
+	__builtin_memcpy(a.tha, a.sha, 6);
+	__builtin_memcpy(tmp, a.spa, 4);
+	__builtin_memcpy(a.spa, a.tpa, 4);
+	__builtin_memcpy(a.tpa, tmp, 4);
+	__builtin_memcpy(a.sha, ep->node_mac, 6);
+	if (bpf_skb_store_bytes(skb, 0, &a, sizeof(a), 0) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+struct nd_msg {
+	__u8 type;
+	__u8 code;
+	__u16 csum;
+	__u32 flags;
+	__u32 target[4];
+	__u8 opt_type;
+	__u8 opt_len;
+	__u8 opt_mac[6];
+};
+
+struct pseudo6 {
+	__u32 saddr[4];
+	__u32 daddr[4];
+	__u32 len;
+	__u32 nexthdr;
+};
+
+static __always_inline __u16 csum_fold(__u32 s)
+{
+	s = (s & 0xffff) + (s >> 16);
+	s = (s & 0xffff) + (s >> 16);
+	return (__u16)~s;
+}
+
+/* Answers neighbour solicitations from the pod for anything but its own
+ * address with a neighbour advertisement carrying the host-side veth MAC. */
+static __always_inline int nd_respond(struct __sk_buff *skb, const struct endpoint_info *ep, const struct pkt *p)
+{
+	struct ipv6hdr ip;
+	struct nd_msg nd = {};
+	struct pseudo6 ph = {};
+	__u8 eth[12];
+	__u32 icmp_off = IP6_OFF + sizeof(struct ipv6hdr);
+	__u32 len, sum;
+	__s64 s;
+
+	if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
+		return TC_ACT_SHOT;
+	len = bpf_ntohs(ip.payload_len);
+	if (len != 24 && len != 32)
+		return TC_ACT_OK;
+	if (bpf_skb_load_bytes(skb, icmp_off, &nd, len == 32 ? 32 : 24) < 0)
+		return TC_ACT_SHOT;
+	if (nd.type != 135 || nd.code != 0)
+		return TC_ACT_OK;
+	/* DAD (unspecified source) and the pod's own address are not ours. */
+	if ((ip.saddr.in6_u.u6_addr32[0] | ip.saddr.in6_u.u6_addr32[1] | ip.saddr.in6_u.u6_addr32[2] |
+	     ip.saddr.in6_u.u6_addr32[3]) == 0)
+		return TC_ACT_OK;
+	if (ipv6_equal(nd.target, ep->ipv6))
+		return TC_ACT_OK;
+	if (len == 32 && (nd.opt_type != 1 || nd.opt_len != 1))
+		return TC_ACT_OK;
+
+	nd.type = 136;
+	nd.csum = 0;
+	nd.flags = bpf_htonl(0xe0000000); /* router, solicited, override */
+	if (len == 32) {
+		nd.opt_type = 2; /* target link-layer address */
+		__builtin_memcpy(nd.opt_mac, ep->node_mac, 6);
+	}
+	__builtin_memcpy(&ip.daddr, &ip.saddr, 16);
+	__builtin_memcpy(&ip.saddr, nd.target, 16);
+	ip.hop_limit = 255;
+
+	__builtin_memcpy(ph.saddr, &ip.saddr, 16);
+	__builtin_memcpy(ph.daddr, &ip.daddr, 16);
+	ph.len = bpf_htonl(len);
+	ph.nexthdr = bpf_htonl(IPPROTO_ICMPV6);
+	s = bpf_csum_diff(0, 0, (__be32 *)&ph, sizeof(ph), 0);
+	if (s < 0)
+		return TC_ACT_SHOT;
+	s = bpf_csum_diff(0, 0, (__be32 *)&nd, len == 32 ? 32 : 24, (__u32)s);
+	if (s < 0)
+		return TC_ACT_SHOT;
+	sum = (__u32)s;
+	nd.csum = csum_fold(sum);
+
+	if (bpf_skb_load_bytes(skb, 6, eth, 6) < 0) /* pod MAC = old source */
+		return TC_ACT_SHOT;
+	__builtin_memcpy(&eth[6], ep->node_mac, 6);
+	if (bpf_skb_store_bytes(skb, 0, eth, 12, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, IP6_OFF, &ip, sizeof(ip), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, icmp_off, &nd, len == 32 ? 32 : 24, 0) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+/* ------------------------------------------------------------ forwarding */
+
+/* Routes the packet straight to a local endpoint's veth: rewrite MACs,
+ * decrement TTL / hop limit, redirect to the veth's egress (where the
+ * destination's to_container applies its ingress policy). */
+static __always_inline int redirect_local(struct __sk_buff *skb, const struct pkt *p, const struct endpoint_info *dst)
+{
+	__u8 macs[12];
+
+	if (p->family == 4) {
+		__u16 old, new;
+		__u8 ttl;
+		if (bpf_skb_load_bytes(skb, IP4_OFF + 8, &old, 2) < 0)
+			return -1;
+		ttl = ((__u8 *)&old)[0];
+		if (ttl <= 1)
+			return 1; /* let the stack send time-exceeded */
+		new = old;
+		((__u8 *)&new)[0] = ttl - 1;
+		if (bpf_l3_csum_replace(skb, IP4_OFF + 10, old, new, 2) < 0 ||
+		    bpf_skb_store_bytes(skb, IP4_OFF + 8, &new, 2, 0) < 0)
+			return -1;
+	} else {
+		__u8 hl;
+		if (bpf_skb_load_bytes(skb, IP6_OFF + 7, &hl, 1) < 0)
+			return -1;
+		if (hl <= 1)
+			return 1;
+		hl -= 1;
+		if (bpf_skb_store_bytes(skb, IP6_OFF + 7, &hl, 1, 0) < 0)
+			return -1;
+	}
+	__builtin_memcpy(macs, dst->mac, 6);
+	__builtin_memcpy(&macs[6], dst->node_mac, 6);
+	if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
+		return -1;
+	return 0;
+}
+
+static __always_inline void trace(const struct datapath_config *cfg, __u8 point, __u8 dir, const struct pkt *p,
+				  const struct endpoint_info *ep)
+{
+	if (cfg && (cfg->event_flags & CONFIG_EVENT_TRACE))
+		emit(EVENT_TRACE, point, dir, 0, p, ep, 0, 0);
+}
+
+SEC("classifier")
+int from_container(struct __sk_buff *skb)
+{
+	struct datapath_config *cfg = get_config();
+	struct endpoint_info *ep, *dst;
+	struct pkt p = {};
+	__u32 peer;
+	int r;
+
+	p.len = skb->len;
+	ep = endpoint_by_ifindex(skb->ifindex);
+	if (!ep)
+		return drop(DROP_UNKNOWN_ENDPOINT, DIR_EGRESS, &p, 0, 0, 0);
+
+	if (skb->protocol == bpf_htons(ETH_P_ARP))
+		return arp_respond(skb, ep);
+	if (skb->protocol == bpf_htons(ETH_P_IP)) {
+		if (parse_ipv4(skb, &p) < 0)
+			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
+		if (!(ep->flags & EP_F_HAS_IPV4) || (p.icmp_error ? p.daddr[0] : p.saddr[0]) != ep->ipv4)
+			return drop(DROP_INVALID_SOURCE_ADDRESS, DIR_EGRESS, &p, ep, ep->identity, 0);
+	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr ip;
+		if (parse_ipv6(skb, &p) < 0)
+			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
+		if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
+			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
+		if (p.protocol == IPPROTO_ICMPV6 && !p.icmp_error && (p.sport == 0 && p.dport == 0)) {
+			r = nd_respond(skb, ep, &p);
+			if (r != TC_ACT_OK)
+				return r;
+		}
+		/* Link-local control traffic (neighbour discovery, MLD, router
+		 * solicitation) stays on the link and bypasses policy. */
+		if (ipv6_is_link_local(ip.saddr.in6_u.u6_addr32) &&
+		    (ipv6_is_multicast(ip.daddr.in6_u.u6_addr32) || ipv6_is_link_local(ip.daddr.in6_u.u6_addr32)))
+			return TC_ACT_OK;
+		if (!(ep->flags & EP_F_HAS_IPV6) ||
+		    !ipv6_equal(p.icmp_error ? p.daddr : p.saddr, ep->ipv6)) {
+			/* Neighbour discovery towards the node from a global source. */
+			if (p.protocol == IPPROTO_ICMPV6 && ipv6_is_multicast(ip.daddr.in6_u.u6_addr32))
+				return TC_ACT_OK;
+			return drop(DROP_INVALID_SOURCE_ADDRESS, DIR_EGRESS, &p, ep, ep->identity, 0);
+		}
+		if (p.protocol == IPPROTO_ICMPV6 && ipv6_is_multicast(ip.daddr.in6_u.u6_addr32))
+			return TC_ACT_OK;
+	} else {
+		return drop(DROP_UNSUPPORTED_L3, DIR_EGRESS, &p, ep, ep->identity, 0);
+	}
+
+	trace(cfg, TRACE_FROM_CONTAINER, DIR_EGRESS, &p, ep);
+	dst = endpoint_by_addr(&p, p.icmp_error ? p.saddr : p.daddr);
+	peer = dst ? dst->identity : identity_of(&p, p.icmp_error ? p.saddr : p.daddr);
+	r = enforce(&p, ep, DIR_EGRESS, peer, cfg);
+	if (r)
+		return drop(r, DIR_EGRESS, &p, ep, ep->identity, peer);
+	count(REASON_FORWARDED, DIR_EGRESS, p.len);
+
+	if (dst) {
+		r = redirect_local(skb, &p, dst);
+		if (r < 0)
+			return drop(DROP_REDIRECT_FAILED, DIR_EGRESS, &p, ep, ep->identity, peer);
+		if (r == 0) {
+			trace(cfg, TRACE_TO_ENDPOINT, DIR_EGRESS, &p, dst);
+			return bpf_redirect(dst->ifindex, 0);
+		}
+	}
+	trace(cfg, TRACE_TO_STACK, DIR_EGRESS, &p, ep);
+	return TC_ACT_OK;
+}
+
+SEC("classifier")
+int to_container(struct __sk_buff *skb)
+{
+	struct datapath_config *cfg = get_config();
+	struct endpoint_info *ep;
+	struct pkt p = {};
+	__u32 peer;
+	int r;
+
+	p.len = skb->len;
+	ep = endpoint_by_ifindex(skb->ifindex);
+	if (!ep)
+		return drop(DROP_UNKNOWN_ENDPOINT, DIR_INGRESS, &p, 0, 0, 0);
+
+	if (skb->protocol == bpf_htons(ETH_P_ARP))
+		return TC_ACT_OK;
+	if (skb->protocol == bpf_htons(ETH_P_IP)) {
+		if (parse_ipv4(skb, &p) < 0)
+			return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, ep, 0, ep->identity);
+	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		if (parse_ipv6(skb, &p) < 0)
+			return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, ep, 0, ep->identity);
+		/* Neighbour discovery and other ICMPv6 control messages from the
+		 * node (types 133-137 and MLD) are link plumbing, not traffic. */
+		if (p.protocol == IPPROTO_ICMPV6 && !p.icmp_error && p.sport == 0 && p.dport == 0)
+			return TC_ACT_OK;
+	} else {
+		return drop(DROP_UNSUPPORTED_L3, DIR_INGRESS, &p, ep, 0, ep->identity);
+	}
+
+	trace(cfg, TRACE_TO_CONTAINER, DIR_INGRESS, &p, ep);
+	peer = identity_of(&p, p.icmp_error ? p.daddr : p.saddr);
+	r = enforce(&p, ep, DIR_INGRESS, peer, cfg);
+	if (r)
+		return drop(r, DIR_INGRESS, &p, ep, peer, ep->identity);
+	count(REASON_FORWARDED, DIR_INGRESS, p.len);
+	return TC_ACT_OK;
+}
+
+char LICENSE[] SEC("license") = "Dual BSD/GPL";

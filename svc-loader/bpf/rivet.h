@@ -1,0 +1,213 @@
+/* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
+/*
+ * Rivet datapath: the layout of every map shared between the BPF programs
+ * (datapath.c) and svc-loader (src/maps.rs mirrors these structs with
+ * #[repr(C)]; a layout test there checks sizes). Change both together.
+ *
+ * All multi-byte addresses and ports are in network byte order; every other
+ * integer is host order.
+ */
+#ifndef RIVET_H
+#define RIVET_H
+
+#include <linux/types.h>
+
+/* ---------------------------------------------------------------- identities */
+#define IDENTITY_ANY 0
+#define IDENTITY_HOST 1
+#define IDENTITY_WORLD 2
+
+/* ----------------------------------------------------------------- endpoints */
+/* Key kinds of the endpoints map: one entry per host-side ifindex (a program
+ * finds its own endpoint) and one per address (local delivery, peer identity). */
+#define EP_KEY_IFINDEX 1
+#define EP_KEY_IPV4 4
+#define EP_KEY_IPV6 6
+
+struct endpoint_key {
+	__u32 kind;   /* EP_KEY_* */
+	__u32 addr[4]; /* ifindex in addr[0], IPv4 in addr[0], or IPv6 */
+};
+
+#define EP_F_ENFORCE_INGRESS (1 << 0)
+#define EP_F_ENFORCE_EGRESS (1 << 1)
+#define EP_F_ALLOW_FROM_HOST (1 << 2)
+#define EP_F_HAS_IPV4 (1 << 3)
+#define EP_F_HAS_IPV6 (1 << 4)
+
+struct endpoint_info {
+	__u32 endpoint_id;
+	__u32 identity;
+	__u32 ifindex;    /* host-side veth */
+	__u32 flags;      /* EP_F_* */
+	__u8 mac[6];      /* pod-side MAC */
+	__u8 node_mac[6]; /* host-side veth MAC: the pod's gateway */
+	__u32 ipv4;
+	__u32 ipv6[4];
+	__u64 policy_revision;
+};
+
+/* ------------------------------------------------------------------- ipcache */
+/* LPM trie key: prefixlen counts the 32 bits of `family` + pad first. */
+struct ipcache_key {
+	__u32 prefixlen;
+	__u8 family; /* 4 or 6 */
+	__u8 pad[3];
+	__u32 addr[4];
+};
+
+struct ipcache_value {
+	__u32 identity;
+	__u32 tunnel_endpoint; /* IPv4 of the node to tunnel to; 0 = none */
+};
+
+/* -------------------------------------------------------------------- policy */
+/* LPM trie key: the fields before `dport` are always matched whole
+ * (prefixlen >= POLICY_PREFIX_FIXED_BITS); the port is matched as a prefix, so
+ * a port range is a few entries and "any port" is prefixlen = FIXED_BITS.
+ * `identity` 0 = any identity, `protocol` 0 = any protocol (then any port). */
+struct policy_key {
+	__u32 prefixlen;
+	__u32 endpoint_id;
+	__u32 identity;
+	__u8 direction; /* DIR_* */
+	__u8 protocol;  /* IPPROTO_*, 0 = any */
+	__u16 dport;    /* network byte order */
+};
+#define POLICY_PREFIX_FIXED_BITS 80 /* endpoint_id + identity + direction + protocol */
+#define POLICY_PREFIX_FULL_BITS 96
+
+#define VERDICT_ALLOW 1
+#define VERDICT_DENY 2
+
+struct policy_value {
+	__u8 verdict;
+	__u8 pad[7];
+	__u64 packets;
+	__u64 bytes;
+};
+
+/* ----------------------------------------------------------------- conntrack */
+#define DIR_INGRESS 1 /* into the pod: to_container */
+#define DIR_EGRESS 2  /* out of the pod: from_container */
+
+struct ct4_key {
+	__u32 saddr;
+	__u32 daddr;
+	__u16 sport; /* ICMP: echo id in both ports */
+	__u16 dport;
+	__u8 protocol;
+	__u8 direction; /* DIR_* of the endpoint that opened it */
+	__u16 pad;
+};
+
+struct ct6_key {
+	__u32 saddr[4];
+	__u32 daddr[4];
+	__u16 sport;
+	__u16 dport;
+	__u8 protocol;
+	__u8 direction;
+	__u16 pad;
+};
+
+#define CT_TCP_SYN 1
+#define CT_TCP_ESTABLISHED 2
+#define CT_TCP_CLOSING 3
+
+/* Entry flags, for svc-gc and inspection. */
+#define CT_F_SEEN_REPLY (1 << 0)
+#define CT_F_CLOSING_FWD (1 << 1)
+#define CT_F_CLOSING_REV (1 << 2)
+
+struct ct_entry {
+	__u64 expires;     /* bpf_ktime_get_ns() deadline */
+	__u64 packets_fwd;
+	__u64 bytes_fwd;
+	__u64 packets_rev;
+	__u64 bytes_rev;
+	__u32 src_identity; /* identity of the opening side */
+	__u32 endpoint_id;  /* local endpoint the entry belongs to */
+	__u8 tcp_state;     /* CT_TCP_*, 0 for non-TCP */
+	__u8 tcp_flags_fwd;
+	__u8 tcp_flags_rev;
+	__u8 flags; /* CT_F_* */
+	__u32 pad;
+};
+
+/* Lifetimes in seconds; the datapath reads them from the config map so the
+ * loader can change them by flag (tests use short ones). */
+struct ct_timeouts {
+	__u32 tcp_syn;
+	__u32 tcp_established;
+	__u32 tcp_closing;
+	__u32 udp;
+	__u32 icmp;
+	__u32 other;
+};
+
+/* ------------------------------------------------------------------- config */
+#define CONFIG_EVENT_VERDICTS (1 << 0)
+#define CONFIG_EVENT_TRACE (1 << 1)
+
+struct datapath_config {
+	__u32 event_flags; /* CONFIG_EVENT_* */
+	__u32 pad;
+	struct ct_timeouts ct;
+};
+
+/* ------------------------------------------------------------------ metrics */
+/* Per-CPU array index: reason * 4 + direction. Reason 0 = forwarded. */
+#define REASON_FORWARDED 0
+#define DROP_POLICY_DENIED 1
+#define DROP_POLICY_DEFAULT_DENY 2
+#define DROP_INVALID_PACKET 3
+#define DROP_UNSUPPORTED_L3 4
+#define DROP_UNSUPPORTED_L4 5
+#define DROP_INVALID_SOURCE_ADDRESS 6
+#define DROP_INVALID_SOURCE_MAC 7
+#define DROP_UNKNOWN_ENDPOINT 8
+#define DROP_CT_MAP_FULL 9
+#define DROP_CT_INVALID 10
+#define DROP_FRAGMENT_UNSUPPORTED 11
+#define DROP_NO_ROUTE 12
+#define DROP_REDIRECT_FAILED 13
+#define REASON_MAX 64
+#define METRICS_ENTRIES (REASON_MAX * 4)
+
+struct metrics_value {
+	__u64 packets;
+	__u64 bytes;
+};
+
+/* ------------------------------------------------------------------- events */
+#define EVENT_DROP 1
+#define EVENT_POLICY_VERDICT 2
+#define EVENT_TRACE 3
+
+#define TRACE_FROM_CONTAINER 1
+#define TRACE_TO_CONTAINER 2
+#define TRACE_TO_STACK 3
+#define TRACE_TO_ENDPOINT 4
+
+struct event {
+	__u64 timestamp; /* bpf_ktime_get_ns() */
+	__u8 type;       /* EVENT_* */
+	__u8 reason;     /* DROP_*, or TRACE_* for traces */
+	__u8 direction;  /* DIR_* */
+	__u8 verdict;    /* VERDICT_* for verdict events */
+	__u8 family;     /* 4 or 6 */
+	__u8 protocol;
+	__u16 pad;
+	__u32 endpoint_id;
+	__u32 ifindex;
+	__u32 src_identity;
+	__u32 dst_identity;
+	__u32 saddr[4];
+	__u32 daddr[4];
+	__u16 sport;
+	__u16 dport;
+	__u32 length;
+};
+
+#endif /* RIVET_H */

@@ -1,0 +1,312 @@
+//! Turns client requests into checked domain values. The loader is
+//! privileged and its clients are not: every field is validated whole before
+//! anything is written, and errors name the field (INVALID_ARGUMENT).
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use rivet_proto::loader::v1 as pb;
+
+use crate::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
+use crate::policy_lpm::PolicyRule;
+
+/// Most policy entries one endpoint may have (Cilium's per-endpoint map size).
+pub const MAX_POLICY_ENTRIES: usize = 16384;
+/// Most entries in one ipcache batch.
+pub const MAX_IPCACHE_BATCH: usize = 4096;
+
+/// A request field that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {reason}")]
+pub struct InvalidField {
+    /// The field, as a path (`policy.entries[3].port`).
+    pub field: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> InvalidField {
+    InvalidField {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// A checked endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointSpec {
+    /// 1..=65535.
+    pub endpoint_id: u32,
+    /// Host-side veth, in the loader's network namespace.
+    pub ifindex: u32,
+    /// The pod's IPv4 address.
+    pub ipv4: Option<Ipv4Addr>,
+    /// The pod's IPv6 address.
+    pub ipv6: Option<Ipv6Addr>,
+    /// The pod-side MAC.
+    pub mac: [u8; 6],
+    /// Security identity.
+    pub identity: u32,
+    /// Policy to realise; `None` keeps the current one (a new endpoint
+    /// starts enforced with no entries: fail closed).
+    pub policy: Option<PolicySpec>,
+}
+
+/// A checked endpoint policy.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PolicySpec {
+    /// svc-endpoint's revision.
+    pub revision: u64,
+    /// Ingress is enforced (some policy selects the pod for ingress).
+    pub enforce_ingress: bool,
+    /// Egress is enforced.
+    pub enforce_egress: bool,
+    /// Traffic from the host identity always enters.
+    pub allow_from_host: bool,
+    /// The rules.
+    pub rules: Vec<PolicyRule>,
+}
+
+/// Checks an ApplyEndpoint request.
+pub fn endpoint(r: &pb::ApplyEndpointRequest) -> Result<EndpointSpec, InvalidField> {
+    let endpoint_id = endpoint_id("endpoint_id", r.endpoint_id)?;
+    if r.host_ifindex == 0 {
+        return Err(invalid("host_ifindex", "must be set"));
+    }
+    if r.addresses.is_empty() || r.addresses.len() > 2 {
+        return Err(invalid("addresses", "one IPv4 and/or one IPv6 address is required"));
+    }
+    let (mut ipv4, mut ipv6) = (None, None);
+    for (i, raw) in r.addresses.iter().enumerate() {
+        let field = format!("addresses[{i}]");
+        match address(&field, raw)? {
+            IpAddr::V4(a) if ipv4.is_none() => ipv4 = Some(a),
+            IpAddr::V6(a) if ipv6.is_none() => ipv6 = Some(a),
+            _ => return Err(invalid(field, "at most one address per family")),
+        }
+    }
+    let mac: [u8; 6] = r
+        .mac
+        .as_slice()
+        .try_into()
+        .map_err(|_| invalid("mac", format!("must be 6 bytes, got {}", r.mac.len())))?;
+    if mac == [0; 6] || mac[0] & 1 == 1 {
+        return Err(invalid("mac", "must be a unicast, non-zero MAC"));
+    }
+    if r.identity == 0 {
+        return Err(invalid("identity", "must be non-zero"));
+    }
+    let policy = r.policy.as_ref().map(policy).transpose()?;
+    Ok(EndpointSpec {
+        endpoint_id,
+        ifindex: r.host_ifindex,
+        ipv4,
+        ipv6,
+        mac,
+        identity: r.identity,
+        policy,
+    })
+}
+
+/// Checks an endpoint id (1..=65535).
+pub fn endpoint_id(field: &str, id: u32) -> Result<u32, InvalidField> {
+    if id == 0 || id > 65535 {
+        return Err(invalid(field, format!("must be 1..=65535, got {id}")));
+    }
+    Ok(id)
+}
+
+/// Checks an address: 4 or 16 bytes, not IPv4-mapped, not unspecified.
+pub fn address(field: &str, raw: &[u8]) -> Result<IpAddr, InvalidField> {
+    let addr = match raw.len() {
+        4 => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(raw).expect("length checked"))),
+        16 => {
+            let a = Ipv6Addr::from(<[u8; 16]>::try_from(raw).expect("length checked"));
+            if a.to_ipv4_mapped().is_some() {
+                return Err(invalid(field, "IPv4-mapped IPv6 addresses are not accepted; send 4 bytes"));
+            }
+            IpAddr::V6(a)
+        }
+        n => return Err(invalid(field, format!("must be 4 or 16 bytes, got {n}"))),
+    };
+    if addr.is_unspecified() || addr.is_multicast() {
+        return Err(invalid(field, format!("{addr} is not a unicast address")));
+    }
+    Ok(addr)
+}
+
+/// Checks a prefix: address bytes with no bits beyond the prefix length.
+pub fn prefix(field: &str, p: Option<&pb::IpPrefix>) -> Result<(IpAddr, u8), InvalidField> {
+    let p = p.ok_or_else(|| invalid(field, "required"))?;
+    let addr = match p.address.len() {
+        4 => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(p.address.as_slice()).expect("length checked"))),
+        16 => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(p.address.as_slice()).expect("length checked"))),
+        n => return Err(invalid(format!("{field}.address"), format!("must be 4 or 16 bytes, got {n}"))),
+    };
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    if p.prefix_length > max {
+        return Err(invalid(format!("{field}.prefix_length"), format!("must be 0..={max}")));
+    }
+    let len = p.prefix_length as u8;
+    let bits: u128 = match addr {
+        IpAddr::V4(a) => u32::from(a) as u128,
+        IpAddr::V6(a) => u128::from(a),
+    };
+    let host_bits = max - len as u32;
+    let mask = if host_bits >= 128 { u128::MAX } else { (1u128 << host_bits) - 1 };
+    if bits & mask != 0 {
+        return Err(invalid(format!("{field}.address"), format!("{addr} has bits set beyond /{len}")));
+    }
+    Ok((addr, len))
+}
+
+fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
+    if p.entries.len() > MAX_POLICY_ENTRIES {
+        return Err(invalid(
+            "policy.entries",
+            format!("{} entries exceed the limit of {MAX_POLICY_ENTRIES}", p.entries.len()),
+        ));
+    }
+    let mut rules = Vec::with_capacity(p.entries.len());
+    for (i, e) in p.entries.iter().enumerate() {
+        let f = |name: &str| format!("policy.entries[{i}].{name}");
+        let direction = match pb::Direction::try_from(e.direction) {
+            Ok(pb::Direction::Ingress) => DIR_INGRESS,
+            Ok(pb::Direction::Egress) => DIR_EGRESS,
+            _ => return Err(invalid(f("direction"), "must be INGRESS or EGRESS")),
+        };
+        let direction_enforced = if direction == DIR_INGRESS { p.enforce_ingress } else { p.enforce_egress };
+        if !direction_enforced {
+            return Err(invalid(f("direction"), "entries in a direction that is not enforced are meaningless"));
+        }
+        let verdict = match pb::Verdict::try_from(e.verdict) {
+            Ok(pb::Verdict::Allow) => VERDICT_ALLOW,
+            Ok(pb::Verdict::Deny) => VERDICT_DENY,
+            _ => return Err(invalid(f("verdict"), "must be ALLOW or DENY")),
+        };
+        let protocol = match pb::Protocol::try_from(e.protocol) {
+            Ok(pb::Protocol::Any) => 0u8,
+            Ok(pb::Protocol::Unspecified) | Err(_) => return Err(invalid(f("protocol"), "must be set")),
+            Ok(p) => p as i32 as u8,
+        };
+        let ported = matches!(protocol, 6 | 17 | 132);
+        if e.port > 65535 || e.end_port > 65535 {
+            return Err(invalid(f("port"), "ports are 0..=65535"));
+        }
+        if !ported && (e.port != 0 || e.end_port != 0) {
+            return Err(invalid(f("port"), "only TCP, UDP and SCTP entries take ports"));
+        }
+        if e.end_port != 0 && (e.port == 0 || e.end_port < e.port) {
+            return Err(invalid(f("end_port"), "must be >= port, with port set"));
+        }
+        rules.push(PolicyRule {
+            direction,
+            peer_identity: e.peer_identity,
+            protocol,
+            port: e.port as u16,
+            end_port: e.end_port as u16,
+            verdict,
+        });
+    }
+    Ok(PolicySpec {
+        revision: p.revision,
+        enforce_ingress: p.enforce_ingress,
+        enforce_egress: p.enforce_egress,
+        allow_from_host: p.allow_from_host,
+        rules,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> pb::ApplyEndpointRequest {
+        pb::ApplyEndpointRequest {
+            endpoint_id: 7,
+            host_ifindex: 12,
+            addresses: vec![vec![198, 18, 0, 2], "2001:2::2".parse::<Ipv6Addr>().unwrap().octets().to_vec()],
+            mac: vec![0x02, 0, 0, 0, 0, 1],
+            identity: 256,
+            policy: Some(pb::EndpointPolicy {
+                revision: 3,
+                enforce_ingress: true,
+                enforce_egress: false,
+                allow_from_host: true,
+                entries: vec![pb::PolicyEntry {
+                    direction: pb::Direction::Ingress as i32,
+                    peer_identity: 300,
+                    protocol: pb::Protocol::Tcp as i32,
+                    port: 8000,
+                    end_port: 8080,
+                    verdict: pb::Verdict::Allow as i32,
+                }],
+            }),
+        }
+    }
+
+    #[test]
+    fn a_good_request_converts() {
+        let spec = endpoint(&request()).unwrap();
+        assert_eq!(spec.ipv4, Some(Ipv4Addr::new(198, 18, 0, 2)));
+        assert_eq!(spec.policy.unwrap().rules[0].end_port, 8080);
+    }
+
+    #[test]
+    fn each_bad_field_is_named() {
+        let cases: Vec<(&str, Box<dyn Fn(&mut pb::ApplyEndpointRequest)>)> = vec![
+            ("endpoint_id", Box::new(|r| r.endpoint_id = 0)),
+            ("endpoint_id", Box::new(|r| r.endpoint_id = 70000)),
+            ("host_ifindex", Box::new(|r| r.host_ifindex = 0)),
+            ("addresses", Box::new(|r| r.addresses.clear())),
+            ("addresses[0]", Box::new(|r| r.addresses[0] = vec![1, 2, 3])),
+            ("addresses[1]", Box::new(|r| r.addresses[1] = vec![198, 18, 0, 3])),
+            (
+                "addresses[1]",
+                Box::new(|r| r.addresses[1] = "::ffff:198.18.0.3".parse::<Ipv6Addr>().unwrap().octets().to_vec()),
+            ),
+            ("addresses[0]", Box::new(|r| r.addresses[0] = vec![0, 0, 0, 0])),
+            ("mac", Box::new(|r| r.mac = vec![1, 2, 3])),
+            ("mac", Box::new(|r| r.mac = vec![0x01, 0, 0x5e, 0, 0, 1])),
+            ("identity", Box::new(|r| r.identity = 0)),
+            (
+                "policy.entries[0].direction",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].direction = 0),
+            ),
+            (
+                "policy.entries[0].direction",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].direction = pb::Direction::Egress as i32),
+            ),
+            ("policy.entries[0].verdict", Box::new(|r| r.policy.as_mut().unwrap().entries[0].verdict = 9)),
+            ("policy.entries[0].protocol", Box::new(|r| r.policy.as_mut().unwrap().entries[0].protocol = 0)),
+            (
+                "policy.entries[0].port",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].protocol = pb::Protocol::Icmp as i32),
+            ),
+            (
+                "policy.entries[0].port",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].protocol = pb::Protocol::Any as i32),
+            ),
+            ("policy.entries[0].port", Box::new(|r| r.policy.as_mut().unwrap().entries[0].port = 70000)),
+            ("policy.entries[0].end_port", Box::new(|r| r.policy.as_mut().unwrap().entries[0].end_port = 10)),
+        ];
+        for (field, mutate) in cases {
+            let mut r = request();
+            mutate(&mut r);
+            let err = endpoint(&r).expect_err("a bad field must be refused");
+            assert_eq!(err.field, field, "{err}");
+        }
+    }
+
+    #[test]
+    fn prefixes_must_be_aligned() {
+        let p = |a: Vec<u8>, l| pb::IpPrefix {
+            address: a,
+            prefix_length: l,
+        };
+        assert!(prefix("p", Some(&p(vec![198, 18, 0, 0], 24))).is_ok());
+        assert_eq!(prefix("p", Some(&p(vec![198, 18, 0, 1], 24))).unwrap_err().field, "p.address");
+        assert_eq!(prefix("p", Some(&p(vec![198, 18, 0, 0], 33))).unwrap_err().field, "p.prefix_length");
+        assert!(prefix("p", Some(&p(vec![0; 16], 0))).is_ok());
+        assert_eq!(prefix("p", None).unwrap_err().field, "p");
+    }
+}

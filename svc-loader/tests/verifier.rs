@@ -1,0 +1,22 @@
+//! The embedded datapath passes the kernel verifier on this kernel.
+
+use aya::programs::SchedClassifier;
+
+#[test]
+fn both_programs_pass_the_verifier() {
+    let mut bpf = aya::EbpfLoader::new()
+        .set_max_entries("ct4", 1024)
+        .set_max_entries("ct6", 1024)
+        .load(svc_loader::DATAPATH_OBJECT)
+        .expect("the datapath object loads (needs CAP_BPF)");
+    for name in ["from_container", "to_container"] {
+        let program: &mut SchedClassifier = bpf
+            .program_mut(name)
+            .unwrap_or_else(|| panic!("{name} is in the object"))
+            .try_into()
+            .expect("a classifier");
+        if let Err(e) = program.load() {
+            panic!("{name} must pass the verifier: {e:#?}");
+        }
+    }
+}
