@@ -2,6 +2,7 @@
 //! and debugging commands per daemon. Every command prints a table by default
 //! and JSON with `-o json`.
 
+pub mod bpf;
 pub mod ipam;
 pub mod status;
 pub mod table;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use rivet_cli::{Context, Output, ipam, status};
+use rivet_cli::{Context, Output, bpf, ipam, status};
 
 /// Inspect and drive a Rivet node.
 #[derive(Debug, Parser)]
@@ -36,6 +36,21 @@ enum Command {
     /// Address pools (svc-ipam).
     #[command(subcommand)]
     Ipam(ipam::IpamCommand),
+    /// What the datapath holds (svc-loader).
+    #[command(subcommand)]
+    Bpf(bpf::BpfCommand),
+    /// Stream drop (and optionally policy-verdict and trace) events live.
+    Monitor {
+        /// Also policy verdicts of new connections.
+        #[arg(long)]
+        verdicts: bool,
+        /// Also trace events at every observation point.
+        #[arg(long)]
+        trace: bool,
+        /// Only these endpoint ids.
+        #[arg(long = "endpoint")]
+        endpoints: Vec<u32>,
+    },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -49,6 +64,15 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Status => status::run(&ctx).await,
         Command::Ipam(c) => ipam::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+        Command::Bpf(c) => bpf::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+        Command::Monitor {
+            verdicts,
+            trace,
+            endpoints,
+        } => bpf::monitor(&ctx, verdicts, trace, endpoints)
+            .await
+            .map(|()| true)
+            .map_err(Into::into),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,

@@ -5,8 +5,8 @@ use aya::programs::SchedClassifier;
 #[test]
 fn both_programs_pass_the_verifier() {
     let mut bpf = aya::EbpfLoader::new()
-        .set_max_entries("ct4", 1024)
-        .set_max_entries("ct6", 1024)
+        .map_max_entries("ct4", 1024)
+        .map_max_entries("ct6", 1024)
         .load(svc_loader::DATAPATH_OBJECT)
         .expect("the datapath object loads (needs CAP_BPF)");
     for name in ["from_container", "to_container"] {

@@ -1,0 +1,451 @@
+//! `rivet bpf ...` and `rivet monitor`: what svc-loader's datapath holds.
+
+use std::net::IpAddr;
+
+use clap::Subcommand;
+use rivet_proto::loader::v1 as pb;
+use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
+use serde::Serialize;
+
+use crate::table::Table;
+use crate::{CliError, Context};
+
+const DAEMON: &str = "svc-loader";
+
+/// `rivet bpf ...`
+#[derive(Debug, Subcommand)]
+pub enum BpfCommand {
+    /// Endpoints in the datapath with their attach state.
+    #[command(subcommand)]
+    Endpoint(EndpointCommand),
+    /// Policy entries of one endpoint, with packet counters.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+    /// Connection tracking entries.
+    #[command(subcommand)]
+    Ct(CtCommand),
+    /// Forwarded and dropped packets by reason and direction.
+    Metrics,
+}
+
+/// `rivet bpf endpoint ...`
+#[derive(Debug, Subcommand)]
+pub enum EndpointCommand {
+    /// List endpoints.
+    List,
+}
+
+/// `rivet bpf policy ...`
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Show one endpoint's policy.
+    Get {
+        /// Endpoint id.
+        endpoint: u32,
+    },
+}
+
+/// `rivet bpf ct ...`
+#[derive(Debug, Subcommand)]
+pub enum CtCommand {
+    /// List entries (both families).
+    List {
+        /// Only entries with this address at either end.
+        #[arg(long)]
+        address: Option<IpAddr>,
+        /// Only entries with this port at either end.
+        #[arg(long)]
+        port: Option<u16>,
+    },
+}
+
+fn ip(raw: &[u8]) -> String {
+    match raw.len() {
+        4 => IpAddr::from(<[u8; 4]>::try_from(raw).expect("length checked")).to_string(),
+        16 => IpAddr::from(<[u8; 16]>::try_from(raw).expect("length checked")).to_string(),
+        0 => "-".into(),
+        _ => format!("<{} bytes>", raw.len()),
+    }
+}
+
+fn mac(raw: &[u8]) -> String {
+    raw.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+}
+
+fn name<E: TryFrom<i32> + std::fmt::Debug>(raw: i32, prefix: &str) -> String {
+    match E::try_from(raw) {
+        Ok(e) => {
+            // "Tcp" → "tcp", "PolicyDenied" → "policy-denied"
+            let s = format!("{e:?}");
+            let mut out = String::new();
+            for (i, c) in s.chars().enumerate() {
+                if c.is_uppercase() && i > 0 {
+                    out.push('-');
+                }
+                out.push(c.to_ascii_lowercase());
+            }
+            out.trim_start_matches(prefix).to_string()
+        }
+        Err(_) => raw.to_string(),
+    }
+}
+
+/// An endpoint as printed.
+#[derive(Debug, Serialize)]
+pub struct EndpointView {
+    id: u32,
+    ifindex: u32,
+    ifname: String,
+    addresses: Vec<String>,
+    mac: String,
+    identity: u32,
+    policy_revision: u64,
+    enforce_ingress: bool,
+    enforce_egress: bool,
+    policy_entries: u32,
+    from_container: String,
+    to_container: String,
+}
+
+/// Runs one `rivet bpf` command.
+pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
+    let mut client = LoaderServiceClient::new(ctx.connect(DAEMON).await?);
+    let rpc = |s| CliError::rpc(DAEMON, s);
+    match command {
+        BpfCommand::Endpoint(EndpointCommand::List) => {
+            let r = client.list_endpoints(pb::ListEndpointsRequest {}).await.map_err(rpc)?.into_inner();
+            let view: Vec<EndpointView> = r
+                .endpoints
+                .iter()
+                .map(|e| EndpointView {
+                    id: e.endpoint_id,
+                    ifindex: e.host_ifindex,
+                    ifname: e.host_ifname.clone(),
+                    addresses: e.addresses.iter().map(|a| ip(a)).collect(),
+                    mac: mac(&e.mac),
+                    identity: e.identity,
+                    policy_revision: e.policy_revision,
+                    enforce_ingress: e.enforce_ingress,
+                    enforce_egress: e.enforce_egress,
+                    policy_entries: e.policy_entries,
+                    from_container: name::<pb::AttachState>(e.from_container, "attach-state-"),
+                    to_container: name::<pb::AttachState>(e.to_container, "attach-state-"),
+                })
+                .collect();
+            ctx.print(&view, || {
+                let mut t = Table::new([
+                    "ID", "INTERFACE", "ADDRESSES", "IDENTITY", "REVISION", "ENFORCE", "ENTRIES", "ATTACHED",
+                ]);
+                for e in &view {
+                    let enforce = match (e.enforce_ingress, e.enforce_egress) {
+                        (true, true) => "both",
+                        (true, false) => "ingress",
+                        (false, true) => "egress",
+                        (false, false) => "none",
+                    };
+                    t.row([
+                        e.id.to_string(),
+                        format!("{} ({})", e.ifname, e.ifindex),
+                        e.addresses.join(","),
+                        e.identity.to_string(),
+                        e.policy_revision.to_string(),
+                        enforce.to_string(),
+                        e.policy_entries.to_string(),
+                        format!("in:{} out:{}", e.from_container, e.to_container),
+                    ]);
+                }
+                t.render()
+            });
+        }
+        BpfCommand::Policy(PolicyCommand::Get { endpoint }) => {
+            let r = client
+                .get_endpoint_policy(pb::GetEndpointPolicyRequest { endpoint_id: endpoint })
+                .await
+                .map_err(rpc)?
+                .into_inner();
+            #[derive(Serialize)]
+            struct Row {
+                direction: String,
+                peer_identity: String,
+                protocol: String,
+                ports: String,
+                verdict: String,
+                packets: u64,
+                bytes: u64,
+            }
+            let rows: Vec<Row> = r
+                .entries
+                .iter()
+                .map(|s| {
+                    let e = s.entry.clone().unwrap_or_default();
+                    Row {
+                        direction: name::<pb::Direction>(e.direction, "direction-"),
+                        peer_identity: if e.peer_identity == 0 { "any".into() } else { e.peer_identity.to_string() },
+                        protocol: name::<pb::Protocol>(e.protocol, "protocol-"),
+                        ports: match (e.port, e.end_port) {
+                            (0, _) => "any".into(),
+                            (p, 0) => p.to_string(),
+                            (p, q) => format!("{p}-{q}"),
+                        },
+                        verdict: name::<pb::Verdict>(e.verdict, "verdict-"),
+                        packets: s.packets,
+                        bytes: s.bytes,
+                    }
+                })
+                .collect();
+            #[derive(Serialize)]
+            struct View<'a> {
+                endpoint_id: u32,
+                revision: u64,
+                enforce_ingress: bool,
+                enforce_egress: bool,
+                allow_from_host: bool,
+                entries: &'a [Row],
+            }
+            let view = View {
+                endpoint_id: r.endpoint_id,
+                revision: r.revision,
+                enforce_ingress: r.enforce_ingress,
+                enforce_egress: r.enforce_egress,
+                allow_from_host: r.allow_from_host,
+                entries: &rows,
+            };
+            ctx.print(&view, || {
+                let mut out = format!(
+                    "endpoint {} revision {} enforce ingress={} egress={} allow-from-host={}\n",
+                    r.endpoint_id, r.revision, r.enforce_ingress, r.enforce_egress, r.allow_from_host
+                );
+                let mut t = Table::new(["DIRECTION", "PEER", "PROTOCOL", "PORTS", "VERDICT", "PACKETS", "BYTES"]);
+                for e in &rows {
+                    t.row([
+                        e.direction.clone(),
+                        e.peer_identity.clone(),
+                        e.protocol.clone(),
+                        e.ports.clone(),
+                        e.verdict.clone(),
+                        e.packets.to_string(),
+                        e.bytes.to_string(),
+                    ]);
+                }
+                out.push_str(&t.render());
+                out
+            });
+        }
+        BpfCommand::Ct(CtCommand::List { address, port }) => {
+            let filter = pb::ConntrackFilter {
+                family: 0,
+                protocol: 0,
+                address: address
+                    .map(|a| match a {
+                        IpAddr::V4(a) => a.octets().to_vec(),
+                        IpAddr::V6(a) => a.octets().to_vec(),
+                    })
+                    .unwrap_or_default(),
+                port: port.map(u32::from).unwrap_or_default(),
+            };
+            let mut entries = Vec::new();
+            let mut start_after = None;
+            loop {
+                let r = client
+                    .dump_conntrack(pb::DumpConntrackRequest {
+                        filter: Some(filter.clone()),
+                        page_size: 1000,
+                        start_after: start_after.take(),
+                    })
+                    .await
+                    .map_err(rpc)?
+                    .into_inner();
+                start_after = r.entries.last().and_then(|e| e.key.clone());
+                entries.extend(r.entries);
+                if r.complete || start_after.is_none() {
+                    break;
+                }
+            }
+            #[derive(Serialize)]
+            struct Row {
+                direction: String,
+                protocol: String,
+                source: String,
+                destination: String,
+                state: String,
+                expires_in_s: f64,
+                packets_forward: u64,
+                packets_reply: u64,
+                source_identity: u32,
+                endpoint_id: u32,
+            }
+            let rows: Vec<Row> = entries
+                .iter()
+                .map(|e| {
+                    let key = e.key.clone().unwrap_or_default();
+                    let t = key.tuple.unwrap_or_default();
+                    Row {
+                        direction: name::<pb::Direction>(key.direction, "direction-"),
+                        protocol: name::<pb::Protocol>(t.protocol, "protocol-"),
+                        source: format!("{}:{}", ip(&t.source_address), t.source_port),
+                        destination: format!("{}:{}", ip(&t.destination_address), t.destination_port),
+                        state: name::<pb::TcpState>(e.tcp_state, "tcp-state-"),
+                        expires_in_s: e.expires_in_nanos as f64 / 1e9,
+                        packets_forward: e.packets_forward,
+                        packets_reply: e.packets_reply,
+                        source_identity: e.source_identity,
+                        endpoint_id: e.endpoint_id,
+                    }
+                })
+                .collect();
+            ctx.print(&rows, || {
+                let mut t = Table::new([
+                    "DIR", "PROTO", "SOURCE", "DESTINATION", "STATE", "EXPIRES", "PKTS FWD", "PKTS REPLY", "SRC ID",
+                    "EP",
+                ]);
+                for r in &rows {
+                    t.row([
+                        r.direction.clone(),
+                        r.protocol.clone(),
+                        r.source.clone(),
+                        r.destination.clone(),
+                        r.state.clone(),
+                        format!("{:.0}s", r.expires_in_s),
+                        r.packets_forward.to_string(),
+                        r.packets_reply.to_string(),
+                        r.source_identity.to_string(),
+                        r.endpoint_id.to_string(),
+                    ]);
+                }
+                t.render()
+            });
+        }
+        BpfCommand::Metrics => {
+            let r = client
+                .get_drop_counters(pb::GetDropCountersRequest { include_zero: false })
+                .await
+                .map_err(rpc)?
+                .into_inner();
+            #[derive(Serialize)]
+            struct Row {
+                kind: String,
+                reason: String,
+                direction: String,
+                packets: u64,
+                bytes: u64,
+            }
+            let mut rows: Vec<Row> = r
+                .forwarded
+                .iter()
+                .map(|f| Row {
+                    kind: "forwarded".into(),
+                    reason: "-".into(),
+                    direction: name::<pb::Direction>(f.direction, "direction-"),
+                    packets: f.packets,
+                    bytes: f.bytes,
+                })
+                .collect();
+            rows.extend(r.drops.iter().map(|d| Row {
+                kind: "dropped".into(),
+                reason: name::<pb::DropReason>(d.reason, "drop-reason-"),
+                direction: name::<pb::Direction>(d.direction, "direction-"),
+                packets: d.packets,
+                bytes: d.bytes,
+            }));
+            ctx.print(&rows, || {
+                let mut t = Table::new(["KIND", "REASON", "DIRECTION", "PACKETS", "BYTES"]);
+                for r in &rows {
+                    t.row([
+                        r.kind.clone(),
+                        r.reason.clone(),
+                        r.direction.clone(),
+                        r.packets.to_string(),
+                        r.bytes.to_string(),
+                    ]);
+                }
+                t.render()
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `rivet monitor`: streams datapath events until interrupted.
+pub async fn monitor(ctx: &Context, verdicts: bool, trace: bool, endpoints: Vec<u32>) -> Result<(), CliError> {
+    let mut client = LoaderServiceClient::new(ctx.connect(DAEMON).await?);
+    let mut types = vec![pb::EventType::Drop as i32];
+    if verdicts {
+        types.push(pb::EventType::PolicyVerdict as i32);
+    }
+    if trace {
+        types.push(pb::EventType::Trace as i32);
+    }
+    // A stream has no deadline; the per-call timeout applies to connecting.
+    let mut stream = client
+        .monitor_events(pb::MonitorEventsRequest {
+            types,
+            endpoint_ids: endpoints,
+        })
+        .await
+        .map_err(|s| CliError::rpc(DAEMON, s))?
+        .into_inner();
+    while let Some(event) = stream.message().await.map_err(|s| CliError::rpc(DAEMON, s))? {
+        print_event(ctx, &event);
+    }
+    Ok(())
+}
+
+/// One event as a line of text, or a JSON object per line.
+pub fn print_event(ctx: &Context, e: &pb::MonitorEvent) {
+    let t = e.tuple.clone().unwrap_or_default();
+    #[derive(Serialize)]
+    struct Line {
+        r#type: String,
+        reason: String,
+        verdict: String,
+        direction: String,
+        endpoint_id: u32,
+        protocol: String,
+        source: String,
+        destination: String,
+        source_identity: u32,
+        destination_identity: u32,
+        length: u32,
+        lost_events: u64,
+    }
+    let line = Line {
+        r#type: name::<pb::EventType>(e.r#type, "event-type-"),
+        reason: match pb::EventType::try_from(e.r#type) {
+            Ok(pb::EventType::Trace) => name::<pb::TracePoint>(e.trace_point, "trace-point-"),
+            _ => name::<pb::DropReason>(e.drop_reason, "drop-reason-"),
+        },
+        verdict: name::<pb::Verdict>(e.verdict, "verdict-"),
+        direction: name::<pb::Direction>(e.direction, "direction-"),
+        endpoint_id: e.endpoint_id,
+        protocol: name::<pb::Protocol>(t.protocol, "protocol-"),
+        source: format!("{}:{}", ip(&t.source_address), t.source_port),
+        destination: format!("{}:{}", ip(&t.destination_address), t.destination_port),
+        source_identity: e.source_identity,
+        destination_identity: e.destination_identity,
+        length: e.packet_length,
+        lost_events: e.lost_events,
+    };
+    match ctx.output {
+        crate::Output::Json => println!("{}", serde_json::to_string(&line).expect("serialisable")),
+        crate::Output::Table => {
+            let what = match line.r#type.as_str() {
+                "drop" => format!("DROP ({})", line.reason),
+                "policy-verdict" => format!("VERDICT {}", line.verdict),
+                "trace" => format!("TRACE {}", line.reason),
+                other => other.to_string(),
+            };
+            println!(
+                "{what} ep {} {} {} {} -> {} identity {} -> {} len {}{}",
+                line.endpoint_id,
+                line.direction,
+                line.protocol,
+                line.source,
+                line.destination,
+                line.source_identity,
+                line.destination_identity,
+                line.length,
+                if line.lost_events > 0 { format!(" (lost {} events)", line.lost_events) } else { String::new() }
+            );
+        }
+    }
+}
