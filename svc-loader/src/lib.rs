@@ -1,5 +1,10 @@
 //! svc-loader: the only privileged daemon. (Work in progress.)
 
+pub mod datapath;
+pub mod maps;
+pub mod netdev;
+pub mod policy_lpm;
+
 /// The daemon's name: its socket is `<socket-dir>/svc-loader.sock`.
 pub const DAEMON_NAME: &str = "svc-loader";
 

@@ -1002,7 +1002,11 @@ mod tests {
     fn layout_matches_rivet_h_according_to_clang() {
         let mut c = String::from("#include <stddef.h>\n#include \"rivet.h\"\n");
         for (name, fields, size) in layouts() {
-            writeln!(c, "_Static_assert(sizeof(struct {name}) == {size}, \"sizeof(struct {name}) != {size}\");").unwrap();
+            writeln!(
+                c,
+                "_Static_assert(sizeof(struct {name}) == {size}, \"sizeof(struct {name}) != {size}\");"
+            )
+            .unwrap();
             for (field, offset, len) in fields {
                 writeln!(
                     c,
@@ -1021,7 +1025,15 @@ mod tests {
         let bpf_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("bpf");
         let clang = std::env::var("CLANG").unwrap_or_else(|_| "clang".into());
         let out = Command::new(&clang)
-            .args(["-target", "bpf", "-fsyntax-only", "-Werror", "-I", "/usr/include/x86_64-linux-gnu", "-I"])
+            .args([
+                "-target",
+                "bpf",
+                "-fsyntax-only",
+                "-Werror",
+                "-I",
+                "/usr/include/x86_64-linux-gnu",
+                "-I",
+            ])
             .arg(&bpf_dir)
             .arg(&file)
             .output()
@@ -1048,7 +1060,10 @@ mod tests {
             ("config", size_of::<u32>(), size_of::<DatapathConfig>()),
         ];
         for (name, key, value) in expect {
-            let map = obj.maps.get(name).unwrap_or_else(|| panic!("the object has no map {name}"));
+            let map = obj
+                .maps
+                .get(name)
+                .unwrap_or_else(|| panic!("the object has no map {name}"));
             assert_eq!(map.key_size() as usize, key, "key size of map {name}");
             assert_eq!(map.value_size() as usize, value, "value size of map {name}");
         }
@@ -1085,7 +1100,12 @@ mod tests {
         assert_eq!(ct.src(), "198.18.0.2:40000".parse().unwrap());
         assert_eq!(ct.dst().port(), 80);
 
-        let ct6 = Ct6Key::new("[2001:2::2]:1".parse().unwrap(), "[2001:2::3]:443".parse().unwrap(), 17, DIR_INGRESS);
+        let ct6 = Ct6Key::new(
+            "[2001:2::2]:1".parse().unwrap(),
+            "[2001:2::3]:443".parse().unwrap(),
+            17,
+            DIR_INGRESS,
+        );
         assert_eq!(ct6.dst(), "[2001:2::3]:443".parse().unwrap());
         assert_eq!(ct6.sport.to_ne_bytes(), [0, 1]);
 
@@ -1131,7 +1151,10 @@ mod tests {
         assert_eq!(PolicyKey::from_lpm(&key.to_lpm()), key);
         let any = PolicyKey::new(9, 0, DIR_EGRESS, 0, 80, 0);
         assert_eq!((any.prefixlen, any.data.dport), (POLICY_PREFIX_FIXED_BITS, 0));
-        assert_eq!(PolicyKey::lookup(1, 2, DIR_EGRESS, 17, 53).prefixlen, POLICY_PREFIX_FULL_BITS);
+        assert_eq!(
+            PolicyKey::lookup(1, 2, DIR_EGRESS, 17, 53).prefixlen,
+            POLICY_PREFIX_FULL_BITS
+        );
     }
 
     #[test]

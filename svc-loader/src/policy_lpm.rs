@@ -312,10 +312,7 @@ fn validate(index: usize, rule: &PolicyRule) -> Result<(), PolicyRuleError> {
         });
     }
     if rule.protocol == 0 && (rule.port != 0 || rule.end_port != 0) {
-        return Err(PolicyRuleError::PortWithoutProtocol {
-            index,
-            port: rule.port,
-        });
+        return Err(PolicyRuleError::PortWithoutProtocol { index, port: rule.port });
     }
     if rule.end_port != 0 && (rule.port == 0 || rule.end_port < rule.port) {
         return Err(PolicyRuleError::PortRange {
@@ -361,7 +358,12 @@ pub fn diff(current: &BTreeMap<PolicyEntry, u8>, desired: &BTreeMap<PolicyEntry,
             .map(|(e, _)| (*e, None))
     };
     steps.extend(upserts(VERDICT_DENY));
-    steps.extend(current.iter().filter(|(e, v)| **v != VERDICT_DENY && !desired.contains_key(e)).map(|(e, _)| (*e, None)));
+    steps.extend(
+        current
+            .iter()
+            .filter(|(e, v)| **v != VERDICT_DENY && !desired.contains_key(e))
+            .map(|(e, _)| (*e, None)),
+    );
     steps.extend(upserts(VERDICT_ALLOW));
     steps.extend(removals(VERDICT_DENY));
     PolicyDiff { steps }
@@ -401,14 +403,22 @@ mod tests {
         let mut rng = Rng(0x5eed);
         for _ in 0..20_000 {
             let a = rng.port();
-            let b = if rng.below(4) == 0 { a.saturating_add(rng.below(40) as u16) } else { rng.port() };
+            let b = if rng.below(4) == 0 {
+                a.saturating_add(rng.below(40) as u16)
+            } else {
+                rng.port()
+            };
             let (start, end) = (a.min(b), a.max(b));
             let blocks = port_blocks(start, end);
             let mut next = u32::from(start);
             for (i, &(port, bits)) in blocks.iter().enumerate() {
                 let span = block_span(bits);
                 assert_eq!(u32::from(port), next, "{start}-{end}: gap or overlap");
-                assert_eq!(u32::from(port) % span, 0, "{start}-{end}: block {port}/{bits} not aligned");
+                assert_eq!(
+                    u32::from(port) % span,
+                    0,
+                    "{start}-{end}: block {port}/{bits} not aligned"
+                );
                 next += span;
                 if let Some(&(p2, b2)) = blocks.get(i + 1)
                     && b2 == bits
@@ -465,7 +475,11 @@ mod tests {
             ],
         )
         .unwrap();
-        assert!(entries.iter().any(|(e, v)| e.port == 1024 && e.port_bits == 16 && *v == VERDICT_DENY));
+        assert!(
+            entries
+                .iter()
+                .any(|(e, v)| e.port == 1024 && e.port_bits == 16 && *v == VERDICT_DENY)
+        );
     }
 
     #[test]
@@ -623,7 +637,11 @@ mod tests {
                         _ => {
                             let a = ports[rng.below(ports.len() as u64) as usize];
                             let b = ports[rng.below(ports.len() as u64) as usize];
-                            if a == 0 || b == 0 { (a.max(b).max(1), 0) } else { (a.min(b), a.max(b)) }
+                            if a == 0 || b == 0 {
+                                (a.max(b).max(1), 0)
+                            } else {
+                                (a.min(b), a.max(b))
+                            }
                         }
                     }
                 };
@@ -677,7 +695,11 @@ mod tests {
                     .iter()
                     .filter(|(o, _)| *o != entry && o.contains(entry))
                     .max_by_key(|(o, _)| o.port_bits);
-                assert_ne!(nearest.map(|(_, v)| v), Some(verdict), "case {case}: {entry:?} is redundant");
+                assert_ne!(
+                    nearest.map(|(_, v)| v),
+                    Some(verdict),
+                    "case {case}: {entry:?} is redundant"
+                );
             }
         }
     }

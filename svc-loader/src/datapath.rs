@@ -1,0 +1,2196 @@
+//! The loaded datapath: the BPF object, its pinned maps, and the TCX
+//! attachments of its two programs.
+//!
+//! # Pins
+//!
+//! Everything lives under one pin directory, `<bpffs>/rivet/<node>/`
+//! ([`DatapathOptions::pin_dir`]):
+//!
+//! - `<pin_dir>/<map>` for every map of the object (`endpoints`, `ipcache`,
+//!   `policy`, `ct4`, `ct6`, `metrics`, `events`, `config`, and any map the
+//!   datapath adds later);
+//! - `<pin_dir>/links/<ifindex>-ingress` and `…-egress`: the TCX links of
+//!   `from_container` (tc ingress of the host-side veth) and `to_container`
+//!   (tc egress).
+//!
+//! [`Datapath::open`] reuses an existing map pin only if the kernel's map has
+//! exactly the type, key size, value size, max_entries and flags this object
+//! and these options ask for; otherwise it fails with
+//! [`DatapathError::PinMismatch`], naming the map and the fix. It never
+//! deletes or recreates a map pin: a map in use keeps its state across
+//! loader restarts, and replacing one is an operator's decision.
+//!
+//! # Attachments outlive the loader
+//!
+//! A TCX link is a kernel object that stays attached as long as something
+//! references it. [`Datapath::attach`] takes the link out of aya (so no aya
+//! `Drop` detaches it), pins it, and closes its own fd: from then on only the
+//! pin holds it, and the programs keep running when the loader exits or
+//! crashes (the link holds the program, the program holds its maps). A new
+//! loader [`adopts`](Datapath::adopt_existing) each pinned link by atomically
+//! replacing its program with its own instance (`BPF_LINK_UPDATE`, no packet
+//! sees a missing program); a link whose interface is gone (the kernel
+//! reports ifindex 0 and refuses updates with `ENOLINK`) is unpinned, which
+//! frees it. [`Datapath::detach`] detaches explicitly (`BPF_LINK_DETACH`) and
+//! unpins, so nothing else holding the link can keep it attached.
+//!
+//! Interfaces are looked up in the calling thread's network namespace
+//! ([`crate::netdev`]); the loader is meant to run inside the node's.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+
+use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, RingBuf};
+use aya::programs::links::{FdLink, PinnedLink};
+use aya::programs::tc::{SchedClassifierLink, TcAttachOptions};
+use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
+use aya::sys::SyscallError;
+use aya::{Ebpf, EbpfError, EbpfLoader};
+
+use crate::DATAPATH_OBJECT;
+use crate::maps::{
+    Ct4Key, Ct6Key, CtEntry, CtTimeouts, DatapathConfig, EndpointInfo, EndpointKey, IpcacheKeyData, IpcacheValue,
+    METRICS_ENTRIES, MetricsValue, PolicyKeyData, PolicyValue,
+};
+use crate::netdev;
+
+/// Map names (as in `bpf/datapath.c` and under the pin directory).
+pub const MAP_ENDPOINTS: &str = "endpoints";
+/// The ipcache LPM trie.
+pub const MAP_IPCACHE: &str = "ipcache";
+/// The policy LPM trie.
+pub const MAP_POLICY: &str = "policy";
+/// IPv4 conntrack.
+pub const MAP_CT4: &str = "ct4";
+/// IPv6 conntrack.
+pub const MAP_CT6: &str = "ct6";
+/// Per-CPU counters by reason and direction.
+pub const MAP_METRICS: &str = "metrics";
+/// The event ring buffer.
+pub const MAP_EVENTS: &str = "events";
+/// The single-entry config array.
+pub const MAP_CONFIG: &str = "config";
+/// Every map the loader uses by name.
+pub const MAP_NAMES: [&str; 8] = [
+    MAP_ENDPOINTS,
+    MAP_IPCACHE,
+    MAP_POLICY,
+    MAP_CT4,
+    MAP_CT6,
+    MAP_METRICS,
+    MAP_EVENTS,
+    MAP_CONFIG,
+];
+
+/// The program on tc ingress of the host-side veth (packets leaving the pod).
+pub const PROG_FROM_CONTAINER: &str = "from_container";
+/// The program on tc egress of the host-side veth (packets entering the pod).
+pub const PROG_TO_CONTAINER: &str = "to_container";
+
+/// Subdirectory of the pin directory holding the TCX link pins.
+pub const LINKS_DIR: &str = "links";
+
+/// Default bpffs mount point.
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
+/// Default endpoints map size (Cilium: 64Ki endpoints per node).
+pub const DEFAULT_ENDPOINTS_MAX: u32 = 65_536;
+/// Default ipcache size (Cilium: 512Ki prefixes).
+pub const DEFAULT_IPCACHE_MAX: u32 = 524_288;
+/// Default policy map size: 16Ki entries per endpoint, for 64 endpoints' worth.
+pub const DEFAULT_POLICY_MAX: u32 = 16_384 * 64;
+/// Default conntrack size per family (Cilium: 512Ki TCP + 256Ki other).
+pub const DEFAULT_CT_MAX: u32 = 512 * 1024 + 256 * 1024;
+/// Default event ring buffer size (bytes).
+pub const DEFAULT_EVENTS_BYTES: u32 = 1 << 20;
+
+/// `BPF_F_NO_PREALLOC`.
+const BPF_F_NO_PREALLOC: u32 = 1;
+/// `BPF_LINK_TYPE_TCX` (linux/bpf.h).
+const BPF_LINK_TYPE_TCX: u32 = 11;
+/// `BPF_TCX_INGRESS` (linux/bpf.h).
+const BPF_TCX_INGRESS: u32 = 46;
+/// `BPF_TCX_EGRESS` (linux/bpf.h).
+const BPF_TCX_EGRESS: u32 = 47;
+/// `BPF_FS_MAGIC` (linux/magic.h).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+// ------------------------------------------------------------------- options
+
+/// Where the datapath's pins live and how big its maps are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DatapathOptions {
+    /// `<bpffs>/rivet/<node>`: maps directly in it, links in `links/`.
+    pub pin_dir: PathBuf,
+    /// max_entries of `endpoints` (each endpoint takes one entry per address plus one).
+    pub endpoints_max: u32,
+    /// max_entries of `ipcache`.
+    pub ipcache_max: u32,
+    /// max_entries of `policy` (all endpoints together).
+    pub policy_max: u32,
+    /// max_entries of `ct4`.
+    pub ct4_max: u32,
+    /// max_entries of `ct6`.
+    pub ct6_max: u32,
+    /// Size of the `events` ring buffer in bytes (rounded up to a power-of-two
+    /// number of pages, as the kernel requires).
+    pub events_bytes: u32,
+    /// Conntrack lifetimes, written to the config map on open.
+    pub ct_timeouts: CtTimeouts,
+    /// `CONFIG_EVENT_*`, written to the config map on open.
+    pub event_flags: u32,
+}
+
+impl DatapathOptions {
+    /// Cilium-like defaults with the pins in `pin_dir`.
+    pub fn new(pin_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            pin_dir: pin_dir.into(),
+            endpoints_max: DEFAULT_ENDPOINTS_MAX,
+            ipcache_max: DEFAULT_IPCACHE_MAX,
+            policy_max: DEFAULT_POLICY_MAX,
+            ct4_max: DEFAULT_CT_MAX,
+            ct6_max: DEFAULT_CT_MAX,
+            events_bytes: DEFAULT_EVENTS_BYTES,
+            ct_timeouts: CtTimeouts::default(),
+            event_flags: 0,
+        }
+    }
+
+    /// Defaults with the pins in `<bpffs>/rivet/<node>`. The node name must
+    /// be one path component (no `/`, not `.` or `..`).
+    pub fn for_node(bpffs: impl AsRef<Path>, node: &str) -> Result<Self, DatapathError> {
+        if node.is_empty() || node == "." || node == ".." || node.contains('/') || node.contains('\0') {
+            return Err(DatapathError::InvalidOptions(format!(
+                "node name {node:?} cannot name a pin directory"
+            )));
+        }
+        Ok(Self::new(bpffs.as_ref().join("rivet").join(node)))
+    }
+
+    /// `<pin_dir>/links`.
+    pub fn links_dir(&self) -> PathBuf {
+        self.pin_dir.join(LINKS_DIR)
+    }
+
+    /// The ring buffer size the kernel gets: `events_bytes` rounded up to a
+    /// power-of-two number of pages (what aya does before creating it).
+    pub fn effective_events_bytes(&self) -> u32 {
+        let page = page_size();
+        let pages = self.events_bytes.div_ceil(page).max(1);
+        page * pages.next_power_of_two()
+    }
+
+    fn max_entries(&self) -> [(&'static str, u32); 6] {
+        [
+            (MAP_ENDPOINTS, self.endpoints_max),
+            (MAP_IPCACHE, self.ipcache_max),
+            (MAP_POLICY, self.policy_max),
+            (MAP_CT4, self.ct4_max),
+            (MAP_CT6, self.ct6_max),
+            (MAP_EVENTS, self.events_bytes),
+        ]
+    }
+
+    fn validate(&self) -> Result<(), DatapathError> {
+        if !self.pin_dir.is_absolute() {
+            return Err(DatapathError::InvalidOptions(format!(
+                "pin directory {} must be an absolute path on a bpffs",
+                self.pin_dir.display()
+            )));
+        }
+        if let Some((name, _)) = self.max_entries().iter().find(|(_, n)| *n == 0) {
+            return Err(DatapathError::InvalidOptions(format!(
+                "the size of map {name} must not be 0"
+            )));
+        }
+        if self.events_bytes > 1 << 30 {
+            return Err(DatapathError::InvalidOptions(format!(
+                "events ring buffer of {} bytes is too big (at most 1 GiB)",
+                self.events_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn page_size() -> u32 {
+    // SAFETY: sysconf has no memory effects.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u32::try_from(size).ok().filter(|s| *s > 0).unwrap_or(4096)
+}
+
+// -------------------------------------------------------------------- errors
+
+/// What a map is, as the kernel reports it (or as the loader wants it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSpec {
+    /// `BPF_MAP_TYPE_*`.
+    pub map_type: u32,
+    /// Key size in bytes.
+    pub key_size: u32,
+    /// Value size in bytes.
+    pub value_size: u32,
+    /// max_entries (bytes for a ring buffer).
+    pub max_entries: u32,
+    /// `BPF_F_*` map flags.
+    pub flags: u32,
+}
+
+impl fmt::Display for MapSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (key {} B, value {} B, max_entries {}, flags {:#x})",
+            map_type_name(self.map_type),
+            self.key_size,
+            self.value_size,
+            self.max_entries,
+            self.flags
+        )
+    }
+}
+
+fn map_type_name(map_type: u32) -> String {
+    let name = match map_type {
+        1 => "hash",
+        2 => "array",
+        6 => "percpu_array",
+        9 => "lru_hash",
+        11 => "lpm_trie",
+        27 => "ringbuf",
+        _ => return format!("map type {map_type}"),
+    };
+    name.to_owned()
+}
+
+/// One of the two attachment points of an endpoint's host-side veth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Hook {
+    /// tc ingress of the host-side veth: `from_container` (packets leaving the pod).
+    Ingress,
+    /// tc egress of the host-side veth: `to_container` (packets entering the pod).
+    Egress,
+}
+
+impl Hook {
+    /// Both hooks.
+    pub const ALL: [Self; 2] = [Self::Ingress, Self::Egress];
+
+    /// The program attached here.
+    pub const fn program(self) -> &'static str {
+        match self {
+            Self::Ingress => PROG_FROM_CONTAINER,
+            Self::Egress => PROG_TO_CONTAINER,
+        }
+    }
+
+    /// `ingress` / `egress` (the suffix of the link pin).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Ingress => "ingress",
+            Self::Egress => "egress",
+        }
+    }
+
+    fn tc_attach_type(self) -> TcAttachType {
+        match self {
+            Self::Ingress => TcAttachType::Ingress,
+            Self::Egress => TcAttachType::Egress,
+        }
+    }
+
+    fn bpf_attach_type(self) -> u32 {
+        match self {
+            Self::Ingress => BPF_TCX_INGRESS,
+            Self::Egress => BPF_TCX_EGRESS,
+        }
+    }
+
+    fn from_suffix(s: &str) -> Option<Self> {
+        match s {
+            "ingress" => Some(Self::Ingress),
+            "egress" => Some(Self::Egress),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Hook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TCX {}", self.as_str())
+    }
+}
+
+/// Renders an error with all its sources (`a: b: c`); aya keeps the useful
+/// part (the errno, the verifier log) in the sources.
+struct Chain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(err) = source {
+            write!(f, ": {err}")?;
+            source = err.source();
+        }
+        Ok(())
+    }
+}
+
+fn chain<'a>(err: &'a (dyn std::error::Error + 'static)) -> Chain<'a> {
+    Chain(err)
+}
+
+/// Everything [`Datapath`] can fail with; each message says what was being
+/// done and to what (map, pin path, program, interface).
+#[derive(Debug, thiserror::Error)]
+pub enum DatapathError {
+    /// The options cannot work.
+    #[error("invalid datapath options: {0}")]
+    InvalidOptions(String),
+    /// The pin directory is not on a BPF filesystem.
+    #[error(
+        "{} is not on a BPF filesystem (found filesystem type {fs_type:#x}); \
+         mount one with `mount -t bpf bpf /sys/fs/bpf`",
+        path.display()
+    )]
+    NotBpffs {
+        /// The directory checked (the nearest existing ancestor of the pin directory).
+        path: PathBuf,
+        /// Its `statfs` type.
+        fs_type: i64,
+    },
+    /// A file system operation failed.
+    #[error("{what} {}: {error}", path.display())]
+    Io {
+        /// What was being done.
+        what: String,
+        /// On what.
+        path: PathBuf,
+        /// The error.
+        error: io::Error,
+    },
+    /// The embedded object lacks something the loader needs (a build bug).
+    #[error("the embedded datapath object is unusable: {0}")]
+    Object(String),
+    /// A pinned map differs from what the datapath needs.
+    #[error("map `{map}` pinned at {} is {found}, but the datapath needs {expected}; to fix: {fix}", pin.display())]
+    PinMismatch {
+        /// The map name.
+        map: String,
+        /// Its pin.
+        pin: PathBuf,
+        /// What the pinned map is.
+        found: MapSpec,
+        /// What this object with these options needs.
+        expected: MapSpec,
+        /// What the operator can do.
+        fix: String,
+    },
+    /// Something other than a map is pinned where a map belongs.
+    #[error("{} should be the pinned map `{map}` but is {found}; to fix: {fix}", pin.display())]
+    PinNotAMap {
+        /// The map name.
+        map: String,
+        /// The pin path.
+        pin: PathBuf,
+        /// What is there instead.
+        found: String,
+        /// What the operator can do.
+        fix: String,
+    },
+    /// A pinned object could not be opened or inspected.
+    #[error("{what} {}: {error}", pin.display())]
+    Pin {
+        /// What was being done.
+        what: String,
+        /// The pin path.
+        pin: PathBuf,
+        /// The error.
+        error: io::Error,
+    },
+    /// Creating or reusing the maps failed.
+    #[error(
+        "loading the datapath object with its maps pinned under {}: {}; \
+         loading needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN)",
+        pin_dir.display(),
+        chain(&**.error)
+    )]
+    Load {
+        /// The pin directory.
+        pin_dir: PathBuf,
+        /// aya's error.
+        error: Box<EbpfError>,
+    },
+    /// A program could not be loaded (verifier) or inspected.
+    #[error("{what} program {program}: {}", chain(&**.error))]
+    Program {
+        /// What was being done.
+        what: &'static str,
+        /// The program name.
+        program: &'static str,
+        /// aya's error.
+        error: Box<ProgramError>,
+    },
+    /// A map operation failed.
+    #[error("{what} map {map}: {}", chain(&**.error))]
+    Map {
+        /// What was being done.
+        what: String,
+        /// The map name.
+        map: &'static str,
+        /// aya's error.
+        error: Box<MapError>,
+    },
+    /// No interface with that index in the loader's network namespace.
+    #[error("no interface with ifindex {ifindex} in the loader's network namespace")]
+    InterfaceNotFound {
+        /// The index asked for.
+        ifindex: u32,
+    },
+    /// Looking up an interface failed (not: the interface does not exist).
+    #[error("looking up interface {ifindex}: {error}")]
+    Netdev {
+        /// The index asked for.
+        ifindex: u32,
+        /// The error.
+        error: io::Error,
+    },
+    /// Attaching, replacing or querying a program on a hook failed.
+    #[error("{what} {program} on {hook} of {ifname} (ifindex {ifindex}): {}", chain(&**.error))]
+    Attach {
+        /// What was being done.
+        what: &'static str,
+        /// The program.
+        program: &'static str,
+        /// The hook.
+        hook: Hook,
+        /// The interface index.
+        ifindex: u32,
+        /// The interface name (or `?`).
+        ifname: String,
+        /// aya's error.
+        error: Box<ProgramError>,
+    },
+    /// A link pin could not be used.
+    #[error("{what} of {hook} on ifindex {ifindex} (pinned at {}): {error}", pin.display())]
+    Link {
+        /// What was being done.
+        what: String,
+        /// The hook.
+        hook: Hook,
+        /// The interface index.
+        ifindex: u32,
+        /// The pin path.
+        pin: PathBuf,
+        /// The error.
+        error: io::Error,
+    },
+    /// Something pinned in the links directory is not what the loader pins there.
+    #[error(
+        "{} is not a TCX link of this datapath ({detail}); nothing was changed: \
+         remove it by hand if it is a leftover",
+        pin.display()
+    )]
+    ForeignLinkPin {
+        /// The pin path.
+        pin: PathBuf,
+        /// What is wrong with it.
+        detail: String,
+    },
+}
+
+fn io_err(what: impl Into<String>, path: &Path) -> impl FnOnce(io::Error) -> DatapathError {
+    let (what, path) = (what.into(), path.to_owned());
+    move |error| DatapathError::Io { what, path, error }
+}
+
+fn map_err(what: impl Into<String>, map: &'static str) -> impl FnOnce(MapError) -> DatapathError {
+    let what = what.into();
+    move |error| DatapathError::Map {
+        what,
+        map,
+        error: Box::new(error),
+    }
+}
+
+// --------------------------------------------------------------- attach state
+
+/// What [`Datapath::attach`] did on one hook.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkChange {
+    /// The pinned link already runs this loader's program.
+    Unchanged,
+    /// A new link was attached and pinned.
+    Created,
+    /// The pinned link now runs this loader's program instead of `previous_prog_id`.
+    Updated {
+        /// The program id the link ran before.
+        previous_prog_id: u32,
+    },
+    /// The pin held a defunct link (its interface was deleted); it was
+    /// unpinned and a new link attached and pinned.
+    Recreated,
+}
+
+impl LinkChange {
+    /// Whether anything changed.
+    pub fn changed(self) -> bool {
+        self != Self::Unchanged
+    }
+
+    fn is_new(self) -> bool {
+        matches!(self, Self::Created | Self::Recreated)
+    }
+}
+
+/// The result of [`Datapath::attach`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttachOutcome {
+    /// The interface.
+    pub ifindex: u32,
+    /// Its name in the loader's namespace.
+    pub ifname: String,
+    /// `from_container` on tc ingress.
+    pub ingress: LinkChange,
+    /// `to_container` on tc egress.
+    pub egress: LinkChange,
+}
+
+impl AttachOutcome {
+    /// Whether anything changed.
+    pub fn changed(&self) -> bool {
+        self.ingress.changed() || self.egress.changed()
+    }
+}
+
+/// The result of [`Datapath::detach`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DetachOutcome {
+    /// An ingress link was detached (or its defunct pin removed).
+    pub ingress: bool,
+    /// An egress link was detached (or its defunct pin removed).
+    pub egress: bool,
+}
+
+impl DetachOutcome {
+    /// Whether anything changed.
+    pub fn changed(&self) -> bool {
+        self.ingress || self.egress
+    }
+}
+
+/// What [`Datapath::adopt_existing`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AdoptReport {
+    /// Links now running this loader's programs (they ran another instance).
+    pub updated: usize,
+    /// Links that already ran this loader's programs.
+    pub unchanged: usize,
+    /// Pins removed because their interface is gone (ifindex, hook).
+    pub removed: Vec<(u32, Hook)>,
+    /// Entries of the links directory left alone, with the reason.
+    pub ignored: Vec<(PathBuf, String)>,
+}
+
+/// The state of one hook of one interface, see [`Datapath::attachments`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachState {
+    /// This loader's program is attached by the pinned link.
+    Attached {
+        /// Kernel link id.
+        link_id: u32,
+        /// Kernel program id (this loader's).
+        prog_id: u32,
+    },
+    /// No pinned link for this hook (or the link's program is not on the hook).
+    Detached,
+    /// The pinned link runs another program (another loader instance's):
+    /// [`Datapath::adopt_existing`] or [`Datapath::attach`] fixes it.
+    Stale {
+        /// Kernel link id.
+        link_id: u32,
+        /// Kernel program id.
+        prog_id: u32,
+    },
+    /// The pinned link's interface no longer exists (in this namespace).
+    InterfaceGone,
+}
+
+/// One interface with pinned links.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    /// The interface index (from the pin names).
+    pub ifindex: u32,
+    /// Its name in the loader's namespace, if it exists there.
+    pub ifname: Option<String>,
+    /// `from_container` on tc ingress.
+    pub ingress: AttachState,
+    /// `to_container` on tc egress.
+    pub egress: AttachState,
+}
+
+/// Kernel ids of this loader's program instances.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProgramIds {
+    /// `from_container`.
+    pub from_container: u32,
+    /// `to_container`.
+    pub to_container: u32,
+}
+
+impl ProgramIds {
+    /// The program id attached at `hook`.
+    pub fn for_hook(&self, hook: Hook) -> u32 {
+        match hook {
+            Hook::Ingress => self.from_container,
+            Hook::Egress => self.to_container,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------- maps
+
+/// The typed maps (all pinned). Use the key constructors in [`crate::maps`].
+pub struct DatapathMaps {
+    /// ifindex / address → endpoint.
+    pub endpoints: HashMap<MapData, EndpointKey, EndpointInfo>,
+    /// prefix → identity (keys: `IpcacheKey::to_lpm()`).
+    pub ipcache: LpmTrie<MapData, IpcacheKeyData, IpcacheValue>,
+    /// policy entries (keys: `PolicyEntry::lpm_key()` / `PolicyKey::to_lpm()`).
+    pub policy: LpmTrie<MapData, PolicyKeyData, PolicyValue>,
+    /// IPv4 conntrack (an LRU hash).
+    pub ct4: HashMap<MapData, Ct4Key, CtEntry>,
+    /// IPv6 conntrack (an LRU hash).
+    pub ct6: HashMap<MapData, Ct6Key, CtEntry>,
+    /// Per-CPU counters, index `metrics_index(reason, direction)`.
+    pub metrics: PerCpuArray<MapData, MetricsValue>,
+    /// The datapath config (index 0).
+    pub config: Array<MapData, DatapathConfig>,
+}
+
+impl fmt::Debug for DatapathMaps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // aya's array types have no Debug; the names are what matters.
+        f.debug_struct("DatapathMaps").finish_non_exhaustive()
+    }
+}
+
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, DatapathError>
+where
+    T: TryFrom<Map, Error = MapError>,
+{
+    let map = ebpf
+        .take_map(name)
+        .ok_or_else(|| DatapathError::Object(format!("it has no map {name}")))?;
+    T::try_from(map).map_err(map_err("using", name))
+}
+
+impl DatapathMaps {
+    fn take(ebpf: &mut Ebpf) -> Result<Self, DatapathError> {
+        Ok(Self {
+            endpoints: take_map(ebpf, MAP_ENDPOINTS)?,
+            ipcache: take_map(ebpf, MAP_IPCACHE)?,
+            policy: take_map(ebpf, MAP_POLICY)?,
+            ct4: take_map(ebpf, MAP_CT4)?,
+            ct6: take_map(ebpf, MAP_CT6)?,
+            metrics: take_map(ebpf, MAP_METRICS)?,
+            config: take_map(ebpf, MAP_CONFIG)?,
+        })
+    }
+}
+
+// ------------------------------------------------------------------ datapath
+
+/// The loaded datapath of one node; see the module docs.
+///
+/// Dropping it closes this process's handles only: maps stay pinned, and
+/// attached programs stay attached through their pinned links.
+pub struct Datapath {
+    opts: DatapathOptions,
+    /// Holds the two loaded programs (the maps are taken out into `maps`).
+    ebpf: Ebpf,
+    maps: DatapathMaps,
+    events: Option<RingBuf<MapData>>,
+    program_ids: ProgramIds,
+    adoption: AdoptReport,
+}
+
+impl fmt::Debug for Datapath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Datapath")
+            .field("pin_dir", &self.opts.pin_dir)
+            .field("program_ids", &self.program_ids)
+            .field("events_taken", &self.events.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A pinned link as the kernel describes it.
+struct PinnedTcx {
+    fd: OwnedFd,
+    link_id: u32,
+    prog_id: u32,
+    /// 0 once the interface is gone (or the link was detached).
+    ifindex: u32,
+}
+
+enum Update {
+    Updated,
+    Defunct,
+}
+
+impl Datapath {
+    /// Loads the datapath with its maps pinned in `opts.pin_dir` (reusing
+    /// matching pins, refusing mismatching ones), loads both programs, writes
+    /// the config map, and [adopts](Self::adopt_existing) pinned links.
+    pub fn open(opts: DatapathOptions) -> Result<Self, DatapathError> {
+        opts.validate()?;
+        check_bpffs(&opts.pin_dir)?;
+        let links_dir = opts.links_dir();
+        std::fs::create_dir_all(&links_dir).map_err(io_err("creating the pin directory", &links_dir))?;
+
+        let specs = expected_specs(&opts)?;
+        for (name, spec) in &specs {
+            check_map_pin(name, &opts.pin_dir.join(name), spec)?;
+        }
+
+        let pins: Vec<(&str, PathBuf)> = specs
+            .keys()
+            .map(|name| (name.as_str(), opts.pin_dir.join(name)))
+            .collect();
+        let mut loader = EbpfLoader::new();
+        for (name, pin) in &pins {
+            loader.map_pin_path(name, pin.as_path());
+        }
+        for (name, max) in opts.max_entries() {
+            loader.map_max_entries(name, max);
+        }
+        let mut ebpf = loader.load(DATAPATH_OBJECT).map_err(|error| DatapathError::Load {
+            pin_dir: opts.pin_dir.clone(),
+            error: Box::new(error),
+        })?;
+        // Again, now that every pin exists: one created by someone else
+        // between the check and the load would have been reused as is.
+        for (name, spec) in &specs {
+            check_map_pin(name, &opts.pin_dir.join(name), spec)?;
+        }
+
+        let mut ids = [0u32; 2];
+        for (hook, id) in Hook::ALL.into_iter().zip(&mut ids) {
+            let prog = classifier(&mut ebpf, hook)?;
+            let program = hook.program();
+            prog.load().map_err(|error| DatapathError::Program {
+                what: "loading (verifying)",
+                program,
+                error: Box::new(error),
+            })?;
+            *id = prog
+                .info()
+                .map_err(|error| DatapathError::Program {
+                    what: "reading the id of",
+                    program,
+                    error: Box::new(error),
+                })?
+                .id();
+        }
+        let maps = DatapathMaps::take(&mut ebpf)?;
+        let events = take_map(&mut ebpf, MAP_EVENTS)?;
+
+        let mut datapath = Self {
+            opts,
+            ebpf,
+            maps,
+            events: Some(events),
+            program_ids: ProgramIds {
+                from_container: ids[0],
+                to_container: ids[1],
+            },
+            adoption: AdoptReport::default(),
+        };
+        datapath.write_config()?;
+        datapath.adoption = datapath.adopt_existing()?;
+        Ok(datapath)
+    }
+
+    /// The options it was opened with.
+    pub fn options(&self) -> &DatapathOptions {
+        &self.opts
+    }
+
+    /// The pin directory.
+    pub fn pin_dir(&self) -> &Path {
+        &self.opts.pin_dir
+    }
+
+    /// Kernel ids of this instance's programs.
+    pub fn program_ids(&self) -> ProgramIds {
+        self.program_ids
+    }
+
+    /// What [`open`](Self::open) found and did with pinned links.
+    pub fn adoption(&self) -> &AdoptReport {
+        &self.adoption
+    }
+
+    /// The typed maps.
+    pub fn maps(&self) -> &DatapathMaps {
+        &self.maps
+    }
+
+    /// The typed maps, writable.
+    pub fn maps_mut(&mut self) -> &mut DatapathMaps {
+        &mut self.maps
+    }
+
+    /// The endpoints map.
+    pub fn endpoints(&mut self) -> &mut HashMap<MapData, EndpointKey, EndpointInfo> {
+        &mut self.maps.endpoints
+    }
+
+    /// The ipcache LPM trie.
+    pub fn ipcache(&mut self) -> &mut LpmTrie<MapData, IpcacheKeyData, IpcacheValue> {
+        &mut self.maps.ipcache
+    }
+
+    /// The policy LPM trie.
+    pub fn policy(&mut self) -> &mut LpmTrie<MapData, PolicyKeyData, PolicyValue> {
+        &mut self.maps.policy
+    }
+
+    /// IPv4 conntrack.
+    pub fn ct4(&mut self) -> &mut HashMap<MapData, Ct4Key, CtEntry> {
+        &mut self.maps.ct4
+    }
+
+    /// IPv6 conntrack.
+    pub fn ct6(&mut self) -> &mut HashMap<MapData, Ct6Key, CtEntry> {
+        &mut self.maps.ct6
+    }
+
+    /// The per-CPU metrics.
+    pub fn metrics(&self) -> &PerCpuArray<MapData, MetricsValue> {
+        &self.maps.metrics
+    }
+
+    /// The config array.
+    pub fn config(&mut self) -> &mut Array<MapData, DatapathConfig> {
+        &mut self.maps.config
+    }
+
+    /// The event ring buffer, for one consumer (`None` once taken). It can be
+    /// wrapped in `tokio::io::unix::AsyncFd` for async reading.
+    pub fn take_events(&mut self) -> Option<RingBuf<MapData>> {
+        self.events.take()
+    }
+
+    /// The counters summed over CPUs, by `(reason, direction)`, non-zero only.
+    pub fn metrics_totals(&self) -> Result<BTreeMap<(u8, u8), MetricsValue>, DatapathError> {
+        let mut totals = BTreeMap::new();
+        for index in 0..METRICS_ENTRIES {
+            let per_cpu = self
+                .maps
+                .metrics
+                .get(&index, 0)
+                .map_err(map_err(format!("reading index {index} of"), MAP_METRICS))?;
+            let sum = per_cpu.iter().fold(MetricsValue::default(), |acc, v| MetricsValue {
+                packets: acc.packets + v.packets,
+                bytes: acc.bytes + v.bytes,
+            });
+            if sum != MetricsValue::default() {
+                totals.insert(((index / 4) as u8, (index % 4) as u8), sum);
+            }
+        }
+        Ok(totals)
+    }
+
+    /// Writes the options' conntrack lifetimes and event flags to the config map.
+    pub fn write_config(&mut self) -> Result<(), DatapathError> {
+        let config = DatapathConfig {
+            event_flags: self.opts.event_flags,
+            pad: 0,
+            ct: self.opts.ct_timeouts,
+        };
+        self.maps
+            .config
+            .set(0, config, 0)
+            .map_err(map_err("writing the config to", MAP_CONFIG))
+    }
+
+    /// Changes the conntrack lifetimes and event flags (and writes them).
+    pub fn set_config(&mut self, ct_timeouts: CtTimeouts, event_flags: u32) -> Result<(), DatapathError> {
+        self.opts.ct_timeouts = ct_timeouts;
+        self.opts.event_flags = event_flags;
+        self.write_config()
+    }
+
+    /// The pin of the link of `hook` on `ifindex`.
+    pub fn link_pin(&self, ifindex: u32, hook: Hook) -> PathBuf {
+        self.opts.links_dir().join(format!("{ifindex}-{}", hook.as_str()))
+    }
+
+    /// Attaches `from_container` to TCX ingress and `to_container` to TCX
+    /// egress of interface `ifindex` (in the calling thread's namespace),
+    /// pinning each link so the attachment outlives this process.
+    ///
+    /// Idempotent: a pinned link that already runs this instance's program
+    /// is left alone; one that runs another program (a previous loader's) is
+    /// updated in place, atomically; a defunct one is replaced. If the
+    /// second hook fails, a link this call created on the first is removed
+    /// again.
+    pub fn attach(&mut self, ifindex: u32) -> Result<AttachOutcome, DatapathError> {
+        let ifname = self
+            .ifname(ifindex)?
+            .ok_or(DatapathError::InterfaceNotFound { ifindex })?;
+        let ingress = self.attach_hook(ifindex, &ifname, Hook::Ingress)?;
+        let egress = match self.attach_hook(ifindex, &ifname, Hook::Egress) {
+            Ok(change) => change,
+            Err(err) => {
+                if ingress.is_new() {
+                    // Best effort: the error that matters is `err`.
+                    let _ = self.detach_hook(ifindex, Hook::Ingress);
+                }
+                return Err(err);
+            }
+        };
+        Ok(AttachOutcome {
+            ifindex,
+            ifname,
+            ingress,
+            egress,
+        })
+    }
+
+    /// Detaches both programs from `ifindex` and removes the link pins
+    /// (only the pins if the interface is gone). Idempotent.
+    pub fn detach(&mut self, ifindex: u32) -> Result<DetachOutcome, DatapathError> {
+        Ok(DetachOutcome {
+            ingress: self.detach_hook(ifindex, Hook::Ingress)?,
+            egress: self.detach_hook(ifindex, Hook::Egress)?,
+        })
+    }
+
+    /// Makes every pinned link run this instance's programs (atomic program
+    /// replacement), and removes the pins of links whose interface is gone.
+    /// Runs on [`open`](Self::open); entries of the links directory that are
+    /// not this loader's pins are reported and left alone.
+    pub fn adopt_existing(&mut self) -> Result<AdoptReport, DatapathError> {
+        let mut report = AdoptReport::default();
+        let (pins, ignored) = self.pinned_links()?;
+        report.ignored = ignored;
+        for (ifindex, hook, pin) in pins {
+            let link = match self.open_link_pin(ifindex, hook, &pin) {
+                Ok(Some(link)) => link,
+                Ok(None) => continue, // removed meanwhile
+                Err(DatapathError::ForeignLinkPin { pin, detail }) => {
+                    report.ignored.push((pin, detail));
+                    continue;
+                }
+                Err(err) => return Err(err),
+            };
+            let defunct = if link.ifindex == 0 {
+                true
+            } else if link.prog_id == self.program_ids.for_hook(hook) {
+                report.unchanged += 1;
+                false
+            } else {
+                match self.update_link(ifindex, hook, &pin)? {
+                    Update::Updated => {
+                        report.updated += 1;
+                        false
+                    }
+                    Update::Defunct => true,
+                }
+            };
+            if defunct {
+                remove_pin(&pin, ifindex, hook)?;
+                report.removed.push((ifindex, hook));
+            }
+        }
+        Ok(report)
+    }
+
+    /// The attach state of every interface with a pinned link, by ifindex.
+    pub fn attachments(&self) -> Result<Vec<Attachment>, DatapathError> {
+        let (pins, _) = self.pinned_links()?;
+        let ifindexes: BTreeSet<u32> = pins.iter().map(|(ifindex, _, _)| *ifindex).collect();
+        ifindexes.into_iter().map(|ifindex| self.attachment(ifindex)).collect()
+    }
+
+    /// The attach state of one interface.
+    pub fn attachment(&self, ifindex: u32) -> Result<Attachment, DatapathError> {
+        let ifname = self.ifname(ifindex)?;
+        let mut states = [AttachState::Detached; 2];
+        for (hook, state) in Hook::ALL.into_iter().zip(&mut states) {
+            let pin = self.link_pin(ifindex, hook);
+            let Some(link) = self.open_link_pin(ifindex, hook, &pin)? else {
+                continue;
+            };
+            let Some(name) = ifname.as_deref().filter(|_| link.ifindex != 0) else {
+                *state = AttachState::InterfaceGone;
+                continue;
+            };
+            let (_, programs) =
+                SchedClassifier::query_tcx(name, hook.tc_attach_type()).map_err(|error| DatapathError::Attach {
+                    what: "querying the programs next to",
+                    program: hook.program(),
+                    hook,
+                    ifindex,
+                    ifname: name.to_owned(),
+                    error: Box::new(error),
+                })?;
+            *state = if !programs.iter().any(|p| p.id() == link.prog_id) {
+                AttachState::Detached
+            } else if link.prog_id == self.program_ids.for_hook(hook) {
+                AttachState::Attached {
+                    link_id: link.link_id,
+                    prog_id: link.prog_id,
+                }
+            } else {
+                AttachState::Stale {
+                    link_id: link.link_id,
+                    prog_id: link.prog_id,
+                }
+            };
+        }
+        Ok(Attachment {
+            ifindex,
+            ifname,
+            ingress: states[0],
+            egress: states[1],
+        })
+    }
+
+    // ------------------------------------------------------------ internals
+
+    fn ifname(&self, ifindex: u32) -> Result<Option<String>, DatapathError> {
+        netdev::ifindex_to_name(ifindex).map_err(|error| DatapathError::Netdev { ifindex, error })
+    }
+
+    fn attach_hook(&mut self, ifindex: u32, ifname: &str, hook: Hook) -> Result<LinkChange, DatapathError> {
+        let pin = self.link_pin(ifindex, hook);
+        let mut replaced = false;
+        if let Some(link) = self.open_link_pin(ifindex, hook, &pin)? {
+            if link.ifindex != 0 {
+                if link.prog_id == self.program_ids.for_hook(hook) {
+                    return Ok(LinkChange::Unchanged);
+                }
+                if let Update::Updated = self.update_link(ifindex, hook, &pin)? {
+                    return Ok(LinkChange::Updated {
+                        previous_prog_id: link.prog_id,
+                    });
+                }
+            }
+            // Defunct: its interface was deleted (maybe recreated with the
+            // same index since). Unpinning frees it.
+            drop(link);
+            remove_pin(&pin, ifindex, hook)?;
+            replaced = true;
+        }
+        self.create_link(ifindex, ifname, hook, &pin)?;
+        Ok(if replaced {
+            LinkChange::Recreated
+        } else {
+            LinkChange::Created
+        })
+    }
+
+    fn create_link(&mut self, ifindex: u32, ifname: &str, hook: Hook, pin: &Path) -> Result<(), DatapathError> {
+        let attach_err = |what: &'static str, ifname: &str| {
+            let ifname = ifname.to_owned();
+            move |error: ProgramError| DatapathError::Attach {
+                what,
+                program: hook.program(),
+                hook,
+                ifindex,
+                ifname,
+                error: Box::new(error),
+            }
+        };
+        let prog = classifier(&mut self.ebpf, hook)?;
+        let options = TcAttachOptions::TcxOrder(LinkOrder::default());
+        let link_id = match prog.attach_with_options(ifname, hook.tc_attach_type(), options) {
+            Ok(id) => id,
+            Err(error) => {
+                // The interface may have gone meanwhile: say so plainly.
+                if !netdev::interface_exists(ifindex).unwrap_or(true) {
+                    return Err(DatapathError::InterfaceNotFound { ifindex });
+                }
+                return Err(attach_err("attaching", ifname)(error));
+            }
+        };
+        // Out of aya's hands: a link left in the program would be detached
+        // when the program is dropped.
+        let link = prog
+            .take_link(link_id)
+            .map_err(attach_err("taking the link of", ifname))?;
+        let link = FdLink::try_from(link).map_err(|error| DatapathError::Link {
+            what: "using the new link (not a TCX fd link)".into(),
+            hook,
+            ifindex,
+            pin: pin.to_owned(),
+            error: io::Error::other(error),
+        })?;
+        // On failure the link is dropped, i.e. closed, i.e. detached: nothing leaks.
+        let pinned = link.pin(pin).map_err(|error| DatapathError::Link {
+            what: "pinning the new link".into(),
+            hook,
+            ifindex,
+            pin: pin.to_owned(),
+            error: io::Error::other(chain(&error).to_string()),
+        })?;
+        drop(pinned); // closes our fd; the pin keeps the link attached
+
+        // The name was resolved before attaching: make sure it still meant `ifindex`.
+        let attached_to = self.open_link_pin(ifindex, hook, pin).map(|l| l.map(|l| l.ifindex));
+        match attached_to {
+            Ok(Some(index)) if index == ifindex => Ok(()),
+            Err(DatapathError::ForeignLinkPin { .. }) | Ok(_) => {
+                let _ = self.detach_hook(ifindex, hook);
+                let _ = std::fs::remove_file(pin);
+                Err(DatapathError::InterfaceNotFound { ifindex })
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    /// Replaces the program of the pinned link with this instance's
+    /// (`BPF_LINK_UPDATE`). `Defunct` if the link's interface is gone.
+    fn update_link(&mut self, ifindex: u32, hook: Hook, pin: &Path) -> Result<Update, DatapathError> {
+        let link_err = |what: &str| {
+            let what = what.to_owned();
+            let pin = pin.to_owned();
+            move |error: io::Error| DatapathError::Link {
+                what,
+                hook,
+                ifindex,
+                pin,
+                error,
+            }
+        };
+        let pinned = PinnedLink::from_pin(pin)
+            .map_err(|e| link_err("opening the pinned link")(io::Error::other(chain(&e).to_string())))?;
+        let link = SchedClassifierLink::try_from(FdLink::from(pinned))
+            .map_err(|e| link_err("using the pinned link")(io::Error::other(chain(&e).to_string())))?;
+        let prog = classifier(&mut self.ebpf, hook)?;
+        match prog.attach_to_link(link) {
+            Ok(id) => {
+                // The link is back in aya's program: take it out again and
+                // close our fd (the pin keeps it).
+                let link = prog.take_link(id).map_err(|error| DatapathError::Attach {
+                    what: "taking the updated link of",
+                    program: hook.program(),
+                    hook,
+                    ifindex,
+                    ifname: "?".into(),
+                    error: Box::new(error),
+                })?;
+                drop(FdLink::try_from(link).ok());
+                Ok(Update::Updated)
+            }
+            Err(ProgramError::SyscallError(SyscallError { io_error, .. }))
+                if io_error.raw_os_error() == Some(libc::ENOLINK) =>
+            {
+                Ok(Update::Defunct)
+            }
+            Err(error) => Err(DatapathError::Attach {
+                what: "replacing the program of the pinned link with",
+                program: hook.program(),
+                hook,
+                ifindex,
+                ifname: self.ifname(ifindex).ok().flatten().unwrap_or_else(|| "?".into()),
+                error: Box::new(error),
+            }),
+        }
+    }
+
+    fn detach_hook(&mut self, ifindex: u32, hook: Hook) -> Result<bool, DatapathError> {
+        let pin = self.link_pin(ifindex, hook);
+        let Some(link) = self.open_link_pin(ifindex, hook, &pin)? else {
+            return Ok(false);
+        };
+        if link.ifindex != 0 {
+            sys::link_detach(&link.fd).map_err(|error| DatapathError::Link {
+                what: "detaching".into(),
+                hook,
+                ifindex,
+                pin: pin.clone(),
+                error,
+            })?;
+        }
+        drop(link);
+        remove_pin(&pin, ifindex, hook)?;
+        Ok(true)
+    }
+
+    /// Opens a link pin and checks it is a TCX link on `hook` of `ifindex`
+    /// (or defunct); `None` if there is no pin.
+    fn open_link_pin(&self, ifindex: u32, hook: Hook, pin: &Path) -> Result<Option<PinnedTcx>, DatapathError> {
+        let link_err = |what: &str, error| DatapathError::Link {
+            what: what.to_owned(),
+            hook,
+            ifindex,
+            pin: pin.to_owned(),
+            error,
+        };
+        let fd = match sys::obj_get(pin) {
+            Ok(fd) => fd,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(err) => return Err(link_err("opening the pinned link", err)),
+        };
+        let foreign = |detail: String| DatapathError::ForeignLinkPin {
+            pin: pin.to_owned(),
+            detail,
+        };
+        match sys::obj_kind(&fd) {
+            sys::ObjKind::Link | sys::ObjKind::Unknown => {}
+            other => return Err(foreign(format!("it is {other}"))),
+        }
+        let info = sys::link_info(&fd).map_err(|e| link_err("reading the pinned link", e))?;
+        if info.link_type != BPF_LINK_TYPE_TCX {
+            return Err(foreign(format!("link type {} instead of TCX", info.link_type)));
+        }
+        if info.attach_type != hook.bpf_attach_type() {
+            return Err(foreign(format!("attach type {} instead of {hook}", info.attach_type)));
+        }
+        if info.ifindex != 0 && info.ifindex != ifindex {
+            return Err(foreign(format!("attached to ifindex {}", info.ifindex)));
+        }
+        Ok(Some(PinnedTcx {
+            fd,
+            link_id: info.id,
+            prog_id: info.prog_id,
+            ifindex: info.ifindex,
+        }))
+    }
+
+    /// The link pins: `(ifindex, hook, path)`, and the entries that are not.
+    #[allow(clippy::type_complexity)]
+    fn pinned_links(&self) -> Result<(Vec<(u32, Hook, PathBuf)>, Vec<(PathBuf, String)>), DatapathError> {
+        let dir = self.opts.links_dir();
+        let entries = std::fs::read_dir(&dir).map_err(io_err("listing the link pins in", &dir))?;
+        let (mut pins, mut ignored) = (Vec::new(), Vec::new());
+        for entry in entries {
+            let entry = entry.map_err(io_err("listing the link pins in", &dir))?;
+            let name = entry.file_name();
+            let parsed = name.to_str().and_then(|name| {
+                let (index, hook) = name.split_once('-')?;
+                Some((index.parse::<u32>().ok().filter(|i| *i != 0)?, Hook::from_suffix(hook)?))
+            });
+            match parsed {
+                Some((ifindex, hook)) => pins.push((ifindex, hook, entry.path())),
+                None => ignored.push((entry.path(), "not named <ifindex>-ingress|egress".to_owned())),
+            }
+        }
+        pins.sort();
+        Ok((pins, ignored))
+    }
+}
+
+fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, DatapathError> {
+    let program = hook.program();
+    ebpf.program_mut(program)
+        .ok_or_else(|| DatapathError::Object(format!("it has no program {program}")))?
+        .try_into()
+        .map_err(|error| DatapathError::Program {
+            what: "using",
+            program,
+            error: Box::new(error),
+        })
+}
+
+fn remove_pin(pin: &Path, ifindex: u32, hook: Hook) -> Result<(), DatapathError> {
+    match std::fs::remove_file(pin) {
+        Ok(()) => Ok(()),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(error) => Err(DatapathError::Link {
+            what: "removing the pin".into(),
+            hook,
+            ifindex,
+            pin: pin.to_owned(),
+            error,
+        }),
+    }
+}
+
+/// Fails unless `dir` (or its nearest existing ancestor) is on a bpffs.
+fn check_bpffs(dir: &Path) -> Result<(), DatapathError> {
+    let mut probe = dir;
+    while !probe.exists() {
+        probe = probe.parent().unwrap_or(Path::new("/"));
+    }
+    let fs_type = sys::fs_type(probe).map_err(io_err("checking the file system of", probe))?;
+    if fs_type != BPF_FS_MAGIC {
+        return Err(DatapathError::NotBpffs {
+            path: probe.to_owned(),
+            fs_type,
+        });
+    }
+    Ok(())
+}
+
+/// What every pinnable map of the object must be, with the options' sizes.
+fn expected_specs(opts: &DatapathOptions) -> Result<BTreeMap<String, MapSpec>, DatapathError> {
+    let object = aya_obj::Object::parse(DATAPATH_OBJECT).map_err(|e| DatapathError::Object(e.to_string()))?;
+    let mut specs = BTreeMap::new();
+    for (name, map) in &object.maps {
+        if !matches!(
+            map.section_kind(),
+            aya_obj::EbpfSectionKind::Maps | aya_obj::EbpfSectionKind::BtfMaps
+        ) {
+            continue; // .rodata/.data/.bss: per load, never pinned
+        }
+        let ringbuf = map.map_type() == 27;
+        let max_entries = if ringbuf {
+            opts.effective_events_bytes()
+        } else {
+            opts.max_entries()
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(map.max_entries(), |(_, max)| *max)
+        };
+        specs.insert(
+            name.clone(),
+            MapSpec {
+                map_type: map.map_type(),
+                key_size: if ringbuf { 0 } else { map.key_size() },
+                value_size: if ringbuf { 0 } else { map.value_size() },
+                max_entries,
+                flags: map.map_flags(),
+            },
+        );
+    }
+    for name in MAP_NAMES {
+        if !specs.contains_key(name) {
+            return Err(DatapathError::Object(format!("it has no map {name}")));
+        }
+    }
+    if specs[MAP_IPCACHE].flags & BPF_F_NO_PREALLOC == 0 || specs[MAP_POLICY].flags & BPF_F_NO_PREALLOC == 0 {
+        return Err(DatapathError::Object(
+            "its LPM tries must be created with BPF_F_NO_PREALLOC".to_owned(),
+        ));
+    }
+    Ok(specs)
+}
+
+fn mismatch_fix(pin: &Path, found: &MapSpec, expected: &MapSpec) -> String {
+    let mut fix = format!(
+        "stop every node daemon using it (svc-loader, svc-gc), remove {} \
+         (this flushes the map: its entries are lost), and start svc-loader again",
+        pin.display()
+    );
+    let same_but_size = MapSpec {
+        max_entries: expected.max_entries,
+        ..*found
+    } == *expected;
+    if same_but_size {
+        fix.push_str(&format!(
+            "; or keep the map by configuring its current size ({})",
+            found.max_entries
+        ));
+    }
+    fix
+}
+
+/// Checks an existing map pin against `expected`; a missing pin is fine
+/// (aya creates and pins the map). Never modifies the pin.
+fn check_map_pin(name: &str, pin: &Path, expected: &MapSpec) -> Result<(), DatapathError> {
+    let not_a_map = |found: String| DatapathError::PinNotAMap {
+        map: name.to_owned(),
+        pin: pin.to_owned(),
+        found,
+        fix: format!(
+            "stop every node daemon, move {} away, and start svc-loader again",
+            pin.display()
+        ),
+    };
+    match std::fs::symlink_metadata(pin) {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => {
+            return Err(DatapathError::Pin {
+                what: format!("inspecting the pin of map {name} at"),
+                pin: pin.to_owned(),
+                error,
+            });
+        }
+        Ok(meta) if meta.is_dir() => return Err(not_a_map("a directory".to_owned())),
+        Ok(_) => {}
+    }
+    let fd = sys::obj_get(pin).map_err(|error| DatapathError::Pin {
+        what: format!("opening the pinned map {name} at"),
+        pin: pin.to_owned(),
+        error,
+    })?;
+    match sys::obj_kind(&fd) {
+        sys::ObjKind::Map | sys::ObjKind::Unknown => {}
+        other => return Err(not_a_map(other.to_string())),
+    }
+    let found = sys::map_info(&fd).map_err(|error| DatapathError::Pin {
+        what: format!("reading the pinned map {name} at"),
+        pin: pin.to_owned(),
+        error,
+    })?;
+    if found != *expected {
+        return Err(DatapathError::PinMismatch {
+            map: name.to_owned(),
+            pin: pin.to_owned(),
+            found,
+            expected: *expected,
+            fix: mismatch_fix(pin, &found, expected),
+        });
+    }
+    Ok(())
+}
+
+/// Opens one pinned map of a running datapath for another process (svc-gc,
+/// inspection), checking its type and key and value sizes against the
+/// embedded object (not its size, which is the loader's option).
+pub fn open_pinned_map(pin_dir: &Path, name: &str) -> Result<Map, DatapathError> {
+    let opts = DatapathOptions::new(pin_dir);
+    let specs = expected_specs(&opts)?;
+    let expected = specs
+        .get(name)
+        .ok_or_else(|| DatapathError::InvalidOptions(format!("the datapath has no map {name}")))?;
+    let pin = pin_dir.join(name);
+    let fd = sys::obj_get(&pin).map_err(|error| DatapathError::Pin {
+        what: format!("opening the pinned map {name} at"),
+        pin: pin.clone(),
+        error,
+    })?;
+    let found = sys::map_info(&fd).map_err(|error| DatapathError::Pin {
+        what: format!("reading the pinned map {name} at"),
+        pin: pin.clone(),
+        error,
+    })?;
+    let expected = MapSpec {
+        max_entries: found.max_entries,
+        ..*expected
+    };
+    if found != expected {
+        return Err(DatapathError::PinMismatch {
+            map: name.to_owned(),
+            pin: pin.clone(),
+            found,
+            expected,
+            fix: "use the rivet binaries of the svc-loader that created the map".to_owned(),
+        });
+    }
+    let data = MapData::from_fd(fd).map_err(|error| DatapathError::Pin {
+        what: format!("using the pinned map {name} at"),
+        pin: pin.clone(),
+        error: io::Error::other(chain(&error).to_string()),
+    })?;
+    Map::from_map_data(data).map_err(|error| DatapathError::Pin {
+        what: format!("using the pinned map {name} at"),
+        pin,
+        error: io::Error::other(chain(&error).to_string()),
+    })
+}
+
+/// The few raw `bpf(2)` calls aya 0.14 does not expose: opening a pin as a
+/// plain fd, map and link info (aya's `LinkInfo` has no TCX ifindex),
+/// `BPF_LINK_DETACH`.
+mod sys {
+    use std::ffi::CString;
+    use std::fmt;
+    use std::io;
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    use std::os::unix::ffi::OsStrExt as _;
+    use std::path::Path;
+
+    use super::MapSpec;
+
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    const BPF_LINK_DETACH: libc::c_long = 34;
+
+    fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
+        // SAFETY: `attr` is a #[repr(C)] prefix of `union bpf_attr` for `cmd`
+        // (the kernel zero-extends shorter attrs), valid for the call.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                std::ptr::from_mut(attr).cast::<libc::c_void>(),
+                size_of::<T>() as libc::c_uint,
+            )
+        };
+        if rc < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(rc)
+        }
+    }
+
+    #[repr(C)]
+    struct ObjGetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+
+    /// `BPF_OBJ_GET`: a new fd for a pinned object.
+    pub(super) fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+        let c_path = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in a pin path"))?;
+        let mut attr = ObjGetAttr {
+            pathname: c_path.as_ptr() as u64,
+            bpf_fd: 0,
+            file_flags: 0,
+        };
+        let fd = bpf(BPF_OBJ_GET, &mut attr)?;
+        // SAFETY: BPF_OBJ_GET returned a new fd that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    }
+
+    /// What kind of BPF object an fd is.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub(super) enum ObjKind {
+        Map,
+        Program,
+        Link,
+        /// /proc not readable: callers go on and let the info calls decide.
+        Unknown,
+    }
+
+    impl fmt::Display for ObjKind {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(match self {
+                Self::Map => "a BPF map",
+                Self::Program => "a BPF program",
+                Self::Link => "a BPF link",
+                Self::Unknown => "an unknown BPF object",
+            })
+        }
+    }
+
+    /// From the fd's anon inode name (`bpf-map`, `bpf-prog`, `bpf_link`):
+    /// `BPF_OBJ_GET_INFO_BY_FD` happily answers for any kind.
+    pub(super) fn obj_kind(fd: &OwnedFd) -> ObjKind {
+        match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+            Ok(target) => match target.to_string_lossy().as_ref() {
+                "anon_inode:bpf-map" => ObjKind::Map,
+                "anon_inode:bpf-prog" => ObjKind::Program,
+                "anon_inode:bpf_link" => ObjKind::Link,
+                _ => ObjKind::Unknown,
+            },
+            Err(_) => ObjKind::Unknown,
+        }
+    }
+
+    #[repr(C)]
+    struct InfoAttr {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+
+    fn obj_info<T>(fd: &OwnedFd, info: &mut T) -> io::Result<()> {
+        let mut attr = InfoAttr {
+            bpf_fd: fd.as_raw_fd() as u32,
+            info_len: size_of::<T>() as u32,
+            info: std::ptr::from_mut(info) as u64,
+        };
+        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
+    }
+
+    /// The start of `struct bpf_map_info`, zero-padded.
+    #[repr(C)]
+    #[derive(Default)]
+    struct RawMapInfo {
+        map_type: u32,
+        id: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        rest: [u64; 10],
+    }
+
+    pub(super) fn map_info(fd: &OwnedFd) -> io::Result<MapSpec> {
+        let mut info = RawMapInfo::default();
+        obj_info(fd, &mut info)?;
+        Ok(MapSpec {
+            map_type: info.map_type,
+            key_size: info.key_size,
+            value_size: info.value_size,
+            max_entries: info.max_entries,
+            flags: info.map_flags,
+        })
+    }
+
+    /// `struct bpf_link_info` up to the TCX member of its union (which
+    /// starts at offset 16: the union is 8-byte aligned), zero-padded.
+    #[repr(C)]
+    #[derive(Default)]
+    struct RawLinkInfo {
+        link_type: u32,
+        id: u32,
+        prog_id: u32,
+        pad: u32,
+        tcx_ifindex: u32,
+        tcx_attach_type: u32,
+        rest: [u64; 6],
+    }
+
+    pub(super) struct LinkInfo {
+        pub(super) link_type: u32,
+        pub(super) id: u32,
+        pub(super) prog_id: u32,
+        /// TCX links only.
+        pub(super) ifindex: u32,
+        /// TCX links only.
+        pub(super) attach_type: u32,
+    }
+
+    pub(super) fn link_info(fd: &OwnedFd) -> io::Result<LinkInfo> {
+        let mut info = RawLinkInfo::default();
+        obj_info(fd, &mut info)?;
+        Ok(LinkInfo {
+            link_type: info.link_type,
+            id: info.id,
+            prog_id: info.prog_id,
+            ifindex: info.tcx_ifindex,
+            attach_type: info.tcx_attach_type,
+        })
+    }
+
+    #[repr(C)]
+    struct LinkDetachAttr {
+        link_fd: u32,
+    }
+
+    /// `BPF_LINK_DETACH`: detaches whoever else still holds the link.
+    pub(super) fn link_detach(fd: &OwnedFd) -> io::Result<()> {
+        let mut attr = LinkDetachAttr {
+            link_fd: fd.as_raw_fd() as u32,
+        };
+        match bpf(BPF_LINK_DETACH, &mut attr) {
+            Ok(_) => Ok(()),
+            // Already detached (its interface went away meanwhile).
+            Err(err) if err.raw_os_error() == Some(libc::ENOLINK) => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// `statfs(2)` `f_type`.
+    pub(super) fn fs_type(path: &Path) -> io::Result<i64> {
+        let c_path = CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in a path"))?;
+        // SAFETY: statfs fills the zeroed struct it is given.
+        let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid path and a valid out pointer.
+        if unsafe { libc::statfs(c_path.as_ptr(), &mut buf) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(buf.f_type as i64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::IpAddr;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use aya::maps::IterableMap as _;
+    use rivet_common::testing::netns::{NetNs, veth_pair};
+
+    use super::*;
+    use crate::maps::{IpcacheKey, PolicyKey, VERDICT_ALLOW};
+
+    static PIN_DIRS: AtomicU32 = AtomicU32::new(0);
+
+    /// A unique pin directory under /sys/fs/bpf/rivet-test, removed (with
+    /// every pin in it, which also frees pinned links) on drop.
+    struct PinDir(PathBuf);
+
+    impl PinDir {
+        fn new(tag: &str) -> Self {
+            let bpffs = Path::new(DEFAULT_BPFFS);
+            let fs = sys::fs_type(bpffs).unwrap_or(0);
+            assert_eq!(
+                fs, BPF_FS_MAGIC,
+                "no BPF filesystem at {DEFAULT_BPFFS}: these tests need bpffs (`mount -t bpf bpf /sys/fs/bpf`) \
+                 and root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN)"
+            );
+            let n = PIN_DIRS.fetch_add(1, Ordering::Relaxed);
+            let dir = bpffs
+                .join("rivet-test")
+                .join(format!("{tag}-{}-{n}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir); // a leftover of a crashed run with the same pid
+            Self(dir)
+        }
+
+        fn opts(&self) -> DatapathOptions {
+            test_opts(&self.0)
+        }
+    }
+
+    /// Small maps and short lifetimes: tests open many datapaths.
+    fn test_opts(pin_dir: &Path) -> DatapathOptions {
+        DatapathOptions {
+            endpoints_max: 1024,
+            ipcache_max: 1024,
+            policy_max: 4096,
+            ct4_max: 4096,
+            ct6_max: 2048,
+            events_bytes: 64 * 1024,
+            ct_timeouts: CtTimeouts {
+                tcp_syn: 5,
+                tcp_established: 30,
+                tcp_closing: 2,
+                udp: 7,
+                icmp: 3,
+                other: 4,
+            },
+            ..DatapathOptions::new(pin_dir)
+        }
+    }
+
+    impl Drop for PinDir {
+        fn drop(&mut self) {
+            if let Err(err) = std::fs::remove_dir_all(&self.0)
+                && err.kind() != io::ErrorKind::NotFound
+            {
+                eprintln!("could not remove test pin directory {}: {err}", self.0.display());
+            }
+        }
+    }
+
+    /// Program ids on a TCX hook of `ifname` (call inside the namespace).
+    fn tcx_ids(ifname: &str, hook: Hook) -> Vec<u32> {
+        let (_, programs) = SchedClassifier::query_tcx(ifname, hook.tc_attach_type()).unwrap();
+        programs.iter().map(|p| p.id()).collect()
+    }
+
+    fn both(ids: ProgramIds) -> (Vec<u32>, Vec<u32>) {
+        (vec![ids.from_container], vec![ids.to_container])
+    }
+
+    fn attached(ifname: &str) -> (Vec<u32>, Vec<u32>) {
+        (tcx_ids(ifname, Hook::Ingress), tcx_ids(ifname, Hook::Egress))
+    }
+
+    #[test]
+    fn datapath_is_send() {
+        fn is_send<T: Send>() {}
+        is_send::<Datapath>();
+        is_send::<DatapathError>();
+    }
+
+    #[test]
+    fn options_defaults_and_validation() {
+        let opts = DatapathOptions::for_node(DEFAULT_BPFFS, "node-1").unwrap();
+        assert_eq!(opts.pin_dir, Path::new("/sys/fs/bpf/rivet/node-1"));
+        assert_eq!(opts.links_dir(), Path::new("/sys/fs/bpf/rivet/node-1/links"));
+        assert_eq!((opts.ct4_max, opts.ct6_max), (786_432, 786_432));
+        assert_eq!(
+            (opts.endpoints_max, opts.ipcache_max, opts.policy_max),
+            (65_536, 524_288, 1_048_576)
+        );
+        assert_eq!(opts.effective_events_bytes(), 1 << 20);
+        for bad in ["", ".", "..", "a/b"] {
+            assert!(DatapathOptions::for_node(DEFAULT_BPFFS, bad).is_err(), "{bad:?}");
+        }
+        let odd = DatapathOptions {
+            events_bytes: 5000,
+            ..opts.clone()
+        };
+        assert_eq!(odd.effective_events_bytes(), 2 * page_size());
+
+        let err = Datapath::open(DatapathOptions {
+            ct4_max: 0,
+            ..opts.clone()
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("ct4"), "{err}");
+        let err = Datapath::open(DatapathOptions::new("relative/dir")).unwrap_err();
+        assert!(err.to_string().contains("absolute"), "{err}");
+        let tmp = tempfile::tempdir().unwrap();
+        let err = Datapath::open(DatapathOptions::new(tmp.path().join("pins"))).unwrap_err();
+        assert!(matches!(err, DatapathError::NotBpffs { .. }), "{err}");
+        assert!(err.to_string().contains("mount -t bpf"), "{err}");
+    }
+
+    #[test]
+    fn open_twice_reuses_the_pinned_maps() {
+        let dir = PinDir::new("reuse");
+        let mut first = Datapath::open(dir.opts()).unwrap();
+        for name in MAP_NAMES {
+            assert!(dir.0.join(name).exists(), "map {name} is pinned");
+        }
+        let key = EndpointKey::ifindex(42);
+        let mut info = EndpointInfo {
+            endpoint_id: 7,
+            identity: 300,
+            ifindex: 42,
+            mac: [2, 0, 0, 0, 0, 1],
+            policy_revision: 3,
+            ..EndpointInfo::default()
+        };
+        info.set_ipv4(Some("198.18.0.2".parse().unwrap()));
+        first.endpoints().insert(key, info, 0).unwrap();
+        let prefix = IpcacheKey::new("198.18.0.0".parse().unwrap(), 24).unwrap();
+        first
+            .ipcache()
+            .insert(&prefix.to_lpm(), IpcacheValue::new(300, None), 0)
+            .unwrap();
+        let rule = PolicyKey::new(7, 300, crate::maps::DIR_INGRESS, 6, 80, 16);
+        first
+            .policy()
+            .insert(&rule.to_lpm(), PolicyValue::new(VERDICT_ALLOW), 0)
+            .unwrap();
+
+        let second = Datapath::open(dir.opts()).unwrap();
+        assert_eq!(second.maps().endpoints.get(&key, 0).unwrap(), info);
+        // A longest-prefix lookup of an address inside the prefix.
+        let ip: IpAddr = "198.18.0.77".parse().unwrap();
+        let found = second.maps().ipcache.get(&IpcacheKey::lookup(ip).to_lpm(), 0).unwrap();
+        assert_eq!(found.identity, 300);
+        let hit = PolicyKey::lookup(7, 300, crate::maps::DIR_INGRESS, 6, 80);
+        assert_eq!(
+            second.maps().policy.get(&hit.to_lpm(), 0).unwrap().verdict,
+            VERDICT_ALLOW
+        );
+        // The very same kernel maps, different program instances.
+        let id = |dp: &Datapath| dp.maps().endpoints.map().info().unwrap().id();
+        assert_eq!(id(&first), id(&second));
+        assert_ne!(first.program_ids(), second.program_ids());
+        // The config map got the options' lifetimes.
+        let config = second.maps().config.get(&0, 0).unwrap();
+        assert_eq!(config.ct, dir.opts().ct_timeouts);
+        assert!(second.metrics_totals().unwrap().is_empty());
+
+        drop(first);
+        drop(second);
+        // Pins outlive the loader; another process can open one.
+        let ct4 = open_pinned_map(&dir.0, MAP_CT4).unwrap();
+        aya::maps::HashMap::<_, Ct4Key, CtEntry>::try_from(ct4).unwrap();
+        let endpoints = open_pinned_map(&dir.0, MAP_ENDPOINTS).unwrap();
+        let endpoints = aya::maps::HashMap::<_, EndpointKey, EndpointInfo>::try_from(endpoints).unwrap();
+        assert_eq!(endpoints.get(&key, 0).unwrap(), info);
+        assert!(open_pinned_map(&dir.0, "nope").is_err());
+    }
+
+    #[test]
+    fn mismatching_pins_are_refused_and_left_alone() {
+        let dir = PinDir::new("mismatch");
+        std::fs::create_dir_all(&dir.0).unwrap();
+        let ct4 = dir.0.join(MAP_CT4);
+        let wrong = aya::maps::HashMap::<MapData, u32, u32>::create(16, 0).unwrap();
+        wrong.pin(&ct4).unwrap();
+
+        let err = Datapath::open(dir.opts()).unwrap_err();
+        let text = err.to_string();
+        match &err {
+            DatapathError::PinMismatch {
+                map,
+                pin,
+                found,
+                expected,
+                ..
+            } => {
+                assert_eq!(map, MAP_CT4);
+                assert_eq!(pin, &ct4);
+                assert_eq!((found.key_size, found.value_size, found.max_entries), (4, 4, 16));
+                assert_eq!((expected.key_size, expected.value_size), (16, 56));
+            }
+            other => panic!("expected PinMismatch, got {other}"),
+        }
+        assert!(
+            text.contains("map `ct4`") && text.contains(&ct4.display().to_string()),
+            "{text}"
+        );
+        assert!(
+            text.contains("remove") && text.contains("stop every node daemon"),
+            "{text}"
+        );
+        // Never deleted or replaced.
+        assert_eq!(sys::map_info(&sys::obj_get(&ct4).unwrap()).unwrap().key_size, 4);
+
+        // Without it, the map is created; then a different size is refused.
+        std::fs::remove_file(&ct4).unwrap();
+        drop(Datapath::open(dir.opts()).unwrap());
+        let bigger = DatapathOptions {
+            ct4_max: 8192,
+            ..dir.opts()
+        };
+        let err = Datapath::open(bigger).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(&err, DatapathError::PinMismatch { map, .. } if map == MAP_CT4),
+            "{text}"
+        );
+        assert!(
+            text.contains("max_entries 4096") && text.contains("max_entries 8192"),
+            "{text}"
+        );
+        assert!(text.contains("current size (4096)"), "{text}");
+
+        // Something that is not a map where a map belongs.
+        let ct6 = dir.0.join(MAP_CT6);
+        std::fs::remove_file(&ct6).unwrap();
+        std::fs::create_dir(&ct6).unwrap();
+        let err = Datapath::open(dir.opts()).unwrap_err();
+        assert!(
+            matches!(&err, DatapathError::PinNotAMap { map, .. } if map == MAP_CT6),
+            "{err}"
+        );
+        assert!(err.to_string().contains("a directory"), "{err}");
+    }
+
+    #[test]
+    fn attachments_survive_the_loader_and_are_adopted() {
+        let ns = NetNs::new("rvtdp").unwrap();
+        veth_pair(&ns, "rvdp0", &ns, "rvdp0p").unwrap();
+        let ifindex = ns.ifindex("rvdp0").unwrap();
+        let dir = PinDir::new("attach");
+        let opts = dir.opts();
+        ns.in_ns(move || {
+            let mut dp = Datapath::open(opts.clone()).unwrap();
+            assert_eq!(dp.adoption(), &AdoptReport::default());
+            let out = dp.attach(ifindex).unwrap();
+            assert_eq!((out.ingress, out.egress), (LinkChange::Created, LinkChange::Created));
+            assert_eq!(out.ifname, "rvdp0");
+            assert!(dp.link_pin(ifindex, Hook::Ingress).exists());
+            assert!(dp.link_pin(ifindex, Hook::Egress).exists());
+            // Idempotent.
+            let again = dp.attach(ifindex).unwrap();
+            assert!(!again.changed(), "{again:?}");
+            let first = dp.program_ids();
+            assert_eq!(attached("rvdp0"), both(first));
+            let list = dp.attachments().unwrap();
+            assert_eq!(list.len(), 1);
+            assert_eq!(list[0].ifname.as_deref(), Some("rvdp0"));
+            assert!(matches!(list[0].ingress, AttachState::Attached { prog_id, .. } if prog_id == first.from_container));
+            assert!(matches!(list[0].egress, AttachState::Attached { prog_id, .. } if prog_id == first.to_container));
+
+            // The loader goes away: the programs stay attached.
+            drop(dp);
+            assert_eq!(attached("rvdp0"), both(first), "attachments survive the loader");
+
+            // A new loader adopts them: same links, its own programs.
+            let mut dp = Datapath::open(opts.clone()).unwrap();
+            let report = dp.adoption().clone();
+            assert_eq!((report.updated, report.unchanged, report.removed.len()), (2, 0, 0));
+            let second = dp.program_ids();
+            assert_ne!(second, first);
+            assert_eq!(attached("rvdp0"), both(second), "one program per hook, the new one");
+            assert!(!dp.attach(ifindex).unwrap().changed());
+
+            // Another instance adopts them in turn: for this one they are stale.
+            let third = Datapath::open(opts.clone()).unwrap();
+            let state = dp.attachment(ifindex).unwrap();
+            assert!(
+                matches!(state.ingress, AttachState::Stale { prog_id, .. } if prog_id == third.program_ids().from_container),
+                "{state:?}"
+            );
+            let out = dp.attach(ifindex).unwrap();
+            assert_eq!(
+                out.ingress,
+                LinkChange::Updated {
+                    previous_prog_id: third.program_ids().from_container
+                }
+            );
+            assert_eq!(attached("rvdp0"), both(second));
+            drop(third);
+
+            // Detach removes both, and the pins; twice is fine.
+            let out = dp.detach(ifindex).unwrap();
+            assert!(out.ingress && out.egress, "{out:?}");
+            assert_eq!(attached("rvdp0"), (vec![], vec![]));
+            assert!(!dp.link_pin(ifindex, Hook::Ingress).exists());
+            assert!(dp.attachments().unwrap().is_empty());
+            assert!(!dp.detach(ifindex).unwrap().changed());
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn attaching_to_a_missing_interface_is_a_clear_error() {
+        let ns = NetNs::new("rvtdm").unwrap();
+        veth_pair(&ns, "rvdm0", &ns, "rvdm0p").unwrap();
+        let ifindex = ns.ifindex("rvdm0").unwrap();
+        ns.ip(&["link", "del", "rvdm0"]).unwrap();
+        let dir = PinDir::new("missing");
+        let opts = dir.opts();
+        ns.in_ns(move || {
+            let mut dp = Datapath::open(opts).unwrap();
+            let err = dp.attach(ifindex).unwrap_err();
+            assert!(
+                matches!(err, DatapathError::InterfaceNotFound { ifindex: i } if i == ifindex),
+                "{err}"
+            );
+            assert!(err.to_string().contains(&format!("ifindex {ifindex}")), "{err}");
+            assert!(!dp.link_pin(ifindex, Hook::Ingress).exists());
+            assert!(!dp.detach(ifindex).unwrap().changed());
+        })
+        .unwrap();
+        // The loader's namespace matters: the interface of another namespace is not found.
+        let ns2 = NetNs::new("rvtdm").unwrap();
+        veth_pair(&ns2, "rvdm1", &ns2, "rvdm1p").unwrap();
+        let elsewhere = ns2.ifindex("rvdm1").unwrap();
+        let opts = dir.opts();
+        ns.in_ns(move || {
+            let mut dp = Datapath::open(opts).unwrap();
+            if netdev::ifindex_to_name(elsewhere).unwrap().is_none() {
+                assert!(matches!(
+                    dp.attach(elsewhere),
+                    Err(DatapathError::InterfaceNotFound { .. })
+                ));
+            }
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn links_of_deleted_interfaces_are_replaced_or_removed() {
+        const INDEX: &str = "4242";
+        let ifindex: u32 = INDEX.parse().unwrap();
+        let ns = NetNs::new("rvtdd").unwrap();
+        let add = || {
+            ns.ip(&[
+                "link", "add", "rvdd0", "index", INDEX, "type", "veth", "peer", "name", "rvdd0p",
+            ])
+            .unwrap();
+            ns.ip(&["link", "set", "rvdd0", "up"]).unwrap();
+        };
+        add();
+        let dir = PinDir::new("defunct");
+        let opts = dir.opts();
+        let dp = ns
+            .in_ns(move || {
+                let mut dp = Datapath::open(opts).unwrap();
+                assert!(dp.attach(ifindex).unwrap().changed());
+                dp
+            })
+            .unwrap();
+
+        ns.ip(&["link", "del", "rvdd0"]).unwrap();
+        let dp = ns
+            .in_ns(move || {
+                let state = dp.attachment(ifindex).unwrap();
+                assert_eq!(
+                    (state.ingress, state.egress),
+                    (AttachState::InterfaceGone, AttachState::InterfaceGone)
+                );
+                assert_eq!(state.ifname, None);
+                // What the kernel says about a TCX link whose device is gone:
+                // ifindex 0 in its info, and BPF_LINK_UPDATE fails with ENOLINK.
+                let pin = dp.link_pin(ifindex, Hook::Ingress);
+                let info = sys::link_info(&sys::obj_get(&pin).unwrap()).unwrap();
+                assert_eq!((info.link_type, info.ifindex), (BPF_LINK_TYPE_TCX, 0));
+                let mut dp = dp;
+                assert!(matches!(
+                    dp.update_link(ifindex, Hook::Ingress, &pin),
+                    Ok(Update::Defunct)
+                ));
+                dp
+            })
+            .unwrap();
+
+        // The same index again: the defunct links are replaced.
+        add();
+        let mut dp = ns
+            .in_ns(move || {
+                let mut dp = dp;
+                let out = dp.attach(ifindex).unwrap();
+                assert_eq!(
+                    (out.ingress, out.egress),
+                    (LinkChange::Recreated, LinkChange::Recreated)
+                );
+                assert_eq!(attached("rvdd0"), both(dp.program_ids()));
+                dp
+            })
+            .unwrap();
+
+        // Gone again: adoption (as on start) removes the pins.
+        ns.ip(&["link", "del", "rvdd0"]).unwrap();
+        let report = dp.adopt_existing().unwrap();
+        assert_eq!(report.removed, vec![(ifindex, Hook::Ingress), (ifindex, Hook::Egress)]);
+        assert!(!dp.link_pin(ifindex, Hook::Ingress).exists());
+        assert!(!dp.link_pin(ifindex, Hook::Egress).exists());
+
+        // A stranger in the links directory is reported and left alone.
+        std::fs::create_dir(dp.options().links_dir().join("junk")).unwrap();
+        let report = dp.adopt_existing().unwrap();
+        assert_eq!(report.ignored.len(), 1, "{report:?}");
+        assert!(dp.options().links_dir().join("junk").exists());
+    }
+
+    /// Set for the child process of [`attachments_survive_kill_9`]:
+    /// `<netns path>|<pin dir>|<ifindex>`.
+    const CHILD_ENV: &str = "RIVET_DATAPATH_TEST_CHILD";
+
+    /// The child process of [`attachments_survive_kill_9`] (returns at once
+    /// when run as an ordinary test): attaches, prints the program ids, and
+    /// SIGKILLs itself, so no destructor of aya or ours runs.
+    #[test]
+    fn child_attaches_then_dies_by_sigkill() {
+        use std::io::Write as _;
+        use std::os::fd::AsRawFd as _;
+
+        let Ok(spec) = std::env::var(CHILD_ENV) else {
+            return;
+        };
+        let parts: Vec<&str> = spec.split('|').collect();
+        let (ns_path, pin_dir, ifindex) = (parts[0], Path::new(parts[1]), parts[2].parse::<u32>().unwrap());
+        let ns = std::fs::File::open(ns_path).unwrap();
+        // SAFETY: setns on this thread, with a valid namespace fd.
+        assert_eq!(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
+        let mut dp = Datapath::open(test_opts(pin_dir)).unwrap();
+        assert!(dp.attach(ifindex).unwrap().changed());
+        let ids = dp.program_ids();
+        println!("PROGRAM_IDS {} {}", ids.from_container, ids.to_container);
+        std::io::stdout().flush().unwrap();
+        // SAFETY: kill(2) on ourselves.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        unreachable!("SIGKILL");
+    }
+
+    #[test]
+    fn attachments_survive_kill_9() {
+        use std::os::unix::process::ExitStatusExt as _;
+
+        let ns = NetNs::new("rvtdk").unwrap();
+        veth_pair(&ns, "rvdk0", &ns, "rvdk0p").unwrap();
+        let ifindex = ns.ifindex("rvdk0").unwrap();
+        let dir = PinDir::new("kill9");
+        let spec = format!("{}|{}|{ifindex}", ns.path().display(), dir.0.display());
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "datapath::tests::child_attaches_then_dies_by_sigkill"])
+            .args(["--nocapture", "--test-threads", "1"])
+            .env(CHILD_ENV, spec)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGKILL),
+            "the child should have killed itself\nstdout:\n{stdout}\nstderr:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let ids: Vec<u32> = stdout
+            .lines()
+            .find_map(|line| line.split("PROGRAM_IDS ").nth(1)) // after the harness's "test … "
+            .unwrap_or_else(|| panic!("no program ids in {stdout}"))
+            .split_whitespace()
+            .map(|id| id.parse().unwrap())
+            .collect();
+        let opts = dir.opts();
+        ns.in_ns(move || {
+            assert_eq!(
+                attached("rvdk0"),
+                (vec![ids[0]], vec![ids[1]]),
+                "still attached after kill -9"
+            );
+            let dp = Datapath::open(opts).unwrap();
+            assert_eq!(dp.adoption().updated, 2);
+            assert_eq!(attached("rvdk0"), both(dp.program_ids()));
+        })
+        .unwrap();
+    }
+}
