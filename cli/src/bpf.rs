@@ -113,7 +113,11 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
     let rpc = |s| CliError::rpc(DAEMON, s);
     match command {
         BpfCommand::Endpoint(EndpointCommand::List) => {
-            let r = client.list_endpoints(pb::ListEndpointsRequest {}).await.map_err(rpc)?.into_inner();
+            let r = client
+                .list_endpoints(pb::ListEndpointsRequest {})
+                .await
+                .map_err(rpc)?
+                .into_inner();
             let view: Vec<EndpointView> = r
                 .endpoints
                 .iter()
@@ -134,7 +138,14 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
                 .collect();
             ctx.print(&view, || {
                 let mut t = Table::new([
-                    "ID", "INTERFACE", "ADDRESSES", "IDENTITY", "REVISION", "ENFORCE", "ENTRIES", "ATTACHED",
+                    "ID",
+                    "INTERFACE",
+                    "ADDRESSES",
+                    "IDENTITY",
+                    "REVISION",
+                    "ENFORCE",
+                    "ENTRIES",
+                    "ATTACHED",
                 ]);
                 for e in &view {
                     let enforce = match (e.enforce_ingress, e.enforce_egress) {
@@ -180,7 +191,11 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
                     let e = s.entry.clone().unwrap_or_default();
                     Row {
                         direction: name::<pb::Direction>(e.direction, "direction-"),
-                        peer_identity: if e.peer_identity == 0 { "any".into() } else { e.peer_identity.to_string() },
+                        peer_identity: if e.peer_identity == 0 {
+                            "any".into()
+                        } else {
+                            e.peer_identity.to_string()
+                        },
                         protocol: name::<pb::Protocol>(e.protocol, "protocol-"),
                         ports: match (e.port, e.end_port) {
                             (0, _) => "any".into(),
@@ -295,7 +310,15 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
                 .collect();
             ctx.print(&rows, || {
                 let mut t = Table::new([
-                    "DIR", "PROTO", "SOURCE", "DESTINATION", "STATE", "EXPIRES", "PKTS FWD", "PKTS REPLY", "SRC ID",
+                    "DIR",
+                    "PROTO",
+                    "SOURCE",
+                    "DESTINATION",
+                    "STATE",
+                    "EXPIRES",
+                    "PKTS FWD",
+                    "PKTS REPLY",
+                    "SRC ID",
                     "EP",
                 ]);
                 for r in &rows {
@@ -444,7 +467,11 @@ pub fn print_event(ctx: &Context, e: &pb::MonitorEvent) {
                 line.source_identity,
                 line.destination_identity,
                 line.length,
-                if line.lost_events > 0 { format!(" (lost {} events)", line.lost_events) } else { String::new() }
+                if line.lost_events > 0 {
+                    format!(" (lost {} events)", line.lost_events)
+                } else {
+                    String::new()
+                }
             );
         }
     }

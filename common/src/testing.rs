@@ -16,8 +16,8 @@
 //! # Ok(()) }
 //! ```
 
-mod process;
 pub mod netns;
+mod process;
 pub use process::{DaemonCommand, DaemonProcess};
 
 use std::collections::BTreeMap;

@@ -412,8 +412,8 @@ static __always_inline struct policy_value *policy_get(__u32 ep_id, __u32 identi
 	return bpf_map_lookup_elem(&policy, &k);
 }
 
-/* Deny wins over allow; no match is default deny. Returns VERDICT_ALLOW,
- * or the drop reason. The matching entries count the packet. */
+/* Deny wins over allow; no match is default deny. Returns 0 to allow, or
+ * the drop reason (never 0). The matching entries count the packet. */
 static __always_inline int policy_verdict(__u32 ep_id, __u32 peer, __u8 dir, const struct pkt *p)
 {
 	__u16 port = (p->protocol == IPPROTO_ICMP || p->protocol == IPPROTO_ICMPV6) ? 0 : p->dport;
@@ -437,7 +437,7 @@ static __always_inline int policy_verdict(__u32 ep_id, __u32 peer, __u8 dir, con
 	}
 	if (deny)
 		return DROP_POLICY_DENIED;
-	return allow ? VERDICT_ALLOW : DROP_POLICY_DEFAULT_DENY;
+	return allow ? 0 : DROP_POLICY_DEFAULT_DENY;
 }
 
 /* -------------------------------------------------------------- conntrack */
@@ -621,7 +621,7 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 	__u32 enforce_flag = dir == DIR_EGRESS ? EP_F_ENFORCE_EGRESS : EP_F_ENFORCE_INGRESS;
 	__u32 src_id = dir == DIR_EGRESS ? ep->identity : peer;
 	__u32 dst_id = dir == DIR_EGRESS ? peer : ep->identity;
-	int ct, verdict = VERDICT_ALLOW;
+	int ct, reason = 0;
 
 	if (p->fragment)
 		return (ep->flags & enforce_flag) ? DROP_FRAGMENT_UNSUPPORTED : 0;
@@ -630,17 +630,13 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 		return 0;
 	/* An ICMP error of no known connection is judged as plain ICMP and
 	 * never opens one. */
-	if (ep->flags & enforce_flag) {
-		if (dir == DIR_INGRESS && peer == IDENTITY_HOST && (ep->flags & EP_F_ALLOW_FROM_HOST))
-			verdict = VERDICT_ALLOW;
-		else
-			verdict = policy_verdict(ep->endpoint_id, peer, dir, p);
-	}
+	if ((ep->flags & enforce_flag) &&
+	    !(dir == DIR_INGRESS && peer == IDENTITY_HOST && (ep->flags & EP_F_ALLOW_FROM_HOST)))
+		reason = policy_verdict(ep->endpoint_id, peer, dir, p);
 	if (cfg && (cfg->event_flags & CONFIG_EVENT_VERDICTS))
-		emit(EVENT_POLICY_VERDICT, verdict == VERDICT_ALLOW ? 0 : verdict, dir,
-		     verdict == VERDICT_ALLOW ? VERDICT_ALLOW : VERDICT_DENY, p, ep, src_id, dst_id);
-	if (verdict != VERDICT_ALLOW)
-		return verdict;
+		emit(EVENT_POLICY_VERDICT, reason, dir, reason ? VERDICT_DENY : VERDICT_ALLOW, p, ep, src_id, dst_id);
+	if (reason)
+		return reason;
 	if (p->icmp_error)
 		return 0;
 	if (ct_create(p, dir, src_id, ep->endpoint_id, cfg) < 0)

@@ -1,9 +1,27 @@
-//! svc-loader: the only privileged daemon. (Work in progress.)
+//! svc-loader: the only privileged daemon. It owns every BPF object of the
+//! node: the datapath programs (embedded, compiled from `bpf/`), their pinned
+//! maps and pinned TCX links, so the datapath outlives the daemon.
+//!
+//! - [`datapath`]: load once per node, reuse pins, attach/adopt/detach;
+//! - [`maps`]: Rust mirrors of `bpf/rivet.h`;
+//! - [`policy_lpm`]: policy rules → LPM trie entries (deny wins);
+//! - [`loader`]: endpoint operations (checked, ordered map writes);
+//! - [`validate`]: request validation (no paths or free-form strings);
+//! - [`service`]: the gRPC service; [`monitor`]: the event stream;
+//! - [`host_addresses`]: the node's addresses as the host identity;
+//! - [`netdev`]: interface facts in the current network namespace.
 
 pub mod datapath;
+pub mod host_addresses;
+pub mod loader;
 pub mod maps;
+pub mod monitor;
 pub mod netdev;
 pub mod policy_lpm;
+pub mod service;
+#[cfg(feature = "testing")]
+pub mod testing;
+pub mod validate;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-loader.sock`.
 pub const DAEMON_NAME: &str = "svc-loader";

@@ -122,7 +122,10 @@ pub fn address(field: &str, raw: &[u8]) -> Result<IpAddr, InvalidField> {
         16 => {
             let a = Ipv6Addr::from(<[u8; 16]>::try_from(raw).expect("length checked"));
             if a.to_ipv4_mapped().is_some() {
-                return Err(invalid(field, "IPv4-mapped IPv6 addresses are not accepted; send 4 bytes"));
+                return Err(invalid(
+                    field,
+                    "IPv4-mapped IPv6 addresses are not accepted; send 4 bytes",
+                ));
             }
             IpAddr::V6(a)
         }
@@ -138,9 +141,18 @@ pub fn address(field: &str, raw: &[u8]) -> Result<IpAddr, InvalidField> {
 pub fn prefix(field: &str, p: Option<&pb::IpPrefix>) -> Result<(IpAddr, u8), InvalidField> {
     let p = p.ok_or_else(|| invalid(field, "required"))?;
     let addr = match p.address.len() {
-        4 => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(p.address.as_slice()).expect("length checked"))),
-        16 => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(p.address.as_slice()).expect("length checked"))),
-        n => return Err(invalid(format!("{field}.address"), format!("must be 4 or 16 bytes, got {n}"))),
+        4 => IpAddr::V4(Ipv4Addr::from(
+            <[u8; 4]>::try_from(p.address.as_slice()).expect("length checked"),
+        )),
+        16 => IpAddr::V6(Ipv6Addr::from(
+            <[u8; 16]>::try_from(p.address.as_slice()).expect("length checked"),
+        )),
+        n => {
+            return Err(invalid(
+                format!("{field}.address"),
+                format!("must be 4 or 16 bytes, got {n}"),
+            ));
+        }
     };
     let max = if addr.is_ipv4() { 32 } else { 128 };
     if p.prefix_length > max {
@@ -152,9 +164,16 @@ pub fn prefix(field: &str, p: Option<&pb::IpPrefix>) -> Result<(IpAddr, u8), Inv
         IpAddr::V6(a) => u128::from(a),
     };
     let host_bits = max - len as u32;
-    let mask = if host_bits >= 128 { u128::MAX } else { (1u128 << host_bits) - 1 };
+    let mask = if host_bits >= 128 {
+        u128::MAX
+    } else {
+        (1u128 << host_bits) - 1
+    };
     if bits & mask != 0 {
-        return Err(invalid(format!("{field}.address"), format!("{addr} has bits set beyond /{len}")));
+        return Err(invalid(
+            format!("{field}.address"),
+            format!("{addr} has bits set beyond /{len}"),
+        ));
     }
     Ok((addr, len))
 }
@@ -174,9 +193,16 @@ fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
             Ok(pb::Direction::Egress) => DIR_EGRESS,
             _ => return Err(invalid(f("direction"), "must be INGRESS or EGRESS")),
         };
-        let direction_enforced = if direction == DIR_INGRESS { p.enforce_ingress } else { p.enforce_egress };
+        let direction_enforced = if direction == DIR_INGRESS {
+            p.enforce_ingress
+        } else {
+            p.enforce_egress
+        };
         if !direction_enforced {
-            return Err(invalid(f("direction"), "entries in a direction that is not enforced are meaningless"));
+            return Err(invalid(
+                f("direction"),
+                "entries in a direction that is not enforced are meaningless",
+            ));
         }
         let verdict = match pb::Verdict::try_from(e.verdict) {
             Ok(pb::Verdict::Allow) => VERDICT_ALLOW,
@@ -224,7 +250,10 @@ mod tests {
         pb::ApplyEndpointRequest {
             endpoint_id: 7,
             host_ifindex: 12,
-            addresses: vec![vec![198, 18, 0, 2], "2001:2::2".parse::<Ipv6Addr>().unwrap().octets().to_vec()],
+            addresses: vec![
+                vec![198, 18, 0, 2],
+                "2001:2::2".parse::<Ipv6Addr>().unwrap().octets().to_vec(),
+            ],
             mac: vec![0x02, 0, 0, 0, 0, 1],
             identity: 256,
             policy: Some(pb::EndpointPolicy {
@@ -276,8 +305,14 @@ mod tests {
                 "policy.entries[0].direction",
                 Box::new(|r| r.policy.as_mut().unwrap().entries[0].direction = pb::Direction::Egress as i32),
             ),
-            ("policy.entries[0].verdict", Box::new(|r| r.policy.as_mut().unwrap().entries[0].verdict = 9)),
-            ("policy.entries[0].protocol", Box::new(|r| r.policy.as_mut().unwrap().entries[0].protocol = 0)),
+            (
+                "policy.entries[0].verdict",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].verdict = 9),
+            ),
+            (
+                "policy.entries[0].protocol",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].protocol = 0),
+            ),
             (
                 "policy.entries[0].port",
                 Box::new(|r| r.policy.as_mut().unwrap().entries[0].protocol = pb::Protocol::Icmp as i32),
@@ -286,8 +321,14 @@ mod tests {
                 "policy.entries[0].port",
                 Box::new(|r| r.policy.as_mut().unwrap().entries[0].protocol = pb::Protocol::Any as i32),
             ),
-            ("policy.entries[0].port", Box::new(|r| r.policy.as_mut().unwrap().entries[0].port = 70000)),
-            ("policy.entries[0].end_port", Box::new(|r| r.policy.as_mut().unwrap().entries[0].end_port = 10)),
+            (
+                "policy.entries[0].port",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].port = 70000),
+            ),
+            (
+                "policy.entries[0].end_port",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].end_port = 10),
+            ),
         ];
         for (field, mutate) in cases {
             let mut r = request();
@@ -304,8 +345,14 @@ mod tests {
             prefix_length: l,
         };
         assert!(prefix("p", Some(&p(vec![198, 18, 0, 0], 24))).is_ok());
-        assert_eq!(prefix("p", Some(&p(vec![198, 18, 0, 1], 24))).unwrap_err().field, "p.address");
-        assert_eq!(prefix("p", Some(&p(vec![198, 18, 0, 0], 33))).unwrap_err().field, "p.prefix_length");
+        assert_eq!(
+            prefix("p", Some(&p(vec![198, 18, 0, 1], 24))).unwrap_err().field,
+            "p.address"
+        );
+        assert_eq!(
+            prefix("p", Some(&p(vec![198, 18, 0, 0], 33))).unwrap_err().field,
+            "p.prefix_length"
+        );
         assert!(prefix("p", Some(&p(vec![0; 16], 0))).is_ok());
         assert_eq!(prefix("p", None).unwrap_err().field, "p");
     }

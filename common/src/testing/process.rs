@@ -50,6 +50,12 @@ impl DaemonCommand {
         }
     }
 
+    /// Adds one argument.
+    pub fn arg(mut self, arg: impl AsRef<OsStr>) -> Self {
+        self.args.push(arg.as_ref().to_owned());
+        self
+    }
+
     /// Adds arguments.
     pub fn args<I, S>(mut self, args: I) -> Self
     where

@@ -1,0 +1,145 @@
+//! svc-loader: flags and wiring; the logic lives in the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use prometheus_client::registry::Registry;
+use rivet_common::config::{self, CommonArgs};
+use rivet_common::grpc::DaemonIdentity;
+use rivet_common::metrics::Health;
+use rivet_common::{daemon, telemetry};
+use svc_loader::datapath::{Datapath, DatapathOptions};
+use svc_loader::loader::EndpointDatapath;
+use svc_loader::maps::CtTimeouts;
+use svc_loader::monitor::EventHub;
+use svc_loader::service::LoaderService;
+use tonic::service::Routes;
+
+/// Rivet's privileged datapath daemon.
+#[derive(Debug, Parser)]
+#[command(name = "svc-loader", version, about)]
+struct Flags {
+    #[command(flatten)]
+    common: CommonArgs,
+
+    /// Mount point of the BPF filesystem; pins go to `<bpffs>/rivet/<node-name>/`.
+    #[arg(long, env = "RIVET_BPFFS", default_value = "/sys/fs/bpf")]
+    bpffs: PathBuf,
+
+    /// Only veths whose name starts with this are endpoint interfaces.
+    #[arg(long, env = "RIVET_ENDPOINT_INTERFACE_PREFIX", default_value = "lxc")]
+    endpoint_interface_prefix: String,
+
+    /// Size of the endpoints map (one entry per endpoint and per address).
+    #[arg(long, env = "RIVET_ENDPOINTS_MAX", default_value_t = 65536)]
+    endpoints_max: u32,
+    /// Size of the ipcache (LPM trie, allocated on use).
+    #[arg(long, env = "RIVET_IPCACHE_MAX", default_value_t = 524288)]
+    ipcache_max: u32,
+    /// Size of the policy map, all endpoints together (LPM trie, allocated on use).
+    #[arg(long, env = "RIVET_POLICY_MAX", default_value_t = 16384 * 64)]
+    policy_max: u32,
+    /// Entries of each conntrack map (ct4, ct6): 512Ki TCP + 256Ki other by default.
+    #[arg(long, env = "RIVET_CT_MAX", default_value_t = 786432)]
+    ct_max: u32,
+    /// Size of the event ring buffer in bytes.
+    #[arg(long, env = "RIVET_EVENTS_BYTES", default_value_t = 1 << 20)]
+    events_bytes: u32,
+
+    /// Conntrack lifetime of a TCP connection being opened, seconds.
+    #[arg(long, env = "RIVET_CT_TCP_SYN_TIMEOUT", default_value_t = 60)]
+    ct_tcp_syn_timeout: u32,
+    /// Conntrack lifetime of an established TCP connection, seconds.
+    #[arg(long, env = "RIVET_CT_TCP_ESTABLISHED_TIMEOUT", default_value_t = 21600)]
+    ct_tcp_established_timeout: u32,
+    /// Conntrack lifetime of a closing TCP connection, seconds.
+    #[arg(long, env = "RIVET_CT_TCP_CLOSING_TIMEOUT", default_value_t = 10)]
+    ct_tcp_closing_timeout: u32,
+    /// Conntrack lifetime of a UDP flow, seconds.
+    #[arg(long, env = "RIVET_CT_UDP_TIMEOUT", default_value_t = 60)]
+    ct_udp_timeout: u32,
+    /// Conntrack lifetime of an ICMP flow, seconds.
+    #[arg(long, env = "RIVET_CT_ICMP_TIMEOUT", default_value_t = 60)]
+    ct_icmp_timeout: u32,
+
+    /// How often the node's addresses are re-published as the host identity.
+    #[arg(long, env = "RIVET_HOST_ADDRESS_SYNC_SECONDS", default_value_t = 10)]
+    host_address_sync_seconds: u64,
+}
+
+fn main() -> ExitCode {
+    let flags: Flags = config::load();
+    match run(flags) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}: {e:#}", svc_loader::DAEMON_NAME);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main]
+async fn run(flags: Flags) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
+        service_name: svc_loader::DAEMON_NAME.into(),
+        log_format: flags.common.log_format,
+        default_filter: "info".into(),
+    })?;
+    let node = flags.common.node_name();
+    let listener = daemon::bind_socket(&flags.common, svc_loader::DAEMON_NAME)?;
+
+    let mut options = DatapathOptions::for_node(&flags.bpffs, &node)?;
+    options.endpoints_max = flags.endpoints_max;
+    options.ipcache_max = flags.ipcache_max;
+    options.policy_max = flags.policy_max;
+    options.ct4_max = flags.ct_max;
+    options.ct6_max = flags.ct_max;
+    options.events_bytes = flags.events_bytes;
+    options.ct_timeouts = CtTimeouts {
+        tcp_syn: flags.ct_tcp_syn_timeout,
+        tcp_established: flags.ct_tcp_established_timeout,
+        tcp_closing: flags.ct_tcp_closing_timeout,
+        udp: flags.ct_udp_timeout,
+        icmp: flags.ct_icmp_timeout,
+        other: flags.ct_udp_timeout,
+    };
+    let pin_dir = options.pin_dir.clone();
+    let mut datapath =
+        Datapath::open(options).with_context(|| format!("opening the datapath in {}", pin_dir.display()))?;
+    let report = datapath.adoption().clone();
+    tracing::info!(
+        pin_dir = %pin_dir.display(),
+        updated = report.updated,
+        unchanged = report.unchanged,
+        removed = report.removed.len(),
+        "datapath loaded; existing attachments adopted"
+    );
+    let ring = datapath.take_events().context("the events ring buffer is missing")?;
+    let endpoints = Arc::new(EndpointDatapath::new(
+        datapath,
+        flags.endpoint_interface_prefix.clone(),
+    )?);
+    let events = EventHub::start(ring, endpoints.clone()).context("watching the events ring buffer")?;
+    tokio::spawn(svc_loader::host_addresses::sync(
+        endpoints.clone(),
+        Duration::from_secs(flags.host_address_sync_seconds.max(1)),
+    ));
+
+    let identity = DaemonIdentity::new(svc_loader::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
+    let service = LoaderService::new(endpoints, events, identity.boot_id.clone());
+    let routes = Routes::new(service.into_server());
+    daemon::run(
+        &flags.common,
+        listener,
+        identity,
+        routes,
+        Registry::with_prefix("rivet"),
+        Health::default(),
+    )
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! Test support (feature `testing`): a simulated node — a node network
+//! namespace with pod namespaces wired by veth pairs — and the real
+//! svc-loader process running inside it, all removed on drop.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::testing::netns::{PodSpec, TestNode, TestPod};
+use rivet_common::testing::{DaemonCommand, DaemonProcess};
+use rivet_proto::loader::v1 as pb;
+use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
+
+/// Host-side veth prefix of test nodes; the loader only acts on these.
+pub const HOST_PREFIX: &str = "rvh";
+
+/// Removes a node's pin directory (maps and links) on drop.
+#[derive(Debug)]
+pub struct PinDir(pub PathBuf);
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            eprintln!("removing test pins {}: {e}", self.0.display());
+        }
+    }
+}
+
+/// A node namespace with pods and svc-loader running in it. Fields drop in
+/// order: the loader, then the namespaces, then the pins, then the temp dir.
+#[derive(Debug)]
+pub struct LoaderNode {
+    /// The loader process.
+    pub loader: DaemonProcess,
+    /// Node and pods.
+    pub node: TestNode,
+    /// `/sys/fs/bpf/rivet/<node name>`.
+    pub pins: PinDir,
+    /// Socket dir and logs.
+    pub dir: tempfile::TempDir,
+    /// The node name (also the pin dir's name).
+    pub node_name: String,
+}
+
+static NODES: AtomicU32 = AtomicU32::new(0);
+
+/// Pod `n` (1-based) of a test node: 198.18.0.(n+1)/24 and 2001:2::(n+1)/64,
+/// gateways 198.18.0.1 and 2001:2::1, answered by the datapath.
+pub fn pod_spec(name: &str, n: u8) -> PodSpec {
+    PodSpec::new(
+        name,
+        (Ipv4Addr::new(198, 18, 0, n + 1), 24),
+        (Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, u16::from(n) + 1), 64),
+    )
+    .gateways(Ipv4Addr::new(198, 18, 0, 1), Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 1))
+}
+
+impl LoaderNode {
+    /// Creates the node with `pods` and starts `loader_bin` inside it with
+    /// small maps and `extra_args`.
+    pub async fn start(loader_bin: &Path, pods: &[&str], extra_args: &[&str]) -> std::io::Result<Self> {
+        let mut node = TestNode::with_host_prefix(HOST_PREFIX).map_err(std::io::Error::other)?;
+        for (i, name) in pods.iter().enumerate() {
+            node.add_pod(pod_spec(name, i as u8 + 1))
+                .map_err(std::io::Error::other)?;
+        }
+        let node_name = format!("t{}-{}", std::process::id(), NODES.fetch_add(1, Ordering::Relaxed));
+        let pins = PinDir(PathBuf::from("/sys/fs/bpf/rivet").join(&node_name));
+        let dir = tempfile::tempdir()?;
+        let sockets = dir.path().join("sockets");
+        // nsenter switches only the network namespace: `ip netns exec` would
+        // remount /sys and hide the bpffs at /sys/fs/bpf.
+        let loader = DaemonCommand::new("nsenter", sockets.join("svc-loader.sock"))
+            .arg(format!("--net={}", node.ns.path().display()))
+            .arg(loader_bin)
+            .args(["--socket-dir".as_ref(), sockets.as_os_str()])
+            .args(["--state-dir".as_ref(), dir.path().join("state").as_os_str()])
+            .args(["--node-name", &node_name, "--endpoint-interface-prefix", HOST_PREFIX])
+            .args([
+                "--ct-max",
+                "65536",
+                "--endpoints-max",
+                "1024",
+                "--ipcache-max",
+                "4096",
+                "--policy-max",
+                "65536",
+            ])
+            .args(["--events-bytes", "262144", "--host-address-sync-seconds", "1"])
+            .args(extra_args)
+            .log_to(dir.path().join("svc-loader.log"))
+            .spawn()
+            .await?;
+        Ok(Self {
+            loader,
+            node,
+            pins,
+            dir,
+            node_name,
+        })
+    }
+
+    /// A client of the loader.
+    pub async fn client(&self) -> LoaderServiceClient<DaemonChannel> {
+        LoaderServiceClient::new(
+            connect_unix(self.loader.socket(), &ClientOptions::default())
+                .await
+                .expect("connect to svc-loader"),
+        )
+    }
+
+    /// A pod by name.
+    pub fn pod(&self, name: &str) -> &TestPod {
+        self.node.pod(name)
+    }
+
+    /// An ApplyEndpoint request for a pod.
+    pub fn endpoint(
+        &self,
+        pod: &str,
+        endpoint_id: u32,
+        identity: u32,
+        policy: pb::EndpointPolicy,
+    ) -> pb::ApplyEndpointRequest {
+        let p = self.pod(pod);
+        pb::ApplyEndpointRequest {
+            endpoint_id,
+            host_ifindex: p.host_ifindex,
+            addresses: p
+                .addrs()
+                .into_iter()
+                .map(|a| match a {
+                    IpAddr::V4(a) => a.octets().to_vec(),
+                    IpAddr::V6(a) => a.octets().to_vec(),
+                })
+                .collect(),
+            mac: p.pod_mac.to_vec(),
+            identity,
+            policy: Some(policy),
+        }
+    }
+}
+
+/// A policy entry.
+pub fn entry(
+    direction: pb::Direction,
+    peer: u32,
+    protocol: pb::Protocol,
+    port: u32,
+    end_port: u32,
+    verdict: pb::Verdict,
+) -> pb::PolicyEntry {
+    pb::PolicyEntry {
+        direction: direction as i32,
+        peer_identity: peer,
+        protocol: protocol as i32,
+        port,
+        end_port,
+        verdict: verdict as i32,
+    }
+}
+
+/// A policy enforcing the given directions with `entries`.
+pub fn policy(revision: u64, ingress: bool, egress: bool, entries: Vec<pb::PolicyEntry>) -> pb::EndpointPolicy {
+    pb::EndpointPolicy {
+        revision,
+        enforce_ingress: ingress,
+        enforce_egress: egress,
+        allow_from_host: true,
+        entries,
+    }
+}

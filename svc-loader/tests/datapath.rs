@@ -1,0 +1,533 @@
+//! The real datapath in the kernel: a node namespace, pod namespaces and the
+//! svc-loader process inside the node, with real traffic between pods.
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use rivet_proto::loader::v1 as pb;
+use svc_loader::testing::{LoaderNode, entry, policy};
+use tonic::Code;
+
+use pb::{Direction::*, Protocol, Verdict::*};
+
+const BIN: &str = env!("CARGO_BIN_EXE_svc-loader");
+const A: u32 = 1001; // identities
+const B: u32 = 1002;
+const C: u32 = 1003;
+const SHORT: Duration = Duration::from_millis(700);
+
+async fn node(pods: &[&str]) -> LoaderNode {
+    LoaderNode::start(BIN.as_ref(), pods, &[])
+        .await
+        .expect("a test node with svc-loader starts")
+}
+
+fn v4(node: &LoaderNode, pod: &str) -> IpAddr {
+    node.pod(pod).ipv4().unwrap()
+}
+
+fn v6(node: &LoaderNode, pod: &str) -> IpAddr {
+    node.pod(pod).ipv6().unwrap()
+}
+
+fn pings(node: &LoaderNode, from: &str, to: IpAddr) -> u32 {
+    node.pod(from)
+        .ping(to, 3, Duration::from_millis(50), Duration::from_secs(1))
+        .expect("ping runs")
+        .received
+}
+
+fn unrestricted(revision: u64) -> pb::EndpointPolicy {
+    policy(revision, false, false, vec![])
+}
+
+async fn drop_count(node: &LoaderNode, reason: pb::DropReason) -> u64 {
+    let r = node
+        .client()
+        .await
+        .get_drop_counters(pb::GetDropCountersRequest { include_zero: false })
+        .await
+        .unwrap()
+        .into_inner();
+    r.drops
+        .iter()
+        .filter(|d| d.reason == reason as i32)
+        .map(|d| d.packets)
+        .sum()
+}
+
+#[tokio::test]
+async fn policy_allows_denies_and_conntrack_lets_replies_through() {
+    let node = node(&["a", "b", "c"]).await;
+    let mut client = node.client().await;
+    // a: unrestricted. b: ingress from a on ICMP, TCP 8080, UDP 5353 and TCP
+    // 9000-9010; egress enforced with no allow (it may only answer).
+    // c: ingress enforced with nothing allowed.
+    client
+        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
+        .await
+        .expect("apply a");
+    let b_policy = policy(
+        1,
+        true,
+        true,
+        vec![
+            entry(Ingress, A, Protocol::Icmp, 0, 0, Allow),
+            entry(Ingress, A, Protocol::Icmpv6, 0, 0, Allow),
+            entry(Ingress, A, Protocol::Tcp, 8080, 0, Allow),
+            entry(Ingress, A, Protocol::Udp, 5353, 0, Allow),
+            entry(Ingress, A, Protocol::Tcp, 9000, 9010, Allow),
+        ],
+    );
+    let applied = client
+        .apply_endpoint(node.endpoint("b", 2, B, b_policy))
+        .await
+        .expect("apply b")
+        .into_inner();
+    assert!(applied.changed);
+    let ep = applied.endpoint.expect("the realised endpoint is returned");
+    assert_eq!(
+        ep.from_container,
+        pb::AttachState::Attached as i32,
+        "from_container attached"
+    );
+    assert_eq!(
+        ep.to_container,
+        pb::AttachState::Attached as i32,
+        "to_container attached"
+    );
+    client
+        .apply_endpoint(node.endpoint("c", 3, C, policy(1, true, false, vec![])))
+        .await
+        .expect("apply c");
+
+    let b = node.pod("b");
+    let _tcp = b.tcp_server(8080).unwrap();
+    let _tcp_other = b.tcp_server(8081).unwrap();
+    let _range_in = b.tcp_server(9005).unwrap();
+    let _range_out = b.tcp_server(9011).unwrap();
+    let _udp = b.udp_server(5353).unwrap();
+    let a = node.pod("a");
+    for dst in [v4(&node, "b"), v6(&node, "b")] {
+        assert_eq!(pings(&node, "a", dst), 3, "ICMP from a to b ({dst}) is allowed");
+        assert!(
+            a.tcp_echo(SocketAddr::new(dst, 8080), SHORT).unwrap(),
+            "TCP a→b:8080 ({dst}) is allowed"
+        );
+        assert!(
+            a.udp_echo(SocketAddr::new(dst, 5353), SHORT).unwrap(),
+            "UDP a→b:5353 ({dst}) is allowed"
+        );
+        assert!(
+            a.tcp_echo(SocketAddr::new(dst, 9005), SHORT).unwrap(),
+            "9005 is inside the 9000-9010 range"
+        );
+        assert!(
+            !a.tcp_echo(SocketAddr::new(dst, 9011), SHORT).unwrap(),
+            "9011 is outside the range"
+        );
+        assert!(
+            !a.tcp_echo(SocketAddr::new(dst, 8081), SHORT).unwrap(),
+            "TCP a→b:8081 has no allow"
+        );
+        assert_eq!(
+            pings(&node, "a", if dst.is_ipv4() { v4(&node, "c") } else { v6(&node, "c") }),
+            0,
+            "c's ingress allows nothing: a must not reach c"
+        );
+        assert_eq!(
+            pings(&node, "b", if dst.is_ipv4() { v4(&node, "a") } else { v6(&node, "a") }),
+            0,
+            "b's egress allows nothing: b cannot open connections to a"
+        );
+    }
+    assert!(
+        drop_count(&node, pb::DropReason::PolicyDefaultDeny).await >= 8,
+        "default-deny drops are counted by reason"
+    );
+
+    // Deny wins over allow; wildcard identity and port entries.
+    let deny_policy = policy(
+        2,
+        true,
+        true,
+        vec![
+            entry(Ingress, 0, Protocol::Tcp, 0, 0, Allow),
+            entry(Ingress, A, Protocol::Tcp, 8081, 0, Deny),
+            entry(Ingress, 0, Protocol::Any, 0, 0, Allow),
+            entry(Ingress, A, Protocol::Icmp, 0, 0, Deny),
+        ],
+    );
+    let r = client
+        .apply_endpoint(node.endpoint("b", 2, B, deny_policy))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        r.endpoint.unwrap().policy_revision,
+        2,
+        "the realised revision is returned"
+    );
+    let dst = v4(&node, "b");
+    assert!(
+        a.tcp_echo(SocketAddr::new(dst, 9011), SHORT).unwrap(),
+        "any-port allow for any identity"
+    );
+    assert!(
+        !a.tcp_echo(SocketAddr::new(dst, 8081), SHORT).unwrap(),
+        "a deny entry wins over the wildcard allow"
+    );
+    let denied_before = drop_count(&node, pb::DropReason::PolicyDenied).await;
+    assert_eq!(
+        pings(&node, "a", dst),
+        0,
+        "ICMP from a is denied although 'any protocol' is allowed"
+    );
+    assert!(
+        drop_count(&node, pb::DropReason::PolicyDenied).await > denied_before,
+        "denials are counted"
+    );
+    assert_eq!(
+        pings(&node, "a", v6(&node, "b")),
+        3,
+        "ICMPv6 is not covered by the ICMP deny"
+    );
+
+    let got = client
+        .get_endpoint_policy(pb::GetEndpointPolicyRequest { endpoint_id: 2 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(got.revision, 2);
+    assert!(
+        got.entries
+            .iter()
+            .any(|e| e.entry.as_ref().unwrap().verdict == Deny as i32 && e.packets > 0),
+        "the deny entry counted the dropped packets: {got:?}"
+    );
+}
+
+#[tokio::test]
+async fn drops_are_streamed_with_their_reason() {
+    let node = node(&["a", "c"]).await;
+    let mut client = node.client().await;
+    client
+        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
+        .await
+        .unwrap();
+    client
+        .apply_endpoint(node.endpoint("c", 3, C, policy(1, true, false, vec![])))
+        .await
+        .unwrap();
+    let mut events = client
+        .monitor_events(pb::MonitorEventsRequest {
+            types: vec![pb::EventType::Drop as i32, pb::EventType::PolicyVerdict as i32],
+            endpoint_ids: vec![3],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = pings(&node, "a", v4(&node, "c"));
+    let event = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let e = events.message().await.unwrap().expect("the stream stays open");
+            if e.r#type == pb::EventType::Drop as i32 {
+                return e;
+            }
+        }
+    })
+    .await
+    .expect("a drop event arrives");
+    assert_eq!(event.drop_reason, pb::DropReason::PolicyDefaultDeny as i32, "{event:?}");
+    assert_eq!(event.endpoint_id, 3);
+    assert_eq!(event.direction, Ingress as i32);
+    assert_eq!(event.source_identity, A, "the event names the source identity");
+    assert_eq!(event.destination_identity, C);
+    let t = event.tuple.unwrap();
+    assert_eq!(t.source_address, [198, 18, 0, 2]);
+    assert_eq!(t.protocol, 1);
+}
+
+#[tokio::test]
+async fn policy_change_affects_new_connections_while_established_ones_continue() {
+    let node = node(&["a", "b"]).await;
+    let mut client = node.client().await;
+    client
+        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
+        .await
+        .unwrap();
+    let allow = policy(1, true, false, vec![entry(Ingress, A, Protocol::Tcp, 8080, 0, Allow)]);
+    client.apply_endpoint(node.endpoint("b", 2, B, allow)).await.unwrap();
+    let _server = node.pod("b").tcp_server(8080).unwrap();
+    let dst = SocketAddr::new(v4(&node, "b"), 8080);
+    let mut held = node.pod("a").tcp_stream(dst, SHORT).expect("connect while allowed");
+
+    let revoke = policy(2, true, false, vec![]);
+    client.apply_endpoint(node.endpoint("b", 2, B, revoke)).await.unwrap();
+    assert!(
+        !node.pod("a").tcp_echo(dst, SHORT).unwrap(),
+        "a new connection follows the new policy"
+    );
+    held.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    held.write_all(b"still here").unwrap();
+    let mut buf = [0u8; 10];
+    held.read_exact(&mut buf)
+        .expect("an established connection follows conntrack, not the new policy");
+    assert_eq!(&buf, b"still here");
+}
+
+#[tokio::test]
+async fn kill_9_of_the_loader_loses_no_packet_and_the_restart_adopts() {
+    let mut node = node(&["a", "b"]).await;
+    let mut client = node.client().await;
+    let a_req = node.endpoint("a", 1, A, unrestricted(1));
+    let b_req = node.endpoint(
+        "b",
+        2,
+        B,
+        policy(1, true, false, vec![entry(Ingress, A, Protocol::Icmp, 0, 0, Allow)]),
+    );
+    client.apply_endpoint(a_req.clone()).await.unwrap();
+    client.apply_endpoint(b_req.clone()).await.unwrap();
+
+    // 5 pings per millisecond for 3 s while the loader dies and restarts.
+    let dst = v4(&node, "b");
+    let ns = node.pod("a").ns.name().to_string();
+    let pinger = std::thread::spawn(move || {
+        std::process::Command::new("ip")
+            .args([
+                "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-c", "15000", "-i", "0.0002", "-W", "1",
+            ])
+            .arg(dst.to_string())
+            .output()
+            .expect("ping runs")
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    node.loader.kill9();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    node.loader.restart().await.expect("the loader restarts on its pins");
+    let out = pinger.join().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("15000 packets transmitted, 15000 received"),
+        "no ping may be lost while the loader is down or restarting:\n{text}"
+    );
+
+    let mut client = node.client().await;
+    for req in [a_req, b_req] {
+        let r = client.apply_endpoint(req).await.unwrap().into_inner();
+        assert!(
+            !r.changed,
+            "re-applying the same revision after a restart changes nothing"
+        );
+        let ep = r.endpoint.unwrap();
+        assert_eq!(
+            ep.from_container,
+            pb::AttachState::Attached as i32,
+            "adopted: attached with the new program"
+        );
+    }
+}
+
+#[tokio::test]
+async fn identity_change_under_traffic_drops_nothing_still_allowed() {
+    let node = node(&["a", "b"]).await;
+    let mut client = node.client().await;
+    client
+        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
+        .await
+        .unwrap();
+    let b_policy = policy(
+        1,
+        true,
+        false,
+        vec![
+            entry(Ingress, A, Protocol::Icmp, 0, 0, Allow),
+            entry(Ingress, 4242, Protocol::Icmp, 0, 0, Allow),
+        ],
+    );
+    client.apply_endpoint(node.endpoint("b", 2, B, b_policy)).await.unwrap();
+    let dst = v4(&node, "b");
+    let ns = node.pod("a").ns.name().to_string();
+    let pinger = std::thread::spawn(move || {
+        std::process::Command::new("ip")
+            .args([
+                "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-c", "5000", "-i", "0.0002", "-W", "1",
+            ])
+            .arg(dst.to_string())
+            .output()
+            .expect("ping runs")
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = client
+        .apply_endpoint(node.endpoint("a", 1, 4242, unrestricted(2)))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.endpoint.unwrap().identity, 4242);
+    let out = pinger.join().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("5000 received"),
+        "an identity change must not drop allowed traffic:\n{text}"
+    );
+    // A new flow is judged with the new identity.
+    client
+        .apply_endpoint(node.endpoint(
+            "b",
+            2,
+            B,
+            policy(2, true, false, vec![entry(Ingress, A, Protocol::Icmp, 0, 0, Allow)]),
+        ))
+        .await
+        .unwrap();
+    let fresh = node
+        .pod("a")
+        .ping(dst, 2, Duration::from_millis(50), Duration::from_secs(1))
+        .unwrap();
+    assert!(
+        fresh.received < 2,
+        "after the change only the new identity counts for policy"
+    );
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_and_change_nothing() {
+    let node = node(&["a"]).await;
+    let mut client = node.client().await;
+    let good = node.endpoint("a", 1, A, unrestricted(1));
+    let before = client
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoints;
+
+    let mut unknown = good.clone();
+    unknown.host_ifindex = 999_999;
+    assert_eq!(
+        client.apply_endpoint(unknown).await.unwrap_err().code(),
+        Code::NotFound,
+        "unknown interface"
+    );
+
+    let mut not_veth = good.clone();
+    not_veth.host_ifindex = node.node.ns.ifindex("lo").unwrap();
+    let err = client.apply_endpoint(not_veth).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::PermissionDenied,
+        "a non-veth is refused: {}",
+        err.message()
+    );
+
+    // A veth without the endpoint prefix.
+    node.node
+        .ns
+        .ip(&["link", "add", "other0", "type", "veth", "peer", "name", "other1"])
+        .unwrap();
+    let mut wrong_prefix = good.clone();
+    wrong_prefix.host_ifindex = node.node.ns.ifindex("other0").unwrap();
+    let err = client.apply_endpoint(wrong_prefix).await.unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
+    assert!(err.message().contains("prefix"), "{}", err.message());
+
+    let mut bad_mac = good.clone();
+    bad_mac.mac = vec![1, 2, 3];
+    assert_eq!(
+        client.apply_endpoint(bad_mac).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let mut bad_addr = good.clone();
+    bad_addr.addresses = vec![vec![198, 18, 0]];
+    assert_eq!(
+        client.apply_endpoint(bad_addr).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let big = pb::UpsertIpcacheRequest {
+        entries: vec![
+            pb::IpcacheEntry {
+                prefix: Some(pb::IpPrefix {
+                    address: vec![198, 18, 1, 0],
+                    prefix_length: 24,
+                }),
+                identity: 7,
+                tunnel_endpoint: vec![],
+            };
+            5000
+        ],
+    };
+    assert_eq!(
+        client.upsert_ipcache(big).await.unwrap_err().code(),
+        Code::InvalidArgument,
+        "batch size limit"
+    );
+
+    let after = client
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoints;
+    assert_eq!(before, after, "refused requests change nothing");
+    client.apply_endpoint(good).await.expect("a good request still works");
+}
+
+#[tokio::test]
+async fn other_uids_cannot_talk_to_the_loader() {
+    let node = LoaderNode::start(BIN.as_ref(), &["a"], &["--allowed-uids", "4242"]).await;
+    // The readiness probe itself runs as root, which is not allowed: start fails.
+    let err = node.expect_err("a loader that admits only UID 4242 never answers root");
+    assert!(err.to_string().contains("did not answer"), "{err}");
+}
+
+#[tokio::test]
+async fn removing_an_endpoint_detaches_and_forgets_it() {
+    let node = node(&["a", "b"]).await;
+    let mut client = node.client().await;
+    client
+        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
+        .await
+        .unwrap();
+    client
+        .apply_endpoint(node.endpoint("b", 2, B, policy(1, true, false, vec![])))
+        .await
+        .unwrap();
+    assert_eq!(pings(&node, "a", v4(&node, "b")), 0, "b allows nothing");
+    let r = client
+        .remove_endpoint(pb::RemoveEndpointRequest {
+            endpoint_id: 2,
+            host_ifindex: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.removed);
+    let again = client
+        .remove_endpoint(pb::RemoveEndpointRequest {
+            endpoint_id: 2,
+            host_ifindex: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.removed, "removing twice is a no-op");
+    let list = client
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(list.endpoints.len(), 1);
+    assert!(list.orphan_attachments.is_empty(), "b's programs are detached");
+    assert!(
+        !node.pins.0.join("links").read_dir().unwrap().any(|e| {
+            e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(&node.pod("b").host_ifindex.to_string())
+        }),
+        "b's link pins are gone"
+    );
+}
