@@ -1,6 +1,7 @@
 //! `rivet-bench <name>`: runs one benchmark, prints its `RESULT` line and
 //! writes `target/rivet-bench/<name>.json`. Run it through `cargo xtask bench`.
 
+mod datapath;
 mod ipam;
 mod report;
 
@@ -21,6 +22,8 @@ struct Cli {
 enum Bench {
     /// Allocate+Release pairs/s over svc-ipam's socket vs in-process.
     Ipam(ipam::IpamArgs),
+    /// iperf3 pod→pod through Rivet's datapath vs plain veth routing; ApplyEndpoint latency.
+    Datapath(datapath::DatapathArgs),
 }
 
 #[tokio::main]
@@ -37,6 +40,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let result = match bench {
         Bench::Ipam(args) => ipam::run(&args).await?,
+        Bench::Datapath(args) => datapath::run(&args).await?,
     };
     result.publish(&report::target_dir()?)?;
     Ok(())

@@ -188,7 +188,7 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
                 .entries
                 .iter()
                 .map(|s| {
-                    let e = s.entry.clone().unwrap_or_default();
+                    let e = s.entry.unwrap_or_default();
                     Row {
                         direction: name::<pb::Direction>(e.direction, "direction-"),
                         peer_identity: if e.peer_identity == 0 {

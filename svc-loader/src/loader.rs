@@ -90,8 +90,8 @@ pub enum LoaderError {
     Datapath {
         /// What was being done.
         action: String,
-        /// The error.
-        source: DatapathError,
+        /// The error (boxed: it is large).
+        source: Box<DatapathError>,
     },
     /// A map operation failed.
     #[error("{action}: {source}")]
@@ -132,6 +132,17 @@ pub struct EndpointView {
     pub ingress: AttachState,
     /// `to_container` attachment.
     pub egress: AttachState,
+}
+
+/// What the datapath holds, see [`EndpointDatapath::list`].
+#[derive(Debug, Clone)]
+pub struct DatapathListing {
+    /// Endpoints, by id.
+    pub endpoints: Vec<EndpointView>,
+    /// Attachments of interfaces no endpoint names.
+    pub orphan_attachments: Vec<Attachment>,
+    /// Endpoint ids with policy entries but no endpoint.
+    pub orphan_policies: Vec<u32>,
 }
 
 /// One compiled policy entry with its counters.
@@ -372,7 +383,7 @@ impl EndpointDatapath {
                     "attaching endpoint {} to interface index {}",
                     spec.endpoint_id, spec.ifindex
                 ),
-                source,
+                source: Box::new(source),
             })?;
         changed |= attach.changed();
         let policy_entries = st.policies.get(&spec.endpoint_id).map_or(0, BTreeMap::len);
@@ -421,7 +432,7 @@ impl EndpointDatapath {
         if let Some(ifindex) = ifindex {
             let outcome = st.datapath.detach(ifindex).map_err(|source| LoaderError::Datapath {
                 action: format!("detaching from interface index {ifindex}"),
-                source,
+                source: Box::new(source),
             })?;
             removed |= outcome.changed();
         }
@@ -430,7 +441,7 @@ impl EndpointDatapath {
 
     /// Every endpoint with its attachment, plus attachments and policy
     /// entries that belong to no endpoint.
-    pub fn list(&self) -> Result<(Vec<EndpointView>, Vec<Attachment>, Vec<u32>), LoaderError> {
+    pub fn list(&self) -> Result<DatapathListing, LoaderError> {
         let mut st = self.lock();
         let mut infos = Vec::new();
         for item in st.datapath.endpoints().iter() {
@@ -442,7 +453,7 @@ impl EndpointDatapath {
         infos.sort_by_key(|i| i.endpoint_id);
         let attachments = st.datapath.attachments().map_err(|source| LoaderError::Datapath {
             action: "listing attachments".into(),
-            source,
+            source: Box::new(source),
         })?;
         let mut views = Vec::new();
         for info in infos {
@@ -466,7 +477,11 @@ impl EndpointDatapath {
             .copied()
             .collect();
         orphan_policies.sort_unstable();
-        Ok((views, orphans, orphan_policies))
+        Ok(DatapathListing {
+            endpoints: views,
+            orphan_attachments: orphans,
+            orphan_policies,
+        })
     }
 
     /// One endpoint's map entry and compiled policy with counters.
@@ -552,7 +567,7 @@ impl EndpointDatapath {
                 out.push((addr, len, v));
             }
         }
-        out.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+        out.sort_by_key(|e| (e.0, e.1));
         Ok(out)
     }
 }

@@ -216,26 +216,55 @@ fn ct_sort_key(k: &pb::ConntrackKey) -> CtSortKey {
     (t.source_address.len() as u8, bytes)
 }
 
-fn ct_proto(
+/// A conntrack key in std types.
+struct CtTuple {
     src: IpAddr,
     dst: IpAddr,
     sport: u16,
     dport: u16,
-    proto: u8,
-    dir: u8,
-    e: &CtEntry,
-    now: u64,
-) -> pb::ConntrackEntry {
+    protocol: u8,
+    direction: u8,
+}
+
+impl From<&Ct4Key> for CtTuple {
+    fn from(k: &Ct4Key) -> Self {
+        let (s, d) = (k.src(), k.dst());
+        Self {
+            src: IpAddr::V4(*s.ip()),
+            dst: IpAddr::V4(*d.ip()),
+            sport: s.port(),
+            dport: d.port(),
+            protocol: k.protocol,
+            direction: k.direction,
+        }
+    }
+}
+
+impl From<&Ct6Key> for CtTuple {
+    fn from(k: &Ct6Key) -> Self {
+        let (s, d) = (k.src(), k.dst());
+        Self {
+            src: IpAddr::V6(*s.ip()),
+            dst: IpAddr::V6(*d.ip()),
+            sport: s.port(),
+            dport: d.port(),
+            protocol: k.protocol,
+            direction: k.direction,
+        }
+    }
+}
+
+fn ct_proto(t: &CtTuple, e: &CtEntry, now: u64) -> pb::ConntrackEntry {
     pb::ConntrackEntry {
         key: Some(pb::ConntrackKey {
             tuple: Some(pb::FiveTuple {
-                source_address: ip_bytes(src),
-                destination_address: ip_bytes(dst),
-                source_port: u32::from(sport),
-                destination_port: u32::from(dport),
-                protocol: i32::from(proto),
+                source_address: ip_bytes(t.src),
+                destination_address: ip_bytes(t.dst),
+                source_port: u32::from(t.sport),
+                destination_port: u32::from(t.dport),
+                protocol: i32::from(t.protocol),
             }),
-            direction: direction(dir) as i32,
+            direction: direction(t.direction) as i32,
         }),
         expires_in_nanos: e.expires as i64 - now as i64,
         tcp_state: i32::from(e.tcp_state),
@@ -306,8 +335,11 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 "endpoint applied"
             );
         }
-        let (views, _, _) = self.blocking(|dp| dp.list()).await?;
-        let view = views.iter().find(|v| v.info.endpoint_id == applied.info.endpoint_id);
+        let listing = self.blocking(|dp| dp.list()).await?;
+        let view = listing
+            .endpoints
+            .iter()
+            .find(|v| v.info.endpoint_id == applied.info.endpoint_id);
         Ok(Response::new(pb::ApplyEndpointResponse {
             endpoint: view.map(endpoint_proto),
             changed: applied.changed,
@@ -382,10 +414,11 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         &self,
         _request: Request<pb::ListEndpointsRequest>,
     ) -> Result<Response<pb::ListEndpointsResponse>, Status> {
-        let (views, orphans, orphan_policies) = self.blocking(|dp| dp.list()).await?;
+        let listing = self.blocking(|dp| dp.list()).await?;
         Ok(Response::new(pb::ListEndpointsResponse {
-            endpoints: views.iter().map(endpoint_proto).collect(),
-            orphan_attachments: orphans
+            endpoints: listing.endpoints.iter().map(endpoint_proto).collect(),
+            orphan_attachments: listing
+                .orphan_attachments
                 .iter()
                 .map(|a| pb::OrphanAttachment {
                     host_ifindex: a.ifindex,
@@ -394,7 +427,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                     to_container: matches!(a.egress, AttachState::Attached { .. } | AttachState::Stale { .. }),
                 })
                 .collect(),
-            orphan_policy_endpoint_ids: orphan_policies,
+            orphan_policy_endpoint_ids: listing.orphan_policies,
             boot_id: self.boot_id(),
         }))
     }
@@ -458,7 +491,11 @@ impl pb::loader_service_server::LoaderService for LoaderService {
             .blocking(|dp| dp.ipcache_entries())
             .await?
             .into_iter()
-            .filter(|(a, l, v)| !wanted.contains(&(*a, *l)) && !(v.identity == maps::IDENTITY_HOST && host.contains(a)))
+            .filter(|(a, l, v)| {
+                let sent = wanted.contains(&(*a, *l));
+                let ours = v.identity == maps::IDENTITY_HOST && host.contains(a);
+                !sent && !ours
+            })
             .map(|(a, l, _)| (a, l))
             .collect();
         let deleted = self.blocking(move |dp| dp.delete_ipcache(&stale)).await?;
@@ -507,8 +544,8 @@ impl pb::loader_service_server::LoaderService for LoaderService {
     ) -> Result<Response<pb::GetDatapathStatusResponse>, Status> {
         let (pin_dir, ids, endpoints) = self
             .blocking(|dp| {
-                let (views, _, _) = dp.list()?;
-                Ok(dp.with_datapath(|d| (d.pin_dir().display().to_string(), d.program_ids(), views.len())))
+                let endpoints = dp.list()?.endpoints.len();
+                Ok(dp.with_datapath(|d| (d.pin_dir().display().to_string(), d.program_ids(), endpoints)))
             })
             .await?;
         Ok(Response::new(pb::GetDatapathStatusResponse {
@@ -567,45 +604,25 @@ impl pb::loader_service_server::LoaderService for LoaderService {
             .blocking(move |dp| {
                 let now = monotonic_nanos();
                 let mut out = Vec::new();
-                let keep = |src: IpAddr, dst: IpAddr, sp: u16, dp_: u16, proto: u8| {
-                    want_proto.is_none_or(|p| p == proto)
-                        && want_addr.is_none_or(|a| a == src || a == dst)
-                        && want_port.is_none_or(|p| p == sp || p == dp_)
+                let keep = |t: &CtTuple| {
+                    want_proto.is_none_or(|p| p == t.protocol)
+                        && want_addr.is_none_or(|a| a == t.src || a == t.dst)
+                        && want_port.is_none_or(|p| p == t.sport || p == t.dport)
                 };
                 dp.with_datapath(|d| {
                     if family != pb::Family::Ipv6 {
                         for (k, e) in d.ct4().iter().filter_map(Result::ok) {
-                            let k: Ct4Key = k;
-                            let (s, t) = (k.src(), k.dst());
-                            if keep(IpAddr::V4(*s.ip()), IpAddr::V4(*t.ip()), s.port(), t.port(), k.protocol) {
-                                out.push(ct_proto(
-                                    IpAddr::V4(*s.ip()),
-                                    IpAddr::V4(*t.ip()),
-                                    s.port(),
-                                    t.port(),
-                                    k.protocol,
-                                    k.direction,
-                                    &e,
-                                    now,
-                                ));
+                            let t = CtTuple::from(&k);
+                            if keep(&t) {
+                                out.push(ct_proto(&t, &e, now));
                             }
                         }
                     }
                     if family != pb::Family::Ipv4 {
                         for (k, e) in d.ct6().iter().filter_map(Result::ok) {
-                            let k: Ct6Key = k;
-                            let (s, t) = (k.src(), k.dst());
-                            if keep(IpAddr::V6(*s.ip()), IpAddr::V6(*t.ip()), s.port(), t.port(), k.protocol) {
-                                out.push(ct_proto(
-                                    IpAddr::V6(*s.ip()),
-                                    IpAddr::V6(*t.ip()),
-                                    s.port(),
-                                    t.port(),
-                                    k.protocol,
-                                    k.direction,
-                                    &e,
-                                    now,
-                                ));
+                            let t = CtTuple::from(&k);
+                            if keep(&t) {
+                                out.push(ct_proto(&t, &e, now));
                             }
                         }
                     }
@@ -637,7 +654,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 dp.with_datapath(|d| d.metrics_totals())
                     .map_err(|source| LoaderError::Datapath {
                         action: "reading datapath counters".into(),
-                        source,
+                        source: Box::new(source),
                     })
             })
             .await?;

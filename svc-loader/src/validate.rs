@@ -282,7 +282,8 @@ mod tests {
 
     #[test]
     fn each_bad_field_is_named() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut pb::ApplyEndpointRequest)>)> = vec![
+        type Mutation = Box<dyn Fn(&mut pb::ApplyEndpointRequest)>;
+        let cases: Vec<(&str, Mutation)> = vec![
             ("endpoint_id", Box::new(|r| r.endpoint_id = 0)),
             ("endpoint_id", Box::new(|r| r.endpoint_id = 70000)),
             ("host_ifindex", Box::new(|r| r.host_ifindex = 0)),
