@@ -19,7 +19,7 @@ pub struct DatapathArgs {
     #[arg(long, default_value_t = 5)]
     seconds: u32,
     /// Rounds; each measures both sides, interleaved; the median is kept.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Endpoints created for the ApplyEndpoint latency measurement.
     #[arg(long, default_value_t = 200)]
@@ -132,7 +132,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Bits per second received by an iperf3 server in `server` from `client`.
 fn iperf(client: &NetNs, server: &NetNs, dst: IpAddr, seconds: u32) -> anyhow::Result<f64> {
-    let mut srv = server.command("iperf3").args(["-s", "-1", "-p", "5201"]).spawn()?;
+    let mut srv = server
+        .command("iperf3")
+        .args(["-s", "-1", "-p", "5201"])
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
     std::thread::sleep(Duration::from_millis(300));
     let out = client
         .command("iperf3")

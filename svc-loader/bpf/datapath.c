@@ -615,19 +615,26 @@ static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_id
 
 /* Conntrack + policy for one direction of one endpoint. Returns 0 to pass
  * or a drop reason. */
-static __always_inline int enforce(const struct pkt *p, const struct endpoint_info *ep, __u8 dir, __u32 peer,
-				   const struct datapath_config *cfg)
+/* The peer's identity is looked up only for a connection's first packet
+ * (or a drop): established traffic pays for the conntrack lookup alone. */
+static __always_inline int enforce(const struct pkt *p, const struct endpoint_info *ep, __u8 dir,
+				   const struct endpoint_info *peer_ep, const __u32 *peer_addr,
+				   const struct datapath_config *cfg, __u32 *peer_out)
 {
 	__u32 enforce_flag = dir == DIR_EGRESS ? EP_F_ENFORCE_EGRESS : EP_F_ENFORCE_INGRESS;
-	__u32 src_id = dir == DIR_EGRESS ? ep->identity : peer;
-	__u32 dst_id = dir == DIR_EGRESS ? peer : ep->identity;
+	__u32 peer, src_id, dst_id;
 	int ct, reason = 0;
 
+	*peer_out = 0;
 	if (p->fragment)
 		return (ep->flags & enforce_flag) ? DROP_FRAGMENT_UNSUPPORTED : 0;
 	ct = ct_lookup(p, dir, cfg);
 	if (ct != CT_NEW)
 		return 0;
+	peer = peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
+	*peer_out = peer;
+	src_id = dir == DIR_EGRESS ? ep->identity : peer;
+	dst_id = dir == DIR_EGRESS ? peer : ep->identity;
 	/* An ICMP error of no known connection is judged as plain ICMP and
 	 * never opens one. */
 	if ((ep->flags & enforce_flag) &&
@@ -877,8 +884,7 @@ int from_container(struct __sk_buff *skb)
 
 	trace(cfg, TRACE_FROM_CONTAINER, DIR_EGRESS, &p, ep);
 	dst = endpoint_by_addr(&p, p.icmp_error ? p.saddr : p.daddr);
-	peer = dst ? dst->identity : identity_of(&p, p.icmp_error ? p.saddr : p.daddr);
-	r = enforce(&p, ep, DIR_EGRESS, peer, cfg);
+	r = enforce(&p, ep, DIR_EGRESS, dst, p.icmp_error ? p.saddr : p.daddr, cfg, &peer);
 	if (r)
 		return drop(r, DIR_EGRESS, &p, ep, ep->identity, peer);
 	count(REASON_FORWARDED, DIR_EGRESS, p.len);
@@ -927,8 +933,7 @@ int to_container(struct __sk_buff *skb)
 	}
 
 	trace(cfg, TRACE_TO_CONTAINER, DIR_INGRESS, &p, ep);
-	peer = identity_of(&p, p.icmp_error ? p.daddr : p.saddr);
-	r = enforce(&p, ep, DIR_INGRESS, peer, cfg);
+	r = enforce(&p, ep, DIR_INGRESS, 0, p.icmp_error ? p.daddr : p.saddr, cfg, &peer);
 	if (r)
 		return drop(r, DIR_INGRESS, &p, ep, peer, ep->identity);
 	count(REASON_FORWARDED, DIR_INGRESS, p.len);

@@ -264,6 +264,7 @@ impl EndpointDatapath {
 
     /// Realises an endpoint: policy, map entries, attachment. Idempotent.
     pub fn apply(&self, spec: &EndpointSpec) -> Result<Applied, LoaderError> {
+        let started = std::time::Instant::now();
         let (_ifname, node_mac) = self.check_interface(spec.ifindex)?;
         let mut st = self.lock();
         let ifkey = EndpointKey::ifindex(spec.ifindex);
@@ -375,6 +376,7 @@ impl EndpointDatapath {
             changed = true;
         }
         st.by_id.insert(spec.endpoint_id, spec.ifindex);
+        let maps_done = started.elapsed();
         let attach = st
             .datapath
             .attach(spec.ifindex)
@@ -386,6 +388,12 @@ impl EndpointDatapath {
                 source: Box::new(source),
             })?;
         changed |= attach.changed();
+        tracing::debug!(
+            endpoint_id = spec.endpoint_id,
+            checks_and_maps_us = maps_done.as_micros() as u64,
+            attach_us = (started.elapsed() - maps_done).as_micros() as u64,
+            "endpoint realised"
+        );
         let policy_entries = st.policies.get(&spec.endpoint_id).map_or(0, BTreeMap::len);
         Ok(Applied {
             info,
@@ -437,6 +445,34 @@ impl EndpointDatapath {
             removed |= outcome.changed();
         }
         Ok(removed)
+    }
+
+    /// One endpoint with its attachment (cheap: one interface queried).
+    pub fn view(&self, endpoint_id: u32) -> Result<EndpointView, LoaderError> {
+        let mut st = self.lock();
+        let ifindex = *st
+            .by_id
+            .get(&endpoint_id)
+            .ok_or(LoaderError::UnknownEndpoint(endpoint_id))?;
+        let info = st
+            .datapath
+            .endpoints()
+            .get(&EndpointKey::ifindex(ifindex), 0)
+            .map_err(|_| LoaderError::UnknownEndpoint(endpoint_id))?;
+        let attachment = st
+            .datapath
+            .attachment(ifindex)
+            .map_err(|source| LoaderError::Datapath {
+                action: format!("inspecting the attachment of interface index {ifindex}"),
+                source: Box::new(source),
+            })?;
+        Ok(EndpointView {
+            info,
+            ifname: attachment.ifname.clone(),
+            policy_entries: st.policies.get(&endpoint_id).map_or(0, BTreeMap::len),
+            ingress: attachment.ingress,
+            egress: attachment.egress,
+        })
     }
 
     /// Every endpoint with its attachment, plus attachments and policy

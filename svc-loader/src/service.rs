@@ -335,13 +335,10 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 "endpoint applied"
             );
         }
-        let listing = self.blocking(|dp| dp.list()).await?;
-        let view = listing
-            .endpoints
-            .iter()
-            .find(|v| v.info.endpoint_id == applied.info.endpoint_id);
+        let id = applied.info.endpoint_id;
+        let view = self.blocking(move |dp| dp.view(id)).await?;
         Ok(Response::new(pb::ApplyEndpointResponse {
-            endpoint: view.map(endpoint_proto),
+            endpoint: Some(endpoint_proto(&view)),
             changed: applied.changed,
             boot_id: self.boot_id(),
         }))
