@@ -118,8 +118,11 @@ struct {
 #define IP4_OFF ETH_HLEN_
 #define IP6_OFF ETH_HLEN_
 
-/* A parsed packet: the tuple in network order plus what policy needs. */
+/* A parsed packet: the tuple in network order plus what policy needs. For
+ * an ICMP error the tuple is the offending packet's, reversed: the error
+ * travels like a reply of that packet, so it finds its connection. */
 struct pkt {
+	__u32 outer_saddr[4]; /* the IP header's source, even for ICMP errors */
 	__u32 saddr[4];
 	__u32 daddr[4];
 	__u16 sport;
@@ -306,6 +309,7 @@ static __always_inline int parse_ipv4(struct __sk_buff *skb, struct pkt *p)
 	p->family = 4;
 	p->protocol = ip.protocol;
 	p->saddr[0] = ip.saddr;
+	p->outer_saddr[0] = ip.saddr;
 	p->daddr[0] = ip.daddr;
 	p->l4_off = IP4_OFF + (ip.ihl & 0xf) * 4;
 	p->fragment = (bpf_ntohs(ip.frag_off) & 0x1fff) != 0;
@@ -323,6 +327,7 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct pkt *p)
 	p->family = 6;
 	p->protocol = ip.nexthdr;
 	__builtin_memcpy(p->saddr, &ip.saddr, 16);
+	__builtin_memcpy(p->outer_saddr, &ip.saddr, 16);
 	__builtin_memcpy(p->daddr, &ip.daddr, 16);
 	p->l4_off = IP6_OFF + sizeof(ip);
 	if (p->protocol == 44 /* fragment header */) {
@@ -562,16 +567,21 @@ static __always_inline int ct_lookup(const struct pkt *p, __u8 dir, const struct
 		ct_delete(p, dir);
 		return CT_NEW;
 	}
+	/* Counters are best effort: plain increments, no locked operations on
+	 * a line both directions' CPUs write. Flags are written only when they
+	 * change. */
 	if (reply) {
-		__sync_fetch_and_add(&e->packets_rev, 1);
-		__sync_fetch_and_add(&e->bytes_rev, p->len);
-		e->tcp_flags_rev |= p->tcp_flags;
+		e->packets_rev += 1;
+		e->bytes_rev += p->len;
+		if ((e->tcp_flags_rev & p->tcp_flags) != p->tcp_flags)
+			e->tcp_flags_rev |= p->tcp_flags;
 		if (!(e->flags & CT_F_SEEN_REPLY))
 			e->flags |= CT_F_SEEN_REPLY;
 	} else {
-		__sync_fetch_and_add(&e->packets_fwd, 1);
-		__sync_fetch_and_add(&e->bytes_fwd, p->len);
-		e->tcp_flags_fwd |= p->tcp_flags;
+		e->packets_fwd += 1;
+		e->bytes_fwd += p->len;
+		if ((e->tcp_flags_fwd & p->tcp_flags) != p->tcp_flags)
+			e->tcp_flags_fwd |= p->tcp_flags;
 	}
 	state = e->tcp_state;
 	if (p->protocol == IPPROTO_TCP)
@@ -851,7 +861,7 @@ int from_container(struct __sk_buff *skb)
 	if (skb->protocol == bpf_htons(ETH_P_IP)) {
 		if (parse_ipv4(skb, &p) < 0)
 			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
-		if (!(ep->flags & EP_F_HAS_IPV4) || (p.icmp_error ? p.daddr[0] : p.saddr[0]) != ep->ipv4)
+		if (!(ep->flags & EP_F_HAS_IPV4) || p.outer_saddr[0] != ep->ipv4)
 			return drop(DROP_INVALID_SOURCE_ADDRESS, DIR_EGRESS, &p, ep, ep->identity, 0);
 	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr ip;
@@ -870,7 +880,7 @@ int from_container(struct __sk_buff *skb)
 		    (ipv6_is_multicast(ip.daddr.in6_u.u6_addr32) || ipv6_is_link_local(ip.daddr.in6_u.u6_addr32)))
 			return TC_ACT_OK;
 		if (!(ep->flags & EP_F_HAS_IPV6) ||
-		    !ipv6_equal(p.icmp_error ? p.daddr : p.saddr, ep->ipv6)) {
+		    !ipv6_equal(p.outer_saddr, ep->ipv6)) {
 			/* Neighbour discovery towards the node from a global source. */
 			if (p.protocol == IPPROTO_ICMPV6 && ipv6_is_multicast(ip.daddr.in6_u.u6_addr32))
 				return TC_ACT_OK;
@@ -883,8 +893,8 @@ int from_container(struct __sk_buff *skb)
 	}
 
 	trace(cfg, TRACE_FROM_CONTAINER, DIR_EGRESS, &p, ep);
-	dst = endpoint_by_addr(&p, p.icmp_error ? p.saddr : p.daddr);
-	r = enforce(&p, ep, DIR_EGRESS, dst, p.icmp_error ? p.saddr : p.daddr, cfg, &peer);
+	dst = endpoint_by_addr(&p, p.daddr);
+	r = enforce(&p, ep, DIR_EGRESS, dst, p.daddr, cfg, &peer);
 	if (r)
 		return drop(r, DIR_EGRESS, &p, ep, ep->identity, peer);
 	count(REASON_FORWARDED, DIR_EGRESS, p.len);
@@ -925,15 +935,18 @@ int to_container(struct __sk_buff *skb)
 		if (parse_ipv6(skb, &p) < 0)
 			return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, ep, 0, ep->identity);
 		/* Neighbour discovery and other ICMPv6 control messages from the
-		 * node (types 133-137 and MLD) are link plumbing, not traffic. */
+		 * node (types 133-137), and link-local control traffic such as
+		 * MLD reports, are link plumbing, not traffic. */
 		if (p.protocol == IPPROTO_ICMPV6 && !p.icmp_error && p.sport == 0 && p.dport == 0)
+			return TC_ACT_OK;
+		if (ipv6_is_link_local(p.outer_saddr) && (ipv6_is_multicast(p.daddr) || ipv6_is_link_local(p.daddr)))
 			return TC_ACT_OK;
 	} else {
 		return drop(DROP_UNSUPPORTED_L3, DIR_INGRESS, &p, ep, 0, ep->identity);
 	}
 
 	trace(cfg, TRACE_TO_CONTAINER, DIR_INGRESS, &p, ep);
-	r = enforce(&p, ep, DIR_INGRESS, 0, p.icmp_error ? p.daddr : p.saddr, cfg, &peer);
+	r = enforce(&p, ep, DIR_INGRESS, 0, p.saddr, cfg, &peer);
 	if (r)
 		return drop(r, DIR_INGRESS, &p, ep, peer, ep->identity);
 	count(REASON_FORWARDED, DIR_INGRESS, p.len);

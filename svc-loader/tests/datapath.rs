@@ -243,7 +243,10 @@ async fn drops_are_streamed_with_their_reason() {
     assert_eq!(event.drop_reason, pb::DropReason::PolicyDefaultDeny as i32, "{event:?}");
     assert_eq!(event.endpoint_id, 3);
     assert_eq!(event.direction, Ingress as i32);
-    assert_eq!(event.source_identity, A, "the event names the source identity");
+    assert_eq!(
+        event.source_identity, A,
+        "the event names the source identity: {event:?}"
+    );
     assert_eq!(event.destination_identity, C);
     let t = event.tuple.unwrap();
     assert_eq!(t.source_address, [198, 18, 0, 2]);
@@ -530,4 +533,40 @@ async fn removing_an_endpoint_detaches_and_forgets_it() {
         }),
         "b's link pins are gone"
     );
+}
+
+#[tokio::test]
+async fn related_icmp_errors_pass_with_their_connection() {
+    let node = node(&["a", "b"]).await;
+    let mut client = node.client().await;
+    client
+        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
+        .await
+        .unwrap();
+    // b accepts UDP from a on any port but may send nothing on its own: the
+    // port-unreachable error for a closed port passes only as related traffic.
+    let b_policy = policy(1, true, true, vec![entry(Ingress, A, Protocol::Udp, 0, 0, Allow)]);
+    client.apply_endpoint(node.endpoint("b", 2, B, b_policy)).await.unwrap();
+    for dst in [v4(&node, "b"), v6(&node, "b")] {
+        let target = SocketAddr::new(dst, 9); // nothing listens on b:9
+        let outcome = node
+            .pod("a")
+            .ns
+            .in_ns(move || {
+                let bind: SocketAddr = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().unwrap();
+                let socket = std::net::UdpSocket::bind(bind)?;
+                socket.connect(target)?;
+                socket.set_read_timeout(Some(Duration::from_secs(2)))?;
+                socket.send(b"ping")?;
+                let mut buf = [0u8; 16];
+                Ok::<_, std::io::Error>(socket.recv(&mut buf).map_err(|e| e.kind()))
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            outcome,
+            Err(std::io::ErrorKind::ConnectionRefused),
+            "the ICMP port-unreachable from b ({dst}) must reach a as part of a's connection"
+        );
+    }
 }
