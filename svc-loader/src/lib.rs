@@ -8,10 +8,12 @@
 //! - [`loader`]: endpoint operations (checked, ordered map writes);
 //! - [`validate`]: request validation (no paths or free-form strings);
 //! - [`service`]: the gRPC service; [`monitor`]: the event stream;
+//! - [`events`]: logs and metrics, emitted together;
 //! - [`host_addresses`]: the node's addresses as the host identity;
 //! - [`netdev`]: interface facts in the current network namespace.
 
 pub mod datapath;
+pub mod events;
 pub mod host_addresses;
 pub mod loader;
 pub mod maps;

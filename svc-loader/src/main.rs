@@ -13,6 +13,7 @@ use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
 use rivet_common::{daemon, telemetry};
 use svc_loader::datapath::{Datapath, DatapathOptions};
+use svc_loader::events::LoaderMetrics;
 use svc_loader::loader::EndpointDatapath;
 use svc_loader::maps::CtTimeouts;
 use svc_loader::monitor::EventHub;
@@ -130,16 +131,11 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     ));
 
     let identity = DaemonIdentity::new(svc_loader::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
-    let service = LoaderService::new(endpoints, events, identity.boot_id.clone());
+    let metrics = LoaderMetrics::default();
+    let mut registry = Registry::with_prefix("rivet");
+    metrics.register(&mut registry);
+    let service = LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics);
     let routes = Routes::new(service.into_server());
-    daemon::run(
-        &flags.common,
-        listener,
-        identity,
-        routes,
-        Registry::with_prefix("rivet"),
-        Health::default(),
-    )
-    .await?;
+    daemon::run(&flags.common, listener, identity, routes, registry, Health::default()).await?;
     Ok(())
 }

@@ -13,6 +13,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::datapath::AttachState;
+use crate::events::{self, LoaderMetrics};
 use crate::loader::{EndpointDatapath, LoaderError};
 use crate::maps::{self, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS, Event, IpcacheValue};
 use crate::monitor::EventHub;
@@ -22,6 +23,7 @@ use crate::validate::{self, InvalidField, MAX_IPCACHE_BATCH};
 #[derive(Debug, Clone)]
 pub struct LoaderService {
     datapath: Arc<EndpointDatapath>,
+    metrics: LoaderMetrics,
     events: Arc<EventHub>,
     boot_id: BootId,
 }
@@ -30,9 +32,15 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<pb::MonitorEvent, Status>> +
 
 impl LoaderService {
     /// A service over `datapath`, streaming events from `events`.
-    pub fn new(datapath: Arc<EndpointDatapath>, events: Arc<EventHub>, boot_id: BootId) -> Self {
+    pub fn new(
+        datapath: Arc<EndpointDatapath>,
+        events: Arc<EventHub>,
+        boot_id: BootId,
+        metrics: LoaderMetrics,
+    ) -> Self {
         Self {
             datapath,
+            metrics,
             events,
             boot_id,
         }
@@ -41,6 +49,11 @@ impl LoaderService {
     /// The tonic server.
     pub fn into_server(self) -> pb::loader_service_server::LoaderServiceServer<Self> {
         pb::loader_service_server::LoaderServiceServer::new(self)
+    }
+
+    fn fail(&self, method: &'static str, status: Status) -> Status {
+        events::request_failed(&self.metrics, method, &status);
+        status
     }
 
     fn boot_id(&self) -> String {
@@ -324,17 +337,22 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         &self,
         request: Request<pb::ApplyEndpointRequest>,
     ) -> Result<Response<pb::ApplyEndpointResponse>, Status> {
-        let spec = validate::endpoint(request.get_ref()).map_err(invalid)?;
-        let applied = self.blocking(move |dp| dp.apply(&spec)).await?;
-        if applied.changed {
-            tracing::info!(
-                endpoint_id = applied.info.endpoint_id,
-                ifindex = applied.info.ifindex,
-                identity = applied.info.identity,
-                revision = applied.info.policy_revision,
-                "endpoint applied"
-            );
-        }
+        let started = std::time::Instant::now();
+        let spec = validate::endpoint(request.get_ref())
+            .map_err(invalid)
+            .map_err(|s| self.fail("ApplyEndpoint", s))?;
+        let applied = self
+            .blocking(move |dp| dp.apply(&spec))
+            .await
+            .map_err(|s| self.fail("ApplyEndpoint", s))?;
+        events::endpoint_applied(
+            &self.metrics,
+            applied.info.endpoint_id,
+            applied.info.identity,
+            applied.info.policy_revision,
+            applied.changed,
+            started.elapsed(),
+        );
         let id = applied.info.endpoint_id;
         let view = self.blocking(move |dp| dp.view(id)).await?;
         Ok(Response::new(pb::ApplyEndpointResponse {
@@ -358,9 +376,12 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         if id.is_none() && ifindex.is_none() {
             return Err(Status::invalid_argument("endpoint_id or host_ifindex: one is required"));
         }
-        let removed = self.blocking(move |dp| dp.remove(id, ifindex)).await?;
+        let removed = self
+            .blocking(move |dp| dp.remove(id, ifindex))
+            .await
+            .map_err(|s| self.fail("RemoveEndpoint", s))?;
         if removed {
-            tracing::info!(endpoint_id = ?id, ifindex = ?ifindex, "endpoint removed");
+            events::endpoint_removed(&self.metrics, id, ifindex);
         }
         Ok(Response::new(pb::RemoveEndpointResponse {
             removed,

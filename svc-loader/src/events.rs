@@ -1,0 +1,120 @@
+//! svc-loader's telemetry: each named event writes its log line and updates
+//! its metric together.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    method: &'static str,
+    kind: &'static str,
+}
+
+/// The metrics of svc-loader.
+#[derive(Clone, Debug)]
+pub struct LoaderMetrics {
+    applies: Family<ResultLabels, Counter>,
+    apply_duration: Histogram,
+    removals: Counter,
+    request_errors: Family<ErrorLabels, Counter>,
+}
+
+impl Default for LoaderMetrics {
+    fn default() -> Self {
+        Self {
+            applies: Family::default(),
+            apply_duration: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
+            removals: Counter::default(),
+            request_errors: Family::default(),
+        }
+    }
+}
+
+impl LoaderMetrics {
+    /// Registers every metric (prefix the registry with `rivet`).
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("loader");
+        r.register(
+            "endpoint_applies",
+            "ApplyEndpoint calls by result (changed, unchanged)",
+            self.applies.clone(),
+        );
+        r.register(
+            "endpoint_apply_duration_seconds",
+            "Time to realise an endpoint (checks, map writes, attach)",
+            self.apply_duration.clone(),
+        );
+        r.register(
+            "endpoint_removals",
+            "Endpoints removed from the datapath",
+            self.removals.clone(),
+        );
+        r.register(
+            "request_errors",
+            "Failed requests by method and gRPC code",
+            self.request_errors.clone(),
+        );
+    }
+}
+
+/// An endpoint was applied.
+pub fn endpoint_applied(
+    m: &LoaderMetrics,
+    endpoint_id: u32,
+    identity: u32,
+    revision: u64,
+    changed: bool,
+    took: Duration,
+) {
+    if changed {
+        tracing::info!(
+            endpoint_id,
+            identity,
+            revision,
+            took_ms = took.as_secs_f64() * 1e3,
+            "endpoint applied"
+        );
+    } else {
+        tracing::debug!(endpoint_id, revision, "endpoint already as requested");
+    }
+    let result = if changed { "changed" } else { "unchanged" };
+    m.applies.get_or_create(&ResultLabels { result }).inc();
+    m.apply_duration.observe(took.as_secs_f64());
+}
+
+/// An endpoint was removed.
+pub fn endpoint_removed(m: &LoaderMetrics, endpoint_id: Option<u32>, ifindex: Option<u32>) {
+    tracing::info!(endpoint_id = ?endpoint_id, ifindex = ?ifindex, "endpoint removed");
+    m.removals.inc();
+}
+
+/// A request failed.
+pub fn request_failed(m: &LoaderMetrics, method: &'static str, status: &tonic::Status) {
+    let kind = code_name(status.code());
+    tracing::warn!(method, kind, "request failed: {}", status.message());
+    m.request_errors.get_or_create(&ErrorLabels { method, kind }).inc();
+}
+
+fn code_name(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        InvalidArgument => "invalid_argument",
+        NotFound => "not_found",
+        AlreadyExists => "already_exists",
+        PermissionDenied => "permission_denied",
+        FailedPrecondition => "failed_precondition",
+        ResourceExhausted => "resource_exhausted",
+        Unavailable => "unavailable",
+        _ => "internal",
+    }
+}
