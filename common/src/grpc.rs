@@ -186,6 +186,35 @@ pub async fn serve_unix(
     }
 }
 
+/// A gRPC code as a metric label (`invalid_argument`, `not_found`, ...),
+/// so every daemon counts errors by kind with the same names.
+///
+/// ```
+/// assert_eq!(rivet_common::grpc::code_label(tonic::Code::ResourceExhausted), "resource_exhausted");
+/// ```
+pub fn code_label(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "ok",
+        Cancelled => "cancelled",
+        Unknown => "unknown",
+        InvalidArgument => "invalid_argument",
+        DeadlineExceeded => "deadline_exceeded",
+        NotFound => "not_found",
+        AlreadyExists => "already_exists",
+        PermissionDenied => "permission_denied",
+        ResourceExhausted => "resource_exhausted",
+        FailedPrecondition => "failed_precondition",
+        Aborted => "aborted",
+        OutOfRange => "out_of_range",
+        Unimplemented => "unimplemented",
+        Internal => "internal",
+        Unavailable => "unavailable",
+        DataLoss => "data_loss",
+        Unauthenticated => "unauthenticated",
+    }
+}
+
 /// How long a stopping daemon lets in-flight calls finish.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 

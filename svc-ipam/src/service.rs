@@ -37,7 +37,12 @@ impl IpamService {
     }
 
     fn fail(&self, method: &'static str, status: Status) -> Status {
-        events::request_failed(&self.metrics, method, code_name(status.code()), status.message());
+        events::request_failed(
+            &self.metrics,
+            method,
+            rivet_common::grpc::code_label(status.code()),
+            status.message(),
+        );
         status
     }
 }
@@ -296,18 +301,6 @@ fn status(e: StoreError, held_by_other: Code) -> Status {
         StoreError::Load(_) | StoreError::Writer(_) => Code::Internal,
     };
     Status::new(code, e.to_string())
-}
-
-fn code_name(code: Code) -> &'static str {
-    match code {
-        Code::InvalidArgument => "invalid_argument",
-        Code::NotFound => "not_found",
-        Code::AlreadyExists => "already_exists",
-        Code::ResourceExhausted => "resource_exhausted",
-        Code::FailedPrecondition => "failed_precondition",
-        Code::Unavailable => "unavailable",
-        _ => "internal",
-    }
 }
 
 #[cfg(test)]

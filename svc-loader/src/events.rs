@@ -100,21 +100,7 @@ pub fn endpoint_removed(m: &LoaderMetrics, endpoint_id: Option<u32>, ifindex: Op
 
 /// A request failed.
 pub fn request_failed(m: &LoaderMetrics, method: &'static str, status: &tonic::Status) {
-    let kind = code_name(status.code());
+    let kind = rivet_common::grpc::code_label(status.code());
     tracing::warn!(method, kind, "request failed: {}", status.message());
     m.request_errors.get_or_create(&ErrorLabels { method, kind }).inc();
-}
-
-fn code_name(code: tonic::Code) -> &'static str {
-    use tonic::Code::*;
-    match code {
-        InvalidArgument => "invalid_argument",
-        NotFound => "not_found",
-        AlreadyExists => "already_exists",
-        PermissionDenied => "permission_denied",
-        FailedPrecondition => "failed_precondition",
-        ResourceExhausted => "resource_exhausted",
-        Unavailable => "unavailable",
-        _ => "internal",
-    }
 }

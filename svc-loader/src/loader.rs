@@ -166,6 +166,20 @@ struct State {
     policies: HashMap<u32, BTreeMap<PolicyEntry, u8>>,
 }
 
+impl State {
+    /// The endpoint map entry of `endpoint_id`.
+    fn endpoint(&mut self, endpoint_id: u32) -> Result<EndpointInfo, LoaderError> {
+        let ifindex = *self
+            .by_id
+            .get(&endpoint_id)
+            .ok_or(LoaderError::UnknownEndpoint(endpoint_id))?;
+        self.datapath
+            .endpoints()
+            .get(&EndpointKey::ifindex(ifindex), 0)
+            .map_err(|_| LoaderError::UnknownEndpoint(endpoint_id))
+    }
+}
+
 /// The endpoint-facing operations on the node's datapath.
 pub struct EndpointDatapath {
     state: Mutex<State>,
@@ -450,15 +464,8 @@ impl EndpointDatapath {
     /// One endpoint with its attachment (cheap: one interface queried).
     pub fn view(&self, endpoint_id: u32) -> Result<EndpointView, LoaderError> {
         let mut st = self.lock();
-        let ifindex = *st
-            .by_id
-            .get(&endpoint_id)
-            .ok_or(LoaderError::UnknownEndpoint(endpoint_id))?;
-        let info = st
-            .datapath
-            .endpoints()
-            .get(&EndpointKey::ifindex(ifindex), 0)
-            .map_err(|_| LoaderError::UnknownEndpoint(endpoint_id))?;
+        let info = st.endpoint(endpoint_id)?;
+        let ifindex = info.ifindex;
         let attachment = st
             .datapath
             .attachment(ifindex)
@@ -523,15 +530,7 @@ impl EndpointDatapath {
     /// One endpoint's map entry and compiled policy with counters.
     pub fn policy(&self, endpoint_id: u32) -> Result<(EndpointInfo, Vec<PolicyEntryView>), LoaderError> {
         let mut st = self.lock();
-        let ifindex = *st
-            .by_id
-            .get(&endpoint_id)
-            .ok_or(LoaderError::UnknownEndpoint(endpoint_id))?;
-        let info = st
-            .datapath
-            .endpoints()
-            .get(&EndpointKey::ifindex(ifindex), 0)
-            .map_err(|_| LoaderError::UnknownEndpoint(endpoint_id))?;
+        let info = st.endpoint(endpoint_id)?;
         let entries = st.policies.get(&endpoint_id).cloned().unwrap_or_default();
         let mut out = Vec::new();
         for (entry, verdict) in entries {

@@ -38,6 +38,27 @@ fn pings(node: &LoaderNode, from: &str, to: IpAddr) -> u32 {
         .received
 }
 
+/// `count` pings at 5 per millisecond from `from` to `dst`, in the
+/// background; yields ping's summary.
+fn flood_ping(node: &LoaderNode, from: &str, dst: IpAddr, count: u32) -> std::thread::JoinHandle<String> {
+    let mut command = node.pod(from).ns.command("ping");
+    command.args([
+        "-n",
+        "-q",
+        "-i",
+        "0.0002",
+        "-W",
+        "1",
+        "-c",
+        &count.to_string(),
+        &dst.to_string(),
+    ]);
+    std::thread::spawn(move || {
+        let out = command.output().expect("ping runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    })
+}
+
 fn unrestricted(revision: u64) -> pb::EndpointPolicy {
     policy(revision, false, false, vec![])
 }
@@ -297,22 +318,12 @@ async fn kill_9_of_the_loader_loses_no_packet_and_the_restart_adopts() {
 
     // 5 pings per millisecond for 3 s while the loader dies and restarts.
     let dst = v4(&node, "b");
-    let ns = node.pod("a").ns.name().to_string();
-    let pinger = std::thread::spawn(move || {
-        std::process::Command::new("ip")
-            .args([
-                "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-c", "15000", "-i", "0.0002", "-W", "1",
-            ])
-            .arg(dst.to_string())
-            .output()
-            .expect("ping runs")
-    });
+    let pinger = flood_ping(&node, "a", dst, 15000);
     tokio::time::sleep(Duration::from_millis(500)).await;
     node.loader.kill9();
     tokio::time::sleep(Duration::from_millis(500)).await;
     node.loader.restart().await.expect("the loader restarts on its pins");
-    let out = pinger.join().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = pinger.join().unwrap();
     assert!(
         text.contains("15000 packets transmitted, 15000 received"),
         "no ping may be lost while the loader is down or restarting:\n{text}"
@@ -353,16 +364,7 @@ async fn identity_change_under_traffic_drops_nothing_still_allowed() {
     );
     client.apply_endpoint(node.endpoint("b", 2, B, b_policy)).await.unwrap();
     let dst = v4(&node, "b");
-    let ns = node.pod("a").ns.name().to_string();
-    let pinger = std::thread::spawn(move || {
-        std::process::Command::new("ip")
-            .args([
-                "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-c", "5000", "-i", "0.0002", "-W", "1",
-            ])
-            .arg(dst.to_string())
-            .output()
-            .expect("ping runs")
-    });
+    let pinger = flood_ping(&node, "a", dst, 5000);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let r = client
         .apply_endpoint(node.endpoint("a", 1, 4242, unrestricted(2)))
@@ -370,8 +372,7 @@ async fn identity_change_under_traffic_drops_nothing_still_allowed() {
         .unwrap()
         .into_inner();
     assert_eq!(r.endpoint.unwrap().identity, 4242);
-    let out = pinger.join().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = pinger.join().unwrap();
     assert!(
         text.contains("5000 received"),
         "an identity change must not drop allowed traffic:\n{text}"
