@@ -13,10 +13,11 @@
  *
  * A connection's first packet is judged by policy and creates a conntrack
  * entry keyed by (tuple, direction of the endpoint); later packets and
- * replies only touch that entry. Pod-to-pod traffic on the node meets the
- * source's egress policy in from_container and the destination's ingress
- * policy in to_container (the redirect goes through the destination veth's
- * egress hook), each exactly once.
+ * replies only touch that entry. Pod-to-pod traffic on the node meets both
+ * policies in the source's from_container (the source's egress, then the
+ * destination's ingress) and enters the destination pod by a redirect to
+ * the veth peer, which skips the host veth's egress hook: each policy
+ * applies exactly once per packet.
  */
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>
@@ -900,12 +901,20 @@ int from_container(struct __sk_buff *skb)
 	count(REASON_FORWARDED, DIR_EGRESS, p.len);
 
 	if (dst) {
+		__u32 src_id;
+		/* The destination's ingress policy, here, once: the packet then
+		 * enters the pod directly (redirect to the veth peer), skipping
+		 * the host veth's egress hook and a trip through its queue. */
+		r = enforce(&p, dst, DIR_INGRESS, ep, p.saddr, cfg, &src_id);
+		if (r)
+			return drop(r, DIR_INGRESS, &p, dst, ep->identity, dst->identity);
+		count(REASON_FORWARDED, DIR_INGRESS, p.len);
 		r = redirect_local(skb, &p, dst);
 		if (r < 0)
 			return drop(DROP_REDIRECT_FAILED, DIR_EGRESS, &p, ep, ep->identity, peer);
 		if (r == 0) {
 			trace(cfg, TRACE_TO_ENDPOINT, DIR_EGRESS, &p, dst);
-			return bpf_redirect(dst->ifindex, 0);
+			return bpf_redirect_peer(dst->ifindex, 0);
 		}
 	}
 	trace(cfg, TRACE_TO_STACK, DIR_EGRESS, &p, ep);
