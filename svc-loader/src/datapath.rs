@@ -253,7 +253,8 @@ impl fmt::Display for MapSpec {
     }
 }
 
-fn map_type_name(map_type: u32) -> String {
+/// The kernel's name of a map type (`lru_hash`, `lpm_trie`, ...).
+pub fn map_type_name(map_type: u32) -> String {
     let name = match map_type {
         1 => "hash",
         2 => "array",
@@ -717,6 +718,21 @@ pub struct Datapath {
     events: Option<RingBuf<MapData>>,
     program_ids: ProgramIds,
     adoption: AdoptReport,
+    map_specs: BTreeMap<String, MapSpec>,
+    reused_maps: BTreeSet<String>,
+}
+
+/// One pinned map, see [`Datapath::map_status`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapStatus {
+    /// Map (and pin) name.
+    pub name: String,
+    /// What the kernel holds.
+    pub spec: MapSpec,
+    /// Its pin.
+    pub pin: PathBuf,
+    /// The pin existed when this loader started (adopted, not created).
+    pub reused: bool,
 }
 
 impl fmt::Debug for Datapath {
@@ -754,8 +770,13 @@ impl Datapath {
         std::fs::create_dir_all(&links_dir).map_err(io_err("creating the pin directory", &links_dir))?;
 
         let specs = expected_specs(&opts)?;
+        let mut reused_maps = BTreeSet::new();
         for (name, spec) in &specs {
-            check_map_pin(name, &opts.pin_dir.join(name), spec)?;
+            let pin = opts.pin_dir.join(name);
+            check_map_pin(name, &pin, spec)?;
+            if pin.exists() {
+                reused_maps.insert(name.clone());
+            }
         }
 
         let pins: Vec<(&str, PathBuf)> = specs
@@ -810,10 +831,25 @@ impl Datapath {
                 to_container: ids[1],
             },
             adoption: AdoptReport::default(),
+            map_specs: specs,
+            reused_maps,
         };
         datapath.write_config()?;
         datapath.adoption = datapath.adopt_existing()?;
         Ok(datapath)
+    }
+
+    /// Every pinned map with its shape and whether it was adopted.
+    pub fn map_status(&self) -> Vec<MapStatus> {
+        self.map_specs
+            .iter()
+            .map(|(name, spec)| MapStatus {
+                name: name.clone(),
+                spec: *spec,
+                pin: self.opts.pin_dir.join(name),
+                reused: self.reused_maps.contains(name),
+            })
+            .collect()
     }
 
     /// The options it was opened with.

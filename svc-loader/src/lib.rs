@@ -30,3 +30,13 @@ pub const DAEMON_NAME: &str = "svc-loader";
 
 /// The datapath object compiled by build.rs from `bpf/datapath.c`.
 pub static DATAPATH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.o"));
+
+/// SHA-256 of [`DATAPATH_OBJECT`] (hex), so operators can tell which
+/// datapath build a node runs.
+pub fn object_sha256() -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(DATAPATH_OBJECT)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}

@@ -560,14 +560,33 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         &self,
         _request: Request<pb::GetDatapathStatusRequest>,
     ) -> Result<Response<pb::GetDatapathStatusResponse>, Status> {
-        let (pin_dir, ids, endpoints) = self
+        let (pin_dir, ids, endpoints, maps) = self
             .blocking(|dp| {
                 let endpoints = dp.list()?.endpoints.len();
-                Ok(dp.with_datapath(|d| (d.pin_dir().display().to_string(), d.program_ids(), endpoints)))
+                Ok(dp.with_datapath(|d| {
+                    (
+                        d.pin_dir().display().to_string(),
+                        d.program_ids(),
+                        endpoints,
+                        d.map_status(),
+                    )
+                }))
             })
             .await?;
         Ok(Response::new(pb::GetDatapathStatusResponse {
-            maps: Vec::new(),
+            maps: maps
+                .iter()
+                .map(|m| pb::MapStatus {
+                    name: m.name.clone(),
+                    map_type: crate::datapath::map_type_name(m.spec.map_type),
+                    key_size: m.spec.key_size,
+                    value_size: m.spec.value_size,
+                    max_entries: m.spec.max_entries,
+                    entries: None,
+                    pin_path: m.pin.display().to_string(),
+                    reused: m.reused,
+                })
+                .collect(),
             programs: vec![
                 pb::ProgramStatus {
                     name: "from_container".into(),
@@ -583,7 +602,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 },
             ],
             pin_dir,
-            object_sha256: String::new(),
+            object_sha256: crate::object_sha256(),
             kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease")
                 .map(|s| s.trim().to_string())
                 .unwrap_or_default(),

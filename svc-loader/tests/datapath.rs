@@ -330,6 +330,29 @@ async fn kill_9_of_the_loader_loses_no_packet_and_the_restart_adopts() {
     );
 
     let mut client = node.client().await;
+    let status = client
+        .get_datapath_status(pb::GetDatapathStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Vec<&str> = status.maps.iter().map(|m| m.name.as_str()).collect();
+    for map in [
+        "config",
+        "ct4",
+        "ct6",
+        "endpoints",
+        "events",
+        "ipcache",
+        "metrics",
+        "policy",
+    ] {
+        assert!(names.contains(&map), "{map} is pinned: {names:?}");
+    }
+    assert!(
+        status.maps.iter().all(|m| m.reused),
+        "a restarted loader adopts every pinned map: {status:?}"
+    );
+    assert_eq!(status.object_sha256.len(), 64);
     for req in [a_req, b_req] {
         let r = client.apply_endpoint(req).await.unwrap().into_inner();
         assert!(
