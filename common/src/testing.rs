@@ -16,6 +16,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod etcd;
 pub mod netns;
 mod process;
 pub use process::{DaemonCommand, DaemonProcess};
