@@ -8,12 +8,15 @@
 //! - [`state_file`]: crash-safe, versioned state files;
 //! - [`metrics`]: Prometheus metrics and `/healthz`;
 //! - [`daemon`]: the run loop a daemon's `main` ends with;
+//! - [`labels`]: security labels (`source:key=value`), label sets, reserved
+//!   identities, namespace labels and the identity-relevant label filter;
 //! - [`backoff`]: retry delays.
 
 pub mod backoff;
 pub mod config;
 pub mod daemon;
 pub mod grpc;
+pub mod labels;
 pub mod metrics;
 pub mod socket;
 pub mod state_file;

@@ -1,0 +1,612 @@
+//! [`IdentityAllocator`]: label sets → identities with local reference
+//! counting over an [`IdentityBackend`], a cache of every identity kept
+//! current from the store, and the sync loop that re-establishes this node's
+//! keys after a lost lease (the seed's syncLocalKeys).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use futures::StreamExt;
+use rand::Rng;
+use rivet_common::backoff::Backoff;
+use rivet_common::labels::{LabelFilter, LabelSource, Labels, ReservedIdentity};
+use tokio::sync::{broadcast, watch};
+
+use crate::backend::{AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord};
+
+/// Smallest cluster identity.
+pub const MIN_CLUSTER_ID: u32 = 256;
+/// Default largest cluster identity.
+pub const DEFAULT_MAX_CLUSTER_ID: u32 = 65535;
+
+/// Allocation attempts before giving up on contention.
+const MAX_ATTEMPTS: usize = 64;
+
+/// How the allocator allocates.
+#[derive(Debug, Clone)]
+pub struct AllocatorOptions {
+    /// Smallest cluster identity (256).
+    pub min_id: u32,
+    /// Largest cluster identity.
+    pub max_id: u32,
+    /// Which labels are identity-relevant.
+    pub filter: LabelFilter,
+    /// How often this node's keys are checked and re-created if missing.
+    pub resync_interval: Duration,
+}
+
+impl Default for AllocatorOptions {
+    fn default() -> Self {
+        Self {
+            min_id: MIN_CLUSTER_ID,
+            max_id: DEFAULT_MAX_CLUSTER_ID,
+            filter: LabelFilter::default(),
+            resync_interval: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What kind of identity a number is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdentityKind {
+    /// 1..=7, never in the store.
+    Reserved,
+    /// From the cluster range, in the store.
+    Cluster,
+}
+
+/// The result of an allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocated {
+    /// The identity.
+    pub id: u32,
+    /// The identity-relevant labels it was allocated for.
+    pub labels: Labels,
+    /// Reserved or cluster.
+    pub kind: IdentityKind,
+    /// The cluster had no identity for these labels before this call.
+    pub newly_allocated: bool,
+    /// Local references after this call (0 for reserved).
+    pub references: u64,
+}
+
+/// Why an allocation or release failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AllocError {
+    /// Bad labels (named).
+    #[error("{0}")]
+    InvalidLabels(String),
+    /// The store is unreachable and the labels are not held locally.
+    #[error("allocating an identity for {labels}: {source}")]
+    Unavailable {
+        /// The labels.
+        labels: String,
+        /// The store's error.
+        source: BackendError,
+    },
+    /// Every id of the range is taken.
+    #[error("the identity range {min}..={max} is exhausted")]
+    Exhausted {
+        /// Range start.
+        min: u32,
+        /// Range end.
+        max: u32,
+    },
+    /// Too much contention.
+    #[error("allocating an identity for {labels}: gave up after {attempts} conflicting attempts")]
+    Contention {
+        /// The labels.
+        labels: String,
+        /// Attempts made.
+        attempts: usize,
+    },
+    /// The store answered with something unusable.
+    #[error("allocating an identity for {labels}: {source}")]
+    Store {
+        /// The labels.
+        labels: String,
+        /// The store's error.
+        source: BackendError,
+    },
+}
+
+/// A change of the cluster's identities, for watchers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdentityChange {
+    /// An identity appeared.
+    Upsert(IdentityRecord),
+    /// An identity vanished.
+    Delete(u32),
+}
+
+#[derive(Debug, Default)]
+struct Cache {
+    by_id: BTreeMap<u32, String>,
+    by_labels: HashMap<String, u32>,
+}
+
+impl Cache {
+    fn insert(&mut self, id: u32, labels: String) -> bool {
+        if self.by_id.get(&id) == Some(&labels) {
+            return false;
+        }
+        if let Some(old) = self.by_id.insert(id, labels.clone())
+            && self.by_labels.get(&old) == Some(&id)
+        {
+            self.by_labels.remove(&old);
+        }
+        self.by_labels.insert(labels, id);
+        true
+    }
+
+    fn remove(&mut self, id: u32) -> bool {
+        match self.by_id.remove(&id) {
+            Some(labels) => {
+                if self.by_labels.get(&labels) == Some(&id) {
+                    self.by_labels.remove(&labels);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct LocalRef {
+    id: u32,
+    owners: HashSet<String>,
+    anonymous: u64,
+}
+
+impl LocalRef {
+    fn count(&self) -> u64 {
+        self.owners.len() as u64 + self.anonymous
+    }
+}
+
+/// Label sets → identities for one node.
+pub struct IdentityAllocator {
+    backend: Arc<dyn IdentityBackend>,
+    opts: AllocatorOptions,
+    cache: RwLock<Cache>,
+    local: Mutex<HashMap<String, LocalRef>>,
+    /// Releases that could not reach the store; retried by the sync loop.
+    pending_releases: Mutex<HashSet<String>>,
+    ready: watch::Sender<bool>,
+    changes: broadcast::Sender<IdentityChange>,
+}
+
+impl std::fmt::Debug for IdentityAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdentityAllocator")
+            .field("backend", &self.backend.kind())
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdentityAllocator {
+    /// An allocator over `backend`; call [`run`](Self::run) to keep its
+    /// cache current and its keys in place.
+    pub fn new(backend: Arc<dyn IdentityBackend>, opts: AllocatorOptions) -> Arc<Self> {
+        let (ready, _) = watch::channel(false);
+        let (changes, _) = broadcast::channel(4096);
+        Arc::new(Self {
+            backend,
+            opts,
+            cache: RwLock::new(Cache::default()),
+            local: Mutex::new(HashMap::new()),
+            pending_releases: Mutex::new(HashSet::new()),
+            ready,
+            changes,
+        })
+    }
+
+    /// The store's kind (`etcd`, `embedded`).
+    pub fn backend_kind(&self) -> &'static str {
+        self.backend.kind()
+    }
+
+    /// Runs the cache watcher and the key sync loop until the process ends.
+    pub fn run(self: &Arc<Self>) {
+        tokio::spawn(self.clone().watch_loop());
+        tokio::spawn(self.clone().sync_loop());
+    }
+
+    /// Waits until the first listing of the store completed.
+    pub async fn wait_ready(&self) {
+        let mut rx = self.ready.subscribe();
+        let _ = rx.wait_for(|r| *r).await;
+    }
+
+    /// Whether the first listing completed.
+    pub fn is_ready(&self) -> bool {
+        *self.ready.borrow()
+    }
+
+    /// Filters `labels` to the identity-relevant ones and checks them.
+    pub fn identity_labels(&self, labels: &Labels) -> Result<Labels, AllocError> {
+        let filtered = self.opts.filter.filter(labels);
+        if let Some(l) = filtered.iter().find(|l| l.source() == LabelSource::Cidr) {
+            return Err(AllocError::InvalidLabels(format!(
+                "labels: {l} is a CIDR label; CIDR identities are node-local (AllocateCidrIdentities)"
+            )));
+        }
+        let reserved = filtered.iter().filter(|l| l.source() == LabelSource::Reserved).count();
+        if reserved > 1 {
+            return Err(AllocError::InvalidLabels(format!(
+                "labels: {filtered} holds several reserved labels"
+            )));
+        }
+        if filtered.is_empty() {
+            return Err(AllocError::InvalidLabels(
+                "labels: no identity-relevant label left after filtering".into(),
+            ));
+        }
+        Ok(filtered)
+    }
+
+    /// Allocates (or finds) the identity of `labels` and takes a local
+    /// reference; with `owner` the reference is idempotent per owner.
+    pub async fn allocate(&self, labels: &Labels, owner: Option<&str>) -> Result<Allocated, AllocError> {
+        let labels = self.identity_labels(labels)?;
+        if let Some(r) = ReservedIdentity::from_labels(&labels) {
+            return Ok(Allocated {
+                id: r.id(),
+                labels: r.labels(),
+                kind: IdentityKind::Reserved,
+                newly_allocated: false,
+                references: 0,
+            });
+        }
+        let key = labels.to_string();
+        // Held locally: no store round trip (and works while it is down).
+        if let Some(references) = self.reference_local(&key, owner) {
+            let id = self.local.lock().expect("local refs poisoned")[&key].id;
+            return Ok(Allocated {
+                id,
+                labels,
+                kind: IdentityKind::Cluster,
+                newly_allocated: false,
+                references,
+            });
+        }
+        let (id, newly_allocated) = self.allocate_in_store(&key).await?;
+        self.pending_releases
+            .lock()
+            .expect("pending releases poisoned")
+            .remove(&key);
+        let references = {
+            let mut local = self.local.lock().expect("local refs poisoned");
+            let entry = local.entry(key.clone()).or_insert_with(|| LocalRef {
+                id,
+                ..LocalRef::default()
+            });
+            match owner {
+                Some(o) => {
+                    entry.owners.insert(o.to_string());
+                }
+                None => entry.anonymous += 1,
+            }
+            entry.count()
+        };
+        if self.cache.write().expect("cache poisoned").insert(id, key.clone()) {
+            let _ = self.changes.send(IdentityChange::Upsert(IdentityRecord {
+                id,
+                labels: key.clone(),
+            }));
+        }
+        if newly_allocated {
+            tracing::info!(id, labels = %key, "identity allocated");
+        }
+        Ok(Allocated {
+            id,
+            labels,
+            kind: IdentityKind::Cluster,
+            newly_allocated,
+            references,
+        })
+    }
+
+    fn reference_local(&self, key: &str, owner: Option<&str>) -> Option<u64> {
+        let mut local = self.local.lock().expect("local refs poisoned");
+        let entry = local.get_mut(key)?;
+        match owner {
+            Some(o) => {
+                entry.owners.insert(o.to_string());
+            }
+            None => entry.anonymous += 1,
+        }
+        Some(entry.count())
+    }
+
+    async fn allocate_in_store(&self, key: &str) -> Result<(u32, bool), AllocError> {
+        let unavailable = |source| AllocError::Unavailable {
+            labels: key.to_string(),
+            source,
+        };
+        // Known in the cluster: take a reference on it.
+        let known = self.cache.read().expect("cache poisoned").by_labels.get(key).copied();
+        let held = match known {
+            Some(id) => Some(id),
+            None => self.backend.held_id(key).await.map_err(unavailable)?,
+        };
+        if let Some(id) = held {
+            match self.backend.acquire(id, key).await.map_err(unavailable)? {
+                AcquireOutcome::Acquired | AcquireOutcome::MasterRecreated => return Ok((id, false)),
+                AcquireOutcome::Conflict => {}
+            }
+        }
+        let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(200));
+        let mut tried = HashSet::new();
+        for _ in 0..MAX_ATTEMPTS {
+            let id = self.free_id(&tried)?;
+            tried.insert(id);
+            match self.backend.create_identity(id, key).await.map_err(unavailable)? {
+                CreateOutcome::Created => return Ok((id, true)),
+                CreateOutcome::LabelsHeldAs(existing) => {
+                    match self.backend.acquire(existing, key).await.map_err(unavailable)? {
+                        AcquireOutcome::Acquired | AcquireOutcome::MasterRecreated => return Ok((existing, false)),
+                        AcquireOutcome::Conflict => {}
+                    }
+                }
+                CreateOutcome::IdTaken => {}
+            }
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+        Err(AllocError::Contention {
+            labels: key.to_string(),
+            attempts: MAX_ATTEMPTS,
+        })
+    }
+
+    /// A random id of the range that the cache does not know as taken.
+    fn free_id(&self, tried: &HashSet<u32>) -> Result<u32, AllocError> {
+        let cache = self.cache.read().expect("cache poisoned");
+        let (min, max) = (self.opts.min_id, self.opts.max_id);
+        let size = (max - min + 1) as usize;
+        if cache.by_id.range(min..=max).count() + tried.len() >= size {
+            return Err(AllocError::Exhausted { min, max });
+        }
+        // Random start spreads concurrent nodes over the range.
+        let start = rand::rng().random_range(min..=max);
+        (start..=max)
+            .chain(min..start)
+            .find(|id| !cache.by_id.contains_key(id) && !tried.contains(id))
+            .ok_or(AllocError::Exhausted { min, max })
+    }
+
+    /// Drops a local reference on `id` (one anonymous one, or `owner`'s).
+    /// The last one deletes this node's value key. Returns the references
+    /// left, or `None` when the node held none.
+    pub async fn release(&self, id: u32, owner: Option<&str>) -> Option<u64> {
+        if ReservedIdentity::from_id(id).is_some() {
+            return None;
+        }
+        let (key, left) = {
+            let mut local = self.local.lock().expect("local refs poisoned");
+            let (key, entry) = local.iter_mut().find(|(_, r)| r.id == id)?;
+            let dropped = match owner {
+                Some(o) => entry.owners.remove(o),
+                None if entry.anonymous > 0 => {
+                    entry.anonymous -= 1;
+                    true
+                }
+                None => false,
+            };
+            if !dropped {
+                return Some(entry.count());
+            }
+            let (key, left) = (key.clone(), entry.count());
+            if left == 0 {
+                local.remove(&key);
+            }
+            (key, left)
+        };
+        if left == 0 {
+            if let Err(e) = self.backend.release(&key).await {
+                tracing::warn!(id, labels = %key, error = %e, "releasing the value key failed; retrying later");
+                self.pending_releases
+                    .lock()
+                    .expect("pending releases poisoned")
+                    .insert(key);
+            } else {
+                tracing::info!(id, labels = %key, "last local reference released");
+            }
+        }
+        Some(left)
+    }
+
+    /// Drops every reference `owner` holds; returns the ids released.
+    pub async fn release_owner(&self, owner: &str) -> Vec<u32> {
+        let ids: Vec<u32> = self
+            .local
+            .lock()
+            .expect("local refs poisoned")
+            .values()
+            .filter(|r| r.owners.contains(owner))
+            .map(|r| r.id)
+            .collect();
+        for id in &ids {
+            self.release(*id, Some(owner)).await;
+        }
+        ids
+    }
+
+    /// The labels of an identity (reserved or cluster), from the cache.
+    pub fn get(&self, id: u32) -> Option<(Labels, IdentityKind)> {
+        if let Some(r) = ReservedIdentity::from_id(id) {
+            return Some((r.labels(), IdentityKind::Reserved));
+        }
+        let labels = self.cache.read().expect("cache poisoned").by_id.get(&id)?.clone();
+        Some((labels.parse().ok()?, IdentityKind::Cluster))
+    }
+
+    /// The identity of a label set without referencing it.
+    pub fn lookup(&self, labels: &Labels) -> Result<Option<u32>, AllocError> {
+        let labels = self.identity_labels(labels)?;
+        if let Some(r) = ReservedIdentity::from_labels(&labels) {
+            return Ok(Some(r.id()));
+        }
+        Ok(self
+            .cache
+            .read()
+            .expect("cache poisoned")
+            .by_labels
+            .get(&labels.to_string())
+            .copied())
+    }
+
+    /// Local references on an identity.
+    pub fn references(&self, id: u32) -> u64 {
+        self.local
+            .lock()
+            .expect("local refs poisoned")
+            .values()
+            .find(|r| r.id == id)
+            .map_or(0, LocalRef::count)
+    }
+
+    /// Every cluster identity the cache holds.
+    pub fn list(&self) -> Vec<IdentityRecord> {
+        self.cache
+            .read()
+            .expect("cache poisoned")
+            .by_id
+            .iter()
+            .map(|(id, labels)| IdentityRecord {
+                id: *id,
+                labels: labels.clone(),
+            })
+            .collect()
+    }
+
+    /// A snapshot of every identity plus a receiver of later changes
+    /// (subscribed before the snapshot is taken: no change is missed).
+    pub fn subscribe(&self) -> (Vec<IdentityRecord>, broadcast::Receiver<IdentityChange>) {
+        let rx = self.changes.subscribe();
+        (self.list(), rx)
+    }
+
+    /// Keeps the cache equal to the store: list, watch, re-list on error.
+    async fn watch_loop(self: Arc<Self>) {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        loop {
+            match self.backend.list_identities().await {
+                Ok((records, revision)) => {
+                    self.replace_cache(records);
+                    self.ready.send_replace(true);
+                    backoff.reset();
+                    match self.backend.watch_identities(revision).await {
+                        Ok(mut stream) => {
+                            while let Some(event) = stream.next().await {
+                                match event {
+                                    Ok(IdentityEvent::Upsert(r)) => self.apply_upsert(r),
+                                    Ok(IdentityEvent::Delete { id }) => self.apply_delete(id),
+                                    Err(e) => {
+                                        tracing::warn!(error = %e, "identity watch ended; re-listing");
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                        Err(e) => tracing::warn!(error = %e, "watching identities"),
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "listing identities"),
+            }
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+    }
+
+    fn apply_upsert(&self, r: IdentityRecord) {
+        if self
+            .cache
+            .write()
+            .expect("cache poisoned")
+            .insert(r.id, r.labels.clone())
+        {
+            let _ = self.changes.send(IdentityChange::Upsert(r));
+        }
+    }
+
+    fn apply_delete(&self, id: u32) {
+        if self.cache.write().expect("cache poisoned").remove(id) {
+            let _ = self.changes.send(IdentityChange::Delete(id));
+        }
+    }
+
+    fn replace_cache(&self, records: Vec<IdentityRecord>) {
+        let fresh: BTreeMap<u32, String> = records.into_iter().map(|r| (r.id, r.labels)).collect();
+        let gone: Vec<u32> = {
+            let cache = self.cache.read().expect("cache poisoned");
+            cache
+                .by_id
+                .keys()
+                .filter(|id| !fresh.contains_key(id))
+                .copied()
+                .collect()
+        };
+        for id in gone {
+            self.apply_delete(id);
+        }
+        for (id, labels) in fresh {
+            self.apply_upsert(IdentityRecord { id, labels });
+        }
+    }
+
+    /// Re-creates this node's keys after a lost lease, and periodically.
+    async fn sync_loop(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                () = self.backend.lease_renewed() => tracing::info!("lease renewed; re-creating this node's keys"),
+                () = tokio::time::sleep(self.opts.resync_interval) => {}
+            }
+            self.sync_once().await;
+        }
+    }
+
+    /// One pass: every locally held identity has its value key (and master
+    /// key), and pending releases are retried.
+    pub async fn sync_once(&self) {
+        let held: Vec<(String, u32)> = self
+            .local
+            .lock()
+            .expect("local refs poisoned")
+            .iter()
+            .map(|(k, r)| (k.clone(), r.id))
+            .collect();
+        for (key, id) in held {
+            match self.backend.acquire(id, &key).await {
+                Ok(AcquireOutcome::Acquired) => {}
+                Ok(AcquireOutcome::MasterRecreated) => {
+                    tracing::warn!(id, labels = %key, "master key had vanished; re-created with the same id")
+                }
+                Ok(AcquireOutcome::Conflict) => tracing::error!(
+                    id,
+                    labels = %key,
+                    "identity now names other labels in the store; local endpoints keep the old id until re-allocated"
+                ),
+                Err(e) => tracing::warn!(id, labels = %key, error = %e, "re-creating this node's key"),
+            }
+        }
+        let pending: Vec<String> = self
+            .pending_releases
+            .lock()
+            .expect("pending releases poisoned")
+            .drain()
+            .collect();
+        for key in pending {
+            let still_unused = !self.local.lock().expect("local refs poisoned").contains_key(&key);
+            if still_unused && let Err(e) = self.backend.release(&key).await {
+                tracing::warn!(labels = %key, error = %e, "retrying a release later");
+                self.pending_releases
+                    .lock()
+                    .expect("pending releases poisoned")
+                    .insert(key);
+            }
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! `rivet.identity.v1.IdentityService` over the [`IdentityAllocator`].
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use rivet_common::grpc::BootId;
+use rivet_common::labels::Labels;
+use rivet_proto::identity::v1 as pb;
+use tokio::sync::{broadcast, mpsc};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use crate::allocator::{AllocError, IdentityAllocator, IdentityChange, IdentityKind};
+use crate::backend::IdentityRecord;
+
+/// Identities per snapshot message (keeps messages far below 4 MiB).
+const SNAPSHOT_CHUNK: usize = 1000;
+
+/// Implements `rivet.identity.v1.IdentityService`.
+#[derive(Debug, Clone)]
+pub struct IdentityService {
+    allocator: Arc<IdentityAllocator>,
+    boot_id: BootId,
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchIdentitiesResponse, Status>> + Send>>;
+
+impl IdentityService {
+    /// A service over `allocator`.
+    pub fn new(allocator: Arc<IdentityAllocator>, boot_id: BootId) -> Self {
+        Self { allocator, boot_id }
+    }
+
+    /// The tonic server.
+    pub fn into_server(self) -> pb::identity_service_server::IdentityServiceServer<Self> {
+        pb::identity_service_server::IdentityServiceServer::new(self)
+    }
+
+    fn identity(&self, id: u32, labels: &Labels, kind: IdentityKind) -> pb::Identity {
+        pb::Identity {
+            id,
+            labels: labels.iter().map(ToString::to_string).collect(),
+            kind: kind_proto(kind) as i32,
+            local_references: self.allocator.references(id) as u32,
+            owners: Vec::new(),
+        }
+    }
+}
+
+fn kind_proto(kind: IdentityKind) -> pb::IdentityKind {
+    match kind {
+        IdentityKind::Reserved => pb::IdentityKind::Reserved,
+        IdentityKind::Cluster => pb::IdentityKind::Cluster,
+    }
+}
+
+fn parse_labels(raw: &[String]) -> Result<Labels, Status> {
+    Labels::parse(raw).map_err(|e| Status::invalid_argument(format!("labels: {e}")))
+}
+
+fn owner(raw: &str) -> Result<Option<&str>, Status> {
+    if raw.len() > 253 || raw.chars().any(char::is_control) {
+        return Err(Status::invalid_argument("owner: at most 253 printable characters"));
+    }
+    Ok((!raw.is_empty()).then_some(raw))
+}
+
+fn status(e: AllocError) -> Status {
+    let message = e.to_string();
+    match e {
+        AllocError::InvalidLabels(_) => Status::invalid_argument(message),
+        AllocError::Unavailable { .. } => Status::unavailable(message),
+        AllocError::Exhausted { .. } => Status::resource_exhausted(message),
+        AllocError::Contention { .. } => Status::aborted(message),
+        AllocError::Store { .. } => Status::internal(message),
+    }
+}
+
+fn record_proto(r: &IdentityRecord) -> pb::Identity {
+    pb::Identity {
+        id: r.id,
+        labels: r
+            .labels
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect(),
+        kind: pb::IdentityKind::Cluster as i32,
+        local_references: 0,
+        owners: Vec::new(),
+    }
+}
+
+#[tonic::async_trait]
+impl pb::identity_service_server::IdentityService for IdentityService {
+    #[tracing::instrument(name = "identity.allocate", skip_all)]
+    async fn allocate_identity(
+        &self,
+        request: Request<pb::AllocateIdentityRequest>,
+    ) -> Result<Response<pb::AllocateIdentityResponse>, Status> {
+        let r = request.into_inner();
+        let labels = parse_labels(&r.labels)?;
+        let owner = owner(&r.owner)?;
+        let a = self.allocator.allocate(&labels, owner).await.map_err(status)?;
+        Ok(Response::new(pb::AllocateIdentityResponse {
+            identity: Some(self.identity(a.id, &a.labels, a.kind)),
+            newly_allocated: a.newly_allocated,
+            boot_id: self.boot_id.to_string(),
+        }))
+    }
+
+    #[tracing::instrument(name = "identity.release", skip_all)]
+    async fn release_identity(
+        &self,
+        request: Request<pb::ReleaseIdentityRequest>,
+    ) -> Result<Response<pb::ReleaseIdentityResponse>, Status> {
+        let r = request.into_inner();
+        let owner = owner(&r.owner)?;
+        let released = match (r.id, owner) {
+            (0, None) => return Err(Status::invalid_argument("id or owner: one is required")),
+            (0, Some(owner)) => {
+                let mut out = Vec::new();
+                for id in self.allocator.release_owner(owner).await {
+                    out.push(pb::ReleasedReference {
+                        id,
+                        remaining_local_references: self.allocator.references(id) as u32,
+                    });
+                }
+                out
+            }
+            (id, owner) => {
+                let before = self.allocator.references(id);
+                match self.allocator.release(id, owner).await {
+                    Some(left) if left < before => vec![pb::ReleasedReference {
+                        id,
+                        remaining_local_references: left as u32,
+                    }],
+                    _ => Vec::new(),
+                }
+            }
+        };
+        Ok(Response::new(pb::ReleaseIdentityResponse {
+            released,
+            boot_id: self.boot_id.to_string(),
+        }))
+    }
+
+    async fn get_identity(
+        &self,
+        request: Request<pb::GetIdentityRequest>,
+    ) -> Result<Response<pb::GetIdentityResponse>, Status> {
+        let id = request.get_ref().id;
+        let (labels, kind) = self
+            .allocator
+            .get(id)
+            .ok_or_else(|| Status::not_found(format!("identity {id} is not known")))?;
+        Ok(Response::new(pb::GetIdentityResponse {
+            identity: Some(self.identity(id, &labels, kind)),
+            boot_id: self.boot_id.to_string(),
+        }))
+    }
+
+    async fn lookup_identity(
+        &self,
+        request: Request<pb::LookupIdentityRequest>,
+    ) -> Result<Response<pb::LookupIdentityResponse>, Status> {
+        let labels = parse_labels(&request.get_ref().labels)?;
+        let id = self
+            .allocator
+            .lookup(&labels)
+            .map_err(status)?
+            .ok_or_else(|| Status::not_found(format!("no identity for {labels}")))?;
+        let (labels, kind) = self
+            .allocator
+            .get(id)
+            .ok_or_else(|| Status::not_found(format!("identity {id}")))?;
+        Ok(Response::new(pb::LookupIdentityResponse {
+            identity: Some(self.identity(id, &labels, kind)),
+            boot_id: self.boot_id.to_string(),
+        }))
+    }
+
+    async fn list_identities(
+        &self,
+        request: Request<pb::ListIdentitiesRequest>,
+    ) -> Result<Response<pb::ListIdentitiesResponse>, Status> {
+        let r = request.into_inner();
+        let kind = pb::IdentityKind::try_from(r.kind).unwrap_or(pb::IdentityKind::Unspecified);
+        let mut out = Vec::new();
+        if matches!(kind, pb::IdentityKind::Unspecified | pb::IdentityKind::Reserved) && !r.local_only {
+            for reserved in rivet_common::labels::ReservedIdentity::ALL {
+                out.push(self.identity(reserved.id(), &reserved.labels(), IdentityKind::Reserved));
+            }
+        }
+        if matches!(kind, pb::IdentityKind::Unspecified | pb::IdentityKind::Cluster) {
+            for record in self.allocator.list() {
+                let mut identity = record_proto(&record);
+                identity.local_references = self.allocator.references(record.id) as u32;
+                if !r.local_only || identity.local_references > 0 {
+                    out.push(identity);
+                }
+            }
+        }
+        Ok(Response::new(pb::ListIdentitiesResponse {
+            identities: out,
+            revision: 0,
+            boot_id: self.boot_id.to_string(),
+        }))
+    }
+
+    type WatchIdentitiesStream = WatchStream;
+
+    async fn watch_identities(
+        &self,
+        _request: Request<pb::WatchIdentitiesRequest>,
+    ) -> Result<Response<Self::WatchIdentitiesStream>, Status> {
+        if !self.allocator.is_ready() {
+            return Err(Status::unavailable("the identity store has not been listed yet; retry"));
+        }
+        let (snapshot, mut changes) = self.allocator.subscribe();
+        let boot_id = self.boot_id.to_string();
+        let (tx, rx) = mpsc::channel(64);
+        let allocator = self.allocator.clone();
+        tokio::spawn(async move {
+            let mut revision = 0u64;
+            let send_snapshot = |snapshot: Vec<IdentityRecord>, revision: u64| {
+                let chunks: Vec<Vec<IdentityRecord>> = if snapshot.is_empty() {
+                    vec![Vec::new()]
+                } else {
+                    snapshot.chunks(SNAPSHOT_CHUNK).map(<[_]>::to_vec).collect()
+                };
+                let last = chunks.len() - 1;
+                chunks
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, chunk)| pb::WatchIdentitiesResponse {
+                        boot_id: boot_id.clone(),
+                        snapshot: true,
+                        snapshot_complete: i == last,
+                        revision,
+                        added: chunk.iter().map(record_proto).collect(),
+                        removed: Vec::new(),
+                    })
+                    .collect::<Vec<_>>()
+            };
+            for message in send_snapshot(snapshot, revision) {
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                let change = match changes.recv().await {
+                    Ok(c) => c,
+                    // Too slow: start over with a fresh snapshot.
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        let (snapshot, rx) = allocator.subscribe();
+                        changes = rx;
+                        revision += 1;
+                        for message in send_snapshot(snapshot, revision) {
+                            if tx.send(Ok(message)).await.is_err() {
+                                return;
+                            }
+                        }
+                        continue;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return,
+                };
+                revision += 1;
+                let (added, removed) = match change {
+                    IdentityChange::Upsert(r) => (vec![record_proto(&r)], Vec::new()),
+                    IdentityChange::Delete(id) => (Vec::new(), vec![id]),
+                };
+                let message = pb::WatchIdentitiesResponse {
+                    boot_id: boot_id.clone(),
+                    snapshot: false,
+                    snapshot_complete: false,
+                    revision,
+                    added,
+                    removed,
+                };
+                if tx.send(Ok(message)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn allocate_cidr_identities(
+        &self,
+        _request: Request<pb::AllocateCidrIdentitiesRequest>,
+    ) -> Result<Response<pb::AllocateCidrIdentitiesResponse>, Status> {
+        Err(Status::unimplemented(
+            "CIDR identities arrive with svc-endpoint's policy engine (issue 5)",
+        ))
+    }
+
+    async fn release_cidr_identities(
+        &self,
+        _request: Request<pb::ReleaseCidrIdentitiesRequest>,
+    ) -> Result<Response<pb::ReleaseCidrIdentitiesResponse>, Status> {
+        Err(Status::unimplemented(
+            "CIDR identities arrive with svc-endpoint's policy engine (issue 5)",
+        ))
+    }
+
+    async fn get_status(
+        &self,
+        _request: Request<pb::GetStatusRequest>,
+    ) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let backend = match self.allocator.backend_kind() {
+            "etcd" => pb::StoreBackend::Etcd,
+            _ => pb::StoreBackend::Embedded,
+        };
+        let list = self.allocator.list();
+        let local = list.iter().filter(|r| self.allocator.references(r.id) > 0).count();
+        Ok(Response::new(pb::GetStatusResponse {
+            store: Some(pb::StoreStatus {
+                backend: backend as i32,
+                connected: self.allocator.is_ready(),
+                last_error: String::new(),
+                lease_id: 0,
+                revision: 0,
+            }),
+            cluster_identities: list.len() as u32,
+            local_identities: local as u32,
+            cidr_identities: 0,
+            ipcache_entries: 0,
+            loader: None,
+            boot_id: self.boot_id.to_string(),
+        }))
+    }
+}
