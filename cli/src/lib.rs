@@ -3,6 +3,7 @@
 //! and JSON with `-o json`.
 
 pub mod bpf;
+pub mod identity;
 pub mod ipam;
 pub mod status;
 pub mod table;

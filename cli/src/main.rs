@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use rivet_cli::{Context, Output, bpf, ipam, status};
+use rivet_cli::{Context, Output, bpf, identity, ipam, status};
 
 /// Inspect and drive a Rivet node.
 #[derive(Debug, Parser)]
@@ -36,6 +36,9 @@ enum Command {
     /// Address pools (svc-ipam).
     #[command(subcommand)]
     Ipam(ipam::IpamCommand),
+    /// Security identities (svc-identity).
+    #[command(subcommand)]
+    Identity(identity::IdentityCommand),
     /// What the datapath holds (svc-loader).
     #[command(subcommand)]
     Bpf(bpf::BpfCommand),
@@ -65,6 +68,7 @@ async fn main() -> ExitCode {
         Command::Status => status::run(&ctx).await,
         Command::Ipam(c) => ipam::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Bpf(c) => bpf::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+        Command::Identity(c) => identity::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Monitor {
             verdicts,
             trace,
