@@ -55,7 +55,12 @@ impl From<&pb::Identity> for IdentityView {
 fn table(rows: &[IdentityView]) -> String {
     let mut t = Table::new(["ID", "KIND", "REFS", "LABELS"]);
     for r in rows {
-        t.row([r.id.to_string(), r.kind.clone(), r.local_references.to_string(), r.labels.join(",")]);
+        t.row([
+            r.id.to_string(),
+            r.kind.clone(),
+            r.local_references.to_string(),
+            r.labels.join(","),
+        ]);
     }
     t.render()
 }

@@ -3,12 +3,18 @@
 //! cache (IP → identity) published to the store and pushed to svc-loader.
 //!
 //! - [`backend`]: the store trait and its key layout;
+//! - [`etcd_backend`]: the store in etcd (a cluster), with the node lease;
+//! - [`embedded_backend`]: the store in one crash-safe local file (one node);
 //! - [`allocator`]: allocation, local references, the identity cache and the
 //!   sync loop that re-creates this node's keys;
 //! - [`service`]: the `rivet.identity.v1.IdentityService` gRPC service.
 
 pub mod allocator;
 pub mod backend;
+pub mod embedded_backend;
+pub mod etcd_backend;
+pub mod ipcache;
+pub mod ipcache_service;
 pub mod service;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-identity.sock`.
