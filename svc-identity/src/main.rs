@@ -1,0 +1,134 @@
+//! svc-identity: flags and wiring; the logic lives in the library.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use prometheus_client::registry::Registry;
+use rivet_common::config::{self, CommonArgs};
+use rivet_common::grpc::DaemonIdentity;
+use rivet_common::labels::LabelFilter;
+use rivet_common::metrics::Health;
+use rivet_common::{daemon, telemetry};
+use svc_identity::allocator::{AllocatorOptions, IdentityAllocator, MIN_CLUSTER_ID};
+use svc_identity::backend::IdentityBackend;
+use svc_identity::embedded_backend::EmbeddedBackend;
+use svc_identity::etcd_backend::{EtcdBackend, EtcdOptions};
+use svc_identity::ipcache::{IpCache, IpCacheOptions, LoaderSync, LoaderSyncOptions};
+use svc_identity::ipcache_service::IpcacheService;
+use svc_identity::service::IdentityService;
+use tonic::service::Routes;
+
+/// Rivet's label → identity allocator and IP cache.
+#[derive(Debug, Parser)]
+#[command(name = "svc-identity", version, about)]
+struct Flags {
+    #[command(flatten)]
+    common: CommonArgs,
+
+    /// etcd endpoints (comma-separated); without them the embedded store
+    /// in `<state-dir>/identity/` serves a single node.
+    #[arg(long, env = "RIVET_ETCD_ENDPOINTS", value_delimiter = ',')]
+    etcd_endpoints: Vec<String>,
+
+    /// Key prefix in etcd.
+    #[arg(long, env = "RIVET_KVSTORE_PREFIX", default_value = "rivet/state/")]
+    kvstore_prefix: String,
+
+    /// Cluster name (IP cache keys are per cluster).
+    #[arg(long, env = "RIVET_CLUSTER_NAME", default_value = "default")]
+    cluster_name: String,
+
+    /// TTL of this node's etcd lease, seconds: a crashed node's keys vanish
+    /// after it.
+    #[arg(long, env = "RIVET_LEASE_TTL_SECONDS", default_value_t = 15)]
+    lease_ttl_seconds: u64,
+
+    /// Largest cluster identity (the range starts at 256).
+    #[arg(long, env = "RIVET_MAX_IDENTITY", default_value_t = 65535)]
+    max_identity: u32,
+
+    /// Identity-relevant label rules, `[!][source:]key-prefix`, added to the
+    /// default excludes (pod-template-hash, ...).
+    #[arg(long = "label", env = "RIVET_LABELS", value_delimiter = ',')]
+    labels: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let flags: Flags = config::load();
+    match run(flags) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}: {e:#}", svc_identity::DAEMON_NAME);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main]
+async fn run(flags: Flags) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
+        service_name: svc_identity::DAEMON_NAME.into(),
+        log_format: flags.common.log_format,
+        default_filter: "info".into(),
+    })?;
+    anyhow::ensure!(
+        flags.max_identity > MIN_CLUSTER_ID,
+        "--max-identity must be above {MIN_CLUSTER_ID}"
+    );
+    let filter = LabelFilter::parse(&flags.labels).context("invalid --label rule")?;
+    let node = flags.common.node_name();
+    let listener = daemon::bind_socket(&flags.common, svc_identity::DAEMON_NAME)?;
+
+    let backend: Arc<dyn IdentityBackend> = if flags.etcd_endpoints.is_empty() {
+        let path = flags.common.state_dir.join("identity").join("store.json");
+        Arc::new(EmbeddedBackend::open(&path, &node).context("opening the embedded identity store")?)
+    } else {
+        let options = EtcdOptions {
+            endpoints: flags.etcd_endpoints.clone(),
+            prefix: flags.kvstore_prefix.clone(),
+            cluster: flags.cluster_name.clone(),
+            node: node.clone(),
+            lease_ttl: Duration::from_secs(flags.lease_ttl_seconds.max(2)),
+            ..EtcdOptions::new(flags.etcd_endpoints.clone(), node.clone())
+        };
+        Arc::new(EtcdBackend::connect(options).await.context("connecting to etcd")?)
+    };
+    tracing::info!(backend = backend.kind(), node = %node, "identity store ready");
+
+    let ipcache = IpCache::new(backend.clone(), IpCacheOptions::new(node.clone()));
+    ipcache.run();
+    // Every entry reaches this node's datapath (retrying until svc-loader is up).
+    LoaderSync::new(
+        ipcache.clone(),
+        LoaderSyncOptions::new(flags.common.socket_path("svc-loader")),
+    )
+    .run();
+
+    let allocator = IdentityAllocator::new(
+        backend,
+        AllocatorOptions {
+            max_id: flags.max_identity,
+            filter,
+            ..AllocatorOptions::default()
+        },
+    );
+    allocator.run();
+
+    let identity = DaemonIdentity::new(svc_identity::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
+    let service = IdentityService::new(allocator, identity.boot_id.clone());
+    let routes = Routes::new(service.into_server())
+        .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server());
+    daemon::run(
+        &flags.common,
+        listener,
+        identity,
+        routes,
+        Registry::with_prefix("rivet"),
+        Health::default(),
+    )
+    .await?;
+    Ok(())
+}

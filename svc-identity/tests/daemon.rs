@@ -1,0 +1,249 @@
+//! svc-identity as real processes: two nodes on one real etcd, crashes of a
+//! node and of etcd, and the embedded store across kill -9.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::Duration;
+
+use etcd_client::GetOptions;
+use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::testing::etcd::EtcdServer;
+use rivet_common::testing::{DaemonCommand, DaemonProcess};
+use rivet_proto::identity::v1 as pb;
+use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
+use tonic::Code;
+
+const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
+
+fn command(dir: &Path, node: &str, etcd: Option<&str>) -> DaemonCommand {
+    let sockets = dir.join(node).join("sockets");
+    let mut cmd = DaemonCommand::new(BIN, sockets.join("svc-identity.sock"))
+        .args(["--socket-dir".as_ref(), sockets.as_os_str()])
+        .args(["--state-dir".as_ref(), dir.join(node).join("state").as_os_str()])
+        .args(["--node-name", node, "--lease-ttl-seconds", "2"])
+        .log_to(dir.join(format!("{node}.log")));
+    if let Some(e) = etcd {
+        cmd = cmd.args(["--etcd-endpoints", e]);
+    }
+    cmd
+}
+
+async fn client(d: &DaemonProcess) -> IdentityServiceClient<DaemonChannel> {
+    IdentityServiceClient::new(connect_unix(d.socket(), &ClientOptions::default()).await.unwrap())
+}
+
+fn labels(i: usize) -> Vec<String> {
+    vec![
+        format!("k8s:app=app-{i}"),
+        "k8s:io.kubernetes.pod.namespace=default".to_string(),
+    ]
+}
+
+async fn allocate(c: &mut IdentityServiceClient<DaemonChannel>, i: usize) -> Result<u32, tonic::Status> {
+    c.allocate_identity(pb::AllocateIdentityRequest {
+        labels: labels(i),
+        owner: String::new(),
+    })
+    .await
+    .map(|r| r.into_inner().identity.unwrap().id)
+}
+
+async fn raw_keys(endpoint: &str, prefix: &str) -> BTreeMap<String, String> {
+    let mut c = etcd_client::Client::connect([endpoint], None).await.unwrap();
+    let r = c.get(prefix, Some(GetOptions::new().with_prefix())).await.unwrap();
+    r.kvs()
+        .iter()
+        .map(|kv| (kv.key_str().unwrap().to_string(), kv.value_str().unwrap().to_string()))
+        .collect()
+}
+
+#[tokio::test]
+async fn two_nodes_racing_on_overlapping_label_sets_agree_on_one_id_each() {
+    let etcd = tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .unwrap()
+        .expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
+        .spawn()
+        .await
+        .unwrap();
+    let b = command(dir.path(), "node-b", Some(&etcd.endpoint()))
+        .spawn()
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for (node, daemon) in [("a", &a), ("b", &b)] {
+        for worker in 0..10 {
+            let mut c = client(daemon).await;
+            tasks.push(tokio::spawn(async move {
+                let mut got = Vec::new();
+                // Both nodes walk the same 1000 sets, each worker a slice, in different orders.
+                for k in 0..100 {
+                    let i = if node == "a" {
+                        worker * 100 + k
+                    } else {
+                        999 - (worker * 100 + k)
+                    };
+                    got.push((node, i, allocate(&mut c, i).await.expect("allocation succeeds")));
+                }
+                got
+            }));
+        }
+    }
+    let mut by_set: BTreeMap<usize, BTreeSet<u32>> = BTreeMap::new();
+    for t in tasks {
+        for (_, i, id) in t.await.unwrap() {
+            by_set.entry(i).or_default().insert(id);
+        }
+    }
+    assert_eq!(by_set.len(), 1000);
+    let mut owners: BTreeMap<u32, usize> = BTreeMap::new();
+    for (i, ids) in &by_set {
+        assert_eq!(
+            ids.len(),
+            1,
+            "label set {i} must have exactly one id on both nodes, got {ids:?}"
+        );
+        let id = *ids.iter().next().unwrap();
+        assert!(id >= 256, "cluster identities start at 256");
+        if let Some(other) = owners.insert(id, *i) {
+            panic!("id {id} is bound to two label sets ({other} and {i})");
+        }
+    }
+    let keys = raw_keys(&etcd.endpoint(), "rivet/state/identities/v1/").await;
+    let masters = keys.keys().filter(|k| k.contains("/id/")).count();
+    let values: Vec<_> = keys.iter().filter(|(k, _)| k.contains("/value/")).collect();
+    assert_eq!(masters, 1000, "one master key per label set");
+    assert_eq!(values.len(), 2000, "one value key per node and label set");
+    let (k, v) = values[0];
+    assert!(
+        k.ends_with("/node-a") || k.ends_with("/node-b"),
+        "value keys end with the node name: {k}"
+    );
+    let id: u32 = v.parse().expect("a value key holds the id");
+    let label_part = k
+        .trim_start_matches("rivet/state/identities/v1/value/")
+        .rsplit_once('/')
+        .unwrap()
+        .0;
+    assert_eq!(
+        keys[&format!("rivet/state/identities/v1/id/{id}")],
+        label_part,
+        "master key id → labels"
+    );
+    drop((a, b));
+}
+
+#[tokio::test]
+async fn a_killed_node_loses_its_value_keys_after_the_lease_ttl() {
+    let etcd = tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .unwrap()
+        .expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
+        .spawn()
+        .await
+        .unwrap();
+    let b = command(dir.path(), "node-b", Some(&etcd.endpoint()))
+        .spawn()
+        .await
+        .unwrap();
+    let (mut ca, mut cb) = (client(&a).await, client(&b).await);
+    let shared = allocate(&mut ca, 1).await.unwrap();
+    assert_eq!(allocate(&mut cb, 1).await.unwrap(), shared);
+    allocate(&mut ca, 2).await.unwrap();
+    a.kill9();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let keys = raw_keys(&etcd.endpoint(), "rivet/state/identities/v1/value/").await;
+    assert!(
+        keys.keys().all(|k| !k.ends_with("/node-a")),
+        "node-a's value keys expire with its lease: {keys:?}"
+    );
+    assert!(keys.keys().any(|k| k.ends_with("/node-b")), "node-b is unaffected");
+    assert_eq!(allocate(&mut cb, 1).await.unwrap(), shared, "node-b keeps its identity");
+}
+
+#[tokio::test]
+async fn etcd_outage_keeps_known_sets_and_refuses_new_ones_then_recovers() {
+    let mut etcd = tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .unwrap()
+        .expect("etcd starts");
+    let endpoint = etcd.endpoint();
+    let dir = tempfile::tempdir().unwrap();
+    let a = command(dir.path(), "node-a", Some(&endpoint)).spawn().await.unwrap();
+    let mut c = client(&a).await;
+    let known = allocate(&mut c, 1).await.unwrap();
+    etcd.stop();
+    assert_eq!(
+        allocate(&mut c, 1).await.unwrap(),
+        known,
+        "a set this node holds allocates from cache"
+    );
+    let err = allocate(&mut c, 2).await.expect_err("a new set needs the store");
+    assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
+    let etcd = tokio::task::spawn_blocking(move || {
+        etcd.restart().expect("etcd restarts");
+        etcd
+    })
+    .await
+    .unwrap();
+    let mut fresh = None;
+    for _ in 0..100 {
+        match allocate(&mut c, 2).await {
+            Ok(id) => {
+                fresh = Some(id);
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let fresh = fresh.expect("allocation recovers when etcd returns");
+    assert_ne!(fresh, known, "no duplicate ids");
+    let keys = raw_keys(&etcd.endpoint(), "rivet/state/identities/v1/").await;
+    assert_eq!(
+        keys.keys().filter(|k| k.contains("/id/")).count(),
+        2,
+        "one master key per set: {keys:?}"
+    );
+    assert!(
+        keys.iter()
+            .any(|(k, v)| k.contains("app-1") && k.ends_with("/node-a") && *v == known.to_string()),
+        "the held identity's value key is still there after the outage: {keys:?}"
+    );
+}
+
+#[tokio::test]
+async fn embedded_store_keeps_every_acknowledged_identity_across_kill_9() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = command(dir.path(), "solo", None).spawn().await.unwrap();
+    let mut c = client(&a).await;
+    let mut acked = BTreeMap::new();
+    let worker = tokio::spawn(async move {
+        let mut got = Vec::new();
+        for i in 0..2000 {
+            match allocate(&mut c, i).await {
+                Ok(id) => got.push((i, id)),
+                Err(_) => break,
+            }
+        }
+        got
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.kill9();
+    for (i, id) in worker.await.unwrap() {
+        acked.insert(i, id);
+    }
+    assert!(!acked.is_empty(), "some allocations were acknowledged before the kill");
+    a.restart().await.expect("restarts on the embedded store");
+    let mut c = client(&a).await;
+    for (i, id) in &acked {
+        assert_eq!(
+            allocate(&mut c, *i).await.unwrap(),
+            *id,
+            "identity of set {i} survives kill -9"
+        );
+    }
+}
