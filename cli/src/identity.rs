@@ -99,3 +99,74 @@ pub async fn run(ctx: &Context, command: IdentityCommand) -> Result<(), CliError
     ctx.print(&rows, || table(&rows));
     Ok(())
 }
+
+/// `rivet ipcache ...`
+#[derive(Debug, Subcommand)]
+pub enum IpcacheCommand {
+    /// Every effective IP cache entry.
+    List,
+}
+
+/// An IP cache entry as printed.
+#[derive(Debug, Serialize)]
+pub struct IpcacheView {
+    prefix: String,
+    identity: u32,
+    source: String,
+    host_ip: String,
+    pod: String,
+    node: String,
+}
+
+/// Runs one `rivet ipcache` command.
+pub async fn run_ipcache(ctx: &Context, command: IpcacheCommand) -> Result<(), CliError> {
+    let IpcacheCommand::List = command;
+    let mut client =
+        rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient::new(ctx.connect(DAEMON).await?);
+    let mut rows = Vec::new();
+    let mut start_after = String::new();
+    loop {
+        let r = client
+            .list_ipcache(pb::ListIpcacheRequest {
+                source: 0,
+                page_size: 1000,
+                start_after: start_after.clone(),
+            })
+            .await
+            .map_err(|s| CliError::rpc(DAEMON, s))?
+            .into_inner();
+        for e in &r.entries {
+            rows.push(IpcacheView {
+                prefix: e.prefix.clone(),
+                identity: e.identity,
+                source: format!("{:?}", pb::IpcacheSource::try_from(e.source).unwrap_or_default()).to_lowercase(),
+                host_ip: e.host_ip.clone(),
+                pod: if e.pod_name.is_empty() {
+                    String::new()
+                } else {
+                    format!("{}/{}", e.pod_namespace, e.pod_name)
+                },
+                node: e.node_name.clone(),
+            });
+        }
+        match (r.complete, r.entries.last()) {
+            (false, Some(last)) => start_after = last.prefix.clone(),
+            _ => break,
+        }
+    }
+    ctx.print(&rows, || {
+        let mut t = Table::new(["PREFIX", "IDENTITY", "SOURCE", "HOST", "POD", "NODE"]);
+        for r in &rows {
+            t.row([
+                r.prefix.clone(),
+                r.identity.to_string(),
+                r.source.clone(),
+                r.host_ip.clone(),
+                r.pod.clone(),
+                r.node.clone(),
+            ]);
+        }
+        t.render()
+    });
+    Ok(())
+}

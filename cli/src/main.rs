@@ -39,6 +39,9 @@ enum Command {
     /// Security identities (svc-identity).
     #[command(subcommand)]
     Identity(identity::IdentityCommand),
+    /// IP → identity entries (svc-identity).
+    #[command(subcommand)]
+    Ipcache(identity::IpcacheCommand),
     /// What the datapath holds (svc-loader).
     #[command(subcommand)]
     Bpf(bpf::BpfCommand),
@@ -69,6 +72,7 @@ async fn main() -> ExitCode {
         Command::Ipam(c) => ipam::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Bpf(c) => bpf::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Identity(c) => identity::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+        Command::Ipcache(c) => identity::run_ipcache(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Monitor {
             verdicts,
             trace,

@@ -610,3 +610,129 @@ impl IdentityAllocator {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedded_backend::EmbeddedBackend;
+
+    fn labels(s: &str) -> Labels {
+        s.parse().expect("valid labels")
+    }
+
+    async fn allocator(dir: &std::path::Path, max_id: u32) -> Arc<IdentityAllocator> {
+        let backend = EmbeddedBackend::open(&dir.join("store.json"), "node-1").expect("embedded store opens");
+        let a = IdentityAllocator::new(
+            Arc::new(backend),
+            AllocatorOptions {
+                max_id,
+                ..AllocatorOptions::default()
+            },
+        );
+        a.run();
+        a.wait_ready().await;
+        a
+    }
+
+    #[tokio::test]
+    async fn references_are_counted_and_owners_are_idempotent() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        let web = labels("k8s:app=web");
+        let first = a.allocate(&web, None).await.unwrap();
+        assert!(first.newly_allocated);
+        assert!(first.id >= MIN_CLUSTER_ID);
+        let second = a.allocate(&web, None).await.unwrap();
+        assert_eq!(second.id, first.id, "the same label set is one identity");
+        assert!(!second.newly_allocated);
+        a.allocate(&web, Some("endpoint/1")).await.unwrap();
+        let again = a.allocate(&web, Some("endpoint/1")).await.unwrap();
+        assert_eq!(
+            again.references, 3,
+            "an owner holds one reference however often it asks"
+        );
+        assert_eq!(a.release(first.id, None).await, Some(2));
+        assert_eq!(a.release(first.id, Some("endpoint/1")).await, Some(1));
+        assert_eq!(
+            a.release(first.id, Some("endpoint/1")).await,
+            Some(1),
+            "releasing twice is a no-op"
+        );
+        assert_eq!(
+            a.release(first.id, None).await,
+            Some(0),
+            "the last release drops the node's reference"
+        );
+        assert_eq!(a.references(first.id), 0);
+        assert_eq!(
+            a.lookup(&web).unwrap(),
+            Some(first.id),
+            "the master key stays for the operator's GC"
+        );
+        let back = a.allocate(&web, None).await.unwrap();
+        assert_eq!(
+            back.id, first.id,
+            "a released set gets its id back while the master key exists"
+        );
+    }
+
+    #[tokio::test]
+    async fn reserved_filtered_and_invalid_labels() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        let host = a.allocate(&labels("reserved:host"), None).await.unwrap();
+        assert_eq!(
+            (host.id, host.kind),
+            (1, IdentityKind::Reserved),
+            "reserved identities skip the store"
+        );
+        assert!(a.list().is_empty(), "a reserved identity is never stored");
+        let x = a
+            .allocate(&labels("k8s:app=web,k8s:pod-template-hash=abc"), None)
+            .await
+            .unwrap();
+        let y = a
+            .allocate(&labels("k8s:app=web,k8s:pod-template-hash=def"), None)
+            .await
+            .unwrap();
+        assert_eq!(x.id, y.id, "high-cardinality labels are not identity-relevant");
+        assert_eq!(x.labels.to_string(), "k8s:app=web");
+        assert!(matches!(
+            a.allocate(&labels("cidr:198.18.0.0/24"), None).await,
+            Err(AllocError::InvalidLabels(_))
+        ));
+        assert!(matches!(
+            a.allocate(&labels("reserved:host,reserved:world"), None).await,
+            Err(AllocError::InvalidLabels(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn exhaustion_is_reported_with_the_range() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = allocator(dir.path(), MIN_CLUSTER_ID + 2).await;
+        let mut ids = BTreeMap::new();
+        for i in 0..3 {
+            let got = a.allocate(&labels(&format!("k8s:app=a{i}")), None).await.unwrap();
+            assert!(ids.insert(got.id, i).is_none(), "no id is handed out twice");
+        }
+        let err = a.allocate(&labels("k8s:app=one-too-many"), None).await.unwrap_err();
+        assert!(matches!(err, AllocError::Exhausted { min: 256, max: 258 }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn identities_survive_a_restart_of_the_embedded_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let id = {
+            let a = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+            a.allocate(&labels("k8s:app=db"), None).await.unwrap().id
+        };
+        let a = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        assert_eq!(
+            a.lookup(&labels("k8s:app=db")).unwrap(),
+            Some(id),
+            "the cache is rebuilt from the store"
+        );
+        assert_eq!(a.allocate(&labels("k8s:app=db"), None).await.unwrap().id, id);
+    }
+}
