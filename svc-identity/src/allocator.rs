@@ -621,7 +621,7 @@ mod tests {
     }
 
     async fn allocator(dir: &std::path::Path, max_id: u32) -> Arc<IdentityAllocator> {
-        let backend = EmbeddedBackend::open(&dir.join("store.json"), "node-1").expect("embedded store opens");
+        let backend = EmbeddedBackend::open(dir.join("store.json"), "node-1").expect("embedded store opens");
         let a = IdentityAllocator::new(
             Arc::new(backend),
             AllocatorOptions {
