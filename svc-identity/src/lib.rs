@@ -11,6 +11,7 @@
 
 pub mod allocator;
 pub mod backend;
+pub mod cidr;
 pub mod embedded_backend;
 pub mod etcd_backend;
 pub mod ipcache;

@@ -14,6 +14,7 @@ use rivet_common::metrics::Health;
 use rivet_common::{daemon, telemetry};
 use svc_identity::allocator::{AllocatorOptions, IdentityAllocator, MIN_CLUSTER_ID};
 use svc_identity::backend::IdentityBackend;
+use svc_identity::cidr::CidrIdentities;
 use svc_identity::embedded_backend::EmbeddedBackend;
 use svc_identity::etcd_backend::{EtcdBackend, EtcdOptions};
 use svc_identity::ipcache::{IpCache, IpCacheOptions, LoaderSync, LoaderSyncOptions};
@@ -118,7 +119,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     allocator.run();
 
     let identity = DaemonIdentity::new(svc_identity::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
-    let service = IdentityService::new(allocator, identity.boot_id.clone());
+    let cidrs = Arc::new(CidrIdentities::new(ipcache.clone()));
+    let service = IdentityService::new(allocator, cidrs, identity.boot_id.clone());
     let routes = Routes::new(service.into_server())
         .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server());
     daemon::run(

@@ -13,6 +13,8 @@ use tonic::{Request, Response, Status};
 
 use crate::allocator::{AllocError, IdentityAllocator, IdentityChange, IdentityKind};
 use crate::backend::IdentityRecord;
+use crate::cidr::{CidrError, CidrIdentities};
+use crate::ipcache::{parse_prefix, prefix_text};
 
 /// Identities per snapshot message (keeps messages far below 4 MiB).
 const SNAPSHOT_CHUNK: usize = 1000;
@@ -21,6 +23,7 @@ const SNAPSHOT_CHUNK: usize = 1000;
 #[derive(Debug, Clone)]
 pub struct IdentityService {
     allocator: Arc<IdentityAllocator>,
+    cidrs: Arc<CidrIdentities>,
     boot_id: BootId,
 }
 
@@ -28,8 +31,12 @@ type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::WatchIdentitiesResponse,
 
 impl IdentityService {
     /// A service over `allocator`.
-    pub fn new(allocator: Arc<IdentityAllocator>, boot_id: BootId) -> Self {
-        Self { allocator, boot_id }
+    pub fn new(allocator: Arc<IdentityAllocator>, cidrs: Arc<CidrIdentities>, boot_id: BootId) -> Self {
+        Self {
+            allocator,
+            cidrs,
+            boot_id,
+        }
     }
 
     /// The tonic server.
@@ -74,6 +81,33 @@ fn status(e: AllocError) -> Status {
         AllocError::Exhausted { .. } => Status::resource_exhausted(message),
         AllocError::Contention { .. } => Status::aborted(message),
         AllocError::Store { .. } => Status::internal(message),
+    }
+}
+
+fn prefixes(raw: &[String]) -> Result<Vec<ipnet::IpNet>, Status> {
+    raw.iter()
+        .enumerate()
+        .map(|(i, p)| parse_prefix(p).map_err(|e| Status::invalid_argument(format!("prefixes[{i}]: {e}"))))
+        .collect()
+}
+
+fn cidr_proto(prefix: &ipnet::IpNet, id: u32) -> pb::CidrIdentity {
+    pb::CidrIdentity {
+        prefix: prefix_text(prefix),
+        id,
+    }
+}
+
+fn cidr_status(e: CidrError) -> Status {
+    match e {
+        CidrError::Exhausted => Status::resource_exhausted(e.to_string()),
+        CidrError::Ipcache(ref i) => {
+            let mut s = i.to_status();
+            if s.code() == tonic::Code::InvalidArgument {
+                s = Status::internal(e.to_string());
+            }
+            s
+        }
     }
 }
 
@@ -151,6 +185,18 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         request: Request<pb::GetIdentityRequest>,
     ) -> Result<Response<pb::GetIdentityResponse>, Status> {
         let id = request.get_ref().id;
+        if let Some(prefix) = self.cidrs.get(id) {
+            return Ok(Response::new(pb::GetIdentityResponse {
+                identity: Some(pb::Identity {
+                    id,
+                    labels: vec![format!("cidr:{}", prefix_text(&prefix))],
+                    kind: pb::IdentityKind::Cidr as i32,
+                    local_references: 0,
+                    owners: Vec::new(),
+                }),
+                boot_id: self.boot_id.to_string(),
+            }));
+        }
         let (labels, kind) = self
             .allocator
             .get(id)
@@ -289,20 +335,30 @@ impl pb::identity_service_server::IdentityService for IdentityService {
 
     async fn allocate_cidr_identities(
         &self,
-        _request: Request<pb::AllocateCidrIdentitiesRequest>,
+        request: Request<pb::AllocateCidrIdentitiesRequest>,
     ) -> Result<Response<pb::AllocateCidrIdentitiesResponse>, Status> {
-        Err(Status::unimplemented(
-            "CIDR identities arrive with svc-endpoint's policy engine (issue 5)",
-        ))
+        let r = request.into_inner();
+        let owner = owner(&r.owner)?.ok_or_else(|| Status::invalid_argument("owner: required"))?;
+        let prefixes = prefixes(&r.prefixes)?;
+        let got = self.cidrs.allocate(&prefixes, owner).await.map_err(cidr_status)?;
+        Ok(Response::new(pb::AllocateCidrIdentitiesResponse {
+            identities: got.iter().map(|(p, id)| cidr_proto(p, *id)).collect(),
+            boot_id: self.boot_id.to_string(),
+        }))
     }
 
     async fn release_cidr_identities(
         &self,
-        _request: Request<pb::ReleaseCidrIdentitiesRequest>,
+        request: Request<pb::ReleaseCidrIdentitiesRequest>,
     ) -> Result<Response<pb::ReleaseCidrIdentitiesResponse>, Status> {
-        Err(Status::unimplemented(
-            "CIDR identities arrive with svc-endpoint's policy engine (issue 5)",
-        ))
+        let r = request.into_inner();
+        let owner = owner(&r.owner)?.ok_or_else(|| Status::invalid_argument("owner: required"))?;
+        let prefixes = prefixes(&r.prefixes)?;
+        let removed = self.cidrs.release(&prefixes, owner).await.map_err(cidr_status)?;
+        Ok(Response::new(pb::ReleaseCidrIdentitiesResponse {
+            removed: removed.iter().map(|(p, id)| cidr_proto(p, *id)).collect(),
+            boot_id: self.boot_id.to_string(),
+        }))
     }
 
     async fn get_status(
@@ -325,7 +381,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
             }),
             cluster_identities: list.len() as u32,
             local_identities: local as u32,
-            cidr_identities: 0,
+            cidr_identities: self.cidrs.len() as u32,
             ipcache_entries: 0,
             loader: None,
             boot_id: self.boot_id.to_string(),
