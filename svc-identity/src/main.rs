@@ -120,7 +120,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
 
     let identity = DaemonIdentity::new(svc_identity::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let cidrs = Arc::new(CidrIdentities::new(ipcache.clone()));
-    let service = IdentityService::new(allocator, cidrs, identity.boot_id.clone());
+    let service =
+        IdentityService::new(allocator, cidrs, identity.boot_id.clone()).with_ipcache(ipcache.clone(), loader_sync);
     let routes = Routes::new(service.into_server())
         .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server());
     daemon::run(

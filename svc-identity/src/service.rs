@@ -14,7 +14,7 @@ use tonic::{Request, Response, Status};
 use crate::allocator::{AllocError, IdentityAllocator, IdentityChange, IdentityKind};
 use crate::backend::IdentityRecord;
 use crate::cidr::{CidrError, CidrIdentities};
-use crate::ipcache::{parse_prefix, prefix_text};
+use crate::ipcache::{IpCache, LoaderSync, parse_prefix, prefix_text};
 
 /// Identities per snapshot message (keeps messages far below 4 MiB).
 const SNAPSHOT_CHUNK: usize = 1000;
@@ -24,6 +24,7 @@ const SNAPSHOT_CHUNK: usize = 1000;
 pub struct IdentityService {
     allocator: Arc<IdentityAllocator>,
     cidrs: Arc<CidrIdentities>,
+    ipcache: Option<(Arc<IpCache>, Arc<LoaderSync>)>,
     boot_id: BootId,
 }
 
@@ -35,8 +36,15 @@ impl IdentityService {
         Self {
             allocator,
             cidrs,
+            ipcache: None,
             boot_id,
         }
+    }
+
+    /// Reports the IP cache and its push to svc-loader in GetStatus.
+    pub fn with_ipcache(mut self, ipcache: Arc<IpCache>, loader: Arc<LoaderSync>) -> Self {
+        self.ipcache = Some((ipcache, loader));
+        self
     }
 
     /// The tonic server.
@@ -382,8 +390,8 @@ impl pb::identity_service_server::IdentityService for IdentityService {
             cluster_identities: list.len() as u32,
             local_identities: local as u32,
             cidr_identities: self.cidrs.len() as u32,
-            ipcache_entries: 0,
-            loader: None,
+            ipcache_entries: self.ipcache.as_ref().map_or(0, |(c, _)| c.len() as u32),
+            loader: self.ipcache.as_ref().map(|(_, l)| l.status().to_proto()),
             boot_id: self.boot_id.to_string(),
         }))
     }
