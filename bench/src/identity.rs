@@ -101,11 +101,7 @@ pub async fn run(args: &IdentityArgs) -> anyhow::Result<BenchResult> {
             (n, raw_cas(&etcd_client, lease, &tag, args.per_client).await?)
         };
         let h = allocate_cached(&clients, &tag, args.per_client, args.cached_passes).await?;
-        let (n, h, c) = (
-            rate(ops, n),
-            rate(ops * args.cached_passes, h),
-            rate(ops, c),
-        );
+        let (n, h, c) = (rate(ops, n), rate(ops * args.cached_passes, h), rate(ops, c));
         println!("round {round}: new {n:.0} allocations/s, cached {h:.0} allocations/s, raw CAS {c:.0} txn/s");
         new.push(n);
         cached.push(h);

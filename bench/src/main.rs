@@ -2,6 +2,7 @@
 //! writes `target/rivet-bench/<name>.json`. Run it through `cargo xtask bench`.
 
 mod datapath;
+mod identity;
 mod ipam;
 mod report;
 
@@ -24,6 +25,8 @@ enum Bench {
     Ipam(ipam::IpamArgs),
     /// iperf3 pod→pod through Rivet's datapath vs plain veth routing; ApplyEndpoint latency.
     Datapath(datapath::DatapathArgs),
+    /// New and cached identity allocations/s over svc-identity's socket vs raw etcd CAS txns/s.
+    Identity(identity::IdentityArgs),
 }
 
 #[tokio::main]
@@ -35,12 +38,17 @@ async fn main() -> anyhow::Result<()> {
             println!(
                 "ipam  Allocate+Release pairs/s over svc-ipam's socket vs in-process (ratio = socket / in-process)"
             );
+            println!(
+                "identity  new identity allocations/s over svc-identity's socket vs raw etcd CAS txns/s \
+                 (ratio = new allocations / raw CAS)"
+            );
             return Ok(());
         }
     };
     let result = match bench {
         Bench::Ipam(args) => ipam::run(&args).await?,
         Bench::Datapath(args) => datapath::run(&args).await?,
+        Bench::Identity(args) => identity::run(&args).await?,
     };
     result.publish(&report::target_dir()?)?;
     Ok(())

@@ -102,11 +102,11 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let ipcache = IpCache::new(backend.clone(), IpCacheOptions::new(node.clone()));
     ipcache.run();
     // Every entry reaches this node's datapath (retrying until svc-loader is up).
-    LoaderSync::new(
+    let loader_sync = LoaderSync::new(
         ipcache.clone(),
         LoaderSyncOptions::new(flags.common.socket_path("svc-loader")),
-    )
-    .run();
+    );
+    loader_sync.run();
 
     let allocator = IdentityAllocator::new(
         backend,
