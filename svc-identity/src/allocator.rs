@@ -327,13 +327,11 @@ impl IdentityAllocator {
             labels: key.to_string(),
             source,
         };
-        // Known in the cluster: take a reference on it.
+        // Known in the cluster: take a reference on it. Unknown to the cache:
+        // go straight to the creating transaction, which fails with the
+        // holder's id when another node holds the labels (one round trip).
         let known = self.cache.read().expect("cache poisoned").by_labels.get(key).copied();
-        let held = match known {
-            Some(id) => Some(id),
-            None => self.backend.held_id(key).await.map_err(unavailable)?,
-        };
-        if let Some(id) = held {
+        if let Some(id) = known {
             match self.backend.acquire(id, key).await.map_err(unavailable)? {
                 AcquireOutcome::Acquired | AcquireOutcome::MasterRecreated => return Ok((id, false)),
                 AcquireOutcome::Conflict => {}
