@@ -38,6 +38,7 @@ async fn main() -> anyhow::Result<()> {
             println!(
                 "ipam  Allocate+Release pairs/s over svc-ipam's socket vs in-process (ratio = socket / in-process)"
             );
+            println!("datapath  iperf3 pod-to-pod through Rivet's BPF vs plain veth routing (ratio = Rivet / plain)");
             println!(
                 "identity  new identity allocations/s over svc-identity's socket vs raw etcd CAS txns/s \
                  (ratio = new allocations / raw CAS)"
