@@ -47,6 +47,10 @@ struct Flags {
     #[arg(long, env = "RIVET_LEASE_TTL_SECONDS", default_value_t = 15)]
     lease_ttl_seconds: u64,
 
+    /// How often this node's keys are checked and re-created if missing, seconds.
+    #[arg(long, env = "RIVET_IDENTITY_RESYNC_SECONDS", default_value_t = 60)]
+    resync_seconds: u64,
+
     /// Largest cluster identity (the range starts at 256).
     #[arg(long, env = "RIVET_MAX_IDENTITY", default_value_t = 65535)]
     max_identity: u32,
@@ -113,6 +117,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         AllocatorOptions {
             max_id: flags.max_identity,
             filter,
+            resync_interval: Duration::from_secs(flags.resync_seconds.max(1)),
             ..AllocatorOptions::default()
         },
     );

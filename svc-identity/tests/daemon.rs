@@ -20,7 +20,7 @@ fn command(dir: &Path, node: &str, etcd: Option<&str>) -> DaemonCommand {
     let mut cmd = DaemonCommand::new(BIN, sockets.join("svc-identity.sock"))
         .args(["--socket-dir".as_ref(), sockets.as_os_str()])
         .args(["--state-dir".as_ref(), dir.join(node).join("state").as_os_str()])
-        .args(["--node-name", node, "--lease-ttl-seconds", "2"])
+        .args(["--node-name", node, "--lease-ttl-seconds", "2", "--resync-seconds", "1"])
         .log_to(dir.join(format!("{node}.log")));
     if let Some(e) = etcd {
         cmd = cmd.args(["--etcd-endpoints", e]);
@@ -246,4 +246,114 @@ async fn embedded_store_keeps_every_acknowledged_identity_across_kill_9() {
             "identity of set {i} survives kill -9"
         );
     }
+}
+
+#[tokio::test]
+async fn keys_that_vanish_from_etcd_are_recreated_with_the_same_id() {
+    let etcd = tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .unwrap()
+        .expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
+        .spawn()
+        .await
+        .unwrap();
+    let mut c = client(&a).await;
+    let id = allocate(&mut c, 7).await.unwrap();
+    // An over-eager GC (or a restored etcd backup) loses both keys.
+    let mut raw = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    raw.delete(
+        "rivet/state/identities/v1/",
+        Some(etcd_client::DeleteOptions::new().with_prefix()),
+    )
+    .await
+    .unwrap();
+    let mut restored = false;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let keys = raw_keys(&etcd.endpoint(), "rivet/state/identities/v1/").await;
+        let master = keys.get(&format!("rivet/state/identities/v1/id/{id}"));
+        let value = keys.iter().any(|(k, v)| k.ends_with("/node-a") && *v == id.to_string());
+        if master.is_some_and(|l| l.contains("app-7")) && value {
+            restored = true;
+            break;
+        }
+    }
+    assert!(
+        restored,
+        "the sync loop re-creates the master and value keys of a held identity with the same id"
+    );
+}
+
+#[tokio::test]
+async fn an_ip_published_on_one_node_reaches_the_other() {
+    use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
+    let etcd = tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .unwrap()
+        .expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
+        .spawn()
+        .await
+        .unwrap();
+    let b = command(dir.path(), "node-b", Some(&etcd.endpoint()))
+        .spawn()
+        .await
+        .unwrap();
+    let options = ClientOptions::default();
+    let mut ia = IpcacheServiceClient::new(connect_unix(a.socket(), &options).await.unwrap());
+    let mut ib = IpcacheServiceClient::new(connect_unix(b.socket(), &options).await.unwrap());
+    let mut watch = ib
+        .watch_ipcache(pb::WatchIpcacheRequest { sources: vec![] })
+        .await
+        .unwrap()
+        .into_inner();
+    ia.upsert_ip(pb::UpsertIpRequest {
+        entries: vec![pb::IpcacheEntry {
+            prefix: "198.18.5.9".into(),
+            identity: 4242,
+            host_ip: "198.19.0.1".into(),
+            pod_namespace: "default".into(),
+            pod_name: "web-0".into(),
+            source: pb::IpcacheSource::LocalEndpoint as i32,
+            node_name: String::new(),
+        }],
+    })
+    .await
+    .expect("node-a publishes its pod's address");
+    let seen = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let m = watch.message().await.unwrap().expect("the stream stays open");
+            if let Some(e) = m.upserted.iter().find(|e| e.prefix.starts_with("198.18.5.9")) {
+                return e.clone();
+            }
+        }
+    })
+    .await
+    .expect("node-b's stream shows node-a's address");
+    assert_eq!(seen.identity, 4242);
+    assert_eq!(
+        seen.source,
+        pb::IpcacheSource::Kvstore as i32,
+        "learned through the store"
+    );
+    assert_eq!(seen.node_name, "node-a");
+    ia.delete_ip(pb::DeleteIpRequest {
+        prefixes: vec!["198.18.5.9".into()],
+        source: pb::IpcacheSource::LocalEndpoint as i32,
+    })
+    .await
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            let m = watch.message().await.unwrap().expect("the stream stays open");
+            if m.deleted.iter().any(|p| p.starts_with("198.18.5.9")) {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("deleting it on node-a removes it on node-b");
 }
