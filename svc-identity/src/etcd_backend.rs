@@ -615,6 +615,31 @@ fn keepalive_interval(ttl_secs: i64) -> Duration {
     (Duration::from_secs(u64::try_from(ttl_secs.max(1)).unwrap_or(1)) / 3).max(Duration::from_millis(100))
 }
 
+/// Turns a stored key and value into a record.
+type Decoder<T> = fn(&Layout, &[u8], &[u8]) -> Result<T, BackendError>;
+
+impl EtcdBackend {
+    /// Every decodable entry under `prefix`, sorted, with the listing's
+    /// revision; undecodable entries are skipped with a warning.
+    async fn list_decoded<T: Ord>(
+        &self,
+        action: &'static str,
+        what: &'static str,
+        prefix: String,
+        decode: Decoder<T>,
+    ) -> Result<(Vec<T>, Revision), BackendError> {
+        let mut resp = self.get(action, prefix, GetOptions::new().with_prefix()).await?;
+        let revision = header_revision(action, resp.header())?;
+        let mut items: Vec<T> = resp
+            .take_kvs()
+            .iter()
+            .filter_map(|kv| skip_corrupt(what, decode(&self.layout, kv.key(), kv.value())))
+            .collect();
+        items.sort();
+        Ok((items, revision))
+    }
+}
+
 #[tonic::async_trait]
 impl IdentityBackend for EtcdBackend {
     fn kind(&self) -> &'static str {
@@ -622,18 +647,13 @@ impl IdentityBackend for EtcdBackend {
     }
 
     async fn list_identities(&self) -> Result<(Vec<IdentityRecord>, Revision), BackendError> {
-        let action = "listing identities";
-        let mut resp = self
-            .get(action, self.layout.id_prefix(), GetOptions::new().with_prefix())
-            .await?;
-        let revision = header_revision(action, resp.header())?;
-        let mut records: Vec<IdentityRecord> = resp
-            .take_kvs()
-            .iter()
-            .filter_map(|kv| skip_corrupt("identity", decode_identity(&self.layout, kv.key(), kv.value())))
-            .collect();
-        records.sort();
-        Ok((records, revision))
+        self.list_decoded(
+            "listing identities",
+            "identity",
+            self.layout.id_prefix(),
+            decode_identity,
+        )
+        .await
     }
 
     async fn watch_identities(
@@ -846,18 +866,8 @@ impl IdentityBackend for EtcdBackend {
     }
 
     async fn list_ips(&self) -> Result<(Vec<IpEntry>, Revision), BackendError> {
-        let action = "listing the IP cache";
-        let mut resp = self
-            .get(action, self.layout.ip_prefix(), GetOptions::new().with_prefix())
-            .await?;
-        let revision = header_revision(action, resp.header())?;
-        let mut entries: Vec<IpEntry> = resp
-            .take_kvs()
-            .iter()
-            .filter_map(|kv| skip_corrupt("IP cache", decode_ip(&self.layout, kv.key(), kv.value())))
-            .collect();
-        entries.sort();
-        Ok((entries, revision))
+        self.list_decoded("listing the IP cache", "IP cache", self.layout.ip_prefix(), decode_ip)
+            .await
     }
 
     async fn watch_ips(
