@@ -2161,17 +2161,13 @@ mod tests {
     /// `<netns path>|<pin dir>|<ifindex>`.
     const CHILD_ENV: &str = "RIVET_DATAPATH_TEST_CHILD";
 
-    /// The child process of [`attachments_survive_kill_9`] (returns at once
-    /// when run as an ordinary test): attaches, prints the program ids, and
-    /// SIGKILLs itself, so no destructor of aya or ours runs.
-    #[test]
-    fn child_attaches_then_dies_by_sigkill() {
+    /// The child role of [`attachments_survive_kill_9`] (the same test,
+    /// re-executed with [`CHILD_ENV`] set): attaches, prints the program ids
+    /// and SIGKILLs itself, so no destructor of aya or ours runs.
+    fn attach_then_die_by_sigkill(spec: &str) -> ! {
         use std::io::Write as _;
         use std::os::fd::AsRawFd as _;
 
-        let Ok(spec) = std::env::var(CHILD_ENV) else {
-            return;
-        };
         let parts: Vec<&str> = spec.split('|').collect();
         let (ns_path, pin_dir, ifindex) = (parts[0], Path::new(parts[1]), parts[2].parse::<u32>().unwrap());
         let ns = std::fs::File::open(ns_path).unwrap();
@@ -2191,13 +2187,16 @@ mod tests {
     fn attachments_survive_kill_9() {
         use std::os::unix::process::ExitStatusExt as _;
 
+        if let Ok(spec) = std::env::var(CHILD_ENV) {
+            attach_then_die_by_sigkill(&spec);
+        }
         let ns = NetNs::new("rvtdk").unwrap();
         veth_pair(&ns, "rvdk0", &ns, "rvdk0p").unwrap();
         let ifindex = ns.ifindex("rvdk0").unwrap();
         let dir = PinDir::new("kill9");
         let spec = format!("{}|{}|{ifindex}", ns.path().display(), dir.0.display());
         let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "datapath::tests::child_attaches_then_dies_by_sigkill"])
+            .args(["--exact", "datapath::tests::attachments_survive_kill_9"])
             .args(["--nocapture", "--test-threads", "1"])
             .env(CHILD_ENV, spec)
             .output()
