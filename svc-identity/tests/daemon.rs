@@ -28,6 +28,21 @@ fn command(dir: &Path, node: &str, etcd: Option<&str>) -> DaemonCommand {
     cmd
 }
 
+async fn start_etcd() -> EtcdServer {
+    tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .unwrap()
+        .expect("etcd starts")
+}
+
+/// svc-identity as `node` on `etcd`.
+async fn spawn(dir: &Path, node: &str, etcd: &EtcdServer) -> DaemonProcess {
+    command(dir, node, Some(&etcd.endpoint()))
+        .spawn()
+        .await
+        .expect("svc-identity starts")
+}
+
 async fn client(d: &DaemonProcess) -> IdentityServiceClient<DaemonChannel> {
     IdentityServiceClient::new(connect_unix(d.socket(), &ClientOptions::default()).await.unwrap())
 }
@@ -59,19 +74,10 @@ async fn raw_keys(endpoint: &str, prefix: &str) -> BTreeMap<String, String> {
 
 #[tokio::test]
 async fn two_nodes_racing_on_overlapping_label_sets_agree_on_one_id_each() {
-    let etcd = tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts");
+    let etcd = start_etcd().await;
     let dir = tempfile::tempdir().unwrap();
-    let a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
-        .spawn()
-        .await
-        .unwrap();
-    let b = command(dir.path(), "node-b", Some(&etcd.endpoint()))
-        .spawn()
-        .await
-        .unwrap();
+    let a = spawn(dir.path(), "node-a", &etcd).await;
+    let b = spawn(dir.path(), "node-b", &etcd).await;
     let mut tasks = Vec::new();
     for (node, daemon) in [("a", &a), ("b", &b)] {
         for worker in 0..10 {
@@ -137,19 +143,10 @@ async fn two_nodes_racing_on_overlapping_label_sets_agree_on_one_id_each() {
 
 #[tokio::test]
 async fn a_killed_node_loses_its_value_keys_after_the_lease_ttl() {
-    let etcd = tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts");
+    let etcd = start_etcd().await;
     let dir = tempfile::tempdir().unwrap();
-    let mut a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
-        .spawn()
-        .await
-        .unwrap();
-    let b = command(dir.path(), "node-b", Some(&etcd.endpoint()))
-        .spawn()
-        .await
-        .unwrap();
+    let mut a = spawn(dir.path(), "node-a", &etcd).await;
+    let b = spawn(dir.path(), "node-b", &etcd).await;
     let (mut ca, mut cb) = (client(&a).await, client(&b).await);
     let shared = allocate(&mut ca, 1).await.unwrap();
     assert_eq!(allocate(&mut cb, 1).await.unwrap(), shared);
@@ -167,13 +164,9 @@ async fn a_killed_node_loses_its_value_keys_after_the_lease_ttl() {
 
 #[tokio::test]
 async fn etcd_outage_keeps_known_sets_and_refuses_new_ones_then_recovers() {
-    let mut etcd = tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts");
-    let endpoint = etcd.endpoint();
+    let mut etcd = start_etcd().await;
     let dir = tempfile::tempdir().unwrap();
-    let a = command(dir.path(), "node-a", Some(&endpoint)).spawn().await.unwrap();
+    let a = spawn(dir.path(), "node-a", &etcd).await;
     let mut c = client(&a).await;
     let known = allocate(&mut c, 1).await.unwrap();
     etcd.stop();
@@ -250,15 +243,9 @@ async fn embedded_store_keeps_every_acknowledged_identity_across_kill_9() {
 
 #[tokio::test]
 async fn keys_that_vanish_from_etcd_are_recreated_with_the_same_id() {
-    let etcd = tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts");
+    let etcd = start_etcd().await;
     let dir = tempfile::tempdir().unwrap();
-    let a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
-        .spawn()
-        .await
-        .unwrap();
+    let a = spawn(dir.path(), "node-a", &etcd).await;
     let mut c = client(&a).await;
     let id = allocate(&mut c, 7).await.unwrap();
     // An over-eager GC (or a restored etcd backup) loses both keys.
@@ -289,19 +276,10 @@ async fn keys_that_vanish_from_etcd_are_recreated_with_the_same_id() {
 #[tokio::test]
 async fn an_ip_published_on_one_node_reaches_the_other() {
     use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
-    let etcd = tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts");
+    let etcd = start_etcd().await;
     let dir = tempfile::tempdir().unwrap();
-    let a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
-        .spawn()
-        .await
-        .unwrap();
-    let b = command(dir.path(), "node-b", Some(&etcd.endpoint()))
-        .spawn()
-        .await
-        .unwrap();
+    let a = spawn(dir.path(), "node-a", &etcd).await;
+    let b = spawn(dir.path(), "node-b", &etcd).await;
     let options = ClientOptions::default();
     let mut ia = IpcacheServiceClient::new(connect_unix(a.socket(), &options).await.unwrap());
     let mut ib = IpcacheServiceClient::new(connect_unix(b.socket(), &options).await.unwrap());
