@@ -9,6 +9,8 @@ use rivet_proto::loader::v1 as pb;
 use svc_loader::testing::{LoaderNode, entry, policy};
 use tonic::Code;
 
+type Client = rivet_proto::loader::v1::loader_service_client::LoaderServiceClient<rivet_common::grpc::DaemonChannel>;
+
 use pb::{Direction::*, Protocol, Verdict::*};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-loader");
@@ -57,6 +59,15 @@ fn flood_ping(node: &LoaderNode, from: &str, dst: IpAddr, count: u32) -> std::th
         let out = command.output().expect("ping runs");
         String::from_utf8_lossy(&out.stdout).into_owned()
     })
+}
+
+/// Applies an endpoint that must be accepted.
+async fn apply(client: &mut Client, request: pb::ApplyEndpointRequest) -> pb::ApplyEndpointResponse {
+    client
+        .apply_endpoint(request)
+        .await
+        .expect("the endpoint is applied")
+        .into_inner()
 }
 
 fn unrestricted(revision: u64) -> pb::EndpointPolicy {
@@ -233,14 +244,8 @@ async fn policy_allows_denies_and_conntrack_lets_replies_through() {
 async fn drops_are_streamed_with_their_reason() {
     let node = node(&["a", "c"]).await;
     let mut client = node.client().await;
-    client
-        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
-        .await
-        .unwrap();
-    client
-        .apply_endpoint(node.endpoint("c", 3, C, policy(1, true, false, vec![])))
-        .await
-        .unwrap();
+    apply(&mut client, node.endpoint("a", 1, A, unrestricted(1))).await;
+    apply(&mut client, node.endpoint("c", 3, C, policy(1, true, false, vec![]))).await;
     let mut events = client
         .monitor_events(pb::MonitorEventsRequest {
             types: vec![pb::EventType::Drop as i32, pb::EventType::PolicyVerdict as i32],
@@ -278,10 +283,7 @@ async fn drops_are_streamed_with_their_reason() {
 async fn policy_change_affects_new_connections_while_established_ones_continue() {
     let node = node(&["a", "b"]).await;
     let mut client = node.client().await;
-    client
-        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
-        .await
-        .unwrap();
+    apply(&mut client, node.endpoint("a", 1, A, unrestricted(1))).await;
     let allow = policy(1, true, false, vec![entry(Ingress, A, Protocol::Tcp, 8080, 0, Allow)]);
     client.apply_endpoint(node.endpoint("b", 2, B, allow)).await.unwrap();
     let _server = node.pod("b").tcp_server(8080).unwrap();
@@ -372,10 +374,7 @@ async fn kill_9_of_the_loader_loses_no_packet_and_the_restart_adopts() {
 async fn identity_change_under_traffic_drops_nothing_still_allowed() {
     let node = node(&["a", "b"]).await;
     let mut client = node.client().await;
-    client
-        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
-        .await
-        .unwrap();
+    apply(&mut client, node.endpoint("a", 1, A, unrestricted(1))).await;
     let b_policy = policy(
         1,
         true,
@@ -401,15 +400,16 @@ async fn identity_change_under_traffic_drops_nothing_still_allowed() {
         "an identity change must not drop allowed traffic:\n{text}"
     );
     // A new flow is judged with the new identity.
-    client
-        .apply_endpoint(node.endpoint(
+    apply(
+        &mut client,
+        node.endpoint(
             "b",
             2,
             B,
             policy(2, true, false, vec![entry(Ingress, A, Protocol::Icmp, 0, 0, Allow)]),
-        ))
-        .await
-        .unwrap();
+        ),
+    )
+    .await;
     let fresh = node
         .pod("a")
         .ping(dst, 2, Duration::from_millis(50), Duration::from_secs(1))
@@ -514,14 +514,8 @@ async fn other_uids_cannot_talk_to_the_loader() {
 async fn removing_an_endpoint_detaches_and_forgets_it() {
     let node = node(&["a", "b"]).await;
     let mut client = node.client().await;
-    client
-        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
-        .await
-        .unwrap();
-    client
-        .apply_endpoint(node.endpoint("b", 2, B, policy(1, true, false, vec![])))
-        .await
-        .unwrap();
+    apply(&mut client, node.endpoint("a", 1, A, unrestricted(1))).await;
+    apply(&mut client, node.endpoint("b", 2, B, policy(1, true, false, vec![]))).await;
     assert_eq!(pings(&node, "a", v4(&node, "b")), 0, "b allows nothing");
     let r = client
         .remove_endpoint(pb::RemoveEndpointRequest {
@@ -563,10 +557,7 @@ async fn removing_an_endpoint_detaches_and_forgets_it() {
 async fn related_icmp_errors_pass_with_their_connection() {
     let node = node(&["a", "b"]).await;
     let mut client = node.client().await;
-    client
-        .apply_endpoint(node.endpoint("a", 1, A, unrestricted(1)))
-        .await
-        .unwrap();
+    apply(&mut client, node.endpoint("a", 1, A, unrestricted(1))).await;
     // b accepts UDP from a on any port but may send nothing on its own: the
     // port-unreachable error for a closed port passes only as related traffic.
     let b_policy = policy(1, true, true, vec![entry(Ingress, A, Protocol::Udp, 0, 0, Allow)]);
