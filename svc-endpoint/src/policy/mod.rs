@@ -1,0 +1,1 @@
+//! The policy engine (being written).
