@@ -3,13 +3,16 @@
 //! and JSON with `-o json`.
 
 pub mod bpf;
+pub mod endpoint;
 pub mod identity;
 pub mod ipam;
+pub mod namespace;
+pub mod policy;
 pub mod status;
 pub mod table;
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::ValueEnum;
 use rivet_common::grpc::{self, ClientOptions, DaemonChannel};
@@ -95,6 +98,31 @@ impl Context {
             .map_err(|source| CliError::Connect { daemon, source })
     }
 
+    /// A channel to `daemon` for calls made with [`Context::request`]: the
+    /// daemon is told the deadline and the channel waits one second longer, so
+    /// that the daemon's own DEADLINE_EXCEEDED answer (which says what stays
+    /// done) arrives instead of a local timeout that says nothing.
+    pub async fn connect_with_deadline(&self, daemon: &'static str) -> Result<DaemonChannel, CliError> {
+        grpc::connect_unix(
+            &self.socket(daemon),
+            &ClientOptions {
+                connect_timeout: self.timeout,
+                request_timeout: self.timeout + DEADLINE_GRACE,
+                ..ClientOptions::default()
+            },
+        )
+        .await
+        .map_err(|source| CliError::Connect { daemon, source })
+    }
+
+    /// `message` as a request carrying the timeout as its deadline
+    /// (`grpc-timeout`), for a channel from [`Context::connect_with_deadline`].
+    pub fn request<T>(&self, message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(self.timeout);
+        request
+    }
+
     /// Prints `value` as JSON, or `table()` as text.
     pub fn print<T: Serialize>(&self, value: &T, table: impl FnOnce() -> String) {
         match self.output {
@@ -107,6 +135,98 @@ impl Context {
     }
 }
 
+/// How much longer than the deadline a [`Context::connect_with_deadline`]
+/// channel waits for the answer.
+const DEADLINE_GRACE: Duration = Duration::from_secs(1);
+
+/// The current time as Unix nanoseconds, the unit of the API's `*_unix_nanos`.
+pub fn now_unix_nanos() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+}
+
+/// How long ago `at_unix_nanos` was at `now_unix_nanos`, coarse and short
+/// (`850ms`, `42s`, `3m12s`, `5h20m`, `2d3h`); `-` for 0 (never). A time in
+/// the future (clock skew) counts as now.
+///
+/// ```
+/// let now = 1_000 * 1_000_000_000;
+/// assert_eq!(rivet_cli::age(now, now - 192 * 1_000_000_000), "3m12s");
+/// assert_eq!(rivet_cli::age(now, 0), "-");
+/// ```
+pub fn age(now_unix_nanos: i64, at_unix_nanos: i64) -> String {
+    if at_unix_nanos <= 0 {
+        return "-".into();
+    }
+    coarse(u64::try_from(now_unix_nanos.saturating_sub(at_unix_nanos)).unwrap_or(0))
+}
+
+/// `nanos` in at most two units, the smaller one truncated.
+fn coarse(nanos: u64) -> String {
+    let seconds = nanos / 1_000_000_000;
+    match seconds {
+        0 => format!("{}ms", nanos / 1_000_000),
+        1..60 => format!("{seconds}s"),
+        60..3_600 => format!("{}m{}s", seconds / 60, seconds % 60),
+        3_600..86_400 => format!("{}h{}m", seconds / 3_600, seconds % 3_600 / 60),
+        _ => format!("{}d{}h", seconds / 86_400, seconds % 86_400 / 3_600),
+    }
+}
+
+/// How long something took, precise for short times (`640µs`, `35ms`,
+/// `1.2s`, always truncated) and like [`age`] beyond a minute.
+///
+/// ```
+/// assert_eq!(rivet_cli::duration(35_400_000), "35ms");
+/// assert_eq!(rivet_cli::duration(1_250_000_000), "1.2s");
+/// ```
+pub fn duration(nanos: u64) -> String {
+    match nanos {
+        0..1_000_000 => format!("{}µs", nanos / 1_000),
+        1_000_000..1_000_000_000 => format!("{}ms", nanos / 1_000_000),
+        1_000_000_000..60_000_000_000 => format!("{}.{}s", nanos / 1_000_000_000, nanos / 100_000_000 % 10),
+        _ => coarse(nanos),
+    }
+}
+
+/// Aligned `NAME  value` lines, for one object shown in full. A value with
+/// several lines continues under its first line; an empty value shows `-`.
+///
+/// ```
+/// let text = rivet_cli::fields([("ID", "12".to_string()), ("LABELS", "k8s:a=b\nk8s:c=d".to_string())]);
+/// assert_eq!(text, "ID      12\nLABELS  k8s:a=b\n        k8s:c=d\n");
+/// ```
+pub fn fields<'a>(rows: impl IntoIterator<Item = (&'a str, String)>) -> String {
+    let rows: Vec<(&str, String)> = rows.into_iter().collect();
+    let width = rows.iter().map(|(name, _)| name.chars().count()).max().unwrap_or(0);
+    let mut out = String::new();
+    for (name, value) in &rows {
+        let value = if value.is_empty() { "-" } else { value.as_str() };
+        for (i, line) in value.lines().enumerate() {
+            let label = if i == 0 { *name } else { "" };
+            out.push_str(format!("{label:<width$}  {line}").trim_end());
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// `text` cut to at most `max` characters, ending in `…` when cut.
+///
+/// ```
+/// assert_eq!(rivet_cli::truncate("datapath: attach failed", 12), "datapath: a…");
+/// assert_eq!(rivet_cli::truncate("short", 12), "short");
+/// ```
+pub fn truncate(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_string();
+    }
+    let mut out: String = text.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
 async fn connect(path: &Path, timeout: Duration) -> Result<DaemonChannel, grpc::ConnectError> {
     grpc::connect_unix(
         path,
@@ -117,4 +237,56 @@ async fn connect(path: &Path, timeout: Duration) -> Result<DaemonChannel, grpc::
         },
     )
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: i64 = 1_000_000_000;
+
+    #[test]
+    fn ages() {
+        let now = 1_700_000_000 * S;
+        assert_eq!(age(now, 0), "-");
+        assert_eq!(age(now, now), "0ms");
+        assert_eq!(age(now, now - 850_000_000), "850ms");
+        assert_eq!(age(now, now - 42 * S), "42s");
+        assert_eq!(age(now, now - 60 * S), "1m0s");
+        assert_eq!(age(now, now - (5 * 3_600 + 20 * 60 + 59) * S), "5h20m");
+        assert_eq!(age(now, now - (2 * 86_400 + 3 * 3_600) * S), "2d3h");
+        // A clock running behind the server's: "now", not negative.
+        assert_eq!(age(now, now + 10 * S), "0ms");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(duration(0), "0µs");
+        assert_eq!(duration(640_000), "640µs");
+        assert_eq!(duration(35_400_000), "35ms");
+        assert_eq!(duration(1_250_000_000), "1.2s");
+        assert_eq!(duration(59_990_000_000), "59.9s");
+        assert_eq!(duration(125_000_000_000), "2m5s");
+    }
+
+    #[test]
+    fn fields_align_and_continue_lines() {
+        assert_eq!(fields([]), "");
+        assert_eq!(
+            fields([
+                ("A", "1".to_string()),
+                ("LONGER", String::new()),
+                ("B", "x\ny".to_string())
+            ]),
+            "A       1\nLONGER  -\nB       x\n        y\n"
+        );
+    }
+
+    #[test]
+    fn truncation_counts_characters() {
+        assert_eq!(truncate("", 3), "");
+        assert_eq!(truncate("abc", 3), "abc");
+        assert_eq!(truncate("abcd", 3), "ab…");
+        assert_eq!(truncate("äöüß", 3), "äö…");
+    }
 }

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use rivet_cli::{Context, Output, bpf, identity, ipam, status};
+use rivet_cli::{Context, Output, bpf, endpoint, identity, ipam, namespace, policy, status};
 
 /// Inspect and drive a Rivet node.
 #[derive(Debug, Parser)]
@@ -31,7 +31,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Every daemon of the node: running, boot id, version.
+    /// Every daemon of the node: running, boot id, version; svc-endpoint's restore, endpoints, policy and links.
     Status,
     /// Address pools (svc-ipam).
     #[command(subcommand)]
@@ -42,6 +42,15 @@ enum Command {
     /// IP → identity entries (svc-identity).
     #[command(subcommand)]
     Ipcache(identity::IpcacheCommand),
+    /// Endpoints: one per pod interface (svc-endpoint).
+    #[command(subcommand)]
+    Endpoint(endpoint::EndpointCommand),
+    /// Network policies (svc-endpoint).
+    #[command(subcommand)]
+    Policy(policy::PolicyCommand),
+    /// Namespace labels (svc-endpoint).
+    #[command(subcommand)]
+    Namespace(namespace::NamespaceCommand),
     /// What the datapath holds (svc-loader).
     #[command(subcommand)]
     Bpf(bpf::BpfCommand),
@@ -70,6 +79,9 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Status => status::run(&ctx).await,
         Command::Ipam(c) => ipam::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+        Command::Endpoint(c) => endpoint::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+        Command::Policy(c) => policy::run(&ctx, c).await.map_err(Into::into),
+        Command::Namespace(c) => namespace::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Bpf(c) => bpf::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Identity(c) => identity::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Ipcache(c) => identity::run_ipcache(&ctx, c).await.map(|()| true).map_err(Into::into),

@@ -319,6 +319,30 @@ pub async fn connect_unix(path: &Path, options: &ClientOptions) -> Result<Daemon
     }
 }
 
+/// A channel to the daemon socket at `path` that connects on first use and
+/// reconnects by itself: for long-running clients whose servers may start
+/// later or restart (a call made while the server is down fails with
+/// UNAVAILABLE). Each call gets `options.request_timeout`.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use rivet_common::grpc::{connect_unix_lazy, ClientOptions};
+/// // Nothing listens yet: creating the channel still succeeds.
+/// let _channel = connect_unix_lazy("/nonexistent/svc-ipam.sock".as_ref(), &ClientOptions::default());
+/// # }
+/// ```
+pub fn connect_unix_lazy(path: &Path, options: &ClientOptions) -> DaemonChannel {
+    let endpoint = Endpoint::from_static("http://rivet.invalid")
+        .timeout(options.request_timeout)
+        .connect_timeout(options.request_timeout);
+    let socket = path.to_path_buf();
+    let connector = tower::service_fn(move |_: http::Uri| {
+        let socket = socket.clone();
+        async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
+    });
+    TraceContextClientLayer.layer(endpoint.connect_with_connector_lazy(connector))
+}
+
 /// A server restart noticed by a [`BootIdWatch`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerRestart {

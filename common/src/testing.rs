@@ -21,6 +21,25 @@ pub mod netns;
 mod process;
 pub use process::{DaemonCommand, DaemonProcess};
 
+/// A binary of this workspace built beside the running test
+/// (`target/<profile>/deps/<test>` → `target/<profile>/<name>`). Panics with
+/// how to build it when missing: `cargo test --workspace` builds every
+/// binary, `cargo test -p <crate>` only that crate's.
+pub fn workspace_binary(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let bin = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .map(|dir| dir.join(name))
+        .expect("the test binary lives in target/<profile>/deps");
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it with `cargo build --bins` (cargo test --workspace builds it)",
+        bin.display()
+    );
+    bin
+}
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::net::SocketAddr;

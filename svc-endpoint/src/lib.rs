@@ -1,6 +1,26 @@
-//! svc-endpoint: the unprivileged orchestrator of a node.
+//! svc-endpoint: the unprivileged orchestrator of a node (DESIGN.md §1, §5,
+//! §6). It drives svc-identity, svc-ipam and svc-loader over gRPC and owns
+//! the node's endpoint state on disk.
+//!
+//! - [`policy`]: the policy engine (NetworkPolicy + Rivet's kind, selector
+//!   cache, resolution into datapath entries), pure and unit-tested;
+//! - [`manager`]: endpoints, their state machine and regeneration queues,
+//!   restore on start, resync when a dependency restarts;
+//! - [`state_dir`]: `<state-dir>/endpoints/<id>/`, crash-safe;
+//! - [`clients`]: the other daemons behind small traits;
+//! - [`service`]: the `rivet.endpoint.v1` gRPC services;
+//! - [`policy_dir`]: the watched `--policy-dir`.
 
+pub mod clients;
+pub mod endpoint;
+pub mod events;
+pub mod manager;
 pub mod policy;
+pub mod policy_dir;
+pub mod service;
+pub mod state_dir;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-endpoint.sock`.
 pub const DAEMON_NAME: &str = "svc-endpoint";

@@ -1353,7 +1353,6 @@ pub fn loader_prefix(prefix: &IpNet) -> loader_pb::IpPrefix {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
 
     use rivet_common::testing::etcd::EtcdServer;
     use svc_loader::testing::LoaderNode;
@@ -1607,21 +1606,8 @@ mod tests {
         }
     }
 
-    /// The svc-loader binary next to this test's target dir.
     fn loader_bin() -> PathBuf {
-        let exe = std::env::current_exe().expect("the test binary's path");
-        // target/<profile>/deps/<test> → target/<profile>/svc-loader
-        let bin = exe
-            .parent()
-            .and_then(Path::parent)
-            .map(|d| d.join("svc-loader"))
-            .expect("the test binary lives in target/<profile>/deps");
-        assert!(
-            bin.is_file(),
-            "{} is missing: build it with `cargo build -p svc-loader` (cargo test --workspace builds it)",
-            bin.display()
-        );
-        bin
+        rivet_common::testing::workspace_binary("svc-loader")
     }
 
     async fn loader_ipcache(

@@ -1,0 +1,181 @@
+//! svc-endpoint's telemetry: each named event writes its log line and updates
+//! its metric in one place, so logs and metrics never disagree.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family as MetricFamily;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::endpoint::{EndpointState, RegenerationStep};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StepLabels {
+    step: &'static str,
+    code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DependencyLabels {
+    dependency: &'static str,
+}
+
+/// The metrics of svc-endpoint.
+#[derive(Clone, Debug)]
+pub struct EndpointMetrics {
+    endpoints: MetricFamily<StateLabels, Gauge>,
+    regenerations: Counter,
+    regeneration_errors: MetricFamily<StepLabels, Counter>,
+    regeneration_seconds: Histogram,
+    endpoints_dropped: MetricFamily<ReasonLabels, Counter>,
+    resyncs: MetricFamily<DependencyLabels, Counter>,
+    policy_revision: Gauge,
+    policies: Gauge,
+    restore_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+}
+
+impl Default for EndpointMetrics {
+    fn default() -> Self {
+        Self {
+            endpoints: Default::default(),
+            regenerations: Default::default(),
+            regeneration_errors: Default::default(),
+            regeneration_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            endpoints_dropped: Default::default(),
+            resyncs: Default::default(),
+            policy_revision: Default::default(),
+            policies: Default::default(),
+            restore_seconds: Default::default(),
+        }
+    }
+}
+
+impl EndpointMetrics {
+    /// Registers every metric under `registry` (prefix it with `rivet`).
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("endpoint");
+        r.register("endpoints", "Endpoints by state", self.endpoints.clone());
+        r.register(
+            "regenerations",
+            "Regenerations completed",
+            self.regenerations.clone(),
+        );
+        r.register(
+            "regeneration_errors",
+            "Failed regenerations by step and gRPC code",
+            self.regeneration_errors.clone(),
+        );
+        r.register(
+            "regeneration_duration_seconds",
+            "Time of one successful regeneration",
+            self.regeneration_seconds.clone(),
+        );
+        r.register(
+            "dropped",
+            "Endpoints removed by svc-endpoint itself, by reason",
+            self.endpoints_dropped.clone(),
+        );
+        r.register(
+            "dependency_resyncs",
+            "Replays of desired state after a dependency restarted",
+            self.resyncs.clone(),
+        );
+        r.register("policy_revision", "Policy repository revision", self.policy_revision.clone());
+        r.register("policies", "Policies in the repository", self.policies.clone());
+        r.register(
+            "restore_duration_seconds",
+            "Time the last restore took",
+            self.restore_seconds.clone(),
+        );
+    }
+
+    /// Sets the per-state endpoint counts.
+    pub fn set_states(&self, counts: &[(EndpointState, usize)]) {
+        for state in EndpointState::ALL {
+            let n = counts.iter().find(|(s, _)| *s == state).map_or(0, |(_, n)| *n);
+            self.endpoints
+                .get_or_create(&StateLabels { state: state.as_str() })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// Sets the repository gauges.
+    pub fn set_policy(&self, revision: u64, policies: usize) {
+        self.policy_revision.set(i64::try_from(revision).unwrap_or(i64::MAX));
+        self.policies.set(i64::try_from(policies).unwrap_or(i64::MAX));
+    }
+}
+
+/// A regeneration completed.
+pub fn regeneration_completed(m: &EndpointMetrics, id: u16, identity: u32, revision: u64, reason: &str, took: Duration) {
+    tracing::debug!(endpoint = id, identity, revision, reason, took_us = took.as_micros() as u64, "endpoint regenerated");
+    m.regenerations.inc();
+    m.regeneration_seconds.observe(took.as_secs_f64());
+}
+
+/// A regeneration failed at `step`.
+pub fn regeneration_failed(m: &EndpointMetrics, id: u16, step: RegenerationStep, code: tonic::Code, message: &str) {
+    tracing::warn!(endpoint = id, step = step.as_str(), code = ?code, "endpoint regeneration failed: {message}");
+    m.regeneration_errors
+        .get_or_create(&StepLabels {
+            step: step.as_str(),
+            code: rivet_common::grpc::code_label(code),
+        })
+        .inc();
+}
+
+/// An endpoint was created.
+pub fn endpoint_created(id: u16, container_id: &str, interface: &str, pod: &str) {
+    tracing::info!(endpoint = id, container_id, interface, pod, "endpoint created");
+}
+
+/// An endpoint was deleted.
+pub fn endpoint_deleted(id: u16, reason: &str) {
+    tracing::info!(endpoint = id, reason, "endpoint deleted");
+}
+
+/// svc-endpoint removed an endpoint on its own (interface gone at restore,
+/// failed create undone).
+pub fn endpoint_dropped(m: &EndpointMetrics, id: u16, reason: &'static str, detail: &str) {
+    tracing::info!(endpoint = id, reason, "endpoint dropped: {detail}");
+    m.endpoints_dropped.get_or_create(&ReasonLabels { reason }).inc();
+}
+
+/// A dependency restarted and svc-endpoint replayed its desired state.
+pub fn dependency_resynced(m: &EndpointMetrics, dependency: &'static str, endpoints: usize) {
+    tracing::info!(dependency, endpoints, "dependency restarted; desired state replayed");
+    m.resyncs.get_or_create(&DependencyLabels { dependency }).inc();
+}
+
+/// Restore finished.
+pub fn restore_finished(
+    m: &EndpointMetrics,
+    found: u32,
+    restored: u32,
+    dropped: u32,
+    failed: u32,
+    took: Duration,
+) {
+    tracing::info!(
+        found,
+        restored,
+        dropped,
+        failed,
+        took_ms = took.as_millis() as u64,
+        "endpoint restore complete"
+    );
+    m.restore_seconds.set(took.as_secs_f64());
+}

@@ -1,0 +1,110 @@
+//! svc-endpoint: flags and wiring; the logic lives in the library.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use prometheus_client::registry::Registry;
+use rivet_common::config::{self, CommonArgs};
+use rivet_common::grpc::{ClientOptions, DaemonIdentity};
+use rivet_common::metrics::Health;
+use rivet_common::{daemon, telemetry};
+use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader};
+use svc_endpoint::events::EndpointMetrics;
+use svc_endpoint::manager::{Dependencies, EndpointManager, ManagerOptions};
+use svc_endpoint::policy_dir::PolicyDirectory;
+use svc_endpoint::service::EndpointApi;
+use tonic::service::Routes;
+
+/// Rivet's endpoint orchestrator: endpoint lifecycle, policy, restore.
+#[derive(Debug, Parser)]
+#[command(name = "svc-endpoint", version, about)]
+struct Flags {
+    #[command(flatten)]
+    common: CommonArgs,
+
+    /// A directory of NetworkPolicy / RivetNetworkPolicy files (YAML or
+    /// JSON), watched; its policies have origin DIRECTORY.
+    #[arg(long, env = "RIVET_POLICY_DIR")]
+    policy_dir: Option<std::path::PathBuf>,
+
+    /// How often the policy dir is reread even without change events, seconds.
+    #[arg(long, env = "RIVET_POLICY_DIR_RESCAN_SECONDS", default_value_t = 30)]
+    policy_dir_rescan_seconds: u64,
+
+    /// Regenerations running at once.
+    #[arg(long, env = "RIVET_REGENERATION_CONCURRENCY", default_value_t = 16)]
+    regeneration_concurrency: usize,
+
+    /// Let traffic from the node itself (host identity) reach local pods
+    /// whatever the policy, so kubelet probes work.
+    #[arg(long, env = "RIVET_ALLOW_FROM_HOST", default_value_t = true, action = clap::ArgAction::Set)]
+    allow_from_host: bool,
+
+    /// How often the other daemons' boot ids are checked (a new one replays
+    /// everything they should hold), milliseconds.
+    #[arg(long, env = "RIVET_DEPENDENCY_POLL_MS", default_value_t = 1000)]
+    dependency_poll_ms: u64,
+
+    /// Deadline of each call to svc-identity, svc-ipam and svc-loader, seconds.
+    #[arg(long, env = "RIVET_CALL_TIMEOUT_SECONDS", default_value_t = 10)]
+    call_timeout_seconds: u64,
+}
+
+fn main() -> ExitCode {
+    let flags: Flags = config::load();
+    match run(flags) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}: {e:#}", svc_endpoint::DAEMON_NAME);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[tokio::main]
+async fn run(flags: Flags) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
+        service_name: svc_endpoint::DAEMON_NAME.into(),
+        log_format: flags.common.log_format,
+        default_filter: "info".into(),
+    })?;
+    let node = flags.common.node_name();
+    let listener = daemon::bind_socket(&flags.common, svc_endpoint::DAEMON_NAME)?;
+
+    let client = ClientOptions {
+        request_timeout: Duration::from_secs(flags.call_timeout_seconds.max(1)),
+        ..ClientOptions::default()
+    };
+    let deps = Dependencies {
+        identity: Arc::new(GrpcIdentity::new(&flags.common.socket_path("svc-identity"), &client)),
+        ipam: Arc::new(GrpcIpam::new(&flags.common.socket_path("svc-ipam"), &client)),
+        loader: Arc::new(GrpcLoader::new(&flags.common.socket_path("svc-loader"), &client)),
+    };
+    let options = ManagerOptions {
+        regeneration_concurrency: flags.regeneration_concurrency.max(1),
+        allow_from_host: flags.allow_from_host,
+        dependency_poll: Duration::from_millis(flags.dependency_poll_ms.max(100)),
+        ..ManagerOptions::new(flags.common.state_dir.clone())
+    };
+    let metrics = EndpointMetrics::default();
+    let mut registry = Registry::with_prefix("rivet");
+    metrics.register(&mut registry);
+    let manager = EndpointManager::new(options, deps, metrics)?;
+    manager.start();
+    if let Some(dir) = flags.policy_dir.clone() {
+        let directory = PolicyDirectory::new(
+            dir,
+            manager.clone(),
+            Duration::from_secs(flags.policy_dir_rescan_seconds.max(1)),
+        );
+        tokio::spawn(directory.run());
+    }
+
+    let identity = DaemonIdentity::new(svc_endpoint::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
+    let (endpoints, policies, namespaces) = EndpointApi::new(manager, identity.boot_id.clone()).into_servers();
+    let routes = Routes::new(endpoints).add_service(policies).add_service(namespaces);
+    daemon::run(&flags.common, listener, identity, routes, registry, Health::default()).await?;
+    Ok(())
+}

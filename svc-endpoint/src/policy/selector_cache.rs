@@ -1,0 +1,454 @@
+//! The selector cache: every identity the node knows, and per distinct peer
+//! selector the identities it matches.
+//!
+//! Peer sets are memoised lazily: the first resolution that needs a peer
+//! computes its set once over all identities; from then on every identity
+//! change updates each memoised set incrementally (one match per selector),
+//! so resolution never scans the identities again. The memo lives behind a
+//! lock because [`PolicyRepository::resolve`](super::PolicyRepository::resolve)
+//! takes the cache by shared reference; changes to identities take `&mut
+//! self` and touch the memo without locking. Selectors that no policy uses
+//! any more are dropped by a second-chance sweep whenever the memo has doubled
+//! since the previous sweep: an entry not looked up between two sweeps goes
+//! (and is recomputed if it is ever needed again).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+
+use ipnet::IpNet;
+use rivet_common::labels::{Labels, ReservedIdentity};
+
+use super::NamedPort;
+use super::selector::{IdentityRef, Peer};
+
+/// First cluster identity.
+pub(crate) const CLUSTER_MIN: u32 = 256;
+/// First node-local CIDR identity (2^24); cluster identities are below.
+pub(crate) const CIDR_MIN: u32 = 1 << 24;
+/// The memo is swept when it holds at least this many selectors.
+const MIN_SWEEP_SIZE: usize = 1024;
+
+/// The identities of the node and the identity sets of peer selectors.
+///
+/// Knows the reserved identities 1..=7 from the start; cluster identities
+/// come from svc-identity's WatchIdentities ([`upsert_identity`],
+/// [`remove_identity`], [`replace_identities`]) and CIDR identities from the
+/// caller's allocations for the repository's prefixes
+/// ([`set_cidr_identity`]). Every mutator returns whether anything changed,
+/// so the caller knows when to regenerate endpoints.
+///
+/// ```
+/// use svc_endpoint::policy::SelectorCache;
+///
+/// let mut cache = SelectorCache::new();
+/// assert_eq!(cache.identities(), 7);
+/// assert!(cache.upsert_identity(256, "k8s:app=web,k8s:io.kubernetes.pod.namespace=shop".parse()?));
+/// assert!(!cache.upsert_identity(256, "k8s:app=web,k8s:io.kubernetes.pod.namespace=shop".parse()?));
+/// assert!(cache.set_cidr_identity("10.0.0.0/8".parse()?, 1 << 24));
+/// assert_eq!(cache.identities(), 9);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// [`upsert_identity`]: SelectorCache::upsert_identity
+/// [`remove_identity`]: SelectorCache::remove_identity
+/// [`replace_identities`]: SelectorCache::replace_identities
+/// [`set_cidr_identity`]: SelectorCache::set_cidr_identity
+pub struct SelectorCache {
+    /// 256 <= id < 2^24.
+    cluster: BTreeMap<u32, Labels>,
+    /// CIDR identities by prefix (host bits clear) ...
+    cidr_ids: BTreeMap<IpNet, u32>,
+    /// ... and by id.
+    cidr_prefixes: BTreeMap<u32, IpNet>,
+    /// Named ports of the local endpoints holding an identity (sorted, unique).
+    named_ports: BTreeMap<u32, Vec<NamedPort>>,
+    memo: RwLock<Memo>,
+}
+
+struct Memo {
+    entries: HashMap<Peer, MemoEntry>,
+    /// Sweep when `entries` reaches this size.
+    sweep_at: usize,
+}
+
+struct MemoEntry {
+    ids: Arc<BTreeSet<u32>>,
+    /// Looked up since the last sweep.
+    used: AtomicBool,
+}
+
+impl Default for SelectorCache {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for SelectorCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SelectorCache")
+            .field("cluster_identities", &self.cluster.len())
+            .field("cidr_identities", &self.cidr_ids.len())
+            .field("named_port_identities", &self.named_ports.len())
+            .field("cached_selectors", &self.cached_selectors())
+            .finish()
+    }
+}
+
+impl SelectorCache {
+    /// A cache that knows only the reserved identities.
+    pub fn new() -> Self {
+        Self {
+            cluster: BTreeMap::new(),
+            cidr_ids: BTreeMap::new(),
+            cidr_prefixes: BTreeMap::new(),
+            named_ports: BTreeMap::new(),
+            memo: RwLock::new(Memo {
+                entries: HashMap::new(),
+                sweep_at: MIN_SWEEP_SIZE,
+            }),
+        }
+    }
+
+    /// Adds or replaces a cluster identity (256 <= id < 2^24; others are
+    /// ignored: reserved identities are built in and CIDR identities come
+    /// through [`set_cidr_identity`](Self::set_cidr_identity)). Returns
+    /// whether anything changed.
+    pub fn upsert_identity(&mut self, id: u32, labels: Labels) -> bool {
+        if !is_cluster(id) {
+            tracing::debug!(id, "ignoring an identity outside the cluster range");
+            return false;
+        }
+        if self.cluster.get(&id) == Some(&labels) {
+            return false;
+        }
+        let labels = self.cluster.entry(id).insert_entry(labels).into_mut();
+        update_memo(self.memo.get_mut().unwrap_or_else(|e| e.into_inner()), id, Some(IdentityRef::Cluster(labels)));
+        true
+    }
+
+    /// Removes a cluster identity. Returns whether it was known.
+    pub fn remove_identity(&mut self, id: u32) -> bool {
+        if self.cluster.remove(&id).is_none() {
+            return false;
+        }
+        update_memo(self.memo_mut(), id, None);
+        true
+    }
+
+    /// Replaces every cluster identity with a full snapshot (reserved and
+    /// CIDR identities stay). Applied as a difference, so memoised selector
+    /// sets are updated only for identities that appeared, vanished or
+    /// changed. Returns whether anything changed.
+    pub fn replace_identities(&mut self, identities: impl IntoIterator<Item = (u32, Labels)>) -> bool {
+        let snapshot: BTreeMap<u32, Labels> = identities.into_iter().filter(|(id, _)| is_cluster(*id)).collect();
+        let gone: Vec<u32> = self
+            .cluster
+            .keys()
+            .filter(|id| !snapshot.contains_key(id))
+            .copied()
+            .collect();
+        let mut changed = false;
+        for id in gone {
+            changed |= self.remove_identity(id);
+        }
+        for (id, labels) in snapshot {
+            changed |= self.upsert_identity(id, labels);
+        }
+        changed
+    }
+
+    /// Sets the node-local identity of a policy prefix (host bits are
+    /// cleared). An id below 2^24 is refused (false). One prefix has one
+    /// identity and one identity one prefix: an earlier mapping of either is
+    /// replaced. Returns whether anything changed.
+    pub fn set_cidr_identity(&mut self, prefix: IpNet, id: u32) -> bool {
+        if id < CIDR_MIN {
+            tracing::warn!(id, %prefix, "refusing a CIDR identity below 2^24");
+            return false;
+        }
+        let prefix = prefix.trunc();
+        if self.cidr_ids.get(&prefix) == Some(&id) {
+            return false;
+        }
+        if let Some(old_id) = self.cidr_ids.remove(&prefix) {
+            self.cidr_prefixes.remove(&old_id);
+            update_memo(self.memo_mut(), old_id, None);
+        }
+        if let Some(old_prefix) = self.cidr_prefixes.remove(&id) {
+            self.cidr_ids.remove(&old_prefix);
+        }
+        self.cidr_ids.insert(prefix, id);
+        let prefix = self.cidr_prefixes.entry(id).insert_entry(prefix).into_mut();
+        update_memo(self.memo.get_mut().unwrap_or_else(|e| e.into_inner()), id, Some(IdentityRef::Cidr(prefix)));
+        true
+    }
+
+    /// Forgets the identity of a prefix. Returns whether it was known.
+    pub fn remove_cidr_identity(&mut self, prefix: &IpNet) -> bool {
+        let Some(id) = self.cidr_ids.remove(&prefix.trunc()) else {
+            return false;
+        };
+        self.cidr_prefixes.remove(&id);
+        update_memo(self.memo_mut(), id, None);
+        true
+    }
+
+    /// Sets the named ports of the local endpoints holding an identity (what
+    /// egress rules with named ports resolve against); an empty list removes
+    /// them. Returns whether anything changed.
+    pub fn set_named_ports(&mut self, identity: u32, mut ports: Vec<NamedPort>) -> bool {
+        ports.sort();
+        ports.dedup();
+        if ports.is_empty() {
+            return self.named_ports.remove(&identity).is_some();
+        }
+        if self.named_ports.get(&identity) == Some(&ports) {
+            return false;
+        }
+        self.named_ports.insert(identity, ports);
+        true
+    }
+
+    /// How many identities the cache knows: the 7 reserved ones, the cluster
+    /// identities and the CIDR identities.
+    pub fn identities(&self) -> usize {
+        ReservedIdentity::ALL.len() + self.cluster.len() + self.cidr_ids.len()
+    }
+
+    /// The labels of a reserved or cluster identity, or the `cidr:` label of a
+    /// CIDR identity.
+    pub fn labels(&self, id: u32) -> Option<Labels> {
+        if let Some(reserved) = ReservedIdentity::from_id(id) {
+            return Some(reserved.labels());
+        }
+        if let Some(labels) = self.cluster.get(&id) {
+            return Some(labels.clone());
+        }
+        self.cidr_prefixes
+            .get(&id)
+            .map(|prefix| Labels::try_from_iter([rivet_common::labels::Label::cidr(*prefix)]).expect("one label"))
+    }
+
+    /// The CIDR identity of a prefix, if set.
+    pub fn cidr_identity(&self, prefix: &IpNet) -> Option<u32> {
+        self.cidr_ids.get(&prefix.trunc()).copied()
+    }
+
+    /// How many peer selectors are memoised now.
+    pub fn cached_selectors(&self) -> usize {
+        self.memo.read().unwrap_or_else(|e| e.into_inner()).entries.len()
+    }
+
+    /// The identities a peer matches (not for the `all` entity: that is peer
+    /// 0), memoised.
+    pub(crate) fn select(&self, peer: &Peer) -> Arc<BTreeSet<u32>> {
+        {
+            let memo = self.memo.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(entry) = memo.entries.get(peer) {
+                if !entry.used.load(Ordering::Relaxed) {
+                    entry.used.store(true, Ordering::Relaxed);
+                }
+                return entry.ids.clone();
+            }
+        }
+        let ids = Arc::new(self.compute(peer));
+        let mut memo = self.memo.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = memo.entries.get(peer) {
+            entry.used.store(true, Ordering::Relaxed);
+            return entry.ids.clone();
+        }
+        if memo.entries.len() >= memo.sweep_at {
+            memo.entries.retain(|_, entry| entry.used.swap(false, Ordering::Relaxed));
+            memo.sweep_at = MIN_SWEEP_SIZE.max(2 * memo.entries.len());
+        }
+        memo.entries.insert(
+            peer.clone(),
+            MemoEntry {
+                ids: ids.clone(),
+                used: AtomicBool::new(true),
+            },
+        );
+        ids
+    }
+
+    /// The named ports of the local endpoints holding an identity.
+    pub(crate) fn named_ports_of(&self, id: u32) -> &[NamedPort] {
+        self.named_ports.get(&id).map_or(&[], Vec::as_slice)
+    }
+
+    /// The named ports of every identity.
+    pub(crate) fn all_named_ports(&self) -> impl Iterator<Item = &NamedPort> {
+        self.named_ports.values().flatten()
+    }
+
+    /// A peer's identities, from scratch.
+    fn compute(&self, peer: &Peer) -> BTreeSet<u32> {
+        let reserved = ReservedIdentity::ALL
+            .into_iter()
+            .map(|r| (r.id(), IdentityRef::Reserved(r)));
+        let cluster = self
+            .cluster
+            .iter()
+            .map(|(id, labels)| (*id, IdentityRef::Cluster(labels)));
+        let cidr = self
+            .cidr_prefixes
+            .iter()
+            .map(|(id, prefix)| (*id, IdentityRef::Cidr(prefix)));
+        reserved
+            .chain(cluster)
+            .chain(cidr)
+            .filter(|(_, identity)| peer.matches(*identity))
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    fn memo_mut(&mut self) -> &mut Memo {
+        self.memo.get_mut().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn is_cluster(id: u32) -> bool {
+    (CLUSTER_MIN..CIDR_MIN).contains(&id)
+}
+
+/// Re-evaluates one identity against every memoised selector; `None` removes it.
+fn update_memo(memo: &mut Memo, id: u32, identity: Option<IdentityRef<'_>>) {
+    for (peer, entry) in &mut memo.entries {
+        let matches = identity.is_some_and(|identity| peer.matches(identity));
+        if matches != entry.ids.contains(&id) {
+            let ids = Arc::make_mut(&mut entry.ids);
+            if matches {
+                ids.insert(id);
+            } else {
+                ids.remove(&id);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::selector::{Entity, LabelSelector};
+    use super::*;
+
+    fn labels(text: &str) -> Labels {
+        text.parse().unwrap()
+    }
+
+    fn ids(set: &BTreeSet<u32>) -> Vec<u32> {
+        set.iter().copied().collect()
+    }
+
+    fn all_pods() -> Peer {
+        Peer::Pods {
+            namespace: Some("shop".into()),
+            namespace_selector: None,
+            pod_selector: LabelSelector::default(),
+        }
+    }
+
+    #[test]
+    fn memoised_sets_follow_identity_changes() {
+        let mut cache = SelectorCache::new();
+        cache.upsert_identity(256, labels("k8s:app=a,k8s:io.kubernetes.pod.namespace=shop"));
+        cache.upsert_identity(257, labels("k8s:app=b,k8s:io.kubernetes.pod.namespace=other"));
+        let pods = all_pods();
+        let cluster = Peer::Entity(Entity::Cluster);
+        let world = Peer::Entity(Entity::World);
+        assert_eq!(ids(&cache.select(&pods)), [256]);
+        assert_eq!(ids(&cache.select(&cluster)), [1, 3, 4, 5, 6, 7, 256, 257]);
+        assert_eq!(ids(&cache.select(&world)), [2]);
+        assert_eq!(cache.cached_selectors(), 3);
+
+        assert!(cache.upsert_identity(258, labels("k8s:app=c,k8s:io.kubernetes.pod.namespace=shop")));
+        assert!(cache.remove_identity(256));
+        assert!(!cache.remove_identity(256));
+        assert!(cache.set_cidr_identity("10.0.0.0/8".parse().unwrap(), CIDR_MIN));
+        assert_eq!(ids(&cache.select(&pods)), [258]);
+        assert_eq!(ids(&cache.select(&cluster)), [1, 3, 4, 5, 6, 7, 257, 258]);
+        assert_eq!(ids(&cache.select(&world)), [2, CIDR_MIN]);
+        // A relabelled identity (a number reused) moves between sets.
+        assert!(cache.upsert_identity(258, labels("k8s:app=c,k8s:io.kubernetes.pod.namespace=other")));
+        assert!(cache.select(&pods).is_empty());
+        // Still the same memo entries: nothing was recomputed from scratch.
+        assert_eq!(cache.cached_selectors(), 3);
+        for peer in [&pods, &cluster, &world] {
+            assert_eq!(*cache.select(peer), cache.compute(peer), "{peer:?}");
+        }
+
+        // A snapshot replaces cluster identities only.
+        assert!(cache.replace_identities([(300, labels("k8s:io.kubernetes.pod.namespace=shop")), (5, labels(""))]));
+        assert_eq!(ids(&cache.select(&pods)), [300]);
+        assert_eq!(ids(&cache.select(&world)), [2, CIDR_MIN]);
+        assert!(!cache.replace_identities([(300, labels("k8s:io.kubernetes.pod.namespace=shop"))]));
+        assert_eq!(cache.identities(), 7 + 1 + 1);
+    }
+
+    #[test]
+    fn cidr_identities_are_one_to_one() {
+        let mut cache = SelectorCache::new();
+        let a: IpNet = "10.0.0.0/8".parse().unwrap();
+        let b: IpNet = "192.168.0.0/16".parse().unwrap();
+        let block = Peer::IpBlock {
+            cidr: a,
+            except: vec![],
+        };
+        assert!(!cache.set_cidr_identity(a, 300), "below 2^24");
+        assert!(cache.set_cidr_identity("10.1.2.3/8".parse().unwrap(), CIDR_MIN));
+        assert_eq!(cache.cidr_identity(&a), Some(CIDR_MIN));
+        assert!(!cache.set_cidr_identity(a, CIDR_MIN));
+        assert_eq!(ids(&cache.select(&block)), [CIDR_MIN]);
+        // The id moves to another prefix: the old prefix loses it.
+        assert!(cache.set_cidr_identity(b, CIDR_MIN));
+        assert_eq!(cache.cidr_identity(&a), None);
+        assert!(cache.select(&block).is_empty());
+        // The prefix gets another id.
+        assert!(cache.set_cidr_identity(a, CIDR_MIN + 1));
+        assert_eq!(ids(&cache.select(&block)), [CIDR_MIN + 1]);
+        assert!(cache.set_cidr_identity(a, CIDR_MIN + 2));
+        assert_eq!(ids(&cache.select(&block)), [CIDR_MIN + 2]);
+        assert_eq!(cache.labels(CIDR_MIN + 2).unwrap().to_string(), "cidr:10.0.0.0/8");
+        assert!(cache.remove_cidr_identity(&a));
+        assert!(!cache.remove_cidr_identity(&a));
+        assert!(cache.select(&block).is_empty());
+        assert_eq!(cache.identities(), 8);
+    }
+
+    #[test]
+    fn unused_selectors_are_swept_and_recomputed_on_demand() {
+        let mut cache = SelectorCache::new();
+        cache.upsert_identity(256, labels("k8s:io.kubernetes.pod.namespace=ns0"));
+        let peer = |i: usize| Peer::Pods {
+            namespace: Some(format!("ns{i}")),
+            namespace_selector: None,
+            pod_selector: LabelSelector::default(),
+        };
+        // A working set that is looked up all the time, and churn.
+        for i in 0..5 * MIN_SWEEP_SIZE {
+            assert_eq!(ids(&cache.select(&peer(0))), [256]);
+            cache.select(&peer(i + 1));
+        }
+        let memoised = cache.cached_selectors();
+        assert!(memoised <= 2 * MIN_SWEEP_SIZE + 1, "{memoised}");
+        // The hot selector survived every sweep and is still maintained.
+        cache.upsert_identity(257, labels("k8s:io.kubernetes.pod.namespace=ns0"));
+        assert_eq!(ids(&cache.select(&peer(0))), [256, 257]);
+        // A swept one is computed again when needed.
+        cache.upsert_identity(258, labels("k8s:io.kubernetes.pod.namespace=ns1"));
+        assert_eq!(ids(&cache.select(&peer(1))), [258]);
+    }
+
+    #[test]
+    fn named_ports_are_normalised() {
+        let mut cache = SelectorCache::new();
+        let http = NamedPort::new("http", super::super::Protocol::Tcp, 80);
+        assert!(cache.set_named_ports(256, vec![http.clone(), http.clone()]));
+        assert!(!cache.set_named_ports(256, vec![http.clone()]));
+        assert_eq!(cache.named_ports_of(256), [http]);
+        assert!(cache.set_named_ports(256, vec![]));
+        assert!(!cache.set_named_ports(256, vec![]));
+        assert!(cache.named_ports_of(256).is_empty());
+    }
+}

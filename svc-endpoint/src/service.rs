@@ -1,0 +1,754 @@
+//! `rivet.endpoint.v1` over the [`EndpointManager`]: EndpointService,
+//! PolicyService and NamespaceService. Every field is validated here before
+//! the manager sees it; INVALID_ARGUMENT names the field.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::{Duration, SystemTime};
+
+use rivet_common::grpc::BootId;
+use rivet_common::labels::Labels;
+use rivet_proto::endpoint::v1 as pb;
+use tonic::{Request, Response, Status};
+
+use crate::endpoint::{self, EndpointAddress, EndpointSpec, EndpointState, parse_mac, unix_nanos};
+use crate::manager::{
+    DEFAULT_NAMESPACE, EndpointManager, EndpointSelector, ManagerError, NewEndpoint, parse_namespace_label,
+};
+use crate::policy::{NamedPort, Policy, PolicyKey, PolicyKind, PolicyOrigin, Protocol, StoredPolicy};
+
+/// Deadline of a call that carries none.
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
+
+/// Implements the three services of `rivet.endpoint.v1`.
+#[derive(Debug, Clone)]
+pub struct EndpointApi {
+    manager: EndpointManager,
+    boot_id: BootId,
+}
+
+impl EndpointApi {
+    /// The API over `manager`.
+    pub fn new(manager: EndpointManager, boot_id: BootId) -> Self {
+        Self { manager, boot_id }
+    }
+
+    /// The tonic servers: (endpoints, policies, namespaces).
+    pub fn into_servers(
+        self,
+    ) -> (
+        pb::endpoint_service_server::EndpointServiceServer<Self>,
+        pb::policy_service_server::PolicyServiceServer<Self>,
+        pb::namespace_service_server::NamespaceServiceServer<Self>,
+    ) {
+        (
+            pb::endpoint_service_server::EndpointServiceServer::new(self.clone()),
+            pb::policy_service_server::PolicyServiceServer::new(self.clone()),
+            pb::namespace_service_server::NamespaceServiceServer::new(self),
+        )
+    }
+
+    fn boot_id(&self) -> String {
+        self.boot_id.as_str().to_string()
+    }
+}
+
+/// The call's deadline (grpc-timeout) or the default, minus a margin to
+/// answer in time.
+fn deadline<T>(request: &Request<T>) -> Duration {
+    request
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_grpc_timeout)
+        .map_or(DEFAULT_DEADLINE, |d| d.saturating_sub(Duration::from_millis(50)))
+}
+
+/// `grpc-timeout` header: digits and a unit (H M S m u n).
+fn parse_grpc_timeout(text: &str) -> Option<Duration> {
+    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!("{field}: {reason}"))
+}
+
+/// Printable, bounded identifier-ish text.
+fn check_text(field: &str, value: &str, max: usize, required: bool) -> Result<(), Status> {
+    if required && value.is_empty() {
+        return Err(invalid(field, "required"));
+    }
+    if value.len() > max {
+        return Err(invalid(field, format!("at most {max} bytes")));
+    }
+    if value.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(invalid(field, "must not contain whitespace or control characters"));
+    }
+    Ok(())
+}
+
+/// A Linux interface name: 1..=15 bytes, no '/', ':' or whitespace.
+fn check_ifname(field: &str, value: &str) -> Result<(), Status> {
+    check_text(field, value, 15, true)?;
+    if value.contains(['/', ':']) || value == "." || value == ".." {
+        return Err(invalid(field, "not a valid interface name"));
+    }
+    Ok(())
+}
+
+/// A Kubernetes DNS label/subdomain-ish name (namespace, pod name).
+fn check_k8s_name(field: &str, value: &str, max: usize) -> Result<(), Status> {
+    if value.is_empty() {
+        return Ok(());
+    }
+    let ok = value.len() <= max
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && value.as_bytes()[0].is_ascii_alphanumeric()
+        && value.as_bytes()[value.len() - 1].is_ascii_alphanumeric();
+    if !ok {
+        return Err(invalid(
+            field,
+            format!("{value:?} is not a valid name (lowercase alphanumerics, '-' and '.', at most {max})"),
+        ));
+    }
+    Ok(())
+}
+
+fn parse_labels(field: &str, raw: &[String]) -> Result<Labels, Status> {
+    if raw.len() > 256 {
+        return Err(invalid(field, "at most 256 labels"));
+    }
+    Labels::parse(raw).map_err(|e| invalid(field, e))
+}
+
+fn parse_named_ports(raw: &[pb::NamedPort]) -> Result<Vec<NamedPort>, Status> {
+    let mut ports = Vec::with_capacity(raw.len());
+    for (i, p) in raw.iter().enumerate() {
+        let field = format!("named_ports[{i}]");
+        let name_ok = !p.name.is_empty()
+            && p.name.len() <= 15
+            && p.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && p.name.bytes().any(|b| b.is_ascii_lowercase())
+            && !p.name.starts_with('-')
+            && !p.name.ends_with('-')
+            && !p.name.contains("--");
+        if !name_ok {
+            return Err(invalid(&format!("{field}.name"), format!("{:?} is not a valid port name", p.name)));
+        }
+        let protocol = match p.protocol.as_str() {
+            "" | "TCP" => Protocol::Tcp,
+            "UDP" => Protocol::Udp,
+            "SCTP" => Protocol::Sctp,
+            other => return Err(invalid(&format!("{field}.protocol"), format!("{other:?}: must be TCP, UDP or SCTP"))),
+        };
+        let port = u16::try_from(p.port)
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| invalid(&format!("{field}.port"), "must be 1..65535"))?;
+        ports.push(NamedPort {
+            name: p.name.clone(),
+            protocol,
+            port,
+        });
+    }
+    Ok(ports)
+}
+
+/// Validates a create request into a spec (id and creation time unset).
+pub fn validate_create(r: &pb::CreateEndpointRequest) -> Result<EndpointSpec, Status> {
+    check_text("container_id", &r.container_id, 256, true)?;
+    check_ifname("interface", &r.interface)?;
+    if !r.netns_path.starts_with('/') || r.netns_path.len() > 4096 || r.netns_path.chars().any(char::is_control) {
+        return Err(invalid("netns_path", "must be an absolute path"));
+    }
+    check_ifname("host_interface", &r.host_interface)?;
+    if r.host_ifindex == 0 {
+        return Err(invalid("host_ifindex", "required"));
+    }
+    if r.addresses.is_empty() || r.addresses.len() > 2 {
+        return Err(invalid("addresses", "one or two addresses (at most one per family)"));
+    }
+    let mut addresses = Vec::new();
+    for (i, a) in r.addresses.iter().enumerate() {
+        let address: IpAddr = a
+            .address
+            .parse()
+            .map_err(|_| invalid(&format!("addresses[{i}].address"), format!("{:?} is not an IP address", a.address)))?;
+        if address.is_unspecified() || address.is_multicast() || address.is_loopback() {
+            return Err(invalid(&format!("addresses[{i}].address"), "must be a unicast, non-loopback address"));
+        }
+        if let IpAddr::V6(v6) = address
+            && v6.to_ipv4_mapped().is_some()
+        {
+            return Err(invalid(&format!("addresses[{i}].address"), "IPv4-mapped IPv6 is not accepted"));
+        }
+        if addresses.iter().any(|e: &EndpointAddress| e.address.is_ipv4() == address.is_ipv4()) {
+            return Err(invalid("addresses", "at most one address per family"));
+        }
+        check_text(&format!("addresses[{i}].ipam_pool"), &a.ipam_pool, 63, false)?;
+        addresses.push(EndpointAddress {
+            address,
+            ipam_pool: a.ipam_pool.clone(),
+        });
+    }
+    let mac = parse_mac(&r.mac).ok_or_else(|| invalid("mac", format!("{:?} is not a MAC (aa:bb:cc:dd:ee:ff)", r.mac)))?;
+    if mac == [0; 6] || mac[0] & 1 == 1 {
+        return Err(invalid("mac", "must be a non-zero unicast MAC"));
+    }
+    check_k8s_name("pod_namespace", &r.pod_namespace, 63)?;
+    check_k8s_name("pod_name", &r.pod_name, 253)?;
+    check_text("pod_uid", &r.pod_uid, 128, false)?;
+    Ok(EndpointSpec {
+        id: 0,
+        container_id: r.container_id.clone(),
+        interface: r.interface.clone(),
+        netns_path: r.netns_path.clone(),
+        host_interface: r.host_interface.clone(),
+        host_ifindex: r.host_ifindex,
+        addresses,
+        mac,
+        pod_namespace: if r.pod_namespace.is_empty() {
+            DEFAULT_NAMESPACE.into()
+        } else {
+            r.pod_namespace.clone()
+        },
+        pod_name: r.pod_name.clone(),
+        pod_uid: r.pod_uid.clone(),
+        labels: parse_labels("labels", &r.labels)?,
+        named_ports: parse_named_ports(&r.named_ports)?,
+        created: SystemTime::UNIX_EPOCH,
+    })
+}
+
+/// Validates an endpoint reference.
+pub fn parse_ref(r: Option<&pb::EndpointRef>) -> Result<EndpointSelector, Status> {
+    use pb::endpoint_ref::Ref;
+    match r.and_then(|r| r.r#ref.as_ref()) {
+        None => Err(invalid("ref", "required")),
+        Some(Ref::Id(id)) => u16::try_from(*id)
+            .ok()
+            .filter(|id| *id != 0)
+            .map(EndpointSelector::Id)
+            .ok_or_else(|| invalid("ref.id", "must be 1..65535")),
+        Some(Ref::Container(c)) => {
+            check_text("ref.container.container_id", &c.container_id, 256, true)?;
+            if !c.interface.is_empty() {
+                check_ifname("ref.container.interface", &c.interface)?;
+            }
+            Ok(EndpointSelector::Container {
+                container_id: c.container_id.clone(),
+                interface: c.interface.clone(),
+            })
+        }
+        Some(Ref::Pod(p)) => {
+            if p.name.is_empty() {
+                return Err(invalid("ref.pod.name", "required"));
+            }
+            check_k8s_name("ref.pod.namespace", &p.namespace, 63)?;
+            check_k8s_name("ref.pod.name", &p.name, 253)?;
+            Ok(EndpointSelector::Pod {
+                namespace: if p.namespace.is_empty() {
+                    DEFAULT_NAMESPACE.into()
+                } else {
+                    p.namespace.clone()
+                },
+                name: p.name.clone(),
+            })
+        }
+        Some(Ref::Address(a)) => a
+            .parse()
+            .map(EndpointSelector::Address)
+            .map_err(|_| invalid("ref.address", format!("{a:?} is not an IP address"))),
+    }
+}
+
+fn origin(raw: i32) -> Result<PolicyOrigin, Status> {
+    match pb::PolicyOrigin::try_from(raw) {
+        Ok(pb::PolicyOrigin::Unspecified | pb::PolicyOrigin::Api) => Ok(PolicyOrigin::Api),
+        Ok(pb::PolicyOrigin::Directory) => Ok(PolicyOrigin::Directory),
+        Ok(pb::PolicyOrigin::Kubernetes) => Ok(PolicyOrigin::Kubernetes),
+        Err(_) => Err(invalid("origin", format!("unknown value {raw}"))),
+    }
+}
+
+fn origin_proto(origin: PolicyOrigin) -> pb::PolicyOrigin {
+    match origin {
+        PolicyOrigin::Api => pb::PolicyOrigin::Api,
+        PolicyOrigin::Directory => pb::PolicyOrigin::Directory,
+        PolicyOrigin::Kubernetes => pb::PolicyOrigin::Kubernetes,
+    }
+}
+
+fn parse_key(key: Option<&pb::PolicyKey>) -> Result<PolicyKey, Status> {
+    let key = key.ok_or_else(|| invalid("key", "required"))?;
+    let kind = if key.kind.is_empty() {
+        PolicyKind::NetworkPolicy
+    } else {
+        key.kind
+            .parse()
+            .map_err(|_| invalid("key.kind", format!("{:?}: must be NetworkPolicy or RivetNetworkPolicy", key.kind)))?
+    };
+    if key.name.is_empty() {
+        return Err(invalid("key.name", "required"));
+    }
+    check_k8s_name("key.namespace", &key.namespace, 63)?;
+    check_k8s_name("key.name", &key.name, 253)?;
+    Ok(PolicyKey {
+        kind,
+        namespace: if key.namespace.is_empty() {
+            DEFAULT_NAMESPACE.into()
+        } else {
+            key.namespace.clone()
+        },
+        name: key.name.clone(),
+    })
+}
+
+fn key_proto(key: &PolicyKey) -> pb::PolicyKey {
+    pb::PolicyKey {
+        kind: key.kind.as_str().into(),
+        namespace: key.namespace.clone(),
+        name: key.name.clone(),
+    }
+}
+
+fn policy_proto(stored: &StoredPolicy, documents: bool, selected: Vec<u32>) -> pb::Policy {
+    pb::Policy {
+        key: Some(key_proto(stored.policy.key())),
+        origin: origin_proto(stored.origin).into(),
+        api_version: stored.policy.api_version().into(),
+        document: if documents {
+            stored.policy.document().into()
+        } else {
+            String::new()
+        },
+        normalized_json: if documents {
+            stored.policy.normalized_json()
+        } else {
+            String::new()
+        },
+        revision: stored.revision,
+        updated_unix_nanos: unix_nanos(stored.updated),
+        selected_endpoints: selected,
+    }
+}
+
+fn status(e: ManagerError) -> Status {
+    e.into()
+}
+
+#[tonic::async_trait]
+impl pb::endpoint_service_server::EndpointService for EndpointApi {
+    async fn create_endpoint(
+        &self,
+        request: Request<pb::CreateEndpointRequest>,
+    ) -> Result<Response<pb::CreateEndpointResponse>, Status> {
+        let deadline = deadline(&request);
+        let r = request.into_inner();
+        let spec = validate_create(&r)?;
+        let (view, created) = self
+            .manager
+            .create(NewEndpoint { spec, sync: !r.r#async }, deadline)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::CreateEndpointResponse {
+            endpoint: Some(endpoint::to_proto(&view.spec, &view.status, false)),
+            created,
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn delete_endpoint(
+        &self,
+        request: Request<pb::DeleteEndpointRequest>,
+    ) -> Result<Response<pb::DeleteEndpointResponse>, Status> {
+        let selector = parse_ref(request.get_ref().r#ref.as_ref())?;
+        let deleted = self.manager.delete(&selector).await.map_err(status)?;
+        Ok(Response::new(pb::DeleteEndpointResponse {
+            deleted: deleted.into_iter().map(u32::from).collect(),
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn update_labels(
+        &self,
+        request: Request<pb::UpdateLabelsRequest>,
+    ) -> Result<Response<pb::UpdateLabelsResponse>, Status> {
+        let deadline = deadline(&request);
+        let r = request.into_inner();
+        let selector = parse_ref(r.r#ref.as_ref())?;
+        let labels = parse_labels("labels", &r.labels)?;
+        let (views, reidentified) = self
+            .manager
+            .update_labels(&selector, labels, !r.r#async, deadline)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::UpdateLabelsResponse {
+            endpoints: views
+                .iter()
+                .map(|v| endpoint::to_proto(&v.spec, &v.status, false))
+                .collect(),
+            reidentified: u32::try_from(reidentified).unwrap_or(u32::MAX),
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn get_endpoint(
+        &self,
+        request: Request<pb::GetEndpointRequest>,
+    ) -> Result<Response<pb::GetEndpointResponse>, Status> {
+        let selector = parse_ref(request.get_ref().r#ref.as_ref())?;
+        let view = self.manager.get(&selector).map_err(status)?;
+        Ok(Response::new(pb::GetEndpointResponse {
+            endpoint: Some(endpoint::to_proto(&view.spec, &view.status, true)),
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn list_endpoints(
+        &self,
+        request: Request<pb::ListEndpointsRequest>,
+    ) -> Result<Response<pb::ListEndpointsResponse>, Status> {
+        let r = request.into_inner();
+        let state = match pb::EndpointState::try_from(r.state) {
+            Ok(s) => EndpointState::from_proto(s),
+            Err(_) => return Err(invalid("state", format!("unknown value {}", r.state))),
+        };
+        let endpoints = self
+            .manager
+            .list()
+            .into_iter()
+            .filter(|v| state.is_none_or(|s| v.status.state == s))
+            .filter(|v| r.pod_namespace.is_empty() || v.spec.pod_namespace == r.pod_namespace)
+            .filter(|v| r.identity == 0 || v.status.identity == r.identity)
+            .map(|v| endpoint::to_proto(&v.spec, &v.status, r.include_history))
+            .collect();
+        Ok(Response::new(pb::ListEndpointsResponse {
+            endpoints,
+            restore_complete: self.manager.restore_progress().complete,
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn get_status(&self, _: Request<pb::GetStatusRequest>) -> Result<Response<pb::GetStatusResponse>, Status> {
+        let restore = self.manager.restore_progress();
+        let (revision, policies) = self.manager.policy_summary();
+        Ok(Response::new(pb::GetStatusResponse {
+            restore: Some(pb::RestoreStatus {
+                phase: if restore.complete {
+                    pb::RestorePhase::Complete
+                } else {
+                    pb::RestorePhase::Running
+                }
+                .into(),
+                found: restore.found,
+                restored: restore.restored,
+                dropped: restore.dropped,
+                failed: restore.failed,
+                started_unix_nanos: restore.started.map_or(0, unix_nanos),
+                finished_unix_nanos: restore.finished.map_or(0, unix_nanos),
+            }),
+            endpoints_by_state: self
+                .manager
+                .counts()
+                .into_iter()
+                .map(|(state, count)| pb::StateCount {
+                    state: state.to_proto().into(),
+                    count: u32::try_from(count).unwrap_or(u32::MAX),
+                })
+                .collect(),
+            policy_revision: revision,
+            policies: u32::try_from(policies).unwrap_or(u32::MAX),
+            dependencies: self
+                .manager
+                .dependencies()
+                .into_iter()
+                .map(|d| pb::Dependency {
+                    name: d.name.into(),
+                    connected: d.connected,
+                    seen_boot_id: d.seen_boot_id,
+                    last_resync_unix_nanos: d.last_resync.map_or(0, unix_nanos),
+                    last_error: d.last_error,
+                })
+                .collect(),
+            boot_id: self.boot_id(),
+        }))
+    }
+}
+
+/// Largest policy document accepted.
+const MAX_DOCUMENT_BYTES: usize = 1 << 20;
+
+#[tonic::async_trait]
+impl pb::policy_service_server::PolicyService for EndpointApi {
+    async fn upsert_policy(
+        &self,
+        request: Request<pb::UpsertPolicyRequest>,
+    ) -> Result<Response<pb::UpsertPolicyResponse>, Status> {
+        let deadline = deadline(&request);
+        let r = request.into_inner();
+        if r.document.len() > MAX_DOCUMENT_BYTES {
+            return Err(invalid("document", format!("at most {MAX_DOCUMENT_BYTES} bytes")));
+        }
+        let origin = origin(r.origin)?;
+        let policy = Policy::parse(&r.document).map_err(|e| invalid("document", e))?;
+        let update = self
+            .manager
+            .upsert_policy(policy, origin, r.wait, deadline)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::UpsertPolicyResponse {
+            key: Some(key_proto(&update.change.key)),
+            revision: update.change.revision,
+            changed: update.change.changed,
+            affected_endpoints: u32::try_from(update.affected).unwrap_or(u32::MAX),
+            realised_endpoints: u32::try_from(update.realised).unwrap_or(u32::MAX),
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn delete_policy(
+        &self,
+        request: Request<pb::DeletePolicyRequest>,
+    ) -> Result<Response<pb::DeletePolicyResponse>, Status> {
+        let deadline = deadline(&request);
+        let r = request.into_inner();
+        let key = parse_key(r.key.as_ref())?;
+        let origin = origin(r.origin)?;
+        let update = self
+            .manager
+            .delete_policy(&key, origin, r.wait, deadline)
+            .await
+            .map_err(status)?;
+        let (revision, _) = self.manager.policy_summary();
+        Ok(Response::new(pb::DeletePolicyResponse {
+            deleted: update.is_some(),
+            revision,
+            affected_endpoints: update.as_ref().map_or(0, |u| u32::try_from(u.affected).unwrap_or(u32::MAX)),
+            realised_endpoints: update.as_ref().map_or(0, |u| u32::try_from(u.realised).unwrap_or(u32::MAX)),
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn list_policies(
+        &self,
+        request: Request<pb::ListPoliciesRequest>,
+    ) -> Result<Response<pb::ListPoliciesResponse>, Status> {
+        let r = request.into_inner();
+        let only_origin = match pb::PolicyOrigin::try_from(r.origin) {
+            Ok(pb::PolicyOrigin::Unspecified) => None,
+            Ok(_) => Some(origin(r.origin)?),
+            Err(_) => return Err(invalid("origin", format!("unknown value {}", r.origin))),
+        };
+        let (policies, revision) = self.manager.policies();
+        Ok(Response::new(pb::ListPoliciesResponse {
+            policies: policies
+                .iter()
+                .filter(|p| r.namespace.is_empty() || p.policy.key().namespace == r.namespace)
+                .filter(|p| only_origin.is_none_or(|o| p.origin == o))
+                .map(|p| policy_proto(p, r.include_documents, Vec::new()))
+                .collect(),
+            revision,
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn get_policy(&self, request: Request<pb::GetPolicyRequest>) -> Result<Response<pb::GetPolicyResponse>, Status> {
+        let key = parse_key(request.get_ref().key.as_ref())?;
+        let (stored, selected) = self
+            .manager
+            .policy(&key)
+            .ok_or_else(|| Status::not_found(format!("no policy {key}")))?;
+        Ok(Response::new(pb::GetPolicyResponse {
+            policy: Some(policy_proto(&stored, true, selected.into_iter().map(u32::from).collect())),
+            boot_id: self.boot_id(),
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::namespace_service_server::NamespaceService for EndpointApi {
+    async fn set_namespace_labels(
+        &self,
+        request: Request<pb::SetNamespaceLabelsRequest>,
+    ) -> Result<Response<pb::SetNamespaceLabelsResponse>, Status> {
+        let r = request.into_inner();
+        if r.namespace.is_empty() {
+            return Err(invalid("namespace", "required"));
+        }
+        check_k8s_name("namespace", &r.namespace, 63)?;
+        if r.labels.len() > 256 {
+            return Err(invalid("labels", "at most 256 labels"));
+        }
+        let mut labels = BTreeMap::new();
+        for (i, text) in r.labels.iter().enumerate() {
+            let (key, value) = parse_namespace_label(text).map_err(|e| invalid(&format!("labels[{i}]"), e))?;
+            labels.insert(key, value);
+        }
+        let (changed, affected) = self
+            .manager
+            .set_namespace_labels(&r.namespace, labels)
+            .map_err(status)?;
+        Ok(Response::new(pb::SetNamespaceLabelsResponse {
+            changed,
+            affected_endpoints: u32::try_from(affected).unwrap_or(u32::MAX),
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn list_namespaces(
+        &self,
+        _: Request<pb::ListNamespacesRequest>,
+    ) -> Result<Response<pb::ListNamespacesResponse>, Status> {
+        Ok(Response::new(pb::ListNamespacesResponse {
+            namespaces: self
+                .manager
+                .namespaces()
+                .into_iter()
+                .map(|(name, labels, endpoints)| pb::Namespace {
+                    name,
+                    labels: labels.labels.iter().map(|(k, v)| format!("k8s:{k}={v}")).collect(),
+                    endpoints: u32::try_from(endpoints).unwrap_or(u32::MAX),
+                    updated_unix_nanos: labels.updated.map_or(0, unix_nanos),
+                })
+                .collect(),
+            boot_id: self.boot_id(),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn create() -> pb::CreateEndpointRequest {
+        pb::CreateEndpointRequest {
+            container_id: "abc123".into(),
+            interface: "eth0".into(),
+            netns_path: "/run/netns/pod".into(),
+            host_interface: "lxc1234".into(),
+            host_ifindex: 7,
+            addresses: vec![pb::EndpointAddress {
+                address: "198.18.0.5".into(),
+                ipam_pool: "default".into(),
+            }],
+            mac: "02:00:c6:12:00:05".into(),
+            pod_namespace: String::new(),
+            pod_name: "web-1".into(),
+            labels: vec!["k8s:app=web".into()],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_valid_create_becomes_a_spec_in_the_default_namespace() {
+        let spec = validate_create(&create()).expect("a complete request must validate");
+        assert_eq!(spec.pod_namespace, "default", "an endpoint without a namespace lives in `default`");
+        assert_eq!(spec.mac, [2, 0, 0xc6, 0x12, 0, 5]);
+    }
+
+    #[test]
+    fn every_bad_field_is_named() {
+        let cases: Vec<(&str, Box<dyn Fn(&mut pb::CreateEndpointRequest)>)> = vec![
+            ("container_id", Box::new(|r| r.container_id.clear())),
+            ("container_id", Box::new(|r| r.container_id = "a b".into())),
+            ("interface", Box::new(|r| r.interface = "much-too-long-name".into())),
+            ("netns_path", Box::new(|r| r.netns_path = "relative".into())),
+            ("host_interface", Box::new(|r| r.host_interface = "a/b".into())),
+            ("host_ifindex", Box::new(|r| r.host_ifindex = 0)),
+            ("addresses", Box::new(|r| r.addresses.clear())),
+            ("addresses[0].address", Box::new(|r| r.addresses[0].address = "nope".into())),
+            ("addresses[0].address", Box::new(|r| r.addresses[0].address = "0.0.0.0".into())),
+            ("addresses[0].address", Box::new(|r| r.addresses[0].address = "::ffff:198.18.0.5".into())),
+            (
+                "addresses",
+                Box::new(|r| {
+                    r.addresses.push(pb::EndpointAddress {
+                        address: "198.18.0.6".into(),
+                        ipam_pool: String::new(),
+                    })
+                }),
+            ),
+            ("mac", Box::new(|r| r.mac = "02:00".into())),
+            ("mac", Box::new(|r| r.mac = "01:00:5e:00:00:01".into())),
+            ("pod_namespace", Box::new(|r| r.pod_namespace = "Shop".into())),
+            ("labels", Box::new(|r| r.labels = vec!["k8s:=x".into()])),
+            (
+                "named_ports[0].name",
+                Box::new(|r| {
+                    r.named_ports = vec![pb::NamedPort {
+                        name: "HTTP".into(),
+                        protocol: "TCP".into(),
+                        port: 80,
+                    }]
+                }),
+            ),
+            (
+                "named_ports[0].port",
+                Box::new(|r| {
+                    r.named_ports = vec![pb::NamedPort {
+                        name: "http".into(),
+                        protocol: "TCP".into(),
+                        port: 70000,
+                    }]
+                }),
+            ),
+        ];
+        for (field, mutate) in cases {
+            let mut r = create();
+            mutate(&mut r);
+            let e = validate_create(&r).expect_err("an invalid request must be refused");
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(
+                e.message().starts_with(&format!("{field}:")),
+                "the error must name {field}: {}",
+                e.message()
+            );
+        }
+    }
+
+    #[test]
+    fn references_parse_and_bad_ones_are_refused() {
+        use pb::endpoint_ref::Ref;
+        let r = |r: Ref| pb::EndpointRef { r#ref: Some(r) };
+        assert_eq!(parse_ref(Some(&r(Ref::Id(5)))).unwrap(), EndpointSelector::Id(5));
+        assert_eq!(
+            parse_ref(Some(&r(Ref::Address("2001:2::5".into())))).unwrap(),
+            EndpointSelector::Address("2001:2::5".parse().unwrap())
+        );
+        assert_eq!(
+            parse_ref(Some(&r(Ref::Pod(pb::PodRef {
+                namespace: String::new(),
+                name: "web".into()
+            }))))
+            .unwrap(),
+            EndpointSelector::Pod {
+                namespace: "default".into(),
+                name: "web".into()
+            }
+        );
+        for bad in [r(Ref::Id(0)), r(Ref::Id(70000)), r(Ref::Address("x".into())), pb::EndpointRef { r#ref: None }] {
+            assert_eq!(parse_ref(Some(&bad)).unwrap_err().code(), tonic::Code::InvalidArgument);
+        }
+    }
+
+    #[test]
+    fn grpc_timeouts_parse() {
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
+    }
+}

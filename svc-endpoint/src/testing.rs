@@ -1,0 +1,247 @@
+//! Test support (feature `testing`): a whole simulated node — the node
+//! network namespace with svc-loader inside it, svc-identity (embedded
+//! store), svc-ipam and svc-endpoint as real processes sharing one socket
+//! dir — and pods wired to it, all removed on drop.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
+
+use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::testing::netns::{PodSpec, TestPod};
+use rivet_common::testing::{DaemonCommand, DaemonProcess, workspace_binary};
+use rivet_proto::endpoint::v1 as pb;
+use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
+use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;
+use rivet_proto::ipam::v1 as ipampb;
+use rivet_proto::ipam::v1::ipam_client::IpamClient;
+use svc_loader::testing::LoaderNode;
+
+use crate::endpoint::format_mac;
+
+/// The node's IPv4 pool (the gateway .1 is answered by the datapath).
+pub const POOL4: &str = "198.18.0.0/22";
+/// The node's IPv6 pool.
+pub const POOL6: &str = "2001:2::/64";
+
+/// A node running all four node daemons. Fields drop in order: the
+/// unprivileged daemons, then the loader node (loader, namespaces, pins,
+/// temp dir).
+#[derive(Debug)]
+pub struct EndpointNode {
+    /// svc-endpoint (absent with [`NodeOptions::without_endpoint_daemon`]).
+    pub endpoint: Option<DaemonProcess>,
+    /// svc-identity (embedded store).
+    pub identity: DaemonProcess,
+    /// svc-ipam.
+    pub ipam: DaemonProcess,
+    /// The node namespace, its pods and svc-loader.
+    pub node: LoaderNode,
+}
+
+/// Extra flags per daemon.
+#[derive(Debug, Clone, Default)]
+pub struct NodeOptions {
+    /// Added to svc-endpoint's command line.
+    pub endpoint_args: Vec<String>,
+    /// Do not start svc-endpoint (a test runs the manager in-process).
+    pub without_endpoint_daemon: bool,
+}
+
+impl EndpointNode {
+    /// Starts the node: svc-loader, svc-ipam, svc-identity, svc-endpoint.
+    pub async fn start(options: NodeOptions) -> std::io::Result<Self> {
+        let node = LoaderNode::start(&workspace_binary("svc-loader"), &[], &[]).await?;
+        let dir = node.dir.path().to_path_buf();
+        let sockets = dir.join("sockets");
+        let common = |name: &str| {
+            DaemonCommand::new(workspace_binary(name), sockets.join(format!("{name}.sock")))
+                .args(["--socket-dir".as_ref(), sockets.as_os_str()])
+                .args(["--state-dir".as_ref(), dir.join("state").as_os_str()])
+                .args(["--node-name", &node.node_name])
+                .log_to(dir.join(format!("{name}.log")))
+        };
+        let ipam = common("svc-ipam")
+            .args(["--pool", &format!("default={POOL4},{POOL6}")])
+            .spawn()
+            .await?;
+        let identity = common("svc-identity").spawn().await?;
+        let endpoint = if options.without_endpoint_daemon {
+            None
+        } else {
+            Some(
+                common("svc-endpoint")
+                    .args(["--dependency-poll-ms", "200"])
+                    .args(&options.endpoint_args)
+                    .spawn()
+                    .await?,
+            )
+        };
+        Ok(Self {
+            endpoint,
+            identity,
+            ipam,
+            node,
+        })
+    }
+
+    /// The socket dir all daemons share.
+    pub fn sockets(&self) -> PathBuf {
+        self.node.dir.path().join("sockets")
+    }
+
+    /// The shared state dir.
+    pub fn state_dir(&self) -> PathBuf {
+        self.node.dir.path().join("state")
+    }
+
+    async fn channel(&self, socket: &Path) -> DaemonChannel {
+        connect_unix(socket, &ClientOptions::default())
+            .await
+            .unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()))
+    }
+
+    /// The svc-endpoint process.
+    pub fn endpoint_daemon(&mut self) -> &mut DaemonProcess {
+        self.endpoint.as_mut().expect("this node runs svc-endpoint")
+    }
+
+    fn endpoint_socket(&self) -> PathBuf {
+        self.sockets().join("svc-endpoint.sock")
+    }
+
+    /// A client of svc-endpoint's EndpointService.
+    pub async fn endpoints(&self) -> EndpointServiceClient<DaemonChannel> {
+        EndpointServiceClient::new(self.channel(&self.endpoint_socket()).await)
+    }
+
+    /// A client of svc-endpoint's PolicyService.
+    pub async fn policies(&self) -> PolicyServiceClient<DaemonChannel> {
+        PolicyServiceClient::new(self.channel(&self.endpoint_socket()).await)
+    }
+
+    /// Clients of the node's svc-identity, svc-ipam and svc-loader, for an
+    /// in-process [`EndpointManager`](crate::manager::EndpointManager).
+    pub fn dependencies(&self) -> crate::manager::Dependencies {
+        let options = ClientOptions::default();
+        let sockets = self.sockets();
+        crate::manager::Dependencies {
+            identity: std::sync::Arc::new(crate::clients::GrpcIdentity::new(
+                &sockets.join("svc-identity.sock"),
+                &options,
+            )),
+            ipam: std::sync::Arc::new(crate::clients::GrpcIpam::new(&sockets.join("svc-ipam.sock"), &options)),
+            loader: std::sync::Arc::new(crate::clients::GrpcLoader::new(&sockets.join("svc-loader.sock"), &options)),
+        }
+    }
+
+    /// A client of svc-ipam.
+    pub async fn ipam_client(&self) -> IpamClient<DaemonChannel> {
+        IpamClient::new(self.channel(self.ipam.socket()).await)
+    }
+
+    /// Allocates a dual-stack address pair from svc-ipam for pod `name`
+    /// (container id = name, interface eth0) and wires a pod namespace with
+    /// them; no endpoint yet. Returns the pod.
+    pub async fn add_pod_interface(&mut self, name: &str) -> &TestPod {
+        let ipam = self.ipam_client().await;
+        let allocate = |family: ipampb::Family| {
+            let request = ipampb::AllocateRequest {
+                owner: Some(ipampb::Owner {
+                    container_id: name.into(),
+                    interface: "eth0".into(),
+                }),
+                pool: "default".into(),
+                family: family.into(),
+                requested_address: String::new(),
+            };
+            let mut ipam = ipam.clone();
+            async move {
+                ipam.allocate(request)
+                    .await
+                    .expect("svc-ipam must allocate a pod address")
+                    .into_inner()
+                    .allocation
+                    .expect("an allocation")
+            }
+        };
+        let v4 = allocate(ipampb::Family::Ipv4).await;
+        let v6 = allocate(ipampb::Family::Ipv6).await;
+        let parse4 = |a: &str| a.parse::<Ipv4Addr>().expect("svc-ipam returns IPv4 text");
+        let parse6 = |a: &str| a.parse::<Ipv6Addr>().expect("svc-ipam returns IPv6 text");
+        let spec = PodSpec::new(
+            name,
+            (parse4(&v4.address), v4.prefix_length as u8),
+            (parse6(&v6.address), v6.prefix_length as u8),
+        )
+        .gateways(parse4(&v4.gateway), parse6(&v6.gateway));
+        self.node
+            .node
+            .add_pod(spec)
+            .unwrap_or_else(|e| panic!("wiring pod {name}: {e}"))
+    }
+
+    /// The CreateEndpoint request for a wired pod (synchronous, namespace
+    /// `default`, pod name = `name`).
+    pub fn create_request(&self, name: &str, labels: &[&str]) -> pb::CreateEndpointRequest {
+        let pod = self.node.pod(name);
+        pb::CreateEndpointRequest {
+            container_id: name.into(),
+            interface: "eth0".into(),
+            netns_path: pod.ns.path().display().to_string(),
+            host_interface: pod.host_ifname.clone(),
+            host_ifindex: pod.host_ifindex,
+            addresses: pod
+                .addrs()
+                .into_iter()
+                .map(|a| pb::EndpointAddress {
+                    address: a.to_string(),
+                    ipam_pool: "default".into(),
+                })
+                .collect(),
+            mac: format_mac(&pod.pod_mac),
+            pod_namespace: "default".into(),
+            pod_name: name.into(),
+            labels: labels.iter().map(|l| (*l).to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Wires pod `name` and creates its endpoint synchronously with `labels`.
+    pub async fn add_pod(&mut self, name: &str, labels: &[&str]) -> pb::Endpoint {
+        self.add_pod_interface(name).await;
+        let request = self.create_request(name, labels);
+        self.endpoints()
+            .await
+            .create_endpoint(request)
+            .await
+            .unwrap_or_else(|e| panic!("creating the endpoint of {name}: {e}"))
+            .into_inner()
+            .endpoint
+            .expect("the created endpoint")
+    }
+
+    /// A pod by name.
+    pub fn pod(&self, name: &str) -> &TestPod {
+        self.node.pod(name)
+    }
+
+    /// A pod's IPv4 address.
+    pub fn ipv4(&self, name: &str) -> IpAddr {
+        self.pod(name).ipv4().expect("test pods are dual-stack")
+    }
+
+    /// Upserts a policy document and waits until every affected endpoint
+    /// realised it.
+    pub async fn apply_policy(&self, document: &str) -> pb::UpsertPolicyResponse {
+        self.policies()
+            .await
+            .upsert_policy(pb::UpsertPolicyRequest {
+                document: document.into(),
+                origin: pb::PolicyOrigin::Api.into(),
+                wait: true,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("applying a policy: {e}"))
+            .into_inner()
+    }
+}
