@@ -240,3 +240,151 @@ async fn policies_and_labels_flip_traffic() {
         .into_inner();
     assert!(listed.policies.is_empty(), "an invalid policy must never half-apply");
 }
+
+/// Runs the `rivet` CLI against the node; returns stdout, panicking with
+/// stderr on failure.
+fn rivet(node: &EndpointNode, args: &[&str]) -> String {
+    let output = std::process::Command::new(rivet_common::testing::workspace_binary("rivet"))
+        .arg("--socket-dir")
+        .arg(node.sockets())
+        .args(args)
+        .output()
+        .expect("the rivet CLI runs");
+    assert!(
+        output.status.success(),
+        "rivet {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("the CLI prints UTF-8")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_cli_lists_endpoints_applies_policies_and_shows_status() {
+    let mut node = node().await;
+    let web = node.add_pod("web", &["k8s:app=web"]).await;
+    let _server = node.pod("web").tcp_server(80).unwrap();
+    node.add_pod("client", &["k8s:app=client"]).await;
+
+    let list: serde_json::Value = serde_json::from_str(&rivet(&node, &["-o", "json", "endpoint", "list"])).unwrap();
+    let ids: Vec<u64> = list["endpoints"]
+        .as_array()
+        .expect("an endpoints array")
+        .iter()
+        .map(|e| e["id"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 2, "the CLI lists both endpoints: {list}");
+    let table = rivet(&node, &["endpoint", "get", "default/web"]);
+    assert!(table.contains(&web.identity.to_string()), "get by pod shows the identity: {table}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("deny.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny-web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Ingress]\n",
+    )
+    .unwrap();
+    rivet(&node, &["policy", "apply", "--wait", "-f", file.to_str().unwrap()]);
+    assert!(!tcp(&node, "client", "web", 80), "after `rivet policy apply` of a deny-all, web is closed");
+    let policies = rivet(&node, &["policy", "list"]);
+    assert!(policies.contains("deny-web"), "the policy is listed: {policies}");
+    rivet(&node, &["policy", "delete", "--wait", "default/deny-web"]);
+    assert!(tcp(&node, "client", "web", 80), "after `rivet policy delete`, web is open again");
+
+    let status = rivet(&node, &["status"]);
+    for expected in ["svc-endpoint", "svc-identity", "svc-loader", "svc-ipam"] {
+        assert!(status.contains(expected), "status shows {expected}: {status}");
+    }
+    assert!(status.to_lowercase().contains("ready"), "status shows endpoints by state: {status}");
+}
+
+/// Polls `check` until it holds or `within` passes.
+async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !check() {
+        assert!(Instant::now() < deadline, "{what} within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
+    let policies = tempfile::tempdir().unwrap();
+    let mut node = EndpointNode::start(NodeOptions {
+        endpoint_args: vec!["--policy-dir".into(), policies.path().display().to_string()],
+        ..NodeOptions::default()
+    })
+    .await
+    .expect("the node's daemons start");
+    node.add_pod("web", &["k8s:app=web"]).await;
+    node.add_pod("client", &["k8s:app=client"]).await;
+    let _server = node.pod("web").tcp_server(80).unwrap();
+    assert!(tcp(&node, "client", "web", 80));
+
+    // A deny-all for web plus an egress ipBlock for client (CIDR identities).
+    let file = policies.path().join("web.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny-web, namespace: default}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Ingress]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: client-out}\nspec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  - to:\n    - ipBlock: {cidr: 198.19.128.0/24, except: [198.19.128.0/28]}\n    - podSelector: {matchLabels: {app: web}}\n",
+    )
+    .unwrap();
+    eventually(Duration::from_secs(10), "a policy file denies traffic", || !tcp(&node, "client", "web", 80)).await;
+
+    let listed = node
+        .policies()
+        .await
+        .list_policies(pb::ListPoliciesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.policies.len(), 2, "both documents of the file are applied");
+    assert!(
+        listed.policies.iter().all(|p| p.origin == pb::PolicyOrigin::Directory as i32),
+        "policies of the dir have origin DIRECTORY"
+    );
+    // The ipBlock became CIDR identities in the ipcache, and client's egress
+    // entries name them.
+    let ipcache = node
+        .node
+        .client()
+        .await
+        .list_ipcache(ldpb::ListIpcacheRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let cidr_ids: Vec<u32> = ipcache
+        .entries
+        .iter()
+        .filter(|e| e.prefix.as_ref().is_some_and(|p| p.address == [198, 19, 128, 0]))
+        .map(|e| e.identity)
+        .collect();
+    assert_eq!(cidr_ids.len(), 2, "the cidr and its except are both in the datapath's ipcache: {cidr_ids:?}");
+    let client = node.endpoints().await.get_endpoint(pb::GetEndpointRequest {
+        r#ref: Some(pb::EndpointRef { r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef { namespace: "default".into(), name: "client".into() })) }),
+    }).await.unwrap().into_inner().endpoint.unwrap();
+    let held = node
+        .node
+        .client()
+        .await
+        .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id: client.id })
+        .await
+        .unwrap()
+        .into_inner();
+    let peers: Vec<u32> = held.entries.iter().filter_map(|e| e.entry.as_ref()).map(|e| e.peer_identity).collect();
+    assert!(held.enforce_egress, "client's egress is enforced");
+    assert_eq!(
+        cidr_ids.iter().filter(|id| peers.contains(id)).count(),
+        1,
+        "exactly the cidr (not its except) is an allowed peer: peers {peers:?}, cidr ids {cidr_ids:?}"
+    );
+
+    // A broken file changes nothing.
+    std::fs::write(&file, "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny-web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Sideways]\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!tcp(&node, "client", "web", 80), "a file that does not parse must leave its policies applied");
+    let still = node.policies().await.list_policies(pb::ListPoliciesRequest::default()).await.unwrap().into_inner();
+    assert_eq!(still.policies.len(), 2, "a file that does not parse changes nothing");
+
+    // Removing the file removes its policies.
+    std::fs::remove_file(&file).unwrap();
+    eventually(Duration::from_secs(10), "removing the file reopens web", || tcp(&node, "client", "web", 80)).await;
+}
