@@ -123,6 +123,21 @@ impl OtlpCollector {
     /// # Ok(()) }
     /// ```
     pub async fn start() -> std::io::Result<Self> {
+        Self::start_on(std::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))?).await
+    }
+
+    /// Serves on a listener bound elsewhere, e.g. inside a network namespace
+    /// (bound with [`netns::NetNs::in_ns`]) for daemons running there.
+    ///
+    /// ```no_run
+    /// # async fn t() -> std::io::Result<()> {
+    /// let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    /// let collector = rivet_common::testing::OtlpCollector::start_on(listener).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn start_on(listener: std::net::TcpListener) -> std::io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
         let spans = Arc::new(Mutex::new(Vec::new()));
         let (ready_tx, ready_rx) = oneshot::channel::<std::io::Result<SocketAddr>>();
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
@@ -131,8 +146,8 @@ impl OtlpCollector {
         };
         std::thread::Builder::new()
             .name("otlp-collector".to_owned())
-            .spawn(move || run(sink, ready_tx, stop_rx))?;
-        let addr = ready_rx
+            .spawn(move || run(sink, listener, ready_tx, stop_rx))?;
+        ready_rx
             .await
             .map_err(|_| std::io::Error::other("the OTLP collector thread exited before it was ready"))??;
         Ok(Self {
@@ -200,7 +215,12 @@ impl Drop for OtlpCollector {
 
 /// Body of the collector thread: serve until told to stop (or the collector
 /// is dropped), then abort the server and drop the runtime.
-fn run(sink: Sink, ready: oneshot::Sender<std::io::Result<SocketAddr>>, stop: oneshot::Receiver<()>) {
+fn run(
+    sink: Sink,
+    listener: std::net::TcpListener,
+    ready: oneshot::Sender<std::io::Result<SocketAddr>>,
+    stop: oneshot::Receiver<()>,
+) {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(err) => {
@@ -209,8 +229,7 @@ fn run(sink: Sink, ready: oneshot::Sender<std::io::Result<SocketAddr>>, stop: on
         }
     };
     runtime.block_on(async move {
-        let bound = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .await
+        let bound = tokio::net::TcpListener::from_std(listener)
             .and_then(|listener| Ok((listener.local_addr()?, listener)));
         let listener = match bound {
             Ok((addr, listener)) => {

@@ -25,6 +25,7 @@ use rivet_proto::identity::v1 as idpb;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
 use tokio::sync::{Notify, Semaphore, watch};
+use tracing::Instrument;
 use tonic::{Code, Status};
 
 use crate::clients::{IdentityApi, IpamApi, LoaderApi};
@@ -311,20 +312,30 @@ struct Queue {
     retry: AtomicBool,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Outcome {
     requested: u64,
     realised: u64,
     /// The generation a failed attempt was for, and why.
     failed: Option<(u64, RegenError)>,
     reason: String,
+    /// The span of the latest request: the regeneration is its child, so a
+    /// pod creation is one trace across the daemons.
+    requester: tracing::Span,
 }
 
 impl Queue {
     fn new(retry: bool) -> Arc<Self> {
         Arc::new(Self {
             lock: tokio::sync::Mutex::new(()),
-            outcome: watch::channel(Outcome::default()).0,
+            outcome: watch::channel(Outcome {
+                requested: 0,
+                realised: 0,
+                failed: None,
+                reason: String::new(),
+                requester: tracing::Span::none(),
+            })
+            .0,
             wake: Notify::new(),
             closed: AtomicBool::new(false),
             retry: AtomicBool::new(retry),
@@ -337,6 +348,7 @@ impl Queue {
         self.outcome.send_modify(|o| {
             o.requested += 1;
             o.reason = reason.to_string();
+            o.requester = tracing::Span::current();
             generation = o.requested;
         });
         self.wake.notify_one();
@@ -1274,10 +1286,14 @@ impl EndpointManager {
                 if queue.closed.load(Ordering::SeqCst) {
                     return;
                 }
-                let (target, reason) = {
-                    let o = queue.outcome.borrow();
-                    (o.requested, o.reason.clone())
-                };
+                // Taken, not cloned: a span kept in the queue would never
+                // close (and never be exported).
+                let (mut target, mut reason, mut requester) = (0, String::new(), tracing::Span::none());
+                queue.outcome.send_modify(|o| {
+                    target = o.requested;
+                    reason = o.reason.clone();
+                    requester = std::mem::replace(&mut o.requester, tracing::Span::none());
+                });
                 if target <= queue.outcome.borrow().realised {
                     continue;
                 }
@@ -1287,7 +1303,8 @@ impl EndpointManager {
                         return;
                     }
                     let _permit = this.inner.permits.acquire().await.expect("semaphore never closed");
-                    this.regenerate(id, &reason).await
+                    let span = tracing::info_span!(parent: &requester, "regenerate", endpoint = id, reason = %reason);
+                    this.regenerate(id, &reason).instrument(span).await
                 };
                 match result {
                     Ok(()) => {

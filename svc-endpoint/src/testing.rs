@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::netns::{PodSpec, TestPod};
-use rivet_common::testing::{DaemonCommand, DaemonProcess, workspace_binary};
+use rivet_common::testing::{DaemonCommand, DaemonProcess, OtlpCollector, workspace_binary};
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;
@@ -36,6 +36,8 @@ pub struct EndpointNode {
     pub ipam: DaemonProcess,
     /// The node namespace, its pods and svc-loader.
     pub node: LoaderNode,
+    /// The collector of svc-loader's spans (with [`NodeOptions::trace_loader`]).
+    pub loader_collector: Option<OtlpCollector>,
 }
 
 /// Extra flags per daemon.
@@ -45,12 +47,35 @@ pub struct NodeOptions {
     pub endpoint_args: Vec<String>,
     /// Do not start svc-endpoint (a test runs the manager in-process).
     pub without_endpoint_daemon: bool,
+    /// Run an OTLP collector inside the node namespace for svc-loader's
+    /// spans ([`EndpointNode::loader_collector`]); the other daemons export
+    /// to `OTEL_EXPORTER_OTLP_ENDPOINT` of the test's environment.
+    pub trace_loader: bool,
 }
 
 impl EndpointNode {
     /// Starts the node: svc-loader, svc-ipam, svc-identity, svc-endpoint.
     pub async fn start(options: NodeOptions) -> std::io::Result<Self> {
-        let node = LoaderNode::start(&workspace_binary("svc-loader"), &[], &[]).await?;
+        // svc-loader runs in the node namespace, where the host's loopback
+        // (and a collector on it) is out of reach: it gets its own.
+        let mut listener = None;
+        let node = LoaderNode::start_with_env(&workspace_binary("svc-loader"), &[], &[], |node| {
+            if !options.trace_loader {
+                return Ok(Vec::new());
+            }
+            let bound = node
+                .ns
+                .in_ns(|| std::net::TcpListener::bind("127.0.0.1:0"))
+                .map_err(std::io::Error::other)??;
+            let endpoint = format!("http://{}", bound.local_addr()?);
+            listener = Some(bound);
+            Ok(vec![("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint)])
+        })
+        .await?;
+        let loader_collector = match listener {
+            Some(listener) => Some(OtlpCollector::start_on(listener).await?),
+            None => None,
+        };
         let dir = node.dir.path().to_path_buf();
         let sockets = dir.join("sockets");
         let common = |name: &str| {
@@ -81,6 +106,7 @@ impl EndpointNode {
             identity,
             ipam,
             node,
+            loader_collector,
         })
     }
 

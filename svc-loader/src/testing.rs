@@ -62,6 +62,18 @@ impl LoaderNode {
     /// Creates the node with `pods` and starts `loader_bin` inside it with
     /// small maps and `extra_args`.
     pub async fn start(loader_bin: &Path, pods: &[&str], extra_args: &[&str]) -> std::io::Result<Self> {
+        Self::start_with_env(loader_bin, pods, extra_args, |_| Ok(Vec::new())).await
+    }
+
+    /// [`start`](Self::start), with environment variables for the loader
+    /// computed once the node namespace exists (e.g. the address of an OTLP
+    /// collector listening inside it).
+    pub async fn start_with_env(
+        loader_bin: &Path,
+        pods: &[&str],
+        extra_args: &[&str],
+        env: impl FnOnce(&TestNode) -> std::io::Result<Vec<(String, String)>>,
+    ) -> std::io::Result<Self> {
         let mut node = TestNode::with_host_prefix(HOST_PREFIX).map_err(std::io::Error::other)?;
         for (i, name) in pods.iter().enumerate() {
             node.add_pod(pod_spec(name, i as u8 + 1))
@@ -73,7 +85,11 @@ impl LoaderNode {
         let sockets = dir.path().join("sockets");
         // nsenter switches only the network namespace: `ip netns exec` would
         // remount /sys and hide the bpffs at /sys/fs/bpf.
-        let loader = DaemonCommand::new("nsenter", sockets.join("svc-loader.sock"))
+        let mut loader = DaemonCommand::new("nsenter", sockets.join("svc-loader.sock"));
+        for (key, value) in env(&node)? {
+            loader = loader.env(key, value);
+        }
+        let loader = loader
             .arg(format!("--net={}", node.ns.path().display()))
             .arg(loader_bin)
             .args(["--socket-dir".as_ref(), sockets.as_os_str()])

@@ -1,0 +1,978 @@
+//! Restarts of the node daemons under load, as real processes with real pods:
+//!
+//! - kill -9 of svc-endpoint with 50 endpoints: the restart restores every
+//!   endpoint with the same id, addresses and identity while traffic flows
+//!   on, and cleans the one whose interface vanished while it was down.
+//! - kill -9 of svc-identity, svc-ipam and svc-loader, one at a time, while
+//!   a flood ping runs and a CNI-like task keeps creating and deleting
+//!   endpoints: svc-endpoint replays its desired state into each restarted
+//!   daemon, no packet is lost and nothing leaks.
+//!
+//! Every wait polls a condition with a deadline; nothing sleeps for a fixed
+//! time where a condition can be awaited.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix, connect_unix_lazy};
+use rivet_common::testing::DaemonProcess;
+use rivet_proto::endpoint::v1 as pb;
+use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
+use rivet_proto::identity::v1 as idpb;
+use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
+use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
+use rivet_proto::ipam::v1 as ipampb;
+use rivet_proto::ipam::v1::ipam_client::IpamClient;
+use rivet_proto::loader::v1 as ldpb;
+use svc_endpoint::testing::{EndpointNode, NodeOptions};
+use tonic::Code;
+
+/// Label sets the pods are spread over (several pods share each identity).
+const LABEL_SETS: [&[&str]; 4] = [
+    &["k8s:app=web", "k8s:tier=frontend"],
+    &["k8s:app=api"],
+    &["k8s:app=db", "k8s:tier=backend"],
+    &["k8s:app=cache"],
+];
+
+/// Pings per `ping` run of a [`Pinger`] (0.2 s at 0.2 ms).
+const PING_BATCH: u32 = 1000;
+
+/// How long a condition may take to hold.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+fn labels(i: usize) -> &'static [&'static str] {
+    LABEL_SETS[i % LABEL_SETS.len()]
+}
+
+fn unix_nanos(t: SystemTime) -> i64 {
+    i64::try_from(t.duration_since(UNIX_EPOCH).expect("after 1970").as_nanos()).expect("fits i64")
+}
+
+/// Polls `check` every 20 ms until it returns `Ok`; panics with `what` and
+/// the last reason after `timeout`. Returns how long it took.
+async fn eventually<F, Fut>(what: &str, timeout: Duration, mut check: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let started = Instant::now();
+    loop {
+        match check().await {
+            Ok(()) => return started.elapsed(),
+            Err(why) if started.elapsed() > timeout => panic!("{what} (not within {timeout:?}): {why}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+// ------------------------------------------------------------ flood ping --
+
+/// What the pings of a [`Pinger`] saw.
+#[derive(Debug, Default, Clone, Copy)]
+struct PingTotals {
+    transmitted: u64,
+    received: u64,
+    elapsed: Duration,
+}
+
+impl PingTotals {
+    fn lost(&self) -> u64 {
+        self.transmitted - self.received
+    }
+}
+
+/// A flood ping (one echo request every 0.2 ms) from one pod to another in
+/// a background thread, as back-to-back `ping -c 1000` runs so it can be
+/// stopped without counting in-flight requests as lost. Stops on drop.
+struct Pinger {
+    stop: Arc<AtomicBool>,
+    batches: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<Result<PingTotals, String>>>,
+}
+
+impl Pinger {
+    fn start(node: &EndpointNode, from: &str, to: &str) -> Self {
+        let ns = node.pod(from).ns.name().to_owned();
+        let dst = node.ipv4(to).to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let batches = Arc::new(AtomicU64::new(0));
+        let thread = {
+            let (stop, batches) = (stop.clone(), batches.clone());
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let mut totals = PingTotals::default();
+                while !stop.load(Ordering::SeqCst) {
+                    let count = PING_BATCH.to_string();
+                    let args = [
+                        "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-i", "0.0002", "-W", "1", "-c",
+                    ];
+                    let out = Command::new("ip")
+                        .args(args)
+                        .args([count.as_str(), dst.as_str()])
+                        .env("LC_ALL", "C")
+                        .output()
+                        .map_err(|e| format!("running ping: {e}"))?;
+                    let text = String::from_utf8_lossy(&out.stdout);
+                    let (sent, received) = parse_ping(&text).ok_or_else(|| {
+                        format!("unexpected ping output: {text}{}", String::from_utf8_lossy(&out.stderr))
+                    })?;
+                    totals.transmitted += sent;
+                    totals.received += received;
+                    batches.fetch_add(1, Ordering::SeqCst);
+                }
+                totals.elapsed = started.elapsed();
+                Ok(totals)
+            })
+        };
+        Self {
+            stop,
+            batches,
+            thread: Some(thread),
+        }
+    }
+
+    /// Waits until `n` more ping runs completed (so traffic covered what
+    /// happened before this call).
+    async fn wait_batches(&self, n: u64) {
+        let target = self.batches.load(Ordering::SeqCst) + n;
+        let thread_alive = || self.thread.as_ref().is_some_and(|t| !t.is_finished());
+        eventually("the flood ping completes its runs", Duration::from_secs(10), || async {
+            if !thread_alive() {
+                return Err("the ping thread ended early".into());
+            }
+            if self.batches.load(Ordering::SeqCst) >= target {
+                Ok(())
+            } else {
+                Err(format!("{} of {target} runs", self.batches.load(Ordering::SeqCst)))
+            }
+        })
+        .await;
+    }
+
+    fn stop(mut self) -> PingTotals {
+        self.stop.store(true, Ordering::SeqCst);
+        let totals = self
+            .thread
+            .take()
+            .expect("stopped once")
+            .join()
+            .expect("the ping thread does not panic")
+            .unwrap_or_else(|e| panic!("the flood ping failed: {e}"));
+        assert!(totals.transmitted > 0, "the flood ping sent nothing");
+        totals
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `N packets transmitted, M received` of ping's summary.
+fn parse_ping(text: &str) -> Option<(u64, u64)> {
+    let line = text.lines().find(|l| l.contains("packets transmitted"))?;
+    let mut numbers = line
+        .split(',')
+        .map(|part| part.split_whitespace().next()?.parse::<u64>().ok());
+    Some((numbers.next()??, numbers.next()??))
+}
+
+// ------------------------------------------------------------ the node view --
+
+async fn identity_channel(node: &EndpointNode) -> DaemonChannel {
+    connect_unix(node.identity.socket(), &ClientOptions::default())
+        .await
+        .expect("svc-identity answers")
+}
+
+async fn endpoint_status(node: &EndpointNode) -> pb::GetStatusResponse {
+    node.endpoints()
+        .await
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .expect("svc-endpoint GetStatus")
+        .into_inner()
+}
+
+async fn list_endpoints(node: &EndpointNode) -> pb::ListEndpointsResponse {
+    node.endpoints()
+        .await
+        .list_endpoints(pb::ListEndpointsRequest::default())
+        .await
+        .expect("svc-endpoint ListEndpoints")
+        .into_inner()
+}
+
+fn dependency<'a>(status: &'a pb::GetStatusResponse, name: &str) -> &'a pb::Dependency {
+    status
+        .dependencies
+        .iter()
+        .find(|d| d.name == name)
+        .unwrap_or_else(|| panic!("GetStatus lists the dependency {name}: {status:?}"))
+}
+
+fn addresses(endpoint: &pb::Endpoint) -> BTreeSet<IpAddr> {
+    endpoint
+        .addresses
+        .iter()
+        .map(|a| a.address.parse().expect("svc-endpoint lists parseable addresses"))
+        .collect()
+}
+
+/// An ipcache prefix of one address ("198.18.0.5/32") as the address.
+fn host_prefix(prefix: &str) -> Option<IpAddr> {
+    let (address, length) = prefix.split_once('/').unwrap_or((prefix, ""));
+    let address: IpAddr = address.parse().ok()?;
+    let full = if address.is_ipv4() { "32" } else { "128" };
+    (length.is_empty() || length == full).then_some(address)
+}
+
+fn loader_address(bytes: &[u8]) -> Option<IpAddr> {
+    match bytes.len() {
+        4 => Some(IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?)),
+        16 => Some(IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?)),
+        _ => None,
+    }
+}
+
+/// Endpoint ids named by the state dir (`<id>`, `<id>_next`, ...).
+fn state_dir_ids(node: &EndpointNode) -> BTreeMap<u32, Vec<String>> {
+    let mut ids = BTreeMap::<u32, Vec<String>>::new();
+    let Ok(entries) = std::fs::read_dir(node.state_dir().join("endpoints")) else {
+        return ids;
+    };
+    for entry in entries {
+        let name = entry
+            .expect("reading the state dir")
+            .file_name()
+            .to_string_lossy()
+            .into_owned();
+        let digits: String = name.chars().take_while(char::is_ascii_digit).collect();
+        if let Ok(id) = digits.parse() {
+            ids.entry(id).or_default().push(name);
+        }
+    }
+    ids
+}
+
+/// Checks that the four daemons agree on exactly the endpoints of
+/// `expected_pods` and hold nothing for `gone_pods`; the first violation is
+/// the error.
+async fn check_consistent(
+    node: &EndpointNode,
+    expected_pods: &BTreeSet<String>,
+    gone_pods: &[String],
+) -> Result<(), String> {
+    // svc-endpoint: exactly the expected pods, all ready, restore complete.
+    let listed = list_endpoints(node).await;
+    if !listed.restore_complete {
+        return Err("svc-endpoint's restore is not complete".into());
+    }
+    let endpoints: BTreeMap<u32, pb::Endpoint> = listed.endpoints.into_iter().map(|e| (e.id, e)).collect();
+    let pods: BTreeSet<String> = endpoints.values().map(|e| e.container_id.clone()).collect();
+    if &pods != expected_pods {
+        return Err(format!(
+            "svc-endpoint must hold exactly the expected pods: extra {:?}, missing {:?}",
+            pods.difference(expected_pods).collect::<Vec<_>>(),
+            expected_pods.difference(&pods).collect::<Vec<_>>()
+        ));
+    }
+    if let Some(e) = endpoints.values().find(|e| e.state != pb::EndpointState::Ready as i32) {
+        return Err(format!(
+            "every endpoint must be READY; {} is {:?} ({})",
+            e.id,
+            e.state(),
+            e.last_error
+        ));
+    }
+
+    // svc-loader: the same ids on the same interfaces with the same
+    // identities, and nothing that belongs to no endpoint.
+    let loader = node
+        .node
+        .client()
+        .await
+        .list_endpoints(ldpb::ListEndpointsRequest {})
+        .await
+        .map_err(|e| format!("svc-loader ListEndpoints: {e}"))?
+        .into_inner();
+    let held: BTreeMap<u32, (u32, u32)> = loader
+        .endpoints
+        .iter()
+        .map(|e| (e.endpoint_id, (e.host_ifindex, e.identity)))
+        .collect();
+    let wanted: BTreeMap<u32, (u32, u32)> = endpoints
+        .values()
+        .map(|e| (e.id, (e.host_ifindex, e.identity)))
+        .collect();
+    if held != wanted {
+        return Err(format!(
+            "svc-loader's endpoints (id → ifindex, identity) must equal svc-endpoint's: loader {held:?}, endpoint {wanted:?}"
+        ));
+    }
+    if let Some(e) = loader.endpoints.iter().find(|e| {
+        e.from_container != ldpb::AttachState::Attached as i32 || e.to_container != ldpb::AttachState::Attached as i32
+    }) {
+        return Err(format!("every endpoint's programs must be attached: {e:?}"));
+    }
+    if !loader.orphan_attachments.is_empty() || !loader.orphan_policy_endpoint_ids.is_empty() {
+        return Err(format!(
+            "svc-loader must hold no orphan attachments ({:?}) nor policy entries of unknown endpoints ({:?})",
+            loader.orphan_attachments, loader.orphan_policy_endpoint_ids
+        ));
+    }
+    let ipcache = node
+        .node
+        .client()
+        .await
+        .list_ipcache(ldpb::ListIpcacheRequest {
+            page_size: 10_000,
+            start_after: None,
+        })
+        .await
+        .map_err(|e| format!("svc-loader ListIpcache: {e}"))?
+        .into_inner();
+    let datapath_ipcache: BTreeMap<IpAddr, u32> = ipcache
+        .entries
+        .iter()
+        .filter_map(|e| {
+            let prefix = e.prefix.as_ref()?;
+            let full = if prefix.address.len() == 4 { 32 } else { 128 };
+            (prefix.prefix_length == full).then(|| Some((loader_address(&prefix.address)?, e.identity)))?
+        })
+        .collect();
+    for e in endpoints.values() {
+        for address in addresses(e) {
+            if datapath_ipcache.get(&address) != Some(&e.identity) {
+                return Err(format!(
+                    "the datapath's ipcache must map {address} to endpoint {}'s identity {}: it holds {:?}",
+                    e.id,
+                    e.identity,
+                    datapath_ipcache.get(&address)
+                ));
+            }
+        }
+    }
+
+    // svc-identity: one owner `endpoint/<id>` per endpoint, on its identity;
+    // LOCAL_ENDPOINT ipcache entries exactly the endpoints' addresses.
+    let channel = identity_channel(node).await;
+    let identities = IdentityServiceClient::new(channel.clone())
+        .list_identities(idpb::ListIdentitiesRequest {
+            include_owners: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("svc-identity ListIdentities: {e}"))?
+        .into_inner();
+    let mut owners = BTreeMap::<String, Vec<u32>>::new();
+    for identity in &identities.identities {
+        for owner in identity.owners.iter().filter(|o| o.starts_with("endpoint/")) {
+            owners.entry(owner.clone()).or_default().push(identity.id);
+        }
+    }
+    let wanted: BTreeMap<String, Vec<u32>> = endpoints
+        .values()
+        .map(|e| (format!("endpoint/{}", e.id), vec![e.identity]))
+        .collect();
+    if owners != wanted {
+        return Err(format!(
+            "svc-identity's references by `endpoint/<id>` must be exactly one per endpoint on its identity: held {owners:?}, wanted {wanted:?}"
+        ));
+    }
+    let local = IpcacheServiceClient::new(channel)
+        .list_ipcache(idpb::ListIpcacheRequest {
+            source: idpb::IpcacheSource::LocalEndpoint.into(),
+            page_size: 10_000,
+            start_after: String::new(),
+        })
+        .await
+        .map_err(|e| format!("svc-identity ListIpcache: {e}"))?
+        .into_inner();
+    let published: BTreeMap<IpAddr, u32> = local
+        .entries
+        .iter()
+        .map(|e| {
+            (
+                host_prefix(&e.prefix).unwrap_or_else(|| panic!("a host prefix: {e:?}")),
+                e.identity,
+            )
+        })
+        .collect();
+    let wanted: BTreeMap<IpAddr, u32> = endpoints
+        .values()
+        .flat_map(|e| addresses(e).into_iter().map(|a| (a, e.identity)))
+        .collect();
+    if published != wanted {
+        return Err(format!(
+            "svc-identity's LOCAL_ENDPOINT ipcache entries must be exactly the endpoints' addresses: held {published:?}, wanted {wanted:?}"
+        ));
+    }
+
+    // svc-ipam: every endpoint address allocated to its pod; nothing for a
+    // pod that is gone.
+    let ipam = node
+        .ipam_client()
+        .await
+        .list(ipampb::ListRequest {
+            pool: String::new(),
+            include_allocations: true,
+        })
+        .await
+        .map_err(|e| format!("svc-ipam List: {e}"))?
+        .into_inner();
+    let allocations: BTreeMap<IpAddr, String> = ipam
+        .pools
+        .iter()
+        .flat_map(|p| p.allocations.iter())
+        .chain(ipam.orphaned.iter())
+        .map(|a| {
+            let address = a.address.parse().expect("svc-ipam lists parseable addresses");
+            (
+                address,
+                a.owner
+                    .as_ref()
+                    .map(|o| format!("{}/{}", o.container_id, o.interface))
+                    .unwrap_or_default(),
+            )
+        })
+        .collect();
+    for e in endpoints.values() {
+        for address in addresses(e) {
+            let owner = format!("{}/{}", e.container_id, e.interface);
+            if allocations.get(&address) != Some(&owner) {
+                return Err(format!(
+                    "svc-ipam must hold {address} for {owner} (endpoint {}): it holds it for {:?}",
+                    e.id,
+                    allocations.get(&address)
+                ));
+            }
+        }
+    }
+    for gone in gone_pods {
+        let held: Vec<_> = allocations
+            .iter()
+            .filter(|(_, o)| o.split('/').next() == Some(gone))
+            .collect();
+        if !held.is_empty() {
+            return Err(format!(
+                "svc-ipam must hold nothing for the deleted pod {gone}: {held:?}"
+            ));
+        }
+    }
+
+    // The state dir: nothing for an id that is no endpoint.
+    let dirs = state_dir_ids(node);
+    let stray: Vec<_> = dirs.iter().filter(|(id, _)| !endpoints.contains_key(id)).collect();
+    if !stray.is_empty() {
+        return Err(format!(
+            "the state dir must hold nothing for ids that are no endpoint: {stray:?}"
+        ));
+    }
+    let missing: Vec<_> = endpoints.keys().filter(|id| !dirs.contains_key(id)).collect();
+    if !missing.is_empty() {
+        return Err(format!("every endpoint must have a state dir: missing {missing:?}"));
+    }
+    Ok(())
+}
+
+// ------------------------------------------------- kill -9 of svc-endpoint --
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_of_svc_endpoint_restores_50_endpoints_under_traffic_and_cleans_the_one_that_vanished() {
+    let mut node = EndpointNode::start(NodeOptions::default())
+        .await
+        .expect("the node's daemons start");
+    let names: Vec<String> = (0..50).map(|i| format!("p{i:02}")).collect();
+    let started = Instant::now();
+    for (i, name) in names.iter().enumerate() {
+        node.add_pod(name, labels(i)).await;
+    }
+    let setup = started.elapsed();
+    let before = list_endpoints(&node).await.endpoints;
+    assert_eq!(before.len(), 50, "50 endpoints before the kill");
+    assert!(
+        before
+            .iter()
+            .all(|e| e.state == pb::EndpointState::Ready as i32 && e.identity != 0),
+        "every endpoint is ready with an identity before the kill"
+    );
+    let distinct: BTreeSet<u32> = before.iter().map(|e| e.identity).collect();
+    assert_eq!(
+        distinct.len(),
+        LABEL_SETS.len(),
+        "one identity per label set: {distinct:?}"
+    );
+    let all_pods: BTreeSet<String> = names.iter().cloned().collect();
+    check_consistent(&node, &all_pods, &[])
+        .await
+        .unwrap_or_else(|e| panic!("before the kill: {e}"));
+
+    let victim_name = "p37".to_string();
+    let victim = before
+        .iter()
+        .find(|e| e.container_id == victim_name)
+        .expect("the victim's endpoint")
+        .clone();
+
+    // Traffic between two pods from before the kill until after restore.
+    let pinger = Pinger::start(&node, "p00", "p01");
+    pinger.wait_batches(1).await;
+
+    node.endpoint_daemon().kill9();
+    // The victim's pod goes away while svc-endpoint is down (its namespace
+    // and with it both ends of the veth).
+    assert!(node.node.node.remove_pod(&victim_name), "the victim pod existed");
+    let node_ns = &node.node.node.ns;
+    eventually("the victim's host veth is deleted", Duration::from_secs(10), || async {
+        match node_ns.has_link(&victim.host_interface) {
+            Ok(false) => Ok(()),
+            Ok(true) => Err(format!("{} still exists", victim.host_interface)),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .await;
+
+    let restart = Instant::now();
+    node.endpoint_daemon().restart().await.expect("svc-endpoint restarts");
+    let answering = restart.elapsed();
+    let node_ref = &node;
+    let mut status = None;
+    let restore_wait = eventually("svc-endpoint completes its restore", DEADLINE, || async {
+        let s = endpoint_status(node_ref).await;
+        let complete = s
+            .restore
+            .as_ref()
+            .is_some_and(|r| r.phase == pb::RestorePhase::Complete as i32);
+        status = Some(s);
+        if complete {
+            Ok(())
+        } else {
+            Err(format!("restore {:?}", status.as_ref().unwrap().restore))
+        }
+    })
+    .await;
+    let restored_in = restart.elapsed();
+    let restore = status.expect("polled").restore.expect("restore status");
+    // The traffic must also have run after everything restore did.
+    pinger.wait_batches(2).await;
+    let ping = pinger.stop();
+
+    assert_eq!(restore.found, 50, "restore finds the 50 state dirs: {restore:?}");
+    assert_eq!(
+        restore.restored, 49,
+        "the 49 endpoints with an interface are restored: {restore:?}"
+    );
+    assert_eq!(
+        restore.dropped, 1,
+        "the endpoint whose interface vanished is dropped: {restore:?}"
+    );
+    assert_eq!(restore.failed, 0, "no restore fails: {restore:?}");
+    assert_eq!(
+        ping.lost(),
+        0,
+        "a kill -9 and restart of svc-endpoint must not lose one packet between running pods: {ping:?}"
+    );
+
+    // Same ids, addresses, interfaces and identities; every one ready.
+    let after = list_endpoints(&node).await;
+    assert!(after.restore_complete, "ListEndpoints says restore is complete");
+    let key = |e: &pb::Endpoint| {
+        (
+            e.id,
+            e.container_id.clone(),
+            e.host_interface.clone(),
+            e.host_ifindex,
+            addresses(e),
+            e.mac.clone(),
+            e.identity,
+            e.identity_labels.clone(),
+            e.labels.clone(),
+        )
+    };
+    let expected: Vec<_> = before.iter().filter(|e| e.id != victim.id).map(key).collect();
+    let restored: Vec<_> = after.endpoints.iter().map(key).collect();
+    assert_eq!(
+        restored, expected,
+        "every endpoint but the vanished one is restored with the same id, interface, addresses and identity"
+    );
+    assert!(
+        after
+            .endpoints
+            .iter()
+            .all(|e| e.state == pb::EndpointState::Ready as i32),
+        "every restored endpoint is READY: {:?}",
+        after
+            .endpoints
+            .iter()
+            .filter(|e| e.state != pb::EndpointState::Ready as i32)
+            .collect::<Vec<_>>()
+    );
+
+    // The vanished endpoint is cleaned everywhere (check_consistent also
+    // proves the other 49 are held exactly once by every daemon).
+    let mut remaining = all_pods.clone();
+    remaining.remove(&victim_name);
+    check_consistent(&node, &remaining, std::slice::from_ref(&victim_name))
+        .await
+        .unwrap_or_else(|e| panic!("after restore: {e}"));
+    let loader = node
+        .node
+        .client()
+        .await
+        .list_endpoints(ldpb::ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        loader
+            .endpoints
+            .iter()
+            .all(|e| e.endpoint_id != victim.id && e.host_ifindex != victim.host_ifindex),
+        "the dropped endpoint's datapath entry is removed: {loader:?}"
+    );
+    let identities = IdentityServiceClient::new(identity_channel(&node).await)
+        .list_identities(idpb::ListIdentitiesRequest {
+            include_owners: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let owner = format!("endpoint/{}", victim.id);
+    assert!(
+        identities.identities.iter().all(|i| !i.owners.contains(&owner)),
+        "the dropped endpoint's identity reference ({owner}) is released"
+    );
+    let ipam = node
+        .ipam_client()
+        .await
+        .list(ipampb::ListRequest {
+            pool: String::new(),
+            include_allocations: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let victim_addresses: BTreeSet<String> = victim.addresses.iter().map(|a| a.address.clone()).collect();
+    assert!(
+        ipam.pools
+            .iter()
+            .flat_map(|p| &p.allocations)
+            .all(|a| !victim_addresses.contains(&a.address)
+                && a.owner.as_ref().is_none_or(|o| o.container_id != victim_name)),
+        "the dropped endpoint's addresses {victim_addresses:?} are released in svc-ipam"
+    );
+    assert!(
+        !state_dir_ids(&node).contains_key(&victim.id),
+        "the dropped endpoint's state dir is removed"
+    );
+
+    // A new endpoint does not take a restored one's id.
+    let fresh = node.add_pod("fresh", labels(0)).await;
+    let restored_ids: BTreeSet<u32> = after.endpoints.iter().map(|e| e.id).collect();
+    assert!(
+        !restored_ids.contains(&fresh.id),
+        "a new endpoint gets an id no restored endpoint has: {} in {restored_ids:?}",
+        fresh.id
+    );
+    let reply = node
+        .pod("p00")
+        .ping(node.ipv4("fresh"), 1, Duration::from_millis(10), Duration::from_secs(1));
+    assert_eq!(reply.expect("ping runs").received, 1, "the new endpoint is reachable");
+
+    eprintln!(
+        "50 pods created in {setup:?}; svc-endpoint answering {answering:?} after restart, restore complete after \
+         {restored_in:?} (polled {restore_wait:?}; restore itself {} ms); ping {}/{} received over {:?} ({:.0}/s)",
+        (restore.finished_unix_nanos - restore.started_unix_nanos) / 1_000_000,
+        ping.received,
+        ping.transmitted,
+        ping.elapsed,
+        ping.transmitted as f64 / ping.elapsed.as_secs_f64()
+    );
+}
+
+// ------------------------------------------- kill -9 of each dependency --
+
+/// A spare pod the churn task creates and deletes endpoints for.
+#[derive(Clone)]
+struct SparePod {
+    name: String,
+    request: pb::CreateEndpointRequest,
+}
+
+/// What the churn task did.
+#[derive(Debug, Default)]
+struct ChurnStats {
+    cycles: u64,
+    created: u64,
+    /// UNAVAILABLE answers (a dependency was down).
+    unavailable: u64,
+    /// Every other error, with the call.
+    other_errors: Vec<String>,
+}
+
+/// Plays the CNI for the spare pods, round robin until `stop`: allocate the
+/// pod's addresses with svc-ipam, create its endpoint, delete it, release the
+/// addresses. A failed ADD is cleaned like the runtime would (DEL: delete and
+/// release, retried until they succeed), so every cycle ends with nothing
+/// held for the pod.
+async fn churn(sockets: PathBuf, pods: Vec<SparePod>, stop: Arc<AtomicBool>, stats: Arc<Mutex<ChurnStats>>) {
+    let options = ClientOptions {
+        request_timeout: Duration::from_secs(15),
+        ..ClientOptions::default()
+    };
+    let endpoints = EndpointServiceClient::new(connect_unix_lazy(&sockets.join("svc-endpoint.sock"), &options));
+    let ipam = IpamClient::new(connect_unix_lazy(&sockets.join("svc-ipam.sock"), &options));
+    let note = |call: &str, e: tonic::Status| {
+        let mut stats = stats.lock().unwrap();
+        if e.code() == Code::Unavailable {
+            stats.unavailable += 1;
+        } else {
+            stats
+                .other_errors
+                .push(format!("{call}: {:?} {}", e.code(), e.message()));
+        }
+    };
+    let pace = Duration::from_millis(10);
+    for pod in pods.iter().cycle() {
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let owner = ipampb::Owner {
+            container_id: pod.name.clone(),
+            interface: "eth0".into(),
+        };
+        // ADD: addresses, then the endpoint.
+        let mut added = true;
+        for address in &pod.request.addresses {
+            let family = if address.address.contains(':') {
+                ipampb::Family::Ipv6
+            } else {
+                ipampb::Family::Ipv4
+            };
+            let request = ipampb::AllocateRequest {
+                owner: Some(owner.clone()),
+                pool: "default".into(),
+                family: family.into(),
+                requested_address: address.address.clone(),
+            };
+            if let Err(e) = ipam.clone().allocate(request).await {
+                note("ipam Allocate", e);
+                added = false;
+                break;
+            }
+        }
+        if added {
+            match endpoints.clone().create_endpoint(pod.request.clone()).await {
+                Ok(_) => stats.lock().unwrap().created += 1,
+                Err(e) => note("CreateEndpoint", e),
+            }
+        }
+        // DEL: the endpoint, then the addresses; retried until done.
+        let delete = pb::DeleteEndpointRequest {
+            r#ref: Some(pb::EndpointRef {
+                r#ref: Some(pb::endpoint_ref::Ref::Container(pb::ContainerInterface {
+                    container_id: pod.name.clone(),
+                    interface: "eth0".into(),
+                })),
+            }),
+        };
+        while let Err(e) = endpoints.clone().delete_endpoint(delete.clone()).await {
+            note("DeleteEndpoint", e);
+            tokio::time::sleep(pace).await;
+        }
+        while let Err(e) = ipam
+            .clone()
+            .release(ipampb::ReleaseRequest {
+                owner: Some(owner.clone()),
+            })
+            .await
+        {
+            note("ipam Release", e);
+            tokio::time::sleep(pace).await;
+        }
+        stats.lock().unwrap().cycles += 1;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothing() {
+    let mut node = EndpointNode::start(NodeOptions::default())
+        .await
+        .expect("the node's daemons start");
+    let names: Vec<String> = (0..20).map(|i| format!("p{i:02}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        node.add_pod(name, labels(i)).await;
+    }
+    let mut spares = Vec::new();
+    for i in 0..4 {
+        let name = format!("spare{i}");
+        node.add_pod_interface(&name).await;
+        let request = node.create_request(&name, labels(i + 1));
+        spares.push(SparePod { name, request });
+    }
+    let base: BTreeSet<String> = names.iter().cloned().collect();
+    let spare_names: Vec<String> = spares.iter().map(|s| s.name.clone()).collect();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let stats = Arc::new(Mutex::new(ChurnStats::default()));
+    let churner = tokio::spawn(churn(node.sockets(), spares, stop.clone(), stats.clone()));
+    let created = |stats: &Mutex<ChurnStats>| stats.lock().unwrap().created;
+    eventually("the churn task creates endpoints", DEADLINE, || async {
+        if created(&stats) >= 3 {
+            Ok(())
+        } else {
+            Err(format!("{:?}", stats.lock().unwrap()))
+        }
+    })
+    .await;
+
+    let mut report = Vec::new();
+    let mut killed_at = BTreeMap::new();
+    for name in ["svc-identity", "svc-ipam", "svc-loader"] {
+        let pinger = Pinger::start(&node, "p00", "p01");
+        pinger.wait_batches(1).await;
+        let unavailable_before = stats.lock().unwrap().unavailable;
+        let kill = SystemTime::now();
+        killed_at.insert(name, kill);
+        let daemon: &mut DaemonProcess = match name {
+            "svc-identity" => &mut node.identity,
+            "svc-ipam" => &mut node.ipam,
+            _ => &mut node.node.loader,
+        };
+        daemon.kill9();
+        let down = Instant::now();
+        // Down until svc-endpoint noticed and the churn ran into it.
+        let node_ref = &node;
+        eventually(&format!("svc-endpoint sees {name} down"), DEADLINE, || async {
+            let status = endpoint_status(node_ref).await;
+            let d = dependency(&status, name);
+            if d.connected { Err(format!("{d:?}")) } else { Ok(()) }
+        })
+        .await;
+        eventually(&format!("the churn runs into {name} being down"), DEADLINE, || async {
+            let s = stats.lock().unwrap();
+            if s.unavailable > unavailable_before {
+                Ok(())
+            } else {
+                Err(format!("{s:?}"))
+            }
+        })
+        .await;
+        let daemon: &mut DaemonProcess = match name {
+            "svc-identity" => &mut node.identity,
+            "svc-ipam" => &mut node.ipam,
+            _ => &mut node.node.loader,
+        };
+        daemon
+            .restart()
+            .await
+            .unwrap_or_else(|e| panic!("{name} restarts: {e}"));
+        let outage = down.elapsed();
+        let boot_id = daemon.info().boot_id.clone();
+        let node_ref = &node;
+        let resync = eventually(
+            &format!("svc-endpoint resyncs {name} after its restart"),
+            DEADLINE,
+            || async {
+                let status = endpoint_status(node_ref).await;
+                let d = dependency(&status, name);
+                if d.connected && d.seen_boot_id == boot_id && d.last_resync_unix_nanos > unix_nanos(kill) {
+                    Ok(())
+                } else {
+                    Err(format!("{d:?}"))
+                }
+            },
+        )
+        .await;
+        let created_before = created(&stats);
+        let ready = eventually(
+            &format!("every endpoint is ready again after {name}'s restart"),
+            DEADLINE,
+            || async {
+                let listed = list_endpoints(node_ref).await;
+                let not_ready: Vec<_> = listed
+                    .endpoints
+                    .iter()
+                    .filter(|e| base.contains(&e.container_id) && e.state != pb::EndpointState::Ready as i32)
+                    .map(|e| (e.id, e.state(), e.last_error.clone()))
+                    .collect();
+                if not_ready.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!("{not_ready:?}"))
+                }
+            },
+        )
+        .await;
+        eventually(
+            &format!("the churn creates endpoints again after {name}'s restart"),
+            DEADLINE,
+            || async {
+                if created(&stats) > created_before {
+                    Ok(())
+                } else {
+                    Err(format!("{:?}", stats.lock().unwrap()))
+                }
+            },
+        )
+        .await;
+        pinger.wait_batches(1).await;
+        let ping = pinger.stop();
+        assert_eq!(
+            ping.lost(),
+            0,
+            "kill -9 and restart of {name} must not lose one packet between running pods: {ping:?}"
+        );
+        report.push(format!(
+            "{name}: down {outage:?}, resynced {resync:?} after restart (+{ready:?} until all ready), ping {}/{}",
+            ping.received, ping.transmitted
+        ));
+    }
+
+    // Quiet: the churn ends with every spare pod deleted and released.
+    stop.store(true, Ordering::SeqCst);
+    tokio::time::timeout(DEADLINE, churner)
+        .await
+        .expect("the churn task ends once stopped")
+        .expect("the churn task does not panic");
+    let node_ref = &node;
+    let settle = eventually(
+        "the daemons agree on the endpoints and hold nothing of deleted pods",
+        DEADLINE,
+        || check_consistent(node_ref, &base, &spare_names),
+    )
+    .await;
+
+    let status = endpoint_status(&node).await;
+    for (name, kill) in &killed_at {
+        let d = dependency(&status, name);
+        assert!(
+            d.last_resync_unix_nanos > unix_nanos(*kill),
+            "GetStatus shows a resync of {name} after its kill: {d:?}"
+        );
+        assert!(d.connected, "{name} is connected again: {d:?}");
+    }
+    let stats = stats.lock().unwrap();
+    assert!(
+        stats.other_errors.iter().all(|e| e.contains("being deleted; retry")),
+        "while a dependency is down the CNI sees UNAVAILABLE (or a retryable 'being deleted'), nothing else: {:?}",
+        stats.other_errors
+    );
+    eprintln!(
+        "{}\nchurn: {} cycles, {} creates, {} UNAVAILABLE, other {:?}; consistent {settle:?} after the churn stopped",
+        report.join("\n"),
+        stats.cycles,
+        stats.created,
+        stats.unavailable,
+        stats.other_errors
+    );
+}
