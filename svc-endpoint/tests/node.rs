@@ -388,3 +388,75 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
     std::fs::remove_file(&file).unwrap();
     eventually(Duration::from_secs(10), "removing the file reopens web", || tcp(&node, "client", "web", 80)).await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn namespace_labels_are_identity_labels_and_namespace_selectors_follow_them() {
+    let mut node = node().await;
+    node.add_pod("db", &["k8s:app=db"]).await;
+    let _server = node.pod("db").tcp_server(5432).unwrap();
+    for (pod, namespace) in [("shop-client", "shop"), ("lab-client", "lab")] {
+        node.add_pod_interface(pod).await;
+        let mut request = node.create_request(pod, &["k8s:app=client"]);
+        request.pod_namespace = namespace.into();
+        node.endpoints().await.create_endpoint(request).await.expect("create in a namespace");
+    }
+    // Only namespaces labelled team=shop may reach db.
+    node.apply_policy(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress:\n  - from:\n    - namespaceSelector: {matchLabels: {team: shop}}\n",
+    )
+    .await;
+    assert!(!tcp(&node, "shop-client", "db", 5432), "an unlabelled namespace must not match the selector");
+
+    let mut namespaces =
+        rivet_proto::endpoint::v1::namespace_service_client::NamespaceServiceClient::new(
+            rivet_common::grpc::connect_unix(&node.sockets().join("svc-endpoint.sock"), &Default::default())
+                .await
+                .unwrap(),
+        );
+    let set = namespaces
+        .set_namespace_labels(pb::SetNamespaceLabelsRequest {
+            namespace: "shop".into(),
+            labels: vec!["k8s:team=shop".into()],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(set.changed);
+    assert_eq!(set.affected_endpoints, 1, "the namespace's one endpoint is re-identified");
+    eventually(Duration::from_secs(10), "labelling the namespace lets its pods reach db", || {
+        tcp(&node, "shop-client", "db", 5432)
+    })
+    .await;
+    assert!(!tcp(&node, "lab-client", "db", 5432), "another namespace stays out");
+    let got = node
+        .endpoints()
+        .await
+        .get_endpoint(pb::GetEndpointRequest {
+            r#ref: Some(pb::EndpointRef {
+                r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
+                    namespace: "shop".into(),
+                    name: "shop-client".into(),
+                })),
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoint
+        .unwrap();
+    for label in [
+        "k8s:io.kubernetes.pod.namespace=shop",
+        "k8s:ns.labels/team=shop",
+        "k8s:ns.labels/kubernetes.io/metadata.name=shop",
+    ] {
+        assert!(got.identity_labels.iter().any(|l| l == label), "identity labels hold {label}: {:?}", got.identity_labels);
+    }
+    let e = namespaces
+        .set_namespace_labels(pb::SetNamespaceLabelsRequest {
+            namespace: "shop".into(),
+            labels: vec!["container:team=x".into()],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "namespace labels must have source k8s");
+}
