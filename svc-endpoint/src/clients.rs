@@ -24,14 +24,20 @@ pub trait IdentityApi: Send + Sync + 'static {
     /// The server's boot id (GetInfo).
     fn boot_id(&self) -> BoxFuture<'_, ApiResult<String>>;
     /// AllocateIdentity.
-    fn allocate(&self, request: identity::AllocateIdentityRequest)
-    -> BoxFuture<'_, ApiResult<identity::AllocateIdentityResponse>>;
+    fn allocate(
+        &self,
+        request: identity::AllocateIdentityRequest,
+    ) -> BoxFuture<'_, ApiResult<identity::AllocateIdentityResponse>>;
     /// ReleaseIdentity.
-    fn release(&self, request: identity::ReleaseIdentityRequest)
-    -> BoxFuture<'_, ApiResult<identity::ReleaseIdentityResponse>>;
+    fn release(
+        &self,
+        request: identity::ReleaseIdentityRequest,
+    ) -> BoxFuture<'_, ApiResult<identity::ReleaseIdentityResponse>>;
     /// ListIdentities.
-    fn list(&self, request: identity::ListIdentitiesRequest)
-    -> BoxFuture<'_, ApiResult<identity::ListIdentitiesResponse>>;
+    fn list(
+        &self,
+        request: identity::ListIdentitiesRequest,
+    ) -> BoxFuture<'_, ApiResult<identity::ListIdentitiesResponse>>;
     /// WatchIdentities: snapshot then deltas.
     fn watch(&self) -> BoxFuture<'_, ApiResult<BoxStream<'static, ApiResult<identity::WatchIdentitiesResponse>>>>;
     /// AllocateCidrIdentities.
@@ -67,8 +73,10 @@ pub trait LoaderApi: Send + Sync + 'static {
     /// ApplyEndpoint.
     fn apply(&self, request: loader::ApplyEndpointRequest) -> BoxFuture<'_, ApiResult<loader::ApplyEndpointResponse>>;
     /// RemoveEndpoint.
-    fn remove(&self, request: loader::RemoveEndpointRequest)
-    -> BoxFuture<'_, ApiResult<loader::RemoveEndpointResponse>>;
+    fn remove(
+        &self,
+        request: loader::RemoveEndpointRequest,
+    ) -> BoxFuture<'_, ApiResult<loader::RemoveEndpointResponse>>;
     /// ListEndpoints.
     fn list(&self) -> BoxFuture<'_, ApiResult<loader::ListEndpointsResponse>>;
 }

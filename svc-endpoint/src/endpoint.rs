@@ -288,7 +288,13 @@ impl EndpointStatus {
         if from == to {
             return from;
         }
-        tracing::debug!(endpoint = id, from = from.as_str(), to = to.as_str(), reason, "endpoint state changed");
+        tracing::debug!(
+            endpoint = id,
+            from = from.as_str(),
+            to = to.as_str(),
+            reason,
+            "endpoint state changed"
+        );
         self.state = to;
         if self.history.len() == HISTORY_LEN {
             self.history.pop_front();
@@ -346,7 +352,11 @@ pub fn to_proto(spec: &EndpointSpec, status: &EndpointStatus, include_history: b
             .last_regeneration
             .map_or(0, |(_, took)| u64::try_from(took.as_nanos()).unwrap_or(u64::MAX)),
         regenerations: status.regenerations,
-        last_error: status.last_error.as_ref().map(|e| e.message.clone()).unwrap_or_default(),
+        last_error: status
+            .last_error
+            .as_ref()
+            .map(|e| e.message.clone())
+            .unwrap_or_default(),
         last_error_step: status
             .last_error
             .as_ref()
@@ -418,7 +428,13 @@ mod tests {
     fn macs_round_trip_and_bad_ones_are_refused() {
         let mac = parse_mac("02:00:c6:12:00:05").expect("a well-formed MAC must parse");
         assert_eq!(format_mac(&mac), "02:00:c6:12:00:05");
-        for bad in ["", "02:00:c6:12:00", "02:00:c6:12:00:05:06", "02:00:c6:12:00:5", "zz:00:c6:12:00:05"] {
+        for bad in [
+            "",
+            "02:00:c6:12:00",
+            "02:00:c6:12:00:05:06",
+            "02:00:c6:12:00:5",
+            "zz:00:c6:12:00:05",
+        ] {
             assert_eq!(parse_mac(bad), None, "{bad:?} must not parse as a MAC");
         }
     }

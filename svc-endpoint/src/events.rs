@@ -68,11 +68,7 @@ impl EndpointMetrics {
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("endpoint");
         r.register("endpoints", "Endpoints by state", self.endpoints.clone());
-        r.register(
-            "regenerations",
-            "Regenerations completed",
-            self.regenerations.clone(),
-        );
+        r.register("regenerations", "Regenerations completed", self.regenerations.clone());
         r.register(
             "regeneration_errors",
             "Failed regenerations by step and gRPC code",
@@ -93,7 +89,11 @@ impl EndpointMetrics {
             "Replays of desired state after a dependency restarted",
             self.resyncs.clone(),
         );
-        r.register("policy_revision", "Policy repository revision", self.policy_revision.clone());
+        r.register(
+            "policy_revision",
+            "Policy repository revision",
+            self.policy_revision.clone(),
+        );
         r.register("policies", "Policies in the repository", self.policies.clone());
         r.register(
             "restore_duration_seconds",
@@ -120,8 +120,22 @@ impl EndpointMetrics {
 }
 
 /// A regeneration completed.
-pub fn regeneration_completed(m: &EndpointMetrics, id: u16, identity: u32, revision: u64, reason: &str, took: Duration) {
-    tracing::debug!(endpoint = id, identity, revision, reason, took_us = took.as_micros() as u64, "endpoint regenerated");
+pub fn regeneration_completed(
+    m: &EndpointMetrics,
+    id: u16,
+    identity: u32,
+    revision: u64,
+    reason: &str,
+    took: Duration,
+) {
+    tracing::debug!(
+        endpoint = id,
+        identity,
+        revision,
+        reason,
+        took_us = took.as_micros() as u64,
+        "endpoint regenerated"
+    );
     m.regenerations.inc();
     m.regeneration_seconds.observe(took.as_secs_f64());
 }
@@ -161,14 +175,7 @@ pub fn dependency_resynced(m: &EndpointMetrics, dependency: &'static str, endpoi
 }
 
 /// Restore finished.
-pub fn restore_finished(
-    m: &EndpointMetrics,
-    found: u32,
-    restored: u32,
-    dropped: u32,
-    failed: u32,
-    took: Duration,
-) {
+pub fn restore_finished(m: &EndpointMetrics, found: u32, restored: u32, dropped: u32, failed: u32, took: Duration) {
     tracing::info!(
         found,
         restored,

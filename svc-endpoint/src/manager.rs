@@ -25,8 +25,8 @@ use rivet_proto::identity::v1 as idpb;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
 use tokio::sync::{Notify, Semaphore, watch};
-use tracing::Instrument;
 use tonic::{Code, Status};
+use tracing::Instrument;
 
 use crate::clients::{IdentityApi, IpamApi, LoaderApi};
 use crate::endpoint::{
@@ -35,8 +35,8 @@ use crate::endpoint::{
 };
 use crate::events::{self, EndpointMetrics};
 use crate::policy::{
-    Direction, Entry, Policy, PolicyChange, PolicyError, PolicyKey, PolicyOrigin, PolicyRepository,
-    ResolvedPolicy, SelectorCache, StoredPolicy, Subject, Verdict,
+    Policy, PolicyChange, PolicyError, PolicyKey, PolicyOrigin, PolicyRepository, ResolvedPolicy, SelectorCache,
+    StoredPolicy, Subject,
 };
 use crate::state_dir::{EndpointRecord, EndpointStateDir};
 
@@ -419,7 +419,8 @@ impl State {
                     container_id,
                     interface,
                 } => {
-                    slot.spec.container_id == *container_id && (interface.is_empty() || slot.spec.interface == *interface)
+                    slot.spec.container_id == *container_id
+                        && (interface.is_empty() || slot.spec.interface == *interface)
                 }
                 EndpointSelector::Pod { namespace, name } => slot.spec.is_pod(namespace, name),
                 EndpointSelector::Address(address) => slot.spec.has_address(*address),
@@ -504,7 +505,11 @@ impl EndpointManager {
     pub fn new(options: ManagerOptions, deps: Dependencies, metrics: EndpointMetrics) -> Result<Self, ManagerError> {
         let state_dir = EndpointStateDir::new(options.state_dir.join("endpoints"));
         let api_policies = StateFile::new(options.state_dir.join("policies.json"), "rivet.endpoint.policies", 1);
-        let namespaces_file = StateFile::new(options.state_dir.join("namespaces.json"), "rivet.endpoint.namespaces", 1);
+        let namespaces_file = StateFile::new(
+            options.state_dir.join("namespaces.json"),
+            "rivet.endpoint.namespaces",
+            1,
+        );
         let mut state = State {
             next_id: 1,
             ..State::default()
@@ -619,7 +624,12 @@ impl EndpointManager {
                     )));
                 }
                 let outcome = existing.queue.outcome.borrow().clone();
-                (existing.spec.id, existing.queue.clone(), outcome.requested.max(1), false)
+                (
+                    existing.spec.id,
+                    existing.queue.clone(),
+                    outcome.requested.max(1),
+                    false,
+                )
             } else {
                 for address in &spec.addresses {
                     if let Some(owner) = state.endpoints.values().find(|s| s.spec.has_address(address.address)) {
@@ -689,7 +699,8 @@ impl EndpointManager {
                 // removal takes the endpoint's regeneration lock).
                 let this = self.clone();
                 tokio::spawn(async move {
-                    let failure = RegenError::new(RegenerationStep::Identity, Status::deadline_exceeded("create deadline"));
+                    let failure =
+                        RegenError::new(RegenerationStep::Identity, Status::deadline_exceeded("create deadline"));
                     this.undo_failed_create(id, &failure).await;
                 });
                 Err(ManagerError::Deadline { id, undone: true })
@@ -837,7 +848,9 @@ impl EndpointManager {
                 }
             }
             if let EndpointSelector::Pod { namespace, name } = selector {
-                state.pod_labels.insert((namespace.clone(), name.clone()), labels.clone());
+                state
+                    .pod_labels
+                    .insert((namespace.clone(), name.clone()), labels.clone());
             }
             let mut waits = Vec::new();
             for id in ids {
@@ -848,14 +861,25 @@ impl EndpointManager {
                 slot.spec.labels = labels.clone();
                 slot.status
                     .transition(id, EndpointState::WaitingToRegenerate, "labels changed");
-                waits.push((id, slot.queue.clone(), slot.status.identity, slot.queue.request("labels changed")));
+                waits.push((
+                    id,
+                    slot.queue.clone(),
+                    slot.status.identity,
+                    slot.queue.request("labels changed"),
+                ));
             }
             waits
         };
         let mut ids: Vec<u16> = waits.iter().map(|(id, ..)| *id).collect();
         if wait {
-            self.wait_all(&waits.iter().map(|(id, q, _, g)| (*id, q.clone(), *g)).collect::<Vec<_>>(), deadline)
-                .await?;
+            self.wait_all(
+                &waits
+                    .iter()
+                    .map(|(id, q, _, g)| (*id, q.clone(), *g))
+                    .collect::<Vec<_>>(),
+                deadline,
+            )
+            .await?;
         }
         let mut reidentified = 0;
         let state = self.state();
@@ -1022,7 +1046,11 @@ impl EndpointManager {
 
     /// The dependencies as last probed.
     pub fn dependencies(&self) -> Vec<DependencyStatus> {
-        self.inner.dependencies.lock().expect("dependency lock poisoned").to_vec()
+        self.inner
+            .dependencies
+            .lock()
+            .expect("dependency lock poisoned")
+            .to_vec()
     }
 
     /// Repository revision and policy count.
@@ -1154,7 +1182,11 @@ impl EndpointManager {
         };
         tracing::info!(policy = %change.key, revision = change.revision, affected = waits.len(), "policy changed");
         let affected = waits.len();
-        let realised = if wait { self.wait_all(&waits, deadline).await? } else { 0 };
+        let realised = if wait {
+            self.wait_all(&waits, deadline).await?
+        } else {
+            0
+        };
         Ok(PolicyUpdate {
             change,
             affected,
@@ -1249,7 +1281,10 @@ impl EndpointManager {
         let mut queued = Vec::new();
         for (id, slot) in &state.endpoints {
             if slot.status.identity == 0
-                || !matches!(slot.status.state, EndpointState::Ready | EndpointState::WaitingToRegenerate)
+                || !matches!(
+                    slot.status.state,
+                    EndpointState::Ready | EndpointState::WaitingToRegenerate
+                )
             {
                 continue;
             }
@@ -1450,9 +1485,12 @@ impl EndpointManager {
             })
             .await
             .map_err(|s| RegenError::new(RegenerationStep::Identity, s))?;
-        let identity = allocated
-            .identity
-            .ok_or_else(|| RegenError::new(RegenerationStep::Identity, Status::internal("no identity in the response")))?;
+        let identity = allocated.identity.ok_or_else(|| {
+            RegenError::new(
+                RegenerationStep::Identity,
+                Status::internal("no identity in the response"),
+            )
+        })?;
         let identity_labels = Labels::parse(&identity.labels).map_err(|e| {
             RegenError::new(
                 RegenerationStep::Identity,
@@ -1483,13 +1521,7 @@ impl EndpointManager {
                     .collect(),
                 mac: spec.mac.to_vec(),
                 identity: identity.id,
-                policy: Some(ldpb::EndpointPolicy {
-                    revision,
-                    enforce_ingress: resolved.enforce_ingress,
-                    enforce_egress: resolved.enforce_egress,
-                    allow_from_host: self.inner.options.allow_from_host,
-                    entries: resolved.entries.iter().map(entry_to_proto).collect(),
-                }),
+                policy: Some(resolved.to_proto(revision, self.inner.options.allow_from_host)),
             })
             .await
             .map_err(|s| RegenError::new(RegenerationStep::Datapath, s))?;
@@ -1534,9 +1566,15 @@ impl EndpointManager {
         };
         let unchanged = {
             let state = self.state();
-            state.endpoints.get(&id).and_then(|s| s.persisted.as_ref()).is_some_and(|p| {
-                p.spec == record.spec && p.identity == record.identity && p.identity_labels == record.identity_labels
-            })
+            state
+                .endpoints
+                .get(&id)
+                .and_then(|s| s.persisted.as_ref())
+                .is_some_and(|p| {
+                    p.spec == record.spec
+                        && p.identity == record.identity
+                        && p.identity_labels == record.identity_labels
+                })
         };
         let written = if unchanged {
             None
@@ -1550,17 +1588,17 @@ impl EndpointManager {
             Some(record)
         };
         // The old identity is released only once nothing uses it.
-        if previous_identity != 0 && previous_identity != identity.id {
-            if let Err(e) = deps
+        if previous_identity != 0
+            && previous_identity != identity.id
+            && let Err(e) = deps
                 .identity
                 .release(idpb::ReleaseIdentityRequest {
                     id: previous_identity,
                     owner: spec.identity_owner(),
                 })
                 .await
-            {
-                tracing::warn!(endpoint = id, identity = previous_identity, error = %e, "releasing the previous identity failed; a resync will");
-            }
+        {
+            tracing::warn!(endpoint = id, identity = previous_identity, error = %e, "releasing the previous identity failed; a resync will");
         }
         Ok((identity.id, identity_labels, resolved, revision, written))
     }
@@ -1595,7 +1633,11 @@ impl EndpointManager {
         {
             let mut state = self.state();
             for (id, reason) in &scan.unreadable {
-                tracing::error!(endpoint = id, reason, "endpoint state unreadable; its id stays reserved");
+                tracing::error!(
+                    endpoint = id,
+                    reason,
+                    "endpoint state unreadable; its id stays reserved"
+                );
                 state.reserved_ids.insert(*id);
             }
             for (id, (record, source)) in scan.records {
@@ -1621,12 +1663,16 @@ impl EndpointManager {
 
         // The datapath's view: which restored endpoints lost their interface,
         // which ids it holds that no endpoint owns.
-        let listed = self.retry_until_ok("svc-loader ListEndpoints", || self.inner.deps.loader.list()).await;
+        let listed = self
+            .retry_until_ok("svc-loader ListEndpoints", || self.inner.deps.loader.list())
+            .await;
         let mut dropped: Vec<(u16, &'static str)> = Vec::new();
         {
             let mut state = self.state();
             for held in &listed.endpoints {
-                let Ok(id) = u16::try_from(held.endpoint_id) else { continue };
+                let Ok(id) = u16::try_from(held.endpoint_id) else {
+                    continue;
+                };
                 match state.endpoints.get(&id) {
                     Some(slot) if slot.spec.host_ifindex == held.host_ifindex => {
                         let gone = held.from_container == ldpb::AttachState::InterfaceGone as i32
@@ -1784,7 +1830,10 @@ impl EndpointManager {
             &self.inner.metrics,
             id,
             reason,
-            &format!("{} ({}) addresses {addresses:?} released", spec.host_interface, spec.container_id),
+            &format!(
+                "{} ({}) addresses {addresses:?} released",
+                spec.host_interface, spec.container_id
+            ),
         );
     }
 
@@ -1825,12 +1874,19 @@ impl EndpointManager {
                         .await
                     {
                         Ok(_) => {
-                            tracing::info!(endpoint_id, host_ifindex, what, "removed a datapath leftover no endpoint owns");
+                            tracing::info!(
+                                endpoint_id,
+                                host_ifindex,
+                                what,
+                                "removed a datapath leftover no endpoint owns"
+                            );
                             if let Ok(id) = u16::try_from(endpoint_id) {
                                 self.state().reserved_ids.remove(&id);
                             }
                         }
-                        Err(e) => tracing::warn!(endpoint_id, host_ifindex, what, error = %e, "removing a datapath leftover failed"),
+                        Err(e) => {
+                            tracing::warn!(endpoint_id, host_ifindex, what, error = %e, "removing a datapath leftover failed")
+                        }
                     }
                 }
             }
@@ -1941,7 +1997,8 @@ impl EndpointManager {
         loop {
             interval.tick().await;
             let deps = &self.inner.deps;
-            let (identity, ipam, loader) = futures::join!(deps.identity.boot_id(), deps.ipam.boot_id(), deps.loader.boot_id());
+            let (identity, ipam, loader) =
+                futures::join!(deps.identity.boot_id(), deps.ipam.boot_id(), deps.loader.boot_id());
             for (index, result) in [(IDENTITY, identity), (IPAM, ipam), (LOADER, loader)] {
                 let restarted = {
                     let mut all = self.inner.dependencies.lock().expect("dependency lock poisoned");
@@ -2023,26 +2080,6 @@ fn ignore_not_found<T: Default>(status: Status) -> Result<T, Status> {
         Ok(T::default())
     } else {
         Err(status)
-    }
-}
-
-/// The loader's wire form of a policy entry.
-pub fn entry_to_proto(entry: &Entry) -> ldpb::PolicyEntry {
-    ldpb::PolicyEntry {
-        direction: match entry.direction {
-            Direction::Ingress => ldpb::Direction::Ingress,
-            Direction::Egress => ldpb::Direction::Egress,
-        }
-        .into(),
-        peer_identity: entry.peer_identity,
-        protocol: i32::try_from(entry.protocol.number()).unwrap_or(i32::MAX),
-        port: u32::from(entry.port),
-        end_port: u32::from(entry.end_port),
-        verdict: match entry.verdict {
-            Verdict::Allow => ldpb::Verdict::Allow,
-            Verdict::Deny => ldpb::Verdict::Deny,
-        }
-        .into(),
     }
 }
 

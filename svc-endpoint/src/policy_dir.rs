@@ -115,7 +115,9 @@ impl PolicyDirectory {
                     tracing::info!(policy = %key, file = %file.display(), revision = update.change.revision, "policy applied from the policy dir");
                 }
                 Ok(_) => {}
-                Err(e) => tracing::error!(policy = %key, file = %file.display(), error = %e, "policy from the policy dir not applied"),
+                Err(e) => {
+                    tracing::error!(policy = %key, file = %file.display(), error = %e, "policy from the policy dir not applied")
+                }
             }
         }
         let stale: BTreeSet<PolicyKey> = {
@@ -176,6 +178,10 @@ mod tests {
             .iter()
             .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
             .collect();
-        assert_eq!(names, ["a.json", "b.yaml", "c.yml"], "only visible yaml/json files are policies");
+        assert_eq!(
+            names,
+            ["a.json", "b.yaml", "c.yml"],
+            "only visible yaml/json files are policies"
+        );
     }
 }

@@ -139,19 +139,29 @@ fn parse_named_ports(raw: &[pb::NamedPort]) -> Result<Vec<NamedPort>, Status> {
         let field = format!("named_ports[{i}]");
         let name_ok = !p.name.is_empty()
             && p.name.len() <= 15
-            && p.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && p.name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
             && p.name.bytes().any(|b| b.is_ascii_lowercase())
             && !p.name.starts_with('-')
             && !p.name.ends_with('-')
             && !p.name.contains("--");
         if !name_ok {
-            return Err(invalid(&format!("{field}.name"), format!("{:?} is not a valid port name", p.name)));
+            return Err(invalid(
+                &format!("{field}.name"),
+                format!("{:?} is not a valid port name", p.name),
+            ));
         }
         let protocol = match p.protocol.as_str() {
             "" | "TCP" => Protocol::Tcp,
             "UDP" => Protocol::Udp,
             "SCTP" => Protocol::Sctp,
-            other => return Err(invalid(&format!("{field}.protocol"), format!("{other:?}: must be TCP, UDP or SCTP"))),
+            other => {
+                return Err(invalid(
+                    &format!("{field}.protocol"),
+                    format!("{other:?}: must be TCP, UDP or SCTP"),
+                ));
+            }
         };
         let port = u16::try_from(p.port)
             .ok()
@@ -182,19 +192,30 @@ pub fn validate_create(r: &pb::CreateEndpointRequest) -> Result<EndpointSpec, St
     }
     let mut addresses = Vec::new();
     for (i, a) in r.addresses.iter().enumerate() {
-        let address: IpAddr = a
-            .address
-            .parse()
-            .map_err(|_| invalid(&format!("addresses[{i}].address"), format!("{:?} is not an IP address", a.address)))?;
+        let address: IpAddr = a.address.parse().map_err(|_| {
+            invalid(
+                &format!("addresses[{i}].address"),
+                format!("{:?} is not an IP address", a.address),
+            )
+        })?;
         if address.is_unspecified() || address.is_multicast() || address.is_loopback() {
-            return Err(invalid(&format!("addresses[{i}].address"), "must be a unicast, non-loopback address"));
+            return Err(invalid(
+                &format!("addresses[{i}].address"),
+                "must be a unicast, non-loopback address",
+            ));
         }
         if let IpAddr::V6(v6) = address
             && v6.to_ipv4_mapped().is_some()
         {
-            return Err(invalid(&format!("addresses[{i}].address"), "IPv4-mapped IPv6 is not accepted"));
+            return Err(invalid(
+                &format!("addresses[{i}].address"),
+                "IPv4-mapped IPv6 is not accepted",
+            ));
         }
-        if addresses.iter().any(|e: &EndpointAddress| e.address.is_ipv4() == address.is_ipv4()) {
+        if addresses
+            .iter()
+            .any(|e: &EndpointAddress| e.address.is_ipv4() == address.is_ipv4())
+        {
             return Err(invalid("addresses", "at most one address per family"));
         }
         check_text(&format!("addresses[{i}].ipam_pool"), &a.ipam_pool, 63, false)?;
@@ -203,7 +224,8 @@ pub fn validate_create(r: &pb::CreateEndpointRequest) -> Result<EndpointSpec, St
             ipam_pool: a.ipam_pool.clone(),
         });
     }
-    let mac = parse_mac(&r.mac).ok_or_else(|| invalid("mac", format!("{:?} is not a MAC (aa:bb:cc:dd:ee:ff)", r.mac)))?;
+    let mac =
+        parse_mac(&r.mac).ok_or_else(|| invalid("mac", format!("{:?} is not a MAC (aa:bb:cc:dd:ee:ff)", r.mac)))?;
     if mac == [0; 6] || mac[0] & 1 == 1 {
         return Err(invalid("mac", "must be a non-zero unicast MAC"));
     }
@@ -296,9 +318,12 @@ fn parse_key(key: Option<&pb::PolicyKey>) -> Result<PolicyKey, Status> {
     let kind = if key.kind.is_empty() {
         PolicyKind::NetworkPolicy
     } else {
-        key.kind
-            .parse()
-            .map_err(|_| invalid("key.kind", format!("{:?}: must be NetworkPolicy or RivetNetworkPolicy", key.kind)))?
+        key.kind.parse().map_err(|_| {
+            invalid(
+                "key.kind",
+                format!("{:?}: must be NetworkPolicy or RivetNetworkPolicy", key.kind),
+            )
+        })?
     };
     if key.name.is_empty() {
         return Err(invalid("key.name", "required"));
@@ -536,8 +561,12 @@ impl pb::policy_service_server::PolicyService for EndpointApi {
         Ok(Response::new(pb::DeletePolicyResponse {
             deleted: update.is_some(),
             revision,
-            affected_endpoints: update.as_ref().map_or(0, |u| u32::try_from(u.affected).unwrap_or(u32::MAX)),
-            realised_endpoints: update.as_ref().map_or(0, |u| u32::try_from(u.realised).unwrap_or(u32::MAX)),
+            affected_endpoints: update
+                .as_ref()
+                .map_or(0, |u| u32::try_from(u.affected).unwrap_or(u32::MAX)),
+            realised_endpoints: update
+                .as_ref()
+                .map_or(0, |u| u32::try_from(u.realised).unwrap_or(u32::MAX)),
             boot_id: self.boot_id(),
         }))
     }
@@ -565,14 +594,21 @@ impl pb::policy_service_server::PolicyService for EndpointApi {
         }))
     }
 
-    async fn get_policy(&self, request: Request<pb::GetPolicyRequest>) -> Result<Response<pb::GetPolicyResponse>, Status> {
+    async fn get_policy(
+        &self,
+        request: Request<pb::GetPolicyRequest>,
+    ) -> Result<Response<pb::GetPolicyResponse>, Status> {
         let key = parse_key(request.get_ref().key.as_ref())?;
         let (stored, selected) = self
             .manager
             .policy(&key)
             .ok_or_else(|| Status::not_found(format!("no policy {key}")))?;
         Ok(Response::new(pb::GetPolicyResponse {
-            policy: Some(policy_proto(&stored, true, selected.into_iter().map(u32::from).collect())),
+            policy: Some(policy_proto(
+                &stored,
+                true,
+                selected.into_iter().map(u32::from).collect(),
+            )),
             boot_id: self.boot_id(),
         }))
     }
@@ -655,13 +691,17 @@ mod tests {
     #[test]
     fn a_valid_create_becomes_a_spec_in_the_default_namespace() {
         let spec = validate_create(&create()).expect("a complete request must validate");
-        assert_eq!(spec.pod_namespace, "default", "an endpoint without a namespace lives in `default`");
+        assert_eq!(
+            spec.pod_namespace, "default",
+            "an endpoint without a namespace lives in `default`"
+        );
         assert_eq!(spec.mac, [2, 0, 0xc6, 0x12, 0, 5]);
     }
 
     #[test]
     fn every_bad_field_is_named() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut pb::CreateEndpointRequest)>)> = vec![
+        type Mutation = Box<dyn Fn(&mut pb::CreateEndpointRequest)>;
+        let cases: Vec<(&str, Mutation)> = vec![
             ("container_id", Box::new(|r| r.container_id.clear())),
             ("container_id", Box::new(|r| r.container_id = "a b".into())),
             ("interface", Box::new(|r| r.interface = "much-too-long-name".into())),
@@ -669,9 +709,18 @@ mod tests {
             ("host_interface", Box::new(|r| r.host_interface = "a/b".into())),
             ("host_ifindex", Box::new(|r| r.host_ifindex = 0)),
             ("addresses", Box::new(|r| r.addresses.clear())),
-            ("addresses[0].address", Box::new(|r| r.addresses[0].address = "nope".into())),
-            ("addresses[0].address", Box::new(|r| r.addresses[0].address = "0.0.0.0".into())),
-            ("addresses[0].address", Box::new(|r| r.addresses[0].address = "::ffff:198.18.0.5".into())),
+            (
+                "addresses[0].address",
+                Box::new(|r| r.addresses[0].address = "nope".into()),
+            ),
+            (
+                "addresses[0].address",
+                Box::new(|r| r.addresses[0].address = "0.0.0.0".into()),
+            ),
+            (
+                "addresses[0].address",
+                Box::new(|r| r.addresses[0].address = "::ffff:198.18.0.5".into()),
+            ),
             (
                 "addresses",
                 Box::new(|r| {
@@ -739,7 +788,12 @@ mod tests {
                 name: "web".into()
             }
         );
-        for bad in [r(Ref::Id(0)), r(Ref::Id(70000)), r(Ref::Address("x".into())), pb::EndpointRef { r#ref: None }] {
+        for bad in [
+            r(Ref::Id(0)),
+            r(Ref::Id(70000)),
+            r(Ref::Address("x".into())),
+            pb::EndpointRef { r#ref: None },
+        ] {
             assert_eq!(parse_ref(Some(&bad)).unwrap_err().code(), tonic::Code::InvalidArgument);
         }
     }

@@ -196,7 +196,9 @@ impl EndpointStateDir {
                     ids.insert(id, ());
                 }
                 None if name.ends_with(".tmp") => {}
-                None => tracing::warn!(entry = name, dir = %self.root.display(), "unexpected entry in the endpoint state dir; left alone"),
+                None => {
+                    tracing::warn!(entry = name, dir = %self.root.display(), "unexpected entry in the endpoint state dir; left alone")
+                }
             }
         }
         for id in ids.into_keys() {
@@ -361,7 +363,11 @@ mod tests {
             (401, RecordSource::Next),
             "the newest complete record must win over an older one and over a failure"
         );
-        assert_eq!(scan.records[&5].1, RecordSource::NextFail, "a failure record is used when nothing else exists");
+        assert_eq!(
+            scan.records[&5].1,
+            RecordSource::NextFail,
+            "a failure record is used when nothing else exists"
+        );
     }
 
     #[test]

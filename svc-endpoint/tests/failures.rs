@@ -7,9 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
-use futures::FutureExt;
 use rivet_proto::identity::v1 as idpb;
 use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
@@ -45,7 +45,10 @@ impl IdentityApi for Faulty<dyn IdentityApi> {
         }
         self.inner.allocate(request)
     }
-    fn release(&self, request: idpb::ReleaseIdentityRequest) -> BoxFuture<'_, ApiResult<idpb::ReleaseIdentityResponse>> {
+    fn release(
+        &self,
+        request: idpb::ReleaseIdentityRequest,
+    ) -> BoxFuture<'_, ApiResult<idpb::ReleaseIdentityResponse>> {
         self.inner.release(request)
     }
     fn list(&self, request: idpb::ListIdentitiesRequest) -> BoxFuture<'_, ApiResult<idpb::ListIdentitiesResponse>> {
@@ -155,11 +158,20 @@ async fn a_failure_at_each_regeneration_step_leaves_nothing_behind() {
             }
             other => panic!("expected a regeneration error at {step:?}, got {other}"),
         };
-        assert!(manager.list().is_empty(), "a failed create leaves no endpoint ({step:?})");
-
-        let listed = loader.list_endpoints(ldpb::ListEndpointsRequest {}).await.unwrap().into_inner();
         assert!(
-            listed.endpoints.is_empty() && listed.orphan_attachments.is_empty() && listed.orphan_policy_endpoint_ids.is_empty(),
+            manager.list().is_empty(),
+            "a failed create leaves no endpoint ({step:?})"
+        );
+
+        let listed = loader
+            .list_endpoints(ldpb::ListEndpointsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            listed.endpoints.is_empty()
+                && listed.orphan_attachments.is_empty()
+                && listed.orphan_policy_endpoint_ids.is_empty(),
             "a failure at {step:?} must leave nothing in the datapath: {listed:?}"
         );
         let identities = IdentityServiceClient::new(identity_channel.clone())
@@ -184,11 +196,17 @@ async fn a_failure_at_each_regeneration_step_leaves_nothing_behind() {
             .await
             .unwrap()
             .into_inner();
-        assert!(ipcache.entries.is_empty(), "a failure at {step:?} must leave no ipcache entry: {ipcache:?}");
+        assert!(
+            ipcache.entries.is_empty(),
+            "a failure at {step:?} must leave no ipcache entry: {ipcache:?}"
+        );
         let leftovers: Vec<_> = std::fs::read_dir(state.path().join("endpoints"))
             .map(|d| d.map(|e| e.unwrap().file_name()).collect())
             .unwrap_or_default();
-        assert!(leftovers.is_empty(), "a failure at {step:?} must leave no state dir: {leftovers:?}");
+        assert!(
+            leftovers.is_empty(),
+            "a failure at {step:?} must leave no state dir: {leftovers:?}"
+        );
     }
 
     // With nothing injected the same create succeeds (the harness is sound).

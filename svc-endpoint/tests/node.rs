@@ -46,40 +46,76 @@ async fn a_created_endpoint_is_ready_and_reachable_when_create_returns() {
         .await
         .expect("create must succeed")
         .into_inner();
-    assert!(pings(&node, "a", "b"), "b must be reachable the moment its create returns");
+    assert!(
+        pings(&node, "a", "b"),
+        "b must be reachable the moment its create returns"
+    );
     let b = b.endpoint.expect("an endpoint");
-    assert_eq!(b.state, pb::EndpointState::Ready as i32, "a synchronous create returns a ready endpoint");
+    assert_eq!(
+        b.state,
+        pb::EndpointState::Ready as i32,
+        "a synchronous create returns a ready endpoint"
+    );
     assert_ne!(b.identity, 0, "a ready endpoint has an identity");
     assert_eq!(a.identity, b.identity, "the same labels must give the same identity");
     assert_ne!(a.id, b.id, "endpoint ids are unique");
     assert!(
-        b.identity_labels.iter().any(|l| l == "k8s:io.kubernetes.pod.namespace=default"),
+        b.identity_labels
+            .iter()
+            .any(|l| l == "k8s:io.kubernetes.pod.namespace=default"),
         "the namespace is part of the identity: {:?}",
         b.identity_labels
     );
 
     // The datapath holds both, attached.
-    let listed = node.node.client().await.list_endpoints(ldpb::ListEndpointsRequest {}).await.unwrap().into_inner();
+    let listed = node
+        .node
+        .client()
+        .await
+        .list_endpoints(ldpb::ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
     let ids: Vec<u32> = listed.endpoints.iter().map(|e| e.endpoint_id).collect();
-    assert!(ids.contains(&a.id) && ids.contains(&b.id), "the loader must hold both endpoints: {ids:?}");
     assert!(
-        listed.endpoints.iter().all(|e| e.from_container == ldpb::AttachState::Attached as i32
-            && e.to_container == ldpb::AttachState::Attached as i32),
+        ids.contains(&a.id) && ids.contains(&b.id),
+        "the loader must hold both endpoints: {ids:?}"
+    );
+    assert!(
+        listed
+            .endpoints
+            .iter()
+            .all(|e| e.from_container == ldpb::AttachState::Attached as i32
+                && e.to_container == ldpb::AttachState::Attached as i32),
         "both hooks must be attached"
     );
 
     // Idempotent repeat; an address of another endpoint is refused.
-    let again = node.endpoints().await.create_endpoint(request.clone()).await.unwrap().into_inner();
+    let again = node
+        .endpoints()
+        .await
+        .create_endpoint(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!again.created, "the same container + interface again creates nothing");
     assert_eq!(again.endpoint.unwrap().id, b.id);
     let mut stolen = node.create_request("a", &[]);
     stolen.container_id = "other".into();
     let e = node.endpoints().await.create_endpoint(stolen).await.unwrap_err();
-    assert_eq!(e.code(), Code::AlreadyExists, "an address owned by another endpoint: {e}");
+    assert_eq!(
+        e.code(),
+        Code::AlreadyExists,
+        "an address owned by another endpoint: {e}"
+    );
     let mut changed = request;
     changed.host_ifindex += 1000;
     let e = node.endpoints().await.create_endpoint(changed).await.unwrap_err();
-    assert_eq!(e.code(), Code::FailedPrecondition, "same container + interface with other parameters: {e}");
+    assert_eq!(
+        e.code(),
+        Code::FailedPrecondition,
+        "same container + interface with other parameters: {e}"
+    );
 
     // Get by every kind of reference.
     for r in [
@@ -115,11 +151,30 @@ async fn a_created_endpoint_is_ready_and_reachable_when_create_returns() {
             r#ref: Some(pb::endpoint_ref::Ref::Id(b.id)),
         }),
     };
-    let deleted = node.endpoints().await.delete_endpoint(delete.clone()).await.unwrap().into_inner();
+    let deleted = node
+        .endpoints()
+        .await
+        .delete_endpoint(delete.clone())
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(deleted.deleted, vec![b.id]);
-    let again = node.endpoints().await.delete_endpoint(delete).await.unwrap().into_inner();
+    let again = node
+        .endpoints()
+        .await
+        .delete_endpoint(delete)
+        .await
+        .unwrap()
+        .into_inner();
     assert!(again.deleted.is_empty(), "a second delete finds nothing and succeeds");
-    let listed = node.node.client().await.list_endpoints(ldpb::ListEndpointsRequest {}).await.unwrap().into_inner();
+    let listed = node
+        .node
+        .client()
+        .await
+        .list_endpoints(ldpb::ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
     assert!(
         listed.endpoints.iter().all(|e| e.endpoint_id != b.id) && listed.orphan_attachments.is_empty(),
         "a deleted endpoint leaves nothing in the datapath"
@@ -159,17 +214,32 @@ async fn policies_and_labels_flip_traffic() {
     node.add_pod("other", &["k8s:app=other"]).await;
     let _server = node.pod("backend").tcp_server(8080).unwrap();
     let _other_port = node.pod("backend").tcp_server(9090).unwrap();
-    assert!(tcp(&node, "other", "backend", 8080), "without a policy everything is allowed");
+    assert!(
+        tcp(&node, "other", "backend", 8080),
+        "without a policy everything is allowed"
+    );
 
     let started = Instant::now();
     let applied = node.apply_policy(BACKEND_POLICY).await;
     let took = started.elapsed();
     assert!(applied.changed);
     assert_eq!(applied.affected_endpoints, 1, "only backend is selected");
-    assert_eq!(applied.realised_endpoints, 1, "wait returns once backend realised the policy");
-    assert!(tcp(&node, "frontend", "backend", 8080), "frontend → backend:8080 is allowed");
-    assert!(!tcp(&node, "frontend", "backend", 9090), "other ports of backend are denied");
-    assert!(!tcp(&node, "other", "backend", 8080), "a pod not selected by the rule must not reach backend");
+    assert_eq!(
+        applied.realised_endpoints, 1,
+        "wait returns once backend realised the policy"
+    );
+    assert!(
+        tcp(&node, "frontend", "backend", 8080),
+        "frontend → backend:8080 is allowed"
+    );
+    assert!(
+        !tcp(&node, "frontend", "backend", 9090),
+        "other ports of backend are denied"
+    );
+    assert!(
+        !tcp(&node, "other", "backend", 8080),
+        "a pod not selected by the rule must not reach backend"
+    );
     eprintln!("policy apply → realised in {took:?}");
 
     // Idempotent repeat.
@@ -195,7 +265,10 @@ async fn policies_and_labels_flip_traffic() {
         .expect("update labels")
         .into_inner();
     assert_eq!(updated.reidentified, 1, "the new labels give a new identity");
-    assert!(tcp(&node, "other", "backend", 8080), "after relabelling as frontend, other reaches backend");
+    assert!(
+        tcp(&node, "other", "backend", 8080),
+        "after relabelling as frontend, other reaches backend"
+    );
 
     // Delete the policy: everything is allowed again.
     let started = Instant::now();
@@ -216,7 +289,10 @@ async fn policies_and_labels_flip_traffic() {
         .into_inner();
     eprintln!("policy delete → realised in {:?}", started.elapsed());
     assert!(deleted.deleted);
-    assert!(tcp(&node, "frontend", "backend", 9090), "without the policy every port is open again");
+    assert!(
+        tcp(&node, "frontend", "backend", 9090),
+        "without the policy every port is open again"
+    );
 
     // An invalid policy is refused with its field, and nothing changes.
     let e = node
@@ -230,7 +306,11 @@ async fn policies_and_labels_flip_traffic() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
-    assert!(e.message().contains("endPort"), "the error names the field: {}", e.message());
+    assert!(
+        e.message().contains("endPort"),
+        "the error names the field: {}",
+        e.message()
+    );
     let listed = node
         .policies()
         .await
@@ -274,7 +354,10 @@ async fn the_cli_lists_endpoints_applies_policies_and_shows_status() {
         .collect();
     assert_eq!(ids.len(), 2, "the CLI lists both endpoints: {list}");
     let table = rivet(&node, &["endpoint", "get", "default/web"]);
-    assert!(table.contains(&web.identity.to_string()), "get by pod shows the identity: {table}");
+    assert!(
+        table.contains(&web.identity.to_string()),
+        "get by pod shows the identity: {table}"
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("deny.yaml");
@@ -284,17 +367,26 @@ async fn the_cli_lists_endpoints_applies_policies_and_shows_status() {
     )
     .unwrap();
     rivet(&node, &["policy", "apply", "--wait", "-f", file.to_str().unwrap()]);
-    assert!(!tcp(&node, "client", "web", 80), "after `rivet policy apply` of a deny-all, web is closed");
+    assert!(
+        !tcp(&node, "client", "web", 80),
+        "after `rivet policy apply` of a deny-all, web is closed"
+    );
     let policies = rivet(&node, &["policy", "list"]);
     assert!(policies.contains("deny-web"), "the policy is listed: {policies}");
     rivet(&node, &["policy", "delete", "--wait", "default/deny-web"]);
-    assert!(tcp(&node, "client", "web", 80), "after `rivet policy delete`, web is open again");
+    assert!(
+        tcp(&node, "client", "web", 80),
+        "after `rivet policy delete`, web is open again"
+    );
 
     let status = rivet(&node, &["status"]);
     for expected in ["svc-endpoint", "svc-identity", "svc-loader", "svc-ipam"] {
         assert!(status.contains(expected), "status shows {expected}: {status}");
     }
-    assert!(status.to_lowercase().contains("ready"), "status shows endpoints by state: {status}");
+    assert!(
+        status.to_lowercase().contains("ready"),
+        "status shows endpoints by state: {status}"
+    );
 }
 
 /// Polls `check` until it holds or `within` passes.
@@ -327,7 +419,10 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
         "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny-web, namespace: default}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Ingress]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: client-out}\nspec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  - to:\n    - ipBlock: {cidr: 198.19.128.0/24, except: [198.19.128.0/28]}\n    - podSelector: {matchLabels: {app: web}}\n",
     )
     .unwrap();
-    eventually(Duration::from_secs(10), "a policy file denies traffic", || !tcp(&node, "client", "web", 80)).await;
+    eventually(Duration::from_secs(10), "a policy file denies traffic", || {
+        !tcp(&node, "client", "web", 80)
+    })
+    .await;
 
     let listed = node
         .policies()
@@ -338,7 +433,10 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
         .into_inner();
     assert_eq!(listed.policies.len(), 2, "both documents of the file are applied");
     assert!(
-        listed.policies.iter().all(|p| p.origin == pb::PolicyOrigin::Directory as i32),
+        listed
+            .policies
+            .iter()
+            .all(|p| p.origin == pb::PolicyOrigin::Directory as i32),
         "policies of the dir have origin DIRECTORY"
     );
     // The ipBlock became CIDR identities in the ipcache, and client's egress
@@ -357,10 +455,27 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
         .filter(|e| e.prefix.as_ref().is_some_and(|p| p.address == [198, 19, 128, 0]))
         .map(|e| e.identity)
         .collect();
-    assert_eq!(cidr_ids.len(), 2, "the cidr and its except are both in the datapath's ipcache: {cidr_ids:?}");
-    let client = node.endpoints().await.get_endpoint(pb::GetEndpointRequest {
-        r#ref: Some(pb::EndpointRef { r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef { namespace: "default".into(), name: "client".into() })) }),
-    }).await.unwrap().into_inner().endpoint.unwrap();
+    assert_eq!(
+        cidr_ids.len(),
+        2,
+        "the cidr and its except are both in the datapath's ipcache: {cidr_ids:?}"
+    );
+    let client = node
+        .endpoints()
+        .await
+        .get_endpoint(pb::GetEndpointRequest {
+            r#ref: Some(pb::EndpointRef {
+                r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
+                    namespace: "default".into(),
+                    name: "client".into(),
+                })),
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoint
+        .unwrap();
     let held = node
         .node
         .client()
@@ -369,7 +484,12 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
         .await
         .unwrap()
         .into_inner();
-    let peers: Vec<u32> = held.entries.iter().filter_map(|e| e.entry.as_ref()).map(|e| e.peer_identity).collect();
+    let peers: Vec<u32> = held
+        .entries
+        .iter()
+        .filter_map(|e| e.entry.as_ref())
+        .map(|e| e.peer_identity)
+        .collect();
     assert!(held.enforce_egress, "client's egress is enforced");
     assert_eq!(
         cidr_ids.iter().filter(|id| peers.contains(id)).count(),
@@ -380,13 +500,25 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
     // A broken file changes nothing.
     std::fs::write(&file, "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny-web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Sideways]\n").unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!tcp(&node, "client", "web", 80), "a file that does not parse must leave its policies applied");
-    let still = node.policies().await.list_policies(pb::ListPoliciesRequest::default()).await.unwrap().into_inner();
+    assert!(
+        !tcp(&node, "client", "web", 80),
+        "a file that does not parse must leave its policies applied"
+    );
+    let still = node
+        .policies()
+        .await
+        .list_policies(pb::ListPoliciesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(still.policies.len(), 2, "a file that does not parse changes nothing");
 
     // Removing the file removes its policies.
     std::fs::remove_file(&file).unwrap();
-    eventually(Duration::from_secs(10), "removing the file reopens web", || tcp(&node, "client", "web", 80)).await;
+    eventually(Duration::from_secs(10), "removing the file reopens web", || {
+        tcp(&node, "client", "web", 80)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -398,21 +530,27 @@ async fn namespace_labels_are_identity_labels_and_namespace_selectors_follow_the
         node.add_pod_interface(pod).await;
         let mut request = node.create_request(pod, &["k8s:app=client"]);
         request.pod_namespace = namespace.into();
-        node.endpoints().await.create_endpoint(request).await.expect("create in a namespace");
+        node.endpoints()
+            .await
+            .create_endpoint(request)
+            .await
+            .expect("create in a namespace");
     }
     // Only namespaces labelled team=shop may reach db.
     node.apply_policy(
         "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress:\n  - from:\n    - namespaceSelector: {matchLabels: {team: shop}}\n",
     )
     .await;
-    assert!(!tcp(&node, "shop-client", "db", 5432), "an unlabelled namespace must not match the selector");
+    assert!(
+        !tcp(&node, "shop-client", "db", 5432),
+        "an unlabelled namespace must not match the selector"
+    );
 
-    let mut namespaces =
-        rivet_proto::endpoint::v1::namespace_service_client::NamespaceServiceClient::new(
-            rivet_common::grpc::connect_unix(&node.sockets().join("svc-endpoint.sock"), &Default::default())
-                .await
-                .unwrap(),
-        );
+    let mut namespaces = rivet_proto::endpoint::v1::namespace_service_client::NamespaceServiceClient::new(
+        rivet_common::grpc::connect_unix(&node.sockets().join("svc-endpoint.sock"), &Default::default())
+            .await
+            .unwrap(),
+    );
     let set = namespaces
         .set_namespace_labels(pb::SetNamespaceLabelsRequest {
             namespace: "shop".into(),
@@ -422,10 +560,15 @@ async fn namespace_labels_are_identity_labels_and_namespace_selectors_follow_the
         .unwrap()
         .into_inner();
     assert!(set.changed);
-    assert_eq!(set.affected_endpoints, 1, "the namespace's one endpoint is re-identified");
-    eventually(Duration::from_secs(10), "labelling the namespace lets its pods reach db", || {
-        tcp(&node, "shop-client", "db", 5432)
-    })
+    assert_eq!(
+        set.affected_endpoints, 1,
+        "the namespace's one endpoint is re-identified"
+    );
+    eventually(
+        Duration::from_secs(10),
+        "labelling the namespace lets its pods reach db",
+        || tcp(&node, "shop-client", "db", 5432),
+    )
     .await;
     assert!(!tcp(&node, "lab-client", "db", 5432), "another namespace stays out");
     let got = node
@@ -449,7 +592,11 @@ async fn namespace_labels_are_identity_labels_and_namespace_selectors_follow_the
         "k8s:ns.labels/team=shop",
         "k8s:ns.labels/kubernetes.io/metadata.name=shop",
     ] {
-        assert!(got.identity_labels.iter().any(|l| l == label), "identity labels hold {label}: {:?}", got.identity_labels);
+        assert!(
+            got.identity_labels.iter().any(|l| l == label),
+            "identity labels hold {label}: {:?}",
+            got.identity_labels
+        );
     }
     let e = namespaces
         .set_namespace_labels(pb::SetNamespaceLabelsRequest {

@@ -34,7 +34,11 @@ async fn an_endpoint_creation_is_one_trace_across_the_daemons() {
     let request = node.create_request("traced", &["k8s:app=traced"]);
     let span = tracing::info_span!("test.create_endpoint");
     async {
-        node.endpoints().await.create_endpoint(request).await.expect("create succeeds");
+        node.endpoints()
+            .await
+            .create_endpoint(request)
+            .await
+            .expect("create succeeds");
     }
     .instrument(span)
     .await;
@@ -42,16 +46,29 @@ async fn an_endpoint_creation_is_one_trace_across_the_daemons() {
     // Graceful stops flush the daemons' exporters.
     let endpoint = node.endpoint_daemon();
     assert!(endpoint.terminate().await.unwrap().success(), "{}", endpoint.log());
-    assert!(node.identity.terminate().await.unwrap().success(), "{}", node.identity.log());
-    assert!(node.node.loader.terminate().await.unwrap().success(), "{}", node.node.loader.log());
+    assert!(
+        node.identity.terminate().await.unwrap().success(),
+        "{}",
+        node.identity.log()
+    );
+    assert!(
+        node.node.loader.terminate().await.unwrap().success(),
+        "{}",
+        node.node.loader.log()
+    );
     guard.shutdown().expect("flush the test's spans");
 
     let server = |service: &'static str, method: &'static str| {
         move |s: &rivet_common::testing::CollectedSpan| s.service_name == service && s.name.ends_with(method)
     };
-    let loader_collector = node.loader_collector.as_ref().expect("the node collects svc-loader's spans");
+    let loader_collector = node
+        .loader_collector
+        .as_ref()
+        .expect("the node collects svc-loader's spans");
     let loader_spans = loader_collector
-        .wait_for(Duration::from_secs(10), |spans| spans.iter().any(server("svc-loader", "/ApplyEndpoint")))
+        .wait_for(Duration::from_secs(10), |spans| {
+            spans.iter().any(server("svc-loader", "/ApplyEndpoint"))
+        })
         .await;
     let mut spans = collector
         .wait_for(Duration::from_secs(10), |spans| {
@@ -72,7 +89,9 @@ async fn an_endpoint_creation_is_one_trace_across_the_daemons() {
         ("svc-loader", "/ApplyEndpoint"),
     ] {
         assert!(
-            spans.iter().any(|s| server(service, method)(s) && s.trace_id == root.trace_id),
+            spans
+                .iter()
+                .any(|s| server(service, method)(s) && s.trace_id == root.trace_id),
             "{service}{method} must belong to the creation's trace: {spans:#?}"
         );
     }

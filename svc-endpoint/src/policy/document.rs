@@ -525,7 +525,10 @@ fn parse_document(text: &str) -> Result<Option<Policy>, PolicyError> {
         Some(ns) => ns,
     };
     if let Err(why) = check_dns_label(&namespace) {
-        return Err(PolicyError::invalid("metadata.namespace", format!("{namespace:?} {why}")));
+        return Err(PolicyError::invalid(
+            "metadata.namespace",
+            format!("{namespace:?} {why}"),
+        ));
     }
 
     let spec: SpecDoc = match envelope.spec {
@@ -690,7 +693,10 @@ impl Validator<'_> {
             "to",
         )?;
         let ingress_deny = self.rules(
-            doc.ingress_deny.unwrap_or_default().into_iter().map(|r| (r.from, r.ports)),
+            doc.ingress_deny
+                .unwrap_or_default()
+                .into_iter()
+                .map(|r| (r.from, r.ports)),
             "spec.ingressDeny",
             "from",
         )?;
@@ -706,7 +712,12 @@ impl Validator<'_> {
             let direction = match text.as_str() {
                 "Ingress" => Direction::Ingress,
                 "Egress" => Direction::Egress,
-                _ => return Err(PolicyError::invalid(path, format!("must be Ingress or Egress, found {text:?}"))),
+                _ => {
+                    return Err(PolicyError::invalid(
+                        path,
+                        format!("must be Ingress or Egress, found {text:?}"),
+                    ));
+                }
             };
             if policy_types.contains(&direction) {
                 return Err(PolicyError::invalid(path, format!("duplicate value {text:?}")));
@@ -916,7 +927,9 @@ impl Validator<'_> {
                     Some(_) => {
                         return Err(PolicyError::invalid(
                             format!("{path}.protocol"),
-                            format!("must be TCP, UDP or SCTP, found {text:?} (ICMP, ICMPv6 and ANY need kind RivetNetworkPolicy)"),
+                            format!(
+                                "must be TCP, UDP or SCTP, found {text:?} (ICMP, ICMPv6 and ANY need kind RivetNetworkPolicy)"
+                            ),
                         ));
                     }
                     None => {
@@ -988,7 +1001,10 @@ impl Validator<'_> {
 fn port_number(n: i128, path: &str) -> Result<u16, PolicyError> {
     match u16::try_from(n) {
         Ok(port) if port > 0 => Ok(port),
-        _ => Err(PolicyError::invalid(path, format!("must be between 1 and 65535, found {n}"))),
+        _ => Err(PolicyError::invalid(
+            path,
+            format!("must be between 1 and 65535, found {n}"),
+        )),
     }
 }
 
@@ -1122,7 +1138,9 @@ fn check_port_name(name: &str) -> Result<(), String> {
                         alphanumerics and '-', at least one letter, no leading, trailing or double '-')";
     let ok = !name.is_empty()
         && name.len() <= 15
-        && name.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
         && name.bytes().any(|c| c.is_ascii_lowercase())
         && !name.starts_with('-')
         && !name.ends_with('-')

@@ -171,7 +171,9 @@ impl Serialize for PolicyKind {
 
 impl<'de> Deserialize<'de> for PolicyKind {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        String::deserialize(deserializer)?.parse().map_err(serde::de::Error::custom)
+        String::deserialize(deserializer)?
+            .parse()
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -436,7 +438,9 @@ impl Serialize for Protocol {
 
 impl<'de> Deserialize<'de> for Protocol {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        String::deserialize(deserializer)?.parse().map_err(serde::de::Error::custom)
+        String::deserialize(deserializer)?
+            .parse()
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -491,8 +495,19 @@ pub struct Entry {
 impl Entry {
     /// Whether two entries have the same key (everything but the verdict).
     pub fn same_key(&self, other: &Entry) -> bool {
-        (self.direction, self.peer_identity, self.protocol, self.port, self.end_port)
-            == (other.direction, other.peer_identity, other.protocol, other.port, other.end_port)
+        (
+            self.direction,
+            self.peer_identity,
+            self.protocol,
+            self.port,
+            self.end_port,
+        ) == (
+            other.direction,
+            other.peer_identity,
+            other.protocol,
+            other.port,
+            other.end_port,
+        )
     }
 
     /// The loader's message.

@@ -45,7 +45,11 @@ impl PolicyChange {
     /// the previous or the current policy selects it. False when nothing
     /// changed.
     pub fn affects(&self, subject: &Labels) -> bool {
-        self.changed && [&self.previous, &self.current].into_iter().flatten().any(|p| p.selects(subject))
+        self.changed
+            && [&self.previous, &self.current]
+                .into_iter()
+                .flatten()
+                .any(|p| p.selects(subject))
     }
 }
 

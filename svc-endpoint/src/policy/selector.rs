@@ -104,7 +104,10 @@ fn pod_values<'a>(labels: &'a Labels, key: &'a str) -> impl Iterator<Item = &'a 
         .iter()
         .filter(move |l| {
             !namespace_key
-                && matches!(l.source(), LabelSource::K8s | LabelSource::Container | LabelSource::Unspec)
+                && matches!(
+                    l.source(),
+                    LabelSource::K8s | LabelSource::Container | LabelSource::Unspec
+                )
                 && l.key() == key
         })
         .map(|l| l.value())
@@ -279,7 +282,10 @@ mod tests {
             let selector = LabelSelector::new(vec![requirement.clone()]);
             assert_eq!(selector.matches_pod(&pod), expected, "{requirement:?}");
         }
-        assert!(LabelSelector::default().matches_pod(&pod), "an empty selector matches every pod");
+        assert!(
+            LabelSelector::default().matches_pod(&pod),
+            "an empty selector matches every pod"
+        );
     }
 
     #[test]

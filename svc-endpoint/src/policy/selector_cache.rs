@@ -124,7 +124,11 @@ impl SelectorCache {
             return false;
         }
         let labels = self.cluster.entry(id).insert_entry(labels).into_mut();
-        update_memo(self.memo.get_mut().unwrap_or_else(|e| e.into_inner()), id, Some(IdentityRef::Cluster(labels)));
+        update_memo(
+            self.memo.get_mut().unwrap_or_else(|e| e.into_inner()),
+            id,
+            Some(IdentityRef::Cluster(labels)),
+        );
         true
     }
 
@@ -181,7 +185,11 @@ impl SelectorCache {
         }
         self.cidr_ids.insert(prefix, id);
         let prefix = self.cidr_prefixes.entry(id).insert_entry(prefix).into_mut();
-        update_memo(self.memo.get_mut().unwrap_or_else(|e| e.into_inner()), id, Some(IdentityRef::Cidr(prefix)));
+        update_memo(
+            self.memo.get_mut().unwrap_or_else(|e| e.into_inner()),
+            id,
+            Some(IdentityRef::Cidr(prefix)),
+        );
         true
     }
 
@@ -260,7 +268,8 @@ impl SelectorCache {
             return entry.ids.clone();
         }
         if memo.entries.len() >= memo.sweep_at {
-            memo.entries.retain(|_, entry| entry.used.swap(false, Ordering::Relaxed));
+            memo.entries
+                .retain(|_, entry| entry.used.swap(false, Ordering::Relaxed));
             memo.sweep_at = MIN_SWEEP_SIZE.max(2 * memo.entries.len());
         }
         memo.entries.insert(

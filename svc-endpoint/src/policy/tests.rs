@@ -155,8 +155,17 @@ fn e(head: &str, peer: u32, tail: &str) -> String {
 /// The loader's rules for a policy, checked on every resolution.
 fn assert_loader_valid(resolved: &ResolvedPolicy) {
     for pair in resolved.entries.windows(2) {
-        assert!(pair[0] < pair[1], "entries must be sorted: {} then {}", pair[0], pair[1]);
-        assert!(!pair[0].same_key(&pair[1]), "entries must be unique by key: {}", pair[1]);
+        assert!(
+            pair[0] < pair[1],
+            "entries must be sorted: {} then {}",
+            pair[0],
+            pair[1]
+        );
+        assert!(
+            !pair[0].same_key(&pair[1]),
+            "entries must be unique by key: {}",
+            pair[1]
+        );
     }
     for entry in &resolved.entries {
         assert!(
@@ -164,7 +173,11 @@ fn assert_loader_valid(resolved: &ResolvedPolicy) {
             "a direction that is not enforced has no entries: {entry}"
         );
         if !entry.protocol.has_ports() {
-            assert_eq!((entry.port, entry.end_port), (0, 0), "ports only with TCP/UDP/SCTP: {entry}");
+            assert_eq!(
+                (entry.port, entry.end_port),
+                (0, 0),
+                "ports only with TCP/UDP/SCTP: {entry}"
+            );
         }
         if entry.port == 0 {
             assert_eq!(entry.end_port, 0, "a range needs a first port: {entry}");
@@ -983,7 +996,10 @@ spec:
         &identity(WEB),
         &[],
         (true, false),
-        &[e("Ingress Deny", SHOP_FRONT, "TCP 80"), e("Ingress Deny", MYPROJ, "ANY")],
+        &[
+            e("Ingress Deny", SHOP_FRONT, "TCP 80"),
+            e("Ingress Deny", MYPROJ, "ANY"),
+        ],
     );
 }
 
@@ -1222,25 +1238,46 @@ spec:
     run(
         &cache,
         "a new matching identity is added",
-        &[e("Ingress Allow", SHOP_FRONT, "TCP 80"), e("Ingress Allow", 280, "TCP 80")],
+        &[
+            e("Ingress Allow", SHOP_FRONT, "TCP 80"),
+            e("Ingress Allow", 280, "TCP 80"),
+        ],
     );
     assert!(cache.remove_identity(SHOP_FRONT));
-    run(&cache, "a removed identity is gone", &[e("Ingress Allow", 280, "TCP 80")]);
+    run(
+        &cache,
+        "a removed identity is gone",
+        &[e("Ingress Allow", 280, "TCP 80")],
+    );
     assert!(cache.upsert_identity(280, pod("shop", "k8s:role=backend")));
-    run(&cache, "an identity number reused for other labels no longer matches", &[]);
+    run(
+        &cache,
+        "an identity number reused for other labels no longer matches",
+        &[],
+    );
 
     // A namespace label change re-identifies its pods: new identities with new labels.
     let gold = pod("other", "k8s:app=x")
         .with_namespace("other", [("tier", "gold"), ("kubernetes.io/metadata.name", "other")])
         .unwrap();
     assert!(cache.upsert_identity(290, gold));
-    run(&cache, "namespace labels are identity labels", &[e("Ingress Allow", 290, "TCP 81")]);
+    run(
+        &cache,
+        "namespace labels are identity labels",
+        &[e("Ingress Allow", 290, "TCP 81")],
+    );
 
-    assert!(cache.replace_identities([(SHOP_FRONT, identity(SHOP_FRONT)), (281, pod("shop", "k8s:role=frontend"))]));
+    assert!(cache.replace_identities([
+        (SHOP_FRONT, identity(SHOP_FRONT)),
+        (281, pod("shop", "k8s:role=frontend"))
+    ]));
     run(
         &cache,
         "a snapshot replaces every cluster identity",
-        &[e("Ingress Allow", SHOP_FRONT, "TCP 80"), e("Ingress Allow", 281, "TCP 80")],
+        &[
+            e("Ingress Allow", SHOP_FRONT, "TCP 80"),
+            e("Ingress Allow", 281, "TCP 80"),
+        ],
     );
     assert_eq!(
         cache.cached_selectors(),
@@ -1292,7 +1329,7 @@ fn invalid_documents_name_the_path_and_the_rule() {
         ("missing metadata", "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nspec: {podSelector: {}}".into(), Kind::Invalid, "metadata.name", "is required"),
         ("bad name", "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: Bad_Name}\nspec: {podSelector: {}}".into(), Kind::Invalid, "metadata.name", "must be a DNS-1123 subdomain"),
         ("bad namespace", "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: t, namespace: a.b}\nspec: {podSelector: {}}".into(), Kind::Invalid, "metadata.namespace", "must be a DNS-1123 label"),
-        ("missing spec", format!("{NP_HEAD}"), Kind::Invalid, "spec", "is required"),
+        ("missing spec", NP_HEAD.to_string(), Kind::Invalid, "spec", "is required"),
         ("missing podSelector", np("{ingress: [{}]}"), Kind::Invalid, "spec.podSelector", "is required"),
         ("missing podSelector (Rivet)", rivet("{ingress: [{}]}"), Kind::Invalid, "spec.podSelector", "is required"),
         // policyTypes.
@@ -1350,9 +1387,8 @@ fn invalid_documents_name_the_path_and_the_rule() {
     for (what, document, kind, path, reason) in cases {
         let err = Policy::parse(&document).expect_err(what);
         let (got_path, got_reason) = match (&kind, &err) {
-            (Kind::Syntax, PolicyError::Syntax { path, reason }) | (Kind::Invalid, PolicyError::Invalid { path, reason }) => {
-                (path, reason)
-            }
+            (Kind::Syntax, PolicyError::Syntax { path, reason })
+            | (Kind::Invalid, PolicyError::Invalid { path, reason }) => (path, reason),
             _ => panic!("{what}: wrong kind of error: {err:?}\n{document}"),
         };
         assert_eq!(got_path, path, "{what}: {err}\n{document}");
@@ -1441,10 +1477,21 @@ spec:
         })
     );
 
-    let flow = Policy::parse("{apiVersion: networking.k8s.io/v1, kind: NetworkPolicy, metadata: {name: x}, spec: {podSelector: {}}}")
-        .unwrap();
-    assert_eq!(flow.key().namespace, "default", "metadata.namespace defaults to default");
-    let other = Policy::parse(&flow.document().replace("podSelector: {}", "podSelector: {}, policyTypes: [Egress]")).unwrap();
+    let flow = Policy::parse(
+        "{apiVersion: networking.k8s.io/v1, kind: NetworkPolicy, metadata: {name: x}, spec: {podSelector: {}}}",
+    )
+    .unwrap();
+    assert_eq!(
+        flow.key().namespace,
+        "default",
+        "metadata.namespace defaults to default"
+    );
+    let other = Policy::parse(
+        &flow
+            .document()
+            .replace("podSelector: {}", "podSelector: {}, policyTypes: [Egress]"),
+    )
+    .unwrap();
     assert!(!flow.same_spec(&other));
     let renamed = Policy::parse(&flow.document().replace("name: x", "name: y")).unwrap();
     assert!(!flow.same_spec(&renamed), "the key is part of the spec's identity");
@@ -1459,12 +1506,20 @@ fn files_hold_several_documents() {
     let names: Vec<String> = policies.iter().map(|p| p.key().to_string()).collect();
     assert_eq!(
         names,
-        ["NetworkPolicy/shop/default-deny-ingress", "NetworkPolicy/shop/allow-all-egress"]
+        [
+            "NetworkPolicy/shop/default-deny-ingress",
+            "NetworkPolicy/shop/allow-all-egress"
+        ]
     );
     assert!(policies[0].document().contains("default-deny-ingress"));
-    assert!(!policies[0].document().contains("allow-all-egress"), "each policy keeps its own document");
+    assert!(
+        !policies[0].document().contains("allow-all-egress"),
+        "each policy keeps its own document"
+    );
 
-    let broken = format!("{DEFAULT_DENY_INGRESS}---\n\n---\n{NP_HEAD}spec: {{podSelector: {{}}, ingress: [{{ports: [{{port: 0}}]}}]}}\n");
+    let broken = format!(
+        "{DEFAULT_DENY_INGRESS}---\n\n---\n{NP_HEAD}spec: {{podSelector: {{}}, ingress: [{{ports: [{{port: 0}}]}}]}}\n"
+    );
     let err = Policy::parse_all(&broken).unwrap_err();
     assert_eq!(
         err.to_string(),
@@ -1505,7 +1560,10 @@ fn repository_upserts_deletes_and_guards_origins() {
     ))
     .unwrap();
     let change = repo.upsert(again, PolicyOrigin::Kubernetes).unwrap();
-    assert!(!change.changed, "an identical spec from the same origin changes nothing");
+    assert!(
+        !change.changed,
+        "an identical spec from the same origin changes nothing"
+    );
     assert_eq!((change.revision, repo.revision()), (1, 1));
     assert_eq!(repo.get(&key).unwrap().revision, 1);
     assert_eq!(repo.get(&key).unwrap().policy.document(), TEST_NETWORK_POLICY);
@@ -1526,7 +1584,10 @@ fn repository_upserts_deletes_and_guards_origins() {
     );
     assert!(matches!(
         repo.delete(&key, PolicyOrigin::Directory),
-        Err(PolicyError::OriginConflict { held_by: PolicyOrigin::Kubernetes, .. })
+        Err(PolicyError::OriginConflict {
+            held_by: PolicyOrigin::Kubernetes,
+            ..
+        })
     ));
     assert_eq!(repo.revision(), 1);
 
@@ -1536,14 +1597,19 @@ fn repository_upserts_deletes_and_guards_origins() {
     assert!(change.changed);
     assert_eq!((change.revision, repo.revision()), (2, 2));
     assert!(change.affects(&identity(DEF_DB)), "the previous version selected it");
-    assert!(change.affects(&pod("default", "k8s:role=cache")), "the current version selects it");
+    assert!(
+        change.affects(&pod("default", "k8s:role=cache")),
+        "the current version selects it"
+    );
     assert!(!change.affects(&identity(DEF_FRONT)));
     assert!(!change.affects(&pod("shop", "k8s:role=cache")));
 
     // Other keys: another namespace, and the Rivet kind with the same name.
-    repo.upsert(Policy::parse(DEFAULT_DENY_ALL).unwrap(), PolicyOrigin::Api).unwrap();
+    repo.upsert(Policy::parse(DEFAULT_DENY_ALL).unwrap(), PolicyOrigin::Api)
+        .unwrap();
     let rivet = "apiVersion: rivet.io/v1\nkind: RivetNetworkPolicy\nmetadata: {name: test-network-policy}\nspec:\n  podSelector: {}\n  egress: [{to: [{ipBlock: {cidr: 192.168.0.0/16}}]}]\n";
-    repo.upsert(Policy::parse(rivet).unwrap(), PolicyOrigin::Directory).unwrap();
+    repo.upsert(Policy::parse(rivet).unwrap(), PolicyOrigin::Directory)
+        .unwrap();
     assert_eq!((repo.len(), repo.revision()), (3, 4));
     let keys: Vec<String> = repo.iter().map(|s| s.policy.key().to_string()).collect();
     assert_eq!(
@@ -1557,13 +1623,28 @@ fn repository_upserts_deletes_and_guards_origins() {
     );
     assert_eq!(
         repo.cidrs().into_iter().collect::<Vec<_>>(),
-        [net("10.0.0.0/24"), net("172.17.0.0/16"), net("172.17.1.0/24"), net("192.168.0.0/16")]
+        [
+            net("10.0.0.0/24"),
+            net("172.17.0.0/16"),
+            net("172.17.1.0/24"),
+            net("192.168.0.0/16")
+        ]
     );
-    let stored = repo.get(&PolicyKey::new(PolicyKind::RivetNetworkPolicy, "default", "test-network-policy")).unwrap();
+    let stored = repo
+        .get(&PolicyKey::new(
+            PolicyKind::RivetNetworkPolicy,
+            "default",
+            "test-network-policy",
+        ))
+        .unwrap();
     assert_eq!((stored.origin, stored.revision), (PolicyOrigin::Directory, 4));
 
     // Delete.
-    assert!(repo.delete(&PolicyKey::new(PolicyKind::NetworkPolicy, "x", "y"), PolicyOrigin::Api).unwrap().is_none());
+    assert!(
+        repo.delete(&PolicyKey::new(PolicyKind::NetworkPolicy, "x", "y"), PolicyOrigin::Api)
+            .unwrap()
+            .is_none()
+    );
     let change = repo.delete(&key, PolicyOrigin::Kubernetes).unwrap().unwrap();
     assert!(change.changed && change.previous.is_some() && change.current.is_none());
     assert_eq!((change.revision, repo.revision()), (5, 5));
@@ -1581,7 +1662,15 @@ fn resolved_policies_convert_to_the_loader_messages() {
     let cache = fixture();
     let resolved = repo(&[MULTI_PORT_EGRESS]).resolve(&Subject::new(&identity(DEF_DB)), &cache);
     let message = resolved.to_proto(7, true);
-    assert_eq!((message.revision, message.enforce_ingress, message.enforce_egress, message.allow_from_host), (7, false, true, true));
+    assert_eq!(
+        (
+            message.revision,
+            message.enforce_ingress,
+            message.enforce_egress,
+            message.allow_from_host
+        ),
+        (7, false, true, true)
+    );
     assert_eq!(
         message.entries,
         [rivet_proto::loader::v1::PolicyEntry {
@@ -1600,7 +1689,10 @@ fn resolved_policies_convert_to_the_loader_messages() {
     }
     let json = serde_json::to_string(&NamedPort::new("http", Protocol::Tcp, 80)).unwrap();
     assert_eq!(json, r#"{"name":"http","protocol":"TCP","port":80}"#);
-    assert_eq!(serde_json::from_str::<NamedPort>(&json).unwrap(), NamedPort::new("http", Protocol::Tcp, 80));
+    assert_eq!(
+        serde_json::from_str::<NamedPort>(&json).unwrap(),
+        NamedPort::new("http", Protocol::Tcp, 80)
+    );
 }
 
 // ------------------------------------------------------------------ at scale
@@ -1622,7 +1714,7 @@ impl Member {
             namespace: index % 10,
             app: index % 20,
             role: index % 7,
-            v2: index % 50 == 0,
+            v2: index.is_multiple_of(50),
         }
     }
 
@@ -1643,7 +1735,13 @@ impl Member {
         let tier = format!("t{}", self.tier());
         own.parse::<Labels>()
             .unwrap()
-            .with_namespace(&namespace, [("tier", tier.as_str()), ("kubernetes.io/metadata.name", namespace.as_str())])
+            .with_namespace(
+                &namespace,
+                [
+                    ("tier", tier.as_str()),
+                    ("kubernetes.io/metadata.name", namespace.as_str()),
+                ],
+            )
             .unwrap()
     }
 
@@ -1653,7 +1751,7 @@ impl Member {
 
     /// Named ports of every fourth identity (for egress).
     fn metrics(self) -> Option<u16> {
-        (self.index % 4 == 0).then_some(9000 + (self.index % 3) as u16)
+        (self.index.is_multiple_of(4)).then_some(9000 + (self.index % 3) as u16)
     }
 }
 
@@ -1662,7 +1760,7 @@ fn cidr_id(policy: usize, part: usize) -> u32 {
 }
 
 fn large_policy(p: usize) -> String {
-    let egress = if p % 2 == 0 {
+    let egress = if p.is_multiple_of(2) {
         format!(
             "
   egress:
@@ -1695,7 +1793,7 @@ spec:
       podSelector:
         matchExpressions: [{{key: app, operator: NotIn, values: [a0]}}]{egress}
 ",
-        types = if p % 2 == 0 { ", Egress" } else { "" },
+        types = if p.is_multiple_of(2) { ", Egress" } else { "" },
         r0 = p % 7,
         r1 = (p + 1) % 7,
         t = p % 3,
@@ -1728,19 +1826,19 @@ fn oracle(subject: Member, live: &[Member]) -> ResolvedPolicy {
         if peer.tier() == p % 3 && peer.app != 0 {
             add(Direction::Ingress, peer.id(), Protocol::Any, 0);
         }
-        if p % 2 == 0
+        if p.is_multiple_of(2)
             && let Some(port) = peer.metrics()
         {
             add(Direction::Egress, peer.id(), Protocol::Tcp, port);
         }
     }
-    if p % 2 == 0 {
+    if p.is_multiple_of(2) {
         add(Direction::Egress, cidr_id(p, 0), Protocol::Udp, 53);
         add(Direction::Egress, cidr_id(p, 2), Protocol::Udp, 53);
     }
     ResolvedPolicy {
         enforce_ingress: true,
-        enforce_egress: p % 2 == 0,
+        enforce_egress: p.is_multiple_of(2),
         entries: entries.into_iter().collect(),
     }
 }
@@ -1788,15 +1886,18 @@ fn a_thousand_endpoints_ten_policies_a_thousand_identities() {
         (enforced, total)
     };
     let (enforced, total) = verify(&cache, &live, "initial");
-    assert!(enforced > 400 && total > 100_000, "the test must exercise real work: {enforced} {total}");
+    assert!(
+        enforced > 400 && total > 100_000,
+        "the test must exercise real work: {enforced} {total}"
+    );
     let selectors = cache.cached_selectors();
 
     // Churn: a ninth of the identities vanish, a hundred appear.
-    for member in live.iter().filter(|m| m.index % 9 == 0) {
+    for member in live.iter().filter(|m| m.index.is_multiple_of(9)) {
         assert!(cache.remove_identity(member.id()));
         cache.set_named_ports(member.id(), vec![]);
     }
-    live.retain(|m| m.index % 9 != 0);
+    live.retain(|m| !m.index.is_multiple_of(9));
     for member in (N..N + 100).map(Member::new) {
         assert!(cache.upsert_identity(member.id(), member.labels()));
         if let Some(port) = member.metrics() {
@@ -1805,5 +1906,9 @@ fn a_thousand_endpoints_ten_policies_a_thousand_identities() {
         live.push(member);
     }
     verify(&cache, &live, "after churn");
-    assert_eq!(cache.cached_selectors(), selectors, "churn updates memoised selectors in place");
+    assert_eq!(
+        cache.cached_selectors(),
+        selectors,
+        "churn updates memoised selectors in place"
+    );
 }
