@@ -17,7 +17,11 @@ use crate::cmd;
 ///   cross-process tests, the demo and the benchmarks;
 /// - etcd-server: the kvstore the daemons use, run on 127.0.0.1 in tests;
 /// - protobuf-compiler: a `protoc` for etcd-client's build script (our own protos are
-///   compiled without one).
+///   compiled without one);
+/// - containernetworking-plugins: the reference CNI plugins (bridge, host-local, ptp)
+///   rivet-cni is compared with and chained after;
+/// - containerd, runc, busybox-static: a real container runtime calling rivet-cni
+///   through CRI, with a locally built busybox image.
 pub const PACKAGES: &[&str] = &[
     "clang",
     "llvm",
@@ -27,6 +31,10 @@ pub const PACKAGES: &[&str] = &[
     "iperf3",
     "etcd-server",
     "protobuf-compiler",
+    "containernetworking-plugins",
+    "containerd",
+    "runc",
+    "busybox-static",
 ];
 
 /// Where BPF programs and maps are pinned; the loader and the tests expect a bpffs here.

@@ -1,0 +1,1 @@
+//! rivet-cni (being written).

@@ -1,0 +1,2 @@
+//! rivet-cni (being written).
+fn main() {}
