@@ -47,6 +47,9 @@ pub const DEFAULT_NAMESPACE: &str = "default";
 /// `namespaceSelector` can name a namespace.
 pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
 
+/// How long restore waits for the identity snapshot and CIDR identities.
+const RESTORE_INPUTS_WAIT: Duration = Duration::from_secs(30);
+
 /// Owner of the CIDR identities allocated for policies.
 const CIDR_OWNER: &str = "svc-endpoint/policy";
 
@@ -265,6 +268,9 @@ pub enum ManagerError {
     /// A local file could not be written.
     #[error("{0}")]
     Storage(String),
+    /// A dependency is not ready; retrying later can succeed.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl From<ManagerError> for Status {
@@ -293,6 +299,7 @@ impl From<ManagerError> for Status {
             ManagerError::Policy(PolicyError::OriginConflict { .. }) => Status::failed_precondition(message),
             ManagerError::Policy(_) => Status::invalid_argument(message),
             ManagerError::Storage(_) => Status::internal(message),
+            ManagerError::Unavailable(_) => Status::unavailable(message),
         }
     }
 }
@@ -355,18 +362,38 @@ impl Queue {
         generation
     }
 
-    /// Waits until `generation` is realised or an attempt covering it failed.
+    /// Waits until `generation` is realised, an attempt covering it failed,
+    /// or the endpoint is being removed (ABORTED: its worker exits without
+    /// regenerating again, so nothing else would end the wait).
     async fn wait(&self, generation: u64) -> Result<(), RegenError> {
+        let removed = || RegenError::new(RegenerationStep::Identity, Status::aborted("endpoint removed"));
         let mut rx = self.outcome.subscribe();
         let outcome = rx
-            .wait_for(|o| o.realised >= generation || o.failed.as_ref().is_some_and(|(g, _)| *g >= generation))
+            .wait_for(|o| {
+                o.realised >= generation
+                    || o.failed.as_ref().is_some_and(|(g, _)| *g >= generation)
+                    || self.closed.load(Ordering::SeqCst)
+            })
             .await
-            .map_err(|_| RegenError::new(RegenerationStep::Identity, Status::aborted("endpoint removed")))?
+            .map_err(|_| removed())?
             .clone();
         if outcome.realised >= generation {
             return Ok(());
         }
-        Err(outcome.failed.map(|(_, e)| e).expect("wait_for returned on a failure"))
+        match outcome.failed {
+            Some((g, e)) if g >= generation => Err(e),
+            _ => Err(removed()),
+        }
+    }
+
+    /// Marks the endpoint as being removed: its worker exits and every
+    /// waiter returns (a removal can overtake a request the worker has not
+    /// taken yet, e.g. one made by restore).
+    fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.wake.notify_one();
+        // Wakes the waiters; they see `closed`.
+        self.outcome.send_modify(|_| {});
     }
 }
 
@@ -473,6 +500,9 @@ struct Inner {
     /// Set once restore knows which ids are taken; creates wait for it.
     ids_known: watch::Sender<bool>,
     restore_done: watch::Sender<bool>,
+    /// Set once the selector cache holds svc-identity's first complete
+    /// snapshot: resolving policy before that would leave out peers.
+    identities_synced: watch::Sender<bool>,
     dependencies: Mutex<[DependencyStatus; 3]>,
     /// Wakes the CIDR identity reconciliation.
     cidr_wake: Notify,
@@ -543,6 +573,7 @@ impl EndpointManager {
             restore: Mutex::new(RestoreProgress::default()),
             ids_known: watch::channel(false).0,
             restore_done: watch::channel(false).0,
+            identities_synced: watch::channel(false).0,
             dependencies: Mutex::new([
                 DependencyStatus {
                     name: "svc-identity",
@@ -599,8 +630,15 @@ impl EndpointManager {
         // restore has read them.
         let mut known = self.inner.ids_known.subscribe();
         if tokio::time::timeout(deadline, known.wait_for(|k| *k)).await.is_err() {
-            return Err(ManagerError::Precondition(
+            return Err(ManagerError::Unavailable(
                 "svc-endpoint is still restoring (svc-loader not reachable yet); retry".into(),
+            ));
+        }
+        let mut synced = self.inner.identities_synced.subscribe();
+        let remaining = deadline.saturating_sub(started.elapsed());
+        if tokio::time::timeout(remaining, synced.wait_for(|s| *s)).await.is_err() {
+            return Err(ManagerError::Unavailable(
+                "svc-identity has not delivered its identities yet (is it running?); retry".into(),
             ));
         }
         let mut spec = new.spec;
@@ -762,8 +800,7 @@ impl EndpointManager {
                 return Ok(());
             };
             slot.status.transition(id, EndpointState::Disconnecting, reason);
-            slot.queue.closed.store(true, Ordering::SeqCst);
-            slot.queue.wake.notify_one();
+            slot.queue.close();
             (slot.queue.clone(), slot.spec.clone())
         };
         let _serialised = queue.lock.lock().await;
@@ -1696,6 +1733,11 @@ impl EndpointManager {
         }
         self.inner.ids_known.send_replace(true);
 
+        // Restored endpoints keep their datapath; regenerating them against
+        // an empty selector cache (or without the CIDR identities) would
+        // briefly deny allowed peers.
+        self.wait_for_policy_inputs(RESTORE_INPUTS_WAIT).await;
+
         // Re-reserve addresses and regenerate everything in parallel (the
         // regeneration semaphore bounds the datapath work).
         let pending: Vec<(u16, Arc<Queue>)> = queues
@@ -1724,6 +1766,11 @@ impl EndpointManager {
                 Err(e) if e.step == RegenerationStep::Datapath && e.status.code() == Code::FailedPrecondition => {
                     dropped.push((id, "interface_replaced"));
                 }
+                // Deleted (DeleteEndpoint) while restore waited: the delete
+                // cleaned it; neither restored nor a failure.
+                Err(e) if e.status.code() == Code::Aborted => {
+                    tracing::info!(endpoint = id, "endpoint deleted during restore");
+                }
                 Err(e) => {
                     failed += 1;
                     tracing::error!(endpoint = id, error = %e, "restoring the endpoint failed; retrying in the background");
@@ -1749,6 +1796,26 @@ impl EndpointManager {
         self.inner.restore_done.send_replace(true);
     }
 
+    /// Waits (at most `limit`) for svc-identity's first identity snapshot
+    /// and for the CIDR identities of the repository's policies.
+    async fn wait_for_policy_inputs(&self, limit: Duration) {
+        let started = Instant::now();
+        let mut synced = self.inner.identities_synced.subscribe();
+        if tokio::time::timeout(limit, synced.wait_for(|s| *s)).await.is_err() {
+            tracing::warn!(waited = ?limit, "no identity snapshot from svc-identity yet; policies may lack peers until it arrives");
+            return;
+        }
+        let mut backoff = self.inner.options.retry_backoff.clone();
+        while let Err(e) = self.reconcile_cidrs(false).await {
+            if started.elapsed() >= limit {
+                tracing::warn!(error = %e, "CIDR identities not allocated yet; retrying in the background");
+                self.inner.cidr_wake.notify_one();
+                return;
+            }
+            tokio::time::sleep(backoff.next_delay()).await;
+        }
+    }
+
     async fn retry_until_ok<T, F, Fut>(&self, what: &str, call: F) -> T
     where
         F: Fn() -> Fut,
@@ -1772,6 +1839,16 @@ impl EndpointManager {
 
     /// svc-ipam Restore for every address the endpoint got from svc-ipam.
     async fn restore_addresses(&self, id: u16) -> Result<(), Status> {
+        let Some(queue) = self.state().endpoints.get(&id).map(|s| s.queue.clone()) else {
+            return Ok(());
+        };
+        // Held while re-reserving, as a removal holds it: a concurrent
+        // DeleteEndpoint then completes either before (the endpoint is gone
+        // below and nothing is re-reserved) or after the Restore calls (and
+        // the CNI releases the addresses only once its delete returned).
+        // Without it a resync after a svc-ipam restart could re-reserve the
+        // addresses of a pod the CNI had just deleted and released: a leak.
+        let _serialised = queue.lock.lock().await;
         let Some(spec) = self.state().endpoints.get(&id).map(|s| s.spec.clone()) else {
             return Ok(());
         };
@@ -1971,6 +2048,8 @@ impl EndpointManager {
                     let mut state = self.state();
                     state.selectors.replace_identities(std::mem::take(&mut snapshot));
                     self.queue_changed_policies(&mut state, "identities resynced");
+                    drop(state);
+                    self.inner.identities_synced.send_replace(true);
                     continue;
                 }
                 let mut state = self.state();
