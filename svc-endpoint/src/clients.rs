@@ -83,7 +83,32 @@ pub trait LoaderApi: Send + Sync + 'static {
 
 fn boot_id(channel: &DaemonChannel) -> BoxFuture<'static, ApiResult<String>> {
     let mut client = DaemonClient::new(channel.clone());
-    async move { Ok(client.get_info(GetInfoRequest {}).await?.into_inner().boot_id) }.boxed()
+    async move {
+        let info = client
+            .get_info(GetInfoRequest {})
+            .await
+            .map_err(connection_lost_is_unavailable)?;
+        Ok(info.into_inner().boot_id)
+    }
+    .boxed()
+}
+
+/// tonic reports a connection that broke under a call (the server was
+/// killed or restarted while the call was queued or running) as UNKNOWN
+/// "transport error" or CANCELLED "operation was canceled" (hyper dropped
+/// the queued request), not UNAVAILABLE. For svc-endpoint it is the same as a
+/// server that is down: the retries keyed on UNAVAILABLE (restore, dropping
+/// dead endpoints) must retry it, and a CNI seeing the error of a failed
+/// create must know it is worth retrying. Such a status carries the client's
+/// transport error as its source; a status the server sent has none and is
+/// returned as is, like every other status.
+pub fn connection_lost_is_unavailable(status: Status) -> Status {
+    let transport = std::error::Error::source(&status).is_some();
+    if transport && matches!(status.code(), tonic::Code::Unknown | tonic::Code::Cancelled) {
+        Status::unavailable(format!("connection lost during the call: {}", status.message()))
+    } else {
+        status
+    }
 }
 
 /// svc-identity over its socket.
@@ -114,7 +139,14 @@ macro_rules! unary {
     ($client:expr, $method:ident, $request:expr) => {{
         let mut client = $client;
         let request = $request;
-        async move { client.$method(request).await.map(tonic::Response::into_inner) }.boxed()
+        async move {
+            client
+                .$method(request)
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(connection_lost_is_unavailable)
+        }
+        .boxed()
     }};
 }
 
@@ -145,7 +177,8 @@ impl IdentityApi for GrpcIdentity {
         async move {
             let stream = client
                 .watch_identities(identity::WatchIdentitiesRequest {})
-                .await?
+                .await
+                .map_err(connection_lost_is_unavailable)?
                 .into_inner();
             Ok(stream.boxed())
         }
@@ -236,5 +269,41 @@ impl LoaderApi for GrpcLoader {
     }
     fn list(&self) -> BoxFuture<'_, ApiResult<loader::ListEndpointsResponse>> {
         unary!(self.client(), list_endpoints, loader::ListEndpointsRequest {})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connection_cut_under_a_call_is_unavailable_a_sent_status_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dies.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        // A "server" that accepts and hangs up at once.
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                drop(stream);
+            }
+        });
+        let channel = connect_unix_lazy(&path, &ClientOptions::default());
+        let cut = DaemonClient::new(channel)
+            .get_info(GetInfoRequest {})
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(cut.code(), tonic::Code::Unknown | tonic::Code::Cancelled),
+            "tonic's own code for a cut connection: {cut:?}"
+        );
+        assert_eq!(connection_lost_is_unavailable(cut).code(), tonic::Code::Unavailable);
+        for sent in [Status::cancelled("by the server"), Status::unknown("by the server")] {
+            let code = sent.code();
+            assert_eq!(
+                connection_lost_is_unavailable(sent).code(),
+                code,
+                "a status the server sent is kept"
+            );
+        }
     }
 }

@@ -1493,6 +1493,12 @@ impl EndpointManager {
                     policy_revision: slot.status.policy_revision,
                     written: SystemTime::now(),
                 };
+                // The next successful regeneration must write the record even
+                // if it is unchanged: that write is what removes the
+                // `_next_fail` kept below (otherwise it stays beside a ready
+                // endpoint, e.g. after a regeneration failed while
+                // svc-loader was down and the resync succeeded).
+                slot.persisted = None;
                 drop(state);
                 // Kept for debugging; a create that is undone removes it.
                 if let Err(write) = self.inner.state_dir.write_failed(&failed) {

@@ -7,6 +7,9 @@
 //!   a flood ping runs and a CNI-like task keeps creating and deleting
 //!   endpoints: svc-endpoint replays its desired state into each restarted
 //!   daemon, no packet is lost and nothing leaks.
+//! - a DeleteEndpoint while restore waits for svc-ipam: the delete and the
+//!   restore both complete and the deleted pod's addresses are not
+//!   re-reserved.
 //!
 //! Every wait polls a condition with a deadline; nothing sleeps for a fixed
 //! time where a condition can be awaited.
@@ -40,8 +43,13 @@ const LABEL_SETS: [&[&str]; 4] = [
     &["k8s:app=cache"],
 ];
 
-/// Pings per `ping` run of a [`Pinger`] (0.2 s at 0.2 ms).
-const PING_BATCH: u32 = 1000;
+/// Echo requests per `ping` run of a [`Pinger`]. `-i 0.0002` is below
+/// iputils' 1 ms resolution and becomes 0: each request leaves as soon as
+/// the previous reply is back (150 000-200 000 per second here), so a
+/// request is in flight nearly all the time and any window in which the
+/// datapath drops pod traffic for more than a few microseconds loses one.
+/// 20 000 take 0.1-0.2 s.
+const PING_BATCH: u32 = 20_000;
 
 /// How long a condition may take to hold.
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -87,9 +95,9 @@ impl PingTotals {
     }
 }
 
-/// A flood ping (one echo request every 0.2 ms) from one pod to another in
-/// a background thread, as back-to-back `ping -c 1000` runs so it can be
-/// stopped without counting in-flight requests as lost. Stops on drop.
+/// A flood ping (`ping -i 0.0002`, see [`PING_BATCH`]) from one pod to
+/// another in a background thread, as back-to-back `ping -c` runs so it can
+/// be stopped without counting in-flight requests as lost. Stops on drop.
 struct Pinger {
     stop: Arc<AtomicBool>,
     batches: Arc<AtomicU64>,
@@ -138,15 +146,13 @@ impl Pinger {
     }
 
     /// Waits until `n` more ping runs completed (so traffic covered what
-    /// happened before this call).
+    /// happened before this call), or the ping failed ([`stop`](Self::stop)
+    /// says why).
     async fn wait_batches(&self, n: u64) {
         let target = self.batches.load(Ordering::SeqCst) + n;
-        let thread_alive = || self.thread.as_ref().is_some_and(|t| !t.is_finished());
+        let failed = || self.thread.as_ref().is_some_and(|t| t.is_finished());
         eventually("the flood ping completes its runs", Duration::from_secs(10), || async {
-            if !thread_alive() {
-                return Err("the ping thread ended early".into());
-            }
-            if self.batches.load(Ordering::SeqCst) >= target {
+            if failed() || self.batches.load(Ordering::SeqCst) >= target {
                 Ok(())
             } else {
                 Err(format!("{} of {target} runs", self.batches.load(Ordering::SeqCst)))
@@ -303,18 +309,41 @@ async fn check_consistent(
         .await
         .map_err(|e| format!("svc-loader ListEndpoints: {e}"))?
         .into_inner();
-    let held: BTreeMap<u32, (u32, u32)> = loader
+    // (ifindex, identity, policy revision, ingress enforced, egress
+    // enforced, policy entries)
+    type Realised = (u32, u32, u64, bool, bool, u32);
+    let held: BTreeMap<u32, Realised> = loader
         .endpoints
         .iter()
-        .map(|e| (e.endpoint_id, (e.host_ifindex, e.identity)))
+        .map(|e| {
+            let realised = (
+                e.host_ifindex,
+                e.identity,
+                e.policy_revision,
+                e.enforce_ingress,
+                e.enforce_egress,
+                e.policy_entries,
+            );
+            (e.endpoint_id, realised)
+        })
         .collect();
-    let wanted: BTreeMap<u32, (u32, u32)> = endpoints
+    let wanted: BTreeMap<u32, Realised> = endpoints
         .values()
-        .map(|e| (e.id, (e.host_ifindex, e.identity)))
+        .map(|e| {
+            let realised = (
+                e.host_ifindex,
+                e.identity,
+                e.policy_revision,
+                e.ingress_enforced,
+                e.egress_enforced,
+                e.policy_entries,
+            );
+            (e.id, realised)
+        })
         .collect();
     if held != wanted {
         return Err(format!(
-            "svc-loader's endpoints (id → ifindex, identity) must equal svc-endpoint's: loader {held:?}, endpoint {wanted:?}"
+            "svc-loader's endpoints (id → ifindex, identity, policy revision and shape) must equal svc-endpoint's: loader {held:?}, endpoint {wanted:?}"
         ));
     }
     if let Some(e) = loader.endpoints.iter().find(|e| {
@@ -476,15 +505,27 @@ async fn check_consistent(
             "the state dir must hold nothing for ids that are no endpoint: {stray:?}"
         ));
     }
-    let missing: Vec<_> = endpoints.keys().filter(|id| !dirs.contains_key(id)).collect();
-    if !missing.is_empty() {
-        return Err(format!("every endpoint must have a state dir: missing {missing:?}"));
+    // A ready endpoint's last regeneration succeeded: its record and
+    // nothing else (no `_next`, no `_next_fail` of an earlier failure).
+    let untidy: Vec<_> = endpoints
+        .keys()
+        .filter(|id| dirs.get(id) != Some(&vec![id.to_string()]))
+        .map(|id| (id, dirs.get(id)))
+        .collect();
+    if !untidy.is_empty() {
+        return Err(format!(
+            "every ready endpoint's state dir must be exactly `<id>`: {untidy:?}"
+        ));
     }
     Ok(())
 }
 
 // ------------------------------------------------- kill -9 of svc-endpoint --
 
+/// 50 endpoints over four identities; svc-endpoint dies (kill -9) under a
+/// flood ping between two pods, one pod goes away while it is down, and the
+/// restart restores the other 49 exactly and cleans the vanished one in
+/// every daemon.
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_of_svc_endpoint_restores_50_endpoints_under_traffic_and_cleans_the_one_that_vanished() {
     let mut node = EndpointNode::start(NodeOptions::default())
@@ -544,23 +585,20 @@ async fn kill_9_of_svc_endpoint_restores_50_endpoints_under_traffic_and_cleans_t
     node.endpoint_daemon().restart().await.expect("svc-endpoint restarts");
     let answering = restart.elapsed();
     let node_ref = &node;
-    let mut status = None;
     let restore_wait = eventually("svc-endpoint completes its restore", DEADLINE, || async {
-        let s = endpoint_status(node_ref).await;
-        let complete = s
-            .restore
+        let restore = endpoint_status(node_ref).await.restore;
+        let complete = restore
             .as_ref()
             .is_some_and(|r| r.phase == pb::RestorePhase::Complete as i32);
-        status = Some(s);
         if complete {
             Ok(())
         } else {
-            Err(format!("restore {:?}", status.as_ref().unwrap().restore))
+            Err(format!("restore {restore:?}"))
         }
     })
     .await;
     let restored_in = restart.elapsed();
-    let restore = status.expect("polled").restore.expect("restore status");
+    let restore = endpoint_status(&node).await.restore.expect("restore status");
     // The traffic must also have run after everything restore did.
     pinger.wait_batches(2).await;
     let ping = pinger.stop();
@@ -715,11 +753,13 @@ struct ChurnStats {
     created: u64,
     /// UNAVAILABLE answers (a dependency was down).
     unavailable: u64,
+    /// The same, by call.
+    unavailable_by_call: BTreeMap<String, u64>,
     /// Every other error, with the call.
     other_errors: Vec<String>,
 }
 
-/// Plays the CNI for the spare pods, round robin until `stop`: allocate the
+/// Plays the CNI for `pods`, round robin until `stop`: allocate the
 /// pod's addresses with svc-ipam, create its endpoint, delete it, release the
 /// addresses. A failed ADD is cleaned like the runtime would (DEL: delete and
 /// release, retried until they succeed), so every cycle ends with nothing
@@ -732,9 +772,14 @@ async fn churn(sockets: PathBuf, pods: Vec<SparePod>, stop: Arc<AtomicBool>, sta
     let endpoints = EndpointServiceClient::new(connect_unix_lazy(&sockets.join("svc-endpoint.sock"), &options));
     let ipam = IpamClient::new(connect_unix_lazy(&sockets.join("svc-ipam.sock"), &options));
     let note = |call: &str, e: tonic::Status| {
+        // This task's own svc-ipam client sees a call cut by the kill as
+        // tonic's UNKNOWN "transport error"; svc-endpoint turns the same
+        // thing into UNAVAILABLE for its callers, and so does this CNI.
+        let e = svc_endpoint::clients::connection_lost_is_unavailable(e);
         let mut stats = stats.lock().unwrap();
         if e.code() == Code::Unavailable {
             stats.unavailable += 1;
+            *stats.unavailable_by_call.entry(call.to_string()).or_default() += 1;
         } else {
             stats
                 .other_errors
@@ -803,6 +848,31 @@ async fn churn(sockets: PathBuf, pods: Vec<SparePod>, stop: Arc<AtomicBool>, sta
     }
 }
 
+/// Selects the `app=cache` pods (p03, p07, ...; not the pinging p00 and
+/// p01): only `app=web` may reach them.
+const CACHE_POLICY: &str = r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: cache
+  namespace: default
+spec:
+  podSelector:
+    matchLabels:
+      app: cache
+  policyTypes: [Ingress]
+  ingress:
+    - from:
+        - podSelector:
+            matchLabels:
+              app: web
+"#;
+
+/// svc-identity, svc-ipam and svc-loader each die (kill -9) and restart in
+/// turn under a flood ping and four concurrent CNIs creating and deleting
+/// endpoints. Each restart is noticed, replayed (identity references and
+/// ipcache entries, address reservations, datapath entries) and nothing of
+/// the deleted pods is left anywhere.
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothing() {
     let mut node = EndpointNode::start(NodeOptions::default())
@@ -824,7 +894,11 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
 
     let stop = Arc::new(AtomicBool::new(false));
     let stats = Arc::new(Mutex::new(ChurnStats::default()));
-    let churner = tokio::spawn(churn(node.sockets(), spares, stop.clone(), stats.clone()));
+    // One CNI per spare pod, concurrently.
+    let churners: Vec<_> = spares
+        .into_iter()
+        .map(|pod| tokio::spawn(churn(node.sockets(), vec![pod], stop.clone(), stats.clone())))
+        .collect();
     let created = |stats: &Mutex<ChurnStats>| stats.lock().unwrap().created;
     eventually("the churn task creates endpoints", DEADLINE, || async {
         if created(&stats) >= 3 {
@@ -867,6 +941,41 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
             }
         })
         .await;
+        if name == "svc-loader" {
+            // A policy change while the datapath cannot take it: the
+            // regenerations fail now and must be realised after the restart.
+            let applied = node
+                .policies()
+                .await
+                .upsert_policy(pb::UpsertPolicyRequest {
+                    document: CACHE_POLICY.into(),
+                    origin: pb::PolicyOrigin::Api.into(),
+                    wait: false,
+                })
+                .await
+                .expect("a policy is stored while svc-loader is down")
+                .into_inner();
+            assert_eq!(applied.affected_endpoints, 5, "the policy selects the five cache pods");
+            let node_ref = &node;
+            eventually(
+                "the cache pods' regenerations fail while svc-loader is down",
+                DEADLINE,
+                || async {
+                    let failing = list_endpoints(node_ref)
+                        .await
+                        .endpoints
+                        .iter()
+                        .filter(|e| e.last_error_step == pb::RegenerationStep::Datapath as i32)
+                        .count();
+                    if failing >= 5 {
+                        Ok(())
+                    } else {
+                        Err(format!("{failing} failing"))
+                    }
+                },
+            )
+            .await;
+        }
         let daemon: &mut DaemonProcess = match name {
             "svc-identity" => &mut node.identity,
             "svc-ipam" => &mut node.ipam,
@@ -940,10 +1049,12 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
 
     // Quiet: the churn ends with every spare pod deleted and released.
     stop.store(true, Ordering::SeqCst);
-    tokio::time::timeout(DEADLINE, churner)
-        .await
-        .expect("the churn task ends once stopped")
-        .expect("the churn task does not panic");
+    for churner in churners {
+        tokio::time::timeout(DEADLINE, churner)
+            .await
+            .expect("the churn task ends once stopped")
+            .expect("the churn task does not panic");
+    }
     let node_ref = &node;
     let settle = eventually(
         "the daemons agree on the endpoints and hold nothing of deleted pods",
@@ -951,6 +1062,23 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
         || check_consistent(node_ref, &base, &spare_names),
     )
     .await;
+
+    // The policy stored while svc-loader was down is enforced.
+    let pings = |from: &str, to: &str| {
+        node.pod(from)
+            .ping(node.ipv4(to), 1, Duration::from_millis(10), Duration::from_millis(500))
+            .expect("ping runs")
+            .received
+            == 1
+    };
+    assert!(
+        pings("p00", "p03"),
+        "web reaches cache under the policy applied while svc-loader was down"
+    );
+    assert!(
+        !pings("p01", "p03"),
+        "the policy applied while svc-loader was down keeps api away from cache"
+    );
 
     let status = endpoint_status(&node).await;
     for (name, kill) in &killed_at {
@@ -963,16 +1091,140 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
     }
     let stats = stats.lock().unwrap();
     assert!(
-        stats.other_errors.iter().all(|e| e.contains("being deleted; retry")),
-        "while a dependency is down the CNI sees UNAVAILABLE (or a retryable 'being deleted'), nothing else: {:?}",
+        stats.other_errors.is_empty(),
+        "while a dependency is down (or dies during a call) the CNI sees UNAVAILABLE, nothing else: {:?}",
         stats.other_errors
     );
     eprintln!(
-        "{}\nchurn: {} cycles, {} creates, {} UNAVAILABLE, other {:?}; consistent {settle:?} after the churn stopped",
+        "{}\nchurn: {} cycles, {} creates, {} UNAVAILABLE {:?}, other {:?}; consistent {settle:?} after the churn stopped",
         report.join("\n"),
         stats.cycles,
         stats.created,
         stats.unavailable,
+        stats.unavailable_by_call,
         stats.other_errors
     );
+}
+
+// ------------------------------------------- a delete during restore --
+
+/// The CNI deletes a pod while svc-endpoint's restore waits for svc-ipam to
+/// re-reserve addresses. The delete waits for that re-reservation (so the
+/// CNI's release afterwards really frees the addresses: no leak), and the
+/// restore completes without the deleted endpoint (its wait ends when the
+/// endpoint is removed, instead of hanging forever).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_while_restore_waits_for_svc_ipam_completes_and_the_endpoint_stays_gone() {
+    let mut node = EndpointNode::start(NodeOptions::default())
+        .await
+        .expect("the node's daemons start");
+    for (i, name) in ["a", "b"].into_iter().enumerate() {
+        node.add_pod(name, labels(i)).await;
+    }
+    let b = list_endpoints(&node)
+        .await
+        .endpoints
+        .into_iter()
+        .find(|e| e.container_id == "b")
+        .expect("b's endpoint");
+
+    // svc-endpoint restarts while svc-ipam is down: restore waits to
+    // re-reserve the addresses.
+    node.endpoint_daemon().kill9();
+    node.ipam.kill9();
+    node.endpoint_daemon().restart().await.expect("svc-endpoint restarts");
+    let node_ref = &node;
+    eventually(
+        "restore found both endpoints and waits for svc-ipam",
+        DEADLINE,
+        || async {
+            let restore = endpoint_status(node_ref).await.restore.expect("restore status");
+            if restore.found == 2 && restore.phase == pb::RestorePhase::Running as i32 {
+                Ok(())
+            } else {
+                Err(format!("{restore:?}"))
+            }
+        },
+    )
+    .await;
+
+    // The CNI deletes b meanwhile (DEL: the endpoint, then its addresses).
+    let mut endpoints = node.endpoints().await;
+    let delete = tokio::spawn(async move {
+        endpoints
+            .delete_endpoint(pb::DeleteEndpointRequest {
+                r#ref: Some(pb::EndpointRef {
+                    r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
+                        namespace: "default".into(),
+                        name: "b".into(),
+                    })),
+                }),
+            })
+            .await
+    });
+    let node_ref = &node;
+    eventually(
+        "svc-endpoint takes the delete while svc-ipam is down",
+        DEADLINE,
+        || async {
+            let listed = list_endpoints(node_ref).await.endpoints;
+            match listed.iter().find(|e| e.id == b.id) {
+                Some(e) if e.state != pb::EndpointState::Disconnecting as i32 => Err(format!("b is {:?}", e.state())),
+                _ => Ok(()),
+            }
+        },
+    )
+    .await;
+    node.ipam.restart().await.expect("svc-ipam restarts");
+    let deleted = tokio::time::timeout(DEADLINE, delete)
+        .await
+        .expect("a delete during restore returns")
+        .expect("the delete task does not panic")
+        .expect("a delete during restore succeeds")
+        .into_inner();
+    assert_eq!(deleted.deleted, vec![b.id], "the delete removes b's endpoint");
+    let released = node
+        .ipam_client()
+        .await
+        .release(ipampb::ReleaseRequest {
+            owner: Some(ipampb::Owner {
+                container_id: "b".into(),
+                interface: "eth0".into(),
+            }),
+        })
+        .await
+        .expect("the CNI releases b's addresses")
+        .into_inner();
+    assert_eq!(
+        released.released.len(),
+        2,
+        "b's two addresses were still held until the CNI released them"
+    );
+
+    let node_ref = &node;
+    eventually(
+        "restore completes although an endpoint was deleted during it",
+        DEADLINE,
+        || async {
+            let restore = endpoint_status(node_ref).await.restore.expect("restore status");
+            if restore.phase == pb::RestorePhase::Complete as i32 {
+                Ok(())
+            } else {
+                Err(format!("{restore:?}"))
+            }
+        },
+    )
+    .await;
+    let restore = endpoint_status(&node).await.restore.expect("restore status");
+    assert_eq!(
+        (restore.restored, restore.failed),
+        (1, 0),
+        "a is restored, b is not a failure: {restore:?}"
+    );
+    let expected: BTreeSet<String> = ["a".to_string()].into();
+    let gone = ["b".to_string()];
+    eventually("the daemons hold a and nothing of the deleted b", DEADLINE, || {
+        check_consistent(node_ref, &expected, &gone)
+    })
+    .await;
 }

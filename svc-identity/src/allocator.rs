@@ -467,6 +467,21 @@ impl IdentityAllocator {
             .map_or(0, LocalRef::count)
     }
 
+    /// The owners holding local references on an identity, sorted
+    /// (anonymous references have none).
+    pub fn owners(&self, id: u32) -> Vec<String> {
+        let mut owners: Vec<String> = self
+            .local
+            .lock()
+            .expect("local refs poisoned")
+            .values()
+            .filter(|r| r.id == id)
+            .flat_map(|r| r.owners.iter().cloned())
+            .collect();
+        owners.sort();
+        owners
+    }
+
     /// Every cluster identity the cache holds.
     pub fn list(&self) -> Vec<IdentityRecord> {
         self.cache
@@ -649,6 +664,13 @@ mod tests {
             again.references, 3,
             "an owner holds one reference however often it asks"
         );
+        a.allocate(&web, Some("endpoint/2")).await.unwrap();
+        assert_eq!(
+            a.owners(first.id),
+            ["endpoint/1", "endpoint/2"],
+            "owners are listed (anonymous references have none)"
+        );
+        assert_eq!(a.release(first.id, Some("endpoint/2")).await, Some(3));
         assert_eq!(a.release(first.id, None).await, Some(2));
         assert_eq!(a.release(first.id, Some("endpoint/1")).await, Some(1));
         assert_eq!(

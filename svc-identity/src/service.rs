@@ -209,8 +209,12 @@ impl pb::identity_service_server::IdentityService for IdentityService {
             .allocator
             .get(id)
             .ok_or_else(|| Status::not_found(format!("identity {id} is not known")))?;
+        let mut identity = self.identity(id, &labels, kind);
+        if request.get_ref().include_owners {
+            identity.owners = self.allocator.owners(id);
+        }
         Ok(Response::new(pb::GetIdentityResponse {
-            identity: Some(self.identity(id, &labels, kind)),
+            identity: Some(identity),
             boot_id: self.boot_id.to_string(),
         }))
     }
@@ -251,6 +255,12 @@ impl pb::identity_service_server::IdentityService for IdentityService {
             for record in self.allocator.list() {
                 let mut identity = record_proto(&record);
                 identity.local_references = self.allocator.references(record.id) as u32;
+                if r.include_owners {
+                    // Clients reconcile their references against these
+                    // (svc-endpoint releases `endpoint/<id>` owners it no
+                    // longer has).
+                    identity.owners = self.allocator.owners(record.id);
+                }
                 if !r.local_only || identity.local_references > 0 {
                     out.push(identity);
                 }
