@@ -1,12 +1,17 @@
 //! `rivet`, the command line of a Rivet node: daemon status and inspection
-//! and debugging commands per daemon. Every command prints a table by default
-//! and JSON with `-o json`.
+//! and debugging commands per daemon, `rivet node up|down` (the single-node
+//! launcher and supervisor) and `rivet pod` (test pods through the real CNI
+//! plugin). Every command prints a table by default and JSON with `-o json`.
 
 pub mod bpf;
 pub mod endpoint;
+pub mod gc;
 pub mod identity;
 pub mod ipam;
 pub mod namespace;
+pub mod netns;
+pub mod node;
+pub mod pod;
 pub mod policy;
 pub mod status;
 pub mod table;

@@ -5,20 +5,26 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use rivet_cli::{Context, Output, bpf, endpoint, identity, ipam, namespace, policy, status};
+use rivet_cli::node::NodeRecord;
+use rivet_cli::{Context, Output, bpf, endpoint, identity, ipam, namespace, node, pod, policy, status};
+
+/// Default `--state-dir` (the daemons' default too).
+const DEFAULT_STATE_DIR: &str = "/var/run/rivet";
+
+/// Default `--socket-dir` (the daemons' default too).
+const DEFAULT_SOCKET_DIR: &str = "/var/run/rivet/sockets";
 
 /// Inspect and drive a Rivet node.
 #[derive(Debug, Parser)]
 #[command(name = "rivet", version, about)]
 struct Cli {
-    /// Directory of the daemon sockets.
-    #[arg(
-        long,
-        global = true,
-        env = "RIVET_SOCKET_DIR",
-        default_value = "/var/run/rivet/sockets"
-    )]
-    socket_dir: PathBuf,
+    /// Directory of the daemon sockets [default: the socket dir of the node
+    /// recorded in the state dir, else /var/run/rivet/sockets].
+    #[arg(long, global = true, env = "RIVET_SOCKET_DIR")]
+    socket_dir: Option<PathBuf>,
+    /// The node's state dir: the daemons' state, node.json and the pod records.
+    #[arg(long, global = true, env = "RIVET_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
     /// Output format.
     #[arg(short, long, global = true, value_enum, default_value_t = Output::Table)]
     output: Output,
@@ -54,6 +60,9 @@ enum Command {
     /// What the datapath holds (svc-loader).
     #[command(subcommand)]
     Bpf(bpf::BpfCommand),
+    /// Conntrack garbage collection: passes, interval, totals (svc-gc).
+    #[command(subcommand)]
+    Gc(rivet_cli::gc::GcCommand),
     /// Stream drop (and optionally policy-verdict and trace) events live.
     Monitor {
         /// Also policy verdicts of new connections.
@@ -66,23 +75,52 @@ enum Command {
         #[arg(long = "endpoint")]
         endpoints: Vec<u32>,
     },
+    /// Run a node: start and supervise its daemons, install the CNI plugin.
+    #[command(subcommand)]
+    Node(node::NodeCommand),
+    /// Test pods created and deleted through the node's CNI plugin.
+    #[command(subcommand)]
+    Pod(pod::PodCommand),
 }
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // The node recorded in the state dir says where its sockets are.
+    let recorded = NodeRecord::load(&cli.state_dir).ok().flatten();
+    let socket_dir = match (cli.socket_dir, &recorded) {
+        (Some(dir), _) => dir,
+        (None, Some(node)) if !matches!(cli.command, Command::Node(node::NodeCommand::Up(_))) => {
+            node.socket_dir.clone()
+        }
+        _ => PathBuf::from(DEFAULT_SOCKET_DIR),
+    };
     let ctx = Context {
-        socket_dir: cli.socket_dir,
+        socket_dir,
         output: cli.output,
         timeout: Duration::from_secs_f64(cli.timeout.max(0.1)),
     };
     let result = match cli.command {
-        Command::Status => status::run(&ctx).await,
+        Command::Status => {
+            let result = status::run(&ctx).await;
+            if let (Some(node), Output::Table) = (&recorded, ctx.output) {
+                print!("\n{}", node::describe_supervision(node));
+            }
+            result
+        }
+        // Their errors carry context chains: print them whole.
+        Command::Node(c) => node::run(&ctx, &cli.state_dir, c)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:#}")),
+        Command::Pod(c) => pod::run(&ctx, &cli.state_dir, c)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:#}")),
         Command::Ipam(c) => ipam::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Endpoint(c) => endpoint::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Policy(c) => policy::run(&ctx, c).await.map_err(Into::into),
         Command::Namespace(c) => namespace::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Bpf(c) => bpf::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+        Command::Gc(c) => rivet_cli::gc::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Identity(c) => identity::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Ipcache(c) => identity::run_ipcache(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Monitor {

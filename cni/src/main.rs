@@ -1,2 +1,146 @@
-//! rivet-cni (being written).
-fn main() {}
+//! rivet-cni: reads the `CNI_*` environment and the netconf on stdin, wires
+//! the real netlink, daemon clients and delegated-plugin runner into the
+//! verbs of `rivet_cni::plugin`, prints the result (or the error JSON) on
+//! stdout and exits. Logs never go to stdout.
+
+use std::io::{Read as _, Write as _};
+use std::panic::AssertUnwindSafe;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use rivet_cni::delegate::ExecDelegate;
+use rivet_cni::env::{self, CniEnv, Command};
+use rivet_cni::error::{CniError, codes};
+use rivet_cni::grpc::{GrpcEndpoints, GrpcIpam};
+use rivet_cni::logging::Telemetry;
+use rivet_cni::netconf::{self, NetConf};
+use rivet_cni::netlink::RtNetlink;
+use rivet_cni::plugin::{self, CLEANUP_BUDGET, Deps, Invocation};
+use rivet_cni::version::{self, CniVersion};
+use rivet_cni::{Outcome, render_outcome};
+use tracing::Instrument as _;
+
+fn main() -> ExitCode {
+    let started = Instant::now();
+    let mut stdin = Vec::new();
+    let read = std::io::stdin().read_to_end(&mut stdin);
+    let env = env::parse(|key| std::env::var_os(key).map(|v| v.to_string_lossy().into_owned()));
+    let version = netconf::sniff_version(&stdin).unwrap_or(CniVersion::LATEST);
+    let is_version = env.as_ref().is_ok_and(|e| e.command == Command::Version);
+    let telemetry = if is_version {
+        None
+    } else {
+        let (log_file, log_level) = netconf::sniff_logging(&stdin);
+        Some(Telemetry::init(log_file.as_deref(), log_level))
+    };
+    std::panic::set_hook(Box::new(|info| {
+        tracing::error!(panic = %info, "rivet-cni panicked");
+        eprintln!("rivet-cni: {info}");
+    }));
+
+    let outcome: Outcome = match (read, env) {
+        (Err(e), _) => Err(CniError::new(codes::IO_FAILURE, format!("reading stdin: {e}"))),
+        (Ok(_), Err(e)) => Err(e),
+        (Ok(_), Ok(env)) if env.command == Command::Version => version::version_output(&stdin).map(Some),
+        (Ok(_), Ok(env)) => match NetConf::parse(&stdin) {
+            Err(e) => Err(e),
+            Ok(conf) => execute(Invocation { env, conf, stdin }),
+        },
+    };
+
+    match &outcome {
+        Ok(_) => tracing::info!(elapsed = ?started.elapsed(), "done"),
+        Err(e) => {
+            tracing::error!(code = e.code, msg = %e.msg, details = %e.details, elapsed = ?started.elapsed(), "failed")
+        }
+    }
+    let (text, status) = render_outcome(&outcome, version);
+    let printed = match text {
+        Some(text) => {
+            let mut stdout = std::io::stdout().lock();
+            writeln!(stdout, "{text}").and_then(|()| stdout.flush())
+        }
+        None => Ok(()),
+    };
+    if let Err(e) = &printed {
+        tracing::error!(error = %e, "writing the result to stdout failed");
+    }
+    if let Some(telemetry) = telemetry {
+        telemetry.shutdown();
+    }
+    if printed.is_err() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::from(status)
+    }
+}
+
+/// Runs the verb on a current-thread runtime under a hard limit (the
+/// netconf's timeout plus the budget of undoing a failed ADD).
+fn execute(inv: Invocation) -> Outcome {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CniError::new(codes::IO_FAILURE, format!("starting the runtime: {e}")))?;
+    let span = root_span(&inv.env);
+    let hard_limit = inv.conf.timeout + CLEANUP_BUDGET + Duration::from_secs(5);
+    let run = async {
+        let netlink =
+            RtNetlink::new().map_err(|e| CniError::new(codes::NETLINK, format!("opening a netlink socket: {e}")))?;
+        let ipam = GrpcIpam::new(&inv.conf.ipam_socket(), inv.conf.timeout);
+        let endpoints = GrpcEndpoints::new(&inv.conf.endpoint_socket(), inv.conf.timeout);
+        let delegate = ExecDelegate::new(inv.env.path.clone());
+        let deps = Deps {
+            netlink: &netlink,
+            ipam: &ipam,
+            endpoints: &endpoints,
+            delegate: &delegate,
+        };
+        match tokio::time::timeout(hard_limit, plugin::run(deps, &inv)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(CniError::new(
+                codes::TRY_AGAIN_LATER,
+                format!("{} did not finish within {hard_limit:?}", inv.env.command),
+            )),
+        }
+    };
+    match std::panic::catch_unwind(AssertUnwindSafe(|| runtime.block_on(run.instrument(span)))) {
+        Ok(outcome) => outcome,
+        Err(_) => Err(CniError::new(
+            codes::INTERNAL,
+            "rivet-cni panicked (a bug); see its log",
+        )),
+    }
+}
+
+/// The invocation's root span (`cni.add`, ...): the root of the pod's trace.
+fn root_span(env: &CniEnv) -> tracing::Span {
+    let netns = env.netns.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+    let pod = match (&env.args.pod_namespace, &env.args.pod_name) {
+        (Some(ns), Some(name)) => format!("{ns}/{name}"),
+        (None, Some(name)) => name.clone(),
+        _ => String::new(),
+    };
+    let pid = std::process::id();
+    macro_rules! span {
+        ($name:literal) => {
+            tracing::info_span!(
+                $name,
+                otel.kind = "internal",
+                container_id = %env.container_id,
+                ifname = %env.ifname,
+                netns = %netns,
+                pod = %pod,
+                pid,
+            )
+        };
+    }
+    match env.command {
+        Command::Add => span!("cni.add"),
+        Command::Del => span!("cni.del"),
+        Command::Check => span!("cni.check"),
+        Command::Status => span!("cni.status"),
+        Command::Gc => span!("cni.gc"),
+        Command::Version => span!("cni.version"),
+    }
+}

@@ -229,8 +229,8 @@ fn run(
         }
     };
     runtime.block_on(async move {
-        let bound = tokio::net::TcpListener::from_std(listener)
-            .and_then(|listener| Ok((listener.local_addr()?, listener)));
+        let bound =
+            tokio::net::TcpListener::from_std(listener).and_then(|listener| Ok((listener.local_addr()?, listener)));
         let listener = match bound {
             Ok((addr, listener)) => {
                 if ready.send(Ok(addr)).is_err() {

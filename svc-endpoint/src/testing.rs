@@ -223,7 +223,10 @@ impl EndpointNode {
                 &options,
             )),
             ipam: std::sync::Arc::new(crate::clients::GrpcIpam::new(&sockets.join("svc-ipam.sock"), &options)),
-            loader: std::sync::Arc::new(crate::clients::GrpcLoader::new(&sockets.join("svc-loader.sock"), &options)),
+            loader: std::sync::Arc::new(crate::clients::GrpcLoader::new(
+                &sockets.join("svc-loader.sock"),
+                &options,
+            )),
         }
     }
 

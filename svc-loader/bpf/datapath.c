@@ -448,7 +448,8 @@ static __always_inline int policy_verdict(__u32 ep_id, __u32 peer, __u8 dir, con
 
 /* -------------------------------------------------------------- conntrack */
 
-static __always_inline __u64 ct_lifetime(const struct datapath_config *cfg, __u8 proto, __u8 tcp_state)
+/* Lifetime in seconds of an entry of `proto` in `tcp_state`. */
+static __always_inline __u32 ct_lifetime(const struct datapath_config *cfg, __u8 proto, __u8 tcp_state)
 {
 	__u32 s = 0;
 
@@ -470,7 +471,7 @@ static __always_inline __u64 ct_lifetime(const struct datapath_config *cfg, __u8
 	} else {
 		s = cfg && cfg->ct.other ? cfg->ct.other : CT_DEFAULT_OTHER;
 	}
-	return (__u64)s * NSEC_PER_SEC;
+	return s;
 }
 
 /* The key of packet `p` seen in direction `dir` (forward), or of its reply
@@ -552,6 +553,7 @@ static __always_inline int ct_lookup(const struct pkt *p, __u8 dir, const struct
 	struct ct_entry *e;
 	int reply = 0;
 	__u64 now, expires;
+	__u32 lifetime;
 	__u8 state;
 
 	e = ct_find(p, dir, 0);
@@ -588,10 +590,14 @@ static __always_inline int ct_lookup(const struct pkt *p, __u8 dir, const struct
 	if (p->protocol == IPPROTO_TCP)
 		state = tcp_advance(e, p->tcp_flags, reply);
 	now = bpf_ktime_get_ns();
-	expires = now + ct_lifetime(cfg, p->protocol, state);
-	/* Refresh at most once a second per entry: fewer cache-line writes. */
-	if (state != e->tcp_state || expires > e->expires + NSEC_PER_SEC) {
+	lifetime = ct_lifetime(cfg, p->protocol, state);
+	expires = now + (__u64)lifetime * NSEC_PER_SEC;
+	/* Refresh at most once a second per entry: fewer cache-line writes.
+	 * `lifetime` is rewritten with `expires` so that svc-gc can tell when
+	 * the entry was last refreshed (a changed lifetime forces a write). */
+	if (state != e->tcp_state || lifetime != e->lifetime || expires > e->expires + NSEC_PER_SEC) {
 		e->tcp_state = state;
+		e->lifetime = lifetime;
 		e->expires = expires;
 	}
 	return reply ? CT_REPLY : CT_ESTABLISHED;
@@ -608,7 +614,8 @@ static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_id
 			e.tcp_state = CT_TCP_CLOSING;
 		e.tcp_flags_fwd = p->tcp_flags;
 	}
-	e.expires = bpf_ktime_get_ns() + ct_lifetime(cfg, p->protocol, e.tcp_state);
+	e.lifetime = ct_lifetime(cfg, p->protocol, e.tcp_state);
+	e.expires = bpf_ktime_get_ns() + (__u64)e.lifetime * NSEC_PER_SEC;
 	e.packets_fwd = 1;
 	e.bytes_fwd = p->len;
 	e.src_identity = src_identity;

@@ -132,7 +132,11 @@ struct ct_entry {
 	__u8 tcp_flags_fwd;
 	__u8 tcp_flags_rev;
 	__u8 flags; /* CT_F_* */
-	__u32 pad;
+	/* Seconds of lifetime applied when `expires` was last written, so
+	 * `expires - lifetime` is when the entry was last refreshed (svc-gc's
+	 * idle time). 0 in entries written by a datapath older than this field
+	 * (it was padding: the value size is unchanged). */
+	__u32 lifetime;
 };
 
 /* Lifetimes in seconds; the datapath reads them from the config map so the

@@ -676,8 +676,20 @@ pub struct CtEntry {
     pub tcp_flags_rev: u8,
     /// `CT_F_*`.
     pub flags: u8,
-    /// Zero.
-    pub pad: u32,
+    /// Seconds of lifetime applied when `expires` was last written:
+    /// `expires - lifetime` is when the entry was last refreshed. 0 in
+    /// entries of a datapath that predates the field (it was padding).
+    pub lifetime: u32,
+}
+
+impl CtEntry {
+    /// When the datapath last refreshed the entry (CLOCK_MONOTONIC
+    /// nanoseconds), or `None` for an entry written without `lifetime`.
+    /// The datapath refreshes at most once a second, so the last packet may
+    /// be up to a second later.
+    pub fn last_refreshed(&self) -> Option<u64> {
+        (self.lifetime != 0).then(|| self.expires.saturating_sub(u64::from(self.lifetime) * 1_000_000_000))
+    }
 }
 
 /// `struct ct_timeouts`: conntrack lifetimes in seconds.
@@ -908,7 +920,7 @@ mod tests {
                 "packets_rev" => packets_rev: u64, "bytes_rev" => bytes_rev: u64,
                 "src_identity" => src_identity: u32, "endpoint_id" => endpoint_id: u32,
                 "tcp_state" => tcp_state: u8, "tcp_flags_fwd" => tcp_flags_fwd: u8,
-                "tcp_flags_rev" => tcp_flags_rev: u8, "flags" => flags: u8, "pad" => pad: u32,
+                "tcp_flags_rev" => tcp_flags_rev: u8, "flags" => flags: u8, "lifetime" => lifetime: u32,
             ]),
             layout!("ct_timeouts", CtTimeouts, [
                 "tcp_syn" => tcp_syn: u32, "tcp_established" => tcp_established: u32,

@@ -1,66 +1,145 @@
-//! `cargo xtask demo`: show what Rivet does, using only the real binaries.
+//! `cargo xtask demo`: one Rivet node, three pods and a NetworkPolicy, using only the
+//! real binaries and the `rivet` CLI as a user would type it.
 //!
-//! For now (until the full node exists) the demo runs svc-ipam on a temp socket and
-//! state dir and drives it through the `rivet` CLI: allocation, idempotency, durability
-//! across `kill -9`, release and graceful shutdown. Later issues grow this module into
-//! the single-node demo. Nothing here touches the machine's real network or state: all
-//! files live in a temp dir that is removed at the end, and the daemon is killed if the
-//! demo fails half-way (both by guards, so an error anywhere cleans up).
+//! 1. `rivet node up --create-netns --detach`: the four node daemons under one
+//!    supervisor, in a network namespace of their own, with rivet-cni installed;
+//! 2. three pods (frontend, backend, db) through the real CNI plugin (`rivet pod add`);
+//! 3. a policy: only frontend may reach backend, on TCP 8080; nothing may reach db;
+//! 4. frontend → backend:8080 answers (a `busybox nc` echo);
+//! 5. frontend → db:5432 does not, and `rivet monitor` says why; `rivet endpoint
+//!    list`, `rivet status`;
+//! 6. `kill -9` of svc-endpoint while frontend pings backend: the supervisor restarts
+//!    it, and the ping loses nothing;
+//! 7. `rivet node down`: nothing is left.
+//!
+//! Nothing touches the machine's own interfaces, routes or sysctls: the node lives in a
+//! network namespace it creates, the pods in namespaces of their own, every file in a
+//! temp dir (shown as `$D`), addresses come from 198.18.0.0/15 and 2001:2::/48. The
+//! node is torn down at the end, also when a step fails (a drop guard) or on Ctrl-C
+//! (a signal thread).
 
-use std::fs::{self, File, OpenOptions};
-use std::io::ErrorKind;
+use std::fs::{self, File};
+use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use nix::sys::signal::{Signal, kill};
+use nix::sys::signal::{SigSet, Signal, kill};
 use nix::unistd::Pid;
+use serde_json::Value;
 
 use crate::cmd;
 
-/// How long a (re)started daemon may take until `rivet status` succeeds.
-const READY_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long svc-ipam may take to exit after SIGTERM.
-const STOP_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often readiness and exit are polled.
-const POLL_INTERVAL: Duration = Duration::from_millis(100);
-/// Lines of the daemon's log quoted when it fails.
-const LOG_TAIL_LINES: usize = 20;
-/// Longest Unix socket path the kernel accepts (`sun_path` is 108 bytes with the NUL).
+/// The node's network namespace (and node name); a number is appended if taken.
+const NETNS: &str = "rivet-demo";
+/// The port backend serves on, and the only one the policy opens.
+const BACKEND_PORT: u16 = 8080;
+/// The port db serves on; nothing may reach it.
+const DB_PORT: u16 = 5432;
+/// How long svc-endpoint may take to be restarted and answer again.
+const RESTART_TIMEOUT: Duration = Duration::from_secs(30);
+/// Pings sent during the restart (one every 100 ms).
+const PINGS: u32 = 60;
+/// Longest Unix socket path (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
-/// The node name svc-ipam is started with.
-const NODE_NAME: &str = "demo-node";
-/// The demo pool: tiny ranges from the benchmarking blocks (DESIGN.md §8), so nothing
-/// can clash with real addresses.
-const POOL: &str = "default=198.18.0.0/28,2001:2::/124";
+/// The policy of the demo.
+const POLICY: &str = "\
+# Only frontend may reach backend, and only on TCP 8080.
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: backend-from-frontend, namespace: default}
+spec:
+  podSelector: {matchLabels: {app: backend}}
+  policyTypes: [Ingress]
+  ingress:
+  - from: [{podSelector: {matchLabels: {app: frontend}}}]
+    ports: [{protocol: TCP, port: 8080}]
+---
+# Nothing may reach db.
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: db-deny-all, namespace: default}
+spec:
+  podSelector: {matchLabels: {app: db}}
+  policyTypes: [Ingress]
+---
+# ICMP is not a NetworkPolicy protocol: Rivet's own kind lets frontend ping
+# backend (used to watch traffic while a daemon restarts).
+apiVersion: rivet.io/v1
+kind: RivetNetworkPolicy
+metadata: {name: backend-ping-from-frontend, namespace: default}
+spec:
+  podSelector: {matchLabels: {app: backend}}
+  ingress:
+  - from: [{podSelector: {matchLabels: {app: frontend}}}]
+    ports: [{protocol: ICMP}]
+";
 
 /// Builds the binaries and runs the demo.
 pub fn run() -> Result<()> {
     cmd::run(cmd::cargo().args(["build", "--workspace", "--bins"]))?;
     let bin_dir = cmd::target_dir().join("debug");
-    let svc_ipam = built_binary(&bin_dir, "svc-ipam", "svc-ipam")?;
-    let rivet = built_binary(&bin_dir, "rivet", "cli")?;
-
+    for (name, crate_dir) in [
+        ("rivet", "cli"),
+        ("rivet-cni", "cni"),
+        ("svc-ipam", "svc-ipam"),
+        ("svc-identity", "svc-identity"),
+        ("svc-loader", "svc-loader"),
+        ("svc-endpoint", "svc-endpoint"),
+    ] {
+        built_binary(&bin_dir, name, crate_dir)?;
+    }
     let tmp = TempDir::create("rivet-demo")?;
-    let demo = Demo {
-        svc_ipam,
-        rivet,
-        sockets: tmp.path().join("sockets"),
-        state: tmp.path().join("state"),
-        log: tmp.path().join("svc-ipam.log"),
-    };
-    demo.check_socket_path()?;
-    demo.run()?;
+    let demo = Demo::new(bin_dir.join("rivet"), tmp.path().to_path_buf(), free_netns_name())?;
+
+    // Ctrl-C or SIGTERM: tear the node down, then exit. The signals are blocked in
+    // this thread (and so in every thread spawned later) and taken by one thread.
+    let teardown = Arc::new(Mutex::new(Some(demo.teardown_command())));
+    let signals = block_signals()?;
+    {
+        let teardown = Arc::clone(&teardown);
+        let tmp_path = tmp.path().to_path_buf();
+        std::thread::spawn(move || {
+            if let Ok(signal) = signals.wait() {
+                INTERRUPTED.store(true, Ordering::SeqCst);
+                eprintln!("\n# {signal:?}: tearing the node down");
+                if let Some(mut down) = teardown.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    let _ = down.status();
+                }
+                let _ = fs::remove_dir_all(&tmp_path);
+                std::process::exit(130);
+            }
+        });
+    }
+
+    let result = demo.run();
+    park_if_interrupted();
+    // Whatever happened: the node goes (unless the signal thread took it already).
+    let down = teardown.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Err(e) = result {
+        if let Some(mut down) = down {
+            eprintln!("\n# The demo failed; tearing the node down");
+            let _ = down.stdout(Stdio::null()).status();
+        }
+        eprintln!(
+            "# Kept for a look: the logs in {}",
+            demo.dir.join("state/logs").display()
+        );
+        tmp.keep();
+        return Err(e);
+    }
     println!();
     println!("# Demo finished; removing {}", tmp.path().display());
     Ok(())
 }
 
-/// The path of a binary that `cargo build --workspace --bins` should have produced,
-/// or an error that says which crate was expected to provide it.
+/// The path of a binary `cargo build --workspace --bins` should have produced, or an
+/// error saying which crate was expected to provide it.
 fn built_binary(bin_dir: &Path, name: &str, crate_dir: &str) -> Result<PathBuf> {
     let path = bin_dir.join(name);
     if !path.is_file() {
@@ -73,268 +152,481 @@ fn built_binary(bin_dir: &Path, name: &str, crate_dir: &str) -> Result<PathBuf> 
     Ok(path)
 }
 
-/// Paths of one demo run.
+/// `rivet-demo`, or `rivet-demo-2`, … when a namespace of that name exists (e.g. left
+/// by a demo killed with SIGKILL).
+fn free_netns_name() -> String {
+    (1..100)
+        .map(|n| {
+            if n == 1 {
+                NETNS.to_string()
+            } else {
+                format!("{NETNS}-{n}")
+            }
+        })
+        .find(|name| !Path::new("/run/netns").join(name).exists())
+        .unwrap_or_else(|| format!("{NETNS}-{}", std::process::id()))
+}
+
+/// Set by the signal thread: it tears the node down and ends the process.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Once interrupted, the main thread starts nothing new: it waits for the signal
+/// thread to finish the teardown and exit.
+fn park_if_interrupted() {
+    while INTERRUPTED.load(Ordering::SeqCst) {
+        sleep(Duration::from_secs(1));
+    }
+}
+
+/// Blocks SIGINT and SIGTERM in this thread (inherited by threads spawned later; child
+/// processes start with an empty mask); the set to wait on.
+fn block_signals() -> Result<SigSet> {
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGINT);
+    set.add(Signal::SIGTERM);
+    set.thread_block().context("blocking SIGINT and SIGTERM")?;
+    Ok(set)
+}
+
+/// One demo run.
 struct Demo {
-    svc_ipam: PathBuf,
     rivet: PathBuf,
-    sockets: PathBuf,
-    state: PathBuf,
-    /// svc-ipam's stdout and stderr (kept out of the demo's own output; quoted on failure).
-    log: PathBuf,
+    /// The temp dir, shown as `$D`.
+    dir: PathBuf,
+    netns: String,
 }
 
 impl Demo {
-    /// The demo proper: each step prints a `# ` line saying what it shows, then the
-    /// command and its output.
-    fn run(&self) -> Result<()> {
-        explain(&format!(
-            "Start svc-ipam with pool {POOL}; its socket and state live in a temp dir."
-        ));
-        let mut daemon = self.start()?;
-
-        self.show(
-            "svc-ipam is up. `rivet status` shows each daemon socket: reachable, boot_id, version.",
-            &["status"],
-        )?;
-        self.show(
-            "Allocate an IPv4 address for pod-a's eth0. The network address, the gateway \
-             (first host) and the broadcast address are never handed out.",
-            &ipam_allocate("pod-a", "ipv4"),
-        )?;
-        self.show(
-            "Allocate an IPv6 address for the same interface (dual stack).",
-            &ipam_allocate("pod-a", "ipv6"),
-        )?;
-        self.show(
-            "Ask again for pod-a's IPv4 address: the same owner gets the same address \
-             (Allocate is idempotent, so a retried CNI ADD is harmless).",
-            &ipam_allocate("pod-a", "ipv4"),
-        )?;
-        self.show(
-            "Allocate for pod-b: another owner gets another address.",
-            &ipam_allocate("pod-b", "ipv4"),
-        )?;
-        self.show(
-            "List the allocations and the pool's usage.",
-            &["ipam", "list", "--allocations"],
-        )?;
-
-        explain(
-            "Kill svc-ipam with SIGKILL (no chance to clean up) and start it again: an \
-             allocation is acknowledged only once it is durable on disk, so none is lost.",
-        );
-        let status = daemon.kill_hard()?;
-        println!("svc-ipam (pid {}) killed: {status}", daemon.pid());
-        daemon = self.start()?;
-
-        self.show(
-            "The restarted svc-ipam has a new boot_id (compare with the first `rivet \
-             status`): that is how its clients notice a restart and resync.",
-            &["status"],
-        )?;
-        self.show(
-            "The same allocations as before the kill.",
-            &["ipam", "list", "--allocations"],
-        )?;
-        self.show(
-            "Release what pod-a's eth0 holds (Release is idempotent too).",
-            &["ipam", "release", "--container-id", "pod-a", "--interface", "eth0"],
-        )?;
-        self.show(
-            "pod-a's addresses are free again; pod-b keeps its address.",
-            &["ipam", "list", "--allocations"],
-        )?;
-
-        explain("Stop svc-ipam with SIGTERM: it shuts down gracefully.");
-        let status = daemon.terminate(STOP_TIMEOUT)?;
-        if !status.success() {
+    fn new(rivet: PathBuf, dir: PathBuf, netns: String) -> Result<Self> {
+        let socket = dir.join("sockets/svc-endpoint.sock");
+        if socket.as_os_str().len() > MAX_SOCKET_PATH {
             bail!(
-                "svc-ipam did not exit cleanly after SIGTERM ({status}); its log:\n{}",
-                self.log_tail()
-            );
-        }
-        println!("svc-ipam (pid {}) exited cleanly ({status})", daemon.pid());
-        Ok(())
-    }
-
-    /// Starts svc-ipam (appending to the same log across restarts) and waits until
-    /// `rivet status` succeeds against it.
-    fn start(&self) -> Result<Daemon> {
-        let log = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .with_context(|| format!("opening {}", self.log.display()))?;
-        let mut command = Command::new(&self.svc_ipam);
-        command
-            .arg("--socket-dir")
-            .arg(&self.sockets)
-            .arg("--state-dir")
-            .arg(&self.state)
-            .args(["--node-name", NODE_NAME, "--pool", POOL]);
-        let mut daemon = Daemon::spawn(command, log)?;
-        println!(
-            "svc-ipam started (pid {}), waiting for `rivet status` to succeed",
-            daemon.pid()
-        );
-        self.wait_ready(&mut daemon)?;
-        Ok(daemon)
-    }
-
-    /// Polls `rivet status` until it succeeds, failing early if the daemon exits and
-    /// after [`READY_TIMEOUT`] otherwise, quoting the daemon's log either way.
-    fn wait_ready(&self, daemon: &mut Daemon) -> Result<()> {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            if let Some(status) = daemon.try_wait()? {
-                bail!(
-                    "svc-ipam exited while starting ({status}); its log:\n{}",
-                    self.log_tail()
-                );
-            }
-            let mut status = self.rivet(&["status"]);
-            let output = status
-                .output()
-                .with_context(|| format!("could not run {}", self.rivet.display()))?;
-            if output.status.success() {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "svc-ipam not ready after {} s: `{}` still fails ({}): {}\nsvc-ipam's log:\n{}",
-                    READY_TIMEOUT.as_secs(),
-                    cmd::display(&status),
-                    output.status,
-                    cmd::tail_lines(&String::from_utf8_lossy(&output.stderr), 5),
-                    self.log_tail()
-                );
-            }
-            sleep(POLL_INTERVAL);
-        }
-    }
-
-    /// Prints the explanation, then runs `rivet <args>` with its output shown.
-    fn show(&self, explanation: &str, args: &[&str]) -> Result<()> {
-        explain(explanation);
-        cmd::run(&mut self.rivet(args))
-    }
-
-    /// A `rivet` CLI command against the demo's socket dir.
-    fn rivet(&self, args: &[&str]) -> Command {
-        let mut command = Command::new(&self.rivet);
-        command.arg("--socket-dir").arg(&self.sockets).args(args);
-        command
-    }
-
-    /// The last lines of svc-ipam's log, for error messages.
-    fn log_tail(&self) -> String {
-        match fs::read_to_string(&self.log) {
-            Ok(text) if text.trim().is_empty() => "(empty)".to_string(),
-            Ok(text) => cmd::tail_lines(&text, LOG_TAIL_LINES),
-            Err(err) => format!("(could not read {}: {err})", self.log.display()),
-        }
-    }
-
-    /// Fails early with a clear message if the temp dir is so deep that svc-ipam's
-    /// socket path would exceed the kernel's limit.
-    fn check_socket_path(&self) -> Result<()> {
-        let socket = self.sockets.join("svc-ipam.sock");
-        let len = socket.as_os_str().len();
-        if len > MAX_SOCKET_PATH {
-            bail!(
-                "the demo's socket path {} is {len} bytes, over the {MAX_SOCKET_PATH}-byte limit \
-                 of Unix socket paths: set TMPDIR to a shorter directory, e.g. TMPDIR=/tmp",
+                "the demo's socket path {} is over the {MAX_SOCKET_PATH}-byte limit of Unix \
+                 socket paths: set TMPDIR to a shorter directory, e.g. TMPDIR=/tmp",
                 socket.display()
             );
         }
+        Ok(Self { rivet, dir, netns })
+    }
+
+    /// `rivet <args>` with the demo's state and socket dirs in the environment (as the
+    /// `export` line shown at the start).
+    fn rivet(&self, args: &[&str]) -> Command {
+        use std::os::unix::process::CommandExt;
+        let mut command = Command::new(&self.rivet);
+        command
+            .args(args)
+            .env("RIVET_STATE_DIR", self.dir.join("state"))
+            .env("RIVET_SOCKET_DIR", self.dir.join("sockets"));
+        // The signal mask is inherited across exec: the signals this process
+        // blocked (for its signal thread) must reach the commands it runs.
+        // SAFETY: sigprocmask is async-signal-safe and touches only the new process.
+        unsafe {
+            command.pre_exec(|| {
+                let mut set = SigSet::empty();
+                set.add(Signal::SIGINT);
+                set.add(Signal::SIGTERM);
+                set.thread_unblock().map_err(std::io::Error::from)
+            });
+        }
+        command
+    }
+
+    /// `rivet node down`, for the teardown guards.
+    fn teardown_command(&self) -> Command {
+        self.rivet(&["node", "down"])
+    }
+
+    /// A command line as a user would type it: `rivet` by name, the temp dir as `$D`.
+    fn shown(&self, command: &Command) -> String {
+        let dir = self.dir.display().to_string();
+        let program = Path::new(command.get_program());
+        let mut words = vec![
+            program
+                .file_name()
+                .unwrap_or(program.as_os_str())
+                .to_string_lossy()
+                .into_owned(),
+        ];
+        words.extend(command.get_args().map(|a| {
+            let a = a.to_string_lossy().replace(&dir, "$D");
+            if a.contains(' ') { format!("'{a}'") } else { a }
+        }));
+        words.join(" ")
+    }
+
+    /// Shows `$ <command>`, runs it, shows its output; fails if it fails.
+    fn show(&self, command: &mut Command) -> Result<Output> {
+        let output = self.show_allowing_failure(command, None)?;
+        if !output.status.success() {
+            bail!("`{}` failed ({})", self.shown(command), output.status);
+        }
+        Ok(output)
+    }
+
+    /// Shows `$ [echo <stdin> | ]<command>`, runs it, shows its output and, if it
+    /// failed, its exit status.
+    fn show_allowing_failure(&self, command: &mut Command, stdin: Option<&str>) -> Result<Output> {
+        park_if_interrupted();
+        match stdin {
+            Some(text) => println!("$ echo {} | {}", text.trim_end(), self.shown(command)),
+            None => println!("$ {}", self.shown(command)),
+        }
+        let _ = std::io::stdout().flush();
+        let mut child = command
+            .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("could not run {}", self.shown(command)))?;
+        if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+            let _ = pipe.write_all(text.as_bytes());
+        }
+        let output = child.wait_with_output()?;
+        park_if_interrupted();
+        print!("{}", String::from_utf8_lossy(&output.stdout));
+        eprint!("{}", String::from_utf8_lossy(&output.stderr));
+        if !output.status.success() {
+            println!("({})", output.status);
+        }
+        Ok(output)
+    }
+
+    /// Starts `command` in the background, shown with a trailing `&`; its output goes
+    /// to `log`.
+    fn background(&self, command: &mut Command, log: &Path) -> Result<Background> {
+        park_if_interrupted();
+        println!("$ {} &", self.shown(command));
+        let out = File::create(log).with_context(|| format!("creating {}", log.display()))?;
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("could not run {}", self.shown(command)))?;
+        Ok(Background { child })
+    }
+
+    /// `rivet <args> -o json`, parsed.
+    fn json(&self, args: &[&str]) -> Result<Value> {
+        let mut command = self.rivet(args);
+        command.args(["-o", "json"]);
+        let output = command
+            .output()
+            .with_context(|| format!("could not run {}", self.shown(&command)))?;
+        if !output.status.success() {
+            bail!(
+                "`{}` failed ({}): {}",
+                self.shown(&command),
+                output.status,
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+        }
+        serde_json::from_slice(&output.stdout).with_context(|| format!("the output of {}", self.shown(&command)))
+    }
+
+    /// A pod's IPv4 address, from `rivet pod list`.
+    fn pod_ipv4(&self, name: &str) -> Result<String> {
+        let pods = self.json(&["pod", "list"])?;
+        pods.as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["name"] == name)
+            .flat_map(|p| p["addresses"].as_array().cloned().unwrap_or_default())
+            .filter_map(|a| a.as_str().map(str::to_string))
+            .find(|a| a.contains('.'))
+            .with_context(|| format!("pod {name} has no IPv4 address in `rivet pod list`"))
+    }
+
+    /// A pod's endpoint id, from `rivet pod list`.
+    fn pod_endpoint(&self, name: &str) -> Result<u64> {
+        let pods = self.json(&["pod", "list"])?;
+        pods.as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["endpoint_id"].as_u64())
+            .with_context(|| format!("pod {name} has no endpoint in `rivet pod list`"))
+    }
+
+    /// svc-endpoint's restore phase, from `rivet status`.
+    fn endpoint_restore_phase(&self) -> Result<String> {
+        let status = self.json(&["status"])?;
+        Ok(status
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| d["daemon"] == "svc-endpoint")
+            .and_then(|d| d["endpoint_status"]["restore"]["phase"].as_str())
+            .unwrap_or("unknown")
+            .to_string())
+    }
+
+    /// The pid of a node daemon and its restarts, from `rivet node status`.
+    fn daemon(&self, name: &str) -> Result<(Option<u64>, String, u64)> {
+        let node = self.json(&["node", "status"])?;
+        let daemon = node["daemons"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| d["name"] == name)
+            .with_context(|| format!("{name} is not in `rivet node status`"))?;
+        Ok((
+            daemon["pid"].as_u64(),
+            daemon["phase"].as_str().unwrap_or_default().to_string(),
+            daemon["restarts"].as_u64().unwrap_or_default(),
+        ))
+    }
+
+    fn run(&self) -> Result<()> {
+        let d = self.dir.display();
+        heading(
+            "1. A node",
+            &format!(
+                "Everything lives in a temp dir, D={d}, and in network namespaces the demo creates.\n\
+                 `rivet node up` starts svc-ipam, svc-identity, svc-loader (inside the node's namespace)\n\
+                 and svc-endpoint, each once the previous one answers, supervises them and installs\n\
+                 rivet-cni with its conflist."
+            ),
+        );
+        println!("$ export RIVET_STATE_DIR=$D/state RIVET_SOCKET_DIR=$D/sockets");
+        let cni_bin = self.dir.join("cni/bin");
+        let cni_conf = self.dir.join("cni/net.d");
+        self.show(
+            self.rivet(&["node", "up", "--netns", &self.netns, "--create-netns"])
+                .args([
+                    "--cni-bin-dir".as_ref(),
+                    cni_bin.as_os_str(),
+                    "--cni-conf-dir".as_ref(),
+                    cni_conf.as_os_str(),
+                    "--detach".as_ref(),
+                ]),
+        )?;
+
+        heading(
+            "2. Three pods",
+            "Each is a network namespace wired by rivet-cni, called exactly as a container runtime\n\
+             calls it (CNI ADD with the conflist, CNI_ARGS and the labels).",
+        );
+        for (pod, label) in [
+            ("frontend", "app=frontend"),
+            ("backend", "app=backend"),
+            ("db", "app=db"),
+        ] {
+            self.show(&mut self.rivet(&["pod", "add", pod, "--label", label]))?;
+        }
+        self.show(&mut self.rivet(&["pod", "list"]))?;
+        let backend = self.pod_ipv4("backend")?;
+        let db = self.pod_ipv4("db")?;
+
+        heading(
+            "3. A policy",
+            "Only frontend may reach backend, on TCP 8080; nothing may reach db.",
+        );
+        let policy = self.dir.join("policy.yaml");
+        fs::write(&policy, POLICY)?;
+        println!("$ cat $D/policy.yaml");
+        print!("{POLICY}");
+        self.show(&mut self.rivet(&["policy", "apply", "-f", &policy.display().to_string(), "--wait"]))?;
+
+        heading(
+            "4. frontend -> backend:8080 is allowed",
+            "backend and db run a TCP echo server (busybox nc); frontend says hello to backend.",
+        );
+        let mut servers = Vec::new();
+        for (pod, port) in [("backend", BACKEND_PORT), ("db", DB_PORT)] {
+            servers.push(
+                self.background(
+                    self.rivet(&[
+                        "pod",
+                        "exec",
+                        pod,
+                        "--",
+                        "busybox",
+                        "nc",
+                        "-ll",
+                        "-p",
+                        &port.to_string(),
+                    ])
+                    .args(["-e", "cat"]),
+                    &self.dir.join(format!("{pod}-server.log")),
+                )?,
+            );
+        }
+        sleep(Duration::from_millis(500));
+        let echo = self.show_allowing_failure(
+            self.rivet(&["pod", "exec", "frontend", "--", "busybox", "nc", "-w", "2", &backend])
+                .arg(BACKEND_PORT.to_string()),
+            Some("hello\n"),
+        )?;
+        if String::from_utf8_lossy(&echo.stdout).trim() != "hello" {
+            bail!("backend did not echo frontend's hello");
+        }
+
+        heading(
+            "5. frontend -> db:5432 is denied",
+            "The datapath drops the connection attempt at db's interface; `rivet monitor` streams\n\
+             drop events with their reason.",
+        );
+        let monitor_log = self.dir.join("monitor.txt");
+        let db_endpoint = self.pod_endpoint("db")?;
+        let mut monitor = self.background(
+            &mut self.rivet(&["monitor", "--endpoint", &db_endpoint.to_string()]),
+            &monitor_log,
+        )?;
+        sleep(Duration::from_millis(500));
+        let denied = self.show_allowing_failure(
+            self.rivet(&["pod", "exec", "frontend", "--", "busybox", "nc", "-w", "2", &db])
+                .arg(DB_PORT.to_string()),
+            Some("hello\n"),
+        )?;
+        if String::from_utf8_lossy(&denied.stdout).contains("hello") {
+            bail!("db answered frontend although the policy denies it");
+        }
+        sleep(Duration::from_millis(300));
+        monitor.stop();
+        let port = format!(":{DB_PORT}");
+        println!(
+            "$ grep {port} $D/monitor.txt   # what `rivet monitor` printed meanwhile (db is endpoint {db_endpoint})"
+        );
+        let events = fs::read_to_string(&monitor_log).unwrap_or_default();
+        let drops: Vec<&str> = events.lines().filter(|l| l.contains(&port)).collect();
+        for line in drops.iter().take(3) {
+            println!("{line}");
+        }
+        if !drops.iter().any(|l| l.starts_with("DROP")) {
+            bail!("`rivet monitor` showed no drop for frontend -> db");
+        }
+        self.show(&mut self.rivet(&["endpoint", "list"]))?;
+        self.show(&mut self.rivet(&["status"]))?;
+
+        heading(
+            "6. kill -9 svc-endpoint while frontend pings backend",
+            "The supervisor restarts it; the datapath never waits for the control plane, so no\n\
+             ping is lost.",
+        );
+        let ping_log = self.dir.join("ping.txt");
+        let mut ping = self.background(
+            self.rivet(&["pod", "exec", "frontend", "--", "ping", "-q", "-i", "0.1", "-W", "1"])
+                .args(["-c", &PINGS.to_string(), &backend]),
+            &ping_log,
+        )?;
+        sleep(Duration::from_secs(1));
+        let (old_pid, _, restarts) = self.daemon("svc-endpoint")?;
+        let old_pid = old_pid.context("svc-endpoint has no pid")?;
+        println!("$ kill -9 {old_pid}   # svc-endpoint, pid from `rivet node status`");
+        kill(Pid::from_raw(old_pid as i32), Signal::SIGKILL).context("kill -9 svc-endpoint")?;
+        let started = Instant::now();
+        loop {
+            let (pid, phase, now_restarts) = self.daemon("svc-endpoint")?;
+            if pid.is_some_and(|p| p != old_pid) && phase == "running" && now_restarts > restarts {
+                println!(
+                    "(the supervisor restarted svc-endpoint as pid {} within {:.1}s)",
+                    pid.unwrap_or_default(),
+                    started.elapsed().as_secs_f64()
+                );
+                break;
+            }
+            if started.elapsed() > RESTART_TIMEOUT {
+                bail!("svc-endpoint was not restarted within {}s", RESTART_TIMEOUT.as_secs());
+            }
+            sleep(Duration::from_millis(100));
+        }
+        // The new svc-endpoint restores its endpoints from its state dir.
+        loop {
+            if self.endpoint_restore_phase()? == "complete" {
+                break;
+            }
+            if started.elapsed() > RESTART_TIMEOUT {
+                bail!(
+                    "the restarted svc-endpoint did not complete its restore within {}s",
+                    RESTART_TIMEOUT.as_secs()
+                );
+            }
+            sleep(Duration::from_millis(100));
+        }
+        self.show(&mut self.rivet(&["status"]))?;
+        let status = ping.wait()?;
+        park_if_interrupted();
+        println!("$ cat $D/ping.txt   # the ping that ran throughout");
+        let summary = fs::read_to_string(&ping_log).unwrap_or_default();
+        for line in summary
+            .lines()
+            .filter(|l| l.contains("packets") || l.starts_with("rtt"))
+        {
+            println!("{line}");
+        }
+        if !status.success() || !summary.contains(" 0% packet loss") {
+            bail!("pings were lost while svc-endpoint restarted:\n{summary}");
+        }
+
+        heading(
+            "7. Teardown",
+            "The supervisor deletes the pods (CNI DEL), stops the daemons in reverse order and\n\
+             removes what it created: the namespace, the pins, the sockets, the CNI files.",
+        );
+        drop(servers);
+        let _ = self.show(&mut self.teardown_command())?;
+        let leftovers: Vec<String> = [
+            format!("/run/netns/{}", self.netns),
+            format!("/sys/fs/bpf/rivet/{}", self.netns),
+            self.dir.join("sockets").display().to_string(),
+            self.dir.join("state/node.json").display().to_string(),
+            cni_conf.join("10-rivet.conflist").display().to_string(),
+        ]
+        .into_iter()
+        .filter(|p| Path::new(p).exists())
+        .collect();
+        if !leftovers.is_empty() {
+            bail!("the node left {}", leftovers.join(", "));
+        }
+        println!("(no namespace, pins, sockets or CNI files left)");
         Ok(())
     }
 }
 
-/// `ipam allocate` arguments for `<container_id>`'s eth0.
-fn ipam_allocate<'a>(container_id: &'a str, family: &'a str) -> [&'a str; 8] {
-    [
-        "ipam",
-        "allocate",
-        "--container-id",
-        container_id,
-        "--interface",
-        "eth0",
-        "--family",
-        family,
-    ]
-}
-
-/// Prints a step's one-line explanation, set off by a blank line.
-fn explain(text: &str) {
+/// A step's heading and its explanation.
+fn heading(title: &str, text: &str) {
     println!();
-    println!("# {text}");
+    println!("== {title}");
+    for line in text.lines() {
+        println!("# {line}");
+    }
 }
 
-/// A running daemon, killed with SIGKILL and reaped when dropped unless it already
-/// exited, so no daemon outlives the demo, whatever error ends it.
-struct Daemon {
+/// A background command, killed and reaped when dropped.
+struct Background {
     child: Child,
 }
 
-impl Daemon {
-    /// Spawns `command` with stdin closed and stdout and stderr going to `log`.
-    fn spawn(mut command: Command, log: File) -> Result<Self> {
-        let log_for_stdout = log.try_clone().context("duplicating the log file handle")?;
-        command.stdin(Stdio::null()).stdout(log_for_stdout).stderr(log);
-        println!("$ {} &", cmd::display(&command));
-        let child = command
-            .spawn()
-            .with_context(|| format!("could not start {}", Path::new(command.get_program()).display()))?;
-        Ok(Self { child })
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// The exit status if the daemon has exited.
-    fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
-        self.child
-            .try_wait()
-            .with_context(|| format!("checking on pid {}", self.pid()))
-    }
-
-    /// `kill -9`, then reap it.
-    fn kill_hard(&mut self) -> Result<ExitStatus> {
-        self.child
-            .kill()
-            .with_context(|| format!("sending SIGKILL to pid {}", self.pid()))?;
-        self.child
-            .wait()
-            .with_context(|| format!("waiting for pid {}", self.pid()))
-    }
-
-    /// Sends SIGTERM and waits up to `timeout` for the daemon to exit. On timeout it is
-    /// left running for the drop guard to SIGKILL.
-    fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus> {
-        // The child is not reaped yet, so its pid cannot have been reused.
-        let pid = Pid::from_raw(i32::try_from(self.pid()).context("pid out of range")?);
-        kill(pid, Signal::SIGTERM).with_context(|| format!("sending SIGTERM to pid {pid}"))?;
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.try_wait()? {
-                return Ok(status);
+impl Background {
+    /// SIGTERM, then reap it.
+    fn stop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            if let Ok(pid) = i32::try_from(self.child.id()) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
             }
-            if Instant::now() >= deadline {
-                bail!("pid {pid} still running {} s after SIGTERM", timeout.as_secs());
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                sleep(Duration::from_millis(20));
             }
-            sleep(POLL_INTERVAL);
+            let _ = self.child.kill();
         }
+        let _ = self.child.wait();
+    }
+
+    /// Waits for it to exit by itself.
+    fn wait(&mut self) -> Result<std::process::ExitStatus> {
+        self.child.wait().context("waiting for a background command")
     }
 }
 
-impl Drop for Daemon {
+impl Drop for Background {
     fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        self.stop();
     }
 }
 
@@ -365,6 +657,11 @@ impl TempDir {
     fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Leaves the directory in place (for the logs of a failed run).
+    fn keep(self) {
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for TempDir {
@@ -390,39 +687,32 @@ mod tests {
     }
 
     #[test]
-    fn dropped_daemon_is_killed_and_reaped() {
-        let log = TempDir::create("rivet-xtask-test").unwrap();
-        let daemon = Daemon::spawn(
-            {
-                let mut sleep = Command::new("sleep");
-                sleep.arg("60");
-                sleep
-            },
-            File::create(log.path().join("log")).unwrap(),
-        )
-        .unwrap();
-        let pid = Pid::from_raw(i32::try_from(daemon.pid()).unwrap());
-        drop(daemon);
+    fn dropped_background_command_is_stopped_and_reaped() {
+        let child = Command::new("sleep").arg("60").spawn().unwrap();
+        let pid = Pid::from_raw(i32::try_from(child.id()).unwrap());
+        drop(Background { child });
         // Reaped: the pid no longer exists (signal 0 only checks).
         assert!(kill(pid, None).is_err());
     }
 
     #[test]
-    fn terminate_reports_the_exit_status() {
-        let log = TempDir::create("rivet-xtask-test").unwrap();
-        let mut daemon = Daemon::spawn(
-            {
-                let mut sh = Command::new("sh");
-                sh.args(["-c", "trap 'exit 0' TERM; while :; do sleep 0.05; done"]);
-                sh
-            },
-            File::create(log.path().join("log")).unwrap(),
+    fn commands_are_shown_as_typed() {
+        let demo = Demo::new(
+            "/x/target/debug/rivet".into(),
+            "/tmp/rivet-demo.1.0".into(),
+            NETNS.into(),
         )
         .unwrap();
-        // Give the shell time to install its trap.
-        sleep(Duration::from_millis(300));
-        let status = daemon.terminate(Duration::from_secs(5)).unwrap();
-        assert!(status.success(), "{status}");
+        let mut command = demo.rivet(&["node", "up", "--cni-bin-dir", "/tmp/rivet-demo.1.0/cni/bin"]);
+        command.arg("a b");
+        assert_eq!(demo.shown(&command), "rivet node up --cni-bin-dir $D/cni/bin 'a b'");
+    }
+
+    #[test]
+    fn too_long_socket_paths_are_refused() {
+        let deep = format!("/tmp/{}", "d".repeat(100));
+        let err = Demo::new("rivet".into(), deep.into(), NETNS.into()).err().unwrap();
+        assert!(err.to_string().contains("TMPDIR"), "{err}");
     }
 
     #[test]
@@ -433,5 +723,11 @@ mod tests {
             .to_string();
         assert!(err.contains("`svc-ipam` binary"), "{err}");
         assert!(err.contains("svc-ipam/ crate"), "{err}");
+    }
+
+    #[test]
+    fn the_policy_has_three_documents() {
+        assert_eq!(POLICY.matches("\n---\n").count(), 2);
+        assert!(POLICY.contains(&format!("port: {BACKEND_PORT}")));
     }
 }

@@ -40,7 +40,9 @@ enum Command {
         #[arg(last = true, value_name = "CARGO_TEST_ARGS")]
         cargo_test_args: Vec<String>,
     },
-    /// Build the binaries and run the demo: svc-ipam driven through the `rivet` CLI.
+    /// Build the binaries and run the demo: one node (`rivet node up`), three pods
+    /// through rivet-cni, a NetworkPolicy allowing and denying traffic, a daemon
+    /// killed and restarted with no packet lost, and a clean teardown.
     Demo,
     /// Run one benchmark of the `rivet-bench` crate with the bench-release profile.
     Bench(bench::Args),

@@ -1,0 +1,596 @@
+//! `rivet node up --create-netns` and `rivet pod` as a user runs them: a whole
+//! node in a network namespace of its own, pods created through the real CNI
+//! plugins, traffic between them, daemons killed with SIGKILL and restarted by
+//! the supervisor, and `rivet node down` leaving nothing behind (no
+//! namespace, pins, sockets, CNI files or processes).
+//!
+//! Needs root, a bpffs at /sys/fs/bpf and the workspace binaries beside
+//! `rivet` (`cargo build --bins`). Addresses come from 198.18.0.0/15 and
+//! 2001:2::/48 only.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use rivet_cli::node::{DaemonPhase, NODE_DAEMONS, NodePhase, NodeRecord};
+
+/// Every binary `rivet node up` starts or installs.
+const BINARIES: [&str; 5] = ["svc-ipam", "svc-identity", "svc-loader", "svc-endpoint", "rivet-cni"];
+
+static NODES: AtomicU32 = AtomicU32::new(0);
+
+fn rivet_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_rivet"))
+}
+
+fn require_binaries() {
+    let dir = rivet_bin()
+        .parent()
+        .expect("rivet is in target/<profile>")
+        .to_path_buf();
+    for name in BINARIES {
+        assert!(
+            dir.join(name).is_file(),
+            "{} is missing: build the workspace binaries first (`cargo build --bins`)",
+            dir.join(name).display()
+        );
+    }
+}
+
+/// Polls `f` every 100 ms until it is true; panics after `timeout`.
+fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !f() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Whether `pid` runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
+fn netns_list() -> Vec<String> {
+    let out = Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .expect("ip netns list");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+        .collect()
+}
+
+/// A node started with `rivet node up --detach` in a temp dir; `rivet node
+/// down` on drop (also on panic).
+struct TestNode {
+    dir: tempfile::TempDir,
+    netns: String,
+    stopped: bool,
+}
+
+impl TestNode {
+    fn up() -> Self {
+        require_binaries();
+        let dir = tempfile::Builder::new()
+            .prefix("rvt")
+            .tempdir_in("/tmp")
+            .expect("temp dir");
+        let netns = format!("rvtn-{}-{}", std::process::id(), NODES.fetch_add(1, Ordering::Relaxed));
+        let mut node = Self {
+            dir,
+            netns,
+            stopped: false,
+        };
+        let cni_bin = node.path("cni/bin");
+        let cni_conf = node.path("cni/net.d");
+        let out = node
+            .rivet(&[
+                "node",
+                "up",
+                "--netns",
+                &node.netns.clone(),
+                "--create-netns",
+                "--detach",
+            ])
+            .args(["--cni-bin-dir".as_ref(), cni_bin.as_os_str()])
+            .args(["--cni-conf-dir".as_ref(), cni_conf.as_os_str()])
+            .args(["--stop-grace-seconds", "5"])
+            .output()
+            .expect("running rivet node up");
+        if !out.status.success() {
+            node.stopped = true;
+            let _ = node.rivet(&["node", "down"]).output();
+            panic!(
+                "rivet node up failed ({}): {}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        node
+    }
+
+    fn path(&self, relative: &str) -> PathBuf {
+        self.dir.path().join(relative)
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.path("state")
+    }
+
+    /// `rivet --state-dir .. --socket-dir .. <args>`.
+    fn rivet(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(rivet_bin());
+        cmd.arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--socket-dir")
+            .arg(self.path("sockets"))
+            .args(args)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    /// Runs `rivet <args>`; its stdout, or a panic with its output.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.rivet(args).output().expect("running rivet");
+        assert!(
+            out.status.success(),
+            "rivet {} failed ({}): {}{}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        serde_json::from_str(&self.ok(&all)).expect("rivet -o json prints JSON")
+    }
+
+    fn record(&self) -> NodeRecord {
+        NodeRecord::load(&self.state_dir())
+            .expect("node.json parses")
+            .expect("node.json exists")
+    }
+
+    /// `rivet pod exec <pod> -- <command>`.
+    fn exec(&self, pod: &str, command: &[&str]) -> Output {
+        let mut args = vec!["pod", "exec", pod, "--"];
+        args.extend(command);
+        self.rivet(&args).output().expect("running rivet pod exec")
+    }
+
+    /// Background `rivet pod exec`.
+    fn spawn_in(&self, pod: &str, command: &[&str]) -> Child {
+        let mut args = vec!["pod", "exec", pod, "--"];
+        args.extend(command);
+        self.rivet(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawning rivet pod exec")
+    }
+
+    /// A pod's addresses from `rivet pod list`.
+    fn addresses(&self, pod: &str) -> Vec<String> {
+        let pods = self.json(&["pod", "list"]);
+        let pod = pods
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == pod)
+            .unwrap_or_else(|| panic!("pod {pod} is listed"));
+        pod["addresses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    }
+
+    fn ipv4(&self, pod: &str) -> String {
+        self.addresses(pod)
+            .into_iter()
+            .find(|a| a.contains('.'))
+            .expect("an IPv4 address")
+    }
+
+    fn ping(&self, from: &str, to: &str) -> bool {
+        self.exec(from, &["ping", "-c", "2", "-i", "0.2", "-W", "2", to])
+            .status
+            .success()
+    }
+
+    /// A TCP echo through busybox nc: `hello` sent from `from` comes back from `to`.
+    fn tcp_echo(&self, from: &str, to_addr: &str, port: u16) -> bool {
+        let mut args = vec!["pod", "exec", from, "--", "busybox", "nc", "-w", "2"];
+        let port = port.to_string();
+        args.extend([to_addr, &port]);
+        let mut child = self
+            .rivet(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawning nc");
+        std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"hello\n").unwrap();
+        let out = child.wait_with_output().unwrap();
+        String::from_utf8_lossy(&out.stdout).trim() == "hello"
+    }
+
+    /// Kills daemon `name` with SIGKILL and waits until the supervisor has
+    /// it running again under a new pid.
+    fn kill9_and_wait_for_restart(&self, name: &str) {
+        let before = self.record();
+        let daemon = before.daemon(name).unwrap();
+        let pid = daemon.pid.expect("the daemon runs");
+        let status = Command::new("kill").args(["-9", &pid.to_string()]).status().unwrap();
+        assert!(status.success());
+        eventually(&format!("{name} restarted"), Duration::from_secs(30), || {
+            let now = self.record();
+            let d = now.daemon(name).unwrap();
+            d.phase == DaemonPhase::Running && d.pid.is_some_and(|p| p != pid) && d.restarts == daemon.restarts + 1
+        });
+        let d = self.record().daemon(name).unwrap().clone();
+        assert_eq!(d.last_exit.as_deref(), Some("signal 9 (SIGKILL)"));
+        assert!(!alive(pid));
+    }
+
+    /// `rivet node down`, then checks that nothing is left.
+    fn down_and_check_nothing_left(&mut self) {
+        let record = self.record();
+        let out = self.ok(&["node", "down"]);
+        self.stopped = true;
+        assert!(out.contains(&format!("node {} stopped", record.node_name)), "{out}");
+        let namespaces = netns_list();
+        assert!(
+            !namespaces.contains(&self.netns),
+            "the node namespace is gone: {namespaces:?}"
+        );
+        let pod_prefix = format!("rivet-pod-{}-", record.node_name);
+        assert!(
+            !namespaces.iter().any(|n| n.starts_with(&pod_prefix)),
+            "no pod namespace is left: {namespaces:?}"
+        );
+        assert!(!record.pin_dir.exists(), "{} is gone", record.pin_dir.display());
+        assert!(!record.socket_dir.exists(), "{} is gone", record.socket_dir.display());
+        assert!(
+            !record.conflist.exists() && !record.cni_binary.exists(),
+            "the CNI files are gone"
+        );
+        assert!(!self.state_dir().join("node.json").exists());
+        assert!(!self.state_dir().join("pods").exists());
+        assert!(!alive(record.supervisor_pid), "the supervisor exited");
+        for d in &record.daemons {
+            if let Some(pid) = d.pid {
+                assert!(!alive(pid), "{} (pid {pid}) exited", d.name);
+            }
+        }
+        // What stays: the logs.
+        assert!(record.log_dir.join("svc-endpoint.log").exists());
+    }
+}
+
+impl Drop for TestNode {
+    fn drop(&mut self) {
+        if !self.stopped {
+            let _ = self.rivet(&["node", "down"]).output();
+        }
+    }
+}
+
+/// The node as `rivet node up` describes it: four daemons answering, the
+/// CNI plugin installed, the namespace configured.
+fn check_started(node: &TestNode) {
+    let record = node.record();
+    assert_eq!(record.phase, NodePhase::Running);
+    assert_eq!(record.netns.as_deref(), Some(node.netns.as_str()));
+    assert!(record.netns_created);
+    let names: Vec<&str> = record.daemons.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, NODE_DAEMONS);
+    for d in &record.daemons {
+        assert_eq!(d.phase, DaemonPhase::Running, "{d:?}");
+        assert!(alive(d.pid.unwrap()), "{d:?}");
+    }
+    // svc-loader runs inside the node namespace, the others do not.
+    let in_ns = Command::new("ip")
+        .args(["netns", "pids", &node.netns])
+        .output()
+        .unwrap();
+    let in_ns = String::from_utf8_lossy(&in_ns.stdout).to_string();
+    let loader = record.daemon("svc-loader").unwrap().pid.unwrap();
+    let endpoint = record.daemon("svc-endpoint").unwrap().pid.unwrap();
+    assert!(in_ns.split_whitespace().any(|p| p == loader.to_string()), "{in_ns}");
+    assert!(!in_ns.split_whitespace().any(|p| p == endpoint.to_string()), "{in_ns}");
+    // The namespace: forwarding on, node addresses on lo.
+    let lo = Command::new("ip")
+        .args(["-n", &node.netns, "addr", "show", "dev", "lo"])
+        .output()
+        .unwrap();
+    let lo = String::from_utf8_lossy(&lo.stdout).to_string();
+    assert!(
+        lo.contains("198.19.0.1/32") && lo.contains("2001:2:0:ffff::1/128"),
+        "{lo}"
+    );
+    // The CNI files.
+    let conflist: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&record.conflist).unwrap()).unwrap();
+    assert_eq!(conflist["cniVersion"], "1.1.0");
+    assert_eq!(conflist["name"], "rivet");
+    assert_eq!(conflist["plugins"][0]["type"], "rivet-cni");
+    assert_eq!(
+        conflist["plugins"][0]["socketDir"],
+        record.socket_dir.display().to_string()
+    );
+    assert!(record.cni_binary.is_file());
+    assert!(record.pin_dir.is_dir(), "svc-loader pinned its maps");
+    // `rivet status` finds the sockets through node.json.
+    let out = Command::new(rivet_bin())
+        .arg("--state-dir")
+        .arg(node.state_dir())
+        .arg("status")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("node {} (netns {}", record.node_name, node.netns)),
+        "{text}"
+    );
+}
+
+#[test]
+fn node_up_pods_through_rivet_cni_restart_and_down_leave_nothing() {
+    let mut node = TestNode::up();
+    check_started(&node);
+
+    node.ok(&["pod", "add", "a", "--label", "app=a"]);
+    node.ok(&["pod", "add", "b", "--label", "app=b", "--namespace", "default"]);
+    let pods = node.json(&["pod", "list"]);
+    for pod in pods.as_array().unwrap() {
+        assert_eq!(pod["state"], "ready", "{pod}");
+        assert!(pod["endpoint_id"].as_u64().is_some(), "{pod}");
+        assert!(pod["identity"].as_u64().is_some_and(|i| i >= 256), "{pod}");
+        assert_eq!(pod["addresses"].as_array().unwrap().len(), 2, "dual stack: {pod}");
+    }
+    // Adding the same pod again is refused.
+    let again = node.rivet(&["pod", "add", "a"]).output().unwrap();
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("exists already"));
+
+    // Traffic both ways, both families, ICMP and TCP.
+    let b = node.addresses("b");
+    for address in &b {
+        assert!(node.ping("a", address), "a -> b {address}");
+    }
+    assert!(node.ping("b", &node.ipv4("a")), "b -> a");
+    let mut server = node.spawn_in("b", &["busybox", "nc", "-ll", "-p", "8080", "-e", "cat"]);
+    let b4 = node.ipv4("b");
+    eventually("b's echo server answers", Duration::from_secs(10), || {
+        node.tcp_echo("a", &b4, 8080)
+    });
+
+    // kill -9: the supervisor restarts the daemon; pods keep their traffic
+    // and endpoints.
+    for daemon in ["svc-endpoint", "svc-loader"] {
+        node.kill9_and_wait_for_restart(daemon);
+        assert!(node.ping("a", &b4), "a -> b after {daemon} restarted");
+        assert!(node.tcp_echo("a", &b4, 8080), "TCP a -> b after {daemon} restarted");
+    }
+    eventually("endpoints ready after the restarts", Duration::from_secs(30), || {
+        node.json(&["pod", "list"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["state"] == "ready")
+    });
+
+    // pod del is idempotent and removes the namespace.
+    let a_netns = node.json(&["pod", "list"])[0]["netns"].as_str().unwrap().to_string();
+    assert!(node.ok(&["pod", "del", "a"]).contains("deleted"));
+    assert!(node.ok(&["pod", "del", "a"]).contains("not found"));
+    assert!(!netns_list().contains(&a_netns));
+    let endpoints = node.json(&["endpoint", "list"]);
+    assert_eq!(endpoints["endpoints"].as_array().map(Vec::len), Some(1), "{endpoints}");
+
+    // b is still there: node down deletes it (and its echo server).
+    node.down_and_check_nothing_left();
+    let _ = server.wait();
+}
+
+/// The mini libcni against Debian's reference plugins (bridge + host-local),
+/// run inside the node namespace: independent of rivet-cni.
+#[test]
+fn pods_through_the_reference_plugins() {
+    let mut node = TestNode::up();
+    let conflist = node.path("bridge.conflist");
+    let host_local = node.path("host-local");
+    std::fs::write(
+        &conflist,
+        serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "br",
+            "plugins": [{
+                "type": "bridge",
+                "bridge": "rvbr0",
+                "isGateway": true,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": "198.18.8.0/24"}]],
+                    "dataDir": host_local,
+                },
+            }],
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let conflist = conflist.display().to_string();
+    for pod in ["x", "y"] {
+        let out = node.ok(&[
+            "pod",
+            "add",
+            pod,
+            "--label",
+            "app=ref",
+            "--conflist",
+            &conflist,
+            "--cni-bin-dir",
+            "/usr/lib/cni",
+        ]);
+        assert!(
+            out.contains(&format!("pod default/{pod} added: eth0 198.18.8.")),
+            "{out}"
+        );
+    }
+    let pods = node.json(&["pod", "list"]);
+    assert_eq!(pods[0]["state"], "no endpoint", "{pods}");
+    // The bridge lives in the node namespace (the plugins ran there).
+    let links = Command::new("ip")
+        .args(["-n", &node.netns, "link", "show", "rvbr0"])
+        .output()
+        .unwrap();
+    assert!(links.status.success(), "the bridge is in the node namespace");
+    let y = node.ipv4("y");
+    assert!(node.ping("x", &y));
+    // `pod exec` passes the exit status through.
+    assert_eq!(node.exec("x", &["sh", "-c", "exit 7"]).status.code(), Some(7));
+    let missing = node.rivet(&["pod", "exec", "nope", "--", "true"]).output().unwrap();
+    assert!(!missing.status.success());
+
+    // DEL through host-local releases the address (its store has a file per
+    // reserved address).
+    let store = Path::new(&host_local).join("br");
+    assert!(store.join(&y).exists());
+    node.ok(&["pod", "del", "y"]);
+    assert!(!store.join(&y).exists(), "y's address is released");
+    node.ok(&[
+        "pod",
+        "add",
+        "z",
+        "--conflist",
+        &conflist,
+        "--cni-bin-dir",
+        "/usr/lib/cni",
+    ]);
+    node.down_and_check_nothing_left();
+    // host-local's store is empty: node down ran DEL for x and z.
+    let left: Vec<_> = std::fs::read_dir(Path::new(&host_local).join("br"))
+        .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        left.iter()
+            .all(|n| n.to_string_lossy().starts_with("last_reserved") || n == "lock"),
+        "{left:?}"
+    );
+}
+
+/// The supervisor on its own, with the real svc-ipam: restarts after
+/// SIGKILL with backoff, reports a crash loop, and stops it for good.
+#[tokio::test(flavor = "current_thread")]
+async fn supervisor_restarts_and_reports_a_crash_loop() {
+    use std::sync::{Arc, Mutex};
+
+    use rivet_cli::node::{DaemonSpec, DaemonStatus, NodeSupervisor, RestartPolicy, StatusObserver};
+
+    require_binaries();
+    let dir = tempfile::Builder::new().prefix("rvs").tempdir_in("/tmp").unwrap();
+    let socket = dir.path().join("sockets/svc-ipam.sock");
+    let spec = DaemonSpec {
+        name: "svc-ipam".into(),
+        program: rivet_bin().with_file_name("svc-ipam"),
+        args: ["--socket-dir", "sockets", "--state-dir", "state", "--node-name", "sup"]
+            .iter()
+            .map(|a| match *a {
+                "sockets" | "state" => dir.path().join(a).into_os_string(),
+                a => a.into(),
+            })
+            .chain(["--pool".into(), "default=198.18.12.0/24".into()])
+            .collect(),
+        netns: None,
+        socket,
+        log: dir.path().join("logs/svc-ipam.log"),
+    };
+    let phases = Arc::new(Mutex::new(Vec::new()));
+    let observer: StatusObserver = {
+        let phases = Arc::clone(&phases);
+        Arc::new(move |s: &[DaemonStatus]| phases.lock().unwrap().push(s[0].phase))
+    };
+    let policy = RestartPolicy {
+        initial_backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_millis(400),
+        healthy_after: Duration::from_secs(60),
+        crash_loop_window: Duration::from_secs(60),
+        crash_loop_exits: 3,
+    };
+    let mut supervisor = NodeSupervisor::new(
+        vec![spec],
+        policy,
+        Duration::from_secs(15),
+        Duration::from_secs(5),
+        observer,
+    );
+    let (_cancel_tx, cancel) = tokio::sync::watch::channel(false);
+    supervisor.start(&cancel).await.expect("svc-ipam starts");
+
+    let mut pids = Vec::new();
+    for round in 1..=3u32 {
+        let status = supervisor.statuses()[0].clone();
+        let pid = status.pid.expect("running");
+        pids.push(pid);
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = supervisor.statuses()[0].clone();
+            if s.phase == DaemonPhase::Running && s.pid.is_some_and(|p| p != pid) {
+                assert_eq!(s.restarts, round);
+                assert_eq!(s.last_exit.as_deref(), Some("signal 9 (SIGKILL)"));
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "svc-ipam restarted after kill {round}: {s:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let seen = phases.lock().unwrap().clone();
+    let crash_loop_at = seen.iter().position(|p| *p == DaemonPhase::CrashLoop);
+    assert!(
+        crash_loop_at.is_some(),
+        "the third quick exit is a crash loop: {seen:?}"
+    );
+    assert_eq!(
+        seen.iter().filter(|p| **p == DaemonPhase::Restarting).count(),
+        2,
+        "{seen:?}"
+    );
+    // Every start is marked in the daemon's log.
+    let log = std::fs::read_to_string(dir.path().join("logs/svc-ipam.log")).unwrap();
+    assert_eq!(log.matches("==== rivet node: starting svc-ipam").count(), 4, "{log}");
+
+    let last = supervisor.statuses()[0].pid.unwrap();
+    supervisor.stop().await;
+    let s = supervisor.statuses()[0].clone();
+    assert_eq!(s.phase, DaemonPhase::Stopped);
+    assert!(s.pid.is_none());
+    for pid in pids.into_iter().chain([last]) {
+        assert!(!alive(pid), "pid {pid} is gone");
+    }
+}

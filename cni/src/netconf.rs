@@ -1,0 +1,816 @@
+//! The network configuration on stdin: the spec's keys, Rivet's own keys
+//! (validated strictly), labels, requested addresses and GC's valid
+//! attachments.
+//!
+//! Unknown top-level keys are accepted (a conflist may carry keys for other
+//! tools), except spellings that differ from a known key only in case,
+//! `_`, `-` or `.` (`socketdir`, `socket_dir`, `MTU`): those are almost
+//! certainly typos of a key that would otherwise be silently ignored, and
+//! fail with code 2 naming the key, its value and the right spelling.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rivet_common::labels::{Label, LabelSource};
+use serde_json::{Map, Value};
+
+use crate::env::check_ifname;
+use crate::error::{CniError, codes};
+use crate::version::{self, CniVersion};
+
+/// Default `socketDir`.
+pub const DEFAULT_SOCKET_DIR: &str = "/var/run/rivet/sockets";
+/// Default `ipamPool`.
+pub const DEFAULT_IPAM_POOL: &str = "default";
+/// Default `hostInterfacePrefix`.
+pub const DEFAULT_HOST_PREFIX: &str = "lxc";
+/// Longest `hostInterfacePrefix` (the rest of the 15 bytes is the hash).
+pub const HOST_PREFIX_MAX: usize = 10;
+/// Default `mtu`.
+pub const DEFAULT_MTU: u32 = 1500;
+/// Default `timeoutSeconds`.
+pub const DEFAULT_TIMEOUT_SECONDS: u64 = 30;
+/// Largest `timeoutSeconds`.
+pub const MAX_TIMEOUT_SECONDS: u64 = 3600;
+
+/// Rivet's own keys.
+pub const RIVET_KEYS: &[&str] = &[
+    "socketDir",
+    "ipamPool",
+    "hostInterfacePrefix",
+    "mtu",
+    "logFile",
+    "logLevel",
+    "timeoutSeconds",
+];
+
+/// Keys of the spec and its conventions that rivet-cni reads or tolerates.
+const SPEC_KEYS: &[&str] = &[
+    "cniVersion",
+    "cniVersions",
+    "name",
+    "type",
+    "ipam",
+    "dns",
+    "args",
+    "prevResult",
+    "runtimeConfig",
+    "capabilities",
+    "ipMasq",
+    "disableCheck",
+    "disableGC",
+    "cni.dev/valid-attachments",
+    "cni.dev/attachments",
+];
+
+/// `logLevel`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    /// Errors only.
+    Error,
+    /// Warnings and errors.
+    Warn,
+    /// The default with a `logFile`: one line per step.
+    Info,
+    /// More detail.
+    Debug,
+    /// Everything.
+    Trace,
+}
+
+impl LogLevel {
+    /// Parses `error`, `warn`, `info`, `debug` or `trace`.
+    pub fn parse(text: &str) -> Option<Self> {
+        Some(match text {
+            "error" => Self::Error,
+            "warn" => Self::Warn,
+            "info" => Self::Info,
+            "debug" => Self::Debug,
+            "trace" => Self::Trace,
+            _ => return None,
+        })
+    }
+
+    /// The level as an `EnvFilter` directive.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::Warn => "warn",
+            Self::Info => "info",
+            Self::Debug => "debug",
+            Self::Trace => "trace",
+        }
+    }
+}
+
+/// A delegated IPAM plugin (`ipam.type`), run from `CNI_PATH`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DelegatedIpam {
+    /// The plugin's file name.
+    pub plugin_type: String,
+}
+
+/// One attachment of GC's `cni.dev/valid-attachments`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Attachment {
+    /// `containerID`.
+    pub container_id: String,
+    /// `ifname`.
+    pub ifname: String,
+}
+
+/// The parsed network configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NetConf {
+    /// `cniVersion`.
+    pub cni_version: CniVersion,
+    /// `name`.
+    pub name: String,
+    /// `type`.
+    pub plugin_type: String,
+    /// `socketDir`: where `svc-ipam.sock` and `svc-endpoint.sock` are.
+    pub socket_dir: PathBuf,
+    /// `ipamPool`: the svc-ipam pool.
+    pub ipam_pool: String,
+    /// `hostInterfacePrefix`.
+    pub host_interface_prefix: String,
+    /// `mtu` of both ends of the veth.
+    pub mtu: u32,
+    /// `logFile`.
+    pub log_file: Option<PathBuf>,
+    /// `logLevel`, when given.
+    pub log_level: Option<LogLevel>,
+    /// `timeoutSeconds`.
+    pub timeout: Duration,
+    /// `ipam`: a delegated IPAM plugin instead of svc-ipam.
+    pub ipam: Option<DelegatedIpam>,
+    /// `prevResult`, as given.
+    pub prev_result: Option<Value>,
+    /// Pod labels from `args.cni.labels` and `runtimeConfig.labels`, as
+    /// `source:key=value` (plain keys get source `k8s`), deduplicated.
+    pub labels: Vec<String>,
+    /// Requested addresses (`runtimeConfig.ips`, else `args.cni.ips`), at
+    /// most one per family; svc-ipam allocates them if free.
+    pub requested_ips: Vec<IpAddr>,
+    /// `dns`, copied into the result.
+    pub dns: Option<Value>,
+    /// GC's valid attachments (`cni.dev/valid-attachments`, or the older
+    /// `cni.dev/attachments`); `None` when absent.
+    pub valid_attachments: Option<Vec<Attachment>>,
+}
+
+/// Where to log, read leniently from a netconf that may not parse, so that
+/// even a rejected invocation is logged where the operator looks.
+pub fn sniff_logging(stdin: &[u8]) -> (Option<PathBuf>, Option<LogLevel>) {
+    let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(stdin) else {
+        return (None, None);
+    };
+    let file = map
+        .get("logFile")
+        .and_then(Value::as_str)
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute());
+    let level = map.get("logLevel").and_then(Value::as_str).and_then(LogLevel::parse);
+    (file, level)
+}
+
+/// The `cniVersion` of a netconf, if it names a supported one (for the error
+/// result of an invocation whose netconf is otherwise invalid).
+pub fn sniff_version(stdin: &[u8]) -> Option<CniVersion> {
+    let value: Value = serde_json::from_slice(stdin).ok()?;
+    CniVersion::parse(value.get("cniVersion")?.as_str()?)
+}
+
+impl NetConf {
+    /// Parses and validates a netconf.
+    ///
+    /// ```
+    /// let conf = rivet_cni::netconf::NetConf::parse(
+    ///     br#"{"cniVersion":"1.0.0","name":"rivet","type":"rivet-cni","mtu":9000}"#,
+    /// ).unwrap();
+    /// assert_eq!(conf.mtu, 9000);
+    /// assert_eq!(conf.ipam_pool, "default");
+    /// ```
+    pub fn parse(stdin: &[u8]) -> Result<Self, CniError> {
+        let value: Value = serde_json::from_slice(stdin)
+            .map_err(|e| CniError::decode(format!("decoding the network configuration on stdin: {e}")))?;
+        let Value::Object(map) = value else {
+            return Err(CniError::decode("the network configuration must be a JSON object"));
+        };
+        check_near_misses(&map)?;
+
+        let cni_version = match map.get("cniVersion") {
+            // Like the reference skeleton: no version means 0.1.0.
+            None => return Err(version::unsupported("0.1.0")),
+            Some(Value::String(v)) => CniVersion::parse(v).ok_or_else(|| version::unsupported(v))?,
+            Some(other) => {
+                return Err(CniError::decode(format!(
+                    "cniVersion: expected a string, found {other}"
+                )));
+            }
+        };
+        let name = required_string(&map, "name")?;
+        if !is_network_name(&name) {
+            return Err(CniError::netconf(format!(
+                "name={name:?}: must start with a letter or digit and contain only letters, digits, '_', '.' and '-'"
+            )));
+        }
+        let plugin_type = required_string(&map, "type")?;
+
+        let socket_dir = optional_string(&map, "socketDir")?
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET_DIR));
+        if !socket_dir.is_absolute() {
+            return Err(CniError::netconf(format!(
+                "socketDir={:?}: must be an absolute path",
+                socket_dir.display()
+            )));
+        }
+        let ipam_pool = optional_string(&map, "ipamPool")?.unwrap_or_else(|| DEFAULT_IPAM_POOL.into());
+        if ipam_pool.is_empty()
+            || ipam_pool.len() > 63
+            || !ipam_pool
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+        {
+            return Err(CniError::netconf(format!(
+                "ipamPool={ipam_pool:?}: must be 1 to 63 letters, digits, '_', '.' or '-'"
+            )));
+        }
+        let host_interface_prefix =
+            optional_string(&map, "hostInterfacePrefix")?.unwrap_or_else(|| DEFAULT_HOST_PREFIX.into());
+        if host_interface_prefix.is_empty()
+            || host_interface_prefix.len() > HOST_PREFIX_MAX
+            || !host_interface_prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+        {
+            return Err(CniError::netconf(format!(
+                "hostInterfacePrefix={host_interface_prefix:?}: must be 1 to {HOST_PREFIX_MAX} letters, digits, \
+                 '_', '.' or '-'"
+            )));
+        }
+        let mtu = match optional_u64(&map, "mtu")? {
+            None => DEFAULT_MTU,
+            Some(m) if (68..=65535).contains(&m) => m as u32,
+            Some(m) => return Err(CniError::netconf(format!("mtu={m}: must be 68 to 65535"))),
+        };
+        let log_file = optional_string(&map, "logFile")?.map(PathBuf::from);
+        if let Some(file) = &log_file
+            && !file.is_absolute()
+        {
+            return Err(CniError::netconf(format!(
+                "logFile={:?}: must be an absolute path",
+                file.display()
+            )));
+        }
+        let log_level = match optional_string(&map, "logLevel")? {
+            None => None,
+            Some(l) => Some(LogLevel::parse(&l).ok_or_else(|| {
+                CniError::netconf(format!("logLevel={l:?}: must be error, warn, info, debug or trace"))
+            })?),
+        };
+        let timeout_seconds = match optional_u64(&map, "timeoutSeconds")? {
+            None => DEFAULT_TIMEOUT_SECONDS,
+            Some(t) if (1..=MAX_TIMEOUT_SECONDS).contains(&t) => t,
+            Some(t) => {
+                return Err(CniError::netconf(format!(
+                    "timeoutSeconds={t}: must be 1 to {MAX_TIMEOUT_SECONDS}"
+                )));
+            }
+        };
+
+        let ipam = parse_ipam(map.get("ipam"))?;
+        let prev_result = match map.get("prevResult") {
+            None | Some(Value::Null) => None,
+            Some(v @ Value::Object(_)) => Some(v.clone()),
+            Some(other) => {
+                return Err(CniError::decode(format!(
+                    "prevResult: expected an object, found {other}"
+                )));
+            }
+        };
+        let dns = match map.get("dns") {
+            None | Some(Value::Null) => None,
+            Some(v @ Value::Object(_)) => Some(v.clone()),
+            Some(other) => return Err(CniError::netconf(format!("dns: expected an object, found {other}"))),
+        };
+        if let Some(masq) = map.get("ipMasq") {
+            match masq {
+                Value::Bool(false) => {}
+                Value::Bool(true) => {
+                    return Err(CniError::new(
+                        codes::UNSUPPORTED_FIELD,
+                        "unsupported field ipMasq=true: rivet-cni does not masquerade pod traffic",
+                    ));
+                }
+                other => return Err(CniError::netconf(format!("ipMasq: expected a boolean, found {other}"))),
+            }
+        }
+
+        let (args_labels, args_ips) = parse_args(map.get("args"))?;
+        let (runtime_labels, runtime_ips) = parse_runtime_config(map.get("runtimeConfig"))?;
+        let mut labels = args_labels;
+        for label in runtime_labels {
+            if !labels.contains(&label) {
+                labels.push(label);
+            }
+        }
+        let requested_ips = if runtime_ips.is_empty() { args_ips } else { runtime_ips };
+        let valid_attachments = parse_attachments(&map)?;
+
+        Ok(Self {
+            cni_version,
+            name,
+            plugin_type,
+            socket_dir,
+            ipam_pool,
+            host_interface_prefix,
+            mtu,
+            log_file,
+            log_level,
+            timeout: Duration::from_secs(timeout_seconds),
+            ipam,
+            prev_result,
+            labels,
+            requested_ips,
+            dns,
+            valid_attachments,
+        })
+    }
+
+    /// The svc-ipam socket.
+    pub fn ipam_socket(&self) -> PathBuf {
+        self.socket_dir.join("svc-ipam.sock")
+    }
+
+    /// The svc-endpoint socket.
+    pub fn endpoint_socket(&self) -> PathBuf {
+        self.socket_dir.join("svc-endpoint.sock")
+    }
+}
+
+/// Lowercase, without `_`, `-` and `.`: how a near miss is recognised.
+fn fold(key: &str) -> String {
+    key.chars()
+        .filter(|c| !matches!(c, '_' | '-' | '.'))
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+fn check_near_misses(map: &Map<String, Value>) -> Result<(), CniError> {
+    for (key, value) in map {
+        if RIVET_KEYS.contains(&key.as_str()) || SPEC_KEYS.contains(&key.as_str()) {
+            continue;
+        }
+        let folded = fold(key);
+        if let Some(known) = RIVET_KEYS.iter().chain(SPEC_KEYS).find(|k| fold(k) == folded) {
+            return Err(CniError::new(
+                codes::UNSUPPORTED_FIELD,
+                format!("unsupported field {key}={value}: did you mean {known}?"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn is_network_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    bytes.next().is_some_and(|b| b.is_ascii_alphanumeric())
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+}
+
+fn required_string(map: &Map<String, Value>, key: &str) -> Result<String, CniError> {
+    match optional_string(map, key)? {
+        Some(s) if !s.is_empty() => Ok(s),
+        _ => Err(CniError::netconf(format!("{key}: required"))),
+    }
+}
+
+fn optional_string(map: &Map<String, Value>, key: &str) -> Result<Option<String>, CniError> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => {
+            if s.chars().any(char::is_control) {
+                return Err(CniError::netconf(format!("{key}: must not contain control characters")));
+            }
+            Ok(Some(s.clone()))
+        }
+        Some(other) => Err(CniError::netconf(format!("{key}: expected a string, found {other}"))),
+    }
+}
+
+fn optional_u64(map: &Map<String, Value>, key: &str) -> Result<Option<u64>, CniError> {
+    match map.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => n
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| CniError::netconf(format!("{key}={n}: expected a non-negative integer"))),
+        Some(other) => Err(CniError::netconf(format!("{key}: expected a number, found {other}"))),
+    }
+}
+
+fn parse_ipam(value: Option<&Value>) -> Result<Option<DelegatedIpam>, CniError> {
+    let map = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(m)) if m.is_empty() => return Ok(None),
+        Some(Value::Object(m)) => m,
+        Some(other) => return Err(CniError::netconf(format!("ipam: expected an object, found {other}"))),
+    };
+    let plugin_type = match map.get("type") {
+        Some(Value::String(t)) if !t.is_empty() => t.clone(),
+        _ => return Err(CniError::netconf("ipam.type: required (the delegated IPAM plugin)")),
+    };
+    if plugin_type.contains('/') || plugin_type == "." || plugin_type == ".." {
+        return Err(CniError::netconf(format!(
+            "ipam.type={plugin_type:?}: must be a plugin file name, not a path"
+        )));
+    }
+    Ok(Some(DelegatedIpam { plugin_type }))
+}
+
+/// `args.cni.labels` and `args.cni.ips`; other keys of `args` belong to
+/// others and are ignored (the spec says so).
+fn parse_args(value: Option<&Value>) -> Result<(Vec<String>, Vec<IpAddr>), CniError> {
+    let Some(Value::Object(args)) = value else {
+        return match value {
+            None | Some(Value::Null) => Ok((Vec::new(), Vec::new())),
+            Some(other) => Err(CniError::netconf(format!("args: expected an object, found {other}"))),
+        };
+    };
+    let cni = match args.get("cni") {
+        None | Some(Value::Null) => return Ok((Vec::new(), Vec::new())),
+        Some(Value::Object(cni)) => cni,
+        Some(other) => {
+            return Err(CniError::netconf(format!(
+                "args.cni: expected an object, found {other}"
+            )));
+        }
+    };
+    let labels = parse_labels("args.cni.labels", cni.get("labels"))?;
+    let ips = parse_ips("args.cni.ips", cni.get("ips"))?;
+    Ok((labels, ips))
+}
+
+/// `runtimeConfig.labels` and `runtimeConfig.ips`; other capabilities are
+/// not rivet-cni's.
+fn parse_runtime_config(value: Option<&Value>) -> Result<(Vec<String>, Vec<IpAddr>), CniError> {
+    match value {
+        None | Some(Value::Null) => Ok((Vec::new(), Vec::new())),
+        Some(Value::Object(rc)) => Ok((
+            parse_labels("runtimeConfig.labels", rc.get("labels"))?,
+            parse_ips("runtimeConfig.ips", rc.get("ips"))?,
+        )),
+        Some(other) => Err(CniError::netconf(format!(
+            "runtimeConfig: expected an object, found {other}"
+        ))),
+    }
+}
+
+/// A list of `source:key=value` / `key=value` strings, or of the
+/// conventions' `{"key": ..., "value": ...}` objects.
+fn parse_labels(field: &str, value: Option<&Value>) -> Result<Vec<String>, CniError> {
+    let items = match value {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(CniError::netconf(format!("{field}: expected a list, found {other}"))),
+    };
+    let mut labels = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let text = match item {
+            Value::String(s) => s.clone(),
+            Value::Object(o) => match (o.get("key"), o.get("value")) {
+                (Some(Value::String(k)), Some(Value::String(v))) => format!("{k}={v}"),
+                (Some(Value::String(k)), None) => k.clone(),
+                _ => {
+                    return Err(CniError::netconf(format!(
+                        "{field}[{i}]: a label object needs string \"key\" and \"value\""
+                    )));
+                }
+            },
+            other => {
+                return Err(CniError::netconf(format!(
+                    "{field}[{i}]: expected a label string, found {other}"
+                )));
+            }
+        };
+        let label = normalize_label(&text).map_err(|e| CniError::netconf(format!("{field}[{i}]: {e}")))?;
+        if !labels.contains(&label) {
+            labels.push(label);
+        }
+    }
+    Ok(labels)
+}
+
+/// `source:key=value` stays, `key=value` becomes `k8s:key=value`; only pod
+/// label sources (`k8s`, `container`, `unspec`) are accepted.
+///
+/// ```
+/// use rivet_cni::netconf::normalize_label;
+/// assert_eq!(normalize_label("app=web").unwrap(), "k8s:app=web");
+/// assert_eq!(normalize_label("container:tier=db").unwrap(), "container:tier=db");
+/// assert!(normalize_label("reserved:host").is_err());
+/// ```
+pub fn normalize_label(text: &str) -> Result<String, String> {
+    let has_source = match (text.find(':'), text.find('=')) {
+        (Some(colon), Some(eq)) => colon < eq,
+        (Some(_), None) => true,
+        _ => false,
+    };
+    let full = if has_source {
+        text.to_string()
+    } else {
+        format!("k8s:{text}")
+    };
+    let label: Label = full.parse().map_err(|e| format!("{e}"))?;
+    match label.source() {
+        LabelSource::K8s | LabelSource::Container | LabelSource::Unspec => Ok(label.to_string()),
+        other => Err(format!(
+            "label {text:?}: source {other} is not a pod label source (k8s, container, unspec)"
+        )),
+    }
+}
+
+fn parse_ips(field: &str, value: Option<&Value>) -> Result<Vec<IpAddr>, CniError> {
+    let items = match value {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(CniError::netconf(format!("{field}: expected a list, found {other}"))),
+    };
+    let mut ips: Vec<IpAddr> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let text = item
+            .as_str()
+            .ok_or_else(|| CniError::netconf(format!("{field}[{i}]: expected an address string, found {item}")))?;
+        let address = text.split_once('/').map_or(text, |(a, _)| a);
+        let ip: IpAddr = address
+            .parse()
+            .map_err(|_| CniError::netconf(format!("{field}[{i}]={text:?}: not an IP address")))?;
+        if ips.iter().any(|o| o.is_ipv4() == ip.is_ipv4()) {
+            return Err(CniError::netconf(format!("{field}: at most one address per family")));
+        }
+        ips.push(ip);
+    }
+    Ok(ips)
+}
+
+fn parse_attachments(map: &Map<String, Value>) -> Result<Option<Vec<Attachment>>, CniError> {
+    let (field, value) = match (map.get("cni.dev/valid-attachments"), map.get("cni.dev/attachments")) {
+        (Some(v), _) if !v.is_null() => ("cni.dev/valid-attachments", v),
+        (_, Some(v)) if !v.is_null() => ("cni.dev/attachments", v),
+        _ => return Ok(None),
+    };
+    let items = value
+        .as_array()
+        .ok_or_else(|| CniError::netconf(format!("{field}: expected a list, found {value}")))?;
+    let mut attachments = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let get = |key: &str| item.get(key).and_then(Value::as_str).filter(|s| !s.is_empty());
+        match (get("containerID"), get("ifname")) {
+            (Some(container_id), Some(ifname)) => {
+                check_ifname(ifname).map_err(|e| CniError::netconf(format!("{field}[{i}].ifname: {e}")))?;
+                attachments.push(Attachment {
+                    container_id: container_id.to_string(),
+                    ifname: ifname.to_string(),
+                });
+            }
+            _ => {
+                return Err(CniError::netconf(format!(
+                    "{field}[{i}]: needs string \"containerID\" and \"ifname\", found {item}"
+                )));
+            }
+        }
+    }
+    Ok(Some(attachments))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn parse(value: Value) -> Result<NetConf, CniError> {
+        NetConf::parse(value.to_string().as_bytes())
+    }
+
+    fn base() -> Value {
+        json!({"cniVersion": "1.1.0", "name": "rivet", "type": "rivet-cni"})
+    }
+
+    fn with(key: &str, value: Value) -> Value {
+        let mut v = base();
+        v[key] = value;
+        v
+    }
+
+    fn code(value: Value) -> u32 {
+        parse(value).unwrap_err().code
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(base()).unwrap();
+        assert_eq!(c.cni_version, CniVersion::V1_1_0);
+        assert_eq!(c.socket_dir, PathBuf::from(DEFAULT_SOCKET_DIR));
+        assert_eq!(c.ipam_pool, "default");
+        assert_eq!(c.host_interface_prefix, "lxc");
+        assert_eq!(c.mtu, 1500);
+        assert_eq!(c.timeout, Duration::from_secs(30));
+        assert_eq!(c.log_file, None);
+        assert_eq!(c.log_level, None);
+        assert_eq!(c.ipam, None);
+        assert_eq!(c.prev_result, None);
+        assert!(c.labels.is_empty() && c.requested_ips.is_empty());
+        assert_eq!(c.valid_attachments, None);
+        assert_eq!(c.ipam_socket(), PathBuf::from("/var/run/rivet/sockets/svc-ipam.sock"));
+    }
+
+    #[test]
+    fn every_supported_version_parses() {
+        for v in ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"] {
+            assert_eq!(parse(with("cniVersion", json!(v))).unwrap().cni_version.as_str(), v);
+        }
+        for v in ["0.1.0", "0.2.0", "1.2.0", "2.0.0", "1.0"] {
+            assert_eq!(code(with("cniVersion", json!(v))), codes::INCOMPATIBLE_VERSION, "{v}");
+        }
+        let mut no_version = base();
+        no_version.as_object_mut().unwrap().remove("cniVersion");
+        assert_eq!(code(no_version), codes::INCOMPATIBLE_VERSION);
+        assert_eq!(code(with("cniVersion", json!(1))), codes::DECODE);
+    }
+
+    #[test]
+    fn rivet_keys() {
+        let c = parse(json!({
+            "cniVersion": "0.4.0", "name": "n", "type": "rivet-cni",
+            "socketDir": "/run/r", "ipamPool": "blue", "hostInterfacePrefix": "rvh",
+            "mtu": 9000, "logFile": "/var/log/rivet-cni.log", "logLevel": "debug", "timeoutSeconds": 5,
+        }))
+        .unwrap();
+        assert_eq!(c.socket_dir, PathBuf::from("/run/r"));
+        assert_eq!(c.endpoint_socket(), PathBuf::from("/run/r/svc-endpoint.sock"));
+        assert_eq!(c.ipam_pool, "blue");
+        assert_eq!(c.host_interface_prefix, "rvh");
+        assert_eq!(c.mtu, 9000);
+        assert_eq!(c.log_file, Some(PathBuf::from("/var/log/rivet-cni.log")));
+        assert_eq!(c.log_level, Some(LogLevel::Debug));
+        assert_eq!(c.timeout, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn invalid_rivet_values_are_invalid_netconf() {
+        for (key, value) in [
+            ("socketDir", json!("relative/dir")),
+            ("socketDir", json!(5)),
+            ("ipamPool", json!("")),
+            ("ipamPool", json!("a b")),
+            ("hostInterfacePrefix", json!("")),
+            ("hostInterfacePrefix", json!("elevenbytes")),
+            ("hostInterfacePrefix", json!("a/b")),
+            ("mtu", json!(67)),
+            ("mtu", json!(70000)),
+            ("mtu", json!(1500.5)),
+            ("mtu", json!("1500")),
+            ("logFile", json!("rel.log")),
+            ("logLevel", json!("verbose")),
+            ("timeoutSeconds", json!(0)),
+            ("timeoutSeconds", json!(-1)),
+            ("timeoutSeconds", json!(3601)),
+            ("ipam", json!("host-local")),
+            ("ipam", json!({"subnet": "198.18.0.0/24"})),
+            ("ipam", json!({"type": "../evil"})),
+            ("dns", json!([])),
+            ("args", json!("x")),
+            ("args", json!({"cni": []})),
+            ("args", json!({"cni": {"labels": "app=web"}})),
+            ("args", json!({"cni": {"labels": [5]}})),
+            ("args", json!({"cni": {"labels": ["reserved:host"]}})),
+            ("args", json!({"cni": {"labels": ["app=we b"]}})),
+            ("args", json!({"cni": {"ips": ["nope"]}})),
+            ("args", json!({"cni": {"ips": ["198.18.0.5", "198.18.0.6"]}})),
+            ("runtimeConfig", json!([])),
+            ("cni.dev/valid-attachments", json!([{"containerID": "a"}])),
+            ("cni.dev/valid-attachments", json!({})),
+            ("name", json!("-bad")),
+            ("type", json!("")),
+        ] {
+            let err = parse(with(key, value.clone())).unwrap_err();
+            assert_eq!(err.code, codes::INVALID_NETCONF, "{key}={value}: {err}");
+            assert!(err.msg.contains(key.split('.').next().unwrap()), "{err} names {key}");
+        }
+        assert_eq!(code(with("prevResult", json!([]))), codes::DECODE);
+    }
+
+    #[test]
+    fn unknown_and_near_miss_keys() {
+        // Other tools' keys are fine.
+        assert!(parse(with("bandwidth", json!({"x": 1}))).is_ok());
+        assert!(parse(with("capabilities", json!({"ips": true}))).is_ok());
+        for key in [
+            "socketdir",
+            "socket_dir",
+            "SocketDir",
+            "MTU",
+            "ipam-pool",
+            "timeout_seconds",
+            "cniversion",
+        ] {
+            let err = parse(with(key, json!("x"))).unwrap_err();
+            assert_eq!(err.code, codes::UNSUPPORTED_FIELD, "{key}");
+            assert!(err.msg.contains(key) && err.msg.contains("\"x\""), "{err}");
+            assert!(err.msg.contains("did you mean"), "{err}");
+        }
+        let err = parse(with("ipMasq", json!(true))).unwrap_err();
+        assert_eq!(err.code, codes::UNSUPPORTED_FIELD);
+        assert!(err.msg.contains("ipMasq=true"));
+        assert!(parse(with("ipMasq", json!(false))).is_ok());
+    }
+
+    #[test]
+    fn malformed_json_is_a_decode_error() {
+        for text in ["", "{", "[]", "null", "\"x\"", "{\"cniVersion\": \"1.0.0\",}"] {
+            assert_eq!(
+                NetConf::parse(text.as_bytes()).unwrap_err().code,
+                codes::DECODE,
+                "{text:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn labels_from_args_and_runtime_config() {
+        let c = parse(json!({
+            "cniVersion": "1.0.0", "name": "n", "type": "rivet-cni",
+            "args": {"cni": {"labels": ["app=web", "container:tier=front", {"key": "team", "value": "a"}, "app=web"],
+                             "other": 1},
+                     "labels": {"appVersion": "1.0"}},
+            "runtimeConfig": {"labels": ["k8s:app=web", "zone=b"], "portMappings": []},
+        }))
+        .unwrap();
+        assert_eq!(
+            c.labels,
+            ["k8s:app=web", "container:tier=front", "k8s:team=a", "k8s:zone=b"]
+        );
+    }
+
+    #[test]
+    fn requested_ips() {
+        let c = parse(with("args", json!({"cni": {"ips": ["198.18.0.9/22", "2001:2::9"]}}))).unwrap();
+        assert_eq!(
+            c.requested_ips,
+            ["198.18.0.9".parse::<IpAddr>().unwrap(), "2001:2::9".parse().unwrap()]
+        );
+        let mut v = with("args", json!({"cni": {"ips": ["198.18.0.9"]}}));
+        v["runtimeConfig"] = json!({"ips": ["198.18.0.10"]});
+        assert_eq!(
+            parse(v).unwrap().requested_ips,
+            ["198.18.0.10".parse::<IpAddr>().unwrap()]
+        );
+    }
+
+    #[test]
+    fn delegated_ipam_and_prev_result() {
+        let c = parse(with("ipam", json!({"type": "host-local", "subnet": "198.18.4.0/24"}))).unwrap();
+        assert_eq!(
+            c.ipam,
+            Some(DelegatedIpam {
+                plugin_type: "host-local".into()
+            })
+        );
+        assert_eq!(parse(with("ipam", json!({}))).unwrap().ipam, None);
+        let prev = json!({"cniVersion": "1.1.0", "interfaces": []});
+        assert_eq!(parse(with("prevResult", prev.clone())).unwrap().prev_result, Some(prev));
+    }
+
+    #[test]
+    fn gc_attachments() {
+        let list = json!([{"containerID": "a", "ifname": "eth0"}, {"containerID": "b", "ifname": "net1"}]);
+        let c = parse(with("cni.dev/valid-attachments", list.clone())).unwrap();
+        assert_eq!(c.valid_attachments.as_ref().unwrap().len(), 2);
+        assert_eq!(c.valid_attachments.unwrap()[1].ifname, "net1");
+        // The spec's earlier spelling.
+        let c = parse(with("cni.dev/attachments", list)).unwrap();
+        assert_eq!(c.valid_attachments.unwrap()[0].container_id, "a");
+        assert_eq!(
+            parse(with("cni.dev/valid-attachments", json!([])))
+                .unwrap()
+                .valid_attachments,
+            Some(vec![])
+        );
+    }
+
+    #[test]
+    fn sniffing() {
+        let text = br#"{"cniVersion": "0.4.0", "logFile": "/tmp/x.log", "logLevel": "debug", "mtu": "bad"}"#;
+        assert_eq!(
+            sniff_logging(text),
+            (Some(PathBuf::from("/tmp/x.log")), Some(LogLevel::Debug))
+        );
+        assert_eq!(sniff_version(text), Some(CniVersion::V0_4_0));
+        assert_eq!(sniff_logging(b"garbage"), (None, None));
+        assert_eq!(sniff_version(br#"{"cniVersion": "9"}"#), None);
+    }
+}

@@ -1,0 +1,94 @@
+//! End-to-end support: containerd 1.6 with runc, started by the test with
+//! its own root, state and sockets, driven through the Kubernetes CRI API the
+//! way kubelet drives it, so that pods are created and destroyed by the real
+//! runtime calling the CNI plugin (rivet-cni, or the reference plugins).
+//!
+//! - [`containerd`]: the [`Containerd`](containerd::Containerd) guard (config,
+//!   start inside a node network namespace, teardown that leaves nothing);
+//! - [`image`]: OCI image archives built from the host's static busybox (the
+//!   pause image and a tools image), imported with `ctr`;
+//! - [`cri`]: a small CRI client (pod sandboxes, containers, `ExecSync`);
+//! - [`runtime::v1`]: the generated CRI API (`runtime.v1`, client side).
+//!
+//! The test flow (`tests/containerd.rs`, README "Running pods with
+//! containerd"): write a CNI conflist and the plugin binaries into
+//! directories the test owns → start containerd inside the node namespace →
+//! import the images → `RunPodSandbox` (CNI ADD) → `CreateContainer` /
+//! `StartContainer` → `ExecSync` ping / nc → `StopPodSandbox` (CNI DEL) →
+//! `RemovePodSandbox`.
+
+pub mod containerd;
+pub mod cri;
+pub mod image;
+
+use std::path::PathBuf;
+use std::process::ExitStatus;
+
+/// The Kubernetes CRI API (`k8s.io/cri-api`, package `runtime.v1`).
+pub mod runtime {
+    /// Version 1, as served by containerd 1.6's CRI plugin.
+    #[allow(missing_docs, clippy::all)]
+    pub mod v1 {
+        tonic::include_proto!("runtime.v1");
+    }
+}
+
+/// Everything that can go wrong while running pods.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Something this machine must provide is missing (a binary, root).
+    #[error("the containerd e2e harness cannot run: {0}")]
+    Missing(String),
+    /// A command ran and failed.
+    #[error("`{cmd}` failed ({status}): {stderr}")]
+    Command {
+        /// The command line.
+        cmd: String,
+        /// Its exit status.
+        status: ExitStatus,
+        /// Its stderr (and stdout), trimmed.
+        stderr: String,
+    },
+    /// An I/O error, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// containerd did not start or died; the end of its log.
+    #[error("containerd ({config}): {reason}; log:\n{log}")]
+    Containerd {
+        /// Its config file.
+        config: PathBuf,
+        /// What happened.
+        reason: String,
+        /// The last lines of its log.
+        log: String,
+    },
+    /// A CRI call failed.
+    #[error("CRI {call}: {status}")]
+    Cri {
+        /// The call (and its subject).
+        call: String,
+        /// The gRPC status.
+        status: Box<tonic::Status>,
+    },
+    /// Connecting to the CRI socket failed.
+    #[error("connecting to the CRI socket: {0}")]
+    Connect(#[from] rivet_common::grpc::ConnectError),
+}
+
+/// This crate's result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn io_context(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let context = context.into();
+    move |source| Error::Io { context, source }
+}
+
+pub(crate) fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

@@ -1,0 +1,561 @@
+//! Pods run by containerd 1.6 + runc, driven through the CRI API as kubelet
+//! drives it; the runtime calls the CNI plugin itself.
+//!
+//! - `rivet_cni_pods_connectivity_policy_and_cleanup`: a whole node
+//!   (svc-loader in the node namespace, svc-identity, svc-ipam,
+//!   svc-endpoint), rivet-cni as the network plugin, three labelled pods,
+//!   ping, a NetworkPolicy enforced between them, and StopPodSandbox /
+//!   RemovePodSandbox leaving nothing behind.
+//! - `bridge_plugin_pods_prove_the_harness`: the same runtime path with the
+//!   reference bridge + host-local plugins: it proves the harness (config,
+//!   images, CRI calls, teardown) independently of rivet-cni, and gives the
+//!   RunPodSandbox baseline rivet-cni is compared with.
+//! - `a_crashed_containerd_leaves_nothing_behind_on_drop`: the `Containerd`
+//!   guard after a SIGKILLed containerd with a pod still running.
+//!
+//! Needs root, containerd, containerd-shim-runc-v2, ctr, runc, nsenter,
+//! /bin/busybox (busybox-static) and /usr/lib/cni (the reference plugins):
+//! a missing one fails the test with its name, it never skips.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rivet_common::testing::netns::NetNs;
+use rivet_e2e::containerd::{Containerd, ContainerdConfig, REFERENCE_CNI_DIR};
+use rivet_e2e::cri::{Cri, ExecOutput, PodSpec, RunningPod};
+use rivet_e2e::image::BUSYBOX_IMAGE;
+
+/// The pods' Kubernetes namespace.
+const NAMESPACE: &str = "shop";
+
+/// The port backend serves on.
+const PORT: &str = "8080";
+
+/// What backend answers.
+const GREETING: &str = "hello-from-backend";
+
+/// Test-owned CNI directories: `bin/` (plugins) and `conf/` (one conflist).
+struct CniDirs {
+    dir: tempfile::TempDir,
+}
+
+impl CniDirs {
+    fn new() -> Self {
+        let dir = tempfile::Builder::new().prefix("rivet-cni-").tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("bin")).unwrap();
+        std::fs::create_dir_all(dir.path().join("conf")).unwrap();
+        Self { dir }
+    }
+
+    fn bin(&self) -> PathBuf {
+        self.dir.path().join("bin")
+    }
+
+    fn conf(&self) -> PathBuf {
+        self.dir.path().join("conf")
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Links plugin `name` to `source` (what a real install copies).
+    fn install(&self, name: &str, source: &Path) {
+        assert!(
+            source.is_file(),
+            "CNI plugin {} is missing (reference plugins: Debian package containernetworking-plugins)",
+            source.display()
+        );
+        std::os::unix::fs::symlink(source, self.bin().join(name)).unwrap();
+    }
+
+    /// containerd's CRI plugin always runs `loopback` for the pod's `lo`.
+    fn install_reference(&self, name: &str) {
+        self.install(name, &Path::new(REFERENCE_CNI_DIR).join(name));
+    }
+
+    fn write_conflist(&self, name: &str, conflist: &serde_json::Value) {
+        std::fs::write(
+            self.conf().join(format!("10-{name}.conflist")),
+            serde_json::to_vec_pretty(conflist).unwrap(),
+        )
+        .unwrap();
+    }
+}
+
+async fn start_containerd(node: &Path, cni: &CniDirs) -> Containerd {
+    let started = Instant::now();
+    let containerd = Containerd::start(ContainerdConfig::new(cni.bin(), cni.conf()).netns(node))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let up = started.elapsed();
+    let started = Instant::now();
+    containerd.import_e2e_images().await.unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("containerd ready in {up:?}, images imported in {:?}", started.elapsed());
+    containerd
+}
+
+/// The pod spec kubelet would send (labels app=<name>), with the
+/// containerd's cgroup parent and log dir.
+fn pod_spec(containerd: &Containerd, name: &str) -> PodSpec {
+    PodSpec::new(NAMESPACE, name)
+        .label("app", name)
+        .cgroup_parent(containerd.cgroup_parent())
+        .log_directory(&containerd.pod_log_dir(name))
+}
+
+/// backend serves [`GREETING`] on [`PORT`]; the others sleep.
+fn command(name: &str) -> Vec<&'static str> {
+    if name == "backend" {
+        vec!["nc", "-ll", "-p", PORT, "-e", "echo", GREETING]
+    } else {
+        vec!["sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"]
+    }
+}
+
+async fn run_pods(cri: &Cri, containerd: &Containerd, names: &[&str]) -> Vec<RunningPod> {
+    let mut pods = Vec::new();
+    for name in names {
+        let pod = cri
+            .run_pod(&pod_spec(containerd, name), BUSYBOX_IMAGE, &command(name))
+            .await
+            .unwrap_or_else(|e| panic!("starting pod {name}: {e}\ncontainerd log:\n{}", tail(&containerd.log())));
+        eprintln!(
+            "pod {name}: RunPodSandbox {:?}, create+start container {:?}, IPs {:?}",
+            pod.run_sandbox, pod.start_container, pod.ips
+        );
+        pods.push(pod);
+    }
+    pods
+}
+
+fn pod<'a>(pods: &'a [RunningPod], name: &str) -> &'a RunningPod {
+    pods.iter().find(|p| p.spec.name == name).expect("a started pod")
+}
+
+async fn exec(cri: &Cri, pod: &RunningPod, cmd: &[&str]) -> ExecOutput {
+    cri.exec_sync(&pod.container_id, cmd, Duration::from_secs(10))
+        .await
+        .unwrap_or_else(|e| panic!("exec {cmd:?} in {}: {e}", pod.spec.name))
+}
+
+async fn ping(cri: &Cri, from: &RunningPod, to: IpAddr) -> ExecOutput {
+    let to = to.to_string();
+    exec(cri, from, &["ping", "-c", "1", "-W", "2", &to]).await
+}
+
+/// `nc` from `from` to backend: Some(output) when it answered.
+async fn nc(cri: &Cri, from: &RunningPod, backend: &RunningPod) -> ExecOutput {
+    let to = backend.ipv4().expect("backend has IPv4").to_string();
+    exec(cri, from, &["nc", "-w", "2", &to, PORT]).await
+}
+
+fn answered(out: &ExecOutput) -> bool {
+    out.success() && out.stdout.contains(GREETING)
+}
+
+/// Waits until backend's server listens (its container just started).
+async fn wait_server(cri: &Cri, pods: &[RunningPod]) {
+    let backend = pod(pods, "backend");
+    let started = Instant::now();
+    loop {
+        let out = nc(cri, backend, backend).await;
+        if answered(&out) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "backend's server never answered itself: {out}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn ping_all(cri: &Cri, pods: &[RunningPod]) {
+    for from in pods {
+        for to in pods.iter().filter(|p| p.spec.name != from.spec.name) {
+            for ip in &to.ips {
+                let out = ping(cri, from, *ip).await;
+                assert!(
+                    out.success(),
+                    "{} → {} ({ip}) must answer ping: {out}",
+                    from.spec.name,
+                    to.spec.name
+                );
+            }
+        }
+    }
+}
+
+/// Stops and removes every pod as kubelet does; returns the StopPodSandbox
+/// durations.
+async fn delete_pods(cri: &Cri, pods: &[RunningPod]) -> Vec<Duration> {
+    let mut took = Vec::new();
+    for pod in pods {
+        let stop = cri
+            .delete_pod(&pod.sandbox_id)
+            .await
+            .unwrap_or_else(|e| panic!("deleting pod {}: {e}", pod.spec.name));
+        took.push(stop);
+    }
+    took
+}
+
+async fn assert_runtime_clean(cri: &Cri, containerd: &Containerd, node: &NetNs) {
+    let sandboxes = cri.list_pod_sandboxes().await.unwrap();
+    assert!(sandboxes.is_empty(), "sandboxes left: {sandboxes:?}");
+    let leftovers = containerd.leftovers();
+    assert!(leftovers.is_empty(), "pods left behind: {leftovers:?}");
+    let veths = node.run(&["ip", "-o", "link", "show", "type", "veth"]).unwrap();
+    assert!(
+        veths.trim().is_empty(),
+        "host veths left in the node namespace:\n{veths}"
+    );
+}
+
+fn tail(text: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+fn summary(what: &str, durations: &[Duration]) -> String {
+    let mut sorted = durations.to_vec();
+    sorted.sort();
+    match (sorted.first(), sorted.last()) {
+        (Some(min), Some(max)) => format!(
+            "{what}: min {min:?} / median {:?} / max {max:?} (n={})",
+            sorted[sorted.len() / 2],
+            sorted.len()
+        ),
+        _ => format!("{what}: none"),
+    }
+}
+
+/// CNI dirs with the reference bridge + host-local plugins (198.18.4.0/24
+/// on bridge `rve2e0` in the node namespace); returns host-local's data dir.
+fn bridge_cni() -> (CniDirs, PathBuf) {
+    let cni = CniDirs::new();
+    for plugin in ["bridge", "host-local", "loopback"] {
+        cni.install_reference(plugin);
+    }
+    let ipam_dir = cni.path("host-local");
+    cni.write_conflist(
+        "bridge",
+        &serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "e2e-bridge",
+            "plugins": [{
+                "type": "bridge",
+                "bridge": "rve2e0",
+                "isGateway": true,
+                "ipam": {
+                    "type": "host-local",
+                    "ranges": [[{"subnet": "198.18.4.0/24"}]],
+                    "dataDir": ipam_dir,
+                },
+            }],
+        }),
+    );
+    (cni, ipam_dir)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bridge_plugin_pods_prove_the_harness() {
+    let started = Instant::now();
+    let node = NetNs::new("rvn").unwrap_or_else(|e| panic!("{e}"));
+    let (cni, ipam_dir) = bridge_cni();
+    let containerd = start_containerd(&node.path(), &cni).await;
+    let cri = containerd.cri().await.unwrap();
+
+    let names = ["frontend", "backend", "db"];
+    let pods = run_pods(&cri, &containerd, &names).await;
+    for pod in &pods {
+        let ip = pod
+            .ipv4()
+            .unwrap_or_else(|| panic!("{} has no IPv4: {:?}", pod.spec.name, pod.ips));
+        assert!(
+            ip.to_string().starts_with("198.18.4."),
+            "{} got {ip} from host-local",
+            pod.spec.name
+        );
+    }
+    ping_all(&cri, &pods).await;
+    wait_server(&cri, &pods).await;
+    for from in ["frontend", "db"] {
+        let out = nc(&cri, pod(&pods, from), pod(&pods, "backend")).await;
+        assert!(answered(&out), "{from} → backend:{PORT} (no policy here): {out}");
+    }
+
+    let stops = delete_pods(&cri, &pods).await;
+    assert_runtime_clean(&cri, &containerd, &node).await;
+    let allocations: Vec<String> = std::fs::read_dir(ipam_dir.join("e2e-bridge"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.parse::<IpAddr>().is_ok())
+        .collect();
+    assert!(allocations.is_empty(), "host-local addresses left: {allocations:?}");
+
+    let runs: Vec<Duration> = pods.iter().map(|p| p.run_sandbox).collect();
+    eprintln!("bridge: {}", summary("RunPodSandbox", &runs));
+    eprintln!("bridge: {}", summary("StopPodSandbox", &stops));
+    eprintln!("bridge: whole test {:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crashed_containerd_leaves_nothing_behind_on_drop() {
+    let node = NetNs::new("rvn").unwrap_or_else(|e| panic!("{e}"));
+    let (cni, _) = bridge_cni();
+    let mut containerd = start_containerd(&node.path(), &cni).await;
+    let cri = containerd.cri().await.unwrap();
+    let pods = run_pods(&cri, &containerd, &["db"]).await;
+    let dir = containerd.dir().to_path_buf();
+    let before = containerd.leftovers();
+    assert!(
+        !before.netns.is_empty() && !before.shims.is_empty() && !before.mounts.is_empty(),
+        "a running pod has a netns, a shim and mounts: {before:?}"
+    );
+    let cgroups = containerd.cgroup_dirs();
+    assert!(
+        cgroups.iter().any(|d| d.is_dir()),
+        "pods live below the cgroup parent: {cgroups:?}"
+    );
+
+    // containerd dies; the shim, the pod and its mounts stay. Drop must
+    // remove them without the CRI (no CNI DEL: the node's state is the
+    // node's to reconcile).
+    containerd.kill9();
+    assert!(!containerd.leftovers().shims.is_empty(), "shims outlive containerd");
+    let started = Instant::now();
+    drop(containerd);
+    eprintln!(
+        "forced teardown of a crashed containerd with 1 pod: {:?}",
+        started.elapsed()
+    );
+    let after = rivet_e2e::containerd::Leftovers::scan(&dir);
+    assert!(after.is_empty(), "left behind: {after:?}");
+    assert!(!dir.exists(), "containerd's dir is removed");
+    let kept: Vec<_> = cgroups.iter().filter(|d| d.exists()).collect();
+    assert!(kept.is_empty(), "cgroups left: {kept:?}");
+    for pid in &before.shims {
+        // Gone, or a zombie until init reaps it (shims are daemons).
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = state.rsplit_once(") ").map(|(_, rest)| &rest[..1]).unwrap_or("X");
+        assert!(state == "Z" || state == "X", "shim {pid} is dead (state {state})");
+    }
+    // The pod's netns went with its last process and mount; its veth with it.
+    let started = Instant::now();
+    loop {
+        let veths = node.run(&["ip", "-o", "link", "show", "type", "veth"]).unwrap();
+        if veths.trim().is_empty() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "pod {} left its host veth:\n{veths}",
+            pods[0].spec.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// NetworkPolicy: backend accepts only frontend, only on [`PORT`].
+const BACKEND_POLICY: &str = r#"
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata:
+  name: backend
+  namespace: shop
+spec:
+  podSelector:
+    matchLabels:
+      app: backend
+  policyTypes: [Ingress]
+  ingress:
+    - from:
+        - podSelector:
+            matchLabels:
+              app: frontend
+      ports:
+        - protocol: TCP
+          port: 8080
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
+    use rivet_proto::endpoint::v1 as pb;
+    use rivet_proto::ipam::v1 as ipampb;
+    use svc_endpoint::testing::{EndpointNode, NodeOptions};
+    use svc_loader::testing::HOST_PREFIX;
+
+    rivet_e2e::containerd::check_prerequisites().unwrap_or_else(|e| panic!("{e}"));
+    let started = Instant::now();
+    let node = EndpointNode::start(NodeOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("starting the node daemons: {e}"));
+    let cni = CniDirs::new();
+    cni.install("rivet-cni", &rivet_common::testing::workspace_binary("rivet-cni"));
+    cni.install_reference("loopback");
+    let cni_log = cni.path("rivet-cni.log");
+    cni.write_conflist(
+        "rivet",
+        &serde_json::json!({
+            // containerd 1.6 (libcni 1.1) speaks CNI up to 1.0.0.
+            "cniVersion": "1.0.0",
+            "name": "rivet",
+            "plugins": [{
+                "type": "rivet-cni",
+                "socketDir": node.sockets(),
+                "ipamPool": "default",
+                "hostInterfacePrefix": HOST_PREFIX,
+                "logFile": cni_log,
+                "timeoutSeconds": 30,
+            }],
+        }),
+    );
+    let node_ns = &node.node.node.ns;
+    let containerd = start_containerd(&node_ns.path(), &cni).await;
+    let cri = containerd.cri().await.unwrap();
+    let cni_log_tail = || tail(&std::fs::read_to_string(&cni_log).unwrap_or_default());
+
+    // Pod labels reach svc-endpoint the Kubernetes way (svc-k8s-sync sees
+    // the pod before its sandbox exists); containerd passes none to CNI.
+    let names = ["frontend", "backend", "db"];
+    for name in names {
+        let response = node
+            .endpoints()
+            .await
+            .update_labels(pb::UpdateLabelsRequest {
+                r#ref: Some(pb::EndpointRef {
+                    r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
+                        namespace: NAMESPACE.into(),
+                        name: name.into(),
+                    })),
+                }),
+                labels: vec![format!("k8s:app={name}")],
+                r#async: false,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("remembering the labels of {name}: {e}"))
+            .into_inner();
+        assert!(response.endpoints.is_empty(), "no endpoint before the sandbox");
+    }
+
+    let mut pods = Vec::new();
+    for name in names {
+        let spec = pod_spec(&containerd, name);
+        let pod = cri
+            .run_pod(&spec, BUSYBOX_IMAGE, &command(name))
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "starting pod {name}: {e}\nrivet-cni log:\n{}\ncontainerd log:\n{}",
+                    cni_log_tail(),
+                    tail(&containerd.log())
+                )
+            });
+        eprintln!(
+            "pod {name}: RunPodSandbox {:?}, create+start container {:?}, IPs {:?}",
+            pod.run_sandbox, pod.start_container, pod.ips
+        );
+        pods.push(pod);
+    }
+
+    // Every pod has an address from the node's pools and a READY endpoint
+    // named after the pod (K8S_POD_NAMESPACE / K8S_POD_NAME).
+    let pool4: ipnet::IpNet = svc_endpoint::testing::POOL4.parse().unwrap();
+    let pool6: ipnet::IpNet = svc_endpoint::testing::POOL6.parse().unwrap();
+    let endpoints = node
+        .endpoints()
+        .await
+        .list_endpoints(pb::ListEndpointsRequest {
+            pod_namespace: NAMESPACE.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoints;
+    assert_eq!(endpoints.len(), names.len(), "one endpoint per pod: {endpoints:#?}");
+    for pod in &pods {
+        let name = &pod.spec.name;
+        assert!(
+            pod.ips.iter().any(|ip| pool4.contains(ip)),
+            "{name} has an IPv4 address of {pool4}: {:?}",
+            pod.ips
+        );
+        assert!(
+            pod.ips.iter().all(|ip| pool4.contains(ip) || pool6.contains(ip)),
+            "{:?}",
+            pod.ips
+        );
+        let endpoint = endpoints
+            .iter()
+            .find(|e| &e.pod_name == name)
+            .unwrap_or_else(|| panic!("no endpoint for pod {name}: {endpoints:#?}"));
+        assert_eq!(endpoint.state(), pb::EndpointState::Ready, "{endpoint:#?}");
+        assert_eq!(endpoint.pod_namespace, NAMESPACE);
+        assert_eq!(
+            endpoint.container_id, pod.sandbox_id,
+            "the CNI container id is the sandbox id"
+        );
+        assert!(endpoint.host_interface.starts_with(HOST_PREFIX), "{endpoint:#?}");
+        let mut addresses: Vec<IpAddr> = endpoint.addresses.iter().map(|a| a.address.parse().unwrap()).collect();
+        let mut ips = pod.ips.clone();
+        addresses.sort();
+        ips.sort();
+        assert_eq!(addresses, ips, "the runtime reports the endpoint's addresses");
+        assert!(
+            endpoint.identity_labels.iter().any(|l| l == &format!("k8s:app={name}")),
+            "{name}'s identity carries its label: {:?}",
+            endpoint.identity_labels
+        );
+    }
+
+    // Connectivity, then policy: only frontend → backend:8080.
+    ping_all(&cri, &pods).await;
+    wait_server(&cri, &pods).await;
+    let out = nc(&cri, pod(&pods, "db"), pod(&pods, "backend")).await;
+    assert!(answered(&out), "without a policy db reaches backend: {out}");
+    let applied = node.apply_policy(BACKEND_POLICY).await;
+    assert_eq!(
+        applied.affected_endpoints, 1,
+        "the policy selects backend only: {applied:?}"
+    );
+    let out = nc(&cri, pod(&pods, "frontend"), pod(&pods, "backend")).await;
+    assert!(answered(&out), "frontend → backend:{PORT} is allowed: {out}");
+    let out = nc(&cri, pod(&pods, "db"), pod(&pods, "backend")).await;
+    assert!(!answered(&out), "db → backend:{PORT} must be denied: {out}");
+    let out = ping(&cri, pod(&pods, "db"), pod(&pods, "frontend").ipv4().unwrap()).await;
+    assert!(out.success(), "db ↔ frontend is not selected by the policy: {out}");
+
+    // StopPodSandbox + RemovePodSandbox → rivet-cni DEL: nothing left.
+    let stops = delete_pods(&cri, &pods).await;
+    let remaining = node
+        .endpoints()
+        .await
+        .list_endpoints(pb::ListEndpointsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .endpoints;
+    assert!(remaining.is_empty(), "endpoints left after DEL: {remaining:#?}");
+    let pools = node
+        .ipam_client()
+        .await
+        .list(ipampb::ListRequest {
+            pool: String::new(),
+            include_allocations: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let allocations: Vec<_> = pools.pools.iter().flat_map(|p| p.allocations.iter()).collect();
+    assert!(allocations.is_empty(), "addresses left allocated: {allocations:#?}");
+    assert_runtime_clean(&cri, &containerd, node_ns).await;
+
+    let runs: Vec<Duration> = pods.iter().map(|p| p.run_sandbox).collect();
+    eprintln!("rivet-cni: {}", summary("RunPodSandbox", &runs));
+    eprintln!("rivet-cni: {}", summary("StopPodSandbox", &stops));
+    eprintln!("rivet-cni: whole test {:?}", started.elapsed());
+}

@@ -1,0 +1,33 @@
+//! svc-gc: conntrack (and, once the datapath has one, NAT) garbage collection
+//! as its own privileged daemon, so its CPU and privileges are its own and it
+//! restarts alone. It opens the node's pinned `ct4` and `ct6` maps by path,
+//! read-write, and needs no other BPF object (CAP_BPF only).
+//!
+//! - [`classify`]: which entries go and why (expired per protocol and TCP
+//!   state against the kernel's monotonic clock; orphaned endpoints);
+//! - [`pass`]: one pass — chunked batch reads, a re-check of every entry
+//!   before its delete (a refreshed entry survives), batch deletes;
+//! - [`map`]: map access behind [`map::EntryMap`]: raw `bpf(2)` batch commands
+//!   with a per-element fallback, fill estimates;
+//! - [`interval`]: the adaptive interval rule;
+//! - [`collector`]: the loop (initial pass, interval, RunNow, map pressure);
+//! - [`endpoints`]: the node's endpoints from svc-endpoint;
+//! - [`clock`]: the kernel's monotonic clock;
+//! - [`service`]: `rivet.gc.v1.GcService`; [`events`]: logs and metrics;
+//! - [`sys`]: the raw `bpf(2)` commands aya 0.14 lacks.
+
+pub mod classify;
+pub mod clock;
+pub mod collector;
+pub mod endpoints;
+pub mod events;
+pub mod interval;
+pub mod map;
+pub mod pass;
+pub mod service;
+pub mod sys;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+/// The daemon's name: its socket is `<socket-dir>/svc-gc.sock`.
+pub const DAEMON_NAME: &str = "svc-gc";

@@ -1,0 +1,319 @@
+//! The raw `bpf(2)` map commands svc-gc needs and aya 0.14 does not expose:
+//! `BPF_MAP_LOOKUP_BATCH` / `BPF_MAP_DELETE_BATCH` / `BPF_MAP_UPDATE_BATCH`,
+//! plus the per-element commands of the fallback path, `BPF_OBJ_GET` and map
+//! info, all on plain fds.
+//!
+//! Every function takes keys and values as `aya::Pod` slices; their sizes must
+//! be the map's key and value sizes (the callers check that once at open).
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd as _, OwnedFd};
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::Path;
+
+const BPF_MAP_LOOKUP_ELEM: u32 = 1;
+const BPF_MAP_UPDATE_ELEM: u32 = 2;
+const BPF_MAP_DELETE_ELEM: u32 = 3;
+const BPF_MAP_GET_NEXT_KEY: u32 = 4;
+const BPF_OBJ_GET: u32 = 7;
+const BPF_OBJ_GET_INFO_BY_FD: u32 = 15;
+const BPF_MAP_LOOKUP_BATCH: u32 = 24;
+const BPF_MAP_UPDATE_BATCH: u32 = 26;
+const BPF_MAP_DELETE_BATCH: u32 = 27;
+
+/// `ENOTSUPP` (kernel-internal, 524): what old kernels answer for batch
+/// commands a map type lacks.
+pub const ENOTSUPP: i32 = 524;
+
+/// Whether `err` means "this kernel or map type has no batch command": the
+/// caller falls back to per-element commands.
+pub fn batch_unsupported(err: &io::Error) -> bool {
+    matches!(
+        err.raw_os_error(),
+        Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP | libc::ENOSYS)
+    )
+}
+
+fn bpf<T>(cmd: u32, attr: &mut T) -> io::Result<i64> {
+    // SAFETY: `attr` is a #[repr(C)] prefix of `union bpf_attr` for `cmd`,
+    // valid for the size passed; the kernel reads (and for some commands
+    // writes) only that many bytes, and every pointer inside points to
+    // memory of the size the kernel derives from the map.
+    let ret = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(attr), size_of::<T>()) };
+    if ret < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct ElemAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+#[repr(C)]
+struct ObjGetAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+}
+
+#[repr(C)]
+struct InfoAttr {
+    bpf_fd: u32,
+    info_len: u32,
+    info: u64,
+}
+
+/// The head of `struct bpf_map_info` (the kernel copies as much as asked).
+#[repr(C)]
+#[derive(Default)]
+struct RawMapInfo {
+    map_type: u32,
+    id: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+    name: [u8; 16],
+}
+
+/// What the kernel says about a map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapInfo {
+    /// `BPF_MAP_TYPE_*`.
+    pub map_type: u32,
+    /// Kernel map id (unique while the map exists).
+    pub id: u32,
+    /// Key size in bytes.
+    pub key_size: u32,
+    /// Value size in bytes.
+    pub value_size: u32,
+    /// max_entries.
+    pub max_entries: u32,
+}
+
+fn fd_u32(fd: BorrowedFd<'_>) -> u32 {
+    fd.as_raw_fd() as u32
+}
+
+/// Opens a pinned object read-write (`BPF_OBJ_GET`, file_flags 0).
+pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in a pin path"))?;
+    let mut attr = ObjGetAttr {
+        pathname: c_path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+    };
+    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
+    // SAFETY: BPF_OBJ_GET returned a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` for a map.
+pub fn map_info(fd: BorrowedFd<'_>) -> io::Result<MapInfo> {
+    let mut info = RawMapInfo::default();
+    let mut attr = InfoAttr {
+        bpf_fd: fd_u32(fd),
+        info_len: size_of::<RawMapInfo>() as u32,
+        info: std::ptr::from_mut(&mut info) as u64,
+    };
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    Ok(MapInfo {
+        map_type: info.map_type,
+        id: info.id,
+        key_size: info.key_size,
+        value_size: info.value_size,
+        max_entries: info.max_entries,
+    })
+}
+
+/// `BPF_MAP_LOOKUP_ELEM`: `Ok(None)` when the key is absent.
+pub fn lookup<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, key: &K) -> io::Result<Option<V>> {
+    let mut value = std::mem::MaybeUninit::<V>::zeroed();
+    let mut attr = ElemAttr {
+        map_fd: fd_u32(fd),
+        key: std::ptr::from_ref(key) as u64,
+        value: value.as_mut_ptr() as u64,
+        ..ElemAttr::default()
+    };
+    match bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) {
+        // SAFETY: zeroed, then filled by the kernel; `V: Pod` accepts any bits.
+        Ok(_) => Ok(Some(unsafe { value.assume_init() })),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// `BPF_MAP_UPDATE_ELEM` with `flags` (`BPF_ANY` = 0).
+pub fn update<K: aya::Pod, V: aya::Pod>(fd: BorrowedFd<'_>, key: &K, value: &V, flags: u64) -> io::Result<()> {
+    let mut attr = ElemAttr {
+        map_fd: fd_u32(fd),
+        key: std::ptr::from_ref(key) as u64,
+        value: std::ptr::from_ref(value) as u64,
+        flags,
+        ..ElemAttr::default()
+    };
+    bpf(BPF_MAP_UPDATE_ELEM, &mut attr).map(drop)
+}
+
+/// `BPF_MAP_DELETE_ELEM`: `Ok(false)` when the key was already gone.
+pub fn delete<K: aya::Pod>(fd: BorrowedFd<'_>, key: &K) -> io::Result<bool> {
+    let mut attr = ElemAttr {
+        map_fd: fd_u32(fd),
+        key: std::ptr::from_ref(key) as u64,
+        ..ElemAttr::default()
+    };
+    match bpf(BPF_MAP_DELETE_ELEM, &mut attr) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// `BPF_MAP_GET_NEXT_KEY`: the key after `key` (the first key for `None`, and
+/// also for a key that is no longer in the map), `Ok(None)` at the end.
+pub fn next_key<K: aya::Pod>(fd: BorrowedFd<'_>, key: Option<&K>) -> io::Result<Option<K>> {
+    let mut next = std::mem::MaybeUninit::<K>::zeroed();
+    let mut attr = ElemAttr {
+        map_fd: fd_u32(fd),
+        key: key.map_or(0, |k| std::ptr::from_ref(k) as u64),
+        value: next.as_mut_ptr() as u64,
+        ..ElemAttr::default()
+    };
+    match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+        // SAFETY: zeroed, then filled by the kernel; `K: Pod`.
+        Ok(_) => Ok(Some(unsafe { next.assume_init() })),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// One `BPF_MAP_LOOKUP_BATCH` call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchRead {
+    /// Entries written to the front of the buffers.
+    pub count: usize,
+    /// The token to continue from (for hash maps: the next bucket index).
+    pub next: u64,
+    /// The map has no more entries after these.
+    pub done: bool,
+}
+
+/// `BPF_MAP_LOOKUP_BATCH` into the spare capacity of `keys` and `values`
+/// (both cleared first; at most `max` entries, bounded by their capacity),
+/// starting at token `from` (`None`: the beginning).
+///
+/// Errors as the kernel returns them; [`batch_unsupported`] tells the ones
+/// that mean "use per-element commands".
+pub fn lookup_batch<K: aya::Pod, V: aya::Pod>(
+    fd: BorrowedFd<'_>,
+    from: Option<u64>,
+    keys: &mut Vec<K>,
+    values: &mut Vec<V>,
+    max: usize,
+) -> io::Result<BatchRead> {
+    keys.clear();
+    values.clear();
+    let count = max.min(keys.capacity()).min(values.capacity()).min(u32::MAX as usize);
+    // The token is a u32 bucket index for hash maps; the kernel copies what
+    // it needs from the front of these 8 zeroed bytes.
+    let in_token: u64 = from.unwrap_or(0);
+    let mut out_token: u64 = 0;
+    let mut attr = BatchAttr {
+        in_batch: from.map_or(0, |_| std::ptr::from_ref(&in_token) as u64),
+        out_batch: std::ptr::from_mut(&mut out_token) as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count: count as u32,
+        map_fd: fd_u32(fd),
+        ..BatchAttr::default()
+    };
+    let done = match bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+        Ok(_) => false,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
+        Err(e) => return Err(e),
+    };
+    let n = (attr.count as usize).min(count);
+    // SAFETY: the kernel wrote `n` (<= capacity) keys and values, and any bit
+    // pattern is a valid `K` / `V` (`Pod`).
+    unsafe {
+        keys.set_len(n);
+        values.set_len(n);
+    }
+    Ok(BatchRead {
+        count: n,
+        next: out_token,
+        done,
+    })
+}
+
+/// `BPF_MAP_DELETE_BATCH` of `keys`: returns how many were deleted before the
+/// kernel stopped, and the error that stopped it (`ENOENT` for a key that was
+/// already gone, at index `deleted`).
+pub fn delete_batch<K: aya::Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> (usize, Option<io::Error>) {
+    if keys.is_empty() {
+        return (0, None);
+    }
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        count: keys.len().min(u32::MAX as usize) as u32,
+        map_fd: fd_u32(fd),
+        ..BatchAttr::default()
+    };
+    let result = bpf(BPF_MAP_DELETE_BATCH, &mut attr);
+    let done = (attr.count as usize).min(keys.len());
+    match result {
+        Ok(_) => (done, None),
+        Err(e) => (done, Some(e)),
+    }
+}
+
+/// `BPF_MAP_UPDATE_BATCH` of `keys[i] → values[i]` with `elem_flags`; returns
+/// how many were written before an error, and the error.
+pub fn update_batch<K: aya::Pod, V: aya::Pod>(
+    fd: BorrowedFd<'_>,
+    keys: &[K],
+    values: &[V],
+    elem_flags: u64,
+) -> (usize, Option<io::Error>) {
+    let n = keys.len().min(values.len());
+    if n == 0 {
+        return (0, None);
+    }
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.as_ptr() as u64,
+        count: n.min(u32::MAX as usize) as u32,
+        map_fd: fd_u32(fd),
+        elem_flags,
+        ..BatchAttr::default()
+    };
+    let result = bpf(BPF_MAP_UPDATE_BATCH, &mut attr);
+    let done = (attr.count as usize).min(n);
+    match result {
+        Ok(_) => (done, None),
+        Err(e) => (done, Some(e)),
+    }
+}

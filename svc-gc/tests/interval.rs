@@ -1,0 +1,188 @@
+//! The collector over real pinned maps: the interval follows the adaptive
+//! rule for chosen delete ratios (also for early passes, scaled by the time
+//! actually elapsed), and map pressure starts a pass early.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use svc_gc::classify::Timeouts;
+use svc_gc::clock::{Clock, KernelClock};
+use svc_gc::collector::{Collector, CollectorOptions, CollectorStatus};
+use svc_gc::endpoints::NoEndpoints;
+use svc_gc::events::GcMetrics;
+use svc_gc::interval::IntervalBounds;
+use svc_gc::map::BatchMode;
+use svc_gc::pass::Trigger;
+use svc_gc::testing::{TestMaps, synthetic_entries, synthetic_key};
+
+fn options(start: Duration) -> CollectorOptions {
+    CollectorOptions {
+        timeouts: Timeouts::default(),
+        start_interval: start,
+        bounds: IntervalBounds {
+            min: Duration::from_secs(10),
+            max: Duration::from_secs(3600),
+        },
+        pressure_threshold: 1.0,
+        ..CollectorOptions::default()
+    }
+}
+
+fn collector(maps: &TestMaps, opts: CollectorOptions) -> Collector {
+    Collector::new(
+        opts,
+        maps.gc_maps(BatchMode::Auto),
+        Arc::new(NoEndpoints),
+        Arc::new(KernelClock::new()),
+        GcMetrics::default(),
+    )
+}
+
+async fn wait_for(gc: &Collector, what: &str, pred: impl Fn(&CollectorStatus) -> bool) -> CollectorStatus {
+    let started = Instant::now();
+    loop {
+        let status = gc.status();
+        if pred(&status) {
+            return status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn close(a: Duration, b: Duration) -> bool {
+    a.abs_diff(b) < Duration::from_millis(5)
+}
+
+#[tokio::test]
+async fn the_interval_follows_the_rule_for_chosen_delete_ratios() {
+    // (expired of 1000, interval after the initial pass from 300 s)
+    let cases = [
+        (0, 450),   // nothing deleted: ×1.5
+        (30, 450),  // 3%: ×1.5
+        (100, 300), // 10%: unchanged
+        (250, 300), // 25%: unchanged
+        (500, 150), // 50%: ×0.5
+        (800, 60),  // 80%: ×0.2
+        (950, 30),  // 95%: capped at 90%, ×0.1
+    ];
+    for (expired, expected) in cases {
+        let maps = TestMaps::create("ratio", 2048, 64).unwrap();
+        let now = KernelClock::new().monotonic_nanos();
+        let (keys, values) = synthetic_entries(now, 1000 - expired, expired, 21_600);
+        maps.ct4().insert_all(&keys, &values).unwrap();
+        let gc = collector(&maps, options(Duration::from_secs(300)));
+        let task = gc.start();
+        let status = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
+        task.abort();
+        let pass = status.last_pass.unwrap();
+        assert_eq!(pass.trigger, Trigger::Initial);
+        assert_eq!(pass.deleted.expired, u64::from(expired));
+        assert_eq!(pass.scanned, 1000);
+        assert!(
+            close(status.interval, Duration::from_secs(expected)),
+            "{expired}/1000 expired: interval {:?}, expected {expected} s",
+            status.interval
+        );
+        // The next pass is one interval after this one started.
+        let next_in = Duration::from_nanos((status.next_pass_unix_nanos - pass.started_unix_nanos).max(0) as u64);
+        assert!(
+            next_in.abs_diff(status.interval) < Duration::from_millis(500),
+            "{next_in:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn bounds_hold_and_early_passes_are_scaled_by_the_time_elapsed() {
+    let maps = TestMaps::create("scaled", 4096, 64).unwrap();
+    let clock = KernelClock::new();
+    let (keys, values) = synthetic_entries(clock.monotonic_nanos(), 1000, 0, 21_600);
+    let mut ct4 = maps.ct4();
+    ct4.insert_all(&keys, &values).unwrap();
+    let gc = collector(&maps, options(Duration::from_secs(3000)));
+    let task = gc.start();
+    let status = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
+    assert_eq!(status.interval, Duration::from_secs(3600), "×1.5 capped at the maximum");
+
+    // 2% deleted right after the previous pass: over a whole interval that
+    // would have been far more than 25% → shortened as for 90%.
+    let (_, idle_values) = synthetic_entries(clock.monotonic_nanos(), 0, 20, 21_600);
+    let idle_keys: Vec<_> = (0..20).map(|i| synthetic_key(5000 + i)).collect();
+    ct4.insert_all(&idle_keys, &idle_values).unwrap();
+    let pass = gc.run_now(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(pass.trigger, Trigger::RunNow);
+    assert_eq!(pass.deleted.expired, 20);
+    let status = gc.status();
+    assert!(
+        close(status.interval, Duration::from_secs(360)),
+        "{:?}",
+        status.interval
+    );
+
+    // Nothing deleted: lengthened, whenever it ran.
+    let pass = gc.run_now(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(pass.deleted.total(), 0);
+    assert!(
+        close(gc.status().interval, Duration::from_secs(540)),
+        "{:?}",
+        gc.status().interval
+    );
+
+    // Floor: a ratio of 90% (scaled) from 10 s stays at 10 s.
+    task.abort();
+    let gc = collector(
+        &maps,
+        CollectorOptions {
+            start_interval: Duration::from_secs(12),
+            ..options(Duration::from_secs(12))
+        },
+    );
+    let (keys, values) = synthetic_entries(clock.monotonic_nanos(), 100, 900, 21_600);
+    ct4.insert_all(&keys, &values).unwrap();
+    let task = gc.start();
+    let status = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
+    assert_eq!(status.last_pass.unwrap().deleted.expired, 900);
+    assert_eq!(status.interval, Duration::from_secs(10), "never below the minimum");
+    task.abort();
+}
+
+#[tokio::test]
+async fn map_pressure_starts_a_pass_early() {
+    let maps = TestMaps::create("pressure", 1024, 64).unwrap();
+    let clock = KernelClock::new();
+    let opts = CollectorOptions {
+        bounds: IntervalBounds {
+            min: Duration::from_millis(300),
+            max: Duration::from_secs(3600),
+        },
+        pressure_threshold: 0.8,
+        pressure_check: Duration::from_millis(100),
+        ..options(Duration::from_secs(3600))
+    };
+
+    // Half full: no early pass.
+    let (keys, values) = synthetic_entries(clock.monotonic_nanos(), 500, 0, 21_600);
+    let mut ct4 = maps.ct4();
+    ct4.insert_all(&keys, &values).unwrap();
+    let gc = collector(&maps, opts.clone());
+    let task = gc.start();
+    wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(gc.status().passes, 1, "no pressure at 50%");
+
+    // 93% full: a map-pressure pass within a few checks.
+    let (keys, values) = synthetic_entries(clock.monotonic_nanos(), 950, 0, 21_600);
+    ct4.insert_all(&keys, &values).unwrap();
+    let status = wait_for(&gc, "a map-pressure pass", |s| s.passes >= 2).await;
+    assert_eq!(status.last_pass.unwrap().trigger, Trigger::MapPressure);
+    // Live entries stay above the threshold: passes keep at least the
+    // minimum interval apart.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let passes = gc.status().passes;
+    assert!(passes <= 2 + 4, "{passes} passes in a second with a 300 ms floor");
+    task.abort();
+}
