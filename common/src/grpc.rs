@@ -343,6 +343,57 @@ pub fn connect_unix_lazy(path: &Path, options: &ClientOptions) -> DaemonChannel 
     TraceContextClientLayer.layer(endpoint.connect_with_connector_lazy(connector))
 }
 
+/// tonic reports a connection that broke under a call (the server was
+/// killed or restarted while the call was queued or running) as UNKNOWN
+/// "transport error" or CANCELLED "operation was canceled" (hyper dropped
+/// the queued request), not UNAVAILABLE. For a client it is the same as a
+/// server that is down: retries keyed on UNAVAILABLE must retry it, and a
+/// caller further up must learn that retrying is worth it. Such a status carries the client's
+/// transport error as its source; a status the server sent has none and is
+/// returned as is, like every other status.
+pub fn connection_lost_is_unavailable(status: tonic::Status) -> tonic::Status {
+    let transport = std::error::Error::source(&status).is_some();
+    if transport && matches!(status.code(), tonic::Code::Unknown | tonic::Code::Cancelled) {
+        tonic::Status::unavailable(format!("connection lost during the call: {}", status.message()))
+    } else {
+        status
+    }
+}
+
+/// The deadline a server handler has for a request: the caller's
+/// `grpc-timeout` (minus a margin to answer in time) or `default`.
+///
+/// ```
+/// use std::time::Duration;
+/// let mut request = tonic::Request::new(());
+/// request.metadata_mut().insert("grpc-timeout", "5S".parse().unwrap());
+/// let d = rivet_common::grpc::request_deadline(&request, Duration::from_secs(30));
+/// assert_eq!(d, Duration::from_millis(4950));
+/// ```
+pub fn request_deadline<T>(request: &tonic::Request<T>, default: Duration) -> Duration {
+    request
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_grpc_timeout)
+        .map_or(default, |d| d.saturating_sub(Duration::from_millis(50)))
+}
+
+/// `grpc-timeout` header: digits and a unit (H M S m u n).
+fn parse_grpc_timeout(text: &str) -> Option<Duration> {
+    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 /// A server restart noticed by a [`BootIdWatch`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerRestart {
@@ -550,5 +601,50 @@ mod tests {
             .unwrap();
         assert_eq!(info.into_inner().name, "svc-test");
         starter.await.unwrap().stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_connection_cut_under_a_call_is_unavailable_a_sent_status_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dies.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        // A "server" that accepts and hangs up at once.
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                drop(stream);
+            }
+        });
+        let channel = connect_unix_lazy(&path, &ClientOptions::default());
+        let cut = pb::daemon_client::DaemonClient::new(channel)
+            .get_info(pb::GetInfoRequest {})
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(cut.code(), tonic::Code::Unknown | tonic::Code::Cancelled),
+            "tonic's own code for a cut connection: {cut:?}"
+        );
+        assert_eq!(
+            super::connection_lost_is_unavailable(cut).code(),
+            tonic::Code::Unavailable
+        );
+        for sent in [
+            tonic::Status::cancelled("by the server"),
+            tonic::Status::unknown("by the server"),
+        ] {
+            let code = sent.code();
+            assert_eq!(
+                super::connection_lost_is_unavailable(sent).code(),
+                code,
+                "a status the server sent is kept"
+            );
+        }
+    }
+
+    #[test]
+    fn grpc_timeouts_parse() {
+        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_grpc_timeout("x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
     }
 }

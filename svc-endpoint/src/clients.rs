@@ -9,7 +9,7 @@ use std::path::Path;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
-use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix_lazy};
+use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix_lazy, connection_lost_is_unavailable};
 use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use rivet_proto::identity::v1 as identity;
 use rivet_proto::ipam::v1 as ipam;
@@ -91,24 +91,6 @@ fn boot_id(channel: &DaemonChannel) -> BoxFuture<'static, ApiResult<String>> {
         Ok(info.into_inner().boot_id)
     }
     .boxed()
-}
-
-/// tonic reports a connection that broke under a call (the server was
-/// killed or restarted while the call was queued or running) as UNKNOWN
-/// "transport error" or CANCELLED "operation was canceled" (hyper dropped
-/// the queued request), not UNAVAILABLE. For svc-endpoint it is the same as a
-/// server that is down: the retries keyed on UNAVAILABLE (restore, dropping
-/// dead endpoints) must retry it, and a CNI seeing the error of a failed
-/// create must know it is worth retrying. Such a status carries the client's
-/// transport error as its source; a status the server sent has none and is
-/// returned as is, like every other status.
-pub fn connection_lost_is_unavailable(status: Status) -> Status {
-    let transport = std::error::Error::source(&status).is_some();
-    if transport && matches!(status.code(), tonic::Code::Unknown | tonic::Code::Cancelled) {
-        Status::unavailable(format!("connection lost during the call: {}", status.message()))
-    } else {
-        status
-    }
 }
 
 /// svc-identity over its socket.
@@ -269,41 +251,5 @@ impl LoaderApi for GrpcLoader {
     }
     fn list(&self) -> BoxFuture<'_, ApiResult<loader::ListEndpointsResponse>> {
         unary!(self.client(), list_endpoints, loader::ListEndpointsRequest {})
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_connection_cut_under_a_call_is_unavailable_a_sent_status_is_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("dies.sock");
-        let listener = tokio::net::UnixListener::bind(&path).unwrap();
-        // A "server" that accepts and hangs up at once.
-        tokio::spawn(async move {
-            while let Ok((stream, _)) = listener.accept().await {
-                drop(stream);
-            }
-        });
-        let channel = connect_unix_lazy(&path, &ClientOptions::default());
-        let cut = DaemonClient::new(channel)
-            .get_info(GetInfoRequest {})
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(cut.code(), tonic::Code::Unknown | tonic::Code::Cancelled),
-            "tonic's own code for a cut connection: {cut:?}"
-        );
-        assert_eq!(connection_lost_is_unavailable(cut).code(), tonic::Code::Unavailable);
-        for sent in [Status::cancelled("by the server"), Status::unknown("by the server")] {
-            let code = sent.code();
-            assert_eq!(
-                connection_lost_is_unavailable(sent).code(),
-                code,
-                "a status the server sent is kept"
-            );
-        }
     }
 }

@@ -53,30 +53,9 @@ impl EndpointApi {
     }
 }
 
-/// The call's deadline (grpc-timeout) or the default, minus a margin to
-/// answer in time.
+/// The call's deadline (grpc-timeout) or the default.
 fn deadline<T>(request: &Request<T>) -> Duration {
-    request
-        .metadata()
-        .get("grpc-timeout")
-        .and_then(|v| v.to_str().ok())
-        .and_then(parse_grpc_timeout)
-        .map_or(DEFAULT_DEADLINE, |d| d.saturating_sub(Duration::from_millis(50)))
-}
-
-/// `grpc-timeout` header: digits and a unit (H M S m u n).
-fn parse_grpc_timeout(text: &str) -> Option<Duration> {
-    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
-    let n: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
+    rivet_common::grpc::request_deadline(request, DEFAULT_DEADLINE)
 }
 
 fn invalid(field: &str, reason: impl std::fmt::Display) -> Status {
@@ -796,13 +775,5 @@ mod tests {
         ] {
             assert_eq!(parse_ref(Some(&bad)).unwrap_err().code(), tonic::Code::InvalidArgument);
         }
-    }
-
-    #[test]
-    fn grpc_timeouts_parse() {
-        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
-        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_grpc_timeout("x"), None);
-        assert_eq!(parse_grpc_timeout(""), None);
     }
 }

@@ -775,7 +775,7 @@ async fn churn(sockets: PathBuf, pods: Vec<SparePod>, stop: Arc<AtomicBool>, sta
         // This task's own svc-ipam client sees a call cut by the kill as
         // tonic's UNKNOWN "transport error"; svc-endpoint turns the same
         // thing into UNAVAILABLE for its callers, and so does this CNI.
-        let e = svc_endpoint::clients::connection_lost_is_unavailable(e);
+        let e = rivet_common::grpc::connection_lost_is_unavailable(e);
         let mut stats = stats.lock().unwrap();
         if e.code() == Code::Unavailable {
             stats.unavailable += 1;

@@ -32,30 +32,9 @@ impl GcService {
     }
 }
 
-/// The call's deadline (grpc-timeout) or the default, minus a margin to
-/// answer in time.
+/// The call's deadline (grpc-timeout) or the default.
 fn deadline<T>(request: &Request<T>) -> Duration {
-    request
-        .metadata()
-        .get("grpc-timeout")
-        .and_then(|v| v.to_str().ok())
-        .and_then(parse_grpc_timeout)
-        .map_or(DEFAULT_DEADLINE, |d| d.saturating_sub(Duration::from_millis(50)))
-}
-
-/// `grpc-timeout` header: digits and a unit (H M S m u n).
-fn parse_grpc_timeout(text: &str) -> Option<Duration> {
-    let (digits, unit) = text.split_at(text.len().checked_sub(1)?);
-    let n: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
+    rivet_common::grpc::request_deadline(request, DEFAULT_DEADLINE)
 }
 
 fn nanos(d: Duration) -> u64 {
@@ -173,19 +152,5 @@ impl pb::gc_service_server::GcService for GcService {
             &self.collector.status(),
             self.boot_id.as_str(),
         )))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn grpc_timeouts_parse() {
-        assert_eq!(parse_grpc_timeout("5S"), Some(Duration::from_secs(5)));
-        assert_eq!(parse_grpc_timeout("250m"), Some(Duration::from_millis(250)));
-        assert_eq!(parse_grpc_timeout("2M"), Some(Duration::from_secs(120)));
-        assert_eq!(parse_grpc_timeout("x"), None);
-        assert_eq!(parse_grpc_timeout(""), None);
     }
 }
