@@ -192,12 +192,16 @@ pub enum TelemetryError {
 /// ```
 #[must_use = "dropping the guard shuts the span exporter down"]
 pub struct TelemetryGuard {
-    export: Option<OtlpExport>,
+    export: Option<OtlpExporter>,
 }
 
-/// The parts that exist only while OTLP export is on.
-struct OtlpExport {
+/// OTLP/gRPC span export: the tracer provider and the runtime its channel
+/// runs on. [`init`] uses it for the daemons; a process with its own log
+/// setup (rivet-cni logs to a file) adds [`layer`](Self::layer) to its
+/// subscriber and calls [`shutdown`](Self::shutdown) before it exits.
+pub struct OtlpExporter {
     provider: SdkTracerProvider,
+    service_name: String,
     /// Runs the tonic channel of the exporter. It is separate from the
     /// caller's runtime so that the blocking flush in [`TelemetryGuard`]'s drop
     /// cannot deadlock a current-thread runtime (the exporter's I/O would
@@ -205,13 +209,56 @@ struct OtlpExport {
     runtime: tokio::runtime::Runtime,
 }
 
-impl OtlpExport {
-    fn shutdown(self) -> Result<(), TelemetryError> {
-        // Exports every queued span (the batch processor flushes on shutdown),
-        // bounded by SHUTDOWN_TIMEOUT.
+impl fmt::Debug for OtlpExporter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OtlpExporter")
+            .field("service_name", &self.service_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OtlpExporter {
+    /// The exporter configured by the standard `OTEL_EXPORTER_OTLP_*`
+    /// variables, or `None` when `OTEL_EXPORTER_OTLP_ENDPOINT` is unset or
+    /// empty (export off).
+    ///
+    /// ```no_run
+    /// # fn f() -> Result<(), rivet_common::telemetry::TelemetryError> {
+    /// let exporter = rivet_common::telemetry::OtlpExporter::from_env("rivet-cni")?;
+    /// assert!(exporter.is_none() || std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").is_ok());
+    /// # Ok(()) }
+    /// ```
+    pub fn from_env(service_name: &str) -> Result<Option<Self>, TelemetryError> {
+        match std::env::var(OTLP_ENDPOINT_VAR) {
+            Ok(endpoint) if !endpoint.trim().is_empty() => otlp_export(service_name, endpoint).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// The subscriber layer exporting spans, without the export machinery's
+    /// own spans (h2, hyper, tonic, tower, opentelemetry).
+    pub fn layer<S>(&self) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
+    where
+        S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a> + Send + Sync,
+    {
+        tracing_opentelemetry::layer()
+            .with_tracer(self.provider.tracer(self.service_name.clone()))
+            .with_filter(filter_fn(|meta| !is_export_machinery(meta.target())))
+            .boxed()
+    }
+
+    /// Makes this the global tracer provider (after the subscriber is set).
+    pub fn install_global(&self) {
+        opentelemetry::global::set_tracer_provider(self.provider.clone());
+    }
+
+    /// Exports every queued span, waiting at most `timeout`, and stops the
+    /// export runtime.
+    pub fn shutdown(self, timeout: Duration) -> Result<(), TelemetryError> {
+        // The batch processor flushes on shutdown.
         let result = self
             .provider
-            .shutdown_with_timeout(SHUTDOWN_TIMEOUT)
+            .shutdown_with_timeout(timeout)
             .map_err(TelemetryError::Shutdown);
         // Dropping a runtime blocks and panics inside async code; this does not.
         self.runtime.shutdown_background();
@@ -233,7 +280,7 @@ impl TelemetryGuard {
     /// ```
     pub fn shutdown(mut self) -> Result<(), TelemetryError> {
         match self.export.take() {
-            Some(export) => export.shutdown(),
+            Some(export) => export.shutdown(SHUTDOWN_TIMEOUT),
             None => Ok(()),
         }
     }
@@ -261,7 +308,7 @@ impl fmt::Debug for TelemetryGuard {
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
         if let Some(export) = self.export.take()
-            && let Err(err) = export.shutdown()
+            && let Err(err) = export.shutdown(SHUTDOWN_TIMEOUT)
         {
             let source = std::error::Error::source(&err).map(ToString::to_string);
             tracing::warn!(error = %err, source, "spans may have been lost at exit");
@@ -302,10 +349,7 @@ pub fn init(opts: TelemetryOptions) -> Result<TelemetryGuard, TelemetryError> {
     install_propagator();
     let env_filter = env_filter(&opts.default_filter)?;
 
-    let export = match std::env::var(OTLP_ENDPOINT_VAR) {
-        Ok(endpoint) if !endpoint.trim().is_empty() => Some(otlp_export(&opts.service_name, endpoint)?),
-        _ => None,
-    };
+    let export = OtlpExporter::from_env(&opts.service_name)?;
 
     let fmt_layer = match opts.log_format {
         LogFormat::Text => tracing_subscriber::fmt::layer()
@@ -319,30 +363,25 @@ pub fn init(opts: TelemetryOptions) -> Result<TelemetryGuard, TelemetryError> {
     };
     let mut layers = vec![fmt_layer];
     if let Some(export) = &export {
-        let tracer = export.provider.tracer(opts.service_name.clone());
-        layers.push(
-            tracing_opentelemetry::layer()
-                .with_tracer(tracer)
-                .with_filter(filter_fn(|meta| !is_export_machinery(meta.target())))
-                .boxed(),
-        );
+        layers.push(export.layer());
     }
 
     if let Err(err) = Registry::default().with(layers).with(env_filter).try_init() {
         if let Some(export) = export {
             // Nothing was exported yet; just stop the threads we started.
-            let _ = export.shutdown();
+            let _ = export.shutdown(SHUTDOWN_TIMEOUT);
         }
         return Err(TelemetryError::SetSubscriber(err));
     }
     if let Some(export) = &export {
-        opentelemetry::global::set_tracer_provider(export.provider.clone());
+        export.install_global();
     }
     Ok(TelemetryGuard { export })
 }
 
-/// Sets the global propagator used by [`inject_context`] and [`extract_context`].
-fn install_propagator() {
+/// Sets the global propagator (W3C TraceContext) used by [`inject_context`]
+/// and [`extract_context`]; [`init`] does it for the daemons.
+pub fn install_propagator() {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
 }
 
@@ -364,7 +403,7 @@ fn env_filter(default_filter: &str) -> Result<EnvFilter, TelemetryError> {
 }
 
 /// Builds the OTLP/gRPC exporter on its own runtime and the tracer provider.
-fn otlp_export(service_name: &str, endpoint: String) -> Result<OtlpExport, TelemetryError> {
+fn otlp_export(service_name: &str, endpoint: String) -> Result<OtlpExporter, TelemetryError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("rivet-otlp-export")
@@ -393,7 +432,11 @@ fn otlp_export(service_name: &str, endpoint: String) -> Result<OtlpExport, Telem
         .with_resource(resource)
         .with_batch_exporter(exporter)
         .build();
-    Ok(OtlpExport { provider, runtime })
+    Ok(OtlpExporter {
+        provider,
+        service_name: service_name.to_owned(),
+        runtime,
+    })
 }
 
 /// Targets whose spans must not be exported: the exporter's own transport.
