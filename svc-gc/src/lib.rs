@@ -25,7 +25,7 @@ pub mod interval;
 pub mod map;
 pub mod pass;
 pub mod service;
-pub mod sys;
+pub use rivet_bpf_sys as sys;
 #[cfg(feature = "testing")]
 pub mod testing;
 

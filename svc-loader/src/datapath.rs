@@ -40,7 +40,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, RingBuf};
@@ -49,6 +49,8 @@ use aya::programs::tc::{SchedClassifierLink, TcAttachOptions};
 use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
 use aya::sys::SyscallError;
 use aya::{Ebpf, EbpfError, EbpfLoader};
+
+use rivet_bpf_sys as sys;
 
 use crate::DATAPATH_OBJECT;
 use crate::maps::{
@@ -237,6 +239,18 @@ pub struct MapSpec {
     pub max_entries: u32,
     /// `BPF_F_*` map flags.
     pub flags: u32,
+}
+
+impl From<sys::MapInfo> for MapSpec {
+    fn from(info: sys::MapInfo) -> Self {
+        Self {
+            map_type: info.map_type,
+            key_size: info.key_size,
+            value_size: info.value_size,
+            max_entries: info.max_entries,
+            flags: info.map_flags,
+        }
+    }
 }
 
 impl fmt::Display for MapSpec {
@@ -1249,7 +1263,7 @@ impl Datapath {
             return Ok(false);
         };
         if link.ifindex != 0 {
-            sys::link_detach(&link.fd).map_err(|error| DatapathError::Link {
+            sys::link_detach(link.fd.as_fd()).map_err(|error| DatapathError::Link {
                 what: "detaching".into(),
                 hook,
                 ifindex,
@@ -1281,11 +1295,11 @@ impl Datapath {
             pin: pin.to_owned(),
             detail,
         };
-        match sys::obj_kind(&fd) {
+        match sys::obj_kind(fd.as_fd()) {
             sys::ObjKind::Link | sys::ObjKind::Unknown => {}
             other => return Err(foreign(format!("it is {other}"))),
         }
-        let info = sys::link_info(&fd).map_err(|e| link_err("reading the pinned link", e))?;
+        let info = sys::link_info(fd.as_fd()).map_err(|e| link_err("reading the pinned link", e))?;
         if info.link_type != BPF_LINK_TYPE_TCX {
             return Err(foreign(format!("link type {} instead of TCX", info.link_type)));
         }
@@ -1460,15 +1474,17 @@ fn check_map_pin(name: &str, pin: &Path, expected: &MapSpec) -> Result<(), Datap
         pin: pin.to_owned(),
         error,
     })?;
-    match sys::obj_kind(&fd) {
+    match sys::obj_kind(fd.as_fd()) {
         sys::ObjKind::Map | sys::ObjKind::Unknown => {}
         other => return Err(not_a_map(other.to_string())),
     }
-    let found = sys::map_info(&fd).map_err(|error| DatapathError::Pin {
-        what: format!("reading the pinned map {name} at"),
-        pin: pin.to_owned(),
-        error,
-    })?;
+    let found = sys::map_info(fd.as_fd())
+        .map(MapSpec::from)
+        .map_err(|error| DatapathError::Pin {
+            what: format!("reading the pinned map {name} at"),
+            pin: pin.to_owned(),
+            error,
+        })?;
     if found != *expected {
         return Err(DatapathError::PinMismatch {
             map: name.to_owned(),
@@ -1496,11 +1512,13 @@ pub fn open_pinned_map(pin_dir: &Path, name: &str) -> Result<Map, DatapathError>
         pin: pin.clone(),
         error,
     })?;
-    let found = sys::map_info(&fd).map_err(|error| DatapathError::Pin {
-        what: format!("reading the pinned map {name} at"),
-        pin: pin.clone(),
-        error,
-    })?;
+    let found = sys::map_info(fd.as_fd())
+        .map(MapSpec::from)
+        .map_err(|error| DatapathError::Pin {
+            what: format!("reading the pinned map {name} at"),
+            pin: pin.clone(),
+            error,
+        })?;
     let expected = MapSpec {
         max_entries: found.max_entries,
         ..*expected
@@ -1524,206 +1542,6 @@ pub fn open_pinned_map(pin_dir: &Path, name: &str) -> Result<Map, DatapathError>
         pin,
         error: io::Error::other(chain(&error).to_string()),
     })
-}
-
-/// The few raw `bpf(2)` calls aya 0.14 does not expose: opening a pin as a
-/// plain fd, map and link info (aya's `LinkInfo` has no TCX ifindex),
-/// `BPF_LINK_DETACH`.
-mod sys {
-    use std::ffi::CString;
-    use std::fmt;
-    use std::io;
-    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
-    use std::os::unix::ffi::OsStrExt as _;
-    use std::path::Path;
-
-    use super::MapSpec;
-
-    const BPF_OBJ_GET: libc::c_long = 7;
-    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    const BPF_LINK_DETACH: libc::c_long = 34;
-
-    fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
-        // SAFETY: `attr` is a #[repr(C)] prefix of `union bpf_attr` for `cmd`
-        // (the kernel zero-extends shorter attrs), valid for the call.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                cmd,
-                std::ptr::from_mut(attr).cast::<libc::c_void>(),
-                size_of::<T>() as libc::c_uint,
-            )
-        };
-        if rc < 0 {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(rc)
-        }
-    }
-
-    #[repr(C)]
-    struct ObjGetAttr {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-    }
-
-    /// `BPF_OBJ_GET`: a new fd for a pinned object.
-    pub(super) fn obj_get(path: &Path) -> io::Result<OwnedFd> {
-        let c_path = CString::new(path.as_os_str().as_bytes())
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in a pin path"))?;
-        let mut attr = ObjGetAttr {
-            pathname: c_path.as_ptr() as u64,
-            bpf_fd: 0,
-            file_flags: 0,
-        };
-        let fd = bpf(BPF_OBJ_GET, &mut attr)?;
-        // SAFETY: BPF_OBJ_GET returned a new fd that nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-    }
-
-    /// What kind of BPF object an fd is.
-    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-    pub(super) enum ObjKind {
-        Map,
-        Program,
-        Link,
-        /// /proc not readable: callers go on and let the info calls decide.
-        Unknown,
-    }
-
-    impl fmt::Display for ObjKind {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str(match self {
-                Self::Map => "a BPF map",
-                Self::Program => "a BPF program",
-                Self::Link => "a BPF link",
-                Self::Unknown => "an unknown BPF object",
-            })
-        }
-    }
-
-    /// From the fd's anon inode name (`bpf-map`, `bpf-prog`, `bpf_link`):
-    /// `BPF_OBJ_GET_INFO_BY_FD` happily answers for any kind.
-    pub(super) fn obj_kind(fd: &OwnedFd) -> ObjKind {
-        match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
-            Ok(target) => match target.to_string_lossy().as_ref() {
-                "anon_inode:bpf-map" => ObjKind::Map,
-                "anon_inode:bpf-prog" => ObjKind::Program,
-                "anon_inode:bpf_link" => ObjKind::Link,
-                _ => ObjKind::Unknown,
-            },
-            Err(_) => ObjKind::Unknown,
-        }
-    }
-
-    #[repr(C)]
-    struct InfoAttr {
-        bpf_fd: u32,
-        info_len: u32,
-        info: u64,
-    }
-
-    fn obj_info<T>(fd: &OwnedFd, info: &mut T) -> io::Result<()> {
-        let mut attr = InfoAttr {
-            bpf_fd: fd.as_raw_fd() as u32,
-            info_len: size_of::<T>() as u32,
-            info: std::ptr::from_mut(info) as u64,
-        };
-        bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
-    }
-
-    /// The start of `struct bpf_map_info`, zero-padded.
-    #[repr(C)]
-    #[derive(Default)]
-    struct RawMapInfo {
-        map_type: u32,
-        id: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        map_flags: u32,
-        rest: [u64; 10],
-    }
-
-    pub(super) fn map_info(fd: &OwnedFd) -> io::Result<MapSpec> {
-        let mut info = RawMapInfo::default();
-        obj_info(fd, &mut info)?;
-        Ok(MapSpec {
-            map_type: info.map_type,
-            key_size: info.key_size,
-            value_size: info.value_size,
-            max_entries: info.max_entries,
-            flags: info.map_flags,
-        })
-    }
-
-    /// `struct bpf_link_info` up to the TCX member of its union (which
-    /// starts at offset 16: the union is 8-byte aligned), zero-padded.
-    #[repr(C)]
-    #[derive(Default)]
-    struct RawLinkInfo {
-        link_type: u32,
-        id: u32,
-        prog_id: u32,
-        pad: u32,
-        tcx_ifindex: u32,
-        tcx_attach_type: u32,
-        rest: [u64; 6],
-    }
-
-    pub(super) struct LinkInfo {
-        pub(super) link_type: u32,
-        pub(super) id: u32,
-        pub(super) prog_id: u32,
-        /// TCX links only.
-        pub(super) ifindex: u32,
-        /// TCX links only.
-        pub(super) attach_type: u32,
-    }
-
-    pub(super) fn link_info(fd: &OwnedFd) -> io::Result<LinkInfo> {
-        let mut info = RawLinkInfo::default();
-        obj_info(fd, &mut info)?;
-        Ok(LinkInfo {
-            link_type: info.link_type,
-            id: info.id,
-            prog_id: info.prog_id,
-            ifindex: info.tcx_ifindex,
-            attach_type: info.tcx_attach_type,
-        })
-    }
-
-    #[repr(C)]
-    struct LinkDetachAttr {
-        link_fd: u32,
-    }
-
-    /// `BPF_LINK_DETACH`: detaches whoever else still holds the link.
-    pub(super) fn link_detach(fd: &OwnedFd) -> io::Result<()> {
-        let mut attr = LinkDetachAttr {
-            link_fd: fd.as_raw_fd() as u32,
-        };
-        match bpf(BPF_LINK_DETACH, &mut attr) {
-            Ok(_) => Ok(()),
-            // Already detached (its interface went away meanwhile).
-            Err(err) if err.raw_os_error() == Some(libc::ENOLINK) => Ok(()),
-            Err(err) => Err(err),
-        }
-    }
-
-    /// `statfs(2)` `f_type`.
-    pub(super) fn fs_type(path: &Path) -> io::Result<i64> {
-        let c_path = CString::new(path.as_os_str().as_bytes())
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in a path"))?;
-        // SAFETY: statfs fills the zeroed struct it is given.
-        let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid path and a valid out pointer.
-        if unsafe { libc::statfs(c_path.as_ptr(), &mut buf) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(buf.f_type as i64)
-    }
 }
 
 #[cfg(test)]
@@ -1945,7 +1763,7 @@ mod tests {
             "{text}"
         );
         // Never deleted or replaced.
-        assert_eq!(sys::map_info(&sys::obj_get(&ct4).unwrap()).unwrap().key_size, 4);
+        assert_eq!(sys::map_info(sys::obj_get(&ct4).unwrap().as_fd()).unwrap().key_size, 4);
 
         // Without it, the map is created; then a different size is refused.
         std::fs::remove_file(&ct4).unwrap();
@@ -2117,7 +1935,7 @@ mod tests {
                 // What the kernel says about a TCX link whose device is gone:
                 // ifindex 0 in its info, and BPF_LINK_UPDATE fails with ENOLINK.
                 let pin = dp.link_pin(ifindex, Hook::Ingress);
-                let info = sys::link_info(&sys::obj_get(&pin).unwrap()).unwrap();
+                let info = sys::link_info(sys::obj_get(&pin).unwrap().as_fd()).unwrap();
                 assert_eq!((info.link_type, info.ifindex), (BPF_LINK_TYPE_TCX, 0));
                 let mut dp = dp;
                 assert!(matches!(

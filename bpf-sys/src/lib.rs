@@ -1,7 +1,8 @@
-//! The raw `bpf(2)` map commands svc-gc needs and aya 0.14 does not expose:
-//! `BPF_MAP_LOOKUP_BATCH` / `BPF_MAP_DELETE_BATCH` / `BPF_MAP_UPDATE_BATCH`,
-//! plus the per-element commands of the fallback path, `BPF_OBJ_GET` and map
-//! info, all on plain fds.
+//! The raw `bpf(2)` commands Rivet needs and aya 0.14 does not expose, on
+//! plain fds: `BPF_OBJ_GET` and object info for pins (maps, links),
+//! `BPF_LINK_DETACH`, and the map commands of svc-gc's passes —
+//! `BPF_MAP_LOOKUP_BATCH` / `BPF_MAP_DELETE_BATCH` / `BPF_MAP_UPDATE_BATCH`
+//! plus the per-element commands of their fallback path.
 //!
 //! Every function takes keys and values as `aya::Pod` slices; their sizes must
 //! be the map's key and value sizes (the callers check that once at open).
@@ -21,6 +22,7 @@ const BPF_OBJ_GET_INFO_BY_FD: u32 = 15;
 const BPF_MAP_LOOKUP_BATCH: u32 = 24;
 const BPF_MAP_UPDATE_BATCH: u32 = 26;
 const BPF_MAP_DELETE_BATCH: u32 = 27;
+const BPF_LINK_DETACH: u32 = 34;
 
 /// `ENOTSUPP` (kernel-internal, 524): what old kernels answer for batch
 /// commands a map type lacks.
@@ -111,6 +113,8 @@ pub struct MapInfo {
     pub value_size: u32,
     /// max_entries.
     pub max_entries: u32,
+    /// `BPF_F_*` creation flags.
+    pub map_flags: u32,
 }
 
 fn fd_u32(fd: BorrowedFd<'_>) -> u32 {
@@ -146,7 +150,122 @@ pub fn map_info(fd: BorrowedFd<'_>) -> io::Result<MapInfo> {
         key_size: info.key_size,
         value_size: info.value_size,
         max_entries: info.max_entries,
+        map_flags: info.map_flags,
     })
+}
+
+/// What kind of BPF object an fd is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ObjKind {
+    /// A map.
+    Map,
+    /// A program.
+    Program,
+    /// A link.
+    Link,
+    /// /proc not readable: callers go on and let the info calls decide.
+    Unknown,
+}
+
+impl std::fmt::Display for ObjKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Map => "a BPF map",
+            Self::Program => "a BPF program",
+            Self::Link => "a BPF link",
+            Self::Unknown => "an unknown BPF object",
+        })
+    }
+}
+
+/// From the fd's anon inode name (`bpf-map`, `bpf-prog`, `bpf_link`):
+/// `BPF_OBJ_GET_INFO_BY_FD` happily answers for any kind.
+pub fn obj_kind(fd: BorrowedFd<'_>) -> ObjKind {
+    match std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())) {
+        Ok(target) => match target.to_string_lossy().as_ref() {
+            "anon_inode:bpf-map" => ObjKind::Map,
+            "anon_inode:bpf-prog" => ObjKind::Program,
+            "anon_inode:bpf_link" => ObjKind::Link,
+            _ => ObjKind::Unknown,
+        },
+        Err(_) => ObjKind::Unknown,
+    }
+}
+
+/// `struct bpf_link_info` up to the TCX member of its union (which starts
+/// at offset 16: the union is 8-byte aligned), zero-padded.
+#[repr(C)]
+#[derive(Default)]
+struct RawLinkInfo {
+    link_type: u32,
+    id: u32,
+    prog_id: u32,
+    pad: u32,
+    tcx_ifindex: u32,
+    tcx_attach_type: u32,
+    rest: [u64; 6],
+}
+
+/// What the kernel says about a link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// `BPF_LINK_TYPE_*`.
+    pub link_type: u32,
+    /// Kernel link id.
+    pub id: u32,
+    /// The attached program's id.
+    pub prog_id: u32,
+    /// TCX links only.
+    pub ifindex: u32,
+    /// TCX links only.
+    pub attach_type: u32,
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` for a link.
+pub fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
+    let mut info = RawLinkInfo::default();
+    let mut attr = InfoAttr {
+        bpf_fd: fd_u32(fd),
+        info_len: size_of::<RawLinkInfo>() as u32,
+        info: std::ptr::from_mut(&mut info) as u64,
+    };
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    Ok(LinkInfo {
+        link_type: info.link_type,
+        id: info.id,
+        prog_id: info.prog_id,
+        ifindex: info.tcx_ifindex,
+        attach_type: info.tcx_attach_type,
+    })
+}
+
+#[repr(C)]
+struct LinkDetachAttr {
+    link_fd: u32,
+}
+
+/// `BPF_LINK_DETACH`: detaches whoever else still holds the link. A link
+/// already detached (its interface went away) is fine.
+pub fn link_detach(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = LinkDetachAttr { link_fd: fd_u32(fd) };
+    match bpf(BPF_LINK_DETACH, &mut attr) {
+        Ok(_) => Ok(()),
+        Err(err) if err.raw_os_error() == Some(libc::ENOLINK) => Ok(()),
+        Err(err) => Err(err),
+    }
+}
+
+/// `statfs(2)` `f_type` of `path` (is it a bpffs?).
+pub fn fs_type(path: &Path) -> io::Result<i64> {
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in a path"))?;
+    // SAFETY: statfs fills the zeroed struct it is given.
+    let mut buf: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid path and a valid out pointer.
+    if unsafe { libc::statfs(c_path.as_ptr(), &mut buf) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(buf.f_type as i64)
 }
 
 /// `BPF_MAP_LOOKUP_ELEM`: `Ok(None)` when the key is absent.
