@@ -14,7 +14,7 @@ use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
-use svc_loader::testing::{HOST_PREFIX, LoaderNode};
+use svc_loader::testing::{DEFAULT_ENDPOINTS_MAX, LoaderNode};
 
 use crate::endpoint::format_mac;
 
@@ -57,9 +57,7 @@ pub struct NodeOptions {
     pub bin_dir: Option<PathBuf>,
     /// svc-loader's `--endpoints-max` (one entry per endpoint plus one per
     /// address; the ipcache gets twice as many entries, at least 4096).
-    /// `None`: the test loader's 1024, i.e. at most 512 single-address or
-    /// 341 dual-stack endpoints. Set, the node's loader is restarted with it
-    /// before the other daemons start ([`LoaderNode`] fixes its map sizes).
+    /// `None`: the test loader's [`DEFAULT_ENDPOINTS_MAX`].
     pub loader_endpoints_max: Option<u32>,
 }
 
@@ -73,53 +71,14 @@ impl NodeOptions {
     }
 }
 
-/// Restarts a fresh node's svc-loader (no endpoints yet) with
-/// `--endpoints-max endpoints_max`: the loader refuses pinned maps of another
-/// size, so the pins go first. Otherwise [`LoaderNode`]'s flags.
-async fn resize_loader(
-    node: &mut LoaderNode,
-    loader_bin: &Path,
-    endpoints_max: u32,
-    otlp: Option<String>,
-) -> std::io::Result<()> {
-    node.loader.kill9();
-    match std::fs::remove_dir_all(&node.pins.0) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
-    }
-    let dir = node.dir.path();
-    let sockets = dir.join("sockets");
-    let mut loader = DaemonCommand::new("nsenter", sockets.join("svc-loader.sock"));
-    if let Some(endpoint) = otlp {
-        loader = loader.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
-    }
-    let (endpoints_max, ipcache_max) = (
-        endpoints_max.to_string(),
-        endpoints_max.saturating_mul(2).max(4096).to_string(),
-    );
-    node.loader = loader
-        .arg(format!("--net={}", node.node.ns.path().display()))
-        .arg(loader_bin)
-        .args(["--socket-dir".as_ref(), sockets.as_os_str()])
-        .args(["--state-dir".as_ref(), dir.join("state").as_os_str()])
-        .args(["--node-name", &node.node_name])
-        .args(["--endpoint-interface-prefix", HOST_PREFIX])
-        .args(["--ct-max", "65536", "--endpoints-max", &endpoints_max])
-        .args(["--ipcache-max", &ipcache_max, "--policy-max", "65536"])
-        .args(["--events-bytes", "262144", "--host-address-sync-seconds", "1"])
-        .log_to(dir.join("svc-loader.log"))
-        .spawn()
-        .await?;
-    Ok(())
-}
-
 impl EndpointNode {
     /// Starts the node: svc-loader, svc-ipam, svc-identity, svc-endpoint.
     pub async fn start(options: NodeOptions) -> std::io::Result<Self> {
         // svc-loader runs in the node namespace, where the host's loopback
         // (and a collector on it) is out of reach: it gets its own.
         let mut listener = None;
-        let mut node = LoaderNode::start_with_env(&options.binary("svc-loader"), &[], &[], |node| {
+        let endpoints_max = options.loader_endpoints_max.unwrap_or(DEFAULT_ENDPOINTS_MAX);
+        let node = LoaderNode::start_with_env(&options.binary("svc-loader"), &[], &[], endpoints_max, |node| {
             if !options.trace_loader {
                 return Ok(Vec::new());
             }
@@ -132,13 +91,6 @@ impl EndpointNode {
             Ok(vec![("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint)])
         })
         .await?;
-        if let Some(endpoints_max) = options.loader_endpoints_max {
-            let otlp = match &listener {
-                Some(l) => Some(format!("http://{}", l.local_addr()?)),
-                None => None,
-            };
-            resize_loader(&mut node, &options.binary("svc-loader"), endpoints_max, otlp).await?;
-        }
         let loader_collector = match listener {
             Some(listener) => Some(OtlpCollector::start_on(listener).await?),
             None => None,

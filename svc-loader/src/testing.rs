@@ -12,6 +12,10 @@ use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 
+/// Endpoint map entries of a test loader: 512 single-address or 341
+/// dual-stack endpoints.
+pub const DEFAULT_ENDPOINTS_MAX: u32 = 1024;
+
 /// Host-side veth prefix of test nodes; the loader only acts on these.
 pub const HOST_PREFIX: &str = "rvh";
 
@@ -62,16 +66,19 @@ impl LoaderNode {
     /// Creates the node with `pods` and starts `loader_bin` inside it with
     /// small maps and `extra_args`.
     pub async fn start(loader_bin: &Path, pods: &[&str], extra_args: &[&str]) -> std::io::Result<Self> {
-        Self::start_with_env(loader_bin, pods, extra_args, |_| Ok(Vec::new())).await
+        Self::start_with_env(loader_bin, pods, extra_args, DEFAULT_ENDPOINTS_MAX, |_| Ok(Vec::new())).await
     }
 
-    /// [`start`](Self::start), with environment variables for the loader
-    /// computed once the node namespace exists (e.g. the address of an OTLP
-    /// collector listening inside it).
+    /// [`start`](Self::start) with room for `endpoints_max` endpoint map
+    /// entries (one per endpoint plus one per address; the ipcache gets
+    /// twice as many, at least 4096) and environment variables for the
+    /// loader computed once the node namespace exists (e.g. the address of
+    /// an OTLP collector listening inside it).
     pub async fn start_with_env(
         loader_bin: &Path,
         pods: &[&str],
         extra_args: &[&str],
+        endpoints_max: u32,
         env: impl FnOnce(&TestNode) -> std::io::Result<Vec<(String, String)>>,
     ) -> std::io::Result<Self> {
         let mut node = TestNode::with_host_prefix(HOST_PREFIX).map_err(std::io::Error::other)?;
@@ -89,22 +96,18 @@ impl LoaderNode {
         for (key, value) in env(&node)? {
             loader = loader.env(key, value);
         }
+        let (endpoints_max, ipcache_max) = (
+            endpoints_max.to_string(),
+            endpoints_max.saturating_mul(2).max(4096).to_string(),
+        );
         let loader = loader
             .arg(format!("--net={}", node.ns.path().display()))
             .arg(loader_bin)
             .args(["--socket-dir".as_ref(), sockets.as_os_str()])
             .args(["--state-dir".as_ref(), dir.path().join("state").as_os_str()])
             .args(["--node-name", &node_name, "--endpoint-interface-prefix", HOST_PREFIX])
-            .args([
-                "--ct-max",
-                "65536",
-                "--endpoints-max",
-                "1024",
-                "--ipcache-max",
-                "4096",
-                "--policy-max",
-                "65536",
-            ])
+            .args(["--ct-max", "65536", "--endpoints-max", &endpoints_max])
+            .args(["--ipcache-max", &ipcache_max, "--policy-max", "65536"])
             .args(["--events-bytes", "262144", "--host-address-sync-seconds", "1"])
             .args(extra_args)
             .log_to(dir.path().join("svc-loader.log"))
