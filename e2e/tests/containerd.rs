@@ -384,7 +384,6 @@ spec:
 #[tokio::test(flavor = "multi_thread")]
 async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
     use rivet_proto::endpoint::v1 as pb;
-    use rivet_proto::ipam::v1 as ipampb;
     use svc_endpoint::testing::{EndpointNode, NodeOptions};
     use svc_loader::testing::HOST_PREFIX;
 
@@ -540,17 +539,7 @@ async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
         .into_inner()
         .endpoints;
     assert!(remaining.is_empty(), "endpoints left after DEL: {remaining:#?}");
-    let pools = node
-        .ipam_client()
-        .await
-        .list(ipampb::ListRequest {
-            pool: String::new(),
-            include_allocations: true,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let allocations: Vec<_> = pools.pools.iter().flat_map(|p| p.allocations.iter()).collect();
+    let allocations = node.allocations().await;
     assert!(allocations.is_empty(), "addresses left allocated: {allocations:#?}");
     assert_runtime_clean(&cri, &containerd, node_ns).await;
 

@@ -268,6 +268,45 @@ impl EndpointNode {
             .expect("the created endpoint")
     }
 
+    /// Every address svc-ipam holds (orphaned ones included).
+    pub async fn allocations(&self) -> Vec<ipampb::Allocation> {
+        let listing = self
+            .ipam_client()
+            .await
+            .list(ipampb::ListRequest {
+                pool: String::new(),
+                include_allocations: true,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("svc-ipam List: {e}"))
+            .into_inner();
+        listing
+            .pools
+            .into_iter()
+            .flat_map(|p| p.allocations)
+            .chain(listing.orphaned)
+            .collect()
+    }
+
+    /// The endpoint of pod `namespace/name`, as svc-endpoint reports it.
+    pub async fn endpoint_of_pod(&self, namespace: &str, name: &str) -> pb::Endpoint {
+        self.endpoints()
+            .await
+            .get_endpoint(pb::GetEndpointRequest {
+                r#ref: Some(pb::EndpointRef {
+                    r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
+                        namespace: namespace.into(),
+                        name: name.into(),
+                    })),
+                }),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("getting the endpoint of {namespace}/{name}: {e}"))
+            .into_inner()
+            .endpoint
+            .expect("GetEndpoint returns the endpoint")
+    }
+
     /// A pod by name.
     pub fn pod(&self, name: &str) -> &TestPod {
         self.node.pod(name)

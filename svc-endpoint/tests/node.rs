@@ -460,22 +460,7 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
         2,
         "the cidr and its except are both in the datapath's ipcache: {cidr_ids:?}"
     );
-    let client = node
-        .endpoints()
-        .await
-        .get_endpoint(pb::GetEndpointRequest {
-            r#ref: Some(pb::EndpointRef {
-                r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
-                    namespace: "default".into(),
-                    name: "client".into(),
-                })),
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .endpoint
-        .unwrap();
+    let client = node.endpoint_of_pod("default", "client").await;
     let held = node
         .node
         .client()
@@ -571,22 +556,7 @@ async fn namespace_labels_are_identity_labels_and_namespace_selectors_follow_the
     )
     .await;
     assert!(!tcp(&node, "lab-client", "db", 5432), "another namespace stays out");
-    let got = node
-        .endpoints()
-        .await
-        .get_endpoint(pb::GetEndpointRequest {
-            r#ref: Some(pb::EndpointRef {
-                r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
-                    namespace: "shop".into(),
-                    name: "shop-client".into(),
-                })),
-            }),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .endpoint
-        .unwrap();
+    let got = node.endpoint_of_pod("shop", "shop-client").await;
     for label in [
         "k8s:io.kubernetes.pod.namespace=shop",
         "k8s:ns.labels/team=shop",

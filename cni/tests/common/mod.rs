@@ -257,23 +257,7 @@ impl Harness {
     }
 
     pub async fn allocations(&self) -> Vec<ipampb::Allocation> {
-        let listing = self
-            .node
-            .ipam_client()
-            .await
-            .list(ipampb::ListRequest {
-                pool: String::new(),
-                include_allocations: true,
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        listing
-            .pools
-            .into_iter()
-            .flat_map(|p| p.allocations)
-            .chain(listing.orphaned)
-            .collect()
+        self.node.allocations().await
     }
 
     pub async fn endpoints(&self) -> Vec<eppb::Endpoint> {
