@@ -506,8 +506,9 @@ struct Inner {
     dependencies: Mutex<[DependencyStatus; 3]>,
     /// Wakes the CIDR identity reconciliation.
     cidr_wake: Notify,
-    /// Serialises policy mutations (repository + persisted API policies).
-    policy_lock: tokio::sync::Mutex<()>,
+    /// Serialises changes of persisted configuration: policies (repository
+    /// + API policies file) and namespace labels.
+    config_lock: tokio::sync::Mutex<()>,
 }
 
 /// The endpoint manager. Cheap to clone.
@@ -589,7 +590,7 @@ impl EndpointManager {
                 },
             ]),
             cidr_wake: Notify::new(),
-            policy_lock: tokio::sync::Mutex::new(()),
+            config_lock: tokio::sync::Mutex::new(()),
         };
         Ok(Self { inner: Arc::new(inner) })
     }
@@ -974,17 +975,20 @@ impl EndpointManager {
     /// Replaces a namespace's labels; its endpoints are re-identified (not
     /// waited for). Returns whether anything changed and how many endpoints
     /// were queued.
-    pub fn set_namespace_labels(
+    pub async fn set_namespace_labels(
         &self,
         namespace: &str,
         labels: BTreeMap<String, String>,
     ) -> Result<(bool, usize), ManagerError> {
-        let mut state = self.state();
-        let current = state.namespaces.get(namespace).map(|n| &n.labels);
-        if current == Some(&labels) || (current.is_none() && labels.is_empty()) {
-            return Ok((false, 0));
-        }
-        let mut next = state.namespaces.clone();
+        let _config = self.inner.config_lock.lock().await;
+        let mut next = {
+            let state = self.state();
+            let current = state.namespaces.get(namespace).map(|n| &n.labels);
+            if current == Some(&labels) || (current.is_none() && labels.is_empty()) {
+                return Ok((false, 0));
+            }
+            state.namespaces.clone()
+        };
         if labels.is_empty() {
             next.remove(namespace);
         } else {
@@ -996,10 +1000,10 @@ impl EndpointManager {
                 },
             );
         }
-        self.inner
-            .namespaces_file
-            .store(&next)
-            .map_err(|e| ManagerError::Storage(format!("storing namespace labels: {e}")))?;
+        // Durable before it takes effect; written off the runtime's threads
+        // and without the state lock (an fsync stalls every regeneration).
+        store(&self.inner.namespaces_file, next.clone(), "namespace labels").await?;
+        let mut state = self.state();
         state.namespaces = next;
         let mut affected = 0;
         for slot in state.endpoints.values_mut() {
@@ -1130,7 +1134,7 @@ impl EndpointManager {
         wait: bool,
         deadline: Duration,
     ) -> Result<PolicyUpdate, ManagerError> {
-        let _policies = self.inner.policy_lock.lock().await;
+        let _config = self.inner.config_lock.lock().await;
         let change = {
             let mut state = self.state();
             // Check the origin before touching anything.
@@ -1157,7 +1161,7 @@ impl EndpointManager {
         wait: bool,
         deadline: Duration,
     ) -> Result<Option<PolicyUpdate>, ManagerError> {
-        let _policies = self.inner.policy_lock.lock().await;
+        let _config = self.inner.config_lock.lock().await;
         let change = self.state().repository.delete(key, origin)?;
         match change {
             None => Ok(None),
@@ -1189,11 +1193,7 @@ impl EndpointManager {
                     .map(|p| p.policy.document().to_string())
                     .collect()
             };
-            let file = self.inner.api_policies.clone();
-            tokio::task::spawn_blocking(move || file.store(&documents))
-                .await
-                .map_err(|e| ManagerError::Storage(e.to_string()))?
-                .map_err(|e| ManagerError::Storage(format!("persisting API policies: {e}")))?;
+            store(&self.inner.api_policies, documents, "API policies").await?;
         }
         // CIDR identities first, so the regenerations see them.
         if let Err(e) = self.reconcile_cidrs(false).await {
@@ -1440,73 +1440,78 @@ impl EndpointManager {
         };
         self.set_state(id, regenerating, reason);
         let result = self.run_steps(&spec, request_labels, previous_identity, reason).await;
-        let mut state = self.state();
-        let Some(slot) = state.endpoints.get_mut(&id) else {
-            return result.map(|_| ());
-        };
-        match result {
-            Ok((identity, identity_labels, resolved, revision, record)) => {
-                let took = started.elapsed();
-                slot.status.identity = identity;
-                slot.status.identity_labels = identity_labels;
-                slot.status.realised_policy = Some(resolved);
-                slot.status.policy_revision = revision;
-                slot.status.last_regeneration = Some((SystemTime::now(), took));
-                slot.status.regenerations += 1;
-                slot.status.last_error = None;
-                if let Some(record) = record {
-                    slot.persisted = Some(record);
-                }
-                slot.status.transition(id, EndpointState::Ready, reason);
-                events::regeneration_completed(&self.inner.metrics, id, identity, revision, reason, took);
-                let named: Vec<_> = slot.spec.named_ports.clone();
-                if !named.is_empty() {
-                    let mut union: BTreeSet<_> = named.into_iter().collect();
-                    for other in state.endpoints.values() {
-                        if other.status.identity == identity {
-                            union.extend(other.spec.named_ports.iter().cloned());
-                        }
+        let (e, failed) = {
+            let mut state = self.state();
+            let Some(slot) = state.endpoints.get_mut(&id) else {
+                return result.map(|_| ());
+            };
+            match result {
+                Ok((identity, identity_labels, resolved, revision, record)) => {
+                    let took = started.elapsed();
+                    slot.status.identity = identity;
+                    slot.status.identity_labels = identity_labels;
+                    slot.status.realised_policy = Some(resolved);
+                    slot.status.policy_revision = revision;
+                    slot.status.last_regeneration = Some((SystemTime::now(), took));
+                    slot.status.regenerations += 1;
+                    slot.status.last_error = None;
+                    if let Some(record) = record {
+                        slot.persisted = Some(record);
                     }
-                    state.selectors.set_named_ports(identity, union.into_iter().collect());
+                    slot.status.transition(id, EndpointState::Ready, reason);
+                    events::regeneration_completed(&self.inner.metrics, id, identity, revision, reason, took);
+                    let named: Vec<_> = slot.spec.named_ports.clone();
+                    if !named.is_empty() {
+                        let mut union: BTreeSet<_> = named.into_iter().collect();
+                        for other in state.endpoints.values() {
+                            if other.status.identity == identity {
+                                union.extend(other.spec.named_ports.iter().cloned());
+                            }
+                        }
+                        state.selectors.set_named_ports(identity, union.into_iter().collect());
+                    }
+                    self.update_state_metrics(&state);
+                    return Ok(());
                 }
-                self.update_state_metrics(&state);
-                Ok(())
-            }
-            Err(e) => {
-                slot.status.last_error = Some(RegenerationFailure {
-                    step: e.step,
-                    message: e.status.message().to_string(),
-                    at: SystemTime::now(),
-                });
-                let next = if restoring {
-                    EndpointState::Restoring
-                } else {
-                    EndpointState::WaitingToRegenerate
-                };
-                slot.status
-                    .transition(id, next, &format!("regeneration failed at {}", e.step.as_str()));
-                events::regeneration_failed(&self.inner.metrics, id, e.step, e.status.code(), e.status.message());
-                let failed = EndpointRecord {
-                    spec: slot.spec.clone(),
-                    identity: slot.status.identity,
-                    identity_labels: slot.status.identity_labels.clone(),
-                    policy_revision: slot.status.policy_revision,
-                    written: SystemTime::now(),
-                };
-                // The next successful regeneration must write the record even
-                // if it is unchanged: that write is what removes the
-                // `_next_fail` kept below (otherwise it stays beside a ready
-                // endpoint, e.g. after a regeneration failed while
-                // svc-loader was down and the resync succeeded).
-                slot.persisted = None;
-                drop(state);
-                // Kept for debugging; a create that is undone removes it.
-                if let Err(write) = self.inner.state_dir.write_failed(&failed) {
-                    tracing::warn!(endpoint = id, error = %write, "could not keep the failed state");
+                Err(e) => {
+                    slot.status.last_error = Some(RegenerationFailure {
+                        step: e.step,
+                        message: e.status.message().to_string(),
+                        at: SystemTime::now(),
+                    });
+                    let next = if restoring {
+                        EndpointState::Restoring
+                    } else {
+                        EndpointState::WaitingToRegenerate
+                    };
+                    slot.status
+                        .transition(id, next, &format!("regeneration failed at {}", e.step.as_str()));
+                    events::regeneration_failed(&self.inner.metrics, id, e.step, e.status.code(), e.status.message());
+                    let failed = EndpointRecord {
+                        spec: slot.spec.clone(),
+                        identity: slot.status.identity,
+                        identity_labels: slot.status.identity_labels.clone(),
+                        policy_revision: slot.status.policy_revision,
+                        written: SystemTime::now(),
+                    };
+                    // The next successful regeneration must write the record even
+                    // if it is unchanged: that write is what removes the
+                    // `_next_fail` kept below (otherwise it stays beside a ready
+                    // endpoint, e.g. after a regeneration failed while
+                    // svc-loader was down and the resync succeeded).
+                    slot.persisted = None;
+                    (e, failed)
                 }
-                Err(e)
             }
+        };
+        // Kept for debugging; a create that is undone removes it.
+        let state_dir = self.inner.state_dir.clone();
+        match tokio::task::spawn_blocking(move || state_dir.write_failed(&failed)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(write)) => tracing::warn!(endpoint = id, error = %write, "could not keep the failed state"),
+            Err(join) => tracing::warn!(endpoint = id, error = %join, "could not keep the failed state"),
         }
+        Err(e)
     }
 
     #[allow(clippy::type_complexity)]
@@ -2150,6 +2155,18 @@ impl EndpointManager {
             }
         }
     }
+}
+
+/// Writes a state file on the blocking pool.
+async fn store<T>(file: &StateFile<T>, value: T, what: &str) -> Result<(), ManagerError>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned + Clone + Send + 'static,
+{
+    let file = file.clone();
+    tokio::task::spawn_blocking(move || file.store(&value))
+        .await
+        .map_err(|e| ManagerError::Storage(format!("persisting {what}: {e}")))?
+        .map_err(|e| ManagerError::Storage(format!("persisting {what}: {e}")))
 }
 
 /// svc-ipam's owner of an endpoint's addresses (the CNI allocated them with it).

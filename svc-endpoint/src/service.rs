@@ -615,6 +615,7 @@ impl pb::namespace_service_server::NamespaceService for EndpointApi {
         let (changed, affected) = self
             .manager
             .set_namespace_labels(&r.namespace, labels)
+            .await
             .map_err(status)?;
         Ok(Response::new(pb::SetNamespaceLabelsResponse {
             changed,
