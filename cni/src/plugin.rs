@@ -134,6 +134,17 @@ struct Addresses {
     extra_routes: Vec<Route>,
 }
 
+/// Error 1 unless the config's version has `verb` (added in `since`).
+fn require_version(has: bool, verb: &str, since: &str, version: impl std::fmt::Display) -> Result<(), CniError> {
+    if has {
+        return Ok(());
+    }
+    Err(CniError::new(
+        codes::INCOMPATIBLE_VERSION,
+        format!("{verb} needs cniVersion {since} or later, the config is {version}"),
+    ))
+}
+
 /// Runs the invocation's verb; `Some(json)` is the result to print.
 pub async fn run(deps: Deps<'_>, inv: &Invocation) -> Result<Option<Value>, CniError> {
     let deadline = Deadline::after(inv.conf.timeout);
@@ -142,32 +153,17 @@ pub async fn run(deps: Deps<'_>, inv: &Invocation) -> Result<Option<Value>, CniE
         Command::Add => add(deps, inv, deadline).await.map(Some),
         Command::Del => del(deps, inv, deadline).await.map(|()| None),
         Command::Check => {
-            if !version.has_check() {
-                return Err(CniError::new(
-                    codes::INCOMPATIBLE_VERSION,
-                    format!("CHECK needs cniVersion 0.4.0 or later, the config is {version}"),
-                ));
-            }
+            require_version(version.has_check(), "CHECK", "0.4.0", version)?;
             check(deps, inv, deadline).await.map(|()| None)
         }
         Command::Status => {
-            if !version.has_status_and_gc() {
-                return Err(CniError::new(
-                    codes::INCOMPATIBLE_VERSION,
-                    format!("STATUS needs cniVersion 1.1.0 or later, the config is {version}"),
-                ));
-            }
+            require_version(version.has_status_and_gc(), "STATUS", "1.1.0", version)?;
             readiness(deps, &inv.conf, inv.conf.ipam.is_none(), deadline)
                 .await
                 .map(|()| None)
         }
         Command::Gc => {
-            if !version.has_status_and_gc() {
-                return Err(CniError::new(
-                    codes::INCOMPATIBLE_VERSION,
-                    format!("GC needs cniVersion 1.1.0 or later, the config is {version}"),
-                ));
-            }
+            require_version(version.has_status_and_gc(), "GC", "1.1.0", version)?;
             gc(deps, inv, deadline).await.map(|()| None)
         }
         Command::Version => Err(CniError::new(
