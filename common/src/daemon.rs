@@ -1,6 +1,7 @@
 //! The run loop every daemon's `main` ends with: serve gRPC on its socket and
 //! metrics on HTTP until SIGTERM/SIGINT, then drain and stop both.
 
+use std::process::ExitCode;
 use std::sync::Arc;
 
 use prometheus_client::registry::Registry;
@@ -10,6 +11,7 @@ use crate::config::CommonArgs;
 use crate::grpc::{self, DaemonIdentity, ServeError};
 use crate::metrics::{Health, MetricsError, MetricsServer};
 use crate::socket::{SocketError, SocketOptions, UnixSocketListener};
+use crate::telemetry::{self, TelemetryError, TelemetryGuard, TelemetryOptions};
 
 /// Why a daemon stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +25,33 @@ pub enum DaemonError {
     /// The metrics listener failed.
     #[error(transparent)]
     Metrics(#[from] MetricsError),
+}
+
+/// Logs and traces of daemon `name` as the common flags say: text or JSON
+/// on stderr at `info` (or `RUST_LOG`), OTLP when configured.
+pub fn init_telemetry(common: &CommonArgs, name: &str) -> Result<TelemetryGuard, TelemetryError> {
+    telemetry::init(TelemetryOptions {
+        service_name: name.into(),
+        log_format: common.log_format,
+        default_filter: "info".into(),
+    })
+}
+
+/// A daemon's exit: success, or its error chain on stderr (prefixed with
+/// its name) and status 1.
+///
+/// ```
+/// let status = rivet_common::daemon::exit("svc-x", Err::<(), _>("no socket dir"));
+/// assert_eq!(status, std::process::ExitCode::FAILURE);
+/// ```
+pub fn exit<E: std::fmt::Display>(name: &str, result: Result<(), E>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{name}: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Binds the daemon's socket `<socket-dir>/<name>.sock` with the common flags'

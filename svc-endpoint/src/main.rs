@@ -7,9 +7,9 @@ use std::time::Duration;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::daemon;
 use rivet_common::grpc::{ClientOptions, DaemonIdentity};
 use rivet_common::metrics::Health;
-use rivet_common::{daemon, telemetry};
 use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader};
 use svc_endpoint::events::EndpointMetrics;
 use svc_endpoint::manager::{Dependencies, EndpointManager, ManagerOptions};
@@ -54,22 +54,12 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    match run(flags) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{}: {e:#}", svc_endpoint::DAEMON_NAME);
-            ExitCode::FAILURE
-        }
-    }
+    daemon::exit(svc_endpoint::DAEMON_NAME, run(flags))
 }
 
 #[tokio::main]
 async fn run(flags: Flags) -> anyhow::Result<()> {
-    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
-        service_name: svc_endpoint::DAEMON_NAME.into(),
-        log_format: flags.common.log_format,
-        default_filter: "info".into(),
-    })?;
+    let _telemetry = daemon::init_telemetry(&flags.common, svc_endpoint::DAEMON_NAME)?;
     let node = flags.common.node_name();
     let listener = daemon::bind_socket(&flags.common, svc_endpoint::DAEMON_NAME)?;
 

@@ -9,9 +9,9 @@ use anyhow::Context;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
-use rivet_common::{daemon, telemetry};
 use svc_gc::classify::Timeouts;
 use svc_gc::clock::KernelClock;
 use svc_gc::collector::{Collector, CollectorOptions};
@@ -123,22 +123,12 @@ fn options(flags: &Flags) -> anyhow::Result<CollectorOptions> {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    match run(flags) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{}: {e:#}", svc_gc::DAEMON_NAME);
-            ExitCode::FAILURE
-        }
-    }
+    daemon::exit(svc_gc::DAEMON_NAME, run(flags))
 }
 
 #[tokio::main]
 async fn run(flags: Flags) -> anyhow::Result<()> {
-    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
-        service_name: svc_gc::DAEMON_NAME.into(),
-        log_format: flags.common.log_format,
-        default_filter: "info".into(),
-    })?;
+    let _telemetry = daemon::init_telemetry(&flags.common, svc_gc::DAEMON_NAME)?;
     let opts = options(&flags)?;
     let node = flags.common.node_name();
     let pin_dir = DatapathOptions::for_node(&flags.bpffs, &node)?.pin_dir;

@@ -8,10 +8,10 @@ use anyhow::Context;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::labels::LabelFilter;
 use rivet_common::metrics::Health;
-use rivet_common::{daemon, telemetry};
 use svc_identity::allocator::{AllocatorOptions, IdentityAllocator, MIN_CLUSTER_ID};
 use svc_identity::backend::IdentityBackend;
 use svc_identity::cidr::CidrIdentities;
@@ -63,22 +63,12 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    match run(flags) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{}: {e:#}", svc_identity::DAEMON_NAME);
-            ExitCode::FAILURE
-        }
-    }
+    daemon::exit(svc_identity::DAEMON_NAME, run(flags))
 }
 
 #[tokio::main]
 async fn run(flags: Flags) -> anyhow::Result<()> {
-    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
-        service_name: svc_identity::DAEMON_NAME.into(),
-        log_format: flags.common.log_format,
-        default_filter: "info".into(),
-    })?;
+    let _telemetry = daemon::init_telemetry(&flags.common, svc_identity::DAEMON_NAME)?;
     anyhow::ensure!(
         flags.max_identity > MIN_CLUSTER_ID,
         "--max-identity must be above {MIN_CLUSTER_ID}"

@@ -7,9 +7,9 @@ use anyhow::Context;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
-use rivet_common::{daemon, telemetry};
 use svc_ipam::events::IpamMetrics;
 use svc_ipam::pool::{PoolSet, PoolSpec};
 use svc_ipam::service::IpamService;
@@ -31,22 +31,12 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    match run(flags) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{}: {e:#}", svc_ipam::DAEMON_NAME);
-            ExitCode::FAILURE
-        }
-    }
+    daemon::exit(svc_ipam::DAEMON_NAME, run(flags))
 }
 
 #[tokio::main]
 async fn run(flags: Flags) -> anyhow::Result<()> {
-    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
-        service_name: svc_ipam::DAEMON_NAME.into(),
-        log_format: flags.common.log_format,
-        default_filter: "info".into(),
-    })?;
+    let _telemetry = daemon::init_telemetry(&flags.common, svc_ipam::DAEMON_NAME)?;
     let pools = PoolSet::new(&flags.pools).context("invalid --pool configuration")?;
     // The socket lock comes first: it keeps a second instance off the state.
     let listener = daemon::bind_socket(&flags.common, svc_ipam::DAEMON_NAME)?;

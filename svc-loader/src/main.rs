@@ -9,9 +9,9 @@ use anyhow::Context;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
-use rivet_common::{daemon, telemetry};
 use svc_loader::datapath::{Datapath, DatapathOptions};
 use svc_loader::events::LoaderMetrics;
 use svc_loader::loader::EndpointDatapath;
@@ -74,22 +74,12 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    match run(flags) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("{}: {e:#}", svc_loader::DAEMON_NAME);
-            ExitCode::FAILURE
-        }
-    }
+    daemon::exit(svc_loader::DAEMON_NAME, run(flags))
 }
 
 #[tokio::main]
 async fn run(flags: Flags) -> anyhow::Result<()> {
-    let _telemetry = telemetry::init(telemetry::TelemetryOptions {
-        service_name: svc_loader::DAEMON_NAME.into(),
-        log_format: flags.common.log_format,
-        default_filter: "info".into(),
-    })?;
+    let _telemetry = daemon::init_telemetry(&flags.common, svc_loader::DAEMON_NAME)?;
     let node = flags.common.node_name();
     let listener = daemon::bind_socket(&flags.common, svc_loader::DAEMON_NAME)?;
 
