@@ -16,8 +16,9 @@ use crate::cmd;
 /// - iproute2, iputils-ping, iperf3: network namespaces, veth and traffic in the
 ///   cross-process tests, the demo and the benchmarks;
 /// - etcd-server: the kvstore the daemons use, run on 127.0.0.1 in tests;
-/// - protobuf-compiler: a `protoc` for etcd-client's build script (our own protos are
-///   compiled without one);
+/// - protobuf-compiler, libprotobuf-dev: a `protoc` and the well-known types it imports
+///   (`google/protobuf/descriptor.proto`, only a Recommends of protoc) for etcd-client's
+///   build script (our own protos are compiled without one);
 /// - containernetworking-plugins: the reference CNI plugins (bridge, host-local, ptp)
 ///   rivet-cni is compared with and chained after;
 /// - containerd, runc, busybox-static: a real container runtime calling rivet-cni
@@ -31,6 +32,7 @@ pub const PACKAGES: &[&str] = &[
     "iperf3",
     "etcd-server",
     "protobuf-compiler",
+    "libprotobuf-dev",
     "containernetworking-plugins",
     "containerd",
     "runc",
