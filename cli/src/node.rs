@@ -1,7 +1,7 @@
 //! `rivet node up|down|status`: the single-node launcher.
 //!
 //! `rivet node up` starts every node daemon as its own process, in
-//! dependency order — svc-ipam, svc-identity, svc-loader, svc-endpoint —
+//! dependency order — svc-ipam, svc-identity, svc-loader, svc-endpoint, svc-gc —
 //! each one only once the previous one answers `GetInfo` on its socket, and
 //! supervises them ([`NodeSupervisor`]): a daemon that exits is restarted
 //! after a backoff (200 ms doubling to 30 s, reset once it ran 30 s), and one
@@ -23,7 +23,7 @@
 //! (DESIGN.md §8): `--netns NAME` uses an existing one, `--create-netns`
 //! creates it with IPv4/IPv6 forwarding on, IPv6 DAD off and the node
 //! addresses on `lo` (so the kernel has a source address for ARP and ND
-//! towards pods); svc-loader, and rivet-cni when `rivet pod` runs it, run
+//! towards pods); svc-loader, svc-gc, and rivet-cni when `rivet pod` runs it, run
 //! inside it via `nsenter --net` (not `ip netns exec`, which remounts /sys
 //! and hides the bpffs). Pools default to 198.18.0.0/22 and 2001:2::/64 there.
 //!
@@ -69,11 +69,16 @@ use tokio::task::JoinHandle;
 use crate::table::Table;
 use crate::{Context, age, netns, now_unix_nanos, pod};
 
-/// The node daemons in start order (stopped in reverse).
-pub const NODE_DAEMONS: [&str; 4] = ["svc-ipam", "svc-identity", "svc-loader", "svc-endpoint"];
+/// The node daemons in start order (stopped in reverse). svc-gc comes last:
+/// it sweeps svc-loader's pinned conntrack maps and asks svc-endpoint which
+/// endpoints exist.
+pub const NODE_DAEMONS: [&str; 5] = ["svc-ipam", "svc-identity", "svc-loader", "svc-endpoint", "svc-gc"];
 
-/// The daemon that runs inside the node's network namespace.
+/// The privileged datapath daemon that creates the pins.
 const LOADER: &str = "svc-loader";
+
+/// The conntrack garbage collector, the other datapath daemon.
+const GC: &str = "svc-gc";
 
 /// The CNI plugin binary.
 pub const CNI_BINARY: &str = "rivet-cni";
@@ -1007,7 +1012,7 @@ impl NodePlan {
         self.args.cni_bin_dir.join(CNI_BINARY)
     }
 
-    /// The four daemons, in start order.
+    /// The node daemons, in start order.
     pub fn specs(&self) -> Vec<DaemonSpec> {
         NODE_DAEMONS
             .iter()
@@ -1039,6 +1044,7 @@ impl NodePlan {
                             self.args.host_interface_prefix.clone().into(),
                         ]);
                     }
+                    GC => args.extend(["--bpffs".into(), self.args.bpffs.clone().into()]),
                     _ => {}
                 }
                 for d in &self.args.daemon_args {
@@ -1052,7 +1058,12 @@ impl NodePlan {
                     name: name.to_string(),
                     program: self.bin_dir.join(name),
                     args,
-                    netns: if name == LOADER { self.netns_path() } else { None },
+                    // The datapath daemons live in the node's namespace (DESIGN.md §8).
+                    netns: if matches!(name, LOADER | GC) {
+                        self.netns_path()
+                    } else {
+                        None
+                    },
                     socket: self.socket(name),
                     log: self.log_dir.join(format!("{name}.log")),
                 }
@@ -1748,7 +1759,10 @@ mod tests {
                 vec!["--netns", "n", "--create-netns", "--node-address", "1.2.3.4"],
                 "prefix length",
             ),
-            (vec!["--netns", "n", "--daemon-arg", "svc-gc=--x"], "must be one of"),
+            (
+                vec!["--netns", "n", "--daemon-arg", "svc-k8s-sync=--x"],
+                "must be one of",
+            ),
             (vec!["--netns", "n", "--daemon-arg", "svc-ipam"], "DAEMON=ARG"),
             (vec!["--netns", "n", "--node-name", "a b"], "node name"),
             (
@@ -1809,7 +1823,7 @@ mod tests {
             strings(&specs[1].args)[6..],
             ["--etcd-endpoints", "http://127.0.0.1:2379"]
         );
-        // svc-loader alone runs in the namespace, via nsenter.
+        // The datapath daemons, svc-loader and svc-gc, run in the namespace, via nsenter.
         let loader = &specs[2];
         assert_eq!(
             strings(&loader.command_line())[..4],
@@ -1819,7 +1833,13 @@ mod tests {
             strings(&loader.args)[6..],
             ["--bpffs", "/sys/fs/bpf", "--endpoint-interface-prefix", "rvc"]
         );
-        assert!(specs.iter().filter(|s| s.netns.is_some()).count() == 1);
+        let gc = &specs[4];
+        assert_eq!(
+            strings(&gc.command_line())[..4],
+            ["nsenter", "--net=/run/netns/rn1", "--", "/opt/rivet/bin/svc-gc"]
+        );
+        assert_eq!(strings(&gc.args)[6..], ["--bpffs", "/sys/fs/bpf"]);
+        assert_eq!(specs.iter().filter(|s| s.netns.is_some()).count(), 2);
         assert_eq!(strings(&specs[3].args)[6..], ["--dependency-poll-ms=200"]);
         assert_eq!(specs[3].socket, Path::new("/tmp/r/sockets/svc-endpoint.sock"));
         assert_eq!(specs[3].log, Path::new("/tmp/r/state/logs/svc-endpoint.log"));

@@ -16,7 +16,14 @@ use std::time::{Duration, Instant};
 use rivet_cli::node::{DaemonPhase, NODE_DAEMONS, NodePhase, NodeRecord};
 
 /// Every binary `rivet node up` starts or installs.
-const BINARIES: [&str; 5] = ["svc-ipam", "svc-identity", "svc-loader", "svc-endpoint", "rivet-cni"];
+const BINARIES: [&str; 6] = [
+    "svc-ipam",
+    "svc-identity",
+    "svc-loader",
+    "svc-endpoint",
+    "svc-gc",
+    "rivet-cni",
+];
 
 static NODES: AtomicU32 = AtomicU32::new(0);
 
@@ -305,15 +312,20 @@ fn check_started(node: &TestNode) {
         assert_eq!(d.phase, DaemonPhase::Running, "{d:?}");
         assert!(alive(d.pid.unwrap()), "{d:?}");
     }
-    // svc-loader runs inside the node namespace, the others do not.
+    // The datapath daemons (svc-loader, svc-gc) run inside the node namespace, the others do not.
     let in_ns = Command::new("ip")
         .args(["netns", "pids", &node.netns])
         .output()
         .unwrap();
     let in_ns = String::from_utf8_lossy(&in_ns.stdout).to_string();
-    let loader = record.daemon("svc-loader").unwrap().pid.unwrap();
     let endpoint = record.daemon("svc-endpoint").unwrap().pid.unwrap();
-    assert!(in_ns.split_whitespace().any(|p| p == loader.to_string()), "{in_ns}");
+    for daemon in ["svc-loader", "svc-gc"] {
+        let pid = record.daemon(daemon).unwrap().pid.unwrap();
+        assert!(
+            in_ns.split_whitespace().any(|p| p == pid.to_string()),
+            "{daemon} runs in the node namespace: {in_ns}"
+        );
+    }
     assert!(!in_ns.split_whitespace().any(|p| p == endpoint.to_string()), "{in_ns}");
     // The namespace: forwarding on, node addresses on lo.
     let lo = Command::new("ip")
@@ -383,9 +395,30 @@ fn node_up_pods_through_rivet_cni_restart_and_down_leave_nothing() {
         node.tcp_echo("a", &b4, 8080)
     });
 
+    // The node's svc-gc sweeps the real conntrack maps with svc-endpoint's
+    // endpoint list, and keeps the entries of live connections.
+    let pass = node.json(&["gc", "run"]);
+    assert_eq!(pass["trigger"], "run-now", "{pass}");
+    assert_eq!(
+        pass["orphan_check"], "done",
+        "svc-gc must check orphans against the node's endpoints: {pass}"
+    );
+    assert!(
+        pass["scanned"].as_u64().unwrap() > 0,
+        "the pods' connections are in conntrack: {pass}"
+    );
+    assert_eq!(
+        pass["deleted"]["orphaned_endpoint"], 0,
+        "entries of existing pods are not orphans: {pass}"
+    );
+    assert!(
+        node.tcp_echo("a", &b4, 8080),
+        "a GC pass must not break a live connection's path"
+    );
+
     // kill -9: the supervisor restarts the daemon; pods keep their traffic
     // and endpoints.
-    for daemon in ["svc-endpoint", "svc-loader"] {
+    for daemon in ["svc-endpoint", "svc-loader", "svc-gc"] {
         node.kill9_and_wait_for_restart(daemon);
         assert!(node.ping("a", &b4), "a -> b after {daemon} restarted");
         assert!(node.tcp_echo("a", &b4, 8080), "TCP a -> b after {daemon} restarted");

@@ -1,7 +1,7 @@
 //! `cargo xtask demo`: one Rivet node, three pods and a NetworkPolicy, using only the
 //! real binaries and the `rivet` CLI as a user would type it.
 //!
-//! 1. `rivet node up --create-netns --detach`: the four node daemons under one
+//! 1. `rivet node up --create-netns --detach`: the five node daemons under one
 //!    supervisor, in a network namespace of their own, with rivet-cni installed;
 //! 2. three pods (frontend, backend, db) through the real CNI plugin (`rivet pod add`);
 //! 3. a policy: only frontend may reach backend, on TCP 8080; nothing may reach db;
@@ -384,9 +384,9 @@ impl Demo {
             "1. A node",
             &format!(
                 "Everything lives in a temp dir, D={d}, and in network namespaces the demo creates.\n\
-                 `rivet node up` starts svc-ipam, svc-identity, svc-loader (inside the node's namespace)\n\
-                 and svc-endpoint, each once the previous one answers, supervises them and installs\n\
-                 rivet-cni with its conflist."
+                 `rivet node up` starts svc-ipam, svc-identity, svc-loader (inside the node's namespace),\n\
+                 svc-endpoint and svc-gc, each once the previous one answers, supervises them and\n\
+                 installs rivet-cni with its conflist."
             ),
         );
         println!("$ export RIVET_STATE_DIR=$D/state RIVET_SOCKET_DIR=$D/sockets");
