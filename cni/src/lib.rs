@@ -14,6 +14,8 @@
 //! [`result`] are the spec's formats; [`netlink`], [`grpc`] and [`delegate`]
 //! are the real implementations; [`logging`] sends logs to the `logFile` and
 //! spans over OTLP. `main.rs` reads the environment and stdin and wires them.
+//! `testing` (feature `testing`) runs the binary the way a runtime does, for
+//! the cross-process tests and the `cni` benchmark.
 
 pub mod api;
 pub mod delegate;
@@ -26,6 +28,8 @@ pub mod netconf;
 pub mod netlink;
 pub mod plugin;
 pub mod result;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod version;
 
 use serde_json::Value;

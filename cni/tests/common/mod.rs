@@ -3,23 +3,25 @@
 //! svc-ipam, svc-endpoint) and the real rivet-cni binary run inside the node
 //! namespace the way a runtime runs it (`nsenter --net=<node ns>`, a clean
 //! environment with the `CNI_*` variables, the netconf on stdin), against pod
-//! namespaces the test owns.
+//! namespaces the test owns. Running the binary, the netconf, the
+//! environment and pods are `rivet_cni::testing`'s (shared with the `cni`
+//! benchmark); this adds the node and what the tests inspect on it.
 
 #![allow(dead_code)]
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
-use std::process::{ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+pub use rivet_cni::testing::{CniRun, Pod};
+use rivet_cni::testing::{cni_env, exec_in_netns, node_conf};
 use rivet_common::testing::netns::NetNs;
 use rivet_common::testing::workspace_binary;
 use rivet_proto::endpoint::v1 as eppb;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
-use serde_json::{Value, json};
+use serde_json::Value;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
-use tokio::io::AsyncWriteExt as _;
 
 /// Host veth prefix the node's svc-loader acts on.
 pub const PREFIX: &str = "rvh";
@@ -27,82 +29,6 @@ pub const PREFIX: &str = "rvh";
 /// The node's gateways (first host addresses of its svc-ipam pool).
 pub const GATEWAY4: &str = "198.18.0.1";
 pub const GATEWAY6: &str = "2001:2::1";
-
-/// One run of the binary.
-#[derive(Debug)]
-pub struct CniRun {
-    pub status: ExitStatus,
-    pub stdout: String,
-    pub stderr: String,
-    pub elapsed: Duration,
-}
-
-impl CniRun {
-    /// stdout as JSON (Null when empty).
-    pub fn json(&self) -> Value {
-        if self.stdout.trim().is_empty() {
-            return Value::Null;
-        }
-        serde_json::from_str(&self.stdout)
-            .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {:?}\nstderr: {}", self.stdout, self.stderr))
-    }
-
-    /// Asserts success; stdout as JSON.
-    #[track_caller]
-    pub fn ok(&self) -> Value {
-        assert!(
-            self.status.success(),
-            "rivet-cni failed ({}): {}\nstderr: {}",
-            self.status,
-            self.stdout,
-            self.stderr
-        );
-        self.json()
-    }
-
-    /// Asserts failure with the spec's error JSON; the error.
-    #[track_caller]
-    pub fn err(&self) -> Value {
-        assert!(
-            !self.status.success(),
-            "rivet-cni succeeded but should have failed: {}",
-            self.stdout
-        );
-        let error = self.json();
-        assert!(error["code"].is_u64(), "error JSON has a code: {error}");
-        assert!(error["msg"].is_string(), "error JSON has a msg: {error}");
-        assert!(error["cniVersion"].is_string(), "error JSON has a cniVersion: {error}");
-        error
-    }
-
-    /// Asserts failure with `code`; the message.
-    #[track_caller]
-    pub fn err_code(&self, code: u64) -> String {
-        let error = self.err();
-        assert_eq!(error["code"], code, "{error}");
-        error["msg"].as_str().unwrap().to_string()
-    }
-}
-
-/// A pod namespace and the container id the test uses for it.
-#[derive(Debug)]
-pub struct Pod {
-    pub ns: NetNs,
-    pub id: String,
-}
-
-impl Pod {
-    pub fn new(id: &str) -> Self {
-        Self {
-            ns: NetNs::new("rvp").expect("creating a pod namespace"),
-            id: id.to_string(),
-        }
-    }
-
-    pub fn path(&self) -> PathBuf {
-        self.ns.path()
-    }
-}
 
 /// What a node holds of pods: allocations, endpoints of svc-endpoint and of
 /// the loader (map entries), host veths.
@@ -148,67 +74,22 @@ impl Harness {
         &self.node.node.node.ns
     }
 
-    /// A netconf for this node in `version`.
+    /// A netconf for this node in `version` (debug logs in [`Self::log_file`]).
     pub fn conf(&self, version: &str) -> Value {
-        json!({
-            "cniVersion": version,
-            "name": "rivet",
-            "type": "rivet-cni",
-            "socketDir": self.node.sockets(),
-            "hostInterfacePrefix": PREFIX,
-            "logFile": self.log_file,
-            "logLevel": "debug",
-            "timeoutSeconds": 30,
-        })
+        node_conf(version, &self.node.sockets(), PREFIX, &self.log_file, Some("debug"))
     }
 
     /// The runtime's environment for an attachment verb.
     pub fn env(command: &str, pod: &Pod, ifname: &str) -> Vec<(String, String)> {
-        vec![
-            ("CNI_COMMAND".into(), command.into()),
-            ("CNI_CONTAINERID".into(), pod.id.clone()),
-            ("CNI_NETNS".into(), pod.path().display().to_string()),
-            ("CNI_IFNAME".into(), ifname.into()),
-            ("CNI_PATH".into(), "/usr/lib/cni".into()),
-            (
-                "CNI_ARGS".into(),
-                format!(
-                    "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={};K8S_POD_INFRA_CONTAINER_ID={};K8S_POD_UID=uid-{}",
-                    pod.id, pod.id, pod.id
-                ),
-            ),
-        ]
+        cni_env(command, &pod.id, &pod.path(), ifname)
     }
 
     /// Runs `bin` in the node namespace with exactly `env` (plus PATH) and
     /// `stdin`.
     pub async fn exec_bin(&self, bin: &Path, env: &[(String, String)], stdin: &[u8]) -> CniRun {
-        let started = Instant::now();
-        let mut child = tokio::process::Command::new("nsenter")
-            .arg(format!("--net={}", self.node_ns().path().display()))
-            .arg(bin)
-            .env_clear()
-            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("running rivet-cni under nsenter");
-        let mut input = child.stdin.take().unwrap();
-        input.write_all(stdin).await.unwrap();
-        drop(input);
-        let output = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output())
+        exec_in_netns(&self.node_ns().path(), bin, env, stdin, Duration::from_secs(90))
             .await
-            .expect("rivet-cni finishes within 90 s")
-            .unwrap();
-        CniRun {
-            status: output.status,
-            stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-            elapsed: started.elapsed(),
-        }
+            .unwrap_or_else(|e| panic!("running {} under nsenter within 90 s: {e}", bin.display()))
     }
 
     /// Runs rivet-cni.
@@ -328,22 +209,9 @@ impl Harness {
 }
 
 /// The addresses of a result's `ips`, without prefix length.
+#[track_caller]
 pub fn result_ips(result: &Value) -> Vec<IpAddr> {
-    result["ips"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|ip| {
-            ip["address"]
-                .as_str()
-                .unwrap()
-                .split('/')
-                .next()
-                .unwrap()
-                .parse()
-                .unwrap()
-        })
-        .collect()
+    rivet_cni::testing::result_ips(result).unwrap_or_else(|| panic!("a result with addresses: {result}"))
 }
 
 /// Pings `dst` from `from` (3 packets); how many came back.
