@@ -47,7 +47,7 @@ use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
 use svc_loader::testing::HOST_PREFIX;
 
-use crate::report::{BenchResult, sibling_binary};
+use crate::report::{BenchResult, ms, percentile, sibling_binary};
 
 /// The node's IPv4 pool (`svc_endpoint::testing::POOL4`, a /22) bounds the
 /// node size.
@@ -338,10 +338,6 @@ pub async fn run(args: &EndpointArgs) -> anyhow::Result<BenchResult> {
     })
 }
 
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
 async fn timed_ms<T, E>(call: impl Future<Output = Result<T, E>>) -> anyhow::Result<f64>
 where
     E: std::error::Error + Send + Sync + 'static,
@@ -349,13 +345,6 @@ where
     let started = Instant::now();
     call.await?;
     Ok(ms(started.elapsed()))
-}
-
-/// The `q` quantile (nearest rank) of `values`.
-fn percentile(values: &mut [f64], q: f64) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let rank = (values.len() as f64 * q).ceil() as usize;
-    values[rank.clamp(1, values.len()) - 1]
 }
 
 /// `count` veth pairs in `ns`, both ends there and up: `rvh<tag><i>` (the
@@ -597,14 +586,6 @@ fn rss_mib(pid: u32, name: &str) -> anyhow::Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn percentile_is_nearest_rank() {
-        let mut v: Vec<f64> = (1..=200).map(f64::from).collect();
-        assert_eq!(percentile(&mut v, 0.50), 100.0);
-        assert_eq!(percentile(&mut v, 0.99), 198.0);
-        assert_eq!(percentile(&mut [3.0], 0.99), 3.0);
-    }
 
     #[test]
     fn took_ms_is_read_from_text_and_json_logs() {

@@ -3,6 +3,7 @@
 //! same as JSON in `target/rivet-bench/<bench>.json`.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -78,9 +79,33 @@ pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// A duration in milliseconds.
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The `q` quantile (nearest rank) of `values` (sorts them); NaN when empty.
+pub fn percentile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    values.sort_by(f64::total_cmp);
+    let rank = (values.len() as f64 * q).ceil() as usize;
+    values[rank.clamp(1, values.len()) - 1]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn percentile_is_nearest_rank() {
+        let mut v: Vec<f64> = (1..=200).map(f64::from).collect();
+        assert_eq!(percentile(&mut v, 0.50), 100.0);
+        assert_eq!(percentile(&mut v, 0.99), 198.0);
+        assert_eq!(percentile(&mut [3.0], 0.99), 3.0);
+        assert!(percentile(&mut [], 0.5).is_nan());
+    }
 
     #[test]
     fn result_line_and_json_match() {
