@@ -1,6 +1,7 @@
 //! `rivet-bench <name>`: runs one benchmark, prints its `RESULT` line and
 //! writes `target/rivet-bench/<name>.json`. Run it through `cargo xtask bench`.
 
+mod cni;
 mod datapath;
 mod endpoint;
 mod gc;
@@ -34,6 +35,8 @@ enum Bench {
     Endpoint(endpoint::EndpointArgs),
     /// svc-gc: a pass over 1M conntrack entries (10% expired) vs a raw batch dump; CPU s/min at steady state.
     Gc(gc::GcArgs),
+    /// rivet-cni ADD/DEL latency and pods ready/s on one node vs the reference bridge + host-local plugins.
+    Cni(cni::CniArgs),
 }
 
 #[tokio::main]
@@ -58,6 +61,11 @@ async fn main() -> anyhow::Result<()> {
                 "gc  svc-gc pass over 1M entries (10% expired) vs raw BPF_MAP_LOOKUP_BATCH dump of the same map; \
                  CPU s/min with 100k live entries (ratio = pass / dump, lower is better)"
             );
+            println!(
+                "cni  rivet-cni ADD/DEL p50/p99 and pods ready/s (concurrent ADDs) on one node vs the reference \
+                 bridge + host-local plugins in the same node namespace (ratio = ADD p50 / bridge ADD p50, lower is \
+                 better)"
+            );
             return Ok(());
         }
     };
@@ -67,6 +75,7 @@ async fn main() -> anyhow::Result<()> {
         Bench::Identity(args) => identity::run(&args).await?,
         Bench::Endpoint(args) => endpoint::run(&args).await?,
         Bench::Gc(args) => gc::run(&args).await?,
+        Bench::Cni(args) => cni::run(&args).await?,
     };
     result.publish(&report::target_dir()?)?;
     Ok(())
