@@ -1,6 +1,6 @@
 //! The raw `bpf(2)` commands Rivet needs and aya 0.14 does not expose, on
-//! plain fds: `BPF_OBJ_GET` and object info for pins (maps, links),
-//! `BPF_LINK_DETACH`, and the map commands of svc-gc's passes —
+//! plain fds: `BPF_OBJ_GET` and object info for map pins, and the map
+//! commands of svc-gc's passes —
 //! `BPF_MAP_LOOKUP_BATCH` / `BPF_MAP_DELETE_BATCH` / `BPF_MAP_UPDATE_BATCH`
 //! plus the per-element commands of their fallback path.
 //!
@@ -22,7 +22,6 @@ const BPF_OBJ_GET_INFO_BY_FD: u32 = 15;
 const BPF_MAP_LOOKUP_BATCH: u32 = 24;
 const BPF_MAP_UPDATE_BATCH: u32 = 26;
 const BPF_MAP_DELETE_BATCH: u32 = 27;
-const BPF_LINK_DETACH: u32 = 34;
 
 /// `ENOTSUPP` (kernel-internal, 524): what old kernels answer for batch
 /// commands a map type lacks.
@@ -189,69 +188,6 @@ pub fn obj_kind(fd: BorrowedFd<'_>) -> ObjKind {
             _ => ObjKind::Unknown,
         },
         Err(_) => ObjKind::Unknown,
-    }
-}
-
-/// `struct bpf_link_info` up to the TCX member of its union (which starts
-/// at offset 16: the union is 8-byte aligned), zero-padded.
-#[repr(C)]
-#[derive(Default)]
-struct RawLinkInfo {
-    link_type: u32,
-    id: u32,
-    prog_id: u32,
-    pad: u32,
-    tcx_ifindex: u32,
-    tcx_attach_type: u32,
-    rest: [u64; 6],
-}
-
-/// What the kernel says about a link.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LinkInfo {
-    /// `BPF_LINK_TYPE_*`.
-    pub link_type: u32,
-    /// Kernel link id.
-    pub id: u32,
-    /// The attached program's id.
-    pub prog_id: u32,
-    /// TCX links only.
-    pub ifindex: u32,
-    /// TCX links only.
-    pub attach_type: u32,
-}
-
-/// `BPF_OBJ_GET_INFO_BY_FD` for a link.
-pub fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
-    let mut info = RawLinkInfo::default();
-    let mut attr = InfoAttr {
-        bpf_fd: fd_u32(fd),
-        info_len: size_of::<RawLinkInfo>() as u32,
-        info: std::ptr::from_mut(&mut info) as u64,
-    };
-    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
-    Ok(LinkInfo {
-        link_type: info.link_type,
-        id: info.id,
-        prog_id: info.prog_id,
-        ifindex: info.tcx_ifindex,
-        attach_type: info.tcx_attach_type,
-    })
-}
-
-#[repr(C)]
-struct LinkDetachAttr {
-    link_fd: u32,
-}
-
-/// `BPF_LINK_DETACH`: detaches whoever else still holds the link. A link
-/// already detached (its interface went away) is fine.
-pub fn link_detach(fd: BorrowedFd<'_>) -> io::Result<()> {
-    let mut attr = LinkDetachAttr { link_fd: fd_u32(fd) };
-    match bpf(BPF_LINK_DETACH, &mut attr) {
-        Ok(_) => Ok(()),
-        Err(err) if err.raw_os_error() == Some(libc::ENOLINK) => Ok(()),
-        Err(err) => Err(err),
     }
 }
 

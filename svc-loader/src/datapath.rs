@@ -1,17 +1,12 @@
-//! The loaded datapath: the BPF object, its pinned maps, and the TCX
+//! The loaded datapath: the BPF object, its pinned maps, and the tc
 //! attachments of its two programs.
 //!
 //! # Pins
 //!
 //! Everything lives under one pin directory, `<bpffs>/rivet/<node>/`
-//! ([`DatapathOptions::pin_dir`]):
-//!
-//! - `<pin_dir>/<map>` for every map of the object (`endpoints`, `ipcache`,
-//!   `policy`, `ct4`, `ct6`, `metrics`, `events`, `config`, and any map the
-//!   datapath adds later);
-//! - `<pin_dir>/links/<ifindex>-ingress` and `…-egress`: the TCX links of
-//!   `from_container` (tc ingress of the host-side veth) and `to_container`
-//!   (tc egress).
+//! ([`DatapathOptions::pin_dir`]): `<pin_dir>/<map>` for every map of the
+//! object (`endpoints`, `ipcache`, `policy`, `ct4`, `ct6`, `metrics`,
+//! `events`, `config`, and any map the datapath adds later).
 //!
 //! [`Datapath::open`] reuses an existing map pin only if the kernel's map has
 //! exactly the type, key size, value size, max_entries and flags this object
@@ -22,17 +17,17 @@
 //!
 //! # Attachments outlive the loader
 //!
-//! A TCX link is a kernel object that stays attached as long as something
-//! references it. [`Datapath::attach`] takes the link out of aya (so no aya
-//! `Drop` detaches it), pins it, and closes its own fd: from then on only the
-//! pin holds it, and the programs keep running when the loader exits or
-//! crashes (the link holds the program, the program holds its maps). A new
-//! loader [`adopts`](Datapath::adopt_existing) each pinned link by atomically
-//! replacing its program with its own instance (`BPF_LINK_UPDATE`, no packet
-//! sees a missing program); a link whose interface is gone (the kernel
-//! reports ifindex 0 and refuses updates with `ENOLINK`) is unpinned, which
-//! frees it. [`Datapath::detach`] detaches explicitly (`BPF_LINK_DETACH`) and
-//! unpins, so nothing else holding the link can keep it attached.
+//! [`Datapath::attach`] adds a `clsact` qdisc to the host-side veth and one
+//! direct-action `cls_bpf` filter per hook ([`crate::tc`]: priority 1,
+//! handle 1, named after its program). A filter holds its program and the
+//! program its maps, so the programs keep running when the loader exits or
+//! crashes, with nothing pinned; the filter goes away with its device. A new
+//! loader [`adopts`](Datapath::adopt_existing) every filter of its programs'
+//! names by replacing its program with its own instance in place (one
+//! netlink request; no packet sees a missing program). [`Datapath::detach`]
+//! deletes the filters. Classic tc rather than TCX links: see [`crate::tc`]
+//! for the measurement. A loader that finds TCX link pins of an earlier
+//! version under `<pin_dir>/links/` moves them to tc filters on start.
 //!
 //! Interfaces are looked up in the calling thread's network namespace
 //! ([`crate::netdev`]); the loader is meant to run inside the node's.
@@ -40,14 +35,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::io;
-use std::os::fd::{AsFd as _, OwnedFd};
+use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, RingBuf};
-use aya::programs::links::{FdLink, PinnedLink};
-use aya::programs::tc::{SchedClassifierLink, TcAttachOptions};
-use aya::programs::{LinkOrder, ProgramError, SchedClassifier, TcAttachType};
-use aya::sys::SyscallError;
+use aya::programs::{ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 
 use rivet_bpf_sys as sys;
@@ -58,6 +50,7 @@ use crate::maps::{
     METRICS_ENTRIES, MetricsValue, PolicyKeyData, PolicyValue,
 };
 use crate::netdev;
+use crate::tc;
 
 /// Map names (as in `bpf/datapath.c` and under the pin directory).
 pub const MAP_ENDPOINTS: &str = "endpoints";
@@ -92,8 +85,9 @@ pub const PROG_FROM_CONTAINER: &str = "from_container";
 /// The program on tc egress of the host-side veth (packets entering the pod).
 pub const PROG_TO_CONTAINER: &str = "to_container";
 
-/// Subdirectory of the pin directory holding the TCX link pins.
-pub const LINKS_DIR: &str = "links";
+/// Subdirectory of the pin directory where loaders before the move to tc
+/// pinned their TCX links; [`Datapath::open`] migrates and removes it.
+pub const LEGACY_LINKS_DIR: &str = "links";
 
 /// Default bpffs mount point.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
@@ -110,12 +104,6 @@ pub const DEFAULT_EVENTS_BYTES: u32 = 1 << 20;
 
 /// `BPF_F_NO_PREALLOC`.
 const BPF_F_NO_PREALLOC: u32 = 1;
-/// `BPF_LINK_TYPE_TCX` (linux/bpf.h).
-const BPF_LINK_TYPE_TCX: u32 = 11;
-/// `BPF_TCX_INGRESS` (linux/bpf.h).
-const BPF_TCX_INGRESS: u32 = 46;
-/// `BPF_TCX_EGRESS` (linux/bpf.h).
-const BPF_TCX_EGRESS: u32 = 47;
 /// `BPF_FS_MAGIC` (linux/magic.h).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
@@ -172,9 +160,9 @@ impl DatapathOptions {
         Ok(Self::new(bpffs.as_ref().join("rivet").join(node)))
     }
 
-    /// `<pin_dir>/links`.
-    pub fn links_dir(&self) -> PathBuf {
-        self.pin_dir.join(LINKS_DIR)
+    /// `<pin_dir>/links`, where earlier loaders pinned TCX links.
+    pub fn legacy_links_dir(&self) -> PathBuf {
+        self.pin_dir.join(LEGACY_LINKS_DIR)
     }
 
     /// The ring buffer size the kernel gets: `events_bytes` rounded up to a
@@ -302,7 +290,7 @@ impl Hook {
         }
     }
 
-    /// `ingress` / `egress` (the suffix of the link pin).
+    /// `ingress` / `egress`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Ingress => "ingress",
@@ -310,17 +298,10 @@ impl Hook {
         }
     }
 
-    fn tc_attach_type(self) -> TcAttachType {
+    fn direction(self) -> tc::Direction {
         match self {
-            Self::Ingress => TcAttachType::Ingress,
-            Self::Egress => TcAttachType::Egress,
-        }
-    }
-
-    fn bpf_attach_type(self) -> u32 {
-        match self {
-            Self::Ingress => BPF_TCX_INGRESS,
-            Self::Egress => BPF_TCX_EGRESS,
+            Self::Ingress => tc::Direction::Ingress,
+            Self::Egress => tc::Direction::Egress,
         }
     }
 
@@ -335,7 +316,7 @@ impl Hook {
 
 impl fmt::Display for Hook {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "TCX {}", self.as_str())
+        write!(f, "tc {}", self.as_str())
     }
 }
 
@@ -474,7 +455,7 @@ pub enum DatapathError {
         /// The error.
         error: io::Error,
     },
-    /// Attaching, replacing or querying a program on a hook failed.
+    /// Using a program for an attachment failed.
     #[error("{what} {program} on {hook} of {ifname} (ifindex {ifindex}): {}", chain(&**.error))]
     Attach {
         /// What was being done.
@@ -490,31 +471,15 @@ pub enum DatapathError {
         /// aya's error.
         error: Box<ProgramError>,
     },
-    /// A link pin could not be used.
-    #[error("{what} of {hook} on ifindex {ifindex} (pinned at {}): {error}", pin.display())]
-    Link {
-        /// What was being done.
+    /// A tc request (qdisc or filter) for an interface failed.
+    #[error("{what} (ifindex {ifindex}): {error}")]
+    Tc {
+        /// What was being done, to what.
         what: String,
-        /// The hook.
-        hook: Hook,
         /// The interface index.
         ifindex: u32,
-        /// The pin path.
-        pin: PathBuf,
-        /// The error.
+        /// The kernel's answer.
         error: io::Error,
-    },
-    /// Something pinned in the links directory is not what the loader pins there.
-    #[error(
-        "{} is not a TCX link of this datapath ({detail}); nothing was changed: \
-         remove it by hand if it is a leftover",
-        pin.display()
-    )]
-    ForeignLinkPin {
-        /// The pin path.
-        pin: PathBuf,
-        /// What is wrong with it.
-        detail: String,
     },
 }
 
@@ -537,18 +502,15 @@ fn map_err(what: impl Into<String>, map: &'static str) -> impl FnOnce(MapError) 
 /// What [`Datapath::attach`] did on one hook.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LinkChange {
-    /// The pinned link already runs this loader's program.
+    /// The filter already runs this loader's program.
     Unchanged,
-    /// A new link was attached and pinned.
+    /// A new filter was attached.
     Created,
-    /// The pinned link now runs this loader's program instead of `previous_prog_id`.
+    /// The filter now runs this loader's program instead of `previous_prog_id`.
     Updated {
-        /// The program id the link ran before.
+        /// The program id the filter ran before.
         previous_prog_id: u32,
     },
-    /// The pin held a defunct link (its interface was deleted); it was
-    /// unpinned and a new link attached and pinned.
-    Recreated,
 }
 
 impl LinkChange {
@@ -558,7 +520,7 @@ impl LinkChange {
     }
 
     fn is_new(self) -> bool {
-        matches!(self, Self::Created | Self::Recreated)
+        self == Self::Created
     }
 }
 
@@ -585,9 +547,9 @@ impl AttachOutcome {
 /// The result of [`Datapath::detach`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DetachOutcome {
-    /// An ingress link was detached (or its defunct pin removed).
+    /// The ingress filter was deleted.
     pub ingress: bool,
-    /// An egress link was detached (or its defunct pin removed).
+    /// The egress filter was deleted.
     pub egress: bool,
 }
 
@@ -601,44 +563,43 @@ impl DetachOutcome {
 /// What [`Datapath::adopt_existing`] found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AdoptReport {
-    /// Links now running this loader's programs (they ran another instance).
+    /// Filters now running this loader's programs (they ran another instance).
     pub updated: usize,
-    /// Links that already ran this loader's programs.
+    /// Filters that already ran this loader's programs.
     pub unchanged: usize,
-    /// Pins removed because their interface is gone (ifindex, hook).
+    /// TCX link pins of an earlier loader replaced by filters (ifindex, hook).
+    pub migrated: Vec<(u32, Hook)>,
+    /// TCX link pins of an earlier loader removed because their interface
+    /// is gone (ifindex, hook).
     pub removed: Vec<(u32, Hook)>,
-    /// Entries of the links directory left alone, with the reason.
+    /// Entries of the legacy links directory left alone, with the reason.
     pub ignored: Vec<(PathBuf, String)>,
 }
 
 /// The state of one hook of one interface, see [`Datapath::attachments`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttachState {
-    /// This loader's program is attached by the pinned link.
+    /// This loader's program is attached.
     Attached {
-        /// Kernel link id.
-        link_id: u32,
         /// Kernel program id (this loader's).
         prog_id: u32,
     },
-    /// No pinned link for this hook (or the link's program is not on the hook).
+    /// No filter of ours on this hook.
     Detached,
-    /// The pinned link runs another program (another loader instance's):
+    /// Our filter runs another program (another loader instance's):
     /// [`Datapath::adopt_existing`] or [`Datapath::attach`] fixes it.
     Stale {
-        /// Kernel link id.
-        link_id: u32,
         /// Kernel program id.
         prog_id: u32,
     },
-    /// The pinned link's interface no longer exists (in this namespace).
+    /// The interface no longer exists (in this namespace).
     InterfaceGone,
 }
 
-/// One interface with pinned links.
+/// One interface and the state of its two hooks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attachment {
-    /// The interface index (from the pin names).
+    /// The interface index.
     pub ifindex: u32,
     /// Its name in the loader's namespace, if it exists there.
     pub ifname: Option<String>,
@@ -759,29 +720,14 @@ impl fmt::Debug for Datapath {
     }
 }
 
-/// A pinned link as the kernel describes it.
-struct PinnedTcx {
-    fd: OwnedFd,
-    link_id: u32,
-    prog_id: u32,
-    /// 0 once the interface is gone (or the link was detached).
-    ifindex: u32,
-}
-
-enum Update {
-    Updated,
-    Defunct,
-}
-
 impl Datapath {
     /// Loads the datapath with its maps pinned in `opts.pin_dir` (reusing
     /// matching pins, refusing mismatching ones), loads both programs, writes
-    /// the config map, and [adopts](Self::adopt_existing) pinned links.
+    /// the config map, and [adopts](Self::adopt_existing) attached filters.
     pub fn open(opts: DatapathOptions) -> Result<Self, DatapathError> {
         opts.validate()?;
         check_bpffs(&opts.pin_dir)?;
-        let links_dir = opts.links_dir();
-        std::fs::create_dir_all(&links_dir).map_err(io_err("creating the pin directory", &links_dir))?;
+        std::fs::create_dir_all(&opts.pin_dir).map_err(io_err("creating the pin directory", &opts.pin_dir))?;
 
         let specs = expected_specs(&opts)?;
         let mut reused_maps = BTreeSet::new();
@@ -881,7 +827,7 @@ impl Datapath {
         self.program_ids
     }
 
-    /// What [`open`](Self::open) found and did with pinned links.
+    /// What [`open`](Self::open) found and did with attachments.
     pub fn adoption(&self) -> &AdoptReport {
         &self.adoption
     }
@@ -977,24 +923,20 @@ impl Datapath {
         self.write_config()
     }
 
-    /// The pin of the link of `hook` on `ifindex`.
-    pub fn link_pin(&self, ifindex: u32, hook: Hook) -> PathBuf {
-        self.opts.links_dir().join(format!("{ifindex}-{}", hook.as_str()))
-    }
-
-    /// Attaches `from_container` to TCX ingress and `to_container` to TCX
+    /// Attaches `from_container` to tc ingress and `to_container` to tc
     /// egress of interface `ifindex` (in the calling thread's namespace),
-    /// pinning each link so the attachment outlives this process.
+    /// adding its clsact qdisc if needed. The filters outlive this process.
     ///
-    /// Idempotent: a pinned link that already runs this instance's program
-    /// is left alone; one that runs another program (a previous loader's) is
-    /// updated in place, atomically; a defunct one is replaced. If the
-    /// second hook fails, a link this call created on the first is removed
-    /// again.
+    /// Idempotent: a filter that already runs this instance's program is
+    /// left alone; one that runs another instance's (a previous loader's) gets
+    /// this one's, atomically. If the second hook fails, a filter this call
+    /// created on the first is removed again.
     pub fn attach(&mut self, ifindex: u32) -> Result<AttachOutcome, DatapathError> {
         let ifname = self
             .ifname(ifindex)?
             .ok_or(DatapathError::InterfaceNotFound { ifindex })?;
+        tc::ensure_clsact(ifindex)
+            .map_err(|error| tc_err(format!("adding the clsact qdisc to {ifname}"), ifindex, error))?;
         let ingress = self.attach_hook(ifindex, &ifname, Hook::Ingress)?;
         let egress = match self.attach_hook(ifindex, &ifname, Hook::Egress) {
             Ok(change) => change,
@@ -1014,8 +956,8 @@ impl Datapath {
         })
     }
 
-    /// Detaches both programs from `ifindex` and removes the link pins
-    /// (only the pins if the interface is gone). Idempotent.
+    /// Deletes both filters from `ifindex` (nothing if the interface is
+    /// gone: its filters went with it). Idempotent.
     pub fn detach(&mut self, ifindex: u32) -> Result<DetachOutcome, DatapathError> {
         Ok(DetachOutcome {
             ingress: self.detach_hook(ifindex, Hook::Ingress)?,
@@ -1023,92 +965,66 @@ impl Datapath {
         })
     }
 
-    /// Makes every pinned link run this instance's programs (atomic program
-    /// replacement), and removes the pins of links whose interface is gone.
-    /// Runs on [`open`](Self::open); entries of the links directory that are
-    /// not this loader's pins are reported and left alone.
+    /// Makes every filter of ours (on any interface of the namespace) run
+    /// this instance's programs, replacing the program in place. Runs on
+    /// [`open`](Self::open), after moving TCX link pins of an earlier loader
+    /// to filters.
     pub fn adopt_existing(&mut self) -> Result<AdoptReport, DatapathError> {
-        let mut report = AdoptReport::default();
-        let (pins, ignored) = self.pinned_links()?;
-        report.ignored = ignored;
-        for (ifindex, hook, pin) in pins {
-            let link = match self.open_link_pin(ifindex, hook, &pin) {
-                Ok(Some(link)) => link,
-                Ok(None) => continue, // removed meanwhile
-                Err(DatapathError::ForeignLinkPin { pin, detail }) => {
-                    report.ignored.push((pin, detail));
+        let mut report = self.migrate_legacy_links()?;
+        for ifindex in interfaces()? {
+            for hook in Hook::ALL {
+                let Some(filter) = self.our_filter(ifindex, hook)? else {
+                    continue;
+                };
+                if filter.prog_id == self.program_ids.for_hook(hook) {
+                    report.unchanged += 1;
                     continue;
                 }
-                Err(err) => return Err(err),
-            };
-            let defunct = if link.ifindex == 0 {
-                true
-            } else if link.prog_id == self.program_ids.for_hook(hook) {
-                report.unchanged += 1;
-                false
-            } else {
-                match self.update_link(ifindex, hook, &pin)? {
-                    Update::Updated => {
-                        report.updated += 1;
-                        false
-                    }
-                    Update::Defunct => true,
+                match self.set_filter(ifindex, hook, true) {
+                    Ok(()) => report.updated += 1,
+                    // Deleted meanwhile: nothing to adopt.
+                    Err(DatapathError::InterfaceNotFound { .. }) => {}
+                    Err(err) => return Err(err),
                 }
-            };
-            if defunct {
-                remove_pin(&pin, ifindex, hook)?;
-                report.removed.push((ifindex, hook));
             }
         }
         Ok(report)
     }
 
-    /// The attach state of every interface with a pinned link, by ifindex.
+    /// Every interface of the namespace with a filter of ours, with the
+    /// state of both hooks, by ifindex.
     pub fn attachments(&self) -> Result<Vec<Attachment>, DatapathError> {
-        let (pins, _) = self.pinned_links()?;
-        let ifindexes: BTreeSet<u32> = pins.iter().map(|(ifindex, _, _)| *ifindex).collect();
-        ifindexes.into_iter().map(|ifindex| self.attachment(ifindex)).collect()
+        let mut list = Vec::new();
+        for ifindex in interfaces()? {
+            let attachment = self.attachment(ifindex)?;
+            if attachment.ingress != AttachState::Detached || attachment.egress != AttachState::Detached {
+                list.push(attachment);
+            }
+        }
+        Ok(list)
     }
 
-    /// The attach state of one interface.
+    /// The attach state of one interface (`InterfaceGone` on both hooks if
+    /// it does not exist).
     pub fn attachment(&self, ifindex: u32) -> Result<Attachment, DatapathError> {
         let ifname = self.ifname(ifindex)?;
-        let mut states = [AttachState::Detached; 2];
-        for (hook, state) in Hook::ALL.into_iter().zip(&mut states) {
-            let pin = self.link_pin(ifindex, hook);
-            let Some(link) = self.open_link_pin(ifindex, hook, &pin)? else {
-                continue;
-            };
-            let Some(name) = ifname.as_deref().filter(|_| link.ifindex != 0) else {
-                *state = AttachState::InterfaceGone;
-                continue;
-            };
-            let (_, programs) =
-                SchedClassifier::query_tcx(name, hook.tc_attach_type()).map_err(|error| DatapathError::Attach {
-                    what: "querying the programs next to",
-                    program: hook.program(),
-                    hook,
-                    ifindex,
-                    ifname: name.to_owned(),
-                    error: Box::new(error),
-                })?;
-            *state = if !programs.iter().any(|p| p.id() == link.prog_id) {
-                AttachState::Detached
-            } else if link.prog_id == self.program_ids.for_hook(hook) {
-                AttachState::Attached {
-                    link_id: link.link_id,
-                    prog_id: link.prog_id,
-                }
-            } else {
-                AttachState::Stale {
-                    link_id: link.link_id,
-                    prog_id: link.prog_id,
-                }
-            };
+        let mut states = [AttachState::InterfaceGone; 2];
+        if ifname.is_some() {
+            for (hook, state) in Hook::ALL.into_iter().zip(&mut states) {
+                *state = match self.our_filter(ifindex, hook) {
+                    Ok(None) => AttachState::Detached,
+                    Ok(Some(f)) if f.prog_id == self.program_ids.for_hook(hook) => {
+                        AttachState::Attached { prog_id: f.prog_id }
+                    }
+                    Ok(Some(f)) => AttachState::Stale { prog_id: f.prog_id },
+                    Err(DatapathError::InterfaceNotFound { .. }) => AttachState::InterfaceGone,
+                    Err(err) => return Err(err),
+                };
+            }
         }
         Ok(Attachment {
             ifindex,
-            ifname,
+            ifname: ifname.filter(|_| states != [AttachState::InterfaceGone; 2]),
             ingress: states[0],
             egress: states[1],
         })
@@ -1121,223 +1037,134 @@ impl Datapath {
     }
 
     fn attach_hook(&mut self, ifindex: u32, ifname: &str, hook: Hook) -> Result<LinkChange, DatapathError> {
-        let pin = self.link_pin(ifindex, hook);
-        let mut replaced = false;
-        if let Some(link) = self.open_link_pin(ifindex, hook, &pin)? {
-            if link.ifindex != 0 {
-                if link.prog_id == self.program_ids.for_hook(hook) {
-                    return Ok(LinkChange::Unchanged);
-                }
-                if let Update::Updated = self.update_link(ifindex, hook, &pin)? {
-                    return Ok(LinkChange::Updated {
-                        previous_prog_id: link.prog_id,
-                    });
-                }
+        match self.our_filter(ifindex, hook)? {
+            Some(f) if f.prog_id == self.program_ids.for_hook(hook) => Ok(LinkChange::Unchanged),
+            Some(f) => {
+                self.set_filter(ifindex, hook, true)?;
+                Ok(LinkChange::Updated {
+                    previous_prog_id: f.prog_id,
+                })
             }
-            // Defunct: its interface was deleted (maybe recreated with the
-            // same index since). Unpinning frees it.
-            drop(link);
-            remove_pin(&pin, ifindex, hook)?;
-            replaced = true;
+            None => {
+                self.set_filter(ifindex, hook, false).map_err(|err| match err {
+                    DatapathError::Tc { ifindex, error, .. } if error.raw_os_error() == Some(libc::EEXIST) => tc_err(
+                        format!(
+                            "attaching {} to {hook} of {ifname}: another filter holds priority {} handle {}",
+                            hook.program(),
+                            tc::FILTER_PRIORITY,
+                            tc::FILTER_HANDLE
+                        ),
+                        ifindex,
+                        error,
+                    ),
+                    other => other,
+                })?;
+                Ok(LinkChange::Created)
+            }
         }
-        self.create_link(ifindex, ifname, hook, &pin)?;
-        Ok(if replaced {
-            LinkChange::Recreated
-        } else {
-            LinkChange::Created
+    }
+
+    /// Attaches this instance's program as our filter on `hook`
+    /// (`replace`: in place of the existing one).
+    fn set_filter(&mut self, ifindex: u32, hook: Hook, replace: bool) -> Result<(), DatapathError> {
+        let prog = classifier(&mut self.ebpf, hook)?;
+        let fd = prog.fd().map_err(|error| DatapathError::Attach {
+            what: "using",
+            program: hook.program(),
+            hook,
+            ifindex,
+            ifname: "?".into(),
+            error: Box::new(error),
+        })?;
+        tc::attach_bpf(ifindex, hook.direction(), fd.as_fd(), hook.program(), replace).map_err(|error| {
+            if error.raw_os_error() == Some(libc::ENODEV) {
+                return DatapathError::InterfaceNotFound { ifindex };
+            }
+            tc_err(format!("attaching {} to {hook}", hook.program()), ifindex, error)
         })
     }
 
-    fn create_link(&mut self, ifindex: u32, ifname: &str, hook: Hook, pin: &Path) -> Result<(), DatapathError> {
-        let attach_err = |what: &'static str, ifname: &str| {
-            let ifname = ifname.to_owned();
-            move |error: ProgramError| DatapathError::Attach {
-                what,
-                program: hook.program(),
-                hook,
+    fn detach_hook(&mut self, ifindex: u32, hook: Hook) -> Result<bool, DatapathError> {
+        match self.our_filter(ifindex, hook) {
+            Ok(Some(_)) => {}
+            Ok(None) | Err(DatapathError::InterfaceNotFound { .. }) => return Ok(false),
+            Err(err) => return Err(err),
+        }
+        tc::detach_bpf(ifindex, hook.direction()).map_err(|error| {
+            tc_err(
+                format!("deleting the filter of {} on {hook}", hook.program()),
                 ifindex,
-                ifname,
-                error: Box::new(error),
-            }
-        };
-        let prog = classifier(&mut self.ebpf, hook)?;
-        let options = TcAttachOptions::TcxOrder(LinkOrder::default());
-        let link_id = match prog.attach_with_options(ifname, hook.tc_attach_type(), options) {
-            Ok(id) => id,
-            Err(error) => {
-                // The interface may have gone meanwhile: say so plainly.
-                if !netdev::interface_exists(ifindex).unwrap_or(true) {
-                    return Err(DatapathError::InterfaceNotFound { ifindex });
-                }
-                return Err(attach_err("attaching", ifname)(error));
-            }
-        };
-        // Out of aya's hands: a link left in the program would be detached
-        // when the program is dropped.
-        let link = prog
-            .take_link(link_id)
-            .map_err(attach_err("taking the link of", ifname))?;
-        let link = FdLink::try_from(link).map_err(|error| DatapathError::Link {
-            what: "using the new link (not a TCX fd link)".into(),
-            hook,
-            ifindex,
-            pin: pin.to_owned(),
-            error: io::Error::other(error),
-        })?;
-        // On failure the link is dropped, i.e. closed, i.e. detached: nothing leaks.
-        let pinned = link.pin(pin).map_err(|error| DatapathError::Link {
-            what: "pinning the new link".into(),
-            hook,
-            ifindex,
-            pin: pin.to_owned(),
-            error: io::Error::other(chain(&error).to_string()),
-        })?;
-        drop(pinned); // closes our fd; the pin keeps the link attached
+                error,
+            )
+        })
+    }
 
-        // The name was resolved before attaching: make sure it still meant `ifindex`.
-        let attached_to = self.open_link_pin(ifindex, hook, pin).map(|l| l.map(|l| l.ifindex));
-        match attached_to {
-            Ok(Some(index)) if index == ifindex => Ok(()),
-            Err(DatapathError::ForeignLinkPin { .. }) | Ok(_) => {
-                let _ = self.detach_hook(ifindex, hook);
-                let _ = std::fs::remove_file(pin);
+    /// Our filter on `hook` of `ifindex`, if any.
+    fn our_filter(&self, ifindex: u32, hook: Hook) -> Result<Option<tc::BpfFilter>, DatapathError> {
+        match tc::bpf_filters(ifindex, hook.direction()) {
+            Ok(filters) => Ok(filters.into_iter().find(|f| f.is_ours(hook.program()))),
+            Err(error) if error.raw_os_error() == Some(libc::ENODEV) => {
                 Err(DatapathError::InterfaceNotFound { ifindex })
             }
-            Err(err) => Err(err),
+            Err(error) => Err(tc_err(format!("listing the filters on {hook}"), ifindex, error)),
         }
     }
 
-    /// Replaces the program of the pinned link with this instance's
-    /// (`BPF_LINK_UPDATE`). `Defunct` if the link's interface is gone.
-    fn update_link(&mut self, ifindex: u32, hook: Hook, pin: &Path) -> Result<Update, DatapathError> {
-        let link_err = |what: &str| {
-            let what = what.to_owned();
-            let pin = pin.to_owned();
-            move |error: io::Error| DatapathError::Link {
-                what,
-                hook,
-                ifindex,
-                pin,
-                error,
-            }
+    /// Moves the TCX links an earlier loader pinned under `links/` to tc
+    /// filters: the filter first, then the pin goes (which detaches the
+    /// link), so the interface is never without its program. Pins of
+    /// interfaces that are gone are removed.
+    fn migrate_legacy_links(&mut self) -> Result<AdoptReport, DatapathError> {
+        let mut report = AdoptReport::default();
+        let dir = self.opts.legacy_links_dir();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(report),
+            Err(err) => return Err(io_err("listing the legacy TCX link pins in", &dir)(err)),
         };
-        let pinned = PinnedLink::from_pin(pin)
-            .map_err(|e| link_err("opening the pinned link")(io::Error::other(chain(&e).to_string())))?;
-        let link = SchedClassifierLink::try_from(FdLink::from(pinned))
-            .map_err(|e| link_err("using the pinned link")(io::Error::other(chain(&e).to_string())))?;
-        let prog = classifier(&mut self.ebpf, hook)?;
-        match prog.attach_to_link(link) {
-            Ok(id) => {
-                // The link is back in aya's program: take it out again and
-                // close our fd (the pin keeps it).
-                let link = prog.take_link(id).map_err(|error| DatapathError::Attach {
-                    what: "taking the updated link of",
-                    program: hook.program(),
-                    hook,
-                    ifindex,
-                    ifname: "?".into(),
-                    error: Box::new(error),
-                })?;
-                drop(FdLink::try_from(link).ok());
-                Ok(Update::Updated)
-            }
-            Err(ProgramError::SyscallError(SyscallError { io_error, .. }))
-                if io_error.raw_os_error() == Some(libc::ENOLINK) =>
-            {
-                Ok(Update::Defunct)
-            }
-            Err(error) => Err(DatapathError::Attach {
-                what: "replacing the program of the pinned link with",
-                program: hook.program(),
-                hook,
-                ifindex,
-                ifname: self.ifname(ifindex).ok().flatten().unwrap_or_else(|| "?".into()),
-                error: Box::new(error),
-            }),
-        }
-    }
-
-    fn detach_hook(&mut self, ifindex: u32, hook: Hook) -> Result<bool, DatapathError> {
-        let pin = self.link_pin(ifindex, hook);
-        let Some(link) = self.open_link_pin(ifindex, hook, &pin)? else {
-            return Ok(false);
-        };
-        if link.ifindex != 0 {
-            sys::link_detach(link.fd.as_fd()).map_err(|error| DatapathError::Link {
-                what: "detaching".into(),
-                hook,
-                ifindex,
-                pin: pin.clone(),
-                error,
-            })?;
-        }
-        drop(link);
-        remove_pin(&pin, ifindex, hook)?;
-        Ok(true)
-    }
-
-    /// Opens a link pin and checks it is a TCX link on `hook` of `ifindex`
-    /// (or defunct); `None` if there is no pin.
-    fn open_link_pin(&self, ifindex: u32, hook: Hook, pin: &Path) -> Result<Option<PinnedTcx>, DatapathError> {
-        let link_err = |what: &str, error| DatapathError::Link {
-            what: what.to_owned(),
-            hook,
-            ifindex,
-            pin: pin.to_owned(),
-            error,
-        };
-        let fd = match sys::obj_get(pin) {
-            Ok(fd) => fd,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(err) => return Err(link_err("opening the pinned link", err)),
-        };
-        let foreign = |detail: String| DatapathError::ForeignLinkPin {
-            pin: pin.to_owned(),
-            detail,
-        };
-        match sys::obj_kind(fd.as_fd()) {
-            sys::ObjKind::Link | sys::ObjKind::Unknown => {}
-            other => return Err(foreign(format!("it is {other}"))),
-        }
-        let info = sys::link_info(fd.as_fd()).map_err(|e| link_err("reading the pinned link", e))?;
-        if info.link_type != BPF_LINK_TYPE_TCX {
-            return Err(foreign(format!("link type {} instead of TCX", info.link_type)));
-        }
-        if info.attach_type != hook.bpf_attach_type() {
-            return Err(foreign(format!("attach type {} instead of {hook}", info.attach_type)));
-        }
-        if info.ifindex != 0 && info.ifindex != ifindex {
-            return Err(foreign(format!("attached to ifindex {}", info.ifindex)));
-        }
-        Ok(Some(PinnedTcx {
-            fd,
-            link_id: info.id,
-            prog_id: info.prog_id,
-            ifindex: info.ifindex,
-        }))
-    }
-
-    /// The link pins: `(ifindex, hook, path)`, and the entries that are not.
-    #[allow(clippy::type_complexity)]
-    fn pinned_links(&self) -> Result<(Vec<(u32, Hook, PathBuf)>, Vec<(PathBuf, String)>), DatapathError> {
-        let dir = self.opts.links_dir();
-        let entries = std::fs::read_dir(&dir).map_err(io_err("listing the link pins in", &dir))?;
-        let (mut pins, mut ignored) = (Vec::new(), Vec::new());
         for entry in entries {
-            let entry = entry.map_err(io_err("listing the link pins in", &dir))?;
-            let name = entry.file_name();
-            let parsed = name.to_str().and_then(|name| {
+            let entry = entry.map_err(io_err("listing the legacy TCX link pins in", &dir))?;
+            let parsed = entry.file_name().to_str().and_then(|name| {
                 let (index, hook) = name.split_once('-')?;
                 Some((index.parse::<u32>().ok().filter(|i| *i != 0)?, Hook::from_suffix(hook)?))
             });
-            match parsed {
-                Some((ifindex, hook)) => pins.push((ifindex, hook, entry.path())),
-                None => ignored.push((entry.path(), "not named <ifindex>-ingress|egress".to_owned())),
+            let Some((ifindex, hook)) = parsed else {
+                report
+                    .ignored
+                    .push((entry.path(), "not named <ifindex>-ingress|egress".to_owned()));
+                continue;
+            };
+            let exists = self.ifname(ifindex)?.is_some();
+            if exists {
+                tc::ensure_clsact(ifindex)
+                    .map_err(|error| tc_err("adding the clsact qdisc".to_owned(), ifindex, error))?;
+                let replace = self.our_filter(ifindex, hook)?.is_some();
+                self.set_filter(ifindex, hook, replace)?;
+            }
+            std::fs::remove_file(entry.path()).map_err(io_err("removing the legacy TCX link pin", &entry.path()))?;
+            if exists {
+                report.migrated.push((ifindex, hook));
+            } else {
+                report.removed.push((ifindex, hook));
             }
         }
-        pins.sort();
-        Ok((pins, ignored))
+        if report.ignored.is_empty() {
+            // Best effort: an empty directory left behind is harmless.
+            let _ = std::fs::remove_dir(&dir);
+        }
+        report.migrated.sort();
+        report.removed.sort();
+        Ok(report)
     }
+}
+
+fn tc_err(what: String, ifindex: u32, error: io::Error) -> DatapathError {
+    DatapathError::Tc { what, ifindex, error }
+}
+
+/// The interface indexes of the calling thread's network namespace.
+fn interfaces() -> Result<Vec<u32>, DatapathError> {
+    netdev::ifindexes().map_err(|error| DatapathError::Netdev { ifindex: 0, error })
 }
 
 fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, DatapathError> {
@@ -1350,20 +1177,6 @@ fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, Datap
             program,
             error: Box::new(error),
         })
-}
-
-fn remove_pin(pin: &Path, ifindex: u32, hook: Hook) -> Result<(), DatapathError> {
-    match std::fs::remove_file(pin) {
-        Ok(()) => Ok(()),
-        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(error) => Err(DatapathError::Link {
-            what: "removing the pin".into(),
-            hook,
-            ifindex,
-            pin: pin.to_owned(),
-            error,
-        }),
-    }
 }
 
 /// Fails unless `dir` (or its nearest existing ancestor) is on a bpffs.
@@ -1614,10 +1427,15 @@ mod tests {
         }
     }
 
-    /// Program ids on a TCX hook of `ifname` (call inside the namespace).
-    fn tcx_ids(ifname: &str, hook: Hook) -> Vec<u32> {
-        let (_, programs) = SchedClassifier::query_tcx(ifname, hook.tc_attach_type()).unwrap();
-        programs.iter().map(|p| p.id()).collect()
+    /// Program ids of the bpf filters on a hook of `ifname`, as the kernel
+    /// lists them (call inside the namespace).
+    fn filter_ids(ifname: &str, hook: Hook) -> Vec<u32> {
+        let ifindex = netdev::name_to_ifindex(ifname).unwrap().unwrap();
+        tc::bpf_filters(ifindex, hook.direction())
+            .unwrap()
+            .iter()
+            .map(|f| f.prog_id)
+            .collect()
     }
 
     fn both(ids: ProgramIds) -> (Vec<u32>, Vec<u32>) {
@@ -1625,7 +1443,7 @@ mod tests {
     }
 
     fn attached(ifname: &str) -> (Vec<u32>, Vec<u32>) {
-        (tcx_ids(ifname, Hook::Ingress), tcx_ids(ifname, Hook::Egress))
+        (filter_ids(ifname, Hook::Ingress), filter_ids(ifname, Hook::Egress))
     }
 
     #[test]
@@ -1639,7 +1457,7 @@ mod tests {
     fn options_defaults_and_validation() {
         let opts = DatapathOptions::for_node(DEFAULT_BPFFS, "node-1").unwrap();
         assert_eq!(opts.pin_dir, Path::new("/sys/fs/bpf/rivet/node-1"));
-        assert_eq!(opts.links_dir(), Path::new("/sys/fs/bpf/rivet/node-1/links"));
+        assert_eq!(opts.legacy_links_dir(), Path::new("/sys/fs/bpf/rivet/node-1/links"));
         assert_eq!((opts.ct4_max, opts.ct6_max), (786_432, 786_432));
         assert_eq!(
             (opts.endpoints_max, opts.ipcache_max, opts.policy_max),
@@ -1809,8 +1627,6 @@ mod tests {
             let out = dp.attach(ifindex).unwrap();
             assert_eq!((out.ingress, out.egress), (LinkChange::Created, LinkChange::Created));
             assert_eq!(out.ifname, "rvdp0");
-            assert!(dp.link_pin(ifindex, Hook::Ingress).exists());
-            assert!(dp.link_pin(ifindex, Hook::Egress).exists());
             // Idempotent.
             let again = dp.attach(ifindex).unwrap();
             assert!(!again.changed(), "{again:?}");
@@ -1826,10 +1642,10 @@ mod tests {
             drop(dp);
             assert_eq!(attached("rvdp0"), both(first), "attachments survive the loader");
 
-            // A new loader adopts them: same links, its own programs.
+            // A new loader adopts them: same filters, its own programs.
             let mut dp = Datapath::open(opts.clone()).unwrap();
             let report = dp.adoption().clone();
-            assert_eq!((report.updated, report.unchanged, report.removed.len()), (2, 0, 0));
+            assert_eq!((report.updated, report.unchanged, report.migrated.len()), (2, 0, 0));
             let second = dp.program_ids();
             assert_ne!(second, first);
             assert_eq!(attached("rvdp0"), both(second), "one program per hook, the new one");
@@ -1852,11 +1668,10 @@ mod tests {
             assert_eq!(attached("rvdp0"), both(second));
             drop(third);
 
-            // Detach removes both, and the pins; twice is fine.
+            // Detach removes both; twice is fine.
             let out = dp.detach(ifindex).unwrap();
             assert!(out.ingress && out.egress, "{out:?}");
             assert_eq!(attached("rvdp0"), (vec![], vec![]));
-            assert!(!dp.link_pin(ifindex, Hook::Ingress).exists());
             assert!(dp.attachments().unwrap().is_empty());
             assert!(!dp.detach(ifindex).unwrap().changed());
         })
@@ -1879,7 +1694,6 @@ mod tests {
                 "{err}"
             );
             assert!(err.to_string().contains(&format!("ifindex {ifindex}")), "{err}");
-            assert!(!dp.link_pin(ifindex, Hook::Ingress).exists());
             assert!(!dp.detach(ifindex).unwrap().changed());
         })
         .unwrap();
@@ -1901,78 +1715,123 @@ mod tests {
     }
 
     #[test]
-    fn links_of_deleted_interfaces_are_replaced_or_removed() {
-        const INDEX: &str = "4242";
-        let ifindex: u32 = INDEX.parse().unwrap();
+    fn deleted_interfaces_take_their_filters_and_foreign_filters_are_left_alone() {
         let ns = NetNs::new("rvtdd").unwrap();
-        let add = || {
-            ns.ip(&[
-                "link", "add", "rvdd0", "index", INDEX, "type", "veth", "peer", "name", "rvdd0p",
-            ])
-            .unwrap();
-            ns.ip(&["link", "set", "rvdd0", "up"]).unwrap();
-        };
-        add();
+        veth_pair(&ns, "rvdd0", &ns, "rvdd0p").unwrap();
+        veth_pair(&ns, "rvdd1", &ns, "rvdd1p").unwrap();
+        let gone = ns.ifindex("rvdd0").unwrap();
+        let other = ns.ifindex("rvdd1").unwrap();
         let dir = PinDir::new("defunct");
         let opts = dir.opts();
         let dp = ns
             .in_ns(move || {
                 let mut dp = Datapath::open(opts).unwrap();
-                assert!(dp.attach(ifindex).unwrap().changed());
+                assert!(dp.attach(gone).unwrap().changed());
                 dp
             })
             .unwrap();
-
         ns.ip(&["link", "del", "rvdd0"]).unwrap();
-        let dp = ns
-            .in_ns(move || {
-                let state = dp.attachment(ifindex).unwrap();
-                assert_eq!(
-                    (state.ingress, state.egress),
-                    (AttachState::InterfaceGone, AttachState::InterfaceGone)
-                );
-                assert_eq!(state.ifname, None);
-                // What the kernel says about a TCX link whose device is gone:
-                // ifindex 0 in its info, and BPF_LINK_UPDATE fails with ENOLINK.
-                let pin = dp.link_pin(ifindex, Hook::Ingress);
-                let info = sys::link_info(sys::obj_get(&pin).unwrap().as_fd()).unwrap();
-                assert_eq!((info.link_type, info.ifindex), (BPF_LINK_TYPE_TCX, 0));
-                let mut dp = dp;
-                assert!(matches!(
-                    dp.update_link(ifindex, Hook::Ingress, &pin),
-                    Ok(Update::Defunct)
-                ));
-                dp
-            })
-            .unwrap();
-
-        // The same index again: the defunct links are replaced.
-        add();
+        // Someone else's filter at our priority and handle, under another name.
+        ns.ip(&["link", "set", "rvdd1", "up"]).unwrap();
         let mut dp = ns
             .in_ns(move || {
-                let mut dp = dp;
-                let out = dp.attach(ifindex).unwrap();
+                let state = dp.attachment(gone).unwrap();
                 assert_eq!(
-                    (out.ingress, out.egress),
-                    (LinkChange::Recreated, LinkChange::Recreated)
+                    (state.ingress, state.egress, state.ifname.as_deref()),
+                    (AttachState::InterfaceGone, AttachState::InterfaceGone, None),
+                    "the interface and its filters are gone"
                 );
-                assert_eq!(attached("rvdd0"), both(dp.program_ids()));
+                assert!(dp.attachments().unwrap().is_empty(), "nothing of ours is left");
+                let mut dp = dp;
+                assert!(
+                    !dp.detach(gone).unwrap().changed(),
+                    "detaching a gone interface is a no-op"
+                );
+
+                tc::ensure_clsact(other).unwrap();
+                let prog = classifier(&mut dp.ebpf, Hook::Egress).unwrap();
+                let fd = prog.fd().unwrap().as_fd().try_clone_to_owned().unwrap();
+                tc::attach_bpf(other, tc::Direction::Ingress, fd.as_fd(), "someone_else", false).unwrap();
+                let err = dp.attach(other).unwrap_err();
+                assert!(
+                    err.to_string().contains("another filter holds priority 1 handle 1"),
+                    "a foreign filter is not overwritten: {err}"
+                );
+                assert_eq!(
+                    attached("rvdd1"),
+                    (vec![dp.program_ids().to_container], vec![]),
+                    "the failed attach left the foreign filter and nothing else"
+                );
+                assert!(dp.attachments().unwrap().is_empty(), "a foreign filter is not ours");
+                assert!(
+                    !dp.detach(other).unwrap().changed(),
+                    "a foreign filter is never deleted"
+                );
+                assert_eq!(attached("rvdd1").0.len(), 1);
                 dp
             })
             .unwrap();
-
-        // Gone again: adoption (as on start) removes the pins.
-        ns.ip(&["link", "del", "rvdd0"]).unwrap();
         let report = dp.adopt_existing().unwrap();
-        assert_eq!(report.removed, vec![(ifindex, Hook::Ingress), (ifindex, Hook::Egress)]);
-        assert!(!dp.link_pin(ifindex, Hook::Ingress).exists());
-        assert!(!dp.link_pin(ifindex, Hook::Egress).exists());
+        assert_eq!((report.updated, report.unchanged), (0, 0), "{report:?}");
+    }
 
-        // A stranger in the links directory is reported and left alone.
-        std::fs::create_dir(dp.options().links_dir().join("junk")).unwrap();
-        let report = dp.adopt_existing().unwrap();
-        assert_eq!(report.ignored.len(), 1, "{report:?}");
-        assert!(dp.options().links_dir().join("junk").exists());
+    #[test]
+    fn tcx_link_pins_of_an_earlier_loader_become_filters() {
+        use aya::programs::links::FdLink;
+        use aya::programs::tc::TcAttachOptions;
+        use aya::programs::{LinkOrder, TcAttachType};
+
+        let ns = NetNs::new("rvtdl").unwrap();
+        veth_pair(&ns, "rvdl0", &ns, "rvdl0p").unwrap();
+        let ifindex = ns.ifindex("rvdl0").unwrap();
+        let dir = PinDir::new("legacy");
+        let opts = dir.opts();
+        ns.in_ns(move || {
+            // What the loader before tc did: TCX links pinned under links/.
+            let mut old = Datapath::open(opts.clone()).unwrap();
+            let links = opts.legacy_links_dir();
+            std::fs::create_dir_all(&links).unwrap();
+            for (hook, ty) in [
+                (Hook::Ingress, TcAttachType::Ingress),
+                (Hook::Egress, TcAttachType::Egress),
+            ] {
+                let prog = classifier(&mut old.ebpf, hook).unwrap();
+                let id = prog
+                    .attach_with_options("rvdl0", ty, TcAttachOptions::TcxOrder(LinkOrder::default()))
+                    .unwrap();
+                let link = FdLink::try_from(prog.take_link(id).unwrap()).unwrap();
+                drop(link.pin(links.join(format!("{ifindex}-{}", hook.as_str()))).unwrap());
+            }
+            std::fs::create_dir(links.join("junk")).unwrap();
+            drop(old);
+
+            let dp = Datapath::open(opts.clone()).unwrap();
+            let report = dp.adoption().clone();
+            assert_eq!(
+                report.migrated,
+                vec![(ifindex, Hook::Ingress), (ifindex, Hook::Egress)],
+                "{report:?}"
+            );
+            assert_eq!(report.ignored.len(), 1, "a stranger is reported: {report:?}");
+            assert_eq!(
+                attached("rvdl0"),
+                both(dp.program_ids()),
+                "the filters run the new programs"
+            );
+            // The kernel releases an unpinned link from a work queue: a moment later.
+            let tcx = || {
+                let count = |ty| SchedClassifier::query_tcx("rvdl0", ty).unwrap().1.len();
+                (count(TcAttachType::Ingress), count(TcAttachType::Egress))
+            };
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while tcx() != (0, 0) && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            assert_eq!(tcx(), (0, 0), "the TCX links are gone with their pins");
+            assert!(!links.join(format!("{ifindex}-ingress")).exists());
+            assert!(links.join("junk").exists(), "a stranger is left alone");
+        })
+        .unwrap();
     }
 
     /// Set for the child process of [`attachments_survive_kill_9`]:
@@ -2041,7 +1900,7 @@ mod tests {
                 "still attached after kill -9"
             );
             let dp = Datapath::open(opts).unwrap();
-            assert_eq!(dp.adoption().updated, 2);
+            assert_eq!(dp.adoption().updated, 2, "the new loader adopts both filters");
             assert_eq!(attached("rvdk0"), both(dp.program_ids()));
         })
         .unwrap();

@@ -1,8 +1,9 @@
 //! svc-loader: the only privileged daemon. It owns every BPF object of the
 //! node: the datapath programs (embedded, compiled from `bpf/`), their pinned
-//! maps and pinned TCX links, so the datapath outlives the daemon.
+//! maps and their tc filters, so the datapath outlives the daemon.
 //!
 //! - [`datapath`]: load once per node, reuse pins, attach/adopt/detach;
+//! - [`tc`]: clsact qdiscs and `cls_bpf` filters over rtnetlink;
 //! - [`maps`]: Rust mirrors of `bpf/rivet.h`;
 //! - [`policy_lpm`]: policy rules → LPM trie entries (deny wins);
 //! - [`loader`]: endpoint operations (checked, ordered map writes);
@@ -21,6 +22,7 @@ pub mod monitor;
 pub mod netdev;
 pub mod policy_lpm;
 pub mod service;
+pub mod tc;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod validate;

@@ -106,7 +106,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         pin_dir = %pin_dir.display(),
         updated = report.updated,
         unchanged = report.unchanged,
-        removed = report.removed.len(),
+        migrated_tcx_links = report.migrated.len(),
+        removed_tcx_link_pins = report.removed.len(),
         "datapath loaded; existing attachments adopted"
     );
     let ring = datapath.take_events().context("the events ring buffer is missing")?;

@@ -1,5 +1,5 @@
-//! Network interfaces of the *calling thread's* network namespace: index ↔
-//! name, MAC address, and whether an interface is a veth.
+//! Network interfaces of the *calling thread's* network namespace: the list,
+//! index ↔ name, MAC address, and whether an interface is a veth.
 //!
 //! Everything here goes through `ioctl`s on a socket the function creates,
 //! and a socket belongs to the network namespace of the thread that created
@@ -88,6 +88,28 @@ pub fn name_to_ifindex(name: &str) -> io::Result<Option<u32>> {
         };
     }
     Ok(Some(index))
+}
+
+/// The indexes of every interface in this namespace, ascending.
+pub fn ifindexes() -> io::Result<Vec<u32>> {
+    // SAFETY: if_nameindex returns an array ended by a zero entry, or NULL.
+    let list = unsafe { libc::if_nameindex() };
+    if list.is_null() {
+        let err = io::Error::last_os_error();
+        return Err(io::Error::new(err.kind(), format!("listing the interfaces: {err}")));
+    }
+    let mut indexes = Vec::new();
+    let mut entry = list;
+    // SAFETY: walks the array up to its terminating entry, then frees it once.
+    unsafe {
+        while (*entry).if_index != 0 {
+            indexes.push((*entry).if_index);
+            entry = entry.add(1);
+        }
+        libc::if_freenameindex(list);
+    }
+    indexes.sort_unstable();
+    Ok(indexes)
 }
 
 /// Whether interface `ifindex` exists in this namespace.

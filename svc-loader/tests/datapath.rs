@@ -542,15 +542,16 @@ async fn removing_an_endpoint_detaches_and_forgets_it() {
         .into_inner();
     assert_eq!(list.endpoints.len(), 1);
     assert!(list.orphan_attachments.is_empty(), "b's programs are detached");
-    assert!(
-        !node.pins.0.join("links").read_dir().unwrap().any(|e| {
-            e.unwrap()
-                .file_name()
-                .to_string_lossy()
-                .starts_with(&node.pod("b").host_ifindex.to_string())
-        }),
-        "b's link pins are gone"
-    );
+    let b_ifindex = node.pod("b").host_ifindex;
+    let filters = node
+        .node
+        .ns
+        .in_ns(move || {
+            [svc_loader::tc::Direction::Ingress, svc_loader::tc::Direction::Egress]
+                .map(|d| svc_loader::tc::bpf_filters(b_ifindex, d).expect("listing b's tc filters"))
+        })
+        .unwrap();
+    assert_eq!(filters, [vec![], vec![]], "b's tc filters are deleted");
 }
 
 #[tokio::test]
