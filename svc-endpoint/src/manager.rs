@@ -497,6 +497,10 @@ struct Inner {
     permits: Semaphore,
     metrics: EndpointMetrics,
     restore: Mutex<RestoreProgress>,
+    /// Set once restore put the endpoints of the state dir in the table;
+    /// deletes wait for it (one before would find nothing and the endpoint
+    /// would come back from disk).
+    scanned: watch::Sender<bool>,
     /// Set once restore knows which ids are taken; creates wait for it.
     ids_known: watch::Sender<bool>,
     restore_done: watch::Sender<bool>,
@@ -572,6 +576,7 @@ impl EndpointManager {
             permits: Semaphore::new(concurrency),
             metrics,
             restore: Mutex::new(RestoreProgress::default()),
+            scanned: watch::channel(false).0,
             ids_known: watch::channel(false).0,
             restore_done: watch::channel(false).0,
             identities_synced: watch::channel(false).0,
@@ -776,6 +781,8 @@ impl EndpointManager {
     /// entries, state dir). Does not release addresses. Returns the ids
     /// removed; an empty list when nothing matched.
     pub async fn delete(&self, selector: &EndpointSelector) -> Result<Vec<u16>, ManagerError> {
+        // Only the local state dir scan: never waits for another daemon.
+        let _ = self.inner.scanned.subscribe().wait_for(|s| *s).await;
         let ids = {
             let mut state = self.state();
             if let EndpointSelector::Pod { namespace, name } = selector {
@@ -1707,6 +1714,7 @@ impl EndpointManager {
             }
             self.update_state_metrics(&state);
         }
+        self.inner.scanned.send_replace(true);
         self.inner.restore.lock().expect("restore lock poisoned").found = found;
 
         // The datapath's view: which restored endpoints lost their interface,

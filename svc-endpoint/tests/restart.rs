@@ -1228,3 +1228,70 @@ async fn a_delete_while_restore_waits_for_svc_ipam_completes_and_the_endpoint_st
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_the_moment_svc_endpoint_answers_after_a_restart_finds_the_endpoint_and_it_stays_gone() {
+    let mut node = EndpointNode::start(NodeOptions::default())
+        .await
+        .expect("the node's daemons start");
+    for (i, name) in ["a", "b"].into_iter().enumerate() {
+        node.add_pod(name, labels(i)).await;
+    }
+    let b = list_endpoints(&node)
+        .await
+        .endpoints
+        .into_iter()
+        .find(|e| e.container_id == "b")
+        .expect("b's endpoint");
+
+    // The CNI's DEL reaches svc-endpoint as soon as it serves again, before
+    // restore could have read the state dir.
+    node.endpoint_daemon().kill9();
+    node.endpoint_daemon().restart().await.expect("svc-endpoint restarts");
+    let deleted = node
+        .endpoints()
+        .await
+        .delete_endpoint(pb::DeleteEndpointRequest {
+            r#ref: Some(pb::EndpointRef {
+                r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
+                    namespace: "default".into(),
+                    name: "b".into(),
+                })),
+            }),
+        })
+        .await
+        .expect("a delete right after the restart succeeds")
+        .into_inner();
+    assert_eq!(
+        deleted.deleted,
+        vec![b.id],
+        "a delete during restore must find the endpoint of the state dir"
+    );
+    node.ipam_client()
+        .await
+        .release(ipampb::ReleaseRequest {
+            owner: Some(ipampb::Owner {
+                container_id: "b".into(),
+                interface: "eth0".into(),
+            }),
+        })
+        .await
+        .expect("the CNI releases b's addresses");
+
+    let node_ref = &node;
+    eventually("restore completes", DEADLINE, || async {
+        let restore = endpoint_status(node_ref).await.restore.expect("restore status");
+        if restore.phase == pb::RestorePhase::Complete as i32 {
+            Ok(())
+        } else {
+            Err(format!("{restore:?}"))
+        }
+    })
+    .await;
+    let expected: BTreeSet<String> = ["a".to_string()].into();
+    let gone = ["b".to_string()];
+    eventually("restore does not bring the deleted b back", DEADLINE, || {
+        check_consistent(node_ref, &expected, &gone)
+    })
+    .await;
+}
