@@ -1108,13 +1108,8 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
 
 // ------------------------------------------- a delete during restore --
 
-/// The CNI deletes a pod while svc-endpoint's restore waits for svc-ipam to
-/// re-reserve addresses. The delete waits for that re-reservation (so the
-/// CNI's release afterwards really frees the addresses: no leak), and the
-/// restore completes without the deleted endpoint (its wait ends when the
-/// endpoint is removed, instead of hanging forever).
-#[tokio::test(flavor = "multi_thread")]
-async fn a_delete_while_restore_waits_for_svc_ipam_completes_and_the_endpoint_stays_gone() {
+/// A node with pods a and b; b's endpoint.
+async fn node_with_pods_a_and_b() -> (EndpointNode, pb::Endpoint) {
     let mut node = EndpointNode::start(NodeOptions::default())
         .await
         .expect("the node's daemons start");
@@ -1127,6 +1122,57 @@ async fn a_delete_while_restore_waits_for_svc_ipam_completes_and_the_endpoint_st
         .into_iter()
         .find(|e| e.container_id == "b")
         .expect("b's endpoint");
+    (node, b)
+}
+
+/// The CNI's DeleteEndpoint for pod `default/<name>`.
+fn delete_pod_request(name: &str) -> pb::DeleteEndpointRequest {
+    pb::DeleteEndpointRequest {
+        r#ref: Some(pb::EndpointRef {
+            r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
+                namespace: "default".into(),
+                name: name.into(),
+            })),
+        }),
+    }
+}
+
+/// The CNI's release of `container`'s addresses (the second half of a DEL).
+async fn release_addresses(node: &EndpointNode, container: &str) -> ipampb::ReleaseResponse {
+    node.ipam_client()
+        .await
+        .release(ipampb::ReleaseRequest {
+            owner: Some(ipampb::Owner {
+                container_id: container.into(),
+                interface: "eth0".into(),
+            }),
+        })
+        .await
+        .expect("the CNI releases the addresses")
+        .into_inner()
+}
+
+/// Waits until svc-endpoint reports restore COMPLETE.
+async fn restore_complete(node: &EndpointNode, what: &str) {
+    eventually(what, DEADLINE, || async {
+        let restore = endpoint_status(node).await.restore.expect("restore status");
+        if restore.phase == pb::RestorePhase::Complete as i32 {
+            Ok(())
+        } else {
+            Err(format!("{restore:?}"))
+        }
+    })
+    .await;
+}
+
+/// The CNI deletes a pod while svc-endpoint's restore waits for svc-ipam to
+/// re-reserve addresses. The delete waits for that re-reservation (so the
+/// CNI's release afterwards really frees the addresses: no leak), and the
+/// restore completes without the deleted endpoint (its wait ends when the
+/// endpoint is removed, instead of hanging forever).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_while_restore_waits_for_svc_ipam_completes_and_the_endpoint_stays_gone() {
+    let (mut node, b) = node_with_pods_a_and_b().await;
 
     // svc-endpoint restarts while svc-ipam is down: restore waits to
     // re-reserve the addresses.
@@ -1150,18 +1196,7 @@ async fn a_delete_while_restore_waits_for_svc_ipam_completes_and_the_endpoint_st
 
     // The CNI deletes b meanwhile (DEL: the endpoint, then its addresses).
     let mut endpoints = node.endpoints().await;
-    let delete = tokio::spawn(async move {
-        endpoints
-            .delete_endpoint(pb::DeleteEndpointRequest {
-                r#ref: Some(pb::EndpointRef {
-                    r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
-                        namespace: "default".into(),
-                        name: "b".into(),
-                    })),
-                }),
-            })
-            .await
-    });
+    let delete = tokio::spawn(async move { endpoints.delete_endpoint(delete_pod_request("b")).await });
     let node_ref = &node;
     eventually(
         "svc-endpoint takes the delete while svc-ipam is down",
@@ -1183,44 +1218,21 @@ async fn a_delete_while_restore_waits_for_svc_ipam_completes_and_the_endpoint_st
         .expect("a delete during restore succeeds")
         .into_inner();
     assert_eq!(deleted.deleted, vec![b.id], "the delete removes b's endpoint");
-    let released = node
-        .ipam_client()
-        .await
-        .release(ipampb::ReleaseRequest {
-            owner: Some(ipampb::Owner {
-                container_id: "b".into(),
-                interface: "eth0".into(),
-            }),
-        })
-        .await
-        .expect("the CNI releases b's addresses")
-        .into_inner();
+    let released = release_addresses(&node, "b").await;
     assert_eq!(
         released.released.len(),
         2,
         "b's two addresses were still held until the CNI released them"
     );
 
-    let node_ref = &node;
-    eventually(
-        "restore completes although an endpoint was deleted during it",
-        DEADLINE,
-        || async {
-            let restore = endpoint_status(node_ref).await.restore.expect("restore status");
-            if restore.phase == pb::RestorePhase::Complete as i32 {
-                Ok(())
-            } else {
-                Err(format!("{restore:?}"))
-            }
-        },
-    )
-    .await;
+    restore_complete(&node, "restore completes although an endpoint was deleted during it").await;
     let restore = endpoint_status(&node).await.restore.expect("restore status");
     assert_eq!(
         (restore.restored, restore.failed),
         (1, 0),
         "a is restored, b is not a failure: {restore:?}"
     );
+    let node_ref = &node;
     let expected: BTreeSet<String> = ["a".to_string()].into();
     let gone = ["b".to_string()];
     eventually("the daemons hold a and nothing of the deleted b", DEADLINE, || {
@@ -1231,18 +1243,7 @@ async fn a_delete_while_restore_waits_for_svc_ipam_completes_and_the_endpoint_st
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_the_moment_svc_endpoint_answers_after_a_restart_finds_the_endpoint_and_it_stays_gone() {
-    let mut node = EndpointNode::start(NodeOptions::default())
-        .await
-        .expect("the node's daemons start");
-    for (i, name) in ["a", "b"].into_iter().enumerate() {
-        node.add_pod(name, labels(i)).await;
-    }
-    let b = list_endpoints(&node)
-        .await
-        .endpoints
-        .into_iter()
-        .find(|e| e.container_id == "b")
-        .expect("b's endpoint");
+    let (mut node, b) = node_with_pods_a_and_b().await;
 
     // The CNI's DEL reaches svc-endpoint as soon as it serves again, before
     // restore could have read the state dir.
@@ -1251,14 +1252,7 @@ async fn a_delete_the_moment_svc_endpoint_answers_after_a_restart_finds_the_endp
     let deleted = node
         .endpoints()
         .await
-        .delete_endpoint(pb::DeleteEndpointRequest {
-            r#ref: Some(pb::EndpointRef {
-                r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
-                    namespace: "default".into(),
-                    name: "b".into(),
-                })),
-            }),
-        })
+        .delete_endpoint(delete_pod_request("b"))
         .await
         .expect("a delete right after the restart succeeds")
         .into_inner();
@@ -1267,27 +1261,10 @@ async fn a_delete_the_moment_svc_endpoint_answers_after_a_restart_finds_the_endp
         vec![b.id],
         "a delete during restore must find the endpoint of the state dir"
     );
-    node.ipam_client()
-        .await
-        .release(ipampb::ReleaseRequest {
-            owner: Some(ipampb::Owner {
-                container_id: "b".into(),
-                interface: "eth0".into(),
-            }),
-        })
-        .await
-        .expect("the CNI releases b's addresses");
+    release_addresses(&node, "b").await;
 
+    restore_complete(&node, "restore completes").await;
     let node_ref = &node;
-    eventually("restore completes", DEADLINE, || async {
-        let restore = endpoint_status(node_ref).await.restore.expect("restore status");
-        if restore.phase == pb::RestorePhase::Complete as i32 {
-            Ok(())
-        } else {
-            Err(format!("{restore:?}"))
-        }
-    })
-    .await;
     let expected: BTreeSet<String> = ["a".to_string()].into();
     let gone = ["b".to_string()];
     eventually("restore does not bring the deleted b back", DEADLINE, || {
