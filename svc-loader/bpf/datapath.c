@@ -331,6 +331,15 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct pkt *p)
 	__builtin_memcpy(p->outer_saddr, &ip.saddr, 16);
 	__builtin_memcpy(p->daddr, &ip.daddr, 16);
 	p->l4_off = IP6_OFF + sizeof(ip);
+	/* A Hop-by-Hop options header comes first when present (MLD reports
+	 * carry one with Router Alert): step over it. */
+	if (p->protocol == 0 /* hop-by-hop options */) {
+		__u8 hbh[2];
+		if (bpf_skb_load_bytes(skb, p->l4_off, hbh, sizeof(hbh)) < 0)
+			return -1;
+		p->protocol = hbh[0];
+		p->l4_off += ((__u32)hbh[1] + 1) * 8;
+	}
 	if (p->protocol == 44 /* fragment header */) {
 		__u8 frag[8];
 		if (bpf_skb_load_bytes(skb, p->l4_off, frag, sizeof(frag)) < 0)
