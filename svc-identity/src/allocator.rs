@@ -111,6 +111,10 @@ pub enum AllocError {
     },
 }
 
+/// A change of the cluster's identities, for watchers, with the cache
+/// revision it made.
+pub type RevisedChange = (u64, IdentityChange);
+
 /// A change of the cluster's identities, for watchers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IdentityChange {
@@ -124,9 +128,21 @@ pub enum IdentityChange {
 struct Cache {
     by_id: BTreeMap<u32, String>,
     by_labels: HashMap<String, u32>,
+    /// Bumped by every change; each change is broadcast with it.
+    revision: u64,
 }
 
 impl Cache {
+    fn records(&self) -> Vec<IdentityRecord> {
+        self.by_id
+            .iter()
+            .map(|(id, labels)| IdentityRecord {
+                id: *id,
+                labels: labels.clone(),
+            })
+            .collect()
+    }
+
     fn insert(&mut self, id: u32, labels: String) -> bool {
         if self.by_id.get(&id) == Some(&labels) {
             return false;
@@ -137,6 +153,7 @@ impl Cache {
             self.by_labels.remove(&old);
         }
         self.by_labels.insert(labels, id);
+        self.revision += 1;
         true
     }
 
@@ -146,6 +163,7 @@ impl Cache {
                 if self.by_labels.get(&labels) == Some(&id) {
                     self.by_labels.remove(&labels);
                 }
+                self.revision += 1;
                 true
             }
             None => false,
@@ -175,7 +193,7 @@ pub struct IdentityAllocator {
     /// Releases that could not reach the store; retried by the sync loop.
     pending_releases: Mutex<HashSet<String>>,
     ready: watch::Sender<bool>,
-    changes: broadcast::Sender<IdentityChange>,
+    changes: broadcast::Sender<RevisedChange>,
 }
 
 impl std::fmt::Debug for IdentityAllocator {
@@ -292,12 +310,10 @@ impl IdentityAllocator {
             }
             entry.count()
         };
-        if self.cache.write().expect("cache poisoned").insert(id, key.clone()) {
-            let _ = self.changes.send(IdentityChange::Upsert(IdentityRecord {
-                id,
-                labels: key.clone(),
-            }));
-        }
+        self.apply_upsert(IdentityRecord {
+            id,
+            labels: key.clone(),
+        });
         if newly_allocated {
             tracing::info!(id, labels = %key, "identity allocated");
         }
@@ -484,23 +500,23 @@ impl IdentityAllocator {
 
     /// Every cluster identity the cache holds.
     pub fn list(&self) -> Vec<IdentityRecord> {
-        self.cache
-            .read()
-            .expect("cache poisoned")
-            .by_id
-            .iter()
-            .map(|(id, labels)| IdentityRecord {
-                id: *id,
-                labels: labels.clone(),
-            })
-            .collect()
+        self.list_at().0
     }
 
-    /// A snapshot of every identity plus a receiver of later changes
-    /// (subscribed before the snapshot is taken: no change is missed).
-    pub fn subscribe(&self) -> (Vec<IdentityRecord>, broadcast::Receiver<IdentityChange>) {
+    /// Every cluster identity the cache holds, and the cache revision that is.
+    pub fn list_at(&self) -> (Vec<IdentityRecord>, u64) {
+        let cache = self.cache.read().expect("cache poisoned");
+        (cache.records(), cache.revision)
+    }
+
+    /// A snapshot of every identity at a cache revision, plus a receiver of
+    /// the later changes (each with the revision it made). Changes are sent
+    /// under the cache's write lock and this subscribes under its read lock,
+    /// so the receiver starts exactly after the snapshot.
+    pub fn subscribe(&self) -> (Vec<IdentityRecord>, u64, broadcast::Receiver<RevisedChange>) {
+        let cache = self.cache.read().expect("cache poisoned");
         let rx = self.changes.subscribe();
-        (self.list(), rx)
+        (cache.records(), cache.revision, rx)
     }
 
     /// Keeps the cache equal to the store: list, watch, re-list on error.
@@ -535,19 +551,16 @@ impl IdentityAllocator {
     }
 
     fn apply_upsert(&self, r: IdentityRecord) {
-        if self
-            .cache
-            .write()
-            .expect("cache poisoned")
-            .insert(r.id, r.labels.clone())
-        {
-            let _ = self.changes.send(IdentityChange::Upsert(r));
+        let mut cache = self.cache.write().expect("cache poisoned");
+        if cache.insert(r.id, r.labels.clone()) {
+            let _ = self.changes.send((cache.revision, IdentityChange::Upsert(r)));
         }
     }
 
     fn apply_delete(&self, id: u32) {
-        if self.cache.write().expect("cache poisoned").remove(id) {
-            let _ = self.changes.send(IdentityChange::Delete(id));
+        let mut cache = self.cache.write().expect("cache poisoned");
+        if cache.remove(id) {
+            let _ = self.changes.send((cache.revision, IdentityChange::Delete(id)));
         }
     }
 

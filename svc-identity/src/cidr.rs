@@ -122,6 +122,16 @@ impl CidrIdentities {
         inner.by_prefix.iter().find(|(_, (i, _))| *i == id).map(|(p, _)| *p)
     }
 
+    /// Every CIDR identity: prefix, id and how many owners hold it.
+    pub fn list(&self) -> Vec<(IpNet, u32, usize)> {
+        let inner = self.inner.lock().expect("cidr state poisoned");
+        inner
+            .by_prefix
+            .iter()
+            .map(|(prefix, (id, owners))| (*prefix, *id, owners.len()))
+            .collect()
+    }
+
     /// How many CIDR identities exist.
     pub fn len(&self) -> usize {
         self.inner.lock().expect("cidr state poisoned").by_prefix.len()

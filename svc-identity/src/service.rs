@@ -99,6 +99,17 @@ fn prefixes(raw: &[String]) -> Result<Vec<ipnet::IpNet>, Status> {
         .collect()
 }
 
+/// A CIDR identity as an `Identity` (`cidr:<prefix>`).
+fn cidr_identity(prefix: &ipnet::IpNet, id: u32, local_references: u32) -> pb::Identity {
+    pb::Identity {
+        id,
+        labels: vec![format!("cidr:{}", prefix_text(prefix))],
+        kind: pb::IdentityKind::Cidr as i32,
+        local_references,
+        owners: Vec::new(),
+    }
+}
+
 fn cidr_proto(prefix: &ipnet::IpNet, id: u32) -> pb::CidrIdentity {
     pb::CidrIdentity {
         prefix: prefix_text(prefix),
@@ -195,13 +206,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         let id = request.get_ref().id;
         if let Some(prefix) = self.cidrs.get(id) {
             return Ok(Response::new(pb::GetIdentityResponse {
-                identity: Some(pb::Identity {
-                    id,
-                    labels: vec![format!("cidr:{}", prefix_text(&prefix))],
-                    kind: pb::IdentityKind::Cidr as i32,
-                    local_references: 0,
-                    owners: Vec::new(),
-                }),
+                identity: Some(cidr_identity(&prefix, id, 0)),
                 boot_id: self.boot_id.to_string(),
             }));
         }
@@ -251,8 +256,9 @@ impl pb::identity_service_server::IdentityService for IdentityService {
                 out.push(self.identity(reserved.id(), &reserved.labels(), IdentityKind::Reserved));
             }
         }
+        let (records, revision) = self.allocator.list_at();
         if matches!(kind, pb::IdentityKind::Unspecified | pb::IdentityKind::Cluster) {
-            for record in self.allocator.list() {
+            for record in records {
                 let mut identity = record_proto(&record);
                 identity.local_references = self.allocator.references(record.id) as u32;
                 if r.include_owners {
@@ -266,9 +272,15 @@ impl pb::identity_service_server::IdentityService for IdentityService {
                 }
             }
         }
+        if matches!(kind, pb::IdentityKind::Unspecified | pb::IdentityKind::Cidr) {
+            // Node-local, referenced by this node's policies only.
+            for (prefix, id, owners) in self.cidrs.list() {
+                out.push(cidr_identity(&prefix, id, owners as u32));
+            }
+        }
         Ok(Response::new(pb::ListIdentitiesResponse {
             identities: out,
-            revision: 0,
+            revision,
             boot_id: self.boot_id.to_string(),
         }))
     }
@@ -282,12 +294,11 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         if !self.allocator.is_ready() {
             return Err(Status::unavailable("the identity store has not been listed yet; retry"));
         }
-        let (snapshot, mut changes) = self.allocator.subscribe();
+        let (snapshot, snapshot_revision, mut changes) = self.allocator.subscribe();
         let boot_id = self.boot_id.to_string();
         let (tx, rx) = mpsc::channel(64);
         let allocator = self.allocator.clone();
         tokio::spawn(async move {
-            let mut revision = 0u64;
             let send_snapshot = |snapshot: Vec<IdentityRecord>, revision: u64| {
                 let chunks: Vec<Vec<IdentityRecord>> = if snapshot.is_empty() {
                     vec![Vec::new()]
@@ -308,7 +319,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
                     })
                     .collect::<Vec<_>>()
             };
-            for message in send_snapshot(snapshot, revision) {
+            for message in send_snapshot(snapshot, snapshot_revision) {
                 if tx.send(Ok(message)).await.is_err() {
                     return;
                 }
@@ -318,9 +329,8 @@ impl pb::identity_service_server::IdentityService for IdentityService {
                     Ok(c) => c,
                     // Too slow: start over with a fresh snapshot.
                     Err(broadcast::error::RecvError::Lagged(_)) => {
-                        let (snapshot, rx) = allocator.subscribe();
+                        let (snapshot, revision, rx) = allocator.subscribe();
                         changes = rx;
-                        revision += 1;
                         for message in send_snapshot(snapshot, revision) {
                             if tx.send(Ok(message)).await.is_err() {
                                 return;
@@ -330,7 +340,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
                     }
                     Err(broadcast::error::RecvError::Closed) => return,
                 };
-                revision += 1;
+                let (revision, change) = change;
                 let (added, removed) = match change {
                     IdentityChange::Upsert(r) => (vec![record_proto(&r)], Vec::new()),
                     IdentityChange::Delete(id) => (Vec::new(), vec![id]),

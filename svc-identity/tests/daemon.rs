@@ -335,3 +335,73 @@ async fn an_ip_published_on_one_node_reaches_the_other() {
     .await
     .expect("deleting it on node-a removes it on node-b");
 }
+
+#[tokio::test]
+async fn list_and_watch_agree_on_the_cache_revision_and_the_list_holds_cidr_identities() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = command(dir.path(), "solo", None).spawn().await.unwrap();
+    let mut c = client(&daemon).await;
+    let list = |c: &mut IdentityServiceClient<DaemonChannel>| {
+        let mut c = c.clone();
+        async move {
+            c.list_identities(pb::ListIdentitiesRequest::default())
+                .await
+                .expect("ListIdentities")
+                .into_inner()
+        }
+    };
+    for i in 0..2 {
+        allocate(&mut c, i).await.unwrap();
+    }
+    let before = list(&mut c).await;
+    assert!(
+        before.revision >= 2,
+        "two identities are two changes: {}",
+        before.revision
+    );
+
+    let mut watch = c
+        .watch_identities(pb::WatchIdentitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let snapshot = watch.message().await.unwrap().expect("a snapshot");
+    assert!(snapshot.snapshot && snapshot.snapshot_complete);
+    assert_eq!(
+        snapshot.revision, before.revision,
+        "a snapshot and a list of the same cache state carry the same revision"
+    );
+    let id = allocate(&mut c, 2).await.unwrap();
+    let delta = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .expect("the new identity is streamed")
+        .unwrap()
+        .expect("a delta");
+    assert_eq!(delta.added.iter().map(|i| i.id).collect::<Vec<_>>(), vec![id]);
+    let after = list(&mut c).await;
+    assert_eq!(
+        (delta.revision, after.revision),
+        (before.revision + 1, before.revision + 1),
+        "one new identity is one revision, in the stream and the list alike"
+    );
+
+    let cidr = c
+        .allocate_cidr_identities(pb::AllocateCidrIdentitiesRequest {
+            prefixes: vec!["198.19.128.0/24".into()],
+            owner: "policy/default/p".into(),
+        })
+        .await
+        .expect("a CIDR identity")
+        .into_inner()
+        .identities[0]
+        .clone();
+    let listed = list(&mut c).await;
+    let found = listed
+        .identities
+        .iter()
+        .find(|i| i.id == cidr.id)
+        .expect("ListIdentities includes the node's CIDR identities");
+    assert_eq!(found.kind, pb::IdentityKind::Cidr as i32);
+    assert_eq!(found.labels, vec!["cidr:198.19.128.0/24".to_string()]);
+    assert_eq!(found.local_references, 1, "one owner holds it");
+}
