@@ -19,11 +19,11 @@
 //!
 //! [`Datapath::attach`] adds a `clsact` qdisc to the host-side veth and one
 //! direct-action `cls_bpf` filter per hook ([`crate::tc`]: priority 1,
-//! handle 1, named after its program). A filter holds its program and the
+//! handle 1, named `rivet-<node>-<program>`). A filter holds its program and the
 //! program its maps, so the programs keep running when the loader exits or
 //! crashes, with nothing pinned; the filter goes away with its device. A new
-//! loader [`adopts`](Datapath::adopt_existing) every filter of its programs'
-//! names by replacing its program with its own instance in place (one
+//! loader [`adopts`](Datapath::adopt_existing) every filter of its node by
+//! replacing its program with its own instance in place (one
 //! netlink request; no packet sees a missing program). [`Datapath::detach`]
 //! deletes the filters. Classic tc rather than TCX links: see [`crate::tc`]
 //! for the measurement. A loader that finds TCX link pins of an earlier
@@ -1067,6 +1067,7 @@ impl Datapath {
     /// Attaches this instance's program as our filter on `hook`
     /// (`replace`: in place of the existing one).
     fn set_filter(&mut self, ifindex: u32, hook: Hook, replace: bool) -> Result<(), DatapathError> {
+        let name = self.filter_name(hook);
         let prog = classifier(&mut self.ebpf, hook)?;
         let fd = prog.fd().map_err(|error| DatapathError::Attach {
             what: "using",
@@ -1076,7 +1077,7 @@ impl Datapath {
             ifname: "?".into(),
             error: Box::new(error),
         })?;
-        tc::attach_bpf(ifindex, hook.direction(), fd.as_fd(), hook.program(), replace).map_err(|error| {
+        tc::attach_bpf(ifindex, hook.direction(), fd.as_fd(), &name, replace).map_err(|error| {
             if error.raw_os_error() == Some(libc::ENODEV) {
                 return DatapathError::InterfaceNotFound { ifindex };
             }
@@ -1099,10 +1100,18 @@ impl Datapath {
         })
     }
 
+    /// The name of this node's filter on `hook`: `rivet-<node>-<program>`,
+    /// so a loader adopts and deletes only its own node's filters (the pin
+    /// directory's last component is the node).
+    fn filter_name(&self, hook: Hook) -> String {
+        let node = self.opts.pin_dir.file_name().unwrap_or_default().to_string_lossy();
+        format!("rivet-{node}-{}", hook.program())
+    }
+
     /// Our filter on `hook` of `ifindex`, if any.
     fn our_filter(&self, ifindex: u32, hook: Hook) -> Result<Option<tc::BpfFilter>, DatapathError> {
         match tc::bpf_filters(ifindex, hook.direction()) {
-            Ok(filters) => Ok(filters.into_iter().find(|f| f.is_ours(hook.program()))),
+            Ok(filters) => Ok(filters.into_iter().find(|f| f.is_ours(&self.filter_name(hook)))),
             Err(error) if error.raw_os_error() == Some(libc::ENODEV) => {
                 Err(DatapathError::InterfaceNotFound { ifindex })
             }
@@ -1773,6 +1782,29 @@ mod tests {
             .unwrap();
         let report = dp.adopt_existing().unwrap();
         assert_eq!((report.updated, report.unchanged), (0, 0), "{report:?}");
+    }
+
+    #[test]
+    fn a_loader_of_another_node_in_the_same_namespace_leaves_our_filters_alone() {
+        let ns = NetNs::new("rvtdo").unwrap();
+        veth_pair(&ns, "rvdo0", &ns, "rvdo0p").unwrap();
+        let ifindex = ns.ifindex("rvdo0").unwrap();
+        let (mine, theirs) = (PinDir::new("mine"), PinDir::new("theirs"));
+        let (mine, theirs) = (mine.opts(), theirs.opts());
+        ns.in_ns(move || {
+            let mut dp = Datapath::open(mine).unwrap();
+            dp.attach(ifindex).unwrap();
+            let mut other = Datapath::open(theirs).unwrap();
+            assert_eq!(
+                (other.adoption().updated, other.adoption().unchanged),
+                (0, 0),
+                "another node's loader adopts nothing of ours"
+            );
+            assert!(other.attachments().unwrap().is_empty(), "our filters are not theirs");
+            assert!(!other.detach(ifindex).unwrap().changed(), "and it cannot detach them");
+            assert_eq!(attached("rvdo0"), both(dp.program_ids()));
+        })
+        .unwrap();
     }
 
     #[test]

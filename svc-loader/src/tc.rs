@@ -12,8 +12,7 @@
 //! goes away with its device.
 //!
 //! Our filter on a hook is the one at [`FILTER_PRIORITY`] / [`FILTER_HANDLE`]
-//! whose program name is the hook's program; filters of anyone else are left
-//! alone.
+//! with the name the loader gave it; filters of anyone else are left alone.
 
 use std::io;
 use std::os::fd::{AsRawFd as _, BorrowedFd};
@@ -69,9 +68,9 @@ pub struct BpfFilter {
 }
 
 impl BpfFilter {
-    /// Whether this is the filter Rivet owns on a hook running `program`.
-    pub fn is_ours(&self, program: &str) -> bool {
-        self.priority == FILTER_PRIORITY && self.handle == FILTER_HANDLE && self.name == program
+    /// Whether this is Rivet's filter named `name`.
+    pub fn is_ours(&self, name: &str) -> bool {
+        self.priority == FILTER_PRIORITY && self.handle == FILTER_HANDLE && self.name == name
     }
 }
 
