@@ -935,10 +935,19 @@ impl Datapath {
         let ifname = self
             .ifname(ifindex)?
             .ok_or(DatapathError::InterfaceNotFound { ifindex })?;
-        tc::ensure_clsact(ifindex)
-            .map_err(|error| tc_err(format!("adding the clsact qdisc to {ifname}"), ifindex, error))?;
-        let ingress = self.attach_hook(ifindex, &ifname, Hook::Ingress)?;
-        let egress = match self.attach_hook(ifindex, &ifname, Hook::Egress) {
+        // Both filters first: an endpoint that is already attached (every
+        // restore, every regeneration) costs these two requests only.
+        let current = [
+            self.our_filter(ifindex, Hook::Ingress)?,
+            self.our_filter(ifindex, Hook::Egress)?,
+        ];
+        if current.iter().any(Option::is_none) {
+            tc::ensure_clsact(ifindex)
+                .map_err(|error| tc_err(format!("adding the clsact qdisc to {ifname}"), ifindex, error))?;
+        }
+        let [ingress_now, egress_now] = current;
+        let ingress = self.attach_hook(ifindex, &ifname, Hook::Ingress, ingress_now)?;
+        let egress = match self.attach_hook(ifindex, &ifname, Hook::Egress, egress_now) {
             Ok(change) => change,
             Err(err) => {
                 if ingress.is_new() {
@@ -1036,8 +1045,15 @@ impl Datapath {
         netdev::ifindex_to_name(ifindex).map_err(|error| DatapathError::Netdev { ifindex, error })
     }
 
-    fn attach_hook(&mut self, ifindex: u32, ifname: &str, hook: Hook) -> Result<LinkChange, DatapathError> {
-        match self.our_filter(ifindex, hook)? {
+    /// Makes `hook` run this instance's program, given the filter on it now.
+    fn attach_hook(
+        &mut self,
+        ifindex: u32,
+        ifname: &str,
+        hook: Hook,
+        current: Option<tc::BpfFilter>,
+    ) -> Result<LinkChange, DatapathError> {
+        match current {
             Some(f) if f.prog_id == self.program_ids.for_hook(hook) => Ok(LinkChange::Unchanged),
             Some(f) => {
                 self.set_filter(ifindex, hook, true)?;
