@@ -1,20 +1,24 @@
-//! `rivet status`: every daemon socket — reachable, boot id, version — and
-//! what svc-endpoint reports about restore, endpoints, policy and its links
-//! to the other daemons.
+//! `rivet status`: every daemon socket — reachable, boot id, version — what
+//! svc-identity reports about its store, identities and IP cache, and what
+//! svc-endpoint reports about restore, endpoints, policy and its links to the
+//! other daemons.
 
 use std::time::Duration;
 
 use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use rivet_proto::endpoint::v1 as endpoint_pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
+use rivet_proto::identity::v1 as identity_pb;
+use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use serde::Serialize;
 
 use crate::endpoint::state_name;
 use crate::table::Table;
 use crate::{Context, DAEMONS, age, connect, duration, now_unix_nanos, truncate};
 
-/// The daemon that also answers `GetStatus`.
+/// Daemons whose `GetStatus` is shown.
 const ENDPOINT_DAEMON: &str = "svc-endpoint";
+const IDENTITY_DAEMON: &str = "svc-identity";
 
 /// Characters of a boot id shown for a dependency.
 const SHORT_BOOT_ID: usize = 8;
@@ -44,6 +48,111 @@ pub struct DaemonStatus {
     /// svc-endpoint's detailed status, when it answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub endpoint_status: Option<EndpointStatus>,
+    /// svc-identity's detailed status, when it answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub identity_status: Option<IdentityStatus>,
+}
+
+/// What svc-identity reports in `GetStatus`.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct IdentityStatus {
+    /// `etcd` or `embedded`.
+    pub store: String,
+    /// The store is listed and watched without error.
+    pub store_connected: bool,
+    /// The etcd lease of this node's keys (0 when embedded).
+    pub lease_id: i64,
+    /// The store's last error.
+    pub store_error: String,
+    /// Cluster identities in the cache.
+    pub cluster_identities: u32,
+    /// Identities referenced on this node.
+    pub local_identities: u32,
+    /// Node-local CIDR identities.
+    pub cidr_identities: u32,
+    /// Effective IP cache entries.
+    pub ipcache_entries: u32,
+    /// The IP cache push to svc-loader is connected.
+    pub loader_connected: bool,
+    /// Last full push to svc-loader, Unix nanoseconds (0: never).
+    pub loader_last_full_sync_unix_nanos: i64,
+    /// Entries not pushed yet.
+    pub loader_pending: u32,
+    /// The push's last error.
+    pub loader_error: String,
+}
+
+impl From<&identity_pb::GetStatusResponse> for IdentityStatus {
+    fn from(r: &identity_pb::GetStatusResponse) -> Self {
+        let store = r.store.clone().unwrap_or_default();
+        let loader = r.loader.clone().unwrap_or_default();
+        Self {
+            store: match identity_pb::StoreBackend::try_from(store.backend) {
+                Ok(identity_pb::StoreBackend::Etcd) => "etcd",
+                Ok(identity_pb::StoreBackend::Embedded) => "embedded",
+                _ => "unknown",
+            }
+            .into(),
+            store_connected: store.connected,
+            lease_id: store.lease_id,
+            store_error: store.last_error,
+            cluster_identities: r.cluster_identities,
+            local_identities: r.local_identities,
+            cidr_identities: r.cidr_identities,
+            ipcache_entries: r.ipcache_entries,
+            loader_connected: loader.connected,
+            loader_last_full_sync_unix_nanos: loader.last_full_sync_unix_nanos,
+            loader_pending: loader.pending,
+            loader_error: loader.last_error,
+        }
+    }
+}
+
+/// The svc-identity section of `rivet status`.
+fn identity_section(s: &IdentityStatus, now: i64) -> String {
+    let one_line = |e: &str| truncate(&e.split_whitespace().collect::<Vec<_>>().join(" "), ERROR_WIDTH);
+    let mut store = s.store.clone();
+    if s.lease_id != 0 {
+        store.push_str(&format!(", lease {:x}", s.lease_id));
+    }
+    if !s.store_connected {
+        store.push_str(&format!(", NOT in sync: {}", one_line(&s.store_error)));
+    }
+    let loader = if s.loader_connected {
+        let synced = if s.loader_last_full_sync_unix_nanos == 0 {
+            "never fully synced".to_string()
+        } else {
+            format!("full sync {} ago", age(now, s.loader_last_full_sync_unix_nanos))
+        };
+        format!("pushed to svc-loader ({synced}, {} pending)", s.loader_pending)
+    } else if s.loader_error.is_empty() {
+        "svc-loader not connected".to_string()
+    } else {
+        format!("svc-loader not connected: {}", one_line(&s.loader_error))
+    };
+    let body = crate::fields([
+        ("store", store),
+        (
+            "identities",
+            format!(
+                "{} cluster ({} used on this node), {} CIDR",
+                s.cluster_identities, s.local_identities, s.cidr_identities
+            ),
+        ),
+        ("ipcache", format!("{} entries, {loader}", s.ipcache_entries)),
+    ]);
+    section(IDENTITY_DAEMON, &body)
+}
+
+/// `body` indented under `\n<daemon>:`.
+fn section(daemon: &str, body: &str) -> String {
+    let mut out = format!("\n{daemon}:\n");
+    for line in body.lines() {
+        out.push_str("  ");
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
 }
 
 /// svc-endpoint's restore progress.
@@ -216,13 +325,7 @@ fn endpoint_section(s: &EndpointStatus, now: i64) -> String {
         }
         body.push_str(&t.render());
     }
-    let mut out = format!("\n{ENDPOINT_DAEMON}:\n");
-    for line in body.lines() {
-        out.push_str("  ");
-        out.push_str(line);
-        out.push('\n');
-    }
-    out
+    section(ENDPOINT_DAEMON, &body)
 }
 
 /// Probes every daemon; a socket that exists but does not answer is a
@@ -250,6 +353,9 @@ pub async fn run(ctx: &Context) -> anyhow::Result<bool> {
         let mut out = t.render();
         let now = now_unix_nanos();
         for s in &all {
+            if let Some(identity) = &s.identity_status {
+                out.push_str(&identity_section(identity, now));
+            }
             if let Some(endpoint) = &s.endpoint_status {
                 out.push_str(&endpoint_section(endpoint, now));
             }
@@ -271,6 +377,7 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
         pid: None,
         error: None,
         endpoint_status: None,
+        identity_status: None,
     };
     if !path.exists() {
         return status;
@@ -289,13 +396,22 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
     .await;
     match info {
         Ok((info, channel)) => {
+            let status_error = |s: tonic::Status| Some(format!("GetStatus: {:?}: {}", s.code(), s.message()));
             if daemon == ENDPOINT_DAEMON {
                 match EndpointServiceClient::new(channel)
                     .get_status(endpoint_pb::GetStatusRequest {})
                     .await
                 {
                     Ok(r) => status.endpoint_status = Some((&r.into_inner()).into()),
-                    Err(s) => status.error = Some(format!("GetStatus: {:?}: {}", s.code(), s.message())),
+                    Err(s) => status.error = status_error(s),
+                }
+            } else if daemon == IDENTITY_DAEMON {
+                match IdentityServiceClient::new(channel)
+                    .get_status(identity_pb::GetStatusRequest {})
+                    .await
+                {
+                    Ok(r) => status.identity_status = Some((&r.into_inner()).into()),
+                    Err(s) => status.error = status_error(s),
                 }
             }
             status.state = "running".into();
@@ -378,6 +494,51 @@ mod tests {
              \x20 svc-identity  yes        3f2a9c1d      5m0s ago     -\n\
              \x20 svc-loader    no         -             never        connection refused\n"
         );
+    }
+
+    #[test]
+    fn identity_section_names_the_store_the_counts_and_the_push() {
+        let mut r = identity_pb::GetStatusResponse {
+            store: Some(identity_pb::StoreStatus {
+                backend: identity_pb::StoreBackend::Etcd as i32,
+                connected: true,
+                last_error: String::new(),
+                lease_id: 0x694d_9a1b_2c3d_4e5f,
+                revision: 0,
+            }),
+            cluster_identities: 12,
+            local_identities: 3,
+            cidr_identities: 2,
+            ipcache_entries: 40,
+            loader: Some(identity_pb::LoaderSyncStatus {
+                connected: true,
+                loader_boot_id: "l".into(),
+                last_full_sync_unix_nanos: 690 * S,
+                pending: 0,
+                last_error: String::new(),
+            }),
+            boot_id: "b".into(),
+        };
+        assert_eq!(
+            identity_section(&IdentityStatus::from(&r), 700 * S),
+            "\nsvc-identity:\n\
+             \x20 store       etcd, lease 694d9a1b2c3d4e5f\n\
+             \x20 identities  12 cluster (3 used on this node), 2 CIDR\n\
+             \x20 ipcache     40 entries, pushed to svc-loader (full sync 10s ago, 0 pending)\n"
+        );
+        r.store = Some(identity_pb::StoreStatus {
+            backend: identity_pb::StoreBackend::Etcd as i32,
+            connected: false,
+            last_error: "listing identities: connection refused".into(),
+            ..Default::default()
+        });
+        r.loader = None;
+        let text = identity_section(&IdentityStatus::from(&r), 700 * S);
+        assert!(
+            text.contains("store       etcd, NOT in sync: listing identities: connection refused\n"),
+            "{text}"
+        );
+        assert!(text.contains("40 entries, svc-loader not connected\n"), "{text}");
     }
 
     #[test]

@@ -194,6 +194,9 @@ pub struct IdentityAllocator {
     pending_releases: Mutex<HashSet<String>>,
     ready: watch::Sender<bool>,
     changes: broadcast::Sender<RevisedChange>,
+    /// The last error of listing or watching the store; cleared by the
+    /// next successful listing.
+    store_error: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for IdentityAllocator {
@@ -219,12 +222,27 @@ impl IdentityAllocator {
             pending_releases: Mutex::new(HashSet::new()),
             ready,
             changes,
+            store_error: Mutex::new(None),
         })
     }
 
     /// The store's kind (`etcd`, `embedded`).
     pub fn backend_kind(&self) -> &'static str {
         self.backend.kind()
+    }
+
+    /// The store's lease for this node's keys (0 without one).
+    pub fn lease_id(&self) -> i64 {
+        self.backend.lease_id()
+    }
+
+    /// The cache watcher's last store error, `None` while it is in sync.
+    pub fn store_error(&self) -> Option<String> {
+        self.store_error.lock().expect("store error poisoned").clone()
+    }
+
+    fn set_store_error(&self, error: Option<String>) {
+        *self.store_error.lock().expect("store error poisoned") = error;
     }
 
     /// Runs the cache watcher and the key sync loop until the process ends.
@@ -525,6 +543,7 @@ impl IdentityAllocator {
         loop {
             match self.backend.list_identities().await {
                 Ok((records, revision)) => {
+                    self.set_store_error(None);
                     self.replace_cache(records);
                     self.ready.send_replace(true);
                     backoff.reset();
@@ -536,15 +555,22 @@ impl IdentityAllocator {
                                     Ok(IdentityEvent::Delete { id }) => self.apply_delete(id),
                                     Err(e) => {
                                         tracing::warn!(error = %e, "identity watch ended; re-listing");
+                                        self.set_store_error(Some(format!("watching identities: {e}")));
                                         break;
                                     }
                                 }
                             }
                         }
-                        Err(e) => tracing::warn!(error = %e, "watching identities"),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "watching identities");
+                            self.set_store_error(Some(format!("watching identities: {e}")));
+                        }
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "listing identities"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "listing identities");
+                    self.set_store_error(Some(format!("listing identities: {e}")));
+                }
             }
             tokio::time::sleep(backoff.next_delay()).await;
         }

@@ -143,6 +143,11 @@ pub trait IdentityBackend: Send + Sync + 'static {
     /// `"etcd"` or `"embedded"`, for status.
     fn kind(&self) -> &'static str;
 
+    /// The lease this node's keys are bound to, for status (0 without one).
+    fn lease_id(&self) -> i64 {
+        0
+    }
+
     /// Every identity (master keys) and the revision of the listing.
     async fn list_identities(&self) -> Result<(Vec<IdentityRecord>, Revision), BackendError>;
 

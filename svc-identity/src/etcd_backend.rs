@@ -642,6 +642,11 @@ impl EtcdBackend {
 
 #[tonic::async_trait]
 impl IdentityBackend for EtcdBackend {
+    fn lease_id(&self) -> i64 {
+        // The inherent method: the lease in force now.
+        EtcdBackend::lease_id(self)
+    }
+
     fn kind(&self) -> &'static str {
         "etcd"
     }

@@ -400,12 +400,15 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         let list = self.allocator.list();
         let local = list.iter().filter(|r| self.allocator.references(r.id) > 0).count();
         Ok(Response::new(pb::GetStatusResponse {
-            store: Some(pb::StoreStatus {
-                backend: backend as i32,
-                connected: self.allocator.is_ready(),
-                last_error: String::new(),
-                lease_id: 0,
-                revision: 0,
+            store: Some({
+                let error = self.allocator.store_error();
+                pb::StoreStatus {
+                    backend: backend as i32,
+                    connected: self.allocator.is_ready() && error.is_none(),
+                    last_error: error.unwrap_or_default(),
+                    lease_id: self.allocator.lease_id(),
+                    revision: 0,
+                }
             }),
             cluster_identities: list.len() as u32,
             local_identities: local as u32,

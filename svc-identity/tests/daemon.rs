@@ -63,6 +63,32 @@ async fn allocate(c: &mut IdentityServiceClient<DaemonChannel>, i: usize) -> Res
     .map(|r| r.into_inner().identity.unwrap().id)
 }
 
+async fn store_status(c: &mut IdentityServiceClient<DaemonChannel>) -> pb::StoreStatus {
+    c.get_status(pb::GetStatusRequest {})
+        .await
+        .expect("GetStatus")
+        .into_inner()
+        .store
+        .expect("the store's status")
+}
+
+/// Polls GetStatus until `pred` holds for the store (10 s).
+async fn wait_store(
+    c: &mut IdentityServiceClient<DaemonChannel>,
+    what: &str,
+    pred: impl Fn(&pb::StoreStatus) -> bool,
+) -> pb::StoreStatus {
+    let mut last = store_status(c).await;
+    for _ in 0..200 {
+        if pred(&last) {
+            return last;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        last = store_status(c).await;
+    }
+    panic!("{what}: {last:?}");
+}
+
 async fn raw_keys(endpoint: &str, prefix: &str) -> BTreeMap<String, String> {
     let mut c = etcd_client::Client::connect([endpoint], None).await.unwrap();
     let r = c.get(prefix, Some(GetOptions::new().with_prefix())).await.unwrap();
@@ -169,7 +195,17 @@ async fn etcd_outage_keeps_known_sets_and_refuses_new_ones_then_recovers() {
     let a = spawn(dir.path(), "node-a", &etcd).await;
     let mut c = client(&a).await;
     let known = allocate(&mut c, 1).await.unwrap();
+    let healthy = store_status(&mut c).await;
+    assert!(
+        healthy.connected && healthy.last_error.is_empty() && healthy.lease_id != 0,
+        "with etcd up the store is connected with a lease: {healthy:?}"
+    );
     etcd.stop();
+    let down = wait_store(&mut c, "GetStatus reports the outage", |s| {
+        !s.connected && !s.last_error.is_empty()
+    })
+    .await;
+    assert!(down.last_error.contains("identities"), "{down:?}");
     assert_eq!(
         allocate(&mut c, 1).await.unwrap(),
         known,
@@ -194,6 +230,10 @@ async fn etcd_outage_keeps_known_sets_and_refuses_new_ones_then_recovers() {
         }
     }
     let fresh = fresh.expect("allocation recovers when etcd returns");
+    wait_store(&mut c, "GetStatus reports the recovery", |s| {
+        s.connected && s.last_error.is_empty()
+    })
+    .await;
     assert_ne!(fresh, known, "no duplicate ids");
     let keys = raw_keys(&etcd.endpoint(), "rivet/state/identities/v1/").await;
     assert_eq!(
