@@ -471,6 +471,12 @@ pub enum DatapathError {
         /// aya's error.
         error: Box<ProgramError>,
     },
+    /// Listing the interfaces of the loader's namespace failed.
+    #[error("listing the interfaces of the loader's network namespace: {error}")]
+    Interfaces {
+        /// The error.
+        error: io::Error,
+    },
     /// A tc request (qdisc or filter) for an interface failed.
     #[error("{what} (ifindex {ifindex}): {error}")]
     Tc {
@@ -980,20 +986,17 @@ impl Datapath {
     /// to filters.
     pub fn adopt_existing(&mut self) -> Result<AdoptReport, DatapathError> {
         let mut report = self.migrate_legacy_links()?;
-        for ifindex in interfaces()? {
-            for hook in Hook::ALL {
-                let Some(filter) = self.our_filter(ifindex, hook)? else {
-                    continue;
-                };
-                if filter.prog_id == self.program_ids.for_hook(hook) {
-                    report.unchanged += 1;
-                    continue;
-                }
-                match self.set_filter(ifindex, hook, true) {
-                    Ok(()) => report.updated += 1,
-                    // Deleted meanwhile: nothing to adopt.
-                    Err(DatapathError::InterfaceNotFound { .. }) => {}
-                    Err(err) => return Err(err),
+        for attachment in self.attachments()? {
+            for (hook, state) in Hook::ALL.into_iter().zip([attachment.ingress, attachment.egress]) {
+                match state {
+                    AttachState::Attached { .. } => report.unchanged += 1,
+                    AttachState::Stale { .. } => match self.set_filter(attachment.ifindex, hook, true) {
+                        Ok(()) => report.updated += 1,
+                        // Deleted meanwhile: nothing to adopt.
+                        Err(DatapathError::InterfaceNotFound { .. }) => {}
+                        Err(err) => return Err(err),
+                    },
+                    AttachState::Detached | AttachState::InterfaceGone => {}
                 }
             }
         }
@@ -1189,7 +1192,7 @@ fn tc_err(what: String, ifindex: u32, error: io::Error) -> DatapathError {
 
 /// The interface indexes of the calling thread's network namespace.
 fn interfaces() -> Result<Vec<u32>, DatapathError> {
-    netdev::ifindexes().map_err(|error| DatapathError::Netdev { ifindex: 0, error })
+    netdev::ifindexes().map_err(|error| DatapathError::Interfaces { error })
 }
 
 fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, DatapathError> {

@@ -1,7 +1,8 @@
 //! Network interfaces of the *calling thread's* network namespace: the list,
 //! index ↔ name, MAC address, and whether an interface is a veth.
 //!
-//! Everything here goes through `ioctl`s on a socket the function creates,
+//! Everything here goes through `ioctl`s on a socket the function creates
+//! (the list through `if_nameindex`, which asks rtnetlink the same way),
 //! and a socket belongs to the network namespace of the thread that created
 //! it. That is what a loader running inside a node namespace needs:
 //! `/sys/class/net` shows the namespace of whoever mounted sysfs, not the
@@ -95,8 +96,7 @@ pub fn ifindexes() -> io::Result<Vec<u32>> {
     // SAFETY: if_nameindex returns an array ended by a zero entry, or NULL.
     let list = unsafe { libc::if_nameindex() };
     if list.is_null() {
-        let err = io::Error::last_os_error();
-        return Err(io::Error::new(err.kind(), format!("listing the interfaces: {err}")));
+        return Err(io::Error::last_os_error());
     }
     let mut indexes = Vec::new();
     let mut entry = list;
