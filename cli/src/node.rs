@@ -12,7 +12,10 @@
 //! them in order.
 //!
 //! Once the daemons are up it installs the CNI plugin: `rivet-cni` from the
-//! bin dir into `--cni-bin-dir` and `10-rivet.conflist` (cniVersion 1.1.0,
+//! bin dir into `--cni-bin-dir`, with `loopback` beside it (runtimes need
+//! it; copied from `--cni-plugins-dir`, default /usr/lib/cni, unless the bin
+//! dir has one: `node up` fails before starting anything when neither has
+//! it), and `10-rivet.conflist` (cniVersion `--cni-version`, default 1.0.0,
 //! network `rivet`, plugin `rivet-cni` with the socket dir, IPAM pool, host
 //! interface prefix, MTU, log file and timeout) into `--cni-conf-dir`; the
 //! conflist comes last, because a runtime starts using it as soon as it
@@ -36,7 +39,7 @@
 //! test pods of `rivet pod add` are deleted (CNI DEL, then their namespaces),
 //! the daemons are stopped in reverse order (SIGTERM, SIGKILL after
 //! `--stop-grace-seconds`), then everything the node created goes: the
-//! installed rivet-cni, the pins under `<bpffs>/rivet/<node>`, the sockets
+//! installed rivet-cni and the `loopback` it copied, the pins under `<bpffs>/rivet/<node>`, the sockets
 //! and their lock files, the socket dir if it created it, the network
 //! namespace if it created it, and node.json. Logs and the daemons' state
 //! stay. `rivet node up --detach` runs the same supervisor in the background
@@ -89,8 +92,22 @@ pub const CONFLIST_FILE: &str = "10-rivet.conflist";
 /// Network name in the conflist.
 pub const NETWORK_NAME: &str = "rivet";
 
-/// cniVersion of the conflist.
-pub const CNI_VERSION: &str = "1.1.0";
+/// The CNI spec versions rivet-cni reads (its VERSION verb's
+/// `supportedVersions`), oldest first; `--cni-version` takes one of them.
+pub const CNI_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+
+/// cniVersion of the conflist unless `--cni-version` says otherwise: the
+/// newest version common runtimes read (containerd 1.6's libcni refuses
+/// 1.1.0 results). rivet-cni still answers 1.1.0 to a conflist asking for it.
+pub const DEFAULT_CNI_VERSION: &str = "1.0.0";
+
+/// Plugins a runtime runs beside rivet-cni from the CNI bin dir:
+/// containerd's CRI plugin sets up every pod's `lo` with `loopback`, and a
+/// sandbox whose `loopback` is missing fails (and so does its cleanup).
+pub const COMPANION_PLUGINS: [&str; 1] = ["loopback"];
+
+/// Where Debian's containernetworking-plugins are; `--cni-plugins-dir`.
+pub const DEFAULT_CNI_PLUGINS_DIR: &str = "/usr/lib/cni";
 
 /// The node record under the state dir.
 pub const NODE_FILE: &str = "node.json";
@@ -172,6 +189,14 @@ pub struct UpArgs {
     /// Where 10-rivet.conflist is installed.
     #[arg(long, value_name = "DIR", default_value = "/etc/cni/net.d")]
     pub cni_conf_dir: PathBuf,
+    /// cniVersion of the conflist (containerd 1.6 reads up to 1.0.0).
+    #[arg(long, value_name = "VERSION", default_value = DEFAULT_CNI_VERSION,
+          value_parser = clap::builder::PossibleValuesParser::new(CNI_VERSIONS))]
+    pub cni_version: String,
+    /// The machine's CNI plugins: `loopback`, which runtimes need beside
+    /// rivet-cni, is copied from here into --cni-bin-dir unless that has one.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_CNI_PLUGINS_DIR)]
+    pub cni_plugins_dir: PathBuf,
     /// Prefix of the pods' host-side veth names (CNI and svc-loader).
     #[arg(long, default_value = "lxc")]
     pub host_interface_prefix: String,
@@ -311,6 +336,10 @@ pub struct NodeRecord {
     pub conflist: PathBuf,
     /// The installed rivet-cni.
     pub cni_binary: PathBuf,
+    /// Companion plugins (`loopback`) the node copied into the CNI bin dir
+    /// and removes when it stops; one that was there already is not listed.
+    #[serde(default)]
+    pub cni_plugins: Vec<PathBuf>,
     /// SIGTERM → SIGKILL grace of each daemon, seconds.
     pub stop_grace_seconds: u64,
     /// The daemons, in start order.
@@ -876,6 +905,18 @@ fn log_tail(path: &Path, n: usize) -> String {
 // ---------------------------------------------------------------------------
 // The node plan: every path, flag and file of a node, from the arguments.
 
+/// A plugin installed beside rivet-cni ([`COMPANION_PLUGINS`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompanionPlugin {
+    /// Its file name.
+    pub name: String,
+    /// Where it is copied from; `None`: the CNI bin dir has it already
+    /// (kept as it is, and left there when the node stops).
+    pub source: Option<PathBuf>,
+    /// Its path in the CNI bin dir.
+    pub target: PathBuf,
+}
+
 /// Everything `rivet node up` will do, resolved from its arguments.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodePlan {
@@ -1012,6 +1053,38 @@ impl NodePlan {
         self.args.cni_bin_dir.join(CNI_BINARY)
     }
 
+    /// The [`COMPANION_PLUGINS`] and where each comes from: copied from
+    /// `--cni-plugins-dir`, or kept when `--cni-bin-dir` has it already (a
+    /// runtime's own install). An error names what is missing and where it
+    /// was looked for.
+    pub fn companion_plugins(&self) -> Result<Vec<CompanionPlugin>> {
+        COMPANION_PLUGINS
+            .iter()
+            .map(|&name| {
+                let target = self.args.cni_bin_dir.join(name);
+                let source = self.args.cni_plugins_dir.join(name);
+                let source = if target.is_file() {
+                    None
+                } else if source.is_file() {
+                    Some(source)
+                } else {
+                    bail!(
+                        "the CNI plugin `{name}` is in neither {} nor {}: runtimes need it beside rivet-cni \
+                         (containerd sets up every pod's lo with it); install the reference plugins \
+                         (Debian package containernetworking-plugins) or give --cni-plugins-dir DIR",
+                        self.args.cni_plugins_dir.display(),
+                        self.args.cni_bin_dir.display()
+                    )
+                };
+                Ok(CompanionPlugin {
+                    name: name.to_string(),
+                    source,
+                    target,
+                })
+            })
+            .collect()
+    }
+
     /// The node daemons, in start order.
     pub fn specs(&self) -> Vec<DaemonSpec> {
         NODE_DAEMONS
@@ -1074,7 +1147,7 @@ impl NodePlan {
     /// The network configuration list installed for runtimes.
     pub fn conflist(&self) -> Value {
         json!({
-            "cniVersion": CNI_VERSION,
+            "cniVersion": self.args.cni_version,
             "name": NETWORK_NAME,
             "plugins": [{
                 "type": CNI_BINARY,
@@ -1113,6 +1186,7 @@ impl NodePlan {
             cni_conf_dir: self.args.cni_conf_dir.clone(),
             conflist: self.conflist_path(),
             cni_binary: self.cni_binary_path(),
+            cni_plugins: Vec::new(),
             stop_grace_seconds: self.args.stop_grace_seconds,
             daemons: specs
                 .iter()
@@ -1189,6 +1263,7 @@ async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result<bool> {
     });
 
     preflight(&plan).await?;
+    let companions = plan.companion_plugins()?;
     let socket_dir_created = !plan.socket_dir.exists();
     std::fs::create_dir_all(&plan.socket_dir).with_context(|| format!("creating {}", plan.socket_dir.display()))?;
     std::fs::create_dir_all(&plan.log_dir).with_context(|| format!("creating {}", plan.log_dir.display()))?;
@@ -1237,7 +1312,14 @@ async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result<bool> {
             bail!("network namespace `{ns}` does not exist (add --create-netns to create it)");
         }
         supervisor.start(&cancel).await?;
-        install_cni(&plan)?;
+        // Recorded before the copy: node down removes whatever was started.
+        let copied: Vec<PathBuf> = companions
+            .iter()
+            .filter(|c| c.source.is_some())
+            .map(|c| c.target.clone())
+            .collect();
+        save(&|r| r.cni_plugins = copied.clone());
+        install_cni(&plan, &companions)?;
         anyhow::Ok(())
     }
     .await;
@@ -1343,20 +1425,23 @@ fn configure_node_netns(plan: &NodePlan) -> Result<()> {
     Ok(())
 }
 
-/// Copies rivet-cni into the CNI bin dir, then writes the conflist (atomically, both).
-fn install_cni(plan: &NodePlan) -> Result<()> {
-    let source = plan.bin_dir.join(CNI_BINARY);
-    let target = plan.cni_binary_path();
+/// Copies rivet-cni and the companion plugins to copy into the CNI bin dir,
+/// then writes the conflist (atomically, each).
+fn install_cni(plan: &NodePlan, companions: &[CompanionPlugin]) -> Result<()> {
     std::fs::create_dir_all(&plan.args.cni_bin_dir)
         .with_context(|| format!("creating {}", plan.args.cni_bin_dir.display()))?;
-    let tmp = target.with_file_name(format!(".{CNI_BINARY}.tmp"));
-    std::fs::copy(&source, &tmp).with_context(|| format!("copying {} to {}", source.display(), tmp.display()))?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))?;
+    let target = plan.cni_binary_path();
+    install_executable(&plan.bin_dir.join(CNI_BINARY), &target)?;
+    for plugin in companions {
+        if let Some(source) = &plugin.source {
+            install_executable(source, &plugin.target)?;
+            eprintln!(
+                "rivet node: installed {} from {}",
+                plugin.target.display(),
+                source.display()
+            );
+        }
     }
-    File::open(&tmp).and_then(|f| f.sync_all())?;
-    std::fs::rename(&tmp, &target).with_context(|| format!("installing {}", target.display()))?;
     let text = serde_json::to_string_pretty(&plan.conflist()).expect("JSON values serialise") + "\n";
     write_atomic(&plan.conflist_path(), text.as_bytes())
         .map_err(|(action, e)| anyhow!("{action} {}: {e}", plan.conflist_path().display()))?;
@@ -1366,6 +1451,21 @@ fn install_cni(plan: &NodePlan) -> Result<()> {
         plan.conflist_path().display()
     );
     Ok(())
+}
+
+/// Copies an executable to `target` through a temp file beside it (a
+/// runtime never sees half a binary).
+fn install_executable(source: &Path, target: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let name = target.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = target.with_file_name(format!(".{name}.tmp"));
+    std::fs::copy(source, &tmp).with_context(|| format!("copying {} to {}", source.display(), tmp.display()))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))
+        .with_context(|| format!("making {} executable", tmp.display()))?;
+    File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("syncing {}", tmp.display()))?;
+    std::fs::rename(&tmp, target).with_context(|| format!("installing {}", target.display()))
 }
 
 /// Teardown before the daemons stop: no new pods (the conflist goes), and
@@ -1386,6 +1486,9 @@ async fn before_daemons_stop(record: &NodeRecord) -> Vec<String> {
 fn after_daemons_stop(record: &NodeRecord) -> Vec<String> {
     let mut messages = Vec::new();
     remove_file(&record.cni_binary, &mut messages);
+    for plugin in &record.cni_plugins {
+        remove_file(plugin, &mut messages);
+    }
     match std::fs::remove_dir_all(&record.pin_dir) {
         Ok(()) => messages.push(format!("removed pins {}", record.pin_dir.display())),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -1671,7 +1774,15 @@ pub fn describe_node(r: &NodeRecord) -> String {
         ("state", r.state_dir.display().to_string()),
         ("logs", r.log_dir.display().to_string()),
         ("pins", r.pin_dir.display().to_string()),
-        ("cni", format!("{}\n{}", r.conflist.display(), r.cni_binary.display())),
+        (
+            "cni",
+            std::iter::once(&r.conflist)
+                .chain(std::iter::once(&r.cni_binary))
+                .chain(&r.cni_plugins)
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join("\n"),
+        ),
     ]);
     let mut t = Table::new(["DAEMON", "STATE", "PID", "RESTARTS", "UP", "LAST EXIT"]);
     for d in &r.daemons {
@@ -1856,7 +1967,8 @@ mod tests {
         assert_eq!(
             list,
             json!({
-                "cniVersion": "1.1.0",
+                // The newest version containerd 1.6 and CRI-O read.
+                "cniVersion": "1.0.0",
                 "name": "rivet",
                 "plugins": [{
                     "type": "rivet-cni",
@@ -1873,6 +1985,66 @@ mod tests {
         // The pod commands read it back.
         let parsed = pod::NetworkConfigList::parse(&list.to_string()).unwrap();
         assert_eq!(parsed.plugin_types(), ["rivet-cni"]);
+    }
+
+    #[test]
+    fn cni_version_flag_takes_what_rivet_cni_supports() {
+        for version in ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"] {
+            let p = plan(&["--netns", "rn1", "--cni-version", version]).unwrap();
+            assert_eq!(p.conflist()["cniVersion"], version);
+        }
+        for bad in ["0.2.0", "1.2.0", "1.1", ""] {
+            let err = Cli::try_parse_from(["up", "--netns", "rn1", "--cni-version", bad]).unwrap_err();
+            assert!(
+                err.to_string().contains("1.0.0") && err.to_string().contains("1.1.0"),
+                "{bad:?}: the error lists the supported versions: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn loopback_comes_from_the_machines_plugins_unless_the_bin_dir_has_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("lib-cni");
+        let bin = dir.path().join("bin");
+        std::fs::create_dir_all(&source).unwrap();
+        let p = plan(&[
+            "--netns",
+            "rn1",
+            "--cni-bin-dir",
+            bin.to_str().unwrap(),
+            "--cni-plugins-dir",
+            source.to_str().unwrap(),
+        ])
+        .unwrap();
+        // Missing everywhere: a message naming the plugin, where it was
+        // looked for and how to get it.
+        let err = p.companion_plugins().unwrap_err().to_string();
+        for want in [
+            "loopback",
+            source.to_str().unwrap(),
+            bin.to_str().unwrap(),
+            "containernetworking-plugins",
+            "--cni-plugins-dir",
+        ] {
+            assert!(err.contains(want), "{want} in: {err}");
+        }
+        // In the machine's plugins: copied.
+        std::fs::write(source.join("loopback"), "#!/bin/sh\n").unwrap();
+        let plugins = p.companion_plugins().unwrap();
+        assert_eq!(
+            plugins,
+            [CompanionPlugin {
+                name: "loopback".into(),
+                source: Some(source.join("loopback")),
+                target: bin.join("loopback"),
+            }]
+        );
+        // Already in the bin dir (a runtime's own install): kept, not ours.
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("loopback"), "theirs").unwrap();
+        let plugins = p.companion_plugins().unwrap();
+        assert_eq!(plugins[0].source, None, "{plugins:?}");
     }
 
     fn policy() -> RestartPolicy {

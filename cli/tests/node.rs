@@ -278,6 +278,9 @@ impl TestNode {
             !record.conflist.exists() && !record.cni_binary.exists(),
             "the CNI files are gone"
         );
+        for plugin in &record.cni_plugins {
+            assert!(!plugin.exists(), "{} is gone", plugin.display());
+        }
         assert!(!self.state_dir().join("node.json").exists());
         assert!(!self.state_dir().join("pods").exists());
         assert!(!alive(record.supervisor_pid), "the supervisor exited");
@@ -340,7 +343,8 @@ fn check_started(node: &TestNode) {
     // The CNI files.
     let conflist: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&record.conflist).unwrap()).unwrap();
-    assert_eq!(conflist["cniVersion"], "1.1.0");
+    // The newest version common runtimes read (containerd 1.6: up to 1.0.0).
+    assert_eq!(conflist["cniVersion"], "1.0.0");
     assert_eq!(conflist["name"], "rivet");
     assert_eq!(conflist["plugins"][0]["type"], "rivet-cni");
     assert_eq!(
@@ -348,6 +352,23 @@ fn check_started(node: &TestNode) {
         record.socket_dir.display().to_string()
     );
     assert!(record.cni_binary.is_file());
+    // loopback beside rivet-cni (containerd runs it for every pod), copied
+    // from the machine's plugins and recorded for node down.
+    let loopback = record.cni_binary.with_file_name("loopback");
+    assert!(loopback.is_file(), "{} is installed", loopback.display());
+    assert_eq!(record.cni_plugins, [loopback]);
+    // --cni-version offers exactly what the installed rivet-cni supports.
+    let version = Command::new(&record.cni_binary)
+        .env_clear()
+        .env("CNI_COMMAND", "VERSION")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let version: serde_json::Value = serde_json::from_slice(&version.stdout).unwrap();
+    assert_eq!(
+        version["supportedVersions"],
+        serde_json::json!(rivet_cli::node::CNI_VERSIONS)
+    );
     assert!(record.pin_dir.is_dir(), "svc-loader pinned its maps");
     // `rivet status` finds the sockets through node.json.
     let out = Command::new(rivet_bin())
