@@ -11,6 +11,12 @@
  *   to_container    tc egress of the host-side veth: packets entering the pod.
  *                   Applies the pod's ingress policy through conntrack.
  *
+ * Link plumbing: only IPv6 neighbour discovery and MLD messages sent the way
+ * their RFCs require (see icmp6_link_plumbing) pass without policy; every
+ * other ICMPv6 message, echo included, is ICMP traffic under policy.
+ * IPv6 extension headers are walked up to IPV6_MAX_EXT_HEADERS; fragments
+ * follow their flow through the `fragments` map (see frag_track).
+ *
  * A connection's first packet is judged by policy and creates a conntrack
  * entry keyed by (tuple, direction of the endpoint); later packets and
  * replies only touch that entry. Pod-to-pod traffic on the node meets both
@@ -66,6 +72,15 @@ struct {
 	__type(value, struct ct_entry);
 } ct6 SEC(".maps");
 
+/* First fragments' ports by (source, destination, identification,
+ * protocol), for the later fragments of the datagram (see frag_track). */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct frag_key);
+	__type(value, struct frag_value);
+} fragments SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, METRICS_ENTRIES);
@@ -101,6 +116,31 @@ struct {
 #define ICMPV6_PARAMPROB 4
 #define ICMPV6_ECHO_REQUEST 128
 #define ICMPV6_ECHO_REPLY 129
+#define ICMPV6_MLD_QUERY 130
+#define ICMPV6_MLD_REPORT 131
+#define ICMPV6_MLD_DONE 132
+#define ICMPV6_ROUTER_SOLICIT 133
+#define ICMPV6_ROUTER_ADVERT 134
+#define ICMPV6_NEIGHBOR_SOLICIT 135
+#define ICMPV6_NEIGHBOR_ADVERT 136
+#define ICMPV6_REDIRECT 137
+#define ICMPV6_MLD2_REPORT 143
+
+/* IPv6 extension headers (linux/ipv6.h's NEXTHDR_*, which needs more headers). */
+#define NEXTHDR_HOP 0
+#define NEXTHDR_ROUTING 43
+#define NEXTHDR_FRAGMENT 44
+#define NEXTHDR_AUTH 51
+#define NEXTHDR_DEST 60
+/* Extension headers walked before the L4 header: a chain with more is
+ * dropped (DROP_EXT_HEADER_CHAIN). Real traffic has at most a few (a
+ * Hop-by-Hop, a Routing, a Fragment, a Destination Options header);
+ * 8 keeps the loop small for the verifier. */
+#define IPV6_MAX_EXT_HEADERS 8
+
+/* How long a first fragment's ports are used for its later fragments:
+ * the kernel's default reassembly timeout (net.ipv4.ipfrag_time). */
+#define FRAG_LIFETIME_NS (30 * NSEC_PER_SEC)
 
 /* Defaults when the loader left a timeout at 0 (seconds). */
 #define CT_DEFAULT_TCP_SYN 60
@@ -132,8 +172,15 @@ struct pkt {
 	__u8 protocol;
 	__u8 tcp_flags;
 	__u8 icmp_error;   /* an ICMP error: the tuple is the reversed inner one */
-	__u8 fragment;     /* a non-first fragment: no L4 header */
-	__u8 pad[3];
+	__u8 fragment;     /* a non-first fragment of no known flow: no L4 header, no ports */
+	__u8 in_fragment;  /* any fragment of a fragmented datagram (first or later) */
+	__u8 frag_first;   /* the first fragment (offset 0, more to come): its ports are recorded */
+	__u8 frag_proto;   /* IPv4 protocol / the Fragment header's next header */
+	__u8 icmp_type;    /* ICMP / ICMPv6 type and code (of the outer message) */
+	__u8 icmp_code;
+	__u8 hop_limit;    /* IPv6 hop limit */
+	__u8 pad;
+	__u32 frag_id;     /* IPv4 identification / IPv6 Fragment header identification */
 	__u32 l4_off;
 	__u32 len;
 };
@@ -226,6 +273,8 @@ static __always_inline int parse_icmp4(struct __sk_buff *skb, struct pkt *p)
 		return 0;
 	if (bpf_skb_load_bytes(skb, p->l4_off, hdr, sizeof(hdr)) < 0)
 		return -1;
+	p->icmp_type = hdr[0];
+	p->icmp_code = hdr[1];
 	if (hdr[0] == ICMP_ECHO || hdr[0] == ICMP_ECHOREPLY) {
 		__builtin_memcpy(&p->sport, &hdr[4], 2);
 		p->dport = p->sport;
@@ -265,6 +314,8 @@ static __always_inline int parse_icmp6(struct __sk_buff *skb, struct pkt *p)
 
 	if (bpf_skb_load_bytes(skb, p->l4_off, hdr, sizeof(hdr)) < 0)
 		return -1;
+	p->icmp_type = hdr[0];
+	p->icmp_code = hdr[1];
 	if (hdr[0] == ICMPV6_ECHO_REQUEST || hdr[0] == ICMPV6_ECHO_REPLY) {
 		__builtin_memcpy(&p->sport, &hdr[4], 2);
 		p->dport = p->sport;
@@ -298,59 +349,103 @@ static __always_inline int parse_icmp6(struct __sk_buff *skb, struct pkt *p)
 	return 0;
 }
 
-/* Returns 0 on success, -1 for a malformed packet. */
+/* Returns 0 on success or the drop reason for a malformed packet. */
 static __always_inline int parse_ipv4(struct __sk_buff *skb, struct pkt *p)
 {
 	struct iphdr ip;
+	__u16 frag;
 
 	if (bpf_skb_load_bytes(skb, IP4_OFF, &ip, sizeof(ip)) < 0)
-		return -1;
+		return DROP_INVALID_PACKET;
 	if (ip.ihl < 5)
-		return -1;
+		return DROP_INVALID_PACKET;
 	p->family = 4;
 	p->protocol = ip.protocol;
 	p->saddr[0] = ip.saddr;
 	p->outer_saddr[0] = ip.saddr;
 	p->daddr[0] = ip.daddr;
 	p->l4_off = IP4_OFF + (ip.ihl & 0xf) * 4;
-	p->fragment = (bpf_ntohs(ip.frag_off) & 0x1fff) != 0;
+	frag = bpf_ntohs(ip.frag_off);
+	if (frag & 0x3fff) { /* more fragments, or an offset */
+		p->in_fragment = 1;
+		p->fragment = (frag & 0x1fff) != 0;
+		p->frag_first = !p->fragment;
+		p->frag_proto = ip.protocol;
+		p->frag_id = ip.id;
+	}
 	if (p->protocol == IPPROTO_ICMP)
-		return parse_icmp4(skb, p);
-	return parse_ports(skb, p);
+		return parse_icmp4(skb, p) < 0 ? DROP_INVALID_PACKET : 0;
+	return parse_ports(skb, p) < 0 ? DROP_INVALID_PACKET : 0;
 }
 
+static __always_inline int ipv6_is_ext_header(__u8 nexthdr)
+{
+	return nexthdr == NEXTHDR_HOP || nexthdr == NEXTHDR_ROUTING || nexthdr == NEXTHDR_FRAGMENT ||
+	       nexthdr == NEXTHDR_AUTH || nexthdr == NEXTHDR_DEST;
+}
+
+/* Walks the extension headers (Hop-by-Hop, Routing, Fragment, Destination
+ * Options, AH) to the L4 header. A chain it cannot finish is
+ * DROP_EXT_HEADER_CHAIN: more than IPV6_MAX_EXT_HEADERS headers, a header
+ * that runs past the packet, a Hop-by-Hop header that is not first
+ * (RFC 8200 4.1), a second Fragment header. A non-first fragment stops the
+ * walk at its Fragment header: what follows is not a header. */
 static __always_inline int parse_ipv6(struct __sk_buff *skb, struct pkt *p)
 {
 	struct ipv6hdr ip;
+	__u32 off = IP6_OFF + sizeof(ip);
+	__u8 nexthdr;
+	int i;
 
 	if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
-		return -1;
+		return DROP_INVALID_PACKET;
 	p->family = 6;
-	p->protocol = ip.nexthdr;
+	p->hop_limit = ip.hop_limit;
 	__builtin_memcpy(p->saddr, &ip.saddr, 16);
 	__builtin_memcpy(p->outer_saddr, &ip.saddr, 16);
 	__builtin_memcpy(p->daddr, &ip.daddr, 16);
-	p->l4_off = IP6_OFF + sizeof(ip);
-	/* A Hop-by-Hop options header comes first when present (MLD reports
-	 * carry one with Router Alert): step over it. */
-	if (p->protocol == 0 /* hop-by-hop options */) {
-		__u8 hbh[2];
-		if (bpf_skb_load_bytes(skb, p->l4_off, hbh, sizeof(hbh)) < 0)
-			return -1;
-		p->protocol = hbh[0];
-		p->l4_off += ((__u32)hbh[1] + 1) * 8;
+	nexthdr = ip.nexthdr;
+	for (i = 0; i < IPV6_MAX_EXT_HEADERS; i++) {
+		__u8 h[8];
+
+		if (!ipv6_is_ext_header(nexthdr))
+			break;
+		if (nexthdr == NEXTHDR_HOP && i != 0)
+			return DROP_EXT_HEADER_CHAIN;
+		if (bpf_skb_load_bytes(skb, off, h, sizeof(h)) < 0)
+			return DROP_EXT_HEADER_CHAIN;
+		if (nexthdr == NEXTHDR_FRAGMENT) {
+			__u16 frag = (__u16)h[2] << 8 | h[3];
+
+			if (p->in_fragment)
+				return DROP_EXT_HEADER_CHAIN;
+			off += 8;
+			if (frag & 0xfff9) { /* an offset, or more fragments */
+				p->in_fragment = 1;
+				p->frag_proto = h[0];
+				__builtin_memcpy(&p->frag_id, &h[4], 4);
+				if (frag & 0xfff8) {
+					p->fragment = 1;
+					p->protocol = h[0];
+					p->l4_off = off;
+					return 0;
+				}
+				p->frag_first = 1;
+			}
+		} else if (nexthdr == NEXTHDR_AUTH) {
+			off += ((__u32)h[1] + 2) * 4; /* AH counts 4-byte units, less 2 */
+		} else {
+			off += ((__u32)h[1] + 1) * 8;
+		}
+		nexthdr = h[0];
 	}
-	if (p->protocol == 44 /* fragment header */) {
-		__u8 frag[8];
-		if (bpf_skb_load_bytes(skb, p->l4_off, frag, sizeof(frag)) < 0)
-			return -1;
-		p->protocol = frag[0];
-		p->l4_off += 8;
-		p->fragment = ((frag[2] << 8 | frag[3]) & 0xfff8) != 0;
-	}
+	if (ipv6_is_ext_header(nexthdr) || off > skb->len)
+		return DROP_EXT_HEADER_CHAIN;
+	p->protocol = nexthdr;
+	p->l4_off = off;
 	if (p->protocol == IPPROTO_ICMPV6)
-		return p->fragment ? 0 : parse_icmp6(skb, p);
-	return parse_ports(skb, p);
+		return parse_icmp6(skb, p) < 0 ? DROP_INVALID_PACKET : 0;
+	return parse_ports(skb, p) < 0 ? DROP_INVALID_PACKET : 0;
 }
 
 static __always_inline int ipv6_is_link_local(const __u32 *a)
@@ -366,6 +461,123 @@ static __always_inline int ipv6_equal(const __u32 *a, const __u32 *b)
 static __always_inline int ipv6_is_multicast(const __u32 *a)
 {
 	return (bpf_ntohl(a[0]) & 0xff000000) == 0xff000000;
+}
+
+static __always_inline int ipv6_is_unspecified(const __u32 *a)
+{
+	return (a[0] | a[1] | a[2] | a[3]) == 0;
+}
+
+/* ff02::/16: multicast of link scope, never forwarded. */
+static __always_inline int ipv6_is_link_multicast(const __u32 *a)
+{
+	return (bpf_ntohl(a[0]) & 0xff0f0000) == 0xff020000;
+}
+
+/* ff02::1:ff00:0/104, where DAD solicitations go. */
+static __always_inline int ipv6_is_solicited_node(const __u32 *a)
+{
+	return bpf_ntohl(a[0]) == 0xff020000 && a[1] == 0 && bpf_ntohl(a[2]) == 1 &&
+	       (bpf_ntohl(a[3]) & 0xff000000) == 0xff000000;
+}
+
+/* Whether an ICMPv6 message is link plumbing that passes without policy:
+ * neighbour discovery or MLD, sent the way the RFCs require, which keeps
+ * it on the link (a router never forwards it: hop limit 255 for ND, 1 for
+ * MLD, and link-local or unspecified sources are never forwarded). Never
+ * an ICMPv6 error, never a fragment (RFC 6980).
+ *
+ * - ND (RFC 4861), router solicitation 133, router advertisement 134,
+ *   neighbour solicitation 135, neighbour advertisement 136, redirect 137:
+ *   code 0, hop limit 255, and a link-local source; or the unspecified
+ *   source for a solicitation (DAD: a neighbour solicitation to a
+ *   solicited-node address, 7.1.1; a router solicitation to a multicast
+ *   address, 6.1.1).
+ * - MLD (RFC 2710, RFC 3810), query 130, reports 131 and 143, done 132:
+ *   code 0, hop limit 1, and a link-local source; or the unspecified source
+ *   for a report or done (RFC 3810 5.2.13: sent before the link-local
+ *   address is ready).
+ * - Only out of a pod (`own`, the pod's endpoint): a neighbour or router
+ *   solicitation or a neighbour advertisement from the pod's own address to a
+ *   link-local or link-scope multicast address (the pod answering the node's
+ *   solicitation for that address, 7.2.4), code 0, hop limit 255. */
+static __always_inline int icmp6_link_plumbing(const struct pkt *p, const struct endpoint_info *own)
+{
+	int src_ll, src_unspec;
+	__u8 type = p->icmp_type;
+
+	if (p->family != 6 || p->protocol != IPPROTO_ICMPV6 || p->icmp_error || p->in_fragment || p->icmp_code)
+		return 0;
+	src_ll = ipv6_is_link_local(p->outer_saddr);
+	src_unspec = ipv6_is_unspecified(p->outer_saddr);
+	if (type >= ICMPV6_ROUTER_SOLICIT && type <= ICMPV6_REDIRECT) {
+		if (p->hop_limit != 255)
+			return 0;
+		if (src_ll)
+			return 1;
+		if (src_unspec)
+			return (type == ICMPV6_NEIGHBOR_SOLICIT && ipv6_is_solicited_node(p->daddr)) ||
+			       (type == ICMPV6_ROUTER_SOLICIT && ipv6_is_multicast(p->daddr));
+		return own && (own->flags & EP_F_HAS_IPV6) && ipv6_equal(p->outer_saddr, own->ipv6) &&
+		       (type == ICMPV6_ROUTER_SOLICIT || type == ICMPV6_NEIGHBOR_SOLICIT ||
+			type == ICMPV6_NEIGHBOR_ADVERT) &&
+		       (ipv6_is_link_local(p->daddr) || ipv6_is_link_multicast(p->daddr));
+	}
+	if (type == ICMPV6_MLD_QUERY || type == ICMPV6_MLD_REPORT || type == ICMPV6_MLD_DONE ||
+	    type == ICMPV6_MLD2_REPORT) {
+		if (p->hop_limit != 1)
+			return 0;
+		return src_ll || (src_unspec && type != ICMPV6_MLD_QUERY);
+	}
+	return 0;
+}
+
+/* ------------------------------------------------------------- fragments */
+
+static __always_inline void frag_key_of(struct frag_key *k, const struct pkt *p)
+{
+	__builtin_memcpy(k->saddr, p->saddr, 16);
+	__builtin_memcpy(k->daddr, p->daddr, 16);
+	k->id = p->frag_id;
+	k->family = p->family;
+	k->protocol = p->frag_proto;
+	k->pad = 0;
+}
+
+/* Fragments follow their flow (Cilium's scheme). A first fragment records
+ * its L4 protocol and ports; a later fragment of the same datagram takes
+ * them, so it meets the conntrack entry and the policy verdict of its
+ * first fragment. A non-first fragment with no (or an expired) record
+ * stays `fragment` and is dropped where policy applies
+ * (DROP_FRAGMENT_UNTRACKED). ICMP errors are not recorded (the stacks
+ * never fragment them). */
+static __always_inline void frag_track(struct pkt *p)
+{
+	struct frag_key k = {};
+	struct frag_value *v;
+	__u64 now;
+
+	if (!p->in_fragment || p->icmp_error)
+		return;
+	frag_key_of(&k, p);
+	now = bpf_ktime_get_ns();
+	if (p->frag_first) {
+		struct frag_value nv = {
+			.expires = now + FRAG_LIFETIME_NS,
+			.sport = p->sport,
+			.dport = p->dport,
+			.protocol = p->protocol,
+		};
+		bpf_map_update_elem(&fragments, &k, &nv, BPF_ANY);
+		return;
+	}
+	v = bpf_map_lookup_elem(&fragments, &k);
+	if (!v || v->expires < now)
+		return;
+	p->protocol = v->protocol;
+	p->sport = v->sport;
+	p->dport = v->dport;
+	p->fragment = 0;
 }
 
 /* -------------------------------------------------------------- endpoints */
@@ -391,7 +603,9 @@ static __always_inline struct endpoint_info *endpoint_by_addr(const struct pkt *
 }
 
 /* Identity of an address: a local endpoint's, else the ipcache's longest
- * prefix, else world. */
+ * prefix, else world. An IPv6 link-local address seen on an endpoint's veth
+ * can only be the node's (the other end of the link; a pod's own link-local
+ * source never gets this far): the host. */
 static __always_inline __u32 identity_of(const struct pkt *p, const __u32 *addr)
 {
 	struct endpoint_info *ep = endpoint_by_addr(p, addr);
@@ -400,6 +614,8 @@ static __always_inline __u32 identity_of(const struct pkt *p, const __u32 *addr)
 
 	if (ep)
 		return ep->identity;
+	if (p->family == 6 && ipv6_is_link_local(addr))
+		return IDENTITY_HOST;
 	k.family = p->family;
 	if (p->family == 4) {
 		k.prefixlen = 32 + 32;
@@ -654,7 +870,7 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 
 	*peer_out = 0;
 	if (p->fragment)
-		return (ep->flags & enforce_flag) ? DROP_FRAGMENT_UNSUPPORTED : 0;
+		return (ep->flags & enforce_flag) ? DROP_FRAGMENT_UNTRACKED : 0;
 	ct = ct_lookup(p, dir, cfg);
 	if (ct != CT_NEW)
 		return 0;
@@ -750,7 +966,8 @@ static __always_inline __u16 csum_fold(__u32 s)
 }
 
 /* Answers neighbour solicitations from the pod for anything but its own
- * address with a neighbour advertisement carrying the host-side veth MAC. */
+ * address with a neighbour advertisement carrying the host-side veth MAC,
+ * delivered into the pod directly (bpf_redirect_peer). */
 static __always_inline int nd_respond(struct __sk_buff *skb, const struct endpoint_info *ep, const struct pkt *p)
 {
 	struct ipv6hdr ip;
@@ -810,7 +1027,9 @@ static __always_inline int nd_respond(struct __sk_buff *skb, const struct endpoi
 	    bpf_skb_store_bytes(skb, IP6_OFF, &ip, sizeof(ip), 0) < 0 ||
 	    bpf_skb_store_bytes(skb, icmp_off, &nd, len == 32 ? 32 : 24, 0) < 0)
 		return TC_ACT_SHOT;
-	return bpf_redirect(skb->ifindex, 0);
+	/* Straight into the pod: the answer is the datapath's own, not traffic
+	 * for to_container's policy (its source is the target, a global address). */
+	return bpf_redirect_peer(skb->ifindex, 0);
 }
 
 /* ------------------------------------------------------------ forwarding */
@@ -876,38 +1095,33 @@ int from_container(struct __sk_buff *skb)
 	if (skb->protocol == bpf_htons(ETH_P_ARP))
 		return arp_respond(skb, ep);
 	if (skb->protocol == bpf_htons(ETH_P_IP)) {
-		if (parse_ipv4(skb, &p) < 0)
-			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
+		r = parse_ipv4(skb, &p);
+		if (r)
+			return drop(r, DIR_EGRESS, &p, ep, ep->identity, 0);
 		if (!(ep->flags & EP_F_HAS_IPV4) || p.outer_saddr[0] != ep->ipv4)
 			return drop(DROP_INVALID_SOURCE_ADDRESS, DIR_EGRESS, &p, ep, ep->identity, 0);
 	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr ip;
-		if (parse_ipv6(skb, &p) < 0)
-			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
-		if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
-			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
-		if (p.protocol == IPPROTO_ICMPV6 && !p.icmp_error && (p.sport == 0 && p.dport == 0)) {
+		r = parse_ipv6(skb, &p);
+		if (r)
+			return drop(r, DIR_EGRESS, &p, ep, ep->identity, 0);
+		if (p.protocol == IPPROTO_ICMPV6 && p.icmp_type == ICMPV6_NEIGHBOR_SOLICIT && !p.in_fragment &&
+		    p.l4_off == IP6_OFF + sizeof(struct ipv6hdr)) {
 			r = nd_respond(skb, ep, &p);
 			if (r != TC_ACT_OK)
 				return r;
 		}
-		/* Link-local control traffic (neighbour discovery, MLD, router
-		 * solicitation) stays on the link and bypasses policy. */
-		if (ipv6_is_link_local(ip.saddr.in6_u.u6_addr32) &&
-		    (ipv6_is_multicast(ip.daddr.in6_u.u6_addr32) || ipv6_is_link_local(ip.daddr.in6_u.u6_addr32)))
+		/* Neighbour discovery and MLD stay on the link and bypass policy;
+		 * everything else, link-local sources included, is traffic: a
+		 * pod's only valid source is its address in the endpoint map. */
+		if (icmp6_link_plumbing(&p, ep))
 			return TC_ACT_OK;
-		if (!(ep->flags & EP_F_HAS_IPV6) ||
-		    !ipv6_equal(p.outer_saddr, ep->ipv6)) {
-			/* Neighbour discovery towards the node from a global source. */
-			if (p.protocol == IPPROTO_ICMPV6 && ipv6_is_multicast(ip.daddr.in6_u.u6_addr32))
-				return TC_ACT_OK;
+		if (!(ep->flags & EP_F_HAS_IPV6) || !ipv6_equal(p.outer_saddr, ep->ipv6))
 			return drop(DROP_INVALID_SOURCE_ADDRESS, DIR_EGRESS, &p, ep, ep->identity, 0);
-		}
-		if (p.protocol == IPPROTO_ICMPV6 && ipv6_is_multicast(ip.daddr.in6_u.u6_addr32))
-			return TC_ACT_OK;
 	} else {
 		return drop(DROP_UNSUPPORTED_L3, DIR_EGRESS, &p, ep, ep->identity, 0);
 	}
+	/* After the source check: a pod records fragments of its own flows only. */
+	frag_track(&p);
 
 	trace(cfg, TRACE_FROM_CONTAINER, DIR_EGRESS, &p, ep);
 	dst = endpoint_by_addr(&p, p.daddr);
@@ -954,21 +1168,21 @@ int to_container(struct __sk_buff *skb)
 	if (skb->protocol == bpf_htons(ETH_P_ARP))
 		return TC_ACT_OK;
 	if (skb->protocol == bpf_htons(ETH_P_IP)) {
-		if (parse_ipv4(skb, &p) < 0)
-			return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, ep, 0, ep->identity);
+		r = parse_ipv4(skb, &p);
+		if (r)
+			return drop(r, DIR_INGRESS, &p, ep, 0, ep->identity);
 	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
-		if (parse_ipv6(skb, &p) < 0)
-			return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, ep, 0, ep->identity);
-		/* Neighbour discovery and other ICMPv6 control messages from the
-		 * node (types 133-137), and link-local control traffic such as
-		 * MLD reports, are link plumbing, not traffic. */
-		if (p.protocol == IPPROTO_ICMPV6 && !p.icmp_error && p.sport == 0 && p.dport == 0)
-			return TC_ACT_OK;
-		if (ipv6_is_link_local(p.outer_saddr) && (ipv6_is_multicast(p.daddr) || ipv6_is_link_local(p.daddr)))
+		r = parse_ipv6(skb, &p);
+		if (r)
+			return drop(r, DIR_INGRESS, &p, ep, 0, ep->identity);
+		/* Neighbour discovery and MLD from the node are link plumbing, not
+		 * traffic; every other ICMPv6 message is under policy. */
+		if (icmp6_link_plumbing(&p, 0))
 			return TC_ACT_OK;
 	} else {
 		return drop(DROP_UNSUPPORTED_L3, DIR_INGRESS, &p, ep, 0, ep->identity);
 	}
+	frag_track(&p);
 
 	trace(cfg, TRACE_TO_CONTAINER, DIR_INGRESS, &p, ep);
 	r = enforce(&p, ep, DIR_INGRESS, 0, p.saddr, cfg, &peer);

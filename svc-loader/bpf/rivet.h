@@ -150,6 +150,26 @@ struct ct_timeouts {
 	__u32 other;
 };
 
+/* ---------------------------------------------------------------- fragments */
+/* A fragmented datagram: the first fragment records its ports here and the
+ * later ones (which carry no L4 header) take them. */
+struct frag_key {
+	__u32 saddr[4]; /* IPv4 in saddr[0] */
+	__u32 daddr[4];
+	__u32 id;       /* IPv4 identification (16 bits) / IPv6 Fragment header identification */
+	__u8 family;    /* 4 or 6 */
+	__u8 protocol;  /* IPv4 protocol / the IPv6 Fragment header's next header */
+	__u16 pad;
+};
+
+struct frag_value {
+	__u64 expires; /* bpf_ktime_get_ns() deadline */
+	__u16 sport;   /* ICMP: echo id in both ports */
+	__u16 dport;
+	__u8 protocol; /* the L4 protocol (IPv6: after any further extension headers) */
+	__u8 pad[3];
+};
+
 /* ------------------------------------------------------------------- config */
 #define CONFIG_EVENT_VERDICTS (1 << 0)
 #define CONFIG_EVENT_TRACE (1 << 1)
@@ -173,9 +193,11 @@ struct datapath_config {
 #define DROP_UNKNOWN_ENDPOINT 8
 #define DROP_CT_MAP_FULL 9
 #define DROP_CT_INVALID 10
-#define DROP_FRAGMENT_UNSUPPORTED 11
+#define DROP_FRAGMENT_UNSUPPORTED 11 /* no longer produced */
 #define DROP_NO_ROUTE 12
 #define DROP_REDIRECT_FAILED 13
+#define DROP_EXT_HEADER_CHAIN 14   /* IPv6 extension headers: too many, truncated, out of order */
+#define DROP_FRAGMENT_UNTRACKED 15 /* a non-first fragment whose first was not seen */
 #define REASON_MAX 64
 #define METRICS_ENTRIES (REASON_MAX * 4)
 

@@ -68,8 +68,10 @@ pub const MAP_METRICS: &str = "metrics";
 pub const MAP_EVENTS: &str = "events";
 /// The single-entry config array.
 pub const MAP_CONFIG: &str = "config";
+/// First fragments' ports for the later fragments (LRU hash, the datapath's alone).
+pub const MAP_FRAGMENTS: &str = "fragments";
 /// Every map the loader uses by name.
-pub const MAP_NAMES: [&str; 8] = [
+pub const MAP_NAMES: [&str; 9] = [
     MAP_ENDPOINTS,
     MAP_IPCACHE,
     MAP_POLICY,
@@ -78,6 +80,7 @@ pub const MAP_NAMES: [&str; 8] = [
     MAP_METRICS,
     MAP_EVENTS,
     MAP_CONFIG,
+    MAP_FRAGMENTS,
 ];
 
 /// The program on tc ingress of the host-side veth (packets leaving the pod).

@@ -115,12 +115,19 @@ pub const DROP_UNKNOWN_ENDPOINT: u8 = 8;
 pub const DROP_CT_MAP_FULL: u8 = 9;
 /// Drop reason: a packet invalid for its connection state.
 pub const DROP_CT_INVALID: u8 = 10;
-/// Drop reason: IP fragments are not supported.
+/// Drop reason: IP fragments are not supported (not produced since
+/// fragments follow their flow; kept for counters of older datapaths).
 pub const DROP_FRAGMENT_UNSUPPORTED: u8 = 11;
 /// Drop reason: no route.
 pub const DROP_NO_ROUTE: u8 = 12;
 /// Drop reason: `bpf_redirect` to the destination endpoint failed.
 pub const DROP_REDIRECT_FAILED: u8 = 13;
+/// Drop reason: an IPv6 extension header chain the datapath cannot walk
+/// (too long, truncated, or out of order).
+pub const DROP_EXT_HEADER_CHAIN: u8 = 14;
+/// Drop reason: a non-first fragment whose first fragment was not seen, in
+/// an enforced direction.
+pub const DROP_FRAGMENT_UNTRACKED: u8 = 15;
 /// Number of reasons the metrics map has room for.
 pub const REASON_MAX: u32 = 64;
 /// Entries of the per-CPU metrics array: `reason * 4 + direction`.
@@ -149,6 +156,8 @@ pub const fn reason_name(reason: u8) -> &'static str {
         DROP_FRAGMENT_UNSUPPORTED => "fragment_unsupported",
         DROP_NO_ROUTE => "no_route",
         DROP_REDIRECT_FAILED => "redirect_failed",
+        DROP_EXT_HEADER_CHAIN => "ext_header_chain",
+        DROP_FRAGMENT_UNTRACKED => "fragment_untracked",
         _ => "unknown",
     }
 }
@@ -692,6 +701,41 @@ impl CtEntry {
     }
 }
 
+/// `struct frag_key`: one fragmented datagram (the `fragments` map, written
+/// and read by the datapath only).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragKey {
+    /// Source address (network order; IPv4 in `saddr[0]`).
+    pub saddr: [u32; 4],
+    /// Destination address.
+    pub daddr: [u32; 4],
+    /// IPv4 identification (16 bits) or the IPv6 Fragment header's.
+    pub id: u32,
+    /// 4 or 6.
+    pub family: u8,
+    /// IPv4 protocol, or the IPv6 Fragment header's next header.
+    pub protocol: u8,
+    /// Zero.
+    pub pad: u16,
+}
+
+/// `struct frag_value`: what a datagram's first fragment recorded.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragValue {
+    /// `bpf_ktime_get_ns()` deadline.
+    pub expires: u64,
+    /// Source port, network order (ICMP: the echo id).
+    pub sport: u16,
+    /// Destination port, network order.
+    pub dport: u16,
+    /// The L4 protocol.
+    pub protocol: u8,
+    /// Zero.
+    pub pad: [u8; 3],
+}
+
 /// `struct ct_timeouts`: conntrack lifetimes in seconds.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -835,6 +879,8 @@ unsafe impl aya::Pod for Ct4Key {}
 unsafe impl aya::Pod for Ct6Key {}
 unsafe impl aya::Pod for CtEntry {}
 unsafe impl aya::Pod for CtTimeouts {}
+unsafe impl aya::Pod for FragKey {}
+unsafe impl aya::Pod for FragValue {}
 unsafe impl aya::Pod for DatapathConfig {}
 unsafe impl aya::Pod for MetricsValue {}
 unsafe impl aya::Pod for Event {}
@@ -922,6 +968,14 @@ mod tests {
                 "tcp_state" => tcp_state: u8, "tcp_flags_fwd" => tcp_flags_fwd: u8,
                 "tcp_flags_rev" => tcp_flags_rev: u8, "flags" => flags: u8, "lifetime" => lifetime: u32,
             ]),
+            layout!("frag_key", FragKey, [
+                "saddr" => saddr: [u32; 4], "daddr" => daddr: [u32; 4], "id" => id: u32,
+                "family" => family: u8, "protocol" => protocol: u8, "pad" => pad: u16,
+            ]),
+            layout!("frag_value", FragValue, [
+                "expires" => expires: u64, "sport" => sport: u16, "dport" => dport: u16,
+                "protocol" => protocol: u8, "pad" => pad: [u8; 3],
+            ]),
             layout!("ct_timeouts", CtTimeouts, [
                 "tcp_syn" => tcp_syn: u32, "tcp_established" => tcp_established: u32,
                 "tcp_closing" => tcp_closing: u32, "udp" => udp: u32, "icmp" => icmp: u32, "other" => other: u32,
@@ -994,6 +1048,8 @@ mod tests {
             ("DROP_FRAGMENT_UNSUPPORTED", DROP_FRAGMENT_UNSUPPORTED.into()),
             ("DROP_NO_ROUTE", DROP_NO_ROUTE.into()),
             ("DROP_REDIRECT_FAILED", DROP_REDIRECT_FAILED.into()),
+            ("DROP_EXT_HEADER_CHAIN", DROP_EXT_HEADER_CHAIN.into()),
+            ("DROP_FRAGMENT_UNTRACKED", DROP_FRAGMENT_UNTRACKED.into()),
             ("REASON_MAX", REASON_MAX.into()),
             ("METRICS_ENTRIES", METRICS_ENTRIES.into()),
             ("EVENT_DROP", EVENT_DROP.into()),
@@ -1070,6 +1126,7 @@ mod tests {
             ("ct6", size_of::<Ct6Key>(), size_of::<CtEntry>()),
             ("metrics", size_of::<u32>(), size_of::<MetricsValue>()),
             ("config", size_of::<u32>(), size_of::<DatapathConfig>()),
+            ("fragments", size_of::<FragKey>(), size_of::<FragValue>()),
         ];
         for (name, key, value) in expect {
             let map = obj

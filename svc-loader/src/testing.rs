@@ -12,6 +12,8 @@ use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 
+pub mod frames;
+
 /// Endpoint map entries of a test loader: 512 single-address or 341
 /// dual-stack endpoints.
 pub const DEFAULT_ENDPOINTS_MAX: u32 = 1024;

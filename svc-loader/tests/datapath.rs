@@ -2,11 +2,11 @@
 //! svc-loader process inside the node, with real traffic between pods.
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use rivet_proto::loader::v1 as pb;
-use svc_loader::testing::{LoaderNode, entry, policy};
+use svc_loader::testing::{LoaderNode, entry, frames, policy};
 use tonic::Code;
 
 type Client = rivet_proto::loader::v1::loader_service_client::LoaderServiceClient<rivet_common::grpc::DaemonChannel>;
@@ -589,49 +589,16 @@ async fn related_icmp_errors_pass_with_their_connection() {
 
 /// An IPv6 frame from a pod's `eth0` with a Hop-by-Hop header (Router
 /// Alert) before its ICMPv6 message, as MLD reports are sent.
-fn hop_by_hop_icmp6(src_mac: [u8; 6], dst_mac: [u8; 6], src: [u8; 16], dst: [u8; 16], icmp_type: u8) -> Vec<u8> {
-    let mut frame = Vec::new();
-    frame.extend_from_slice(&dst_mac);
-    frame.extend_from_slice(&src_mac);
-    frame.extend_from_slice(&0x86ddu16.to_be_bytes());
-    // IPv6: payload = 8 (Hop-by-Hop) + 8 (ICMPv6), next header 0, hop limit 1.
-    frame.extend_from_slice(&[0x60, 0, 0, 0, 0, 16, 0, 1]);
-    frame.extend_from_slice(&src);
-    frame.extend_from_slice(&dst);
-    // Hop-by-Hop: next ICMPv6, length 0 (8 bytes), Router Alert (MLD), PadN.
-    frame.extend_from_slice(&[58, 0, 5, 2, 0, 0, 1, 0]);
-    // ICMPv6 header and 4 bytes of body (an MLDv2 report with no records).
-    frame.extend_from_slice(&[icmp_type, 0, 0, 0, 0, 0, 0, 0]);
-    frame
-}
-
-/// Sends `frame` `count` times from interface `ifname` of the calling
-/// thread's namespace through an AF_PACKET socket.
-fn send_frames(ifname: &str, frame: &[u8], count: usize) {
-    let name = std::ffi::CString::new(ifname).unwrap();
-    // SAFETY: plain socket calls with a valid sockaddr_ll and buffer; the fd is closed below.
-    unsafe {
-        let ifindex = libc::if_nametoindex(name.as_ptr());
-        assert_ne!(ifindex, 0, "{ifname} exists");
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
-        assert!(fd >= 0, "an AF_PACKET socket: {}", std::io::Error::last_os_error());
-        let mut addr: libc::sockaddr_ll = std::mem::zeroed();
-        addr.sll_family = libc::AF_PACKET as u16;
-        addr.sll_ifindex = ifindex as i32;
-        addr.sll_halen = 6;
-        for _ in 0..count {
-            let sent = libc::sendto(
-                fd,
-                frame.as_ptr().cast(),
-                frame.len(),
-                0,
-                std::ptr::from_ref(&addr).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            );
-            assert_eq!(sent, frame.len() as isize, "{}", std::io::Error::last_os_error());
-        }
-        libc::close(fd);
-    }
+fn hop_by_hop_icmp6(src_mac: [u8; 6], dst_mac: [u8; 6], src: Ipv6Addr, dst: Ipv6Addr, icmp_type: u8) -> Vec<u8> {
+    // Hop-by-Hop: Router Alert (MLD), PadN; hop limit 1.
+    let router_alert = frames::ExtHeader::Raw {
+        kind: frames::proto::HOP_BY_HOP,
+        bytes: vec![0, 5, 2, 0, 0, 1, 0],
+    };
+    // An MLDv2 report with no records (or an echo request with id 0).
+    let icmp = frames::icmp6(src, dst, icmp_type, 0, [0; 4], &[]);
+    let packet = frames::ipv6(src, dst, 1, &[router_alert], frames::proto::ICMPV6, &icmp);
+    frames::ethernet(dst_mac, src_mac, frames::ETH_P_IPV6, &packet)
 }
 
 #[tokio::test]
@@ -641,15 +608,30 @@ async fn mld_reports_from_the_unspecified_address_pass_and_spoofed_sources_are_d
     apply(&mut client, node.endpoint("a", 1, A, unrestricted(1))).await;
     let pod = node.pod("a");
     let (pod_mac, host_mac) = (pod.pod_mac, pod.host_mac);
-    let all_mld_routers: [u8; 16] = "ff02::16".parse::<std::net::Ipv6Addr>().unwrap().octets();
-    let gateway: [u8; 16] = "2001:2::1".parse::<std::net::Ipv6Addr>().unwrap().octets();
-    let spoofed: [u8; 16] = "2001:2:ffff::99".parse::<std::net::Ipv6Addr>().unwrap().octets();
-    let mld = hop_by_hop_icmp6(pod_mac, [0x33, 0x33, 0, 0, 0, 0x16], [0; 16], all_mld_routers, 143);
-    let spoof = hop_by_hop_icmp6(pod_mac, host_mac, spoofed, gateway, 128);
+    let all_mld_routers: Ipv6Addr = "ff02::16".parse().unwrap();
+    let gateway: Ipv6Addr = "2001:2::1".parse().unwrap();
+    let spoofed: Ipv6Addr = "2001:2:ffff::99".parse().unwrap();
+    let mld = vec![
+        hop_by_hop_icmp6(
+            pod_mac,
+            [0x33, 0x33, 0, 0, 0, 0x16],
+            Ipv6Addr::UNSPECIFIED,
+            all_mld_routers,
+            143
+        );
+        5
+    ];
+    let spoof = vec![hop_by_hop_icmp6(pod_mac, host_mac, spoofed, gateway, 128); 3];
 
     let before = drop_count(&node, pb::DropReason::InvalidSourceAddress).await;
-    pod.ns.in_ns(move || send_frames("eth0", &mld, 5)).unwrap();
-    pod.ns.in_ns(move || send_frames("eth0", &spoof, 3)).unwrap();
+    pod.ns
+        .in_ns(move || frames::send_frames("eth0", &mld))
+        .unwrap()
+        .unwrap();
+    pod.ns
+        .in_ns(move || frames::send_frames("eth0", &spoof))
+        .unwrap()
+        .unwrap();
     let mut after = before;
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while after < before + 3 && std::time::Instant::now() < deadline {
