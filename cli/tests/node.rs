@@ -648,3 +648,81 @@ async fn supervisor_restarts_and_reports_a_crash_loop() {
         assert!(!alive(pid), "pid {pid} is gone");
     }
 }
+
+/// Python's grpcio as a client of another language would use it: default
+/// options, the generic unary call (no generated stubs), `GetInfo` on the
+/// socket given as the first argument with each target spelling; prints one
+/// line per call: `ok <hex of the reply>` or `error <code> <details>`.
+const GRPCIO_CLIENT: &str = r#"
+import sys, grpc
+path = sys.argv[1]
+for target in ("unix:" + path, "unix://" + path):
+    channel = grpc.insecure_channel(target)
+    try:
+        reply = channel.unary_unary("/rivet.daemon.v1.Daemon/GetInfo")(b"", timeout=10)
+        print("ok", reply.hex(), grpc.__version__)
+    except grpc.RpcError as e:
+        print("error", e.code(), e.details(), grpc.__version__)
+    channel.close()
+"#;
+
+/// PyPI's grpcio, installed by `cargo xtask install` (xtask's `GRPCIO_VENV`).
+const PYPI_GRPCIO_PYTHON: &str = "/opt/rivet-test/grpcio-venv/bin/python";
+
+/// Every daemon's socket answers Python's grpcio with default options:
+/// Debian's grpcio 1.51 (sends `:authority localhost`) and PyPI's newer one
+/// (sends the socket path percent-encoded, which h2 alone refuses with
+/// RST_STREAM PROTOCOL_ERROR).
+#[test]
+fn python_grpcio_with_default_options_reaches_every_daemon() {
+    use prost::Message as _;
+    use rivet_proto::daemon::v1::DaemonInfo;
+
+    for python in ["/usr/bin/python3", PYPI_GRPCIO_PYTHON] {
+        let probe = Command::new(python).args(["-c", "import grpc"]).output();
+        assert!(
+            probe.as_ref().is_ok_and(|o| o.status.success()),
+            "{python} cannot import grpc (install it with `cargo xtask install`: Debian's python3-grpcio and \
+             PyPI's grpcio in /opt/rivet-test/grpcio-venv): {probe:?}"
+        );
+    }
+    let mut node = TestNode::up();
+    let record = node.record();
+    for daemon in &record.daemons {
+        for python in ["/usr/bin/python3", PYPI_GRPCIO_PYTHON] {
+            let out = Command::new(python)
+                .args(["-c", GRPCIO_CLIENT])
+                .arg(&daemon.socket)
+                .stdin(Stdio::null())
+                .output()
+                .expect("running python");
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{python}: {}{text}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let lines: Vec<&str> = text.lines().collect();
+            assert_eq!(lines.len(), 2, "{text}");
+            for line in lines {
+                let fields: Vec<&str> = line.splitn(3, ' ').collect();
+                assert_eq!(
+                    fields[0],
+                    "ok",
+                    "{python} → {} ({}): {line}",
+                    daemon.name,
+                    daemon.socket.display()
+                );
+                let bytes: Vec<u8> = (0..fields[1].len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&fields[1][i..i + 2], 16).unwrap())
+                    .collect();
+                let info = DaemonInfo::decode(bytes.as_slice()).expect("a DaemonInfo");
+                assert_eq!(info.name, daemon.name, "{line}");
+                assert_eq!(info.node_name, record.node_name);
+                assert_eq!(Some(info.pid), daemon.pid, "the supervised process answered");
+            }
+        }
+    }
+    node.down_and_check_nothing_left();
+}

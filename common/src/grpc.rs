@@ -12,11 +12,13 @@ use hyper_util::rt::TokioIo;
 use rivet_proto::HasBootId;
 use rivet_proto::daemon::v1 as pb;
 use tokio::net::UnixStream;
+use tokio_stream::StreamExt as _;
 use tonic::service::Routes;
 use tonic::transport::{Channel, Endpoint, Server};
 use tower::Layer;
 
 use crate::backoff::Backoff;
+use crate::h2_authority::NormalizedAuthority;
 use crate::socket::UnixSocketListener;
 use crate::telemetry::{TraceContextClient, TraceContextClientLayer, TraceContextServerLayer};
 
@@ -160,10 +162,15 @@ pub async fn serve_unix(
         shutdown.await;
         let _ = draining_tx.send(());
     };
+    // Clients of other languages send an :authority h2 refuses (the socket
+    // path); see `h2_authority`.
+    let incoming = listener
+        .incoming()
+        .map(|connection| connection.map(NormalizedAuthority::new));
     let serve = Server::builder()
         .layer(TraceContextServerLayer::default())
         .add_routes(routes)
-        .serve_with_incoming_shutdown(listener.incoming(), signal);
+        .serve_with_incoming_shutdown(incoming, signal);
     // Draining waits for clients to close their connections; long-lived
     // streams and idle channels of other daemons would hold it forever.
     let drain_deadline = async {

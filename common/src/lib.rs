@@ -2,7 +2,8 @@
 //!
 //! - [`socket`] and [`grpc`]: gRPC over Unix sockets (single instance per
 //!   socket, peer-UID allow list, client retry and deadlines, restart
-//!   detection by `boot_id`);
+//!   detection by `boot_id`); [`h2_authority`]: the `:authority` fix that
+//!   lets gRPC clients of other languages in (grpcio sends the socket path);
 //! - [`telemetry`]: logs plus OTLP traces, W3C trace context across processes;
 //! - [`config`]: flags + env + config dir, and the flags all daemons share;
 //! - [`state_file`]: crash-safe, versioned state files;
@@ -16,6 +17,7 @@ pub mod backoff;
 pub mod config;
 pub mod daemon;
 pub mod grpc;
+pub mod h2_authority;
 pub mod labels;
 pub mod metrics;
 pub mod socket;

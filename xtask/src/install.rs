@@ -22,7 +22,9 @@ use crate::cmd;
 /// - containernetworking-plugins: the reference CNI plugins (bridge, host-local, ptp)
 ///   rivet-cni is compared with and chained after;
 /// - containerd, runc, busybox-static: a real container runtime calling rivet-cni
-///   through CRI, with a locally built busybox image.
+///   through CRI, with a locally built busybox image;
+/// - python3-grpcio, python3-venv: gRPC clients of another language calling every
+///   daemon's socket (Debian's grpcio, and PyPI's newer one in [`GRPCIO_VENV`]).
 pub const PACKAGES: &[&str] = &[
     "clang",
     "llvm",
@@ -37,7 +39,17 @@ pub const PACKAGES: &[&str] = &[
     "containerd",
     "runc",
     "busybox-static",
+    "python3-grpcio",
+    "python3-venv",
 ];
+
+/// A virtualenv with PyPI's grpcio [`GRPCIO_VERSION`]: newer grpc-core sends the
+/// socket path as `:authority` over a Unix socket (Debian's 1.51 sends
+/// `localhost`), which the daemons must accept. cli/tests/node.rs uses it.
+pub const GRPCIO_VENV: &str = "/opt/rivet-test/grpcio-venv";
+
+/// The PyPI grpcio installed in [`GRPCIO_VENV`].
+pub const GRPCIO_VERSION: &str = "1.85.3";
 
 /// Where BPF programs and maps are pinned; the loader and the tests expect a bpffs here.
 const BPFFS: &str = "/sys/fs/bpf";
@@ -46,7 +58,35 @@ const BPFFS: &str = "/sys/fs/bpf";
 pub fn run() -> Result<()> {
     require_root()?;
     install_packages()?;
+    install_pypi_grpcio()?;
     mount_bpffs()
+}
+
+/// Creates [`GRPCIO_VENV`] with grpcio [`GRPCIO_VERSION`] from PyPI, unless it
+/// has it already.
+fn install_pypi_grpcio() -> Result<()> {
+    let python = format!("{GRPCIO_VENV}/bin/python");
+    let installed = Command::new(&python)
+        .args([
+            "-c",
+            "import grpc, sys; sys.exit(grpc.__version__ != sys.argv[1])",
+            GRPCIO_VERSION,
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if installed {
+        println!("grpcio: {GRPCIO_VERSION} present in {GRPCIO_VENV}");
+        return Ok(());
+    }
+    println!("grpcio: installing {GRPCIO_VERSION} from PyPI into {GRPCIO_VENV}");
+    // Debian's interpreter (a pyenv or other python3 on PATH may lack venv).
+    cmd::run_keeping_stderr(Command::new("/usr/bin/python3").args(["-m", "venv", "--clear", GRPCIO_VENV]))?;
+    cmd::run_keeping_stderr(Command::new(format!("{GRPCIO_VENV}/bin/pip")).args([
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        &format!("grpcio=={GRPCIO_VERSION}"),
+    ]))
 }
 
 /// Everything after this needs root: apt-get and mount here, and later the privileged
