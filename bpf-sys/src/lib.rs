@@ -1,8 +1,9 @@
 //! The raw `bpf(2)` commands Rivet needs and aya 0.14 does not expose, on
-//! plain fds: `BPF_OBJ_GET` and object info for map pins, and the map
+//! plain fds: `BPF_OBJ_GET` and object info for map pins, the map
 //! commands of svc-gc's passes —
 //! `BPF_MAP_LOOKUP_BATCH` / `BPF_MAP_DELETE_BATCH` / `BPF_MAP_UPDATE_BATCH`
-//! plus the per-element commands of their fallback path.
+//! plus the per-element commands of their fallback path — and
+//! `BPF_PROG_TEST_RUN` for running a classifier on a frame in tests.
 //!
 //! Every function takes keys and values as `aya::Pod` slices; their sizes must
 //! be the map's key and value sizes (the callers check that once at open).
@@ -18,6 +19,7 @@ const BPF_MAP_UPDATE_ELEM: u32 = 2;
 const BPF_MAP_DELETE_ELEM: u32 = 3;
 const BPF_MAP_GET_NEXT_KEY: u32 = 4;
 const BPF_OBJ_GET: u32 = 7;
+const BPF_PROG_TEST_RUN: u32 = 10;
 const BPF_OBJ_GET_INFO_BY_FD: u32 = 15;
 const BPF_MAP_LOOKUP_BATCH: u32 = 24;
 const BPF_MAP_UPDATE_BATCH: u32 = 26;
@@ -114,6 +116,58 @@ pub struct MapInfo {
     pub max_entries: u32,
     /// `BPF_F_*` creation flags.
     pub map_flags: u32,
+}
+
+/// The `BPF_PROG_TEST_RUN` part of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct TestRunAttr {
+    prog_fd: u32,
+    retval: u32,
+    data_size_in: u32,
+    data_size_out: u32,
+    data_in: u64,
+    data_out: u64,
+    repeat: u32,
+    duration: u32,
+    ctx_size_in: u32,
+    ctx_size_out: u32,
+    ctx_in: u64,
+    ctx_out: u64,
+    flags: u32,
+    cpu: u32,
+    batch_size: u32,
+    pad: u32,
+}
+
+/// Offset of `ifindex` in `struct __sk_buff` (after len, pkt_type, mark,
+/// queue_mapping, protocol, vlan_present, vlan_tci, vlan_proto, priority,
+/// ingress_ifindex: ten `__u32`s).
+const SKB_IFINDEX_OFFSET: usize = 40;
+
+/// Runs a `sched_cls` program once on `frame` (an Ethernet frame) with
+/// `BPF_PROG_TEST_RUN`, as if it arrived on interface `ifindex` of the
+/// calling thread's network namespace (1 is `lo`; the kernel takes the
+/// `__sk_buff` context's `ifindex` and fails with ENODEV for an unknown
+/// one). Returns the program's return value (`TC_ACT_*`). Redirects are
+/// reported, not performed; map writes are real.
+pub fn test_run_classifier(prog: BorrowedFd<'_>, frame: &[u8], ifindex: u32) -> io::Result<u32> {
+    // A `struct __sk_buff` prefix up to and including `ifindex`: the kernel
+    // zero-fills the rest and refuses non-zero fields it does not take.
+    let mut ctx = [0u8; SKB_IFINDEX_OFFSET + 4];
+    ctx[SKB_IFINDEX_OFFSET..].copy_from_slice(&ifindex.to_ne_bytes());
+    let mut attr = TestRunAttr {
+        prog_fd: fd_u32(prog),
+        data_size_in: u32::try_from(frame.len())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?,
+        data_in: frame.as_ptr() as u64,
+        repeat: 1,
+        ctx_size_in: ctx.len() as u32,
+        ctx_in: ctx.as_ptr() as u64,
+        ..TestRunAttr::default()
+    };
+    bpf(BPF_PROG_TEST_RUN, &mut attr)?;
+    Ok(attr.retval)
 }
 
 fn fd_u32(fd: BorrowedFd<'_>) -> u32 {

@@ -253,7 +253,8 @@ static __always_inline int parse_ports(struct __sk_buff *skb, struct pkt *p)
 		__builtin_memcpy(&p->sport, &hdr[0], 2);
 		__builtin_memcpy(&p->dport, &hdr[2], 2);
 		p->tcp_flags = hdr[13];
-	} else if (p->protocol == IPPROTO_UDP) {
+	} else if (p->protocol == IPPROTO_UDP || p->protocol == IPPROTO_SCTP) {
+		/* Both start with source and destination port. */
 		__u16 ports[2];
 		if (bpf_skb_load_bytes(skb, p->l4_off, ports, sizeof(ports)) < 0)
 			return -1;

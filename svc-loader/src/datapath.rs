@@ -480,6 +480,18 @@ pub enum DatapathError {
         /// The error.
         error: io::Error,
     },
+    /// `BPF_PROG_TEST_RUN` of a program failed.
+    #[error("test-running program {program} on a {len}-byte frame from ifindex {ifindex}: {error}")]
+    TestRun {
+        /// The program.
+        program: &'static str,
+        /// The frame's length.
+        len: usize,
+        /// The interface the frame came from.
+        ifindex: u32,
+        /// The kernel's answer.
+        error: io::Error,
+    },
     /// A tc request (qdisc or filter) for an interface failed.
     #[error("{what} (ifindex {ifindex}): {error}")]
     Tc {
@@ -910,6 +922,27 @@ impl Datapath {
             }
         }
         Ok(totals)
+    }
+
+    /// Runs `hook`'s program once on `frame` (an Ethernet frame) as if it
+    /// came through interface `ifindex` of the calling thread's network
+    /// namespace (`BPF_PROG_TEST_RUN`), against the real maps; returns the
+    /// program's `TC_ACT_*`. For tests (the differential test of the
+    /// datapath against the policy engine): a redirect is reported, not done.
+    pub fn test_run(&mut self, hook: Hook, frame: &[u8], ifindex: u32) -> Result<u32, DatapathError> {
+        let program = hook.program();
+        let prog = classifier(&mut self.ebpf, hook)?;
+        let fd = prog.fd().map_err(|error| DatapathError::Program {
+            what: "using",
+            program,
+            error: Box::new(error),
+        })?;
+        sys::test_run_classifier(fd.as_fd(), frame, ifindex).map_err(|error| DatapathError::TestRun {
+            program,
+            len: frame.len(),
+            ifindex,
+            error,
+        })
     }
 
     /// Writes the options' conntrack lifetimes and event flags to the config map.

@@ -46,6 +46,9 @@
 //! - [`PolicyRepository::resolve`]: the complete [`ResolvedPolicy`] of one
 //!   endpoint: per direction whether it is enforced, and the sorted, unique
 //!   [`Entry`] list the loader takes (`rivet.loader.v1.PolicyEntry`).
+//! - [`PolicyRepository::evaluate`]: the [`Decision`] for one packet, straight
+//!   from the rules (no selector cache, no entries): the oracle the datapath
+//!   is tested against. It matches ipBlock peers on the peer's address.
 //!
 //! # Semantics
 //!
@@ -77,6 +80,7 @@
 //! numbers.
 
 mod document;
+mod evaluate;
 mod repository;
 mod resolve;
 mod selector;
@@ -94,6 +98,7 @@ use rivet_common::labels::Labels;
 use rivet_proto::loader::v1 as loader;
 
 pub use document::Policy;
+pub use evaluate::{Decision, PacketPeer};
 pub use repository::{PolicyChange, PolicyRepository, ResolvedPolicy, StoredPolicy, Subject};
 pub use selector_cache::SelectorCache;
 

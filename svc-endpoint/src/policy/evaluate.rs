@@ -1,0 +1,165 @@
+//! A direct evaluator: what the policies say about one packet, straight
+//! from their rules, without the selector cache or resolved entries. It is
+//! the oracle the datapath is tested against (`tests/differential.rs`), so
+//! it is kept independent of [`super::resolve`]: same semantics, different
+//! code.
+
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use rivet_common::labels::{Labels, ReservedIdentity};
+
+use super::document::{PortRef, PortSpec, Rule};
+use super::selector::{IdentityRef, Peer};
+use super::{Direction, NamedPort, Policy, Protocol, Subject, Verdict};
+
+/// The other end of a packet: its identity, the labels of a cluster
+/// identity, its address and its named ports (for egress rules naming a
+/// port).
+#[derive(Debug, Clone, Copy)]
+pub struct PacketPeer<'a> {
+    /// Numeric identity (reserved 1-7, cluster 256 <= id < 2^24, CIDR above).
+    pub identity: u32,
+    /// The labels of a cluster identity.
+    pub labels: Option<&'a Labels>,
+    /// The peer's address (ipBlock peers match on it).
+    pub address: Option<IpAddr>,
+    /// The peer's named container ports.
+    pub named_ports: &'a [NamedPort],
+}
+
+/// What the policies do with one packet of a new connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Decision {
+    /// No selecting policy enforces the direction: everything passes.
+    NotEnforced,
+    /// An allow rule matches (or every enforcing policy disabled default
+    /// deny and no deny rule matches).
+    Allowed,
+    /// A deny rule matches (Rivet's kind); wins over any allow.
+    Denied,
+    /// Enforced, and no rule allows it.
+    DefaultDenied,
+}
+
+impl Decision {
+    /// Whether the packet passes.
+    pub fn passes(self) -> bool {
+        matches!(self, Self::NotEnforced | Self::Allowed)
+    }
+}
+
+/// What `policies` say about a packet of protocol `protocol` (IANA number)
+/// to destination port `port` (0 for protocols without ports) between
+/// `subject` and `peer` in `direction`: Kubernetes semantics (a policy
+/// enforces the directions of its policyTypes on the pods it selects; rules
+/// are a union; a rule without peers or ports matches any) plus Rivet's
+/// deny rules and `enableDefaultDeny`.
+pub(crate) fn evaluate<'p>(
+    policies: impl Iterator<Item = &'p Policy>,
+    subject: &Subject<'_>,
+    direction: Direction,
+    peer: &PacketPeer<'_>,
+    protocol: u8,
+    port: u16,
+) -> Decision {
+    let (mut applies, mut has_rules, mut default_deny) = (false, false, false);
+    let (mut allowed, mut denied) = (false, false);
+    for policy in policies.filter(|p| p.selects(subject.labels)) {
+        let spec = &policy.spec;
+        if !spec.applies(direction) {
+            continue;
+        }
+        applies = true;
+        default_deny |= spec.default_deny(direction);
+        for verdict in [Verdict::Allow, Verdict::Deny] {
+            let rules = spec.rules(direction, verdict);
+            has_rules |= !rules.is_empty();
+            let hit = rules
+                .iter()
+                .any(|rule| rule_matches(rule, direction, subject, peer, protocol, port));
+            match verdict {
+                Verdict::Allow => allowed |= hit,
+                Verdict::Deny => denied |= hit,
+            }
+        }
+    }
+    if !applies || !(default_deny || has_rules) {
+        Decision::NotEnforced
+    } else if denied {
+        Decision::Denied
+    } else if allowed || !default_deny {
+        Decision::Allowed
+    } else {
+        Decision::DefaultDenied
+    }
+}
+
+fn rule_matches(
+    rule: &Rule,
+    direction: Direction,
+    subject: &Subject<'_>,
+    peer: &PacketPeer<'_>,
+    protocol: u8,
+    port: u16,
+) -> bool {
+    let peer_ok = rule.peers.is_empty() || rule.peers.iter().any(|p| peer_matches(p, peer));
+    let port_ok = rule.ports.is_empty()
+        || rule
+            .ports
+            .iter()
+            .any(|spec| port_matches(spec, direction, subject, peer, protocol, port));
+    peer_ok && port_ok
+}
+
+/// ipBlock peers match the peer's address (any address in the block and in
+/// none of its excepts, pod addresses included); every other peer matches
+/// its identity.
+fn peer_matches(selector: &Peer, peer: &PacketPeer<'_>) -> bool {
+    if let Peer::IpBlock { cidr, except } = selector {
+        return peer
+            .address
+            .is_some_and(|a| cidr.contains(&a) && !except.iter().any(|e| e.contains(&a)));
+    }
+    let host_net = peer.address.map(IpNet::from);
+    let identity = match peer.identity {
+        id @ 1..=7 => ReservedIdentity::from_id(id).map(IdentityRef::Reserved),
+        256..=0xff_ffff => peer.labels.map(IdentityRef::Cluster),
+        0x100_0000.. => host_net.as_ref().map(IdentityRef::Cidr),
+        _ => None,
+    };
+    match identity {
+        Some(identity) => selector.matches(identity),
+        None => selector.is_any(),
+    }
+}
+
+fn port_matches(
+    spec: &PortSpec,
+    direction: Direction,
+    subject: &Subject<'_>,
+    peer: &PacketPeer<'_>,
+    protocol: u8,
+    port: u16,
+) -> bool {
+    if spec.protocol == Protocol::Any {
+        return true;
+    }
+    if spec.protocol.number() != u32::from(protocol) {
+        return false;
+    }
+    match &spec.port {
+        None => true,
+        Some(PortRef::Number(first)) => (*first..=spec.end_port.unwrap_or(*first)).contains(&port),
+        Some(PortRef::Name(name)) => {
+            // Ingress: the endpoint's own ports; egress: the peer's.
+            let ports = match direction {
+                Direction::Ingress => subject.named_ports,
+                Direction::Egress => peer.named_ports,
+            };
+            ports
+                .iter()
+                .any(|n| n.name == *name && n.protocol == spec.protocol && n.port == port && port != 0)
+        }
+    }
+}
