@@ -237,7 +237,9 @@ impl Spec {
     }
 }
 
-/// `enableDefaultDeny`, both true unless a Rivet policy says otherwise.
+/// `enableDefaultDeny`: true in each direction of `policyTypes` unless a
+/// Rivet policy says otherwise, false in a direction the policy does not
+/// enforce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub(crate) struct DefaultDeny {
     pub(crate) ingress: bool,
@@ -747,15 +749,16 @@ impl Validator<'_> {
         }
         policy_types.sort();
 
-        let enable_default_deny = match doc.enable_default_deny {
-            None => DefaultDeny {
-                ingress: true,
-                egress: true,
-            },
-            Some(d) => DefaultDeny {
-                ingress: d.ingress.unwrap_or(true),
-                egress: d.egress.unwrap_or(true),
-            },
+        // Default deny only in the directions the policy enforces: a
+        // direction outside policyTypes is never restricted by it, and the
+        // normalised form (`rivet policy get`) must not say otherwise.
+        let (ingress_default, egress_default) = match doc.enable_default_deny {
+            None => (true, true),
+            Some(d) => (d.ingress.unwrap_or(true), d.egress.unwrap_or(true)),
+        };
+        let enable_default_deny = DefaultDeny {
+            ingress: ingress_default && policy_types.contains(&Direction::Ingress),
+            egress: egress_default && policy_types.contains(&Direction::Egress),
         };
 
         Ok(Spec {

@@ -1472,9 +1472,22 @@ spec:
                 "policyTypes": ["Ingress"],
                 "ingress": [{"peers": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"protocol": "TCP", "port": 80}]}],
                 "egress": [],
-                "enableDefaultDeny": {"ingress": true, "egress": true}
+                // Ingress only: default deny in that direction alone
+                // (`rivet policy get` showed both).
+                "enableDefaultDeny": {"ingress": true, "egress": false}
             }
         })
+    );
+    // A Rivet policy's setting for a direction it does not enforce is moot too.
+    let rivet = Policy::parse(
+        "{apiVersion: rivet.io/v1, kind: RivetNetworkPolicy, metadata: {name: r, namespace: shop},
+          spec: {podSelector: {}, policyTypes: [Egress], enableDefaultDeny: {ingress: true}}}",
+    )
+    .unwrap();
+    let normalized: serde_json::Value = serde_json::from_str(&rivet.normalized_json()).unwrap();
+    assert_eq!(
+        normalized["spec"]["enableDefaultDeny"],
+        serde_json::json!({"ingress": false, "egress": true})
     );
 
     let flow = Policy::parse(
