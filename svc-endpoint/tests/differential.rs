@@ -293,11 +293,7 @@ fn run(
             let peer = PacketPeer {
                 identity: peer_spec.identity,
                 labels: peer_spec.labels.as_ref(),
-                address: Some(if case.v6 {
-                    IpAddr::V6(peer_spec.v6)
-                } else {
-                    IpAddr::V4(peer_spec.v4)
-                }),
+                address: Some(case.address),
                 named_ports: &[],
             };
             let decision = repo.evaluate(&subject, case.direction, &peer, case.protocol, case.port);
@@ -558,6 +554,14 @@ enum Kind {
     LoneFragment,
     /// Neighbour discovery as the RFC sends it: never under policy.
     NeighbourDiscovery,
+    /// An ND message that is not plumbing (hop limit 64, or a global
+    /// destination): ICMPv6 under policy.
+    NdUnderPolicy,
+    /// An MLDv2 report from a link-local address, hop limit 1: plumbing.
+    Mld,
+    /// Traffic with the node's link-local address (the host identity), or
+    /// from the pod's link-local address (an invalid source).
+    LinkLocal,
     /// More than 8 extension headers: dropped whatever the policy.
     LongChain,
     /// An extension header running past the packet.
@@ -567,7 +571,10 @@ enum Kind {
 struct Case {
     direction: Direction,
     peer: usize,
-    v6: bool,
+    /// The peer's address as the policy sees it.
+    address: IpAddr,
+    /// Sent from the pod's link-local address.
+    invalid_source: bool,
     kind: Kind,
     /// IANA protocol and destination port as the policy sees them.
     protocol: u8,
@@ -585,14 +592,26 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
     let peer = rng.random_range(0..world.peers.len());
     let v6 = rng.random_bool(0.5);
     let kind = match rng.random_range(0..100) {
-        0..78 => Kind::Plain,
-        78..88 => Kind::Fragments,
-        88..92 => Kind::LoneFragment,
-        92..96 if v6 => Kind::NeighbourDiscovery,
-        96..98 if v6 => Kind::LongChain,
-        98..100 if v6 => Kind::TruncatedChain,
+        0..70 => Kind::Plain,
+        70..80 => Kind::Fragments,
+        80..84 => Kind::LoneFragment,
+        84..87 if v6 => Kind::NeighbourDiscovery,
+        87..89 if v6 => Kind::NdUnderPolicy,
+        89..91 if v6 => Kind::Mld,
+        91..95 if v6 => Kind::LinkLocal,
+        95..97 if v6 => Kind::LongChain,
+        97..100 if v6 => Kind::TruncatedChain,
         _ => Kind::Plain,
     };
+    // Link-local traffic is with the node (the host identity).
+    let peer = if kind == Kind::LinkLocal {
+        world.peers.iter().position(|p| p.identity == 1).expect("a host peer")
+    } else {
+        peer
+    };
+    let node_ll = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 1);
+    let pod_ll = Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 2);
+    let invalid_source = kind == Kind::LinkLocal && direction == Direction::Egress && rng.random_bool(0.5);
     let (protocol, icmp_type) = match rng.random_range(0..100) {
         0..35 => (proto::TCP, 0),
         35..60 => (proto::UDP, 0),
@@ -611,6 +630,8 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
         0
     };
     let sport = rng.random_range(1024..=65535u16);
+    // Echo identifier 0 made every ICMPv6 echo link plumbing once.
+    let echo_id = if rng.random_bool(0.2) { 0 } else { sport };
     let mut headers = Vec::new();
     if v6 && rng.random_bool(0.3) {
         if rng.random_bool(0.3) {
@@ -632,11 +653,15 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
     }
     let p = &world.peers[peer];
     let (src, dst): (IpAddr, IpAddr) = match (direction, v6) {
+        _ if invalid_source => (pod_ll.into(), node_ll.into()),
+        (Direction::Ingress, true) if kind == Kind::LinkLocal => (node_ll.into(), SUBJECT_V6.into()),
+        (Direction::Egress, true) if kind == Kind::LinkLocal => (SUBJECT_V6.into(), node_ll.into()),
         (Direction::Ingress, false) => (p.v4.into(), SUBJECT_V4.into()),
         (Direction::Ingress, true) => (p.v6.into(), SUBJECT_V6.into()),
         (Direction::Egress, false) => (SUBJECT_V4.into(), p.v4.into()),
         (Direction::Egress, true) => (SUBJECT_V6.into(), p.v6.into()),
     };
+    let address = if direction == Direction::Ingress { src } else { dst };
     let l4 = |data: &[u8]| -> Vec<u8> {
         match protocol {
             proto::TCP => {
@@ -650,8 +675,15 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
                 s.extend_from_slice(data);
                 s
             }
-            proto::ICMP => frames::icmp4(icmp_type, 0, frames::echo_rest(sport, 1), data),
-            _ => frames::icmp6(v6_of(src), v6_of(dst), icmp_type, 0, frames::echo_rest(sport, 1), data),
+            proto::ICMP => frames::icmp4(icmp_type, 0, frames::echo_rest(echo_id, 1), data),
+            _ => frames::icmp6(
+                v6_of(src),
+                v6_of(dst),
+                icmp_type,
+                0,
+                frames::echo_rest(echo_id, 1),
+                data,
+            ),
         }
     };
     let ethertype = if v6 { frames::ETH_P_IPV6 } else { frames::ETH_P_IP };
@@ -671,7 +703,55 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
         }
     };
     let (frames_out, protocol_seen, what) = match kind {
-        Kind::Plain => (vec![eth(ip(&headers, protocol, &l4(b"rivet")))], protocol, "packet"),
+        Kind::Plain | Kind::LinkLocal => (vec![eth(ip(&headers, protocol, &l4(b"rivet")))], protocol, "packet"),
+        Kind::NdUnderPolicy => {
+            // Ingress: a neighbour solicitation a router forwarded (hop
+            // limit below 255); egress: a neighbour advertisement from the
+            // pod's address to a global address.
+            let (kind, hop_limit) = if direction == Direction::Ingress {
+                (135, 64)
+            } else {
+                (136, if rng.random_bool(0.5) { 255 } else { 64 })
+            };
+            let nd = frames::icmp6(v6_of(src), v6_of(dst), kind, 0, [0; 4], &SUBJECT_V6.octets());
+            (
+                vec![eth(frames::ipv6(
+                    v6_of(src),
+                    v6_of(dst),
+                    hop_limit,
+                    &[],
+                    proto::ICMPV6,
+                    &nd,
+                ))],
+                proto::ICMPV6,
+                "neighbour discovery that is not plumbing",
+            )
+        }
+        Kind::Mld => {
+            let source = if direction == Direction::Ingress {
+                node_ll
+            } else {
+                pod_ll
+            };
+            let routers = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 0, 0x16);
+            let router_alert = ExtHeader::Raw {
+                kind: proto::HOP_BY_HOP,
+                bytes: vec![0, 5, 2, 0, 0, 1, 0],
+            };
+            let report = frames::icmp6(source, routers, 143, 0, [0; 4], &[]);
+            (
+                vec![eth(frames::ipv6(
+                    source,
+                    routers,
+                    1,
+                    &[router_alert],
+                    proto::ICMPV6,
+                    &report,
+                ))],
+                proto::ICMPV6,
+                "MLDv2 report",
+            )
+        }
         Kind::Fragments => {
             let pieces = fragments(&l4(&[7; 600]));
             (
@@ -743,7 +823,8 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
     Case {
         direction,
         peer,
-        v6,
+        address,
+        invalid_source,
         kind,
         protocol: protocol_seen,
         port,
@@ -779,10 +860,11 @@ fn expect(
         }
     };
     match case.kind {
-        Kind::Plain => vec![policy()],
+        _ if case.invalid_source => vec![Outcome::Drop(maps::DROP_INVALID_SOURCE_ADDRESS)],
+        Kind::Plain | Kind::NdUnderPolicy | Kind::LinkLocal => vec![policy()],
         Kind::Fragments => vec![policy(); 2],
         Kind::LoneFragment if enforced => vec![Outcome::Drop(maps::DROP_FRAGMENT_UNTRACKED)],
-        Kind::LoneFragment | Kind::NeighbourDiscovery => vec![Outcome::Pass],
+        Kind::LoneFragment | Kind::NeighbourDiscovery | Kind::Mld => vec![Outcome::Pass],
         Kind::LongChain | Kind::TruncatedChain => vec![Outcome::Drop(maps::DROP_EXT_HEADER_CHAIN)],
     }
 }
