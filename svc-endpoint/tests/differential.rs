@@ -8,8 +8,10 @@
 //! as an ApplyEndpoint request is (`validate::endpoint`, then
 //! `EndpointDatapath::apply`). Random packets (IPv4/IPv6; TCP, UDP, SCTP,
 //! ICMP echo, other ICMP types; with and without IPv6 extension headers;
-//! fragments; ND plumbing; broken header chains) then run through the real
-//! `from_container` / `to_container` programs with `BPF_PROG_TEST_RUN`,
+//! fragments; ND and MLD plumbing and ND that is not; link-local traffic;
+//! broken header chains) then run through the real `from_container` /
+//! `to_container` programs with `BPF_PROG_TEST_RUN`, the subject's and (for
+//! traffic to the peer that is a local endpoint) that endpoint's policy,
 //! each as a new flow (conntrack is emptied after every case, fragment ids
 //! are unique), and every verdict and drop reason is compared with
 //! [`PolicyRepository::evaluate`], which answers straight from the rules.
@@ -50,6 +52,9 @@ const DEFAULT_SCENARIOS: usize = 150;
 const PREFIX: &str = "rvdf";
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+/// The peer that is an endpoint on the node (see `run`).
+const LOCAL_PEER: usize = 0;
 
 const SUBJECT_ID: u32 = 300;
 const SUBJECT_V4: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
@@ -158,6 +163,8 @@ struct Harness {
     loader: EndpointDatapath,
     ring: aya::maps::RingBuf<aya::maps::MapData>,
     ifindex: u32,
+    /// The veth of the local peer endpoint.
+    local_ifindex: u32,
 }
 
 impl Harness {
@@ -174,22 +181,73 @@ impl Harness {
         let ring = loader
             .with_datapath(|d| d.take_events())
             .expect("the event ring buffer");
-        let ifindex = svc_loader::netdev::name_to_ifindex(&format!("{PREFIX}0"))
-            .expect("interface lookup")
-            .expect("the test veth");
-        Self { loader, ring, ifindex }
+        let veth = |name: String| {
+            svc_loader::netdev::name_to_ifindex(&name)
+                .expect("interface lookup")
+                .expect("the test veth")
+        };
+        Self {
+            loader,
+            ring,
+            ifindex: veth(format!("{PREFIX}0")),
+            local_ifindex: veth(format!("{PREFIX}2")),
+        }
     }
 
     /// Realises the engine's resolved policy as svc-endpoint asks for it:
     /// the ApplyEndpoint request, checked by `validate::endpoint`, applied
     /// by `EndpointDatapath::apply`.
     fn apply(&self, resolved: &ResolvedPolicy, revision: u64, allow_from_host: bool) {
+        let addresses = [SUBJECT_V4.into(), SUBJECT_V6.into()];
+        self.apply_endpoint(
+            1,
+            self.ifindex,
+            &addresses,
+            SUBJECT_ID,
+            resolved,
+            revision,
+            allow_from_host,
+        );
+    }
+
+    /// [`apply`](Self::apply) for the local peer endpoint (id 2).
+    fn apply_local(&self, peer: &PeerSpec, resolved: &ResolvedPolicy, revision: u64, allow_from_host: bool) {
+        let addresses = [peer.v4.into(), peer.v6.into()];
+        let ifindex = self.local_ifindex;
+        self.apply_endpoint(
+            2,
+            ifindex,
+            &addresses,
+            peer.identity,
+            resolved,
+            revision,
+            allow_from_host,
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn apply_endpoint(
+        &self,
+        endpoint_id: u32,
+        ifindex: u32,
+        addresses: &[IpAddr],
+        identity: u32,
+        resolved: &ResolvedPolicy,
+        revision: u64,
+        allow_from_host: bool,
+    ) {
         let request = pb::ApplyEndpointRequest {
-            endpoint_id: 1,
-            host_ifindex: self.ifindex,
-            addresses: vec![SUBJECT_V4.octets().to_vec(), SUBJECT_V6.octets().to_vec()],
-            mac: vec![2, 0, 0, 0, 0, 2],
-            identity: SUBJECT_ID,
+            endpoint_id,
+            host_ifindex: ifindex,
+            addresses: addresses
+                .iter()
+                .map(|a| match a {
+                    IpAddr::V4(a) => a.octets().to_vec(),
+                    IpAddr::V6(a) => a.octets().to_vec(),
+                })
+                .collect(),
+            mac: vec![2, 0, 0, 0, 0, endpoint_id as u8 + 1],
+            identity,
             policy: Some(resolved.to_proto(revision, allow_from_host)),
         };
         let spec = svc_loader::validate::endpoint(&request).expect("the request is valid");
@@ -231,6 +289,7 @@ fn in_test_namespace<T: Send + 'static>(f: impl FnOnce(std::path::PathBuf) -> T 
     static PINS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let ns = NetNs::new("rvdiff").expect("a test namespace");
     veth_pair(&ns, &format!("{PREFIX}0"), &ns, &format!("{PREFIX}1")).expect("a veth in it");
+    veth_pair(&ns, &format!("{PREFIX}2"), &ns, &format!("{PREFIX}3")).expect("a second veth in it");
     let n = PINS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let pins = PinDir(format!("/sys/fs/bpf/rivet/diff-{}-{n}", std::process::id()).into());
     let pin_dir = pins.0.clone();
@@ -276,6 +335,14 @@ fn run(
         let resolved = repo.resolve(&subject, &cache);
         let allow_from_host = rng.random_bool(0.5);
         harness.apply(&resolved, scenario as u64 + 1, allow_from_host);
+        // Peer 0 is an endpoint on this node with its own policy: the
+        // subject's traffic to it meets the subject's egress policy, then
+        // its ingress policy, in from_container, and is redirected to it.
+        let local = &world.peers[LOCAL_PEER];
+        let local_labels = local.labels.as_ref().expect("a pod");
+        let local_subject = Subject::new(local_labels);
+        let local_resolved = repo.resolve(&local_subject, &cache);
+        harness.apply_local(local, &local_resolved, scenario as u64 + 1, allow_from_host);
         let ipcache: Vec<(IpAddr, u8, IpcacheValue)> = world
             .peers
             .iter()
@@ -297,7 +364,30 @@ fn run(
                 named_ports: &[],
             };
             let decision = repo.evaluate(&subject, case.direction, &peer, case.protocol, case.port);
-            let expected = expect(&case, decision, &resolved, peer_spec.identity, allow_from_host);
+            let to_local = case.direction == Direction::Egress
+                && case.peer == LOCAL_PEER
+                && matches!(
+                    case.kind,
+                    Kind::Plain | Kind::Fragments | Kind::LoneFragment | Kind::NdUnderPolicy
+                );
+            let local_decision = to_local.then(|| {
+                let me = PacketPeer {
+                    identity: SUBJECT_ID,
+                    labels: Some(&world.subject),
+                    address: Some(case.source),
+                    named_ports: &[],
+                };
+                let d = repo.evaluate(&local_subject, Direction::Ingress, &me, case.protocol, case.port);
+                (d, local_resolved.enforce_ingress)
+            });
+            let expected = expect(
+                &case,
+                decision,
+                local_decision,
+                &resolved,
+                peer_spec.identity,
+                allow_from_host,
+            );
             let outcomes = harness.run(case.direction, &case.frames);
             cases += 1;
             *seen.entry(expected[0]).or_insert(0) += 1;
@@ -324,6 +414,8 @@ fn run(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Outcome {
     Pass,
+    /// Redirected to a local endpoint (`TC_ACT_REDIRECT`).
+    Redirect,
     Drop(u8),
     Other(u32),
 }
@@ -339,6 +431,7 @@ fn outcome(retval: u32, ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Ou
     }
     match (retval, reason) {
         (TC_ACT_OK, None) => Outcome::Pass,
+        (TC_ACT_REDIRECT, None) => Outcome::Redirect,
         (TC_ACT_SHOT, Some(reason)) => Outcome::Drop(reason),
         (other, _) => Outcome::Other(other),
     }
@@ -573,6 +666,8 @@ struct Case {
     peer: usize,
     /// The peer's address as the policy sees it.
     address: IpAddr,
+    /// The subject's address in the packet.
+    source: IpAddr,
     /// Sent from the pod's link-local address.
     invalid_source: bool,
     kind: Kind,
@@ -662,6 +757,7 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
         (Direction::Egress, true) => (SUBJECT_V6.into(), p.v6.into()),
     };
     let address = if direction == Direction::Ingress { src } else { dst };
+    let source = if direction == Direction::Ingress { dst } else { src };
     let l4 = |data: &[u8]| -> Vec<u8> {
         match protocol {
             proto::TCP => {
@@ -824,6 +920,7 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
         direction,
         peer,
         address,
+        source,
         invalid_source,
         kind,
         protocol: protocol_seen,
@@ -842,28 +939,38 @@ fn v6_of(a: IpAddr) -> Ipv6Addr {
 
 /// What the datapath must do with each frame of `case`, from the engine's
 /// decision and the endpoint's settings.
+/// `local`: for a packet to the local peer endpoint, that endpoint's
+/// ingress decision and whether its ingress is enforced.
 fn expect(
     case: &Case,
     decision: Decision,
+    local: Option<(Decision, bool)>,
     resolved: &ResolvedPolicy,
     peer_identity: u32,
     allow_from_host: bool,
 ) -> Vec<Outcome> {
     let enforced = resolved.enforces(case.direction);
+    let verdict = |decision: Decision, passed: Outcome| match decision {
+        Decision::NotEnforced | Decision::Allowed => passed,
+        Decision::Denied => Outcome::Drop(maps::DROP_POLICY_DENIED),
+        Decision::DefaultDenied => Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY),
+    };
     let policy = || {
         let from_host = case.direction == Direction::Ingress && peer_identity == 1 && allow_from_host;
-        match decision {
+        match (verdict(decision, Outcome::Pass), local) {
             _ if from_host => Outcome::Pass,
-            Decision::NotEnforced | Decision::Allowed => Outcome::Pass,
-            Decision::Denied => Outcome::Drop(maps::DROP_POLICY_DENIED),
-            Decision::DefaultDenied => Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY),
+            (Outcome::Pass, Some((local, _))) => verdict(local, Outcome::Redirect),
+            (outcome, _) => outcome,
         }
     };
     match case.kind {
         _ if case.invalid_source => vec![Outcome::Drop(maps::DROP_INVALID_SOURCE_ADDRESS)],
         Kind::Plain | Kind::NdUnderPolicy | Kind::LinkLocal => vec![policy()],
         Kind::Fragments => vec![policy(); 2],
-        Kind::LoneFragment if enforced => vec![Outcome::Drop(maps::DROP_FRAGMENT_UNTRACKED)],
+        Kind::LoneFragment if enforced || local.is_some_and(|(_, enforced)| enforced) => {
+            vec![Outcome::Drop(maps::DROP_FRAGMENT_UNTRACKED)]
+        }
+        Kind::LoneFragment if local.is_some() => vec![Outcome::Redirect],
         Kind::LoneFragment | Kind::NeighbourDiscovery | Kind::Mld => vec![Outcome::Pass],
         Kind::LongChain | Kind::TruncatedChain => vec![Outcome::Drop(maps::DROP_EXT_HEADER_CHAIN)],
     }
