@@ -133,6 +133,27 @@ impl LoaderNode {
         )
     }
 
+    /// The datapath's non-zero drop counters (by reason and direction).
+    pub async fn drop_counters(&self) -> Vec<pb::DropCounter> {
+        self.client()
+            .await
+            .get_drop_counters(pb::GetDropCountersRequest { include_zero: false })
+            .await
+            .expect("svc-loader answers GetDropCounters")
+            .into_inner()
+            .drops
+    }
+
+    /// Packets dropped for `reason`, in both directions.
+    pub async fn drops(&self, reason: pb::DropReason) -> u64 {
+        self.drop_counters()
+            .await
+            .iter()
+            .filter(|d| d.reason == reason as i32)
+            .map(|d| d.packets)
+            .sum()
+    }
+
     /// A pod by name.
     pub fn pod(&self, name: &str) -> &TestPod {
         self.node.pod(name)

@@ -36,50 +36,20 @@ async fn apply(client: &mut Client, request: pb::ApplyEndpointRequest) {
     client.apply_endpoint(request).await.expect("the endpoint is applied");
 }
 
-async fn drops(node: &LoaderNode, reason: pb::DropReason) -> u64 {
-    let r = node
-        .client()
-        .await
-        .get_drop_counters(pb::GetDropCountersRequest { include_zero: false })
-        .await
-        .expect("drop counters")
-        .into_inner();
-    r.drops
-        .iter()
-        .filter(|d| d.reason == reason as i32)
-        .map(|d| d.packets)
-        .sum()
-}
-
 /// Every non-zero drop counter, for failure messages.
 async fn drop_list(node: &LoaderNode) -> Vec<(String, String, u64)> {
-    let r = node
-        .client()
+    let name = |reason| pb::DropReason::try_from(reason).map_or("?", |r| r.as_str_name());
+    let direction = |d| pb::Direction::try_from(d).map_or("?", |d| d.as_str_name());
+    node.drop_counters()
         .await
-        .get_drop_counters(pb::GetDropCountersRequest { include_zero: false })
-        .await
-        .expect("drop counters")
-        .into_inner();
-    r.drops
         .iter()
-        .map(|d| {
-            let reason = pb::DropReason::try_from(d.reason).map_or("?", |r| r.as_str_name());
-            let direction = pb::Direction::try_from(d.direction).map_or("?", |r| r.as_str_name());
-            (reason.to_owned(), direction.to_owned(), d.packets)
-        })
+        .map(|d| (name(d.reason).to_owned(), direction(d.direction).to_owned(), d.packets))
         .collect()
 }
 
 /// Drops of every reason.
 async fn all_drops(node: &LoaderNode) -> u64 {
-    let r = node
-        .client()
-        .await
-        .get_drop_counters(pb::GetDropCountersRequest { include_zero: false })
-        .await
-        .expect("drop counters")
-        .into_inner();
-    r.drops.iter().map(|d| d.packets).sum()
+    node.drop_counters().await.iter().map(|d| d.packets).sum()
 }
 
 /// Waits until the `reason` counter reaches `target` (or [`SIGNAL`]
@@ -87,7 +57,7 @@ async fn all_drops(node: &LoaderNode) -> u64 {
 async fn drops_reaching(node: &LoaderNode, reason: pb::DropReason, target: u64) -> u64 {
     let deadline = Instant::now() + SIGNAL;
     loop {
-        let now = drops(node, reason).await;
+        let now = node.drops(reason).await;
         if now >= target || Instant::now() >= deadline {
             return now;
         }
@@ -269,7 +239,7 @@ async fn icmpv6_from_outside_the_node_is_under_ingress_policy_whatever_its_ident
     let pod = v6(&node, "a");
     let deny = pb::DropReason::PolicyDefaultDeny;
 
-    let before = drops(&node, deny).await;
+    let before = node.drops(deny).await;
     // Identifier 7 first: dropped today as well, so the outside route works.
     assert!(!outside.icmp6(pod, 128, 7, 64, None));
     assert_eq!(
@@ -290,7 +260,7 @@ async fn icmpv6_from_outside_the_node_is_under_ingress_policy_whatever_its_ident
     // and a neighbour solicitation forwarded by the node (hop limit 255
     // when sent, 254 when it reaches the pod).
     for (kind, hop_limit) in [(139, 64), (200, 64), (135, 255)] {
-        let n = drops(&node, deny).await;
+        let n = node.drops(deny).await;
         outside.icmp6(pod, kind, 0, hop_limit, None);
         assert_eq!(
             drops_reaching(&node, deny, n + 1).await,
@@ -391,7 +361,7 @@ async fn link_local_egress_is_limited_to_neighbour_discovery_and_mld() {
             &frames::tcp(ll.into(), dst.into(), 40000, 22, TCP_SYN),
         )
     };
-    let before = drops(&node, invalid).await;
+    let before = node.drops(invalid).await;
     let all_before = all_drops(&node).await;
     send6(&node, "a", None, plumbing);
     send6(&node, "a", None, vec![tcp_ll(node_ll)]);
@@ -408,7 +378,7 @@ async fn link_local_egress_is_limited_to_neighbour_discovery_and_mld() {
 
     // Everything else from link-local, to link-local or multicast: UDP to
     // all-nodes, an echo request, and an ND-typed message with hop limit 64.
-    let before = drops(&node, invalid).await;
+    let before = node.drops(invalid).await;
     send6(
         &node,
         "a",
@@ -456,7 +426,7 @@ async fn link_local_egress_is_limited_to_neighbour_discovery_and_mld() {
     );
 
     // From the pod's own address, ICMPv6 to multicast is egress traffic.
-    let before = drops(&node, deny).await;
+    let before = node.drops(deny).await;
     send6(
         &node,
         "a",
@@ -524,7 +494,7 @@ async fn tcp_behind_extension_headers_is_tcp_and_unfinished_chains_are_dropped()
         ),
     ];
     for (name, headers) in &chains {
-        let before = drops(&node, denied).await;
+        let before = node.drops(denied).await;
         // The allowed port first: it must pass; then the denied one.
         send6(&node, "a", None, vec![syn(headers, 8080), syn(headers, 8081)]);
         assert_eq!(
@@ -542,7 +512,7 @@ async fn tcp_behind_extension_headers_is_tcp_and_unfinished_chains_are_dropped()
     }];
     let late_hop_by_hop = vec![ExtHeader::DestinationOptions { len: 0 }, ExtHeader::HopByHop { len: 0 }];
     let eight = vec![ExtHeader::DestinationOptions { len: 0 }; 8];
-    let before = drops(&node, chain).await;
+    let before = node.drops(chain).await;
     send6(
         &node,
         "a",
@@ -559,7 +529,7 @@ async fn tcp_behind_extension_headers_is_tcp_and_unfinished_chains_are_dropped()
         before + 3,
         "9 headers, a truncated header and a Hop-by-Hop header that is not first are dropped"
     );
-    assert_eq!(drops(&node, pb::DropReason::InvalidPacket).await, 0);
+    assert_eq!(node.drops(pb::DropReason::InvalidPacket).await, 0);
 }
 
 /// Fragments follow their flow: the first fragment's ports are remembered
@@ -598,7 +568,7 @@ async fn fragments_follow_the_verdict_of_their_first_fragment() {
     let (s6, d6) = (v6(&node, "a"), v6(&node, "b"));
     let data = vec![7u8; 2000];
     let before_served = server.datagrams();
-    let before = drops(&node, deny).await;
+    let before = node.drops(deny).await;
     let mut packets4 = frames::ipv4_fragments(
         s4,
         d4,
@@ -652,7 +622,7 @@ async fn fragments_follow_the_verdict_of_their_first_fragment() {
 
     // A non-first fragment whose first fragment never came.
     let untracked = pb::DropReason::FragmentUntracked;
-    let before = drops(&node, untracked).await;
+    let before = node.drops(untracked).await;
     let lone4 = frames::ipv4_fragments(
         s4,
         d4,

@@ -74,21 +74,6 @@ fn unrestricted(revision: u64) -> pb::EndpointPolicy {
     policy(revision, false, false, vec![])
 }
 
-async fn drop_count(node: &LoaderNode, reason: pb::DropReason) -> u64 {
-    let r = node
-        .client()
-        .await
-        .get_drop_counters(pb::GetDropCountersRequest { include_zero: false })
-        .await
-        .unwrap()
-        .into_inner();
-    r.drops
-        .iter()
-        .filter(|d| d.reason == reason as i32)
-        .map(|d| d.packets)
-        .sum()
-}
-
 #[tokio::test]
 async fn policy_allows_denies_and_conntrack_lets_replies_through() {
     let node = node(&["a", "b", "c"]).await;
@@ -175,7 +160,7 @@ async fn policy_allows_denies_and_conntrack_lets_replies_through() {
         );
     }
     assert!(
-        drop_count(&node, pb::DropReason::PolicyDefaultDeny).await >= 8,
+        node.drops(pb::DropReason::PolicyDefaultDeny).await >= 8,
         "default-deny drops are counted by reason"
     );
 
@@ -210,14 +195,14 @@ async fn policy_allows_denies_and_conntrack_lets_replies_through() {
         !a.tcp_echo(SocketAddr::new(dst, 8081), SHORT).unwrap(),
         "a deny entry wins over the wildcard allow"
     );
-    let denied_before = drop_count(&node, pb::DropReason::PolicyDenied).await;
+    let denied_before = node.drops(pb::DropReason::PolicyDenied).await;
     assert_eq!(
         pings(&node, "a", dst),
         0,
         "ICMP from a is denied although 'any protocol' is allowed"
     );
     assert!(
-        drop_count(&node, pb::DropReason::PolicyDenied).await > denied_before,
+        node.drops(pb::DropReason::PolicyDenied).await > denied_before,
         "denials are counted"
     );
     assert_eq!(
@@ -623,7 +608,7 @@ async fn mld_reports_from_the_unspecified_address_pass_and_spoofed_sources_are_d
     ];
     let spoof = vec![hop_by_hop_icmp6(pod_mac, host_mac, spoofed, gateway, 128); 3];
 
-    let before = drop_count(&node, pb::DropReason::InvalidSourceAddress).await;
+    let before = node.drops(pb::DropReason::InvalidSourceAddress).await;
     pod.ns
         .in_ns(move || frames::send_frames("eth0", &mld))
         .unwrap()
@@ -636,7 +621,7 @@ async fn mld_reports_from_the_unspecified_address_pass_and_spoofed_sources_are_d
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while after < before + 3 && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        after = drop_count(&node, pb::DropReason::InvalidSourceAddress).await;
+        after = node.drops(pb::DropReason::InvalidSourceAddress).await;
     }
     assert_eq!(
         after - before,
