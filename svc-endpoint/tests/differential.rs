@@ -176,11 +176,9 @@ impl Harness {
         opts.ipcache_max = 4096;
         opts.policy_max = 65536;
         opts.events_bytes = 1 << 16;
-        let datapath = Datapath::open(opts).expect("the datapath loads with its own pins");
+        let mut datapath = Datapath::open(opts).expect("the datapath loads with its own pins");
+        let ring = datapath.take_events().expect("the event ring buffer");
         let loader = EndpointDatapath::new(datapath, PREFIX).expect("the loader library adopts it");
-        let ring = loader
-            .with_datapath(|d| d.take_events())
-            .expect("the event ring buffer");
         let veth = |name: String| {
             svc_loader::netdev::name_to_ifindex(&name)
                 .expect("interface lookup")
@@ -265,20 +263,22 @@ impl Harness {
         for frame in frames {
             let retval = self
                 .loader
-                .with_datapath(|d| d.test_run(hook, frame, self.ifindex))
+                .datapath()
+                .test_run(hook, frame, self.ifindex)
                 .expect("BPF_PROG_TEST_RUN");
             outcomes.push(outcome(retval, &mut self.ring));
         }
-        self.loader.with_datapath(|d| {
-            let keys: Vec<_> = d.ct4().keys().filter_map(Result::ok).collect();
-            for k in keys {
-                let _ = d.ct4().remove(&k);
-            }
-            let keys: Vec<_> = d.ct6().keys().filter_map(Result::ok).collect();
-            for k in keys {
-                let _ = d.ct6().remove(&k);
-            }
-        });
+        let maps = self.loader.datapath().maps();
+        let mut ct4 = maps.ct4.lock();
+        let keys: Vec<_> = ct4.keys().filter_map(Result::ok).collect();
+        for k in keys {
+            let _ = ct4.remove(&k);
+        }
+        let mut ct6 = maps.ct6.lock();
+        let keys: Vec<_> = ct6.keys().filter_map(Result::ok).collect();
+        for k in keys {
+            let _ = ct6.remove(&k);
+        }
         outcomes
     }
 }

@@ -37,9 +37,10 @@ use std::fmt;
 use std::io;
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray, RingBuf};
-use aya::programs::{ProgramError, SchedClassifier};
+use aya::programs::{ProgramError, ProgramFd, SchedClassifier};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 
 use rivet_bpf_sys as sys;
@@ -651,22 +652,45 @@ impl ProgramIds {
 
 // ---------------------------------------------------------------------- maps
 
+/// One map of the datapath, shared by the loader's threads. aya's writes
+/// take `&mut`, so each map has its own lock; every kernel command is atomic
+/// by itself, so the lock is held for one command (or one short scan), never
+/// across netlink, and writers of different maps never wait for each other.
+pub struct SharedMap<T>(Mutex<T>);
+
+impl<T> SharedMap<T> {
+    fn new(map: T) -> Self {
+        Self(Mutex::new(map))
+    }
+
+    /// The map, for one command or a short scan.
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        // A panic while holding it leaves a map handle, not broken data.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The map, with exclusive access to the datapath (no locking).
+    pub fn get_mut(&mut self) -> &mut T {
+        self.0.get_mut().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
 /// The typed maps (all pinned). Use the key constructors in [`crate::maps`].
 pub struct DatapathMaps {
     /// ifindex / address → endpoint.
-    pub endpoints: HashMap<MapData, EndpointKey, EndpointInfo>,
+    pub endpoints: SharedMap<HashMap<MapData, EndpointKey, EndpointInfo>>,
     /// prefix → identity (keys: `IpcacheKey::to_lpm()`).
-    pub ipcache: LpmTrie<MapData, IpcacheKeyData, IpcacheValue>,
+    pub ipcache: SharedMap<LpmTrie<MapData, IpcacheKeyData, IpcacheValue>>,
     /// policy entries (keys: `PolicyEntry::lpm_key()` / `PolicyKey::to_lpm()`).
-    pub policy: LpmTrie<MapData, PolicyKeyData, PolicyValue>,
+    pub policy: SharedMap<LpmTrie<MapData, PolicyKeyData, PolicyValue>>,
     /// IPv4 conntrack (an LRU hash).
-    pub ct4: HashMap<MapData, Ct4Key, CtEntry>,
+    pub ct4: SharedMap<HashMap<MapData, Ct4Key, CtEntry>>,
     /// IPv6 conntrack (an LRU hash).
-    pub ct6: HashMap<MapData, Ct6Key, CtEntry>,
+    pub ct6: SharedMap<HashMap<MapData, Ct6Key, CtEntry>>,
     /// Per-CPU counters, index `metrics_index(reason, direction)`.
-    pub metrics: PerCpuArray<MapData, MetricsValue>,
+    pub metrics: SharedMap<PerCpuArray<MapData, MetricsValue>>,
     /// The datapath config (index 0).
-    pub config: Array<MapData, DatapathConfig>,
+    pub config: SharedMap<Array<MapData, DatapathConfig>>,
 }
 
 impl fmt::Debug for DatapathMaps {
@@ -686,16 +710,23 @@ where
     T::try_from(map).map_err(map_err("using", name))
 }
 
+fn take_shared<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<SharedMap<T>, DatapathError>
+where
+    T: TryFrom<Map, Error = MapError>,
+{
+    take_map(ebpf, name).map(SharedMap::new)
+}
+
 impl DatapathMaps {
     fn take(ebpf: &mut Ebpf) -> Result<Self, DatapathError> {
         Ok(Self {
-            endpoints: take_map(ebpf, MAP_ENDPOINTS)?,
-            ipcache: take_map(ebpf, MAP_IPCACHE)?,
-            policy: take_map(ebpf, MAP_POLICY)?,
-            ct4: take_map(ebpf, MAP_CT4)?,
-            ct6: take_map(ebpf, MAP_CT6)?,
-            metrics: take_map(ebpf, MAP_METRICS)?,
-            config: take_map(ebpf, MAP_CONFIG)?,
+            endpoints: take_shared(ebpf, MAP_ENDPOINTS)?,
+            ipcache: take_shared(ebpf, MAP_IPCACHE)?,
+            policy: take_shared(ebpf, MAP_POLICY)?,
+            ct4: take_shared(ebpf, MAP_CT4)?,
+            ct6: take_shared(ebpf, MAP_CT6)?,
+            metrics: take_shared(ebpf, MAP_METRICS)?,
+            config: take_shared(ebpf, MAP_CONFIG)?,
         })
     }
 }
@@ -705,11 +736,19 @@ impl DatapathMaps {
 /// The loaded datapath of one node; see the module docs.
 ///
 /// Dropping it closes this process's handles only: maps stay pinned, and
-/// attached programs stay attached through their pinned links.
+/// attached programs stay attached through their filters.
+///
+/// Shared by the loader's threads (`&self`): attaching and detaching need
+/// no lock (each netlink request is its own socket), and each map has its
+/// own short lock ([`SharedMap`]).
 pub struct Datapath {
     opts: DatapathOptions,
-    /// Holds the two loaded programs (the maps are taken out into `maps`).
+    /// aya's record of the two loaded programs (the maps are taken out into
+    /// `maps`); attaching uses `program_fds`, so only tests read it.
+    #[cfg_attr(not(test), allow(dead_code))]
     ebpf: Ebpf,
+    /// The programs' fds, `from_container` then `to_container`, for attaching.
+    program_fds: [ProgramFd; 2],
     maps: DatapathMaps,
     events: Option<RingBuf<MapData>>,
     program_ids: ProgramIds,
@@ -782,6 +821,7 @@ impl Datapath {
         }
 
         let mut ids = [0u32; 2];
+        let mut fds = Vec::with_capacity(2);
         for (hook, id) in Hook::ALL.into_iter().zip(&mut ids) {
             let prog = classifier(&mut ebpf, hook)?;
             let program = hook.program();
@@ -790,6 +830,19 @@ impl Datapath {
                 program,
                 error: Box::new(error),
             })?;
+            let fd = prog
+                .fd()
+                .and_then(|fd| {
+                    fd.try_clone().map_err(|io_error| {
+                        ProgramError::SyscallError(aya::sys::SyscallError { call: "dup", io_error })
+                    })
+                })
+                .map_err(|error| DatapathError::Program {
+                    what: "duplicating the fd of",
+                    program,
+                    error: Box::new(error),
+                })?;
+            fds.push(fd);
             *id = prog
                 .info()
                 .map_err(|error| DatapathError::Program {
@@ -802,9 +855,13 @@ impl Datapath {
         let maps = DatapathMaps::take(&mut ebpf)?;
         let events = take_map(&mut ebpf, MAP_EVENTS)?;
 
+        let program_fds: [ProgramFd; 2] = fds
+            .try_into()
+            .map_err(|_| DatapathError::Object("both programs must load".into()))?;
         let mut datapath = Self {
             opts,
             ebpf,
+            program_fds,
             maps,
             events: Some(events),
             program_ids: ProgramIds {
@@ -858,44 +915,44 @@ impl Datapath {
         &self.maps
     }
 
-    /// The typed maps, writable.
+    /// The typed maps, writable without locking.
     pub fn maps_mut(&mut self) -> &mut DatapathMaps {
         &mut self.maps
     }
 
     /// The endpoints map.
     pub fn endpoints(&mut self) -> &mut HashMap<MapData, EndpointKey, EndpointInfo> {
-        &mut self.maps.endpoints
+        self.maps.endpoints.get_mut()
     }
 
     /// The ipcache LPM trie.
     pub fn ipcache(&mut self) -> &mut LpmTrie<MapData, IpcacheKeyData, IpcacheValue> {
-        &mut self.maps.ipcache
+        self.maps.ipcache.get_mut()
     }
 
     /// The policy LPM trie.
     pub fn policy(&mut self) -> &mut LpmTrie<MapData, PolicyKeyData, PolicyValue> {
-        &mut self.maps.policy
+        self.maps.policy.get_mut()
     }
 
     /// IPv4 conntrack.
     pub fn ct4(&mut self) -> &mut HashMap<MapData, Ct4Key, CtEntry> {
-        &mut self.maps.ct4
+        self.maps.ct4.get_mut()
     }
 
     /// IPv6 conntrack.
     pub fn ct6(&mut self) -> &mut HashMap<MapData, Ct6Key, CtEntry> {
-        &mut self.maps.ct6
+        self.maps.ct6.get_mut()
     }
 
     /// The per-CPU metrics.
-    pub fn metrics(&self) -> &PerCpuArray<MapData, MetricsValue> {
-        &self.maps.metrics
+    pub fn metrics(&self) -> MutexGuard<'_, PerCpuArray<MapData, MetricsValue>> {
+        self.maps.metrics.lock()
     }
 
     /// The config array.
     pub fn config(&mut self) -> &mut Array<MapData, DatapathConfig> {
-        &mut self.maps.config
+        self.maps.config.get_mut()
     }
 
     /// The event ring buffer, for one consumer (`None` once taken). It can be
@@ -909,8 +966,7 @@ impl Datapath {
         let mut totals = BTreeMap::new();
         for index in 0..METRICS_ENTRIES {
             let per_cpu = self
-                .maps
-                .metrics
+                .metrics()
                 .get(&index, 0)
                 .map_err(map_err(format!("reading index {index} of"), MAP_METRICS))?;
             let sum = per_cpu.iter().fold(MetricsValue::default(), |acc, v| MetricsValue {
@@ -929,19 +985,15 @@ impl Datapath {
     /// namespace (`BPF_PROG_TEST_RUN`), against the real maps; returns the
     /// program's `TC_ACT_*`. For tests (the differential test of the
     /// datapath against the policy engine): a redirect is reported, not done.
-    pub fn test_run(&mut self, hook: Hook, frame: &[u8], ifindex: u32) -> Result<u32, DatapathError> {
+    pub fn test_run(&self, hook: Hook, frame: &[u8], ifindex: u32) -> Result<u32, DatapathError> {
         let program = hook.program();
-        let prog = classifier(&mut self.ebpf, hook)?;
-        let fd = prog.fd().map_err(|error| DatapathError::Program {
-            what: "using",
-            program,
-            error: Box::new(error),
-        })?;
-        sys::test_run_classifier(fd.as_fd(), frame, ifindex).map_err(|error| DatapathError::TestRun {
-            program,
-            len: frame.len(),
-            ifindex,
-            error,
+        sys::test_run_classifier(self.program_fd(hook).as_fd(), frame, ifindex).map_err(|error| {
+            DatapathError::TestRun {
+                program,
+                len: frame.len(),
+                ifindex,
+                error,
+            }
         })
     }
 
@@ -952,17 +1004,23 @@ impl Datapath {
             pad: 0,
             ct: self.opts.ct_timeouts,
         };
-        self.maps
-            .config
+        self.config()
             .set(0, config, 0)
             .map_err(map_err("writing the config to", MAP_CONFIG))
     }
 
-    /// Changes the conntrack lifetimes and event flags (and writes them).
-    pub fn set_config(&mut self, ct_timeouts: CtTimeouts, event_flags: u32) -> Result<(), DatapathError> {
-        self.opts.ct_timeouts = ct_timeouts;
-        self.opts.event_flags = event_flags;
-        self.write_config()
+    /// Switches the optional events (`CONFIG_EVENT_*`) to `event_flags`,
+    /// keeping the conntrack lifetimes (the config map is the truth; the
+    /// options keep what the datapath was opened with).
+    pub fn set_event_flags(&self, event_flags: u32) -> Result<(), DatapathError> {
+        let mut config = self.maps.config.lock();
+        let mut value = config
+            .get(&0, 0)
+            .map_err(map_err("reading the config from", MAP_CONFIG))?;
+        value.event_flags = event_flags;
+        config
+            .set(0, value, 0)
+            .map_err(map_err("writing the config to", MAP_CONFIG))
     }
 
     /// Attaches `from_container` to tc ingress and `to_container` to tc
@@ -973,7 +1031,7 @@ impl Datapath {
     /// left alone; one that runs another instance's (a previous loader's) gets
     /// this one's, atomically. If the second hook fails, a filter this call
     /// created on the first is removed again.
-    pub fn attach(&mut self, ifindex: u32) -> Result<AttachOutcome, DatapathError> {
+    pub fn attach(&self, ifindex: u32) -> Result<AttachOutcome, DatapathError> {
         let ifname = self
             .ifname(ifindex)?
             .ok_or(DatapathError::InterfaceNotFound { ifindex })?;
@@ -1009,7 +1067,7 @@ impl Datapath {
 
     /// Deletes both filters from `ifindex` (nothing if the interface is
     /// gone: its filters went with it). Idempotent.
-    pub fn detach(&mut self, ifindex: u32) -> Result<DetachOutcome, DatapathError> {
+    pub fn detach(&self, ifindex: u32) -> Result<DetachOutcome, DatapathError> {
         Ok(DetachOutcome {
             ingress: self.detach_hook(ifindex, Hook::Ingress)?,
             egress: self.detach_hook(ifindex, Hook::Egress)?,
@@ -1020,7 +1078,7 @@ impl Datapath {
     /// this instance's programs, replacing the program in place. Runs on
     /// [`open`](Self::open), after moving TCX link pins of an earlier loader
     /// to filters.
-    pub fn adopt_existing(&mut self) -> Result<AdoptReport, DatapathError> {
+    pub fn adopt_existing(&self) -> Result<AdoptReport, DatapathError> {
         let mut report = self.migrate_legacy_links()?;
         for attachment in self.attachments()? {
             for (hook, state) in Hook::ALL.into_iter().zip([attachment.ingress, attachment.egress]) {
@@ -1086,7 +1144,7 @@ impl Datapath {
 
     /// Makes `hook` run this instance's program, given the filter on it now.
     fn attach_hook(
-        &mut self,
+        &self,
         ifindex: u32,
         ifname: &str,
         hook: Hook,
@@ -1121,17 +1179,9 @@ impl Datapath {
 
     /// Attaches this instance's program as our filter on `hook`
     /// (`replace`: in place of the existing one).
-    fn set_filter(&mut self, ifindex: u32, hook: Hook, replace: bool) -> Result<(), DatapathError> {
+    fn set_filter(&self, ifindex: u32, hook: Hook, replace: bool) -> Result<(), DatapathError> {
         let name = self.filter_name(hook);
-        let prog = classifier(&mut self.ebpf, hook)?;
-        let fd = prog.fd().map_err(|error| DatapathError::Attach {
-            what: "using",
-            program: hook.program(),
-            hook,
-            ifindex,
-            ifname: "?".into(),
-            error: Box::new(error),
-        })?;
+        let fd = self.program_fd(hook);
         tc::attach_bpf(ifindex, hook.direction(), fd.as_fd(), &name, replace).map_err(|error| {
             if error.raw_os_error() == Some(libc::ENODEV) {
                 return DatapathError::InterfaceNotFound { ifindex };
@@ -1140,7 +1190,7 @@ impl Datapath {
         })
     }
 
-    fn detach_hook(&mut self, ifindex: u32, hook: Hook) -> Result<bool, DatapathError> {
+    fn detach_hook(&self, ifindex: u32, hook: Hook) -> Result<bool, DatapathError> {
         match self.our_filter(ifindex, hook) {
             Ok(Some(_)) => {}
             Ok(None) | Err(DatapathError::InterfaceNotFound { .. }) => return Ok(false),
@@ -1153,6 +1203,14 @@ impl Datapath {
                 error,
             )
         })
+    }
+
+    /// The fd of the program attached at `hook`.
+    fn program_fd(&self, hook: Hook) -> &ProgramFd {
+        match hook {
+            Hook::Ingress => &self.program_fds[0],
+            Hook::Egress => &self.program_fds[1],
+        }
     }
 
     /// The name of this node's filter on `hook`: `rivet-<node>-<program>`,
@@ -1178,7 +1236,7 @@ impl Datapath {
     /// filters: the filter first, then the pin goes (which detaches the
     /// link), so the interface is never without its program. Pins of
     /// interfaces that are gone are removed.
-    fn migrate_legacy_links(&mut self) -> Result<AdoptReport, DatapathError> {
+    fn migrate_legacy_links(&self) -> Result<AdoptReport, DatapathError> {
         let mut report = AdoptReport::default();
         let dir = self.opts.legacy_links_dir();
         let entries = match std::fs::read_dir(&dir) {
@@ -1581,22 +1639,27 @@ mod tests {
             .unwrap();
 
         let second = Datapath::open(dir.opts()).unwrap();
-        assert_eq!(second.maps().endpoints.get(&key, 0).unwrap(), info);
+        assert_eq!(second.maps().endpoints.lock().get(&key, 0).unwrap(), info);
         // A longest-prefix lookup of an address inside the prefix.
         let ip: IpAddr = "198.18.0.77".parse().unwrap();
-        let found = second.maps().ipcache.get(&IpcacheKey::lookup(ip).to_lpm(), 0).unwrap();
+        let found = second
+            .maps()
+            .ipcache
+            .lock()
+            .get(&IpcacheKey::lookup(ip).to_lpm(), 0)
+            .unwrap();
         assert_eq!(found.identity, 300);
         let hit = PolicyKey::lookup(7, 300, crate::maps::DIR_INGRESS, 6, 80);
         assert_eq!(
-            second.maps().policy.get(&hit.to_lpm(), 0).unwrap().verdict,
+            second.maps().policy.lock().get(&hit.to_lpm(), 0).unwrap().verdict,
             VERDICT_ALLOW
         );
         // The very same kernel maps, different program instances.
-        let id = |dp: &Datapath| dp.maps().endpoints.map().info().unwrap().id();
+        let id = |dp: &Datapath| dp.maps().endpoints.lock().map().info().unwrap().id();
         assert_eq!(id(&first), id(&second));
         assert_ne!(first.program_ids(), second.program_ids());
         // The config map got the options' lifetimes.
-        let config = second.maps().config.get(&0, 0).unwrap();
+        let config = second.maps().config.lock().get(&0, 0).unwrap();
         assert_eq!(config.ct, dir.opts().ct_timeouts);
         assert!(second.metrics_totals().unwrap().is_empty());
 
@@ -1686,7 +1749,7 @@ mod tests {
         let dir = PinDir::new("attach");
         let opts = dir.opts();
         ns.in_ns(move || {
-            let mut dp = Datapath::open(opts.clone()).unwrap();
+            let dp = Datapath::open(opts.clone()).unwrap();
             assert_eq!(dp.adoption(), &AdoptReport::default());
             let out = dp.attach(ifindex).unwrap();
             assert_eq!((out.ingress, out.egress), (LinkChange::Created, LinkChange::Created));
@@ -1707,7 +1770,7 @@ mod tests {
             assert_eq!(attached("rvdp0"), both(first), "attachments survive the loader");
 
             // A new loader adopts them: same filters, its own programs.
-            let mut dp = Datapath::open(opts.clone()).unwrap();
+            let dp = Datapath::open(opts.clone()).unwrap();
             let report = dp.adoption().clone();
             assert_eq!((report.updated, report.unchanged, report.migrated.len()), (2, 0, 0));
             let second = dp.program_ids();
@@ -1751,7 +1814,7 @@ mod tests {
         let dir = PinDir::new("missing");
         let opts = dir.opts();
         ns.in_ns(move || {
-            let mut dp = Datapath::open(opts).unwrap();
+            let dp = Datapath::open(opts).unwrap();
             let err = dp.attach(ifindex).unwrap_err();
             assert!(
                 matches!(err, DatapathError::InterfaceNotFound { ifindex: i } if i == ifindex),
@@ -1767,7 +1830,7 @@ mod tests {
         let elsewhere = ns2.ifindex("rvdm1").unwrap();
         let opts = dir.opts();
         ns.in_ns(move || {
-            let mut dp = Datapath::open(opts).unwrap();
+            let dp = Datapath::open(opts).unwrap();
             if netdev::ifindex_to_name(elsewhere).unwrap().is_none() {
                 assert!(matches!(
                     dp.attach(elsewhere),
@@ -1789,7 +1852,7 @@ mod tests {
         let opts = dir.opts();
         let dp = ns
             .in_ns(move || {
-                let mut dp = Datapath::open(opts).unwrap();
+                let dp = Datapath::open(opts).unwrap();
                 assert!(dp.attach(gone).unwrap().changed());
                 dp
             })
@@ -1797,7 +1860,7 @@ mod tests {
         ns.ip(&["link", "del", "rvdd0"]).unwrap();
         // Someone else's filter at our priority and handle, under another name.
         ns.ip(&["link", "set", "rvdd1", "up"]).unwrap();
-        let mut dp = ns
+        let dp = ns
             .in_ns(move || {
                 let state = dp.attachment(gone).unwrap();
                 assert_eq!(
@@ -1847,9 +1910,9 @@ mod tests {
         let (mine, theirs) = (PinDir::new("mine"), PinDir::new("theirs"));
         let (mine, theirs) = (mine.opts(), theirs.opts());
         ns.in_ns(move || {
-            let mut dp = Datapath::open(mine).unwrap();
+            let dp = Datapath::open(mine).unwrap();
             dp.attach(ifindex).unwrap();
-            let mut other = Datapath::open(theirs).unwrap();
+            let other = Datapath::open(theirs).unwrap();
             assert_eq!(
                 (other.adoption().updated, other.adoption().unchanged),
                 (0, 0),
@@ -1937,7 +2000,7 @@ mod tests {
         let ns = std::fs::File::open(ns_path).unwrap();
         // SAFETY: setns on this thread, with a valid namespace fd.
         assert_eq!(unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns");
-        let mut dp = Datapath::open(test_opts(pin_dir)).unwrap();
+        let dp = Datapath::open(test_opts(pin_dir)).unwrap();
         assert!(dp.attach(ifindex).unwrap().changed());
         let ids = dp.program_ids();
         println!("PROGRAM_IDS {} {}", ids.from_container, ids.to_container);

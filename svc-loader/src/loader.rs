@@ -2,10 +2,40 @@
 //! gRPC. Every change is checked whole before the first map write; writes
 //! are ordered so a program never sees a half-made endpoint (policy, then
 //! addresses, then the ifindex entry that enables it, then the attach).
+//!
+//! # Concurrency
+//!
+//! An apply or remove holds its endpoint's lock, then its interface's
+//! ([`KeyedLocks`], always in that order), for the whole operation, netlink
+//! included: calls for one endpoint (or one interface) run one after the
+//! other, calls for different ones in parallel. What must be decided across
+//! endpoints — which endpoint holds an interface or an address — lives in
+//! one [`Index`] whose lock is held for in-memory checks only, never across
+//! a syscall; the checks reserve the interface and addresses before the
+//! first write, so two endpoints never both pass them. Maps have their own
+//! short locks ([`crate::datapath::SharedMap`]).
+//!
+//! # The index equals what the maps hold
+//!
+//! Per endpoint the loader remembers the entries it wrote to the shared
+//! per-endpoint maps ([`OwnedEntries`]; the policy trie today), so the next
+//! policy is a diff against them instead of a scan of a map every endpoint
+//! shares. Each step of a diff is recorded as it succeeds (a failed BPF map
+//! command changes nothing), so a diff that fails midway leaves the record
+//! equal to the map: no ALLOW the record does not know (which no later diff
+//! would remove), no entry the record has and the map lacks. A failure also
+//! marks the record dirty: before the endpoint's next diff, its entries are
+//! read back from the map, the truth, which covers what a record cannot
+//! know (a panic in the middle of a step, a map changed by hand). Reading
+//! back scans the whole trie (it is shared, there is no per-endpoint
+//! range), which is fine after a failure and too slow for every
+//! regeneration — hence the record. Another kind of per-endpoint entries
+//! gets its own [`OwnedEntries`] in [`EndpointRecord`] and the same three
+//! steps: read back when dirty, diff, [`OwnedEntries::write`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::datapath::{AttachState, Attachment, Datapath, DatapathError};
 use crate::maps::{
@@ -158,32 +188,144 @@ pub struct PolicyEntryView {
     pub bytes: u64,
 }
 
-struct State {
-    datapath: Datapath,
-    /// endpoint id → ifindex.
-    by_id: HashMap<u32, u32>,
-    /// endpoint id → its policy trie entries, as written.
-    policies: HashMap<u32, BTreeMap<PolicyEntry, u8>>,
+/// Entries one endpoint owns in a map every endpoint shares, as that map
+/// holds them (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct OwnedEntries<K, V> {
+    entries: BTreeMap<K, V>,
+    /// Not known to equal the map: read it back before the next diff.
+    dirty: bool,
 }
 
-impl State {
-    /// The endpoint map entry of `endpoint_id`.
-    fn endpoint(&mut self, endpoint_id: u32) -> Result<EndpointInfo, LoaderError> {
-        let ifindex = *self
-            .by_id
-            .get(&endpoint_id)
-            .ok_or(LoaderError::UnknownEndpoint(endpoint_id))?;
-        self.datapath
-            .endpoints()
-            .get(&EndpointKey::ifindex(ifindex), 0)
-            .map_err(|_| LoaderError::UnknownEndpoint(endpoint_id))
+impl<K, V> Default for OwnedEntries<K, V> {
+    fn default() -> Self {
+        Self {
+            entries: BTreeMap::new(),
+            dirty: false,
+        }
     }
 }
 
-/// The endpoint-facing operations on the node's datapath.
+impl<K: Ord + Copy, V: Copy> OwnedEntries<K, V> {
+    /// Entries read from the map.
+    fn read_back(entries: BTreeMap<K, V>) -> Self {
+        Self { entries, dirty: false }
+    }
+
+    /// Applies `steps` in order (`None` removes) with `write`, recording
+    /// each one as it takes effect; the first failure marks the entries
+    /// dirty and is returned.
+    fn write<E>(
+        &mut self,
+        steps: &[(K, Option<V>)],
+        mut write: impl FnMut(&K, Option<V>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        for (key, value) in steps {
+            if let Err(e) = write(key, *value) {
+                self.dirty = true;
+                return Err(e);
+            }
+            match value {
+                Some(v) => self.entries.insert(*key, *v),
+                None => self.entries.remove(key),
+            };
+        }
+        Ok(())
+    }
+}
+
+/// What the loader holds for one endpoint.
+#[derive(Debug, Clone, Default)]
+struct EndpointRecord {
+    /// Its interface, reserved by the checks of its first apply.
+    ifindex: Option<u32>,
+    /// Its addresses, reserved likewise (old ones until an apply dropped them).
+    addresses: Vec<IpAddr>,
+    /// Its entries in the policy trie.
+    policy: OwnedEntries<PolicyEntry, u8>,
+}
+
+impl EndpointRecord {
+    fn holds_nothing(&self) -> bool {
+        self.ifindex.is_none() && self.addresses.is_empty() && self.policy == OwnedEntries::default()
+    }
+}
+
+/// Who holds what, across endpoints. Its lock is held for in-memory work
+/// only.
+#[derive(Debug, Default)]
+struct Index {
+    endpoints: HashMap<u32, EndpointRecord>,
+    /// ifindex → endpoint.
+    interfaces: HashMap<u32, u32>,
+    /// address → endpoint.
+    addresses: HashMap<IpAddr, u32>,
+}
+
+/// Locks by number (endpoint id, ifindex): one holder per key at a time;
+/// nothing is kept for keys nobody holds.
+#[derive(Debug, Default)]
+struct KeyedLocks {
+    state: Mutex<HeldKeys>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct HeldKeys {
+    held: HashSet<u32>,
+    /// Callers waiting for a key.
+    waiting: usize,
+}
+
+/// A held key of [`KeyedLocks`]; released on drop.
+struct KeyGuard<'a> {
+    locks: &'a KeyedLocks,
+    key: u32,
+}
+
+impl KeyedLocks {
+    /// Waits until `key` is free and takes it (blocking: call from a
+    /// blocking thread).
+    fn lock(&self, key: u32) -> KeyGuard<'_> {
+        let mut state = lock(&self.state);
+        while state.held.contains(&key) {
+            state.waiting += 1;
+            self.changed.notify_all();
+            state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
+            state.waiting -= 1;
+        }
+        state.held.insert(key);
+        KeyGuard { locks: self, key }
+    }
+}
+
+impl Drop for KeyGuard<'_> {
+    fn drop(&mut self) {
+        lock(&self.locks.state).held.remove(&self.key);
+        self.locks.changed.notify_all();
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Plain data: a panic elsewhere leaves it usable.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A test's hook just before an apply attaches (called with the ifindex).
+#[cfg(test)]
+type AttachGate = std::sync::Arc<dyn Fn(u32) + Send + Sync>;
+
+/// The endpoint-facing operations on the node's datapath; see the module
+/// docs for locking and for how the index stays equal to the maps.
 pub struct EndpointDatapath {
-    state: Mutex<State>,
+    datapath: Datapath,
+    index: Mutex<Index>,
+    endpoint_locks: KeyedLocks,
+    interface_locks: KeyedLocks,
     interface_prefix: String,
+    /// Called just before an apply attaches (tests hold an attach there).
+    #[cfg(test)]
+    attach_gate: Mutex<Option<AttachGate>>,
 }
 
 impl std::fmt::Debug for EndpointDatapath {
@@ -195,57 +337,51 @@ impl std::fmt::Debug for EndpointDatapath {
 }
 
 impl EndpointDatapath {
-    /// Wraps an opened datapath; rebuilds the endpoint and policy indexes
-    /// from the pinned maps (they survive loader restarts).
-    pub fn new(mut datapath: Datapath, interface_prefix: impl Into<String>) -> Result<Self, LoaderError> {
-        let mut by_id = HashMap::new();
-        for item in datapath.endpoints().iter() {
+    /// Wraps an opened datapath; rebuilds the index from the pinned maps
+    /// (they survive loader restarts).
+    pub fn new(datapath: Datapath, interface_prefix: impl Into<String>) -> Result<Self, LoaderError> {
+        let mut index = Index::default();
+        for item in datapath.maps().endpoints.lock().iter() {
             let (k, v) = item.map_err(map_err("reading the endpoints map"))?;
+            let record = index.endpoints.entry(v.endpoint_id).or_default();
             if let Some(ifindex) = k.as_ifindex() {
-                by_id.insert(v.endpoint_id, ifindex);
+                record.ifindex = Some(ifindex);
+                index.interfaces.insert(ifindex, v.endpoint_id);
+            } else if let Some(address) = k.as_ip() {
+                record.addresses.push(address);
+                index.addresses.insert(address, v.endpoint_id);
             }
         }
-        let mut policies: HashMap<u32, BTreeMap<PolicyEntry, u8>> = HashMap::new();
-        let keys: Vec<_> = datapath
-            .policy()
-            .keys()
-            .collect::<Result<_, _>>()
-            .map_err(map_err("reading the policy map"))?;
-        for key in keys {
-            let Some(entry) = PolicyEntry::from_lpm_key(&key) else {
-                continue;
-            };
-            let value = datapath
-                .policy()
-                .get(&key, 0)
-                .map_err(map_err("reading the policy map"))?;
-            policies
-                .entry(entry.endpoint_id)
-                .or_default()
-                .insert(entry, value.verdict);
+        for (id, entries) in read_policy(&datapath, None)? {
+            index.endpoints.entry(id).or_default().policy = OwnedEntries::read_back(entries);
         }
         tracing::info!(
-            endpoints = by_id.len(),
-            policy_endpoints = policies.len(),
+            endpoints = index.interfaces.len(),
+            policy_endpoints = index
+                .endpoints
+                .values()
+                .filter(|r| !r.policy.entries.is_empty())
+                .count(),
             "datapath state adopted from pinned maps"
         );
         Ok(Self {
-            state: Mutex::new(State {
-                datapath,
-                by_id,
-                policies,
-            }),
+            datapath,
+            index: Mutex::new(index),
+            endpoint_locks: KeyedLocks::default(),
+            interface_locks: KeyedLocks::default(),
             interface_prefix: interface_prefix.into(),
+            #[cfg(test)]
+            attach_gate: Mutex::new(None),
         })
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().expect("datapath lock poisoned")
+    fn index(&self) -> MutexGuard<'_, Index> {
+        lock(&self.index)
     }
 
-    /// Runs `f` with the datapath (config writes, event ring, metrics).
-    pub fn with_datapath<R>(&self, f: impl FnOnce(&mut Datapath) -> R) -> R {
-        f(&mut self.lock().datapath)
+    /// The datapath (maps, config, program ids); safe to use from any thread.
+    pub fn datapath(&self) -> &Datapath {
+        &self.datapath
     }
 
     /// Checks that `ifindex` is an endpoint veth this loader may act on;
@@ -280,46 +416,24 @@ impl EndpointDatapath {
     pub fn apply(&self, spec: &EndpointSpec) -> Result<Applied, LoaderError> {
         let started = std::time::Instant::now();
         let (_ifname, node_mac) = self.check_interface(spec.ifindex)?;
-        let mut st = self.lock();
-        let ifkey = EndpointKey::ifindex(spec.ifindex);
-        let existing = st.datapath.endpoints().get(&ifkey, 0).ok();
-        if let Some(e) = existing
-            && e.endpoint_id != spec.endpoint_id
-        {
-            return Err(LoaderError::InterfaceHeld {
-                ifindex: spec.ifindex,
-                owner: e.endpoint_id,
-            });
-        }
-        if let Some(&other) = st.by_id.get(&spec.endpoint_id)
-            && other != spec.ifindex
-        {
-            return Err(LoaderError::EndpointElsewhere {
-                endpoint_id: spec.endpoint_id,
-                ifindex: other,
-            });
-        }
+        // Policy: the request's, or the current one, or fail closed.
+        let desired_policy = match &spec.policy {
+            Some(p) => Some(policy_lpm::compile(spec.endpoint_id, &p.rules)?),
+            None => None,
+        };
+        let id = spec.endpoint_id;
         let addresses: Vec<IpAddr> = spec
             .ipv4
             .map(IpAddr::V4)
             .into_iter()
             .chain(spec.ipv6.map(IpAddr::V6))
             .collect();
-        for address in &addresses {
-            if let Ok(e) = st.datapath.endpoints().get(&EndpointKey::ip(*address), 0)
-                && e.endpoint_id != spec.endpoint_id
-            {
-                return Err(LoaderError::AddressHeld {
-                    address: *address,
-                    owner: e.endpoint_id,
-                });
-            }
-        }
-        // Policy: the request's, or the current one, or fail closed.
-        let desired_policy = match &spec.policy {
-            Some(p) => Some(policy_lpm::compile(spec.endpoint_id, &p.rules)?),
-            None => None,
-        };
+        let _endpoint = self.endpoint_locks.lock(id);
+        let _interface = self.interface_locks.lock(spec.ifindex);
+        let previous_addresses = self.reserve(id, spec.ifindex, &addresses)?;
+
+        let ifkey = EndpointKey::ifindex(spec.ifindex);
+        let existing = self.datapath.maps().endpoints.lock().get(&ifkey, 0).ok();
         let (flags, revision) = match (&spec.policy, existing) {
             (Some(p), _) => (policy_flags(p), p.revision),
             (None, Some(e)) => (
@@ -329,7 +443,7 @@ impl EndpointDatapath {
             (None, None) => (EP_F_ENFORCE_INGRESS | EP_F_ENFORCE_EGRESS, 0),
         };
         let mut info = EndpointInfo {
-            endpoint_id: spec.endpoint_id,
+            endpoint_id: id,
             identity: spec.identity,
             ifindex: spec.ifindex,
             flags,
@@ -342,73 +456,67 @@ impl EndpointDatapath {
         info.policy_revision = revision;
 
         let mut changed = false;
-        if let Some(desired) = desired_policy {
-            let current = st.policies.get(&spec.endpoint_id).cloned().unwrap_or_default();
-            let diff = policy_lpm::diff(&current, &desired);
-            for (entry, verdict) in &diff.steps {
-                match verdict {
-                    Some(v) => st
-                        .datapath
-                        .policy()
-                        .insert(&entry.lpm_key(), PolicyValue::new(*v), 0)
-                        .map_err(map_err(format!("writing policy of endpoint {}", spec.endpoint_id)))?,
-                    None => match st.datapath.policy().remove(&entry.lpm_key()) {
-                        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-                        Err(e) => {
-                            return Err(map_err(format!("removing policy of endpoint {}", spec.endpoint_id))(e));
-                        }
-                    },
-                }
-            }
-            changed |= !diff.is_empty();
-            st.policies.insert(spec.endpoint_id, desired);
+        if let Some(desired) = &desired_policy {
+            changed |= self.sync_policy(id, desired)?;
         }
         // Addresses first, then the ifindex entry that enables the programs.
         if existing != Some(info) {
+            let mut endpoints = self.datapath.maps().endpoints.lock();
             for address in &addresses {
-                st.datapath
-                    .endpoints()
+                endpoints
                     .insert(EndpointKey::ip(*address), info, 0)
-                    .map_err(map_err(format!(
-                        "writing endpoint {} address {address}",
-                        spec.endpoint_id
-                    )))?;
+                    .map_err(map_err(format!("writing endpoint {id} address {address}")))?;
             }
-            st.datapath
-                .endpoints()
+            endpoints
                 .insert(ifkey, info, 0)
-                .map_err(map_err(format!("writing endpoint {}", spec.endpoint_id)))?;
-            if let Some(old) = existing {
-                for stale in [old.ipv4_addr().map(IpAddr::V4), old.ipv6_addr().map(IpAddr::V6)]
-                    .into_iter()
-                    .flatten()
-                    .filter(|a| !addresses.contains(a))
-                {
-                    let _ = st.datapath.endpoints().remove(&EndpointKey::ip(stale));
-                }
-            }
+                .map_err(map_err(format!("writing endpoint {id}")))?;
             changed = true;
         }
-        st.by_id.insert(spec.endpoint_id, spec.ifindex);
+        let dropped: Vec<IpAddr> = previous_addresses
+            .into_iter()
+            .filter(|a| !addresses.contains(a))
+            .collect();
+        if !dropped.is_empty() {
+            let mut endpoints = self.datapath.maps().endpoints.lock();
+            for address in &dropped {
+                match endpoints.remove(&EndpointKey::ip(*address)) {
+                    Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                    Err(e) => return Err(map_err(format!("removing endpoint {id} address {address}"))(e)),
+                }
+            }
+            drop(endpoints);
+            let mut index = self.index();
+            for address in &dropped {
+                if index.addresses.get(address) == Some(&id) {
+                    index.addresses.remove(address);
+                }
+            }
+            index.endpoints.entry(id).or_default().addresses = addresses.clone();
+            changed = true;
+        }
         let maps_done = started.elapsed();
-        let attach = st
+        #[cfg(test)]
+        {
+            let gate = lock(&self.attach_gate).clone();
+            if let Some(gate) = gate {
+                gate(spec.ifindex);
+            }
+        }
+        let attach = self
             .datapath
             .attach(spec.ifindex)
             .map_err(|source| LoaderError::Datapath {
-                action: format!(
-                    "attaching endpoint {} to interface index {}",
-                    spec.endpoint_id, spec.ifindex
-                ),
+                action: format!("attaching endpoint {id} to interface index {}", spec.ifindex),
                 source: Box::new(source),
             })?;
         changed |= attach.changed();
         tracing::debug!(
-            endpoint_id = spec.endpoint_id,
+            endpoint_id = id,
             checks_and_maps_us = maps_done.as_micros() as u64,
             attach_us = (started.elapsed() - maps_done).as_micros() as u64,
             "endpoint realised"
         );
-        let policy_entries = st.policies.get(&spec.endpoint_id).map_or(0, BTreeMap::len);
+        let policy_entries = self.index().endpoints.get(&id).map_or(0, |r| r.policy.entries.len());
         Ok(Applied {
             info,
             changed,
@@ -416,57 +524,214 @@ impl EndpointDatapath {
         })
     }
 
+    /// The checks of an apply of endpoint `id` on `ifindex` with
+    /// `addresses`, and their reservations (one step, so two endpoints never
+    /// both pass). Returns the addresses the endpoint held before.
+    fn reserve(&self, id: u32, ifindex: u32, addresses: &[IpAddr]) -> Result<Vec<IpAddr>, LoaderError> {
+        let mut index = self.index();
+        if let Some(&owner) = index.interfaces.get(&ifindex)
+            && owner != id
+        {
+            return Err(LoaderError::InterfaceHeld { ifindex, owner });
+        }
+        if let Some(other) = index.endpoints.get(&id).and_then(|r| r.ifindex)
+            && other != ifindex
+        {
+            return Err(LoaderError::EndpointElsewhere {
+                endpoint_id: id,
+                ifindex: other,
+            });
+        }
+        for address in addresses {
+            if let Some(&owner) = index.addresses.get(address)
+                && owner != id
+            {
+                return Err(LoaderError::AddressHeld {
+                    address: *address,
+                    owner,
+                });
+            }
+        }
+        index.interfaces.insert(ifindex, id);
+        for address in addresses {
+            index.addresses.insert(*address, id);
+        }
+        let record = index.endpoints.entry(id).or_default();
+        record.ifindex = Some(ifindex);
+        let previous = record.addresses.clone();
+        for address in addresses {
+            if !record.addresses.contains(address) {
+                record.addresses.push(*address);
+            }
+        }
+        Ok(previous)
+    }
+
+    /// Brings endpoint `id`'s policy entries to `desired` (under its lock);
+    /// its record holds what the map holds whatever happens. Returns
+    /// whether anything changed.
+    fn sync_policy(&self, id: u32, desired: &BTreeMap<PolicyEntry, u8>) -> Result<bool, LoaderError> {
+        let mut written = {
+            let mut index = self.index();
+            let record = index.endpoints.entry(id).or_default();
+            let before = record.policy.clone();
+            // Until the outcome is stored below (a panic leaves it set).
+            record.policy.dirty = true;
+            before
+        };
+        let result = (|| {
+            if written.dirty {
+                let truth = read_policy(&self.datapath, Some(id))?.remove(&id).unwrap_or_default();
+                written = OwnedEntries::read_back(truth);
+            }
+            let diff = policy_lpm::diff(&written.entries, desired);
+            written.write(&diff.steps, |entry, verdict| self.write_policy(entry, verdict))?;
+            Ok(!diff.is_empty())
+        })();
+        self.index().endpoints.entry(id).or_default().policy = written;
+        result
+    }
+
+    /// Writes (`Some`) or removes (`None`) one policy trie entry.
+    fn write_policy(&self, entry: &PolicyEntry, verdict: Option<u8>) -> Result<(), LoaderError> {
+        let mut policy = self.datapath.maps().policy.lock();
+        match verdict {
+            Some(v) => policy
+                .insert(&entry.lpm_key(), PolicyValue::new(v), 0)
+                .map_err(map_err(format!("writing policy of endpoint {}", entry.endpoint_id))),
+            None => match policy.remove(&entry.lpm_key()) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                Err(e) => Err(map_err(format!("removing policy of endpoint {}", entry.endpoint_id))(e)),
+            },
+        }
+    }
+
     /// Removes an endpoint (by id, or whatever Rivet holds for an
     /// interface). Idempotent; returns whether anything was removed.
     pub fn remove(&self, endpoint_id: Option<u32>, ifindex: Option<u32>) -> Result<bool, LoaderError> {
-        let mut st = self.lock();
-        let ifindex = match (endpoint_id, ifindex) {
-            (Some(id), given) => st.by_id.get(&id).copied().or(given),
-            (None, given) => given,
-        };
-        let mut removed = false;
-        let info = ifindex.and_then(|i| st.datapath.endpoints().get(&EndpointKey::ifindex(i), 0).ok());
-        let id = endpoint_id.or(info.map(|i| i.endpoint_id));
-        if let Some(info) = info {
-            // Disable first (ifindex entry), then addresses.
-            let _ = st.datapath.endpoints().remove(&EndpointKey::ifindex(info.ifindex));
-            for a in [info.ipv4_addr().map(IpAddr::V4), info.ipv6_addr().map(IpAddr::V6)]
-                .into_iter()
-                .flatten()
-            {
-                if let Ok(e) = st.datapath.endpoints().get(&EndpointKey::ip(a), 0)
-                    && e.endpoint_id == info.endpoint_id
-                {
-                    let _ = st.datapath.endpoints().remove(&EndpointKey::ip(a));
-                }
-            }
-            removed = true;
+        if let Some(id) = endpoint_id {
+            let _endpoint = self.endpoint_locks.lock(id);
+            // Stable while its lock is held: only its own apply binds it.
+            let bound = self.index().endpoints.get(&id).and_then(|r| r.ifindex);
+            let ifindex = bound.or(ifindex);
+            let _interface = ifindex.map(|i| self.interface_locks.lock(i));
+            // A given interface that another endpoint holds is not this one's.
+            let ifindex = ifindex.filter(|i| self.index().interfaces.get(i).is_none_or(|owner| *owner == id));
+            return self.remove_locked(id, ifindex);
         }
-        if let Some(id) = id {
-            if let Some(entries) = st.policies.remove(&id) {
-                for entry in entries.keys() {
-                    let _ = st.datapath.policy().remove(&entry.lpm_key());
+        let Some(ifindex) = ifindex else {
+            return Ok(false);
+        };
+        // By interface: its owner's lock comes first, so look the owner up,
+        // lock, and look again (it may have changed in between).
+        loop {
+            let owner = self.index().interfaces.get(&ifindex).copied();
+            if let Some(id) = owner {
+                let _endpoint = self.endpoint_locks.lock(id);
+                if self.index().interfaces.get(&ifindex) != Some(&id) {
+                    continue;
                 }
+                let _interface = self.interface_locks.lock(ifindex);
+                return self.remove_locked(id, Some(ifindex));
+            }
+            let _interface = self.interface_locks.lock(ifindex);
+            if self.index().interfaces.contains_key(&ifindex) {
+                continue;
+            }
+            return Ok(self.detach(ifindex)?.changed());
+        }
+    }
+
+    /// [`remove`](Self::remove) with endpoint `id` and its interface locked.
+    fn remove_locked(&self, id: u32, ifindex: Option<u32>) -> Result<bool, LoaderError> {
+        let record = self.index().endpoints.get(&id).cloned().unwrap_or_default();
+        let mut removed = false;
+        let mut addresses = record.addresses.clone();
+        {
+            // Disable first (ifindex entry), then addresses.
+            let mut endpoints = self.datapath.maps().endpoints.lock();
+            if let Some(i) = ifindex
+                && let Ok(info) = endpoints.get(&EndpointKey::ifindex(i), 0)
+                && info.endpoint_id == id
+            {
+                endpoints
+                    .remove(&EndpointKey::ifindex(i))
+                    .map_err(map_err(format!("removing endpoint {id}")))?;
+                addresses.extend(
+                    [info.ipv4_addr().map(IpAddr::V4), info.ipv6_addr().map(IpAddr::V6)]
+                        .into_iter()
+                        .flatten(),
+                );
                 removed = true;
             }
-            st.by_id.remove(&id);
+            for &a in &addresses {
+                if let Ok(e) = endpoints.get(&EndpointKey::ip(a), 0)
+                    && e.endpoint_id == id
+                {
+                    endpoints
+                        .remove(&EndpointKey::ip(a))
+                        .map_err(map_err(format!("removing endpoint {id} address {a}")))?;
+                    removed = true;
+                }
+            }
         }
-        if let Some(ifindex) = ifindex {
-            let outcome = st.datapath.detach(ifindex).map_err(|source| LoaderError::Datapath {
-                action: format!("detaching from interface index {ifindex}"),
-                source: Box::new(source),
-            })?;
-            removed |= outcome.changed();
+        if let Some(i) = ifindex {
+            removed |= self.detach(i)?.changed();
+        }
+        if !record.policy.entries.is_empty() || record.policy.dirty {
+            removed |= self.sync_policy(id, &BTreeMap::new())?;
+        }
+        let mut index = self.index();
+        if let Some(i) = ifindex
+            && index.interfaces.get(&i) == Some(&id)
+        {
+            index.interfaces.remove(&i);
+        }
+        for a in &addresses {
+            if index.addresses.get(a) == Some(&id) {
+                index.addresses.remove(a);
+            }
+        }
+        if let Some(record) = index.endpoints.get_mut(&id) {
+            record.ifindex = None;
+            record.addresses.clear();
+            if record.holds_nothing() {
+                index.endpoints.remove(&id);
+            }
         }
         Ok(removed)
     }
 
+    fn detach(&self, ifindex: u32) -> Result<crate::datapath::DetachOutcome, LoaderError> {
+        self.datapath.detach(ifindex).map_err(|source| LoaderError::Datapath {
+            action: format!("detaching from interface index {ifindex}"),
+            source: Box::new(source),
+        })
+    }
+
+    /// The endpoint map entry of `endpoint_id` and its policy entry count.
+    fn endpoint(&self, endpoint_id: u32) -> Result<(EndpointInfo, usize), LoaderError> {
+        let (ifindex, entries) = self
+            .index()
+            .endpoints
+            .get(&endpoint_id)
+            .and_then(|r| Some((r.ifindex?, r.policy.entries.len())))
+            .ok_or(LoaderError::UnknownEndpoint(endpoint_id))?;
+        let info = self
+            .datapath
+            .maps()
+            .endpoints
+            .lock()
+            .get(&EndpointKey::ifindex(ifindex), 0)
+            .map_err(|_| LoaderError::UnknownEndpoint(endpoint_id))?;
+        Ok((info, entries))
+    }
+
     /// One endpoint with its attachment (cheap: one interface queried).
     pub fn view(&self, endpoint_id: u32) -> Result<EndpointView, LoaderError> {
-        let mut st = self.lock();
-        let info = st.endpoint(endpoint_id)?;
+        let (info, policy_entries) = self.endpoint(endpoint_id)?;
         let ifindex = info.ifindex;
-        let attachment = st
+        let attachment = self
             .datapath
             .attachment(ifindex)
             .map_err(|source| LoaderError::Datapath {
@@ -476,7 +741,7 @@ impl EndpointDatapath {
         Ok(EndpointView {
             info,
             ifname: attachment.ifname.clone(),
-            policy_entries: st.policies.get(&endpoint_id).map_or(0, BTreeMap::len),
+            policy_entries,
             ingress: attachment.ingress,
             egress: attachment.egress,
         })
@@ -485,26 +750,42 @@ impl EndpointDatapath {
     /// Every endpoint with its attachment, plus attachments and policy
     /// entries that belong to no endpoint.
     pub fn list(&self) -> Result<DatapathListing, LoaderError> {
-        let mut st = self.lock();
         let mut infos = Vec::new();
-        for item in st.datapath.endpoints().iter() {
+        for item in self.datapath.maps().endpoints.lock().iter() {
             let (k, v) = item.map_err(map_err("reading the endpoints map"))?;
             if k.as_ifindex().is_some() {
                 infos.push(v);
             }
         }
         infos.sort_by_key(|i| i.endpoint_id);
-        let attachments = st.datapath.attachments().map_err(|source| LoaderError::Datapath {
+        let attachments = self.datapath.attachments().map_err(|source| LoaderError::Datapath {
             action: "listing attachments".into(),
             source: Box::new(source),
         })?;
+        let (counts, mut orphan_policies): (HashMap<u32, usize>, Vec<u32>) = {
+            let index = self.index();
+            (
+                index
+                    .endpoints
+                    .iter()
+                    .map(|(id, r)| (*id, r.policy.entries.len()))
+                    .collect(),
+                index
+                    .endpoints
+                    .iter()
+                    .filter(|(_, r)| r.ifindex.is_none() && !r.policy.entries.is_empty())
+                    .map(|(id, _)| *id)
+                    .collect(),
+            )
+        };
+        orphan_policies.sort_unstable();
         let mut views = Vec::new();
         for info in infos {
             let a = attachments.iter().find(|a| a.ifindex == info.ifindex);
             views.push(EndpointView {
                 info,
                 ifname: netdev::ifindex_to_name(info.ifindex).ok().flatten(),
-                policy_entries: st.policies.get(&info.endpoint_id).map_or(0, BTreeMap::len),
+                policy_entries: counts.get(&info.endpoint_id).copied().unwrap_or(0),
                 ingress: a.map_or(AttachState::Detached, |a| a.ingress),
                 egress: a.map_or(AttachState::Detached, |a| a.egress),
             });
@@ -513,13 +794,6 @@ impl EndpointDatapath {
             .into_iter()
             .filter(|a| !views.iter().any(|v| v.info.ifindex == a.ifindex))
             .collect();
-        let mut orphan_policies: Vec<u32> = st
-            .policies
-            .keys()
-            .filter(|id| !st.by_id.contains_key(id))
-            .copied()
-            .collect();
-        orphan_policies.sort_unstable();
         Ok(DatapathListing {
             endpoints: views,
             orphan_attachments: orphans,
@@ -529,39 +803,41 @@ impl EndpointDatapath {
 
     /// One endpoint's map entry and compiled policy with counters.
     pub fn policy(&self, endpoint_id: u32) -> Result<(EndpointInfo, Vec<PolicyEntryView>), LoaderError> {
-        let mut st = self.lock();
-        let info = st.endpoint(endpoint_id)?;
-        let entries = st.policies.get(&endpoint_id).cloned().unwrap_or_default();
-        let mut out = Vec::new();
-        for (entry, verdict) in entries {
-            let value = st
-                .datapath
-                .policy()
-                .get(&entry.lpm_key(), 0)
-                .unwrap_or(PolicyValue::new(verdict));
-            out.push(PolicyEntryView {
-                entry,
-                verdict,
-                packets: value.packets,
-                bytes: value.bytes,
-            });
-        }
+        let (info, _) = self.endpoint(endpoint_id)?;
+        let entries = self
+            .index()
+            .endpoints
+            .get(&endpoint_id)
+            .map(|r| r.policy.entries.clone())
+            .unwrap_or_default();
+        let policy = self.datapath.maps().policy.lock();
+        let out = entries
+            .into_iter()
+            .map(|(entry, verdict)| {
+                let value = policy.get(&entry.lpm_key(), 0).unwrap_or(PolicyValue::new(verdict));
+                PolicyEntryView {
+                    entry,
+                    verdict,
+                    packets: value.packets,
+                    bytes: value.bytes,
+                }
+            })
+            .collect();
         Ok((info, out))
     }
 
     /// Upserts ipcache entries; returns (written, unchanged).
     pub fn upsert_ipcache(&self, entries: &[(IpAddr, u8, IpcacheValue)]) -> Result<(u32, u32), LoaderError> {
-        let mut st = self.lock();
+        let mut ipcache = self.datapath.maps().ipcache.lock();
         let (mut written, mut unchanged) = (0, 0);
         for (addr, len, value) in entries {
             let key = IpcacheKey::new(*addr, *len).expect("validated prefix").to_lpm();
             // A lookup may return a covering shorter prefix: always write,
             // and only report what looked unchanged.
-            if st.datapath.ipcache().get(&key, 0).ok().as_ref() == Some(value) {
+            if ipcache.get(&key, 0).ok().as_ref() == Some(value) {
                 unchanged += 1;
             }
-            st.datapath
-                .ipcache()
+            ipcache
                 .insert(&key, *value, 0)
                 .map_err(map_err(format!("writing ipcache entry {addr}/{len}")))?;
             written += 1;
@@ -571,11 +847,11 @@ impl EndpointDatapath {
 
     /// Deletes ipcache entries; returns how many existed.
     pub fn delete_ipcache(&self, prefixes: &[(IpAddr, u8)]) -> Result<u32, LoaderError> {
-        let mut st = self.lock();
+        let mut ipcache = self.datapath.maps().ipcache.lock();
         let mut deleted = 0;
         for (addr, len) in prefixes {
             let key = IpcacheKey::new(*addr, *len).expect("validated prefix").to_lpm();
-            match st.datapath.ipcache().remove(&key) {
+            match ipcache.remove(&key) {
                 Ok(()) => deleted += 1,
                 Err(aya::maps::MapError::KeyNotFound) => {}
                 Err(e) => return Err(map_err(format!("deleting ipcache entry {addr}/{len}"))(e)),
@@ -586,10 +862,8 @@ impl EndpointDatapath {
 
     /// Every ipcache entry, sorted.
     pub fn ipcache_entries(&self) -> Result<Vec<(IpAddr, u8, IpcacheValue)>, LoaderError> {
-        let mut st = self.lock();
-        let keys: Vec<_> = st
-            .datapath
-            .ipcache()
+        let ipcache = self.datapath.maps().ipcache.lock();
+        let keys: Vec<_> = ipcache
             .keys()
             .collect::<Result<_, _>>()
             .map_err(map_err("reading the ipcache"))?;
@@ -598,14 +872,59 @@ impl EndpointDatapath {
             let Some((addr, len)) = IpcacheKey::from_lpm(&key).prefix() else {
                 continue;
             };
-            if let Ok(v) = st.datapath.ipcache().get(&key, 0) {
+            if let Ok(v) = ipcache.get(&key, 0) {
                 out.push((addr, len, v));
             }
         }
         out.sort_by_key(|e| (e.0, e.1));
         Ok(out)
     }
+
+    /// Calls `gate` with the ifindex just before each apply attaches.
+    #[cfg(test)]
+    fn set_attach_gate(&self, gate: AttachGate) {
+        *lock(&self.attach_gate) = Some(gate);
+    }
+
+    /// Waits until `n` callers wait for an endpoint's lock, at most `bound`.
+    #[cfg(test)]
+    fn wait_for_lock_waiters(&self, n: usize, bound: std::time::Duration) {
+        let state = lock(&self.endpoint_locks.state);
+        let (state, _) = self
+            .endpoint_locks
+            .changed
+            .wait_timeout_while(state, bound, |s| s.waiting < n)
+            .unwrap_or_else(PoisonError::into_inner);
+        assert!(
+            state.waiting >= n,
+            "{} callers wait for an endpoint lock, expected {n}",
+            state.waiting
+        );
+    }
 }
+
+/// The policy trie's entries by endpoint (`only`: of that endpoint). The
+/// map's lock is held for the scan: an entry deleted under the scan could
+/// restart it.
+fn read_policy(datapath: &Datapath, only: Option<u32>) -> Result<HashMap<u32, BTreeMap<PolicyEntry, u8>>, LoaderError> {
+    let policy = datapath.maps().policy.lock();
+    let mut out: HashMap<u32, BTreeMap<PolicyEntry, u8>> = HashMap::new();
+    for key in policy.keys() {
+        let key = key.map_err(map_err("reading the policy map"))?;
+        let Some(entry) = PolicyEntry::from_lpm_key(&key) else {
+            continue;
+        };
+        if only.is_some_and(|id| id != entry.endpoint_id) {
+            continue;
+        }
+        let value = policy.get(&key, 0).map_err(map_err("reading the policy map"))?;
+        out.entry(entry.endpoint_id).or_default().insert(entry, value.verdict);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;
 
 fn policy_flags(p: &PolicySpec) -> u32 {
     let mut flags = 0;

@@ -108,12 +108,9 @@ impl EventHub {
         if self.trace_subscribers.load(Ordering::SeqCst) > 0 {
             flags |= CONFIG_EVENT_TRACE;
         }
-        self.datapath.with_datapath(|dp| {
-            let timeouts = dp.options().ct_timeouts;
-            if let Err(e) = dp.set_config(timeouts, flags) {
-                tracing::warn!(error = %e, "could not switch datapath event flags");
-            }
-        });
+        if let Err(e) = self.datapath.datapath().set_event_flags(flags) {
+            tracing::warn!(error = %e, "could not switch datapath event flags");
+        }
     }
 }
 

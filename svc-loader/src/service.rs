@@ -563,14 +563,13 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         let (pin_dir, ids, endpoints, maps) = self
             .blocking(|dp| {
                 let endpoints = dp.list()?.endpoints.len();
-                Ok(dp.with_datapath(|d| {
-                    (
-                        d.pin_dir().display().to_string(),
-                        d.program_ids(),
-                        endpoints,
-                        d.map_status(),
-                    )
-                }))
+                let d = dp.datapath();
+                Ok((
+                    d.pin_dir().display().to_string(),
+                    d.program_ids(),
+                    endpoints,
+                    d.map_status(),
+                ))
             })
             .await?;
         Ok(Response::new(pb::GetDatapathStatusResponse {
@@ -646,24 +645,23 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                         && want_addr.is_none_or(|a| a == t.src || a == t.dst)
                         && want_port.is_none_or(|p| p == t.sport || p == t.dport)
                 };
-                dp.with_datapath(|d| {
-                    if family != pb::Family::Ipv6 {
-                        for (k, e) in d.ct4().iter().filter_map(Result::ok) {
-                            let t = CtTuple::from(&k);
-                            if keep(&t) {
-                                out.push(ct_proto(&t, &e, now));
-                            }
+                let maps = dp.datapath().maps();
+                if family != pb::Family::Ipv6 {
+                    for (k, e) in maps.ct4.lock().iter().filter_map(Result::ok) {
+                        let t = CtTuple::from(&k);
+                        if keep(&t) {
+                            out.push(ct_proto(&t, &e, now));
                         }
                     }
-                    if family != pb::Family::Ipv4 {
-                        for (k, e) in d.ct6().iter().filter_map(Result::ok) {
-                            let t = CtTuple::from(&k);
-                            if keep(&t) {
-                                out.push(ct_proto(&t, &e, now));
-                            }
+                }
+                if family != pb::Family::Ipv4 {
+                    for (k, e) in maps.ct6.lock().iter().filter_map(Result::ok) {
+                        let t = CtTuple::from(&k);
+                        if keep(&t) {
+                            out.push(ct_proto(&t, &e, now));
                         }
                     }
-                });
+                }
                 Ok(out)
             })
             .await?;
@@ -688,11 +686,10 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         let include_zero = request.get_ref().include_zero;
         let totals = self
             .blocking(|dp| {
-                dp.with_datapath(|d| d.metrics_totals())
-                    .map_err(|source| LoaderError::Datapath {
-                        action: "reading datapath counters".into(),
-                        source: Box::new(source),
-                    })
+                dp.datapath().metrics_totals().map_err(|source| LoaderError::Datapath {
+                    action: "reading datapath counters".into(),
+                    source: Box::new(source),
+                })
             })
             .await?;
         let mut drops = Vec::new();

@@ -1,0 +1,534 @@
+//! [`EndpointDatapath`] over the real datapath in a test network namespace:
+//! a policy diff that fails midway, concurrent applies and removes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use rivet_common::testing::netns::{NetNs, veth_pair};
+
+use super::*;
+use crate::datapath::{DEFAULT_BPFFS, DatapathOptions};
+use crate::maps::{CtTimeouts, DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
+use crate::policy_lpm::PolicyRule;
+use crate::testing::PinDir;
+use crate::validate::PolicySpec;
+
+const PREFIX: &str = "rvl";
+const TCP: u8 = 6;
+const UDP: u8 = 17;
+/// Nothing a test waits for takes this long unless it is stuck.
+const STUCK: Duration = Duration::from_secs(20);
+
+static FIXTURES: AtomicU32 = AtomicU32::new(0);
+
+/// A namespace with `interfaces` host-side veths `rvl<n>-<i>` (peers in
+/// the same namespace) and a pin directory; both go on drop.
+struct Fixture {
+    ns: NetNs,
+    pins: PinDir,
+    ifindexes: Vec<u32>,
+    policy_max: u32,
+}
+
+impl Fixture {
+    fn new(interfaces: usize, policy_max: u32) -> Self {
+        let n = FIXTURES.fetch_add(1, Ordering::Relaxed);
+        let ns = NetNs::new("rvtld").unwrap();
+        let mut ifindexes = Vec::new();
+        for i in 0..interfaces {
+            let name = format!("{PREFIX}{n}-{i}");
+            veth_pair(&ns, &name, &ns, &format!("rvp{n}-{i}")).unwrap();
+            ifindexes.push(ns.ifindex(&name).unwrap());
+        }
+        let pins = PinDir(
+            Path::new(DEFAULT_BPFFS)
+                .join("rivet-test")
+                .join(format!("loader-{}-{n}", std::process::id())),
+        );
+        Self {
+            ns,
+            pins,
+            ifindexes,
+            policy_max,
+        }
+    }
+
+    fn options(&self) -> DatapathOptions {
+        DatapathOptions {
+            endpoints_max: 256,
+            ipcache_max: 256,
+            policy_max: self.policy_max,
+            ct4_max: 256,
+            ct6_max: 256,
+            events_bytes: 64 * 1024,
+            ct_timeouts: CtTimeouts {
+                tcp_syn: 5,
+                tcp_established: 30,
+                tcp_closing: 2,
+                udp: 7,
+                icmp: 3,
+                other: 4,
+            },
+            ..DatapathOptions::new(&self.pins.0)
+        }
+    }
+
+    /// Runs `f` with a fresh loader on a thread inside the namespace
+    /// (threads it spawns stay there too).
+    fn run<T: Send + 'static>(&self, f: impl FnOnce(Arc<EndpointDatapath>, Vec<u32>) -> T + Send + 'static) -> T {
+        let (opts, ifindexes) = (self.options(), self.ifindexes.clone());
+        self.ns
+            .in_ns(move || {
+                let datapath = Datapath::open(opts).expect("the datapath loads");
+                let dp = Arc::new(EndpointDatapath::new(datapath, PREFIX).expect("the loader adopts the maps"));
+                f(dp, ifindexes)
+            })
+            .unwrap()
+    }
+}
+
+fn allow(direction: u8, peer: u32, protocol: u8, port: u16) -> PolicyRule {
+    PolicyRule {
+        direction,
+        peer_identity: peer,
+        protocol,
+        port,
+        end_port: 0,
+        verdict: VERDICT_ALLOW,
+    }
+}
+
+fn deny(direction: u8, peer: u32, protocol: u8, port: u16) -> PolicyRule {
+    PolicyRule {
+        verdict: VERDICT_DENY,
+        ..allow(direction, peer, protocol, port)
+    }
+}
+
+fn policy(revision: u64, rules: Vec<PolicyRule>) -> PolicySpec {
+    PolicySpec {
+        revision,
+        enforce_ingress: true,
+        enforce_egress: true,
+        allow_from_host: true,
+        rules,
+    }
+}
+
+/// Endpoint `id` on `ifindex` with addresses of slot `slot`.
+fn spec(id: u32, ifindex: u32, slot: u8, policy: Option<PolicySpec>) -> EndpointSpec {
+    EndpointSpec {
+        endpoint_id: id,
+        ifindex,
+        ipv4: Some(Ipv4Addr::new(198, 18, 7, slot + 2)),
+        ipv6: Some(Ipv6Addr::new(0x2001, 2, 0, 7, 0, 0, 0, u16::from(slot) + 2)),
+        mac: [2, 0, 0, 0, 7, slot],
+        identity: 1000 + id,
+        policy,
+    }
+}
+
+/// What the policy map holds, by endpoint (read from the kernel).
+fn policy_map(dp: &EndpointDatapath) -> BTreeMap<u32, BTreeMap<PolicyEntry, u8>> {
+    let datapath = dp.datapath();
+    let map = datapath.maps().policy.lock();
+    let mut out: BTreeMap<u32, BTreeMap<PolicyEntry, u8>> = BTreeMap::new();
+    for key in map.keys() {
+        let key = key.expect("the policy map reads");
+        let entry = PolicyEntry::from_lpm_key(&key).expect("a well-formed policy key");
+        let verdict = map.get(&key, 0).expect("a listed key reads").verdict;
+        out.entry(entry.endpoint_id).or_default().insert(entry, verdict);
+    }
+    out
+}
+
+/// The endpoints map: ifindex entries and address entries.
+fn endpoints_map(dp: &EndpointDatapath) -> (BTreeMap<u32, EndpointInfo>, BTreeMap<IpAddr, u32>) {
+    let datapath = dp.datapath();
+    let map = datapath.maps().endpoints.lock();
+    let (mut by_ifindex, mut by_address) = (BTreeMap::new(), BTreeMap::new());
+    for item in map.iter() {
+        let (key, info) = item.expect("the endpoints map reads");
+        if let Some(ifindex) = key.as_ifindex() {
+            by_ifindex.insert(ifindex, info);
+        } else if let Some(address) = key.as_ip() {
+            by_address.insert(address, info.endpoint_id);
+        }
+    }
+    (by_ifindex, by_address)
+}
+
+/// The loader's own account of an endpoint's policy (GetEndpointPolicy).
+fn loader_view(dp: &EndpointDatapath, id: u32) -> BTreeMap<PolicyEntry, u8> {
+    let (_, entries) = dp.policy(id).expect("the endpoint is known");
+    entries.iter().map(|v| (v.entry, v.verdict)).collect()
+}
+
+fn is_capacity_error(e: &LoaderError) -> bool {
+    matches!(e, LoaderError::Map { source: aya::maps::MapError::SyscallError(s), .. }
+        if matches!(s.io_error.raw_os_error(), Some(libc::E2BIG | libc::ENOSPC | libc::ENOMEM)))
+}
+
+#[test]
+fn a_policy_diff_that_fails_midway_leaves_no_entry_the_loader_does_not_know() {
+    // 8 policy entries fit: a diff that needs more fails midway, for real.
+    let fx = Fixture::new(1, 8);
+    fx.run(|dp, ifs| {
+        const A: u32 = 2001;
+        const B: u32 = 2002;
+        const C: u32 = 2003;
+        let id = 1;
+        let two_allows = vec![allow(DIR_INGRESS, A, TCP, 80), allow(DIR_INGRESS, A, TCP, 81)];
+        dp.apply(&spec(id, ifs[0], 0, Some(policy(1, two_allows.clone()))))
+            .unwrap();
+
+        // 1. Allows added until the map is full: 6 of 10 new entries land.
+        let mut grown = two_allows.clone();
+        grown.extend((0..10).map(|i| allow(DIR_INGRESS, B, TCP, 1000 + i)));
+        let err = dp.apply(&spec(id, ifs[0], 0, Some(policy(2, grown)))).unwrap_err();
+        assert!(is_capacity_error(&err), "the map is full: {err}");
+        assert_eq!(
+            loader_view(&dp, id),
+            policy_map(&dp)[&id],
+            "after the failure the loader's index is what the map holds"
+        );
+
+        // The next policy lacks every one of them: none survives.
+        let narrow = policy(3, vec![allow(DIR_INGRESS, C, UDP, 53)]);
+        let applied = dp.apply(&spec(id, ifs[0], 0, Some(narrow.clone()))).unwrap();
+        let fresh = policy_lpm::compile(id, &narrow.rules).unwrap();
+        assert_eq!(
+            policy_map(&dp)[&id],
+            fresh,
+            "the map holds exactly what a fresh apply writes: no stale ALLOW of the failed diff"
+        );
+        assert_eq!(applied.policy_entries, fresh.len());
+        assert_eq!(loader_view(&dp, id), fresh);
+
+        // 2. A diff that removed entries and then failed: the loader must not
+        // believe the removed ones are still there.
+        let with_deny = policy(4, {
+            let mut r = two_allows.clone();
+            r.push(deny(DIR_INGRESS, C, 0, 0));
+            r
+        });
+        dp.apply(&spec(id, ifs[0], 0, Some(with_deny.clone()))).unwrap();
+        let mut replaced = vec![deny(DIR_INGRESS, C, 0, 0)];
+        replaced.extend((0..8).map(|i| allow(DIR_EGRESS, B, TCP, 2000 + i)));
+        let err = dp.apply(&spec(id, ifs[0], 0, Some(policy(5, replaced)))).unwrap_err();
+        assert!(is_capacity_error(&err), "{err}");
+        assert_eq!(loader_view(&dp, id), policy_map(&dp)[&id]);
+        // Back to the previous policy: its two allows were removed by the
+        // failed diff and must be written again.
+        dp.apply(&spec(id, ifs[0], 0, Some(with_deny.clone()))).unwrap();
+        assert_eq!(
+            policy_map(&dp)[&id],
+            policy_lpm::compile(id, &with_deny.rules).unwrap(),
+            "the allows the failed diff removed are back, the ones it added are gone"
+        );
+
+        // 3. After a failure the next diff starts from the map's truth, also
+        // when the map changed behind the loader's back in between.
+        let err = dp
+            .apply(&spec(
+                id,
+                ifs[0],
+                0,
+                Some(policy(
+                    6,
+                    (0..12).map(|i| allow(DIR_INGRESS, A, UDP, 3000 + i)).collect(),
+                )),
+            ))
+            .unwrap_err();
+        assert!(is_capacity_error(&err), "{err}");
+        let stray = PolicyEntry {
+            endpoint_id: id,
+            direction: DIR_INGRESS,
+            identity: A,
+            protocol: UDP,
+            port: 3000,
+            port_bits: 16,
+        };
+        assert!(policy_map(&dp)[&id].contains_key(&stray), "the failed diff wrote it");
+        dp.datapath().maps().policy.lock().remove(&stray.lpm_key()).unwrap();
+        let extra = PolicyEntry { port: 4444, ..stray };
+        dp.datapath()
+            .maps()
+            .policy
+            .lock()
+            .insert(&extra.lpm_key(), crate::maps::PolicyValue::new(VERDICT_ALLOW), 0)
+            .unwrap();
+        dp.apply(&spec(id, ifs[0], 0, Some(narrow.clone()))).unwrap();
+        assert_eq!(
+            policy_map(&dp)[&id],
+            fresh,
+            "a dirty endpoint is re-read from the map before its next diff"
+        );
+
+        // Removal leaves nothing of it in the map.
+        assert!(dp.remove(Some(id), None).unwrap());
+        assert!(!policy_map(&dp).contains_key(&id), "{:?}", policy_map(&dp));
+    });
+}
+
+/// Blocks attaches of chosen interfaces until the test lets each one go.
+#[derive(Default)]
+struct TestGate {
+    blocked: Mutex<BTreeSet<u32>>,
+    entered: Mutex<Option<mpsc::Sender<u32>>>,
+    release: Mutex<BTreeMap<u32, mpsc::Receiver<()>>>,
+}
+
+impl TestGate {
+    /// Blocks the next attach of `ifindex`; returns the sender that lets it go.
+    fn block(&self, ifindex: u32) -> mpsc::Sender<()> {
+        let (tx, rx) = mpsc::channel();
+        self.blocked.lock().unwrap().insert(ifindex);
+        self.release.lock().unwrap().insert(ifindex, rx);
+        tx
+    }
+
+    fn pass(&self, ifindex: u32) {
+        if !self.blocked.lock().unwrap().remove(&ifindex) {
+            return;
+        }
+        if let Some(tx) = self.entered.lock().unwrap().as_ref() {
+            let _ = tx.send(ifindex);
+        }
+        let rx = self.release.lock().unwrap().remove(&ifindex).expect("set with blocked");
+        rx.recv_timeout(STUCK).expect("the test lets the attach go");
+    }
+}
+
+fn gated(dp: &Arc<EndpointDatapath>) -> (Arc<TestGate>, mpsc::Receiver<u32>) {
+    let gate = Arc::new(TestGate::default());
+    let (tx, rx) = mpsc::channel();
+    *gate.entered.lock().unwrap() = Some(tx);
+    let g = gate.clone();
+    dp.set_attach_gate(Arc::new(move |ifindex| g.pass(ifindex)));
+    (gate, rx)
+}
+
+fn spawn_apply(dp: &Arc<EndpointDatapath>, spec: EndpointSpec) -> mpsc::Receiver<Result<Applied, LoaderError>> {
+    let (tx, rx) = mpsc::channel();
+    let dp = dp.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(dp.apply(&spec));
+    });
+    rx
+}
+
+#[test]
+fn applies_on_different_interfaces_overlap_and_one_endpoint_stays_serialised() {
+    let fx = Fixture::new(2, 64);
+    fx.run(|dp, ifs| {
+        let (gate, entered) = gated(&dp);
+        let rules = |port| policy(1, vec![allow(DIR_INGRESS, 7, TCP, port)]);
+
+        // Endpoint 1's apply stops inside its attach (the netlink step).
+        let release = gate.block(ifs[0]);
+        let first = spawn_apply(&dp, spec(1, ifs[0], 0, Some(rules(80))));
+        assert_eq!(
+            entered.recv_timeout(STUCK).unwrap(),
+            ifs[0],
+            "endpoint 1 reached its attach"
+        );
+
+        // Meanwhile endpoint 2 on another interface is applied completely.
+        let other = spawn_apply(&dp, spec(2, ifs[1], 1, Some(rules(443))));
+        let applied = other
+            .recv_timeout(STUCK)
+            .expect("an apply on another interface does not wait for endpoint 1's attach")
+            .unwrap();
+        assert_eq!(applied.info.endpoint_id, 2);
+        assert!(matches!(dp.view(2).unwrap().ingress, AttachState::Attached { .. }));
+
+        // A second apply of endpoint 1 waits for the first to finish.
+        let second = spawn_apply(&dp, spec(1, ifs[0], 0, Some(rules(8080))));
+        dp.wait_for_lock_waiters(1, STUCK);
+        assert!(second.try_recv().is_err(), "still waiting for the first apply");
+        release.send(()).unwrap();
+        first.recv_timeout(STUCK).unwrap().unwrap();
+        second.recv_timeout(STUCK).unwrap().unwrap();
+        assert_eq!(
+            policy_map(&dp)[&1],
+            policy_lpm::compile(1, &rules(8080).rules).unwrap(),
+            "the later apply's policy wins"
+        );
+    });
+}
+
+/// A compiled policy.
+type Compiled = BTreeMap<PolicyEntry, u8>;
+
+/// xorshift64*: enough randomness for a stress test, seeded and printed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+fn random_policy(rng: &mut Rng) -> PolicySpec {
+    let mut rules = Vec::new();
+    for _ in 0..rng.below(6) {
+        let protocol = [0, TCP, UDP][rng.below(3) as usize];
+        let port = if protocol == 0 { 0 } else { 1 + rng.below(2000) as u16 };
+        let end_port = if port != 0 && rng.below(3) == 0 {
+            port + rng.below(300) as u16
+        } else {
+            0
+        };
+        rules.push(PolicyRule {
+            direction: if rng.below(2) == 0 { DIR_INGRESS } else { DIR_EGRESS },
+            peer_identity: rng.below(4) as u32,
+            protocol,
+            port,
+            end_port,
+            verdict: if rng.below(4) == 0 { VERDICT_DENY } else { VERDICT_ALLOW },
+        });
+    }
+    policy(rng.below(1000), rules)
+}
+
+#[test]
+fn concurrent_applies_and_removes_on_many_interfaces_leave_maps_and_filters_consistent() {
+    const INTERFACES: usize = 8;
+    const THREADS: u64 = 4;
+    const OPS: usize = 40;
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("stress seed {seed:#x}");
+    let fx = Fixture::new(INTERFACES, 4096);
+    fx.run(move |dp, ifs| {
+        // Interface i has two candidate endpoints with the same addresses:
+        // 100 + i and 200 + i; threads race for them.
+        // Every policy each endpoint was given.
+        let applied: Arc<Mutex<BTreeMap<u32, Vec<Compiled>>>> = Arc::default();
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (dp, ifs, applied) = (dp.clone(), ifs.clone(), applied.clone());
+                std::thread::spawn(move || {
+                    let mut rng = Rng(seed.wrapping_add(t.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
+                    for _ in 0..OPS {
+                        let i = rng.below(INTERFACES as u64) as usize;
+                        let id = if rng.below(3) == 0 { 200 } else { 100 } + i as u32;
+                        match rng.below(6) {
+                            0..=2 => {
+                                let p = random_policy(&mut rng);
+                                let compiled = policy_lpm::compile(id, &p.rules).unwrap();
+                                match dp.apply(&spec(id, ifs[i], i as u8, Some(p))) {
+                                    Ok(_) => lock(&applied).entry(id).or_default().push(compiled),
+                                    Err(LoaderError::InterfaceHeld { .. } | LoaderError::AddressHeld { .. }) => {}
+                                    Err(e) => panic!("seed {seed:#x}: apply {id}: {e}"),
+                                }
+                            }
+                            3 => match dp.apply(&spec(id, ifs[i], i as u8, None)) {
+                                Ok(_) => lock(&applied).entry(id).or_default().push(BTreeMap::new()),
+                                Err(LoaderError::InterfaceHeld { .. } | LoaderError::AddressHeld { .. }) => {}
+                                Err(e) => panic!("seed {seed:#x}: apply {id} without policy: {e}"),
+                            },
+                            4 => {
+                                dp.remove(Some(id), None).unwrap();
+                            }
+                            _ => {
+                                dp.remove(None, Some(ifs[i])).unwrap();
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().expect("a worker panicked");
+        }
+
+        let (by_ifindex, by_address) = endpoints_map(&dp);
+        let policies = policy_map(&dp);
+        let applied = lock(&applied);
+        let mut owners = BTreeSet::new();
+        for (i, &ifindex) in ifs.iter().enumerate() {
+            let addrs = [
+                IpAddr::V4(Ipv4Addr::new(198, 18, 7, i as u8 + 2)),
+                IpAddr::V6(Ipv6Addr::new(0x2001, 2, 0, 7, 0, 0, 0, i as u16 + 2)),
+            ];
+            let attachment = dp.datapath().attachment(ifindex).unwrap();
+            match by_ifindex.get(&ifindex) {
+                Some(info) => {
+                    let id = info.endpoint_id;
+                    owners.insert(id);
+                    assert!(id == 100 + i as u32 || id == 200 + i as u32, "seed {seed:#x}: {info:?}");
+                    for a in addrs {
+                        assert_eq!(by_address.get(&a), Some(&id), "seed {seed:#x}: address {a} of {id}");
+                    }
+                    assert!(
+                        matches!(attachment.ingress, AttachState::Attached { .. })
+                            && matches!(attachment.egress, AttachState::Attached { .. }),
+                        "seed {seed:#x}: endpoint {id} is attached: {attachment:?}"
+                    );
+                    let in_map = policies.get(&id).cloned().unwrap_or_default();
+                    assert_eq!(
+                        loader_view(&dp, id),
+                        in_map,
+                        "seed {seed:#x}: the index of {id} is the map"
+                    );
+                    let candidates = &applied[&id];
+                    // Without a policy an endpoint keeps its current one.
+                    assert!(
+                        in_map.is_empty() || candidates.contains(&in_map),
+                        "seed {seed:#x}: endpoint {id} holds a policy it was given: {in_map:?}"
+                    );
+                }
+                None => {
+                    for a in addrs {
+                        assert_eq!(by_address.get(&a), None, "seed {seed:#x}: address {a} without endpoint");
+                    }
+                    assert_eq!(
+                        (attachment.ingress, attachment.egress),
+                        (AttachState::Detached, AttachState::Detached),
+                        "seed {seed:#x}: interface {ifindex} without endpoint"
+                    );
+                }
+            }
+        }
+        assert_eq!(by_address.len(), 2 * owners.len(), "seed {seed:#x}: {by_address:?}");
+        let with_policy: BTreeSet<u32> = policies.keys().copied().collect();
+        assert!(
+            with_policy.is_subset(&owners),
+            "seed {seed:#x}: policy of removed endpoints: {with_policy:?}"
+        );
+        let listing = dp.list().unwrap();
+        assert!(listing.orphan_attachments.is_empty(), "{listing:?}");
+        assert!(listing.orphan_policies.is_empty(), "{listing:?}");
+        assert_eq!(listing.endpoints.len(), owners.len());
+
+        // Everything goes with the interfaces' removal: nothing leaks.
+        for &ifindex in &ifs {
+            dp.remove(None, Some(ifindex)).unwrap();
+        }
+        let (by_ifindex, by_address) = endpoints_map(&dp);
+        assert!(
+            by_ifindex.is_empty() && by_address.is_empty(),
+            "{by_ifindex:?} {by_address:?}"
+        );
+        assert!(policy_map(&dp).is_empty(), "{:?}", policy_map(&dp));
+        assert!(dp.datapath().attachments().unwrap().is_empty());
+        let index = dp.index();
+        assert!(
+            index.endpoints.is_empty() && index.interfaces.is_empty() && index.addresses.is_empty(),
+            "{index:?}"
+        );
+    });
+}
