@@ -1,4 +1,5 @@
-//! `rivet endpoint list|get`: endpoints as svc-endpoint knows them.
+//! `rivet endpoint list|get|label`: endpoints as svc-endpoint knows them,
+//! and the pod labels of endpoints a runtime created.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -82,6 +83,66 @@ pub enum EndpointCommand {
         #[arg(value_name = "REF")]
         reference: EndpointRef,
     },
+    /// Replace a pod's own labels (svc-endpoint's UpdateLabels): how pods a
+    /// runtime created without Kubernetes get labels. Its endpoints are
+    /// re-identified (and their policy recomputed) before this returns; labels
+    /// of a pod without an endpoint yet are remembered for it.
+    Label {
+        /// The pod, `namespace/name` (or another endpoint reference, as for `get`).
+        #[arg(value_name = "REF")]
+        reference: EndpointRef,
+        /// The complete new set, `key=value` each (`k8s:key=value` accepted).
+        #[arg(
+            value_name = "KEY=VALUE",
+            required_unless_present = "clear",
+            conflicts_with = "clear"
+        )]
+        labels: Vec<String>,
+        /// Remove every label of the pod.
+        #[arg(long)]
+        clear: bool,
+    },
+}
+
+/// `rivet endpoint label` output.
+#[derive(Debug, Clone, Serialize)]
+pub struct LabelView {
+    /// The reference as given.
+    reference: String,
+    /// The new labels, `k8s:key=value`.
+    labels: Vec<String>,
+    /// Endpoints whose identity changed.
+    reidentified: u32,
+    /// The endpoints after the change (none: the labels wait for the pod).
+    endpoints: Vec<EndpointView>,
+}
+
+fn label_text(view: &LabelView) -> String {
+    let labels = if view.labels.is_empty() {
+        "cleared".to_string()
+    } else {
+        view.labels
+            .iter()
+            .map(|l| l.strip_prefix("k8s:").unwrap_or(l))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    if view.endpoints.is_empty() {
+        return format!(
+            "{}: labels {labels}; no endpoint yet (remembered for when the pod gets one)\n",
+            view.reference
+        );
+    }
+    let endpoints = view
+        .endpoints
+        .iter()
+        .map(|e| format!("endpoint {} identity {}", e.id, e.identity))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "{}: labels {labels}; {endpoints} ({} re-identified)\n",
+        view.reference, view.reidentified
+    )
 }
 
 /// Which endpoint `rivet endpoint get` is about.
@@ -613,6 +674,11 @@ fn endpoint_text(e: &EndpointView, now: i64) -> String {
 
 /// Runs one `rivet endpoint` command.
 pub async fn run(ctx: &Context, command: EndpointCommand) -> Result<(), CliError> {
+    // Bad labels need no daemon.
+    let labels = match &command {
+        EndpointCommand::Label { labels, .. } => crate::namespace::parse_labels(labels).map_err(CliError::Usage)?,
+        _ => Vec::new(),
+    };
     let mut client = EndpointServiceClient::new(ctx.connect_with_deadline(DAEMON).await?);
     let rpc = |s| CliError::rpc(DAEMON, s);
     match command {
@@ -658,6 +724,24 @@ pub async fn run(ctx: &Context, command: EndpointCommand) -> Result<(), CliError
             let view = EndpointView::from(&endpoint);
             let now = now_unix_nanos();
             ctx.print(&view, || endpoint_text(&view, now));
+        }
+        EndpointCommand::Label { reference, .. } => {
+            let r = client
+                .update_labels(ctx.request(pb::UpdateLabelsRequest {
+                    r#ref: Some(reference.to_proto()),
+                    labels: labels.clone(),
+                    r#async: false,
+                }))
+                .await
+                .map_err(rpc)?
+                .into_inner();
+            let view = LabelView {
+                reference: reference.to_string(),
+                labels,
+                reidentified: r.reidentified,
+                endpoints: r.endpoints.iter().map(Into::into).collect(),
+            };
+            ctx.print(&view, || label_text(&view));
         }
     }
     Ok(())

@@ -79,7 +79,9 @@ pub enum PodCommand {
         #[arg(long, default_value_t = 60)]
         cni_timeout: u64,
     },
-    /// The node's pods with their addresses and endpoints (from svc-endpoint).
+    /// Every pod of the node with its addresses and endpoint: those of `rivet
+    /// pod add` and those a runtime (containerd, kubelet) created through the
+    /// CNI plugin, from svc-endpoint's endpoints (CREATED BY says which).
     List,
     /// Run a command inside a pod's network namespace.
     Exec {
@@ -908,6 +910,26 @@ fn stop_processes(ns: &str) {
 // ---------------------------------------------------------------------------
 // The command.
 
+/// Who created a pod of `rivet pod list`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CreatedBy {
+    /// `rivet pod add` (it has a record under `<state-dir>/pods/`).
+    RivetPod,
+    /// A runtime calling the CNI plugin (known from its endpoint only).
+    Runtime,
+}
+
+impl CreatedBy {
+    /// As printed.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RivetPod => "rivet pod",
+            Self::Runtime => "runtime",
+        }
+    }
+}
+
 /// One row of `rivet pod list`.
 #[derive(Debug, Clone, Serialize)]
 pub struct PodView {
@@ -931,6 +953,8 @@ pub struct PodView {
     pub container_id: String,
     /// Creation time, Unix nanoseconds.
     pub created_unix_nanos: i64,
+    /// `rivet pod add` or a runtime.
+    pub created_by: CreatedBy,
 }
 
 /// Runs `rivet pod ...`.
@@ -977,7 +1001,16 @@ pub async fn run(ctx: &Context, state_dir: &Path, command: PodCommand) -> Result
             let views = list_views(ctx, pods).await;
             ctx.print(&views, || {
                 let now = now_unix_nanos();
-                let mut t = Table::new(["NAMESPACE", "NAME", "ADDRESSES", "ENDPOINT", "IDENTITY", "STATE", "AGE"]);
+                let mut t = Table::new([
+                    "NAMESPACE",
+                    "NAME",
+                    "ADDRESSES",
+                    "ENDPOINT",
+                    "IDENTITY",
+                    "STATE",
+                    "CREATED BY",
+                    "AGE",
+                ]);
                 for v in &views {
                     t.row([
                         v.namespace.clone(),
@@ -986,6 +1019,7 @@ pub async fn run(ctx: &Context, state_dir: &Path, command: PodCommand) -> Result
                         v.endpoint_id.map_or("-".into(), |i| i.to_string()),
                         v.identity.map_or("-".into(), |i| i.to_string()),
                         v.state.clone(),
+                        v.created_by.as_str().into(),
                         age(now, v.created_unix_nanos),
                     ]);
                 }
@@ -1006,7 +1040,9 @@ fn display_list(items: &[String]) -> String {
     if items.is_empty() { "-".into() } else { items.join(",") }
 }
 
-/// Pods joined with svc-endpoint's endpoints (by container id).
+/// Pods of `rivet pod add` joined with svc-endpoint's endpoints (by
+/// container id and interface), then the endpoints no record claims: pods a
+/// runtime created. Sorted by namespace and name.
 async fn list_views(ctx: &Context, pods: Vec<PodRecord>) -> Vec<PodView> {
     let endpoints = async {
         let channel = ctx.connect("svc-endpoint").await.map_err(|e| e.to_string())?;
@@ -1017,12 +1053,32 @@ async fn list_views(ctx: &Context, pods: Vec<PodRecord>) -> Vec<PodView> {
             .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
     }
     .await;
-    pods.into_iter()
+    let mut views = join_pods_and_endpoints(pods, &endpoints);
+    views.sort_by(|a, b| (&a.namespace, &a.name, &a.container_id).cmp(&(&b.namespace, &b.name, &b.container_id)));
+    views
+}
+
+/// Every pod record as a row, its endpoint's state when it has one; then a
+/// row per endpoint that belongs to no record.
+fn join_pods_and_endpoints(
+    pods: Vec<PodRecord>,
+    endpoints: &Result<Vec<endpoint_pb::Endpoint>, String>,
+) -> Vec<PodView> {
+    let of_record =
+        |e: &endpoint_pb::Endpoint, pod: &PodRecord| e.container_id == pod.container_id && e.interface == pod.ifname;
+    let runtime_pods: Vec<PodView> = endpoints
+        .iter()
+        .flatten()
+        .filter(|e| !pods.iter().any(|pod| of_record(e, pod)))
+        .map(runtime_pod_view)
+        .collect();
+    let mut views: Vec<PodView> = pods
+        .into_iter()
         .map(|pod| {
-            let endpoint = endpoints.as_ref().ok().and_then(|eps| {
-                eps.iter()
-                    .find(|e| e.container_id == pod.container_id && e.interface == pod.ifname)
-            });
+            let endpoint = endpoints
+                .as_ref()
+                .ok()
+                .and_then(|eps| eps.iter().find(|e| of_record(e, &pod)));
             let state = match (pod.phase, endpoint, &endpoints) {
                 (PodPhase::Ready, Some(e), _) => crate::endpoint::state_name(e.state).to_string(),
                 (PodPhase::Ready, None, Ok(_)) => "no endpoint".into(),
@@ -1041,9 +1097,48 @@ async fn list_views(ctx: &Context, pods: Vec<PodRecord>) -> Vec<PodView> {
                 netns: pod.netns,
                 container_id: pod.container_id,
                 created_unix_nanos: pod.created_unix_nanos,
+                created_by: CreatedBy::RivetPod,
             }
         })
-        .collect()
+        .collect();
+    views.extend(runtime_pods);
+    views
+}
+
+/// A pod a runtime created, from its endpoint: Kubernetes names when the
+/// runtime passed them (`K8S_POD_*`), else `-` and `container:<short id>`;
+/// `k8s:` labels shown as `key`.
+fn runtime_pod_view(e: &endpoint_pb::Endpoint) -> PodView {
+    let labels = e
+        .labels
+        .iter()
+        .map(|label| {
+            let bare = label.strip_prefix("k8s:").unwrap_or(label);
+            let (key, value) = bare.split_once('=').unwrap_or((bare, ""));
+            (key.to_string(), value.to_string())
+        })
+        .collect();
+    PodView {
+        namespace: if e.pod_namespace.is_empty() {
+            "-".into()
+        } else {
+            e.pod_namespace.clone()
+        },
+        name: if e.pod_name.is_empty() {
+            format!("container:{}", &e.container_id[..12.min(e.container_id.len())])
+        } else {
+            e.pod_name.clone()
+        },
+        addresses: e.addresses.iter().map(|a| a.address.clone()).collect(),
+        endpoint_id: Some(e.id),
+        identity: Some(e.identity).filter(|i| *i != 0),
+        state: crate::endpoint::state_name(e.state).to_string(),
+        labels,
+        netns: e.netns_path.clone(),
+        container_id: e.container_id.clone(),
+        created_unix_nanos: e.created_unix_nanos,
+        created_by: CreatedBy::Runtime,
+    }
 }
 
 /// Replaces this process with `command` inside the pod's namespace.

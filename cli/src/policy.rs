@@ -243,6 +243,9 @@ pub struct AppliedView {
     affected_endpoints: u32,
     /// With --wait: endpoints that realised it.
     realised_endpoints: u32,
+    /// Endpoints the policy selects once applied (asked after every
+    /// document was sent); none draws a warning.
+    selected_endpoints: Option<u32>,
 }
 
 /// The document that failed, as printed.
@@ -311,6 +314,19 @@ fn applied_table(view: &ApplyView) -> String {
         ]);
     }
     t.render()
+}
+
+/// The warning for an applied policy that selects no endpoint.
+fn no_selection_warning(key: &PolicyKey) -> String {
+    let scope = if key.namespace.is_empty() {
+        String::new()
+    } else {
+        format!(" in namespace {}", key.namespace)
+    };
+    format!(
+        "warning: {key} selects no endpoint: no pod{scope} matches its podSelector now (check the \
+         selector against `rivet endpoint list`); it applies to matching pods created later"
+    )
 }
 
 /// Why `rivet policy apply` stopped and what that leaves applied.
@@ -576,12 +592,35 @@ pub async fn run(ctx: &Context, command: PolicyCommand) -> Result<bool, CliError
                             changed: r.changed,
                             affected_endpoints: r.affected_endpoints,
                             realised_endpoints: r.realised_endpoints,
+                            selected_endpoints: None,
                         });
                     }
                     Err(status) => {
                         view.failed = Some(FailureView::new(i + 1, doc.location, &status, wait));
                         break;
                     }
+                }
+            }
+            // A policy that selects nothing is usually a selector typo.
+            for applied in &mut view.applied {
+                let key = pb::PolicyKey::from(&applied.key);
+                match client
+                    .get_policy(ctx.request(pb::GetPolicyRequest { key: Some(key) }))
+                    .await
+                {
+                    Ok(r) => {
+                        let selected = r.into_inner().policy.map_or(0, |p| p.selected_endpoints.len());
+                        applied.selected_endpoints = Some(u32::try_from(selected).unwrap_or(u32::MAX));
+                        if selected == 0 {
+                            eprintln!("{}", no_selection_warning(&applied.key));
+                        }
+                    }
+                    Err(status) => eprintln!(
+                        "warning: could not check which endpoints {} selects: {:?}: {}",
+                        applied.key,
+                        status.code(),
+                        status.message()
+                    ),
                 }
             }
             ctx.print(&view, || applied_table(&view));
@@ -833,6 +872,7 @@ mod tests {
             changed: true,
             affected_endpoints: affected,
             realised_endpoints: realised,
+            selected_endpoints: Some(1),
         };
         let mut view = ApplyView {
             documents: 2,

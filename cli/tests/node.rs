@@ -726,3 +726,173 @@ fn python_grpcio_with_default_options_reaches_every_daemon() {
     }
     node.down_and_check_nothing_left();
 }
+
+/// A pod made the way a runtime makes it: its own network namespace and the
+/// node's conflist run through the CNI plugin (the mini libcni of `rivet
+/// pod`, without a pod record). DEL and the namespace go on drop.
+struct RuntimePod {
+    runner: rivet_cli::pod::CniRunner,
+    list: rivet_cli::pod::NetworkConfigList,
+    attachment: rivet_cli::pod::Attachment,
+    netns: String,
+    result: Option<serde_json::Value>,
+}
+
+impl RuntimePod {
+    fn add(node: &TestNode, namespace: &str, name: &str) -> Self {
+        let record = node.record();
+        let netns = format!("rvtr-{}-{name}", std::process::id());
+        rivet_cli::netns::create(&netns).expect("creating the pod's namespace");
+        let mut pod = Self {
+            runner: rivet_cli::pod::CniRunner {
+                cni_path: vec![record.cni_bin_dir.clone()],
+                node_netns: record.netns_path.clone(),
+                timeout: Duration::from_secs(60),
+                stderr_log: None,
+            },
+            list: rivet_cli::pod::NetworkConfigList::load(&record.conflist).expect("the node's conflist"),
+            attachment: rivet_cli::pod::Attachment {
+                container_id: format!("{:0>64}", format!("{}{name}", std::process::id())),
+                netns: rivet_cli::netns::path(&netns),
+                ifname: "eth0".into(),
+                pod_namespace: namespace.into(),
+                pod_name: name.into(),
+                labels: Default::default(),
+            },
+            netns,
+            result: None,
+        };
+        let result = pod.runner.add(&pod.list, &pod.attachment).expect("CNI ADD");
+        pod.result = Some(result);
+        pod
+    }
+
+    fn ipv4(&self) -> String {
+        rivet_cli::pod::result_addresses(self.result.as_ref())
+            .into_iter()
+            .find(|a| a.contains('.'))
+            .expect("an IPv4 address")
+    }
+}
+
+impl Drop for RuntimePod {
+    fn drop(&mut self) {
+        if let Err(e) = self.runner.del(&self.list, &self.attachment, self.result.as_ref()) {
+            eprintln!("DEL of the runtime pod: {e}");
+        }
+        let _ = rivet_cli::netns::delete(&self.netns);
+    }
+}
+
+/// A policy isolating app=rt in namespace shop: only app=client may reach it.
+const RUNTIME_POD_POLICY: &str = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: rt-ingress, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: rt}}
+  policyTypes: [Ingress]
+  ingress:
+  - from: [{podSelector: {matchLabels: {app: client}}}]
+";
+
+/// Without Kubernetes, a pod a runtime created (no `rivet pod add` record,
+/// no labels in the CNI call) is listed by `rivet pod list`, gets labels
+/// with `rivet endpoint label`, and a policy selecting it then applies; a
+/// policy selecting nothing draws a warning (exit 0).
+#[test]
+fn pods_a_runtime_created_are_listed_labelled_and_selected() {
+    let mut node = TestNode::up();
+    node.ok(&["pod", "add", "client", "-n", "shop", "--label", "app=client"]);
+    node.ok(&["pod", "add", "other", "-n", "shop", "--label", "app=other"]);
+    let runtime = RuntimePod::add(&node, "shop", "rt");
+
+    let pods = node.json(&["pod", "list"]);
+    let row = pods
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "rt")
+        .unwrap_or_else(|| panic!("the runtime's pod is listed: {pods:#}"));
+    assert_eq!(row["namespace"], "shop", "{row}");
+    assert_eq!(row["created_by"], "runtime", "{row}");
+    assert_eq!(row["state"], "ready", "{row}");
+    assert_eq!(row["container_id"], runtime.attachment.container_id.as_str());
+    assert_eq!(row["addresses"].as_array().unwrap().len(), 2, "{row}");
+    let client = pods.as_array().unwrap().iter().find(|p| p["name"] == "client").unwrap();
+    assert_eq!(client["created_by"], "rivet-pod", "{client}");
+    let table = node.ok(&["pod", "list"]);
+    assert!(
+        table.lines().any(|l| l.contains(" rt ") && l.contains("runtime")),
+        "{table}"
+    );
+
+    // The policy selects no pod yet: applied, with a warning.
+    let policy = node.path("rt-policy.yaml");
+    std::fs::write(&policy, RUNTIME_POD_POLICY).unwrap();
+    let out = node
+        .rivet(&["policy", "apply", "-f", policy.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: NetworkPolicy/shop/rt-ingress selects no endpoint"),
+        "{stderr}"
+    );
+    let rt = runtime.ipv4();
+    let ping_rt = |from: &str| {
+        node.rivet(&[
+            "pod", "exec", from, "-n", "shop", "--", "ping", "-c", "2", "-i", "0.2", "-W", "2", &rt,
+        ])
+        .output()
+        .unwrap()
+        .status
+        .success()
+    };
+    assert!(ping_rt("other"), "unlabelled, rt is not isolated");
+
+    // Labels for the runtime's pod: re-identified, now selected and isolated.
+    let labelled = node.json(&["endpoint", "label", "shop/rt", "app=rt"]);
+    assert_eq!(labelled["reidentified"], 1, "{labelled}");
+    assert_eq!(
+        labelled["endpoints"][0]["labels"],
+        serde_json::json!(["k8s:app=rt"]),
+        "{labelled}"
+    );
+    let id = labelled["endpoints"][0]["id"].clone();
+    let got = node.json(&["policy", "get", "shop/rt-ingress"]);
+    assert_eq!(got["selected_endpoints"], serde_json::json!([id]), "{got}");
+    assert!(ping_rt("client"), "client may reach rt");
+    assert!(!ping_rt("other"), "other is denied once rt is selected");
+    let out = node
+        .rivet(&["policy", "apply", "-f", policy.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("warning"),
+        "a policy that selects a pod draws no warning"
+    );
+    let pods = node.json(&["pod", "list"]);
+    let row = pods.as_array().unwrap().iter().find(|p| p["name"] == "rt").unwrap();
+    assert_eq!(row["labels"], serde_json::json!({"app": "rt"}), "{row}");
+
+    // Replace semantics: the complete new set.
+    let relabelled = node.json(&["endpoint", "label", "shop/rt", "tier=x"]);
+    assert_eq!(relabelled["endpoints"][0]["labels"], serde_json::json!(["k8s:tier=x"]));
+    assert!(ping_rt("other"), "no longer app=rt: no longer isolated");
+    let bad = node
+        .rivet(&["endpoint", "label", "shop/rt", "novalue"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("is not a label"));
+
+    drop(runtime);
+    let pods = node.json(&["pod", "list"]);
+    assert!(
+        pods.as_array().unwrap().iter().all(|p| p["name"] != "rt"),
+        "DEL removes it from the list: {pods:#}"
+    );
+    node.down_and_check_nothing_left();
+}
