@@ -146,6 +146,50 @@ fn regressions_found_by_the_differential_test() {
             [Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY)],
             "SCTP to another port is default-denied"
         );
+
+        // An ICMP error of no known connection was judged as the protocol
+        // of the packet inside it: UDP allowed let an ICMP error through.
+        let doc = json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "udp-only", "namespace": "ns-a"},
+            "spec": {"podSelector": {}, "policyTypes": ["Egress"],
+                     "egress": [{"ports": [{"protocol": "UDP"}]}]},
+        });
+        repo.upsert(Policy::parse(&doc.to_string()).unwrap(), PolicyOrigin::Api)
+            .unwrap();
+        let resolved = repo.resolve(&Subject::new(&subject), &SelectorCache::new());
+        harness.apply(&resolved, 2, false);
+        let world6 = Ipv6Addr::new(0x2001, 2, 0, 200, 0, 0, 0, 1);
+        let inner = frames::ipv6(
+            world6,
+            SUBJECT_V6,
+            64,
+            &[],
+            proto::UDP,
+            &frames::udp(world6.into(), SUBJECT_V6.into(), 5353, 9, b"x"),
+        );
+        let error = frames::icmp6(SUBJECT_V6, world6, 1, 4, [0; 4], &inner[..48]);
+        let packet = frames::ipv6(SUBJECT_V6, world6, 64, &[], proto::ICMPV6, &error);
+        let frame = frames::ethernet([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], frames::ETH_P_IPV6, &packet);
+        assert_eq!(
+            harness.run(Direction::Egress, &[frame]),
+            [Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY)],
+            "an ICMPv6 error of no connection is ICMPv6, which the policy does not allow"
+        );
+        let udp = frames::ipv6(
+            SUBJECT_V6,
+            world6,
+            64,
+            &[],
+            proto::UDP,
+            &frames::udp(SUBJECT_V6.into(), world6.into(), 9, 5353, b"x"),
+        );
+        let udp = frames::ethernet([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], frames::ETH_P_IPV6, &udp);
+        assert_eq!(
+            harness.run(Direction::Egress, &[udp]),
+            [Outcome::Pass],
+            "UDP is allowed"
+        );
     });
 }
 
@@ -368,7 +412,7 @@ fn run(
                 && case.peer == LOCAL_PEER
                 && matches!(
                     case.kind,
-                    Kind::Plain | Kind::Fragments | Kind::LoneFragment | Kind::NdUnderPolicy
+                    Kind::Plain | Kind::Fragments | Kind::LoneFragment | Kind::NdUnderPolicy | Kind::IcmpError
                 );
             let local_decision = to_local.then(|| {
                 let me = PacketPeer {
@@ -655,6 +699,9 @@ enum Kind {
     /// Traffic with the node's link-local address (the host identity), or
     /// from the pod's link-local address (an invalid source).
     LinkLocal,
+    /// An ICMP error about a packet of no known connection: ICMP under
+    /// policy (it never opens a connection).
+    IcmpError,
     /// More than 8 extension headers: dropped whatever the policy.
     LongChain,
     /// An extension header running past the packet.
@@ -687,7 +734,8 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
     let peer = rng.random_range(0..world.peers.len());
     let v6 = rng.random_bool(0.5);
     let kind = match rng.random_range(0..100) {
-        0..70 => Kind::Plain,
+        0..67 => Kind::Plain,
+        67..70 => Kind::IcmpError,
         70..80 => Kind::Fragments,
         80..84 => Kind::LoneFragment,
         84..87 if v6 => Kind::NeighbourDiscovery,
@@ -823,6 +871,33 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
                 "neighbour discovery that is not plumbing",
             )
         }
+        Kind::IcmpError => {
+            // Port unreachable from the receiver of a packet that went the
+            // other way (inner: dst -> src), TCP or UDP.
+            let inner_protocol = if rng.random_bool(0.5) { proto::TCP } else { proto::UDP };
+            let inner_l4 = match inner_protocol {
+                proto::TCP => frames::tcp(dst, src, port, sport, TCP_SYN),
+                _ => frames::udp(dst, src, port, sport, b"rivet"),
+            };
+            let (icmp_protocol, packet) = match (src, dst) {
+                (IpAddr::V4(s4), IpAddr::V4(d4)) => {
+                    let inner = frames::ipv4(d4, s4, inner_protocol, 64, 0, None, &inner_l4);
+                    let error = frames::icmp4(3, 3, [0; 4], &inner[..28]);
+                    (proto::ICMP, frames::ipv4(s4, d4, proto::ICMP, 64, 0, None, &error))
+                }
+                _ => {
+                    let (s6, d6) = (v6_of(src), v6_of(dst));
+                    let inner = frames::ipv6(d6, s6, 64, &[], inner_protocol, &inner_l4);
+                    let error = frames::icmp6(s6, d6, 1, 4, [0; 4], &inner[..48]);
+                    (proto::ICMPV6, frames::ipv6(s6, d6, 64, &[], proto::ICMPV6, &error))
+                }
+            };
+            (
+                vec![eth(packet)],
+                icmp_protocol,
+                "ICMP port unreachable of no connection",
+            )
+        }
         Kind::Mld => {
             let source = if direction == Direction::Ingress {
                 node_ll
@@ -924,7 +999,8 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
         invalid_source,
         kind,
         protocol: protocol_seen,
-        port,
+        // An ICMP error is judged as ICMP, which has no ports.
+        port: if kind == Kind::IcmpError { 0 } else { port },
         what,
         frames: frames_out,
     }
@@ -965,7 +1041,7 @@ fn expect(
     };
     match case.kind {
         _ if case.invalid_source => vec![Outcome::Drop(maps::DROP_INVALID_SOURCE_ADDRESS)],
-        Kind::Plain | Kind::NdUnderPolicy | Kind::LinkLocal => vec![policy()],
+        Kind::Plain | Kind::NdUnderPolicy | Kind::LinkLocal | Kind::IcmpError => vec![policy()],
         Kind::Fragments => vec![policy(); 2],
         Kind::LoneFragment if enforced || local.is_some_and(|(_, enforced)| enforced) => {
             vec![Outcome::Drop(maps::DROP_FRAGMENT_UNTRACKED)]

@@ -648,13 +648,16 @@ static __always_inline struct policy_value *policy_get(__u32 ep_id, __u32 identi
  * the drop reason (never 0). The matching entries count the packet. */
 static __always_inline int policy_verdict(__u32 ep_id, __u32 peer, __u8 dir, const struct pkt *p)
 {
-	__u16 port = (p->protocol == IPPROTO_ICMP || p->protocol == IPPROTO_ICMPV6) ? 0 : p->dport;
+	/* An ICMP error of no known connection is ICMP traffic (its tuple is
+	 * the offending packet's, which only finds the connection). */
+	__u8 proto = p->icmp_error ? (p->family == 4 ? IPPROTO_ICMP : IPPROTO_ICMPV6) : p->protocol;
+	__u16 port = (proto == IPPROTO_ICMP || proto == IPPROTO_ICMPV6) ? 0 : p->dport;
 	struct policy_value *v[4];
 	int allow = 0, deny = 0, i;
 
-	v[0] = policy_get(ep_id, peer, dir, p->protocol, port);
+	v[0] = policy_get(ep_id, peer, dir, proto, port);
 	v[1] = policy_get(ep_id, peer, dir, 0, 0);
-	v[2] = policy_get(ep_id, IDENTITY_ANY, dir, p->protocol, port);
+	v[2] = policy_get(ep_id, IDENTITY_ANY, dir, proto, port);
 	v[3] = policy_get(ep_id, IDENTITY_ANY, dir, 0, 0);
 #pragma unroll
 	for (i = 0; i < 4; i++) {
