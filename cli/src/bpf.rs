@@ -408,6 +408,9 @@ pub async fn monitor(ctx: &Context, verdicts: bool, trace: bool, endpoints: Vec<
         .map_err(|s| CliError::rpc(DAEMON, s))?
         .into_inner();
     while let Some(event) = stream.message().await.map_err(|s| CliError::rpc(DAEMON, s))? {
+        if event.r#type == pb::EventType::Subscribed as i32 {
+            continue; // the stream's first message: listening from here on
+        }
         print_event(ctx, &event);
     }
     Ok(())

@@ -746,7 +746,17 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         );
         let boot_id = self.boot_id();
         let (tx, rx) = mpsc::channel(1024);
+        // The subscription exists: say so first, so a client knows from
+        // when on events reach it.
+        let subscribed = pb::MonitorEvent {
+            boot_id: boot_id.clone(),
+            r#type: pb::EventType::Subscribed as i32,
+            ..Default::default()
+        };
         tokio::spawn(async move {
+            if tx.send(Ok(subscribed)).await.is_err() {
+                return;
+            }
             let mut lost = 0u64;
             loop {
                 let event = match sub.rx.recv().await {

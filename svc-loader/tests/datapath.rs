@@ -61,6 +61,28 @@ fn flood_ping(node: &LoaderNode, from: &str, dst: IpAddr, count: u32) -> std::th
     })
 }
 
+/// Packets pod `pod` has received on its eth0.
+fn received(node: &LoaderNode, pod: &str) -> u64 {
+    node.pod(pod).ns.link_packets("eth0").expect("eth0 counters").0
+}
+
+/// Waits until pod `pod` has received at least `count` packets (traffic
+/// really flows through the datapath), at most 10 s; returns its count.
+async fn wait_received(node: &LoaderNode, pod: &str, count: u64) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = received(node, pod);
+        if now >= count {
+            return now;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pod {pod} received {now} packets, waiting for {count}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Applies an endpoint that must be accepted.
 async fn apply(client: &mut Client, request: pb::ApplyEndpointRequest) -> pb::ApplyEndpointResponse {
     client
@@ -239,7 +261,16 @@ async fn drops_are_streamed_with_their_reason() {
         .await
         .unwrap()
         .into_inner();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let first = tokio::time::timeout(Duration::from_secs(5), events.message())
+        .await
+        .expect("the stream acknowledges the subscription")
+        .unwrap()
+        .expect("the stream stays open");
+    assert_eq!(
+        first.r#type,
+        pb::EventType::Subscribed as i32,
+        "the first message says the subscription is in place: {first:?}"
+    );
     let _ = pings(&node, "a", v4(&node, "c"));
     let event = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
@@ -305,10 +336,13 @@ async fn kill_9_of_the_loader_loses_no_packet_and_the_restart_adopts() {
 
     // 5 pings per millisecond for 3 s while the loader dies and restarts.
     let dst = v4(&node, "b");
+    let before = received(&node, "b");
     let pinger = flood_ping(&node, "a", dst, 15000);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_received(&node, "b", before + 1000).await;
     node.loader.kill9();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The datapath keeps forwarding with the loader dead.
+    let at_kill = received(&node, "b");
+    wait_received(&node, "b", at_kill + 2000).await;
     node.loader.restart().await.expect("the loader restarts on its pins");
     let text = pinger.join().unwrap();
     assert!(
@@ -371,8 +405,9 @@ async fn identity_change_under_traffic_drops_nothing_still_allowed() {
     );
     client.apply_endpoint(node.endpoint("b", 2, B, b_policy)).await.unwrap();
     let dst = v4(&node, "b");
+    let before = received(&node, "b");
     let pinger = flood_ping(&node, "a", dst, 5000);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_received(&node, "b", before + 1000).await;
     let r = client
         .apply_endpoint(node.endpoint("a", 1, 4242, unrestricted(2)))
         .await
