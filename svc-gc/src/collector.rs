@@ -90,6 +90,10 @@ pub struct CollectorStatus {
     pub bounds: IntervalBounds,
     /// Passes completed.
     pub passes: u64,
+    /// Map-pressure checks that estimated the fill (those held back by the
+    /// minimum interval are not counted): a pass the fill called for starts
+    /// before the next one, so tests wait on this instead of sleeping.
+    pub fill_checks: u64,
     /// Per map, in sweep order.
     pub totals: Vec<(String, MapTotals)>,
     /// The timeouts applied.
@@ -119,6 +123,7 @@ struct State {
     last_start: Option<Instant>,
     last_pass: Option<PassReport>,
     passes: u64,
+    fill_checks: u64,
     failures: u32,
     recent: VecDeque<(u64, Result<PassReport, PassError>)>,
     totals: BTreeMap<String, MapTotals>,
@@ -186,6 +191,7 @@ impl Collector {
                     last_start: None,
                     last_pass: None,
                     passes: 0,
+                    fill_checks: 0,
                     failures: 0,
                     recent: VecDeque::new(),
                     totals,
@@ -243,6 +249,7 @@ impl Collector {
             interval: state.interval,
             bounds: self.inner.opts.bounds,
             passes: state.passes,
+            fill_checks: state.fill_checks,
             totals: self
                 .inner
                 .map_names
@@ -404,6 +411,7 @@ impl Inner {
                 Err(e) => tracing::debug!(map = %name, "no fill estimate: {e}"),
             }
         }
+        lock(&self.state).fill_checks += 1;
         pressed
     }
 }

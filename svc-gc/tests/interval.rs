@@ -170,19 +170,31 @@ async fn map_pressure_starts_a_pass_early() {
     ct4.insert_all(&keys, &values).unwrap();
     let gc = collector(&maps, opts.clone());
     let task = gc.start();
-    wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    assert_eq!(gc.status().passes, 1, "no pressure at 50%");
+    let initial = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
+    // A pass the fill calls for starts before the next check: after three
+    // checks, one would have run.
+    let checked = wait_for(&gc, "three fill checks", |s| s.fill_checks >= initial.fill_checks + 3).await;
+    assert_eq!(checked.passes, 1, "no pressure at 50%");
 
     // 93% full: a map-pressure pass within a few checks.
     let (keys, values) = synthetic_entries(clock.monotonic_nanos(), 950, 0, 21_600);
     ct4.insert_all(&keys, &values).unwrap();
-    let status = wait_for(&gc, "a map-pressure pass", |s| s.passes >= 2).await;
-    assert_eq!(status.last_pass.unwrap().trigger, Trigger::MapPressure);
-    // Live entries stay above the threshold: passes keep at least the
-    // minimum interval apart.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let passes = gc.status().passes;
-    assert!(passes <= 2 + 4, "{passes} passes in a second with a 300 ms floor");
+    let pressed = wait_for(&gc, "a map-pressure pass", |s| s.passes >= 2).await;
+    let first = pressed.last_pass.clone().unwrap();
+    assert_eq!(first.trigger, Trigger::MapPressure);
+    // Live entries stay above the threshold: every check asks for a pass,
+    // and passes keep at least the minimum interval (300 ms) apart.
+    let later = wait_for(&gc, "three more map-pressure passes", |s| {
+        s.passes >= pressed.passes + 3
+    })
+    .await;
+    let last = later.last_pass.unwrap();
+    assert_eq!(last.trigger, Trigger::MapPressure);
+    let gaps = (later.passes - pressed.passes) as u32;
+    let span = Duration::from_nanos((last.started_unix_nanos - first.started_unix_nanos).max(0) as u64);
+    assert!(
+        span + Duration::from_millis(20) * gaps >= Duration::from_millis(300) * gaps,
+        "{gaps} passes in {span:?} with a 300 ms floor (checks every 100 ms)"
+    );
     task.abort();
 }
