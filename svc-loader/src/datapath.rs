@@ -1480,7 +1480,7 @@ pub fn open_pinned_map(pin_dir: &Path, name: &str) -> Result<Map, DatapathError>
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::net::IpAddr;
     use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -1519,7 +1519,7 @@ mod tests {
     }
 
     /// Small maps and short lifetimes: tests open many datapaths.
-    fn test_opts(pin_dir: &Path) -> DatapathOptions {
+    pub(crate) fn test_opts(pin_dir: &Path) -> DatapathOptions {
         DatapathOptions {
             endpoints_max: 1024,
             ipcache_max: 1024,

@@ -13,7 +13,7 @@ use rivet_common::testing::netns::{NetNs, veth_pair};
 
 use super::*;
 use crate::datapath::{DEFAULT_BPFFS, DatapathOptions};
-use crate::maps::{CtTimeouts, DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
+use crate::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
 use crate::policy_lpm::PolicyRule;
 use crate::testing::PinDir;
 use crate::validate::PolicySpec;
@@ -60,21 +60,8 @@ impl Fixture {
 
     fn options(&self) -> DatapathOptions {
         DatapathOptions {
-            endpoints_max: 256,
-            ipcache_max: 256,
             policy_max: self.policy_max,
-            ct4_max: 256,
-            ct6_max: 256,
-            events_bytes: 64 * 1024,
-            ct_timeouts: CtTimeouts {
-                tcp_syn: 5,
-                tcp_established: 30,
-                tcp_closing: 2,
-                udp: 7,
-                icmp: 3,
-                other: 4,
-            },
-            ..DatapathOptions::new(&self.pins.0)
+            ..crate::datapath::tests::test_opts(&self.pins.0)
         }
     }
 
