@@ -505,6 +505,7 @@ mod tests {
                 last_error: String::new(),
                 lease_id: 0x694d_9a1b_2c3d_4e5f,
                 revision: 0,
+                pending_writes: 0,
             }),
             cluster_identities: 12,
             local_identities: 3,

@@ -222,6 +222,32 @@ pub fn code_label(code: tonic::Code) -> &'static str {
     }
 }
 
+/// A status whose cause is typed across processes (DESIGN.md §9): it
+/// carries a `google.rpc.ErrorInfo` detail with `reason` (an `ErrorReason`
+/// value name declared in the daemon's proto, e.g. `KVSTORE_UNREACHABLE`)
+/// and `domain` (`<daemon>.rivet.io`), so a client decides on the reason,
+/// never on the message text.
+///
+/// ```
+/// use rivet_common::grpc::{error_reason, status_with_reason};
+/// let s = status_with_reason(tonic::Code::Unavailable, "the kvstore is unreachable", "identity.rivet.io", "KVSTORE_UNREACHABLE");
+/// assert_eq!(s.code(), tonic::Code::Unavailable);
+/// assert_eq!(error_reason(&s).as_deref(), Some("KVSTORE_UNREACHABLE"));
+/// assert_eq!(error_reason(&tonic::Status::unavailable("down")), None);
+/// ```
+pub fn status_with_reason(code: tonic::Code, message: impl Into<String>, domain: &str, reason: &str) -> tonic::Status {
+    use tonic_types::{ErrorDetails, StatusExt};
+    let details = ErrorDetails::with_error_info(reason, domain, std::collections::HashMap::new());
+    tonic::Status::with_error_details(code, message, details)
+}
+
+/// The `ErrorInfo` reason a status carries (see [`status_with_reason`]),
+/// if any.
+pub fn error_reason(status: &tonic::Status) -> Option<String> {
+    use tonic_types::StatusExt;
+    status.get_details_error_info().map(|info| info.reason)
+}
+
 /// How long a stopping daemon lets in-flight calls finish.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 

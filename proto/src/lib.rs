@@ -25,6 +25,10 @@ pub mod identity {
     /// Version 1.
     pub mod v1 {
         tonic::include_proto!("rivet.identity.v1");
+
+        /// The `domain` of the `google.rpc.ErrorInfo` details this API's
+        /// errors carry; their `reason` is an [`ErrorReason`] value name.
+        pub const ERROR_DOMAIN: &str = "identity.rivet.io";
     }
 }
 

@@ -1,7 +1,30 @@
 //! [`IdentityAllocator`]: label sets → identities with local reference
 //! counting over an [`IdentityBackend`], a cache of every identity kept
-//! current from the store, and the sync loop that re-establishes this node's
-//! keys after a lost lease (the seed's syncLocalKeys).
+//! current from the store, and the reconcile loop that keeps this node's
+//! value keys equal to the identities it holds.
+//!
+//! # Local first
+//!
+//! The store publishes what this node uses; it is no reason to refuse local
+//! work. A label set whose identity the node knows (held here, or in the
+//! cache because another node holds it) is allocated while the store is
+//! unreachable: the reference is taken, and the value key written by the
+//! next reconcile pass. A release never waits for the store: the last
+//! reference queues the deletion of the value key (done at once while the
+//! store answers). Only a set with no identity anywhere needs the store
+//! ([`AllocError::Unavailable`]).
+//!
+//! # Reconciliation (level-triggered, one pass at a time)
+//!
+//! A pass writes the value key (and, if it vanished, the master key) of
+//! every held identity, lists this node's value keys in the store and
+//! deletes those no local reference backs: at once for sets released in
+//! this process, after [`AllocatorOptions::restore_grace`] for the others
+//! (keys of a previous run: svc-endpoint replays its endpoints after a
+//! restart). Passes run when the store is back after an error (the cache
+//! watcher re-listed it), when the lease was replaced, after a local change
+//! the store missed, periodically ([`AllocatorOptions::resync_interval`]),
+//! and again with backoff after a failed pass.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
@@ -11,7 +34,9 @@ use futures::StreamExt;
 use rand::Rng;
 use rivet_common::backoff::Backoff;
 use rivet_common::labels::{LabelFilter, LabelSource, Labels, ReservedIdentity};
-use tokio::sync::{broadcast, watch};
+use tokio::sync::{Notify, broadcast, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::backend::{AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord};
 
@@ -32,8 +57,11 @@ pub struct AllocatorOptions {
     pub max_id: u32,
     /// Which labels are identity-relevant.
     pub filter: LabelFilter,
-    /// How often this node's keys are checked and re-created if missing.
+    /// How often this node's keys are reconciled with the store.
     pub resync_interval: Duration,
+    /// How long after start value keys of this node that no local reference
+    /// backs are kept (a previous run's, until svc-endpoint replayed).
+    pub restore_grace: Duration,
 }
 
 impl Default for AllocatorOptions {
@@ -43,6 +71,7 @@ impl Default for AllocatorOptions {
             max_id: DEFAULT_MAX_CLUSTER_ID,
             filter: LabelFilter::default(),
             resync_interval: Duration::from_secs(60),
+            restore_grace: Duration::from_secs(120),
         }
     }
 }
@@ -77,8 +106,11 @@ pub enum AllocError {
     /// Bad labels (named).
     #[error("{0}")]
     InvalidLabels(String),
-    /// The store is unreachable and the labels are not held locally.
-    #[error("allocating an identity for {labels}: {source}")]
+    /// The store is unreachable and no identity is known for the labels.
+    #[error(
+        "allocating an identity for {labels}: the kvstore is unreachable and this label set has no identity \
+         known on this node yet (a new identity needs the kvstore; retry once it is back): {source}"
+    )]
     Unavailable {
         /// The labels.
         labels: String,
@@ -184,19 +216,42 @@ impl LocalRef {
     }
 }
 
+/// Where an allocation that went to the store ended.
+enum StoreAllocation {
+    /// This node's value key is in the store.
+    Published { id: u32, newly_allocated: bool },
+    /// The store is unreachable but the identity is known: taken locally,
+    /// the value key is written by a later pass.
+    Deferred { id: u32, error: BackendError },
+}
+
 /// Label sets → identities for one node.
 pub struct IdentityAllocator {
     backend: Arc<dyn IdentityBackend>,
     opts: AllocatorOptions,
     cache: RwLock<Cache>,
+    /// Lock order: `local`, then `released`, then `unpublished`.
     local: Mutex<HashMap<String, LocalRef>>,
-    /// Releases that could not reach the store; retried by the sync loop.
-    pending_releases: Mutex<HashSet<String>>,
+    /// Sets no longer held whose value key of this node may still be in
+    /// the store: deleted at once or by the next pass. An allocation takes
+    /// its set out before it writes, so a pass that deleted a key while an
+    /// allocation re-took the set notices and writes it again.
+    released: Mutex<HashSet<String>>,
+    /// Held sets whose value key the store may lack (taken while it was
+    /// unreachable): written by the next pass.
+    unpublished: Mutex<HashSet<String>>,
     ready: watch::Sender<bool>,
     changes: broadcast::Sender<RevisedChange>,
     /// The last error of listing or watching the store; cleared by the
     /// next successful listing.
     store_error: Mutex<Option<String>>,
+    /// The last reconcile pass's error, `None` after a pass that succeeded.
+    pass_error: Mutex<Option<String>>,
+    /// Wakes the reconcile loop for a pass now.
+    reconcile: Notify,
+    /// One reconcile pass at a time.
+    pass: tokio::sync::Mutex<()>,
+    started: Instant,
 }
 
 impl std::fmt::Debug for IdentityAllocator {
@@ -219,10 +274,15 @@ impl IdentityAllocator {
             opts,
             cache: RwLock::new(Cache::default()),
             local: Mutex::new(HashMap::new()),
-            pending_releases: Mutex::new(HashSet::new()),
+            released: Mutex::new(HashSet::new()),
+            unpublished: Mutex::new(HashSet::new()),
             ready,
             changes,
             store_error: Mutex::new(None),
+            pass_error: Mutex::new(None),
+            reconcile: Notify::new(),
+            pass: tokio::sync::Mutex::new(()),
+            started: Instant::now(),
         })
     }
 
@@ -245,10 +305,30 @@ impl IdentityAllocator {
         *self.store_error.lock().expect("store error poisoned") = error;
     }
 
-    /// Runs the cache watcher and the key sync loop until the process ends.
-    pub fn run(self: &Arc<Self>) {
-        tokio::spawn(self.clone().watch_loop());
-        tokio::spawn(self.clone().sync_loop());
+    /// Whether the store answered the cache watcher last (so a write is
+    /// worth trying now rather than leaving it to the next pass).
+    fn store_answers(&self) -> bool {
+        self.is_ready() && self.store_error().is_none()
+    }
+
+    /// Why the last reconcile pass failed, `None` when it succeeded.
+    pub fn reconcile_error(&self) -> Option<String> {
+        self.pass_error.lock().expect("pass error poisoned").clone()
+    }
+
+    /// This node's value keys not yet as desired in the store: sets to
+    /// write and sets to delete. 0 once a pass reconciled everything.
+    pub fn pending_writes(&self) -> usize {
+        self.released.lock().expect("released poisoned").len()
+            + self.unpublished.lock().expect("unpublished poisoned").len()
+    }
+
+    /// Runs the cache watcher and the reconcile loop until aborted.
+    pub fn run(self: &Arc<Self>) -> Vec<JoinHandle<()>> {
+        vec![
+            tokio::spawn(self.clone().watch_loop()),
+            tokio::spawn(self.clone().reconcile_loop()),
+        ]
     }
 
     /// Waits until the first listing of the store completed.
@@ -309,11 +389,25 @@ impl IdentityAllocator {
                 references,
             });
         }
-        let (id, newly_allocated) = self.allocate_in_store(&key).await?;
-        self.pending_releases
-            .lock()
-            .expect("pending releases poisoned")
-            .remove(&key);
+        // Taken out before the store is written: a pass deleting the value
+        // key meanwhile writes it again (see `delete_released`).
+        self.released.lock().expect("released poisoned").remove(&key);
+        let (id, newly_allocated) = match self.allocate_in_store(&key).await? {
+            StoreAllocation::Published { id, newly_allocated } => (id, newly_allocated),
+            StoreAllocation::Deferred { id, error } => {
+                self.unpublished
+                    .lock()
+                    .expect("unpublished poisoned")
+                    .insert(key.clone());
+                tracing::warn!(
+                    id,
+                    labels = %key,
+                    %error,
+                    "the kvstore is unreachable: identity taken locally, its value key is written when the store is back"
+                );
+                (id, false)
+            }
+        };
         let references = {
             let mut local = self.local.lock().expect("local refs poisoned");
             let entry = local.entry(key.clone()).or_insert_with(|| LocalRef {
@@ -356,19 +450,41 @@ impl IdentityAllocator {
         Some(entry.count())
     }
 
-    async fn allocate_in_store(&self, key: &str) -> Result<(u32, bool), AllocError> {
+    async fn allocate_in_store(&self, key: &str) -> Result<StoreAllocation, AllocError> {
         let unavailable = |source| AllocError::Unavailable {
             labels: key.to_string(),
             source,
         };
-        // Known in the cluster: take a reference on it. Unknown to the cache:
-        // go straight to the creating transaction, which fails with the
-        // holder's id when another node holds the labels (one round trip).
+        // Known in the cluster: take a reference on it (locally when the
+        // store does not answer). Unknown to the cache: go straight to the
+        // creating transaction, which fails with the holder's id when
+        // another node holds the labels (one round trip).
         let known = self.cache.read().expect("cache poisoned").by_labels.get(key).copied();
         if let Some(id) = known {
-            match self.backend.acquire(id, key).await.map_err(unavailable)? {
-                AcquireOutcome::Acquired | AcquireOutcome::MasterRecreated => return Ok((id, false)),
-                AcquireOutcome::Conflict => {}
+            if !self.store_answers() {
+                let error = BackendError::Unavailable {
+                    action: format!("acquiring identity {id} for {key}"),
+                    detail: self
+                        .store_error()
+                        .unwrap_or_else(|| "the store was never listed".into()),
+                };
+                return Ok(StoreAllocation::Deferred { id, error });
+            }
+            match self.backend.acquire(id, key).await {
+                Ok(AcquireOutcome::Acquired | AcquireOutcome::MasterRecreated) => {
+                    return Ok(StoreAllocation::Published {
+                        id,
+                        newly_allocated: false,
+                    });
+                }
+                Ok(AcquireOutcome::Conflict) => {}
+                Err(error @ BackendError::Unavailable { .. }) => return Ok(StoreAllocation::Deferred { id, error }),
+                Err(e) => {
+                    return Err(AllocError::Store {
+                        labels: key.to_string(),
+                        source: e,
+                    });
+                }
             }
         }
         let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(200));
@@ -377,10 +493,20 @@ impl IdentityAllocator {
             let id = self.free_id(&tried)?;
             tried.insert(id);
             match self.backend.create_identity(id, key).await.map_err(unavailable)? {
-                CreateOutcome::Created => return Ok((id, true)),
+                CreateOutcome::Created => {
+                    return Ok(StoreAllocation::Published {
+                        id,
+                        newly_allocated: true,
+                    });
+                }
                 CreateOutcome::LabelsHeldAs(existing) => {
                     match self.backend.acquire(existing, key).await.map_err(unavailable)? {
-                        AcquireOutcome::Acquired | AcquireOutcome::MasterRecreated => return Ok((existing, false)),
+                        AcquireOutcome::Acquired | AcquireOutcome::MasterRecreated => {
+                            return Ok(StoreAllocation::Published {
+                                id: existing,
+                                newly_allocated: false,
+                            });
+                        }
                         AcquireOutcome::Conflict => {}
                     }
                 }
@@ -411,7 +537,8 @@ impl IdentityAllocator {
     }
 
     /// Drops a local reference on `id` (one anonymous one, or `owner`'s).
-    /// The last one deletes this node's value key. Returns the references
+    /// The last one deletes this node's value key: now while the store
+    /// answers, else by the pass after it is back. Returns the references
     /// left, or `None` when the node held none.
     pub async fn release(&self, id: u32, owner: Option<&str>) -> Option<u64> {
         if ReservedIdentity::from_id(id).is_some() {
@@ -434,21 +561,49 @@ impl IdentityAllocator {
             let (key, left) = (key.clone(), entry.count());
             if left == 0 {
                 local.remove(&key);
+                self.released.lock().expect("released poisoned").insert(key.clone());
+                self.unpublished.lock().expect("unpublished poisoned").remove(&key);
             }
             (key, left)
         };
         if left == 0 {
-            if let Err(e) = self.backend.release(&key).await {
-                tracing::warn!(id, labels = %key, error = %e, "releasing the value key failed; retrying later");
-                self.pending_releases
-                    .lock()
-                    .expect("pending releases poisoned")
-                    .insert(key);
+            if !self.store_answers() {
+                tracing::info!(id, labels = %key, "last local reference released; the kvstore is unreachable, its value key is deleted when it is back");
+            } else if let Err(e) = self.delete_released(&key).await {
+                tracing::warn!(id, labels = %key, error = %e, "deleting the released value key failed; the next pass retries");
+                self.reconcile.notify_one();
             } else {
                 tracing::info!(id, labels = %key, "last local reference released");
             }
         }
         Some(left)
+    }
+
+    /// Deletes this node's value key of a released set, unless the set was
+    /// allocated again meanwhile; an allocation racing the delete (it took
+    /// the set out of `released` first) gets its key written again.
+    async fn delete_released(&self, key: &str) -> Result<(), BackendError> {
+        {
+            let local = self.local.lock().expect("local refs poisoned");
+            let released = self.released.lock().expect("released poisoned");
+            if local.contains_key(key) || !released.contains(key) {
+                return Ok(());
+            }
+        }
+        self.backend.release(key).await?;
+        let retaken = !self.released.lock().expect("released poisoned").remove(key);
+        if retaken {
+            let held = self.local.lock().expect("local refs poisoned").get(key).map(|r| r.id);
+            if let Some(id) = held {
+                self.unpublished
+                    .lock()
+                    .expect("unpublished poisoned")
+                    .insert(key.to_string());
+                self.backend.acquire(id, key).await?;
+                self.unpublished.lock().expect("unpublished poisoned").remove(key);
+            }
+        }
+        Ok(())
     }
 
     /// Drops every reference `owner` holds; returns the ids released.
@@ -543,10 +698,15 @@ impl IdentityAllocator {
         loop {
             match self.backend.list_identities().await {
                 Ok((records, revision)) => {
+                    let recovered = self.store_error().is_some();
                     self.set_store_error(None);
                     self.replace_cache(records);
                     self.ready.send_replace(true);
                     backoff.reset();
+                    if recovered {
+                        tracing::info!("the identity store answers again; reconciling this node's value keys");
+                        self.reconcile.notify_one();
+                    }
                     match self.backend.watch_identities(revision).await {
                         Ok(mut stream) => {
                             while let Some(event) = stream.next().await {
@@ -555,7 +715,7 @@ impl IdentityAllocator {
                                     Ok(IdentityEvent::Delete { id }) => self.apply_delete(id),
                                     Err(e) => {
                                         tracing::warn!(error = %e, "identity watch ended; re-listing");
-                                        self.set_store_error(Some(format!("watching identities: {e}")));
+                                        self.set_store_error(Some(e.to_string()));
                                         break;
                                     }
                                 }
@@ -563,13 +723,13 @@ impl IdentityAllocator {
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "watching identities");
-                            self.set_store_error(Some(format!("watching identities: {e}")));
+                            self.set_store_error(Some(e.to_string()));
                         }
                     }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "listing identities");
-                    self.set_store_error(Some(format!("listing identities: {e}")));
+                    self.set_store_error(Some(e.to_string()));
                 }
             }
             tokio::time::sleep(backoff.next_delay()).await;
@@ -609,20 +769,44 @@ impl IdentityAllocator {
         }
     }
 
-    /// Re-creates this node's keys after a lost lease, and periodically.
-    async fn sync_loop(self: Arc<Self>) {
+    /// Runs reconcile passes: on a lease replacement, on demand, after the
+    /// store recovered, periodically, and with backoff after a failure.
+    async fn reconcile_loop(self: Arc<Self>) {
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+        let mut retry_at: Option<Instant> = None;
         loop {
+            let next = retry_at.unwrap_or_else(|| Instant::now() + self.opts.resync_interval);
             tokio::select! {
                 () = self.backend.lease_renewed() => tracing::info!("lease renewed; re-creating this node's keys"),
-                () = tokio::time::sleep(self.opts.resync_interval) => {}
+                () = self.reconcile.notified() => {}
+                () = tokio::time::sleep_until(next) => {}
             }
-            self.sync_once().await;
+            let result = self.reconcile_once().await;
+            *self.pass_error.lock().expect("pass error poisoned") = result
+                .as_ref()
+                .err()
+                .map(|e| format!("reconciling this node's value keys: {e}"));
+            match result {
+                Ok(()) => {
+                    backoff.reset();
+                    retry_at = None;
+                }
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    tracing::warn!(error = %e, ?delay, "reconciling this node's value keys with the store; retrying");
+                    retry_at = Some(Instant::now() + delay);
+                }
+            }
         }
     }
 
-    /// One pass: every locally held identity has its value key (and master
-    /// key), and pending releases are retried.
-    pub async fn sync_once(&self) {
+    /// One pass (never two at once): every held identity has its value key
+    /// (and master key), and this node's value keys that nothing holds are
+    /// deleted (see the module docs). Idempotent; the first store error is
+    /// returned after the rest was tried.
+    pub async fn reconcile_once(&self) -> Result<(), BackendError> {
+        let _pass = self.pass.lock().await;
+        let mut first_error = None;
         let held: Vec<(String, u32)> = self
             .local
             .lock()
@@ -641,25 +825,47 @@ impl IdentityAllocator {
                     labels = %key,
                     "identity now names other labels in the store; local endpoints keep the old id until re-allocated"
                 ),
-                Err(e) => tracing::warn!(id, labels = %key, error = %e, "re-creating this node's key"),
+                // Unreachable: the rest would wait as long; the next pass
+                // (when the store is back) does it.
+                Err(e @ BackendError::Unavailable { .. }) => return Err(e),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    continue;
+                }
+            }
+            self.unpublished.lock().expect("unpublished poisoned").remove(&key);
+        }
+        let listed = match self.backend.node_value_keys().await {
+            Ok(listed) => listed,
+            Err(e) => return Err(first_error.unwrap_or(e)),
+        };
+        let grace_over = self.started.elapsed() >= self.opts.restore_grace;
+        let stale: Vec<String> = {
+            let local = self.local.lock().expect("local refs poisoned");
+            let mut released = self.released.lock().expect("released poisoned");
+            let listed: HashSet<&String> = listed.iter().collect();
+            // Released sets whose key is gone already need nothing more.
+            released.retain(|k| listed.contains(k));
+            let stale: Vec<String> = listed
+                .into_iter()
+                .filter(|k| !local.contains_key(*k) && (grace_over || released.contains(*k)))
+                .cloned()
+                .collect();
+            released.extend(stale.iter().cloned());
+            stale
+        };
+        if !stale.is_empty() {
+            tracing::info!(
+                count = stale.len(),
+                "deleting value keys of this node that no local reference holds"
+            );
+        }
+        for key in stale {
+            if let Err(e) = self.delete_released(&key).await {
+                first_error.get_or_insert(e);
             }
         }
-        let pending: Vec<String> = self
-            .pending_releases
-            .lock()
-            .expect("pending releases poisoned")
-            .drain()
-            .collect();
-        for key in pending {
-            let still_unused = !self.local.lock().expect("local refs poisoned").contains_key(&key);
-            if still_unused && let Err(e) = self.backend.release(&key).await {
-                tracing::warn!(labels = %key, error = %e, "retrying a release later");
-                self.pending_releases
-                    .lock()
-                    .expect("pending releases poisoned")
-                    .insert(key);
-            }
-        }
+        first_error.map_or(Ok(()), Err)
     }
 }
 

@@ -175,6 +175,10 @@ pub trait IdentityBackend: Send + Sync + 'static {
     /// the operator's GC). Idempotent.
     async fn release(&self, labels: &str) -> Result<(), BackendError>;
 
+    /// The label sets of every value key of this node, sorted (what the
+    /// allocator's reconcile pass compares with the sets it holds).
+    async fn node_value_keys(&self) -> Result<Vec<String>, BackendError>;
+
     /// Publishes this node's IP cache entry (bound to the node's lease).
     async fn upsert_ip(&self, entry: &IpEntry) -> Result<(), BackendError>;
 
@@ -190,6 +194,12 @@ pub trait IdentityBackend: Send + Sync + 'static {
         &self,
         after: Revision,
     ) -> Result<BoxStream<'static, Result<IpEvent, BackendError>>, BackendError>;
+
+    /// Clean stop: the etcd store revokes the node lease, so this node's
+    /// value keys and IP entries vanish at once (not after the TTL); the
+    /// embedded store finishes its queued writes. The backend must not be
+    /// used afterwards.
+    async fn shutdown(&self) {}
 
     /// Completes when this node's lease was lost and replaced (etcd restart,
     /// long partition): every value key and IP entry still in use must be

@@ -637,6 +637,22 @@ impl IdentityBackend for EmbeddedBackend {
             .map(|_| ())
     }
 
+    async fn node_value_keys(&self) -> Result<Vec<String>, BackendError> {
+        let committed = lock(&self.shared.committed);
+        let layout = &self.shared.layout;
+        let root = layout.value_root();
+        let mut labels: Vec<String> = with_prefix(&committed.data.kvs, &root)
+            .filter_map(|(key, _)| layout.labels_of_node_value_key(&self.shared.node, key))
+            .map(str::to_string)
+            .collect();
+        labels.sort();
+        Ok(labels)
+    }
+
+    async fn shutdown(&self) {
+        EmbeddedBackend::shutdown(self).await;
+    }
+
     /// Writes the entry with `node` set to this node (the publisher).
     async fn upsert_ip(&self, entry: &IpEntry) -> Result<(), BackendError> {
         self.mutate(

@@ -139,6 +139,19 @@ impl Layout {
         format!("{}identities/v1/id/{id}", self.prefix)
     }
 
+    /// `<prefix>identities/v1/value/`: every value key.
+    pub fn value_root(&self) -> String {
+        format!("{}identities/v1/value/", self.prefix)
+    }
+
+    /// The labels of a value key of `node` (`None` for any other key).
+    /// Labels may hold `/`, node names never do: the node is the last
+    /// segment.
+    pub fn labels_of_node_value_key<'k>(&self, node: &str, key: &'k str) -> Option<&'k str> {
+        let (labels, owner) = key.strip_prefix(&self.value_root())?.rsplit_once('/')?;
+        (owner == node && !labels.is_empty()).then_some(labels)
+    }
+
     /// `<prefix>identities/v1/value/<labels>/`: the value keys of `labels`
     /// (and of longer label sets that start with `<labels>/`, see the module
     /// docs).
@@ -815,6 +828,33 @@ impl IdentityBackend for EtcdBackend {
         self.call(&action, kv.delete(self.layout.value_key(labels, &self.node), None))
             .await?;
         Ok(())
+    }
+
+    /// One keys-only range read over every value key (all nodes'), filtered
+    /// to this node's.
+    async fn node_value_keys(&self) -> Result<Vec<String>, BackendError> {
+        let action = format!("listing the value keys of node {}", self.node);
+        let resp = self
+            .get(
+                &action,
+                self.layout.value_root(),
+                GetOptions::new().with_prefix().with_keys_only(),
+            )
+            .await?;
+        let mut labels: Vec<String> = resp
+            .kvs()
+            .iter()
+            .filter_map(|kv| std::str::from_utf8(kv.key()).ok())
+            .filter_map(|key| self.layout.labels_of_node_value_key(&self.node, key))
+            .map(str::to_string)
+            .collect();
+        labels.sort();
+        Ok(labels)
+    }
+
+    async fn shutdown(&self) {
+        // The inherent method: stop the keepalive, revoke the lease.
+        EtcdBackend::shutdown(self).await;
     }
 
     /// Writes the entry with `node` set to this node (the publisher).

@@ -12,10 +12,14 @@
 //!   node's own addresses → host are published by svc-loader itself (it
 //!   keeps them and a full resync leaves them alone), so they are not here.
 //! - LOCAL_ENDPOINT: endpoints of this node ([`IpCache::upsert`], from
-//!   svc-endpoint). Written to the store (`ip/v1/<cluster>/<ip>`, bound to
-//!   the node lease) BEFORE the claim takes effect, so a call that returned
-//!   is in the cluster. The store's watch echoes them back; entries of this
-//!   node in the store never become KVSTORE claims.
+//!   svc-endpoint). Local first: the claim takes effect at once (this
+//!   node's view, svc-loader), then it is published to the store
+//!   (`ip/v1/<cluster>/<ip>`, bound to the node lease) by the reconcile
+//!   pass. While the store answers, the call waits for that pass (so a call
+//!   that returned is in the cluster); while it does not, the call returns
+//!   at once and the entry is published when the store is back. The
+//!   store's watch echoes them back; entries of this node in the store
+//!   never become KVSTORE claims.
 //! - KVSTORE: server-owned, the store entries of OTHER nodes, kept by list +
 //!   watch; every (re-)listing (after a watch error, a compaction, etcd
 //!   restart) replaces the KVSTORE claims wholesale.
@@ -26,12 +30,15 @@
 //! # Keeping this node's entries in the store
 //!
 //! The store is level-triggered against the LOCAL_ENDPOINT claims: a
-//! reconcile pass writes every claim the store lacks (or holds differently)
-//! and withdraws this node's store entries that no claim backs. It runs after
-//! every listing, when an entry this node claims vanished from the store (the
-//! lease expired, another node's late delete), periodically
-//! ([`IpCacheOptions::resync_interval`]) and, re-publishing every claim, when
-//! the backend reports a replaced lease ([`IdentityBackend::lease_renewed`]).
+//! reconcile pass (the only writer of this node's entries, one pass at a
+//! time) writes every claim the store lacks (or holds differently) and
+//! withdraws this node's store entries that no claim backs. It runs after
+//! a change of the claims, after every listing (so when the store is back
+//! after an outage), when an entry this node claims vanished from the store
+//! (the lease expired, another node's late delete), periodically
+//! ([`IpCacheOptions::resync_interval`]), with backoff after a failed pass,
+//! and, re-publishing every claim, when the backend reports a replaced
+//! lease ([`IdentityBackend::lease_renewed`]).
 //! When two nodes both claim one address (an IP moved between nodes and the
 //! old node has not withdrawn it yet) each keeps its own claim locally; the
 //! store holds the last writer's.
@@ -285,6 +292,10 @@ pub struct IpCacheOptions {
     pub relist_backoff: Backoff,
     /// Deltas a subscriber may fall behind before it takes a fresh snapshot.
     pub channel_capacity: usize,
+    /// Longest an upsert or delete of LOCAL_ENDPOINT claims waits for the
+    /// pass publishing it while the store answers (it never waits while
+    /// the store does not).
+    pub publish_wait: Duration,
 }
 
 impl IpCacheOptions {
@@ -297,11 +308,13 @@ impl IpCacheOptions {
             restore_grace: Duration::from_secs(120),
             relist_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
             channel_capacity: 4096,
+            publish_wait: Duration::from_secs(2),
         }
     }
 }
 
-/// Why a change of the cache was refused.
+/// Why a change of the cache was refused (never the store: changes are
+/// local first).
 #[derive(Debug, thiserror::Error)]
 pub enum IpcacheError {
     /// A bad argument, naming the field.
@@ -312,21 +325,24 @@ pub enum IpcacheError {
         /// What is wrong.
         reason: String,
     },
-    /// The store refused or could not be reached; nothing changed locally.
-    #[error("{0}")]
-    Store(#[from] BackendError),
 }
 
 impl IpcacheError {
-    /// The gRPC status: INVALID_ARGUMENT, UNAVAILABLE (store unreachable:
-    /// retry) or INTERNAL.
+    /// The gRPC status: INVALID_ARGUMENT.
     pub fn to_status(&self) -> tonic::Status {
         match self {
             Self::Invalid { .. } => tonic::Status::invalid_argument(self.to_string()),
-            Self::Store(BackendError::Unavailable { .. }) => tonic::Status::unavailable(self.to_string()),
-            Self::Store(_) => tonic::Status::internal(self.to_string()),
         }
     }
+}
+
+/// How far the reconcile passes got.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct PublishProgress {
+    /// The generation of the LOCAL_ENDPOINT claims the last pass started from.
+    attempted: u64,
+    /// That pass could not reconcile everything (the store did not answer).
+    failed: bool,
 }
 
 type Claims = BTreeMap<IpcacheSource, IpcacheEntry>;
@@ -347,6 +363,8 @@ struct State {
     restore_deadline: Option<Instant>,
     /// The first listing completed.
     listed: bool,
+    /// Bumped by every change of the LOCAL_ENDPOINT claims.
+    local_generation: u64,
 }
 
 impl State {
@@ -362,9 +380,13 @@ pub struct IpCache {
     state: Mutex<State>,
     changes: broadcast::Sender<IpcacheDelta>,
     ready: watch::Sender<bool>,
-    /// Serialises LOCAL_ENDPOINT store writes with the reconcile pass, so a
-    /// pass never withdraws an entry a call is about to claim.
-    publish: tokio::sync::Mutex<()>,
+    /// Listing or watching the store failed last (cleared by a listing).
+    watch_failed: AtomicBool,
+    /// Progress of the reconcile passes (the publish loop is their only
+    /// runner, so passes never overlap).
+    progress: watch::Sender<PublishProgress>,
+    /// The last pass's error, `None` after a pass that succeeded.
+    publish_error: Mutex<Option<String>>,
     reconcile: Notify,
 }
 
@@ -400,7 +422,9 @@ impl IpCache {
             state: Mutex::new(state),
             changes,
             ready,
-            publish: tokio::sync::Mutex::new(()),
+            watch_failed: AtomicBool::new(false),
+            progress: watch::channel(PublishProgress::default()).0,
+            publish_error: Mutex::new(None),
             reconcile: Notify::new(),
         })
     }
@@ -496,15 +520,15 @@ impl IpCache {
     }
 
     /// Claims prefixes: every entry is a claim of its `source` (replacing
-    /// that source's previous claim on the prefix). LOCAL_ENDPOINT claims are
-    /// written to the store first; when the store fails, no claim changes.
+    /// that source's previous claim on the prefix), effective at once.
+    /// LOCAL_ENDPOINT claims are then published to the store (see the module
+    /// docs: waited for while the store answers, later when it does not).
     /// Returns how many prefixes' effective entries changed.
     ///
     /// RESERVED and KVSTORE are server-owned and refused. `node_name` is set
     /// to this node; a LOCAL_ENDPOINT claim without a host gets this node's.
-    /// Batches with LOCAL_ENDPOINT claims are serialised with each other and
-    /// the reconcile pass; a claim the store already holds unchanged (a
-    /// client's replay) costs no store write.
+    /// A claim the store already holds unchanged (a client's replay) costs
+    /// no store write.
     pub async fn upsert(&self, entries: Vec<IpcacheEntry>) -> Result<u32, IpcacheError> {
         let mut entries = entries;
         for (i, e) in entries.iter_mut().enumerate() {
@@ -532,44 +556,36 @@ impl IpCache {
             }
         }
         let has_local = entries.iter().any(|e| e.source == IpcacheSource::LocalEndpoint);
-        let _publishing = if has_local {
-            Some(self.publish.lock().await)
-        } else {
-            None
+        let (changed, generation) = {
+            let mut st = self.lock();
+            let prefixes: BTreeSet<IpNet> = entries.iter().map(|e| e.prefix).collect();
+            let before: BTreeMap<IpNet, Option<IpcacheEntry>> =
+                prefixes.iter().map(|p| (*p, st.effective(p).cloned())).collect();
+            for e in entries {
+                if e.source == IpcacheSource::LocalEndpoint {
+                    st.restored.remove(&e.prefix);
+                }
+                let prefix = e.prefix;
+                self.update(&mut st, prefix, |c| {
+                    c.insert(e.source, e);
+                });
+            }
+            if has_local {
+                st.local_generation += 1;
+            }
+            let changed = before.iter().filter(|(p, b)| st.effective(p) != b.as_ref()).count();
+            (changed as u32, st.local_generation)
         };
         if has_local {
-            // Only what the store does not hold already (a replay is cheap).
-            let writes: Vec<(IpNet, IpEntry)> = {
-                let st = self.lock();
-                entries
-                    .iter()
-                    .filter(|e| e.source == IpcacheSource::LocalEndpoint)
-                    .map(|e| (e.prefix, self.store_entry(e)))
-                    .filter(|(p, s)| st.own_in_store.get(p) != Some(s))
-                    .collect()
-            };
-            self.write_store(writes).await?;
+            self.publish(generation).await;
         }
-        let mut st = self.lock();
-        let prefixes: BTreeSet<IpNet> = entries.iter().map(|e| e.prefix).collect();
-        let before: BTreeMap<IpNet, Option<IpcacheEntry>> =
-            prefixes.iter().map(|p| (*p, st.effective(p).cloned())).collect();
-        for e in entries {
-            if e.source == IpcacheSource::LocalEndpoint {
-                st.restored.remove(&e.prefix);
-            }
-            let prefix = e.prefix;
-            self.update(&mut st, prefix, |c| {
-                c.insert(e.source, e);
-            });
-        }
-        let changed = before.iter().filter(|(p, b)| st.effective(p) != b.as_ref()).count();
-        Ok(changed as u32)
+        Ok(changed)
     }
 
-    /// Withdraws `source`'s claims on `prefixes` (LOCAL_ENDPOINT: from the
-    /// store first; when the store fails, no claim changes). Returns how many
-    /// claims existed. Idempotent. RESERVED and KVSTORE are refused.
+    /// Withdraws `source`'s claims on `prefixes`, effective at once
+    /// (LOCAL_ENDPOINT: withdrawn from the store like [`upsert`](Self::upsert)
+    /// publishes). Returns how many claims existed. Idempotent. RESERVED and
+    /// KVSTORE are refused.
     pub async fn delete(&self, source: IpcacheSource, prefixes: &[IpNet]) -> Result<u32, IpcacheError> {
         if source.server_only() {
             return Err(IpcacheError::Invalid {
@@ -578,41 +594,75 @@ impl IpCache {
             });
         }
         let prefixes: BTreeSet<IpNet> = prefixes.iter().copied().collect();
-        let _publishing = if source == IpcacheSource::LocalEndpoint {
-            let guard = self.publish.lock().await;
-            let withdraw: Vec<IpNet> = {
-                let st = self.lock();
-                prefixes
-                    .iter()
-                    .filter(|p| {
-                        st.own_in_store.contains_key(p)
-                            || st
-                                .claims
-                                .get(p)
-                                .is_some_and(|c| c.contains_key(&IpcacheSource::LocalEndpoint))
-                    })
-                    .copied()
-                    .collect()
-            };
-            self.withdraw_store(withdraw).await?;
-            Some(guard)
-        } else {
-            None
-        };
-        let mut st = self.lock();
-        let mut deleted = 0;
-        for prefix in prefixes {
+        let (deleted, generation) = {
+            let mut st = self.lock();
+            let mut deleted = 0;
+            for prefix in prefixes {
+                if source == IpcacheSource::LocalEndpoint {
+                    st.restored.remove(&prefix);
+                }
+                if st.claims.get(&prefix).is_some_and(|c| c.contains_key(&source)) {
+                    deleted += 1;
+                    self.update(&mut st, prefix, |c| {
+                        c.remove(&source);
+                    });
+                }
+            }
             if source == IpcacheSource::LocalEndpoint {
-                st.restored.remove(&prefix);
+                st.local_generation += 1;
             }
-            if st.claims.get(&prefix).is_some_and(|c| c.contains_key(&source)) {
-                deleted += 1;
-                self.update(&mut st, prefix, |c| {
-                    c.remove(&source);
-                });
-            }
+            (deleted, st.local_generation)
+        };
+        if source == IpcacheSource::LocalEndpoint {
+            self.publish(generation).await;
         }
         Ok(deleted)
+    }
+
+    /// Whether the store is known to be unreachable: the last pass or the
+    /// last listing/watch failed.
+    fn store_unreachable(&self) -> bool {
+        let progress = *self.progress.borrow();
+        self.watch_failed.load(Ordering::Acquire) || progress.failed
+    }
+
+    /// Has the claims of `generation` published: unless the store is known
+    /// to be unreachable, starts a pass and waits for it (at most
+    /// [`IpCacheOptions::publish_wait`]); else leaves them to the pass that
+    /// runs when it is back.
+    async fn publish(&self, generation: u64) {
+        if self.store_unreachable() {
+            return;
+        }
+        let mut rx = self.progress.subscribe();
+        self.reconcile.notify_one();
+        let _ = tokio::time::timeout(self.opts.publish_wait, rx.wait_for(|p| p.attempted >= generation)).await;
+    }
+
+    /// Why the last publishing pass failed, `None` when it succeeded.
+    pub fn publish_error(&self) -> Option<String> {
+        self.publish_error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// This node's entries not yet as desired in the store: claims to
+    /// publish and entries to withdraw (0 once reconciled).
+    pub fn pending_writes(&self) -> usize {
+        let st = self.lock();
+        let desired = self.desired(&st);
+        let writes = desired
+            .iter()
+            .filter(|(p, e)| st.own_in_store.get(p) != Some(e))
+            .count();
+        let withdrawals = st.own_in_store.keys().filter(|p| !desired.contains_key(p)).count();
+        writes + withdrawals
+    }
+
+    /// The store entries the LOCAL_ENDPOINT claims want.
+    fn desired(&self, st: &State) -> BTreeMap<IpNet, IpEntry> {
+        st.claims
+            .iter()
+            .filter_map(|(p, c)| c.get(&IpcacheSource::LocalEndpoint).map(|e| (*p, self.store_entry(e))))
+            .collect()
     }
 
     /// Writes store entries (some concurrently); what succeeded is recorded
@@ -735,6 +785,7 @@ impl IpCache {
         loop {
             match self.backend.list_ips().await {
                 Ok((entries, revision)) => {
+                    self.watch_failed.store(false, Ordering::Release);
                     self.apply_listing(entries);
                     match self.backend.watch_ips(revision).await {
                         Ok(mut stream) => {
@@ -763,8 +814,12 @@ impl IpCache {
                         }
                         Err(e) => tracing::warn!(error = %e, "watching the IP cache"),
                     }
+                    self.watch_failed.store(true, Ordering::Release);
                 }
-                Err(e) => tracing::warn!(error = %e, "listing the IP cache"),
+                Err(e) => {
+                    self.watch_failed.store(true, Ordering::Release);
+                    tracing::warn!(error = %e, "listing the IP cache");
+                }
             }
             tokio::time::sleep(backoff.next_delay()).await;
         }
@@ -914,7 +969,7 @@ impl IpCache {
                 }
                 () = self.reconcile.notified() => {}
                 () = tokio::time::sleep_until(next) => {}
-                () = sleep_until_opt(deadline) => self.expire_restored().await,
+                () = sleep_until_opt(deadline) => self.expire_restored(),
             }
             match self.reconcile_once(republish).await {
                 Ok(()) => {
@@ -931,10 +986,10 @@ impl IpCache {
     }
 
     /// Drops the restored claims nobody claimed again.
-    async fn expire_restored(&self) {
-        let _publishing = self.publish.lock().await;
+    fn expire_restored(&self) {
         let mut st = self.lock();
         st.restore_deadline = None;
+        st.local_generation += 1;
         let expired = std::mem::take(&mut st.restored);
         for prefix in &expired {
             self.update(&mut st, *prefix, |c| {
@@ -951,16 +1006,12 @@ impl IpCache {
 
     /// One pass: every LOCAL_ENDPOINT claim is in the store (all written
     /// again with `republish`), and this node's store entries no claim backs
-    /// are withdrawn (once the store was listed).
+    /// are withdrawn (once the store was listed). Only the publish loop runs
+    /// it, so passes never overlap; its outcome is recorded in `progress`.
     async fn reconcile_once(&self, republish: bool) -> Result<(), BackendError> {
-        let _publishing = self.publish.lock().await;
-        let (writes, withdraw) = {
+        let (writes, withdraw, generation) = {
             let st = self.lock();
-            let desired: BTreeMap<IpNet, IpEntry> = st
-                .claims
-                .iter()
-                .filter_map(|(p, c)| c.get(&IpcacheSource::LocalEndpoint).map(|e| (*p, self.store_entry(e))))
-                .collect();
+            let desired = self.desired(&st);
             let withdraw: Vec<IpNet> = if st.listed {
                 st.own_in_store
                     .keys()
@@ -974,7 +1025,7 @@ impl IpCache {
                 .into_iter()
                 .filter(|(p, e)| republish || st.own_in_store.get(p) != Some(e))
                 .collect();
-            (writes, withdraw)
+            (writes, withdraw, st.local_generation)
         };
         if !writes.is_empty() || !withdraw.is_empty() {
             tracing::info!(
@@ -985,7 +1036,16 @@ impl IpCache {
         }
         let written = self.write_store(writes).await;
         let withdrawn = self.withdraw_store(withdraw).await;
-        written.and(withdrawn)
+        let result = written.and(withdrawn);
+        *self.publish_error.lock().unwrap_or_else(|e| e.into_inner()) = result
+            .as_ref()
+            .err()
+            .map(|e| format!("publishing this node's IP cache entries: {e}"));
+        self.progress.send_replace(PublishProgress {
+            attempted: generation,
+            failed: result.is_err(),
+        });
+        result
     }
 }
 

@@ -2,8 +2,9 @@
 //!
 //! Callers (svc-endpoint, svc-k8s-sync) may claim with LOCAL_ENDPOINT and
 //! KUBERNETES only; RESERVED, KVSTORE and CIDR are server-owned. A batch is
-//! validated whole before anything changes, and a LOCAL_ENDPOINT batch the
-//! store refuses changes nothing (UNAVAILABLE: retry).
+//! validated whole before anything changes. Changes are local first: they
+//! never fail because the store is unreachable (LOCAL_ENDPOINT entries are
+//! published when it is back, see [`IpCache`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -391,6 +392,7 @@ mod tests {
     use rivet_common::testing::etcd::EtcdServer;
 
     use super::*;
+    use crate::backend::IdentityBackend as _;
     use crate::embedded_backend::EmbeddedBackend;
     use crate::etcd_backend::{EtcdBackend, EtcdOptions};
     use crate::ipcache::IpCacheOptions;
@@ -532,7 +534,7 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_unreachable_store_refuses_local_claims_only_and_changes_nothing() {
+    async fn an_unreachable_store_takes_local_claims_at_once_and_publishes_them_when_back() {
         let mut etcd = EtcdServer::start().expect("starting etcd");
         let opts = EtcdOptions {
             request_timeout: Duration::from_millis(500),
@@ -540,35 +542,67 @@ mod tests {
             ..EtcdOptions::new(vec![etcd.endpoint()], "n1")
         };
         let backend = Arc::new(EtcdBackend::connect(opts).await.unwrap());
-        let cache = IpCache::new(backend, IpCacheOptions::new("n1"));
+        let cache = IpCache::new(backend.clone(), IpCacheOptions::new("n1"));
         cache.run();
         cache.wait_ready().await;
         let service = IpcacheService::new(cache.clone(), BootId::random());
+        let kept = entry("198.18.3.1", 300, pb::IpcacheSource::LocalEndpoint);
+        let gone = entry("198.18.3.9", 300, pb::IpcacheSource::LocalEndpoint);
+        upsert(&service, vec![kept.clone(), gone]).await.unwrap();
+        assert_eq!(cache.pending_writes(), 0, "published while the store answers");
         etcd.stop();
 
-        let before = cache.list();
-        let local = entry("198.18.3.1", 300, pb::IpcacheSource::LocalEndpoint);
-        let k8s = entry("198.18.3.2", 301, pb::IpcacheSource::Kubernetes);
-        let s = upsert(&service, vec![k8s.clone(), local.clone()]).await.unwrap_err();
-        assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
-        assert_eq!(cache.list(), before, "a batch the store refused changes nothing");
-        assert_eq!(upsert(&service, vec![k8s]).await.unwrap().changed, 1, "no store needed");
+        let local = entry("198.18.3.2", 301, pb::IpcacheSource::LocalEndpoint);
+        let k8s = entry("198.18.3.3", 302, pb::IpcacheSource::Kubernetes);
+        let started = tokio::time::Instant::now();
+        let r = upsert(&service, vec![k8s, local]).await.expect("local first");
+        assert_eq!(r.changed, 2);
+        let deleted = service
+            .delete_ip(Request::new(pb::DeleteIpRequest {
+                prefixes: vec!["198.18.3.9".into()],
+                source: pb::IpcacheSource::LocalEndpoint as i32,
+            }))
+            .await
+            .expect("a delete is local first too")
+            .into_inner();
+        assert_eq!(deleted.deleted, 1);
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(1), "no wait on the store: {took:?}");
+        let view: Vec<(String, u32)> = cache
+            .list()
+            .iter()
+            .filter(|e| e.source != IpcacheSource::Reserved)
+            .map(|e| (prefix_text(&e.prefix), e.identity))
+            .collect();
+        assert_eq!(
+            view,
+            [
+                ("198.18.3.1/32".to_string(), 300),
+                ("198.18.3.2/32".to_string(), 301),
+                ("198.18.3.3/32".to_string(), 302)
+            ],
+            "the view changed at once"
+        );
+        assert_eq!(cache.pending_writes(), 2, "one entry to publish, one to withdraw");
 
         etcd.restart().expect("restarting etcd");
         let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            match upsert(&service, vec![local.clone()]).await {
-                Ok(r) => {
-                    assert_eq!(r.changed, 1);
-                    break;
-                }
-                Err(s) => {
-                    assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
-                    assert!(tokio::time::Instant::now() < deadline, "etcd came back: {s:?}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
+        while cache.pending_writes() != 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not reconciled after etcd came back"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let (stored, _) = backend.list_ips().await.expect("etcd answers");
+        let stored: Vec<&str> = stored.iter().map(|e| e.ip.as_str()).collect();
+        assert_eq!(
+            stored,
+            ["198.18.3.1", "198.18.3.2"],
+            "the store holds this node's local entries as they are now (KUBERNETES is node-local)"
+        );
+        upsert(&service, vec![kept]).await.unwrap();
+        assert_eq!(cache.pending_writes(), 0, "a replay changes nothing");
     }
 
     #[tokio::test]

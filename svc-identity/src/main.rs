@@ -47,9 +47,16 @@ struct Flags {
     #[arg(long, env = "RIVET_LEASE_TTL_SECONDS", default_value_t = 15)]
     lease_ttl_seconds: u64,
 
-    /// How often this node's keys are checked and re-created if missing, seconds.
+    /// How often this node's value keys are reconciled with the store
+    /// (missing ones written, unused ones deleted), seconds.
     #[arg(long, env = "RIVET_IDENTITY_RESYNC_SECONDS", default_value_t = 60)]
     resync_seconds: u64,
+
+    /// How long after start this node's keys found in the store (value keys,
+    /// IP cache entries of a previous run) are kept for svc-endpoint to
+    /// claim them again before unclaimed ones are deleted, seconds.
+    #[arg(long, env = "RIVET_IDENTITY_RESTORE_GRACE_SECONDS", default_value_t = 120)]
+    restore_grace_seconds: u64,
 
     /// Largest cluster identity (the range starts at 256).
     #[arg(long, env = "RIVET_MAX_IDENTITY", default_value_t = 65535)]
@@ -93,25 +100,33 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     };
     tracing::info!(backend = backend.kind(), node = %node, "identity store ready");
 
-    let ipcache = IpCache::new(backend.clone(), IpCacheOptions::new(node.clone()));
-    ipcache.run();
+    let restore_grace = Duration::from_secs(flags.restore_grace_seconds);
+    let ipcache = IpCache::new(
+        backend.clone(),
+        IpCacheOptions {
+            restore_grace,
+            ..IpCacheOptions::new(node.clone())
+        },
+    );
+    let mut tasks = ipcache.run();
     // Every entry reaches this node's datapath (retrying until svc-loader is up).
     let loader_sync = LoaderSync::new(
         ipcache.clone(),
         LoaderSyncOptions::new(flags.common.socket_path("svc-loader")),
     );
-    loader_sync.run();
+    tasks.push(loader_sync.run());
 
     let allocator = IdentityAllocator::new(
-        backend,
+        backend.clone(),
         AllocatorOptions {
             max_id: flags.max_identity,
             filter,
             resync_interval: Duration::from_secs(flags.resync_seconds.max(1)),
+            restore_grace,
             ..AllocatorOptions::default()
         },
     );
-    allocator.run();
+    tasks.extend(allocator.run());
 
     let identity = DaemonIdentity::new(svc_identity::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let cidrs = Arc::new(CidrIdentities::new(ipcache.clone()));
@@ -119,7 +134,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         IdentityService::new(allocator, cidrs, identity.boot_id.clone()).with_ipcache(ipcache.clone(), loader_sync);
     let routes = Routes::new(service.into_server())
         .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server());
-    daemon::run(
+    let served = daemon::run(
         &flags.common,
         listener,
         identity,
@@ -127,6 +142,14 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         Registry::with_prefix("rivet"),
         Health::default(),
     )
-    .await?;
+    .await;
+    // A clean stop (SIGTERM/SIGINT): no pass writes any more, and this
+    // node's keys go now, not after the lease TTL (a crash leaves them to
+    // the TTL).
+    for task in &tasks {
+        task.abort();
+    }
+    backend.shutdown().await;
+    served?;
     Ok(())
 }

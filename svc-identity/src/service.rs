@@ -4,7 +4,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
-use rivet_common::grpc::BootId;
+use rivet_common::grpc::{BootId, status_with_reason};
 use rivet_common::labels::Labels;
 use rivet_proto::identity::v1 as pb;
 use tokio::sync::{broadcast, mpsc};
@@ -85,7 +85,12 @@ fn status(e: AllocError) -> Status {
     let message = e.to_string();
     match e {
         AllocError::InvalidLabels(_) => Status::invalid_argument(message),
-        AllocError::Unavailable { .. } => Status::unavailable(message),
+        AllocError::Unavailable { .. } => status_with_reason(
+            tonic::Code::Unavailable,
+            message,
+            pb::ERROR_DOMAIN,
+            pb::ErrorReason::KvstoreUnreachable.as_str_name(),
+        ),
         AllocError::Exhausted { .. } => Status::resource_exhausted(message),
         AllocError::Contention { .. } => Status::aborted(message),
         AllocError::Store { .. } => Status::internal(message),
@@ -401,13 +406,22 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         let local = list.iter().filter(|r| self.allocator.references(r.id) > 0).count();
         Ok(Response::new(pb::GetStatusResponse {
             store: Some({
-                let error = self.allocator.store_error();
+                // In sync: listed and watched, and the last passes wrote
+                // this node's keys.
+                let error = self
+                    .allocator
+                    .store_error()
+                    .or_else(|| self.allocator.reconcile_error())
+                    .or_else(|| self.ipcache.as_ref().and_then(|(c, _)| c.publish_error()));
                 pb::StoreStatus {
                     backend: backend as i32,
                     connected: self.allocator.is_ready() && error.is_none(),
                     last_error: error.unwrap_or_default(),
                     lease_id: self.allocator.lease_id(),
                     revision: 0,
+                    pending_writes: (self.allocator.pending_writes()
+                        + self.ipcache.as_ref().map_or(0, |(c, _)| c.pending_writes()))
+                        as u32,
                 }
             }),
             cluster_identities: list.len() as u32,

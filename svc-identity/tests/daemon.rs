@@ -11,16 +11,29 @@ use rivet_common::testing::etcd::EtcdServer;
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
+use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use tonic::Code;
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
 
 fn command(dir: &Path, node: &str, etcd: Option<&str>) -> DaemonCommand {
+    command_with_ttl(dir, node, etcd, 2)
+}
+
+fn command_with_ttl(dir: &Path, node: &str, etcd: Option<&str>, lease_ttl_seconds: u32) -> DaemonCommand {
     let sockets = dir.join(node).join("sockets");
+    let ttl = lease_ttl_seconds.to_string();
     let mut cmd = DaemonCommand::new(BIN, sockets.join("svc-identity.sock"))
         .args(["--socket-dir".as_ref(), sockets.as_os_str()])
         .args(["--state-dir".as_ref(), dir.join(node).join("state").as_os_str()])
-        .args(["--node-name", node, "--lease-ttl-seconds", "2", "--resync-seconds", "1"])
+        .args([
+            "--node-name",
+            node,
+            "--lease-ttl-seconds",
+            &ttl,
+            "--resync-seconds",
+            "1",
+        ])
         .log_to(dir.join(format!("{node}.log")));
     if let Some(e) = etcd {
         cmd = cmd.args(["--etcd-endpoints", e]);
@@ -87,6 +100,88 @@ async fn wait_store(
         last = store_status(c).await;
     }
     panic!("{what}: {last:?}");
+}
+
+async fn ipcache_client(d: &DaemonProcess) -> IpcacheServiceClient<DaemonChannel> {
+    IpcacheServiceClient::new(connect_unix(d.socket(), &ClientOptions::default()).await.unwrap())
+}
+
+/// Claims `prefix` for a local endpoint of the node.
+async fn upsert_local(
+    c: &mut IpcacheServiceClient<DaemonChannel>,
+    prefix: &str,
+    identity: u32,
+) -> Result<pb::UpsertIpResponse, tonic::Status> {
+    c.upsert_ip(pb::UpsertIpRequest {
+        entries: vec![pb::IpcacheEntry {
+            prefix: prefix.into(),
+            identity,
+            pod_namespace: "default".into(),
+            pod_name: format!("pod-{prefix}"),
+            source: pb::IpcacheSource::LocalEndpoint as i32,
+            ..Default::default()
+        }],
+    })
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+/// Withdraws a local endpoint's claim on `prefix`.
+async fn delete_local(
+    c: &mut IpcacheServiceClient<DaemonChannel>,
+    prefix: &str,
+) -> Result<pb::DeleteIpResponse, tonic::Status> {
+    c.delete_ip(pb::DeleteIpRequest {
+        prefixes: vec![prefix.into()],
+        source: pb::IpcacheSource::LocalEndpoint as i32,
+    })
+    .await
+    .map(tonic::Response::into_inner)
+}
+
+/// A node's effective IP cache as its WatchIpcache stream builds it
+/// (prefix → entry).
+struct IpcacheView {
+    stream: tonic::Streaming<pb::WatchIpcacheResponse>,
+    entries: BTreeMap<String, pb::IpcacheEntry>,
+    in_snapshot: bool,
+}
+
+impl IpcacheView {
+    async fn watch(c: &mut IpcacheServiceClient<DaemonChannel>) -> Self {
+        let stream = c
+            .watch_ipcache(pb::WatchIpcacheRequest { sources: vec![] })
+            .await
+            .expect("WatchIpcache")
+            .into_inner();
+        Self {
+            stream,
+            entries: BTreeMap::new(),
+            in_snapshot: false,
+        }
+    }
+
+    /// Applies messages until `pred` holds (15 s at most).
+    async fn until(&mut self, what: &str, pred: impl Fn(&BTreeMap<String, pb::IpcacheEntry>) -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while !pred(&self.entries) {
+            let m = tokio::time::timeout_at(deadline, self.stream.message())
+                .await
+                .unwrap_or_else(|_| panic!("{what}: not within 15 s; the view holds {:?}", self.entries.keys()))
+                .expect("the watch works")
+                .expect("the watch stays open");
+            if m.snapshot && !self.in_snapshot {
+                self.entries.clear();
+            }
+            self.in_snapshot = m.snapshot && !m.snapshot_complete;
+            for e in m.upserted {
+                self.entries.insert(e.prefix.clone(), e);
+            }
+            for p in m.deleted {
+                self.entries.remove(&p);
+            }
+        }
+    }
 }
 
 async fn raw_keys(endpoint: &str, prefix: &str) -> BTreeMap<String, String> {
@@ -167,6 +262,58 @@ async fn two_nodes_racing_on_overlapping_label_sets_agree_on_one_id_each() {
     drop((a, b));
 }
 
+/// An etcd watch on `prefix` from the current revision, and the keys under
+/// it now.
+async fn watch_keys(endpoint: &str, prefix: &str) -> (etcd_client::WatchStream, BTreeSet<String>) {
+    let mut c = etcd_client::Client::connect([endpoint], None).await.unwrap();
+    let listing = c.get(prefix, Some(GetOptions::new().with_prefix())).await.unwrap();
+    let revision = listing.header().expect("a header").revision();
+    let keys = listing
+        .kvs()
+        .iter()
+        .map(|kv| kv.key_str().unwrap().to_string())
+        .collect();
+    let stream = c
+        .watch(
+            prefix,
+            Some(
+                etcd_client::WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(revision + 1),
+            ),
+        )
+        .await
+        .unwrap();
+    (stream, keys)
+}
+
+/// Follows `watch` (started over `keys`) until no key satisfies `gone`;
+/// returns how long that took. Panics after `limit`.
+async fn wait_keys_gone(
+    watch: &mut etcd_client::WatchStream,
+    keys: &mut BTreeSet<String>,
+    limit: Duration,
+    gone: impl Fn(&str) -> bool,
+) -> Duration {
+    let started = std::time::Instant::now();
+    let deadline = tokio::time::Instant::now() + limit;
+    while keys.iter().any(|k| gone(k)) {
+        let message = tokio::time::timeout_at(deadline, watch.message())
+            .await
+            .unwrap_or_else(|_| panic!("keys still there after {limit:?}: {keys:?}"))
+            .expect("the etcd watch works")
+            .expect("the etcd watch stays open");
+        for event in message.events() {
+            let key = event.kv().unwrap().key_str().unwrap().to_string();
+            match event.event_type() {
+                etcd_client::EventType::Put => keys.insert(key),
+                etcd_client::EventType::Delete => keys.remove(&key),
+            };
+        }
+    }
+    started.elapsed()
+}
+
 #[tokio::test]
 async fn a_killed_node_loses_its_value_keys_after_the_lease_ttl() {
     let etcd = start_etcd().await;
@@ -177,15 +324,65 @@ async fn a_killed_node_loses_its_value_keys_after_the_lease_ttl() {
     let shared = allocate(&mut ca, 1).await.unwrap();
     assert_eq!(allocate(&mut cb, 1).await.unwrap(), shared);
     allocate(&mut ca, 2).await.unwrap();
+    let (mut watch, mut keys) = watch_keys(&etcd.endpoint(), "rivet/state/identities/v1/value/").await;
+    assert_eq!(keys.iter().filter(|k| k.ends_with("/node-a")).count(), 2, "{keys:?}");
     a.kill9();
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    let keys = raw_keys(&etcd.endpoint(), "rivet/state/identities/v1/value/").await;
+    // The signal: etcd deletes the keys when the lease (TTL 2 s) expires.
+    let took = wait_keys_gone(&mut watch, &mut keys, Duration::from_secs(10), |k| {
+        k.ends_with("/node-a")
+    })
+    .await;
+    eprintln!("node-a's value keys expired {took:?} after kill -9 (lease TTL 2 s)");
     assert!(
-        keys.keys().all(|k| !k.ends_with("/node-a")),
-        "node-a's value keys expire with its lease: {keys:?}"
+        took >= Duration::from_millis(900),
+        "nothing revoked the lease of a killed node: {took:?}"
     );
-    assert!(keys.keys().any(|k| k.ends_with("/node-b")), "node-b is unaffected");
+    assert!(keys.iter().any(|k| k.ends_with("/node-b")), "node-b is unaffected");
     assert_eq!(allocate(&mut cb, 1).await.unwrap(), shared, "node-b keeps its identity");
+}
+
+#[tokio::test]
+async fn a_cleanly_stopped_node_revokes_its_lease_so_its_keys_go_at_once() {
+    const TTL_SECONDS: u32 = 30;
+    let etcd = start_etcd().await;
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = etcd.endpoint();
+    let mut a = command_with_ttl(dir.path(), "node-a", Some(&endpoint), TTL_SECONDS)
+        .spawn()
+        .await
+        .unwrap();
+    let b = command_with_ttl(dir.path(), "node-b", Some(&endpoint), TTL_SECONDS)
+        .spawn()
+        .await
+        .unwrap();
+    let mut ca = client(&a).await;
+    allocate(&mut ca, 1).await.unwrap();
+    let mut ia = ipcache_client(&a).await;
+    upsert_local(&mut ia, "198.18.7.1", 4242)
+        .await
+        .expect("node-a publishes");
+    let mut b_view = IpcacheView::watch(&mut ipcache_client(&b).await).await;
+    b_view
+        .until("node-b learns node-a's pod", |v| v.contains_key("198.18.7.1/32"))
+        .await;
+    let (mut watch, mut keys) = watch_keys(&endpoint, "rivet/state/").await;
+
+    let stopped = std::time::Instant::now();
+    let status = a.terminate().await.expect("SIGTERM stops node-a");
+    assert!(status.success(), "node-a exits cleanly: {status}");
+    let took = wait_keys_gone(&mut watch, &mut keys, Duration::from_secs(10), |k| {
+        k.ends_with("/node-a") || k.ends_with("/198.18.7.1")
+    })
+    .await;
+    eprintln!("node-a's keys were gone {took:?} after SIGTERM (lease TTL {TTL_SECONDS} s)");
+    b_view
+        .until("node-b's view loses node-a's pod", |v| !v.contains_key("198.18.7.1/32"))
+        .await;
+    let gone = stopped.elapsed();
+    assert!(
+        gone < Duration::from_secs(u64::from(TTL_SECONDS) / 3),
+        "node-b's view lost node-a's pod {gone:?} after the stop: well before the TTL"
+    );
 }
 
 #[tokio::test]
@@ -248,6 +445,181 @@ async fn etcd_outage_keeps_known_sets_and_refuses_new_ones_then_recovers() {
     );
 }
 
+/// Polls GetStatus until the store is connected and nothing of this node
+/// waits to be written (30 s).
+async fn wait_reconciled(c: &mut IdentityServiceClient<DaemonChannel>) -> pb::StoreStatus {
+    let mut last = store_status(c).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !(last.connected && last.pending_writes == 0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not reconciled within 30 s: {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        last = store_status(c).await;
+    }
+    last
+}
+
+/// The owner-held variant of [`allocate`].
+async fn allocate_owned(
+    c: &mut IdentityServiceClient<DaemonChannel>,
+    i: usize,
+    owner: &str,
+) -> Result<u32, tonic::Status> {
+    c.allocate_identity(pb::AllocateIdentityRequest {
+        labels: labels(i),
+        owner: owner.into(),
+    })
+    .await
+    .map(|r| r.into_inner().identity.unwrap().id)
+}
+
+#[tokio::test]
+async fn etcd_outage_serves_known_sets_and_ip_changes_locally_and_reconciles_when_back() {
+    let mut etcd = start_etcd().await;
+    let endpoint = etcd.endpoint();
+    let dir = tempfile::tempdir().unwrap();
+    let a = spawn(dir.path(), "node-a", &etcd).await;
+    let b = spawn(dir.path(), "node-b", &etcd).await;
+    let (mut ca, mut cb) = (client(&a).await, client(&b).await);
+    let (mut ia, mut ib) = (ipcache_client(&a).await, ipcache_client(&b).await);
+    // node-a holds sets 1 and 2; only node-b holds set 3 (node-a knows it
+    // from its cache); set 4 has no identity anywhere.
+    let held = allocate_owned(&mut ca, 1, "endpoint/1").await.unwrap();
+    let released = allocate_owned(&mut ca, 2, "endpoint/2").await.unwrap();
+    let elsewhere = allocate(&mut cb, 3).await.unwrap();
+    upsert_local(&mut ia, "198.18.9.1", held).await.unwrap();
+    upsert_local(&mut ia, "198.18.9.2", released).await.unwrap();
+    let mut b_view = IpcacheView::watch(&mut ib).await;
+    b_view
+        .until("node-b learns node-a's pods", |v| {
+            v.contains_key("198.18.9.1/32") && v.contains_key("198.18.9.2/32")
+        })
+        .await;
+    let mut known_to_a = None;
+    for _ in 0..200 {
+        let listed = ca
+            .list_identities(pb::ListIdentitiesRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        if listed.identities.iter().any(|i| i.id == elsewhere) {
+            known_to_a = Some(elsewhere);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(known_to_a, Some(elsewhere), "node-a's cache learns node-b's identity");
+
+    etcd.stop();
+    wait_store(&mut ca, "node-a sees the outage", |s| !s.connected).await;
+    let started = std::time::Instant::now();
+    // Local work goes on.
+    assert_eq!(
+        allocate_owned(&mut ca, 3, "endpoint/3")
+            .await
+            .expect("a set known from the cache"),
+        elsewhere,
+        "the id node-b holds"
+    );
+    assert_eq!(allocate_owned(&mut ca, 1, "endpoint/4").await.unwrap(), held);
+    let released_refs = ca
+        .release_identity(pb::ReleaseIdentityRequest {
+            id: 0,
+            owner: "endpoint/2".into(),
+        })
+        .await
+        .expect("a release never needs the store")
+        .into_inner();
+    assert_eq!(released_refs.released[0].remaining_local_references, 0);
+    upsert_local(&mut ia, "198.18.9.3", elsewhere)
+        .await
+        .expect("a new local entry is taken while the store is away");
+    assert_eq!(
+        delete_local(&mut ia, "198.18.9.2").await.expect("a delete too").deleted,
+        1
+    );
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "local work does not wait for the store: {took:?}"
+    );
+    let local: Vec<String> = ia
+        .list_ipcache(pb::ListIpcacheRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .filter(|e| e.source == pb::IpcacheSource::LocalEndpoint as i32)
+        .map(|e| e.prefix)
+        .collect();
+    assert_eq!(
+        local,
+        ["198.18.9.1/32", "198.18.9.3/32"],
+        "node-a's view changed at once"
+    );
+    // Only a new set needs the store: typed reason, clear message.
+    let err = allocate(&mut ca, 4).await.expect_err("a new set needs the store");
+    assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
+    assert_eq!(
+        rivet_common::grpc::error_reason(&err).as_deref(),
+        Some("KVSTORE_UNREACHABLE"),
+        "{err:?}"
+    );
+    assert!(err.message().contains("kvstore is unreachable"), "{}", err.message());
+    let down = store_status(&mut ca).await;
+    assert!(down.pending_writes >= 3, "a value key and two entries wait: {down:?}");
+
+    let _etcd = tokio::task::spawn_blocking(move || {
+        etcd.restart().expect("etcd restarts");
+        etcd
+    })
+    .await
+    .unwrap();
+    let reconciled = wait_reconciled(&mut ca).await;
+    eprintln!(
+        "node-a reconciled {:?} after the outage began: {reconciled:?}",
+        started.elapsed()
+    );
+    b_view
+        .until("node-b sees node-a's changes", |v| {
+            v.contains_key("198.18.9.1/32") && v.contains_key("198.18.9.3/32") && !v.contains_key("198.18.9.2/32")
+        })
+        .await;
+    let keys = raw_keys(&endpoint, "rivet/state/").await;
+    let of_a: BTreeSet<&str> = keys
+        .keys()
+        .filter(|k| k.ends_with("/node-a"))
+        .map(String::as_str)
+        .collect();
+    let value = |i: usize| format!("rivet/state/identities/v1/value/{}/node-a", labels(i).join(","));
+    assert_eq!(
+        of_a,
+        BTreeSet::from([value(1).as_str(), value(3).as_str()]),
+        "node-a's value keys: the sets it holds, not the released one"
+    );
+    let ips: BTreeSet<&str> = keys
+        .keys()
+        .filter(|k| k.starts_with("rivet/state/ip/"))
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        ips,
+        BTreeSet::from([
+            "rivet/state/ip/v1/default/198.18.9.1",
+            "rivet/state/ip/v1/default/198.18.9.3"
+        ]),
+        "the store holds node-a's entries as they are now"
+    );
+    let masters = keys.keys().filter(|k| k.contains("/id/")).count();
+    assert_eq!(masters, 3, "no identity was created twice or for set 4: {keys:?}");
+    let fresh = allocate(&mut ca, 4).await.expect("a new set once the store is back");
+    assert!(![held, released, elsewhere].contains(&fresh));
+    assert_eq!(allocate(&mut cb, 4).await.unwrap(), fresh, "one id cluster-wide");
+}
+
 #[tokio::test]
 async fn embedded_store_keeps_every_acknowledged_identity_across_kill_9() {
     let dir = tempfile::tempdir().unwrap();
@@ -279,6 +651,61 @@ async fn embedded_store_keeps_every_acknowledged_identity_across_kill_9() {
             "identity of set {i} survives kill -9"
         );
     }
+}
+
+/// The value keys of the embedded store's file, as label sets.
+fn embedded_value_keys(dir: &Path, node: &str) -> BTreeSet<String> {
+    let path = dir.join(node).join("state").join("identity").join("store.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let file: serde_json::Value = serde_json::from_str(&text).expect("the store file is JSON");
+    let kvs = file
+        .pointer("/data/kvs")
+        .and_then(|v| v.as_object())
+        .unwrap_or_else(|| panic!("no kvs in {text}"));
+    kvs.keys()
+        .filter_map(|k| k.strip_prefix("rivet/state/identities/v1/value/"))
+        .filter_map(|k| k.strip_suffix(&format!("/{node}")))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test]
+async fn value_keys_of_a_previous_run_nobody_claims_again_are_deleted_after_the_restore_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = command(dir.path(), "solo", None)
+        .args(["--restore-grace-seconds", "0"])
+        .spawn()
+        .await
+        .unwrap();
+    let mut c = client(&a).await;
+    let kept = allocate(&mut c, 1).await.unwrap();
+    allocate(&mut c, 2).await.unwrap();
+    let set = |i: usize| labels(i).join(",");
+    assert_eq!(
+        embedded_value_keys(dir.path(), "solo"),
+        BTreeSet::from([set(1), set(2)])
+    );
+    a.kill9();
+    a.restart().await.expect("restarts on the embedded store");
+    let mut c = client(&a).await;
+    // Only set 1 is claimed again (an endpoint of set 2 went while the
+    // daemon was down).
+    assert_eq!(allocate(&mut c, 1).await.unwrap(), kept);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut keys = embedded_value_keys(dir.path(), "solo");
+    while keys != BTreeSet::from([set(1)]) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stale value keys stay: {keys:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        keys = embedded_value_keys(dir.path(), "solo");
+    }
+    assert_eq!(
+        allocate(&mut c, 1).await.unwrap(),
+        kept,
+        "the held identity is untouched"
+    );
 }
 
 #[tokio::test]
