@@ -37,7 +37,19 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Every daemon of the node: running, boot id, version; svc-endpoint's restore, endpoints, policy and links.
+    /// Every daemon of the node: running, health, boot id, version; svc-identity's store, svc-endpoint's restore, endpoints, policy and links; the node's health.
+    ///
+    /// The node is as healthy as its worst daemon: "unhealthy" when a daemon's
+    /// socket exists but it does not answer or its status cannot be read;
+    /// "degraded" when every daemon answers but svc-identity cannot reach the
+    /// kvstore (pods are still served from local state; changes are published
+    /// when it is back); else "healthy". A daemon without a socket is "not
+    /// running" and does not change the health. Every problem is printed in
+    /// full under "node health" (`-o json`: each daemon's `health` and
+    /// `problems`).
+    ///
+    /// Exit status: 0 healthy, 1 unhealthy (or the command failed), 2 usage
+    /// error, 3 degraded.
     Status,
     /// Address pools (svc-ipam).
     #[command(subcommand)]
@@ -106,7 +118,13 @@ async fn main() -> ExitCode {
             if let (Some(node), Output::Table) = (&recorded, ctx.output) {
                 print!("\n{}", node::describe_supervision(node));
             }
-            result
+            return match result {
+                Ok(health) => ExitCode::from(health.exit_code()),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            };
         }
         // Their errors carry context chains: print them whole.
         Command::Node(c) => node::run(&ctx, &cli.state_dir, c)

@@ -1,7 +1,8 @@
 //! `rivet status`: every daemon socket — reachable, boot id, version — what
 //! svc-identity reports about its store, identities and IP cache, and what
 //! svc-endpoint reports about restore, endpoints, policy and its links to the
-//! other daemons.
+//! other daemons; and the node's health with every problem in full, which
+//! is also the exit status ([`NodeHealth::exit_code`]).
 
 use std::time::Duration;
 
@@ -23,8 +24,44 @@ const IDENTITY_DAEMON: &str = "svc-identity";
 /// Characters of a boot id shown for a dependency.
 const SHORT_BOOT_ID: usize = 8;
 
-/// Widest LAST ERROR cell of a dependency.
+/// Widest LAST ERROR cell of a dependency (the full text is under
+/// "problems" when it matters for the node's health).
 const ERROR_WIDTH: usize = 60;
+
+/// How healthy a daemon, or the node, is. Ordered: the node is as bad as
+/// its worst daemon.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "kebab-case")]
+pub enum NodeHealth {
+    /// Answers, and reports no problem (or has no socket: not running).
+    Healthy,
+    /// Answers, but reports a problem it serves around: the kvstore is
+    /// unreachable or this node's changes are not yet published to it.
+    Degraded,
+    /// Its socket exists but it does not answer, or its status cannot be read.
+    Unhealthy,
+}
+
+impl NodeHealth {
+    /// `healthy`, `degraded`, `unhealthy`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Healthy => "healthy",
+            Self::Degraded => "degraded",
+            Self::Unhealthy => "unhealthy",
+        }
+    }
+
+    /// The exit status of `rivet status`: 0 healthy, 1 unhealthy (also any
+    /// error of the command itself), 3 degraded (2 is a usage error).
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Self::Healthy => 0,
+            Self::Unhealthy => 1,
+            Self::Degraded => 3,
+        }
+    }
+}
 
 /// One daemon's status.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -45,6 +82,10 @@ pub struct DaemonStatus {
     pub pid: Option<u32>,
     /// Why it is unreachable, or why its detailed status could not be read.
     pub error: Option<String>,
+    /// `healthy` (also when not running), `degraded` or `unhealthy`.
+    pub health: NodeHealth,
+    /// Why it is not healthy, each in full.
+    pub problems: Vec<String>,
     /// svc-endpoint's detailed status, when it answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub endpoint_status: Option<EndpointStatus>,
@@ -64,6 +105,8 @@ pub struct IdentityStatus {
     pub lease_id: i64,
     /// The store's last error.
     pub store_error: String,
+    /// This node's changes not yet published to the store.
+    pub store_pending_writes: u32,
     /// Cluster identities in the cache.
     pub cluster_identities: u32,
     /// Identities referenced on this node.
@@ -96,6 +139,7 @@ impl From<&identity_pb::GetStatusResponse> for IdentityStatus {
             store_connected: store.connected,
             lease_id: store.lease_id,
             store_error: store.last_error,
+            store_pending_writes: store.pending_writes,
             cluster_identities: r.cluster_identities,
             local_identities: r.local_identities,
             cidr_identities: r.cidr_identities,
@@ -108,15 +152,44 @@ impl From<&identity_pb::GetStatusResponse> for IdentityStatus {
     }
 }
 
+/// `text` on one line.
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+impl IdentityStatus {
+    /// What keeps svc-identity from being healthy, in full: the kvstore
+    /// unreachable (it serves from local state and publishes later).
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if !self.store_connected {
+            let error = if self.store_error.is_empty() {
+                "not listed yet".to_string()
+            } else {
+                one_line(&self.store_error)
+            };
+            problems.push(format!(
+                "kvstore ({}) unreachable, serving from local state ({} changes of this node not yet published): {error}",
+                self.store, self.store_pending_writes
+            ));
+        }
+        problems
+    }
+}
+
 /// The svc-identity section of `rivet status`.
 fn identity_section(s: &IdentityStatus, now: i64) -> String {
-    let one_line = |e: &str| truncate(&e.split_whitespace().collect::<Vec<_>>().join(" "), ERROR_WIDTH);
+    let one_line = |e: &str| truncate(&one_line(e), ERROR_WIDTH);
     let mut store = s.store.clone();
     if s.lease_id != 0 {
         store.push_str(&format!(", lease {:x}", s.lease_id));
     }
     if !s.store_connected {
-        store.push_str(&format!(", NOT in sync: {}", one_line(&s.store_error)));
+        // In full: it is the reason the node is degraded.
+        store.push_str(&format!(", NOT in sync (DEGRADED): {}", self::one_line(&s.store_error)));
+    }
+    if s.store_pending_writes > 0 {
+        store.push_str(&format!(", {} changes not yet published", s.store_pending_writes));
     }
     let loader = if s.loader_connected {
         let synced = if s.loader_last_full_sync_unix_nanos == 0 {
@@ -328,21 +401,55 @@ fn endpoint_section(s: &EndpointStatus, now: i64) -> String {
     section(ENDPOINT_DAEMON, &body)
 }
 
-/// Probes every daemon; a socket that exists but does not answer is a
-/// failure (exit status 1), a missing one only means "not running".
-pub async fn run(ctx: &Context) -> anyhow::Result<bool> {
+/// The node's health: its worst daemon's.
+pub fn node_health(all: &[DaemonStatus]) -> NodeHealth {
+    all.iter().map(|s| s.health).max().unwrap_or(NodeHealth::Healthy)
+}
+
+/// The closing lines: the node's health and every problem in full.
+fn health_section(all: &[DaemonStatus]) -> String {
+    let health = node_health(all);
+    let mut out = format!(
+        "
+node health: {}
+",
+        health.as_str().to_uppercase()
+    );
+    for s in all {
+        for problem in &s.problems {
+            out.push_str(&format!(
+                "  {} {}: {problem}
+",
+                s.daemon,
+                s.health.as_str()
+            ));
+        }
+    }
+    out
+}
+
+/// Probes every daemon and prints what they report; returns the node's
+/// health (the exit status, see [`NodeHealth::exit_code`]). A socket that
+/// exists but does not answer is unhealthy, a missing one only means "not
+/// running".
+pub async fn run(ctx: &Context) -> anyhow::Result<NodeHealth> {
     let mut all = Vec::new();
     for daemon in DAEMONS {
         all.push(probe(ctx, daemon).await);
     }
     ctx.print(&all, || {
-        let mut t = Table::new(["DAEMON", "STATE", "VERSION", "PID", "BOOT ID", "SOCKET"]);
+        let mut t = Table::new(["DAEMON", "STATE", "HEALTH", "VERSION", "PID", "BOOT ID", "SOCKET"]);
         for s in &all {
             t.row([
                 s.daemon.clone(),
                 match &s.error {
-                    Some(e) => format!("{} ({e})", s.state),
+                    Some(e) => format!("{} ({})", s.state, truncate(&one_line(e), ERROR_WIDTH)),
                     None => s.state.clone(),
+                },
+                if s.state == "not running" {
+                    "-".into()
+                } else {
+                    s.health.as_str().into()
                 },
                 s.version.clone().unwrap_or_else(|| "-".into()),
                 s.pid.map_or("-".into(), |p| p.to_string()),
@@ -360,9 +467,10 @@ pub async fn run(ctx: &Context) -> anyhow::Result<bool> {
                 out.push_str(&endpoint_section(endpoint, now));
             }
         }
+        out.push_str(&health_section(&all));
         out
     });
-    Ok(all.iter().all(|s| s.state != "unreachable"))
+    Ok(node_health(&all))
 }
 
 async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
@@ -376,6 +484,8 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
         node_name: None,
         pid: None,
         error: None,
+        health: NodeHealth::Healthy,
+        problems: Vec::new(),
         endpoint_status: None,
         identity_status: None,
     };
@@ -410,9 +520,20 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
                     .get_status(identity_pb::GetStatusRequest {})
                     .await
                 {
-                    Ok(r) => status.identity_status = Some((&r.into_inner()).into()),
+                    Ok(r) => {
+                        let identity = IdentityStatus::from(&r.into_inner());
+                        status.problems = identity.problems();
+                        if !status.problems.is_empty() {
+                            status.health = NodeHealth::Degraded;
+                        }
+                        status.identity_status = Some(identity);
+                    }
                     Err(s) => status.error = status_error(s),
                 }
+            }
+            if let Some(error) = &status.error {
+                status.health = NodeHealth::Unhealthy;
+                status.problems.push(format!("its status cannot be read: {error}"));
             }
             status.state = "running".into();
             status.boot_id = Some(info.boot_id);
@@ -422,6 +543,10 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
         }
         Err(e) => {
             status.state = "unreachable".into();
+            status.health = NodeHealth::Unhealthy;
+            status
+                .problems
+                .push(format!("does not answer on {}: {e}", status.socket));
             status.error = Some(e);
         }
     }
@@ -527,19 +652,77 @@ mod tests {
              \x20 identities  12 cluster (3 used on this node), 2 CIDR\n\
              \x20 ipcache     40 entries, pushed to svc-loader (full sync 10s ago, 0 pending)\n"
         );
+        assert!(IdentityStatus::from(&r).problems().is_empty(), "a healthy store");
+        let error = "listing identities: the store is unreachable: etcd answered Unavailable: tcp connect error: \
+                     Connection refused (os error 111)";
         r.store = Some(identity_pb::StoreStatus {
             backend: identity_pb::StoreBackend::Etcd as i32,
             connected: false,
-            last_error: "listing identities: connection refused".into(),
+            last_error: error.into(),
+            pending_writes: 3,
             ..Default::default()
         });
         r.loader = None;
-        let text = identity_section(&IdentityStatus::from(&r), 700 * S);
+        let view = IdentityStatus::from(&r);
+        let text = identity_section(&view, 700 * S);
         assert!(
-            text.contains("store       etcd, NOT in sync: listing identities: connection refused\n"),
-            "{text}"
+            text.contains(&format!(
+                "store       etcd, NOT in sync (DEGRADED): {error}, 3 changes not yet published\n"
+            )),
+            "the whole reason, not cut: {text}"
         );
         assert!(text.contains("40 entries, svc-loader not connected\n"), "{text}");
+        assert_eq!(
+            view.problems(),
+            [format!(
+                "kvstore (etcd) unreachable, serving from local state (3 changes of this node not yet published): {error}"
+            )]
+        );
+    }
+
+    fn daemon(name: &str, health: NodeHealth, problems: &[&str]) -> DaemonStatus {
+        DaemonStatus {
+            daemon: name.into(),
+            socket: format!("/run/{name}.sock"),
+            state: "running".into(),
+            boot_id: None,
+            version: None,
+            node_name: None,
+            pid: None,
+            error: None,
+            health,
+            problems: problems.iter().map(|p| (*p).to_string()).collect(),
+            endpoint_status: None,
+            identity_status: None,
+        }
+    }
+
+    #[test]
+    fn the_node_is_as_healthy_as_its_worst_daemon_and_says_why() {
+        let healthy = [daemon("svc-ipam", NodeHealth::Healthy, &[])];
+        assert_eq!(node_health(&healthy), NodeHealth::Healthy);
+        assert_eq!(NodeHealth::Healthy.exit_code(), 0);
+        assert_eq!(health_section(&healthy), "\nnode health: HEALTHY\n");
+
+        let degraded = [
+            daemon("svc-ipam", NodeHealth::Healthy, &[]),
+            daemon("svc-identity", NodeHealth::Degraded, &["kvstore (etcd) unreachable: x"]),
+        ];
+        assert_eq!(node_health(&degraded), NodeHealth::Degraded);
+        assert_eq!(NodeHealth::Degraded.exit_code(), 3);
+        assert_eq!(
+            health_section(&degraded),
+            "\nnode health: DEGRADED\n  svc-identity degraded: kvstore (etcd) unreachable: x\n"
+        );
+
+        let mut unhealthy = degraded.to_vec();
+        unhealthy.push(daemon("svc-loader", NodeHealth::Unhealthy, &["does not answer"]));
+        assert_eq!(node_health(&unhealthy), NodeHealth::Unhealthy);
+        assert_eq!(NodeHealth::Unhealthy.exit_code(), 1);
+        assert!(health_section(&unhealthy).contains("svc-loader unhealthy: does not answer\n"));
+        let json = serde_json::to_value(&unhealthy[1]).unwrap();
+        assert_eq!(json["health"], "degraded");
+        assert_eq!(json["problems"][0], "kvstore (etcd) unreachable: x");
     }
 
     #[test]
