@@ -3,6 +3,7 @@
 //! launcher and supervisor) and `rivet pod` (test pods through the real CNI
 //! plugin). Every command prints a table by default and JSON with `-o json`.
 
+pub mod accounts;
 pub mod bpf;
 pub mod endpoint;
 pub mod gc;

@@ -22,6 +22,14 @@
 //! appears. svc-identity uses its embedded store unless `--etcd-endpoints`
 //! is given.
 //!
+//! Each daemon is started as root with `--user`: svc-ipam, svc-identity and
+//! svc-endpoint switch to `--daemon-user` with no capabilities, svc-loader
+//! and svc-gc to `--datapath-user` (svc-loader keeping CAP_BPF,
+//! CAP_NET_ADMIN and CAP_PERFMON), and each socket admits full calls only
+//! from root and the daemons that drive it, read-only calls from
+//! `--operator-group` ([`crate::accounts`]). Before starting them, `node up`
+//! gives each daemon `<state-dir>/<daemon>/` and the datapath user the pin dir.
+//!
 //! For demos and tests the node can live in a network namespace
 //! (DESIGN.md §8): `--netns NAME` uses an existing one, `--create-netns`
 //! creates it with IPv4/IPv6 forwarding on, IPv6 DAD off and the node
@@ -69,6 +77,7 @@ use tokio::process::{Child, Command};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::accounts::{self, NodeAccounts};
 use crate::table::Table;
 use crate::{Context, age, netns, now_unix_nanos, pod};
 
@@ -216,6 +225,18 @@ pub struct UpArgs {
     /// `svc-endpoint=--policy-dir=/etc/rivet/policies`); repeat for several.
     #[arg(long = "daemon-arg", value_name = "DAEMON=ARG")]
     pub daemon_args: Vec<String>,
+    /// User of svc-ipam, svc-identity and svc-endpoint, which run with no
+    /// capabilities (`cargo xtask install` creates it).
+    #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DAEMON_USER)]
+    pub daemon_user: String,
+    /// User of svc-loader (which keeps CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)
+    /// and svc-gc (none); the pins are this user's. Must differ from --daemon-user.
+    #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DATAPATH_USER)]
+    pub datapath_user: String,
+    /// Group of the daemon sockets: its members may make read-only calls
+    /// (`rivet status`, `... list`, `rivet monitor`); changes need root.
+    #[arg(long, value_name = "GROUP", default_value = accounts::DEFAULT_OPERATOR_GROUP)]
+    pub operator_group: String,
     /// How long a daemon may take to answer on its socket, seconds.
     #[arg(long, default_value_t = 30)]
     pub ready_timeout_seconds: u64,
@@ -1085,18 +1106,33 @@ impl NodePlan {
             .collect()
     }
 
-    /// The node daemons, in start order.
-    pub fn specs(&self) -> Vec<DaemonSpec> {
+    /// `<state-dir>/<daemon>`: the daemon's own state dir, its user's.
+    pub fn daemon_state_dir(&self, daemon: &str) -> PathBuf {
+        self.state_dir.join(daemon)
+    }
+
+    /// The node daemons, in start order, each switching to its user at start
+    /// and admitting on its socket only who needs it ([`accounts`]).
+    pub fn specs(&self, accounts: &NodeAccounts) -> Vec<DaemonSpec> {
         NODE_DAEMONS
             .iter()
             .map(|&name| {
+                let ids = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
                 let mut args: Vec<OsString> = vec![
                     "--socket-dir".into(),
                     self.socket_dir.clone().into(),
                     "--state-dir".into(),
-                    self.state_dir.clone().into(),
+                    self.daemon_state_dir(name).into(),
                     "--node-name".into(),
                     self.node_name.clone().into(),
+                    "--user".into(),
+                    accounts.of(name).name.clone().into(),
+                    "--socket-gid".into(),
+                    accounts.operator_gid.to_string().into(),
+                    "--allowed-uids".into(),
+                    ids(&accounts.full_access_uids(name)).into(),
+                    "--read-only-gids".into(),
+                    accounts.operator_gid.to_string().into(),
                 ];
                 match name {
                     "svc-ipam" => {
@@ -1264,10 +1300,15 @@ async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result<bool> {
 
     preflight(&plan).await?;
     let companions = plan.companion_plugins()?;
+    let accounts = NodeAccounts::resolve(&args.daemon_user, &args.datapath_user, &args.operator_group)?;
+    check_reachable(&plan, &accounts)?;
     let socket_dir_created = !plan.socket_dir.exists();
     std::fs::create_dir_all(&plan.socket_dir).with_context(|| format!("creating {}", plan.socket_dir.display()))?;
+    if socket_dir_created {
+        accounts::set_up_socket_dir(&plan.socket_dir, &accounts)?;
+    }
     std::fs::create_dir_all(&plan.log_dir).with_context(|| format!("creating {}", plan.log_dir.display()))?;
-    let specs = plan.specs();
+    let specs = plan.specs(&accounts);
     let record = Arc::new(Mutex::new(plan.record(socket_dir_created, &specs)));
     let save = {
         let record = Arc::clone(&record);
@@ -1311,6 +1352,7 @@ async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result<bool> {
         {
             bail!("network namespace `{ns}` does not exist (add --create-netns to create it)");
         }
+        give_daemons_their_dirs(&plan, &accounts)?;
         supervisor.start(&cancel).await?;
         // Recorded before the copy: node down removes whatever was started.
         let copied: Vec<PathBuf> = companions
@@ -1398,6 +1440,41 @@ async fn preflight(plan: &NodePlan) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Fails unless each daemon's user can reach its state dir and socket dir
+/// (and both can create sockets in an existing socket dir).
+fn check_reachable(plan: &NodePlan, accounts: &NodeAccounts) -> Result<()> {
+    for daemon in NODE_DAEMONS {
+        let account = accounts.of(daemon);
+        accounts::check_reachable(account, &plan.daemon_state_dir(daemon), "state dir")?;
+        accounts::check_reachable(account, &plan.socket(daemon), "socket dir")?;
+    }
+    accounts::check_reachable(&accounts.datapath, &plan.pin_dir.join(LOADER), "pin dir")?;
+    if plan.socket_dir.exists() {
+        accounts::check_socket_dir(&plan.socket_dir, accounts)?;
+    }
+    Ok(())
+}
+
+/// What the daemons write becomes their users': each one's state dir
+/// (moving the entries of the layout before per-daemon dirs), stale lock
+/// files of their sockets, and the pin dir.
+fn give_daemons_their_dirs(plan: &NodePlan, accounts: &NodeAccounts) -> Result<()> {
+    for message in accounts::migrate_legacy_state(&plan.state_dir)? {
+        eprintln!("rivet node: {message}");
+    }
+    for daemon in NODE_DAEMONS {
+        let account = accounts.of(daemon);
+        accounts::give_private_dir(&plan.daemon_state_dir(daemon), account)?;
+        let mut lock = plan.socket(daemon).into_os_string();
+        lock.push(".lock");
+        accounts::give_lock_file(Path::new(&lock), account)?;
+    }
+    if let Some(bpf_root) = plan.pin_dir.parent() {
+        std::fs::create_dir_all(bpf_root).with_context(|| format!("creating {}", bpf_root.display()))?;
+    }
+    accounts::give_private_dir(&plan.pin_dir, &accounts.datapath)
 }
 
 /// Forwarding on, DAD off, the node addresses on `lo`: only inside the
@@ -1836,6 +1913,24 @@ mod tests {
         )
     }
 
+    /// Flags every daemon gets from `node up`.
+    const COMMON: usize = 14;
+
+    fn test_accounts() -> NodeAccounts {
+        let account = |name: &str, uid, gid| rivet_common::privileges::Account {
+            name: name.into(),
+            uid,
+            gid,
+            groups: vec![gid, 995],
+        };
+        NodeAccounts {
+            daemon: account("rivet", 999, 994),
+            datapath: account("rivet-datapath", 998, 994),
+            operator_group: "rivet-operator".into(),
+            operator_gid: 995,
+        }
+    }
+
     fn strings(v: &[OsString]) -> Vec<String> {
         v.iter().map(|a| a.to_string_lossy().into_owned()).collect()
     }
@@ -1916,24 +2011,45 @@ mod tests {
             "rvc",
         ])
         .unwrap();
-        let specs = p.specs();
+        let specs = p.specs(&test_accounts());
         let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, NODE_DAEMONS);
-        let common = [
-            "--socket-dir",
-            "/tmp/r/sockets",
-            "--state-dir",
-            "/tmp/r/state",
-            "--node-name",
-            "rn1",
-        ];
         let ipam = strings(&specs[0].args);
-        assert_eq!(ipam[..6], common);
-        assert_eq!(ipam[6..], ["--pool", DEFAULT_NETNS_POOL]);
         assert_eq!(
-            strings(&specs[1].args)[6..],
+            ipam[..COMMON],
+            [
+                "--socket-dir",
+                "/tmp/r/sockets",
+                "--state-dir",
+                "/tmp/r/state/svc-ipam",
+                "--node-name",
+                "rn1",
+                "--user",
+                "rivet",
+                "--socket-gid",
+                "995",
+                "--allowed-uids",
+                "0,999",
+                "--read-only-gids",
+                "995",
+            ]
+        );
+        assert_eq!(ipam[COMMON..], ["--pool", DEFAULT_NETNS_POOL]);
+        assert_eq!(
+            strings(&specs[1].args)[COMMON..],
             ["--etcd-endpoints", "http://127.0.0.1:2379"]
         );
+        // Each daemon: its own state dir, its user, and full access only for who drives it.
+        for (spec, user, uids) in [
+            (&specs[1], "rivet", "0,999"),
+            (&specs[2], "rivet-datapath", "0,999"),
+            (&specs[3], "rivet", "0"),
+            (&specs[4], "rivet-datapath", "0"),
+        ] {
+            let args = strings(&spec.args);
+            assert_eq!(args[3], format!("/tmp/r/state/{}", spec.name));
+            assert_eq!((args[7].as_str(), args[11].as_str()), (user, uids), "{}", spec.name);
+        }
         // The datapath daemons, svc-loader and svc-gc, run in the namespace, via nsenter.
         let loader = &specs[2];
         assert_eq!(
@@ -1941,7 +2057,7 @@ mod tests {
             ["nsenter", "--net=/run/netns/rn1", "--", "/opt/rivet/bin/svc-loader"]
         );
         assert_eq!(
-            strings(&loader.args)[6..],
+            strings(&loader.args)[COMMON..],
             ["--bpffs", "/sys/fs/bpf", "--endpoint-interface-prefix", "rvc"]
         );
         let gc = &specs[4];
@@ -1949,15 +2065,15 @@ mod tests {
             strings(&gc.command_line())[..4],
             ["nsenter", "--net=/run/netns/rn1", "--", "/opt/rivet/bin/svc-gc"]
         );
-        assert_eq!(strings(&gc.args)[6..], ["--bpffs", "/sys/fs/bpf"]);
+        assert_eq!(strings(&gc.args)[COMMON..], ["--bpffs", "/sys/fs/bpf"]);
         assert_eq!(specs.iter().filter(|s| s.netns.is_some()).count(), 2);
-        assert_eq!(strings(&specs[3].args)[6..], ["--dependency-poll-ms=200"]);
+        assert_eq!(strings(&specs[3].args)[COMMON..], ["--dependency-poll-ms=200"]);
         assert_eq!(specs[3].socket, Path::new("/tmp/r/sockets/svc-endpoint.sock"));
         assert_eq!(specs[3].log, Path::new("/tmp/r/state/logs/svc-endpoint.log"));
         assert_eq!(strings(&specs[3].command_line())[0], "/opt/rivet/bin/svc-endpoint");
         // Without --etcd-endpoints: the embedded store (no flag).
         let p = plan(&["--netns", "rn1"]).unwrap();
-        assert_eq!(p.specs()[1].args.len(), 6);
+        assert_eq!(p.specs(&test_accounts())[1].args.len(), COMMON);
     }
 
     #[test]
@@ -2188,7 +2304,7 @@ mod tests {
     #[test]
     fn node_is_described() {
         let p = plan(&["--netns", "rn1", "--create-netns"]).unwrap();
-        let mut r = p.record(true, &p.specs());
+        let mut r = p.record(true, &p.specs(&test_accounts()));
         r.phase = NodePhase::Running;
         r.netns_created = true;
         r.daemons[3].pid = Some(42);

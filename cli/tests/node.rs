@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use rivet_cli::node::{DaemonPhase, NODE_DAEMONS, NodePhase, NodeRecord};
+use rivet_common::privileges::{Account, resolve_group, resolve_user};
 
 /// Every binary `rivet node up` starts or installs.
 const BINARIES: [&str; 6] = [
@@ -92,6 +93,8 @@ impl TestNode {
             .prefix("rvt")
             .tempdir_in("/tmp")
             .expect("temp dir");
+        // The daemons run as the rivet users: they must reach their dirs in it.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let netns = format!("rvtn-{}-{}", std::process::id(), NODES.fetch_add(1, Ordering::Relaxed));
         let mut node = Self {
             dir,
@@ -463,6 +466,308 @@ fn node_up_pods_through_rivet_cni_restart_and_down_leave_nothing() {
     // b is still there: node down deletes it (and its echo server).
     node.down_and_check_nothing_left();
     let _ = server.wait();
+}
+
+// ---------------------------------------------------------------------------
+// Privileges: each daemon runs as its user with only its capabilities, the
+// unprivileged users cannot touch the datapath, and each socket admits only
+// who needs it.
+
+/// Capability bits (linux/capability.h) of svc-loader's table.
+const CAP_NET_ADMIN: u64 = 1 << 12;
+const CAP_PERFMON: u64 = 1 << 38;
+const CAP_BPF: u64 = 1 << 39;
+
+/// A user `cargo xtask install` creates.
+fn installed_user(name: &str) -> Account {
+    resolve_user(name).unwrap_or_else(|e| panic!("{e}: run `cargo xtask install` first (it creates the rivet users)"))
+}
+
+/// The credential fields of `/proc/<pid>/status`.
+#[derive(Debug)]
+struct ProcCredentials {
+    uids: Vec<u32>,
+    gids: Vec<u32>,
+    groups: Vec<u32>,
+    cap: std::collections::BTreeMap<String, u64>,
+    no_new_privs: bool,
+}
+
+impl ProcCredentials {
+    fn of(pid: &str) -> Self {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name}:")))
+                .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+                .trim()
+                .to_string()
+        };
+        let ids = |name: &str| -> Vec<u32> { field(name).split_whitespace().map(|n| n.parse().unwrap()).collect() };
+        let mut groups = ids("Groups");
+        groups.sort_unstable();
+        Self {
+            uids: ids("Uid"),
+            gids: ids("Gid"),
+            groups,
+            cap: ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"]
+                .iter()
+                .map(|c| (c.to_string(), u64::from_str_radix(&field(c), 16).unwrap()))
+                .collect(),
+            no_new_privs: field("NoNewPrivs") == "1",
+        }
+    }
+}
+
+/// Runs `f` on a thread with `user`'s uid, gid and groups and no
+/// capabilities. Raw setgroups/setresgid/setresuid syscalls change only the
+/// calling thread (glibc's wrappers would change every thread of the test),
+/// and going from root to another uid clears the thread's capabilities.
+/// Processes it spawns get the same credentials.
+fn as_user<R: Send>(user: &Account, f: impl FnOnce() -> R + Send) -> R {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let groups: Vec<libc::gid_t> = user.groups.clone();
+                // SAFETY: syscalls on this thread's credentials; `groups` outlives the call.
+                unsafe {
+                    assert_eq!(libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()), 0);
+                    assert_eq!(libc::syscall(libc::SYS_setresgid, user.gid, user.gid, user.gid), 0);
+                    assert_eq!(libc::syscall(libc::SYS_setresuid, user.uid, user.uid, user.uid), 0);
+                }
+                let me = ProcCredentials::of("thread-self");
+                assert_eq!(me.uids, [user.uid; 4]);
+                assert_eq!(me.cap["CapEff"] | me.cap["CapPrm"], 0, "no capabilities left");
+                f()
+            })
+            .join()
+            .unwrap()
+    })
+}
+
+/// One bpf(2) call with a 128-byte attribute; the fd (closed) or the errno.
+fn bpf(cmd: libc::c_long, attr: &[u64; 16]) -> Result<(), i32> {
+    // SAFETY: `attr` is a zero-padded `union bpf_attr` of the given size; every
+    // pointer in it points to memory the caller keeps alive for the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_ptr(), std::mem::size_of_val(attr)) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().raw_os_error().unwrap());
+    }
+    // SAFETY: the kernel just gave us this fd.
+    unsafe { libc::close(fd as i32) };
+    Ok(())
+}
+
+/// BPF_OBJ_GET: opens a pinned map.
+fn open_pin(path: &Path) -> Result<(), i32> {
+    let path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let mut attr = [0u64; 16];
+    attr[0] = path.as_ptr() as u64;
+    bpf(7, &attr)
+}
+
+/// BPF_PROG_LOAD of the smallest `sched_cls` program (`r0 = 0; exit`).
+fn load_tc_program() -> Result<(), i32> {
+    let insns: [u64; 2] = [0xb7, 0x95];
+    let license = c"GPL";
+    let mut attr = [0u64; 16];
+    attr[0] = 3 | (2 << 32); // BPF_PROG_TYPE_SCHED_CLS, 2 instructions
+    attr[1] = insns.as_ptr() as u64;
+    attr[2] = license.as_ptr() as u64;
+    bpf(5, &attr)
+}
+
+/// BPF_PROG_GET_FD_BY_ID: the program a tc filter runs.
+fn program_by_id(id: u32) -> Result<(), i32> {
+    let mut attr = [0u64; 16];
+    attr[0] = u64::from(id);
+    bpf(13, &attr)
+}
+
+#[test]
+fn daemons_run_with_only_their_privileges_and_sockets_admit_only_who_needs_them() {
+    let daemon_user = installed_user("rivet");
+    let datapath_user = installed_user("rivet-datapath");
+    let operator_gid = resolve_group("rivet-operator").expect("rivet-operator exists: run `cargo xtask install`");
+    let mut node = TestNode::up();
+    node.ok(&["pod", "add", "a", "--label", "app=a"]);
+    let record = node.record();
+
+    // Every daemon's credentials, from /proc: exactly the table.
+    let loader_caps = CAP_BPF | CAP_NET_ADMIN | CAP_PERFMON;
+    for (daemon, user, caps) in [
+        ("svc-ipam", &daemon_user, 0),
+        ("svc-identity", &daemon_user, 0),
+        ("svc-endpoint", &daemon_user, 0),
+        ("svc-loader", &datapath_user, loader_caps),
+        ("svc-gc", &datapath_user, 0),
+    ] {
+        let pid = record.daemon(daemon).unwrap().pid.unwrap();
+        let creds = ProcCredentials::of(&pid.to_string());
+        assert_eq!(creds.uids, [user.uid; 4], "{daemon}: real, effective, saved, fs uid");
+        assert_eq!(creds.gids, [user.gid; 4], "{daemon}: gids");
+        assert_eq!(creds.groups, user.groups, "{daemon}: supplementary groups");
+        for set in ["CapEff", "CapPrm", "CapBnd"] {
+            assert_eq!(creds.cap[set], caps, "{daemon}: {set} is {:#x}", creds.cap[set]);
+        }
+        assert_eq!((creds.cap["CapInh"], creds.cap["CapAmb"]), (0, 0), "{daemon}");
+        assert!(creds.no_new_privs, "{daemon}: no_new_privs");
+    }
+
+    // The unprivileged daemons' user gets EACCES / EPERM from the kernel for
+    // the datapath: its pins, loading a program, the attached program, tc.
+    let pin = record.pin_dir.join("endpoints");
+    let netns = record.netns.clone().unwrap();
+    let links = Command::new("ip")
+        .args(["-n", &netns, "-o", "link", "show"])
+        .output()
+        .unwrap();
+    let veth = String::from_utf8_lossy(&links.stdout)
+        .lines()
+        .filter_map(|l| l.split(':').nth(1))
+        .map(|n| n.trim().split('@').next().unwrap().to_string())
+        .find(|n| n.starts_with("lxc"))
+        .expect("pod a's host veth in the node namespace");
+    let filters = || {
+        let out = Command::new("tc")
+            .args(["-n", &netns, "filter", "show", "dev", &veth, "ingress"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let before = filters();
+    let prog_id: u32 = before
+        .split_whitespace()
+        .skip_while(|w| *w != "id")
+        .nth(1)
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("from_container's program id in `tc filter show`: {before}"));
+    let denied = as_user(&daemon_user, || {
+        (open_pin(&pin), load_tc_program(), program_by_id(prog_id))
+    });
+    assert_eq!(
+        denied,
+        (Err(libc::EACCES), Err(libc::EPERM), Err(libc::EPERM)),
+        "the rivet user: open {}, load a tc program, get program {prog_id}",
+        pin.display()
+    );
+    // The pin is there for its owner (svc-gc's user): the refusal is about the uid.
+    assert_eq!(as_user(&datapath_user, || open_pin(&pin)), Ok(()));
+    // Entering the node namespace needs CAP_SYS_ADMIN: nsenter as root, then drop to the user.
+    let tc = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{netns}"))
+        .args([
+            "setpriv",
+            "--reuid",
+            &daemon_user.uid.to_string(),
+            "--regid",
+            &daemon_user.gid.to_string(),
+        ])
+        .args([
+            "--init-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+        ])
+        .args(["tc", "filter", "del", "dev", &veth, "ingress"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&tc.stderr);
+    assert!(
+        !tc.status.success() && stderr.contains("Operation not permitted"),
+        "detaching the datapath as the rivet user: {stderr}"
+    );
+    assert_eq!(filters(), before, "the datapath stays attached");
+
+    // Sockets: members of rivet-operator may read, not change; others may not connect.
+    let as_uid = |(uid, gid): (u32, u32), groups: &[u32], args: &[&str]| {
+        let mut cmd = Command::new("setpriv");
+        cmd.args(["--reuid", &uid.to_string(), "--regid", &gid.to_string()]);
+        if groups.is_empty() {
+            cmd.arg("--clear-groups");
+        } else {
+            let list: Vec<String> = groups.iter().map(u32::to_string).collect();
+            cmd.args(["--groups", &list.join(",")]);
+        }
+        cmd.arg(rivet_bin())
+            .arg("--socket-dir")
+            .arg(&record.socket_dir)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let nobody = (65534, 65534);
+    for read in [
+        &["endpoint", "list"][..],
+        &["ipam", "list"],
+        &["identity", "list"],
+        &["bpf", "endpoint", "list"],
+        &["gc", "status"],
+    ] {
+        let out = as_uid(nobody, &[operator_gid], read);
+        assert!(
+            out.status.success(),
+            "an operator may run `rivet {}`: {}",
+            read.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let policy = node.path("deny.yaml");
+    std::fs::write(
+        &policy,
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: default}\n\
+         spec: {podSelector: {}, policyTypes: [Ingress]}\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&policy, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    for ((uid, gid), groups, args, method) in [
+        (
+            nobody,
+            vec![operator_gid],
+            vec!["policy", "apply", "-f", policy.to_str().unwrap()],
+            "rivet.endpoint.v1.PolicyService/UpsertPolicy",
+        ),
+        (
+            nobody,
+            vec![operator_gid],
+            vec!["gc", "run"],
+            "rivet.gc.v1.GcService/RunNow",
+        ),
+        // The daemons' own user drives svc-ipam, svc-identity and svc-loader, not svc-gc.
+        (
+            (daemon_user.uid, daemon_user.gid),
+            daemon_user.groups.clone(),
+            vec!["gc", "run"],
+            "rivet.gc.v1.GcService/RunNow",
+        ),
+    ] {
+        let out = as_uid((uid, gid), &groups, &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "uid {uid}: `rivet {}` must be refused",
+            args.join(" ")
+        );
+        assert!(
+            stderr.contains("PermissionDenied") && stderr.contains(&format!("uid {uid}")) && stderr.contains(method),
+            "the refusal names the uid and the method: {stderr}"
+        );
+    }
+    let policies = node.json(&["policy", "list"]);
+    assert_eq!(
+        policies["policies"].as_array().map(Vec::len),
+        Some(0),
+        "nothing was applied: {policies}"
+    );
+    let out = as_uid(nobody, &[], &["ipam", "list"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("permission denied by the socket file"),
+        "a uid outside the group cannot connect: {stderr}"
+    );
+
+    node.down_and_check_nothing_left();
 }
 
 /// The mini libcni against Debian's reference plugins (bridge + host-local),

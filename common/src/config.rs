@@ -39,9 +39,26 @@ pub struct CommonArgs {
     #[arg(long, env = "RIVET_METRICS_ADDRESS")]
     pub metrics_address: Option<SocketAddr>,
 
-    /// Only these UIDs may connect to the daemon's socket (comma-separated; all when empty).
+    /// UIDs that may call every method on the daemon's socket (comma-separated).
+    /// With neither this nor --read-only-gids, every peer may call everything.
     #[arg(long, env = "RIVET_ALLOWED_UIDS", value_delimiter = ',')]
     pub allowed_uids: Vec<u32>,
+
+    /// Groups whose members (primary or supplementary group) may call the
+    /// daemon's read-only methods (comma-separated GIDs).
+    #[arg(long, env = "RIVET_READ_ONLY_GIDS", value_delimiter = ',')]
+    pub read_only_gids: Vec<u32>,
+
+    /// Group of the socket file (a GID; the daemon's user must be a member);
+    /// default: the daemon's primary group.
+    #[arg(long, env = "RIVET_SOCKET_GID")]
+    pub socket_gid: Option<u32>,
+
+    /// Run as this user (name or UID) with its groups: the daemon starts as
+    /// root, switches, and keeps only the capabilities it needs. Without it
+    /// the daemon keeps its uid (and still drops every other capability).
+    #[arg(long, env = "RIVET_USER")]
+    pub user: Option<String>,
 }
 
 impl CommonArgs {

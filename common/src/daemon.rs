@@ -7,9 +7,11 @@ use std::sync::Arc;
 use prometheus_client::registry::Registry;
 use tonic::service::Routes;
 
+use crate::access::{AccessPolicy, ReadOnlyMethods};
 use crate::config::CommonArgs;
 use crate::grpc::{self, DaemonIdentity, ServeError};
 use crate::metrics::{Health, MetricsError, MetricsServer};
+use crate::privileges::{self, Capability, Dropped, PrivilegeError};
 use crate::socket::{SocketError, SocketOptions, UnixSocketListener};
 use crate::telemetry::{self, TelemetryError, TelemetryGuard, TelemetryOptions};
 
@@ -54,14 +56,38 @@ pub fn exit<E: std::fmt::Display>(name: &str, result: Result<(), E>) -> ExitCode
     }
 }
 
-/// Binds the daemon's socket `<socket-dir>/<name>.sock` with the common flags'
-/// UID allow list. Call it before touching state: it holds the
-/// single-instance lock, so two instances never share a state dir.
-pub fn bind_socket(common: &CommonArgs, name: &str) -> Result<UnixSocketListener, SocketError> {
+/// Drops the process to `--user` (when given) and to exactly the
+/// capabilities in `keep`, refusing to go on with anything wider
+/// ([`privileges::drop_privileges`]). Call it first in `main`, before the
+/// tokio runtime starts threads; log the result once telemetry is up.
+pub fn drop_privileges(
+    common: &CommonArgs,
+    name: &'static str,
+    keep: &[Capability],
+) -> Result<Dropped, PrivilegeError> {
+    let account = common.user.as_deref().map(privileges::resolve_user).transpose()?;
+    privileges::drop_privileges(name, account.as_ref(), keep)
+}
+
+/// Binds the daemon's socket `<socket-dir>/<name>.sock` with the common
+/// flags' group and access policy (`--allowed-uids`, `--read-only-gids`;
+/// `read_only` lists the daemon's read-only methods). Call it before
+/// touching state: it holds the single-instance lock, so two instances never
+/// share a state dir.
+pub fn bind_socket(
+    common: &CommonArgs,
+    name: &str,
+    read_only: ReadOnlyMethods,
+) -> Result<UnixSocketListener, SocketError> {
     UnixSocketListener::bind(
         &common.socket_path(name),
         &SocketOptions {
-            allowed_uids: common.allowed_uids.clone(),
+            group: common.socket_gid,
+            access: AccessPolicy {
+                full_uids: common.allowed_uids.clone(),
+                read_only_gids: common.read_only_gids.clone(),
+                read_only_methods: read_only,
+            },
             ..SocketOptions::default()
         },
     )
@@ -78,6 +104,8 @@ pub async fn run(
     registry: Registry,
     health: Health,
 ) -> Result<(), DaemonError> {
+    let mut registry = registry;
+    listener.access_metrics().register(&mut registry);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let metrics = match common.metrics_address {
         Some(address) => {

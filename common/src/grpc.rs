@@ -17,6 +17,7 @@ use tonic::service::Routes;
 use tonic::transport::{Channel, Endpoint, Server};
 use tower::Layer;
 
+use crate::access::AccessLayer;
 use crate::backoff::Backoff;
 use crate::h2_authority::NormalizedAuthority;
 use crate::socket::UnixSocketListener;
@@ -131,7 +132,8 @@ pub enum ServeError {
 
 /// Serves `routes` plus the shared `Daemon` info service on `listener` until
 /// `shutdown` completes, then drains in-flight calls. Requests carry their
-/// caller's trace context into the server span.
+/// caller's trace context into the server span; calls the listener's access
+/// policy does not allow the peer are refused with `PERMISSION_DENIED`.
 ///
 /// ```no_run
 /// # async fn run(routes: tonic::service::Routes) -> Result<(), Box<dyn std::error::Error>> {
@@ -156,6 +158,7 @@ pub async fn serve_unix(
         node = %identity.node_name,
         "serving gRPC"
     );
+    let access = AccessLayer::new(daemon, listener.access(), listener.access_metrics().clone());
     let routes = routes.add_service(pb::daemon_server::DaemonServer::new(DaemonInfoService(identity)));
     let (draining_tx, draining_rx) = tokio::sync::oneshot::channel::<()>();
     let signal = async move {
@@ -169,6 +172,7 @@ pub async fn serve_unix(
         .map(|connection| connection.map(NormalizedAuthority::new));
     let serve = Server::builder()
         .layer(TraceContextServerLayer::default())
+        .layer(access)
         .add_routes(routes)
         .serve_with_incoming_shutdown(incoming, signal);
     // Draining waits for clients to close their connections; long-lived
@@ -303,6 +307,39 @@ pub enum ConnectError {
         /// The last attempt's error.
         source: tonic::transport::Error,
     },
+    /// The socket file's mode and group do not admit this user (retrying
+    /// would not help).
+    #[error(
+        "connecting to {path}: permission denied by the socket file ({file}); run as root or as a member of its group"
+    )]
+    PermissionDenied {
+        /// Socket path.
+        path: PathBuf,
+        /// Its mode, owner and group.
+        file: String,
+    },
+}
+
+/// Whether a connection attempt failed because the socket file refused us.
+fn permission_denied(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut source = Some(error);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::PermissionDenied
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+fn describe_socket_file(path: &Path) -> String {
+    use std::os::unix::fs::MetadataExt as _;
+    match std::fs::metadata(path) {
+        Ok(m) => format!("mode {:04o}, uid {}, gid {}", m.mode() & 0o7777, m.uid(), m.gid()),
+        Err(e) => e.to_string(),
+    }
 }
 
 /// Connects to the daemon socket at `path`, retrying with backoff until
@@ -335,6 +372,12 @@ pub async fn connect_unix(path: &Path, options: &ClientOptions) -> Result<Daemon
         });
         match endpoint.connect_with_connector(connector).await {
             Ok(channel) => return Ok(TraceContextClientLayer.layer(channel)),
+            Err(source) if permission_denied(&source) => {
+                return Err(ConnectError::PermissionDenied {
+                    path: path.to_path_buf(),
+                    file: describe_socket_file(path),
+                });
+            }
             Err(source) => {
                 let delay = backoff.next_delay();
                 if started.elapsed() + delay > options.connect_timeout {

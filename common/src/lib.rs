@@ -1,9 +1,12 @@
 //! Pieces every Rivet daemon shares, so that six daemons look and behave alike:
 //!
 //! - [`socket`] and [`grpc`]: gRPC over Unix sockets (single instance per
-//!   socket, peer-UID allow list, client retry and deadlines, restart
-//!   detection by `boot_id`); [`h2_authority`]: the `:authority` fix that
-//!   lets gRPC clients of other languages in (grpcio sends the socket path);
+//!   socket, client retry and deadlines, restart detection by `boot_id`);
+//!   [`h2_authority`]: the `:authority` fix that lets gRPC clients of other
+//!   languages in (grpcio sends the socket path);
+//! - [`access`]: who may call what on a socket (peer credentials, full or
+//!   read-only access per method);
+//! - [`privileges`]: the user and capabilities a daemon drops to at start;
 //! - [`telemetry`]: logs plus OTLP traces, W3C trace context across processes;
 //! - [`config`]: flags + env + config dir, and the flags all daemons share;
 //! - [`state_file`]: crash-safe, versioned state files;
@@ -13,6 +16,7 @@
 //!   identities, namespace labels and the identity-relevant label filter;
 //! - [`backoff`]: retry delays.
 
+pub mod access;
 pub mod backoff;
 pub mod config;
 pub mod daemon;
@@ -20,6 +24,7 @@ pub mod grpc;
 pub mod h2_authority;
 pub mod labels;
 pub mod metrics;
+pub mod privileges;
 pub mod socket;
 pub mod state_file;
 pub mod telemetry;

@@ -1,15 +1,25 @@
 //! Unix socket listeners for daemons: one live instance per socket, stale
-//! sockets replaced, a restrictive mode, and an optional peer-UID allow list.
+//! sockets replaced, a restrictive mode and group, and every accepted
+//! connection tagged with its peer's credentials and what they may do
+//! ([`crate::access`]).
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd as _;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use futures::Stream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::server::Connected;
+
+use crate::access::{AccessMetrics, AccessPolicy, Peer, PeerAccess};
 
 /// Default mode of a daemon socket: owner and group may connect.
 pub const DEFAULT_SOCKET_MODE: u32 = 0o660;
@@ -66,16 +76,20 @@ fn io_err(action: &'static str, path: &Path) -> impl FnOnce(io::Error) -> Socket
 pub struct SocketOptions {
     /// File mode of the socket (default 0660).
     pub mode: u32,
-    /// When non-empty, only peers whose UID is listed may talk to the daemon
-    /// (checked with SO_PEERCRED on every accepted connection).
-    pub allowed_uids: Vec<u32>,
+    /// Group of the socket file (default: the daemon's primary group). The
+    /// daemon must be a member to set it.
+    pub group: Option<u32>,
+    /// Who may call what, checked per call against the peer's credentials
+    /// (SO_PEERCRED, SO_PEERGROUPS). Open by default.
+    pub access: AccessPolicy,
 }
 
 impl Default for SocketOptions {
     fn default() -> Self {
         Self {
             mode: DEFAULT_SOCKET_MODE,
-            allowed_uids: Vec::new(),
+            group: None,
+            access: AccessPolicy::default(),
         }
     }
 }
@@ -94,7 +108,8 @@ impl Default for SocketOptions {
 pub struct UnixSocketListener {
     listener: Option<UnixListener>,
     guard: SocketGuard,
-    allowed_uids: Vec<u32>,
+    access: Arc<AccessPolicy>,
+    metrics: AccessMetrics,
 }
 
 #[derive(Debug)]
@@ -164,10 +179,15 @@ impl UnixSocketListener {
             _lock: lock,
         };
         fs::set_permissions(path, fs::Permissions::from_mode(options.mode)).map_err(io_err("setting mode of", path))?;
+        if let Some(gid) = options.group {
+            std::os::unix::fs::chown(path, None, Some(gid))
+                .map_err(io_err("setting the group (the daemon must be a member of it) of", path))?;
+        }
         Ok(Self {
             listener: Some(listener),
             guard,
-            allowed_uids: options.allowed_uids.clone(),
+            access: Arc::new(options.access.clone()),
+            metrics: AccessMetrics::default(),
         })
     }
 
@@ -176,44 +196,148 @@ impl UnixSocketListener {
         &self.guard.path
     }
 
-    /// Accepted connections, with peers outside the UID allow list dropped
-    /// (and logged). The socket file is removed when the returned stream is
-    /// dropped.
-    pub fn incoming(mut self) -> impl Stream<Item = io::Result<UnixStream>> + Send + 'static {
+    /// Who may call what on this socket.
+    pub fn access(&self) -> Arc<AccessPolicy> {
+        Arc::clone(&self.access)
+    }
+
+    /// Counters of refused calls (register them with the daemon's metrics).
+    pub fn access_metrics(&self) -> &AccessMetrics {
+        &self.metrics
+    }
+
+    /// Accepted connections, each tagged with its peer and what the peer may
+    /// do; refusals happen per call ([`crate::access::AccessLayer`]). A peer
+    /// whose credentials cannot be read may do nothing. The socket file is
+    /// removed when the returned stream is dropped.
+    pub fn incoming(mut self) -> impl Stream<Item = io::Result<PeerStream>> + Send + 'static {
         let listener = self.listener.take().expect("listener is present until incoming()");
-        let allowed = std::mem::take(&mut self.allowed_uids);
+        let access = Arc::clone(&self.access);
         let path = self.guard.path.clone();
         // Keep the guard alive as long as the stream.
         let holder = self;
-        UnixListenerStream::new(listener).filter(move |conn| {
+        UnixListenerStream::new(listener).map(move |conn| {
             let _ = &holder;
-            match conn {
-                Ok(stream) => peer_allowed(stream, &allowed, &path),
-                Err(_) => true,
-            }
+            conn.map(|stream| PeerStream::new(stream, &access, &path))
         })
     }
 }
 
-fn peer_allowed(stream: &UnixStream, allowed: &[u32], path: &Path) -> bool {
-    if allowed.is_empty() {
-        return true;
+/// An accepted connection with its peer's credentials and access.
+#[derive(Debug)]
+pub struct PeerStream {
+    stream: UnixStream,
+    peer: PeerAccess,
+}
+
+impl PeerStream {
+    fn new(stream: UnixStream, policy: &AccessPolicy, path: &Path) -> Self {
+        let peer = match peer_of(&stream) {
+            Ok(peer) => PeerAccess {
+                access: policy.access(&peer),
+                peer,
+            },
+            Err(e) => {
+                tracing::warn!(socket = %path.display(), error = %e, "reading the peer's credentials failed; it may call nothing");
+                PeerAccess {
+                    peer: Peer {
+                        uid: u32::MAX,
+                        gid: u32::MAX,
+                        pid: None,
+                        groups: Vec::new(),
+                    },
+                    access: crate::access::Access::Denied,
+                }
+            }
+        };
+        Self { stream, peer }
     }
-    match stream.peer_cred() {
-        Ok(cred) if allowed.contains(&cred.uid()) => true,
-        Ok(cred) => {
-            tracing::warn!(
-                socket = %path.display(),
-                uid = cred.uid(),
-                pid = cred.pid(),
-                "rejected connection from a UID outside the allow list"
-            );
-            false
+
+    /// The peer and what it may do.
+    pub fn peer(&self) -> &PeerAccess {
+        &self.peer
+    }
+}
+
+/// The peer's uid, gid and pid (SO_PEERCRED) and supplementary groups (SO_PEERGROUPS).
+fn peer_of(stream: &UnixStream) -> io::Result<Peer> {
+    let cred = stream.peer_cred()?;
+    Ok(Peer {
+        uid: cred.uid(),
+        gid: cred.gid(),
+        pid: cred.pid(),
+        groups: peer_groups(stream)?,
+    })
+}
+
+fn peer_groups(stream: &UnixStream) -> io::Result<Vec<u32>> {
+    let mut groups: Vec<libc::gid_t> = vec![0; 64];
+    loop {
+        let mut len =
+            libc::socklen_t::try_from(groups.len() * size_of::<libc::gid_t>()).unwrap_or(libc::socklen_t::MAX);
+        // SAFETY: `groups` has room for `len` bytes and outlives the call; the
+        // kernel writes at most `len` bytes and stores the needed size in `len`.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let count = len as usize / size_of::<libc::gid_t>();
+        if rc == 0 {
+            groups.truncate(count);
+            return Ok(groups);
         }
-        Err(e) => {
-            tracing::warn!(socket = %path.display(), error = %e, "rejected connection: SO_PEERCRED failed");
-            false
+        let err = io::Error::last_os_error();
+        // ERANGE: the buffer is too small and `len` says how big it must be.
+        if err.raw_os_error() == Some(libc::ERANGE) && count > groups.len() {
+            groups.resize(count, 0);
+            continue;
         }
+        return Err(err);
+    }
+}
+
+impl Connected for PeerStream {
+    type ConnectInfo = PeerAccess;
+
+    fn connect_info(&self) -> PeerAccess {
+        self.peer.clone()
+    }
+}
+
+impl AsyncRead for PeerStream {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for PeerStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
     }
 }
 
@@ -278,33 +402,83 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn peers_outside_the_uid_allow_list_are_dropped() {
+    async fn accepted_peers_carry_their_credentials_and_access() {
+        use crate::access::Access;
+        let dir = tempfile::tempdir().unwrap();
+        let my_uid = nix::unistd::getuid().as_raw();
+        let my_gid = nix::unistd::getgid().as_raw();
+        let my_groups: Vec<u32> = nix::unistd::getgroups()
+            .unwrap()
+            .into_iter()
+            .map(|g| g.as_raw())
+            .collect();
+        for (name, access, expected) in [
+            (
+                "other-uid",
+                AccessPolicy {
+                    full_uids: vec![my_uid.wrapping_add(4242)],
+                    ..AccessPolicy::default()
+                },
+                Access::Denied,
+            ),
+            (
+                "my-gid-read-only",
+                AccessPolicy {
+                    full_uids: vec![my_uid.wrapping_add(4242)],
+                    read_only_gids: vec![my_gid],
+                    ..AccessPolicy::default()
+                },
+                Access::ReadOnly,
+            ),
+            (
+                "my-uid",
+                AccessPolicy {
+                    full_uids: vec![my_uid],
+                    ..AccessPolicy::default()
+                },
+                Access::Full,
+            ),
+            ("open", AccessPolicy::default(), Access::Full),
+        ] {
+            let path = dir.path().join(format!("{name}.sock"));
+            let opts = SocketOptions {
+                access,
+                ..SocketOptions::default()
+            };
+            let mut incoming = Box::pin(UnixSocketListener::bind(&path, &opts).unwrap().incoming());
+            let _client = UnixStream::connect(&path).await.unwrap();
+            let accepted = tokio::time::timeout(std::time::Duration::from_secs(5), incoming.next())
+                .await
+                .expect("every peer is accepted; refusals are per call")
+                .unwrap()
+                .unwrap();
+            let peer = accepted.peer();
+            assert_eq!(peer.access, expected, "{name}");
+            assert_eq!((peer.peer.uid, peer.peer.gid), (my_uid, my_gid), "{name}");
+            assert_eq!(peer.peer.pid, Some(std::process::id() as i32), "{name}");
+            assert_eq!(peer.peer.groups, my_groups, "SO_PEERGROUPS: {name}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_socket_group_is_set() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("svc.sock");
-        let me = std::fs::metadata("/proc/self").unwrap();
-        let my_uid = std::os::unix::fs::MetadataExt::uid(&me);
+        // A group this process is in (as root, any group would do).
+        let gid = nix::unistd::getgroups()
+            .unwrap()
+            .into_iter()
+            .map(|g| g.as_raw())
+            .find(|g| *g != nix::unistd::getegid().as_raw())
+            .unwrap_or(4242);
         let opts = SocketOptions {
-            allowed_uids: vec![my_uid.wrapping_add(4242)],
+            group: Some(gid),
             ..SocketOptions::default()
         };
-        let listener = UnixSocketListener::bind(&path, &opts).unwrap();
-        let mut incoming = Box::pin(listener.incoming());
-        let _client = UnixStream::connect(&path).await.unwrap();
-        let accepted = tokio::time::timeout(std::time::Duration::from_millis(300), incoming.next()).await;
-        assert!(
-            accepted.is_err(),
-            "a peer whose UID is not allowed must never reach the server"
+        let l = UnixSocketListener::bind(&path, &opts).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::gid(&fs::metadata(l.path()).unwrap()),
+            gid
         );
-
-        let dir2 = tempfile::tempdir().unwrap();
-        let path2 = dir2.path().join("svc.sock");
-        let opts = SocketOptions {
-            allowed_uids: vec![my_uid],
-            ..SocketOptions::default()
-        };
-        let mut incoming = Box::pin(UnixSocketListener::bind(&path2, &opts).unwrap().incoming());
-        let _client = UnixStream::connect(&path2).await.unwrap();
-        let accepted = tokio::time::timeout(std::time::Duration::from_secs(5), incoming.next()).await;
-        assert!(matches!(accepted, Ok(Some(Ok(_)))), "an allowed UID must be accepted");
     }
 }

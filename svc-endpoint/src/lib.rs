@@ -24,3 +24,23 @@ pub mod testing;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-endpoint.sock`.
 pub const DAEMON_NAME: &str = "svc-endpoint";
+
+/// Capabilities svc-endpoint keeps: none (it orchestrates over sockets and
+/// writes its state dir; the kernel work is svc-loader's).
+pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
+
+/// Methods that only read: members of the operator group may call them.
+pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
+    (
+        rivet_proto::endpoint::v1::endpoint_service_server::SERVICE_NAME,
+        &["GetEndpoint", "ListEndpoints", "GetStatus"],
+    ),
+    (
+        rivet_proto::endpoint::v1::policy_service_server::SERVICE_NAME,
+        &["ListPolicies", "GetPolicy"],
+    ),
+    (
+        rivet_proto::endpoint::v1::namespace_service_server::SERVICE_NAME,
+        &["ListNamespaces"],
+    ),
+];

@@ -10,6 +10,7 @@ use rivet_common::config::{self, CommonArgs};
 use rivet_common::daemon;
 use rivet_common::grpc::{ClientOptions, DaemonIdentity};
 use rivet_common::metrics::Health;
+use rivet_common::privileges::Dropped;
 use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader};
 use svc_endpoint::events::EndpointMetrics;
 use svc_endpoint::manager::{Dependencies, EndpointManager, ManagerOptions};
@@ -54,14 +55,24 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    daemon::exit(svc_endpoint::DAEMON_NAME, run(flags))
+    // First, before the runtime starts threads: credentials are per thread.
+    let privileges = daemon::drop_privileges(&flags.common, svc_endpoint::DAEMON_NAME, svc_endpoint::CAPABILITIES);
+    daemon::exit(
+        svc_endpoint::DAEMON_NAME,
+        privileges.map_err(anyhow::Error::from).and_then(|p| run(flags, p)),
+    )
 }
 
 #[tokio::main]
-async fn run(flags: Flags) -> anyhow::Result<()> {
+async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let _telemetry = daemon::init_telemetry(&flags.common, svc_endpoint::DAEMON_NAME)?;
+    privileges.log();
     let node = flags.common.node_name();
-    let listener = daemon::bind_socket(&flags.common, svc_endpoint::DAEMON_NAME)?;
+    let listener = daemon::bind_socket(
+        &flags.common,
+        svc_endpoint::DAEMON_NAME,
+        svc_endpoint::READ_ONLY_METHODS,
+    )?;
 
     let client = ClientOptions {
         request_timeout: Duration::from_secs(flags.call_timeout_seconds.max(1)),

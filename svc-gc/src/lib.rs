@@ -31,3 +31,13 @@ pub mod testing;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-gc.sock`.
 pub const DAEMON_NAME: &str = "svc-gc";
+
+/// Capabilities svc-gc keeps: none, measured on kernel 6.18 (the README's
+/// "Privileges" table says why). Opening a pinned map is a file permission
+/// check on the pin, and lookups, batch reads and deletes on an open map fd
+/// need no capability: svc-gc runs as the user that owns svc-loader's pins.
+pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
+
+/// Methods that only read: members of the operator group may call them.
+pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods =
+    &[(rivet_proto::gc::v1::gc_service_server::SERVICE_NAME, &["Status"])];

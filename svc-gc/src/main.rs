@@ -12,6 +12,7 @@ use rivet_common::config::{self, CommonArgs};
 use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
+use rivet_common::privileges::Dropped;
 use svc_gc::classify::Timeouts;
 use svc_gc::clock::KernelClock;
 use svc_gc::collector::{Collector, CollectorOptions};
@@ -123,17 +124,23 @@ fn options(flags: &Flags) -> anyhow::Result<CollectorOptions> {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    daemon::exit(svc_gc::DAEMON_NAME, run(flags))
+    // First, before the runtime starts threads: credentials are per thread.
+    let privileges = daemon::drop_privileges(&flags.common, svc_gc::DAEMON_NAME, svc_gc::CAPABILITIES);
+    daemon::exit(
+        svc_gc::DAEMON_NAME,
+        privileges.map_err(anyhow::Error::from).and_then(|p| run(flags, p)),
+    )
 }
 
 #[tokio::main]
-async fn run(flags: Flags) -> anyhow::Result<()> {
+async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let _telemetry = daemon::init_telemetry(&flags.common, svc_gc::DAEMON_NAME)?;
+    privileges.log();
     let opts = options(&flags)?;
     let node = flags.common.node_name();
     let pin_dir = DatapathOptions::for_node(&flags.bpffs, &node)?.pin_dir;
     let list_timeout = seconds("endpoint-list-timeout-seconds", flags.endpoint_list_timeout_seconds)?;
-    let listener = daemon::bind_socket(&flags.common, svc_gc::DAEMON_NAME)?;
+    let listener = daemon::bind_socket(&flags.common, svc_gc::DAEMON_NAME, svc_gc::READ_ONLY_METHODS)?;
 
     let mode = if flags.per_entry_map_ops {
         BatchMode::Never

@@ -20,3 +20,25 @@ pub mod service;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-identity.sock`.
 pub const DAEMON_NAME: &str = "svc-identity";
+
+/// Capabilities svc-identity keeps: none (its store is a file in its state
+/// dir or etcd on the network; it calls svc-loader over its socket).
+pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
+
+/// Methods that only read: members of the operator group may call them.
+pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
+    (
+        rivet_proto::identity::v1::identity_service_server::SERVICE_NAME,
+        &[
+            "GetIdentity",
+            "LookupIdentity",
+            "ListIdentities",
+            "WatchIdentities",
+            "GetStatus",
+        ],
+    ),
+    (
+        rivet_proto::identity::v1::ipcache_service_server::SERVICE_NAME,
+        &["ListIpcache", "WatchIpcache"],
+    ),
+];

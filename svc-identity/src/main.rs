@@ -12,6 +12,7 @@ use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::labels::LabelFilter;
 use rivet_common::metrics::Health;
+use rivet_common::privileges::Dropped;
 use svc_identity::allocator::{AllocatorOptions, IdentityAllocator, MIN_CLUSTER_ID};
 use svc_identity::backend::IdentityBackend;
 use svc_identity::cidr::CidrIdentities;
@@ -70,19 +71,29 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    daemon::exit(svc_identity::DAEMON_NAME, run(flags))
+    // First, before the runtime starts threads: credentials are per thread.
+    let privileges = daemon::drop_privileges(&flags.common, svc_identity::DAEMON_NAME, svc_identity::CAPABILITIES);
+    daemon::exit(
+        svc_identity::DAEMON_NAME,
+        privileges.map_err(anyhow::Error::from).and_then(|p| run(flags, p)),
+    )
 }
 
 #[tokio::main]
-async fn run(flags: Flags) -> anyhow::Result<()> {
+async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let _telemetry = daemon::init_telemetry(&flags.common, svc_identity::DAEMON_NAME)?;
+    privileges.log();
     anyhow::ensure!(
         flags.max_identity > MIN_CLUSTER_ID,
         "--max-identity must be above {MIN_CLUSTER_ID}"
     );
     let filter = LabelFilter::parse(&flags.labels).context("invalid --label rule")?;
     let node = flags.common.node_name();
-    let listener = daemon::bind_socket(&flags.common, svc_identity::DAEMON_NAME)?;
+    let listener = daemon::bind_socket(
+        &flags.common,
+        svc_identity::DAEMON_NAME,
+        svc_identity::READ_ONLY_METHODS,
+    )?;
 
     let backend: Arc<dyn IdentityBackend> = if flags.etcd_endpoints.is_empty() {
         let path = flags.common.state_dir.join("identity").join("store.json");

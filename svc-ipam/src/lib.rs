@@ -15,3 +15,11 @@ pub mod store;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-ipam.sock`.
 pub const DAEMON_NAME: &str = "svc-ipam";
+
+/// Capabilities svc-ipam keeps: none (it only reads and writes its state dir
+/// and serves its socket).
+pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
+
+/// Methods that only read: members of the operator group may call them.
+pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods =
+    &[(rivet_proto::ipam::v1::ipam_server::SERVICE_NAME, &["List"])];

@@ -10,6 +10,7 @@ use rivet_common::config::{self, CommonArgs};
 use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
+use rivet_common::privileges::Dropped;
 use svc_ipam::events::IpamMetrics;
 use svc_ipam::pool::{PoolSet, PoolSpec};
 use svc_ipam::service::IpamService;
@@ -31,15 +32,21 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    daemon::exit(svc_ipam::DAEMON_NAME, run(flags))
+    // First, before the runtime starts threads: credentials are per thread.
+    let privileges = daemon::drop_privileges(&flags.common, svc_ipam::DAEMON_NAME, svc_ipam::CAPABILITIES);
+    daemon::exit(
+        svc_ipam::DAEMON_NAME,
+        privileges.map_err(anyhow::Error::from).and_then(|p| run(flags, p)),
+    )
 }
 
 #[tokio::main]
-async fn run(flags: Flags) -> anyhow::Result<()> {
+async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let _telemetry = daemon::init_telemetry(&flags.common, svc_ipam::DAEMON_NAME)?;
+    privileges.log();
     let pools = PoolSet::new(&flags.pools).context("invalid --pool configuration")?;
     // The socket lock comes first: it keeps a second instance off the state.
-    let listener = daemon::bind_socket(&flags.common, svc_ipam::DAEMON_NAME)?;
+    let listener = daemon::bind_socket(&flags.common, svc_ipam::DAEMON_NAME, svc_ipam::READ_ONLY_METHODS)?;
 
     let metrics = IpamMetrics::default();
     let mut registry = Registry::with_prefix("rivet");

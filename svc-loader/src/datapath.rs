@@ -415,7 +415,7 @@ pub enum DatapathError {
     /// Creating or reusing the maps failed.
     #[error(
         "loading the datapath object with its maps pinned under {}: {}; \
-         loading needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN)",
+         loading needs CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON, and write access to the pin directory",
         pin_dir.display(),
         chain(&**.error)
     )]

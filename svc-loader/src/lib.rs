@@ -30,6 +30,31 @@ pub mod validate;
 /// The daemon's name: its socket is `<socket-dir>/svc-loader.sock`.
 pub const DAEMON_NAME: &str = "svc-loader";
 
+/// Capabilities svc-loader keeps, measured on kernel 6.18 (the README's
+/// "Privileges" table says which operation needs which): CAP_BPF to create
+/// maps and load programs, CAP_NET_ADMIN to load `sched_cls` programs and
+/// attach them with tc, CAP_PERFMON for the verifier to accept the
+/// datapath's pointer arithmetic. Not CAP_SYS_ADMIN: nothing it does needs it.
+pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[
+    rivet_common::privileges::Capability::CAP_BPF,
+    rivet_common::privileges::Capability::CAP_NET_ADMIN,
+    rivet_common::privileges::Capability::CAP_PERFMON,
+];
+
+/// Methods that only read: members of the operator group may call them.
+pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[(
+    rivet_proto::loader::v1::loader_service_server::SERVICE_NAME,
+    &[
+        "GetEndpointPolicy",
+        "ListEndpoints",
+        "ListIpcache",
+        "GetDatapathStatus",
+        "DumpConntrack",
+        "GetDropCounters",
+        "MonitorEvents",
+    ],
+)];
+
 /// The datapath object compiled by build.rs from `bpf/datapath.c`.
 pub static DATAPATH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.o"));
 

@@ -12,6 +12,7 @@ use rivet_common::config::{self, CommonArgs};
 use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
+use rivet_common::privileges::Dropped;
 use svc_loader::datapath::{Datapath, DatapathOptions};
 use svc_loader::events::LoaderMetrics;
 use svc_loader::loader::EndpointDatapath;
@@ -74,14 +75,20 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
-    daemon::exit(svc_loader::DAEMON_NAME, run(flags))
+    // First, before the runtime starts threads: credentials are per thread.
+    let privileges = daemon::drop_privileges(&flags.common, svc_loader::DAEMON_NAME, svc_loader::CAPABILITIES);
+    daemon::exit(
+        svc_loader::DAEMON_NAME,
+        privileges.map_err(anyhow::Error::from).and_then(|p| run(flags, p)),
+    )
 }
 
 #[tokio::main]
-async fn run(flags: Flags) -> anyhow::Result<()> {
+async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let _telemetry = daemon::init_telemetry(&flags.common, svc_loader::DAEMON_NAME)?;
+    privileges.log();
     let node = flags.common.node_name();
-    let listener = daemon::bind_socket(&flags.common, svc_loader::DAEMON_NAME)?;
+    let listener = daemon::bind_socket(&flags.common, svc_loader::DAEMON_NAME, svc_loader::READ_ONLY_METHODS)?;
 
     let mut options = DatapathOptions::for_node(&flags.bpffs, &node)?;
     options.endpoints_max = flags.endpoints_max;

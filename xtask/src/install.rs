@@ -1,7 +1,7 @@
 //! `cargo xtask install`: make a fresh Debian 12 machine (root, Rust toolchain only)
 //! ready for the tests, the demo and the benchmarks. Every other command runs it first,
-//! so it must be idempotent and cheap when there is nothing to do: it asks dpkg and
-//! /proc/mounts first and only acts on what is missing.
+//! so it must be idempotent and cheap when there is nothing to do: it asks dpkg,
+//! /proc/mounts and the user database first and only acts on what is missing.
 
 use std::fs;
 use std::process::Command;
@@ -54,12 +54,30 @@ pub const GRPCIO_VERSION: &str = "1.85.3";
 /// Where BPF programs and maps are pinned; the loader and the tests expect a bpffs here.
 const BPFFS: &str = "/sys/fs/bpf";
 
-/// Installs the missing Debian packages and mounts bpffs if needed.
+/// The group whose members may make read-only calls on the daemon sockets.
+pub const OPERATOR_GROUP: &str = "rivet-operator";
+
+/// The system users the node daemons run as (`rivet node up --daemon-user`,
+/// `--datapath-user`), as (name, primary group, what runs as it). Both are
+/// members of [`OPERATOR_GROUP`] (the sockets' group), and the datapath user's
+/// primary group is the daemon user's (the socket dir's group).
+pub const USERS: [(&str, &str, &str); 2] = [
+    (
+        "rivet",
+        "rivet",
+        "Rivet node daemons (svc-ipam, svc-identity, svc-endpoint)",
+    ),
+    ("rivet-datapath", "rivet", "Rivet datapath daemons (svc-loader, svc-gc)"),
+];
+
+/// Installs the missing Debian packages, mounts bpffs and creates the daemons'
+/// users and groups if needed.
 pub fn run() -> Result<()> {
     require_root()?;
     install_packages()?;
     install_pypi_grpcio()?;
-    mount_bpffs()
+    mount_bpffs()?;
+    create_users()
 }
 
 /// Creates [`GRPCIO_VENV`] with grpcio [`GRPCIO_VERSION`] from PyPI, unless it
@@ -169,6 +187,70 @@ fn mount_bpffs() -> Result<()> {
     println!("bpffs: mounting at {BPFFS}");
     fs::create_dir_all(BPFFS).with_context(|| format!("creating {BPFFS}"))?;
     cmd::run_keeping_stderr(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))
+}
+
+/// Creates [`OPERATOR_GROUP`] and the [`USERS`] (system accounts: no home, no
+/// login shell) that do not exist, and adds missing group memberships.
+fn create_users() -> Result<()> {
+    let mut changed = Vec::new();
+    if !exists("group", OPERATOR_GROUP)? {
+        cmd::run_keeping_stderr(Command::new("groupadd").args(["--system", OPERATOR_GROUP]))?;
+        changed.push(format!("group {OPERATOR_GROUP}"));
+    }
+    for (user, primary, comment) in USERS {
+        if !exists("passwd", user)? {
+            let mut useradd = Command::new("useradd");
+            useradd.args(["--system", "--no-create-home", "--home-dir", "/nonexistent"]);
+            useradd.args(["--shell", "/usr/sbin/nologin", "--comment", comment]);
+            if user == primary {
+                useradd.arg("--user-group");
+            } else {
+                useradd.args(["--gid", primary]);
+            }
+            cmd::run_keeping_stderr(useradd.args(["--groups", OPERATOR_GROUP, user]))?;
+            changed.push(format!("user {user}"));
+        } else if !groups_of(user)?.iter().any(|g| g == OPERATOR_GROUP) {
+            cmd::run_keeping_stderr(Command::new("usermod").args(["--append", "--groups", OPERATOR_GROUP, user]))?;
+            changed.push(format!("{user} in {OPERATOR_GROUP}"));
+        }
+    }
+    if changed.is_empty() {
+        println!("users: all present");
+    } else {
+        println!("users: created {}", changed.join(", "));
+    }
+    Ok(())
+}
+
+/// Whether `name` is in the `database` (`passwd` or `group`) of getent.
+fn exists(database: &str, name: &str) -> Result<bool> {
+    let mut getent = Command::new("getent");
+    getent.args([database, name]);
+    let status = getent
+        .stdout(std::process::Stdio::null())
+        .status()
+        .with_context(|| format!("could not run `{}`", cmd::display(&getent)))?;
+    Ok(status.success())
+}
+
+/// The names of the groups `user` is in (`id -nG`).
+fn groups_of(user: &str) -> Result<Vec<String>> {
+    let mut id = Command::new("id");
+    id.args(["-nG", user]);
+    let out = id
+        .output()
+        .with_context(|| format!("could not run `{}`", cmd::display(&id)))?;
+    if !out.status.success() {
+        bail!(
+            "`{}` failed: {}",
+            cmd::display(&id),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_string)
+        .collect())
 }
 
 /// Whether the text of `/proc/mounts` has a filesystem of type `bpf` at [`BPFFS`]

@@ -1,0 +1,413 @@
+//! Who may call what on a daemon's socket.
+//!
+//! The kernel vouches for every peer of a Unix socket: its uid, gid and pid
+//! (SO_PEERCRED) and its supplementary groups (SO_PEERGROUPS), as they were
+//! when it connected. An [`AccessPolicy`] turns them into an [`Access`]:
+//!
+//! - a uid in `full_uids` may call every method (root, and the daemons that
+//!   drive this one: svc-endpoint calling svc-ipam, ...);
+//! - otherwise a peer in one of `read_only_gids` (the operator group) may call
+//!   the daemon's read-only methods — its own list plus [`ALWAYS_READ_ONLY`];
+//! - anyone else is refused every call.
+//!
+//! A policy with neither list is open: every peer has full access (a daemon
+//! started by hand or by a test without `--allowed-uids`).
+//!
+//! Refusals are per call, after the connection was accepted, so the caller
+//! gets `PERMISSION_DENIED` naming its uid and the method (a dropped
+//! connection would only say "transport error"). The socket file's mode and
+//! group ([`crate::socket`]) are the first gate; this is the second.
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
+
+use futures::future::BoxFuture;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tower::{Layer, Service};
+
+/// The read-only methods of a daemon: `(gRPC service name, [method])`.
+/// Methods not listed change state: only `full_uids` may call them.
+pub type ReadOnlyMethods = &'static [(&'static str, &'static [&'static str])];
+
+/// Methods every daemon serves that only read: the shared `Daemon` info
+/// service, gRPC health and server reflection.
+pub const ALWAYS_READ_ONLY: ReadOnlyMethods = &[
+    ("rivet.daemon.v1.Daemon", &["GetInfo"]),
+    ("grpc.health.v1.Health", &["Check", "Watch"]),
+    ("grpc.reflection.v1.ServerReflection", &["ServerReflectionInfo"]),
+    ("grpc.reflection.v1alpha.ServerReflection", &["ServerReflectionInfo"]),
+];
+
+/// A connected peer, as the kernel reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    /// Its uid.
+    pub uid: u32,
+    /// Its gid.
+    pub gid: u32,
+    /// Its pid, when the kernel knows it.
+    pub pid: Option<i32>,
+    /// Its supplementary groups.
+    pub groups: Vec<u32>,
+}
+
+impl fmt::Display for Peer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "uid {}", self.uid)?;
+        if let Some(pid) = self.pid {
+            write!(f, " (pid {pid})")?;
+        }
+        Ok(())
+    }
+}
+
+/// What a peer may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Every method.
+    Full,
+    /// Only the read-only methods.
+    ReadOnly,
+    /// Nothing.
+    Denied,
+}
+
+/// Who may call what; see the module docs.
+#[derive(Debug, Clone, Default)]
+pub struct AccessPolicy {
+    /// Uids that may call every method.
+    pub full_uids: Vec<u32>,
+    /// Groups (primary or supplementary) whose members may call the read-only methods.
+    pub read_only_gids: Vec<u32>,
+    /// The daemon's read-only methods (besides [`ALWAYS_READ_ONLY`]).
+    pub read_only_methods: ReadOnlyMethods,
+}
+
+/// Why a call was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The peer may call nothing.
+    NotAllowed,
+    /// The peer may only read, and the method changes state.
+    ReadOnly,
+}
+
+impl Refusal {
+    /// As a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NotAllowed => "not_allowed",
+            Self::ReadOnly => "read_only",
+        }
+    }
+}
+
+impl AccessPolicy {
+    /// Whether every peer has full access (no list given).
+    pub fn is_open(&self) -> bool {
+        self.full_uids.is_empty() && self.read_only_gids.is_empty()
+    }
+
+    /// What `peer` may do.
+    ///
+    /// ```
+    /// use rivet_common::access::{Access, AccessPolicy, Peer};
+    /// let policy = AccessPolicy { full_uids: vec![0, 999], read_only_gids: vec![995], ..Default::default() };
+    /// let peer = |uid, groups: &[u32]| Peer { uid, gid: uid, pid: None, groups: groups.to_vec() };
+    /// assert_eq!(policy.access(&peer(999, &[])), Access::Full);
+    /// assert_eq!(policy.access(&peer(1000, &[100, 995])), Access::ReadOnly);
+    /// assert_eq!(policy.access(&peer(1000, &[100])), Access::Denied);
+    /// ```
+    pub fn access(&self, peer: &Peer) -> Access {
+        if self.is_open() || self.full_uids.contains(&peer.uid) {
+            Access::Full
+        } else if self
+            .read_only_gids
+            .iter()
+            .any(|g| *g == peer.gid || peer.groups.contains(g))
+        {
+            Access::ReadOnly
+        } else {
+            Access::Denied
+        }
+    }
+
+    /// Whether the gRPC path `/service/method` only reads.
+    ///
+    /// ```
+    /// use rivet_common::access::AccessPolicy;
+    /// let policy = AccessPolicy { read_only_methods: &[("rivet.ipam.v1.Ipam", &["List"])], ..Default::default() };
+    /// assert!(policy.is_read_only("/rivet.ipam.v1.Ipam/List"));
+    /// assert!(policy.is_read_only("/rivet.daemon.v1.Daemon/GetInfo"));
+    /// assert!(!policy.is_read_only("/rivet.ipam.v1.Ipam/Allocate"));
+    /// ```
+    pub fn is_read_only(&self, path: &str) -> bool {
+        let Some((service, method)) = path.strip_prefix('/').and_then(|p| p.split_once('/')) else {
+            return false;
+        };
+        ALWAYS_READ_ONLY
+            .iter()
+            .chain(self.read_only_methods.iter())
+            .any(|(s, methods)| *s == service && methods.contains(&method))
+    }
+
+    /// Whether a peer with `access` may call `path`.
+    pub fn check(&self, access: Access, path: &str) -> Result<(), Refusal> {
+        match access {
+            Access::Full => Ok(()),
+            Access::ReadOnly if self.is_read_only(path) => Ok(()),
+            Access::ReadOnly => Err(Refusal::ReadOnly),
+            Access::Denied => Err(Refusal::NotAllowed),
+        }
+    }
+
+    /// The `PERMISSION_DENIED` message for `peer` refused `path` on `daemon`.
+    pub fn refusal_message(&self, daemon: &str, peer: &Peer, path: &str, refusal: Refusal) -> String {
+        let method = path.strip_prefix('/').unwrap_or(path);
+        let full = join(&self.full_uids);
+        match refusal {
+            Refusal::NotAllowed => format!(
+                "{daemon} refused {method} from {peer}: this uid may not call {daemon} \
+                 (every call: uids {full}; read-only calls: members of gids {})",
+                join(&self.read_only_gids)
+            ),
+            Refusal::ReadOnly => format!(
+                "{daemon} refused {method} from {peer}: it changes state, and this uid may only make \
+                 read-only calls (every call: uids {full})"
+            ),
+        }
+    }
+}
+
+fn join(ids: &[u32]) -> String {
+    if ids.is_empty() {
+        return "none".into();
+    }
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// The peer of one accepted connection and what it may do; every request
+/// on the connection carries it (tonic's connect info).
+#[derive(Debug, Clone)]
+pub struct PeerAccess {
+    /// The peer.
+    pub peer: Peer,
+    /// What it may do.
+    pub access: Access,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeniedLabels {
+    method: String,
+    reason: &'static str,
+}
+
+/// Calls refused by a daemon's socket, by method and reason.
+#[derive(Clone, Debug, Default)]
+pub struct AccessMetrics {
+    denied: Family<DeniedLabels, Counter>,
+}
+
+impl AccessMetrics {
+    /// Registers `rivet_socket_calls_denied_total` (prefix the registry with `rivet`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.sub_registry_with_prefix("socket").register(
+            "calls_denied",
+            "Calls refused by the daemon's socket access policy, by method and reason",
+            self.denied.clone(),
+        );
+    }
+
+    /// The event: a call refused. Logs it and counts it.
+    fn call_denied(&self, daemon: &str, peer: &Peer, path: &str, refusal: Refusal) {
+        tracing::warn!(
+            daemon,
+            uid = peer.uid,
+            gid = peer.gid,
+            pid = peer.pid,
+            method = path,
+            reason = refusal.as_str(),
+            "call refused by the socket's access policy"
+        );
+        self.denied
+            .get_or_create(&DeniedLabels {
+                method: path.to_string(),
+                reason: refusal.as_str(),
+            })
+            .inc();
+    }
+}
+
+/// Tower layer that refuses the calls a connection's peer may not make
+/// (`PERMISSION_DENIED`); [`crate::grpc::serve_unix`] installs it.
+#[derive(Clone, Debug)]
+pub struct AccessLayer {
+    daemon: &'static str,
+    policy: Arc<AccessPolicy>,
+    metrics: AccessMetrics,
+}
+
+impl AccessLayer {
+    /// The layer of `daemon` enforcing `policy`.
+    pub fn new(daemon: &'static str, policy: Arc<AccessPolicy>, metrics: AccessMetrics) -> Self {
+        Self {
+            daemon,
+            policy,
+            metrics,
+        }
+    }
+}
+
+impl<S> Layer<S> for AccessLayer {
+    type Service = AccessService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        AccessService {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service made by [`AccessLayer`].
+#[derive(Clone, Debug)]
+pub struct AccessService<S> {
+    inner: S,
+    layer: AccessLayer,
+}
+
+impl<S, ReqBody, ResBody> Service<http::Request<ReqBody>> for AccessService<S>
+where
+    S: Service<http::Request<ReqBody>, Response = http::Response<ResBody>>,
+    S::Future: Send + 'static,
+    ResBody: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut TaskContext<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<ReqBody>) -> Self::Future {
+        let layer = &self.layer;
+        let path = request.uri().path();
+        let verdict = match request.extensions().get::<PeerAccess>() {
+            Some(p) => layer
+                .policy
+                .check(p.access, path)
+                .map_err(|refusal| (p.peer.clone(), refusal)),
+            // Not from a Rivet socket listener: only an open policy lets it through.
+            None if layer.policy.is_open() => Ok(()),
+            None => Err((
+                Peer {
+                    uid: u32::MAX,
+                    gid: u32::MAX,
+                    pid: None,
+                    groups: Vec::new(),
+                },
+                Refusal::NotAllowed,
+            )),
+        };
+        match verdict {
+            Ok(()) => Box::pin(self.inner.call(request)),
+            Err((peer, refusal)) => {
+                layer.metrics.call_denied(layer.daemon, &peer, path, refusal);
+                let message = layer.policy.refusal_message(layer.daemon, &peer, path, refusal);
+                let response = tonic::Status::permission_denied(message).into_http::<ResBody>();
+                Box::pin(async move { Ok(response) })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> AccessPolicy {
+        AccessPolicy {
+            full_uids: vec![0, 999],
+            read_only_gids: vec![995],
+            read_only_methods: &[("rivet.ipam.v1.Ipam", &["List"])],
+        }
+    }
+
+    fn peer(uid: u32, gid: u32, groups: &[u32]) -> Peer {
+        Peer {
+            uid,
+            gid,
+            pid: Some(42),
+            groups: groups.to_vec(),
+        }
+    }
+
+    #[test]
+    fn full_uids_read_only_groups_and_everyone_else() {
+        let p = policy();
+        assert_eq!(p.access(&peer(0, 0, &[])), Access::Full);
+        assert_eq!(p.access(&peer(999, 994, &[995])), Access::Full, "the uid list wins");
+        assert_eq!(p.access(&peer(1000, 995, &[])), Access::ReadOnly, "primary group");
+        assert_eq!(
+            p.access(&peer(1000, 1000, &[4, 995])),
+            Access::ReadOnly,
+            "supplementary group"
+        );
+        assert_eq!(p.access(&peer(1000, 1000, &[4])), Access::Denied);
+        assert_eq!(
+            AccessPolicy::default().access(&peer(1000, 1000, &[])),
+            Access::Full,
+            "no list: open"
+        );
+    }
+
+    #[test]
+    fn read_only_peers_call_only_read_only_methods() {
+        let p = policy();
+        assert_eq!(p.check(Access::ReadOnly, "/rivet.ipam.v1.Ipam/List"), Ok(()));
+        assert_eq!(p.check(Access::ReadOnly, "/rivet.daemon.v1.Daemon/GetInfo"), Ok(()));
+        assert_eq!(
+            p.check(Access::ReadOnly, "/rivet.ipam.v1.Ipam/Allocate"),
+            Err(Refusal::ReadOnly)
+        );
+        // A method of the same name in another service is not read-only.
+        assert_eq!(
+            p.check(Access::ReadOnly, "/rivet.other.v1.Other/List"),
+            Err(Refusal::ReadOnly)
+        );
+        assert_eq!(p.check(Access::ReadOnly, "List"), Err(Refusal::ReadOnly));
+        assert_eq!(
+            p.check(Access::Denied, "/rivet.daemon.v1.Daemon/GetInfo"),
+            Err(Refusal::NotAllowed)
+        );
+        assert_eq!(p.check(Access::Full, "/rivet.ipam.v1.Ipam/Allocate"), Ok(()));
+    }
+
+    #[test]
+    fn refusals_name_the_uid_and_the_method() {
+        let p = policy();
+        let m = p.refusal_message(
+            "svc-ipam",
+            &peer(65534, 65534, &[]),
+            "/rivet.ipam.v1.Ipam/Allocate",
+            Refusal::NotAllowed,
+        );
+        assert!(
+            m.contains("uid 65534 (pid 42)") && m.contains("rivet.ipam.v1.Ipam/Allocate"),
+            "{m}"
+        );
+        assert!(m.contains("uids 0, 999") && m.contains("gids 995"), "{m}");
+        let m = p.refusal_message(
+            "svc-ipam",
+            &peer(1000, 995, &[]),
+            "/rivet.ipam.v1.Ipam/Allocate",
+            Refusal::ReadOnly,
+        );
+        assert!(m.contains("read-only") && m.contains("uid 1000"), "{m}");
+    }
+}
