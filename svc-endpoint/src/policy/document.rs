@@ -20,7 +20,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
 use super::selector::{Entity, LabelSelector, Operator, Peer, Requirement, inside};
-use super::{Direction, PolicyError, PolicyKey, PolicyKind, Protocol, Verdict};
+use super::{Direction, PolicyError, PolicyKey, PolicyKind, Protocol, SelectorChanges, Verdict};
 
 /// One parsed, validated and normalised policy document. Immutable; see
 /// [`Policy::parse`].
@@ -168,6 +168,23 @@ impl Policy {
     /// endpoint is in the policy's namespace and matches `spec.podSelector`.
     pub fn selects(&self, subject: &Labels) -> bool {
         subject.namespace() == Some(self.key.namespace.as_str()) && self.spec.pod_selector.matches_pod(subject)
+    }
+
+    /// Whether the resolution of an endpoint it selects can change with
+    /// `changes`: a peer of a rule that takes effect matches a changed
+    /// identity differently before and after, or named ports changed and an
+    /// egress rule names a port (those resolve against the peers' ports).
+    pub fn reacts_to(&self, changes: &SelectorChanges) -> bool {
+        self.spec.policy_types.iter().any(|direction| {
+            [Verdict::Allow, Verdict::Deny].into_iter().any(|verdict| {
+                self.spec.rules(*direction, verdict).iter().any(|rule| {
+                    let named = *direction == Direction::Egress
+                        && changes.named_ports_changed()
+                        && rule.ports.iter().any(|p| matches!(p.port, Some(PortRef::Name(_))));
+                    named || rule.peers.iter().any(|peer| !peer.is_any() && changes.moves(peer))
+                })
+            })
+        })
     }
 
     /// Every ipBlock prefix (cidr and except) of the rules that take effect

@@ -100,7 +100,7 @@ use rivet_proto::loader::v1 as loader;
 pub use document::Policy;
 pub use evaluate::{Decision, PacketPeer};
 pub use repository::{PolicyChange, PolicyRepository, ResolvedPolicy, StoredPolicy, Subject};
-pub use selector_cache::SelectorCache;
+pub use selector_cache::{SelectorCache, SelectorChanges};
 
 /// apiVersion of [`PolicyKind::NetworkPolicy`].
 pub const NETWORK_POLICY_API_VERSION: &str = "networking.k8s.io/v1";

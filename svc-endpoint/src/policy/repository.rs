@@ -10,7 +10,9 @@ use rivet_proto::loader::v1 as loader;
 use serde::{Deserialize, Serialize};
 
 use super::evaluate::{self, Decision, PacketPeer};
-use super::{Direction, Entry, NamedPort, Policy, PolicyError, PolicyKey, PolicyOrigin, SelectorCache, resolve};
+use super::{
+    Direction, Entry, NamedPort, Policy, PolicyError, PolicyKey, PolicyOrigin, SelectorCache, SelectorChanges, resolve,
+};
 
 /// A policy in the repository.
 #[derive(Debug, Clone)]
@@ -222,6 +224,20 @@ impl PolicyRepository {
     /// Whether no policy is stored.
     pub fn is_empty(&self) -> bool {
         self.policies.is_empty()
+    }
+
+    /// The policies whose resolution `changes` can alter
+    /// ([`Policy::reacts_to`]); only endpoints these select need a new
+    /// resolution.
+    pub fn affected_by(&self, changes: &SelectorChanges) -> Vec<Arc<Policy>> {
+        if changes.is_empty() {
+            return Vec::new();
+        }
+        self.policies
+            .values()
+            .filter(|s| s.policy.reacts_to(changes))
+            .map(|s| s.policy.clone())
+            .collect()
     }
 
     /// Every prefix of every policy's [`Policy::cidrs`]: the caller keeps a

@@ -65,6 +65,63 @@ pub struct SelectorCache {
     /// Named ports of the local endpoints holding an identity (sorted, unique).
     named_ports: BTreeMap<u32, Vec<NamedPort>>,
     memo: RwLock<Memo>,
+    /// What changed since the caller last took it.
+    changes: SelectorChanges,
+}
+
+/// What changed in a [`SelectorCache`] since [`SelectorCache::take_changes`]
+/// was last called: each identity that appeared, vanished or changed (its
+/// labels or prefix before and after), and the identities whose named ports
+/// changed. [`PolicyRepository::affected_by`](super::PolicyRepository::affected_by)
+/// turns it into the policies whose resolution it can change, so only the
+/// endpoints those select are regenerated.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SelectorChanges {
+    identities: Vec<(u32, Option<Known>, Option<Known>)>,
+    named_ports: BTreeSet<u32>,
+}
+
+/// An identity the cache knows beyond the reserved ones.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Known {
+    Cluster(Labels),
+    Cidr(IpNet),
+}
+
+impl Known {
+    fn as_ref(&self) -> IdentityRef<'_> {
+        match self {
+            Self::Cluster(labels) => IdentityRef::Cluster(labels),
+            Self::Cidr(prefix) => IdentityRef::Cidr(prefix),
+        }
+    }
+}
+
+impl SelectorChanges {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.identities.is_empty() && self.named_ports.is_empty()
+    }
+
+    /// Whether a peer matches a changed identity differently before and
+    /// after the change.
+    pub(crate) fn moves(&self, peer: &Peer) -> bool {
+        self.identities.iter().any(|(_, before, after)| {
+            let matches = |known: &Option<Known>| known.as_ref().is_some_and(|k| peer.matches(k.as_ref()));
+            matches(before) != matches(after)
+        })
+    }
+
+    /// Whether some identity's named ports changed.
+    pub(crate) fn named_ports_changed(&self) -> bool {
+        !self.named_ports.is_empty()
+    }
+
+    fn identity(&mut self, id: u32, before: Option<Known>, after: Option<Known>) {
+        if before != after {
+            self.identities.push((id, before, after));
+        }
+    }
 }
 
 struct Memo {
@@ -108,7 +165,13 @@ impl SelectorCache {
                 entries: HashMap::new(),
                 sweep_at: MIN_SWEEP_SIZE,
             }),
+            changes: SelectorChanges::default(),
         }
+    }
+
+    /// Takes what changed since the last call.
+    pub fn take_changes(&mut self) -> SelectorChanges {
+        std::mem::take(&mut self.changes)
     }
 
     /// Adds or replaces a cluster identity (256 <= id < 2^24; others are
@@ -123,6 +186,8 @@ impl SelectorCache {
         if self.cluster.get(&id) == Some(&labels) {
             return false;
         }
+        let before = self.cluster.get(&id).cloned().map(Known::Cluster);
+        self.changes.identity(id, before, Some(Known::Cluster(labels.clone())));
         let labels = self.cluster.entry(id).insert_entry(labels).into_mut();
         update_memo(
             self.memo.get_mut().unwrap_or_else(|e| e.into_inner()),
@@ -134,9 +199,10 @@ impl SelectorCache {
 
     /// Removes a cluster identity. Returns whether it was known.
     pub fn remove_identity(&mut self, id: u32) -> bool {
-        if self.cluster.remove(&id).is_none() {
+        let Some(before) = self.cluster.remove(&id) else {
             return false;
-        }
+        };
+        self.changes.identity(id, Some(Known::Cluster(before)), None);
         update_memo(self.memo_mut(), id, None);
         true
     }
@@ -178,11 +244,15 @@ impl SelectorCache {
         }
         if let Some(old_id) = self.cidr_ids.remove(&prefix) {
             self.cidr_prefixes.remove(&old_id);
+            self.changes.identity(old_id, Some(Known::Cidr(prefix)), None);
             update_memo(self.memo_mut(), old_id, None);
         }
-        if let Some(old_prefix) = self.cidr_prefixes.remove(&id) {
+        let before = self.cidr_prefixes.remove(&id);
+        if let Some(old_prefix) = before {
             self.cidr_ids.remove(&old_prefix);
         }
+        self.changes
+            .identity(id, before.map(Known::Cidr), Some(Known::Cidr(prefix)));
         self.cidr_ids.insert(prefix, id);
         let prefix = self.cidr_prefixes.entry(id).insert_entry(prefix).into_mut();
         update_memo(
@@ -198,7 +268,9 @@ impl SelectorCache {
         let Some(id) = self.cidr_ids.remove(&prefix.trunc()) else {
             return false;
         };
-        self.cidr_prefixes.remove(&id);
+        if let Some(before) = self.cidr_prefixes.remove(&id) {
+            self.changes.identity(id, Some(Known::Cidr(before)), None);
+        }
         update_memo(self.memo_mut(), id, None);
         true
     }
@@ -209,14 +281,18 @@ impl SelectorCache {
     pub fn set_named_ports(&mut self, identity: u32, mut ports: Vec<NamedPort>) -> bool {
         ports.sort();
         ports.dedup();
-        if ports.is_empty() {
-            return self.named_ports.remove(&identity).is_some();
+        let changed = if ports.is_empty() {
+            self.named_ports.remove(&identity).is_some()
+        } else if self.named_ports.get(&identity) == Some(&ports) {
+            false
+        } else {
+            self.named_ports.insert(identity, ports);
+            true
+        };
+        if changed {
+            self.changes.named_ports.insert(identity);
         }
-        if self.named_ports.get(&identity) == Some(&ports) {
-            return false;
-        }
-        self.named_ports.insert(identity, ports);
-        true
+        changed
     }
 
     /// How many identities the cache knows: the 7 reserved ones, the cluster
