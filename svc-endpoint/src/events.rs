@@ -24,6 +24,12 @@ struct StepLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RemovalStepLabels {
+    step: &'static str,
+    code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
 }
@@ -41,6 +47,8 @@ pub struct EndpointMetrics {
     regeneration_errors: MetricFamily<StepLabels, Counter>,
     regeneration_seconds: Histogram,
     endpoints_dropped: MetricFamily<ReasonLabels, Counter>,
+    removal_errors: MetricFamily<RemovalStepLabels, Counter>,
+    removals_converged: MetricFamily<ReasonLabels, Counter>,
     resyncs: MetricFamily<DependencyLabels, Counter>,
     policy_revision: Gauge,
     policies: Gauge,
@@ -55,6 +63,8 @@ impl Default for EndpointMetrics {
             regeneration_errors: Default::default(),
             regeneration_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             endpoints_dropped: Default::default(),
+            removal_errors: Default::default(),
+            removals_converged: Default::default(),
             resyncs: Default::default(),
             policy_revision: Default::default(),
             policies: Default::default(),
@@ -83,6 +93,16 @@ impl EndpointMetrics {
             "dropped",
             "Endpoints removed by svc-endpoint itself, by reason",
             self.endpoints_dropped.clone(),
+        );
+        r.register(
+            "removal_errors",
+            "Failed attempts to remove an endpoint, by step and gRPC code (each is retried)",
+            self.removal_errors.clone(),
+        );
+        r.register(
+            "removals_converged",
+            "Removals completed in the background after failed attempts, by reason",
+            self.removals_converged.clone(),
         );
         r.register(
             "dependency_resyncs",
@@ -166,6 +186,35 @@ pub fn endpoint_deleted(id: u16, reason: &str) {
 pub fn endpoint_dropped(m: &EndpointMetrics, id: u16, reason: &'static str, detail: &str) {
     tracing::info!(endpoint = id, reason, "endpoint dropped: {detail}");
     m.endpoints_dropped.get_or_create(&ReasonLabels { reason }).inc();
+}
+
+/// An attempt to remove an endpoint failed; its worker retries.
+pub fn removal_failed(m: &EndpointMetrics, id: u16, step: &'static str, status: &tonic::Status, failures: u32) {
+    tracing::warn!(endpoint = id, step, code = ?status.code(), failures, "removing the endpoint failed; retrying in the background: {}", status.message());
+    m.removal_errors
+        .get_or_create(&RemovalStepLabels {
+            step,
+            code: rivet_common::grpc::code_label(status.code()),
+        })
+        .inc();
+}
+
+/// A removal completed in the background after failed attempts.
+pub fn removal_converged(
+    m: &EndpointMetrics,
+    id: u16,
+    reason: &'static str,
+    failed_attempts: u64,
+    released_addresses: bool,
+) {
+    tracing::info!(
+        endpoint = id,
+        reason,
+        failed_attempts,
+        released_addresses,
+        "endpoint removal completed after failed attempts"
+    );
+    m.removals_converged.get_or_create(&ReasonLabels { reason }).inc();
 }
 
 /// A dependency restarted and svc-endpoint replayed its desired state.

@@ -5,7 +5,8 @@
 //! - [`policy`]: the policy engine (NetworkPolicy + Rivet's kind, selector
 //!   cache, resolution into datapath entries), pure and unit-tested;
 //! - [`manager`]: endpoints, their state machine and regeneration queues,
-//!   restore on start, resync when a dependency restarts;
+//!   restore on start, resync when a dependency restarts (each endpoint's
+//!   worker and its queue are in `queue`);
 //! - [`state_dir`]: `<state-dir>/endpoints/<id>/`, crash-safe;
 //! - [`clients`]: the other daemons behind small traits;
 //! - [`service`]: the `rivet.endpoint.v1` gRPC services;
@@ -17,6 +18,7 @@ pub mod events;
 pub mod manager;
 pub mod policy;
 pub mod policy_dir;
+mod queue;
 pub mod service;
 pub mod state_dir;
 #[cfg(feature = "testing")]

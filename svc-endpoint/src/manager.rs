@@ -4,15 +4,24 @@
 //! restarts (DESIGN.md §1, §5).
 //!
 //! Concurrency: all bookkeeping lives behind one `std` mutex that is never
-//! held across an await. Each endpoint has a worker task; a regeneration
-//! request bumps the endpoint's requested generation and wakes the worker,
-//! which regenerates once for every request made so far (coalescing) while
-//! holding the endpoint's regeneration lock (serialising) and one permit of
-//! a node-wide semaphore (bounding parallelism).
+//! held across an await. Each endpoint has one worker task, the only one
+//! that regenerates or removes it: a regeneration request bumps the
+//! endpoint's requested generation and wakes the worker, which regenerates
+//! once for every request made so far (coalescing) with one permit of a
+//! node-wide semaphore (bounding parallelism). A removal closes the queue:
+//! no regeneration starts any more, a running one stops at its next step,
+//! and the worker retries the removal with backoff until the endpoint is
+//! gone, whether or not a caller still waits (deletes converge by
+//! themselves). The permit is taken before the endpoint's lock, so a
+//! removal never waits behind other endpoints' regenerations.
+//!
+//! Any change of the selector cache re-requests every endpoint that is not
+//! idle: a regeneration that resolved its policy before the change realises
+//! a stale policy, and the coalesced request makes one more.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -38,6 +47,7 @@ use crate::policy::{
     Policy, PolicyChange, PolicyError, PolicyKey, PolicyOrigin, PolicyRepository, ResolvedPolicy, SelectorCache,
     StoredPolicy, Subject,
 };
+use crate::queue::{Queue, RemovalFailure, RemovalReason};
 use crate::state_dir::{EndpointRecord, EndpointStateDir};
 
 /// The namespace of endpoints created without one.
@@ -105,7 +115,7 @@ pub struct RegenError {
 }
 
 impl RegenError {
-    fn new(step: RegenerationStep, status: Status) -> Self {
+    pub(crate) fn new(step: RegenerationStep, status: Status) -> Self {
         Self { step, status }
     }
 }
@@ -243,6 +253,21 @@ pub enum ManagerError {
         /// The failure.
         source: RegenError,
     },
+    /// A synchronous create found no identity for a new label set: svc-identity
+    /// stayed unavailable (its kvstore unreachable) for the whole deadline.
+    #[error("endpoint {id}: no identity for its label set within the deadline ({attempts} attempts over {waited:?}; svc-identity needs the kvstore for a label set it has not seen): {}{}", source.status.message(), if *undone { " (undone)" } else { "" })]
+    IdentityUnavailable {
+        /// The endpoint.
+        id: u16,
+        /// Allocation attempts made.
+        attempts: u32,
+        /// Time spent.
+        waited: Duration,
+        /// Whether everything done for it was removed.
+        undone: bool,
+        /// svc-identity's last answer.
+        source: RegenError,
+    },
     /// The deadline passed before the regeneration completed.
     #[error("endpoint {id}: regeneration did not complete within the deadline{}", if *undone { " (undone)" } else { "; it continues" })]
     Deadline {
@@ -251,9 +276,11 @@ pub enum ManagerError {
         /// Whether the endpoint is being undone.
         undone: bool,
     },
-    /// Removing an endpoint failed; it stays `disconnecting` and the call
-    /// can be retried.
-    #[error("endpoint {id}: removal failed at {step}: {status}")]
+    /// Removing an endpoint failed (or did not finish within the call's
+    /// deadline); it stays `disconnecting`, svc-endpoint keeps retrying in
+    /// the background (and then releases its addresses, which the caller
+    /// keeps), and the call can be repeated.
+    #[error("endpoint {id}: removal failed at {step}: {}; retrying in the background", status.message())]
     Removal {
         /// The endpoint.
         id: u16,
@@ -294,6 +321,7 @@ impl From<ManagerError> for Status {
                 | Code::InvalidArgument) => Status::new(code, message),
                 _ => Status::internal(message),
             },
+            ManagerError::IdentityUnavailable { .. } => Status::unavailable(message),
             ManagerError::Deadline { .. } => Status::deadline_exceeded(message),
             ManagerError::Removal { .. } => Status::unavailable(message),
             ManagerError::Policy(PolicyError::OriginConflict { .. }) => Status::failed_precondition(message),
@@ -304,99 +332,6 @@ impl From<ManagerError> for Status {
     }
 }
 
-/// Per-endpoint regeneration bookkeeping, shared with its worker.
-#[derive(Debug)]
-struct Queue {
-    /// Held for the whole of a regeneration or a removal.
-    lock: tokio::sync::Mutex<()>,
-    /// requested / realised generations and the last failure.
-    outcome: watch::Sender<Outcome>,
-    wake: Notify,
-    /// Set when the endpoint is being removed: the worker exits.
-    closed: AtomicBool,
-    /// Retry failed regenerations in the background (false for a
-    /// synchronous create until its first regeneration succeeded).
-    retry: AtomicBool,
-}
-
-#[derive(Debug, Clone)]
-struct Outcome {
-    requested: u64,
-    realised: u64,
-    /// The generation a failed attempt was for, and why.
-    failed: Option<(u64, RegenError)>,
-    reason: String,
-    /// The span of the latest request: the regeneration is its child, so a
-    /// pod creation is one trace across the daemons.
-    requester: tracing::Span,
-}
-
-impl Queue {
-    fn new(retry: bool) -> Arc<Self> {
-        Arc::new(Self {
-            lock: tokio::sync::Mutex::new(()),
-            outcome: watch::channel(Outcome {
-                requested: 0,
-                realised: 0,
-                failed: None,
-                reason: String::new(),
-                requester: tracing::Span::none(),
-            })
-            .0,
-            wake: Notify::new(),
-            closed: AtomicBool::new(false),
-            retry: AtomicBool::new(retry),
-        })
-    }
-
-    /// Requests a regeneration; returns the generation to wait for.
-    fn request(&self, reason: &str) -> u64 {
-        let mut generation = 0;
-        self.outcome.send_modify(|o| {
-            o.requested += 1;
-            o.reason = reason.to_string();
-            o.requester = tracing::Span::current();
-            generation = o.requested;
-        });
-        self.wake.notify_one();
-        generation
-    }
-
-    /// Waits until `generation` is realised, an attempt covering it failed,
-    /// or the endpoint is being removed (ABORTED: its worker exits without
-    /// regenerating again, so nothing else would end the wait).
-    async fn wait(&self, generation: u64) -> Result<(), RegenError> {
-        let removed = || RegenError::new(RegenerationStep::Identity, Status::aborted("endpoint removed"));
-        let mut rx = self.outcome.subscribe();
-        let outcome = rx
-            .wait_for(|o| {
-                o.realised >= generation
-                    || o.failed.as_ref().is_some_and(|(g, _)| *g >= generation)
-                    || self.closed.load(Ordering::SeqCst)
-            })
-            .await
-            .map_err(|_| removed())?
-            .clone();
-        if outcome.realised >= generation {
-            return Ok(());
-        }
-        match outcome.failed {
-            Some((g, e)) if g >= generation => Err(e),
-            _ => Err(removed()),
-        }
-    }
-
-    /// Marks the endpoint as being removed: its worker exits and every
-    /// waiter returns (a removal can overtake a request the worker has not
-    /// taken yet, e.g. one made by restore).
-    fn close(&self) {
-        self.closed.store(true, Ordering::SeqCst);
-        self.wake.notify_one();
-        // Wakes the waiters; they see `closed`.
-        self.outcome.send_modify(|_| {});
-    }
-}
-
 #[derive(Debug)]
 struct Slot {
     spec: EndpointSpec,
@@ -404,6 +339,22 @@ struct Slot {
     queue: Arc<Queue>,
     /// What the state dir holds (to skip identical rewrites).
     persisted: Option<EndpointRecord>,
+    /// The identity labels a running regeneration resolved the policy for
+    /// (a selector change after that needs one more regeneration).
+    resolving: Option<Labels>,
+}
+
+impl Slot {
+    /// The identity labels its policy is (being) resolved for: those of a
+    /// running regeneration that resolved already, else those of the
+    /// realised policy; `None` before the first resolution.
+    fn policy_labels(&self) -> Option<&Labels> {
+        match (&self.resolving, self.status.identity) {
+            (Some(labels), _) => Some(labels),
+            (None, 0) => None,
+            (None, _) => Some(&self.status.identity_labels),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -476,6 +427,22 @@ impl State {
             },
             &self.selectors,
         )
+    }
+
+    /// Sets the named ports of `identity` to the union of those of the
+    /// endpoints holding it (they share one peer entry in other endpoints'
+    /// policies).
+    fn refresh_named_ports(&mut self, identity: u32) {
+        if identity == 0 {
+            return;
+        }
+        let ports = self
+            .endpoints
+            .values()
+            .filter(|s| s.status.identity == identity)
+            .flat_map(|s| s.spec.named_ports.iter().cloned())
+            .collect();
+        self.selectors.set_named_ports(identity, ports);
     }
 
     fn counts(&self) -> Vec<(EndpointState, usize)> {
@@ -661,13 +628,13 @@ impl EndpointManager {
                         spec.container_id, spec.interface, existing.spec.id
                     )));
                 }
-                if existing.status.state == EndpointState::Disconnecting {
+                if existing.queue.is_closed() {
                     return Err(ManagerError::Precondition(format!(
                         "endpoint {} of container {} is being deleted; retry",
                         existing.spec.id, spec.container_id
                     )));
                 }
-                let outcome = existing.queue.outcome.borrow().clone();
+                let outcome = existing.queue.outcome();
                 (
                     existing.spec.id,
                     existing.queue.clone(),
@@ -704,7 +671,7 @@ impl EndpointManager {
                     format!("{}/{}", spec.pod_namespace, spec.pod_name)
                 };
                 events::endpoint_created(id, &spec.container_id, &spec.interface, &pod);
-                let queue = Queue::new(!new.sync);
+                let queue = Queue::new(!new.sync, false);
                 state.endpoints.insert(
                     id,
                     Slot {
@@ -712,6 +679,7 @@ impl EndpointManager {
                         status: EndpointStatus::new(EndpointState::WaitingForIdentity, "created"),
                         queue: queue.clone(),
                         persisted: None,
+                        resolving: None,
                     },
                 );
                 self.spawn_worker(id, queue.clone());
@@ -723,53 +691,76 @@ impl EndpointManager {
         if !new.sync {
             return Ok((self.view(id)?, created));
         }
-        let remaining = deadline.saturating_sub(started.elapsed());
-        match tokio::time::timeout(remaining, queue.wait(generation)).await {
-            Ok(Ok(())) => {
-                queue.retry.store(true, Ordering::SeqCst);
-                Ok((self.view(id)?, created))
-            }
-            Ok(Err(source)) if created => {
-                let undone = self.undo_failed_create(id, &source).await;
-                Err(ManagerError::Regeneration { id, undone, source })
-            }
-            Ok(Err(source)) => Err(ManagerError::Regeneration {
-                id,
-                undone: false,
-                source,
-            }),
-            Err(_) if created => {
-                // Undo once the running regeneration has finished (the
-                // removal takes the endpoint's regeneration lock).
-                let this = self.clone();
-                tokio::spawn(async move {
-                    let failure =
-                        RegenError::new(RegenerationStep::Identity, Status::deadline_exceeded("create deadline"));
-                    this.undo_failed_create(id, &failure).await;
+        // A label set svc-identity has not seen needs its kvstore: while that
+        // is away, allocation answers UNAVAILABLE and is retried within the
+        // call's deadline (a label set it already has works locally).
+        let mut generation = generation;
+        let mut backoff = self.inner.options.retry_backoff.clone();
+        let mut unavailable: Option<(u32, RegenError)> = None;
+        loop {
+            let remaining = deadline.saturating_sub(started.elapsed());
+            let source = match tokio::time::timeout(remaining, queue.wait(generation)).await {
+                Ok(Ok(())) => {
+                    queue.retry.store(true, Ordering::SeqCst);
+                    return Ok((self.view(id)?, created));
+                }
+                Ok(Err(source)) => source,
+                Err(_) if !created => return Err(ManagerError::Deadline { id, undone: false }),
+                Err(_) => {
+                    // Undone once the running regeneration stopped (the
+                    // worker removes the endpoint after it).
+                    queue.request_removal(RemovalReason::CreateFailed);
+                    return Err(match unavailable {
+                        Some((attempts, source)) => ManagerError::IdentityUnavailable {
+                            id,
+                            attempts,
+                            waited: started.elapsed(),
+                            undone: true,
+                            source,
+                        },
+                        None => ManagerError::Deadline { id, undone: true },
+                    });
+                }
+            };
+            if !created {
+                return Err(ManagerError::Regeneration {
+                    id,
+                    undone: false,
+                    source,
                 });
-                Err(ManagerError::Deadline { id, undone: true })
             }
-            Err(_) => Err(ManagerError::Deadline { id, undone: false }),
+            let identity_unavailable =
+                source.step == RegenerationStep::Identity && source.status.code() == Code::Unavailable;
+            let delay = backoff.next_delay();
+            if identity_unavailable && started.elapsed() + delay < deadline {
+                let attempts = unavailable.as_ref().map_or(0, |(n, _)| *n) + 1;
+                tracing::info!(endpoint = id, attempts, error = %source, "no identity yet (svc-identity unavailable); retrying within the deadline");
+                unavailable = Some((attempts, source));
+                tokio::time::sleep(delay).await;
+                generation = queue.request("identity allocation retried");
+                continue;
+            }
+            let undone = self.undo_failed_create(id, &source).await;
+            return Err(match unavailable {
+                Some((attempts, _)) if identity_unavailable => ManagerError::IdentityUnavailable {
+                    id,
+                    attempts: attempts + 1,
+                    waited: started.elapsed(),
+                    undone,
+                    source,
+                },
+                _ => ManagerError::Regeneration { id, undone, source },
+            });
         }
     }
 
+    /// Removes the endpoint of a failed synchronous create; whether it is
+    /// gone (otherwise the worker keeps trying in the background).
     async fn undo_failed_create(&self, id: u16, failure: &RegenError) -> bool {
-        match self.remove_endpoint(id, "create failed").await {
-            Ok(()) => {
-                events::endpoint_dropped(&self.inner.metrics, id, "create_failed", &failure.to_string());
-                true
-            }
+        match self.remove_and_wait(id, RemovalReason::CreateFailed, None).await {
+            Ok(()) => true,
             Err(e) => {
-                tracing::error!(endpoint = id, error = %e, "undoing a failed create failed; the endpoint stays disconnecting");
-                // Retry in the background until it is gone.
-                let this = self.clone();
-                tokio::spawn(async move {
-                    let mut backoff = this.inner.options.retry_backoff.clone();
-                    while let Err(e) = this.remove_endpoint(id, "create failed (retry)").await {
-                        tracing::warn!(endpoint = id, error = %e, "retrying removal");
-                        tokio::time::sleep(backoff.next_delay()).await;
-                    }
-                });
+                tracing::error!(endpoint = id, failure = %failure, error = %e, "undoing a failed create failed; the endpoint stays disconnecting and is retried");
                 false
             }
         }
@@ -778,57 +769,213 @@ impl EndpointManager {
     // ------------------------------------------------------------ delete --
 
     /// Removes the selected endpoints (datapath, identity reference, ipcache
-    /// entries, state dir). Does not release addresses. Returns the ids
-    /// removed; an empty list when nothing matched.
-    pub async fn delete(&self, selector: &EndpointSelector) -> Result<Vec<u16>, ManagerError> {
+    /// entries, state dir). Does not release addresses: the caller does,
+    /// once this returned. Returns the ids removed; an empty list when
+    /// nothing matched. On failure, or when `deadline` passes first, the
+    /// endpoint stays `disconnecting`, its worker retries until it is gone
+    /// and then releases its addresses too (the caller keeps them).
+    pub async fn delete(&self, selector: &EndpointSelector, deadline: Duration) -> Result<Vec<u16>, ManagerError> {
+        let started = Instant::now();
         // Only the local state dir scan: never waits for another daemon.
         let _ = self.inner.scanned.subscribe().wait_for(|s| *s).await;
-        let ids = {
-            let mut state = self.state();
-            if let EndpointSelector::Pod { namespace, name } = selector {
-                state.pod_labels.remove(&(namespace.clone(), name.clone()));
-            }
-            state.find(selector)
-        };
+        let ids = self.state().find(selector);
         let mut deleted = Vec::new();
         for id in ids {
-            self.remove_endpoint(id, "deleted").await?;
-            events::endpoint_deleted(id, "DeleteEndpoint");
+            let remaining = deadline.saturating_sub(started.elapsed());
+            self.remove_and_wait(id, RemovalReason::Deleted, Some(remaining))
+                .await?;
             deleted.push(id);
         }
         Ok(deleted)
     }
 
-    /// Takes an endpoint out of everything and forgets it. On failure it
-    /// stays `disconnecting` (no worker) and the call can be repeated.
-    async fn remove_endpoint(&self, id: u16, reason: &str) -> Result<(), ManagerError> {
-        let (queue, spec) = {
-            let mut state = self.state();
-            let Some(slot) = state.endpoints.get_mut(&id) else {
-                return Ok(());
-            };
-            slot.status.transition(id, EndpointState::Disconnecting, reason);
-            slot.queue.close();
-            (slot.queue.clone(), slot.spec.clone())
+    /// Requests the endpoint's removal from its worker and waits for that
+    /// attempt (at most `deadline`). A caller told about a failure keeps the
+    /// endpoint's addresses, so the worker releases them once it succeeds.
+    async fn remove_and_wait(
+        &self,
+        id: u16,
+        reason: RemovalReason,
+        deadline: Option<Duration>,
+    ) -> Result<(), ManagerError> {
+        let Some((queue, attempt)) = self.request_removal(id, reason) else {
+            return Ok(());
         };
-        let _serialised = queue.lock.lock().await;
-        self.release_everything(&spec).await.map_err(|(step, status)| {
-            let mut state = self.state();
-            if let Some(slot) = state.endpoints.get_mut(&id) {
-                slot.status.last_error = Some(RegenerationFailure {
-                    step: RegenerationStep::Datapath,
-                    message: format!("removal failed at {step}: {}", status.message()),
-                    at: SystemTime::now(),
-                });
+        let waited = match deadline {
+            Some(deadline) => tokio::time::timeout(deadline, queue.wait_removal(attempt)).await,
+            None => Ok(queue.wait_removal(attempt).await),
+        };
+        let failure = match waited {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(failure)) => failure,
+            Err(_) => {
+                // Decided under the state lock, where the worker forgets the
+                // endpoint: either it is gone now, or its addresses will be
+                // released when it is.
+                let state = self.state();
+                if !state.endpoints.contains_key(&id) {
+                    return Ok(());
+                }
+                queue.release_addresses_when_gone();
+                RemovalFailure {
+                    step: "waiting",
+                    status: Status::unavailable(
+                        "the removal did not finish within the call's deadline (a regeneration or a dependency is slow)",
+                    ),
+                }
             }
-            ManagerError::Removal { id, step, status }
-        })?;
+        };
+        Err(ManagerError::Removal {
+            id,
+            step: failure.step,
+            status: failure.status,
+        })
+    }
+
+    /// Marks the endpoint `disconnecting` and asks its worker for a removal
+    /// attempt; the queue and the attempt to wait for (`None`: no such
+    /// endpoint).
+    fn request_removal(&self, id: u16, reason: RemovalReason) -> Option<(Arc<Queue>, u64)> {
         let mut state = self.state();
-        if let Some(mut slot) = state.endpoints.remove(&id) {
-            slot.status.transition(id, EndpointState::Disconnected, reason);
+        let slot = state.endpoints.get_mut(&id)?;
+        slot.status
+            .transition(id, EndpointState::Disconnecting, reason.as_str());
+        let queue = slot.queue.clone();
+        self.update_state_metrics(&state);
+        let attempt = queue.request_removal(reason);
+        Some((queue, attempt))
+    }
+
+    /// One removal attempt: everything of the endpoint, and its addresses
+    /// when `release_addresses`. Each step tolerates "already gone".
+    async fn remove_once(&self, spec: &EndpointSpec, release_addresses: bool) -> Result<(), RemovalFailure> {
+        self.release_everything(spec)
+            .await
+            .map_err(|(step, status)| RemovalFailure { step, status })?;
+        if release_addresses && spec.addresses.iter().any(|a| !a.ipam_pool.is_empty()) {
+            let released = self
+                .inner
+                .deps
+                .ipam
+                .release(ipampb::ReleaseRequest {
+                    owner: Some(ipam_owner(spec)),
+                })
+                .await
+                .map_err(|status| RemovalFailure {
+                    step: "addresses",
+                    status,
+                })?;
+            let addresses: Vec<&str> = released.released.iter().map(|a| a.address.as_str()).collect();
+            tracing::info!(
+                endpoint = spec.id,
+                ?addresses,
+                "released the addresses of a removed endpoint"
+            );
+        }
+        Ok(())
+    }
+
+    /// The worker's removal: attempts with backoff until the endpoint is
+    /// gone; a new removal request cuts the wait short.
+    async fn remove_until_gone(&self, id: u16, queue: &Queue) {
+        let mut backoff = self.inner.options.retry_backoff.clone();
+        let mut failures = 0u32;
+        loop {
+            let (attempt, release_addresses) = queue.removal_target();
+            let Some(spec) = self.state().endpoints.get(&id).map(|s| s.spec.clone()) else {
+                queue.finish_removal(attempt, Ok(true));
+                return;
+            };
+            let result = {
+                let _serialised = queue.lock.lock().await;
+                self.remove_once(&spec, release_addresses).await
+            };
+            match result {
+                Ok(()) => {
+                    if self.forget(id, queue, release_addresses) {
+                        queue.finish_removal(attempt, Ok(true));
+                        return;
+                    }
+                    // A caller gave up meanwhile: once more, with the addresses.
+                    queue.finish_removal(attempt, Ok(false));
+                }
+                Err(failure) => {
+                    failures += 1;
+                    {
+                        let mut state = self.state();
+                        if let Some(slot) = state.endpoints.get_mut(&id) {
+                            slot.status.last_error = Some(RegenerationFailure {
+                                step: RegenerationStep::Datapath,
+                                message: format!("removal failed at {}: {}", failure.step, failure.status.message()),
+                                at: SystemTime::now(),
+                            });
+                        }
+                    }
+                    events::removal_failed(&self.inner.metrics, id, failure.step, &failure.status, failures);
+                    queue.finish_removal(attempt, Err(failure));
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff.next_delay()) => {}
+                        () = queue.wake.notified() => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Forgets a removed endpoint, unless its addresses must be released
+    /// and this attempt did not (a caller gave up after it started).
+    fn forget(&self, id: u16, queue: &Queue, released_addresses: bool) -> bool {
+        let mut state = self.state();
+        let removal = queue.outcome().removal;
+        if removal.release_addresses && !released_addresses {
+            return false;
+        }
+        let Some(mut slot) = state.endpoints.remove(&id) else {
+            return true;
+        };
+        let reason = removal.reason.unwrap_or(RemovalReason::Deleted);
+        slot.status.transition(id, EndpointState::Disconnected, reason.as_str());
+        // Peers stop resolving its named ports.
+        state.refresh_named_ports(slot.status.identity);
+        self.queue_changed_policies(&mut state, "named ports changed");
+        // The pod's remembered labels go with its last endpoint (a reused
+        // name must not inherit them), unless a failed create is undone:
+        // the runtime retries that pod.
+        let pod = (slot.spec.pod_namespace.clone(), slot.spec.pod_name.clone());
+        if reason != RemovalReason::CreateFailed
+            && !pod.1.is_empty()
+            && !state.endpoints.values().any(|s| s.spec.is_pod(&pod.0, &pod.1))
+        {
+            state.pod_labels.remove(&pod);
         }
         self.update_state_metrics(&state);
-        Ok(())
+        drop(state);
+        let spec = &slot.spec;
+        let addresses: Vec<String> = spec.addresses.iter().map(|a| a.address.to_string()).collect();
+        if removal.attempted > 0 {
+            events::removal_converged(
+                &self.inner.metrics,
+                id,
+                reason.as_str(),
+                removal.attempted,
+                released_addresses,
+            );
+        }
+        match reason {
+            RemovalReason::Deleted => events::endpoint_deleted(id, reason.as_str()),
+            _ => events::endpoint_dropped(
+                &self.inner.metrics,
+                id,
+                reason.as_str(),
+                &format!(
+                    "{} ({}) addresses {addresses:?}{}",
+                    spec.host_interface,
+                    spec.container_id,
+                    if released_addresses { " released" } else { "" },
+                ),
+            ),
+        }
+        true
     }
 
     /// Datapath entry and attachments, ipcache entries, identity references,
@@ -900,7 +1047,7 @@ impl EndpointManager {
             let mut waits = Vec::new();
             for id in ids {
                 let slot = state.endpoints.get_mut(&id).expect("found above");
-                if slot.spec.labels == labels {
+                if slot.spec.labels == labels || slot.queue.is_closed() {
                     continue;
                 }
                 slot.spec.labels = labels.clone();
@@ -1216,11 +1363,7 @@ impl EndpointManager {
             state
                 .endpoints
                 .values_mut()
-                .filter(|s| {
-                    s.status.identity != 0
-                        && s.status.state != EndpointState::Disconnecting
-                        && change.affects(&s.status.identity_labels)
-                })
+                .filter(|s| !s.queue.is_closed() && s.policy_labels().is_some_and(|l| change.affects(l)))
                 .map(|s| (s.spec.id, s.queue.clone(), s.queue.request(&reason)))
                 .collect()
         };
@@ -1319,117 +1462,136 @@ impl EndpointManager {
         }
     }
 
-    /// Queues a regeneration of every endpoint whose resolved policy differs
-    /// from the one its datapath holds (after the selector cache changed).
+    /// After the selector cache changed: queues a regeneration of every
+    /// endpoint a policy whose resolution the change can alter selects
+    /// (nothing is resolved here). An endpoint counts with the labels its
+    /// running regeneration resolved for, else with those of its realised
+    /// policy: a change that arrives during a regeneration always leads to
+    /// one more (coalesced) regeneration. Endpoints that have not resolved
+    /// yet will see the change anyway.
     fn queue_changed_policies(&self, state: &mut State, reason: &str) -> usize {
-        let mut queued = Vec::new();
-        for (id, slot) in &state.endpoints {
-            if slot.status.identity == 0
-                || !matches!(
-                    slot.status.state,
-                    EndpointState::Ready | EndpointState::WaitingToRegenerate
-                )
-            {
+        let changes = state.selectors.take_changes();
+        let affected = state.repository.affected_by(&changes);
+        if affected.is_empty() {
+            return 0;
+        }
+        let mut queued = 0;
+        for slot in state.endpoints.values() {
+            if slot.queue.is_closed() {
                 continue;
             }
-            let resolved = state.resolve(&slot.status.identity_labels, &slot.spec);
-            if slot.status.realised_policy.as_ref() != Some(&resolved) {
-                queued.push(*id);
-            }
-        }
-        for id in &queued {
-            if let Some(slot) = state.endpoints.get(id) {
+            let Some(labels) = slot.policy_labels() else {
+                continue;
+            };
+            if affected.iter().any(|policy| policy.selects(labels)) {
                 slot.queue.request(reason);
+                queued += 1;
             }
         }
-        if !queued.is_empty() {
-            tracing::debug!(endpoints = queued.len(), reason, "policy of endpoints changed");
+        if queued > 0 {
+            tracing::debug!(
+                endpoints = queued,
+                policies = affected.len(),
+                reason,
+                "policy of endpoints changed"
+            );
         }
-        queued.len()
+        queued
     }
 
     // ------------------------------------------------------- regeneration --
 
     fn spawn_worker(&self, id: u16, queue: Arc<Queue>) {
         let this = self.clone();
-        tokio::spawn(async move {
-            let mut backoff = this.inner.options.retry_backoff.clone();
-            loop {
-                let pending = {
-                    let o = queue.outcome.borrow();
-                    o.requested > o.realised && o.failed.as_ref().is_none_or(|(g, _)| *g < o.requested)
-                };
-                if !pending {
-                    queue.wake.notified().await;
-                }
-                if queue.closed.load(Ordering::SeqCst) {
-                    return;
-                }
-                // Taken, not cloned: a span kept in the queue would never
-                // close (and never be exported).
-                let (mut target, mut reason, mut requester) = (0, String::new(), tracing::Span::none());
-                queue.outcome.send_modify(|o| {
-                    target = o.requested;
-                    reason = o.reason.clone();
-                    requester = std::mem::replace(&mut o.requester, tracing::Span::none());
-                });
-                if target <= queue.outcome.borrow().realised {
-                    continue;
-                }
-                let result = {
-                    let _serialised = queue.lock.lock().await;
-                    if queue.closed.load(Ordering::SeqCst) {
-                        return;
-                    }
-                    let _permit = this.inner.permits.acquire().await.expect("semaphore never closed");
-                    let span = tracing::info_span!(parent: &requester, "regenerate", endpoint = id, reason = %reason);
-                    this.regenerate(id, &reason).instrument(span).await
-                };
-                match result {
-                    Ok(()) => {
-                        backoff.reset();
-                        queue.outcome.send_modify(|o| {
-                            o.realised = o.realised.max(target);
-                            if o.failed.as_ref().is_some_and(|(g, _)| *g <= target) {
-                                o.failed = None;
-                            }
-                        });
-                    }
-                    Err(e) => {
-                        queue.outcome.send_modify(|o| o.failed = Some((target, e.clone())));
-                        if queue.retry.load(Ordering::SeqCst) && !queue.closed.load(Ordering::SeqCst) {
-                            let delay = backoff.next_delay();
-                            let queue = queue.clone();
-                            tokio::spawn(async move {
-                                tokio::time::sleep(delay).await;
-                                if !queue.closed.load(Ordering::SeqCst) {
-                                    queue.request("retry after failure");
-                                }
-                            });
-                        }
-                    }
-                }
-            }
-        });
+        tokio::spawn(async move { this.run_worker(id, queue).await });
     }
 
-    fn set_state(&self, id: u16, to: EndpointState, reason: &str) -> Option<EndpointSpec> {
+    /// The endpoint's worker: regenerates while requests come, removes the
+    /// endpoint once asked to and exits when it is gone.
+    async fn run_worker(&self, id: u16, queue: Arc<Queue>) {
+        let mut backoff = self.inner.options.retry_backoff.clone();
+        loop {
+            if queue.is_closed() {
+                self.remove_until_gone(id, &queue).await;
+                return;
+            }
+            let Some(target) = queue.take_pending() else {
+                queue.wake.notified().await;
+                continue;
+            };
+            // The permit first, without the endpoint's lock: a removal never
+            // waits behind other endpoints' regenerations.
+            let _permit = tokio::select! {
+                permit = self.inner.permits.acquire() => permit.expect("semaphore never closed"),
+                () = queue.closed() => {
+                    queue.finish(target.generation, Err(aborted(RegenerationStep::Identity)));
+                    continue;
+                }
+            };
+            let result = {
+                let _serialised = queue.lock.lock().await;
+                let span = tracing::info_span!(parent: &target.requester, "regenerate", endpoint = id, reason = %target.reason);
+                self.regenerate(id, &target.reason, &queue).instrument(span).await
+            };
+            drop(_permit);
+            let failure = result.as_ref().err().cloned();
+            queue.finish(target.generation, result);
+            let Some(e) = failure else {
+                backoff.reset();
+                continue;
+            };
+            if queue.is_closed() || !queue.retry.load(Ordering::SeqCst) {
+                continue;
+            }
+            if e.step == RegenerationStep::Datapath
+                && matches!(e.status.code(), Code::NotFound | Code::FailedPrecondition)
+            {
+                // svc-loader says the host interface is gone (or is another
+                // one now): the pod is gone without a DEL.
+                let reason = if e.status.code() == Code::NotFound {
+                    RemovalReason::InterfaceGone
+                } else {
+                    RemovalReason::InterfaceReplaced
+                };
+                self.drop_endpoint(id, reason);
+                continue;
+            }
+            // Retried after a backoff; a new request or a removal cuts it short.
+            tokio::select! {
+                () = tokio::time::sleep(backoff.next_delay()) => {
+                    queue.request("retry after failure");
+                }
+                () = queue.wake.notified() => {}
+            }
+        }
+    }
+
+    /// Moves an endpoint that is not being removed to `to`.
+    fn set_state(&self, id: u16, to: EndpointState, reason: &str) {
         let mut state = self.state();
-        let slot = state.endpoints.get_mut(&id)?;
+        let Some(slot) = state.endpoints.get_mut(&id) else {
+            return;
+        };
+        if slot.queue.is_closed() {
+            return;
+        }
         slot.status.transition(id, to, reason);
-        let spec = slot.spec.clone();
         self.update_state_metrics(&state);
-        Some(spec)
     }
 
     /// One regeneration: identity → policy → datapath → ipcache → state dir.
-    async fn regenerate(&self, id: u16, reason: &str) -> Result<(), RegenError> {
+    /// Stops before the next step once the endpoint is being removed
+    /// (ABORTED; the removal that follows undoes what was done).
+    async fn regenerate(&self, id: u16, reason: &str, queue: &Queue) -> Result<(), RegenError> {
         let started = Instant::now();
         let (spec, request_labels, previous_identity, restoring) = {
             let state = self.state();
             let Some(slot) = state.endpoints.get(&id) else {
                 return Ok(());
             };
+            if queue.is_closed() {
+                return Err(aborted(RegenerationStep::Identity));
+            }
             let labels = state
                 .identity_request_labels(&slot.spec)
                 .map_err(|s| RegenError::new(RegenerationStep::Identity, s))?;
@@ -1446,16 +1608,23 @@ impl EndpointManager {
             EndpointState::Regenerating
         };
         self.set_state(id, regenerating, reason);
-        let result = self.run_steps(&spec, request_labels, previous_identity, reason).await;
+        let result = self
+            .run_steps(&spec, request_labels, previous_identity, reason, queue)
+            .await;
         let (e, failed) = {
             let mut state = self.state();
             let Some(slot) = state.endpoints.get_mut(&id) else {
                 return result.map(|_| ());
             };
+            slot.resolving = None;
+            if queue.is_closed() {
+                // Being removed: no state change, nothing kept for debugging.
+                return result.map(|_| ());
+            }
             match result {
                 Ok((identity, identity_labels, resolved, revision, record)) => {
                     let took = started.elapsed();
-                    slot.status.identity = identity;
+                    let previous = std::mem::replace(&mut slot.status.identity, identity);
                     slot.status.identity_labels = identity_labels;
                     slot.status.realised_policy = Some(resolved);
                     slot.status.policy_revision = revision;
@@ -1467,16 +1636,11 @@ impl EndpointManager {
                     }
                     slot.status.transition(id, EndpointState::Ready, reason);
                     events::regeneration_completed(&self.inner.metrics, id, identity, revision, reason, took);
-                    let named: Vec<_> = slot.spec.named_ports.clone();
-                    if !named.is_empty() {
-                        let mut union: BTreeSet<_> = named.into_iter().collect();
-                        for other in state.endpoints.values() {
-                            if other.status.identity == identity {
-                                union.extend(other.spec.named_ports.iter().cloned());
-                            }
-                        }
-                        state.selectors.set_named_ports(identity, union.into_iter().collect());
+                    if previous != identity {
+                        state.refresh_named_ports(previous);
                     }
+                    state.refresh_named_ports(identity);
+                    self.queue_changed_policies(&mut state, "named ports changed");
                     self.update_state_metrics(&state);
                     return Ok(());
                 }
@@ -1528,9 +1692,11 @@ impl EndpointManager {
         request_labels: Labels,
         previous_identity: u32,
         reason: &str,
+        queue: &Queue,
     ) -> Result<(u32, Labels, ResolvedPolicy, u64, Option<EndpointRecord>), RegenError> {
         let deps = &self.inner.deps;
         let id = spec.id;
+        let open = |step| if queue.is_closed() { Err(aborted(step)) } else { Ok(()) };
         // 1. identity
         let allocated = deps
             .identity
@@ -1557,10 +1723,15 @@ impl EndpointManager {
         }
         // 2. policy
         let (resolved, revision) = {
-            let state = self.state();
-            (state.resolve(&identity_labels, spec), state.repository.revision())
+            let mut state = self.state();
+            let resolved = (state.resolve(&identity_labels, spec), state.repository.revision());
+            if let Some(slot) = state.endpoints.get_mut(&id) {
+                slot.resolving = Some(identity_labels.clone());
+            }
+            resolved
         };
         // 3. datapath
+        open(RegenerationStep::Datapath)?;
         let applied = deps
             .loader
             .apply(ldpb::ApplyEndpointRequest {
@@ -1593,6 +1764,7 @@ impl EndpointManager {
             ));
         }
         // 4. ipcache
+        open(RegenerationStep::Ipcache)?;
         deps.identity
             .upsert_ip(idpb::UpsertIpRequest {
                 entries: spec
@@ -1631,6 +1803,7 @@ impl EndpointManager {
                         && p.identity_labels == record.identity_labels
                 })
         };
+        open(RegenerationStep::StateDir)?;
         let written = if unchanged {
             None
         } else {
@@ -1699,7 +1872,10 @@ impl EndpointManager {
                 let mut status = EndpointStatus::new(EndpointState::Restoring, &format!("restored from {source:?}"));
                 status.identity = record.identity;
                 status.identity_labels = record.identity_labels.clone();
-                let queue = Queue::new(true);
+                // Its worker removes it at once if asked; regenerations wait
+                // until restore released it below.
+                let queue = Queue::new(true, true);
+                self.spawn_worker(id, queue.clone());
                 queues.push((id, queue.clone()));
                 state.next_id = state.next_id.max(id.wrapping_add(1)).max(1);
                 state.endpoints.insert(
@@ -1709,6 +1885,7 @@ impl EndpointManager {
                         status,
                         queue,
                         persisted: Some(record),
+                        resolving: None,
                     },
                 );
             }
@@ -1722,7 +1899,7 @@ impl EndpointManager {
         let listed = self
             .retry_until_ok("svc-loader ListEndpoints", || self.inner.deps.loader.list())
             .await;
-        let mut dropped: Vec<(u16, &'static str)> = Vec::new();
+        let mut dropped: Vec<(u16, RemovalReason)> = Vec::new();
         {
             let mut state = self.state();
             for held in &listed.endpoints {
@@ -1731,11 +1908,8 @@ impl EndpointManager {
                 };
                 match state.endpoints.get(&id) {
                     Some(slot) if slot.spec.host_ifindex == held.host_ifindex => {
-                        let gone = held.from_container == ldpb::AttachState::InterfaceGone as i32
-                            || held.to_container == ldpb::AttachState::InterfaceGone as i32;
-                        let renamed = !held.host_ifname.is_empty() && held.host_ifname != slot.spec.host_interface;
-                        if gone || renamed {
-                            dropped.push((id, "interface_gone"));
+                        if let Some(reason) = interface_lost(held, &slot.spec) {
+                            dropped.push((id, reason));
                         }
                     }
                     // Not ours (or moved): cleaned after restore; never reuse the id before.
@@ -1768,8 +1942,8 @@ impl EndpointManager {
                 if let Err(e) = self.restore_addresses(id).await {
                     tracing::error!(endpoint = id, error = %e, "re-reserving the endpoint's addresses failed");
                 }
-                self.spawn_worker(id, queue.clone());
                 let generation = queue.request("restored");
+                queue.release_hold();
                 (id, queue.wait(generation).await)
             })
             .buffer_unordered(64)
@@ -1780,10 +1954,10 @@ impl EndpointManager {
             match result {
                 Ok(()) => restored += 1,
                 Err(e) if e.step == RegenerationStep::Datapath && e.status.code() == Code::NotFound => {
-                    dropped.push((id, "interface_gone"));
+                    dropped.push((id, RemovalReason::InterfaceGone));
                 }
                 Err(e) if e.step == RegenerationStep::Datapath && e.status.code() == Code::FailedPrecondition => {
-                    dropped.push((id, "interface_replaced"));
+                    dropped.push((id, RemovalReason::InterfaceReplaced));
                 }
                 // Deleted (DeleteEndpoint) while restore waited: the delete
                 // cleaned it; neither restored nor a failure.
@@ -1797,7 +1971,9 @@ impl EndpointManager {
             }
         }
         for (id, reason) in &dropped {
-            self.drop_endpoint(*id, reason).await;
+            if let Err(e) = self.remove_and_wait(*id, *reason, None).await {
+                tracing::error!(endpoint = id, error = %e, "dropping a dead endpoint failed; retrying in the background");
+            }
         }
         self.cleanup_leftovers().await;
 
@@ -1858,17 +2034,12 @@ impl EndpointManager {
 
     /// svc-ipam Restore for every address the endpoint got from svc-ipam.
     async fn restore_addresses(&self, id: u16) -> Result<(), Status> {
-        let Some(queue) = self.state().endpoints.get(&id).map(|s| s.queue.clone()) else {
-            return Ok(());
-        };
-        // Held while re-reserving, as a removal holds it: a concurrent
-        // DeleteEndpoint then completes either before (the endpoint is gone
-        // below and nothing is re-reserved) or after the Restore calls (and
-        // the CNI releases the addresses only once its delete returned).
-        // Without it a resync after a svc-ipam restart could re-reserve the
-        // addresses of a pod the CNI had just deleted and released: a leak.
-        let _serialised = queue.lock.lock().await;
-        let Some(spec) = self.state().endpoints.get(&id).map(|s| s.spec.clone()) else {
+        let Some((queue, spec)) = self
+            .state()
+            .endpoints
+            .get(&id)
+            .map(|s| (s.queue.clone(), s.spec.clone()))
+        else {
             return Ok(());
         };
         for address in spec.addresses.iter().filter(|a| !a.ipam_pool.is_empty()) {
@@ -1877,8 +2048,22 @@ impl EndpointManager {
                 pool: address.ipam_pool.clone(),
                 address: address.address.to_string(),
             };
-            self.retry_while_unavailable(|| self.inner.deps.ipam.restore(request.clone()))
-                .await?;
+            // Each call holds the endpoint's lock, as a removal attempt does:
+            // a concurrent DeleteEndpoint then completes either before (the
+            // queue is closed and nothing is re-reserved) or after the call
+            // (and the CNI releases the addresses only once its delete
+            // returned). Without it a resync after a svc-ipam restart could
+            // re-reserve the addresses of a pod the CNI had just deleted and
+            // released: a leak. Never held across the retries' waits, so a
+            // delete does not wait for svc-ipam to come back.
+            self.retry_while_unavailable(|| async {
+                let _serialised = queue.lock.lock().await;
+                if queue.is_closed() {
+                    return Ok(());
+                }
+                self.inner.deps.ipam.restore(request.clone()).await.map(drop)
+            })
+            .await?;
         }
         Ok(())
     }
@@ -1901,36 +2086,10 @@ impl EndpointManager {
         }
     }
 
-    /// Removes an endpoint found dead at restore and releases its addresses.
-    async fn drop_endpoint(&self, id: u16, reason: &'static str) {
-        let Some(spec) = self.state().endpoints.get(&id).map(|s| s.spec.clone()) else {
-            return;
-        };
-        if let Err(e) = self.remove_endpoint(id, reason).await {
-            tracing::error!(endpoint = id, error = %e, "dropping a dead endpoint failed; it stays disconnecting");
-            return;
-        }
-        if spec.addresses.iter().any(|a| !a.ipam_pool.is_empty())
-            && let Err(e) = self
-                .retry_while_unavailable(|| {
-                    self.inner.deps.ipam.release(ipampb::ReleaseRequest {
-                        owner: Some(ipam_owner(&spec)),
-                    })
-                })
-                .await
-        {
-            tracing::error!(endpoint = id, error = %e, "releasing a dead endpoint's addresses failed");
-        }
-        let addresses: Vec<String> = spec.addresses.iter().map(|a| a.address.to_string()).collect();
-        events::endpoint_dropped(
-            &self.inner.metrics,
-            id,
-            reason,
-            &format!(
-                "{} ({}) addresses {addresses:?} released",
-                spec.host_interface, spec.container_id
-            ),
-        );
+    /// Removes an endpoint whose pod is gone without a DEL (its interface
+    /// is gone) and releases its addresses; its worker does it.
+    fn drop_endpoint(&self, id: u16, reason: RemovalReason) {
+        self.request_removal(id, reason);
     }
 
     /// Datapath entries, attachments and identity references that no
@@ -2163,6 +2322,23 @@ impl EndpointManager {
             }
         }
     }
+}
+
+/// Why svc-loader's view of an endpoint says its pod is gone: the host
+/// interface is gone, or its ifindex names another interface now.
+fn interface_lost(held: &ldpb::Endpoint, spec: &EndpointSpec) -> Option<RemovalReason> {
+    let gone = held.from_container == ldpb::AttachState::InterfaceGone as i32
+        || held.to_container == ldpb::AttachState::InterfaceGone as i32;
+    if gone {
+        return Some(RemovalReason::InterfaceGone);
+    }
+    let renamed = !held.host_ifname.is_empty() && held.host_ifname != spec.host_interface;
+    renamed.then_some(RemovalReason::InterfaceReplaced)
+}
+
+/// A regeneration stopped at `step` because its endpoint is being removed.
+fn aborted(step: RegenerationStep) -> RegenError {
+    RegenError::new(step, Status::aborted("endpoint removed"))
 }
 
 /// Writes a state file on the blocking pool.

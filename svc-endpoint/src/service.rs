@@ -378,8 +378,9 @@ impl pb::endpoint_service_server::EndpointService for EndpointApi {
         &self,
         request: Request<pb::DeleteEndpointRequest>,
     ) -> Result<Response<pb::DeleteEndpointResponse>, Status> {
+        let deadline = deadline(&request);
         let selector = parse_ref(request.get_ref().r#ref.as_ref())?;
-        let deleted = self.manager.delete(&selector).await.map_err(status)?;
+        let deleted = self.manager.delete(&selector, deadline).await.map_err(status)?;
         Ok(Response::new(pb::DeleteEndpointResponse {
             deleted: deleted.into_iter().map(u32::from).collect(),
             boot_id: self.boot_id(),

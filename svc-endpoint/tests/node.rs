@@ -389,6 +389,25 @@ async fn the_cli_lists_endpoints_applies_policies_and_shows_status() {
     );
 }
 
+/// The policy svc-loader holds for an endpoint, and its entries' peers.
+async fn realised_peers(node: &EndpointNode, endpoint_id: u32) -> (ldpb::GetEndpointPolicyResponse, Vec<u32>) {
+    let held = node
+        .node
+        .client()
+        .await
+        .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id })
+        .await
+        .unwrap_or_else(|e| panic!("GetEndpointPolicy of endpoint {endpoint_id}: {e}"))
+        .into_inner();
+    let peers = held
+        .entries
+        .iter()
+        .filter_map(|e| e.entry.as_ref())
+        .map(|e| e.peer_identity)
+        .collect();
+    (held, peers)
+}
+
 /// Polls `check` until it holds or `within` passes.
 async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + within;
@@ -461,20 +480,7 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
         "the cidr and its except are both in the datapath's ipcache: {cidr_ids:?}"
     );
     let client = node.endpoint_of_pod("default", "client").await;
-    let held = node
-        .node
-        .client()
-        .await
-        .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id: client.id })
-        .await
-        .unwrap()
-        .into_inner();
-    let peers: Vec<u32> = held
-        .entries
-        .iter()
-        .filter_map(|e| e.entry.as_ref())
-        .map(|e| e.peer_identity)
-        .collect();
+    let (held, peers) = realised_peers(&node, client.id).await;
     assert!(held.enforce_egress, "client's egress is enforced");
     assert_eq!(
         cidr_ids.iter().filter(|id| peers.contains(id)).count(),
@@ -576,4 +582,105 @@ async fn namespace_labels_are_identity_labels_and_namespace_selectors_follow_the
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "namespace labels must have source k8s");
+}
+
+/// The reproduction of issue 12 §2: relabelling a namespace re-identifies
+/// its pods at once, and their identities reach the selector cache while
+/// the selecting endpoint is regenerating for the first of them. Every
+/// change that arrives during a regeneration must lead to one more, so x/a's
+/// realised policy ends up allowing every new identity (before the fix it
+/// usually allowed some and never recovered). Several rounds, so a lucky
+/// interleaving cannot hide the bug.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_namespace_relabel_during_a_regeneration_reaches_every_selected_peer() {
+    const Y_PODS: [&str; 6] = ["a", "b", "c", "d", "e", "f"];
+    let mut node = node().await;
+    node.add_pod_interface("xa").await;
+    let mut request = node.create_request("xa", &["k8s:app=a"]);
+    request.pod_namespace = "x".into();
+    request.pod_name = "a".into();
+    node.endpoints()
+        .await
+        .create_endpoint(request)
+        .await
+        .expect("creating x/a");
+    for name in Y_PODS {
+        let pod = format!("y{name}");
+        node.add_pod_interface(&pod).await;
+        let mut request = node.create_request(&pod, &[&format!("k8s:app={name}")]);
+        request.pod_namespace = "y".into();
+        request.pod_name = name.into();
+        node.endpoints()
+            .await
+            .create_endpoint(request)
+            .await
+            .unwrap_or_else(|e| panic!("creating y/{name}: {e}"));
+    }
+    node.apply_policy(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: from-updated, namespace: x}\nspec:\n  podSelector: {matchLabels: {app: a}}\n  ingress:\n  - from:\n    - namespaceSelector: {matchLabels: {ns2: updated}}\n",
+    )
+    .await;
+    let xa = node.endpoint_of_pod("x", "a").await;
+    let mut namespaces = pb::namespace_service_client::NamespaceServiceClient::new(
+        rivet_common::grpc::connect_unix(&node.sockets().join("svc-endpoint.sock"), &Default::default())
+            .await
+            .unwrap(),
+    );
+    for round in 0..6 {
+        // Each round is a new label set, so every round makes new identities.
+        let updated = round % 2 == 0;
+        let mut labels = vec![
+            "k8s:kubernetes.io/metadata.name=y".to_string(),
+            format!("k8s:round={round}"),
+        ];
+        if updated {
+            labels.push("k8s:ns2=updated".into());
+        }
+        let set = namespaces
+            .set_namespace_labels(pb::SetNamespaceLabelsRequest {
+                namespace: "y".into(),
+                labels,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            set.affected_endpoints,
+            Y_PODS.len() as u32,
+            "round {round}: y's pods are re-identified"
+        );
+
+        // The new identities, once their endpoints are ready with them.
+        let mut identities = Vec::new();
+        for name in Y_PODS {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let round_label = format!("k8s:ns.labels/round={round}");
+            loop {
+                let e = node.endpoint_of_pod("y", name).await;
+                if e.identity_labels.contains(&round_label) && e.state == pb::EndpointState::Ready as i32 {
+                    identities.push(e.identity);
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "round {round}: y/{name} is re-identified: {e:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        let expected = if updated { identities.len() } else { 0 };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, peers) = realised_peers(&node, xa.id).await;
+            let allowed = identities.iter().filter(|id| peers.contains(id)).count();
+            if allowed == expected {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: x/a's realised policy allows {allowed} of y's identities {identities:?}, expected {expected} (peers {peers:?})"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }

@@ -1,0 +1,293 @@
+//! The manager in-process against a node's real daemons, with faults
+//! injected per call: a new label set while the kvstore is away, deletes
+//! that fail and converge by themselves, deletes that must not wait for
+//! unrelated work, and endpoints that must not regenerate once closed.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rivet_common::labels::Labels;
+use support::{Faults, Mode, assert_nothing_left, eventually, faulty_dependencies, options, start_manager};
+use svc_endpoint::endpoint::EndpointState;
+use svc_endpoint::manager::{EndpointManager, EndpointSelector, ManagerError, NewEndpoint};
+use svc_endpoint::service::validate_create;
+use svc_endpoint::testing::{EndpointNode, NodeOptions};
+use tonic::{Code, Status};
+
+/// A node without svc-endpoint, its pods wired, and an in-process manager
+/// over its daemons behind faults.
+struct Setup {
+    node: EndpointNode,
+    state: tempfile::TempDir,
+    faults: Arc<Faults>,
+    manager: EndpointManager,
+}
+
+impl Setup {
+    async fn start(pods: &[&str], concurrency: Option<usize>) -> Self {
+        let mut node = EndpointNode::start(NodeOptions {
+            without_endpoint_daemon: true,
+            ..NodeOptions::default()
+        })
+        .await
+        .expect("the node's daemons start");
+        for pod in pods {
+            node.add_pod_interface(pod).await;
+        }
+        let state = tempfile::tempdir().unwrap();
+        let faults = Arc::new(Faults::default());
+        let mut options = options(state.path());
+        if let Some(concurrency) = concurrency {
+            options.regeneration_concurrency = concurrency;
+        }
+        let manager = start_manager(options, faulty_dependencies(&node, &faults));
+        Self {
+            node,
+            state,
+            faults,
+            manager,
+        }
+    }
+
+    /// Creates pod `name`'s endpoint synchronously; its id.
+    async fn create(&self, name: &str, labels: &[&str]) -> u16 {
+        let (view, _) = self
+            .manager
+            .create(new_endpoint(&self.node, name, labels, true), Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|e| panic!("creating {name}: {e}"));
+        view.spec.id
+    }
+
+    /// Waits until the manager knows no endpoint.
+    async fn until_empty(&self, what: &str) {
+        eventually(Duration::from_secs(10), what, async || self.manager.list().is_empty()).await;
+    }
+}
+
+/// A synchronous create of pod `name` (wired already) with `labels`.
+fn new_endpoint(node: &EndpointNode, name: &str, labels: &[&str], sync: bool) -> NewEndpoint {
+    NewEndpoint {
+        spec: validate_create(&node.create_request(name, labels)).expect("a valid request"),
+        sync,
+    }
+}
+
+fn container(name: &str) -> EndpointSelector {
+    EndpointSelector::Container {
+        container_id: name.into(),
+        interface: "eth0".into(),
+    }
+}
+
+/// Issue 12 §6: while the kvstore is away svc-identity cannot allocate an
+/// identity for a label set it has not seen (UNAVAILABLE). A synchronous
+/// create retries within its deadline and succeeds once the store is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_label_set_waits_for_the_kvstore_within_the_deadline_and_succeeds_when_it_returns() {
+    let t = Setup::start(&["a"], None).await;
+    t.faults.allocate.set(Mode::Unavailable);
+    let create = tokio::spawn({
+        let manager = t.manager.clone();
+        let new = new_endpoint(&t.node, "a", &["k8s:app=new-set"], true);
+        async move { manager.create(new, Duration::from_secs(20)).await }
+    });
+    // Two refusals, then the store is back.
+    t.faults.allocate.entered(2).await;
+    t.faults.allocate.set(Mode::Pass);
+    let (view, created) = create
+        .await
+        .unwrap()
+        .expect("the create succeeds once svc-identity can allocate again");
+    assert!(created);
+    assert_eq!(view.status.state, EndpointState::Ready, "the endpoint is ready");
+    assert_ne!(view.status.identity, 0, "it has an identity");
+    assert!(t.faults.allocate.calls() >= 2, "the allocation was retried");
+}
+
+/// The same while the store stays away for the whole deadline: the create
+/// fails with UNAVAILABLE and svc-identity's own reason (the kvstore is
+/// unreachable), after retrying, and leaves nothing behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_new_label_set_fails_with_the_kvstore_reason_at_the_deadline_and_leaves_nothing() {
+    let t = Setup::start(&["a"], None).await;
+    t.faults.allocate.set(Mode::Unavailable);
+    let deadline = Duration::from_secs(2);
+    let started = Instant::now();
+    let e = t
+        .manager
+        .create(new_endpoint(&t.node, "a", &["k8s:app=new-set"], true), deadline)
+        .await
+        .expect_err("no identity can be allocated");
+    let took = started.elapsed();
+    let id = match &e {
+        ManagerError::IdentityUnavailable { id, undone, .. } => {
+            assert!(*undone, "the failed create is undone: {e}");
+            *id
+        }
+        other => panic!("expected the kvstore to be named as the reason, got: {other}"),
+    };
+    let status = Status::from(e);
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().contains("the store is unreachable") && status.message().contains("kvstore"),
+        "the error gives svc-identity's reason: {}",
+        status.message()
+    );
+    assert!(
+        t.faults.allocate.calls() >= 2,
+        "the allocation was retried within the deadline ({} calls)",
+        t.faults.allocate.calls()
+    );
+    assert!(
+        took >= deadline / 2 && took < deadline + Duration::from_secs(2),
+        "it retried until about the deadline: {took:?}"
+    );
+    t.until_empty("the undone endpoint is gone").await;
+    assert_nothing_left(
+        &t.node,
+        t.state.path(),
+        id,
+        "a",
+        false,
+        "after a create that found no identity",
+    )
+    .await;
+}
+
+/// Issue 12 §6: a delete that fails (here svc-identity cannot unpublish the
+/// addresses) returns the error and leaves the endpoint `disconnecting`;
+/// svc-endpoint retries by itself until it is gone, and then releases the
+/// addresses the CNI kept (a CNI whose delete failed keeps them). Repeated
+/// deletes stay idempotent.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_delete_converges_by_itself_and_releases_the_addresses_the_caller_kept() {
+    let t = Setup::start(&["a"], None).await;
+    let id = t.create("a", &["k8s:app=a"]).await;
+
+    t.faults.delete_ip.set(Mode::Unavailable);
+    for attempt in 1..=2 {
+        let e = t
+            .manager
+            .delete(&container("a"), Duration::from_secs(5))
+            .await
+            .expect_err("the delete fails while svc-identity refuses");
+        assert!(
+            matches!(&e, ManagerError::Removal { id: failed, step: "ipcache", .. } if *failed == id),
+            "delete {attempt}: the error names the endpoint and the step: {e}"
+        );
+        assert_eq!(Status::from(e).code(), Code::Unavailable);
+        let left = t.manager.get(&container("a")).expect("the endpoint is still known");
+        assert_eq!(left.status.state, EndpointState::Disconnecting);
+    }
+    // svc-endpoint retries by itself (and keeps failing meanwhile).
+    let tried = t.faults.delete_ip.calls();
+    tokio::time::timeout(Duration::from_secs(10), t.faults.delete_ip.entered(tried + 2))
+        .await
+        .expect("the removal is retried in the background");
+
+    t.faults.delete_ip.set(Mode::Pass);
+    t.until_empty("the endpoint is removed without a new call").await;
+    assert_nothing_left(&t.node, t.state.path(), id, "a", true, "after the delete converged").await;
+    assert_eq!(
+        t.manager.delete(&container("a"), Duration::from_secs(5)).await.unwrap(),
+        Vec::<u16>::new(),
+        "a delete after it converged finds nothing and succeeds"
+    );
+}
+
+/// Issue 12 §4: a delete never waits behind other endpoints'
+/// regenerations, and an endpoint that is closed never regenerates
+/// afterwards. With one regeneration permit held by a hung regeneration of
+/// b, a's worker waits for the permit with a's regeneration requested; the
+/// delete of a completes at once and a never reaches the datapath again.
+/// (current_thread: yielding lets a's worker run up to its wait.)
+#[tokio::test]
+async fn a_delete_does_not_wait_behind_other_regenerations_and_a_closed_endpoint_never_regenerates() {
+    let t = Setup::start(&["a", "b", "c"], Some(1)).await;
+    let a = t.create("a", &["k8s:app=a"]).await;
+
+    // b's first regeneration hangs in svc-identity, holding the only permit.
+    t.faults.allocate.set_for("k8s:app=slow", Mode::Block);
+    t.manager
+        .create(
+            new_endpoint(&t.node, "b", &["k8s:app=slow"], false),
+            Duration::from_secs(20),
+        )
+        .await
+        .expect("b's asynchronous create is accepted");
+    t.faults.allocate.entered(1).await;
+    // a's regeneration is requested; its worker waits for the permit.
+    relabel(&t.manager, "a").await;
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    t.faults.apply.set_for(&format!("endpoint/{a}"), Mode::Pass);
+
+    let deleted = tokio::time::timeout(
+        Duration::from_secs(5),
+        t.manager.delete(&container("a"), Duration::from_secs(20)),
+    )
+    .await
+    .expect("the delete of a does not wait for b's regeneration")
+    .expect("the delete succeeds");
+    assert_eq!(deleted, vec![a]);
+
+    // b finishes; then c's synchronous create gets the permit after
+    // anything a's worker could still have queued for.
+    t.faults.allocate.set(Mode::Pass);
+    t.create("c", &["k8s:app=c"]).await;
+    assert_eq!(
+        t.faults.apply.calls(),
+        0,
+        "a closed endpoint never reaches the datapath again"
+    );
+    assert_nothing_left(&t.node, t.state.path(), a, "a", false, "after a's delete").await;
+}
+
+/// A delete whose endpoint's own regeneration hangs on a dependency
+/// returns at its deadline (the caller keeps the addresses); the
+/// regeneration stops at its next step once the call returns, and the
+/// removal completes in the background, releasing the addresses.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_delete_behind_its_hung_regeneration_returns_at_its_deadline_and_completes_later() {
+    let t = Setup::start(&["a"], None).await;
+    let id = t.create("a", &["k8s:app=a"]).await;
+
+    t.faults.apply.set_for(&format!("endpoint/{id}"), Mode::Block);
+    relabel(&t.manager, "a").await;
+    t.faults.apply.entered(1).await;
+    let started = Instant::now();
+    let e = tokio::time::timeout(
+        Duration::from_secs(10),
+        t.manager.delete(&container("a"), Duration::from_secs(1)),
+    )
+    .await
+    .expect("the delete returns at its deadline")
+    .expect_err("the removal cannot finish while the regeneration hangs");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "the delete returned at its deadline: {:?}",
+        started.elapsed()
+    );
+    assert_eq!(Status::from(e).code(), Code::Unavailable);
+
+    t.faults.apply.set(Mode::Pass);
+    t.until_empty("the removal completes in the background").await;
+    assert_nothing_left(&t.node, t.state.path(), id, "a", true, "after the delete converged").await;
+}
+
+/// Changes pod `name`'s labels without waiting: its worker regenerates.
+async fn relabel(manager: &EndpointManager, name: &str) {
+    manager
+        .update_labels(
+            &container(name),
+            Labels::parse(&[format!("k8s:app={name}-relabelled")]).unwrap(),
+            false,
+            Duration::from_secs(20),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("relabelling {name}: {e}"));
+}
