@@ -297,7 +297,7 @@ impl Harness {
     }
 
     /// Runs each frame through the program of `direction`, then empties
-    /// conntrack so that the next case is a new flow.
+    /// conntrack and the fragments map so that the next case is a new flow.
     fn run(&mut self, direction: Direction, frames: &[Vec<u8>]) -> Vec<Outcome> {
         let hook = match direction {
             Direction::Ingress => Hook::Egress,
@@ -322,6 +322,12 @@ impl Harness {
         let keys: Vec<_> = ct6.keys().filter_map(Result::ok).collect();
         for k in keys {
             let _ = ct6.remove(&k);
+        }
+        // IPv4 identifications wrap after 65536 cases.
+        let mut fragments = maps.fragments.lock();
+        let keys: Vec<_> = fragments.keys().filter_map(Result::ok).collect();
+        for k in keys {
+            let _ = fragments.remove(&k);
         }
         outcomes
     }

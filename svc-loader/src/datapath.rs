@@ -47,8 +47,8 @@ use rivet_bpf_sys as sys;
 
 use crate::DATAPATH_OBJECT;
 use crate::maps::{
-    Ct4Key, Ct6Key, CtEntry, CtTimeouts, DatapathConfig, EndpointInfo, EndpointKey, IpcacheKeyData, IpcacheValue,
-    METRICS_ENTRIES, MetricsValue, PolicyKeyData, PolicyValue,
+    Ct4Key, Ct6Key, CtEntry, CtTimeouts, DatapathConfig, EndpointInfo, EndpointKey, FragKey, FragValue, IpcacheKeyData,
+    IpcacheValue, METRICS_ENTRIES, MetricsValue, PolicyKeyData, PolicyValue,
 };
 use crate::netdev;
 use crate::tc;
@@ -691,6 +691,8 @@ pub struct DatapathMaps {
     pub metrics: SharedMap<PerCpuArray<MapData, MetricsValue>>,
     /// The datapath config (index 0).
     pub config: SharedMap<Array<MapData, DatapathConfig>>,
+    /// First fragments' ports (an LRU hash the datapath writes; for inspection and tests).
+    pub fragments: SharedMap<HashMap<MapData, FragKey, FragValue>>,
 }
 
 impl fmt::Debug for DatapathMaps {
@@ -727,6 +729,7 @@ impl DatapathMaps {
             ct6: take_shared(ebpf, MAP_CT6)?,
             metrics: take_shared(ebpf, MAP_METRICS)?,
             config: take_shared(ebpf, MAP_CONFIG)?,
+            fragments: take_shared(ebpf, MAP_FRAGMENTS)?,
         })
     }
 }
@@ -943,6 +946,11 @@ impl Datapath {
     /// IPv6 conntrack.
     pub fn ct6(&mut self) -> &mut HashMap<MapData, Ct6Key, CtEntry> {
         self.maps.ct6.get_mut()
+    }
+
+    /// The fragments map.
+    pub fn fragments(&mut self) -> &mut HashMap<MapData, FragKey, FragValue> {
+        self.maps.fragments.get_mut()
     }
 
     /// The per-CPU metrics.
