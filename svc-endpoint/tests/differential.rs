@@ -90,8 +90,8 @@ fn the_datapath_enforces_what_the_policy_engine_says() {
     );
     for outcome in [
         Outcome::Pass,
-        Outcome::Drop(maps::DROP_POLICY_DENIED),
-        Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY),
+        Outcome::Drop(maps::DROP_POLICY_DENIED, 0),
+        Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY, 0),
     ] {
         assert!(
             seen.get(&outcome).is_some_and(|n| *n * 100 >= cases),
@@ -143,7 +143,7 @@ fn regressions_found_by_the_differential_test() {
         );
         assert_eq!(
             harness.run(Direction::Egress, &[sctp(81)]),
-            [Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY)],
+            [Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY, maps::DIR_EGRESS)],
             "SCTP to another port is default-denied"
         );
 
@@ -173,7 +173,7 @@ fn regressions_found_by_the_differential_test() {
         let frame = frames::ethernet([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2], frames::ETH_P_IPV6, &packet);
         assert_eq!(
             harness.run(Direction::Egress, &[frame]),
-            [Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY)],
+            [Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY, maps::DIR_EGRESS)],
             "an ICMPv6 error of no connection is ICMPv6, which the policy does not allow"
         );
         let udp = frames::ipv6(
@@ -440,7 +440,7 @@ fn run(
             );
             let outcomes = harness.run(case.direction, &case.frames);
             cases += 1;
-            *seen.entry(expected[0]).or_insert(0) += 1;
+            *seen.entry(expected[0].any_direction()).or_insert(0) += 1;
             if outcomes != expected {
                 failures.push(describe(
                     &documents,
@@ -466,23 +466,35 @@ enum Outcome {
     Pass,
     /// Redirected to a local endpoint (`TC_ACT_REDIRECT`).
     Redirect,
-    Drop(u8),
+    /// Dropped: the reason (`DROP_*`) and the direction of the endpoint
+    /// whose check dropped it (`DIR_*`; 0 in counts, for any).
+    Drop(u8, u8),
     Other(u32),
 }
 
+impl Outcome {
+    /// The outcome with the drop direction left out (for counting).
+    fn any_direction(self) -> Self {
+        match self {
+            Self::Drop(reason, _) => Self::Drop(reason, 0),
+            other => other,
+        }
+    }
+}
+
 fn outcome(retval: u32, ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Outcome {
-    let mut reason = None;
+    let mut dropped = None;
     while let Some(item) = ring.next() {
         if let Some(event) = Event::from_bytes(&item)
             && event.kind == maps::EVENT_DROP
         {
-            reason = Some(event.reason);
+            dropped = Some((event.reason, event.direction));
         }
     }
-    match (retval, reason) {
+    match (retval, dropped) {
         (TC_ACT_OK, None) => Outcome::Pass,
         (TC_ACT_REDIRECT, None) => Outcome::Redirect,
-        (TC_ACT_SHOT, Some(reason)) => Outcome::Drop(reason),
+        (TC_ACT_SHOT, Some((reason, direction))) => Outcome::Drop(reason, direction),
         (other, _) => Outcome::Other(other),
     }
 }
@@ -1032,29 +1044,34 @@ fn expect(
     allow_from_host: bool,
 ) -> Vec<Outcome> {
     let enforced = resolved.enforces(case.direction);
-    let verdict = |decision: Decision, passed: Outcome| match decision {
+    // The subject's checks drop in its direction; the local peer's in ingress.
+    let own = match case.direction {
+        Direction::Ingress => maps::DIR_INGRESS,
+        Direction::Egress => maps::DIR_EGRESS,
+    };
+    let verdict = |decision: Decision, passed: Outcome, direction: u8| match decision {
         Decision::NotEnforced | Decision::Allowed => passed,
-        Decision::Denied => Outcome::Drop(maps::DROP_POLICY_DENIED),
-        Decision::DefaultDenied => Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY),
+        Decision::Denied => Outcome::Drop(maps::DROP_POLICY_DENIED, direction),
+        Decision::DefaultDenied => Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY, direction),
     };
     let policy = || {
         let from_host = case.direction == Direction::Ingress && peer_identity == 1 && allow_from_host;
-        match (verdict(decision, Outcome::Pass), local) {
+        match (verdict(decision, Outcome::Pass, own), local) {
             _ if from_host => Outcome::Pass,
-            (Outcome::Pass, Some((local, _))) => verdict(local, Outcome::Redirect),
+            (Outcome::Pass, Some((local, _))) => verdict(local, Outcome::Redirect, maps::DIR_INGRESS),
             (outcome, _) => outcome,
         }
     };
+    let untracked = |direction| vec![Outcome::Drop(maps::DROP_FRAGMENT_UNTRACKED, direction)];
     match case.kind {
-        _ if case.invalid_source => vec![Outcome::Drop(maps::DROP_INVALID_SOURCE_ADDRESS)],
+        _ if case.invalid_source => vec![Outcome::Drop(maps::DROP_INVALID_SOURCE_ADDRESS, maps::DIR_EGRESS)],
         Kind::Plain | Kind::NdUnderPolicy | Kind::LinkLocal | Kind::IcmpError => vec![policy()],
         Kind::Fragments => vec![policy(); 2],
-        Kind::LoneFragment if enforced || local.is_some_and(|(_, enforced)| enforced) => {
-            vec![Outcome::Drop(maps::DROP_FRAGMENT_UNTRACKED)]
-        }
+        Kind::LoneFragment if enforced => untracked(own),
+        Kind::LoneFragment if local.is_some_and(|(_, enforced)| enforced) => untracked(maps::DIR_INGRESS),
         Kind::LoneFragment if local.is_some() => vec![Outcome::Redirect],
         Kind::LoneFragment | Kind::NeighbourDiscovery | Kind::Mld => vec![Outcome::Pass],
-        Kind::LongChain | Kind::TruncatedChain => vec![Outcome::Drop(maps::DROP_EXT_HEADER_CHAIN)],
+        Kind::LongChain | Kind::TruncatedChain => vec![Outcome::Drop(maps::DROP_EXT_HEADER_CHAIN, own)],
     }
 }
 
