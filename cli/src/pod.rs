@@ -14,7 +14,9 @@
 //! network namespace when the node has one. Labels go to the plugin in
 //! `args.cni.labels` (`[{"key": .., "value": ..}]`, the CNI conventions) and,
 //! for a plugin that declares the capability `labels`, in
-//! `runtimeConfig.labels` (the same list).
+//! `runtimeConfig.labels` (the same list); named ports (`--port
+//! http=TCP/8080`) likewise in `args.cni.containerPorts` and
+//! `runtimeConfig.containerPorts`, as Kubernetes ContainerPort objects.
 //!
 //! The pod's record — container id, namespace, the configuration used and
 //! the cached result — is `<state-dir>/pods/<namespace>_<name>.json`, written
@@ -107,6 +109,10 @@ pub struct AddArgs {
     /// A pod label `key=value`; repeat for several.
     #[arg(long = "label", short = 'l', value_name = "KEY=VALUE", value_parser = parse_label)]
     pub labels: Vec<(String, String)>,
+    /// A named container port `NAME=PROTOCOL/PORT` (or `NAME=PORT`, TCP),
+    /// for NetworkPolicy rules that name it; repeat for several.
+    #[arg(long = "port", short = 'p', value_name = "NAME=PROTO/PORT", value_parser = parse_port)]
+    pub ports: Vec<ContainerPort>,
     /// Interface name inside the pod.
     #[arg(long, default_value = DEFAULT_IFNAME)]
     pub ifname: String,
@@ -127,6 +133,54 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
         Some((k, v)) if !k.is_empty() && !k.contains(char::is_whitespace) => Ok((k.into(), v.into())),
         _ => Err(format!("`{s}` is not a label: give key=value")),
     }
+}
+
+/// A named container port of a pod (Kubernetes' ContainerPort with a name).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ContainerPort {
+    /// The port's name.
+    pub name: String,
+    /// `TCP`, `UDP` or `SCTP`.
+    pub protocol: String,
+    /// 1..65535.
+    pub port: u16,
+}
+
+impl ContainerPort {
+    /// As the CNI plugin takes it (`{"name", "containerPort", "protocol"}`).
+    pub fn to_json(&self) -> Value {
+        json!({"name": self.name, "containerPort": self.port, "protocol": self.protocol})
+    }
+}
+
+/// `NAME=PROTOCOL/PORT` or `NAME=PORT` (TCP) of `--port`; the protocol in
+/// any case.
+///
+/// ```
+/// use rivet_cli::pod::parse_port;
+/// assert_eq!(parse_port("dns=udp/53").unwrap().protocol, "UDP");
+/// assert_eq!(parse_port("http=8080").unwrap().port, 8080);
+/// assert!(parse_port("http=TCP/0").is_err());
+/// ```
+pub fn parse_port(s: &str) -> Result<ContainerPort, String> {
+    let usage = || format!("`{s}` is not a named port: give NAME=PROTOCOL/PORT (e.g. http=TCP/8080) or NAME=PORT");
+    let (name, rest) = s.split_once('=').ok_or_else(usage)?;
+    rivet_common::named_port::check_port_name(name)?;
+    let (protocol, port) = rest.split_once('/').unwrap_or(("TCP", rest));
+    let protocol = protocol.to_ascii_uppercase();
+    if !matches!(protocol.as_str(), "TCP" | "UDP" | "SCTP") {
+        return Err(format!("`{s}`: the protocol must be TCP, UDP or SCTP"));
+    }
+    let port = port
+        .parse::<u16>()
+        .ok()
+        .filter(|p| *p != 0)
+        .ok_or_else(|| format!("`{s}`: the port must be 1 to 65535"))?;
+    Ok(ContainerPort {
+        name: name.to_string(),
+        protocol,
+        port,
+    })
 }
 
 /// Checks a pod or namespace name: a DNS label (1 to 63 of `[a-z0-9-]`, not
@@ -276,6 +330,8 @@ pub struct Attachment {
     pub pod_name: String,
     /// Pod labels.
     pub labels: BTreeMap<String, String>,
+    /// Named container ports.
+    pub ports: Vec<ContainerPort>,
 }
 
 /// The environment of one plugin call (CNI spec §"Parameters"): a runtime
@@ -290,6 +346,7 @@ pub struct Attachment {
 ///     pod_namespace: "default".into(),
 ///     pod_name: "web".into(),
 ///     labels: Default::default(),
+///     ports: Vec::new(),
 /// };
 /// let env = plugin_env(CniCommand::Add, &a, &["/opt/cni/bin".into()]);
 /// assert!(env.contains(&("CNI_COMMAND".into(), "ADD".into())));
@@ -318,8 +375,9 @@ pub fn plugin_env(command: CniCommand, a: &Attachment, cni_path: &[PathBuf]) -> 
 
 /// The configuration a plugin gets on stdin: its own object from the list
 /// plus `name`, `cniVersion`, `prevResult` when given, `runtimeConfig` for
-/// the capabilities it declares (`labels`), and the labels in
-/// `args.cni.labels` (merged into any `args` of its own).
+/// the capabilities it declares (`labels`, `containerPorts`), and the labels
+/// and ports in `args.cni.labels` and `args.cni.containerPorts` (merged into
+/// any `args` of its own).
 pub fn plugin_config(
     list: &NetworkConfigList,
     index: usize,
@@ -348,12 +406,21 @@ pub fn plugin_config(
             .unwrap_or(false)
     };
     let labels: Vec<Value> = a.labels.iter().map(|(k, v)| json!({"key": k, "value": v})).collect();
+    let ports: Vec<Value> = a.ports.iter().map(ContainerPort::to_json).collect();
+    let mut runtime = Map::new();
     if declares("labels") {
-        let mut runtime = Map::new();
         runtime.insert("labels".into(), Value::Array(labels.clone()));
+    }
+    if declares("containerPorts") {
+        runtime.insert("containerPorts".into(), Value::Array(ports.clone()));
+    }
+    if !runtime.is_empty() {
         conf.insert("runtimeConfig".into(), Value::Object(runtime));
     }
-    if !a.labels.is_empty() {
+    for (key, values) in [("labels", labels), ("containerPorts", ports)] {
+        if values.is_empty() {
+            continue;
+        }
         let args = conf.entry("args").or_insert_with(|| Value::Object(Map::new()));
         let Value::Object(args) = args else {
             bail!("plugin {index}: `args` must be an object");
@@ -362,7 +429,7 @@ pub fn plugin_config(
         let Value::Object(cni) = cni else {
             bail!("plugin {index}: `args.cni` must be an object");
         };
-        cni.insert("labels".into(), Value::Array(labels));
+        cni.insert(key.into(), Value::Array(values));
     }
     Ok(Value::Object(conf))
 }
@@ -626,6 +693,9 @@ pub struct PodRecord {
     pub name: String,
     /// Pod labels.
     pub labels: BTreeMap<String, String>,
+    /// Named container ports.
+    #[serde(default)]
+    pub ports: Vec<ContainerPort>,
     /// `CNI_CONTAINERID`.
     pub container_id: String,
     /// Network namespace name.
@@ -661,6 +731,7 @@ impl PodRecord {
             pod_namespace: self.namespace.clone(),
             pod_name: self.name.clone(),
             labels: self.labels.clone(),
+            ports: self.ports.clone(),
         }
     }
 
@@ -773,6 +844,7 @@ pub fn add(state_dir: &Path, args: &AddArgs) -> Result<PodRecord> {
         namespace: args.namespace.clone(),
         name: args.name.clone(),
         labels: args.labels.iter().cloned().collect(),
+        ports: args.ports.clone(),
         container_id: new_container_id(),
         netns: pod_netns.clone(),
         ifname: args.ifname.clone(),
@@ -1164,6 +1236,7 @@ mod tests {
             pod_namespace: "default".into(),
             pod_name: "web".into(),
             labels: [("app".to_string(), "web".to_string()), ("tier".into(), "front".into())].into(),
+            ports: vec![parse_port("http=TCP/8080").unwrap()],
         }
     }
 
@@ -1259,6 +1332,18 @@ mod tests {
             first["args"]["cni"]["labels"],
             json!([{"key": "app", "value": "web"}, {"key": "tier", "value": "front"}])
         );
+        // Named ports as Kubernetes ContainerPorts (no capability declared:
+        // args only).
+        assert_eq!(
+            first["args"]["cni"]["containerPorts"],
+            json!([{"name": "http", "containerPort": 8080, "protocol": "TCP"}])
+        );
+        let mut ports_list = list.clone();
+        ports_list.plugins[0].insert("capabilities".into(), json!({"containerPorts": true}));
+        assert_eq!(
+            plugin_config(&ports_list, 0, &a, None).unwrap()["runtimeConfig"],
+            json!({"containerPorts": [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]})
+        );
 
         let second = plugin_config(&list, 1, &a, Some(&prev)).unwrap();
         assert_eq!(second["prevResult"], prev);
@@ -1270,14 +1355,37 @@ mod tests {
         assert_eq!(second["args"]["cni"]["other"], 1);
         assert_eq!(second["args"]["cni"]["labels"][0]["key"], "app");
 
-        // Without labels nothing is added.
+        // Without labels and ports nothing is added.
         let bare = Attachment {
             labels: BTreeMap::new(),
+            ports: Vec::new(),
             ..a
         };
         let conf = plugin_config(&list, 1, &bare, None).unwrap();
         assert!(conf["args"]["cni"].get("labels").is_none());
+        assert!(conf["args"]["cni"].get("containerPorts").is_none());
         assert!(plugin_config(&list, 2, &bare, None).is_err());
+    }
+
+    #[test]
+    fn named_ports_on_the_command_line() {
+        let p = parse_port("metrics=SCTP/9090").unwrap();
+        assert_eq!(
+            (p.name.as_str(), p.protocol.as_str(), p.port),
+            ("metrics", "SCTP", 9090)
+        );
+        assert_eq!(parse_port("web=tcp/80").unwrap().protocol, "TCP");
+        assert_eq!(parse_port("web=80").unwrap().protocol, "TCP");
+        for (bad, says) in [
+            ("web", "NAME=PROTOCOL/PORT"),
+            ("Web=80", "not a valid port name"),
+            ("web=ICMP/80", "TCP, UDP or SCTP"),
+            ("web=TCP/0", "1 to 65535"),
+            ("web=TCP/x", "1 to 65535"),
+        ] {
+            let err = parse_port(bad).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -1063,6 +1063,7 @@ impl RuntimePod {
                 pod_namespace: namespace.into(),
                 pod_name: name.into(),
                 labels: Default::default(),
+                ports: Vec::new(),
             },
             netns,
             result: None,
@@ -1200,4 +1201,61 @@ fn pods_a_runtime_created_are_listed_labelled_and_selected() {
         "DEL removes it from the list: {pods:#}"
     );
     node.down_and_check_nothing_left();
+}
+
+/// NetworkPolicy for `named_port`: app=server accepts app=client on the port
+/// named `web` only.
+const NAMED_PORT_POLICY: &str = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: server-web, namespace: default}
+spec:
+  podSelector: {matchLabels: {app: server}}
+  policyTypes: [Ingress]
+  ingress:
+  - from: [{podSelector: {matchLabels: {app: client}}}]
+    ports: [{port: web}]
+";
+
+/// Named ports without Kubernetes: `rivet pod add --port web=TCP/8080`
+/// reaches svc-endpoint through the CNI call, and an ingress rule naming
+/// `web` allows exactly that port between real pods.
+#[test]
+fn an_ingress_rule_with_a_named_port_allows_exactly_that_port() {
+    let mut node = TestNode::up();
+    node.ok(&[
+        "pod",
+        "add",
+        "server",
+        "--label",
+        "app=server",
+        "--port",
+        "web=TCP/8080",
+    ]);
+    node.ok(&["pod", "add", "client", "--label", "app=client"]);
+    let endpoint = node.json(&["endpoint", "get", "default/server"]);
+    assert_eq!(
+        endpoint["named_ports"],
+        serde_json::json!([{"name": "web", "protocol": "TCP", "port": 8080}]),
+        "{endpoint:#}"
+    );
+    let mut servers: Vec<Child> = ["8080", "9090"]
+        .into_iter()
+        .map(|port| node.spawn_in("server", &["busybox", "nc", "-ll", "-p", port, "-e", "cat"]))
+        .collect();
+    let server = node.ipv4("server");
+    for port in [8080, 9090] {
+        eventually(&format!("server answers on {port}"), Duration::from_secs(10), || {
+            node.tcp_echo("client", &server, port)
+        });
+    }
+    let policy = node.path("named-port.yaml");
+    std::fs::write(&policy, NAMED_PORT_POLICY).unwrap();
+    node.ok(&["policy", "apply", "--wait", "-f", policy.to_str().unwrap()]);
+    assert!(node.tcp_echo("client", &server, 8080), "the port named web is allowed");
+    assert!(!node.tcp_echo("client", &server, 9090), "any other port is denied");
+    node.down_and_check_nothing_left();
+    for server in &mut servers {
+        let _ = server.wait();
+    }
 }

@@ -1,6 +1,6 @@
 //! The network configuration on stdin: the spec's keys, Rivet's own keys
-//! (validated strictly), labels, requested addresses and GC's valid
-//! attachments.
+//! (validated strictly), labels, named container ports, requested addresses
+//! and GC's valid attachments.
 //!
 //! Unknown top-level keys are accepted (a conflist may carry keys for other
 //! tools), except spellings that differ from a known key only in case,
@@ -111,6 +111,18 @@ pub struct DelegatedIpam {
     pub plugin_type: String,
 }
 
+/// A named container port (`args.cni.containerPorts` /
+/// `runtimeConfig.containerPorts`), for NetworkPolicy rules that name it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamedPort {
+    /// The port's name (an IANA service name).
+    pub name: String,
+    /// `TCP`, `UDP` or `SCTP`.
+    pub protocol: String,
+    /// 1..65535.
+    pub port: u16,
+}
+
 /// One attachment of GC's `cni.dev/valid-attachments`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Attachment {
@@ -153,6 +165,9 @@ pub struct NetConf {
     /// Requested addresses (`runtimeConfig.ips`, else `args.cni.ips`), at
     /// most one per family; svc-ipam allocates them if free.
     pub requested_ips: Vec<IpAddr>,
+    /// Named container ports from `args.cni.containerPorts` and
+    /// `runtimeConfig.containerPorts` (entries without a name are skipped).
+    pub named_ports: Vec<NamedPort>,
     /// `dns`, copied into the result.
     pub dns: Option<Value>,
     /// GC's valid attachments (`cni.dev/valid-attachments`, or the older
@@ -309,15 +324,16 @@ impl NetConf {
             }
         }
 
-        let (args_labels, args_ips) = parse_args(map.get("args"))?;
-        let (runtime_labels, runtime_ips) = parse_runtime_config(map.get("runtimeConfig"))?;
-        let mut labels = args_labels;
-        for label in runtime_labels {
+        let args = parse_args(map.get("args"))?;
+        let runtime = parse_runtime_config(map.get("runtimeConfig"))?;
+        let mut labels = args.labels;
+        for label in runtime.labels {
             if !labels.contains(&label) {
                 labels.push(label);
             }
         }
-        let requested_ips = if runtime_ips.is_empty() { args_ips } else { runtime_ips };
+        let requested_ips = if runtime.ips.is_empty() { args.ips } else { runtime.ips };
+        let named_ports = merge_named_ports(args.named_ports, runtime.named_ports)?;
         let valid_attachments = parse_attachments(&map)?;
 
         Ok(Self {
@@ -335,6 +351,7 @@ impl NetConf {
             prev_result,
             labels,
             requested_ips,
+            named_ports,
             dns,
             valid_attachments,
         })
@@ -431,42 +448,136 @@ fn parse_ipam(value: Option<&Value>) -> Result<Option<DelegatedIpam>, CniError> 
     Ok(Some(DelegatedIpam { plugin_type }))
 }
 
-/// `args.cni.labels` and `args.cni.ips`; other keys of `args` belong to
-/// others and are ignored (the spec says so).
-fn parse_args(value: Option<&Value>) -> Result<(Vec<String>, Vec<IpAddr>), CniError> {
+/// What `args.cni` or `runtimeConfig` says about the pod.
+#[derive(Debug, Default)]
+struct PodArgs {
+    labels: Vec<String>,
+    ips: Vec<IpAddr>,
+    named_ports: Vec<NamedPort>,
+}
+
+impl PodArgs {
+    /// `labels`, `ips` and `containerPorts` of `map`, named `field.<key>` in errors.
+    fn parse(field: &str, map: &Map<String, Value>) -> Result<Self, CniError> {
+        Ok(Self {
+            labels: parse_labels(&format!("{field}.labels"), map.get("labels"))?,
+            ips: parse_ips(&format!("{field}.ips"), map.get("ips"))?,
+            named_ports: parse_container_ports(&format!("{field}.containerPorts"), map.get("containerPorts"))?,
+        })
+    }
+}
+
+/// `args.cni.labels`, `args.cni.ips` and `args.cni.containerPorts`; other
+/// keys of `args` belong to others and are ignored (the spec says so).
+fn parse_args(value: Option<&Value>) -> Result<PodArgs, CniError> {
     let Some(Value::Object(args)) = value else {
         return match value {
-            None | Some(Value::Null) => Ok((Vec::new(), Vec::new())),
+            None | Some(Value::Null) => Ok(PodArgs::default()),
             Some(other) => Err(CniError::netconf(format!("args: expected an object, found {other}"))),
         };
     };
-    let cni = match args.get("cni") {
-        None | Some(Value::Null) => return Ok((Vec::new(), Vec::new())),
-        Some(Value::Object(cni)) => cni,
-        Some(other) => {
-            return Err(CniError::netconf(format!(
-                "args.cni: expected an object, found {other}"
-            )));
-        }
-    };
-    let labels = parse_labels("args.cni.labels", cni.get("labels"))?;
-    let ips = parse_ips("args.cni.ips", cni.get("ips"))?;
-    Ok((labels, ips))
+    match args.get("cni") {
+        None | Some(Value::Null) => Ok(PodArgs::default()),
+        Some(Value::Object(cni)) => PodArgs::parse("args.cni", cni),
+        Some(other) => Err(CniError::netconf(format!(
+            "args.cni: expected an object, found {other}"
+        ))),
+    }
 }
 
-/// `runtimeConfig.labels` and `runtimeConfig.ips`; other capabilities are
-/// not rivet-cni's.
-fn parse_runtime_config(value: Option<&Value>) -> Result<(Vec<String>, Vec<IpAddr>), CniError> {
+/// `runtimeConfig.labels`, `runtimeConfig.ips` and
+/// `runtimeConfig.containerPorts`; other capabilities are not rivet-cni's.
+fn parse_runtime_config(value: Option<&Value>) -> Result<PodArgs, CniError> {
     match value {
-        None | Some(Value::Null) => Ok((Vec::new(), Vec::new())),
-        Some(Value::Object(rc)) => Ok((
-            parse_labels("runtimeConfig.labels", rc.get("labels"))?,
-            parse_ips("runtimeConfig.ips", rc.get("ips"))?,
-        )),
+        None | Some(Value::Null) => Ok(PodArgs::default()),
+        Some(Value::Object(rc)) => PodArgs::parse("runtimeConfig", rc),
         Some(other) => Err(CniError::netconf(format!(
             "runtimeConfig: expected an object, found {other}"
         ))),
     }
+}
+
+/// Keys of a `containerPorts` entry: Kubernetes' ContainerPort. `hostPort`
+/// and `hostIP` are a port-mapping plugin's business and ignored here.
+const CONTAINER_PORT_KEYS: &[&str] = &["name", "containerPort", "protocol", "hostPort", "hostIP"];
+
+/// A list of Kubernetes ContainerPort objects (`{"name": "http",
+/// "containerPort": 8080, "protocol": "TCP"}`, protocol default TCP); the
+/// named ones, each name once.
+fn parse_container_ports(field: &str, value: Option<&Value>) -> Result<Vec<NamedPort>, CniError> {
+    let items = match value {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(other) => return Err(CniError::netconf(format!("{field}: expected a list, found {other}"))),
+    };
+    let mut ports: Vec<NamedPort> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let entry = format!("{field}[{i}]");
+        let Value::Object(map) = item else {
+            return Err(CniError::netconf(format!(
+                "{entry}: expected a ContainerPort object, found {item}"
+            )));
+        };
+        if let Some(key) = map.keys().find(|k| !CONTAINER_PORT_KEYS.contains(&k.as_str())) {
+            return Err(CniError::netconf(format!(
+                "{entry}.{key}: unknown key (a ContainerPort has {})",
+                CONTAINER_PORT_KEYS.join(", ")
+            )));
+        }
+        let port = match map.get("containerPort") {
+            Some(Value::Number(n)) => n.as_u64().and_then(|p| u16::try_from(p).ok()).filter(|p| *p != 0),
+            _ => None,
+        }
+        .ok_or_else(|| CniError::netconf(format!("{entry}.containerPort: required, 1 to 65535")))?;
+        let protocol = match map.get("protocol") {
+            None | Some(Value::Null) => "TCP".to_string(),
+            Some(Value::String(p)) if matches!(p.as_str(), "TCP" | "UDP" | "SCTP") => p.clone(),
+            Some(other) => {
+                return Err(CniError::netconf(format!(
+                    "{entry}.protocol={other}: must be TCP, UDP or SCTP"
+                )));
+            }
+        };
+        let name = match map.get("name") {
+            // An unnamed port is allowed in a ContainerPort list; no rule can name it.
+            None | Some(Value::Null) => continue,
+            Some(Value::String(n)) if n.is_empty() => continue,
+            Some(Value::String(n)) => n.clone(),
+            Some(other) => {
+                return Err(CniError::netconf(format!(
+                    "{entry}.name: expected a string, found {other}"
+                )));
+            }
+        };
+        rivet_common::named_port::check_port_name(&name)
+            .map_err(|e| CniError::netconf(format!("{entry}.name: {e}")))?;
+        if ports.iter().any(|p| p.name == name) {
+            return Err(CniError::netconf(format!(
+                "{entry}.name: port name {name:?} is given twice"
+            )));
+        }
+        ports.push(NamedPort { name, protocol, port });
+    }
+    Ok(ports)
+}
+
+/// The ports of `args.cni` and `runtimeConfig` together: one name defined
+/// in both must mean the same port.
+fn merge_named_ports(args: Vec<NamedPort>, runtime: Vec<NamedPort>) -> Result<Vec<NamedPort>, CniError> {
+    let mut ports = runtime;
+    for port in args {
+        match ports.iter().find(|p| p.name == port.name) {
+            None => ports.push(port),
+            Some(same) if *same == port => {}
+            Some(other) => {
+                return Err(CniError::netconf(format!(
+                    "containerPorts: port {:?} is {}/{} in runtimeConfig but {}/{} in args.cni",
+                    port.name, other.protocol, other.port, port.protocol, port.port
+                )));
+            }
+        }
+    }
+    Ok(ports)
 }
 
 /// A list of `source:key=value` / `key=value` strings, or of the
@@ -754,6 +865,88 @@ mod tests {
             c.labels,
             ["k8s:app=web", "container:tier=front", "k8s:team=a", "k8s:zone=b"]
         );
+    }
+
+    #[test]
+    fn named_ports_from_args_and_runtime_config() {
+        let mut v = with(
+            "args",
+            json!({"cni": {"containerPorts": [
+                {"name": "http", "containerPort": 8080},
+                {"containerPort": 9000},
+                {"name": "dns", "containerPort": 53, "protocol": "UDP", "hostPort": 5353},
+            ]}}),
+        );
+        v["runtimeConfig"] = json!({"containerPorts": [{"name": "http", "containerPort": 8080, "protocol": "TCP"},
+                                                        {"name": "assoc", "containerPort": 7, "protocol": "SCTP"}]});
+        let port = |name: &str, protocol: &str, port: u16| NamedPort {
+            name: name.into(),
+            protocol: protocol.into(),
+            port,
+        };
+        assert_eq!(
+            parse(v).unwrap().named_ports,
+            [
+                port("http", "TCP", 8080),
+                port("assoc", "SCTP", 7),
+                port("dns", "UDP", 53)
+            ]
+        );
+        assert!(parse(base()).unwrap().named_ports.is_empty());
+        // One name, two meanings.
+        let mut v = with(
+            "args",
+            json!({"cni": {"containerPorts": [{"name": "http", "containerPort": 80}]}}),
+        );
+        v["runtimeConfig"] = json!({"containerPorts": [{"name": "http", "containerPort": 8080}]});
+        let err = parse(v).unwrap_err();
+        assert_eq!(err.code, codes::INVALID_NETCONF);
+        assert!(
+            err.msg.contains("\"http\" is TCP/8080 in runtimeConfig but TCP/80"),
+            "{err}"
+        );
+        for (ports, says) in [
+            (json!("http=80"), "args.cni.containerPorts: expected a list"),
+            (json!(["http"]), "args.cni.containerPorts[0]: expected a ContainerPort"),
+            (
+                json!([{"name": "http"}]),
+                "args.cni.containerPorts[0].containerPort: required",
+            ),
+            (
+                json!([{"name": "http", "containerPort": 0}]),
+                "containerPort: required, 1 to 65535",
+            ),
+            (
+                json!([{"name": "http", "containerPort": 70000}]),
+                "containerPort: required",
+            ),
+            (
+                json!([{"name": "http", "containerPort": "80"}]),
+                "containerPort: required",
+            ),
+            (
+                json!([{"name": "http", "containerPort": 80, "protocol": "tcp"}]),
+                "protocol=\"tcp\": must be TCP, UDP or SCTP",
+            ),
+            (
+                json!([{"name": "HTTP", "containerPort": 80}]),
+                "[0].name: \"HTTP\" is not a valid port name",
+            ),
+            (json!([{"name": "80", "containerPort": 80}]), "not a valid port name"),
+            (json!([{"name": 5, "containerPort": 80}]), "name: expected a string"),
+            (
+                json!([{"name": "a", "containerPort": 1}, {"name": "a", "containerPort": 2}]),
+                "[1].name: port name \"a\" is given twice",
+            ),
+            (
+                json!([{"name": "a", "containerPort": 1, "port": 2}]),
+                "[0].port: unknown key",
+            ),
+        ] {
+            let err = parse(with("args", json!({"cni": {"containerPorts": ports.clone()}}))).unwrap_err();
+            assert_eq!(err.code, codes::INVALID_NETCONF, "{ports}");
+            assert!(err.msg.contains(says), "{ports}: {err}");
+        }
     }
 
     #[test]

@@ -417,7 +417,7 @@ async fn add_steps(
         pod_uid: env.args.pod_uid.clone().unwrap_or_default(),
         labels: conf.labels.clone(),
         r#async: false,
-        named_ports: Vec::new(),
+        named_ports: named_ports(conf),
     };
     undo.endpoint = true;
     let endpoint = create_endpoint(deps, request, deadline).await?;
@@ -463,6 +463,18 @@ async fn add_steps(
         dns: conf.dns.clone(),
     };
     Ok(result.render(conf.cni_version))
+}
+
+/// The netconf's named container ports as svc-endpoint takes them.
+fn named_ports(conf: &NetConf) -> Vec<eppb::NamedPort> {
+    conf.named_ports
+        .iter()
+        .map(|p| eppb::NamedPort {
+            name: p.name.clone(),
+            protocol: p.protocol.clone(),
+            port: u32::from(p.port),
+        })
+        .collect()
 }
 
 async fn create_endpoint(
@@ -770,7 +782,7 @@ async fn add_chained(
         pod_uid: env.args.pod_uid.clone().unwrap_or_default(),
         labels: conf.labels.clone(),
         r#async: false,
-        named_ports: Vec::new(),
+        named_ports: named_ports(conf),
     };
     match create_endpoint(deps, request, deadline).await {
         Ok(endpoint) => {

@@ -14,7 +14,8 @@
 //! - [`daemon`]: the run loop a daemon's `main` ends with;
 //! - [`labels`]: security labels (`source:key=value`), label sets, reserved
 //!   identities, namespace labels and the identity-relevant label filter;
-//! - [`backoff`]: retry delays.
+//! - [`backoff`]: retry delays;
+//! - [`named_port`]: the rule for named container ports' names.
 
 pub mod access;
 pub mod backoff;
@@ -24,6 +25,7 @@ pub mod grpc;
 pub mod h2_authority;
 pub mod labels;
 pub mod metrics;
+pub mod named_port;
 pub mod privileges;
 pub mod socket;
 pub mod state_file;

@@ -116,21 +116,7 @@ fn parse_named_ports(raw: &[pb::NamedPort]) -> Result<Vec<NamedPort>, Status> {
     let mut ports = Vec::with_capacity(raw.len());
     for (i, p) in raw.iter().enumerate() {
         let field = format!("named_ports[{i}]");
-        let name_ok = !p.name.is_empty()
-            && p.name.len() <= 15
-            && p.name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            && p.name.bytes().any(|b| b.is_ascii_lowercase())
-            && !p.name.starts_with('-')
-            && !p.name.ends_with('-')
-            && !p.name.contains("--");
-        if !name_ok {
-            return Err(invalid(
-                &format!("{field}.name"),
-                format!("{:?} is not a valid port name", p.name),
-            ));
-        }
+        rivet_common::named_port::check_port_name(&p.name).map_err(|e| invalid(&format!("{field}.name"), e))?;
         let protocol = match p.protocol.as_str() {
             "" | "TCP" => Protocol::Tcp,
             "UDP" => Protocol::Udp,

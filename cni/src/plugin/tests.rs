@@ -608,7 +608,7 @@ fn invocation(command: &str, container: &str, conf: Value) -> Invocation {
 fn conf(version: &str) -> Value {
     json!({
         "cniVersion": version, "name": "rivet", "type": "rivet-cni",
-        "args": {"cni": {"labels": ["app=web"]}},
+        "args": {"cni": {"labels": ["app=web"], "containerPorts": [{"name": "http", "containerPort": 8080}]}},
         "dns": {"nameservers": ["198.18.0.53"]},
     })
 }
@@ -670,6 +670,15 @@ async fn add_wires_the_pod_and_creates_the_endpoint() {
         ("shop", "c1", "uid-c1")
     );
     assert_eq!(request.labels, ["k8s:app=web"]);
+    assert_eq!(
+        request.named_ports,
+        [eppb::NamedPort {
+            name: "http".into(),
+            protocol: "TCP".into(),
+            port: 8080
+        }],
+        "the pod's named ports reach svc-endpoint"
+    );
     assert!(!request.r#async, "CreateEndpoint is synchronous");
     assert!(request.addresses.iter().all(|a| a.ipam_pool == "default"));
 }
