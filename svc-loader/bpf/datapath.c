@@ -396,7 +396,7 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct pkt *p)
 	struct ipv6hdr ip;
 	__u32 off = IP6_OFF + sizeof(ip);
 	__u8 nexthdr;
-	int i;
+	int i, seen_fragment = 0;
 
 	if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
 		return DROP_INVALID_PACKET;
@@ -418,8 +418,9 @@ static __always_inline int parse_ipv6(struct __sk_buff *skb, struct pkt *p)
 		if (nexthdr == NEXTHDR_FRAGMENT) {
 			__u16 frag = (__u16)h[2] << 8 | h[3];
 
-			if (p->in_fragment)
+			if (seen_fragment)
 				return DROP_EXT_HEADER_CHAIN;
+			seen_fragment = 1;
 			off += 8;
 			if (frag & 0xfff9) { /* an offset, or more fragments */
 				p->in_fragment = 1;

@@ -483,6 +483,14 @@ async fn tcp_behind_extension_headers_is_tcp_and_unfinished_chains_are_dropped()
         ("Routing", vec![ExtHeader::Routing { len: 0 }]),
         ("Authentication Header", vec![ExtHeader::Authentication { len: 4 }]),
         (
+            "an atomic Fragment header (offset 0, no more fragments)",
+            vec![ExtHeader::Fragment {
+                offset: 0,
+                more: false,
+                id: 7,
+            }],
+        ),
+        (
             "Hop-by-Hop, Destination Options, Routing, AH, Destination Options",
             vec![
                 ExtHeader::HopByHop { len: 0 },
@@ -512,6 +520,12 @@ async fn tcp_behind_extension_headers_is_tcp_and_unfinished_chains_are_dropped()
     }];
     let late_hop_by_hop = vec![ExtHeader::DestinationOptions { len: 0 }, ExtHeader::HopByHop { len: 0 }];
     let eight = vec![ExtHeader::DestinationOptions { len: 0 }; 8];
+    let atomic = ExtHeader::Fragment {
+        offset: 0,
+        more: false,
+        id: 9,
+    };
+    let two_fragment_headers = vec![atomic.clone(), atomic];
     let before = node.drops(chain).await;
     send6(
         &node,
@@ -522,12 +536,14 @@ async fn tcp_behind_extension_headers_is_tcp_and_unfinished_chains_are_dropped()
             syn(&nine, 8080),
             syn(&truncated, 8080),
             syn(&late_hop_by_hop, 8080),
+            syn(&two_fragment_headers, 8080),
         ],
     );
     assert_eq!(
-        drops_reaching(&node, chain, before + 3).await,
-        before + 3,
-        "9 headers, a truncated header and a Hop-by-Hop header that is not first are dropped"
+        drops_reaching(&node, chain, before + 4).await,
+        before + 4,
+        "9 headers, a truncated header, a Hop-by-Hop header that is not first and a second \
+         Fragment header are dropped"
     );
     assert_eq!(node.drops(pb::DropReason::InvalidPacket).await, 0);
 }
