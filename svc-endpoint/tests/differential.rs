@@ -20,9 +20,13 @@
 //! one, `RIVET_DIFF_SCENARIOS=<n>` changes how many policy sets are tried
 //! (each with [`PACKETS_PER_SCENARIO`] packets).
 //!
-//! Not generated yet: ipBlock peers (their per-address enforcement is being
-//! built in the datapath; the evaluator already matches them by address) and
-//! named ports.
+//! Named ports: the subject's and each pod peer's own ports, in ingress
+//! rules and in egress rules naming their peers. Not generated: named ports
+//! in egress rules for any peer (the engine allows the name's port of every
+//! endpoint towards any peer; Kubernetes means the destination pod's own
+//! port, which the evaluator follows: a known difference, not a datapath
+//! one), and ipBlock peers (their per-address enforcement is being built in
+//! the datapath; the evaluator already matches them by address).
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -36,7 +40,8 @@ use rivet_common::testing::netns::{NetNs, veth_pair};
 use rivet_proto::loader::v1 as pb;
 use serde_json::{Value, json};
 use svc_endpoint::policy::{
-    Decision, Direction, PacketPeer, Policy, PolicyOrigin, PolicyRepository, ResolvedPolicy, SelectorCache, Subject,
+    Decision, Direction, NamedPort, PacketPeer, Policy, PolicyOrigin, PolicyRepository, Protocol, ResolvedPolicy,
+    SelectorCache, Subject,
 };
 use svc_loader::datapath::{Datapath, DatapathOptions, Hook};
 use svc_loader::loader::EndpointDatapath;
@@ -199,6 +204,8 @@ struct PeerSpec {
     labels: Option<Labels>,
     v4: Ipv4Addr,
     v6: Ipv6Addr,
+    /// A pod's named container ports.
+    named_ports: Vec<NamedPort>,
 }
 
 /// A loaded datapath with its own pins and the subject endpoint on a veth
@@ -376,12 +383,17 @@ fn run(
         }
         let mut cache = SelectorCache::new();
         cache.upsert_identity(SUBJECT_ID, world.subject.clone());
+        cache.set_named_ports(SUBJECT_ID, world.subject_ports.clone());
         for peer in &world.peers {
             if let Some(labels) = &peer.labels {
                 cache.upsert_identity(peer.identity, labels.clone());
+                cache.set_named_ports(peer.identity, peer.named_ports.clone());
             }
         }
-        let subject = Subject::new(&world.subject);
+        let subject = Subject {
+            labels: &world.subject,
+            named_ports: &world.subject_ports,
+        };
         let resolved = repo.resolve(&subject, &cache);
         let allow_from_host = rng.random_bool(0.5);
         harness.apply(&resolved, scenario as u64 + 1, allow_from_host);
@@ -390,7 +402,10 @@ fn run(
         // its ingress policy, in from_container, and is redirected to it.
         let local = &world.peers[LOCAL_PEER];
         let local_labels = local.labels.as_ref().expect("a pod");
-        let local_subject = Subject::new(local_labels);
+        let local_subject = Subject {
+            labels: local_labels,
+            named_ports: &local.named_ports,
+        };
         let local_resolved = repo.resolve(&local_subject, &cache);
         harness.apply_local(local, &local_resolved, scenario as u64 + 1, allow_from_host);
         let ipcache: Vec<(IpAddr, u8, IpcacheValue)> = world
@@ -411,7 +426,7 @@ fn run(
                 identity: peer_spec.identity,
                 labels: peer_spec.labels.as_ref(),
                 address: Some(case.address),
-                named_ports: &[],
+                named_ports: &peer_spec.named_ports,
             };
             let decision = repo.evaluate(&subject, case.direction, &peer, case.protocol, case.port);
             let to_local = case.direction == Direction::Egress
@@ -425,7 +440,7 @@ fn run(
                     identity: SUBJECT_ID,
                     labels: Some(&world.subject),
                     address: Some(case.source),
-                    named_ports: &[],
+                    named_ports: &world.subject_ports,
                 };
                 let d = repo.evaluate(&local_subject, Direction::Ingress, &me, case.protocol, case.port);
                 (d, local_resolved.enforce_ingress)
@@ -504,6 +519,7 @@ fn outcome(retval: u32, ring: &mut aya::maps::RingBuf<aya::maps::MapData>) -> Ou
 /// The subject endpoint's labels and the peers of this scenario.
 struct World {
     subject: Labels,
+    subject_ports: Vec<NamedPort>,
     /// Cluster pods, then host, world and remote-node.
     peers: Vec<PeerSpec>,
     namespace_labels: Vec<Vec<(String, String)>>,
@@ -535,6 +551,7 @@ fn make_world(rng: &mut StdRng) -> World {
         text.join(",").parse().expect("generated labels parse")
     };
     let subject = pod(rng, 0);
+    let subject_ports = named_ports(rng);
     let mut peers: Vec<PeerSpec> = (0..6u8)
         .map(|i| {
             let ns = rng.random_range(0..NAMESPACES.len());
@@ -543,6 +560,7 @@ fn make_world(rng: &mut StdRng) -> World {
                 labels: Some(pod(rng, ns)),
                 v4: Ipv4Addr::new(198, 18, 100, i + 1),
                 v6: Ipv6Addr::new(0x2001, 2, 0, 100, 0, 0, 0, u16::from(i) + 1),
+                named_ports: named_ports(rng),
             }
         })
         .collect();
@@ -552,16 +570,31 @@ fn make_world(rng: &mut StdRng) -> World {
             labels: None,
             v4: Ipv4Addr::new(198, 18, 200, last),
             v6: Ipv6Addr::new(0x2001, 2, 0, 200, 0, 0, 0, u16::from(last)),
+            named_ports: Vec::new(),
         });
     }
     World {
         subject,
+        subject_ports,
         peers,
         namespace_labels,
     }
 }
 
 // ------------------------------------------------------------ policies
+
+/// Named container ports a pod may have (each with a random number).
+const PORT_NAMES: [(&str, Protocol); 3] = [("http", Protocol::Tcp), ("dns", Protocol::Udp), ("db", Protocol::Sctp)];
+
+fn named_ports(rng: &mut StdRng) -> Vec<NamedPort> {
+    let mut ports = Vec::new();
+    for (name, protocol) in PORT_NAMES {
+        if rng.random_bool(0.5) {
+            ports.push(NamedPort::new(name, protocol, *PORTS.choose(rng).unwrap()));
+        }
+    }
+    ports
+}
 
 fn random_selector(rng: &mut StdRng, keys: &[(&str, &[&str])]) -> Value {
     let mut selector = serde_json::Map::new();
@@ -602,7 +635,17 @@ fn random_peer(rng: &mut StdRng, rivet: bool) -> Value {
     }
 }
 
-fn random_port(rng: &mut StdRng, rivet: bool) -> Value {
+/// `named`: whether the port may be a name (see `random_rule`).
+fn random_port(rng: &mut StdRng, rivet: bool, named: bool) -> Value {
+    if named && rng.random_bool(0.2) {
+        let (name, protocol) = PORT_NAMES.choose(rng).unwrap();
+        let protocol = match protocol {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+            _ => "SCTP",
+        };
+        return json!({"protocol": protocol, "port": name});
+    }
     let kinds: &[&str] = if rivet {
         &["TCP", "UDP", "SCTP", "ICMP", "ICMPv6", "ANY"]
     } else {
@@ -625,18 +668,22 @@ fn random_port(rng: &mut StdRng, rivet: bool) -> Value {
 
 fn random_rule(rng: &mut StdRng, rivet: bool, peers_key: &str) -> Value {
     let mut rule = serde_json::Map::new();
-    let peers = rng.random_range(0..=2);
-    if peers > 0 {
-        rule.insert(
-            peers_key.into(),
-            Value::Array((0..peers).map(|_| random_peer(rng, rivet)).collect()),
-        );
+    let peers: Vec<Value> = (0..rng.random_range(0..=2)).map(|_| random_peer(rng, rivet)).collect();
+    // Named ports in egress rules for any peer (no peers, or the entity
+    // `all`) are left out: the engine then allows every port the name has
+    // on any endpoint, towards any peer, where Kubernetes means the
+    // destination pod's own port (noted in the report; the evaluator
+    // follows Kubernetes).
+    let any_peer = peers.is_empty() || peers.iter().any(|p| p.to_string().contains("\"all\""));
+    let named = peers_key == "from" || !any_peer;
+    if !peers.is_empty() {
+        rule.insert(peers_key.into(), Value::Array(peers));
     }
     let ports = rng.random_range(0..=2);
     if ports > 0 {
         rule.insert(
             "ports".into(),
-            Value::Array((0..ports).map(|_| random_port(rng, rivet)).collect()),
+            Value::Array((0..ports).map(|_| random_port(rng, rivet, named)).collect()),
         );
     }
     Value::Object(rule)
