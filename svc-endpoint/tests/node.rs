@@ -684,3 +684,150 @@ async fn a_namespace_relabel_during_a_regeneration_reaches_every_selected_peer()
         }
     }
 }
+
+/// Waits until `check` holds for the policy svc-loader holds for endpoint
+/// `endpoint_id` (entries as (peer, port)).
+async fn until_realised(node: &EndpointNode, endpoint_id: u32, what: &str, check: impl Fn(&[(u32, u32)]) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (held, _) = realised_peers(node, endpoint_id).await;
+        let entries: Vec<(u32, u32)> = held
+            .entries
+            .iter()
+            .filter_map(|e| e.entry.as_ref())
+            .map(|e| (e.peer_identity, e.port))
+            .collect();
+        if check(&entries) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: entries {entries:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Issue 12 §4: a change in an endpoint's named ports re-queues the
+/// endpoints whose rules use the name, and the ports leave with the
+/// endpoint. web-0 holds the web identity without ports; web-1 joins the
+/// same identity (no identity event) with port `http` = 8080: client's
+/// egress rule to web's `http` must then allow 8080, and stop once web-1 is
+/// deleted while web-0 keeps the identity.
+#[tokio::test(flavor = "multi_thread")]
+async fn named_ports_reach_the_peers_that_use_them_and_leave_with_their_endpoint() {
+    let mut node = node().await;
+    let client = node.add_pod("client", &["k8s:app=client"]).await;
+    let web0 = node.add_pod("web-0", &["k8s:app=web"]).await;
+    node.apply_policy(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: client-out}\nspec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  - to:\n    - podSelector: {matchLabels: {app: web}}\n    ports:\n    - {protocol: TCP, port: http}\n",
+    )
+    .await;
+    until_realised(&node, client.id, "no web endpoint names http yet", |e| e.is_empty()).await;
+
+    node.add_pod_interface("web-1").await;
+    let mut request = node.create_request("web-1", &["k8s:app=web"]);
+    request.named_ports = vec![pb::NamedPort {
+        name: "http".into(),
+        protocol: "TCP".into(),
+        port: 8080,
+    }];
+    let web1 = node
+        .endpoints()
+        .await
+        .create_endpoint(request)
+        .await
+        .expect("creating web-1")
+        .into_inner()
+        .endpoint
+        .unwrap();
+    assert_eq!(web1.identity, web0.identity, "web-1 shares web-0's identity");
+    until_realised(&node, client.id, "client's rule resolves web's http to 8080", |e| {
+        e == [(web0.identity, 8080)]
+    })
+    .await;
+
+    node.endpoints()
+        .await
+        .delete_endpoint(pb::DeleteEndpointRequest {
+            r#ref: Some(pb::EndpointRef {
+                r#ref: Some(pb::endpoint_ref::Ref::Id(web1.id)),
+            }),
+        })
+        .await
+        .expect("deleting web-1");
+    until_realised(&node, client.id, "web-1's port leaves with it", |e| e.is_empty()).await;
+}
+
+/// Issue 12 §4: pod labels svc-endpoint remembers are forgotten with the
+/// pod's endpoint, whatever selected it (a reused pod name, such as a
+/// StatefulSet pod, must not inherit them); labels set before the endpoint
+/// exists still apply at its create.
+#[tokio::test(flavor = "multi_thread")]
+async fn remembered_pod_labels_go_with_the_pods_endpoint() {
+    let mut node = node().await;
+    let pod_ref = |name: &str| pb::EndpointRef {
+        r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
+            namespace: "default".into(),
+            name: name.into(),
+        })),
+    };
+    let label = |labels: &[&str]| pb::UpdateLabelsRequest {
+        r#ref: Some(pod_ref("db-0")),
+        labels: labels.iter().map(ToString::to_string).collect(),
+        r#async: false,
+    };
+    // Before the endpoint exists: remembered, applied at create.
+    node.endpoints()
+        .await
+        .update_labels(label(&["k8s:app=db", "k8s:tier=early"]))
+        .await
+        .expect("labelling a pod without an endpoint");
+    node.add_pod_interface("db-0").await;
+    let first = node
+        .endpoints()
+        .await
+        .create_endpoint(node.create_request("db-0", &[]))
+        .await
+        .expect("creating db-0")
+        .into_inner()
+        .endpoint
+        .unwrap();
+    assert!(
+        first.labels.contains(&"k8s:tier=early".to_string()),
+        "labels set before the create apply: {:?}",
+        first.labels
+    );
+    node.endpoints()
+        .await
+        .update_labels(label(&["k8s:app=db", "k8s:tier=old"]))
+        .await
+        .expect("relabelling db-0");
+
+    // Deleted by its container (not by the pod), then the name comes back.
+    node.endpoints()
+        .await
+        .delete_endpoint(pb::DeleteEndpointRequest {
+            r#ref: Some(pb::EndpointRef {
+                r#ref: Some(pb::endpoint_ref::Ref::Container(pb::ContainerInterface {
+                    container_id: "db-0".into(),
+                    interface: "eth0".into(),
+                })),
+            }),
+        })
+        .await
+        .expect("deleting db-0's endpoint");
+    let mut again = node.create_request("db-0", &["k8s:app=db"]);
+    again.container_id = "db-0-second".into();
+    let second = node
+        .endpoints()
+        .await
+        .create_endpoint(again)
+        .await
+        .expect("creating db-0 again")
+        .into_inner()
+        .endpoint
+        .unwrap();
+    assert_eq!(
+        second.labels,
+        ["k8s:app=db"],
+        "a reused pod name does not inherit the old pod's labels"
+    );
+}
