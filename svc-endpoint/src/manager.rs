@@ -370,6 +370,9 @@ struct State {
     repository: PolicyRepository,
     selectors: SelectorCache,
     cidr_identities: BTreeMap<IpNet, u32>,
+    /// CIDR identities no policy wants any more whose release svc-identity
+    /// has not confirmed yet.
+    cidr_releases: BTreeSet<IpNet>,
 }
 
 impl State {
@@ -480,6 +483,8 @@ struct Inner {
     /// Serialises changes of persisted configuration: policies (repository
     /// + API policies file) and namespace labels.
     config_lock: tokio::sync::Mutex<()>,
+    /// Held by a CIDR identity reconciliation pass: one at a time.
+    cidr_pass: tokio::sync::Mutex<()>,
 }
 
 /// The endpoint manager. Cheap to clone.
@@ -563,6 +568,7 @@ impl EndpointManager {
             ]),
             cidr_wake: Notify::new(),
             config_lock: tokio::sync::Mutex::new(()),
+            cidr_pass: tokio::sync::Mutex::new(()),
         };
         Ok(Self { inner: Arc::new(inner) })
     }
@@ -1384,22 +1390,22 @@ impl EndpointManager {
     /// Makes the CIDR identities match the repository's prefixes. With
     /// `reallocate` every prefix is allocated again (svc-identity restarted
     /// and forgot them).
+    ///
+    /// One pass at a time (a policy change and the background retry both
+    /// run it), each reading the desired prefixes when it starts and again
+    /// after svc-identity answered: a prefix whose policy went meanwhile is
+    /// never inserted but released, so the latest desired state wins.
+    /// Releases that failed are kept and retried by the next pass.
     async fn reconcile_cidrs(&self, reallocate: bool) -> Result<(), Status> {
-        let (missing, extra) = {
+        let _pass = self.inner.cidr_pass.lock().await;
+        let missing: Vec<IpNet> = {
             let state = self.state();
-            let desired = state.repository.cidrs();
-            let missing: Vec<IpNet> = desired
-                .iter()
+            state
+                .repository
+                .cidrs()
+                .into_iter()
                 .filter(|p| reallocate || !state.cidr_identities.contains_key(p))
-                .copied()
-                .collect();
-            let extra: Vec<IpNet> = state
-                .cidr_identities
-                .keys()
-                .filter(|p| !desired.contains(p))
-                .copied()
-                .collect();
-            (missing, extra)
+                .collect()
         };
         if !missing.is_empty() {
             let response = self
@@ -1412,33 +1418,54 @@ impl EndpointManager {
                 })
                 .await?;
             let mut state = self.state();
+            let desired = state.repository.cidrs();
             for identity in response.identities {
                 let Ok(prefix) = identity.prefix.parse::<IpNet>() else {
                     tracing::warn!(prefix = identity.prefix, "svc-identity returned an unparseable prefix");
                     continue;
                 };
-                state.cidr_identities.insert(prefix, identity.id);
-                state.selectors.set_cidr_identity(prefix, identity.id);
+                if desired.contains(&prefix) {
+                    state.cidr_identities.insert(prefix, identity.id);
+                    state.selectors.set_cidr_identity(prefix, identity.id);
+                } else {
+                    // Its policy went while svc-identity allocated it.
+                    state.cidr_releases.insert(prefix);
+                }
             }
             self.queue_changed_policies(&mut state, "CIDR identities allocated");
         }
-        if !extra.is_empty() {
-            {
-                let mut state = self.state();
-                for prefix in &extra {
-                    state.cidr_identities.remove(prefix);
-                    state.selectors.remove_cidr_identity(prefix);
-                }
-                self.queue_changed_policies(&mut state, "CIDR identities released");
+        let releases: Vec<IpNet> = {
+            let mut state = self.state();
+            let desired = state.repository.cidrs();
+            let extra: Vec<IpNet> = state
+                .cidr_identities
+                .keys()
+                .filter(|p| !desired.contains(p))
+                .copied()
+                .collect();
+            for prefix in &extra {
+                state.cidr_identities.remove(prefix);
+                state.selectors.remove_cidr_identity(prefix);
+                state.cidr_releases.insert(*prefix);
             }
+            self.queue_changed_policies(&mut state, "CIDR identities released");
+            // Desired again before its release went out: it stays allocated.
+            state.cidr_releases.retain(|p| !desired.contains(p));
+            state.cidr_releases.iter().copied().collect()
+        };
+        if !releases.is_empty() {
             self.inner
                 .deps
                 .identity
                 .release_cidrs(idpb::ReleaseCidrIdentitiesRequest {
-                    prefixes: extra.iter().map(ToString::to_string).collect(),
+                    prefixes: releases.iter().map(ToString::to_string).collect(),
                     owner: CIDR_OWNER.into(),
                 })
                 .await?;
+            let mut state = self.state();
+            for prefix in &releases {
+                state.cidr_releases.remove(prefix);
+            }
         }
         Ok(())
     }

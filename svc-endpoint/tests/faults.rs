@@ -9,9 +9,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rivet_common::labels::Labels;
+use rivet_proto::identity::v1 as idpb;
+use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use support::{Faults, Mode, assert_nothing_left, eventually, faulty_dependencies, options, start_manager};
 use svc_endpoint::endpoint::EndpointState;
 use svc_endpoint::manager::{EndpointManager, EndpointSelector, ManagerError, NewEndpoint};
+use svc_endpoint::policy::{Policy, PolicyOrigin};
 use svc_endpoint::service::validate_create;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
 use tonic::{Code, Status};
@@ -290,4 +293,74 @@ async fn relabel(manager: &EndpointManager, name: &str) {
         )
         .await
         .unwrap_or_else(|e| panic!("relabelling {name}: {e}"));
+}
+
+/// Issue 12 §4: CIDR identity reconciliation runs one pass at a time and
+/// the latest desired state wins. The policy's own pass fails, the
+/// background retry hangs in svc-identity with the policy's prefix; the
+/// policy is deleted meanwhile; when svc-identity answers, the stale pass
+/// must not insert the prefix (before, it did, after the delete's own pass
+/// had found nothing to release: the CIDR identity stayed allocated).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stale_cidr_pass_never_reinserts_a_prefix_after_its_policy_was_deleted() {
+    let t = Setup::start(&[], None).await;
+    t.faults.allocate_cidrs.set(Mode::Unavailable);
+    let policy = Policy::parse(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: out}\nspec:\n  podSelector: {}\n  policyTypes: [Egress]\n  egress:\n  - to:\n    - ipBlock: {cidr: 198.19.64.0/24}\n",
+    )
+    .unwrap();
+    let key = policy.key().clone();
+    let deadline = Duration::from_secs(20);
+    t.manager
+        .upsert_policy(policy, PolicyOrigin::Directory, false, deadline)
+        .await
+        .expect("the policy is stored although its CIDR identity is not allocated yet");
+    t.faults.allocate_cidrs.set(Mode::Block);
+    t.faults.allocate_cidrs.blocked(1).await;
+
+    // (svc-identity lists a CIDR identity while it holds a reference.)
+    let delete = tokio::spawn({
+        let manager = t.manager.clone();
+        async move {
+            manager
+                .delete_policy(&key, PolicyOrigin::Directory, false, deadline)
+                .await
+        }
+    });
+    eventually(
+        Duration::from_secs(10),
+        "the repository forgot the policy",
+        async || t.manager.policy_summary().1 == 0,
+    )
+    .await;
+    t.faults.allocate_cidrs.set(Mode::Pass);
+    delete
+        .await
+        .unwrap()
+        .expect("the delete succeeds")
+        .expect("the policy existed");
+
+    let channel = rivet_common::grpc::connect_unix(&t.node.sockets().join("svc-identity.sock"), &Default::default())
+        .await
+        .unwrap();
+    eventually(
+        Duration::from_secs(5),
+        "no CIDR identity is held for the deleted policy",
+        async || {
+            let listed = IdentityServiceClient::new(channel.clone())
+                .list_identities(idpb::ListIdentitiesRequest {
+                    local_only: true,
+                    include_owners: true,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            !listed
+                .identities
+                .iter()
+                .any(|i| i.labels.iter().any(|l| l == "cidr:198.19.64.0/24") && i.local_references > 0)
+        },
+    )
+    .await;
 }

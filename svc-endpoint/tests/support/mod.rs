@@ -47,6 +47,8 @@ pub enum Mode {
 pub struct Fault {
     mode: watch::Sender<Mode>,
     calls: watch::Sender<u32>,
+    /// Matching calls that found the mode `Block` and waited.
+    blocked: watch::Sender<u32>,
     /// Only calls whose key contains this are affected and counted.
     only: Mutex<Option<String>>,
 }
@@ -56,6 +58,7 @@ impl Default for Fault {
         Self {
             mode: watch::channel(Mode::Pass).0,
             calls: watch::channel(0).0,
+            blocked: watch::channel(0).0,
             only: Mutex::new(None),
         }
     }
@@ -86,6 +89,12 @@ impl Fault {
         rx.wait_for(|c| *c >= n).await.expect("the fault lives");
     }
 
+    /// Waits until `n` matching calls found the mode `Block`.
+    pub async fn blocked(&self, n: u32) {
+        let mut rx = self.blocked.subscribe();
+        rx.wait_for(|c| *c >= n).await.expect("the fault lives");
+    }
+
     /// The mode for a call described by `key`, once it is not blocked.
     async fn enter(&self, key: &str) -> Mode {
         if self
@@ -99,6 +108,9 @@ impl Fault {
         }
         self.calls.send_modify(|n| *n += 1);
         let mut rx = self.mode.subscribe();
+        if *rx.borrow_and_update() == Mode::Block {
+            self.blocked.send_modify(|n| *n += 1);
+        }
         *rx.wait_for(|m| *m != Mode::Block).await.expect("the fault lives")
     }
 }
