@@ -1,0 +1,464 @@
+//! Two nodes made by `rivet node up --create-netns --etcd-endpoints ...`
+//! sharing one real etcd, which is stopped under traffic for a few seconds
+//! (the mechanism is what is tested, not the length of the outage): pods
+//! keep their traffic, pods of known label sets start, deletes (also
+//! `--force`) are done locally, `rivet status` says the node is degraded;
+//! when etcd is back everything converges (the other node's IP cache, the
+//! keys in etcd, svc-ipam, svc-endpoint) and nothing is left; a node that
+//! stops cleanly takes its keys with it at once.
+//!
+//! Needs root, a bpffs at /sys/fs/bpf, the rivet users (`cargo xtask
+//! install`) and the workspace binaries beside `rivet` (`cargo build
+//! --bins`). Addresses come from 198.18.0.0/15 and 2001:2::/48 only.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use etcd_client::GetOptions;
+use rivet_common::testing::etcd::EtcdServer;
+
+/// The lease TTL of both nodes: far longer than anything the test waits
+/// for, so keys that go did not expire, something deleted them.
+const LEASE_TTL_SECONDS: u64 = 30;
+
+/// Each node's CNI deadline (a pod whose label set needs the kvstore waits
+/// at most this long).
+const CNI_TIMEOUT_SECONDS: &str = "6";
+
+fn rivet_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_rivet"))
+}
+
+/// Polls `f` every 100 ms until it is true; panics after `timeout`.
+fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let started = Instant::now();
+    while !f() {
+        assert!(
+            started.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    started.elapsed()
+}
+
+fn shown(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A node of its own namespace and temp dir, on the shared etcd; `rivet
+/// node down` on drop (also on panic).
+struct Node {
+    dir: tempfile::TempDir,
+    name: String,
+    stopped: bool,
+}
+
+impl Node {
+    fn up(letter: &str, pools: &str, etcd: &str) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("rvko")
+            .tempdir_in("/tmp")
+            .expect("temp dir");
+        // The daemons run as the rivet users: they must reach their dirs in it.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let name = format!("rvko-{}-{letter}", std::process::id());
+        let mut node = Self {
+            dir,
+            name,
+            stopped: false,
+        };
+        let (cni_bin, cni_conf) = (node.path("cni/bin"), node.path("cni/net.d"));
+        let ttl = format!("svc-identity=--lease-ttl-seconds={LEASE_TTL_SECONDS}");
+        let args = [
+            "node",
+            "up",
+            "--netns",
+            &node.name,
+            "--create-netns",
+            "--node-name",
+            &node.name,
+            "--pool",
+            pools,
+            "--etcd-endpoints",
+            etcd,
+            "--daemon-arg",
+            &ttl,
+            "--cni-timeout-seconds",
+            CNI_TIMEOUT_SECONDS,
+            "--stop-grace-seconds",
+            "5",
+            "--detach",
+        ];
+        let out = node
+            .rivet(&args)
+            .args(["--cni-bin-dir".as_ref(), cni_bin.as_os_str()])
+            .args(["--cni-conf-dir".as_ref(), cni_conf.as_os_str()])
+            .output()
+            .expect("running rivet node up");
+        if !out.status.success() {
+            node.stopped = true;
+            let _ = node.rivet(&["node", "down"]).output();
+            panic!(
+                "rivet node up of {} failed ({}): {}",
+                node.name,
+                out.status,
+                shown(&out)
+            );
+        }
+        node
+    }
+
+    fn path(&self, relative: &str) -> PathBuf {
+        self.dir.path().join(relative)
+    }
+
+    /// `rivet --state-dir .. --socket-dir .. <args>`.
+    fn rivet(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(rivet_bin());
+        cmd.arg("--state-dir")
+            .arg(self.path("state"))
+            .arg("--socket-dir")
+            .arg(self.path("sockets"))
+            .args(args)
+            .stdin(Stdio::null());
+        cmd
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.rivet(args).output().expect("running rivet")
+    }
+
+    /// Runs `rivet <args>`; its stdout, or a panic with its output.
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.run(args);
+        assert!(
+            out.status.success(),
+            "rivet {} on {} failed ({}): {}",
+            args.join(" "),
+            self.name,
+            out.status,
+            shown(&out)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        serde_json::from_str(&self.ok(&all)).expect("rivet -o json prints JSON")
+    }
+
+    fn add_pod(&self, pod: &str, app: &str) -> Output {
+        let label = format!("app={app}");
+        self.run(&["pod", "add", pod, "--label", &label])
+    }
+
+    /// A pod's addresses, from `rivet pod list`.
+    fn addresses(&self, pod: &str) -> Vec<String> {
+        let pods = self.json(&["pod", "list"]);
+        let pod = pods
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == pod)
+            .unwrap_or_else(|| panic!("pod {pod} is listed on {}", self.name));
+        pod["addresses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    }
+
+    fn ipv4(&self, pod: &str) -> String {
+        self.addresses(pod)
+            .into_iter()
+            .find(|a| a.contains('.'))
+            .expect("an IPv4 address")
+    }
+
+    /// The node's effective IP cache: prefix → publishing node.
+    fn ipcache(&self) -> BTreeMap<String, String> {
+        self.json(&["ipcache", "list"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e["prefix"].as_str().unwrap().to_string(),
+                    e["node"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    }
+
+    fn pod_netns(&self, pod: &str) -> String {
+        format!("rivet-pod-{}-default-{pod}", self.name)
+    }
+
+    /// Two pings from `from` to `to`.
+    fn ping(&self, from: &str, to: &str) -> bool {
+        self.run(&["pod", "exec", from, "--", "ping", "-c", "2", "-i", "0.2", "-W", "2", to])
+            .status
+            .success()
+    }
+
+    /// `rivet node down`: every daemon stopped with SIGTERM, the namespace gone.
+    fn down(&mut self) {
+        self.ok(&["node", "down"]);
+        self.stopped = true;
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if !self.stopped {
+            let _ = self.rivet(&["node", "down"]).output();
+        }
+    }
+}
+
+/// Pings that run until stopped: `ping` in a pod's namespace, ended with
+/// SIGINT (it then prints its summary).
+struct Pinger(Option<Child>);
+
+impl Pinger {
+    fn start(netns: &str, to: &str) -> Self {
+        let child = Command::new("ip")
+            .args(["netns", "exec", netns, "ping", "-i", "0.2", "-W", "1", to])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting ping");
+        Self(Some(child))
+    }
+
+    /// Stops it; returns (sent, received) and its output.
+    fn stop(mut self) -> (u32, u32, String) {
+        let child = self.0.take().expect("running");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).expect("SIGINT to ping");
+        let out = child.wait_with_output().expect("ping ends");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let line = text
+            .lines()
+            .find(|l| l.contains("packets transmitted"))
+            .unwrap_or_else(|| panic!("ping printed no summary: {text}"));
+        let number = |word: &str| -> u32 {
+            let before = line.split(word).next().unwrap_or_default();
+            before
+                .rsplit(|c: char| !c.is_ascii_digit())
+                .find(|s| !s.is_empty())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or_else(|| panic!("no count before {word:?} in {line}"))
+        };
+        (number(" packets transmitted"), number(" received"), text)
+    }
+}
+
+impl Drop for Pinger {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Every key under `prefix` in etcd.
+async fn keys(endpoint: &str, prefix: &str) -> BTreeSet<String> {
+    let mut c = etcd_client::Client::connect([endpoint], None)
+        .await
+        .expect("connecting to the test etcd");
+    let r = c
+        .get(prefix, Some(GetOptions::new().with_prefix().with_keys_only()))
+        .await
+        .expect("listing etcd");
+    r.kvs().iter().map(|kv| kv.key_str().unwrap().to_string()).collect()
+}
+
+/// `rivet status` of `node`: its exit status and output.
+fn status(node: &Node) -> (Option<i32>, String) {
+    let out = node.run(&["status"]);
+    (out.status.code(), shown(&out))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
+    let mut etcd = tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .unwrap()
+        .expect("etcd starts");
+    let endpoint = etcd.endpoint();
+    let mut a = Node::up("a", "default=198.18.0.0/22,2001:2::/64", &endpoint);
+    let mut b = Node::up("b", "default=198.18.4.0/22,2001:2:0:1::/64", &endpoint);
+    for (pod, app) in [
+        ("web", "web"),
+        ("client", "client"),
+        ("deleted", "deleted"),
+        ("forced", "forced"),
+    ] {
+        let out = a.add_pod(pod, app);
+        assert!(out.status.success(), "pod {pod} on {}: {}", a.name, shown(&out));
+    }
+    let out = b.add_pod("remote", "web");
+    assert!(out.status.success(), "{}", shown(&out));
+    let ip = |node: &Node, pod: &str| format!("{}/32", node.ipv4(pod));
+    let (web, deleted, forced, remote) = (ip(&a, "web"), ip(&a, "deleted"), ip(&a, "forced"), ip(&b, "remote"));
+    let gone_addresses: Vec<String> = ["deleted", "forced"].iter().flat_map(|p| a.addresses(p)).collect();
+    eventually("each node knows the other's pods", Duration::from_secs(15), || {
+        let (on_a, on_b) = (a.ipcache(), b.ipcache());
+        on_a.get(&remote) == Some(&b.name) && [&web, &deleted, &forced].iter().all(|p| on_b.get(*p) == Some(&a.name))
+    });
+    assert_eq!(status(&a).0, Some(0), "healthy before the outage: {}", status(&a).1);
+    let web_v4 = a.ipv4("web");
+    let pinger = Pinger::start(&a.pod_netns("client"), &web_v4);
+    assert!(a.ping("client", &web_v4), "traffic flows before the outage");
+
+    // The outage.
+    etcd.stop();
+    let outage = Instant::now();
+    eventually(
+        "rivet status says the node is degraded",
+        Duration::from_secs(15),
+        || status(&a).0 == Some(3),
+    );
+    let (_, text) = status(&a);
+    assert!(
+        text.contains("node health: DEGRADED") && text.contains("kvstore (etcd) unreachable"),
+        "{text}"
+    );
+
+    // A pod whose label set has an identity starts, and is reachable.
+    let out = a.add_pod("web-2", "web");
+    assert!(
+        out.status.success(),
+        "a known label set starts during the outage: {}",
+        shown(&out)
+    );
+    let web2 = ip(&a, "web-2");
+    assert!(a.ping("client", &a.ipv4("web-2")), "the new pod is reachable at once");
+    // A pod of a label set no node has needs the kvstore: it fails with the
+    // reason once the CNI deadline runs out, and leaves nothing.
+    let out = a.add_pod("brand-new", "brand-new");
+    assert!(
+        !out.status.success(),
+        "a new label set cannot start without the kvstore"
+    );
+    assert!(shown(&out).contains("kvstore is unreachable"), "{}", shown(&out));
+    assert!(
+        !a.ok(&["pod", "list"]).contains("brand-new"),
+        "the failed pod left nothing"
+    );
+    // Deletes are local work.
+    a.ok(&["pod", "del", "deleted"]);
+    a.ok(&["pod", "del", "forced", "--force"]);
+    let outage_work = outage.elapsed();
+
+    let _etcd = tokio::task::spawn_blocking(move || {
+        etcd.restart().expect("etcd restarts");
+        etcd
+    })
+    .await
+    .unwrap();
+    eprintln!("etcd was down {:?} (local work took {outage_work:?})", outage.elapsed());
+    let took = eventually(
+        "node a reconciles with etcd (rivet status healthy, nothing left to publish)",
+        Duration::from_secs(30),
+        || {
+            status(&a).0 == Some(0)
+                && a.json(&["status"])
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|d| d["identity_status"]["store_pending_writes"] == 0)
+        },
+    );
+    eprintln!("node a reconciled {took:?} after etcd's restart");
+    let (sent, received, summary) = pinger.stop();
+    assert!(
+        sent >= 5 && received == sent,
+        "no ping lost across the outage: {summary}"
+    );
+
+    // The other node converges through its watch.
+    eventually("node b sees node a's changes", Duration::from_secs(15), || {
+        let on_b = b.ipcache();
+        on_b.get(&web2) == Some(&a.name) && !on_b.contains_key(&deleted) && !on_b.contains_key(&forced)
+    });
+    // Nothing of the deleted pods is left anywhere.
+    let ips = keys(&endpoint, "rivet/state/ip/").await;
+    let expected: BTreeSet<String> = ["web", "client", "web-2"]
+        .iter()
+        .flat_map(|p| a.addresses(p))
+        .chain(b.addresses("remote"))
+        .map(|address| format!("rivet/state/ip/v1/default/{address}"))
+        .collect();
+    assert_eq!(ips, expected, "etcd holds the IP entries of the pods that exist");
+    let values = keys(&endpoint, "rivet/state/identities/v1/value/").await;
+    let of_a: Vec<&String> = values.iter().filter(|k| k.ends_with(&format!("/{}", a.name))).collect();
+    for app in ["app=web", "app=client"] {
+        assert!(of_a.iter().any(|k| k.contains(app)), "node a holds {app}: {of_a:?}");
+    }
+    for app in ["app=deleted", "app=forced", "app=brand-new"] {
+        assert!(
+            !values.iter().any(|k| k.contains(app)),
+            "no value key of {app} is left: {values:?}"
+        );
+    }
+    let endpoints = a.json(&["endpoint", "list"]).to_string();
+    let allocations = a.json(&["ipam", "list", "--allocations"]).to_string();
+    for address in &gone_addresses {
+        assert!(
+            !endpoints.contains(&format!("\"{address}\"")),
+            "no endpoint has {address}: {endpoints}"
+        );
+        assert!(
+            !allocations.contains(&format!("\"{address}/")),
+            "svc-ipam released {address}: {allocations}"
+        );
+    }
+    let out = a.add_pod("brand-new", "brand-new");
+    assert!(
+        out.status.success(),
+        "a new label set starts once etcd is back: {}",
+        shown(&out)
+    );
+
+    // A clean stop takes the node's keys with it at once (not after the TTL).
+    let stopping = Instant::now();
+    b.down();
+    let b_keys = |all: &BTreeSet<String>| -> Vec<String> {
+        all.iter()
+            .filter(|k| k.ends_with(&format!("/{}", b.name)) || k.contains("/ip/v1/default/198.18.4."))
+            .cloned()
+            .collect()
+    };
+    assert_eq!(
+        b_keys(&keys(&endpoint, "rivet/state/").await),
+        Vec::<String>::new(),
+        "node b's keys are gone"
+    );
+    eventually("node a's view loses node b's pod", Duration::from_secs(5), || {
+        !a.ipcache().contains_key(&remote)
+    });
+    let gone = stopping.elapsed();
+    assert!(
+        gone < Duration::from_secs(LEASE_TTL_SECONDS / 2),
+        "gone {gone:?} after the stop, well before the {LEASE_TTL_SECONDS} s TTL"
+    );
+    a.down();
+    let left = keys(&endpoint, "rivet/state/").await;
+    assert!(
+        left.iter().all(|k| k.contains("/identities/v1/id/")),
+        "only master keys (for the operator's GC) are left: {left:?}"
+    );
+}
