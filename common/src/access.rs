@@ -42,6 +42,35 @@ pub const ALWAYS_READ_ONLY: ReadOnlyMethods = &[
     ("grpc.reflection.v1alpha.ServerReflection", &["ServerReflectionInfo"]),
 ];
 
+/// The entries of `methods` that are not an rpc of their service in the
+/// `.proto` text `proto` (for each daemon's test of its read-only list).
+///
+/// ```
+/// let proto = "package rivet.x.v1;\nservice X {\n  rpc List(A) returns (B);\n}\n";
+/// let methods: rivet_common::access::ReadOnlyMethods = &[("rivet.x.v1.X", &["List", "Lits"])];
+/// assert_eq!(rivet_common::access::unknown_methods(methods, proto), ["rivet.x.v1.X/Lits"]);
+/// ```
+pub fn unknown_methods(methods: ReadOnlyMethods, proto: &str) -> Vec<String> {
+    let mut package = "";
+    let mut service = String::new();
+    let mut rpcs = Vec::new();
+    for line in proto.lines().map(str::trim) {
+        if let Some(p) = line.strip_prefix("package ") {
+            package = p.trim_end_matches(';').trim();
+        } else if let Some(s) = line.strip_prefix("service ") {
+            service = format!("{package}.{}", s.trim_end_matches('{').trim());
+        } else if let Some(r) = line.strip_prefix("rpc ") {
+            let name = r.split('(').next().unwrap_or_default().trim();
+            rpcs.push(format!("{service}/{name}"));
+        }
+    }
+    methods
+        .iter()
+        .flat_map(|(service, names)| names.iter().map(move |m| format!("{service}/{m}")))
+        .filter(|m| !rpcs.contains(m))
+        .collect()
+}
+
 /// A connected peer, as the kernel reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {
@@ -386,6 +415,64 @@ mod tests {
             Err(Refusal::NotAllowed)
         );
         assert_eq!(p.check(Access::Full, "/rivet.ipam.v1.Ipam/Allocate"), Ok(()));
+    }
+
+    #[tokio::test]
+    async fn the_layer_refuses_with_permission_denied_and_counts_by_method_and_reason() {
+        use tower::ServiceExt as _;
+        let metrics = AccessMetrics::default();
+        let layer = AccessLayer::new("svc-ipam", Arc::new(policy()), metrics.clone());
+        let reached = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let inner = {
+            let reached = Arc::clone(&reached);
+            tower::service_fn(move |_req: http::Request<()>| {
+                reached.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Ok::<_, std::convert::Infallible>(http::Response::new(String::from("served"))) }
+            })
+        };
+        let service = layer.layer(inner);
+        let call = |path: &str, peer: Option<PeerAccess>| {
+            let mut request = http::Request::builder().uri(path).body(()).unwrap();
+            if let Some(peer) = peer {
+                request.extensions_mut().insert(peer);
+            }
+            service.clone().oneshot(request)
+        };
+        let operator = PeerAccess {
+            peer: peer(1000, 995, &[]),
+            access: Access::ReadOnly,
+        };
+        let ok = call("/rivet.ipam.v1.Ipam/List", Some(operator.clone())).await.unwrap();
+        assert_eq!(ok.into_body(), "served");
+        let refused = call("/rivet.ipam.v1.Ipam/Allocate", Some(operator)).await.unwrap();
+        let status = tonic::Status::from_header_map(refused.headers()).expect("a gRPC status");
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        assert!(
+            status.message().contains("uid 1000") && status.message().contains("rivet.ipam.v1.Ipam/Allocate"),
+            "{}",
+            status.message()
+        );
+        // A request that did not come through a Rivet listener: refused unless the policy is open.
+        let anonymous = call("/rivet.ipam.v1.Ipam/List", None).await.unwrap();
+        assert_eq!(
+            tonic::Status::from_header_map(anonymous.headers()).map(|s| s.code()),
+            Some(tonic::Code::PermissionDenied)
+        );
+        assert_eq!(
+            reached.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "refused calls never reach the service"
+        );
+        let mut registry = Registry::with_prefix("rivet");
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(
+                r#"rivet_socket_calls_denied_total{method="/rivet.ipam.v1.Ipam/Allocate",reason="read_only"} 1"#
+            ),
+            "{text}"
+        );
     }
 
     #[test]

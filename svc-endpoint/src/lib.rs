@@ -46,3 +46,13 @@ pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
         &["ListNamespaces"],
     ),
 ];
+
+#[cfg(test)]
+mod read_only_methods_tests {
+    #[test]
+    fn read_only_methods_are_rpcs_of_their_services() {
+        let proto = include_str!("../../proto/proto/rivet/endpoint/v1/endpoint.proto");
+        let unknown = rivet_common::access::unknown_methods(super::READ_ONLY_METHODS, proto);
+        assert!(unknown.is_empty(), "not in the proto: {unknown:?}");
+    }
+}

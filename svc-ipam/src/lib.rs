@@ -23,3 +23,13 @@ pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
 /// Methods that only read: members of the operator group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods =
     &[(rivet_proto::ipam::v1::ipam_server::SERVICE_NAME, &["List"])];
+
+#[cfg(test)]
+mod read_only_methods_tests {
+    #[test]
+    fn read_only_methods_are_rpcs_of_their_services() {
+        let proto = include_str!("../../proto/proto/rivet/ipam/v1/ipam.proto");
+        let unknown = rivet_common::access::unknown_methods(super::READ_ONLY_METHODS, proto);
+        assert!(unknown.is_empty(), "not in the proto: {unknown:?}");
+    }
+}

@@ -67,3 +67,13 @@ pub fn object_sha256() -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
+
+#[cfg(test)]
+mod read_only_methods_tests {
+    #[test]
+    fn read_only_methods_are_rpcs_of_their_services() {
+        let proto = include_str!("../../proto/proto/rivet/loader/v1/loader.proto");
+        let unknown = rivet_common::access::unknown_methods(super::READ_ONLY_METHODS, proto);
+        assert!(unknown.is_empty(), "not in the proto: {unknown:?}");
+    }
+}
