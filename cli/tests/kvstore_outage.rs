@@ -12,12 +12,14 @@
 //! --bins`). Addresses come from 198.18.0.0/15 and 2001:2::/48 only.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use etcd_client::GetOptions;
 use rivet_common::testing::etcd::EtcdServer;
+use support::{TestNode, eventually};
+
+mod support;
 
 /// The lease TTL of both nodes: far longer than anything the test waits
 /// for, so keys that go did not expire, something deleted them.
@@ -27,23 +29,6 @@ const LEASE_TTL_SECONDS: u64 = 30;
 /// at most this long).
 const CNI_TIMEOUT_SECONDS: &str = "6";
 
-fn rivet_bin() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_rivet"))
-}
-
-/// Polls `f` every 100 ms until it is true; panics after `timeout`.
-fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let started = Instant::now();
-    while !f() {
-        assert!(
-            started.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    started.elapsed()
-}
-
 fn shown(out: &Output) -> String {
     format!(
         "{}{}",
@@ -52,177 +37,51 @@ fn shown(out: &Output) -> String {
     )
 }
 
-/// A node of its own namespace and temp dir, on the shared etcd; `rivet
-/// node down` on drop (also on panic).
-struct Node {
-    dir: tempfile::TempDir,
-    name: String,
-    stopped: bool,
+/// A node of its own namespace and temp dir on the shared etcd, with
+/// `pools` (`default=<v4>,<v6>`), [`LEASE_TTL_SECONDS`] and
+/// [`CNI_TIMEOUT_SECONDS`].
+fn node_on(etcd: &str, pools: &str) -> TestNode {
+    let ttl = format!("svc-identity=--lease-ttl-seconds={LEASE_TTL_SECONDS}");
+    TestNode::up_with(&[
+        "--pool",
+        pools,
+        "--etcd-endpoints",
+        etcd,
+        "--daemon-arg",
+        &ttl,
+        "--cni-timeout-seconds",
+        CNI_TIMEOUT_SECONDS,
+    ])
 }
 
-impl Node {
-    fn up(letter: &str, pools: &str, etcd: &str) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("rvko")
-            .tempdir_in("/tmp")
-            .expect("temp dir");
-        // The daemons run as the rivet users: they must reach their dirs in it.
-        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-        let name = format!("rvko-{}-{letter}", std::process::id());
-        let mut node = Self {
-            dir,
-            name,
-            stopped: false,
-        };
-        let (cni_bin, cni_conf) = (node.path("cni/bin"), node.path("cni/net.d"));
-        let ttl = format!("svc-identity=--lease-ttl-seconds={LEASE_TTL_SECONDS}");
-        let args = [
-            "node",
-            "up",
-            "--netns",
-            &node.name,
-            "--create-netns",
-            "--node-name",
-            &node.name,
-            "--pool",
-            pools,
-            "--etcd-endpoints",
-            etcd,
-            "--daemon-arg",
-            &ttl,
-            "--cni-timeout-seconds",
-            CNI_TIMEOUT_SECONDS,
-            "--stop-grace-seconds",
-            "5",
-            "--detach",
-        ];
-        let out = node
-            .rivet(&args)
-            .args(["--cni-bin-dir".as_ref(), cni_bin.as_os_str()])
-            .args(["--cni-conf-dir".as_ref(), cni_conf.as_os_str()])
-            .output()
-            .expect("running rivet node up");
-        if !out.status.success() {
-            node.stopped = true;
-            let _ = node.rivet(&["node", "down"]).output();
-            panic!(
-                "rivet node up of {} failed ({}): {}",
-                node.name,
-                out.status,
-                shown(&out)
-            );
-        }
-        node
-    }
-
-    fn path(&self, relative: &str) -> PathBuf {
-        self.dir.path().join(relative)
-    }
-
-    /// `rivet --state-dir .. --socket-dir .. <args>`.
-    fn rivet(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new(rivet_bin());
-        cmd.arg("--state-dir")
-            .arg(self.path("state"))
-            .arg("--socket-dir")
-            .arg(self.path("sockets"))
-            .args(args)
-            .stdin(Stdio::null());
-        cmd
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        self.rivet(args).output().expect("running rivet")
-    }
-
-    /// Runs `rivet <args>`; its stdout, or a panic with its output.
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.run(args);
-        assert!(
-            out.status.success(),
-            "rivet {} on {} failed ({}): {}",
-            args.join(" "),
-            self.name,
-            out.status,
-            shown(&out)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn json(&self, args: &[&str]) -> serde_json::Value {
-        let mut all = args.to_vec();
-        all.extend(["-o", "json"]);
-        serde_json::from_str(&self.ok(&all)).expect("rivet -o json prints JSON")
-    }
-
-    fn add_pod(&self, pod: &str, app: &str) -> Output {
-        let label = format!("app={app}");
-        self.run(&["pod", "add", pod, "--label", &label])
-    }
-
-    /// A pod's addresses, from `rivet pod list`.
-    fn addresses(&self, pod: &str) -> Vec<String> {
-        let pods = self.json(&["pod", "list"]);
-        let pod = pods
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|p| p["name"] == pod)
-            .unwrap_or_else(|| panic!("pod {pod} is listed on {}", self.name));
-        pod["addresses"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap().to_string())
-            .collect()
-    }
-
-    fn ipv4(&self, pod: &str) -> String {
-        self.addresses(pod)
-            .into_iter()
-            .find(|a| a.contains('.'))
-            .expect("an IPv4 address")
-    }
-
-    /// The node's effective IP cache: prefix → publishing node.
-    fn ipcache(&self) -> BTreeMap<String, String> {
-        self.json(&["ipcache", "list"])
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|e| {
-                (
-                    e["prefix"].as_str().unwrap().to_string(),
-                    e["node"].as_str().unwrap().to_string(),
-                )
-            })
-            .collect()
-    }
-
-    fn pod_netns(&self, pod: &str) -> String {
-        format!("rivet-pod-{}-default-{pod}", self.name)
-    }
-
-    /// Two pings from `from` to `to`.
-    fn ping(&self, from: &str, to: &str) -> bool {
-        self.run(&["pod", "exec", from, "--", "ping", "-c", "2", "-i", "0.2", "-W", "2", to])
-            .status
-            .success()
-    }
-
-    /// `rivet node down`: every daemon stopped with SIGTERM, the namespace gone.
-    fn down(&mut self) {
-        self.ok(&["node", "down"]);
-        self.stopped = true;
-    }
+fn run(node: &TestNode, args: &[&str]) -> Output {
+    node.rivet(args).output().expect("running rivet")
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        if !self.stopped {
-            let _ = self.rivet(&["node", "down"]).output();
-        }
-    }
+fn add_pod(node: &TestNode, pod: &str, app: &str) -> Output {
+    let label = format!("app={app}");
+    run(node, &["pod", "add", pod, "--label", &label])
+}
+
+/// The node's effective IP cache: prefix → publishing node.
+fn ipcache(node: &TestNode) -> BTreeMap<String, String> {
+    node.json(&["ipcache", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["prefix"].as_str().unwrap().to_string(),
+                e["node"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The network namespace of pod `default/<pod>` (the node's name is its
+/// namespace's).
+fn pod_netns(node: &TestNode, pod: &str) -> String {
+    format!("rivet-pod-{}-default-{pod}", node.netns)
 }
 
 /// Pings that run until stopped: `ping` in a pod's namespace, ended with
@@ -286,8 +145,8 @@ async fn keys(endpoint: &str, prefix: &str) -> BTreeSet<String> {
 }
 
 /// `rivet status` of `node`: its exit status and output.
-fn status(node: &Node) -> (Option<i32>, String) {
-    let out = node.run(&["status"]);
+fn status(node: &TestNode) -> (Option<i32>, String) {
+    let out = run(node, &["status"]);
     (out.status.code(), shown(&out))
 }
 
@@ -298,29 +157,29 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
         .unwrap()
         .expect("etcd starts");
     let endpoint = etcd.endpoint();
-    let mut a = Node::up("a", "default=198.18.0.0/22,2001:2::/64", &endpoint);
-    let mut b = Node::up("b", "default=198.18.4.0/22,2001:2:0:1::/64", &endpoint);
+    let mut a = node_on(&endpoint, "default=198.18.0.0/22,2001:2::/64");
+    let mut b = node_on(&endpoint, "default=198.18.4.0/22,2001:2:0:1::/64");
     for (pod, app) in [
         ("web", "web"),
         ("client", "client"),
         ("deleted", "deleted"),
         ("forced", "forced"),
     ] {
-        let out = a.add_pod(pod, app);
-        assert!(out.status.success(), "pod {pod} on {}: {}", a.name, shown(&out));
+        let out = add_pod(&a, pod, app);
+        assert!(out.status.success(), "pod {pod} on {}: {}", a.netns, shown(&out));
     }
-    let out = b.add_pod("remote", "web");
+    let out = add_pod(&b, "remote", "web");
     assert!(out.status.success(), "{}", shown(&out));
-    let ip = |node: &Node, pod: &str| format!("{}/32", node.ipv4(pod));
+    let ip = |node: &TestNode, pod: &str| format!("{}/32", node.ipv4(pod));
     let (web, deleted, forced, remote) = (ip(&a, "web"), ip(&a, "deleted"), ip(&a, "forced"), ip(&b, "remote"));
     let gone_addresses: Vec<String> = ["deleted", "forced"].iter().flat_map(|p| a.addresses(p)).collect();
     eventually("each node knows the other's pods", Duration::from_secs(15), || {
-        let (on_a, on_b) = (a.ipcache(), b.ipcache());
-        on_a.get(&remote) == Some(&b.name) && [&web, &deleted, &forced].iter().all(|p| on_b.get(*p) == Some(&a.name))
+        let (on_a, on_b) = (ipcache(&a), ipcache(&b));
+        on_a.get(&remote) == Some(&b.netns) && [&web, &deleted, &forced].iter().all(|p| on_b.get(*p) == Some(&a.netns))
     });
     assert_eq!(status(&a).0, Some(0), "healthy before the outage: {}", status(&a).1);
     let web_v4 = a.ipv4("web");
-    let pinger = Pinger::start(&a.pod_netns("client"), &web_v4);
+    let pinger = Pinger::start(&pod_netns(&a, "client"), &web_v4);
     assert!(a.ping("client", &web_v4), "traffic flows before the outage");
 
     // The outage.
@@ -338,7 +197,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
     );
 
     // A pod whose label set has an identity starts, and is reachable.
-    let out = a.add_pod("web-2", "web");
+    let out = add_pod(&a, "web-2", "web");
     assert!(
         out.status.success(),
         "a known label set starts during the outage: {}",
@@ -348,7 +207,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
     assert!(a.ping("client", &a.ipv4("web-2")), "the new pod is reachable at once");
     // A pod of a label set no node has needs the kvstore: it fails with the
     // reason once the CNI deadline runs out, and leaves nothing.
-    let out = a.add_pod("brand-new", "brand-new");
+    let out = add_pod(&a, "brand-new", "brand-new");
     assert!(
         !out.status.success(),
         "a new label set cannot start without the kvstore"
@@ -391,8 +250,8 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
 
     // The other node converges through its watch.
     eventually("node b sees node a's changes", Duration::from_secs(15), || {
-        let on_b = b.ipcache();
-        on_b.get(&web2) == Some(&a.name) && !on_b.contains_key(&deleted) && !on_b.contains_key(&forced)
+        let on_b = ipcache(&b);
+        on_b.get(&web2) == Some(&a.netns) && !on_b.contains_key(&deleted) && !on_b.contains_key(&forced)
     });
     // Nothing of the deleted pods is left anywhere.
     let ips = keys(&endpoint, "rivet/state/ip/").await;
@@ -404,7 +263,10 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
         .collect();
     assert_eq!(ips, expected, "etcd holds the IP entries of the pods that exist");
     let values = keys(&endpoint, "rivet/state/identities/v1/value/").await;
-    let of_a: Vec<&String> = values.iter().filter(|k| k.ends_with(&format!("/{}", a.name))).collect();
+    let of_a: Vec<&String> = values
+        .iter()
+        .filter(|k| k.ends_with(&format!("/{}", a.netns)))
+        .collect();
     for app in ["app=web", "app=client"] {
         assert!(of_a.iter().any(|k| k.contains(app)), "node a holds {app}: {of_a:?}");
     }
@@ -426,7 +288,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
             "svc-ipam released {address}: {allocations}"
         );
     }
-    let out = a.add_pod("brand-new", "brand-new");
+    let out = add_pod(&a, "brand-new", "brand-new");
     assert!(
         out.status.success(),
         "a new label set starts once etcd is back: {}",
@@ -435,10 +297,10 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
 
     // A clean stop takes the node's keys with it at once (not after the TTL).
     let stopping = Instant::now();
-    b.down();
+    b.down_and_check_nothing_left();
     let b_keys = |all: &BTreeSet<String>| -> Vec<String> {
         all.iter()
-            .filter(|k| k.ends_with(&format!("/{}", b.name)) || k.contains("/ip/v1/default/198.18.4."))
+            .filter(|k| k.ends_with(&format!("/{}", b.netns)) || k.contains("/ip/v1/default/198.18.4."))
             .cloned()
             .collect()
     };
@@ -448,14 +310,14 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
         "node b's keys are gone"
     );
     eventually("node a's view loses node b's pod", Duration::from_secs(5), || {
-        !a.ipcache().contains_key(&remote)
+        !ipcache(&a).contains_key(&remote)
     });
     let gone = stopping.elapsed();
     assert!(
         gone < Duration::from_secs(LEASE_TTL_SECONDS / 2),
         "gone {gone:?} after the stop, well before the {LEASE_TTL_SECONDS} s TTL"
     );
-    a.down();
+    a.down_and_check_nothing_left();
     let left = keys(&endpoint, "rivet/state/").await;
     assert!(
         left.iter().all(|k| k.contains("/identities/v1/id/")),
