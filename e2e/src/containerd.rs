@@ -30,6 +30,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::collections::BTreeSet;
 use std::ffi::OsString;
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -781,6 +782,40 @@ fn cgroup_dirs(parent: &str) -> Vec<PathBuf> {
         }
     }
     dirs
+}
+
+/// Every cgroup directory on the machine (each hierarchy under
+/// /sys/fs/cgroup), to compare before and after a test.
+pub fn cgroup_snapshot() -> BTreeSet<PathBuf> {
+    fn walk(dir: &Path, out: &mut BTreeSet<PathBuf>) {
+        for child in list_dir(dir) {
+            // Control files are files; only directories are cgroups (and
+            // symlinked hierarchies such as cpu,cpuacct are not walked twice).
+            if std::fs::symlink_metadata(&child).is_ok_and(|m| m.is_dir()) {
+                walk(&child, out);
+                out.insert(child);
+            }
+        }
+    }
+    let mut out = BTreeSet::new();
+    walk(Path::new("/sys/fs/cgroup"), &mut out);
+    out
+}
+
+/// The cgroup directories made since `before` that are a test's: those
+/// whose path has one of `marks` (a [`Containerd::cgroup_parent`], sandbox
+/// and container ids, which runc names cgroups after). Other processes on
+/// the machine make and remove cgroups of their own meanwhile; those are not
+/// counted.
+pub fn cgroups_left(before: &BTreeSet<PathBuf>, marks: &[String]) -> Vec<PathBuf> {
+    cgroup_snapshot()
+        .into_iter()
+        .filter(|dir| !before.contains(dir))
+        .filter(|dir| {
+            let text = dir.to_string_lossy();
+            marks.iter().any(|mark| !mark.is_empty() && text.contains(mark))
+        })
+        .collect()
 }
 
 /// The processes in a cgroup directory and its children.

@@ -8,6 +8,8 @@
 //! - [`image`]: OCI image archives built from the host's static busybox (the
 //!   pause image and a tools image), imported with `ctr`;
 //! - [`cri`]: a small CRI client (pod sandboxes, containers, `ExecSync`);
+//! - [`node`]: a Rivet node made by `rivet node up` whose CNI directories
+//!   containerd reads;
 //! - [`runtime::v1`]: the generated CRI API (`runtime.v1`, client side).
 //!
 //! The test flow (`tests/containerd.rs`, README "Running pods with
@@ -20,6 +22,7 @@
 pub mod containerd;
 pub mod cri;
 pub mod image;
+pub mod node;
 
 use std::path::PathBuf;
 use std::process::ExitStatus;

@@ -1,11 +1,13 @@
 //! Pods run by containerd 1.6 + runc, driven through the CRI API as kubelet
 //! drives it; the runtime calls the CNI plugin itself.
 //!
-//! - `rivet_cni_pods_connectivity_policy_and_cleanup`: a whole node
-//!   (svc-loader in the node namespace, svc-identity, svc-ipam,
-//!   svc-endpoint), rivet-cni as the network plugin, three labelled pods,
-//!   ping, a NetworkPolicy enforced between them, and StopPodSandbox /
-//!   RemovePodSandbox leaving nothing behind.
+//! - `rivet_cni_pods_connectivity_policy_and_cleanup`: a node made by
+//!   `rivet node up`, containerd reading exactly the CNI files it installed
+//!   (conflist with the default cniVersion, rivet-cni, loopback), three pods
+//!   labelled with `rivet endpoint label` and listed by `rivet pod list`,
+//!   ping, a NetworkPolicy (`rivet policy apply`) enforced between them, and
+//!   StopPodSandbox / RemovePodSandbox leaving nothing behind, no cgroup
+//!   directory included.
 //! - `bridge_plugin_pods_prove_the_harness`: the same runtime path with the
 //!   reference bridge + host-local plugins: it proves the harness (config,
 //!   images, CRI calls, teardown) independently of rivet-cni, and gives the
@@ -22,9 +24,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rivet_common::testing::netns::NetNs;
-use rivet_e2e::containerd::{Containerd, ContainerdConfig, REFERENCE_CNI_DIR};
+use rivet_e2e::containerd::{Containerd, ContainerdConfig, REFERENCE_CNI_DIR, cgroup_snapshot, cgroups_left};
 use rivet_e2e::cri::{Cri, ExecOutput, PodSpec, RunningPod};
 use rivet_e2e::image::BUSYBOX_IMAGE;
+use rivet_e2e::node::RivetNode;
 
 /// The pods' Kubernetes namespace.
 const NAMESPACE: &str = "shop";
@@ -84,9 +87,9 @@ impl CniDirs {
     }
 }
 
-async fn start_containerd(node: &Path, cni: &CniDirs) -> Containerd {
+async fn start_containerd(node: &Path, cni_bin: &Path, cni_conf: &Path) -> Containerd {
     let started = Instant::now();
-    let containerd = Containerd::start(ContainerdConfig::new(cni.bin(), cni.conf()).netns(node))
+    let containerd = Containerd::start(ContainerdConfig::new(cni_bin, cni_conf).netns(node))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let up = started.elapsed();
@@ -202,16 +205,24 @@ async fn delete_pods(cri: &Cri, pods: &[RunningPod]) -> Vec<Duration> {
     took
 }
 
-async fn assert_runtime_clean(cri: &Cri, containerd: &Containerd, node: &NetNs) {
+async fn assert_runtime_clean(cri: &Cri, containerd: &Containerd, veths: impl Fn() -> String) {
     let sandboxes = cri.list_pod_sandboxes().await.unwrap();
     assert!(sandboxes.is_empty(), "sandboxes left: {sandboxes:?}");
     let leftovers = containerd.leftovers();
     assert!(leftovers.is_empty(), "pods left behind: {leftovers:?}");
-    let veths = node.run(&["ip", "-o", "link", "show", "type", "veth"]).unwrap();
+    let veths = veths();
     assert!(
         veths.trim().is_empty(),
         "host veths left in the node namespace:\n{veths}"
     );
+}
+
+/// What names the cgroups of `pods` (see `cgroups_left`): the cgroup
+/// parent and every sandbox and container id.
+fn pod_cgroup_marks(containerd: &Containerd, pods: &[RunningPod]) -> Vec<String> {
+    let mut marks = vec![containerd.cgroup_parent().to_string()];
+    marks.extend(pods.iter().flat_map(|p| [p.sandbox_id.clone(), p.container_id.clone()]));
+    marks
 }
 
 fn tail(text: &str) -> String {
@@ -263,13 +274,19 @@ fn bridge_cni() -> (CniDirs, PathBuf) {
 #[tokio::test(flavor = "multi_thread")]
 async fn bridge_plugin_pods_prove_the_harness() {
     let started = Instant::now();
+    let cgroups_before = cgroup_snapshot();
     let node = NetNs::new("rvn").unwrap_or_else(|e| panic!("{e}"));
     let (cni, ipam_dir) = bridge_cni();
-    let containerd = start_containerd(&node.path(), &cni).await;
+    let containerd = start_containerd(&node.path(), &cni.bin(), &cni.conf()).await;
     let cri = containerd.cri().await.unwrap();
 
     let names = ["frontend", "backend", "db"];
     let pods = run_pods(&cri, &containerd, &names).await;
+    let cgroup_marks = pod_cgroup_marks(&containerd, &pods);
+    assert!(
+        !cgroups_left(&cgroups_before, &cgroup_marks).is_empty(),
+        "the running pods' cgroups are seen by the check"
+    );
     for pod in &pods {
         let ip = pod
             .ipv4()
@@ -288,13 +305,20 @@ async fn bridge_plugin_pods_prove_the_harness() {
     }
 
     let stops = delete_pods(&cri, &pods).await;
-    assert_runtime_clean(&cri, &containerd, &node).await;
+    assert_runtime_clean(&cri, &containerd, || {
+        node.run(&["ip", "-o", "link", "show", "type", "veth"]).unwrap()
+    })
+    .await;
     let allocations: Vec<String> = std::fs::read_dir(ipam_dir.join("e2e-bridge"))
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter(|n| n.parse::<IpAddr>().is_ok())
         .collect();
     assert!(allocations.is_empty(), "host-local addresses left: {allocations:?}");
+    drop(cri);
+    drop(containerd);
+    let left = cgroups_left(&cgroups_before, &cgroup_marks);
+    assert!(left.is_empty(), "cgroup directories left on the machine: {left:#?}");
 
     let runs: Vec<Duration> = pods.iter().map(|p| p.run_sandbox).collect();
     eprintln!("bridge: {}", summary("RunPodSandbox", &runs));
@@ -306,7 +330,7 @@ async fn bridge_plugin_pods_prove_the_harness() {
 async fn a_crashed_containerd_leaves_nothing_behind_on_drop() {
     let node = NetNs::new("rvn").unwrap_or_else(|e| panic!("{e}"));
     let (cni, _) = bridge_cni();
-    let mut containerd = start_containerd(&node.path(), &cni).await;
+    let mut containerd = start_containerd(&node.path(), &cni.bin(), &cni.conf()).await;
     let cri = containerd.cri().await.unwrap();
     let pods = run_pods(&cri, &containerd, &["db"]).await;
     let dir = containerd.dir().to_path_buf();
@@ -383,61 +407,43 @@ spec:
 
 #[tokio::test(flavor = "multi_thread")]
 async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
-    use rivet_proto::endpoint::v1 as pb;
-    use svc_endpoint::testing::{EndpointNode, NodeOptions};
-    use svc_loader::testing::HOST_PREFIX;
-
     rivet_e2e::containerd::check_prerequisites().unwrap_or_else(|e| panic!("{e}"));
     let started = Instant::now();
-    let node = EndpointNode::start(NodeOptions::default())
-        .await
-        .unwrap_or_else(|e| panic!("starting the node daemons: {e}"));
-    let cni = CniDirs::new();
-    cni.install("rivet-cni", &rivet_common::testing::workspace_binary("rivet-cni"));
-    cni.install_reference("loopback");
-    let cni_log = cni.path("rivet-cni.log");
-    cni.write_conflist(
-        "rivet",
-        &serde_json::json!({
-            // containerd 1.6 (libcni 1.1) speaks CNI up to 1.0.0.
-            "cniVersion": "1.0.0",
-            "name": "rivet",
-            "plugins": [{
-                "type": "rivet-cni",
-                "socketDir": node.sockets(),
-                "ipamPool": "default",
-                "hostInterfacePrefix": HOST_PREFIX,
-                "logFile": cni_log,
-                "timeoutSeconds": 30,
-            }],
-        }),
-    );
-    let node_ns = &node.node.node.ns;
-    let containerd = start_containerd(&node_ns.path(), &cni).await;
+    let cgroups_before = cgroup_snapshot();
+    // The node as a user makes it; containerd reads what `node up` installed,
+    // unchanged: rivet-cni, loopback and the conflist's default cniVersion.
+    let mut node = RivetNode::up(&rivet_common::testing::workspace_binary("rivet"))
+        .unwrap_or_else(|e| panic!("rivet node up: {e}"));
+    for plugin in ["rivet-cni", "loopback"] {
+        assert!(node.cni_bin_dir().join(plugin).is_file(), "node up installs {plugin}");
+    }
+    let conflist: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(node.cni_conf_dir().join("10-rivet.conflist")).expect("node up wrote the conflist"),
+    )
+    .unwrap();
+    assert_eq!(conflist["cniVersion"], "1.0.0", "a version containerd 1.6 reads");
+    let containerd = start_containerd(&node.netns_path(), &node.cni_bin_dir(), &node.cni_conf_dir()).await;
     let cri = containerd.cri().await.unwrap();
+    let cni_log = node.path("state/logs/rivet-cni.log");
     let cni_log_tail = || tail(&std::fs::read_to_string(&cni_log).unwrap_or_default());
 
-    // Pod labels reach svc-endpoint the Kubernetes way (svc-k8s-sync sees
-    // the pod before its sandbox exists); containerd passes none to CNI.
+    // containerd passes no pod labels to CNI: without Kubernetes they come
+    // from `rivet endpoint label`, remembered until the endpoint exists.
     let names = ["frontend", "backend", "db"];
     for name in names {
-        let response = node
-            .endpoints()
-            .await
-            .update_labels(pb::UpdateLabelsRequest {
-                r#ref: Some(pb::EndpointRef {
-                    r#ref: Some(pb::endpoint_ref::Ref::Pod(pb::PodRef {
-                        namespace: NAMESPACE.into(),
-                        name: name.into(),
-                    })),
-                }),
-                labels: vec![format!("k8s:app={name}")],
-                r#async: false,
-            })
-            .await
-            .unwrap_or_else(|e| panic!("remembering the labels of {name}: {e}"))
-            .into_inner();
-        assert!(response.endpoints.is_empty(), "no endpoint before the sandbox");
+        let out = node
+            .json(&[
+                "endpoint",
+                "label",
+                &format!("{NAMESPACE}/{name}"),
+                &format!("app={name}"),
+            ])
+            .unwrap_or_else(|e| panic!("labelling {name}: {e}"));
+        assert_eq!(
+            out["endpoints"],
+            serde_json::json!([]),
+            "no endpoint before the sandbox"
+        );
     }
 
     let mut pods = Vec::new();
@@ -460,22 +466,20 @@ async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
         pods.push(pod);
     }
 
+    let cgroup_marks = pod_cgroup_marks(&containerd, &pods);
+    assert!(
+        !cgroups_left(&cgroups_before, &cgroup_marks).is_empty(),
+        "the running pods' cgroups are seen by the check"
+    );
+
     // Every pod has an address from the node's pools and a READY endpoint
     // named after the pod (K8S_POD_NAMESPACE / K8S_POD_NAME).
-    let pool4: ipnet::IpNet = svc_endpoint::testing::POOL4.parse().unwrap();
-    let pool6: ipnet::IpNet = svc_endpoint::testing::POOL6.parse().unwrap();
-    let endpoints = node
-        .endpoints()
-        .await
-        .list_endpoints(pb::ListEndpointsRequest {
-            pod_namespace: NAMESPACE.into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .endpoints;
-    assert_eq!(endpoints.len(), names.len(), "one endpoint per pod: {endpoints:#?}");
+    let pool4: ipnet::IpNet = "198.18.0.0/22".parse().unwrap();
+    let pool6: ipnet::IpNet = "2001:2::/64".parse().unwrap();
+    let listed = node.json(&["endpoint", "list", "--namespace", NAMESPACE]).unwrap();
+    let endpoints = listed["endpoints"].as_array().unwrap();
+    assert_eq!(endpoints.len(), names.len(), "one endpoint per pod: {listed:#}");
+    let pod_list = node.json(&["pod", "list"]).unwrap();
     for pod in &pods {
         let name = &pod.spec.name;
         assert!(
@@ -490,25 +494,45 @@ async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
         );
         let endpoint = endpoints
             .iter()
-            .find(|e| &e.pod_name == name)
-            .unwrap_or_else(|| panic!("no endpoint for pod {name}: {endpoints:#?}"));
-        assert_eq!(endpoint.state(), pb::EndpointState::Ready, "{endpoint:#?}");
-        assert_eq!(endpoint.pod_namespace, NAMESPACE);
+            .find(|e| e["pod_name"] == name.as_str())
+            .unwrap_or_else(|| panic!("no endpoint for pod {name}: {listed:#}"));
+        assert_eq!(endpoint["state"], "ready", "{endpoint:#}");
+        assert_eq!(endpoint["pod_namespace"], NAMESPACE);
         assert_eq!(
-            endpoint.container_id, pod.sandbox_id,
+            endpoint["container_id"],
+            pod.sandbox_id.as_str(),
             "the CNI container id is the sandbox id"
         );
-        assert!(endpoint.host_interface.starts_with(HOST_PREFIX), "{endpoint:#?}");
-        let mut addresses: Vec<IpAddr> = endpoint.addresses.iter().map(|a| a.address.parse().unwrap()).collect();
+        assert!(
+            endpoint["host_interface"].as_str().unwrap().starts_with("lxc"),
+            "{endpoint:#}"
+        );
+        let mut addresses: Vec<IpAddr> = endpoint["addresses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["address"].as_str().unwrap().parse().unwrap())
+            .collect();
         let mut ips = pod.ips.clone();
         addresses.sort();
         ips.sort();
         assert_eq!(addresses, ips, "the runtime reports the endpoint's addresses");
         assert!(
-            endpoint.identity_labels.iter().any(|l| l == &format!("k8s:app={name}")),
-            "{name}'s identity carries its label: {:?}",
-            endpoint.identity_labels
+            endpoint["identity_labels"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|l| l == &format!("k8s:app={name}")),
+            "{name}'s identity carries its label: {endpoint:#}"
         );
+        // `rivet pod list` shows the runtime's pods.
+        let row = pod_list
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name.as_str())
+            .unwrap_or_else(|| panic!("rivet pod list shows {name}: {pod_list:#}"));
+        assert_eq!(row["created_by"], "runtime", "{row}");
     }
 
     // Connectivity, then policy: only frontend → backend:8080.
@@ -516,10 +540,14 @@ async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
     wait_server(&cri, &pods).await;
     let out = nc(&cri, pod(&pods, "db"), pod(&pods, "backend")).await;
     assert!(answered(&out), "without a policy db reaches backend: {out}");
-    let applied = node.apply_policy(BACKEND_POLICY).await;
+    let policy = node.path("backend.yaml");
+    std::fs::write(&policy, BACKEND_POLICY).unwrap();
+    let applied = node
+        .json(&["policy", "apply", "--wait", "-f", policy.to_str().unwrap()])
+        .unwrap();
     assert_eq!(
-        applied.affected_endpoints, 1,
-        "the policy selects backend only: {applied:?}"
+        applied["applied"][0]["selected_endpoints"], 1,
+        "the policy selects backend only: {applied:#}"
     );
     let out = nc(&cri, pod(&pods, "frontend"), pod(&pods, "backend")).await;
     assert!(answered(&out), "frontend → backend:{PORT} is allowed: {out}");
@@ -530,18 +558,24 @@ async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
 
     // StopPodSandbox + RemovePodSandbox → rivet-cni DEL: nothing left.
     let stops = delete_pods(&cri, &pods).await;
-    let remaining = node
-        .endpoints()
-        .await
-        .list_endpoints(pb::ListEndpointsRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .endpoints;
-    assert!(remaining.is_empty(), "endpoints left after DEL: {remaining:#?}");
-    let allocations = node.allocations().await;
-    assert!(allocations.is_empty(), "addresses left allocated: {allocations:#?}");
-    assert_runtime_clean(&cri, &containerd, node_ns).await;
+    let remaining = node.json(&["endpoint", "list"]).unwrap();
+    assert_eq!(
+        remaining["endpoints"],
+        serde_json::json!([]),
+        "endpoints left after DEL"
+    );
+    let ipam = node.json(&["ipam", "list", "--allocations"]).unwrap();
+    assert_eq!(
+        ipam["allocations"],
+        serde_json::json!([]),
+        "addresses left allocated: {ipam:#}"
+    );
+    assert_runtime_clean(&cri, &containerd, || node.veths().unwrap()).await;
+    drop(cri);
+    drop(containerd);
+    let left = cgroups_left(&cgroups_before, &cgroup_marks);
+    assert!(left.is_empty(), "cgroup directories left on the machine: {left:#?}");
+    node.down().unwrap_or_else(|e| panic!("rivet node down: {e}"));
 
     let runs: Vec<Duration> = pods.iter().map(|p| p.run_sandbox).collect();
     eprintln!("rivet-cni: {}", summary("RunPodSandbox", &runs));
