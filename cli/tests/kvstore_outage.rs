@@ -1,8 +1,11 @@
 //! Two nodes made by `rivet node up --create-netns --etcd-endpoints ...`
 //! sharing one real etcd, which is stopped under traffic for a few seconds
 //! (the mechanism is what is tested, not the length of the outage): pods
-//! keep their traffic, pods of known label sets start, deletes (also
-//! `--force`) are done locally, `rivet status` says the node is degraded;
+//! keep their traffic, pods of known label sets start, a pod of a new label
+//! set retries within the CNI deadline (it fails with the kvstore reason
+//! when etcd stays away, and starts when etcd comes back in time), deletes
+//! (also `--force`) are done locally, `rivet status` says the node is
+//! degraded;
 //! when etcd is back everything converges (the other node's IP cache, the
 //! keys in etcd, svc-ipam, svc-endpoint) and nothing is left; a node that
 //! stops cleanly takes its keys with it at once.
@@ -27,7 +30,7 @@ const LEASE_TTL_SECONDS: u64 = 30;
 
 /// Each node's CNI deadline (a pod whose label set needs the kvstore waits
 /// at most this long).
-const CNI_TIMEOUT_SECONDS: &str = "6";
+const CNI_TIMEOUT_SECONDS: &str = "10";
 
 fn shown(out: &Output) -> String {
     format!(
@@ -217,6 +220,29 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
         !a.ok(&["pod", "list"]).contains("brand-new"),
         "the failed pod left nothing"
     );
+    // Another one keeps retrying within its deadline...
+    let late = a
+        .rivet(&["pod", "add", "late", "--label", "app=late"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting rivet pod add");
+    eventually(
+        "svc-endpoint retries the late pod's identity",
+        Duration::from_secs(8),
+        || {
+            a.json(&["endpoint", "list"])["endpoints"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| {
+                    e["pod_name"] == "late"
+                        && e["last_error"]
+                            .as_str()
+                            .is_some_and(|m| m.contains("kvstore is unreachable"))
+                })
+        },
+    );
     // Deletes are local work.
     a.ok(&["pod", "del", "deleted"]);
     a.ok(&["pod", "del", "forced", "--force"]);
@@ -229,6 +255,13 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
     .await
     .unwrap();
     eprintln!("etcd was down {:?} (local work took {outage_work:?})", outage.elapsed());
+    // ...and starts once etcd is back.
+    let out = late.wait_with_output().expect("rivet pod add ends");
+    assert!(
+        out.status.success(),
+        "a new label set starts once etcd is back within the deadline: {}",
+        shown(&out)
+    );
     let took = eventually(
         "node a reconciles with etcd (rivet status healthy, nothing left to publish)",
         Duration::from_secs(30),
@@ -255,7 +288,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
     });
     // Nothing of the deleted pods is left anywhere.
     let ips = keys(&endpoint, "rivet/state/ip/").await;
-    let expected: BTreeSet<String> = ["web", "client", "web-2"]
+    let expected: BTreeSet<String> = ["web", "client", "web-2", "late"]
         .iter()
         .flat_map(|p| a.addresses(p))
         .chain(b.addresses("remote"))
@@ -267,7 +300,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
         .iter()
         .filter(|k| k.ends_with(&format!("/{}", a.netns)))
         .collect();
-    for app in ["app=web", "app=client"] {
+    for app in ["app=web", "app=client", "app=late"] {
         assert!(of_a.iter().any(|k| k.contains(app)), "node a holds {app}: {of_a:?}");
     }
     for app in ["app=deleted", "app=forced", "app=brand-new"] {
