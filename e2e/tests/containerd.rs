@@ -8,6 +8,14 @@
 //!   ping, a NetworkPolicy (`rivet policy apply`) enforced between them, and
 //!   StopPodSandbox / RemovePodSandbox leaving nothing behind, no cgroup
 //!   directory included.
+//! - `a_sandbox_failing_beside_rivet_cni_leaves_nothing`: loopback refuses
+//!   ADD after rivet-cni's ADD succeeded; containerd's teardown (DEL through
+//!   both) leaves no endpoint, address, veth, netns or cgroup.
+//! - `a_sandbox_whose_teardown_never_reaches_rivet_cni_is_collected_by_cni_gc`:
+//!   loopback fails ADD and DEL (as when it is missing), so rivet-cni never
+//!   gets a DEL and containerd keeps the sandbox and its netns; CNI GC with a
+//!   valid list that lacks it removes the endpoint, address and veth, and
+//!   kubelet's retries finish once loopback works.
 //! - `bridge_plugin_pods_prove_the_harness`: the same runtime path with the
 //!   reference bridge + host-local plugins: it proves the harness (config,
 //!   images, CRI calls, teardown) independently of rivet-cni, and gives the
@@ -581,4 +589,196 @@ async fn rivet_cni_pods_connectivity_policy_and_cleanup() {
     eprintln!("rivet-cni: {}", summary("RunPodSandbox", &runs));
     eprintln!("rivet-cni: {}", summary("StopPodSandbox", &stops));
     eprintln!("rivet-cni: whole test {:?}", started.elapsed());
+}
+
+/// A `loopback` that refuses ADD (and, as the real one, has nothing to undo
+/// on DEL): containerd runs it beside rivet-cni for the same sandbox.
+const FAILING_LOOPBACK: &str = r#"#!/bin/sh
+cat >/dev/null
+echo "$CNI_COMMAND $CNI_CONTAINERID" >> "$(dirname "$0")/loopback.calls"
+if [ "$CNI_COMMAND" = ADD ]; then
+    echo '{"cniVersion":"1.0.0","code":11,"msg":"loopback refused by the test"}'
+    exit 1
+fi
+exit 0
+"#;
+
+/// A sandbox that fails after rivet-cni's ADD succeeded (containerd runs
+/// loopback and rivet-cni together, and loopback fails): whatever containerd
+/// does next — a DEL through the chain, or only removing the pod's netns —
+/// nothing of the pod is left: no endpoint, address, host veth, netns or
+/// cgroup.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_failing_beside_rivet_cni_leaves_nothing() {
+    rivet_e2e::containerd::check_prerequisites().unwrap_or_else(|e| panic!("{e}"));
+    let cgroups_before = cgroup_snapshot();
+    let mut node = RivetNode::up(&rivet_common::testing::workspace_binary("rivet"))
+        .unwrap_or_else(|e| panic!("rivet node up: {e}"));
+    let loopback = node.cni_bin_dir().join("loopback");
+    std::fs::remove_file(&loopback).unwrap();
+    std::fs::write(&loopback, FAILING_LOOPBACK).unwrap();
+    std::fs::set_permissions(&loopback, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let containerd = start_containerd(&node.netns_path(), &node.cni_bin_dir(), &node.cni_conf_dir()).await;
+    let cri = containerd.cri().await.unwrap();
+
+    let spec = pod_spec(&containerd, "doomed");
+    let err = cri
+        .run_pod(&spec, BUSYBOX_IMAGE, &command("doomed"))
+        .await
+        .expect_err("the sandbox fails with its loopback");
+    assert!(err.to_string().contains("loopback refused by the test"), "{err}");
+    let cni_log = std::fs::read_to_string(node.path("state/logs/rivet-cni.log")).unwrap_or_default();
+    assert!(
+        cni_log.contains("cni.add") && cni_log.contains("pod=shop/doomed"),
+        "rivet-cni's ADD ran for the sandbox:\n{cni_log}"
+    );
+    let calls = std::fs::read_to_string(node.cni_bin_dir().join("loopback.calls")).unwrap_or_default();
+    eprintln!(
+        "containerd after the failed sandbox: loopback calls {:?}; rivet-cni DEL called: {}",
+        calls.lines().collect::<Vec<_>>(),
+        cni_log.contains("cni.del")
+    );
+
+    // Converges without any further call from the runtime.
+    let started = Instant::now();
+    loop {
+        let endpoints = node.json(&["endpoint", "list"]).unwrap();
+        let ipam = node.json(&["ipam", "list", "--allocations"]).unwrap();
+        let veths = node.veths().unwrap();
+        let netns = containerd.leftovers().netns;
+        if endpoints["endpoints"] == serde_json::json!([])
+            && ipam["allocations"] == serde_json::json!([])
+            && veths.trim().is_empty()
+            && netns.is_empty()
+        {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "left after the failed sandbox: endpoints {:#}, allocations {:#}, veths {veths:?}, netns {netns:?}",
+            endpoints["endpoints"],
+            ipam["allocations"]
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("the failed sandbox left nothing after {:?}", started.elapsed());
+    assert!(
+        cri.list_pod_sandboxes().await.unwrap().iter().all(|s| s.state != 0),
+        "no sandbox is ready"
+    );
+    let marks = vec![containerd.cgroup_parent().to_string()];
+    drop(cri);
+    drop(containerd);
+    let left = cgroups_left(&cgroups_before, &marks);
+    assert!(left.is_empty(), "cgroup directories left on the machine: {left:#?}");
+    node.down().unwrap_or_else(|e| panic!("rivet node down: {e}"));
+}
+
+/// A `loopback` as good as missing: ADD and DEL both fail.
+const BROKEN_LOOPBACK: &str = r#"#!/bin/sh
+cat >/dev/null
+echo '{"cniVersion":"1.0.0","code":11,"msg":"loopback is broken"}'
+exit 1
+"#;
+
+/// Writes an executable script over `path`.
+fn install_script(path: &Path, text: &str) {
+    let _ = std::fs::remove_file(path);
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+}
+
+/// CNI GC of the node's network as a runtime with GC (CNI 1.1) calls it:
+/// rivet-cni in the node namespace, `cni.dev/valid-attachments` on stdin.
+fn cni_gc(node: &RivetNode, valid: serde_json::Value) -> std::process::Output {
+    let list: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(node.cni_conf_dir().join("10-rivet.conflist")).unwrap()).unwrap();
+    let mut conf = list["plugins"][0].clone();
+    conf["name"] = list["name"].clone();
+    conf["cniVersion"] = "1.1.0".into();
+    conf["cni.dev/valid-attachments"] = valid;
+    let mut child = std::process::Command::new("nsenter")
+        .arg(format!("--net={}", node.netns_path().display()))
+        .arg(node.cni_bin_dir().join("rivet-cni"))
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("CNI_COMMAND", "GC")
+        .env("CNI_PATH", node.cni_bin_dir())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), conf.to_string().as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// The issue's case: loopback missing (here: failing ADD and DEL), so
+/// containerd's teardown of the failed sandbox stops at loopback and never
+/// calls rivet-cni's DEL; it keeps the pod's netns and the sandbox
+/// (NOTREADY), and rivet-cni's attachment with it. CNI GC (what a runtime
+/// with CNI 1.1 calls) with a valid list that lacks the sandbox removes the
+/// endpoint, the address and the host veth at once; once loopback works
+/// again, kubelet's StopPodSandbox + RemovePodSandbox finish and nothing
+/// is left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sandbox_whose_teardown_never_reaches_rivet_cni_is_collected_by_cni_gc() {
+    rivet_e2e::containerd::check_prerequisites().unwrap_or_else(|e| panic!("{e}"));
+    let cgroups_before = cgroup_snapshot();
+    let mut node = RivetNode::up(&rivet_common::testing::workspace_binary("rivet"))
+        .unwrap_or_else(|e| panic!("rivet node up: {e}"));
+    let loopback = node.cni_bin_dir().join("loopback");
+    install_script(&loopback, BROKEN_LOOPBACK);
+    let containerd = start_containerd(&node.netns_path(), &node.cni_bin_dir(), &node.cni_conf_dir()).await;
+    let cri = containerd.cri().await.unwrap();
+
+    let spec = pod_spec(&containerd, "doomed");
+    let err = cri
+        .run_pod(&spec, BUSYBOX_IMAGE, &command("doomed"))
+        .await
+        .expect_err("the sandbox fails with its loopback");
+    assert!(err.to_string().contains("loopback is broken"), "{err}");
+    let cni_log = || std::fs::read_to_string(node.path("state/logs/rivet-cni.log")).unwrap_or_default();
+    assert!(
+        !cni_log().contains("cni.del"),
+        "containerd never called rivet-cni's DEL"
+    );
+    let endpoints = node.json(&["endpoint", "list"]).unwrap();
+    assert_eq!(
+        endpoints["endpoints"].as_array().map(Vec::len),
+        Some(1),
+        "the attachment the runtime left: {endpoints:#}"
+    );
+    let sandboxes = cri.list_pod_sandboxes().await.unwrap();
+    assert_eq!(sandboxes.len(), 1, "containerd keeps the failed sandbox: {sandboxes:?}");
+
+    // CNI GC, the attachment not in the valid list: all of it goes now.
+    let gc = cni_gc(&node, serde_json::json!([]));
+    assert!(
+        gc.status.success(),
+        "GC: {}{}",
+        String::from_utf8_lossy(&gc.stdout),
+        String::from_utf8_lossy(&gc.stderr)
+    );
+    assert_eq!(
+        node.json(&["endpoint", "list"]).unwrap()["endpoints"],
+        serde_json::json!([])
+    );
+    let ipam = node.json(&["ipam", "list", "--allocations"]).unwrap();
+    assert_eq!(ipam["allocations"], serde_json::json!([]), "{ipam:#}");
+    assert!(node.veths().unwrap().trim().is_empty(), "the host veth is gone");
+
+    // loopback repaired: kubelet's retries finish containerd's side (DEL of
+    // what is gone already succeeds).
+    std::fs::copy(Path::new(REFERENCE_CNI_DIR).join("loopback"), &loopback).unwrap();
+    cri.delete_pod(&sandboxes[0].id)
+        .await
+        .unwrap_or_else(|e| panic!("stopping and removing the failed sandbox: {e}"));
+    assert_runtime_clean(&cri, &containerd, || node.veths().unwrap()).await;
+    let marks = vec![containerd.cgroup_parent().to_string(), sandboxes[0].id.clone()];
+    drop(cri);
+    drop(containerd);
+    let left = cgroups_left(&cgroups_before, &marks);
+    assert!(left.is_empty(), "cgroup directories left on the machine: {left:#?}");
+    node.down().unwrap_or_else(|e| panic!("rivet node down: {e}"));
 }
