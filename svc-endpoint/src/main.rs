@@ -48,6 +48,12 @@ struct Flags {
     #[arg(long, env = "RIVET_DEPENDENCY_POLL_MS", default_value_t = 1000)]
     dependency_poll_ms: u64,
 
+    /// How often svc-loader is asked which endpoints lost their host
+    /// interface (they are dropped and their addresses released, as when a
+    /// runtime never calls DEL), milliseconds; 0 disables the check.
+    #[arg(long, env = "RIVET_INTERFACE_CHECK_MS", default_value_t = 10_000)]
+    interface_check_ms: u64,
+
     /// Deadline of each call to svc-identity, svc-ipam and svc-loader, seconds.
     #[arg(long, env = "RIVET_CALL_TIMEOUT_SECONDS", default_value_t = 10)]
     call_timeout_seconds: u64,
@@ -87,6 +93,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         regeneration_concurrency: flags.regeneration_concurrency.max(1),
         allow_from_host: flags.allow_from_host,
         dependency_poll: Duration::from_millis(flags.dependency_poll_ms.max(100)),
+        interface_check: Duration::from_millis(flags.interface_check_ms),
         ..ManagerOptions::new(flags.common.state_dir.clone())
     };
     let metrics = EndpointMetrics::default();

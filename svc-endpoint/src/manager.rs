@@ -89,6 +89,10 @@ pub struct ManagerOptions {
     pub dependency_poll: Duration,
     /// Delay between retries of a failed background regeneration.
     pub retry_backoff: Backoff,
+    /// How often svc-loader is asked which endpoints lost their host
+    /// interface (a runtime that never calls DEL must not leak them); zero:
+    /// only at restore and when a regeneration finds it gone.
+    pub interface_check: Duration,
 }
 
 impl ManagerOptions {
@@ -100,6 +104,7 @@ impl ManagerOptions {
             allow_from_host: true,
             dependency_poll: Duration::from_secs(2),
             retry_backoff: Backoff::new(Duration::from_millis(500), Duration::from_secs(30)),
+            interface_check: Duration::from_secs(10),
         }
     }
 }
@@ -432,6 +437,38 @@ impl State {
         )
     }
 
+    /// The endpoints svc-loader's listing says lost their host interface
+    /// (gone, or its ifindex names another interface), with the reason.
+    fn lost_interfaces(&self, listed: &ldpb::ListEndpointsResponse) -> Vec<(u16, RemovalReason)> {
+        listed
+            .endpoints
+            .iter()
+            .filter_map(|held| {
+                let id = u16::try_from(held.endpoint_id).ok()?;
+                let slot = self.endpoints.get(&id)?;
+                if slot.spec.host_ifindex != held.host_ifindex || slot.queue.is_closed() {
+                    return None;
+                }
+                interface_lost(held, &slot.spec).map(|reason| (id, reason))
+            })
+            .collect()
+    }
+
+    /// The ready endpoints whose host interface svc-loader's listing does
+    /// not name (it may be gone; ListEndpoints does not say for certain).
+    fn unnamed_interfaces(&self, listed: &ldpb::ListEndpointsResponse) -> Vec<u16> {
+        listed
+            .endpoints
+            .iter()
+            .filter(|held| held.host_ifname.is_empty())
+            .filter_map(|held| {
+                let id = u16::try_from(held.endpoint_id).ok()?;
+                let slot = self.endpoints.get(&id)?;
+                (slot.spec.host_ifindex == held.host_ifindex && slot.status.state == EndpointState::Ready).then_some(id)
+            })
+            .collect()
+    }
+
     /// Sets the named ports of `identity` to the union of those of the
     /// endpoints holding it (they share one peer entry in other endpoints'
     /// policies).
@@ -589,6 +626,8 @@ impl EndpointManager {
         tokio::spawn(async move { this.probe_dependencies().await });
         let this = self.clone();
         tokio::spawn(async move { this.reconcile_cidrs_forever().await });
+        let this = self.clone();
+        tokio::spawn(async move { this.check_interfaces_forever().await });
         self.inner.cidr_wake.notify_one();
     }
 
@@ -1926,23 +1965,19 @@ impl EndpointManager {
         let listed = self
             .retry_until_ok("svc-loader ListEndpoints", || self.inner.deps.loader.list())
             .await;
-        let mut dropped: Vec<(u16, RemovalReason)> = Vec::new();
-        {
+        let mut dropped = {
             let mut state = self.state();
             for held in &listed.endpoints {
                 let Ok(id) = u16::try_from(held.endpoint_id) else {
                     continue;
                 };
-                match state.endpoints.get(&id) {
-                    Some(slot) if slot.spec.host_ifindex == held.host_ifindex => {
-                        if let Some(reason) = interface_lost(held, &slot.spec) {
-                            dropped.push((id, reason));
-                        }
-                    }
+                if state
+                    .endpoints
+                    .get(&id)
+                    .is_none_or(|slot| slot.spec.host_ifindex != held.host_ifindex)
+                {
                     // Not ours (or moved): cleaned after restore; never reuse the id before.
-                    _ => {
-                        state.reserved_ids.insert(id);
-                    }
+                    state.reserved_ids.insert(id);
                 }
             }
             for id in &listed.orphan_policy_endpoint_ids {
@@ -1950,7 +1985,8 @@ impl EndpointManager {
                     state.reserved_ids.insert(id);
                 }
             }
-        }
+            state.lost_interfaces(&listed)
+        };
         self.inner.ids_known.send_replace(true);
 
         // Restored endpoints keep their datapath; regenerating them against
@@ -2117,6 +2153,46 @@ impl EndpointManager {
     /// is gone) and releases its addresses; its worker does it.
     fn drop_endpoint(&self, id: u16, reason: RemovalReason) {
         self.request_removal(id, reason);
+    }
+
+    /// Every `interface_check`, once restore is done: endpoints whose host
+    /// interface disappeared while they ran (the pod's netns went without a
+    /// DEL, e.g. a runtime leaking a sandbox) are dropped and their
+    /// addresses released, as at restore.
+    async fn check_interfaces_forever(&self) {
+        let period = self.inner.options.interface_check;
+        if period.is_zero() {
+            return;
+        }
+        self.restored().await;
+        let mut interval = tokio::time::interval(period);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            interval.tick().await;
+            let listed = match self.inner.deps.loader.list().await {
+                Ok(listed) => listed,
+                Err(e) => {
+                    tracing::debug!(error = %e, "listing the datapath for lost interfaces failed; next time");
+                    continue;
+                }
+            };
+            let (lost, unnamed) = {
+                let state = self.state();
+                (state.lost_interfaces(&listed), state.unnamed_interfaces(&listed))
+            };
+            for (id, reason) in lost {
+                self.drop_endpoint(id, reason);
+            }
+            // svc-loader could not name the interface: a regeneration asks
+            // it for certain (ApplyEndpoint answers NOT_FOUND for a gone
+            // interface, and the worker drops the endpoint then).
+            let state = self.state();
+            for id in unnamed {
+                if let Some(slot) = state.endpoints.get(&id) {
+                    slot.queue.request("interface check");
+                }
+            }
+        }
     }
 
     /// Datapath entries, attachments and identity references that no

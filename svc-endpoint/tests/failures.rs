@@ -59,7 +59,15 @@ async fn a_failure_at_each_regeneration_step_leaves_nothing_behind() {
             manager.list().is_empty(),
             "a failed create leaves no endpoint ({step:?})"
         );
-        assert_nothing_left(&node, state.path(), id, "a", false, &format!("a failure at {step:?}")).await;
+        assert_nothing_left(
+            &node,
+            state.path(),
+            id,
+            ("a", &node.pod("a").addrs()),
+            false,
+            &format!("a failure at {step:?}"),
+        )
+        .await;
     }
 
     // With nothing injected the same create succeeds (the harness is sound).

@@ -153,7 +153,7 @@ async fn a_new_label_set_fails_with_the_kvstore_reason_at_the_deadline_and_leave
         &t.node,
         t.state.path(),
         id,
-        "a",
+        ("a", &t.node.pod("a").addrs()),
         false,
         "after a create that found no identity",
     )
@@ -193,7 +193,15 @@ async fn a_failed_delete_converges_by_itself_and_releases_the_addresses_the_call
 
     t.faults.delete_ip.set(Mode::Pass);
     t.until_empty("the endpoint is removed without a new call").await;
-    assert_nothing_left(&t.node, t.state.path(), id, "a", true, "after the delete converged").await;
+    assert_nothing_left(
+        &t.node,
+        t.state.path(),
+        id,
+        ("a", &t.node.pod("a").addrs()),
+        true,
+        "after the delete converged",
+    )
+    .await;
     assert_eq!(
         t.manager.delete(&container("a"), Duration::from_secs(5)).await.unwrap(),
         Vec::<u16>::new(),
@@ -247,7 +255,15 @@ async fn a_delete_does_not_wait_behind_other_regenerations_and_a_closed_endpoint
         0,
         "a closed endpoint never reaches the datapath again"
     );
-    assert_nothing_left(&t.node, t.state.path(), a, "a", false, "after a's delete").await;
+    assert_nothing_left(
+        &t.node,
+        t.state.path(),
+        a,
+        ("a", &t.node.pod("a").addrs()),
+        false,
+        "after a's delete",
+    )
+    .await;
 }
 
 /// A delete whose endpoint's own regeneration hangs on a dependency
@@ -279,7 +295,15 @@ async fn a_delete_behind_its_hung_regeneration_returns_at_its_deadline_and_compl
 
     t.faults.apply.set(Mode::Pass);
     t.until_empty("the removal completes in the background").await;
-    assert_nothing_left(&t.node, t.state.path(), id, "a", true, "after the delete converged").await;
+    assert_nothing_left(
+        &t.node,
+        t.state.path(),
+        id,
+        ("a", &t.node.pod("a").addrs()),
+        true,
+        "after the delete converged",
+    )
+    .await;
 }
 
 /// Changes pod `name`'s labels without waiting: its worker regenerates.

@@ -2,6 +2,8 @@
 //! store), svc-ipam and svc-loader, and namespace pods: creates are ready
 //! with traffic flowing when they return, labels and policies flip traffic.
 
+mod support;
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -830,4 +832,56 @@ async fn remembered_pod_labels_go_with_the_pods_endpoint() {
         ["k8s:app=db"],
         "a reused pod name does not inherit the old pod's labels"
     );
+}
+
+/// Issue 12 §4 / §5: a pod whose network namespace goes away without a CNI
+/// DEL (a runtime leaking a sandbox) must not leak its endpoint: svc-endpoint
+/// notices the host interface is gone while running and releases the
+/// endpoint, its identity reference, ipcache entries, state dir and its
+/// svc-ipam addresses.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_endpoint_whose_interface_disappears_while_running_is_dropped_and_releases_everything() {
+    let mut node = EndpointNode::start(NodeOptions {
+        endpoint_args: vec!["--interface-check-ms".into(), "200".into()],
+        ..NodeOptions::default()
+    })
+    .await
+    .expect("the node's daemons start");
+    node.add_pod("stays", &["k8s:app=stays"]).await;
+    let gone = node.add_pod("gone", &["k8s:app=gone"]).await;
+    let addresses = node.pod("gone").addrs();
+    assert!(
+        node.node.node.remove_pod("gone"),
+        "the pod's namespace is deleted behind the CNI's back"
+    );
+
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let listed = node
+            .endpoints()
+            .await
+            .list_endpoints(pb::ListEndpointsRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        if listed.endpoints.iter().all(|e| e.id != gone.id) {
+            assert_eq!(listed.endpoints.len(), 1, "the other pod's endpoint stays: {listed:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the endpoint of the vanished pod is dropped: {listed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let id = u16::try_from(gone.id).unwrap();
+    support::assert_nothing_left(
+        &node,
+        &node.state_dir(),
+        id,
+        ("gone", &addresses),
+        true,
+        "after the pod's namespace vanished",
+    )
+    .await;
 }

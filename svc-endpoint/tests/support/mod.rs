@@ -4,6 +4,7 @@
 
 #![allow(dead_code)]
 
+use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -321,15 +322,15 @@ pub async fn eventually(within: Duration, what: &str, mut check: impl AsyncFnMut
     }
 }
 
-/// Asserts that nothing of endpoint `id` (container `container`) is left:
-/// no datapath entry or attachment, no identity reference, no ipcache
-/// entry, no state dir, and (with `addresses_released`) no address in
-/// svc-ipam.
+/// Asserts that nothing of endpoint `id` (container `container`, whose
+/// addresses were `addresses`) is left: no datapath entry or attachment, no
+/// identity reference, no ipcache entry, no state dir, and (with
+/// `addresses_released`) no address in svc-ipam.
 pub async fn assert_nothing_left(
     node: &EndpointNode,
     state_dir: &Path,
     id: u16,
-    container: &str,
+    (container, addresses): (&str, &[IpAddr]),
     addresses_released: bool,
     what: &str,
 ) {
@@ -372,7 +373,7 @@ pub async fn assert_nothing_left(
         .await
         .unwrap()
         .into_inner();
-    let pod_addresses: Vec<String> = node.pod(container).addrs().iter().map(ToString::to_string).collect();
+    let pod_addresses: Vec<String> = addresses.iter().map(ToString::to_string).collect();
     assert!(
         ipcache
             .entries
