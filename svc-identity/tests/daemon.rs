@@ -626,17 +626,25 @@ async fn embedded_store_keeps_every_acknowledged_identity_across_kill_9() {
     let mut a = command(dir.path(), "solo", None).spawn().await.unwrap();
     let mut c = client(&a).await;
     let mut acked = BTreeMap::new();
+    let (progress, mut acknowledged) = tokio::sync::watch::channel(0usize);
     let worker = tokio::spawn(async move {
         let mut got = Vec::new();
         for i in 0..2000 {
             match allocate(&mut c, i).await {
-                Ok(id) => got.push((i, id)),
+                Ok(id) => {
+                    got.push((i, id));
+                    progress.send_replace(got.len());
+                }
                 Err(_) => break,
             }
         }
         got
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Killed in the middle of the stream, once some were acknowledged.
+    tokio::time::timeout(Duration::from_secs(10), acknowledged.wait_for(|n| *n >= 20))
+        .await
+        .expect("20 allocations within 10 s")
+        .expect("the worker runs");
     a.kill9();
     for (i, id) in worker.await.unwrap() {
         acked.insert(i, id);
