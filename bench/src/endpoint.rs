@@ -460,6 +460,7 @@ fn raw_apply_request(i: u32, veth: &Veth) -> ldpb::ApplyEndpointRequest {
             enforce_egress: false,
             allow_from_host: true,
             entries: Vec::new(),
+            prefixes: Vec::new(),
         }),
     }
 }

@@ -107,6 +107,122 @@ pub struct EndpointView {
     to_container: String,
 }
 
+/// One policy entry of `rivet bpf policy get`.
+#[derive(Debug, Serialize)]
+struct PolicyRow {
+    direction: String,
+    /// `any`, an identity, or `addr:<cidr identity>` for an entry matched
+    /// by the peer's address (ipBlock) through the prefixes below.
+    peer_identity: String,
+    protocol: String,
+    ports: String,
+    verdict: String,
+    packets: u64,
+    bytes: u64,
+}
+
+/// One prefix of `rivet bpf policy get`: peer addresses whose longest
+/// prefix this is match the `addr:<cidr identity>` entries.
+#[derive(Debug, Serialize)]
+struct PrefixRow {
+    direction: String,
+    prefix: String,
+    cidr_identity: u32,
+}
+
+/// `rivet bpf policy get`.
+#[derive(Debug, Serialize)]
+struct PolicyView {
+    endpoint_id: u32,
+    revision: u64,
+    enforce_ingress: bool,
+    enforce_egress: bool,
+    allow_from_host: bool,
+    entries: Vec<PolicyRow>,
+    prefixes: Vec<PrefixRow>,
+}
+
+impl From<&pb::GetEndpointPolicyResponse> for PolicyView {
+    fn from(r: &pb::GetEndpointPolicyResponse) -> Self {
+        let entries = r
+            .entries
+            .iter()
+            .map(|s| {
+                let e = s.entry.unwrap_or_default();
+                PolicyRow {
+                    direction: name::<pb::Direction>(e.direction, "direction-"),
+                    peer_identity: match (pb::PeerKind::try_from(e.peer_kind), e.peer_identity) {
+                        (Ok(pb::PeerKind::Address), id) => format!("addr:{id}"),
+                        (_, 0) => "any".into(),
+                        (_, id) => id.to_string(),
+                    },
+                    protocol: name::<pb::Protocol>(e.protocol, "protocol-"),
+                    ports: match (e.port, e.end_port) {
+                        (0, _) => "any".into(),
+                        (p, 0) => p.to_string(),
+                        (p, q) => format!("{p}-{q}"),
+                    },
+                    verdict: name::<pb::Verdict>(e.verdict, "verdict-"),
+                    packets: s.packets,
+                    bytes: s.bytes,
+                }
+            })
+            .collect();
+        let prefixes = r
+            .prefixes
+            .iter()
+            .map(|p| {
+                let prefix = p.prefix.clone().unwrap_or_default();
+                PrefixRow {
+                    direction: name::<pb::Direction>(p.direction, "direction-"),
+                    prefix: format!("{}/{}", ip(&prefix.address), prefix.prefix_length),
+                    cidr_identity: p.cidr_identity,
+                }
+            })
+            .collect();
+        Self {
+            endpoint_id: r.endpoint_id,
+            revision: r.revision,
+            enforce_ingress: r.enforce_ingress,
+            enforce_egress: r.enforce_egress,
+            allow_from_host: r.allow_from_host,
+            entries,
+            prefixes,
+        }
+    }
+}
+
+impl PolicyView {
+    fn render(&self) -> String {
+        let mut out = format!(
+            "endpoint {} revision {} enforce ingress={} egress={} allow-from-host={}\n",
+            self.endpoint_id, self.revision, self.enforce_ingress, self.enforce_egress, self.allow_from_host
+        );
+        let mut t = Table::new(["DIRECTION", "PEER", "PROTOCOL", "PORTS", "VERDICT", "PACKETS", "BYTES"]);
+        for e in &self.entries {
+            t.row([
+                e.direction.clone(),
+                e.peer_identity.clone(),
+                e.protocol.clone(),
+                e.ports.clone(),
+                e.verdict.clone(),
+                e.packets.to_string(),
+                e.bytes.to_string(),
+            ]);
+        }
+        out.push_str(&t.render());
+        if !self.prefixes.is_empty() {
+            out.push_str("\naddress prefixes (PEER addr:<id>: the peer address's longest prefix has identity <id>)\n");
+            let mut t = Table::new(["DIRECTION", "PREFIX", "CIDR IDENTITY"]);
+            for p in &self.prefixes {
+                t.row([p.direction.clone(), p.prefix.clone(), p.cidr_identity.to_string()]);
+            }
+            out.push_str(&t.render());
+        }
+        out
+    }
+}
+
 /// Runs one `rivet bpf` command.
 pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
     let mut client = LoaderServiceClient::new(ctx.connect(DAEMON).await?);
@@ -174,77 +290,8 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
                 .await
                 .map_err(rpc)?
                 .into_inner();
-            #[derive(Serialize)]
-            struct Row {
-                direction: String,
-                peer_identity: String,
-                protocol: String,
-                ports: String,
-                verdict: String,
-                packets: u64,
-                bytes: u64,
-            }
-            let rows: Vec<Row> = r
-                .entries
-                .iter()
-                .map(|s| {
-                    let e = s.entry.unwrap_or_default();
-                    Row {
-                        direction: name::<pb::Direction>(e.direction, "direction-"),
-                        peer_identity: if e.peer_identity == 0 {
-                            "any".into()
-                        } else {
-                            e.peer_identity.to_string()
-                        },
-                        protocol: name::<pb::Protocol>(e.protocol, "protocol-"),
-                        ports: match (e.port, e.end_port) {
-                            (0, _) => "any".into(),
-                            (p, 0) => p.to_string(),
-                            (p, q) => format!("{p}-{q}"),
-                        },
-                        verdict: name::<pb::Verdict>(e.verdict, "verdict-"),
-                        packets: s.packets,
-                        bytes: s.bytes,
-                    }
-                })
-                .collect();
-            #[derive(Serialize)]
-            struct View<'a> {
-                endpoint_id: u32,
-                revision: u64,
-                enforce_ingress: bool,
-                enforce_egress: bool,
-                allow_from_host: bool,
-                entries: &'a [Row],
-            }
-            let view = View {
-                endpoint_id: r.endpoint_id,
-                revision: r.revision,
-                enforce_ingress: r.enforce_ingress,
-                enforce_egress: r.enforce_egress,
-                allow_from_host: r.allow_from_host,
-                entries: &rows,
-            };
-            ctx.print(&view, || {
-                let mut out = format!(
-                    "endpoint {} revision {} enforce ingress={} egress={} allow-from-host={}\n",
-                    r.endpoint_id, r.revision, r.enforce_ingress, r.enforce_egress, r.allow_from_host
-                );
-                let mut t = Table::new(["DIRECTION", "PEER", "PROTOCOL", "PORTS", "VERDICT", "PACKETS", "BYTES"]);
-                for e in &rows {
-                    t.row([
-                        e.direction.clone(),
-                        e.peer_identity.clone(),
-                        e.protocol.clone(),
-                        e.ports.clone(),
-                        e.verdict.clone(),
-                        e.packets.to_string(),
-                        e.bytes.to_string(),
-                    ]);
-                }
-                out.push_str(&t.render());
-                out
-            });
+            let view = PolicyView::from(&r);
+            ctx.print(&view, || view.render());
         }
         BpfCommand::Ct(CtCommand::List { address, port }) => {
             let filter = pb::ConntrackFilter {
@@ -477,5 +524,55 @@ pub fn print_event(ctx: &Context, e: &pb::MonitorEvent) {
                 }
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_view_shows_address_entries_and_their_prefixes() {
+        let entry = |peer_identity, peer_kind: pb::PeerKind| pb::PolicyEntryStatus {
+            entry: Some(pb::PolicyEntry {
+                direction: pb::Direction::Egress as i32,
+                peer_identity,
+                protocol: pb::Protocol::Tcp as i32,
+                port: 443,
+                end_port: 0,
+                verdict: pb::Verdict::Allow as i32,
+                peer_kind: peer_kind as i32,
+            }),
+            packets: 3,
+            bytes: 180,
+        };
+        let r = pb::GetEndpointPolicyResponse {
+            endpoint_id: 7,
+            revision: 2,
+            enforce_egress: true,
+            entries: vec![
+                entry(0, pb::PeerKind::Identity),
+                entry(300, pb::PeerKind::Identity),
+                entry(1 << 24, pb::PeerKind::Address),
+            ],
+            prefixes: vec![pb::EndpointPrefix {
+                direction: pb::Direction::Egress as i32,
+                prefix: Some(pb::IpPrefix {
+                    address: vec![198, 18, 0, 0],
+                    prefix_length: 15,
+                }),
+                cidr_identity: 1 << 24,
+            }],
+            ..Default::default()
+        };
+        let view = PolicyView::from(&r);
+        let peers: Vec<&str> = view.entries.iter().map(|e| e.peer_identity.as_str()).collect();
+        assert_eq!(peers, ["any", "300", "addr:16777216"]);
+        let text = view.render();
+        assert!(text.contains("198.18.0.0/15"), "{text}");
+        assert!(text.contains("16777216"), "{text}");
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["prefixes"][0]["prefix"], "198.18.0.0/15");
+        assert_eq!(json["prefixes"][0]["direction"], "egress");
     }
 }

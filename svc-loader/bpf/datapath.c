@@ -59,6 +59,14 @@ struct {
 } policy SEC(".maps");
 
 struct {
+	__uint(type, BPF_MAP_TYPE_LPM_TRIE);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct ep_prefix_key);
+	__type(value, struct ep_prefix_value);
+} ep_prefixes SEC(".maps");
+
+struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 786432);
 	__type(key, struct ct4_key);
@@ -645,23 +653,59 @@ static __always_inline struct policy_value *policy_get(__u32 ep_id, __u32 identi
 	return bpf_map_lookup_elem(&policy, &k);
 }
 
-/* Deny wins over allow; no match is default deny. Returns 0 to allow, or
- * the drop reason (never 0). The matching entries count the packet. */
-static __always_inline int policy_verdict(__u32 ep_id, __u32 peer, __u8 dir, const struct pkt *p)
+/* The CIDR identity of the longest of the endpoint's prefixes in direction
+ * `dir` containing `addr`, or 0 (none, or the endpoint has no prefixes in
+ * that direction: then no lookup is made). */
+static __always_inline __u32 address_identity(const struct endpoint_info *ep, __u8 dir, const struct pkt *p,
+					      const __u32 *addr)
+{
+	__u32 flag = dir == DIR_EGRESS ? EP_F_EGRESS_PREFIXES : EP_F_INGRESS_PREFIXES;
+	struct ep_prefix_key k = {};
+	struct ep_prefix_value *v;
+
+	if (!(ep->flags & flag))
+		return 0;
+	k.endpoint_id = ep->endpoint_id;
+	k.direction = dir;
+	k.family = p->family;
+	if (p->family == 4) {
+		k.prefixlen = EP_PREFIX_FIXED_BITS + 32;
+		k.addr[0] = addr[0];
+	} else {
+		k.prefixlen = EP_PREFIX_FIXED_BITS + 128;
+		__builtin_memcpy(k.addr, addr, 16);
+	}
+	v = bpf_map_lookup_elem(&ep_prefixes, &k);
+	return v ? v->cidr_identity : 0;
+}
+
+/* Deny wins over allow; no match is default deny. Entries are looked up by
+ * the peer's identity (`peer`, and any identity) and, when the endpoint has
+ * prefixes in this direction, by the CIDR identity of the peer address's
+ * longest prefix in the address key space (ipBlock peers): deny wins across
+ * all of them. Returns 0 to allow, or the drop reason (never 0). The
+ * matching entries count the packet. */
+static __always_inline int policy_verdict(const struct endpoint_info *ep, __u32 peer, __u8 dir, const struct pkt *p,
+					  const __u32 *peer_addr)
 {
 	/* An ICMP error of no known connection is ICMP traffic (its tuple is
 	 * the offending packet's, which only finds the connection). */
 	__u8 proto = p->icmp_error ? (p->family == 4 ? IPPROTO_ICMP : IPPROTO_ICMPV6) : p->protocol;
 	__u16 port = (proto == IPPROTO_ICMP || proto == IPPROTO_ICMPV6) ? 0 : p->dport;
-	struct policy_value *v[4];
+	__u32 ep_id = ep->endpoint_id;
+	__u32 cidr = address_identity(ep, dir, p, peer_addr);
+	__u8 addr_dir = dir | POLICY_DIR_BY_ADDRESS;
+	struct policy_value *v[6];
 	int allow = 0, deny = 0, i;
 
 	v[0] = policy_get(ep_id, peer, dir, proto, port);
 	v[1] = policy_get(ep_id, peer, dir, 0, 0);
 	v[2] = policy_get(ep_id, IDENTITY_ANY, dir, proto, port);
 	v[3] = policy_get(ep_id, IDENTITY_ANY, dir, 0, 0);
+	v[4] = cidr ? policy_get(ep_id, cidr, addr_dir, proto, port) : 0;
+	v[5] = cidr ? policy_get(ep_id, cidr, addr_dir, 0, 0) : 0;
 #pragma unroll
-	for (i = 0; i < 4; i++) {
+	for (i = 0; i < 6; i++) {
 		if (!v[i])
 			continue;
 		if (v[i]->verdict == VERDICT_DENY)
@@ -887,7 +931,7 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 	 * never opens one. */
 	if ((ep->flags & enforce_flag) &&
 	    !(dir == DIR_INGRESS && peer == IDENTITY_HOST && (ep->flags & EP_F_ALLOW_FROM_HOST)))
-		reason = policy_verdict(ep->endpoint_id, peer, dir, p);
+		reason = policy_verdict(ep, peer, dir, p, peer_addr);
 	if (cfg && (cfg->event_flags & CONFIG_EVENT_VERDICTS))
 		emit(EVENT_POLICY_VERDICT, reason, dir, reason ? VERDICT_DENY : VERDICT_ALLOW, p, ep, src_id, dst_id);
 	if (reason)

@@ -34,6 +34,10 @@ struct endpoint_key {
 #define EP_F_ALLOW_FROM_HOST (1 << 2)
 #define EP_F_HAS_IPV4 (1 << 3)
 #define EP_F_HAS_IPV6 (1 << 4)
+/* The endpoint has prefixes in ep_prefixes for that direction (ipBlock
+ * peers matched by address); without it the lookup is skipped. */
+#define EP_F_INGRESS_PREFIXES (1 << 5)
+#define EP_F_EGRESS_PREFIXES (1 << 6)
 
 struct endpoint_info {
 	__u32 endpoint_id;
@@ -76,6 +80,29 @@ struct policy_key {
 };
 #define POLICY_PREFIX_FIXED_BITS 80 /* endpoint_id + identity + direction + protocol */
 #define POLICY_PREFIX_FULL_BITS 96
+/* Set in policy_key.direction for entries matched by the peer's address:
+ * `identity` is then the CIDR identity of the longest of the endpoint's
+ * prefixes (ep_prefixes) containing the peer address, never 0. The key
+ * keeps its size, so pinned policy maps stay compatible. */
+#define POLICY_DIR_BY_ADDRESS 0x80
+
+/* ------------------------------------------------------------- ep_prefixes */
+/* LPM trie of the prefixes each endpoint matches peer addresses against, per
+ * direction (every cidr and except prefix of its ipBlocks). prefixlen counts
+ * the 64 bits of endpoint_id, direction, family and pad first. */
+struct ep_prefix_key {
+	__u32 prefixlen;
+	__u32 endpoint_id;
+	__u8 direction; /* DIR_* */
+	__u8 family;    /* 4 or 6 */
+	__u8 pad[2];
+	__u32 addr[4];
+};
+#define EP_PREFIX_FIXED_BITS 64
+
+struct ep_prefix_value {
+	__u32 cidr_identity; /* >= 2^24 */
+};
 
 #define VERDICT_ALLOW 1
 #define VERDICT_DENY 2

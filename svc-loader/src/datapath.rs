@@ -5,8 +5,10 @@
 //!
 //! Everything lives under one pin directory, `<bpffs>/rivet/<node>/`
 //! ([`DatapathOptions::pin_dir`]): `<pin_dir>/<map>` for every map of the
-//! object (`endpoints`, `ipcache`, `policy`, `ct4`, `ct6`, `metrics`,
-//! `events`, `config`, and any map the datapath adds later).
+//! object (`endpoints`, `ipcache`, `policy`, `ep_prefixes`, `ct4`, `ct6`,
+//! `metrics`, `events`, `config`, and any map the datapath adds later). A
+//! map of the object with no pin yet (one added by a newer datapath) is
+//! created and pinned beside the adopted ones.
 //!
 //! [`Datapath::open`] reuses an existing map pin only if the kernel's map has
 //! exactly the type, key size, value size, max_entries and flags this object
@@ -47,8 +49,8 @@ use rivet_bpf_sys as sys;
 
 use crate::DATAPATH_OBJECT;
 use crate::maps::{
-    Ct4Key, Ct6Key, CtEntry, CtTimeouts, DatapathConfig, EndpointInfo, EndpointKey, FragKey, FragValue, IpcacheKeyData,
-    IpcacheValue, METRICS_ENTRIES, MetricsValue, PolicyKeyData, PolicyValue,
+    Ct4Key, Ct6Key, CtEntry, CtTimeouts, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKeyData, EpPrefixValue,
+    FragKey, FragValue, IpcacheKeyData, IpcacheValue, METRICS_ENTRIES, MetricsValue, PolicyKeyData, PolicyValue,
 };
 use crate::netdev;
 use crate::tc;
@@ -59,6 +61,8 @@ pub const MAP_ENDPOINTS: &str = "endpoints";
 pub const MAP_IPCACHE: &str = "ipcache";
 /// The policy LPM trie.
 pub const MAP_POLICY: &str = "policy";
+/// The per-endpoint prefixes LPM trie (ipBlock peers matched by address).
+pub const MAP_EP_PREFIXES: &str = "ep_prefixes";
 /// IPv4 conntrack.
 pub const MAP_CT4: &str = "ct4";
 /// IPv6 conntrack.
@@ -72,10 +76,11 @@ pub const MAP_CONFIG: &str = "config";
 /// First fragments' ports for the later fragments (LRU hash, the datapath's alone).
 pub const MAP_FRAGMENTS: &str = "fragments";
 /// Every map the loader uses by name.
-pub const MAP_NAMES: [&str; 9] = [
+pub const MAP_NAMES: [&str; 10] = [
     MAP_ENDPOINTS,
     MAP_IPCACHE,
     MAP_POLICY,
+    MAP_EP_PREFIXES,
     MAP_CT4,
     MAP_CT6,
     MAP_METRICS,
@@ -101,6 +106,9 @@ pub const DEFAULT_ENDPOINTS_MAX: u32 = 65_536;
 pub const DEFAULT_IPCACHE_MAX: u32 = 524_288;
 /// Default policy map size: 16Ki entries per endpoint, for 64 endpoints' worth.
 pub const DEFAULT_POLICY_MAX: u32 = 16_384 * 64;
+/// Default per-endpoint prefixes map size: 4Ki prefixes per endpoint, for 64
+/// endpoints' worth.
+pub const DEFAULT_EP_PREFIXES_MAX: u32 = 4096 * 64;
 /// Default conntrack size per family (Cilium: 512Ki TCP + 256Ki other).
 pub const DEFAULT_CT_MAX: u32 = 512 * 1024 + 256 * 1024;
 /// Default event ring buffer size (bytes).
@@ -124,6 +132,8 @@ pub struct DatapathOptions {
     pub ipcache_max: u32,
     /// max_entries of `policy` (all endpoints together).
     pub policy_max: u32,
+    /// max_entries of `ep_prefixes` (all endpoints together).
+    pub ep_prefixes_max: u32,
     /// max_entries of `ct4`.
     pub ct4_max: u32,
     /// max_entries of `ct6`.
@@ -145,6 +155,7 @@ impl DatapathOptions {
             endpoints_max: DEFAULT_ENDPOINTS_MAX,
             ipcache_max: DEFAULT_IPCACHE_MAX,
             policy_max: DEFAULT_POLICY_MAX,
+            ep_prefixes_max: DEFAULT_EP_PREFIXES_MAX,
             ct4_max: DEFAULT_CT_MAX,
             ct6_max: DEFAULT_CT_MAX,
             events_bytes: DEFAULT_EVENTS_BYTES,
@@ -177,11 +188,12 @@ impl DatapathOptions {
         page * pages.next_power_of_two()
     }
 
-    fn max_entries(&self) -> [(&'static str, u32); 6] {
+    fn max_entries(&self) -> [(&'static str, u32); 7] {
         [
             (MAP_ENDPOINTS, self.endpoints_max),
             (MAP_IPCACHE, self.ipcache_max),
             (MAP_POLICY, self.policy_max),
+            (MAP_EP_PREFIXES, self.ep_prefixes_max),
             (MAP_CT4, self.ct4_max),
             (MAP_CT6, self.ct6_max),
             (MAP_EVENTS, self.events_bytes),
@@ -683,6 +695,8 @@ pub struct DatapathMaps {
     pub ipcache: SharedMap<LpmTrie<MapData, IpcacheKeyData, IpcacheValue>>,
     /// policy entries (keys: `PolicyEntry::lpm_key()` / `PolicyKey::to_lpm()`).
     pub policy: SharedMap<LpmTrie<MapData, PolicyKeyData, PolicyValue>>,
+    /// per-endpoint prefixes (keys: `EpPrefixKey::to_lpm()`).
+    pub ep_prefixes: SharedMap<LpmTrie<MapData, EpPrefixKeyData, EpPrefixValue>>,
     /// IPv4 conntrack (an LRU hash).
     pub ct4: SharedMap<HashMap<MapData, Ct4Key, CtEntry>>,
     /// IPv6 conntrack (an LRU hash).
@@ -725,6 +739,7 @@ impl DatapathMaps {
             endpoints: take_shared(ebpf, MAP_ENDPOINTS)?,
             ipcache: take_shared(ebpf, MAP_IPCACHE)?,
             policy: take_shared(ebpf, MAP_POLICY)?,
+            ep_prefixes: take_shared(ebpf, MAP_EP_PREFIXES)?,
             ct4: take_shared(ebpf, MAP_CT4)?,
             ct6: take_shared(ebpf, MAP_CT6)?,
             metrics: take_shared(ebpf, MAP_METRICS)?,
@@ -936,6 +951,11 @@ impl Datapath {
     /// The policy LPM trie.
     pub fn policy(&mut self) -> &mut LpmTrie<MapData, PolicyKeyData, PolicyValue> {
         self.maps.policy.get_mut()
+    }
+
+    /// The per-endpoint prefixes LPM trie.
+    pub fn ep_prefixes(&mut self) -> &mut LpmTrie<MapData, EpPrefixKeyData, EpPrefixValue> {
+        self.maps.ep_prefixes.get_mut()
     }
 
     /// IPv4 conntrack.
@@ -1361,7 +1381,10 @@ fn expected_specs(opts: &DatapathOptions) -> Result<BTreeMap<String, MapSpec>, D
             return Err(DatapathError::Object(format!("it has no map {name}")));
         }
     }
-    if specs[MAP_IPCACHE].flags & BPF_F_NO_PREALLOC == 0 || specs[MAP_POLICY].flags & BPF_F_NO_PREALLOC == 0 {
+    if [MAP_IPCACHE, MAP_POLICY, MAP_EP_PREFIXES]
+        .iter()
+        .any(|name| specs[*name].flags & BPF_F_NO_PREALLOC == 0)
+    {
         return Err(DatapathError::Object(
             "its LPM tries must be created with BPF_F_NO_PREALLOC".to_owned(),
         ));

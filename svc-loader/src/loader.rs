@@ -18,7 +18,7 @@
 //! # The index equals what the maps hold
 //!
 //! Per endpoint the loader remembers the entries it wrote to the shared
-//! per-endpoint maps ([`OwnedEntries`]; the policy trie today), so the next
+//! per-endpoint maps ([`OwnedEntries`]: the policy trie and `ep_prefixes`), so the next
 //! policy is a diff against them instead of a scan of a map every endpoint
 //! shares. Each step of a diff is recorded as it succeeds (a failed BPF map
 //! command changes nothing), so a diff that fails midway leaves the record
@@ -39,12 +39,13 @@ use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::datapath::{AttachState, Attachment, Datapath, DatapathError};
 use crate::maps::{
-    EP_F_ALLOW_FROM_HOST, EP_F_ENFORCE_EGRESS, EP_F_ENFORCE_INGRESS, EndpointInfo, EndpointKey, IpcacheKey,
-    IpcacheValue, PolicyValue,
+    DIR_EGRESS, DIR_INGRESS, EP_F_ALLOW_FROM_HOST, EP_F_EGRESS_PREFIXES, EP_F_ENFORCE_EGRESS, EP_F_ENFORCE_INGRESS,
+    EP_F_INGRESS_PREFIXES, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, IpcacheKey, IpcacheValue,
+    PolicyValue,
 };
 use crate::netdev;
 use crate::policy_lpm::{self, PolicyEntry, PolicyRuleError};
-use crate::validate::{EndpointSpec, PolicySpec};
+use crate::validate::{EndpointSpec, PolicyPrefix, PolicySpec};
 
 /// Why an operation was refused or failed. Nothing was changed unless the
 /// variant says so.
@@ -158,6 +159,8 @@ pub struct EndpointView {
     pub ifname: Option<String>,
     /// Policy entries.
     pub policy_entries: usize,
+    /// Prefixes of address-matched policy entries.
+    pub policy_prefixes: usize,
     /// `from_container` attachment.
     pub ingress: AttachState,
     /// `to_container` attachment.
@@ -171,7 +174,7 @@ pub struct DatapathListing {
     pub endpoints: Vec<EndpointView>,
     /// Attachments of interfaces no endpoint names.
     pub orphan_attachments: Vec<Attachment>,
-    /// Endpoint ids with policy entries but no endpoint.
+    /// Endpoint ids with policy entries or prefixes but no endpoint.
     pub orphan_policies: Vec<u32>,
 }
 
@@ -186,6 +189,17 @@ pub struct PolicyEntryView {
     pub packets: u64,
     /// Bytes that matched it.
     pub bytes: u64,
+}
+
+/// One endpoint's policy as the datapath holds it, see [`EndpointDatapath::policy`].
+#[derive(Debug, Clone)]
+pub struct EndpointPolicyView {
+    /// The endpoint map entry (flags, revision).
+    pub info: EndpointInfo,
+    /// The compiled entries with counters.
+    pub entries: Vec<PolicyEntryView>,
+    /// The prefixes of address-matched entries.
+    pub prefixes: Vec<PolicyPrefix>,
 }
 
 /// Entries one endpoint owns in a map every endpoint shares, as that map
@@ -243,12 +257,56 @@ struct EndpointRecord {
     addresses: Vec<IpAddr>,
     /// Its entries in the policy trie.
     policy: OwnedEntries<PolicyEntry, u8>,
+    /// Its entries in `ep_prefixes` (key → CIDR identity).
+    prefixes: OwnedEntries<EpPrefixKey, u32>,
 }
 
 impl EndpointRecord {
     fn holds_nothing(&self) -> bool {
-        self.ifindex.is_none() && self.addresses.is_empty() && self.policy == OwnedEntries::default()
+        self.ifindex.is_none()
+            && self.addresses.is_empty()
+            && self.policy == OwnedEntries::default()
+            && self.prefixes == OwnedEntries::default()
     }
+
+    /// Whether it has (or may have) entries in the per-endpoint maps.
+    fn has_policy(&self) -> bool {
+        !self.policy.entries.is_empty() || self.policy.dirty || !self.prefixes.entries.is_empty() || self.prefixes.dirty
+    }
+}
+
+/// An endpoint's `ep_prefixes` entries for a policy.
+fn prefix_entries(endpoint_id: u32, prefixes: &[PolicyPrefix]) -> BTreeMap<EpPrefixKey, u32> {
+    prefixes
+        .iter()
+        .map(|p| {
+            let key = EpPrefixKey::new(endpoint_id, p.direction, p.addr, p.len).expect("validated prefix");
+            (key, p.cidr_identity)
+        })
+        .collect()
+}
+
+/// The `EP_F_*_PREFIXES` flags of the directions that have prefixes.
+fn prefix_flags<'a>(keys: impl IntoIterator<Item = &'a EpPrefixKey>) -> u32 {
+    keys.into_iter().fold(0, |flags, k| match k.data.direction {
+        DIR_INGRESS => flags | EP_F_INGRESS_PREFIXES,
+        DIR_EGRESS => flags | EP_F_EGRESS_PREFIXES,
+        _ => flags,
+    })
+}
+
+/// The steps from `current` to `desired` prefixes: new and changed ones
+/// first, then the stale ones removed.
+fn prefix_steps(
+    current: &BTreeMap<EpPrefixKey, u32>,
+    desired: &BTreeMap<EpPrefixKey, u32>,
+) -> Vec<(EpPrefixKey, Option<u32>)> {
+    let upserts = desired
+        .iter()
+        .filter(|(k, v)| current.get(k) != Some(v))
+        .map(|(k, v)| (*k, Some(*v)));
+    let removals = current.keys().filter(|k| !desired.contains_key(k)).map(|k| (*k, None));
+    upserts.chain(removals).collect()
 }
 
 /// Who holds what, across endpoints. Its lock is held for in-memory work
@@ -355,12 +413,20 @@ impl EndpointDatapath {
         for (id, entries) in read_policy(&datapath, None)? {
             index.endpoints.entry(id).or_default().policy = OwnedEntries::read_back(entries);
         }
+        for (id, entries) in read_prefixes(&datapath, None)? {
+            index.endpoints.entry(id).or_default().prefixes = OwnedEntries::read_back(entries);
+        }
         tracing::info!(
             endpoints = index.interfaces.len(),
             policy_endpoints = index
                 .endpoints
                 .values()
                 .filter(|r| !r.policy.entries.is_empty())
+                .count(),
+            prefix_endpoints = index
+                .endpoints
+                .values()
+                .filter(|r| !r.prefixes.entries.is_empty())
                 .count(),
             "datapath state adopted from pinned maps"
         );
@@ -418,7 +484,10 @@ impl EndpointDatapath {
         let (_ifname, node_mac) = self.check_interface(spec.ifindex)?;
         // Policy: the request's, or the current one, or fail closed.
         let desired_policy = match &spec.policy {
-            Some(p) => Some(policy_lpm::compile(spec.endpoint_id, &p.rules)?),
+            Some(p) => Some((
+                policy_lpm::compile(spec.endpoint_id, &p.rules)?,
+                prefix_entries(spec.endpoint_id, &p.prefixes),
+            )),
             None => None,
         };
         let id = spec.endpoint_id;
@@ -434,13 +503,18 @@ impl EndpointDatapath {
 
         let ifkey = EndpointKey::ifindex(spec.ifindex);
         let existing = self.datapath.maps().endpoints.lock().get(&ifkey, 0).ok();
-        let (flags, revision) = match (&spec.policy, existing) {
-            (Some(p), _) => (policy_flags(p), p.revision),
-            (None, Some(e)) => (
-                e.flags & (EP_F_ENFORCE_INGRESS | EP_F_ENFORCE_EGRESS | EP_F_ALLOW_FROM_HOST),
+        let (flags, revision) = match (&desired_policy, &spec.policy, existing) {
+            (Some((_, prefixes)), Some(p), _) => (policy_flags(p) | prefix_flags(prefixes.keys()), p.revision),
+            (_, _, Some(e)) => (
+                e.flags
+                    & (EP_F_ENFORCE_INGRESS
+                        | EP_F_ENFORCE_EGRESS
+                        | EP_F_ALLOW_FROM_HOST
+                        | EP_F_INGRESS_PREFIXES
+                        | EP_F_EGRESS_PREFIXES),
                 e.policy_revision,
             ),
-            (None, None) => (EP_F_ENFORCE_INGRESS | EP_F_ENFORCE_EGRESS, 0),
+            _ => (EP_F_ENFORCE_INGRESS | EP_F_ENFORCE_EGRESS, 0),
         };
         let mut info = EndpointInfo {
             endpoint_id: id,
@@ -456,8 +530,19 @@ impl EndpointDatapath {
         info.policy_revision = revision;
 
         let mut changed = false;
-        if let Some(desired) = &desired_policy {
-            changed |= self.sync_policy(id, desired)?;
+        if let Some((desired, desired_prefixes)) = &desired_policy {
+            // Prefix lookups on before any prefix or address entry of the
+            // new policy is written; off again (the final entry below) only
+            // after the last one went. A lookup that finds nothing changes
+            // nothing.
+            if let Some(mut e) = existing {
+                let widened = e.flags | prefix_flags(desired_prefixes.keys());
+                if widened != e.flags {
+                    e.flags = widened;
+                    self.write_endpoint_entries(&e)?;
+                }
+            }
+            changed |= self.sync_policy(id, desired, desired_prefixes)?;
         }
         // Addresses first, then the ifindex entry that enables the programs.
         if existing != Some(info) {
@@ -567,16 +652,29 @@ impl EndpointDatapath {
         Ok(previous)
     }
 
-    /// Brings endpoint `id`'s policy entries to `desired` (under its lock);
-    /// its record holds what the map holds whatever happens. Returns
-    /// whether anything changed.
-    fn sync_policy(&self, id: u32, desired: &BTreeMap<PolicyEntry, u8>) -> Result<bool, LoaderError> {
-        let mut written = {
+    /// Brings endpoint `id`'s policy entries to `desired` and its prefixes
+    /// to `desired_prefixes` (under its lock); its record holds what the
+    /// maps hold whatever happens. Returns whether anything changed.
+    ///
+    /// The prefixes change between the policy steps that only narrow and
+    /// those that loosen, while the trie holds the deny entries of both
+    /// policies and only the allow entries common to both: whatever prefix
+    /// a peer address finds on the way, no packet passes that neither
+    /// policy allows (a superset of an endpoint's prefixes decides like the
+    /// policy that owns them; svc-endpoint's policy module docs prove it).
+    fn sync_policy(
+        &self,
+        id: u32,
+        desired: &BTreeMap<PolicyEntry, u8>,
+        desired_prefixes: &BTreeMap<EpPrefixKey, u32>,
+    ) -> Result<bool, LoaderError> {
+        let (mut written, mut prefixes) = {
             let mut index = self.index();
             let record = index.endpoints.entry(id).or_default();
-            let before = record.policy.clone();
-            // Until the outcome is stored below (a panic leaves it set).
+            let before = (record.policy.clone(), record.prefixes.clone());
+            // Until the outcome is stored below (a panic leaves them set).
             record.policy.dirty = true;
+            record.prefixes.dirty = true;
             before
         };
         let result = (|| {
@@ -584,12 +682,55 @@ impl EndpointDatapath {
                 let truth = read_policy(&self.datapath, Some(id))?.remove(&id).unwrap_or_default();
                 written = OwnedEntries::read_back(truth);
             }
+            if prefixes.dirty {
+                let truth = read_prefixes(&self.datapath, Some(id))?.remove(&id).unwrap_or_default();
+                prefixes = OwnedEntries::read_back(truth);
+            }
             let diff = policy_lpm::diff(&written.entries, desired);
-            written.write(&diff.steps, |entry, verdict| self.write_policy(entry, verdict))?;
-            Ok(!diff.is_empty())
+            let (tightening, loosening) = diff.phases();
+            let prefix_steps = prefix_steps(&prefixes.entries, desired_prefixes);
+            written.write(tightening, |entry, verdict| self.write_policy(entry, verdict))?;
+            prefixes.write(&prefix_steps, |key, identity| self.write_prefix(key, identity))?;
+            written.write(loosening, |entry, verdict| self.write_policy(entry, verdict))?;
+            Ok(!diff.is_empty() || !prefix_steps.is_empty())
         })();
-        self.index().endpoints.entry(id).or_default().policy = written;
+        let mut index = self.index();
+        let record = index.endpoints.entry(id).or_default();
+        record.policy = written;
+        record.prefixes = prefixes;
         result
+    }
+
+    /// Writes (`Some`) or removes (`None`) one `ep_prefixes` entry.
+    fn write_prefix(&self, key: &EpPrefixKey, identity: Option<u32>) -> Result<(), LoaderError> {
+        let id = key.data.endpoint_id;
+        let mut prefixes = self.datapath.maps().ep_prefixes.lock();
+        match identity {
+            Some(cidr_identity) => prefixes
+                .insert(&key.to_lpm(), EpPrefixValue { cidr_identity }, 0)
+                .map_err(map_err(format!("writing a prefix of endpoint {id}"))),
+            None => match prefixes.remove(&key.to_lpm()) {
+                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                Err(e) => Err(map_err(format!("removing a prefix of endpoint {id}"))(e)),
+            },
+        }
+    }
+
+    /// Writes `info` under its address keys, then its ifindex key.
+    fn write_endpoint_entries(&self, info: &EndpointInfo) -> Result<(), LoaderError> {
+        let id = info.endpoint_id;
+        let mut endpoints = self.datapath.maps().endpoints.lock();
+        for address in [info.ipv4_addr().map(IpAddr::V4), info.ipv6_addr().map(IpAddr::V6)]
+            .into_iter()
+            .flatten()
+        {
+            endpoints
+                .insert(EndpointKey::ip(address), *info, 0)
+                .map_err(map_err(format!("writing endpoint {id} address {address}")))?;
+        }
+        endpoints
+            .insert(EndpointKey::ifindex(info.ifindex), *info, 0)
+            .map_err(map_err(format!("writing endpoint {id}")))
     }
 
     /// Writes (`Some`) or removes (`None`) one policy trie entry.
@@ -678,8 +819,8 @@ impl EndpointDatapath {
         if let Some(i) = ifindex {
             removed |= self.detach(i)?.changed();
         }
-        if !record.policy.entries.is_empty() || record.policy.dirty {
-            removed |= self.sync_policy(id, &BTreeMap::new())?;
+        if record.has_policy() {
+            removed |= self.sync_policy(id, &BTreeMap::new(), &BTreeMap::new())?;
         }
         let mut index = self.index();
         if let Some(i) = ifindex
@@ -709,13 +850,14 @@ impl EndpointDatapath {
         })
     }
 
-    /// The endpoint map entry of `endpoint_id` and its policy entry count.
-    fn endpoint(&self, endpoint_id: u32) -> Result<(EndpointInfo, usize), LoaderError> {
+    /// The endpoint map entry of `endpoint_id` and its policy entry and
+    /// prefix counts.
+    fn endpoint(&self, endpoint_id: u32) -> Result<(EndpointInfo, (usize, usize)), LoaderError> {
         let (ifindex, entries) = self
             .index()
             .endpoints
             .get(&endpoint_id)
-            .and_then(|r| Some((r.ifindex?, r.policy.entries.len())))
+            .and_then(|r| Some((r.ifindex?, (r.policy.entries.len(), r.prefixes.entries.len()))))
             .ok_or(LoaderError::UnknownEndpoint(endpoint_id))?;
         let info = self
             .datapath
@@ -729,7 +871,7 @@ impl EndpointDatapath {
 
     /// One endpoint with its attachment (cheap: one interface queried).
     pub fn view(&self, endpoint_id: u32) -> Result<EndpointView, LoaderError> {
-        let (info, policy_entries) = self.endpoint(endpoint_id)?;
+        let (info, (policy_entries, policy_prefixes)) = self.endpoint(endpoint_id)?;
         let ifindex = info.ifindex;
         let attachment = self
             .datapath
@@ -742,6 +884,7 @@ impl EndpointDatapath {
             info,
             ifname: attachment.ifname.clone(),
             policy_entries,
+            policy_prefixes,
             ingress: attachment.ingress,
             egress: attachment.egress,
         })
@@ -762,18 +905,20 @@ impl EndpointDatapath {
             action: "listing attachments".into(),
             source: Box::new(source),
         })?;
-        let (counts, mut orphan_policies): (HashMap<u32, usize>, Vec<u32>) = {
+        let (counts, mut orphan_policies): (HashMap<u32, (usize, usize)>, Vec<u32>) = {
             let index = self.index();
             (
                 index
                     .endpoints
                     .iter()
-                    .map(|(id, r)| (*id, r.policy.entries.len()))
+                    .map(|(id, r)| (*id, (r.policy.entries.len(), r.prefixes.entries.len())))
                     .collect(),
                 index
                     .endpoints
                     .iter()
-                    .filter(|(_, r)| r.ifindex.is_none() && !r.policy.entries.is_empty())
+                    .filter(|(_, r)| {
+                        r.ifindex.is_none() && !(r.policy.entries.is_empty() && r.prefixes.entries.is_empty())
+                    })
                     .map(|(id, _)| *id)
                     .collect(),
             )
@@ -782,10 +927,12 @@ impl EndpointDatapath {
         let mut views = Vec::new();
         for info in infos {
             let a = attachments.iter().find(|a| a.ifindex == info.ifindex);
+            let (policy_entries, policy_prefixes) = counts.get(&info.endpoint_id).copied().unwrap_or_default();
             views.push(EndpointView {
                 info,
                 ifname: netdev::ifindex_to_name(info.ifindex).ok().flatten(),
-                policy_entries: counts.get(&info.endpoint_id).copied().unwrap_or(0),
+                policy_entries,
+                policy_prefixes,
                 ingress: a.map_or(AttachState::Detached, |a| a.ingress),
                 egress: a.map_or(AttachState::Detached, |a| a.egress),
             });
@@ -801,14 +948,14 @@ impl EndpointDatapath {
         })
     }
 
-    /// One endpoint's map entry and compiled policy with counters.
-    pub fn policy(&self, endpoint_id: u32) -> Result<(EndpointInfo, Vec<PolicyEntryView>), LoaderError> {
+    /// One endpoint's map entry, compiled policy with counters, and prefixes.
+    pub fn policy(&self, endpoint_id: u32) -> Result<EndpointPolicyView, LoaderError> {
         let (info, _) = self.endpoint(endpoint_id)?;
-        let entries = self
+        let (entries, prefixes) = self
             .index()
             .endpoints
             .get(&endpoint_id)
-            .map(|r| r.policy.entries.clone())
+            .map(|r| (r.policy.entries.clone(), r.prefixes.entries.clone()))
             .unwrap_or_default();
         let policy = self.datapath.maps().policy.lock();
         let out = entries
@@ -823,7 +970,23 @@ impl EndpointDatapath {
                 }
             })
             .collect();
-        Ok((info, out))
+        let prefixes = prefixes
+            .into_iter()
+            .filter_map(|(key, cidr_identity)| {
+                let (addr, len) = key.prefix()?;
+                Some(PolicyPrefix {
+                    direction: key.data.direction,
+                    addr,
+                    len,
+                    cidr_identity,
+                })
+            })
+            .collect();
+        Ok(EndpointPolicyView {
+            info,
+            entries: out,
+            prefixes,
+        })
     }
 
     /// Upserts ipcache entries; returns (written, unchanged).
@@ -919,6 +1082,29 @@ fn read_policy(datapath: &Datapath, only: Option<u32>) -> Result<HashMap<u32, BT
         }
         let value = policy.get(&key, 0).map_err(map_err("reading the policy map"))?;
         out.entry(entry.endpoint_id).or_default().insert(entry, value.verdict);
+    }
+    Ok(out)
+}
+
+/// The `ep_prefixes` entries by endpoint (`only`: of that endpoint); keys
+/// this loader never writes are skipped. The map's lock is held for the
+/// scan.
+fn read_prefixes(
+    datapath: &Datapath,
+    only: Option<u32>,
+) -> Result<HashMap<u32, BTreeMap<EpPrefixKey, u32>>, LoaderError> {
+    let prefixes = datapath.maps().ep_prefixes.lock();
+    let mut out: HashMap<u32, BTreeMap<EpPrefixKey, u32>> = HashMap::new();
+    for key in prefixes.keys() {
+        let key = key.map_err(map_err("reading the ep_prefixes map"))?;
+        let prefix_key = EpPrefixKey::from_lpm(&key);
+        if prefix_key.prefix().is_none() || only.is_some_and(|id| id != prefix_key.data.endpoint_id) {
+            continue;
+        }
+        let value = prefixes.get(&key, 0).map_err(map_err("reading the ep_prefixes map"))?;
+        out.entry(prefix_key.data.endpoint_id)
+            .or_default()
+            .insert(prefix_key, value.cidr_identity);
     }
     Ok(out)
 }

@@ -45,6 +45,10 @@ struct Flags {
     /// Size of the policy map, all endpoints together (LPM trie, allocated on use).
     #[arg(long, env = "RIVET_POLICY_MAX", default_value_t = 16384 * 64)]
     policy_max: u32,
+    /// Size of the per-endpoint prefixes map (ipBlock peers matched by
+    /// address), all endpoints together (LPM trie, allocated on use).
+    #[arg(long, env = "RIVET_EP_PREFIXES_MAX", default_value_t = 4096 * 64)]
+    ep_prefixes_max: u32,
     /// Entries of each conntrack map (ct4, ct6): 512Ki TCP + 256Ki other by default.
     #[arg(long, env = "RIVET_CT_MAX", default_value_t = 786432)]
     ct_max: u32,
@@ -94,6 +98,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     options.endpoints_max = flags.endpoints_max;
     options.ipcache_max = flags.ipcache_max;
     options.policy_max = flags.policy_max;
+    options.ep_prefixes_max = flags.ep_prefixes_max;
     options.ct4_max = flags.ct_max;
     options.ct6_max = flags.ct_max;
     options.events_bytes = flags.events_bytes;

@@ -49,6 +49,10 @@ pub const EP_F_ALLOW_FROM_HOST: u32 = 1 << 2;
 pub const EP_F_HAS_IPV4: u32 = 1 << 3;
 /// `EndpointInfo::ipv6` is set.
 pub const EP_F_HAS_IPV6: u32 = 1 << 4;
+/// The endpoint has ingress prefixes in `ep_prefixes` (ipBlocks matched by address).
+pub const EP_F_INGRESS_PREFIXES: u32 = 1 << 5;
+/// The endpoint has egress prefixes in `ep_prefixes`.
+pub const EP_F_EGRESS_PREFIXES: u32 = 1 << 6;
 
 // ---------------------------------------------------------------------- policy
 
@@ -57,6 +61,14 @@ pub const EP_F_HAS_IPV6: u32 = 1 << 4;
 pub const POLICY_PREFIX_FIXED_BITS: u32 = 80;
 /// All bits of a policy key (the fixed part plus the 16 port bits).
 pub const POLICY_PREFIX_FULL_BITS: u32 = 96;
+/// Flag in a policy key's `direction`: the entry matches the peer by address
+/// (`identity` is the CIDR identity of the peer address's longest prefix in
+/// `ep_prefixes`).
+pub const POLICY_DIR_BY_ADDRESS: u8 = 0x80;
+
+/// Bits of an `ep_prefixes` key before the address (endpoint id, direction,
+/// family, pad).
+pub const EP_PREFIX_FIXED_BITS: u32 = 64;
 
 /// Policy verdict: allow.
 pub const VERDICT_ALLOW: u8 = 1;
@@ -361,6 +373,24 @@ pub struct PrefixLenError {
     pub max: u8,
 }
 
+/// `addr` with the bits beyond `prefix_len` cleared.
+fn network(addr: IpAddr, prefix_len: u8) -> Result<IpAddr, PrefixLenError> {
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    if prefix_len > max {
+        return Err(PrefixLenError { addr, prefix_len, max });
+    }
+    Ok(match addr {
+        IpAddr::V4(v4) => {
+            let mask = u32::MAX.checked_shl(32 - u32::from(prefix_len)).unwrap_or(0);
+            IpAddr::V4(Ipv4Addr::from(u32::from(v4) & mask))
+        }
+        IpAddr::V6(v6) => {
+            let mask = u128::MAX.checked_shl(128 - u32::from(prefix_len)).unwrap_or(0);
+            IpAddr::V6(Ipv6Addr::from(u128::from(v6) & mask))
+        }
+    })
+}
+
 /// Bits of the ipcache key data before the address (`family` + `pad`).
 pub const IPCACHE_PREFIX_FIXED_BITS: u32 = 32;
 
@@ -390,21 +420,7 @@ impl IpcacheKey {
     /// The key for `addr/prefix_len`; host bits beyond the prefix are cleared,
     /// so one prefix always has one key.
     pub fn new(addr: IpAddr, prefix_len: u8) -> Result<Self, PrefixLenError> {
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        if prefix_len > max {
-            return Err(PrefixLenError { addr, prefix_len, max });
-        }
-        let masked = match addr {
-            IpAddr::V4(v4) => {
-                let mask = u32::MAX.checked_shl(32 - u32::from(prefix_len)).unwrap_or(0);
-                IpAddr::V4(Ipv4Addr::from(u32::from(v4) & mask))
-            }
-            IpAddr::V6(v6) => {
-                let mask = u128::MAX.checked_shl(128 - u32::from(prefix_len)).unwrap_or(0);
-                IpAddr::V6(Ipv6Addr::from(u128::from(v6) & mask))
-            }
-        };
-        let (family, raw) = ip_to_raw(masked);
+        let (family, raw) = ip_to_raw(network(addr, prefix_len)?);
         Ok(Self {
             prefixlen: IPCACHE_PREFIX_FIXED_BITS + u32::from(prefix_len),
             data: IpcacheKeyData {
@@ -567,6 +583,86 @@ impl PolicyValue {
             ..Self::default()
         }
     }
+}
+
+/// `struct ep_prefix_key` as a whole (prefix length included): one prefix an
+/// endpoint matches peer addresses against in one direction.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EpPrefixKey {
+    /// `EP_PREFIX_FIXED_BITS` + the prefix length.
+    pub prefixlen: u32,
+    /// The key data (what aya's `Key<EpPrefixKeyData>` carries).
+    pub data: EpPrefixKeyData,
+}
+
+/// The data part of `struct ep_prefix_key` (everything after `prefixlen`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EpPrefixKeyData {
+    /// The endpoint.
+    pub endpoint_id: u32,
+    /// `DIR_*`.
+    pub direction: u8,
+    /// 4 or 6.
+    pub family: u8,
+    /// Zero.
+    pub pad: [u8; 2],
+    /// The prefix's address (network order); IPv4 in `addr[0]`.
+    pub addr: [u32; 4],
+}
+
+impl EpPrefixKey {
+    /// The key for `addr/prefix_len` of an endpoint in a direction; host bits
+    /// beyond the prefix are cleared, so one prefix always has one key.
+    pub fn new(endpoint_id: u32, direction: u8, addr: IpAddr, prefix_len: u8) -> Result<Self, PrefixLenError> {
+        let (family, raw) = ip_to_raw(network(addr, prefix_len)?);
+        Ok(Self {
+            prefixlen: EP_PREFIX_FIXED_BITS + u32::from(prefix_len),
+            data: EpPrefixKeyData {
+                endpoint_id,
+                direction,
+                family,
+                pad: [0; 2],
+                addr: raw,
+            },
+        })
+    }
+
+    /// The full-length key the datapath looks a peer address up with.
+    pub fn lookup(endpoint_id: u32, direction: u8, addr: IpAddr) -> Self {
+        let len = if addr.is_ipv4() { 32 } else { 128 };
+        Self::new(endpoint_id, direction, addr, len).expect("full prefix length fits")
+    }
+
+    /// The prefix this key stands for; `None` for a malformed key (unknown
+    /// family, prefix length out of range, host bits set).
+    pub fn prefix(&self) -> Option<(IpAddr, u8)> {
+        let addr = ip_from_raw(self.data.family, self.data.addr)?;
+        let len = u8::try_from(self.prefixlen.checked_sub(EP_PREFIX_FIXED_BITS)?).ok()?;
+        (network(addr, len).ok()? == addr).then_some((addr, len))
+    }
+
+    /// The key for aya's [`LpmTrie`](aya::maps::LpmTrie).
+    pub fn to_lpm(&self) -> LpmKey<EpPrefixKeyData> {
+        LpmKey::new(self.prefixlen, self.data)
+    }
+
+    /// From a key returned by aya's [`LpmTrie`](aya::maps::LpmTrie).
+    pub fn from_lpm(key: &LpmKey<EpPrefixKeyData>) -> Self {
+        Self {
+            prefixlen: key.prefix_len(),
+            data: key.data(),
+        }
+    }
+}
+
+/// `struct ep_prefix_value`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct EpPrefixValue {
+    /// The CIDR identity of the prefix (>= 2^24).
+    pub cidr_identity: u32,
 }
 
 /// `struct ct4_key`.
@@ -875,6 +971,9 @@ unsafe impl aya::Pod for IpcacheValue {}
 unsafe impl aya::Pod for PolicyKey {}
 unsafe impl aya::Pod for PolicyKeyData {}
 unsafe impl aya::Pod for PolicyValue {}
+unsafe impl aya::Pod for EpPrefixKey {}
+unsafe impl aya::Pod for EpPrefixKeyData {}
+unsafe impl aya::Pod for EpPrefixValue {}
 unsafe impl aya::Pod for Ct4Key {}
 unsafe impl aya::Pod for Ct6Key {}
 unsafe impl aya::Pod for CtEntry {}
@@ -907,6 +1006,10 @@ mod tests {
         assert_eq!(size_of::<PolicyKeyData>(), 12);
         assert_eq!(size_of::<LpmKey<PolicyKeyData>>(), 16);
         assert_eq!(size_of::<PolicyValue>(), 24);
+        assert_eq!(size_of::<EpPrefixKey>(), 28);
+        assert_eq!(size_of::<EpPrefixKeyData>(), 24);
+        assert_eq!(size_of::<LpmKey<EpPrefixKeyData>>(), 28);
+        assert_eq!(size_of::<EpPrefixValue>(), 4);
         assert_eq!(size_of::<Ct4Key>(), 16);
         assert_eq!(size_of::<Ct6Key>(), 40);
         assert_eq!(size_of::<CtEntry>(), 56);
@@ -950,6 +1053,12 @@ mod tests {
                 "prefixlen" => prefixlen: u32, "endpoint_id" => data.endpoint_id: u32, "identity" => data.identity: u32,
                 "direction" => data.direction: u8, "protocol" => data.protocol: u8, "dport" => data.dport: u16,
             ]),
+            layout!("ep_prefix_key", EpPrefixKey, [
+                "prefixlen" => prefixlen: u32, "endpoint_id" => data.endpoint_id: u32,
+                "direction" => data.direction: u8, "family" => data.family: u8, "pad" => data.pad: [u8; 2],
+                "addr" => data.addr: [u32; 4],
+            ]),
+            layout!("ep_prefix_value", EpPrefixValue, ["cidr_identity" => cidr_identity: u32]),
             layout!("policy_value", PolicyValue, [
                 "verdict" => verdict: u8, "pad" => pad: [u8; 7], "packets" => packets: u64, "bytes" => bytes: u64,
             ]),
@@ -1020,6 +1129,10 @@ mod tests {
             ("EP_F_ALLOW_FROM_HOST", EP_F_ALLOW_FROM_HOST.into()),
             ("EP_F_HAS_IPV4", EP_F_HAS_IPV4.into()),
             ("EP_F_HAS_IPV6", EP_F_HAS_IPV6.into()),
+            ("EP_F_INGRESS_PREFIXES", EP_F_INGRESS_PREFIXES.into()),
+            ("EP_F_EGRESS_PREFIXES", EP_F_EGRESS_PREFIXES.into()),
+            ("POLICY_DIR_BY_ADDRESS", POLICY_DIR_BY_ADDRESS.into()),
+            ("EP_PREFIX_FIXED_BITS", EP_PREFIX_FIXED_BITS.into()),
             ("POLICY_PREFIX_FIXED_BITS", POLICY_PREFIX_FIXED_BITS.into()),
             ("POLICY_PREFIX_FULL_BITS", POLICY_PREFIX_FULL_BITS.into()),
             ("VERDICT_ALLOW", VERDICT_ALLOW.into()),
@@ -1122,6 +1235,7 @@ mod tests {
             ("endpoints", size_of::<EndpointKey>(), size_of::<EndpointInfo>()),
             ("ipcache", size_of::<IpcacheKey>(), size_of::<IpcacheValue>()),
             ("policy", size_of::<PolicyKey>(), size_of::<PolicyValue>()),
+            ("ep_prefixes", size_of::<EpPrefixKey>(), size_of::<EpPrefixValue>()),
             ("ct4", size_of::<Ct4Key>(), size_of::<CtEntry>()),
             ("ct6", size_of::<Ct6Key>(), size_of::<CtEntry>()),
             ("metrics", size_of::<u32>(), size_of::<MetricsValue>()),
@@ -1224,6 +1338,28 @@ mod tests {
             PolicyKey::lookup(1, 2, DIR_EGRESS, 17, 53).prefixlen,
             POLICY_PREFIX_FULL_BITS
         );
+    }
+
+    #[test]
+    fn ep_prefix_keys_count_the_fixed_bits_and_clear_host_bits() {
+        let key = EpPrefixKey::new(7, DIR_EGRESS, "198.18.0.77".parse().unwrap(), 24).unwrap();
+        assert_eq!(key.prefixlen, EP_PREFIX_FIXED_BITS + 24);
+        assert_eq!(
+            (key.data.endpoint_id, key.data.direction, key.data.family),
+            (7, DIR_EGRESS, 4)
+        );
+        assert_eq!(key.data.addr[0].to_ne_bytes(), [198, 18, 0, 0]);
+        assert_eq!(key.prefix(), Some(("198.18.0.0".parse().unwrap(), 24)));
+        assert_eq!(EpPrefixKey::from_lpm(&key.to_lpm()), key);
+        let lookup = EpPrefixKey::lookup(7, DIR_INGRESS, "2001:2::5".parse().unwrap());
+        assert_eq!((lookup.prefixlen, lookup.data.family), (EP_PREFIX_FIXED_BITS + 128, 6));
+        assert!(EpPrefixKey::new(7, DIR_INGRESS, "2001:2::".parse().unwrap(), 129).is_err());
+        let mut bad = key;
+        bad.data.addr[0] = ipv4_to_raw("198.18.0.1".parse().unwrap());
+        assert_eq!(bad.prefix(), None, "host bits set");
+        bad = key;
+        bad.data.family = 5;
+        assert_eq!(bad.prefix(), None, "unknown family");
     }
 
     #[test]

@@ -5,7 +5,11 @@
 //! For a packet of endpoint `E` in direction `D` with peer identity `P`,
 //! protocol `T` and destination port `p`, the datapath does a longest-prefix
 //! lookup of the full key `(E, i, D, t, p)` for each identity `i ∈ {P, any}`
-//! and protocol `t ∈ {T, any}` (up to four lookups) and
+//! and protocol `t ∈ {T, any}` (four lookups). When `E` has prefixes in `D`
+//! (ipBlock peers, matched by address) and the peer address's longest one
+//! has CIDR identity `C`, it also looks up `(E, C, D | POLICY_DIR_BY_ADDRESS,
+//! t, p)` for both `t` (two more lookups, in the address key space: a rule
+//! with `by_address` compiles there), and
 //!
 //! - denies if any lookup returns `VERDICT_DENY`,
 //! - else allows if any returns `VERDICT_ALLOW`,
@@ -41,7 +45,8 @@ use std::ops::RangeInclusive;
 use aya::maps::lpm_trie::Key as LpmKey;
 
 use crate::maps::{
-    DIR_EGRESS, DIR_INGRESS, POLICY_PREFIX_FIXED_BITS, PolicyKey, PolicyKeyData, VERDICT_ALLOW, VERDICT_DENY,
+    DIR_EGRESS, DIR_INGRESS, POLICY_DIR_BY_ADDRESS, POLICY_PREFIX_FIXED_BITS, PolicyKey, PolicyKeyData, VERDICT_ALLOW,
+    VERDICT_DENY,
 };
 
 /// One policy rule of one endpoint, as the control plane computed it.
@@ -49,6 +54,9 @@ use crate::maps::{
 pub struct PolicyRule {
     /// `DIR_INGRESS` or `DIR_EGRESS`.
     pub direction: u8,
+    /// Matched by the peer's address: `peer_identity` is the CIDR identity
+    /// of the peer address's longest prefix among the endpoint's (never 0).
+    pub by_address: bool,
     /// Peer identity; `IDENTITY_ANY` (0) = any peer.
     pub peer_identity: u32,
     /// `IPPROTO_*`; 0 = any protocol (and then any port).
@@ -71,11 +79,25 @@ impl PolicyRule {
         }
     }
 
-    /// Whether the rule applies to a packet (peer identity, protocol, port).
-    /// Only meaningful for a rule that [`compile`] accepts.
-    pub fn matches(&self, direction: u8, peer_identity: u32, protocol: u8, port: u16) -> bool {
+    /// Whether the rule applies to a packet: its peer's identity, the CIDR
+    /// identity of its peer address's longest prefix among the endpoint's
+    /// (if any), protocol and port. Only meaningful for a rule that
+    /// [`compile`] accepts.
+    pub fn matches(
+        &self,
+        direction: u8,
+        peer_identity: u32,
+        address_identity: Option<u32>,
+        protocol: u8,
+        port: u16,
+    ) -> bool {
+        let peer = if self.by_address {
+            address_identity == Some(self.peer_identity)
+        } else {
+            self.peer_identity == 0 || self.peer_identity == peer_identity
+        };
         self.direction == direction
-            && (self.peer_identity == 0 || self.peer_identity == peer_identity)
+            && peer
             && (self.protocol == 0 || self.protocol == protocol)
             && self.ports().contains(&port)
     }
@@ -113,6 +135,12 @@ pub enum PolicyRuleError {
         /// The port given.
         port: u16,
     },
+    /// An address-matched rule without a CIDR identity.
+    #[error("rule {index}: an address-matched rule names the CIDR identity of a prefix, not 0 (any)")]
+    AddressWithoutPrefix {
+        /// Position of the rule in the input.
+        index: usize,
+    },
     /// `end_port` without `port`, or smaller than `port`.
     #[error("rule {index}: port range {port}-{end_port} is empty or has no start port")]
     PortRange {
@@ -126,16 +154,20 @@ pub enum PolicyRuleError {
 }
 
 /// One entry of the policy trie: the ports `port .. port + 2^(16 - port_bits)`
-/// of one `(endpoint, direction, identity, protocol)`.
+/// of one `(endpoint, direction, key space, identity, protocol)`.
 ///
-/// Ordered by endpoint, direction, identity, protocol, then port block
-/// (wider blocks before the narrower ones they contain).
+/// Ordered by endpoint, direction, key space (identity before address),
+/// identity, protocol, then port block (wider blocks before the narrower
+/// ones they contain).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PolicyEntry {
     /// The endpoint.
     pub endpoint_id: u32,
     /// `DIR_*`.
     pub direction: u8,
+    /// In the address key space (`direction | POLICY_DIR_BY_ADDRESS` in the
+    /// map key): `identity` is a CIDR identity of the endpoint's prefixes.
+    pub by_address: bool,
     /// Peer identity, 0 = any.
     pub identity: u32,
     /// `IPPROTO_*`, 0 = any (then `port_bits` is 0).
@@ -160,10 +192,15 @@ impl PolicyEntry {
 
     /// The whole C key (`struct policy_key`).
     pub fn key(&self) -> PolicyKey {
+        let direction = if self.by_address {
+            self.direction | POLICY_DIR_BY_ADDRESS
+        } else {
+            self.direction
+        };
         PolicyKey::new(
             self.endpoint_id,
             self.identity,
-            self.direction,
+            direction,
             self.protocol,
             self.port,
             self.port_bits,
@@ -181,7 +218,8 @@ impl PolicyEntry {
         let port_bits = key.port_bits()?;
         let entry = Self {
             endpoint_id: key.data.endpoint_id,
-            direction: key.data.direction,
+            direction: key.data.direction & !POLICY_DIR_BY_ADDRESS,
+            by_address: key.data.direction & POLICY_DIR_BY_ADDRESS != 0,
             identity: key.data.identity,
             protocol: key.data.protocol,
             port: key.port(),
@@ -202,8 +240,14 @@ impl PolicyEntry {
             && other.port & port_mask(self.port_bits) == self.port
     }
 
-    fn space(&self) -> (u32, u8, u32, u8) {
-        (self.endpoint_id, self.direction, self.identity, self.protocol)
+    fn space(&self) -> (u32, u8, bool, u32, u8) {
+        (
+            self.endpoint_id,
+            self.direction,
+            self.by_address,
+            self.identity,
+            self.protocol,
+        )
     }
 
     /// The entry of the block of `port_bits` bits containing this entry.
@@ -261,6 +305,7 @@ pub fn compile(endpoint_id: u32, rules: &[PolicyRule]) -> Result<BTreeMap<Policy
             let entry = PolicyEntry {
                 endpoint_id,
                 direction: rule.direction,
+                by_address: rule.by_address,
                 identity: rule.peer_identity,
                 protocol: rule.protocol,
                 port,
@@ -311,6 +356,9 @@ fn validate(index: usize, rule: &PolicyRule) -> Result<(), PolicyRuleError> {
             verdict: rule.verdict,
         });
     }
+    if rule.by_address && rule.peer_identity == 0 {
+        return Err(PolicyRuleError::AddressWithoutPrefix { index });
+    }
     if rule.protocol == 0 && (rule.port != 0 || rule.end_port != 0) {
         return Err(PolicyRuleError::PortWithoutProtocol { index, port: rule.port });
     }
@@ -324,6 +372,10 @@ fn validate(index: usize, rule: &PolicyRule) -> Result<(), PolicyRuleError> {
     Ok(())
 }
 
+/// One write of a [`PolicyDiff`]: `Some(verdict)` = insert or overwrite,
+/// `None` = delete.
+pub type PolicyStep = (PolicyEntry, Option<u8>);
+
 /// What to write to move the map from `current` to `desired` entries, in an
 /// order that never opens more than either policy allows: first add or
 /// tighten to DENY, then remove stale ALLOWs, then add or loosen to ALLOW,
@@ -331,14 +383,23 @@ fn validate(index: usize, rule: &PolicyRule) -> Result<(), PolicyRuleError> {
 /// alone (their counters keep counting).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PolicyDiff {
-    /// Steps in order: `Some(verdict)` = insert or overwrite, `None` = delete.
-    pub steps: Vec<(PolicyEntry, Option<u8>)>,
+    /// Steps in order.
+    pub steps: Vec<PolicyStep>,
+    /// How many of the first steps only narrow what is allowed (add or
+    /// tighten to DENY, remove stale ALLOWs); the rest loosen. Whatever else
+    /// changes with the policy (the endpoint's prefixes) goes in between.
+    pub tightening: usize,
 }
 
 impl PolicyDiff {
     /// Whether there is nothing to do.
     pub fn is_empty(&self) -> bool {
         self.steps.is_empty()
+    }
+
+    /// The steps that only narrow, then the steps that loosen.
+    pub fn phases(&self) -> (&[PolicyStep], &[PolicyStep]) {
+        self.steps.split_at(self.tightening)
     }
 }
 
@@ -364,9 +425,10 @@ pub fn diff(current: &BTreeMap<PolicyEntry, u8>, desired: &BTreeMap<PolicyEntry,
             .filter(|(e, v)| **v != VERDICT_DENY && !desired.contains_key(e))
             .map(|(e, _)| (*e, None)),
     );
+    let tightening = steps.len();
     steps.extend(upserts(VERDICT_ALLOW));
     steps.extend(removals(VERDICT_DENY));
-    PolicyDiff { steps }
+    PolicyDiff { steps, tightening }
 }
 
 #[cfg(test)]
@@ -380,6 +442,7 @@ mod tests {
     fn rule(direction: u8, peer: u32, protocol: u8, port: u16, end_port: u16, verdict: u8) -> PolicyRule {
         PolicyRule {
             direction,
+            by_address: false,
             peer_identity: peer,
             protocol,
             port,
@@ -513,6 +576,41 @@ mod tests {
     }
 
     #[test]
+    fn address_rules_compile_into_their_own_key_space() {
+        let address = |peer, port, verdict| PolicyRule {
+            by_address: true,
+            ..rule(DIR_EGRESS, peer, TCP, port, 0, verdict)
+        };
+        let entries = compile(
+            4,
+            &[
+                rule(DIR_EGRESS, CIDR_A, TCP, 0, 0, VERDICT_DENY),
+                address(CIDR_A, 443, VERDICT_ALLOW),
+            ],
+        )
+        .unwrap();
+        // The identity deny for every port does not flatten the address
+        // allow: they are different spaces (the datapath looks up both and
+        // deny wins there).
+        let keys: Vec<(PolicyKey, u8)> = entries.iter().map(|(e, v)| (e.key(), *v)).collect();
+        assert_eq!(
+            keys,
+            [
+                (PolicyKey::new(4, CIDR_A, DIR_EGRESS, TCP, 0, 0), VERDICT_DENY),
+                (
+                    PolicyKey::new(4, CIDR_A, DIR_EGRESS | POLICY_DIR_BY_ADDRESS, TCP, 443, 16),
+                    VERDICT_ALLOW
+                ),
+            ]
+        );
+        for entry in entries.keys() {
+            assert_eq!(PolicyEntry::from_lpm_key(&entry.lpm_key()), Some(*entry));
+        }
+        let err = compile(4, &[address(0, 80, VERDICT_ALLOW)]).unwrap_err();
+        assert_eq!(err, PolicyRuleError::AddressWithoutPrefix { index: 0 });
+    }
+
+    #[test]
     fn entries_round_trip_through_map_keys() {
         let entries = compile(3, &[rule(DIR_INGRESS, 77, TCP, 1000, 3000, VERDICT_ALLOW)]).unwrap();
         for entry in entries.keys() {
@@ -531,6 +629,7 @@ mod tests {
         let e = |port| PolicyEntry {
             endpoint_id: 1,
             direction: DIR_INGRESS,
+            by_address: false,
             identity: 0,
             protocol: TCP,
             port,
@@ -538,12 +637,13 @@ mod tests {
         };
         let current = BTreeMap::from([(e(1), VERDICT_ALLOW), (e(2), VERDICT_DENY), (e(3), VERDICT_ALLOW)]);
         let desired = BTreeMap::from([(e(1), VERDICT_DENY), (e(3), VERDICT_ALLOW), (e(4), VERDICT_ALLOW)]);
-        let steps = diff(&current, &desired).steps;
+        let d = diff(&current, &desired);
         assert_eq!(
-            steps,
+            d.steps,
             vec![(e(1), Some(VERDICT_DENY)), (e(4), Some(VERDICT_ALLOW)), (e(2), None)],
             "e(3) is unchanged and not rewritten"
         );
+        assert_eq!(d.phases().0, &d.steps[..1], "only tightening the first");
         let current = BTreeMap::from([(e(5), VERDICT_ALLOW)]);
         assert_eq!(diff(&current, &desired).steps[1], (e(5), None));
         assert!(diff(&desired, &desired).is_empty());
@@ -595,17 +695,20 @@ mod tests {
             .map(|(_, v)| *v)
     }
 
-    /// What the datapath decides: up to four lookups, deny wins.
+    /// What the datapath decides: four lookups by identity, two more in
+    /// the address space when the peer address has a prefix, deny wins.
     fn datapath_verdict(
         entries: &[(PolicyKey, u8)],
         endpoint: u32,
         direction: u8,
-        peer: u32,
+        (peer, address): (u32, Option<u32>),
         protocol: u8,
         port: u16,
     ) -> Option<u8> {
+        let by_address = address.map(|cidr| (cidr, direction | POLICY_DIR_BY_ADDRESS));
+        let spaces = [(peer, direction), (0, direction)].into_iter().chain(by_address);
         let mut result = None;
-        for identity in [peer, 0] {
+        for (identity, direction) in spaces {
             for proto in [protocol, 0] {
                 match lpm_lookup(entries, &PolicyKey::lookup(endpoint, identity, direction, proto, port)) {
                     Some(VERDICT_DENY) => return Some(VERDICT_DENY),
@@ -618,10 +721,21 @@ mod tests {
     }
 
     /// What the rules say.
-    fn rules_verdict(rules: &[PolicyRule], direction: u8, peer: u32, protocol: u8, port: u16) -> Option<u8> {
-        let matching = rules.iter().filter(|r| r.matches(direction, peer, protocol, port));
+    fn rules_verdict(
+        rules: &[PolicyRule],
+        direction: u8,
+        (peer, address): (u32, Option<u32>),
+        protocol: u8,
+        port: u16,
+    ) -> Option<u8> {
+        let matching = rules
+            .iter()
+            .filter(|r| r.matches(direction, peer, address, protocol, port));
         matching.map(|r| r.verdict).max() // VERDICT_DENY (2) > VERDICT_ALLOW (1)
     }
+
+    const CIDR_A: u32 = 1 << 24;
+    const CIDR_B: u32 = (1 << 24) + 1;
 
     fn random_rules(rng: &mut Rng, ports: &[u16]) -> Vec<PolicyRule> {
         let n = 1 + rng.below(7) as usize;
@@ -645,14 +759,24 @@ mod tests {
                         }
                     }
                 };
-                rule(
-                    [DIR_INGRESS, DIR_EGRESS][rng.below(2) as usize],
-                    [0, 300, 301][rng.below(3) as usize],
-                    protocol,
-                    port,
-                    end_port,
-                    [VERDICT_ALLOW, VERDICT_DENY][rng.below(2) as usize],
-                )
+                // A third of the rules match by address (ipBlock peers).
+                let by_address = rng.below(3) == 0;
+                let peer = if by_address {
+                    [CIDR_A, CIDR_B][rng.below(2) as usize]
+                } else {
+                    [0, 300, 301][rng.below(3) as usize]
+                };
+                PolicyRule {
+                    by_address,
+                    ..rule(
+                        [DIR_INGRESS, DIR_EGRESS][rng.below(2) as usize],
+                        peer,
+                        protocol,
+                        port,
+                        end_port,
+                        [VERDICT_ALLOW, VERDICT_DENY][rng.below(2) as usize],
+                    )
+                }
             })
             .collect()
     }
@@ -675,16 +799,19 @@ mod tests {
             let mut keys: Vec<(PolicyKey, u8)> = entries.iter().map(|(e, v)| (e.key(), *v)).collect();
             keys.push((PolicyKey::new(endpoint + 1, 0, DIR_INGRESS, 0, 0, 0), VERDICT_DENY));
             for direction in [DIR_INGRESS, DIR_EGRESS] {
-                for peer in [300, 301, 999] {
-                    for protocol in [TCP, UDP, 1] {
-                        for &port in &probe_ports {
-                            let got = datapath_verdict(&keys, endpoint, direction, peer, protocol, port);
-                            let want = rules_verdict(&rules, direction, peer, protocol, port);
-                            assert_eq!(
-                                got, want,
-                                "case {case}: dir {direction} peer {peer} proto {protocol} port {port}\n\
-                                 rules: {rules:#?}\nentries: {entries:#?}"
-                            );
+                for identity in [300, 301, 999, CIDR_A] {
+                    for address in [None, Some(CIDR_A), Some(CIDR_B)] {
+                        let peer = (identity, address);
+                        for protocol in [TCP, UDP, 1] {
+                            for &port in &probe_ports {
+                                let got = datapath_verdict(&keys, endpoint, direction, peer, protocol, port);
+                                let want = rules_verdict(&rules, direction, peer, protocol, port);
+                                assert_eq!(
+                                    got, want,
+                                    "case {case}: dir {direction} peer {peer:?} proto {protocol} port {port}\n\
+                                     rules: {rules:#?}\nentries: {entries:#?}"
+                                );
+                            }
                         }
                     }
                 }
@@ -727,11 +854,11 @@ mod tests {
             let entries = compile(1, &rules).unwrap();
             let keys: Vec<(PolicyKey, u8)> = entries.iter().map(|(e, v)| (e.key(), *v)).collect();
             for port in 0..=u16::MAX {
-                for peer in [300, 301] {
+                for peer in [(300, None), (301, None)] {
                     assert_eq!(
                         datapath_verdict(&keys, 1, DIR_INGRESS, peer, TCP, port),
                         rules_verdict(&rules, DIR_INGRESS, peer, TCP, port),
-                        "peer {peer} port {port}: {rules:?}"
+                        "peer {peer:?} port {port}: {rules:?}"
                     );
                 }
             }

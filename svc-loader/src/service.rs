@@ -151,6 +151,7 @@ fn endpoint_proto(v: &crate::loader::EndpointView) -> pb::Endpoint {
         policy_entries: v.policy_entries as u32,
         from_container: attach_state(v.ingress) as i32,
         to_container: attach_state(v.egress) as i32,
+        policy_prefixes: v.policy_prefixes as u32,
     }
 }
 
@@ -394,14 +395,16 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         request: Request<pb::GetEndpointPolicyRequest>,
     ) -> Result<Response<pb::GetEndpointPolicyResponse>, Status> {
         let id = validate::endpoint_id("endpoint_id", request.get_ref().endpoint_id).map_err(invalid)?;
-        let (info, entries) = self.blocking(move |dp| dp.policy(id)).await?;
+        let view = self.blocking(move |dp| dp.policy(id)).await?;
+        let info = view.info;
         Ok(Response::new(pb::GetEndpointPolicyResponse {
             endpoint_id: id,
             revision: info.policy_revision,
             enforce_ingress: info.flags & maps::EP_F_ENFORCE_INGRESS != 0,
             enforce_egress: info.flags & maps::EP_F_ENFORCE_EGRESS != 0,
             allow_from_host: info.flags & maps::EP_F_ALLOW_FROM_HOST != 0,
-            entries: entries
+            entries: view
+                .entries
                 .iter()
                 .map(|v| {
                     let ports = v.entry.ports();
@@ -418,6 +421,11 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                                 u32::from(*ports.end())
                             },
                             verdict: i32::from(v.verdict),
+                            peer_kind: if v.entry.by_address {
+                                pb::PeerKind::Address
+                            } else {
+                                pb::PeerKind::Identity
+                            } as i32,
                         }),
                         packets: v.packets,
                         bytes: v.bytes,
@@ -425,6 +433,18 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 })
                 .collect(),
             boot_id: self.boot_id(),
+            prefixes: view
+                .prefixes
+                .iter()
+                .map(|p| pb::EndpointPrefix {
+                    direction: direction(p.direction) as i32,
+                    prefix: Some(pb::IpPrefix {
+                        address: ip_bytes(p.addr),
+                        prefix_length: u32::from(p.len),
+                    }),
+                    cidr_identity: p.cidr_identity,
+                })
+                .collect(),
         }))
     }
 

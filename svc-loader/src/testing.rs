@@ -202,6 +202,37 @@ pub fn entry(
         port,
         end_port,
         verdict: verdict as i32,
+        peer_kind: pb::PeerKind::Identity as i32,
+    }
+}
+
+/// A policy entry matching peers by address: `cidr_identity` is the
+/// identity of one of the policy's prefixes.
+pub fn address_entry(
+    direction: pb::Direction,
+    cidr_identity: u32,
+    protocol: pb::Protocol,
+    port: u32,
+    verdict: pb::Verdict,
+) -> pb::PolicyEntry {
+    pb::PolicyEntry {
+        peer_kind: pb::PeerKind::Address as i32,
+        ..entry(direction, cidr_identity, protocol, port, 0, verdict)
+    }
+}
+
+/// A prefix of an endpoint's policy.
+pub fn prefix(direction: pb::Direction, address: IpAddr, prefix_length: u32, cidr_identity: u32) -> pb::EndpointPrefix {
+    pb::EndpointPrefix {
+        direction: direction as i32,
+        prefix: Some(pb::IpPrefix {
+            address: match address {
+                IpAddr::V4(a) => a.octets().to_vec(),
+                IpAddr::V6(a) => a.octets().to_vec(),
+            },
+            prefix_length,
+        }),
+        cidr_identity,
     }
 }
 
@@ -213,5 +244,6 @@ pub fn policy(revision: u64, ingress: bool, egress: bool, entries: Vec<pb::Polic
         enforce_egress: egress,
         allow_from_host: true,
         entries,
+        prefixes: Vec::new(),
     }
 }

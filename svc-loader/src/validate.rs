@@ -4,6 +4,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use rivet_common::labels::CIDR_IDENTITY_MIN;
 use rivet_proto::loader::v1 as pb;
 
 use crate::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
@@ -13,6 +14,8 @@ use crate::policy_lpm::PolicyRule;
 pub const MAX_POLICY_ENTRIES: usize = 16384;
 /// Most entries in one ipcache batch.
 pub const MAX_IPCACHE_BATCH: usize = 4096;
+/// Most address prefixes one endpoint may have (both directions).
+pub const MAX_POLICY_PREFIXES: usize = 4096;
 
 /// A request field that failed validation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -64,6 +67,24 @@ pub struct PolicySpec {
     pub allow_from_host: bool,
     /// The rules.
     pub rules: Vec<PolicyRule>,
+    /// The prefixes address-matched rules are looked up through, unique by
+    /// (direction, address, length).
+    pub prefixes: Vec<PolicyPrefix>,
+}
+
+/// One prefix of an endpoint's policy (`EndpointPrefix`): peer addresses in
+/// `direction` whose longest prefix this is match the address-matched rules
+/// of `cidr_identity`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PolicyPrefix {
+    /// `DIR_INGRESS` or `DIR_EGRESS`.
+    pub direction: u8,
+    /// The prefix's address (host bits clear).
+    pub addr: IpAddr,
+    /// The prefix length.
+    pub len: u8,
+    /// Its CIDR identity (>= 2^24).
+    pub cidr_identity: u32,
 }
 
 /// Checks an ApplyEndpoint request.
@@ -178,6 +199,21 @@ pub fn prefix(field: &str, p: Option<&pb::IpPrefix>) -> Result<(IpAddr, u8), Inv
     Ok((addr, len))
 }
 
+fn direction(field: String, raw: i32, p: &pb::EndpointPolicy) -> Result<u8, InvalidField> {
+    let (direction, enforced) = match pb::Direction::try_from(raw) {
+        Ok(pb::Direction::Ingress) => (DIR_INGRESS, p.enforce_ingress),
+        Ok(pb::Direction::Egress) => (DIR_EGRESS, p.enforce_egress),
+        _ => return Err(invalid(field, "must be INGRESS or EGRESS")),
+    };
+    if !enforced {
+        return Err(invalid(
+            field,
+            "a direction that is not enforced takes no entries or prefixes",
+        ));
+    }
+    Ok(direction)
+}
+
 fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
     if p.entries.len() > MAX_POLICY_ENTRIES {
         return Err(invalid(
@@ -185,25 +221,11 @@ fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
             format!("{} entries exceed the limit of {MAX_POLICY_ENTRIES}", p.entries.len()),
         ));
     }
+    let prefixes = policy_prefixes(p)?;
     let mut rules = Vec::with_capacity(p.entries.len());
     for (i, e) in p.entries.iter().enumerate() {
         let f = |name: &str| format!("policy.entries[{i}].{name}");
-        let direction = match pb::Direction::try_from(e.direction) {
-            Ok(pb::Direction::Ingress) => DIR_INGRESS,
-            Ok(pb::Direction::Egress) => DIR_EGRESS,
-            _ => return Err(invalid(f("direction"), "must be INGRESS or EGRESS")),
-        };
-        let direction_enforced = if direction == DIR_INGRESS {
-            p.enforce_ingress
-        } else {
-            p.enforce_egress
-        };
-        if !direction_enforced {
-            return Err(invalid(
-                f("direction"),
-                "entries in a direction that is not enforced are meaningless",
-            ));
-        }
+        let direction = direction(f("direction"), e.direction, p)?;
         let verdict = match pb::Verdict::try_from(e.verdict) {
             Ok(pb::Verdict::Allow) => VERDICT_ALLOW,
             Ok(pb::Verdict::Deny) => VERDICT_DENY,
@@ -224,8 +246,37 @@ fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
         if e.end_port != 0 && (e.port == 0 || e.end_port < e.port) {
             return Err(invalid(f("end_port"), "must be >= port, with port set"));
         }
+        let by_address = match pb::PeerKind::try_from(e.peer_kind) {
+            Ok(pb::PeerKind::Identity) => false,
+            Ok(pb::PeerKind::Address) => true,
+            Err(_) => return Err(invalid(f("peer_kind"), "must be IDENTITY or ADDRESS")),
+        };
+        if by_address {
+            if e.peer_identity < CIDR_IDENTITY_MIN {
+                return Err(invalid(
+                    f("peer_identity"),
+                    format!(
+                        "an ADDRESS entry names the CIDR identity (>= {CIDR_IDENTITY_MIN}) of a prefix, got {}",
+                        e.peer_identity
+                    ),
+                ));
+            }
+            if !prefixes
+                .iter()
+                .any(|p| p.direction == direction && p.cidr_identity == e.peer_identity)
+            {
+                return Err(invalid(
+                    f("peer_identity"),
+                    format!(
+                        "CIDR identity {} is not the identity of any of policy.prefixes in this direction",
+                        e.peer_identity
+                    ),
+                ));
+            }
+        }
         rules.push(PolicyRule {
             direction,
+            by_address,
             peer_identity: e.peer_identity,
             protocol,
             port: e.port as u16,
@@ -239,7 +290,49 @@ fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
         enforce_egress: p.enforce_egress,
         allow_from_host: p.allow_from_host,
         rules,
+        prefixes,
     })
+}
+
+fn policy_prefixes(p: &pb::EndpointPolicy) -> Result<Vec<PolicyPrefix>, InvalidField> {
+    if p.prefixes.len() > MAX_POLICY_PREFIXES {
+        return Err(invalid(
+            "policy.prefixes",
+            format!(
+                "{} prefixes exceed the limit of {MAX_POLICY_PREFIXES}",
+                p.prefixes.len()
+            ),
+        ));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(p.prefixes.len());
+    let mut out = Vec::with_capacity(p.prefixes.len());
+    for (i, raw) in p.prefixes.iter().enumerate() {
+        let f = |name: &str| format!("policy.prefixes[{i}].{name}");
+        let direction = direction(f("direction"), raw.direction, p)?;
+        let (addr, len) = prefix(&f("prefix"), raw.prefix.as_ref())?;
+        if raw.cidr_identity < CIDR_IDENTITY_MIN {
+            return Err(invalid(
+                f("cidr_identity"),
+                format!(
+                    "must be a CIDR identity (>= {CIDR_IDENTITY_MIN}), got {}",
+                    raw.cidr_identity
+                ),
+            ));
+        }
+        if !seen.insert((direction, addr, len)) {
+            return Err(invalid(
+                f("prefix"),
+                format!("{addr}/{len} appears twice in this direction"),
+            ));
+        }
+        out.push(PolicyPrefix {
+            direction,
+            addr,
+            len,
+            cidr_identity: raw.cidr_identity,
+        });
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -261,13 +354,33 @@ mod tests {
                 enforce_ingress: true,
                 enforce_egress: false,
                 allow_from_host: true,
-                entries: vec![pb::PolicyEntry {
+                entries: vec![
+                    pb::PolicyEntry {
+                        direction: pb::Direction::Ingress as i32,
+                        peer_identity: 300,
+                        protocol: pb::Protocol::Tcp as i32,
+                        port: 8000,
+                        end_port: 8080,
+                        verdict: pb::Verdict::Allow as i32,
+                        peer_kind: pb::PeerKind::Identity as i32,
+                    },
+                    pb::PolicyEntry {
+                        direction: pb::Direction::Ingress as i32,
+                        peer_identity: CIDR_IDENTITY_MIN + 1,
+                        protocol: pb::Protocol::Any as i32,
+                        port: 0,
+                        end_port: 0,
+                        verdict: pb::Verdict::Deny as i32,
+                        peer_kind: pb::PeerKind::Address as i32,
+                    },
+                ],
+                prefixes: vec![pb::EndpointPrefix {
                     direction: pb::Direction::Ingress as i32,
-                    peer_identity: 300,
-                    protocol: pb::Protocol::Tcp as i32,
-                    port: 8000,
-                    end_port: 8080,
-                    verdict: pb::Verdict::Allow as i32,
+                    prefix: Some(pb::IpPrefix {
+                        address: vec![198, 18, 0, 0],
+                        prefix_length: 15,
+                    }),
+                    cidr_identity: CIDR_IDENTITY_MIN + 1,
                 }],
             }),
         }
@@ -277,7 +390,19 @@ mod tests {
     fn a_good_request_converts() {
         let spec = endpoint(&request()).unwrap();
         assert_eq!(spec.ipv4, Some(Ipv4Addr::new(198, 18, 0, 2)));
-        assert_eq!(spec.policy.unwrap().rules[0].end_port, 8080);
+        let policy = spec.policy.unwrap();
+        assert_eq!(policy.rules[0].end_port, 8080);
+        assert!(!policy.rules[0].by_address);
+        assert!(policy.rules[1].by_address);
+        assert_eq!(
+            policy.prefixes,
+            [PolicyPrefix {
+                direction: DIR_INGRESS,
+                addr: "198.18.0.0".parse().unwrap(),
+                len: 15,
+                cidr_identity: CIDR_IDENTITY_MIN + 1,
+            }]
+        );
     }
 
     #[test]
@@ -329,6 +454,66 @@ mod tests {
             (
                 "policy.entries[0].end_port",
                 Box::new(|r| r.policy.as_mut().unwrap().entries[0].end_port = 10),
+            ),
+            (
+                "policy.entries[0].peer_kind",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[0].peer_kind = 7),
+            ),
+            (
+                "policy.entries[1].peer_identity",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[1].peer_identity = 300),
+            ),
+            (
+                "policy.entries[1].peer_identity",
+                Box::new(|r| r.policy.as_mut().unwrap().entries[1].peer_identity = CIDR_IDENTITY_MIN + 2),
+            ),
+            (
+                "policy.prefixes",
+                Box::new(|r| {
+                    let p = r.policy.as_mut().unwrap();
+                    p.prefixes = vec![p.prefixes[0].clone(); MAX_POLICY_PREFIXES + 1];
+                }),
+            ),
+            (
+                "policy.prefixes[0].direction",
+                Box::new(|r| r.policy.as_mut().unwrap().prefixes[0].direction = pb::Direction::Egress as i32),
+            ),
+            (
+                "policy.prefixes[0].direction",
+                Box::new(|r| r.policy.as_mut().unwrap().prefixes[0].direction = 9),
+            ),
+            (
+                "policy.prefixes[0].prefix",
+                Box::new(|r| r.policy.as_mut().unwrap().prefixes[0].prefix = None),
+            ),
+            (
+                "policy.prefixes[0].prefix.address",
+                Box::new(|r| {
+                    r.policy.as_mut().unwrap().prefixes[0].prefix.as_mut().unwrap().address = vec![198, 19, 0, 0]
+                }),
+            ),
+            (
+                "policy.prefixes[0].prefix.prefix_length",
+                Box::new(|r| {
+                    r.policy.as_mut().unwrap().prefixes[0]
+                        .prefix
+                        .as_mut()
+                        .unwrap()
+                        .prefix_length = 33
+                }),
+            ),
+            (
+                "policy.prefixes[0].cidr_identity",
+                Box::new(|r| r.policy.as_mut().unwrap().prefixes[0].cidr_identity = 256),
+            ),
+            (
+                "policy.prefixes[1].prefix",
+                Box::new(|r| {
+                    let p = r.policy.as_mut().unwrap();
+                    let mut again = p.prefixes[0].clone();
+                    again.cidr_identity += 5;
+                    p.prefixes.push(again);
+                }),
             ),
         ];
         for (field, mutate) in cases {

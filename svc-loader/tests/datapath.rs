@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use rivet_proto::loader::v1 as pb;
-use svc_loader::testing::{LoaderNode, entry, frames, policy};
+use svc_loader::testing::{LoaderNode, address_entry, entry, frames, policy, prefix};
 use tonic::Code;
 
 type Client = rivet_proto::loader::v1::loader_service_client::LoaderServiceClient<rivet_common::grpc::DaemonChannel>;
@@ -664,4 +664,251 @@ async fn mld_reports_from_the_unspecified_address_pass_and_spoofed_sources_are_d
         "the spoofed packets (behind the same Hop-by-Hop header) are dropped, \
          the MLD reports from :: are not"
     );
+}
+
+// ------------------------------------------------- ipBlocks matched by address
+
+const CIDR_1: u32 = 1 << 24; // CIDR identities
+const CIDR_2: u32 = (1 << 24) + 1;
+const CIDR_3: u32 = (1 << 24) + 2;
+const CIDR_4: u32 = (1 << 24) + 3;
+
+fn host_prefix(address: IpAddr) -> u32 {
+    if address.is_ipv4() { 32 } else { 128 }
+}
+
+/// b and c share identity B; a's policies name them by address. Before the
+/// address prefixes, an ipBlock of a pod's /32 never applied to the pod (its
+/// endpoint identity won) and `except` could not tell b from c.
+#[tokio::test]
+async fn ipblocks_match_pod_addresses_per_address() {
+    let node = node(&["a", "b", "c"]).await;
+    let mut client = node.client().await;
+    apply(&mut client, node.endpoint("b", 2, B, unrestricted(1))).await;
+    apply(&mut client, node.endpoint("c", 3, B, unrestricted(1))).await;
+    let b = [v4(&node, "b"), v6(&node, "b")];
+    let c = [v4(&node, "c"), v6(&node, "c")];
+    let wide: [(IpAddr, u32); 2] = [("198.18.0.0".parse().unwrap(), 15), ("2001:2::".parse().unwrap(), 48)];
+
+    // Egress to b's /32 and /128 only.
+    let to_b = pb::EndpointPolicy {
+        prefixes: vec![prefix(Egress, b[0], 32, CIDR_1), prefix(Egress, b[1], 128, CIDR_2)],
+        ..policy(
+            1,
+            false,
+            true,
+            vec![
+                address_entry(Egress, CIDR_1, Protocol::Any, 0, Allow),
+                address_entry(Egress, CIDR_2, Protocol::Any, 0, Allow),
+            ],
+        )
+    };
+    apply(&mut client, node.endpoint("a", 1, A, to_b)).await;
+    for (b, c) in b.into_iter().zip(c) {
+        assert_eq!(pings(&node, "a", b), 3, "ipBlock {b}/{}: a reaches b", host_prefix(b));
+        assert_eq!(
+            pings(&node, "a", c),
+            0,
+            "c ({c}) shares b's identity but not its address"
+        );
+    }
+
+    // Egress to the wide blocks except c; ingress from them except c.
+    let mut prefixes = Vec::new();
+    let mut entries = Vec::new();
+    for (direction, (block, except)) in [(Egress, (CIDR_1, CIDR_2)), (Ingress, (CIDR_3, CIDR_4))] {
+        for (family, ((net, len), c)) in wide.into_iter().zip(c).enumerate() {
+            // Distinct identities per family: one prefix, one identity.
+            let (block, except) = (block + (family as u32) * 16, except + (family as u32) * 16);
+            prefixes.push(prefix(direction, net, len, block));
+            prefixes.push(prefix(direction, c, host_prefix(c), except));
+            entries.push(address_entry(direction, block, Protocol::Any, 0, Allow));
+        }
+    }
+    let all_but_c = pb::EndpointPolicy {
+        prefixes,
+        ..policy(2, true, true, entries)
+    };
+    let applied = apply(&mut client, node.endpoint("a", 1, A, all_but_c)).await;
+    assert_eq!(applied.endpoint.unwrap().policy_prefixes, 8, "4 prefixes per direction");
+    let a = [v4(&node, "a"), v6(&node, "a")];
+    for ((b, c), a) in b.into_iter().zip(c).zip(a) {
+        assert_eq!(pings(&node, "a", b), 3, "egress: {b} is inside the block");
+        assert_eq!(pings(&node, "a", c), 0, "egress: {c} is excepted");
+        assert_eq!(pings(&node, "b", a), 3, "ingress: b ({b}) is inside the block");
+        assert_eq!(pings(&node, "c", a), 0, "ingress: c ({c}) is excepted, b is not");
+    }
+    let listed = client
+        .get_endpoint_policy(pb::GetEndpointPolicyRequest { endpoint_id: 1 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        listed.prefixes.len(),
+        8,
+        "GetEndpointPolicy lists the prefixes: {listed:?}"
+    );
+    assert!(
+        listed.prefixes.iter().any(|p| p.prefix
+            == Some(pb::IpPrefix {
+                address: vec![198, 18, 0, 0],
+                prefix_length: 15
+            })
+            && p.cidr_identity == CIDR_1
+            && p.direction == Egress as i32),
+        "{listed:?}"
+    );
+    assert!(
+        listed
+            .entries
+            .iter()
+            .all(|e| e.entry.as_ref().unwrap().peer_kind == pb::PeerKind::Address as i32),
+        "entries keep their peer kind: {listed:?}"
+    );
+    assert!(
+        listed.entries.iter().any(|e| e.packets > 0),
+        "address entries count the packets they allowed: {listed:?}"
+    );
+
+    // A deny by address beats an allow by identity (a Rivet deny ipBlock).
+    let deny_c = pb::EndpointPolicy {
+        prefixes: vec![prefix(Egress, c[0], 32, CIDR_1), prefix(Egress, c[1], 128, CIDR_2)],
+        ..policy(
+            3,
+            false,
+            true,
+            vec![
+                entry(Egress, B, Protocol::Any, 0, 0, Allow),
+                address_entry(Egress, CIDR_1, Protocol::Any, 0, Deny),
+                address_entry(Egress, CIDR_2, Protocol::Any, 0, Deny),
+            ],
+        )
+    };
+    apply(&mut client, node.endpoint("a", 1, A, deny_c)).await;
+    let denied_before = node.drops(pb::DropReason::PolicyDenied).await;
+    for (b, c) in b.into_iter().zip(c) {
+        assert_eq!(pings(&node, "a", b), 3, "identity allow for B: a reaches b ({b})");
+        assert_eq!(pings(&node, "a", c), 0, "the address deny of c ({c}) wins");
+    }
+    assert!(
+        node.drops(pb::DropReason::PolicyDenied).await >= denied_before + 6,
+        "dropped as policy-denied, not default deny"
+    );
+
+    // A policy without prefixes takes them out of the map; so does removal.
+    let r = apply(
+        &mut client,
+        node.endpoint(
+            "a",
+            1,
+            A,
+            policy(4, false, true, vec![entry(Egress, B, Protocol::Any, 0, 0, Allow)]),
+        ),
+    )
+    .await;
+    assert_eq!(r.endpoint.unwrap().policy_prefixes, 0);
+    for c in c {
+        assert_eq!(pings(&node, "a", c), 3, "no address deny is left behind for {c}");
+    }
+    apply(&mut client, node.endpoint("a", 1, A, deny_c_again(c))).await;
+    client
+        .remove_endpoint(pb::RemoveEndpointRequest {
+            endpoint_id: 1,
+            host_ifindex: 0,
+        })
+        .await
+        .unwrap();
+    let listing = client
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        listing.orphan_policy_endpoint_ids.is_empty(),
+        "removing the endpoint removed its prefixes: {listing:?}"
+    );
+}
+
+fn deny_c_again(c: [IpAddr; 2]) -> pb::EndpointPolicy {
+    pb::EndpointPolicy {
+        prefixes: vec![prefix(Egress, c[0], 32, CIDR_1)],
+        ..policy(
+            5,
+            false,
+            true,
+            vec![address_entry(Egress, CIDR_1, Protocol::Any, 0, Deny)],
+        )
+    }
+}
+
+/// Address entries are validated with their prefixes: nothing is written.
+#[tokio::test]
+async fn address_entries_without_their_prefix_are_refused() {
+    let node = node(&["a"]).await;
+    let mut client = node.client().await;
+    let orphan = policy(
+        1,
+        false,
+        true,
+        vec![address_entry(Egress, CIDR_1, Protocol::Any, 0, Allow)],
+    );
+    let err = client
+        .apply_endpoint(node.endpoint("a", 1, A, orphan))
+        .await
+        .expect_err("an address entry needs its prefix");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("policy.entries[0].peer_identity"), "{err:?}");
+    let listing = client
+        .list_endpoints(pb::ListEndpointsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(listing.endpoints.is_empty(), "nothing was written: {listing:?}");
+}
+
+/// A pin directory of a loader that predates `ep_prefixes` (simulated by
+/// removing that pin while the loader is down) is adopted: the other maps are
+/// reused, the new one is created beside them, and address matching works.
+#[tokio::test]
+async fn a_pin_set_without_the_prefix_map_is_adopted() {
+    let mut node = node(&["a", "b"]).await;
+    let mut client = node.client().await;
+    apply(&mut client, node.endpoint("b", 2, B, unrestricted(1))).await;
+    let b = v4(&node, "b");
+    let to_b = pb::EndpointPolicy {
+        prefixes: vec![prefix(Egress, b, 32, CIDR_1)],
+        ..policy(
+            1,
+            false,
+            true,
+            vec![address_entry(Egress, CIDR_1, Protocol::Any, 0, Allow)],
+        )
+    };
+    let a_req = node.endpoint("a", 1, A, to_b);
+    apply(&mut client, a_req.clone()).await;
+    drop(client);
+    node.loader.kill9();
+    std::fs::remove_file(node.pins.0.join("ep_prefixes")).expect("the ep_prefixes pin exists");
+    node.loader
+        .restart()
+        .await
+        .expect("the loader restarts on the older pin set");
+    let mut client = node.client().await;
+    let status = client
+        .get_datapath_status(pb::GetDatapathStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    for map in &status.maps {
+        assert_eq!(map.reused, map.name != "ep_prefixes", "{map:?}");
+    }
+    assert!(node.pins.0.join("ep_prefixes").exists(), "the new map is pinned");
+    assert_eq!(
+        pings(&node, "a", b),
+        0,
+        "the new map is empty until the policy is applied again"
+    );
+    let r = apply(&mut client, a_req).await;
+    assert!(r.changed, "the prefixes are written again");
+    assert_eq!(pings(&node, "a", b), 3, "a reaches b through the new map");
 }

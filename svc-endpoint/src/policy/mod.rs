@@ -7,27 +7,65 @@
 //!
 //! # Model
 //!
-//! Everything is evaluated in *identity space*. An endpoint (a pod) is known
-//! by its identity labels ([`Labels`]), which besides the pod's own labels
-//! (`k8s:app=web`) carry its namespace (`k8s:io.kubernetes.pod.namespace=shop`)
-//! and every label of that namespace (`k8s:ns.labels/<key>=<value>`, always
-//! including `kubernetes.io/metadata.name=<namespace>`). So a podSelector, a
+//! Selectors and entities are evaluated in *identity space*; ipBlocks by
+//! *address*. An endpoint (a pod) is known by its identity labels
+//! ([`Labels`]), which besides the pod's own labels (`k8s:app=web`) carry its
+//! namespace (`k8s:io.kubernetes.pod.namespace=shop`) and every label of that
+//! namespace (`k8s:ns.labels/<key>=<value>`, always including
+//! `kubernetes.io/metadata.name=<namespace>`). So a podSelector, a
 //! namespaceSelector and both combined are all selectors over identities:
 //!
 //! - a **podSelector** key `app` matches a label with key `app` of source
 //!   `k8s`, `container` or `unspec` (the namespace keys above are never pod
 //!   labels: a pod cannot claim them);
 //! - a **namespaceSelector** key `team` matches the label `k8s:ns.labels/team`;
-//! - an **ipBlock** matches the node-local CIDR identities (ids >= 2^24) of
-//!   the prefixes inside its `cidr` and outside its `except` prefixes; the
-//!   caller allocates an identity for every prefix of [`Policy::cidrs`] and
-//!   the datapath's longest-prefix match in the ipcache does the rest;
+//! - an **ipBlock** matches every *address* inside its `cidr` and outside all
+//!   its `except` prefixes: pod and node addresses included, decided per
+//!   address by the datapath (see "ipBlocks match addresses" below), so two
+//!   pods of one identity can fall on different sides of a block;
 //! - an **entity** (Rivet's kind only) names reserved identities (`host` 1,
 //!   `world` 2 plus every CIDR identity, `remote-node` 6, `cluster` = every
 //!   reserved identity but world plus every cluster identity, `all` = any).
+//!   Entities stay identity-based: a pod address is never `world` because
+//!   some ipBlock covers it.
 //!
 //! Pod and namespace selectors only match cluster identities (256 <= id <
 //! 2^24) that carry a namespace label; never reserved or CIDR identities.
+//!
+//! # ipBlocks match addresses
+//!
+//! The caller allocates a node-local CIDR identity (>= 2^24) for every prefix
+//! of [`Policy::cidrs`]. An ipBlock `(C, E_1..E_n)` selects the CIDR
+//! identities of the prefixes inside `C` and inside no `E_i`. Its entries are
+//! [`PeerKind::Address`] entries, and the endpoint's [`ResolvedPolicy`]
+//! lists per direction its [`AddressPrefix`]es `S`: every `cidr` and
+//! `except` prefix of the ipBlocks of the policies selecting it in that
+//! direction. For a packet's peer address `a` the datapath takes the longest
+//! prefix `P` of `S` containing `a` and applies the address entries of
+//! `P`'s identity, besides (deny wins, any allow allows) the identity entries
+//! of the peer's identity. That is exactly "a ∈ C \ ∪E_i" for every block,
+//! because `S` holds `C` and every `E_i`:
+//!
+//! - if `a ∈ C` and `a ∉` any `E_i`: `C ∈ S` contains `a`, so `P` exists and
+//!   nests with `C`; being longest, `P ⊆ C`. `P ⊆ E_i` would put `a` in
+//!   `E_i`, so `P` is inside no `E_i`: the block selects `P`;
+//! - if the block selects `P`: `a ∈ P ⊆ C`; and `a ∈ E_i` would make `E_i ∈ S`
+//!   nest with `P`, so `P ⊆ E_i` (P is longest), which the block excludes.
+//!
+//! The argument holds for any `S` holding every block's prefixes, so extra
+//! prefixes (of other blocks, other policies) change nothing; entries are
+//! only made for identities of `S`. A prefix whose CIDR identity is not
+//! allocated yet is not in `S`: an allowing block then contributes nothing
+//! until all its prefixes have one (fail closed); a denying block still
+//! contributes (a missing `except` only denies more).
+//!
+//! Traffic from or to addresses outside the cluster gets the verdict it got
+//! when ipBlocks were matched through the ipcache's CIDR identities (the
+//! node-wide longest prefix over every policy's prefixes): by the argument
+//! above both decide "a ∈ C \ ∪E_i". The ipcache keeps the CIDR identities,
+//! which entities (`world`) still need. A named port on egress resolves
+//! against the peer identity's named ports, which a CIDR identity has none
+//! of: an ipBlock with a named port on egress contributes nothing.
 //!
 //! # Pieces
 //!
@@ -44,8 +82,9 @@
 //!   identities it matches, memoised and updated incrementally as identities
 //!   come and go.
 //! - [`PolicyRepository::resolve`]: the complete [`ResolvedPolicy`] of one
-//!   endpoint: per direction whether it is enforced, and the sorted, unique
-//!   [`Entry`] list the loader takes (`rivet.loader.v1.PolicyEntry`).
+//!   endpoint: per direction whether it is enforced, the sorted, unique
+//!   [`Entry`] list the loader takes (`rivet.loader.v1.PolicyEntry`), and the
+//!   [`AddressPrefix`]es of its ipBlocks (`rivet.loader.v1.EndpointPrefix`).
 //! - [`PolicyRepository::evaluate`]: the [`Decision`] for one packet, straight
 //!   from the rules (no selector cache, no entries): the oracle the datapath
 //!   is tested against. It matches ipBlock peers on the peer's address.
@@ -89,8 +128,10 @@ mod selector_cache;
 mod tests;
 
 use std::fmt;
+use std::net::IpAddr;
 use std::str::FromStr;
 
+use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 #[cfg(doc)]
@@ -473,19 +514,79 @@ impl NamedPort {
     }
 }
 
+/// How an [`Entry`]'s peer is matched (loader.proto's `PeerKind`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum PeerKind {
+    /// The peer's security identity (pod and namespace selectors, entities).
+    #[default]
+    Identity,
+    /// The peer's address (ipBlock): the longest of the endpoint's
+    /// [`AddressPrefix`]es of the direction containing it has the CIDR
+    /// identity `peer_identity`.
+    Address,
+}
+
+impl PeerKind {
+    /// The loader's enum.
+    pub fn to_proto(self) -> loader::PeerKind {
+        match self {
+            Self::Identity => loader::PeerKind::Identity,
+            Self::Address => loader::PeerKind::Address,
+        }
+    }
+}
+
+/// One prefix an endpoint matches peer addresses against in one direction
+/// (loader.proto's `EndpointPrefix`): a `cidr` or `except` prefix of an
+/// ipBlock of a policy selecting the endpoint, with its CIDR identity.
+/// Ordered by direction, then prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct AddressPrefix {
+    /// Direction of the traffic.
+    pub direction: Direction,
+    /// The prefix (host bits clear).
+    pub prefix: IpNet,
+    /// Its node-local CIDR identity (>= 2^24).
+    pub identity: u32,
+}
+
+impl AddressPrefix {
+    /// The loader's message.
+    pub fn to_proto(&self) -> loader::EndpointPrefix {
+        let address = match self.prefix.network() {
+            IpAddr::V4(a) => a.octets().to_vec(),
+            IpAddr::V6(a) => a.octets().to_vec(),
+        };
+        loader::EndpointPrefix {
+            direction: self.direction.to_proto().into(),
+            prefix: Some(loader::IpPrefix {
+                address,
+                prefix_length: u32::from(self.prefix.prefix_len()),
+            }),
+            cidr_identity: self.identity,
+        }
+    }
+}
+
 /// One datapath policy entry, exactly loader.proto's `PolicyEntry`.
 ///
 /// Wildcards: `peer_identity` 0 = any identity, `protocol` [`Protocol::Any`]
 /// = any protocol and port, `port` 0 = any port of the protocol, `end_port`
 /// 0 = the single port `port` (otherwise the inclusive range
-/// `port..=end_port`, `end_port > port`). Ordered by direction, peer,
-/// protocol, port, end port, verdict. Displayed as
-/// `Ingress Allow 256 TCP 80-90` (`*` for peer 0).
+/// `port..=end_port`, `end_port > port`). Ordered by direction, peer kind,
+/// peer, protocol, port, end port, verdict. Displayed as
+/// `Ingress Allow 256 TCP 80-90` (`*` for peer 0, `addr:<id>` for an
+/// address-matched peer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Entry {
     /// Direction of the traffic.
     pub direction: Direction,
-    /// Identity of the remote side; 0 = any.
+    /// How the peer is matched (absent in state written before ipBlocks
+    /// matched by address: identity).
+    #[serde(default)]
+    pub peer_kind: PeerKind,
+    /// Identity of the remote side; 0 = any. With [`PeerKind::Address`] the
+    /// CIDR identity of the prefix the peer's address falls in.
     pub peer_identity: u32,
     /// Protocol; Any = any protocol and port.
     pub protocol: Protocol,
@@ -502,12 +603,14 @@ impl Entry {
     pub fn same_key(&self, other: &Entry) -> bool {
         (
             self.direction,
+            self.peer_kind,
             self.peer_identity,
             self.protocol,
             self.port,
             self.end_port,
         ) == (
             other.direction,
+            other.peer_kind,
             other.peer_identity,
             other.protocol,
             other.port,
@@ -524,6 +627,7 @@ impl Entry {
             port: u32::from(self.port),
             end_port: u32::from(self.end_port),
             verdict: self.verdict.to_proto().into(),
+            peer_kind: self.peer_kind.to_proto().into(),
         }
     }
 }
@@ -537,10 +641,10 @@ impl From<Entry> for loader::PolicyEntry {
 impl fmt::Display for Entry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} {} ", self.direction, self.verdict)?;
-        if self.peer_identity == 0 {
-            f.write_str("*")?;
-        } else {
-            write!(f, "{}", self.peer_identity)?;
+        match (self.peer_kind, self.peer_identity) {
+            (PeerKind::Identity, 0) => f.write_str("*")?,
+            (PeerKind::Identity, id) => write!(f, "{id}")?,
+            (PeerKind::Address, id) => write!(f, "addr:{id}")?,
         }
         write!(f, " {}", self.protocol)?;
         if self.port != 0 {

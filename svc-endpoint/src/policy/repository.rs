@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use super::evaluate::{self, Decision, PacketPeer};
 use super::{
-    Direction, Entry, NamedPort, Policy, PolicyError, PolicyKey, PolicyOrigin, SelectorCache, SelectorChanges, resolve,
+    AddressPrefix, Direction, Entry, NamedPort, Policy, PolicyError, PolicyKey, PolicyOrigin, SelectorCache,
+    SelectorChanges, resolve,
 };
 
 /// A policy in the repository.
@@ -78,8 +79,11 @@ impl<'a> Subject<'a> {
 
 /// One endpoint's complete policy, as the loader takes it
 /// (`rivet.loader.v1.EndpointPolicy`). A direction that is not enforced has
-/// no entries; `entries` is sorted and unique by (direction, peer_identity,
-/// protocol, port, end_port).
+/// no entries and no prefixes; `entries` is sorted and unique by
+/// (direction, peer_kind, peer_identity, protocol, port, end_port);
+/// `prefixes` is sorted and unique by (direction, prefix), and a direction
+/// has prefixes exactly when it has [`PeerKind::Address`] entries, each of
+/// which names the identity of one of them.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ResolvedPolicy {
     /// Ingress is default-deny: only what an entry allows enters.
@@ -88,6 +92,10 @@ pub struct ResolvedPolicy {
     pub enforce_egress: bool,
     /// The entries.
     pub entries: Vec<Entry>,
+    /// The prefixes address-matched entries are looked up through (absent in
+    /// state written before ipBlocks matched by address).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prefixes: Vec<AddressPrefix>,
 }
 
 impl ResolvedPolicy {
@@ -97,6 +105,11 @@ impl ResolvedPolicy {
             Direction::Ingress => self.enforce_ingress,
             Direction::Egress => self.enforce_egress,
         }
+    }
+
+    /// The prefixes of one direction.
+    pub fn prefixes_of(&self, direction: Direction) -> impl Iterator<Item = &AddressPrefix> {
+        self.prefixes.iter().filter(move |p| p.direction == direction)
     }
 
     /// The entries of one direction.
@@ -112,6 +125,7 @@ impl ResolvedPolicy {
             enforce_egress: self.enforce_egress,
             allow_from_host,
             entries: self.entries.iter().map(Entry::to_proto).collect(),
+            prefixes: self.prefixes.iter().map(AddressPrefix::to_proto).collect(),
         }
     }
 }

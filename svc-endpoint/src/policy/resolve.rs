@@ -1,12 +1,15 @@
 //! Resolution of one endpoint's policy: the selecting policies' rules
 //! expanded over the selector cache into datapath entries.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+
+use ipnet::IpNet;
 
 use super::document::{PortRef, Rule};
 use super::repository::{ResolvedPolicy, Subject};
-use super::{Direction, Entry, NamedPort, Policy, Protocol, SelectorCache, Verdict};
+use super::selector::Peer;
+use super::{AddressPrefix, Direction, Entry, NamedPort, PeerKind, Policy, Protocol, SelectorCache, Verdict};
 
 /// What the selecting policies say about one direction.
 #[derive(Default, Clone, Copy)]
@@ -31,9 +34,11 @@ pub(crate) fn resolve<'p>(
     subject: &Subject<'_>,
     cache: &SelectorCache,
 ) -> ResolvedPolicy {
+    let selecting: Vec<&Policy> = policies.filter(|p| p.selects(subject.labels)).collect();
     let mut state = [DirectionState::default(); 2];
     let mut entries = Vec::new();
-    for policy in policies.filter(|p| p.selects(subject.labels)) {
+    let prefixes = Direction::ALL.map(|direction| address_prefixes(&selecting, direction, cache));
+    for policy in &selecting {
         let spec = &policy.spec;
         for (slot, direction) in Direction::ALL.into_iter().enumerate() {
             if !spec.applies(direction) {
@@ -42,11 +47,17 @@ pub(crate) fn resolve<'p>(
             let st = &mut state[slot];
             st.applies = true;
             st.default_deny |= spec.default_deny(direction);
+            let context = Context {
+                direction,
+                subject,
+                cache,
+                prefix_ids: prefixes[slot].values().copied().collect(),
+            };
             for verdict in [Verdict::Allow, Verdict::Deny] {
                 let rules = spec.rules(direction, verdict);
                 st.has_rules |= !rules.is_empty();
                 for rule in rules {
-                    expand(&mut entries, direction, verdict, rule, subject, cache);
+                    expand(&mut entries, verdict, rule, &context);
                 }
             }
         }
@@ -60,6 +71,7 @@ pub(crate) fn resolve<'p>(
             // so only the deny rules bite.
             entries.push(Entry {
                 direction,
+                peer_kind: PeerKind::Identity,
                 peer_identity: 0,
                 protocol: Protocol::Any,
                 port: 0,
@@ -68,11 +80,59 @@ pub(crate) fn resolve<'p>(
             });
         }
     }
+    let entries = finish(entries);
+    // A direction without address-matched entries needs no prefix lookup.
+    let prefixes = Direction::ALL
+        .into_iter()
+        .zip(prefixes)
+        .filter(|(direction, _)| {
+            entries
+                .iter()
+                .any(|e| e.direction == *direction && e.peer_kind == PeerKind::Address)
+        })
+        .flat_map(|(direction, prefixes)| {
+            prefixes.into_iter().map(move |(prefix, identity)| AddressPrefix {
+                direction,
+                prefix,
+                identity,
+            })
+        })
+        .collect();
     ResolvedPolicy {
         enforce_ingress: state[0].enforced(),
         enforce_egress: state[1].enforced(),
-        entries: finish(entries),
+        entries,
+        prefixes,
     }
+}
+
+/// The prefixes the datapath matches peer addresses against in one
+/// direction: every `cidr` and `except` prefix of the ipBlocks of the
+/// selecting policies' rules (allow and deny) in that direction, each with its
+/// CIDR identity (a prefix without one yet is left out; see [`expand`]).
+fn address_prefixes(selecting: &[&Policy], direction: Direction, cache: &SelectorCache) -> BTreeMap<IpNet, u32> {
+    selecting
+        .iter()
+        .filter(|p| p.spec.applies(direction))
+        .flat_map(|p| [Verdict::Allow, Verdict::Deny].map(|v| p.spec.rules(direction, v)))
+        .flatten()
+        .flat_map(|rule| &rule.peers)
+        .filter_map(|peer| match peer {
+            Peer::IpBlock { cidr, except } => Some(std::iter::once(cidr).chain(except)),
+            _ => None,
+        })
+        .flatten()
+        .filter_map(|prefix| cache.cidr_identity(prefix).map(|id| (prefix.trunc(), id)))
+        .collect()
+}
+
+/// What [`expand`] needs besides the rule.
+struct Context<'a, 's> {
+    direction: Direction,
+    subject: &'a Subject<'s>,
+    cache: &'a SelectorCache,
+    /// CIDR identities of the direction's address prefixes.
+    prefix_ids: BTreeSet<u32>,
 }
 
 /// Sorted, one entry per key, Deny winning over Allow.
@@ -90,37 +150,70 @@ fn finish(mut entries: Vec<Entry>) -> Vec<Entry> {
     out
 }
 
-/// The peers of a rule: any (peer 0), or the union of the peers' identity sets.
+/// The peers of a rule: any (peer 0), or the union of the identity-matched
+/// peers' identity sets and the address-matched (ipBlock) peers' CIDR
+/// identities.
 enum Peers {
     Any,
-    Sets(Vec<Arc<BTreeSet<u32>>>),
+    Sets {
+        identities: Vec<Arc<BTreeSet<u32>>>,
+        addresses: BTreeSet<u32>,
+    },
 }
 
 impl Peers {
-    fn for_each(&self, mut f: impl FnMut(u32)) {
+    fn for_each(&self, mut f: impl FnMut(PeerKind, u32)) {
         match self {
-            Self::Any => f(0),
-            Self::Sets(sets) => sets.iter().flat_map(|set| set.iter()).for_each(|id| f(*id)),
+            Self::Any => f(PeerKind::Identity, 0),
+            Self::Sets { identities, addresses } => {
+                identities
+                    .iter()
+                    .flat_map(|set| set.iter())
+                    .for_each(|id| f(PeerKind::Identity, *id));
+                addresses.iter().for_each(|id| f(PeerKind::Address, *id));
+            }
         }
     }
 }
 
 /// Adds a rule's entries: peers x ports.
-fn expand(
-    out: &mut Vec<Entry>,
-    direction: Direction,
-    verdict: Verdict,
-    rule: &Rule,
-    subject: &Subject<'_>,
-    cache: &SelectorCache,
-) {
+///
+/// An ipBlock peer becomes address-matched entries for the CIDR identities
+/// of the direction's prefixes it selects (inside `cidr`, outside every
+/// `except`). An allowing ipBlock with a prefix whose CIDR identity is not
+/// allocated yet contributes nothing until it is: without its `except`
+/// prefixes the datapath would find `cidr` for excepted addresses and allow
+/// them (for a deny, a missing `except` only denies more).
+fn expand(out: &mut Vec<Entry>, verdict: Verdict, rule: &Rule, cx: &Context<'_, '_>) {
+    let Context {
+        direction,
+        subject,
+        cache,
+        ref prefix_ids,
+    } = *cx;
     let peers = if rule.peers.is_empty() || rule.peers.iter().any(|p| p.is_any()) {
         Peers::Any
     } else {
-        Peers::Sets(rule.peers.iter().map(|peer| cache.select(peer)).collect())
+        let mut identities = Vec::new();
+        let mut addresses = BTreeSet::new();
+        for peer in &rule.peers {
+            match peer {
+                Peer::IpBlock { cidr, except } => {
+                    let complete = std::iter::once(cidr)
+                        .chain(except)
+                        .all(|p| cache.cidr_identity(p).is_some());
+                    if verdict == Verdict::Deny || complete {
+                        addresses.extend(cache.select(peer).intersection(prefix_ids));
+                    }
+                }
+                _ => identities.push(cache.select(peer)),
+            }
+        }
+        Peers::Sets { identities, addresses }
     };
-    let entry = |peer_identity, protocol, port, end_port| Entry {
+    let entry = |peer_kind, peer_identity, protocol, port, end_port| Entry {
         direction,
+        peer_kind,
         peer_identity,
         protocol,
         port,
@@ -128,16 +221,16 @@ fn expand(
         verdict,
     };
     if rule.ports.is_empty() {
-        peers.for_each(|peer| out.push(entry(peer, Protocol::Any, 0, 0)));
+        peers.for_each(|kind, peer| out.push(entry(kind, peer, Protocol::Any, 0, 0)));
         return;
     }
     for spec in &rule.ports {
         let protocol = spec.protocol;
         match &spec.port {
-            None => peers.for_each(|peer| out.push(entry(peer, protocol, 0, 0))),
+            None => peers.for_each(|kind, peer| out.push(entry(kind, peer, protocol, 0, 0))),
             Some(PortRef::Number(port)) => {
                 let end = spec.end_port.unwrap_or(0);
-                peers.for_each(|peer| out.push(entry(peer, protocol, *port, end)));
+                peers.for_each(|kind, peer| out.push(entry(kind, peer, protocol, *port, end)));
             }
             Some(PortRef::Name(name)) => {
                 let resolves = |p: &&NamedPort| p.name == *name && p.protocol == protocol && p.port != 0;
@@ -145,19 +238,19 @@ fn expand(
                     // Ingress: the endpoint's own ports.
                     (Direction::Ingress, _) => {
                         for named in subject.named_ports.iter().filter(resolves) {
-                            peers.for_each(|peer| out.push(entry(peer, protocol, named.port, 0)));
+                            peers.for_each(|kind, peer| out.push(entry(kind, peer, protocol, named.port, 0)));
                         }
                     }
                     // Egress to any peer: whatever port the name has anywhere.
                     (Direction::Egress, Peers::Any) => {
                         for named in cache.all_named_ports().filter(resolves) {
-                            out.push(entry(0, protocol, named.port, 0));
+                            out.push(entry(PeerKind::Identity, 0, protocol, named.port, 0));
                         }
                     }
-                    // Egress: each peer's own ports.
-                    (Direction::Egress, Peers::Sets(_)) => peers.for_each(|peer| {
+                    // Egress: each peer's own ports (a CIDR identity has none).
+                    (Direction::Egress, Peers::Sets { .. }) => peers.for_each(|kind, peer| {
                         for named in cache.named_ports_of(peer).iter().filter(resolves) {
-                            out.push(entry(peer, protocol, named.port, 0));
+                            out.push(entry(kind, peer, protocol, named.port, 0));
                         }
                     }),
                 }

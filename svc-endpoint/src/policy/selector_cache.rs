@@ -26,7 +26,7 @@ use super::selector::{IdentityRef, Peer};
 /// First cluster identity.
 pub(crate) const CLUSTER_MIN: u32 = 256;
 /// First node-local CIDR identity (2^24); cluster identities are below.
-pub(crate) const CIDR_MIN: u32 = 1 << 24;
+pub(crate) const CIDR_MIN: u32 = rivet_common::labels::CIDR_IDENTITY_MIN;
 /// The memo is swept when it holds at least this many selectors.
 const MIN_SWEEP_SIZE: usize = 1024;
 

@@ -133,9 +133,16 @@ fn repo(documents: &[&str]) -> PolicyRepository {
     repo
 }
 
-/// `Ingress Allow 256 TCP 80` style, sorted.
+/// `Ingress Allow 256 TCP 80` style entries and `Egress prefix 10.0.0.0/8
+/// 16777220` style prefixes, sorted.
 fn shown(resolved: &ResolvedPolicy) -> Vec<String> {
     let mut out: Vec<String> = resolved.entries.iter().map(Entry::to_string).collect();
+    out.extend(
+        resolved
+            .prefixes
+            .iter()
+            .map(|p| format!("{} prefix {} {}", p.direction, p.prefix, p.identity)),
+    );
     out.sort();
     out
 }
@@ -150,6 +157,16 @@ fn sorted(expected: &[String]) -> Vec<String> {
 fn e(head: &str, peer: u32, tail: &str) -> String {
     let peer = if peer == 0 { "*".to_string() } else { peer.to_string() };
     format!("{head} {peer} {tail}")
+}
+
+/// An address-matched entry: `a("Egress Allow", C10, "TCP 443")`.
+fn a(head: &str, cidr_identity: u32, tail: &str) -> String {
+    format!("{head} addr:{cidr_identity} {tail}")
+}
+
+/// A prefix of the endpoint: `pfx("Egress", "10.0.0.0/8", C10)`.
+fn pfx(direction: &str, prefix: &str, identity: u32) -> String {
+    format!("{direction} prefix {prefix} {identity}")
 }
 
 /// The loader's rules for a policy, checked on every resolution.
@@ -167,11 +184,37 @@ fn assert_loader_valid(resolved: &ResolvedPolicy) {
             pair[1]
         );
     }
+    for pair in resolved.prefixes.windows(2) {
+        assert!(
+            (pair[0].direction, pair[0].prefix) < (pair[1].direction, pair[1].prefix),
+            "prefixes must be sorted and unique: {:?} then {:?}",
+            pair[0],
+            pair[1]
+        );
+    }
+    for prefix in &resolved.prefixes {
+        assert!(prefix.identity >= CIDR_MIN, "a prefix has a CIDR identity: {prefix:?}");
+        assert_eq!(prefix.prefix, prefix.prefix.trunc(), "host bits clear: {prefix:?}");
+        assert!(
+            resolved
+                .entries_of(prefix.direction)
+                .any(|e| e.peer_kind == PeerKind::Address),
+            "prefixes only where address entries use them: {prefix:?}"
+        );
+    }
     for entry in &resolved.entries {
         assert!(
             resolved.enforces(entry.direction),
             "a direction that is not enforced has no entries: {entry}"
         );
+        if entry.peer_kind == PeerKind::Address {
+            assert!(
+                resolved
+                    .prefixes_of(entry.direction)
+                    .any(|p| p.identity == entry.peer_identity),
+                "an address entry names a prefix of its direction: {entry}"
+            );
+        }
         if !entry.protocol.has_ports() {
             assert_eq!(
                 (entry.port, entry.end_port),
@@ -405,14 +448,17 @@ fn kubernetes_test_network_policy() {
         &[],
         (true, true),
         &[
-            // 172.17.0.0/16 and the /17 inside it, not the excepted /24.
-            e("Ingress Allow", C172, "TCP 6379"),
-            e("Ingress Allow", C172_128, "TCP 6379"),
+            // Addresses whose longest prefix among the block's own is
+            // 172.17.0.0/16 (not the excepted /24).
+            a("Ingress Allow", C172, "TCP 6379"),
+            pfx("Ingress", "172.17.0.0/16", C172),
+            pfx("Ingress", "172.17.1.0/24", C172_1),
             // Any pod of a namespace labelled project=myproject.
             e("Ingress Allow", MYPROJ, "TCP 6379"),
             // role=frontend of the policy's own namespace only.
             e("Ingress Allow", DEF_FRONT, "TCP 6379"),
-            e("Egress Allow", C10_0, "TCP 5978"),
+            a("Egress Allow", C10_0, "TCP 5978"),
+            pfx("Egress", "10.0.0.0/24", C10_0),
         ],
     );
     check(
@@ -452,7 +498,10 @@ fn kubernetes_end_port() {
         &identity(DEF_DB),
         &[],
         (false, true),
-        &[e("Egress Allow", C10_0, "TCP 32000-32768")],
+        &[
+            a("Egress Allow", C10_0, "TCP 32000-32768"),
+            pfx("Egress", "10.0.0.0/24", C10_0),
+        ],
     );
 }
 
@@ -642,7 +691,7 @@ spec:
         &identity(WEB),
         &[],
         (false, true),
-        &[e("Egress Allow", C192, "ANY")],
+        &[a("Egress Allow", C192, "ANY"), pfx("Egress", "192.168.0.0/16", C192)],
     );
     assert_eq!(
         Policy::parse(ignored).unwrap().cidrs(),
@@ -928,11 +977,10 @@ spec:
             e("Ingress Allow", WEB, "TCP 5432"),
             e("Ingress Allow", MYPROJ, "UDP 53"),
             e("Ingress Allow", MYPROJ, "TCP 5432"),
-            e("Egress Allow", C10, "TCP 443"),
-            e("Egress Allow", C10_0, "TCP 443"),
-            e("Egress Allow", C10_1, "TCP 443"),
-            e("Egress Allow", C10_1_2, "TCP 443"),
-            e("Egress Allow", C10_2, "TCP 443"),
+            // Prefixes of other policies inside 10.0.0.0/8 are not this
+            // endpoint's: its addresses in them fall to the /8.
+            a("Egress Allow", C10, "TCP 443"),
+            pfx("Egress", "10.0.0.0/8", C10),
         ],
     );
     check(
@@ -942,13 +990,7 @@ spec:
         &identity(WEB),
         &[],
         (false, true),
-        &[
-            e("Egress Allow", C10, "TCP 443"),
-            e("Egress Allow", C10_0, "TCP 443"),
-            e("Egress Allow", C10_1, "TCP 443"),
-            e("Egress Allow", C10_1_2, "TCP 443"),
-            e("Egress Allow", C10_2, "TCP 443"),
-        ],
+        &[a("Egress Allow", C10, "TCP 443"), pfx("Egress", "10.0.0.0/8", C10)],
     );
 }
 
@@ -1172,16 +1214,20 @@ spec:
 ";
     let repo = repo(&[document]);
     let expected_before = [
-        // Inside 10.0.0.0/8 and not inside 10.1.0.0/16: the /8 itself, 10.0.0.0/24, 10.2.0.0/16.
-        e("Egress Allow", C10, "TCP 443"),
-        e("Egress Allow", C10_0, "TCP 443"),
-        e("Egress Allow", C10_2, "TCP 443"),
-        // ::/0 matches IPv6 prefixes only; host bits of 10.1.2.77/24 are cleared.
-        e("Egress Allow", C6, "TCP 80"),
-        e("Egress Allow", C10_1_2, "TCP 80"),
+        // The block's prefixes in the endpoint's set: 10.0.0.0/8 minus
+        // 10.1.0.0/16 is the /8's identity (10.0.0.0/24 and 10.2.0.0/16 are
+        // other policies' prefixes, not in the set: their addresses fall to
+        // the /8).
+        a("Egress Allow", C10, "TCP 443"),
+        // Host bits of 10.1.2.77/24 are cleared; ::/0 has no identity yet,
+        // so its block contributes nothing.
+        a("Egress Allow", C10_1_2, "TCP 80"),
+        pfx("Egress", "10.0.0.0/8", C10),
+        pfx("Egress", "10.1.0.0/16", C10_1),
+        pfx("Egress", "10.1.2.0/24", C10_1_2),
     ];
     check(
-        "an ipBlock matches the CIDR identities inside cidr and outside every except",
+        "an ipBlock matches the addresses inside cidr and outside every except",
         &repo,
         &cache,
         &identity(WEB),
@@ -1194,12 +1240,12 @@ spec:
         [net("10.0.0.0/8"), net("10.1.0.0/16"), net("10.1.2.0/24"), net("::/0")],
         "the caller allocates an identity for each cidr and except prefix"
     );
-    // The caller allocates the missing prefix; the except prefix itself is never allowed.
+    // The caller allocates the missing prefix; another policy's prefix goes.
     assert!(cache.set_cidr_identity(net("::/0"), CIDR_MIN + 100));
     assert!(cache.remove_cidr_identity(&net("10.2.0.0/16")));
     let mut expected = expected_before.to_vec();
-    expected.retain(|s| !s.contains(&C10_2.to_string()));
-    expected.push(e("Egress Allow", CIDR_MIN + 100, "TCP 80"));
+    expected.push(a("Egress Allow", CIDR_MIN + 100, "TCP 80"));
+    expected.push(pfx("Egress", "::/0", CIDR_MIN + 100));
     check(
         "CIDR identities appearing and vanishing change the entries",
         &repo,
@@ -1209,6 +1255,332 @@ spec:
         (false, true),
         &expected,
     );
+}
+
+/// Issue 12 §2: ipBlocks of pod addresses. Pods B (198.18.0.11) and X
+/// (198.18.0.12) share an identity; A's policies name them by address.
+#[test]
+fn ipblocks_match_pod_addresses_per_address() {
+    const B32: u32 = CIDR_MIN + 20; // 198.18.0.11/32
+    const X32: u32 = CIDR_MIN + 21; // 198.18.0.12/32
+    const C192_4: u32 = CIDR_MIN + 22; // 192.0.0.0/4
+    const C198: u32 = CIDR_MIN + 23; // 198.18.0.0/15
+    let mut cache = fixture();
+    for (prefix, id) in [
+        ("198.18.0.11/32", B32),
+        ("198.18.0.12/32", X32),
+        ("192.0.0.0/4", C192_4),
+        ("198.18.0.0/15", C198),
+    ] {
+        assert!(cache.set_cidr_identity(net(prefix), id));
+    }
+    let to_b = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: to-b, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  policyTypes: [Egress]
+  egress:
+  - to: [{ipBlock: {cidr: 198.18.0.11/32}}]
+";
+    check(
+        "an ipBlock of a pod's /32 is an address entry of that /32, not of the pod's identity",
+        &repo(&[to_b]),
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[a("Egress Allow", B32, "ANY"), pfx("Egress", "198.18.0.11/32", B32)],
+    );
+    let all_but_x = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: all-but-x, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  policyTypes: [Egress]
+  egress:
+  - to: [{ipBlock: {cidr: 192.0.0.0/4, except: [198.18.0.12/32]}}]
+";
+    check(
+        "except X/32: X's address finds its /32 (no entry), every other address the /4",
+        &repo(&[all_but_x]),
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[
+            a("Egress Allow", C192_4, "ANY"),
+            pfx("Egress", "192.0.0.0/4", C192_4),
+            pfx("Egress", "198.18.0.12/32", X32),
+        ],
+    );
+    let ingress_from_b = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: from-block, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  ingress:
+  - from: [{ipBlock: {cidr: 198.18.0.0/15, except: [198.18.0.12/32]}}]
+    ports: [{port: 80}]
+";
+    check(
+        "ingress works the same way",
+        &repo(&[ingress_from_b, to_b]),
+        &cache,
+        &identity(WEB),
+        &[],
+        (true, true),
+        &[
+            a("Ingress Allow", C198, "TCP 80"),
+            pfx("Ingress", "198.18.0.0/15", C198),
+            pfx("Ingress", "198.18.0.12/32", X32),
+            a("Egress Allow", B32, "ANY"),
+            pfx("Egress", "198.18.0.11/32", B32),
+        ],
+    );
+}
+
+#[test]
+fn overlapping_ipblocks_across_policies_and_deny_rules() {
+    let cache = fixture();
+    let wide = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: wide, namespace: shop}
+spec:
+  podSelector: {}
+  policyTypes: [Egress]
+  egress:
+  - to: [{ipBlock: {cidr: 10.0.0.0/8, except: [10.1.0.0/16]}}]
+    ports: [{port: 443}]
+";
+    let narrow = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: narrow, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  policyTypes: [Egress]
+  egress:
+  - to: [{ipBlock: {cidr: 10.1.2.0/24}}]
+    ports: [{port: 443}]
+";
+    check(
+        "a block inside another block's except: each selects only its own side",
+        &repo(&[wide, narrow]),
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[
+            // 10.1.2.0/24 lies in the wide block's except: only the narrow
+            // block selects it; 10.1.3.1 finds 10.1.0.0/16: no entry.
+            a("Egress Allow", C10, "TCP 443"),
+            a("Egress Allow", C10_1_2, "TCP 443"),
+            pfx("Egress", "10.0.0.0/8", C10),
+            pfx("Egress", "10.1.0.0/16", C10_1),
+            pfx("Egress", "10.1.2.0/24", C10_1_2),
+        ],
+    );
+    check(
+        "a pod only the wide policy selects gets only its prefixes",
+        &repo(&[wide, narrow]),
+        &cache,
+        &identity(DB),
+        &[],
+        (false, true),
+        &[
+            a("Egress Allow", C10, "TCP 443"),
+            pfx("Egress", "10.0.0.0/8", C10),
+            pfx("Egress", "10.1.0.0/16", C10_1),
+        ],
+    );
+    let deny = "
+apiVersion: rivet.io/v1
+kind: RivetNetworkPolicy
+metadata: {name: deny, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  egressDeny:
+  - to: [{ipBlock: {cidr: 10.0.0.0/8, except: [10.0.0.0/24]}}]
+  egress:
+  - to: [{entities: [world]}, {podSelector: {}}]
+";
+    let world_and_pods: Vec<String> = [2, WEB, DB, SHOP_FRONT]
+        .into_iter()
+        .chain(CIDRS.map(|(_, id)| id))
+        .map(|id| e("Egress Allow", id, "ANY"))
+        .collect();
+    let mut expected = world_and_pods.clone();
+    expected.extend([
+        // Deny by address; world and the pod selector stay identity-based.
+        a("Egress Deny", C10, "ANY"),
+        pfx("Egress", "10.0.0.0/24", C10_0),
+        pfx("Egress", "10.0.0.0/8", C10),
+    ]);
+    check(
+        "a deny ipBlock is an address deny next to identity allows",
+        &repo(&[deny]),
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &expected,
+    );
+
+    // A prefix without a CIDR identity yet: an allowing block waits for it
+    // (its except would be missing), a denying block does not.
+    let mut partial = SelectorCache::new();
+    partial.upsert_identity(WEB, identity(WEB));
+    partial.set_cidr_identity(net("10.0.0.0/8"), C10);
+    check(
+        "an allow ipBlock whose except has no identity yet contributes nothing",
+        &repo(&[wide]),
+        &partial,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[],
+    );
+    check(
+        "a deny ipBlock whose except has no identity yet denies the whole cidr",
+        &repo(&[deny]),
+        &partial,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[
+            e("Egress Allow", 2, "ANY"),
+            e("Egress Allow", C10, "ANY"),
+            e("Egress Allow", WEB, "ANY"),
+            a("Egress Deny", C10, "ANY"),
+            pfx("Egress", "10.0.0.0/8", C10),
+        ],
+    );
+}
+
+/// xorshift64*: deterministic, no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A random prefix of 10.0.0.0/24 at least `min_len` long, inside `within`.
+fn random_prefix(rng: &mut Rng, within: ipnet::Ipv4Net) -> ipnet::Ipv4Net {
+    let len = within.prefix_len() + rng.below(u64::from(33 - within.prefix_len())) as u8;
+    let host = u32::from(within.network()) | (rng.next() as u32 & !u32::from(within.netmask()));
+    ipnet::Ipv4Net::new(host.into(), len).unwrap().trunc()
+}
+
+/// The datapath's decision for a peer address, simulated over a resolved
+/// policy: the longest prefix of the direction containing the address, the
+/// address entries of its identity, deny wins.
+fn simulated_address_verdict(resolved: &ResolvedPolicy, address: std::net::IpAddr) -> Option<Verdict> {
+    let prefix = resolved
+        .prefixes_of(Direction::Egress)
+        .filter(|p| p.prefix.contains(&address))
+        .max_by_key(|p| p.prefix.prefix_len())?;
+    resolved
+        .entries_of(Direction::Egress)
+        .filter(|e| e.peer_kind == PeerKind::Address && e.peer_identity == prefix.identity)
+        .map(|e| e.verdict)
+        .max()
+}
+
+/// The property the module docs prove: per address, the datapath's longest
+/// prefix over the endpoint's prefixes decides exactly "inside cidr and
+/// outside every except" for every block, with deny winning; prefixes of
+/// other policies (in the cache, not in the endpoint's set) change nothing.
+#[test]
+fn address_matching_decides_every_address_as_the_blocks_say() {
+    let universe: ipnet::Ipv4Net = "10.0.0.0/24".parse().unwrap();
+    let mut rng = Rng(0x1b10c);
+    for case in 0..400 {
+        let mut cache = SelectorCache::new();
+        cache.upsert_identity(WEB, identity(WEB));
+        let mut next_id = CIDR_MIN;
+        let mut blocks: Vec<(Verdict, ipnet::Ipv4Net, Vec<ipnet::Ipv4Net>)> = Vec::new();
+        for _ in 0..1 + rng.below(4) {
+            let cidr = random_prefix(&mut rng, universe);
+            let except: Vec<_> = (0..rng.below(3))
+                .filter(|_| cidr.prefix_len() < 32)
+                .map(|_| {
+                    let inner = ipnet::Ipv4Net::new(cidr.network(), cidr.prefix_len() + 1).unwrap();
+                    let inner = if rng.below(2) == 0 {
+                        inner
+                    } else {
+                        ipnet::Ipv4Net::new(
+                            (u32::from(cidr.network()) | (1 << (31 - cidr.prefix_len()))).into(),
+                            cidr.prefix_len() + 1,
+                        )
+                        .unwrap()
+                    };
+                    random_prefix(&mut rng, inner)
+                })
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            let verdict = [Verdict::Allow, Verdict::Allow, Verdict::Deny][rng.below(3) as usize];
+            blocks.push((verdict, cidr, except));
+        }
+        let block_yaml = |(_, cidr, except): &(Verdict, ipnet::Ipv4Net, Vec<ipnet::Ipv4Net>)| {
+            let except: Vec<String> = except.iter().map(ToString::to_string).collect();
+            format!("{{ipBlock: {{cidr: {cidr}, except: [{}]}}}}", except.join(", "))
+        };
+        let documents: Vec<String> = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, block)| {
+                let rules = if block.0 == Verdict::Deny {
+                    "egressDeny"
+                } else {
+                    "egress"
+                };
+                format!(
+                    "apiVersion: rivet.io/v1\nkind: RivetNetworkPolicy\nmetadata: {{name: p{i}, namespace: shop}}\n\
+                     spec:\n  podSelector: {{}}\n  policyTypes: [Egress]\n  {rules}:\n  - to: [{}]\n",
+                    block_yaml(block)
+                )
+            })
+            .collect();
+        let repo = repo(&documents.iter().map(String::as_str).collect::<Vec<_>>());
+        // Every prefix gets an identity, plus prefixes of other policies.
+        let mut prefixes = repo.cidrs();
+        for _ in 0..rng.below(4) {
+            prefixes.insert(IpNet::V4(random_prefix(&mut rng, universe)));
+        }
+        for prefix in prefixes {
+            cache.set_cidr_identity(prefix, next_id);
+            next_id += 1;
+        }
+        let resolved = repo.resolve(&Subject::new(&identity(WEB)), &cache);
+        assert_loader_valid(&resolved);
+        for host in universe.hosts().chain([universe.network(), universe.broadcast()]) {
+            let address = std::net::IpAddr::V4(host);
+            let inside = |(_, cidr, except): &&(Verdict, ipnet::Ipv4Net, Vec<ipnet::Ipv4Net>)| {
+                cidr.contains(&host) && !except.iter().any(|e| e.contains(&host))
+            };
+            let want = blocks.iter().filter(inside).map(|b| b.0).max();
+            assert_eq!(
+                simulated_address_verdict(&resolved, address),
+                want,
+                "case {case}, address {host}: blocks {blocks:?}\nresolved {resolved:#?}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -1693,6 +2065,18 @@ fn resolved_policies_convert_to_the_loader_messages() {
             port: 32000,
             end_port: 32768,
             verdict: rivet_proto::loader::v1::Verdict::Allow as i32,
+            peer_kind: rivet_proto::loader::v1::PeerKind::Address as i32,
+        }]
+    );
+    assert_eq!(
+        message.prefixes,
+        [rivet_proto::loader::v1::EndpointPrefix {
+            direction: rivet_proto::loader::v1::Direction::Egress as i32,
+            prefix: Some(rivet_proto::loader::v1::IpPrefix {
+                address: vec![10, 0, 0, 0],
+                prefix_length: 24,
+            }),
+            cidr_identity: C10_0,
         }]
     );
     for protocol in Protocol::ALL {
@@ -1822,8 +2206,14 @@ fn oracle(subject: Member, live: &[Member]) -> ResolvedPolicy {
     }
     let mut entries = BTreeSet::new();
     let mut add = |direction, peer_identity, protocol, port| {
+        let peer_kind = if peer_identity >= CIDR_MIN {
+            PeerKind::Address
+        } else {
+            PeerKind::Identity
+        };
         entries.insert(Entry {
             direction,
+            peer_kind,
             peer_identity,
             protocol,
             port,
@@ -1845,14 +2235,24 @@ fn oracle(subject: Member, live: &[Member]) -> ResolvedPolicy {
             add(Direction::Egress, peer.id(), Protocol::Tcp, port);
         }
     }
+    let mut prefixes = Vec::new();
     if p.is_multiple_of(2) {
+        // Only the block's own prefixes count (10.p.2.0/24 is another
+        // policy's); the /16 minus the except is the /16's identity.
         add(Direction::Egress, cidr_id(p, 0), Protocol::Udp, 53);
-        add(Direction::Egress, cidr_id(p, 2), Protocol::Udp, 53);
+        for (part, prefix) in [(0, format!("10.{p}.0.0/16")), (1, format!("10.{p}.1.0/24"))] {
+            prefixes.push(AddressPrefix {
+                direction: Direction::Egress,
+                prefix: net(&prefix),
+                identity: cidr_id(p, part),
+            });
+        }
     }
     ResolvedPolicy {
         enforce_ingress: true,
         enforce_egress: p.is_multiple_of(2),
         entries: entries.into_iter().collect(),
+        prefixes,
     }
 }
 

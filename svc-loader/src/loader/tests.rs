@@ -82,6 +82,7 @@ impl Fixture {
 fn allow(direction: u8, peer: u32, protocol: u8, port: u16) -> PolicyRule {
     PolicyRule {
         direction,
+        by_address: false,
         peer_identity: peer,
         protocol,
         port,
@@ -104,6 +105,7 @@ fn policy(revision: u64, rules: Vec<PolicyRule>) -> PolicySpec {
         enforce_egress: true,
         allow_from_host: true,
         rules,
+        prefixes: Vec::new(),
     }
 }
 
@@ -152,8 +154,8 @@ fn endpoints_map(dp: &EndpointDatapath) -> (BTreeMap<u32, EndpointInfo>, BTreeMa
 
 /// The loader's own account of an endpoint's policy (GetEndpointPolicy).
 fn loader_view(dp: &EndpointDatapath, id: u32) -> BTreeMap<PolicyEntry, u8> {
-    let (_, entries) = dp.policy(id).expect("the endpoint is known");
-    entries.iter().map(|v| (v.entry, v.verdict)).collect()
+    let view = dp.policy(id).expect("the endpoint is known");
+    view.entries.iter().map(|v| (v.entry, v.verdict)).collect()
 }
 
 fn is_capacity_error(e: &LoaderError) -> bool {
@@ -236,6 +238,7 @@ fn a_policy_diff_that_fails_midway_leaves_no_entry_the_loader_does_not_know() {
         let stray = PolicyEntry {
             endpoint_id: id,
             direction: DIR_INGRESS,
+            by_address: false,
             identity: A,
             protocol: UDP,
             port: 3000,
@@ -377,6 +380,7 @@ fn random_policy(rng: &mut Rng) -> PolicySpec {
         };
         rules.push(PolicyRule {
             direction: if rng.below(2) == 0 { DIR_INGRESS } else { DIR_EGRESS },
+            by_address: false,
             peer_identity: rng.below(4) as u32,
             protocol,
             port,
