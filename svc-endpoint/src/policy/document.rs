@@ -172,8 +172,10 @@ impl Policy {
 
     /// Whether the resolution of an endpoint it selects can change with
     /// `changes`: a peer of a rule that takes effect matches a changed
-    /// identity differently before and after, or named ports changed and an
-    /// egress rule names a port (those resolve against the peers' ports).
+    /// identity differently before and after, the CIDR identity of one of
+    /// an ipBlock's own prefixes (`cidr` or an `except`: the endpoint's
+    /// address prefixes) changed, or named ports changed and an egress rule
+    /// names a port (those resolve against the peers' ports).
     pub fn reacts_to(&self, changes: &SelectorChanges) -> bool {
         self.spec.policy_types.iter().any(|direction| {
             [Verdict::Allow, Verdict::Deny].into_iter().any(|verdict| {
@@ -181,7 +183,17 @@ impl Policy {
                     let named = *direction == Direction::Egress
                         && changes.named_ports_changed()
                         && rule.ports.iter().any(|p| matches!(p.port, Some(PortRef::Name(_))));
-                    named || rule.peers.iter().any(|peer| !peer.is_any() && changes.moves(peer))
+                    let prefixes = |peer: &Peer| match peer {
+                        Peer::IpBlock { cidr, except } => std::iter::once(cidr)
+                            .chain(except)
+                            .any(|prefix| changes.touches_prefix(prefix)),
+                        _ => false,
+                    };
+                    named
+                        || rule
+                            .peers
+                            .iter()
+                            .any(|peer| !peer.is_any() && (changes.moves(peer) || prefixes(peer)))
                 })
             })
         })

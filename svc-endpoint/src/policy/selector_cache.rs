@@ -112,6 +112,17 @@ impl SelectorChanges {
         })
     }
 
+    /// Whether the CIDR identity of `prefix` appeared, went or changed
+    /// (an ipBlock's resolution depends on those of its `cidr` and every
+    /// `except`, not only on the identities it selects).
+    pub(crate) fn touches_prefix(&self, prefix: &IpNet) -> bool {
+        self.identities.iter().any(|(_, before, after)| {
+            [before, after]
+                .into_iter()
+                .any(|known| matches!(known, Some(Known::Cidr(p)) if p == prefix))
+        })
+    }
+
     /// Whether some identity's named ports changed.
     pub(crate) fn named_ports_changed(&self) -> bool {
         !self.named_ports.is_empty()

@@ -1462,6 +1462,46 @@ spec:
     );
 }
 
+/// An except prefix's CIDR identity selects nothing, yet the endpoints of
+/// its block must be resolved again when it comes or goes: it is one of
+/// their address prefixes (without it, the allow waits; see `expand`).
+#[test]
+fn an_except_prefix_identity_change_affects_its_policy() {
+    let mut cache = SelectorCache::new();
+    cache.upsert_identity(WEB, identity(WEB));
+    cache.set_cidr_identity(net("10.0.0.0/8"), C10);
+    let document = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: p, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  policyTypes: [Egress]
+  egress:
+  - to: [{ipBlock: {cidr: 10.0.0.0/8, except: [10.1.0.0/16]}}]
+";
+    let repo = repo(&[document]);
+    let before = repo.resolve(&Subject::new(&identity(WEB)), &cache);
+    assert!(before.entries.is_empty(), "the allow waits for the except's identity");
+    cache.take_changes();
+    assert!(cache.set_cidr_identity(net("10.1.0.0/16"), C10_1));
+    let changes = cache.take_changes();
+    assert_eq!(
+        repo.affected_by(&changes).len(),
+        1,
+        "the except's identity changes the block's resolution"
+    );
+    let after = repo.resolve(&Subject::new(&identity(WEB)), &cache);
+    assert_ne!(before, after);
+    assert!(cache.remove_cidr_identity(&net("10.1.0.0/16")));
+    assert_eq!(repo.affected_by(&cache.take_changes()).len(), 1, "and when it goes");
+    assert!(cache.set_cidr_identity(net("192.168.0.0/16"), C192));
+    assert!(
+        repo.affected_by(&cache.take_changes()).is_empty(),
+        "a prefix outside the block changes nothing"
+    );
+}
+
 /// xorshift64*: deterministic, no dependency.
 struct Rng(u64);
 
