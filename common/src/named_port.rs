@@ -5,6 +5,24 @@
 /// Longest port name (an IANA service name).
 pub const MAX_PORT_NAME: usize = 15;
 
+/// Whether `name` is a port name (see [`check_port_name`]), for callers
+/// with an error message of their own.
+///
+/// ```
+/// assert!(rivet_common::named_port::is_port_name("metrics"));
+/// ```
+pub fn is_port_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_PORT_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name.bytes().any(|b| b.is_ascii_lowercase())
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+        && !name.contains("--")
+}
+
 /// Checks a port name as Kubernetes does (an IANA service name: 1 to 15 of
 /// `a-z 0-9 -`, at least one letter, no `-` at either end nor two in a row).
 ///
@@ -15,16 +33,7 @@ pub const MAX_PORT_NAME: usize = 15;
 /// assert!(check_port_name("Web").is_err());
 /// ```
 pub fn check_port_name(name: &str) -> Result<(), String> {
-    let ok = !name.is_empty()
-        && name.len() <= MAX_PORT_NAME
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && name.bytes().any(|b| b.is_ascii_lowercase())
-        && !name.starts_with('-')
-        && !name.ends_with('-')
-        && !name.contains("--");
-    if ok {
+    if is_port_name(name) {
         Ok(())
     } else {
         Err(format!(

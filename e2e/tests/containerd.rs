@@ -603,6 +603,24 @@ fi
 exit 0
 "#;
 
+/// A node made by `rivet node up` whose `loopback` is replaced by
+/// `script`, containerd on it, and a sandbox `doomed` in namespace shop that
+/// fails with an error saying `says`.
+async fn doomed_sandbox(script: &str, says: &str) -> (RivetNode, Containerd, Cri) {
+    rivet_e2e::containerd::check_prerequisites().unwrap_or_else(|e| panic!("{e}"));
+    let node = RivetNode::up(&rivet_common::testing::workspace_binary("rivet"))
+        .unwrap_or_else(|e| panic!("rivet node up: {e}"));
+    install_script(&node.cni_bin_dir().join("loopback"), script);
+    let containerd = start_containerd(&node.netns_path(), &node.cni_bin_dir(), &node.cni_conf_dir()).await;
+    let cri = containerd.cri().await.unwrap();
+    let err = cri
+        .run_pod(&pod_spec(&containerd, "doomed"), BUSYBOX_IMAGE, &command("doomed"))
+        .await
+        .expect_err("the sandbox fails with its loopback");
+    assert!(err.to_string().contains(says), "{err}");
+    (node, containerd, cri)
+}
+
 /// A sandbox that fails after rivet-cni's ADD succeeded (containerd runs
 /// loopback and rivet-cni together, and loopback fails): whatever containerd
 /// does next — a DEL through the chain, or only removing the pod's netns —
@@ -610,23 +628,8 @@ exit 0
 /// cgroup.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sandbox_failing_beside_rivet_cni_leaves_nothing() {
-    rivet_e2e::containerd::check_prerequisites().unwrap_or_else(|e| panic!("{e}"));
     let cgroups_before = cgroup_snapshot();
-    let mut node = RivetNode::up(&rivet_common::testing::workspace_binary("rivet"))
-        .unwrap_or_else(|e| panic!("rivet node up: {e}"));
-    let loopback = node.cni_bin_dir().join("loopback");
-    std::fs::remove_file(&loopback).unwrap();
-    std::fs::write(&loopback, FAILING_LOOPBACK).unwrap();
-    std::fs::set_permissions(&loopback, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let containerd = start_containerd(&node.netns_path(), &node.cni_bin_dir(), &node.cni_conf_dir()).await;
-    let cri = containerd.cri().await.unwrap();
-
-    let spec = pod_spec(&containerd, "doomed");
-    let err = cri
-        .run_pod(&spec, BUSYBOX_IMAGE, &command("doomed"))
-        .await
-        .expect_err("the sandbox fails with its loopback");
-    assert!(err.to_string().contains("loopback refused by the test"), "{err}");
+    let (mut node, containerd, cri) = doomed_sandbox(FAILING_LOOPBACK, "loopback refused by the test").await;
     let cni_log = std::fs::read_to_string(node.path("state/logs/rivet-cni.log")).unwrap_or_default();
     assert!(
         cni_log.contains("cni.add") && cni_log.contains("pod=shop/doomed"),
@@ -723,21 +726,9 @@ fn cni_gc(node: &RivetNode, valid: serde_json::Value) -> std::process::Output {
 /// is left.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_sandbox_whose_teardown_never_reaches_rivet_cni_is_collected_by_cni_gc() {
-    rivet_e2e::containerd::check_prerequisites().unwrap_or_else(|e| panic!("{e}"));
     let cgroups_before = cgroup_snapshot();
-    let mut node = RivetNode::up(&rivet_common::testing::workspace_binary("rivet"))
-        .unwrap_or_else(|e| panic!("rivet node up: {e}"));
+    let (mut node, containerd, cri) = doomed_sandbox(BROKEN_LOOPBACK, "loopback is broken").await;
     let loopback = node.cni_bin_dir().join("loopback");
-    install_script(&loopback, BROKEN_LOOPBACK);
-    let containerd = start_containerd(&node.netns_path(), &node.cni_bin_dir(), &node.cni_conf_dir()).await;
-    let cri = containerd.cri().await.unwrap();
-
-    let spec = pod_spec(&containerd, "doomed");
-    let err = cri
-        .run_pod(&spec, BUSYBOX_IMAGE, &command("doomed"))
-        .await
-        .expect_err("the sandbox fails with its loopback");
-    assert!(err.to_string().contains("loopback is broken"), "{err}");
     let cni_log = || std::fs::read_to_string(node.path("state/logs/rivet-cni.log")).unwrap_or_default();
     assert!(
         !cni_log().contains("cni.del"),

@@ -1168,16 +1168,11 @@ fn check_label_value(value: &str) -> Result<(), String> {
 fn check_port_name(name: &str) -> Result<(), String> {
     const FORM: &str = "is neither a port number nor a port name (an IANA service name: at most 15 lowercase \
                         alphanumerics and '-', at least one letter, no leading, trailing or double '-')";
-    let ok = !name.is_empty()
-        && name.len() <= 15
-        && name
-            .bytes()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
-        && name.bytes().any(|c| c.is_ascii_lowercase())
-        && !name.starts_with('-')
-        && !name.ends_with('-')
-        && !name.contains("--");
-    if ok { Ok(()) } else { Err(FORM.to_string()) }
+    if rivet_common::named_port::is_port_name(name) {
+        Ok(())
+    } else {
+        Err(FORM.to_string())
+    }
 }
 
 #[cfg(test)]
