@@ -603,6 +603,7 @@ mod tests {
                 },
             ],
             boot_id: "b".into(),
+            policy_dir: None,
         }
     }
 

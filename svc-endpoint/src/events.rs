@@ -53,6 +53,8 @@ pub struct EndpointMetrics {
     policy_revision: Gauge,
     policies: Gauge,
     restore_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    policy_dir_scans: Counter,
+    policy_dir_files_rejected: Counter,
 }
 
 impl Default for EndpointMetrics {
@@ -69,6 +71,8 @@ impl Default for EndpointMetrics {
             policy_revision: Default::default(),
             policies: Default::default(),
             restore_seconds: Default::default(),
+            policy_dir_scans: Default::default(),
+            policy_dir_files_rejected: Default::default(),
         }
     }
 }
@@ -115,6 +119,16 @@ impl EndpointMetrics {
             self.policy_revision.clone(),
         );
         r.register("policies", "Policies in the repository", self.policies.clone());
+        r.register(
+            "policy_dir_scans",
+            "Scans of the --policy-dir completed",
+            self.policy_dir_scans.clone(),
+        );
+        r.register(
+            "policy_dir_files_rejected",
+            "Policy dir files that did not parse (their previous policies stay)",
+            self.policy_dir_files_rejected.clone(),
+        );
         r.register(
             "restore_duration_seconds",
             "Time the last restore took",
@@ -234,4 +248,15 @@ pub fn restore_finished(m: &EndpointMetrics, found: u32, restored: u32, dropped:
         "endpoint restore complete"
     );
     m.restore_seconds.set(took.as_secs_f64());
+}
+
+/// A scan of the policy dir completed; `rejected` files did not parse and
+/// changed nothing.
+pub fn policy_dir_scanned(m: &EndpointMetrics, dir: &std::path::Path, rejected: &[(std::path::PathBuf, String)]) {
+    for (file, reason) in rejected {
+        tracing::error!(file = %file.display(), error = %reason, "policy file rejected; its previous policies stay");
+    }
+    tracing::debug!(dir = %dir.display(), rejected = rejected.len(), "policy dir scanned");
+    m.policy_dir_scans.inc();
+    m.policy_dir_files_rejected.inc_by(rejected.len() as u64);
 }

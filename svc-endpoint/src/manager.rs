@@ -200,6 +200,19 @@ pub struct DependencyStatus {
     pub last_error: String,
 }
 
+/// What the `--policy-dir` watcher did (see [`crate::policy_dir`]).
+#[derive(Debug, Clone, Default)]
+pub struct PolicyDirStatus {
+    /// The directory; `None` without a watcher.
+    pub dir: Option<std::path::PathBuf>,
+    /// Scans completed.
+    pub scans: u64,
+    /// Files rejected, summed over the scans.
+    pub files_rejected: u64,
+    /// The last scan's problems, empty when it applied every file.
+    pub last_error: String,
+}
+
 /// A namespace with labels.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NamespaceLabels {
@@ -515,6 +528,7 @@ struct Inner {
     /// snapshot: resolving policy before that would leave out peers.
     identities_synced: watch::Sender<bool>,
     dependencies: Mutex<[DependencyStatus; 3]>,
+    policy_dir: Mutex<PolicyDirStatus>,
     /// Wakes the CIDR identity reconciliation.
     cidr_wake: Notify,
     /// Serialises changes of persisted configuration: policies (repository
@@ -603,6 +617,7 @@ impl EndpointManager {
                     ..Default::default()
                 },
             ]),
+            policy_dir: Mutex::default(),
             cidr_wake: Notify::new(),
             config_lock: tokio::sync::Mutex::new(()),
             cidr_pass: tokio::sync::Mutex::new(()),
@@ -1291,6 +1306,26 @@ impl EndpointManager {
             .lock()
             .expect("dependency lock poisoned")
             .to_vec()
+    }
+
+    /// Records a completed scan of the policy dir and the files it rejected
+    /// (file, reason).
+    pub fn policy_dir_scanned(&self, dir: &std::path::Path, rejected: &[(std::path::PathBuf, String)]) {
+        events::policy_dir_scanned(&self.inner.metrics, dir, rejected);
+        let mut status = self.inner.policy_dir.lock().expect("policy dir lock poisoned");
+        status.dir = Some(dir.to_path_buf());
+        status.scans += 1;
+        status.files_rejected += rejected.len() as u64;
+        status.last_error = rejected
+            .iter()
+            .map(|(file, reason)| format!("{}: {reason}", file.display()))
+            .collect::<Vec<_>>()
+            .join("; ");
+    }
+
+    /// What the policy dir watcher did.
+    pub fn policy_dir_status(&self) -> PolicyDirStatus {
+        self.inner.policy_dir.lock().expect("policy dir lock poisoned").clone()
     }
 
     /// Repository revision and policy count.

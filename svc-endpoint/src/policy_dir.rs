@@ -77,9 +77,12 @@ impl PolicyDirectory {
             Ok(files) => files,
             Err(e) => {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "reading the policy dir failed; nothing changed");
+                self.manager
+                    .policy_dir_scanned(&self.dir, &[(self.dir.clone(), format!("reading the directory: {e}"))]);
                 return;
             }
         };
+        let mut rejected = Vec::new();
         let mut next: BTreeMap<PathBuf, Vec<Policy>> = BTreeMap::new();
         for file in files {
             let parsed = std::fs::read_to_string(&file)
@@ -90,10 +93,10 @@ impl PolicyDirectory {
                     next.insert(file, policies);
                 }
                 Err(e) => {
-                    tracing::error!(file = %file.display(), error = %e, "policy file rejected; its previous policies stay");
                     if let Some(previous) = self.applied.get(&file) {
-                        next.insert(file, previous.clone());
+                        next.insert(file.clone(), previous.clone());
                     }
+                    rejected.push((file, e));
                 }
             }
         }
@@ -139,6 +142,7 @@ impl PolicyDirectory {
             }
         }
         self.applied = next;
+        self.manager.policy_dir_scanned(&self.dir, &rejected);
     }
 }
 

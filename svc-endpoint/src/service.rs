@@ -475,6 +475,15 @@ impl pb::endpoint_service_server::EndpointService for EndpointApi {
                 })
                 .collect(),
             boot_id: self.boot_id(),
+            policy_dir: {
+                let dir = self.manager.policy_dir_status();
+                dir.dir.map(|path| pb::PolicyDirStatus {
+                    dir: path.display().to_string(),
+                    scans: dir.scans,
+                    files_rejected: dir.files_rejected,
+                    last_error: dir.last_error,
+                })
+            },
         }))
     }
 }

@@ -410,6 +410,18 @@ async fn realised_peers(node: &EndpointNode, endpoint_id: u32) -> (ldpb::GetEndp
     (held, peers)
 }
 
+/// What svc-endpoint's policy dir watcher reports.
+async fn policy_dir_status(node: &EndpointNode) -> pb::PolicyDirStatus {
+    node.endpoints()
+        .await
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .expect("GetStatus")
+        .into_inner()
+        .policy_dir
+        .expect("svc-endpoint watches a policy dir")
+}
+
 /// Polls `check` until it holds or `within` passes.
 async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + within;
@@ -490,9 +502,23 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
         "exactly the cidr (not its except) is an allowed peer: peers {peers:?}, cidr ids {cidr_ids:?}"
     );
 
-    // A broken file changes nothing.
+    // A broken file changes nothing, once a scan has read and rejected it.
+    let scanned = policy_dir_status(&node).await;
+    assert_eq!(scanned.files_rejected, 0, "no file was rejected yet: {scanned:?}");
     std::fs::write(&file, "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny-web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Sideways]\n").unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let rejected = loop {
+        let status = policy_dir_status(&node).await;
+        if status.files_rejected > 0 {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "a scan rejects the broken file: {status:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        rejected.last_error.contains("web.yaml") && rejected.last_error.contains("Sideways"),
+        "the status names the file and the field: {rejected:?}"
+    );
     assert!(
         !tcp(&node, "client", "web", 80),
         "a file that does not parse must leave its policies applied"
