@@ -69,6 +69,7 @@ use clap::{Args, Subcommand};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use rivet_common::grpc::{ClientOptions, connect_unix};
+use rivet_common::privileges::CapabilityList;
 use rivet_common::state_file::{StateFile, write_atomic};
 use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use serde::{Deserialize, Serialize};
@@ -1824,6 +1825,20 @@ fn gone(r: &NodeRecord) -> String {
     }
 }
 
+/// The user and effective capabilities process `pid` runs with (from
+/// `/proc/<pid>/status`: what the daemon dropped to, not what it was told).
+fn running_as(pid: u32) -> Option<(String, String)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+    let uid: u32 = field("Uid:")?.split_whitespace().nth(1)?.parse().ok()?;
+    let mask = u64::from_str_radix(field("CapEff:")?, 16).ok()?;
+    let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+        .ok()
+        .flatten()
+        .map_or_else(|| uid.to_string(), |u| u.name);
+    Some((user, CapabilityList::from_mask(mask).short()))
+}
+
 /// The node for people: where things are, then a table of the daemons.
 pub fn describe_node(r: &NodeRecord) -> String {
     let now = now_unix_nanos();
@@ -1861,8 +1876,18 @@ pub fn describe_node(r: &NodeRecord) -> String {
                 .join("\n"),
         ),
     ]);
-    let mut t = Table::new(["DAEMON", "STATE", "PID", "RESTARTS", "UP", "LAST EXIT"]);
+    let mut t = Table::new([
+        "DAEMON",
+        "STATE",
+        "PID",
+        "RESTARTS",
+        "UP",
+        "LAST EXIT",
+        "USER",
+        "CAPABILITIES",
+    ]);
     for d in &r.daemons {
+        let (user, capabilities) = d.pid.and_then(running_as).unwrap_or(("-".into(), "-".into()));
         t.row([
             d.name.clone(),
             d.phase.as_str().into(),
@@ -1877,6 +1902,8 @@ pub fn describe_node(r: &NodeRecord) -> String {
                 Some(exit) => format!("{exit}, {} ago", age(now, d.last_exit_unix_nanos)),
                 None => "-".into(),
             },
+            user,
+            capabilities,
         ]);
     }
     for line in body.lines().chain(t.render().lines()) {

@@ -326,6 +326,20 @@ fn daemons_run_with_only_their_privileges_and_sockets_admit_only_who_needs_them(
         assert_eq!((creds.cap["CapInh"], creds.cap["CapAmb"]), (0, 0), "{daemon}");
         assert!(creds.no_new_privs, "{daemon}: no_new_privs");
     }
+    // `rivet node status` shows the same, read from /proc.
+    let status = node.ok(&["node", "status"]);
+    for (daemon, user, caps) in [
+        ("svc-ipam", "rivet", "-"),
+        ("svc-loader", "rivet-datapath", "net_admin,perfmon,bpf"),
+        ("svc-gc", "rivet-datapath", "-"),
+    ] {
+        let line = status
+            .lines()
+            .find(|l| l.trim_start().starts_with(daemon))
+            .unwrap_or_else(|| panic!("{daemon} in {status}"));
+        let columns: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(columns[columns.len() - 2..], [user, caps], "{line}");
+    }
 
     // The unprivileged daemons' user gets EACCES / EPERM from the kernel for
     // the datapath: its pins, loading a program, the attached program, tc.

@@ -161,6 +161,32 @@ impl CapabilityList {
         Self(list)
     }
 
+    /// The capabilities of a kernel bitmask (a `Cap*:` line of `/proc/<pid>/status`).
+    ///
+    /// ```
+    /// use rivet_common::privileges::CapabilityList;
+    /// let list = CapabilityList::from_mask(0x000000c000001000);
+    /// assert_eq!(list.to_string(), "CAP_NET_ADMIN, CAP_PERFMON, CAP_BPF");
+    /// assert_eq!(list.short(), "net_admin,perfmon,bpf");
+    /// assert_eq!(CapabilityList::from_mask(0).short(), "-");
+    /// ```
+    pub fn from_mask(mask: u64) -> Self {
+        Self::new(caps::all().into_iter().filter(|c| mask & c.bitmask() != 0))
+    }
+
+    /// Lower-case names without `CAP_`, comma-separated (`-` for none): for tables.
+    pub fn short(&self) -> String {
+        if self.0.is_empty() {
+            return "-".into();
+        }
+        let names: Vec<String> = self
+            .0
+            .iter()
+            .map(|c| c.to_string().trim_start_matches("CAP_").to_ascii_lowercase())
+            .collect();
+        names.join(",")
+    }
+
     fn of(set: &CapsHashSet) -> Self {
         Self::new(set.iter().copied())
     }
