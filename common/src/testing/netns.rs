@@ -2,7 +2,9 @@
 //! machine's own interfaces, routes or sysctls.
 //!
 //! - [`NetNs`]: a uniquely named namespace (`ip netns add`), deleted on drop
-//!   (even on panic), after killing every process still inside it.
+//!   (even on panic), after killing every process still inside it;
+//!   [`NetNs::existing`] is a handle on one someone else made (a pod of
+//!   `rivet pod add`), left alone on drop.
 //! - [`veth_pair`]: a veth pair between two namespaces, created directly in
 //!   them (never in the host namespace).
 //! - [`TestNode`] / [`TestPod`]: a simulated node namespace with pod
@@ -181,6 +183,8 @@ static NODE_COUNTER: AtomicU32 = AtomicU32::new(0);
 #[derive(Debug)]
 pub struct NetNs {
     name: String,
+    /// Whether drop deletes the namespace (false for [`NetNs::existing`]).
+    owned: bool,
 }
 
 impl NetNs {
@@ -208,7 +212,7 @@ impl NetNs {
                 output(Command::new("ip").args(["netns", "add", &name]))
             };
             match created {
-                Ok(_) => break Self { name },
+                Ok(_) => break Self { name, owned: true },
                 // A leftover of an earlier run with the same pid: take the next number.
                 Err(NetnsError::Failed { ref stderr, .. }) if stderr.contains("exists") && attempts < 64 => {
                     attempts += 1;
@@ -222,6 +226,31 @@ impl NetNs {
             }
         };
         ns.ip(&["link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// A handle on the existing namespace `name` (in `ip netns list`) that
+    /// leaves it alone on drop: the probes and servers of this type in a
+    /// namespace someone else owns, e.g. a pod of `rivet pod add`. Fails
+    /// when there is no such namespace.
+    ///
+    /// ```no_run
+    /// # fn t() -> Result<(), rivet_common::testing::netns::NetnsError> {
+    /// let pod = rivet_common::testing::netns::NetNs::existing("rivet-pod-n1-default-web")?;
+    /// let _server = pod.tcp_echo_server(&["198.18.0.5:80".parse().unwrap()])?;
+    /// # Ok(()) }
+    /// ```
+    pub fn existing(name: &str) -> Result<Self, NetnsError> {
+        let ns = Self {
+            name: name.to_owned(),
+            owned: false,
+        };
+        if !ns.path().exists() || name.contains('/') {
+            return Err(NetnsError::Invalid(format!(
+                "there is no network namespace {name:?} ({} does not exist)",
+                ns.path().display()
+            )));
+        }
         Ok(ns)
     }
 
@@ -470,12 +499,19 @@ impl NetNs {
     /// come back or `timeout` passes; whether they came back. A refusal
     /// (ICMP port unreachable) is `Ok(false)` at once.
     pub fn udp_echo(&self, dst: SocketAddr, timeout: Duration) -> Result<bool, NetnsError> {
+        let local = match dst {
+            SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+            SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)),
+        };
+        self.udp_echo_from(local, dst, timeout)
+    }
+
+    /// [`udp_echo`](Self::udp_echo) from a socket bound to `local`: a
+    /// source port of the caller's choosing, e.g. one no earlier probe used,
+    /// so that no conntrack entry of an earlier exchange can answer for it.
+    pub fn udp_echo_from(&self, local: SocketAddr, dst: SocketAddr, timeout: Duration) -> Result<bool, NetnsError> {
         let result = self.in_ns(move || -> std::io::Result<bool> {
             let deadline = Instant::now() + timeout;
-            let local = match dst {
-                SocketAddr::V4(_) => SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
-                SocketAddr::V6(_) => SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0)),
-            };
             let socket = UdpSocket::bind(local)?;
             socket.connect(dst)?;
             let payload = token("udp");
@@ -547,6 +583,9 @@ impl NetNs {
 
 impl Drop for NetNs {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let me = std::process::id();
         if let Ok(out) = Command::new("ip").args(["netns", "pids", &self.name]).output() {
             for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
