@@ -456,7 +456,10 @@ pub async fn monitor(ctx: &Context, verdicts: bool, trace: bool, endpoints: Vec<
         .into_inner();
     while let Some(event) = stream.message().await.map_err(|s| CliError::rpc(DAEMON, s))? {
         if event.r#type == pb::EventType::Subscribed as i32 {
-            continue; // the stream's first message: listening from here on
+            // The stream's first message: every event from here on is shown.
+            // On stderr, so that scripts can wait for it without parsing events.
+            eprintln!("rivet monitor: listening");
+            continue;
         }
         print_event(ctx, &event);
     }

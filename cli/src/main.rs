@@ -76,6 +76,9 @@ enum Command {
     #[command(subcommand)]
     Gc(rivet_cli::gc::GcCommand),
     /// Stream drop (and optionally policy-verdict and trace) events live.
+    ///
+    /// `rivet monitor: listening` on stderr says the subscription is in
+    /// place: every event after it is shown.
     Monitor {
         /// Also policy verdicts of new connections.
         #[arg(long)]
