@@ -1,0 +1,1267 @@
+//! The NetworkPolicy semantics users expect, as a table (issue 12 §2),
+//! modelled on the upstream Kubernetes network-policy e2e suite
+//! (`test/e2e/network/netpol`): three namespaces x, y, z with pods a, b, c
+//! each, created through the real CNI plugin by `rivet pod add` on a node of
+//! `rivet node up`; echo servers in every pod on TCP and UDP ports 80 and 81
+//! (IPv4 and IPv6); then per case a few steps — `rivet policy apply --wait`,
+//! `rivet namespace label`, `rivet endpoint label` — and after each the
+//! expected 9×9 reachability matrix, probed pod to pod in parallel and
+//! printed as a matrix (expected and observed) on a mismatch.
+//!
+//! - A pod reaching itself never leaves its namespace (no datapath sees
+//!   it): the diagonal is not probed and shown as `-`.
+//! - Every probe that is expected to be denied must also show up as a policy
+//!   drop (`policy-denied` or `policy-default-deny`) of that flow in `rivet
+//!   monitor`, so "denied" is a drop by the datapath, not a timeout or a
+//!   missing server.
+//! - After `rivet policy apply|delete --wait` the datapath must hold the
+//!   policy: the first probe round must match. A namespace or pod relabel
+//!   is realised asynchronously (the CLI queues re-identification; the
+//!   endpoints whose policy selects the new identities learn them from the
+//!   identity watch), so after one the matrix must match within
+//!   [`CONVERGE`] (probed again until then, as the upstream suite does).
+//! - UDP probes use a source port no earlier probe of the run used, so no
+//!   conntrack entry of an earlier allowed exchange can answer for them (TCP
+//!   needs no such care: the client closes first and its TIME_WAIT keeps the
+//!   kernel from reusing a 4-tuple).
+//! - After each case every policy is deleted, relabelled namespaces and pods
+//!   get their labels back, and every probe must pass again.
+//!
+//! Needs root, a bpffs and the workspace binaries (`cargo build --bins`), as
+//! the node tests do. Addresses come from the node's pools in 198.18.0.0/15
+//! and 2001:2::/48.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rivet_common::testing::netns::{NetNs, TcpServerGuard, UdpServerGuard};
+use support::{TestNode, eventually};
+
+const NAMESPACES: [&str; 3] = ["x", "y", "z"];
+const POD_NAMES: [&str; 3] = ["a", "b", "c"];
+/// Pods in matrix order: x/a, x/b, x/c, y/a, … z/c.
+const N: usize = NAMESPACES.len() * POD_NAMES.len();
+
+/// Connect timeout of a probe expected to be denied (it runs out).
+const DENIED_TIMEOUT: Duration = Duration::from_secs(1);
+/// Connect timeout of a probe expected to pass (a local veth answers in
+/// milliseconds; this only bounds a loaded machine).
+const ALLOWED_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the matrix may take to match after a relabel.
+const CONVERGE: Duration = Duration::from_secs(15);
+/// How long `rivet monitor` may take to show the drops of a probe round.
+const DROP_EVENTS_WITHIN: Duration = Duration::from_secs(10);
+/// UDP probe source ports: below the ephemeral range (32768-60999), so a
+/// chosen port never collides with one the kernel picked.
+const UDP_SOURCE_PORTS: std::ops::Range<u16> = 10_000..32_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    Tcp,
+    Udp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+/// What a probe connects to: protocol, port and address family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Port {
+    protocol: Protocol,
+    number: u16,
+    family: Family,
+}
+
+const fn port(protocol: Protocol, number: u16, family: Family) -> Port {
+    Port {
+        protocol,
+        number,
+        family,
+    }
+}
+
+const TCP80: Port = port(Protocol::Tcp, 80, Family::V4);
+const TCP81: Port = port(Protocol::Tcp, 81, Family::V4);
+const UDP80: Port = port(Protocol::Udp, 80, Family::V4);
+const UDP81: Port = port(Protocol::Udp, 81, Family::V4);
+const TCP80_V6: Port = port(Protocol::Tcp, 80, Family::V6);
+const UDP81_V6: Port = port(Protocol::Udp, 81, Family::V6);
+/// Every port the servers listen on, IPv4.
+const ALL_V4: &[Port] = &[TCP80, TCP81, UDP80, UDP81];
+
+impl fmt::Display for Port {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let protocol = match self.protocol {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        };
+        let family = match self.family {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        };
+        write!(f, "{protocol}/{} {family}", self.number)
+    }
+}
+
+/// The expected matrix of one or more ports: every probe starts as `base`,
+/// then each `(from, to, allowed)` in order sets the probes between the pods
+/// its patterns match (`ns/pod`, `*` for any namespace or pod).
+struct Expect {
+    ports: &'static [Port],
+    base: bool,
+    cells: &'static [(&'static str, &'static str, bool)],
+}
+
+/// One step of a case.
+enum Step {
+    /// `rivet policy apply --wait` of these documents; `{x/b}` stands for
+    /// x/b's IPv4 address and `{x/b:6}` for its IPv6 address.
+    Apply(&'static str),
+    /// `rivet namespace label <namespace> <labels>` (replaces them).
+    LabelNamespace(&'static str, &'static [&'static str]),
+    /// `rivet endpoint label <namespace/pod> <labels>` (replaces them).
+    LabelPod(&'static str, &'static [&'static str]),
+    /// Probe the matrix.
+    Expect(Expect),
+    /// Another assertion about the node.
+    Check(fn(&Cluster)),
+    /// The steps again, this many times.
+    Repeat(usize, &'static [Step]),
+}
+
+/// A row of the table: a name and its steps (policies, relabels, matrices).
+struct Case {
+    name: &'static str,
+    steps: &'static [Step],
+}
+
+/// A pod's expected reachability: `allowed[from][to]`.
+#[derive(Clone, PartialEq, Eq)]
+struct Reachability {
+    allowed: [[bool; N]; N],
+}
+
+fn pod_key(index: usize) -> String {
+    format!("{}/{}", NAMESPACES[index / 3], POD_NAMES[index % 3])
+}
+
+/// Whether `ns/pod` pattern `pattern` (each part a name or `*`) matches pod `index`.
+fn matches(pattern: &str, index: usize) -> bool {
+    let (ns, pod) = pattern
+        .split_once('/')
+        .unwrap_or_else(|| panic!("pattern {pattern:?} is not ns/pod"));
+    (ns == "*" || ns == NAMESPACES[index / 3]) && (pod == "*" || pod == POD_NAMES[index % 3])
+}
+
+impl Reachability {
+    fn expected(expect: &Expect) -> Self {
+        let mut allowed = [[expect.base; N]; N];
+        for (from, to, verdict) in expect.cells {
+            let mut hit = false;
+            for (i, row) in allowed.iter_mut().enumerate() {
+                for (j, cell) in row.iter_mut().enumerate() {
+                    if matches(from, i) && matches(to, j) {
+                        *cell = *verdict;
+                        hit = true;
+                    }
+                }
+            }
+            assert!(hit, "({from}, {to}) matches no pod pair");
+        }
+        // A pod reaching itself never leaves its namespace: always allowed.
+        for (i, row) in allowed.iter_mut().enumerate() {
+            row[i] = true;
+        }
+        Self { allowed }
+    }
+
+    /// Probes that differ from `other` (never the diagonal).
+    fn differences(&self, other: &Self) -> Vec<(usize, usize)> {
+        pairs()
+            .filter(|&(i, j)| self.allowed[i][j] != other.allowed[i][j])
+            .collect()
+    }
+
+    /// The upstream suite's rendering: a row per client, a column per
+    /// server, `.` allowed, `X` denied, `-` itself; `*` marks a cell that
+    /// differs from `other`.
+    fn render(&self, other: Option<&Self>) -> String {
+        let mut out = String::from("      ");
+        for j in 0..N {
+            out.push_str(&format!("{:<5}", pod_key(j)));
+        }
+        out.push('\n');
+        for i in 0..N {
+            out.push_str(&format!("{:<6}", pod_key(i)));
+            for j in 0..N {
+                let mark = if i == j {
+                    "-"
+                } else if self.allowed[i][j] {
+                    "."
+                } else {
+                    "X"
+                };
+                let differs = other.is_some_and(|o| i != j && o.allowed[i][j] != self.allowed[i][j]);
+                out.push_str(&format!("{mark}{:<4}", if differs { "*" } else { "" }));
+            }
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// Every probed pair: all but a pod to itself.
+fn pairs() -> impl Iterator<Item = (usize, usize)> {
+    (0..N).flat_map(|i| (0..N).map(move |j| (i, j))).filter(|(i, j)| i != j)
+}
+
+/// A pod of the matrix: its namespace (not ours: `rivet pod add` made it)
+/// and addresses.
+struct Pod {
+    key: String,
+    ns: NetNs,
+    ipv4: Ipv4Addr,
+    ipv6: Ipv6Addr,
+    /// The next UDP source port this pod probes from.
+    next_udp_port: AtomicU16,
+}
+
+impl Pod {
+    fn addr(&self, family: Family) -> IpAddr {
+        match family {
+            Family::V4 => self.ipv4.into(),
+            Family::V6 => self.ipv6.into(),
+        }
+    }
+
+    /// Whether a connection (TCP) or an echo (UDP) to `to` on `port` succeeds.
+    fn probe(&self, to: &Pod, port: Port, timeout: Duration) -> bool {
+        let dst = SocketAddr::new(to.addr(port.family), port.number);
+        let result = match port.protocol {
+            Protocol::Tcp => self.ns.tcp_connect(dst, timeout),
+            Protocol::Udp => {
+                let source = self.next_udp_port.fetch_add(1, Ordering::Relaxed);
+                assert!(
+                    UDP_SOURCE_PORTS.contains(&source),
+                    "{} ran out of UDP source ports",
+                    self.key
+                );
+                let local = match port.family {
+                    Family::V4 => SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), source),
+                    Family::V6 => SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), source),
+                };
+                self.ns.udp_echo_from(local, dst, timeout)
+            }
+        };
+        result.unwrap_or_else(|e| panic!("probing {} -> {} {port}: {e}", self.key, to.key))
+    }
+}
+
+/// A drop `rivet monitor -o json` printed.
+#[derive(Debug, Clone)]
+struct DropEvent {
+    reason: String,
+    protocol: String,
+    source: IpAddr,
+    destination: SocketAddr,
+}
+
+impl DropEvent {
+    fn parse(line: &str) -> Option<Self> {
+        let event: serde_json::Value = serde_json::from_str(line).ok()?;
+        if event["type"] != "drop" {
+            return None;
+        }
+        // "198.18.0.2:80", "2001:2::2:80": the port is after the last colon.
+        let split = |field: &str| -> Option<(IpAddr, u16)> {
+            let (ip, port) = event[field].as_str()?.rsplit_once(':')?;
+            Some((ip.parse().ok()?, port.parse().ok()?))
+        };
+        let (source, _) = split("source")?;
+        let (destination, port) = split("destination")?;
+        Some(Self {
+            reason: event["reason"].as_str()?.to_string(),
+            protocol: event["protocol"].as_str()?.to_string(),
+            source,
+            destination: SocketAddr::new(destination, port),
+        })
+    }
+
+    fn is_policy_drop(&self) -> bool {
+        matches!(self.reason.as_str(), "policy-denied" | "policy-default-deny")
+    }
+}
+
+/// `rivet monitor -o json` for the whole run; its drops in order.
+struct Monitor {
+    child: Child,
+    drops: Arc<Mutex<Vec<DropEvent>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Monitor {
+    /// Starts `rivet monitor` and returns once it is subscribed.
+    fn start(node: &TestNode) -> Self {
+        let mut child = node
+            .rivet(&["monitor", "-o", "json"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawning rivet monitor");
+        let stdout = child.stdout.take().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (subscribed_tx, subscribed) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line == "rivet monitor: listening" {
+                    let _ = subscribed_tx.send(Ok(()));
+                }
+                text.push_str(&line);
+                text.push('\n');
+            }
+            let _ = subscribed_tx.send(Err(text));
+        });
+        let drops = Arc::new(Mutex::new(Vec::new()));
+        let reader = {
+            let drops = Arc::clone(&drops);
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    if let Some(event) = DropEvent::parse(&line) {
+                        drops.lock().unwrap().push(event);
+                    }
+                }
+            })
+        };
+        let mut monitor = Self {
+            child,
+            drops,
+            reader: Some(reader),
+        };
+        match subscribed.recv_timeout(Duration::from_secs(30)) {
+            Ok(Ok(())) => monitor,
+            Ok(Err(stderr)) => {
+                let status = monitor.child.wait();
+                panic!("rivet monitor ended before subscribing ({status:?}): {stderr}")
+            }
+            Err(_) => panic!("rivet monitor did not subscribe within 30 s"),
+        }
+    }
+
+    /// How many drops were seen so far: the start of a probe round's.
+    fn mark(&self) -> usize {
+        self.drops.lock().unwrap().len()
+    }
+
+    /// Drops seen since `mark`.
+    fn since(&self, mark: usize) -> Vec<DropEvent> {
+        self.drops.lock().unwrap()[mark..].to_vec()
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+/// The node, its nine pods, their servers and the monitor.
+struct Cluster {
+    // Dropped in this order: servers and monitor before the node goes.
+    _tcp_servers: Vec<TcpServerGuard>,
+    _udp_servers: Vec<UdpServerGuard>,
+    monitor: Monitor,
+    pods: Vec<Pod>,
+    node: TestNode,
+}
+
+fn namespace_base_labels(namespace: &str) -> Vec<String> {
+    vec![
+        format!("ns={namespace}"),
+        format!("kubernetes.io/metadata.name={namespace}"),
+    ]
+}
+
+fn pod_base_labels(name: &str) -> Vec<String> {
+    vec![format!("pod={name}")]
+}
+
+/// The identity labels svc-endpoint derives from the base labels.
+fn base_identity_labels(index: usize) -> Vec<String> {
+    let (ns, pod) = (NAMESPACES[index / 3], POD_NAMES[index % 3]);
+    let mut labels = vec![
+        format!("k8s:io.kubernetes.pod.namespace={ns}"),
+        format!("k8s:ns.labels/kubernetes.io/metadata.name={ns}"),
+        format!("k8s:ns.labels/ns={ns}"),
+        format!("k8s:pod={pod}"),
+    ];
+    labels.sort();
+    labels
+}
+
+impl Cluster {
+    fn up() -> Self {
+        let node = TestNode::up();
+        for ns in NAMESPACES {
+            let mut args = vec!["namespace", "label", ns];
+            let labels = namespace_base_labels(ns);
+            args.extend(labels.iter().map(String::as_str));
+            node.ok(&args);
+        }
+        for ns in NAMESPACES {
+            for name in POD_NAMES {
+                node.ok(&["pod", "add", name, "-n", ns, "--label", &format!("pod={name}")]);
+            }
+        }
+        let listed = node.json(&["pod", "list"]);
+        let mut pods = Vec::new();
+        for index in 0..N {
+            let (ns, name) = (NAMESPACES[index / 3], POD_NAMES[index % 3]);
+            let row = listed
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["namespace"] == ns && p["name"] == name)
+                .unwrap_or_else(|| panic!("pod {ns}/{name} is listed: {listed:#}"));
+            assert_eq!(row["state"], "ready", "{row}");
+            let addresses: Vec<IpAddr> = row["addresses"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|a| a.as_str().unwrap().parse().unwrap())
+                .collect();
+            let ipv4 = addresses.iter().find_map(|a| match a {
+                IpAddr::V4(a) => Some(*a),
+                IpAddr::V6(_) => None,
+            });
+            let ipv6 = addresses.iter().find_map(|a| match a {
+                IpAddr::V6(a) => Some(*a),
+                IpAddr::V4(_) => None,
+            });
+            pods.push(Pod {
+                key: format!("{ns}/{name}"),
+                ns: NetNs::existing(row["netns"].as_str().unwrap()).expect("the pod's namespace"),
+                ipv4: ipv4.unwrap_or_else(|| panic!("{ns}/{name} has an IPv4 address: {row}")),
+                ipv6: ipv6.unwrap_or_else(|| panic!("{ns}/{name} has an IPv6 address: {row}")),
+                next_udp_port: AtomicU16::new(UDP_SOURCE_PORTS.start),
+            });
+        }
+        let mut tcp_servers = Vec::new();
+        let mut udp_servers = Vec::new();
+        for pod in &pods {
+            for number in [80, 81] {
+                let addrs = [
+                    SocketAddr::new(pod.ipv4.into(), number),
+                    SocketAddr::new(pod.ipv6.into(), number),
+                ];
+                tcp_servers.push(pod.ns.tcp_echo_server(&addrs).expect("a TCP server in the pod"));
+                udp_servers.push(pod.ns.udp_echo_server(&addrs).expect("a UDP server in the pod"));
+            }
+        }
+        let monitor = Monitor::start(&node);
+        Self {
+            _tcp_servers: tcp_servers,
+            _udp_servers: udp_servers,
+            monitor,
+            pods,
+            node,
+        }
+    }
+
+    fn index(&self, key: &str) -> usize {
+        self.pods
+            .iter()
+            .position(|p| p.key == key)
+            .unwrap_or_else(|| panic!("no pod {key}"))
+    }
+
+    /// `{x/b}` and `{x/b:6}` replaced by the pod's addresses.
+    fn fill_in(&self, text: &str) -> String {
+        let mut text = text.to_string();
+        for pod in &self.pods {
+            text = text
+                .replace(&format!("{{{}:6}}", pod.key), &pod.ipv6.to_string())
+                .replace(&format!("{{{}}}", pod.key), &pod.ipv4.to_string());
+        }
+        assert!(
+            !NAMESPACES.iter().any(|ns| text.contains(&format!("{{{ns}/"))),
+            "an unknown placeholder in {text}"
+        );
+        text
+    }
+
+    fn apply(&self, documents: &str) {
+        let path = self.node.path("policy.yaml");
+        std::fs::write(&path, self.fill_in(documents)).unwrap();
+        let applied = self
+            .node
+            .json(&["policy", "apply", "--wait", "-f", path.to_str().unwrap()]);
+        assert!(applied["failed"].is_null(), "{applied:#}");
+    }
+
+    /// One round: every pair on every port, in parallel.
+    fn probe(&self, ports: &[Port], expected: &Reachability) -> Vec<Reachability> {
+        let pods = &self.pods;
+        let results: Vec<(usize, usize, usize, bool)> = std::thread::scope(|scope| {
+            let probes: Vec<_> = ports
+                .iter()
+                .enumerate()
+                .flat_map(|(k, port)| pairs().map(move |(i, j)| (k, *port, i, j)))
+                .map(|(k, port, i, j)| {
+                    let timeout = if expected.allowed[i][j] {
+                        ALLOWED_TIMEOUT
+                    } else {
+                        DENIED_TIMEOUT
+                    };
+                    scope.spawn(move || (k, i, j, pods[i].probe(&pods[j], port, timeout)))
+                })
+                .collect();
+            probes.into_iter().map(|p| p.join().unwrap()).collect()
+        });
+        let mut observed = vec![
+            Reachability {
+                allowed: [[true; N]; N]
+            };
+            ports.len()
+        ];
+        for (k, i, j, reached) in results {
+            observed[k].allowed[i][j] = reached;
+        }
+        observed
+    }
+
+    /// Probes until the matrix of every port is `expect`'s (once, or within
+    /// [`CONVERGE`] when `converge`), then checks that every denied probe
+    /// was a policy drop.
+    fn expect(&self, case: &str, expect: &Expect, converge: bool) {
+        let expected = Reachability::expected(expect);
+        let deadline = Instant::now() + CONVERGE;
+        let mut rounds = 0;
+        loop {
+            rounds += 1;
+            let mark = self.monitor.mark();
+            let observed = self.probe(expect.ports, &expected);
+            let wrong: Vec<(Port, &Reachability)> = expect
+                .ports
+                .iter()
+                .zip(&observed)
+                .filter(|(_, o)| **o != expected)
+                .map(|(p, o)| (*p, o))
+                .collect();
+            if wrong.is_empty() {
+                self.check_drops(case, mark, expect.ports, &expected);
+                return;
+            }
+            if !converge || Instant::now() >= deadline {
+                let mut report = format!(
+                    "case {case:?}: the reachability matrix is wrong after {rounds} probe round(s){}\n\
+                     expected (`.` allowed, `X` denied, `-` itself):\n{}",
+                    if converge {
+                        format!(" ({CONVERGE:?} after the change)")
+                    } else {
+                        String::new()
+                    },
+                    expected.render(None)
+                );
+                for (port, observed) in wrong {
+                    report.push_str(&format!(
+                        "observed on {port} (`*` differs):\n{}",
+                        observed.render(Some(&expected))
+                    ));
+                    for (i, j) in expected.differences(observed) {
+                        report.push_str(&format!(
+                            "  {} -> {} {port}: expected {}, observed {}\n",
+                            pod_key(i),
+                            pod_key(j),
+                            verdict(expected.allowed[i][j]),
+                            verdict(observed.allowed[i][j])
+                        ));
+                    }
+                }
+                panic!("{report}");
+            }
+        }
+    }
+
+    /// Every probe of the round starting at `mark` that was denied shows
+    /// up in `rivet monitor` as a policy drop of its flow.
+    fn check_drops(&self, case: &str, mark: usize, ports: &[Port], expected: &Reachability) {
+        let wanted: Vec<(Port, usize, usize)> = ports
+            .iter()
+            .flat_map(|port| pairs().map(move |(i, j)| (*port, i, j)))
+            .filter(|&(_, i, j)| !expected.allowed[i][j])
+            .collect();
+        let is_drop_of = |event: &DropEvent, &(port, i, j): &(Port, usize, usize)| {
+            let protocol = match port.protocol {
+                Protocol::Tcp => "tcp",
+                Protocol::Udp => "udp",
+            };
+            event.protocol == protocol
+                && event.source == self.pods[i].addr(port.family)
+                && event.destination == SocketAddr::new(self.pods[j].addr(port.family), port.number)
+        };
+        let deadline = Instant::now() + DROP_EVENTS_WITHIN;
+        loop {
+            let drops = self.monitor.since(mark);
+            let missing: Vec<String> = wanted
+                .iter()
+                .filter(|probe| !drops.iter().any(|d| is_drop_of(d, probe) && d.is_policy_drop()))
+                .map(|&(port, i, j)| {
+                    let other: Vec<&str> = drops
+                        .iter()
+                        .filter(|d| is_drop_of(d, &(port, i, j)))
+                        .map(|d| d.reason.as_str())
+                        .collect();
+                    format!("{} -> {} {port} (other drops of it: {other:?})", pod_key(i), pod_key(j))
+                })
+                .collect();
+            if missing.is_empty() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "case {case:?}: denied probes without a policy drop in `rivet monitor` within \
+                 {DROP_EVENTS_WITHIN:?}:\n  {}",
+                missing.join("\n  ")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn run(&self, case: &Case) {
+        let started = Instant::now();
+        let mut relabelled = Relabelled::default();
+        self.run_steps(case.name, case.steps, &mut relabelled, &mut false);
+        self.reset(case.name, &relabelled);
+        eprintln!("case {:?} passed in {:.1?}", case.name, started.elapsed());
+    }
+
+    /// `changed_labels`: whether a relabel happened since the last probe round.
+    fn run_steps(&self, case: &str, steps: &[Step], relabelled: &mut Relabelled, changed_labels: &mut bool) {
+        for step in steps {
+            match step {
+                Step::Apply(documents) => self.apply(documents),
+                Step::LabelNamespace(namespace, labels) => {
+                    let mut args = vec!["namespace", "label", namespace];
+                    args.extend(labels.iter());
+                    self.node.ok(&args);
+                    relabelled.namespaces.insert(namespace);
+                    *changed_labels = true;
+                }
+                Step::LabelPod(pod, labels) => {
+                    self.index(pod);
+                    let mut args = vec!["endpoint", "label", pod];
+                    args.extend(labels.iter());
+                    self.node.ok(&args);
+                    relabelled.pods.insert(pod);
+                    *changed_labels = true;
+                }
+                Step::Expect(expect) => {
+                    self.expect(case, expect, *changed_labels);
+                    *changed_labels = false;
+                }
+                Step::Check(check) => check(self),
+                Step::Repeat(times, steps) => {
+                    for _ in 0..*times {
+                        self.run_steps(case, steps, relabelled, changed_labels);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Back to the start: no policy, the base labels, every probe passing.
+    fn reset(&self, case: &str, relabelled: &Relabelled) {
+        let policies = self.node.json(&["policy", "list"]);
+        for policy in policies["policies"].as_array().unwrap() {
+            let key = &policy["key"];
+            let key = format!(
+                "{}/{}/{}",
+                key["kind"].as_str().unwrap(),
+                key["namespace"].as_str().unwrap(),
+                key["name"].as_str().unwrap()
+            );
+            self.node.ok(&["policy", "delete", "--wait", &key]);
+        }
+        for namespace in &relabelled.namespaces {
+            let labels = namespace_base_labels(namespace);
+            let mut args = vec!["namespace", "label", namespace];
+            args.extend(labels.iter().map(String::as_str));
+            self.node.ok(&args);
+        }
+        for pod in &relabelled.pods {
+            let labels = pod_base_labels(&pod[pod.find('/').unwrap() + 1..]);
+            let mut args = vec!["endpoint", "label", pod];
+            args.extend(labels.iter().map(String::as_str));
+            self.node.ok(&args);
+        }
+        eventually(
+            &format!("every endpoint back to its base identity labels after case {case:?}"),
+            CONVERGE,
+            || {
+                let endpoints = self.node.json(&["endpoint", "list"]);
+                (0..N).all(|index| {
+                    let (ns, name) = (NAMESPACES[index / 3], POD_NAMES[index % 3]);
+                    endpoints["endpoints"].as_array().unwrap().iter().any(|e| {
+                        e["pod_namespace"] == ns
+                            && e["pod_name"] == name
+                            && e["state"] == "ready"
+                            && e["identity_labels"] == serde_json::json!(base_identity_labels(index))
+                    })
+                })
+            },
+        );
+        self.expect(
+            &format!("{case} (after its reset)"),
+            &Expect {
+                ports: ALL_V4,
+                base: true,
+                cells: &[],
+            },
+            !relabelled.namespaces.is_empty() || !relabelled.pods.is_empty(),
+        );
+    }
+}
+
+/// What a case relabelled (the reset puts the base labels back).
+#[derive(Default)]
+struct Relabelled {
+    namespaces: BTreeSet<&'static str>,
+    pods: BTreeSet<&'static str>,
+}
+
+fn verdict(allowed: bool) -> &'static str {
+    if allowed { "allowed" } else { "denied" }
+}
+
+// ---------------------------------------------------------------------------
+// Checks beside the matrix.
+
+/// `rivet policy get` of an Ingress-only policy shows egress unrestricted,
+/// and the endpoints it selects enforce ingress only.
+fn ingress_only_policy_leaves_egress_unrestricted(cluster: &Cluster) {
+    let got = cluster.node.json(&["policy", "get", "x/deny-ingress"]);
+    assert_eq!(
+        got["normalized"]["spec"]["enableDefaultDeny"],
+        serde_json::json!({"ingress": true, "egress": false}),
+        "{got:#}"
+    );
+    let endpoint = cluster.node.json(&["endpoint", "get", "x/a"]);
+    assert_eq!(
+        (&endpoint["ingress_enforced"], &endpoint["egress_enforced"]),
+        (&serde_json::json!(true), &serde_json::json!(false)),
+        "{endpoint:#}"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// The table.
+
+const DENY_INGRESS_X: &str = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: deny-ingress, namespace: x}
+spec: {podSelector: {}, policyTypes: [Ingress]}
+";
+
+/// Every pod of x is unreachable from every other pod (x's own included).
+const X_ISOLATED: &[(&str, &str, bool)] = &[("*/*", "x/*", false)];
+
+const CASES: &[Case] = &[
+    Case {
+        name: "default deny ingress in x",
+        steps: &[
+            Step::Apply(DENY_INGRESS_X),
+            Step::Expect(Expect {
+                ports: &[TCP80, TCP81, UDP80, UDP81, TCP80_V6, UDP81_V6],
+                base: true,
+                cells: X_ISOLATED,
+            }),
+            Step::Check(ingress_only_policy_leaves_egress_unrestricted),
+        ],
+    },
+    Case {
+        name: "allow all ingress beside a default deny",
+        steps: &[
+            Step::Apply(DENY_INGRESS_X),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: X_ISOLATED,
+            }),
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: allow-all, namespace: x}
+spec:
+  podSelector: {}
+  ingress: [{}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP81],
+                base: true,
+                cells: &[],
+            }),
+        ],
+    },
+    Case {
+        name: "deny all egress in x (egress to nothing)",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: deny-egress, namespace: x}
+spec: {podSelector: {}, policyTypes: [Egress], egress: []}
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP80, TCP80_V6],
+                base: true,
+                cells: &[("x/*", "*/*", false)],
+            }),
+        ],
+    },
+    Case {
+        name: "policyTypes Egress only leaves ingress open",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-egress-to-b, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  policyTypes: [Egress]
+  egress: [{to: [{podSelector: {matchLabels: {pod: b}}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP81],
+                base: true,
+                cells: &[("x/a", "*/*", false), ("x/a", "x/b", true)],
+            }),
+        ],
+    },
+    Case {
+        name: "podSelector selects in the policy's namespace",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-b, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{podSelector: {matchLabels: {pod: b}}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("x/b", "x/a", true)],
+            }),
+        ],
+    },
+    Case {
+        name: "namespaceSelector",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-y, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {matchLabels: {ns: y}}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("y/*", "x/a", true)],
+            }),
+        ],
+    },
+    Case {
+        name: "namespaceSelector and podSelector in one peer (AND)",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-y-b, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress:
+  - from: [{namespaceSelector: {matchLabels: {ns: y}}, podSelector: {matchLabels: {pod: b}}}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("y/b", "x/a", true)],
+            }),
+        ],
+    },
+    Case {
+        name: "namespaceSelector and podSelector as two peers (OR)",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-y-or-b, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress:
+  - from: [{namespaceSelector: {matchLabels: {ns: y}}}, {podSelector: {matchLabels: {pod: b}}}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("y/*", "x/a", true), ("x/b", "x/a", true)],
+            }),
+        ],
+    },
+    Case {
+        name: "matchExpressions In and NotIn",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-yz-not-a, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress:
+  - from:
+    - namespaceSelector: {matchExpressions: [{key: ns, operator: In, values: [y, z]}]}
+      podSelector: {matchExpressions: [{key: pod, operator: NotIn, values: [a]}]}
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[
+                    ("*/*", "x/a", false),
+                    ("y/b", "x/a", true),
+                    ("y/c", "x/a", true),
+                    ("z/b", "x/a", true),
+                    ("z/c", "x/a", true),
+                ],
+            }),
+        ],
+    },
+    Case {
+        name: "matchExpressions Exists and DoesNotExist",
+        steps: &[
+            Step::LabelPod("y/c", &["pod=c", "tier=db"]),
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-tier, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress:
+  - from: [{namespaceSelector: {}, podSelector: {matchExpressions: [{key: tier, operator: Exists}]}}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("y/c", "x/a", true)],
+            }),
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-tier, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress:
+  - from: [{namespaceSelector: {}, podSelector: {matchExpressions: [{key: tier, operator: DoesNotExist}]}}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("y/c", "x/a", false)],
+            }),
+        ],
+    },
+    Case {
+        name: "numeric port",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-tcp-80, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {}}], ports: [{protocol: TCP, port: 80}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, TCP80_V6],
+                base: true,
+                cells: &[],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP81, UDP80, UDP81],
+                base: true,
+                cells: &[("*/*", "x/a", false)],
+            }),
+        ],
+    },
+    Case {
+        name: "port range with endPort",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-tcp-range, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {}}], ports: [{protocol: TCP, port: 80, endPort: 81}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, TCP81],
+                base: true,
+                cells: &[],
+            }),
+            Step::Expect(Expect {
+                ports: &[UDP80, UDP81],
+                base: true,
+                cells: &[("*/*", "x/a", false)],
+            }),
+            // The range's first port is its start: 80 is outside 81-90.
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-tcp-range, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {}}], ports: [{protocol: TCP, port: 81, endPort: 90}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("*/*", "x/a", false)],
+            }),
+            // ... and its last port is endPort: 81 is outside 70-80.
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-tcp-range, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {}}], ports: [{protocol: TCP, port: 70, endPort: 80}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[("*/*", "x/a", false)],
+            }),
+        ],
+    },
+    Case {
+        name: "protocol UDP is not TCP",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-udp-81, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {}}], ports: [{protocol: UDP, port: 81}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[UDP81, UDP81_V6],
+                base: true,
+                cells: &[],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP81, TCP80, UDP80],
+                base: true,
+                cells: &[("*/*", "x/a", false)],
+            }),
+        ],
+    },
+    Case {
+        name: "egress to a port",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-egress-81, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  policyTypes: [Egress]
+  egress: [{to: [{namespaceSelector: {}}], ports: [{protocol: TCP, port: 81}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP81],
+                base: true,
+                cells: &[("x/a", "*/*", false)],
+            }),
+        ],
+    },
+    Case {
+        // The issue's race: every y pod gets a new identity at once while
+        // x/a regenerates; x/a must end up allowing all three, every time.
+        name: "namespace relabel during regeneration",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-ns2, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {matchLabels: {ns2: updated}}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("*/*", "x/a", false)],
+            }),
+            Step::Repeat(
+                3,
+                &[
+                    Step::LabelNamespace("y", &["ns=y", "kubernetes.io/metadata.name=y", "ns2=updated"]),
+                    Step::Expect(Expect {
+                        ports: &[TCP80],
+                        base: true,
+                        cells: &[("*/*", "x/a", false), ("y/*", "x/a", true)],
+                    }),
+                    Step::LabelNamespace("y", &["ns=y", "kubernetes.io/metadata.name=y"]),
+                    Step::Expect(Expect {
+                        ports: &[TCP80],
+                        base: true,
+                        cells: &[("*/*", "x/a", false)],
+                    }),
+                ],
+            ),
+        ],
+    },
+    Case {
+        name: "pod relabel moves pods in and out of a podSelector",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-any-b, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {}, podSelector: {matchLabels: {pod: b}}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("*/b", "x/a", true)],
+            }),
+            // y/c into the peer selector, y/b out of it.
+            Step::LabelPod("y/c", &["pod=b"]),
+            Step::LabelPod("y/b", &["pod=other"]),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[
+                    ("*/*", "x/a", false),
+                    ("*/b", "x/a", true),
+                    ("y/b", "x/a", false),
+                    ("y/c", "x/a", true),
+                ],
+            }),
+            // x/a out of the policy's own podSelector: no longer isolated.
+            Step::LabelPod("x/a", &["pod=other"]),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[],
+            }),
+        ],
+    },
+];
+
+/// The whole table on one node (the cases run one after another; each
+/// leaves the node as it found it).
+#[test]
+fn network_policy_reachability_matrix() {
+    let started = Instant::now();
+    let cluster = Cluster::up();
+    eprintln!("9 pods, servers and monitor up in {:.1?}", started.elapsed());
+    // The starting point: no policy, every probe passes.
+    cluster.expect(
+        "no policy",
+        &Expect {
+            ports: &[TCP80, TCP81, UDP80, UDP81, TCP80_V6, UDP81_V6],
+            base: true,
+            cells: &[],
+        },
+        false,
+    );
+    for case in CASES {
+        cluster.run(case);
+    }
+    let Cluster {
+        _tcp_servers,
+        _udp_servers,
+        monitor,
+        pods,
+        mut node,
+    } = cluster;
+    drop((_tcp_servers, _udp_servers, monitor, pods));
+    node.down_and_check_nothing_left();
+    eprintln!("{} cases in {:.1?}", CASES.len(), started.elapsed());
+}
