@@ -1,8 +1,9 @@
 //! Differential test: the real datapath against the policy engine.
 //!
 //! Random policies (NetworkPolicy and RivetNetworkPolicy: pod and namespace
-//! selectors with matchExpressions, ports with endPort, TCP/UDP/SCTP and
-//! Rivet's ICMP/ICMPv6/ANY, deny rules, entities, policyTypes,
+//! selectors with matchExpressions, ipBlocks with excepts, ports with
+//! endPort, TCP/UDP/SCTP and Rivet's ICMP/ICMPv6/ANY, deny rules, entities,
+//! policyTypes,
 //! enableDefaultDeny) over random identities are resolved by the engine and
 //! realised in a really loaded datapath through the loader library, exactly
 //! as an ApplyEndpoint request is (`validate::endpoint`, then
@@ -25,17 +26,25 @@
 //! in egress rules for any peer (the engine allows the name's port of every
 //! endpoint towards any peer; Kubernetes means the destination pod's own
 //! port, which the evaluator follows: a known difference, not a datapath
-//! one), and ipBlock peers (their per-address enforcement is being built in
-//! the datapath; the evaluator already matches them by address).
+//! one), nor in egress rules with an ipBlock peer (a CIDR identity has no
+//! named ports, so the engine resolves them to nothing; the evaluator would
+//! use the matched pod's ports).
+//!
+//! ipBlocks: cidrs and excepts around the peers' addresses, pods included.
+//! Each prefix gets a CIDR identity (from 2^24, in the selector cache and in
+//! the ipcache, where an endpoint's own /32 outranks a CIDR prefix of the
+//! same address, as in svc-identity); the datapath matches them per address
+//! through the endpoint's prefixes.
 
 use std::fmt::Write as _;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::time::Instant;
 
+use ipnet::IpNet;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom as _;
 use rand::{Rng, SeedableRng};
-use rivet_common::labels::Labels;
+use rivet_common::labels::{CIDR_IDENTITY_MIN, Labels};
 use rivet_common::testing::netns::{NetNs, veth_pair};
 use rivet_proto::loader::v1 as pb;
 use serde_json::{Value, json};
@@ -72,6 +81,26 @@ const NAMESPACE_KEYS: [(&str, &[&str]); 3] = [
     ("kubernetes.io/metadata.name", &["ns-a", "ns-b", "ns-c"]),
 ];
 const PORTS: [u16; 8] = [53, 80, 443, 1000, 1500, 2000, 5432, 8080];
+/// ipBlock cidrs around the peers' addresses (pods 198.18.100.1-6 and
+/// 2001:2:0:100::1-6; host, world and remote-node in 198.18.200.0/24 and
+/// 2001:2:0:200::/64); excepts are made inside them from the same
+/// addresses. A `*` is replaced by a peer's address.
+const CIDRS: [&str; 14] = [
+    "0.0.0.0/0",
+    "198.18.0.0/15",
+    "198.18.100.0/24",
+    "198.18.100.0/29",
+    "198.18.200.0/24",
+    "*/32",
+    "*/30",
+    "::/0",
+    "2001:2::/48",
+    "2001:2:0:100::/64",
+    "2001:2:0:100::/125",
+    "2001:2:0:200::/64",
+    "*/128",
+    "*/126",
+];
 
 #[test]
 fn the_datapath_enforces_what_the_policy_engine_says() {
@@ -87,11 +116,17 @@ fn the_datapath_enforces_what_the_policy_engine_says() {
     eprintln!("differential test: seed {seed} (replay with RIVET_DIFF_SEED={seed}), {scenarios} scenarios");
 
     let started = Instant::now();
-    let (cases, failures, seen) = in_test_namespace(move |pin_dir| run(seed, scenarios, pin_dir));
+    let (cases, failures, seen, pods_by_address) = in_test_namespace(move |pin_dir| run(seed, scenarios, pin_dir));
     eprintln!(
-        "differential test: {cases} cases in {:.1} s, {} disagreements (seed {seed}); expected outcomes: {seen:?}",
+        "differential test: {cases} cases in {:.1} s, {} disagreements (seed {seed}); expected outcomes: {seen:?}; \
+         {pods_by_address} cases with a pod peer inside an ipBlock prefix of the subject",
         started.elapsed().as_secs_f64(),
         failures.len()
+    );
+    assert!(
+        pods_by_address * 100 >= cases,
+        "the generator must put pod peers inside the subject's ipBlock prefixes in at least 1% of the cases: \
+         {pods_by_address} of {cases}"
     );
     for outcome in [
         Outcome::Pass,
@@ -357,24 +392,26 @@ fn in_test_namespace<T: Send + 'static>(f: impl FnOnce(std::path::PathBuf) -> T 
 }
 
 /// Runs every scenario inside the test namespace; returns the case count,
-/// a description of each disagreement and how often each outcome was
-/// expected.
+/// a description of each disagreement, how often each outcome was expected,
+/// and how many cases had a pod peer inside an ipBlock prefix of the
+/// subject (decided per address).
 fn run(
     seed: u64,
     scenarios: usize,
     pin_dir: std::path::PathBuf,
-) -> (usize, Vec<String>, std::collections::BTreeMap<Outcome, usize>) {
+) -> (usize, Vec<String>, std::collections::BTreeMap<Outcome, usize>, usize) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut harness = Harness::new(pin_dir);
 
     let mut cases = 0;
+    let mut pods_by_address = 0;
     let mut seen = std::collections::BTreeMap::new();
     let mut failures = Vec::new();
     let mut frag_id = 1u32;
     for scenario in 0..scenarios {
         let world = make_world(&mut rng);
         let documents: Vec<String> = (0..rng.random_range(1..=3))
-            .map(|i| random_policy(&mut rng, i).to_string())
+            .map(|i| random_policy(&mut rng, i, &world.peers).to_string())
             .collect();
         let mut repo = PolicyRepository::new();
         for doc in &documents {
@@ -382,6 +419,11 @@ fn run(
             repo.upsert(policy, PolicyOrigin::Api).expect("stored");
         }
         let mut cache = SelectorCache::new();
+        // A CIDR identity per ipBlock prefix, as svc-endpoint allocates them.
+        let cidrs: Vec<(IpNet, u32)> = repo.cidrs().into_iter().zip(CIDR_IDENTITY_MIN..).collect();
+        for (prefix, id) in &cidrs {
+            cache.set_cidr_identity(*prefix, *id);
+        }
         cache.upsert_identity(SUBJECT_ID, world.subject.clone());
         cache.set_named_ports(SUBJECT_ID, world.subject_ports.clone());
         for peer in &world.peers {
@@ -408,7 +450,7 @@ fn run(
         };
         let local_resolved = repo.resolve(&local_subject, &cache);
         harness.apply_local(local, &local_resolved, scenario as u64 + 1, allow_from_host);
-        let ipcache: Vec<(IpAddr, u8, IpcacheValue)> = world
+        let mut ipcache: Vec<(IpAddr, u8, IpcacheValue)> = world
             .peers
             .iter()
             .filter(|p| p.identity != 2)
@@ -417,6 +459,14 @@ fn run(
                 [(IpAddr::V4(p.v4), 32, value), (IpAddr::V6(p.v6), 128, value)]
             })
             .collect();
+        // The CIDR identities too (entities see them); an endpoint's own
+        // /32 or /128 outranks a CIDR prefix of the same address.
+        let cidr_entries: Vec<(IpAddr, u8, IpcacheValue)> = cidrs
+            .iter()
+            .map(|(prefix, id)| (prefix.network(), prefix.prefix_len(), IpcacheValue::new(*id, None)))
+            .filter(|(a, l, _)| !ipcache.iter().any(|(pa, pl, _)| (pa, pl) == (a, l)))
+            .collect();
+        ipcache.extend(cidr_entries);
         harness.loader.upsert_ipcache(&ipcache).expect("ipcache entries");
 
         for _ in 0..PACKETS_PER_SCENARIO {
@@ -455,6 +505,13 @@ fn run(
             );
             let outcomes = harness.run(case.direction, &case.frames);
             cases += 1;
+            if peer_spec.labels.is_some()
+                && resolved
+                    .prefixes_of(case.direction)
+                    .any(|p| p.prefix.contains(&case.address))
+            {
+                pods_by_address += 1;
+            }
             *seen.entry(expected[0].any_direction()).or_insert(0) += 1;
             if outcomes != expected {
                 failures.push(describe(
@@ -472,7 +529,7 @@ fn run(
         let stale: Vec<(IpAddr, u8)> = ipcache.iter().map(|(a, l, _)| (*a, *l)).collect();
         harness.loader.delete_ipcache(&stale).expect("ipcache cleanup");
     }
-    (cases, failures, seen)
+    (cases, failures, seen, pods_by_address)
 }
 
 /// What one frame did: passed, or dropped with a reason.
@@ -620,7 +677,40 @@ fn pick_some<'a>(rng: &mut StdRng, values: &[&'a str]) -> Vec<&'a str> {
     values.choose_multiple(rng, n).copied().collect()
 }
 
-fn random_peer(rng: &mut StdRng, rivet: bool) -> Value {
+/// An ipBlock around the peers' addresses, with up to two excepts of the
+/// peers' addresses inside it.
+fn random_ip_block(rng: &mut StdRng, peers: &[PeerSpec]) -> Value {
+    let pick = |rng: &mut StdRng, v6: bool| -> IpAddr {
+        let peer = peers.choose(rng).expect("peers");
+        if v6 { peer.v6.into() } else { peer.v4.into() }
+    };
+    let template = *CIDRS.choose(rng).unwrap();
+    let (address, len) = template.split_once('/').expect("a prefix");
+    let len: u8 = len.parse().expect("a length");
+    let v6 = template.contains(':') || len > 32;
+    let address = if address == "*" {
+        pick(rng, v6)
+    } else {
+        address.parse().expect("an address")
+    };
+    let cidr = IpNet::new(address, len).expect("a prefix").trunc();
+    let max = if v6 { 128 } else { 32 };
+    let mut except = std::collections::BTreeSet::new();
+    for _ in 0..rng.random_range(0..=2) {
+        let inside = pick(rng, v6);
+        if len < max && cidr.contains(&inside) {
+            let inner_len = rng.random_range(len + 1..=max);
+            except.insert(IpNet::new(inside, inner_len).expect("a prefix").trunc());
+        }
+    }
+    let except: Vec<String> = except.iter().map(ToString::to_string).collect();
+    json!({"ipBlock": {"cidr": cidr.to_string(), "except": except}})
+}
+
+fn random_peer(rng: &mut StdRng, rivet: bool, peers: &[PeerSpec]) -> Value {
+    if rng.random_bool(0.3) {
+        return random_ip_block(rng, peers);
+    }
     match rng.random_range(0..if rivet { 4 } else { 3 }) {
         0 => json!({"podSelector": random_selector(rng, &POD_KEYS)}),
         1 => json!({"namespaceSelector": random_selector(rng, &NAMESPACE_KEYS)}),
@@ -666,16 +756,19 @@ fn random_port(rng: &mut StdRng, rivet: bool, named: bool) -> Value {
     }
 }
 
-fn random_rule(rng: &mut StdRng, rivet: bool, peers_key: &str) -> Value {
+fn random_rule(rng: &mut StdRng, rivet: bool, peers_key: &str, world: &[PeerSpec]) -> Value {
     let mut rule = serde_json::Map::new();
-    let peers: Vec<Value> = (0..rng.random_range(0..=2)).map(|_| random_peer(rng, rivet)).collect();
+    let peers: Vec<Value> = (0..rng.random_range(0..=2))
+        .map(|_| random_peer(rng, rivet, world))
+        .collect();
     // Named ports in egress rules for any peer (no peers, or the entity
     // `all`) are left out: the engine then allows every port the name has
     // on any endpoint, towards any peer, where Kubernetes means the
     // destination pod's own port (noted in the report; the evaluator
     // follows Kubernetes).
     let any_peer = peers.is_empty() || peers.iter().any(|p| p.to_string().contains("\"all\""));
-    let named = peers_key == "from" || !any_peer;
+    let ip_block = peers.iter().any(|p| p.get("ipBlock").is_some());
+    let named = peers_key == "from" || !(any_peer || ip_block);
     if !peers.is_empty() {
         rule.insert(peers_key.into(), Value::Array(peers));
     }
@@ -689,7 +782,7 @@ fn random_rule(rng: &mut StdRng, rivet: bool, peers_key: &str) -> Value {
     Value::Object(rule)
 }
 
-fn random_policy(rng: &mut StdRng, index: usize) -> Value {
+fn random_policy(rng: &mut StdRng, index: usize, world: &[PeerSpec]) -> Value {
     let rivet = rng.random_bool(0.5);
     // Mostly in the subject's namespace, so that it selects the subject.
     let namespace = if rng.random_bool(0.85) {
@@ -702,7 +795,7 @@ fn random_policy(rng: &mut StdRng, index: usize) -> Value {
     let rules = |rng: &mut StdRng, key: &str, max: usize| -> Value {
         Value::Array(
             (0..rng.random_range(0..=max))
-                .map(|_| random_rule(rng, rivet, key))
+                .map(|_| random_rule(rng, rivet, key, world))
                 .collect(),
         )
     };
@@ -710,10 +803,10 @@ fn random_policy(rng: &mut StdRng, index: usize) -> Value {
     spec.insert("egress".into(), rules(rng, "to", 2));
     if rivet {
         if rng.random_bool(0.5) {
-            spec.insert("ingressDeny".into(), json!([random_rule(rng, rivet, "from")]));
+            spec.insert("ingressDeny".into(), json!([random_rule(rng, rivet, "from", world)]));
         }
         if rng.random_bool(0.5) {
-            spec.insert("egressDeny".into(), json!([random_rule(rng, rivet, "to")]));
+            spec.insert("egressDeny".into(), json!([random_rule(rng, rivet, "to", world)]));
         }
         if rng.random_bool(0.3) {
             spec.insert(
@@ -1148,8 +1241,8 @@ fn describe(
     let _ = writeln!(out, "expected {expected:?}, datapath {outcomes:?}");
     let _ = writeln!(
         out,
-        "resolved: ingress enforced {}, egress enforced {}, entries {:?}",
-        resolved.enforce_ingress, resolved.enforce_egress, resolved.entries
+        "resolved: ingress enforced {}, egress enforced {}, entries {:?}, prefixes {:?}",
+        resolved.enforce_ingress, resolved.enforce_egress, resolved.entries, resolved.prefixes
     );
     for doc in documents {
         let _ = writeln!(out, "policy: {doc}");
