@@ -252,15 +252,7 @@ fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
             Err(_) => return Err(invalid(f("peer_kind"), "must be IDENTITY or ADDRESS")),
         };
         if by_address {
-            if e.peer_identity < CIDR_IDENTITY_MIN {
-                return Err(invalid(
-                    f("peer_identity"),
-                    format!(
-                        "an ADDRESS entry names the CIDR identity (>= {CIDR_IDENTITY_MIN}) of a prefix, got {}",
-                        e.peer_identity
-                    ),
-                ));
-            }
+            cidr_identity(f("peer_identity"), e.peer_identity)?;
             if !prefixes
                 .iter()
                 .any(|p| p.direction == direction && p.cidr_identity == e.peer_identity)
@@ -294,6 +286,18 @@ fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
     })
 }
 
+/// Checks a CIDR identity (>= 2^24): address-matched entries and prefixes
+/// name one.
+fn cidr_identity(field: String, id: u32) -> Result<u32, InvalidField> {
+    if id < CIDR_IDENTITY_MIN {
+        return Err(invalid(
+            field,
+            format!("must be the CIDR identity of a prefix (>= {CIDR_IDENTITY_MIN}), got {id}"),
+        ));
+    }
+    Ok(id)
+}
+
 fn policy_prefixes(p: &pb::EndpointPolicy) -> Result<Vec<PolicyPrefix>, InvalidField> {
     if p.prefixes.len() > MAX_POLICY_PREFIXES {
         return Err(invalid(
@@ -310,15 +314,7 @@ fn policy_prefixes(p: &pb::EndpointPolicy) -> Result<Vec<PolicyPrefix>, InvalidF
         let f = |name: &str| format!("policy.prefixes[{i}].{name}");
         let direction = direction(f("direction"), raw.direction, p)?;
         let (addr, len) = prefix(&f("prefix"), raw.prefix.as_ref())?;
-        if raw.cidr_identity < CIDR_IDENTITY_MIN {
-            return Err(invalid(
-                f("cidr_identity"),
-                format!(
-                    "must be a CIDR identity (>= {CIDR_IDENTITY_MIN}), got {}",
-                    raw.cidr_identity
-                ),
-            ));
-        }
+        cidr_identity(f("cidr_identity"), raw.cidr_identity)?;
         if !seen.insert((direction, addr, len)) {
             return Err(invalid(
                 f("prefix"),

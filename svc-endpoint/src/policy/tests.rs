@@ -5,6 +5,8 @@
 use std::collections::BTreeSet;
 
 use ipnet::IpNet;
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
 use rivet_common::labels::Labels;
 
 use super::selector_cache::CIDR_MIN;
@@ -1502,26 +1504,10 @@ spec:
     );
 }
 
-/// xorshift64*: deterministic, no dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 /// A random prefix of 10.0.0.0/24 at least `min_len` long, inside `within`.
-fn random_prefix(rng: &mut Rng, within: ipnet::Ipv4Net) -> ipnet::Ipv4Net {
-    let len = within.prefix_len() + rng.below(u64::from(33 - within.prefix_len())) as u8;
-    let host = u32::from(within.network()) | (rng.next() as u32 & !u32::from(within.netmask()));
+fn random_prefix(rng: &mut StdRng, within: ipnet::Ipv4Net) -> ipnet::Ipv4Net {
+    let len = rng.random_range(within.prefix_len()..=32);
+    let host = u32::from(within.network()) | (rng.random::<u32>() & !u32::from(within.netmask()));
     ipnet::Ipv4Net::new(host.into(), len).unwrap().trunc()
 }
 
@@ -1547,19 +1533,19 @@ fn simulated_address_verdict(resolved: &ResolvedPolicy, address: std::net::IpAdd
 #[test]
 fn address_matching_decides_every_address_as_the_blocks_say() {
     let universe: ipnet::Ipv4Net = "10.0.0.0/24".parse().unwrap();
-    let mut rng = Rng(0x1b10c);
+    let mut rng = StdRng::seed_from_u64(0x1b10c);
     for case in 0..400 {
         let mut cache = SelectorCache::new();
         cache.upsert_identity(WEB, identity(WEB));
         let mut next_id = CIDR_MIN;
         let mut blocks: Vec<(Verdict, ipnet::Ipv4Net, Vec<ipnet::Ipv4Net>)> = Vec::new();
-        for _ in 0..1 + rng.below(4) {
+        for _ in 0..rng.random_range(1..=4) {
             let cidr = random_prefix(&mut rng, universe);
-            let except: Vec<_> = (0..rng.below(3))
+            let except: Vec<_> = (0..rng.random_range(0..3))
                 .filter(|_| cidr.prefix_len() < 32)
                 .map(|_| {
                     let inner = ipnet::Ipv4Net::new(cidr.network(), cidr.prefix_len() + 1).unwrap();
-                    let inner = if rng.below(2) == 0 {
+                    let inner = if rng.random_bool(0.5) {
                         inner
                     } else {
                         ipnet::Ipv4Net::new(
@@ -1573,7 +1559,7 @@ fn address_matching_decides_every_address_as_the_blocks_say() {
                 .collect::<BTreeSet<_>>()
                 .into_iter()
                 .collect();
-            let verdict = [Verdict::Allow, Verdict::Allow, Verdict::Deny][rng.below(3) as usize];
+            let verdict = [Verdict::Allow, Verdict::Allow, Verdict::Deny][rng.random_range(0..3)];
             blocks.push((verdict, cidr, except));
         }
         let block_yaml = |(_, cidr, except): &(Verdict, ipnet::Ipv4Net, Vec<ipnet::Ipv4Net>)| {
@@ -1599,7 +1585,7 @@ fn address_matching_decides_every_address_as_the_blocks_say() {
         let repo = repo(&documents.iter().map(String::as_str).collect::<Vec<_>>());
         // Every prefix gets an identity, plus prefixes of other policies.
         let mut prefixes = repo.cidrs();
-        for _ in 0..rng.below(4) {
+        for _ in 0..rng.random_range(0..4) {
             prefixes.insert(IpNet::V4(random_prefix(&mut rng, universe)));
         }
         for prefix in prefixes {

@@ -33,6 +33,7 @@ struct Fixture {
     pins: PinDir,
     ifindexes: Vec<u32>,
     policy_max: u32,
+    ep_prefixes_max: u32,
 }
 
 impl Fixture {
@@ -55,12 +56,14 @@ impl Fixture {
             pins,
             ifindexes,
             policy_max,
+            ep_prefixes_max: crate::datapath::DEFAULT_EP_PREFIXES_MAX,
         }
     }
 
     fn options(&self) -> DatapathOptions {
         DatapathOptions {
             policy_max: self.policy_max,
+            ep_prefixes_max: self.ep_prefixes_max,
             ..crate::datapath::tests::test_opts(&self.pins.0)
         }
     }
@@ -263,6 +266,94 @@ fn a_policy_diff_that_fails_midway_leaves_no_entry_the_loader_does_not_know() {
         // Removal leaves nothing of it in the map.
         assert!(dp.remove(Some(id), None).unwrap());
         assert!(!policy_map(&dp).contains_key(&id), "{:?}", policy_map(&dp));
+    });
+}
+
+/// What `ep_prefixes` holds for an endpoint (read from the kernel).
+fn prefix_map(dp: &EndpointDatapath, id: u32) -> BTreeMap<EpPrefixKey, u32> {
+    read_prefixes(dp.datapath(), Some(id))
+        .expect("ep_prefixes reads")
+        .remove(&id)
+        .unwrap_or_default()
+}
+
+/// The loader's own account of an endpoint's prefixes (GetEndpointPolicy).
+fn loader_prefixes(dp: &EndpointDatapath, id: u32) -> BTreeMap<EpPrefixKey, u32> {
+    let view = dp.policy(id).expect("the endpoint is known");
+    view.prefixes
+        .iter()
+        .map(|p| {
+            (
+                EpPrefixKey::new(id, p.direction, p.addr, p.len).unwrap(),
+                p.cidr_identity,
+            )
+        })
+        .collect()
+}
+
+/// A policy allowing egress by address to `n` /32 prefixes of 203.0.113.0/24.
+fn address_policy(revision: u64, n: u8) -> PolicySpec {
+    let cidr = |i: u8| rivet_common::labels::CIDR_IDENTITY_MIN + u32::from(i);
+    PolicySpec {
+        rules: (0..n)
+            .map(|i| PolicyRule {
+                by_address: true,
+                ..allow(DIR_EGRESS, cidr(i), 0, 0)
+            })
+            .collect(),
+        prefixes: (0..n)
+            .map(|i| PolicyPrefix {
+                direction: DIR_EGRESS,
+                addr: IpAddr::V4(Ipv4Addr::new(203, 0, 113, i)),
+                len: 32,
+                cidr_identity: cidr(i),
+            })
+            .collect(),
+        ..policy(revision, Vec::new())
+    }
+}
+
+#[test]
+fn a_prefix_diff_that_fails_midway_leaves_the_record_equal_to_the_map() {
+    // 4 prefixes fit: a policy that needs more fails midway, for real.
+    let mut fx = Fixture::new(1, 4096);
+    fx.ep_prefixes_max = 4;
+    fx.run(|dp, ifs| {
+        let id = 1;
+        let flags = |dp: &EndpointDatapath| endpoints_map(dp).0[&ifs[0]].flags;
+        dp.apply(&spec(id, ifs[0], 0, Some(address_policy(1, 2)))).unwrap();
+        assert_eq!(prefix_map(&dp, id).len(), 2);
+        assert_eq!(loader_prefixes(&dp, id), prefix_map(&dp, id));
+        assert_ne!(flags(&dp) & EP_F_EGRESS_PREFIXES, 0, "egress prefix lookups are on");
+        assert_eq!(flags(&dp) & EP_F_INGRESS_PREFIXES, 0, "ingress has no prefixes");
+
+        let err = dp.apply(&spec(id, ifs[0], 0, Some(address_policy(2, 6)))).unwrap_err();
+        assert!(is_capacity_error(&err), "the map is full: {err}");
+        assert_eq!(
+            loader_prefixes(&dp, id),
+            prefix_map(&dp, id),
+            "after the failure the loader's record is what the map holds"
+        );
+        assert_eq!(prefix_map(&dp, id).len(), 4, "the map filled up");
+
+        // The next policy has one prefix: exactly it remains, also after the
+        // map changed behind the loader's back.
+        let stray = EpPrefixKey::new(id, DIR_EGRESS, "203.0.113.3".parse().unwrap(), 32).unwrap();
+        dp.datapath().maps().ep_prefixes.lock().remove(&stray.to_lpm()).unwrap();
+        dp.apply(&spec(id, ifs[0], 0, Some(address_policy(3, 1)))).unwrap();
+        let one = prefix_entries(id, &address_policy(3, 1).prefixes);
+        assert_eq!(prefix_map(&dp, id), one, "no prefix of the failed diff survives");
+        assert_eq!(loader_prefixes(&dp, id), one);
+
+        // A policy without prefixes takes them and the flag away; so does removal.
+        dp.apply(&spec(id, ifs[0], 0, Some(policy(4, vec![allow(DIR_EGRESS, 0, 0, 0)]))))
+            .unwrap();
+        assert!(prefix_map(&dp, id).is_empty());
+        assert_eq!(flags(&dp) & EP_F_EGRESS_PREFIXES, 0, "no prefixes, no lookups");
+        dp.apply(&spec(id, ifs[0], 0, Some(address_policy(5, 3)))).unwrap();
+        assert!(dp.remove(Some(id), None).unwrap());
+        assert!(prefix_map(&dp, id).is_empty(), "removal leaves no prefix");
+        assert!(dp.list().unwrap().orphan_policies.is_empty());
     });
 }
 
