@@ -30,6 +30,12 @@ struct RemovalStepLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResolutionLabels {
+    /// "inline" (on the async thread) or "blocking".
+    thread: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
 }
@@ -54,6 +60,8 @@ pub struct EndpointMetrics {
     policies: Gauge,
     restore_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     policy_dir_scans: Counter,
+    policy_resolutions: MetricFamily<ResolutionLabels, Counter>,
+    policy_resolution_seconds: Histogram,
     policy_dir_files_rejected: Counter,
 }
 
@@ -72,6 +80,8 @@ impl Default for EndpointMetrics {
             policies: Default::default(),
             restore_seconds: Default::default(),
             policy_dir_scans: Default::default(),
+            policy_resolutions: Default::default(),
+            policy_resolution_seconds: Histogram::new(exponential_buckets(0.00001, 4.0, 12)),
             policy_dir_files_rejected: Default::default(),
         }
     }
@@ -120,6 +130,16 @@ impl EndpointMetrics {
         );
         r.register("policies", "Policies in the repository", self.policies.clone());
         r.register(
+            "policy_resolutions",
+            "Endpoint policies resolved, by the thread that did it",
+            self.policy_resolutions.clone(),
+        );
+        r.register(
+            "policy_resolution_duration_seconds",
+            "Time to resolve one endpoint's policy",
+            self.policy_resolution_seconds.clone(),
+        );
+        r.register(
             "policy_dir_scans",
             "Scans of the --policy-dir completed",
             self.policy_dir_scans.clone(),
@@ -144,6 +164,17 @@ impl EndpointMetrics {
                 .get_or_create(&StateLabels { state: state.as_str() })
                 .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
+    }
+
+    /// Endpoint policies resolved so far: (on the async threads, on
+    /// blocking threads).
+    pub fn policy_resolutions(&self) -> (u64, u64) {
+        let count = |thread| {
+            self.policy_resolutions
+                .get_or_create(&ResolutionLabels { thread })
+                .get()
+        };
+        (count("inline"), count("blocking"))
     }
 
     /// Sets the repository gauges.
@@ -259,4 +290,18 @@ pub fn policy_dir_scanned(m: &EndpointMetrics, dir: &std::path::Path, rejected: 
     tracing::debug!(dir = %dir.display(), rejected = rejected.len(), "policy dir scanned");
     m.policy_dir_scans.inc();
     m.policy_dir_files_rejected.inc_by(rejected.len() as u64);
+}
+
+/// An endpoint's policy was resolved (`blocking`: on a blocking thread).
+pub fn policy_resolved(m: &EndpointMetrics, id: u16, entries: usize, took: Duration, blocking: bool) {
+    tracing::debug!(
+        endpoint = id,
+        entries,
+        blocking,
+        took_us = took.as_micros() as u64,
+        "policy resolved"
+    );
+    let thread = if blocking { "blocking" } else { "inline" };
+    m.policy_resolutions.get_or_create(&ResolutionLabels { thread }).inc();
+    m.policy_resolution_seconds.observe(took.as_secs_f64());
 }

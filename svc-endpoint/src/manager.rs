@@ -44,8 +44,8 @@ use crate::endpoint::{
 };
 use crate::events::{self, EndpointMetrics};
 use crate::policy::{
-    Policy, PolicyChange, PolicyError, PolicyKey, PolicyOrigin, PolicyRepository, ResolvedPolicy, SelectorCache,
-    StoredPolicy, Subject,
+    NamedPort, Policy, PolicyChange, PolicyError, PolicyKey, PolicyOrigin, PolicyRepository, Resolution,
+    ResolvedPolicy, SelectorCache, StoredPolicy, Subject,
 };
 use crate::queue::{Queue, RemovalFailure, RemovalReason};
 use crate::state_dir::{EndpointRecord, EndpointStateDir};
@@ -89,6 +89,9 @@ pub struct ManagerOptions {
     pub dependency_poll: Duration,
     /// Delay between retries of a failed background regeneration.
     pub retry_backoff: Backoff,
+    /// Policies whose rules' peers add up to more identities than this are
+    /// resolved on a blocking thread instead of the async thread.
+    pub blocking_resolution_above: usize,
     /// How often svc-loader is asked which endpoints lost their host
     /// interface (a runtime that never calls DEL must not leak them); zero:
     /// only at restore and when a regeneration finds it gone.
@@ -105,6 +108,7 @@ impl ManagerOptions {
             dependency_poll: Duration::from_secs(2),
             retry_backoff: Backoff::new(Duration::from_millis(500), Duration::from_secs(30)),
             interface_check: Duration::from_secs(10),
+            blocking_resolution_above: 4096,
         }
     }
 }
@@ -438,16 +442,6 @@ impl State {
         spec.labels
             .with_namespace(&spec.pod_namespace, ns_labels)
             .map_err(|e| Status::invalid_argument(format!("labels of namespace {}: {e}", spec.pod_namespace)))
-    }
-
-    fn resolve(&self, identity_labels: &Labels, spec: &EndpointSpec) -> ResolvedPolicy {
-        self.repository.resolve(
-            &Subject {
-                labels: identity_labels,
-                named_ports: &spec.named_ports,
-            },
-            &self.selectors,
-        )
     }
 
     /// The endpoints svc-loader's listing says lost their host interface
@@ -1822,15 +1816,18 @@ impl EndpointManager {
         if previous_identity == 0 {
             self.set_state(id, EndpointState::Regenerating, reason);
         }
-        // 2. policy
-        let (resolved, revision) = {
+        // 2. policy: its inputs under the lock, the resolution without it
+        let (prepared, revision) = {
             let mut state = self.state();
-            let resolved = (state.resolve(&identity_labels, spec), state.repository.revision());
+            let prepared = state.repository.prepare(&identity_labels, &state.selectors);
             if let Some(slot) = state.endpoints.get_mut(&id) {
                 slot.resolving = Some(identity_labels.clone());
             }
-            resolved
+            (prepared, state.repository.revision())
         };
+        let resolved = self
+            .resolve_policy(id, prepared, identity_labels.clone(), spec.named_ports.clone())
+            .await?;
         // 3. datapath
         open(RegenerationStep::Datapath)?;
         let applied = deps
@@ -1930,6 +1927,44 @@ impl EndpointManager {
             tracing::warn!(endpoint = id, identity = previous_identity, error = %e, "releasing the previous identity failed; a resync will");
         }
         Ok((identity.id, identity_labels, resolved, revision, written))
+    }
+
+    /// Resolves prepared policy inputs: on the async thread when small, on a
+    /// blocking thread when large (thousands of peer identities), so a big
+    /// policy never stalls the runtime. No lock is held either way.
+    async fn resolve_policy(
+        &self,
+        id: u16,
+        prepared: Resolution,
+        labels: Labels,
+        named_ports: Vec<NamedPort>,
+    ) -> Result<ResolvedPolicy, RegenError> {
+        let started = Instant::now();
+        let blocking = prepared.weight() > self.inner.options.blocking_resolution_above;
+        let resolve = move || {
+            prepared.resolve(&Subject {
+                labels: &labels,
+                named_ports: &named_ports,
+            })
+        };
+        let resolved = if blocking {
+            tokio::task::spawn_blocking(resolve).await.map_err(|e| {
+                RegenError::new(
+                    RegenerationStep::Policy,
+                    Status::internal(format!("resolving the policy of endpoint {id}: {e}")),
+                )
+            })?
+        } else {
+            resolve()
+        };
+        events::policy_resolved(
+            &self.inner.metrics,
+            id,
+            resolved.entries.len(),
+            started.elapsed(),
+            blocking,
+        );
+        Ok(resolved)
     }
 
     // ------------------------------------------------------------ restore --

@@ -13,7 +13,7 @@ use rivet_proto::identity::v1 as idpb;
 use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use support::{Faults, Mode, assert_nothing_left, eventually, faulty_dependencies, options, start_manager};
 use svc_endpoint::endpoint::EndpointState;
-use svc_endpoint::manager::{EndpointManager, EndpointSelector, ManagerError, NewEndpoint};
+use svc_endpoint::manager::{EndpointManager, EndpointSelector, ManagerError, ManagerOptions, NewEndpoint};
 use svc_endpoint::policy::{Policy, PolicyOrigin};
 use svc_endpoint::service::validate_create;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
@@ -30,6 +30,15 @@ struct Setup {
 
 impl Setup {
     async fn start(pods: &[&str], concurrency: Option<usize>) -> Self {
+        Self::start_with(pods, |o| {
+            if let Some(concurrency) = concurrency {
+                o.regeneration_concurrency = concurrency;
+            }
+        })
+        .await
+    }
+
+    async fn start_with(pods: &[&str], configure: impl FnOnce(&mut ManagerOptions)) -> Self {
         let mut node = EndpointNode::start(NodeOptions {
             without_endpoint_daemon: true,
             ..NodeOptions::default()
@@ -42,9 +51,7 @@ impl Setup {
         let state = tempfile::tempdir().unwrap();
         let faults = Arc::new(Faults::default());
         let mut options = options(state.path());
-        if let Some(concurrency) = concurrency {
-            options.regeneration_concurrency = concurrency;
-        }
+        configure(&mut options);
         let manager = start_manager(options, faulty_dependencies(&node, &faults));
         Self {
             node,
@@ -387,4 +394,59 @@ async fn a_stale_cidr_pass_never_reinserts_a_prefix_after_its_policy_was_deleted
         },
     )
     .await;
+}
+
+/// Issue 12 §4: an identity event resolves only the endpoints whose
+/// policies' selectors it changes (before, every endpoint's policy was
+/// resolved under the manager's lock on each event). A new web pod's
+/// identity concerns db's policy only: db is resolved again, the four
+/// unrelated endpoints are not. A policy with peers is resolved on a
+/// blocking thread here (threshold 0), as large ones are, with the same
+/// result.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_identity_event_resolves_only_the_endpoints_whose_selectors_it_changes() {
+    let pods = ["db", "web", "o1", "o2", "o3", "o4"];
+    let t = Setup::start_with(&pods, |o| o.blocking_resolution_above = 0).await;
+    t.manager
+        .upsert_policy(
+            Policy::parse(
+                "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: db}\nspec:\n  podSelector: {matchLabels: {app: db}}\n  ingress:\n  - from:\n    - podSelector: {matchLabels: {app: web}}\n",
+            )
+            .unwrap(),
+            PolicyOrigin::Api,
+            true,
+            Duration::from_secs(20),
+        )
+        .await
+        .expect("the policy is stored");
+    let db = t.create("db", &["k8s:app=db"]).await;
+    for other in ["o1", "o2", "o3", "o4"] {
+        t.create(other, &[&format!("k8s:app={other}")]).await;
+    }
+    let before = t.manager.metrics().policy_resolutions();
+
+    let web = t.create("web", &["k8s:app=web"]).await;
+    let web_identity = t.manager.get(&EndpointSelector::Id(web)).unwrap().status.identity;
+    eventually(
+        Duration::from_secs(10),
+        "db's policy allows the new web identity",
+        async || {
+            let db = t.manager.get(&EndpointSelector::Id(db)).unwrap();
+            db.status
+                .realised_policy
+                .is_some_and(|p| p.entries.iter().any(|e| e.peer_identity == web_identity))
+        },
+    )
+    .await;
+    let after = t.manager.metrics().policy_resolutions();
+    let (inline, blocking) = (after.0 - before.0, after.1 - before.1);
+    assert_eq!(
+        inline + blocking,
+        2,
+        "web's own resolution and db's: the unrelated endpoints are not resolved ({before:?} -> {after:?})"
+    );
+    assert_eq!(
+        blocking, 1,
+        "db's policy, which has peers, is resolved on a blocking thread"
+    );
 }

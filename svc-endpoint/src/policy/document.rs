@@ -170,6 +170,15 @@ impl Policy {
         subject.namespace() == Some(self.key.namespace.as_str()) && self.spec.pod_selector.matches_pod(subject)
     }
 
+    /// The peers of every rule (allow and deny, both directions).
+    pub(crate) fn peers(&self) -> impl Iterator<Item = &Peer> {
+        Direction::ALL
+            .into_iter()
+            .flat_map(|d| [Verdict::Allow, Verdict::Deny].map(|v| self.spec.rules(d, v)))
+            .flatten()
+            .flat_map(|rule| &rule.peers)
+    }
+
     /// Whether the resolution of an endpoint it selects can change with
     /// `changes`: a peer of a rule that takes effect matches a changed
     /// identity differently before and after, the CIDR identity of one of

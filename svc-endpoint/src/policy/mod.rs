@@ -140,7 +140,7 @@ use rivet_proto::loader::v1 as loader;
 
 pub use document::Policy;
 pub use evaluate::{Decision, PacketPeer};
-pub use repository::{PolicyChange, PolicyRepository, ResolvedPolicy, StoredPolicy, Subject};
+pub use repository::{PolicyChange, PolicyRepository, Resolution, ResolvedPolicy, StoredPolicy, Subject};
 pub use selector_cache::{SelectorCache, SelectorChanges};
 
 /// apiVersion of [`PolicyKind::NetworkPolicy`].

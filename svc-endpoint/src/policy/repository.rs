@@ -130,6 +130,30 @@ impl ResolvedPolicy {
     }
 }
 
+/// One endpoint's policy inputs, owned: the policies selecting it and a
+/// snapshot of the selector cache for their peers. Resolving them gives what
+/// [`PolicyRepository::resolve`] gives at the moment of
+/// [`PolicyRepository::prepare`], without the repository or the cache, so a
+/// large resolution can run on a blocking thread while both keep changing.
+#[derive(Debug)]
+pub struct Resolution {
+    policies: Vec<Arc<Policy>>,
+    cache: SelectorCache,
+}
+
+impl Resolution {
+    /// The endpoint's complete policy.
+    pub fn resolve(&self, subject: &Subject<'_>) -> ResolvedPolicy {
+        resolve::resolve(self.policies.iter().map(|p| &**p), subject, &self.cache)
+    }
+
+    /// About how many entries per port the resolution makes: the peer
+    /// identities summed over the selecting policies' rules.
+    pub fn weight(&self) -> usize {
+        self.cache.selected_identities()
+    }
+}
+
 /// Every stored policy by key, with the origin owning each and a revision
 /// that grows by one per effective change (starting at 0).
 #[derive(Debug, Default)]
@@ -310,6 +334,20 @@ impl PolicyRepository {
     /// ```
     pub fn resolve(&self, subject: &Subject<'_>, identities: &SelectorCache) -> ResolvedPolicy {
         resolve::resolve(self.policies.values().map(|s| &*s.policy), subject, identities)
+    }
+
+    /// The inputs of the resolution of an endpoint with `labels`, taken out
+    /// of the repository and `identities` (see [`Resolution`]).
+    pub fn prepare(&self, labels: &Labels, identities: &SelectorCache) -> Resolution {
+        let policies: Vec<Arc<Policy>> = self
+            .policies
+            .values()
+            .filter(|s| s.policy.selects(labels))
+            .map(|s| s.policy.clone())
+            .collect();
+        let peers = policies.iter().flat_map(|p| p.peers());
+        let cache = identities.snapshot_for(peers);
+        Resolution { policies, cache }
     }
 
     /// What the stored policies do with a new connection's packet of

@@ -67,6 +67,9 @@ pub struct SelectorCache {
     memo: RwLock<Memo>,
     /// What changed since the caller last took it.
     changes: SelectorChanges,
+    /// A [`snapshot_for`](SelectorCache::snapshot_for): knows only the
+    /// memoised selectors it was made for.
+    snapshot: bool,
 }
 
 /// What changed in a [`SelectorCache`] since [`SelectorCache::take_changes`]
@@ -177,7 +180,47 @@ impl SelectorCache {
                 sweep_at: MIN_SWEEP_SIZE,
             }),
             changes: SelectorChanges::default(),
+            snapshot: false,
         }
+    }
+
+    /// A cache that answers exactly the lookups a resolution over `peers`
+    /// makes (their memoised identity sets, computed now if needed, the CIDR
+    /// identities and the named ports) and knows no identity itself: it
+    /// costs the sets' reference counts, not a copy of the identities, and
+    /// lets the resolution run away from the cache's owner (another thread,
+    /// no lock). A peer it was not made for is a bug (and matches nothing).
+    pub(crate) fn snapshot_for<'p>(&self, peers: impl IntoIterator<Item = &'p Peer>) -> Self {
+        let entries = peers
+            .into_iter()
+            .filter(|peer| !peer.is_any())
+            .map(|peer| {
+                let entry = MemoEntry {
+                    ids: self.select(peer),
+                    used: AtomicBool::new(true),
+                };
+                (peer.clone(), entry)
+            })
+            .collect();
+        Self {
+            cluster: BTreeMap::new(),
+            cidr_ids: self.cidr_ids.clone(),
+            cidr_prefixes: self.cidr_prefixes.clone(),
+            named_ports: self.named_ports.clone(),
+            memo: RwLock::new(Memo {
+                entries,
+                sweep_at: usize::MAX,
+            }),
+            changes: SelectorChanges::default(),
+            snapshot: true,
+        }
+    }
+
+    /// Identities summed over the memoised selectors: about how many
+    /// entries a resolution over them makes per port.
+    pub(crate) fn selected_identities(&self) -> usize {
+        let memo = self.memo.read().unwrap_or_else(|e| e.into_inner());
+        memo.entries.values().map(|e| e.ids.len()).sum()
     }
 
     /// Takes what changed since the last call.
@@ -347,6 +390,14 @@ impl SelectorCache {
                 }
                 return entry.ids.clone();
             }
+        }
+        if self.snapshot {
+            debug_assert!(false, "a selector cache snapshot was not made for {peer:?}");
+            tracing::error!(
+                ?peer,
+                "a selector cache snapshot was not made for this peer; it matches nothing"
+            );
+            return Arc::default();
         }
         let ids = Arc::new(self.compute(peer));
         let mut memo = self.memo.write().unwrap_or_else(|e| e.into_inner());

@@ -251,6 +251,14 @@ fn check(
         },
         cache,
     );
+    let prepared = repo.prepare(subject, cache).resolve(&Subject {
+        labels: subject,
+        named_ports,
+    });
+    assert_eq!(
+        prepared, resolved,
+        "{what}: a prepared resolution (no cache, no repository) is the same"
+    );
     assert_loader_valid(&resolved);
     assert_eq!(
         (resolved.enforce_ingress, resolved.enforce_egress),
@@ -2319,6 +2327,10 @@ fn a_thousand_endpoints_ten_policies_a_thousand_identities() {
             let resolved = repo.resolve(&Subject { labels, named_ports }, cache);
             let expected = oracle(*member, live);
             assert_eq!(resolved, expected, "{what}: endpoint {}", member.index);
+            if member.index.is_multiple_of(10) {
+                let prepared = repo.prepare(labels, cache).resolve(&Subject { labels, named_ports });
+                assert_eq!(prepared, expected, "{what}: endpoint {}, prepared", member.index);
+            }
             enforced += usize::from(resolved.enforce_ingress);
             total += resolved.entries.len();
         }
