@@ -240,11 +240,14 @@ pub trait EndpointApi: Send + Sync {
 /// `command`, the invocation's stdin.
 pub trait DelegateExec: Send + Sync {
     /// The plugin's stdout on success; its error (code and message as it
-    /// printed them) otherwise.
+    /// printed them) otherwise. The plugin gets this invocation's
+    /// environment with `CNI_COMMAND` set, and `env` on top (GC names each
+    /// attachment it releases with `CNI_CONTAINERID` and `CNI_IFNAME`).
     fn exec<'a>(
         &'a self,
         plugin: &'a str,
         command: Command,
+        env: &'a [(&'static str, String)],
         stdin: &'a [u8],
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Vec<u8>, CniError>>;

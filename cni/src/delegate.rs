@@ -71,6 +71,7 @@ impl DelegateExec for ExecDelegate {
         &'a self,
         plugin: &'a str,
         command: Command,
+        env: &'a [(&'static str, String)],
         stdin: &'a [u8],
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Vec<u8>, CniError>> {
@@ -91,6 +92,7 @@ impl DelegateExec for ExecDelegate {
             let run = async {
                 let mut child = tokio::process::Command::new(&binary)
                     .env("CNI_COMMAND", command.as_str())
+                    .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
                     .stdin(Stdio::piped())
                     .stdout(Stdio::piped())
                     .stderr(Stdio::piped())
@@ -158,7 +160,7 @@ mod tests {
         script(
             dir.path(),
             "echo-ipam",
-            r#"echo "{\"cmd\": \"$CNI_COMMAND\", \"in\": $(cat)}""#,
+            r#"echo "{\"cmd\": \"$CNI_COMMAND\", \"id\": \"$CNI_CONTAINERID\", \"in\": $(cat)}""#,
         );
         script(
             dir.path(),
@@ -173,33 +175,43 @@ mod tests {
         let t = Duration::from_secs(5);
 
         let out = delegate
-            .exec("echo-ipam", Command::Del, br#"{"a": 1}"#, t)
+            .exec("echo-ipam", Command::Del, &[], br#"{"a": 1}"#, t)
             .await
             .unwrap();
         let out: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(out["cmd"], "DEL");
         assert_eq!(out["in"]["a"], 1);
+        // Extra environment on top (GC names the attachment it releases).
+        let out = delegate
+            .exec("echo-ipam", Command::Del, &[("CNI_CONTAINERID", "c9".into())], b"{}", t)
+            .await
+            .unwrap();
+        let out: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(out["id"], "c9");
 
-        let err = delegate.exec("failing-ipam", Command::Add, b"{}", t).await.unwrap_err();
+        let err = delegate
+            .exec("failing-ipam", Command::Add, &[], b"{}", t)
+            .await
+            .unwrap_err();
         assert_eq!((err.code, err.details.as_str()), (11, "d"));
         assert!(err.msg.contains("failing-ipam ADD: busy"), "{err}");
 
         let err = delegate
-            .exec("crashing-ipam", Command::Add, b"{}", t)
+            .exec("crashing-ipam", Command::Add, &[], b"{}", t)
             .await
             .unwrap_err();
         assert_eq!(err.code, codes::DELEGATED_IPAM);
         assert!(err.msg.contains("oops"), "{err}");
 
         for missing in ["nope", "not-executable"] {
-            let err = delegate.exec(missing, Command::Add, b"{}", t).await.unwrap_err();
+            let err = delegate.exec(missing, Command::Add, &[], b"{}", t).await.unwrap_err();
             assert_eq!(err.code, codes::DELEGATED_IPAM);
             assert!(err.msg.contains("not in CNI_PATH"), "{err}");
         }
 
         let started = std::time::Instant::now();
         let err = delegate
-            .exec("slow-ipam", Command::Add, b"{}", Duration::from_millis(200))
+            .exec("slow-ipam", Command::Add, &[], b"{}", Duration::from_millis(200))
             .await
             .unwrap_err();
         assert_eq!(err.code, codes::TRY_AGAIN_LATER);

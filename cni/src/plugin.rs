@@ -30,6 +30,7 @@ use crate::error::{CniError, codes};
 use crate::naming::host_ifname;
 use crate::netconf::{Attachment, NetConf};
 use crate::result::{CniResult, Interface, IpConfig, Route, format_mac};
+use crate::version::CniVersion;
 
 /// The budget of the undo after a failed ADD (the invocation's own deadline
 /// may be what failed).
@@ -582,7 +583,10 @@ async fn delegated_add(
 ) -> Result<Addresses, CniError> {
     let step = format!("delegated IPAM plugin {plugin} ADD");
     let timeout = deadline.remaining(&step)?;
-    let stdout = deps.delegate.exec(plugin, Command::Add, &inv.stdin, timeout).await?;
+    let stdout = deps
+        .delegate
+        .exec(plugin, Command::Add, &[], &inv.stdin, timeout)
+        .await?;
     let value: Value = serde_json::from_slice(&stdout)
         .map_err(|e| CniError::new(codes::DELEGATED_IPAM, format!("{step}: its output is not JSON: {e}")))?;
     let result = CniResult::parse(&value, &step).map_err(|e| CniError::new(codes::DELEGATED_IPAM, e.msg))?;
@@ -679,7 +683,8 @@ async fn undo_add(deps: Deps<'_>, inv: &Invocation, undo: Undo) -> Result<(), St
         let released = deadline
             .bound(
                 "undo: delegated IPAM DEL",
-                deps.delegate.exec(plugin, Command::Del, &inv.stdin, CLEANUP_BUDGET),
+                deps.delegate
+                    .exec(plugin, Command::Del, &[], &inv.stdin, CLEANUP_BUDGET),
             )
             .await;
         if let Err(e) = released {
@@ -874,7 +879,7 @@ async fn del(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(),
         let released = async {
             let timeout = deadline.remaining(&step)?;
             deps.delegate
-                .exec(&delegated.plugin_type, Command::Del, &inv.stdin, timeout)
+                .exec(&delegated.plugin_type, Command::Del, &[], &inv.stdin, timeout)
                 .await
         }
         .instrument(tracing::info_span!("cni.ipam.delegate", plugin = %delegated.plugin_type))
@@ -945,7 +950,7 @@ async fn check(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(
         let step = format!("delegated IPAM plugin {} CHECK", delegated.plugin_type);
         let timeout = deadline.remaining(&step)?;
         deps.delegate
-            .exec(&delegated.plugin_type, Command::Check, &inv.stdin, timeout)
+            .exec(&delegated.plugin_type, Command::Check, &[], &inv.stdin, timeout)
             .await?;
     }
 
@@ -1105,6 +1110,8 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
         }
     };
     let mut kept_addresses: HashSet<String> = HashSet::new();
+    // (container id, interface) of each endpoint removed.
+    let mut removed: Vec<(String, String)> = Vec::new();
     for ep in &endpoints {
         if !ours(ep) || valid.contains(&(ep.container_id.as_str(), ep.interface.as_str())) {
             continue;
@@ -1112,7 +1119,10 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
         tracing::info!(endpoint_id = ep.id, container = %ep.container_id, interface = %ep.interface, "GC: stale endpoint");
         let timeout = deadline.remaining("deleting a stale endpoint")?;
         match deps.endpoints.delete_id(ep.id, timeout).await {
-            Ok(_) => removed_endpoints += 1,
+            Ok(_) => {
+                removed_endpoints += 1;
+                removed.push((ep.container_id.clone(), ep.interface.clone()));
+            }
             Err(s) => {
                 errors.push(daemon_error(
                     "svc-endpoint",
@@ -1143,7 +1153,12 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
         }
     }
 
-    if conf.ipam.is_none() {
+    if let Some(delegated) = &conf.ipam {
+        // The delegated plugin holds the removed attachments' addresses.
+        if let Err(e) = delegated_gc(deps, inv, &delegated.plugin_type, &removed, deadline).await {
+            errors.push(e);
+        }
+    } else {
         let timeout = deadline.remaining("listing allocations")?;
         let allocations = deps
             .ipam
@@ -1182,6 +1197,78 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
     }
     tracing::info!(removed_endpoints, released, errors = errors.len(), "GC done");
     first_error(errors)
+}
+
+/// Releases what a delegated IPAM plugin holds for the attachments GC
+/// removed: its own GC when it speaks CNI 1.1 (then it also finds addresses
+/// of ADDs that died before their endpoint existed); else its DEL for each
+/// removed attachment (`CNI_CONTAINERID`, `CNI_IFNAME`, no netns), in the
+/// newest version both support (DEL means the same in all of them).
+async fn delegated_gc(
+    deps: Deps<'_>,
+    inv: &Invocation,
+    plugin: &str,
+    removed: &[(String, String)],
+    deadline: Deadline,
+) -> Result<(), CniError> {
+    let timeout = deadline.remaining("asking the delegated IPAM plugin its versions")?;
+    let request = serde_json::json!({"cniVersion": inv.conf.cni_version.as_str()}).to_string();
+    let out = deps
+        .delegate
+        .exec(plugin, Command::Version, &[], request.as_bytes(), timeout)
+        .await?;
+    let supported: Vec<String> = serde_json::from_slice::<Value>(&out)
+        .ok()
+        .and_then(|v| serde_json::from_value(v.get("supportedVersions")?.clone()).ok())
+        .unwrap_or_default();
+    if supported.iter().any(|v| v == CniVersion::V1_1_0.as_str()) {
+        let timeout = deadline.remaining("delegated IPAM GC")?;
+        deps.delegate
+            .exec(plugin, Command::Gc, &[], &inv.stdin, timeout)
+            .await?;
+        return Ok(());
+    }
+    let Some(version) = CniVersion::ALL
+        .into_iter()
+        .rev()
+        .find(|v| supported.iter().any(|s| s == v.as_str()))
+    else {
+        return Err(CniError::new(
+            codes::DELEGATED_IPAM,
+            format!(
+                "delegated IPAM plugin {plugin} supports none of rivet-cni's versions (it says {:?}); \
+                 the addresses of {} removed attachments stay allocated",
+                supported,
+                removed.len()
+            ),
+        ));
+    };
+    let mut conf: Value = serde_json::from_slice(&inv.stdin)
+        .map_err(|e| CniError::decode(format!("re-reading the network configuration: {e}")))?;
+    conf["cniVersion"] = version.as_str().into();
+    let stdin = conf.to_string();
+    let mut first_error = None;
+    for (container_id, ifname) in removed {
+        let timeout = deadline.remaining("delegated IPAM DEL of a stale attachment")?;
+        let env = [
+            ("CNI_CONTAINERID", container_id.clone()),
+            ("CNI_IFNAME", ifname.clone()),
+            ("CNI_NETNS", String::new()),
+        ];
+        match deps
+            .delegate
+            .exec(plugin, Command::Del, &env, stdin.as_bytes(), timeout)
+            .await
+        {
+            Ok(_) => {
+                tracing::info!(container = %container_id, interface = %ifname, plugin, "GC: delegated addresses released")
+            }
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    first_error.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]

@@ -282,6 +282,64 @@ async fn status_and_gc() {
     h.assert_clean(&h.leftovers().await, "after GC and DEL");
 }
 
+/// GC with a delegated IPAM plugin (Debian's host-local: CNI up to 1.0.0,
+/// no GC of its own): the addresses of the attachments GC removes go back
+/// to host-local (its DEL per attachment), those of valid ones stay.
+#[tokio::test(flavor = "multi_thread")]
+async fn gc_gives_a_delegated_plugins_addresses_back() {
+    let h = Harness::start().await;
+    let store = tempfile::tempdir().unwrap();
+    let conf = |version: &str| {
+        let mut conf = h.conf(version);
+        conf["ipam"] = json!({
+            "type": "host-local",
+            "ranges": [[{"subnet": "198.18.12.0/24"}]],
+            "dataDir": store.path(),
+        });
+        conf
+    };
+    let pods: Vec<Pod> = (0..3).map(|i| Pod::new(&format!("dgc{i}"))).collect();
+    for pod in &pods {
+        h.cni("ADD", pod, &conf("1.0.0")).await.ok();
+    }
+    // host-local's store: a file per address, holding its container id.
+    let held = || -> Vec<String> {
+        let mut owners: Vec<String> = std::fs::read_dir(store.path().join("rivet"))
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().parse::<std::net::IpAddr>().is_ok())
+            .map(|e| {
+                std::fs::read_to_string(e.path())
+                    .unwrap()
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect();
+        owners.sort();
+        owners
+    };
+    assert_eq!(held(), ["dgc0", "dgc1", "dgc2"]);
+    let mut gc = conf("1.1.0");
+    gc["cni.dev/valid-attachments"] = json!([{"containerID": "dgc1", "ifname": "eth0"}]);
+    let env = vec![
+        ("CNI_COMMAND".to_string(), "GC".to_string()),
+        ("CNI_PATH".to_string(), "/usr/lib/cni".to_string()),
+    ];
+    h.exec(&env, &gc).await.ok();
+    let endpoints: Vec<String> = h.endpoints().await.iter().map(|e| e.container_id.clone()).collect();
+    assert_eq!(endpoints, ["dgc1"]);
+    assert_eq!(
+        held(),
+        ["dgc1"],
+        "the removed attachments' addresses are host-local's again"
+    );
+    h.cni("DEL", &pods[1], &conf("1.0.0")).await.ok();
+    assert!(held().is_empty());
+    h.assert_clean(&h.leftovers().await, "after GC and DEL");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn version_and_input_errors() {
     let h = Harness::start().await;

@@ -512,21 +512,39 @@ impl EndpointApi for FakeEndpoints {
 struct FakeDelegate {
     /// stdout of ADD.
     add_output: Mutex<Option<Result<Vec<u8>, CniError>>>,
+    /// stdout of VERSION (default: up to 1.0.0, as Debian's host-local).
+    version_output: Mutex<Option<Vec<u8>>>,
     calls: Mutex<Vec<Command>>,
+    /// Every call: verb, extra environment, stdin.
+    exec_log: Mutex<Vec<DelegateCall>>,
 }
+
+/// One call of the fake delegated plugin.
+type DelegateCall = (Command, Vec<(&'static str, String)>, String);
 
 impl DelegateExec for FakeDelegate {
     fn exec<'a>(
         &'a self,
         _: &'a str,
         command: Command,
-        _: &'a [u8],
+        env: &'a [(&'static str, String)],
+        stdin: &'a [u8],
         _: Duration,
     ) -> BoxFuture<'a, Result<Vec<u8>, CniError>> {
         async move {
             self.calls.lock().unwrap().push(command);
+            self.exec_log
+                .lock()
+                .unwrap()
+                .push((command, env.to_vec(), String::from_utf8_lossy(stdin).into_owned()));
             match command {
                 Command::Add => self.add_output.lock().unwrap().clone().expect("ADD output configured"),
+                Command::Version => Ok(self
+                    .version_output
+                    .lock()
+                    .unwrap()
+                    .clone()
+                    .unwrap_or_else(|| br#"{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}"#.to_vec())),
                 _ => Ok(Vec::new()),
             }
         }
@@ -1215,4 +1233,65 @@ async fn delegated_ipam() {
     assert_eq!(err.code, codes::DELEGATED_IPAM);
     assert!(err.msg.contains("gateway"), "{err}");
     assert_eq!(*w.delegate.calls.lock().unwrap(), [Command::Add, Command::Del]);
+}
+
+/// GC with a delegated IPAM plugin gives the removed attachments' addresses
+/// back to it: its own GC when it speaks 1.1.0, else its DEL per removed
+/// attachment in the newest version it takes (Debian's host-local stops at
+/// 1.0.0 and knows no GC).
+#[tokio::test]
+async fn gc_releases_the_delegated_plugins_addresses() {
+    let w = World::new();
+    *w.delegate.add_output.lock().unwrap() = Some(Ok(json!({
+        "cniVersion": "1.0.0",
+        "ips": [{"address": "198.18.8.7/24", "gateway": "198.18.8.1"}]
+    })
+    .to_string()
+    .into_bytes()));
+    for c in ["c1", "c2", "c3"] {
+        w.run(&invocation("ADD", c, delegated_conf())).await.unwrap();
+    }
+    w.delegate.exec_log.lock().unwrap().clear();
+    let mut c = delegated_conf();
+    c["cniVersion"] = "1.1.0".into();
+    c["cni.dev/valid-attachments"] = json!([{"containerID": "c2", "ifname": "eth0"}]);
+    w.run(&invocation("GC", "", c.clone())).await.unwrap();
+    let endpoints: Vec<String> = w
+        .endpoints
+        .state()
+        .endpoints
+        .iter()
+        .map(|e| e.container_id.clone())
+        .collect();
+    assert_eq!(endpoints, ["c2"]);
+    let log = w.delegate.exec_log.lock().unwrap().clone();
+    assert_eq!(log[0].0, Command::Version);
+    let dels: Vec<_> = log[1..]
+        .iter()
+        .map(|(verb, env, _)| (*verb, env[0].1.clone()))
+        .collect();
+    assert_eq!(
+        dels,
+        [(Command::Del, "c1".to_string()), (Command::Del, "c3".to_string())]
+    );
+    for (_, env, stdin) in &log[1..] {
+        assert_eq!(env[1], ("CNI_IFNAME", "eth0".to_string()));
+        let stdin: Value = serde_json::from_str(stdin).unwrap();
+        assert_eq!(stdin["cniVersion"], "1.0.0", "a version the plugin takes");
+        assert_eq!(stdin["ipam"]["type"], "host-local");
+    }
+
+    // A plugin that speaks 1.1.0 gets GC itself, once, with the valid list.
+    let w = World::new();
+    *w.delegate.add_output.lock().unwrap() = Some(Ok(
+        br#"{"ips": [{"address": "198.18.8.7/24", "gateway": "198.18.8.1"}]}"#.to_vec(),
+    ));
+    *w.delegate.version_output.lock().unwrap() = Some(br#"{"supportedVersions": ["1.0.0", "1.1.0"]}"#.to_vec());
+    w.run(&invocation("ADD", "c1", delegated_conf())).await.unwrap();
+    w.delegate.exec_log.lock().unwrap().clear();
+    w.run(&invocation("GC", "", c)).await.unwrap();
+    let log = w.delegate.exec_log.lock().unwrap().clone();
+    let verbs: Vec<Command> = log.iter().map(|l| l.0).collect();
+    assert_eq!(verbs, [Command::Version, Command::Gc]);
+    assert!(log[1].2.contains("cni.dev/valid-attachments"), "{}", log[1].2);
 }
