@@ -1638,17 +1638,11 @@ impl EndpointManager {
             if queue.is_closed() || !queue.retry.load(Ordering::SeqCst) {
                 continue;
             }
-            if e.step == RegenerationStep::Datapath
-                && matches!(e.status.code(), Code::NotFound | Code::FailedPrecondition)
-            {
-                // svc-loader says the host interface is gone (or is another
-                // one now): the pod is gone without a DEL.
-                let reason = if e.status.code() == Code::NotFound {
-                    RemovalReason::InterfaceGone
-                } else {
-                    RemovalReason::InterfaceReplaced
-                };
-                self.drop_endpoint(id, reason);
+            if e.step == RegenerationStep::Datapath && e.status.code() == Code::NotFound {
+                // svc-loader says the host interface is gone: the pod went
+                // without a DEL. (Another interface at its ifindex is found
+                // by the periodic check and at restore.)
+                self.drop_endpoint(id, RemovalReason::InterfaceGone);
                 continue;
             }
             // Retried after a backoff; a new request or a removal cuts it short.
