@@ -25,6 +25,7 @@
 //! directories, naming the directory and the fix.
 
 use std::fs;
+use std::os::unix::ffi::OsStrExt as _;
 use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
@@ -203,15 +204,52 @@ pub fn check_reachable(account: &Account, path: &Path, what: &str) -> Result<()>
     Ok(())
 }
 
-/// Gives `path` and everything under it to `account` (symbolic links are
-/// changed, never followed).
+/// Gives `path` and everything under it to `account`. Walks by directory
+/// fd with `O_NOFOLLOW` and changes entries relative to their directory
+/// without following links, so a daemon user that swaps an entry for a
+/// symbolic link while the walk runs cannot make root chown anything
+/// outside the tree. `path` itself must sit in a directory only root
+/// writes (the node's state dir, the bpffs `rivet` dir).
 fn own_tree(path: &Path, account: &Account) -> Result<()> {
-    std::os::unix::fs::lchown(path, Some(account.uid), Some(account.gid))
-        .with_context(|| format!("giving {} to user {}", path.display(), account.name))?;
-    let meta = fs::symlink_metadata(path).with_context(|| format!("inspecting {}", path.display()))?;
-    if meta.is_dir() {
-        for entry in fs::read_dir(path).with_context(|| format!("listing {}", path.display()))? {
-            own_tree(&entry?.path(), account)?;
+    let dir = open_dir_nofollow(None, path).with_context(|| format!("opening {}", path.display()))?;
+    own_dir(dir, path, account)
+}
+
+fn open_dir_nofollow(parent: Option<&nix::dir::Dir>, name: &Path) -> nix::Result<std::os::fd::OwnedFd> {
+    use nix::fcntl::OFlag;
+    let flags = OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_RDONLY | OFlag::O_CLOEXEC;
+    match parent {
+        Some(dir) => nix::fcntl::openat(dir, name, flags, nix::sys::stat::Mode::empty()),
+        None => nix::fcntl::open(name, flags, nix::sys::stat::Mode::empty()),
+    }
+}
+
+fn own_dir(fd: std::os::fd::OwnedFd, path: &Path, account: &Account) -> Result<()> {
+    use nix::unistd::{Gid, Uid};
+    let (uid, gid) = (Some(Uid::from_raw(account.uid)), Some(Gid::from_raw(account.gid)));
+    let give = |what: &Path| format!("giving {} to user {}", what.display(), account.name);
+    nix::unistd::fchown(&fd, uid, gid).with_context(|| give(path))?;
+    let mut dir = nix::dir::Dir::from_fd(fd).with_context(|| format!("listing {}", path.display()))?;
+    let mut names = Vec::new();
+    for entry in dir.iter() {
+        let entry = entry.with_context(|| format!("listing {}", path.display()))?;
+        let name = entry.file_name().to_bytes();
+        if name != b"." && name != b".." {
+            names.push(PathBuf::from(std::ffi::OsStr::from_bytes(name)));
+        }
+    }
+    for name in names {
+        let child = path.join(&name);
+        match open_dir_nofollow(Some(&dir), &name) {
+            Ok(sub) => own_dir(sub, &child, account)?,
+            // Not a directory (or a link to one): change the entry itself.
+            Err(nix::errno::Errno::ENOTDIR | nix::errno::Errno::ELOOP) => {
+                nix::unistd::fchownat(&dir, &name, uid, gid, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW)
+                    .with_context(|| give(&child))?
+            }
+            // Gone meanwhile: nothing to give.
+            Err(nix::errno::Errno::ENOENT) => {}
+            Err(e) => return Err(e).with_context(|| format!("opening {}", child.display())),
         }
     }
     Ok(())
@@ -277,7 +315,8 @@ pub fn check_socket_dir(dir: &Path, accounts: &NodeAccounts) -> Result<()> {
 /// daemon's user, so the daemon can take the lock.
 pub fn give_lock_file(lock: &Path, account: &Account) -> Result<()> {
     match fs::symlink_metadata(lock) {
-        Ok(meta) if meta.is_file() && meta.uid() != account.uid => {
+        // One link only: never change an inode that has another name elsewhere.
+        Ok(meta) if meta.is_file() && meta.nlink() == 1 && meta.uid() != account.uid => {
             std::os::unix::fs::lchown(lock, Some(account.uid), Some(account.gid))
                 .with_context(|| format!("giving {} to user {}", lock.display(), account.name))
         }
@@ -369,13 +408,25 @@ mod tests {
         fs::create_dir_all(target.join("ipam")).unwrap();
         fs::write(target.join("ipam/allocations.json"), "{}").unwrap();
         std::os::unix::fs::symlink("/etc/passwd", target.join("link")).unwrap();
+        let outside = dir.path().join("outside");
+        fs::create_dir_all(&outside).unwrap();
+        fs::write(outside.join("precious"), "").unwrap();
+        std::os::unix::fs::symlink(&outside, target.join("ipam/dir-link")).unwrap();
         let nobody = account(65534, 65534, &[65534]);
         give_private_dir(&target, &nobody).unwrap();
-        for p in ["", "ipam", "ipam/allocations.json", "link"] {
+        for p in ["", "ipam", "ipam/allocations.json", "link", "ipam/dir-link"] {
             let meta = fs::symlink_metadata(target.join(p)).unwrap();
             assert_eq!((meta.uid(), meta.gid()), (65534, 65534), "{p}");
         }
         assert_eq!(fs::metadata(&target).unwrap().mode() & 0o7777, 0o700);
         assert_eq!(fs::metadata("/etc/passwd").unwrap().uid(), 0, "links are not followed");
+        for p in [&outside, &outside.join("precious")] {
+            assert_eq!(
+                fs::metadata(p).unwrap().uid(),
+                0,
+                "{}: links to directories are not followed",
+                p.display()
+            );
+        }
     }
 }
