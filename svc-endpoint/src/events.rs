@@ -244,20 +244,21 @@ pub fn removal_failed(m: &EndpointMetrics, id: u16, step: &'static str, status: 
         .inc();
 }
 
-/// A removal completed in the background after failed attempts.
+/// A removal completed in the background after earlier attempts (failed,
+/// or done before a caller gave up and asked for the addresses too).
 pub fn removal_converged(
     m: &EndpointMetrics,
     id: u16,
     reason: &'static str,
-    failed_attempts: u64,
+    earlier_attempts: u64,
     released_addresses: bool,
 ) {
     tracing::info!(
         endpoint = id,
         reason,
-        failed_attempts,
+        earlier_attempts,
         released_addresses,
-        "endpoint removal completed after failed attempts"
+        "endpoint removal completed in the background"
     );
     m.removals_converged.get_or_create(&ReasonLabels { reason }).inc();
 }

@@ -855,17 +855,28 @@ impl EndpointManager {
         let Some((queue, attempt)) = self.request_removal(id, reason) else {
             return Ok(());
         };
+        // Also when the call is cancelled (its client gave up first).
+        let mut keeps = CallerKeepsAddresses {
+            manager: self,
+            id,
+            queue: &queue,
+            armed: true,
+        };
         let waited = match deadline {
             Some(deadline) => tokio::time::timeout(deadline, queue.wait_removal(attempt)).await,
             None => Ok(queue.wait_removal(attempt).await),
         };
         let failure = match waited {
-            Ok(Ok(())) => return Ok(()),
+            Ok(Ok(())) => {
+                keeps.armed = false;
+                return Ok(());
+            }
             Ok(Err(failure)) => failure,
             Err(_) => {
                 // Decided under the state lock, where the worker forgets the
                 // endpoint: either it is gone now, or its addresses will be
                 // released when it is.
+                keeps.armed = false;
                 let state = self.state();
                 if !state.endpoints.contains_key(&id) {
                     return Ok(());
@@ -2501,6 +2512,32 @@ fn interface_lost(held: &ldpb::Endpoint, spec: &EndpointSpec) -> Option<RemovalR
     }
     let renamed = !held.host_ifname.is_empty() && held.host_ifname != spec.host_interface;
     renamed.then_some(RemovalReason::InterfaceReplaced)
+}
+
+/// While armed, a caller waiting for a removal has not been told it
+/// succeeded: on drop (an error, or the call cancelled by its client) the
+/// worker is asked to release the endpoint's addresses once it is gone,
+/// because such a caller keeps them (rivet-cni does). Decided under the
+/// state lock, where the worker forgets the endpoint. (A removal that
+/// completes in the instant its caller goes away still leaves the addresses
+/// to the caller.)
+struct CallerKeepsAddresses<'a> {
+    manager: &'a EndpointManager,
+    id: u16,
+    queue: &'a Queue,
+    armed: bool,
+}
+
+impl Drop for CallerKeepsAddresses<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let state = self.manager.state();
+        if state.endpoints.contains_key(&self.id) {
+            self.queue.release_addresses_when_gone();
+        }
+    }
 }
 
 /// A regeneration stopped at `step` because its endpoint is being removed.
