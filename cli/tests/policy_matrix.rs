@@ -139,6 +139,9 @@ enum Step {
     Expect(Expect),
     /// Another assertion about the node.
     Check(fn(&Cluster)),
+    /// `kill -9` of a daemon; returns once the supervisor restarted it and
+    /// svc-endpoint lists every pod's endpoint ready again.
+    Kill9(&'static str),
     /// The steps again, this many times.
     Repeat(usize, &'static [Step]),
 }
@@ -306,16 +309,22 @@ impl DropEvent {
     }
 }
 
-/// `rivet monitor -o json` for the whole run; its drops in order.
+/// `rivet monitor -o json` for the whole run (started again after
+/// svc-loader restarts, which ends its stream); its drops in order.
 struct Monitor {
-    child: Child,
     drops: Arc<Mutex<Vec<DropEvent>>>,
+    process: Mutex<MonitorProcess>,
+}
+
+/// One `rivet monitor` and the thread reading its drops.
+struct MonitorProcess {
+    child: Child,
     reader: Option<JoinHandle<()>>,
 }
 
-impl Monitor {
+impl MonitorProcess {
     /// Starts `rivet monitor` and returns once it is subscribed.
-    fn start(node: &TestNode) -> Self {
+    fn start(node: &TestNode, drops: &Arc<Mutex<Vec<DropEvent>>>) -> Self {
         let mut child = node
             .rivet(&["monitor", "-o", "json"])
             .stdout(Stdio::piped())
@@ -325,6 +334,7 @@ impl Monitor {
         let stdout = child.stdout.take().unwrap();
         let stderr = child.stderr.take().unwrap();
         let (subscribed_tx, subscribed) = std::sync::mpsc::channel();
+        // Ends with the process (its stderr closes).
         std::thread::spawn(move || {
             let mut text = String::new();
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
@@ -336,9 +346,8 @@ impl Monitor {
             }
             let _ = subscribed_tx.send(Err(text));
         });
-        let drops = Arc::new(Mutex::new(Vec::new()));
         let reader = {
-            let drops = Arc::clone(&drops);
+            let drops = Arc::clone(drops);
             std::thread::spawn(move || {
                 for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                     if let Some(event) = DropEvent::parse(&line) {
@@ -347,19 +356,46 @@ impl Monitor {
                 }
             })
         };
-        let mut monitor = Self {
+        let mut process = Self {
             child,
-            drops,
             reader: Some(reader),
         };
         match subscribed.recv_timeout(Duration::from_secs(30)) {
-            Ok(Ok(())) => monitor,
+            Ok(Ok(())) => process,
             Ok(Err(stderr)) => {
-                let status = monitor.child.wait();
+                let status = process.child.wait();
                 panic!("rivet monitor ended before subscribing ({status:?}): {stderr}")
             }
             Err(_) => panic!("rivet monitor did not subscribe within 30 s"),
         }
+    }
+}
+
+impl Drop for MonitorProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+    }
+}
+
+impl Monitor {
+    fn start(node: &TestNode) -> Self {
+        let drops = Arc::new(Mutex::new(Vec::new()));
+        let process = Mutex::new(MonitorProcess::start(node, &drops));
+        Self { drops, process }
+    }
+
+    /// A new subscription, to the svc-loader that runs now.
+    fn restart(&self, node: &TestNode) {
+        let mut process = self.process.lock().unwrap();
+        // The old one first: its drops are in before the new one's.
+        drop(std::mem::replace(
+            &mut *process,
+            MonitorProcess::start(node, &self.drops),
+        ));
     }
 
     /// How many drops were seen so far: the start of a probe round's.
@@ -370,16 +406,6 @@ impl Monitor {
     /// Drops seen since `mark`.
     fn since(&self, mark: usize) -> Vec<DropEvent> {
         self.drops.lock().unwrap()[mark..].to_vec()
-    }
-}
-
-impl Drop for Monitor {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if let Some(reader) = self.reader.take() {
-            let _ = reader.join();
-        }
     }
 }
 
@@ -709,6 +735,17 @@ impl Cluster {
                     *changed_labels = false;
                 }
                 Step::Check(check) => check(self),
+                Step::Kill9(daemon) => {
+                    self.node.kill9_and_wait_for_restart(daemon);
+                    if *daemon == "svc-loader" {
+                        self.monitor.restart(&self.node);
+                    }
+                    self.wait_for_endpoints(&format!("{daemon} restarted in case {case:?}"), |_, e| {
+                        e["state"] == "ready"
+                    });
+                    // What the restarted daemon restores, it realises on its own time.
+                    *changed_labels = true;
+                }
                 Step::Repeat(times, steps) => {
                     for _ in 0..*times {
                         self.run_steps(case, steps, relabelled, changed_labels);
@@ -716,6 +753,27 @@ impl Cluster {
                 }
             }
         }
+    }
+
+    /// Waits until svc-endpoint has restored its endpoints and the endpoint
+    /// of every pod (by index) is as `ready` says.
+    fn wait_for_endpoints(&self, what: &str, ready: impl Fn(usize, &serde_json::Value) -> bool) {
+        eventually(what, CONVERGE, || {
+            let Ok(out) = self.node.rivet(&["endpoint", "list", "-o", "json"]).output() else {
+                return false;
+            };
+            let Ok(endpoints) = serde_json::from_slice::<serde_json::Value>(&out.stdout) else {
+                return false; // svc-endpoint is not answering yet
+            };
+            endpoints["restore_complete"] == true
+                && (0..N).all(|index| {
+                    let (ns, name) = (NAMESPACES[index / 3], POD_NAMES[index % 3]);
+                    endpoints["endpoints"].as_array().is_some_and(|all| {
+                        all.iter()
+                            .any(|e| e["pod_namespace"] == ns && e["pod_name"] == name && ready(index, e))
+                    })
+                })
+        });
     }
 
     /// Back to the start: no policy, the base labels, every probe passing.
@@ -743,21 +801,9 @@ impl Cluster {
             args.extend(labels.iter().map(String::as_str));
             self.node.ok(&args);
         }
-        eventually(
+        self.wait_for_endpoints(
             &format!("every endpoint back to its base identity labels after case {case:?}"),
-            CONVERGE,
-            || {
-                let endpoints = self.node.json(&["endpoint", "list"]);
-                (0..N).all(|index| {
-                    let (ns, name) = (NAMESPACES[index / 3], POD_NAMES[index % 3]);
-                    endpoints["endpoints"].as_array().unwrap().iter().any(|e| {
-                        e["pod_namespace"] == ns
-                            && e["pod_name"] == name
-                            && e["state"] == "ready"
-                            && e["identity_labels"] == serde_json::json!(base_identity_labels(index))
-                    })
-                })
-            },
+            |index, e| e["state"] == "ready" && e["identity_labels"] == serde_json::json!(base_identity_labels(index)),
         );
         self.expect(
             &format!("{case} (after its reset)"),
@@ -939,6 +985,22 @@ spec:
                 ports: &[TCP80, UDP80],
                 base: true,
                 cells: &[("*/*", "x/a", false), ("y/*", "x/a", true)],
+            }),
+            // The same policy updated to another namespace: y loses what z gains.
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-y, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {matchLabels: {ns: z}}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("z/*", "x/a", true)],
             }),
         ],
     },
@@ -1166,6 +1228,22 @@ spec:
                 base: true,
                 cells: &[("*/*", "x/a", false)],
             }),
+            // SCTP is neither TCP nor UDP.
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-udp-81, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {}}], ports: [{protocol: SCTP, port: 80}, {protocol: SCTP, port: 81}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: ALL_V4,
+                base: true,
+                cells: &[("*/*", "x/a", false)],
+            }),
         ],
     },
     Case {
@@ -1191,6 +1269,110 @@ spec:
                 ports: &[TCP80, UDP81],
                 base: true,
                 cells: &[("x/a", "*/*", false)],
+            }),
+        ],
+    },
+    Case {
+        name: "ingress from podSelector {} allows the policy's namespace only",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: from-own-namespace, namespace: x}
+spec:
+  podSelector: {}
+  ingress: [{from: [{podSelector: {}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP81],
+                base: true,
+                cells: &[("*/*", "x/*", false), ("x/*", "x/*", true)],
+            }),
+        ],
+    },
+    Case {
+        name: "stacked policies on one pod are a union, per port",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-80-from-y, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {matchLabels: {ns: y}}}], ports: [{protocol: TCP, port: 80}]}]
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-81-from-z, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {matchLabels: {ns: z}}}], ports: [{protocol: TCP, port: 81}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("y/*", "x/a", true)],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("z/*", "x/a", true)],
+            }),
+        ],
+    },
+    Case {
+        name: "ingress and egress in one policy",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-both, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  policyTypes: [Ingress, Egress]
+  ingress: [{from: [{namespaceSelector: {matchLabels: {ns: y}}}]}]
+  egress: [{to: [{namespaceSelector: {matchLabels: {ns: z}}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP80, TCP80_V6],
+                base: true,
+                cells: &[
+                    ("*/*", "x/a", false),
+                    ("y/*", "x/a", true),
+                    ("x/a", "*/*", false),
+                    ("x/a", "z/*", true),
+                ],
+            }),
+        ],
+    },
+    Case {
+        name: "the client's egress deny wins over the server's ingress allow",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-no-egress, namespace: x}
+spec: {podSelector: {matchLabels: {pod: a}}, policyTypes: [Egress]}
+---
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: b-from-x, namespace: y}
+spec:
+  podSelector: {matchLabels: {pod: b}}
+  ingress: [{from: [{namespaceSelector: {matchLabels: {ns: x}}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP81],
+                base: true,
+                cells: &[("*/*", "y/b", false), ("x/*", "y/b", true), ("x/a", "*/*", false)],
             }),
         ],
     },
@@ -1434,6 +1616,62 @@ spec:
         ],
     },
     Case {
+        name: "policies hold across kill -9 of svc-loader, svc-endpoint and svc-identity",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-mixed, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  policyTypes: [Ingress, Egress]
+  ingress:
+  - from: [{namespaceSelector: {matchLabels: {ns: y}}}]
+    ports: [{port: serve-80-tcp}]
+  egress:
+  - to: [{ipBlock: {cidr: 198.18.0.0/15, except: ['{z/c}/32']}}]
+    ports: [{protocol: TCP, port: 81}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("y/*", "x/a", true), ("x/a", "*/*", false)],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("x/a", "z/c", false)],
+            }),
+            Step::Kill9("svc-loader"),
+            Step::Kill9("svc-endpoint"),
+            Step::Kill9("svc-identity"),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("y/*", "x/a", true), ("x/a", "*/*", false)],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[("*/*", "x/a", false), ("x/a", "z/c", false)],
+            }),
+            // The restarted daemons still act on changes.
+            Step::LabelNamespace("z", &["ns=y", "kubernetes.io/metadata.name=z"]),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[
+                    ("*/*", "x/a", false),
+                    ("y/*", "x/a", true),
+                    ("z/*", "x/a", true),
+                    ("x/a", "*/*", false),
+                ],
+            }),
+        ],
+    },
+    Case {
         // The issue's race: every y pod gets a new identity at once while
         // x/a regenerates; x/a must end up allowing all three, every time.
         name: "namespace relabel during regeneration",
@@ -1509,6 +1747,13 @@ spec:
                 ports: &[TCP80],
                 base: true,
                 cells: &[],
+            }),
+            // x/b into it: isolated, reachable from the pods labelled b now.
+            Step::LabelPod("x/b", &["pod=a"]),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("*/*", "x/b", false), ("z/b", "x/b", true), ("y/c", "x/b", true)],
             }),
         ],
     },
