@@ -1736,66 +1736,6 @@ spec:
             }),
         ],
     },
-    Case {
-        // An ipBlock of a pod's /32 matches that pod (its /32 ipcache entry
-        // carries its pod identity, which once always won).
-        name: "egress ipBlock of one pod's address",
-        steps: &[
-            Step::Apply(
-                "
-apiVersion: networking.k8s.io/v1
-kind: NetworkPolicy
-metadata: {name: a-to-b, namespace: x}
-spec:
-  podSelector: {matchLabels: {pod: a}}
-  policyTypes: [Egress]
-  egress: [{to: [{ipBlock: {cidr: '{x/b}/32'}}, {ipBlock: {cidr: '{x/b:6}/128'}}]}]
-",
-            ),
-            Step::Expect(Expect {
-                ports: &[TCP80, UDP81, TCP80_V6, UDP81_V6],
-                base: true,
-                cells: &[("x/a", "*/*", false), ("x/a", "x/b", true)],
-            }),
-        ],
-    },
-    Case {
-        // except is per address: x/b and x/c share one identity and fall on
-        // different sides (once, an except of one pod denied every pod).
-        name: "ipBlock except of one of two pods with one identity",
-        steps: &[
-            Step::LabelPod("x/c", &["pod=b"]),
-            Step::Apply(
-                "
-apiVersion: networking.k8s.io/v1
-kind: NetworkPolicy
-metadata: {name: a-out-but-b, namespace: x}
-spec:
-  podSelector: {matchLabels: {pod: a}}
-  policyTypes: [Egress]
-  egress:
-  - to:
-    - ipBlock: {cidr: 192.0.0.0/4, except: ['{x/b}/32']}
-    - ipBlock: {cidr: '2001:2::/48', except: ['{x/b:6}/128']}
----
-apiVersion: networking.k8s.io/v1
-kind: NetworkPolicy
-metadata: {name: a-in-but-c, namespace: y}
-spec:
-  podSelector: {matchLabels: {pod: a}}
-  ingress:
-  - from:
-    - ipBlock: {cidr: 198.18.0.0/15, except: ['{x/c}/32']}
-    - ipBlock: {cidr: '2001:2::/48', except: ['{x/c:6}/128']}
-",
-            ),
-            Step::Expect(Expect {
-                ports: &[TCP80, UDP81, TCP80_V6, UDP81_V6],
-                base: true,
-                cells: &[("x/a", "x/b", false), ("x/c", "y/a", false)],
-            }),
-        ],
-    },
 ];
 
 /// The whole table on one node (the cases run one after another; each
