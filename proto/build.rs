@@ -14,6 +14,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={}", root.display());
 
     let fds = protox::compile(&files, [root])?;
+    // Every file (imports included) for gRPC server reflection.
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(out.join("rivet_descriptor.bin"), prost::Message::encode_to_vec(&fds))?;
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)

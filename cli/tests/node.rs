@@ -698,6 +698,20 @@ for target in ("unix:" + path, "unix://" + path):
     channel.close()
 "#;
 
+/// grpcio-reflection's client on the socket given as the first argument:
+/// prints the advertised services (comma-separated) and the output type of
+/// `rivet.daemon.v1.Daemon/GetInfo`, resolved through reflection alone.
+const GRPCIO_REFLECTION_CLIENT: &str = r#"
+import sys, grpc
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+channel = grpc.insecure_channel("unix:" + sys.argv[1])
+database = ProtoReflectionDescriptorDatabase(channel)
+services = sorted(database.get_services())
+method = DescriptorPool(database).FindServiceByName("rivet.daemon.v1.Daemon").FindMethodByName("GetInfo")
+print(",".join(services), method.output_type.full_name)
+"#;
+
 /// PyPI's grpcio, installed by `cargo xtask install` (xtask's `GRPCIO_VENV`).
 const PYPI_GRPCIO_PYTHON: &str = "/opt/rivet-test/grpcio-venv/bin/python";
 
@@ -755,6 +769,41 @@ fn python_grpcio_with_default_options_reaches_every_daemon() {
                 assert_eq!(Some(info.pid), daemon.pid, "the supervised process answered");
             }
         }
+    }
+    // Server reflection: a generic client learns each daemon's services
+    // and their message types from the socket alone (grpcio-reflection,
+    // v1alpha as grpcurl asks first), and only that daemon's.
+    for daemon in &record.daemons {
+        let out = Command::new(PYPI_GRPCIO_PYTHON)
+            .args(["-c", GRPCIO_REFLECTION_CLIENT])
+            .arg(&daemon.socket)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running python");
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        assert!(
+            out.status.success(),
+            "reflection on {}: {}{text}",
+            daemon.name,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (services, get_info) = text.split_once(' ').unwrap_or_default();
+        assert_eq!(get_info, "rivet.daemon.v1.DaemonInfo", "{text}");
+        let own = format!("rivet.{}.v1.", daemon.name.trim_start_matches("svc-"));
+        let services: Vec<&str> = services.split(',').collect();
+        assert!(services.contains(&"rivet.daemon.v1.Daemon"), "{text}");
+        assert!(
+            services.iter().any(|s| s.starts_with(&own)),
+            "{} advertises its own: {text}",
+            daemon.name
+        );
+        assert!(
+            services
+                .iter()
+                .all(|s| s.starts_with(&own) || *s == "rivet.daemon.v1.Daemon"),
+            "{} advertises only its own services: {text}",
+            daemon.name
+        );
     }
     node.down_and_check_nothing_left();
 }

@@ -118,6 +118,14 @@ impl pb::daemon_server::Daemon for DaemonInfoService {
 /// Why serving stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    /// Rivet's own descriptors did not make a reflection service (a build bug).
+    #[error("building gRPC server reflection for {daemon}: {reason}")]
+    Reflection {
+        /// Daemon name.
+        daemon: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
     /// The gRPC server failed.
     #[error("serving {daemon} on {path}: {source}")]
     Transport {
@@ -159,7 +167,26 @@ pub async fn serve_unix(
         "serving gRPC"
     );
     let access = AccessLayer::new(daemon, listener.access(), listener.access_metrics().clone());
-    let routes = routes.add_service(pb::daemon_server::DaemonServer::new(DaemonInfoService(identity)));
+    let advertised = reflected_services(daemon);
+    let reflection = |reason: tonic_reflection::server::Error| ServeError::Reflection {
+        daemon,
+        reason: reason.to_string(),
+    };
+    let reflection_v1 = advertised
+        .iter()
+        .fold(reflection_builder(), |b, name| b.with_service_name(name.clone()))
+        .build_v1()
+        .map_err(reflection)?;
+    // grpcurl and grpcio's reflection client still ask v1alpha first.
+    let reflection_v1alpha = advertised
+        .iter()
+        .fold(reflection_builder(), |b, name| b.with_service_name(name.clone()))
+        .build_v1alpha()
+        .map_err(reflection)?;
+    let routes = routes
+        .add_service(pb::daemon_server::DaemonServer::new(DaemonInfoService(identity)))
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
     let (draining_tx, draining_rx) = tokio::sync::oneshot::channel::<()>();
     let signal = async move {
         shutdown.await;
@@ -195,6 +222,30 @@ pub async fn serve_unix(
             Ok(())
         }
     }
+}
+
+fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
+    tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(rivet_proto::FILE_DESCRIPTOR_SET)
+}
+
+/// The services gRPC reflection advertises on `daemon`'s socket: the shared
+/// `rivet.daemon.v1.Daemon` and those of its own package (`svc-ipam` →
+/// `rivet.ipam.v1`), not the other daemons' (whose descriptors are served
+/// too, one set for all).
+pub fn reflected_services(daemon: &str) -> Vec<String> {
+    use prost::Message as _;
+    let own = format!("rivet.{}.v1", daemon.trim_start_matches("svc-"));
+    let set = prost_types::FileDescriptorSet::decode(rivet_proto::FILE_DESCRIPTOR_SET)
+        .expect("rivet-proto's build encodes a FileDescriptorSet");
+    let mut names: Vec<String> = set
+        .file
+        .iter()
+        .filter(|f| matches!(f.package(), p if p == own || p == "rivet.daemon.v1"))
+        .flat_map(|f| f.service.iter().map(move |s| format!("{}.{}", f.package(), s.name())))
+        .collect();
+    names.sort();
+    names
 }
 
 /// A gRPC code as a metric label (`invalid_argument`, `not_found`, ...),
@@ -714,6 +765,24 @@ mod tests {
                 "a status the server sent is kept"
             );
         }
+    }
+
+    #[test]
+    fn reflection_advertises_a_daemons_own_services_and_the_shared_one() {
+        assert_eq!(
+            reflected_services("svc-ipam"),
+            ["rivet.daemon.v1.Daemon", "rivet.ipam.v1.Ipam"]
+        );
+        assert_eq!(
+            reflected_services("svc-endpoint"),
+            [
+                "rivet.daemon.v1.Daemon",
+                "rivet.endpoint.v1.EndpointService",
+                "rivet.endpoint.v1.NamespaceService",
+                "rivet.endpoint.v1.PolicyService",
+            ]
+        );
+        assert_eq!(reflected_services("svc-test"), ["rivet.daemon.v1.Daemon"]);
     }
 
     #[test]

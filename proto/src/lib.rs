@@ -4,6 +4,11 @@
 //! server's `boot_id` (see [`HasBootId`]); a client that sees it change replays
 //! its desired state (DESIGN.md §1).
 
+/// Every Rivet `.proto` and its imports, an encoded
+/// `google.protobuf.FileDescriptorSet`: what gRPC server reflection serves
+/// (so `grpcurl` and other generic clients need no `.proto` files).
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rivet_descriptor.bin"));
+
 /// Common to every daemon: who answers (`rivet.daemon.v1`).
 pub mod daemon {
     /// Version 1.

@@ -51,6 +51,9 @@ pub const GRPCIO_VENV: &str = "/opt/rivet-test/grpcio-venv";
 /// The PyPI grpcio installed in [`GRPCIO_VENV`].
 pub const GRPCIO_VERSION: &str = "1.85.3";
 
+/// Its server-reflection client (grpcio-reflection has no 1.85.3).
+pub const GRPCIO_REFLECTION_VERSION: &str = "1.85.1";
+
 /// Where BPF programs and maps are pinned; the loader and the tests expect a bpffs here.
 const BPFFS: &str = "/sys/fs/bpf";
 
@@ -80,20 +83,21 @@ pub fn run() -> Result<()> {
     create_users()
 }
 
-/// Creates [`GRPCIO_VENV`] with grpcio [`GRPCIO_VERSION`] from PyPI, unless it
-/// has it already.
+/// Creates [`GRPCIO_VENV`] with grpcio [`GRPCIO_VERSION`] and
+/// grpcio-reflection [`GRPCIO_REFLECTION_VERSION`] from PyPI, unless it has
+/// them already.
 fn install_pypi_grpcio() -> Result<()> {
     let python = format!("{GRPCIO_VENV}/bin/python");
     let installed = Command::new(&python)
         .args([
             "-c",
-            "import grpc, sys; sys.exit(grpc.__version__ != sys.argv[1])",
+            "import grpc, grpc_reflection, sys; sys.exit(grpc.__version__ != sys.argv[1])",
             GRPCIO_VERSION,
         ])
         .output()
         .is_ok_and(|o| o.status.success());
     if installed {
-        println!("grpcio: {GRPCIO_VERSION} present in {GRPCIO_VENV}");
+        println!("grpcio: {GRPCIO_VERSION} and grpcio-reflection present in {GRPCIO_VENV}");
         return Ok(());
     }
     println!("grpcio: installing {GRPCIO_VERSION} from PyPI into {GRPCIO_VENV}");
@@ -104,6 +108,7 @@ fn install_pypi_grpcio() -> Result<()> {
         "--quiet",
         "--disable-pip-version-check",
         &format!("grpcio=={GRPCIO_VERSION}"),
+        &format!("grpcio-reflection=={GRPCIO_REFLECTION_VERSION}"),
     ]))
 }
 
