@@ -1377,6 +1377,27 @@ spec:
         ],
     },
     Case {
+        name: "egress ipBlock of one pod's addresses",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-egress-to-yb, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  policyTypes: [Egress]
+  egress: [{to: [{ipBlock: {cidr: '{y/b}/32'}}, {ipBlock: {cidr: '{y/b:6}/128'}}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP80, TCP80_V6, UDP81_V6],
+                base: true,
+                cells: &[("x/a", "*/*", false), ("x/a", "y/b", true)],
+            }),
+        ],
+    },
+    Case {
         name: "egress ipBlock except one pod: two pods of one identity on either side",
         steps: &[
             Step::LabelPod("x/c", &["pod=b"]),
