@@ -1290,6 +1290,27 @@ spec:
                 base: true,
                 cells: &[("*/*", "x/a", false)],
             }),
+            // A protocol without a port: every port of it.
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-udp-81, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress: [{from: [{namespaceSelector: {}}], ports: [{protocol: UDP}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[UDP80, UDP81, UDP81_V6],
+                base: true,
+                cells: &[],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP80, TCP81],
+                base: true,
+                cells: &[("*/*", "x/a", false)],
+            }),
         ],
     },
     Case {
@@ -1546,6 +1567,25 @@ spec:
                 ports: &[TCP80_V6],
                 base: true,
                 cells: &[("*/*", "x/a", false)],
+            }),
+            // The same per IPv6 address.
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-from-all-but-xc, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  ingress:
+  - from:
+    - ipBlock: {cidr: 198.18.0.0/15, except: ['{x/c}/32']}
+    - ipBlock: {cidr: '2001:2::/48', except: ['{x/c:6}/128']}
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80, TCP80_V6, UDP81_V6],
+                base: true,
+                cells: &[("x/c", "x/a", false)],
             }),
         ],
     },
