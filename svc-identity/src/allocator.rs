@@ -14,6 +14,11 @@
 //! store answers). Only a set with no identity anywhere needs the store
 //! ([`AllocError::Unavailable`]).
 //!
+//! With etcd, a restart during an outage starts from the local snapshot
+//! ([`IdentityAllocator::restore`], [`crate::snapshot`]): the cache is
+//! served and the released sets' keys deleted by the first pass once the
+//! store answers; the first listing replaces the cache.
+//!
 //! # Reconciliation (level-triggered, one pass at a time)
 //!
 //! A pass writes the value key (and, if it vanished, the master key) of
@@ -27,6 +32,7 @@
 //! and again with backoff after a failed pass.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -38,7 +44,11 @@ use tokio::sync::{Notify, broadcast, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::backend::{AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord};
+use crate::backend::{
+    AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord, Revision,
+};
+use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
+use crate::snapshot::IdentitySnapshot;
 
 /// Smallest cluster identity.
 pub const MIN_CLUSTER_ID: u32 = 256;
@@ -62,6 +72,8 @@ pub struct AllocatorOptions {
     /// How long after start value keys of this node that no local reference
     /// backs are kept (a previous run's, until svc-endpoint replayed).
     pub restore_grace: Duration,
+    /// Where the outage events are counted.
+    pub metrics: IdentityMetrics,
 }
 
 impl Default for AllocatorOptions {
@@ -72,6 +84,7 @@ impl Default for AllocatorOptions {
             filter: LabelFilter::default(),
             resync_interval: Duration::from_secs(60),
             restore_grace: Duration::from_secs(120),
+            metrics: IdentityMetrics::default(),
         }
     }
 }
@@ -252,6 +265,13 @@ pub struct IdentityAllocator {
     /// One reconcile pass at a time.
     pass: tokio::sync::Mutex<()>,
     started: Instant,
+    /// The store revision of the last listing (or of the restored snapshot).
+    store_revision: AtomicI64,
+    /// What is served while the store was not listed since a restore.
+    restored_from: Mutex<Option<String>>,
+    /// Bumped by every change of what the snapshot holds (the cache, the
+    /// released sets).
+    persisted: watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for IdentityAllocator {
@@ -283,7 +303,60 @@ impl IdentityAllocator {
             reconcile: Notify::new(),
             pass: tokio::sync::Mutex::new(()),
             started: Instant::now(),
+            store_revision: AtomicI64::new(0),
+            restored_from: Mutex::new(None),
+            persisted: watch::channel(0).0,
         })
+    }
+
+    /// Notes a change of what [`snapshot`](Self::snapshot) returns.
+    fn persisted_changed(&self) {
+        self.persisted.send_modify(|g| *g += 1);
+    }
+
+    /// Changes whenever what [`snapshot`](Self::snapshot) returns changed.
+    pub fn state_changes(&self) -> watch::Receiver<u64> {
+        self.persisted.subscribe()
+    }
+
+    /// The store revision of the last listing (of the restored snapshot's
+    /// until the store is listed); 0 before either.
+    pub fn store_revision(&self) -> Revision {
+        self.store_revision.load(Ordering::Acquire)
+    }
+
+    /// What a restart needs to serve without the store: the cache and the
+    /// sets whose value key awaits deletion.
+    pub fn snapshot(&self) -> IdentitySnapshot {
+        let identities = self.cache.read().expect("cache poisoned").records();
+        let mut released: Vec<String> = self
+            .released
+            .lock()
+            .expect("released poisoned")
+            .iter()
+            .cloned()
+            .collect();
+        released.sort();
+        IdentitySnapshot {
+            store_revision: self.store_revision(),
+            identities,
+            released,
+        }
+    }
+
+    /// Serves `snapshot` until the store is listed: the cache is filled and
+    /// ready, the released sets' value keys are deleted by the first pass,
+    /// and the store counts as not answering (`store_error` says
+    /// `origin`) until the watcher lists it. Call before [`run`](Self::run).
+    pub fn restore(&self, snapshot: IdentitySnapshot, origin: &str) {
+        self.replace_cache(snapshot.identities);
+        self.released
+            .lock()
+            .expect("released poisoned")
+            .extend(snapshot.released);
+        self.store_revision.store(snapshot.store_revision, Ordering::Release);
+        *self.restored_from.lock().expect("restored_from poisoned") = Some(origin.to_string());
+        self.ready.send_replace(true);
     }
 
     /// The store's kind (`etcd`, `embedded`).
@@ -296,9 +369,15 @@ impl IdentityAllocator {
         self.backend.lease_id()
     }
 
-    /// The cache watcher's last store error, `None` while it is in sync.
+    /// The cache watcher's last store error, `None` while it is in sync;
+    /// until the first listing after a restore, what is served says so.
     pub fn store_error(&self) -> Option<String> {
-        self.store_error.lock().expect("store error poisoned").clone()
+        let error = self.store_error.lock().expect("store error poisoned").clone();
+        let restored = self.restored_from.lock().expect("restored_from poisoned").clone();
+        match (restored, error) {
+            (Some(origin), Some(error)) => Some(format!("{origin}; {error}")),
+            (origin, error) => origin.or(error),
+        }
     }
 
     fn set_store_error(&self, error: Option<String>) {
@@ -391,7 +470,9 @@ impl IdentityAllocator {
         }
         // Taken out before the store is written: a pass deleting the value
         // key meanwhile writes it again (see `delete_released`).
-        self.released.lock().expect("released poisoned").remove(&key);
+        if self.released.lock().expect("released poisoned").remove(&key) {
+            self.persisted_changed();
+        }
         let (id, newly_allocated) = match self.allocate_in_store(&key).await? {
             StoreAllocation::Published { id, newly_allocated } => (id, newly_allocated),
             StoreAllocation::Deferred { id, error } => {
@@ -399,12 +480,7 @@ impl IdentityAllocator {
                     .lock()
                     .expect("unpublished poisoned")
                     .insert(key.clone());
-                tracing::warn!(
-                    id,
-                    labels = %key,
-                    %error,
-                    "the kvstore is unreachable: identity taken locally, its value key is written when the store is back"
-                );
+                events::allocation_served_locally(&self.opts.metrics, id, &key, &error);
                 (id, false)
             }
         };
@@ -567,6 +643,7 @@ impl IdentityAllocator {
             (key, left)
         };
         if left == 0 {
+            self.persisted_changed();
             if !self.store_answers() {
                 tracing::info!(id, labels = %key, "last local reference released; the kvstore is unreachable, its value key is deleted when it is back");
             } else if let Err(e) = self.delete_released(&key).await {
@@ -581,17 +658,19 @@ impl IdentityAllocator {
 
     /// Deletes this node's value key of a released set, unless the set was
     /// allocated again meanwhile; an allocation racing the delete (it took
-    /// the set out of `released` first) gets its key written again.
-    async fn delete_released(&self, key: &str) -> Result<(), BackendError> {
+    /// the set out of `released` first) gets its key written again. Returns
+    /// whether it deleted the key.
+    async fn delete_released(&self, key: &str) -> Result<bool, BackendError> {
         {
             let local = self.local.lock().expect("local refs poisoned");
             let released = self.released.lock().expect("released poisoned");
             if local.contains_key(key) || !released.contains(key) {
-                return Ok(());
+                return Ok(false);
             }
         }
         self.backend.release(key).await?;
         let retaken = !self.released.lock().expect("released poisoned").remove(key);
+        self.persisted_changed();
         if retaken {
             let held = self.local.lock().expect("local refs poisoned").get(key).map(|r| r.id);
             if let Some(id) = held {
@@ -603,7 +682,7 @@ impl IdentityAllocator {
                 self.unpublished.lock().expect("unpublished poisoned").remove(key);
             }
         }
-        Ok(())
+        Ok(!retaken)
     }
 
     /// Drops every reference `owner` holds; returns the ids released.
@@ -699,8 +778,10 @@ impl IdentityAllocator {
             match self.backend.list_identities().await {
                 Ok((records, revision)) => {
                     let recovered = self.store_error().is_some();
-                    self.set_store_error(None);
+                    self.store_revision.store(revision, Ordering::Release);
                     self.replace_cache(records);
+                    self.restored_from.lock().expect("restored_from poisoned").take();
+                    self.set_store_error(None);
                     self.ready.send_replace(true);
                     backoff.reset();
                     if recovered {
@@ -740,6 +821,8 @@ impl IdentityAllocator {
         let mut cache = self.cache.write().expect("cache poisoned");
         if cache.insert(r.id, r.labels.clone()) {
             let _ = self.changes.send((cache.revision, IdentityChange::Upsert(r)));
+            drop(cache);
+            self.persisted_changed();
         }
     }
 
@@ -747,6 +830,8 @@ impl IdentityAllocator {
         let mut cache = self.cache.write().expect("cache poisoned");
         if cache.remove(id) {
             let _ = self.changes.send((cache.revision, IdentityChange::Delete(id)));
+            drop(cache);
+            self.persisted_changed();
         }
     }
 
@@ -786,17 +871,19 @@ impl IdentityAllocator {
                 .as_ref()
                 .err()
                 .map(|e| format!("reconciling this node's value keys: {e}"));
-            match result {
+            let retry_in = match result {
                 Ok(()) => {
                     backoff.reset();
                     retry_at = None;
+                    None
                 }
-                Err(e) => {
+                Err(_) => {
                     let delay = backoff.next_delay();
-                    tracing::warn!(error = %e, ?delay, "reconciling this node's value keys with the store; retrying");
                     retry_at = Some(Instant::now() + delay);
+                    Some(delay)
                 }
-            }
+            };
+            events::reconcile_pass_finished(&self.opts.metrics, ReconciledKeys::ValueKeys, &result, retry_in);
         }
     }
 
@@ -806,7 +893,21 @@ impl IdentityAllocator {
     /// returned after the rest was tried.
     pub async fn reconcile_once(&self) -> Result<(), BackendError> {
         let _pass = self.pass.lock().await;
+        let mut counts = PassCounts::default();
+        let result = self.reconcile_pass(&mut counts).await;
+        let m = &self.opts.metrics;
+        events::keys_reconciled(m, StoreKey::Value, KeyAction::Created, counts.value_created);
+        events::keys_reconciled(m, StoreKey::Master, KeyAction::Created, counts.master_created);
+        events::keys_reconciled(m, StoreKey::Value, KeyAction::Deleted, counts.value_deleted);
+        result
+    }
+
+    /// The body of [`reconcile_once`](Self::reconcile_once), counting what it
+    /// changed in `counts` (also when it fails midway).
+    async fn reconcile_pass(&self, counts: &mut PassCounts) -> Result<(), BackendError> {
         let mut first_error = None;
+        // Taken while the store was away: their keys are written now.
+        let pending: HashSet<String> = self.unpublished.lock().expect("unpublished poisoned").clone();
         let held: Vec<(String, u32)> = self
             .local
             .lock()
@@ -816,9 +917,11 @@ impl IdentityAllocator {
             .collect();
         for (key, id) in held {
             match self.backend.acquire(id, &key).await {
-                Ok(AcquireOutcome::Acquired) => {}
+                Ok(AcquireOutcome::Acquired) => counts.value_created += usize::from(pending.contains(&key)),
                 Ok(AcquireOutcome::MasterRecreated) => {
-                    tracing::warn!(id, labels = %key, "master key had vanished; re-created with the same id")
+                    tracing::warn!(id, labels = %key, "master key had vanished; re-created with the same id");
+                    counts.master_created += 1;
+                    counts.value_created += usize::from(pending.contains(&key));
                 }
                 Ok(AcquireOutcome::Conflict) => tracing::error!(
                     id,
@@ -840,9 +943,10 @@ impl IdentityAllocator {
             Err(e) => return Err(first_error.unwrap_or(e)),
         };
         let grace_over = self.started.elapsed() >= self.opts.restore_grace;
-        let stale: Vec<String> = {
+        let (stale, released_changed) = {
             let local = self.local.lock().expect("local refs poisoned");
             let mut released = self.released.lock().expect("released poisoned");
+            let before = released.clone();
             let listed: HashSet<&String> = listed.iter().collect();
             // Released sets whose key is gone already need nothing more.
             released.retain(|k| listed.contains(k));
@@ -852,21 +956,32 @@ impl IdentityAllocator {
                 .cloned()
                 .collect();
             released.extend(stale.iter().cloned());
-            stale
+            (stale, *released != before)
         };
-        if !stale.is_empty() {
-            tracing::info!(
-                count = stale.len(),
-                "deleting value keys of this node that no local reference holds"
-            );
+        if released_changed {
+            self.persisted_changed();
         }
         for key in stale {
-            if let Err(e) = self.delete_released(&key).await {
-                first_error.get_or_insert(e);
+            match self.delete_released(&key).await {
+                Ok(deleted) => counts.value_deleted += usize::from(deleted),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
         first_error.map_or(Ok(()), Err)
     }
+}
+
+/// What one reconcile pass changed in the store.
+#[derive(Debug, Default)]
+struct PassCounts {
+    /// Value keys of sets taken while the store was away, written.
+    value_created: usize,
+    /// Vanished master keys re-created.
+    master_created: usize,
+    /// Value keys of this node nothing holds, deleted.
+    value_deleted: usize,
 }
 
 #[cfg(test)]

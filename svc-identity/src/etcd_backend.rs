@@ -33,7 +33,11 @@
 //! # Lease
 //!
 //! [`EtcdBackend::connect`] grants a lease (`lease_ttl`, whole seconds) and a
-//! background task keeps it alive every TTL/3 over a keepalive stream. While
+//! background task keeps it alive every TTL/3 over a keepalive stream.
+//! [`EtcdBackend::start`] returns at once, also while etcd is unreachable
+//! (svc-identity starts and serves from its local snapshot): the task grants
+//! the first lease when etcd answers and reports it like a replacement
+//! (below); until then writes bound to the lease are `Unavailable`. While
 //! etcd is unreachable the task keeps trying to resume the keepalive of the
 //! SAME lease (etcd keeps leases across its own restarts and refreshes their
 //! TTL when a leader is elected, so an etcd restart loses nothing). Only when
@@ -95,6 +99,8 @@ pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_ATTEMPTS: usize = 8;
 /// HTTP/2 keepalive ping interval (etcd refuses pings more often than every 5 s).
 const HTTP2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// The lease id before one was granted (etcd never grants 0).
+const NO_LEASE: i64 = 0;
 
 /// The key layout of DESIGN.md §4 under a prefix, shared by both backends
 /// (the embedded store uses the default prefix, so its keys can be copied to
@@ -400,23 +406,7 @@ impl EtcdBackend {
     /// timeouts (or when the node or cluster name is unusable in a key).
     pub async fn connect(opts: EtcdOptions) -> Result<Self, BackendError> {
         let action = format!("connecting to etcd at {}", opts.endpoints.join(","));
-        check_name("node", &opts.node, &action)?;
-        check_name("cluster", &opts.cluster, &action)?;
-        if opts.endpoints.is_empty() {
-            return Err(BackendError::Unavailable {
-                action,
-                detail: "no etcd endpoints configured".into(),
-            });
-        }
-        let connect = ConnectOptions::new()
-            .with_connect_timeout(opts.dial_timeout)
-            .with_keep_alive(
-                HTTP2_KEEPALIVE_INTERVAL,
-                opts.request_timeout.max(Duration::from_secs(1)),
-            );
-        let client = Client::connect(&opts.endpoints, Some(connect))
-            .await
-            .map_err(|e| unavailable(&action, &e))?;
+        let client = Self::client(&opts, &action).await?;
         let ttl = opts.ttl_secs();
         let mut leases = client.lease_client();
         let granted = tokio::time::timeout(opts.dial_timeout + opts.request_timeout, leases.grant(ttl, None))
@@ -429,15 +419,6 @@ impl EtcdBackend {
                 ),
             })?
             .map_err(|e| unavailable(&format!("{action}: granting the node lease"), &e))?;
-        let (state, _) = watch::channel(LeaseState {
-            id: granted.id(),
-            generation: 0,
-        });
-        let lease = Arc::new(LeaseShared {
-            state,
-            poke: Notify::new(),
-            reported: AtomicU64::new(0),
-        });
         tracing::info!(
             lease = granted.id(),
             ttl = granted.ttl(),
@@ -445,14 +426,74 @@ impl EtcdBackend {
             endpoints = %opts.endpoints.join(","),
             "connected to etcd; node lease granted"
         );
+        Ok(Self::with_lease(
+            client,
+            opts,
+            granted.id(),
+            keepalive_interval(granted.ttl()),
+        ))
+    }
+
+    /// Like [`connect`](Self::connect), but returns at once whether etcd
+    /// answers or not (a node starting during an etcd outage): the lease is
+    /// granted in the background when etcd answers, with backoff, and
+    /// [`lease_renewed`](IdentityBackend::lease_renewed) reports it then
+    /// (writes bound to the lease are `Unavailable` until it exists). Needs
+    /// a tokio runtime.
+    ///
+    /// # Errors
+    /// Only configuration errors (a node or cluster name unusable in a key,
+    /// no or invalid endpoints).
+    pub async fn start(opts: EtcdOptions) -> Result<Self, BackendError> {
+        let action = format!("connecting to etcd at {}", opts.endpoints.join(","));
+        let client = Self::client(&opts, &action).await?;
+        tracing::info!(
+            node = %opts.node,
+            endpoints = %opts.endpoints.join(","),
+            "etcd client ready; the node lease is granted when etcd answers"
+        );
+        let interval = keepalive_interval(opts.ttl_secs());
+        Ok(Self::with_lease(client, opts, NO_LEASE, interval))
+    }
+
+    /// The client for `opts` (it connects lazily: no request is made).
+    async fn client(opts: &EtcdOptions, action: &str) -> Result<Client, BackendError> {
+        check_name("node", &opts.node, action)?;
+        check_name("cluster", &opts.cluster, action)?;
+        if opts.endpoints.is_empty() {
+            return Err(BackendError::Unavailable {
+                action: action.to_string(),
+                detail: "no etcd endpoints configured".into(),
+            });
+        }
+        let connect = ConnectOptions::new()
+            .with_connect_timeout(opts.dial_timeout)
+            .with_keep_alive(
+                HTTP2_KEEPALIVE_INTERVAL,
+                opts.request_timeout.max(Duration::from_secs(1)),
+            );
+        Client::connect(&opts.endpoints, Some(connect))
+            .await
+            .map_err(|e| unavailable(action, &e))
+    }
+
+    /// The backend over `client` with lease `id` ([`NO_LEASE`]: granted by
+    /// the keeper) kept alive every `interval`.
+    fn with_lease(client: Client, opts: EtcdOptions, id: i64, interval: Duration) -> Self {
+        let (state, _) = watch::channel(LeaseState { id, generation: 0 });
+        let lease = Arc::new(LeaseShared {
+            state,
+            poke: Notify::new(),
+            reported: AtomicU64::new(0),
+        });
         let keeper = LeaseKeeper {
             client: client.clone(),
             lease: lease.clone(),
-            ttl,
+            ttl: opts.ttl_secs(),
             request_timeout: opts.request_timeout,
         };
-        let keeper = tokio::spawn(keeper.run(keepalive_interval(granted.ttl())));
-        Ok(Self {
+        let keeper = tokio::spawn(keeper.run(interval));
+        Self {
             client,
             layout: Layout::new(&opts.prefix, &opts.cluster),
             node: opts.node,
@@ -460,7 +501,7 @@ impl EtcdBackend {
             request_timeout: opts.request_timeout,
             lease,
             keeper: Mutex::new(Some(keeper)),
-        })
+        }
     }
 
     /// The key layout.
@@ -486,6 +527,10 @@ impl EtcdBackend {
             keeper.abort();
         }
         let id = self.lease_id();
+        if id == NO_LEASE {
+            tracing::info!("no node lease was granted; nothing to revoke");
+            return;
+        }
         let mut leases = self.client.lease_client();
         match tokio::time::timeout(self.request_timeout, leases.revoke(id)).await {
             Ok(Ok(_)) => tracing::info!(lease = id, "node lease revoked"),
@@ -536,8 +581,16 @@ impl EtcdBackend {
         self.call(action, kv.get(key, Some(opts))).await
     }
 
-    fn lease_put(&self) -> PutOptions {
-        PutOptions::new().with_lease(self.lease_id())
+    /// Options binding a put to the node lease; `Unavailable` before the
+    /// first lease was granted (a key without a lease would never expire).
+    fn lease_put(&self, action: &str) -> Result<PutOptions, BackendError> {
+        match self.lease_id() {
+            NO_LEASE => Err(BackendError::Unavailable {
+                action: action.to_string(),
+                detail: "no node lease yet: etcd has not answered a lease grant since this process started".into(),
+            }),
+            id => Ok(PutOptions::new().with_lease(id)),
+        }
     }
 
     /// Every value key under `labels`' prefix (including colliding ones) and
@@ -596,7 +649,7 @@ impl EtcdBackend {
                     TxnOp::put(
                         self.layout.value_key(labels, &self.node),
                         id.to_string(),
-                        Some(self.lease_put()),
+                        Some(self.lease_put(action)?),
                     ),
                 ])
                 .or_else([TxnOp::get(id_key.clone(), None)]);
@@ -734,7 +787,7 @@ impl IdentityBackend for EtcdBackend {
                 TxnOp::put(
                     self.layout.value_key(labels, &self.node),
                     id.to_string(),
-                    Some(self.lease_put()),
+                    Some(self.lease_put(&action)?),
                 ),
             ])
             .or_else([
@@ -783,7 +836,11 @@ impl IdentityBackend for EtcdBackend {
         for _ in 0..MAX_ATTEMPTS {
             let txn = Txn::new()
                 .when([Compare::value(id_key.clone(), CompareOp::Equal, labels)])
-                .and_then([TxnOp::put(value_key.clone(), id.to_string(), Some(self.lease_put()))])
+                .and_then([TxnOp::put(
+                    value_key.clone(),
+                    id.to_string(),
+                    Some(self.lease_put(&action)?),
+                )])
                 .or_else([TxnOp::get(id_key.clone(), None)]);
             let resp = self.txn(&action, txn).await?;
             if resp.succeeded() {
@@ -804,7 +861,7 @@ impl IdentityBackend for EtcdBackend {
                 ])
                 .and_then([
                     TxnOp::put(id_key.clone(), labels, None),
-                    TxnOp::put(value_key.clone(), id.to_string(), Some(self.lease_put())),
+                    TxnOp::put(value_key.clone(), id.to_string(), Some(self.lease_put(&action)?)),
                 ])
                 .or_else([TxnOp::get(id_key.clone(), None)]);
             let resp = self.txn(&action, txn).await?;
@@ -869,7 +926,7 @@ impl IdentityBackend for EtcdBackend {
         let mut kv = self.client.kv_client();
         self.call(
             &action,
-            kv.put(self.layout.ip_key(&entry.ip), value, Some(self.lease_put())),
+            kv.put(self.layout.ip_key(&entry.ip), value, Some(self.lease_put(&action)?)),
         )
         .await?;
         Ok(())
@@ -880,9 +937,14 @@ impl IdentityBackend for EtcdBackend {
     async fn delete_ip(&self, ip: &str) -> Result<(), BackendError> {
         let action = format!("withdrawing IP cache entry {ip}");
         let key = self.layout.ip_key(ip);
-        // Common case in one round trip: the entry carries this node's lease.
+        // Common case in one round trip: the entry carries this node's lease
+        // (before the first lease: nothing to delete unless the key exists).
+        let fast = match self.lease_id() {
+            NO_LEASE => Compare::version(key.clone(), CompareOp::Equal, 0),
+            lease => Compare::lease(key.clone(), CompareOp::Equal, lease),
+        };
         let txn = Txn::new()
-            .when([Compare::lease(key.clone(), CompareOp::Equal, self.lease_id())])
+            .when([fast])
             .and_then([TxnOp::delete(key.clone(), None)])
             .or_else([TxnOp::get(key.clone(), None)]);
         let mut resp = self.txn(&action, txn).await?;
@@ -1066,6 +1128,11 @@ impl LeaseKeeper {
         let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         loop {
             let id = self.lease.state.borrow().id;
+            if id == NO_LEASE {
+                // Started while etcd was away: the first lease, when it answers.
+                interval = self.replace(id).await;
+                continue;
+            }
             match self.session(id, interval, &mut backoff).await {
                 SessionEnd::Gone => {
                     tracing::warn!(lease = id, "etcd reports the node lease gone; granting a new one");
@@ -2020,6 +2087,51 @@ mod tests {
         assert_eq!(
             raw_get(&mut c, &layout.ip_key("198.18.4.1")).await.map(|v| v.1),
             Some(new)
+        );
+    }
+
+    #[tokio::test]
+    async fn etcd_started_without_etcd_grants_its_lease_when_etcd_answers() {
+        let etcd = start_etcd().await;
+        let endpoint = etcd.endpoint();
+        let etcd = stop_etcd(etcd).await;
+        let started = Instant::now();
+        let a = Arc::new(
+            EtcdBackend::start(options(&endpoint, "node-a"))
+                .await
+                .expect("starts while etcd is away"),
+        );
+        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+        assert_eq!(a.lease_id(), NO_LEASE);
+        let err = a.upsert_ip(&ip_entry("198.18.0.9", 300)).await.unwrap_err();
+        assert_unavailable(&err, "publishing IP cache entry 198.18.0.9");
+        assert!(err.to_string().contains("no node lease yet"), "{err}");
+        let err = a.acquire(1400, "k8s:app=web").await.unwrap_err();
+        assert!(err.to_string().contains("no node lease yet"), "{err}");
+        assert!(matches!(a.list_ips().await, Err(BackendError::Unavailable { .. })));
+        let renewed = tokio::spawn({
+            let a = a.clone();
+            async move { a.lease_renewed().await }
+        });
+
+        let etcd = restart_etcd(etcd).await;
+        tokio::time::timeout(Duration::from_secs(10), renewed)
+            .await
+            .expect("the first lease is reported like a replacement")
+            .expect("the waiter");
+        let lease = a.lease_id();
+        assert_ne!(lease, NO_LEASE);
+        a.upsert_ip(&ip_entry("198.18.0.9", 300))
+            .await
+            .expect("written on the lease");
+        let mut c = raw(&etcd).await;
+        let key = a.layout().ip_key("198.18.0.9");
+        assert_eq!(raw_get(&mut c, &key).await.map(|(_, l)| l), Some(lease));
+        a.shutdown().await;
+        assert_eq!(
+            raw_get(&mut c, &key).await,
+            None,
+            "the lease granted late is revoked too"
         );
     }
 

@@ -61,14 +61,20 @@
 //! `ReplaceIpcache` on connect and whenever the loader's boot id changes
 //! (noticed on every response and by a `GetInfo` probe while idle), then
 //! coalesced `UpsertIpcache`/`DeleteIpcache` batches. It waits for the first
-//! listing of the store before its first full sync: replacing the loader's
-//! ipcache with a view lacking the other nodes' entries would cut the
-//! traffic to them, while waiting only delays changes.
+//! listing of the store, or a view restored from the local snapshot
+//! ([`IpCache::restore`], [`crate::snapshot`]), before its first full sync:
+//! replacing the loader's ipcache with a view lacking the other nodes'
+//! entries would cut the traffic to them, while waiting only delays changes.
+//!
+//! After a restart this node's store entries may still be bound to the
+//! previous process's lease (a crash leaves it to its TTL): the first pass
+//! after the first listing writes every claim again, on this process's
+//! lease, so the old lease expiring takes nothing that is still claimed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -85,7 +91,9 @@ use tokio::sync::{Notify, broadcast, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::backend::{BackendError, IdentityBackend, IpEntry, IpEvent};
+use crate::backend::{BackendError, IdentityBackend, IpEntry, IpEvent, Revision};
+use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
+use crate::snapshot::IpcacheSnapshot;
 
 /// Most entries svc-loader takes in one ipcache call.
 pub const LOADER_MAX_BATCH: usize = 4096;
@@ -296,6 +304,8 @@ pub struct IpCacheOptions {
     /// pass publishing it while the store answers (it never waits while
     /// the store does not).
     pub publish_wait: Duration,
+    /// Where the outage events are counted.
+    pub metrics: IdentityMetrics,
 }
 
 impl IpCacheOptions {
@@ -309,6 +319,7 @@ impl IpCacheOptions {
             relist_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
             channel_capacity: 4096,
             publish_wait: Duration::from_secs(2),
+            metrics: IdentityMetrics::default(),
         }
     }
 }
@@ -347,6 +358,10 @@ struct PublishProgress {
 
 type Claims = BTreeMap<IpcacheSource, IpcacheEntry>;
 
+/// An entry to write to the store, and what the write is to it (`None`:
+/// written again unchanged).
+type StoreWrite = (IpNet, IpEntry, Option<KeyAction>);
+
 #[derive(Debug, Default)]
 struct State {
     /// Every prefix with at least one claim.
@@ -365,6 +380,12 @@ struct State {
     listed: bool,
     /// Bumped by every change of the LOCAL_ENDPOINT claims.
     local_generation: u64,
+    /// Entries of this node the restored snapshot says were withdrawn here
+    /// while the store still held them: not adopted at the first listing.
+    restored_withdrawals: BTreeSet<IpNet>,
+    /// Every claim must be written again (on this process's lease): set by
+    /// the first listing, cleared by the pass that did it.
+    republish_pending: bool,
 }
 
 impl State {
@@ -388,6 +409,10 @@ pub struct IpCache {
     /// The last pass's error, `None` after a pass that succeeded.
     publish_error: Mutex<Option<String>>,
     reconcile: Notify,
+    /// The store revision of the last listing (or of the restored snapshot).
+    store_revision: AtomicI64,
+    /// Bumped by every change of what the snapshot holds.
+    persisted: watch::Sender<u64>,
 }
 
 impl std::fmt::Debug for IpCache {
@@ -426,7 +451,110 @@ impl IpCache {
             progress: watch::channel(PublishProgress::default()).0,
             publish_error: Mutex::new(None),
             reconcile: Notify::new(),
+            store_revision: AtomicI64::new(0),
+            persisted: watch::channel(0).0,
         })
+    }
+
+    /// Notes a change of what [`snapshot`](Self::snapshot) returns.
+    fn persisted_changed(&self) {
+        self.persisted.send_modify(|g| *g += 1);
+    }
+
+    /// Changes whenever what [`snapshot`](Self::snapshot) returns changed.
+    pub fn state_changes(&self) -> watch::Receiver<u64> {
+        self.persisted.subscribe()
+    }
+
+    /// The store revision of the last listing (of the restored snapshot's
+    /// until the store is listed); 0 before either.
+    pub fn store_revision(&self) -> Revision {
+        self.store_revision.load(Ordering::Acquire)
+    }
+
+    /// What a restart needs to serve without the store: other nodes'
+    /// entries, this node's claims and what the store holds of them.
+    pub fn snapshot(&self) -> IpcacheSnapshot {
+        let st = self.lock();
+        let remote = st
+            .claims
+            .values()
+            .filter_map(|c| c.get(&IpcacheSource::KvStore))
+            .map(|e| IpEntry {
+                ip: store_ip(&e.prefix),
+                identity: e.identity,
+                host_ip: e.host_ip.map(|h| h.to_string()),
+                namespace: (!e.pod_namespace.is_empty()).then(|| e.pod_namespace.clone()),
+                pod: (!e.pod_name.is_empty()).then(|| e.pod_name.clone()),
+                node: e.node_name.clone(),
+            })
+            .collect();
+        IpcacheSnapshot {
+            store_revision: self.store_revision(),
+            remote,
+            local: self.desired(&st).into_values().collect(),
+            published: st.own_in_store.values().cloned().collect(),
+        }
+    }
+
+    /// Serves `snapshot` until the store is listed: other nodes' entries as
+    /// KVSTORE claims (the first listing replaces them), this node's claims
+    /// as restored LOCAL_ENDPOINT claims (kept for the restore grace unless
+    /// claimed again), the view ready for svc-loader, and the store counted
+    /// as unreachable until listed. Call before [`run`](Self::run).
+    pub fn restore(&self, snapshot: IpcacheSnapshot) {
+        let me = self.opts.node_name.clone();
+        let parse = |e: &IpEntry| match parse_prefix(&e.ip) {
+            Ok(p) if e.identity != 0 => Some(p),
+            _ => {
+                tracing::warn!(ip = %e.ip, node = %e.node, "skipping an unusable IP cache entry of the snapshot");
+                None
+            }
+        };
+        let mut st = self.lock();
+        for e in snapshot.remote.iter().filter(|e| e.node != me) {
+            if let Some(prefix) = parse(e) {
+                let entry = Self::claim_from_store(prefix, e, IpcacheSource::KvStore);
+                self.update(&mut st, prefix, |c| {
+                    c.insert(IpcacheSource::KvStore, entry);
+                });
+            }
+        }
+        let mut local = BTreeSet::new();
+        for e in snapshot.local.iter().filter(|e| e.node == me) {
+            if let Some(prefix) = parse(e) {
+                let entry = Self::claim_from_store(prefix, e, IpcacheSource::LocalEndpoint);
+                self.update(&mut st, prefix, |c| {
+                    c.insert(IpcacheSource::LocalEndpoint, entry);
+                });
+                st.restored.insert(prefix);
+                local.insert(prefix);
+            }
+        }
+        if !local.is_empty() {
+            st.restore_deadline = Some(Instant::now() + self.opts.restore_grace);
+            st.local_generation += 1;
+        }
+        for e in snapshot.published.iter().filter(|e| e.node == me) {
+            if let Some(prefix) = parse(e) {
+                if !local.contains(&prefix) {
+                    st.restored_withdrawals.insert(prefix);
+                }
+                st.own_in_store.insert(prefix, e.clone());
+            }
+        }
+        tracing::info!(
+            remote = snapshot.remote.len(),
+            local = local.len(),
+            withdrawals = st.restored_withdrawals.len(),
+            revision = snapshot.store_revision,
+            "IP cache restored from the local snapshot; served until the store is listed"
+        );
+        drop(st);
+        self.store_revision.store(snapshot.store_revision, Ordering::Release);
+        // Not listed yet: changes do not wait for a store that may be away.
+        self.watch_failed.store(true, Ordering::Release);
+        self.ready.send_replace(true);
     }
 
     /// Starts following the store (list, watch, re-list) and keeping this
@@ -484,6 +612,7 @@ impl IpCache {
             prefix,
             entry: after,
         });
+        self.persisted_changed();
         true
     }
 
@@ -572,6 +701,7 @@ impl IpCache {
             }
             if has_local {
                 st.local_generation += 1;
+                self.persisted_changed();
             }
             let changed = before.iter().filter(|(p, b)| st.effective(p) != b.as_ref()).count();
             (changed as u32, st.local_generation)
@@ -610,6 +740,7 @@ impl IpCache {
             }
             if source == IpcacheSource::LocalEndpoint {
                 st.local_generation += 1;
+                self.persisted_changed();
             }
             (deleted, st.local_generation)
         };
@@ -665,25 +796,41 @@ impl IpCache {
             .collect()
     }
 
-    /// Writes store entries (some concurrently); what succeeded is recorded
-    /// as held by the store, the first failure is returned.
-    async fn write_store(&self, writes: Vec<(IpNet, IpEntry)>) -> Result<(), BackendError> {
-        let results: Vec<Result<(IpNet, IpEntry), BackendError>> = futures::stream::iter(writes)
-            .map(|(p, e)| async move { self.backend.upsert_ip(&e).await.map(|()| (p, e)) })
+    /// Writes store entries (some concurrently), each with what the write
+    /// is to the store (created, updated, or `None`: rewritten unchanged);
+    /// what succeeded is recorded as held by the store and counted, the
+    /// first failure is returned.
+    async fn write_store(&self, writes: Vec<StoreWrite>) -> Result<(), BackendError> {
+        let results: Vec<Result<StoreWrite, BackendError>> = futures::stream::iter(writes)
+            .map(|(p, e, action)| async move { self.backend.upsert_ip(&e).await.map(|()| (p, e, action)) })
             .buffer_unordered(STORE_CONCURRENCY)
             .collect()
             .await;
-        let mut st = self.lock();
+        let (mut created, mut updated) = (0, 0);
         let mut first_error = None;
-        for r in results {
-            match r {
-                Ok((p, e)) => {
-                    st.own_in_store.insert(p, e);
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
+        {
+            let mut st = self.lock();
+            for r in results {
+                match r {
+                    Ok((p, e, action)) => {
+                        st.own_in_store.insert(p, e);
+                        match action {
+                            Some(KeyAction::Created) => created += 1,
+                            Some(_) => updated += 1,
+                            None => {}
+                        }
+                    }
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
                 }
             }
+        }
+        let m = &self.opts.metrics;
+        events::keys_reconciled(m, StoreKey::Ip, KeyAction::Created, created);
+        events::keys_reconciled(m, StoreKey::Ip, KeyAction::Updated, updated);
+        if created + updated > 0 {
+            self.persisted_changed();
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -695,17 +842,26 @@ impl IpCache {
             .buffer_unordered(STORE_CONCURRENCY)
             .collect()
             .await;
-        let mut st = self.lock();
+        let mut deleted = 0;
         let mut first_error = None;
-        for r in results {
-            match r {
-                Ok(p) => {
-                    st.own_in_store.remove(&p);
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
+        {
+            let mut st = self.lock();
+            for r in results {
+                match r {
+                    Ok(p) => {
+                        st.own_in_store.remove(&p);
+                        st.restored_withdrawals.remove(&p);
+                        deleted += 1;
+                    }
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                    }
                 }
             }
+        }
+        events::keys_reconciled(&self.opts.metrics, StoreKey::Ip, KeyAction::Deleted, deleted);
+        if deleted > 0 {
+            self.persisted_changed();
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -785,8 +941,9 @@ impl IpCache {
         loop {
             match self.backend.list_ips().await {
                 Ok((entries, revision)) => {
-                    self.watch_failed.store(false, Ordering::Release);
+                    self.store_revision.store(revision, Ordering::Release);
                     self.apply_listing(entries);
+                    self.watch_failed.store(false, Ordering::Release);
                     match self.backend.watch_ips(revision).await {
                         Ok(mut stream) => {
                             let started = Instant::now();
@@ -868,12 +1025,17 @@ impl IpCache {
         let mut adopted = 0;
         if !st.listed {
             st.listed = true;
+            // This process's lease may not be the one the store's entries
+            // are bound to (a restart): the first pass writes every claim.
+            st.republish_pending = true;
+            let withdrawn = std::mem::take(&mut st.restored_withdrawals);
             for (prefix, e) in &own {
                 let claimed = st
                     .claims
                     .get(prefix)
                     .is_some_and(|c| c.contains_key(&IpcacheSource::LocalEndpoint));
-                if !claimed {
+                // Withdrawn here before the restart: the pass withdraws it.
+                if !claimed && !withdrawn.contains(prefix) {
                     let entry = Self::claim_from_store(*prefix, e, IpcacheSource::LocalEndpoint);
                     self.update(&mut st, *prefix, |c| {
                         c.insert(IpcacheSource::LocalEndpoint, entry);
@@ -895,6 +1057,7 @@ impl IpCache {
         );
         st.own_in_store = own;
         drop(st);
+        self.persisted_changed();
         self.ready.send_replace(true);
         self.reconcile.notify_one();
     }
@@ -952,6 +1115,8 @@ impl IpCache {
                 }
             }
         }
+        drop(st);
+        self.persisted_changed();
     }
 
     /// Keeps this node's store entries equal to its LOCAL_ENDPOINT claims.
@@ -971,17 +1136,20 @@ impl IpCache {
                 () = tokio::time::sleep_until(next) => {}
                 () = sleep_until_opt(deadline) => self.expire_restored(),
             }
-            match self.reconcile_once(republish).await {
+            let result = self.reconcile_once(republish).await;
+            let retry_in = match result {
                 Ok(()) => {
                     backoff.reset();
                     retry_at = None;
+                    None
                 }
-                Err(e) => {
+                Err(_) => {
                     let delay = backoff.next_delay();
-                    tracing::warn!(error = %e, ?delay, "syncing this node's IP cache entries to the store; retrying");
                     retry_at = Some(Instant::now() + delay);
+                    Some(delay)
                 }
-            }
+            };
+            events::reconcile_pass_finished(&self.opts.metrics, ReconciledKeys::IpEntries, &result, retry_in);
         }
     }
 
@@ -999,7 +1167,7 @@ impl IpCache {
         if !expired.is_empty() {
             tracing::info!(
                 count = expired.len(),
-                "withdrawing entries of this node restored from the store that no endpoint claimed again"
+                "withdrawing entries of this node restored at start (from the store or the local snapshot) that no endpoint claimed again"
             );
         }
     }
@@ -1009,8 +1177,9 @@ impl IpCache {
     /// are withdrawn (once the store was listed). Only the publish loop runs
     /// it, so passes never overlap; its outcome is recorded in `progress`.
     async fn reconcile_once(&self, republish: bool) -> Result<(), BackendError> {
-        let (writes, withdraw, generation) = {
+        let (writes, withdraw, generation, republished) = {
             let st = self.lock();
+            let republish = republish || st.republish_pending;
             let desired = self.desired(&st);
             let withdraw: Vec<IpNet> = if st.listed {
                 st.own_in_store
@@ -1021,11 +1190,18 @@ impl IpCache {
             } else {
                 Vec::new()
             };
-            let writes: Vec<(IpNet, IpEntry)> = desired
+            let writes: Vec<StoreWrite> = desired
                 .into_iter()
-                .filter(|(p, e)| republish || st.own_in_store.get(p) != Some(e))
+                .filter_map(|(p, e)| {
+                    let action = match st.own_in_store.get(&p) {
+                        None => Some(KeyAction::Created),
+                        Some(held) if *held != e => Some(KeyAction::Updated),
+                        Some(_) => None,
+                    };
+                    (republish || action.is_some()).then_some((p, e, action))
+                })
                 .collect();
-            (writes, withdraw, st.local_generation)
+            (writes, withdraw, st.local_generation, republish)
         };
         if !writes.is_empty() || !withdraw.is_empty() {
             tracing::info!(
@@ -1037,6 +1213,9 @@ impl IpCache {
         let written = self.write_store(writes).await;
         let withdrawn = self.withdraw_store(withdraw).await;
         let result = written.and(withdrawn);
+        if republished && result.is_ok() {
+            self.lock().republish_pending = false;
+        }
         *self.publish_error.lock().unwrap_or_else(|e| e.into_inner()) = result
             .as_ref()
             .err()

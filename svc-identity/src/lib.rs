@@ -7,6 +7,9 @@
 //! - [`embedded_backend`]: the store in one crash-safe local file (one node);
 //! - [`allocator`]: allocation, local references, the identity cache and the
 //!   sync loop that re-creates this node's keys;
+//! - [`snapshot`]: the local snapshot served while etcd is unreachable
+//!   (also right after a restart during an outage);
+//! - [`events`]: log lines and metrics of the outage events;
 //! - [`service`]: the `rivet.identity.v1.IdentityService` gRPC service.
 
 pub mod allocator;
@@ -14,9 +17,11 @@ pub mod backend;
 pub mod cidr;
 pub mod embedded_backend;
 pub mod etcd_backend;
+pub mod events;
 pub mod ipcache;
 pub mod ipcache_service;
 pub mod service;
+pub mod snapshot;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-identity.sock`.
 pub const DAEMON_NAME: &str = "svc-identity";

@@ -18,9 +18,11 @@ use svc_identity::backend::IdentityBackend;
 use svc_identity::cidr::CidrIdentities;
 use svc_identity::embedded_backend::EmbeddedBackend;
 use svc_identity::etcd_backend::{EtcdBackend, EtcdOptions};
+use svc_identity::events::{IdentityMetrics, ReconciledKeys};
 use svc_identity::ipcache::{IpCache, IpCacheOptions, LoaderSync, LoaderSyncOptions};
 use svc_identity::ipcache_service::IpcacheService;
 use svc_identity::service::IdentityService;
+use svc_identity::snapshot::{self, SNAPSHOT_FILE_NAME, SnapshotOptions, SnapshotWriter};
 use tonic::service::Routes;
 
 /// Rivet's label → identity allocator and IP cache.
@@ -95,9 +97,14 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         svc_identity::READ_ONLY_METHODS,
     )?;
 
-    let backend: Arc<dyn IdentityBackend> = if flags.etcd_endpoints.is_empty() {
-        let path = flags.common.state_dir.join("identity").join("store.json");
-        Arc::new(EmbeddedBackend::open(&path, &node).context("opening the embedded identity store")?)
+    let metrics = IdentityMetrics::default();
+    let state_dir = flags.common.state_dir.join("identity");
+    // With etcd: started whether etcd answers or not, serving the local
+    // snapshot until etcd is listed (the embedded store is local already).
+    let (backend, snapshot): (Arc<dyn IdentityBackend>, Option<SnapshotOptions>) = if flags.etcd_endpoints.is_empty() {
+        let path = state_dir.join("store.json");
+        let backend = EmbeddedBackend::open(&path, &node).context("opening the embedded identity store")?;
+        (Arc::new(backend), None)
     } else {
         let options = EtcdOptions {
             endpoints: flags.etcd_endpoints.clone(),
@@ -107,26 +114,28 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
             lease_ttl: Duration::from_secs(flags.lease_ttl_seconds.max(2)),
             ..EtcdOptions::new(flags.etcd_endpoints.clone(), node.clone())
         };
-        Arc::new(EtcdBackend::connect(options).await.context("connecting to etcd")?)
+        let backend = EtcdBackend::start(options)
+            .await
+            .context("configuring the etcd client")?;
+        let snapshot = SnapshotOptions::new(
+            state_dir.join(SNAPSHOT_FILE_NAME),
+            &node,
+            backend.layout().prefix(),
+            &flags.cluster_name,
+        );
+        (Arc::new(backend), Some(snapshot))
     };
-    tracing::info!(backend = backend.kind(), node = %node, "identity store ready");
+    tracing::info!(backend = backend.kind(), node = %node, "identity store configured");
 
     let restore_grace = Duration::from_secs(flags.restore_grace_seconds);
     let ipcache = IpCache::new(
         backend.clone(),
         IpCacheOptions {
             restore_grace,
+            metrics: metrics.clone(),
             ..IpCacheOptions::new(node.clone())
         },
     );
-    let mut tasks = ipcache.run();
-    // Every entry reaches this node's datapath (retrying until svc-loader is up).
-    let loader_sync = LoaderSync::new(
-        ipcache.clone(),
-        LoaderSyncOptions::new(flags.common.socket_path("svc-loader")),
-    );
-    tasks.push(loader_sync.run());
-
     let allocator = IdentityAllocator::new(
         backend.clone(),
         AllocatorOptions {
@@ -134,10 +143,49 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
             filter,
             resync_interval: Duration::from_secs(flags.resync_seconds.max(1)),
             restore_grace,
+            metrics: metrics.clone(),
             ..AllocatorOptions::default()
         },
     );
+    let snapshot_writer = match &snapshot {
+        Some(options) => {
+            let (to_load, events) = (options.clone(), metrics.clone());
+            let loaded = tokio::task::spawn_blocking(move || snapshot::load(&to_load, &events))
+                .await
+                .context("loading the local snapshot")?;
+            if let Some(loaded) = loaded {
+                snapshot::restore(loaded, &allocator, &ipcache);
+            }
+            Some(SnapshotWriter::new(
+                allocator.clone(),
+                ipcache.clone(),
+                options.clone(),
+                metrics.clone(),
+            ))
+        }
+        None => None,
+    };
+    let mut tasks = ipcache.run();
+    // Every entry reaches this node's datapath (retrying until svc-loader is up).
+    let loader_sync = LoaderSync::new(
+        ipcache.clone(),
+        LoaderSyncOptions::new(flags.common.socket_path("svc-loader")),
+    );
+    tasks.push(loader_sync.run());
     tasks.extend(allocator.run());
+    if let Some(writer) = &snapshot_writer {
+        tasks.push(writer.run());
+    }
+    let mut registry = Registry::with_prefix("rivet");
+    {
+        let (allocator, ipcache) = (allocator.clone(), ipcache.clone());
+        metrics.register(&mut registry, move || {
+            vec![
+                (ReconciledKeys::ValueKeys, allocator.pending_writes()),
+                (ReconciledKeys::IpEntries, ipcache.pending_writes()),
+            ]
+        });
+    }
 
     let identity = DaemonIdentity::new(svc_identity::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let cidrs = Arc::new(CidrIdentities::new(ipcache.clone()));
@@ -145,20 +193,15 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         IdentityService::new(allocator, cidrs, identity.boot_id.clone()).with_ipcache(ipcache.clone(), loader_sync);
     let routes = Routes::new(service.into_server())
         .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server());
-    let served = daemon::run(
-        &flags.common,
-        listener,
-        identity,
-        routes,
-        Registry::with_prefix("rivet"),
-        Health::default(),
-    )
-    .await;
-    // A clean stop (SIGTERM/SIGINT): no pass writes any more, and this
-    // node's keys go now, not after the lease TTL (a crash leaves them to
-    // the TTL).
+    let served = daemon::run(&flags.common, listener, identity, routes, registry, Health::default()).await;
+    // A clean stop (SIGTERM/SIGINT): no pass writes any more, the snapshot
+    // holds the last state, and this node's keys go now, not after the
+    // lease TTL (a crash leaves them to the TTL).
     for task in &tasks {
         task.abort();
+    }
+    if let Some(writer) = &snapshot_writer {
+        writer.write_last().await;
     }
     backend.shutdown().await;
     served?;

@@ -418,7 +418,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
                     connected: self.allocator.is_ready() && error.is_none(),
                     last_error: error.unwrap_or_default(),
                     lease_id: self.allocator.lease_id(),
-                    revision: 0,
+                    revision: self.allocator.store_revision(),
                     pending_writes: (self.allocator.pending_writes()
                         + self.ipcache.as_ref().map_or(0, |(c, _)| c.pending_writes()))
                         as u32,

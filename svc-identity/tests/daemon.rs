@@ -880,3 +880,435 @@ async fn list_and_watch_agree_on_the_cache_revision_and_the_list_holds_cidr_iden
     assert_eq!(found.labels, vec!["cidr:198.19.128.0/24".to_string()]);
     assert_eq!(found.local_references, 1, "one owner holds it");
 }
+
+// ------------------------------------------- restart during an etcd outage --
+
+/// The local snapshot of `node` (see `svc_identity::snapshot`), if written.
+fn snapshot_file(state: &Path) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(state.join("identity").join("etcd-snapshot.json")).ok()?;
+    Some(serde_json::from_str(&text).expect("the snapshot is JSON"))
+}
+
+/// Waits until the snapshot satisfies `pred` (15 s): the daemon writes it
+/// after changes, coalesced.
+async fn wait_snapshot(state: &Path, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let snapshot = snapshot_file(state);
+        if snapshot.as_ref().is_some_and(&pred) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the snapshot never showed {what}: {snapshot:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The `ip` fields of the entries under `/data/ipcache/<part>`.
+fn snapshot_ips(s: &serde_json::Value, part: &str) -> BTreeSet<String> {
+    s.pointer(&format!("/data/ipcache/{part}"))
+        .and_then(|v| v.as_array())
+        .map(|a| a.iter().map(|e| e["ip"].as_str().unwrap().to_string()).collect())
+        .unwrap_or_default()
+}
+
+/// `/metrics` of a daemon.
+async fn metrics(address: std::net::SocketAddr) -> String {
+    let response = rivet_common::testing::http_get(address, "/metrics")
+        .await
+        .expect("GET /metrics");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    response
+}
+
+/// The value of the sample `name{labels}` (exactly as printed), 0 when absent.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0.0)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The prefixes of svc-loader's ipcache under 198.18.9.0/24 with their
+/// identities (the node's own addresses, which svc-loader keeps itself,
+/// left out).
+async fn loader_entries(loader: &svc_loader::testing::LoaderNode) -> BTreeMap<String, u32> {
+    let r = loader
+        .client()
+        .await
+        .list_ipcache(rivet_proto::loader::v1::ListIpcacheRequest {
+            page_size: 10000,
+            start_after: None,
+        })
+        .await
+        .expect("svc-loader lists its ipcache")
+        .into_inner();
+    r.entries
+        .into_iter()
+        .filter_map(|e| {
+            let p = e.prefix?;
+            let octets: [u8; 4] = p.address.as_slice().try_into().ok()?;
+            let ip = std::net::Ipv4Addr::from(octets);
+            (octets[..3] == [198, 18, 9]).then(|| (format!("{ip}/{}", p.prefix_length), e.identity))
+        })
+        .collect()
+}
+
+/// Polls svc-loader's ipcache until `pred` holds (15 s).
+async fn loader_until(
+    loader: &svc_loader::testing::LoaderNode,
+    what: &str,
+    pred: impl Fn(&BTreeMap<String, u32>) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let entries = loader_entries(loader).await;
+        if pred(&entries) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "svc-loader never held {what}: {entries:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn list_ids(c: &mut IdentityServiceClient<DaemonChannel>) -> BTreeSet<u32> {
+    c.list_identities(pb::ListIdentitiesRequest {
+        kind: pb::IdentityKind::Cluster as i32,
+        ..Default::default()
+    })
+    .await
+    .expect("ListIdentities")
+    .into_inner()
+    .identities
+    .iter()
+    .map(|i| i.id)
+    .collect()
+}
+
+/// Every key under `prefix` with its lease.
+async fn raw_leases(endpoint: &str, prefix: &str) -> BTreeMap<String, i64> {
+    let mut c = etcd_client::Client::connect([endpoint], None).await.unwrap();
+    let r = c.get(prefix, Some(GetOptions::new().with_prefix())).await.unwrap();
+    r.kvs()
+        .iter()
+        .map(|kv| (kv.key_str().unwrap().to_string(), kv.lease()))
+        .collect()
+}
+
+async fn restart_etcd(mut etcd: EtcdServer) -> EtcdServer {
+    tokio::task::spawn_blocking(move || {
+        etcd.restart().expect("etcd restarts");
+        etcd
+    })
+    .await
+    .unwrap()
+}
+
+async fn stop_etcd(mut etcd: EtcdServer) -> EtcdServer {
+    tokio::task::spawn_blocking(move || {
+        etcd.stop();
+        etcd
+    })
+    .await
+    .unwrap()
+}
+
+/// svc-identity killed (-9) while etcd is down restarts and serves from its
+/// local snapshot: identities (list, watch, allocation of known sets),
+/// svc-loader's full ipcache push with the other node's entries, local
+/// changes; it reports itself degraded. When etcd is back it converges:
+/// entries and identities another node deleted meanwhile go, what this node
+/// released or withdrew before the kill goes at once (not after the restore
+/// grace), its keys move to its new lease, and the metrics counted it all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converges_when_etcd_is_back() {
+    let loader =
+        svc_loader::testing::LoaderNode::start(&rivet_common::testing::workspace_binary("svc-loader"), &[], &[])
+            .await
+            .expect("svc-loader starts");
+    let etcd = start_etcd().await;
+    let endpoint = etcd.endpoint();
+    let dir = tempfile::tempdir().unwrap();
+    let metrics_address = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let state_a = dir.path().join("node-a").join("state");
+    // node-a shares svc-loader's socket dir; its lease outlives the test, so
+    // keys of its first run go only if something deletes them.
+    let mut a = DaemonCommand::new(BIN, loader.dir.path().join("sockets").join("svc-identity.sock"))
+        .args(["--socket-dir".as_ref(), loader.dir.path().join("sockets").as_os_str()])
+        .args(["--state-dir".as_ref(), state_a.as_os_str()])
+        .args([
+            "--node-name",
+            "node-a",
+            "--lease-ttl-seconds",
+            "120",
+            "--resync-seconds",
+            "1",
+        ])
+        .args(["--etcd-endpoints", &endpoint])
+        .args(["--metrics-address", &metrics_address.to_string()])
+        .log_to(dir.path().join("node-a.log"))
+        .spawn()
+        .await
+        .expect("node-a starts");
+    let b = spawn(dir.path(), "node-b", &etcd).await;
+    let (mut ca, mut cb) = (client(&a).await, client(&b).await);
+    let (mut ia, mut ib) = (ipcache_client(&a).await, ipcache_client(&b).await);
+
+    // node-a: sets 1 and 2 with a pod each; node-b: set 3 with pods .20
+    // and .21, and set 5 (held, then garbage-collected while node-a is down).
+    let set1 = allocate_owned(&mut ca, 1, "endpoint/1").await.unwrap();
+    let set2 = allocate_owned(&mut ca, 2, "endpoint/2").await.unwrap();
+    upsert_local(&mut ia, "198.18.9.1", set1).await.unwrap();
+    upsert_local(&mut ia, "198.18.9.2", set2).await.unwrap();
+    let set3 = allocate(&mut cb, 3).await.unwrap();
+    let set5 = allocate(&mut cb, 5).await.unwrap();
+    upsert_local(&mut ib, "198.18.9.20", set3).await.unwrap();
+    upsert_local(&mut ib, "198.18.9.21", set3).await.unwrap();
+    loader_until(&loader, "both nodes' pods", |l| {
+        ["198.18.9.1/32", "198.18.9.2/32", "198.18.9.20/32", "198.18.9.21/32"]
+            .iter()
+            .all(|p| l.contains_key(*p))
+    })
+    .await;
+
+    // etcd stops; node-a releases set 2 and withdraws .2 locally, and its
+    // snapshot records that; then it is killed.
+    let etcd = stop_etcd(etcd).await;
+    wait_store(&mut ca, "node-a sees the outage", |s| !s.connected).await;
+    ca.release_identity(pb::ReleaseIdentityRequest {
+        id: 0,
+        owner: "endpoint/2".into(),
+    })
+    .await
+    .expect("a release is local");
+    delete_local(&mut ia, "198.18.9.2").await.expect("a delete is local");
+    let set2_labels = labels(2).join(",");
+    wait_snapshot(
+        &state_a,
+        "set 2 released, .2 withdrawn, node-b's pods and identities",
+        |s| {
+            let ids: BTreeSet<u64> = s["data"]["identities"]["identities"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["id"].as_u64().unwrap())
+                .collect();
+            s["data"]["identities"]["released"] == serde_json::json!([set2_labels])
+                && [set1, set3, set5].iter().all(|id| ids.contains(&u64::from(*id)))
+                && snapshot_ips(s, "local") == BTreeSet::from(["198.18.9.1".to_string()])
+                && snapshot_ips(s, "published").contains("198.18.9.2")
+                && snapshot_ips(s, "remote") == BTreeSet::from(["198.18.9.20".into(), "198.18.9.21".into()])
+        },
+    )
+    .await;
+    a.kill9();
+
+    // While node-a is down, etcd answers for a while: node-b deletes pod .20
+    // and the operator's GC deletes set 5's master key.
+    let etcd = restart_etcd(etcd).await;
+    wait_store(&mut cb, "node-b reconnects", |s| s.connected).await;
+    delete_local(&mut ib, "198.18.9.20").await.unwrap();
+    cb.release_identity(pb::ReleaseIdentityRequest {
+        id: set5,
+        owner: String::new(),
+    })
+    .await
+    .unwrap();
+    let mut raw = etcd_client::Client::connect([&endpoint], None).await.unwrap();
+    raw.delete(format!("rivet/state/identities/v1/id/{set5}"), None)
+        .await
+        .unwrap();
+    let keys = raw_keys(&endpoint, "rivet/state/").await;
+    assert!(
+        !keys.contains_key("rivet/state/ip/v1/default/198.18.9.20")
+            && !keys.keys().any(|k| k.ends_with(&format!("/id/{set5}"))),
+        "{keys:?}"
+    );
+    let old_lease_keys = raw_leases(&endpoint, "rivet/state/").await;
+
+    // etcd goes again; node-a restarts and serves from its snapshot.
+    let etcd = stop_etcd(etcd).await;
+    a.restart().await.expect("node-a starts while etcd is down");
+    let (mut ca, mut ia) = (client(&a).await, ipcache_client(&a).await);
+    let status = ca.get_status(pb::GetStatusRequest {}).await.unwrap().into_inner();
+    let store = status.store.clone().unwrap();
+    assert!(
+        !store.connected && store.last_error.contains("snapshot") && store.lease_id == 0,
+        "degraded, never in sync, no lease: {store:?}"
+    );
+    assert_eq!(
+        status.cluster_identities, 4,
+        "sets 1, 2, 3, 5 from the snapshot: {status:?}"
+    );
+    let listed = list_ids(&mut ca).await;
+    assert!(
+        [set1, set2, set3, set5].iter().all(|id| listed.contains(id)),
+        "ListIdentities serves the snapshot's identities: {listed:?}"
+    );
+    let mut watch = ca
+        .watch_identities(pb::WatchIdentitiesRequest {})
+        .await
+        .expect("WatchIdentities serves while etcd is away")
+        .into_inner();
+    let first = watch.message().await.unwrap().expect("a snapshot");
+    assert!(first.snapshot && first.snapshot_complete);
+    let watched: BTreeSet<u32> = first.added.iter().map(|i| i.id).collect();
+    assert_eq!(watched, listed, "the watch's snapshot is the list");
+    // svc-endpoint's replay, and a new pod of a set another node holds.
+    assert_eq!(allocate_owned(&mut ca, 1, "endpoint/1").await.unwrap(), set1);
+    assert_eq!(
+        allocate_owned(&mut ca, 3, "endpoint/3")
+            .await
+            .expect("a known set allocates"),
+        set3
+    );
+    upsert_local(&mut ia, "198.18.9.1", set1).await.unwrap();
+    upsert_local(&mut ia, "198.18.9.3", set3)
+        .await
+        .expect("the new pod's address is taken locally");
+    let err = allocate(&mut ca, 4)
+        .await
+        .expect_err("a set with no identity needs etcd");
+    assert_eq!(
+        rivet_common::grpc::error_reason(&err).as_deref(),
+        Some("KVSTORE_UNREACHABLE"),
+        "{err:?}"
+    );
+    // svc-loader got the snapshot's view (a full push with the other node's
+    // pods, stale .20 included) and the new pod.
+    let loader_boot_id = loader.loader.info().boot_id.clone();
+    let mut pushed = None;
+    for _ in 0..300 {
+        let status = ca.get_status(pb::GetStatusRequest {}).await.unwrap().into_inner();
+        let sync = status.loader.unwrap_or_default();
+        if sync.connected && sync.loader_boot_id == loader_boot_id {
+            pushed = Some(sync);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pushed = pushed.expect("node-a pushes its ipcache to svc-loader while etcd is down");
+    assert!(pushed.last_full_sync_unix_nanos > 0, "{pushed:?}");
+    loader_until(&loader, "the snapshot's view and the new pod", |l| {
+        l.get("198.18.9.1/32") == Some(&set1)
+            && l.get("198.18.9.3/32") == Some(&set3)
+            && l.contains_key("198.18.9.20/32")
+            && l.contains_key("198.18.9.21/32")
+            && !l.contains_key("198.18.9.2/32")
+    })
+    .await;
+    let degraded = metrics(metrics_address).await;
+    assert_eq!(
+        sample(&degraded, "rivet_identity_snapshot_loads_total{outcome=\"loaded\"}"),
+        1.0,
+        "{degraded}"
+    );
+    assert!(
+        sample(&degraded, "rivet_identity_local_allocations_total") >= 2.0,
+        "{degraded}"
+    );
+    assert!(
+        sample(&degraded, "rivet_identity_store_pending_writes{keys=\"ip_entries\"}") >= 1.0,
+        "{degraded}"
+    );
+    assert!(
+        sample(&degraded, "rivet_identity_store_pending_writes{keys=\"value_keys\"}") >= 1.0,
+        "{degraded}"
+    );
+
+    // A pass tried and failed meanwhile (every --resync-seconds).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let unreachable = "rivet_identity_reconcile_passes_total{keys=\"value_keys\",outcome=\"store_unreachable\"}";
+    loop {
+        let text = metrics(metrics_address).await;
+        if sample(&text, unreachable) >= 1.0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no failed pass counted: {text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // etcd is back: node-a converges.
+    let _etcd = restart_etcd(etcd).await;
+    let reconciled = wait_reconciled(&mut ca).await;
+    let lease = reconciled.lease_id;
+    assert!(lease != 0, "{reconciled:?}");
+    loader_until(&loader, "the other node's deleted pod gone", |l| {
+        !l.contains_key("198.18.9.20/32") && l.contains_key("198.18.9.21/32") && l.contains_key("198.18.9.3/32")
+    })
+    .await;
+    let listed = list_ids(&mut ca).await;
+    assert!(
+        !listed.contains(&set5) && listed.contains(&set1) && listed.contains(&set3),
+        "the garbage-collected identity is not resurrected: {listed:?}"
+    );
+    let mut b_view = IpcacheView::watch(&mut ib).await;
+    b_view
+        .until("node-b sees node-a as it is now", |v| {
+            v.contains_key("198.18.9.1/32") && v.contains_key("198.18.9.3/32") && !v.contains_key("198.18.9.2/32")
+        })
+        .await;
+    let leases = raw_leases(&endpoint, "rivet/state/").await;
+    let value = |i: usize| format!("rivet/state/identities/v1/value/{}/node-a", labels(i).join(","));
+    let a_pods = ["1", "2", "3"].map(|n| format!("rivet/state/ip/v1/default/198.18.9.{n}"));
+    let of_a: BTreeMap<String, i64> = leases
+        .iter()
+        .filter(|(k, _)| k.ends_with("/node-a") || a_pods.contains(k))
+        .map(|(k, l)| (k.clone(), *l))
+        .collect();
+    let expected: BTreeMap<String, i64> = [value(1), value(3), a_pods[0].clone(), a_pods[2].clone()]
+        .into_iter()
+        .map(|k| (k, lease))
+        .collect();
+    assert_eq!(
+        of_a, expected,
+        "node-a's keys: the sets and pods it has, all on its new lease (set 2's value key and .2 \
+         went at once, before the restore grace; the first run's lease held {old_lease_keys:?})"
+    );
+    let masters = leases.keys().filter(|k| k.contains("/id/")).count();
+    assert_eq!(
+        masters, 3,
+        "sets 1, 2, 3: none created twice, set 5 not re-created: {leases:?}"
+    );
+    let fresh = allocate(&mut ca, 4).await.expect("a new set once etcd is back");
+    assert!(![set1, set2, set3, set5].contains(&fresh));
+    assert_eq!(allocate(&mut cb, 4).await.unwrap(), fresh, "one id cluster-wide");
+
+    let converged = metrics(metrics_address).await;
+    for series in [
+        "rivet_identity_reconcile_passes_total{keys=\"value_keys\",outcome=\"store_unreachable\"}",
+        "rivet_identity_reconcile_passes_total{keys=\"value_keys\",outcome=\"succeeded\"}",
+        "rivet_identity_reconcile_passes_total{keys=\"ip_entries\",outcome=\"succeeded\"}",
+        "rivet_identity_reconcile_keys_total{key=\"value\",action=\"created\"}",
+        "rivet_identity_reconcile_keys_total{key=\"value\",action=\"deleted\"}",
+        "rivet_identity_reconcile_keys_total{key=\"ip\",action=\"created\"}",
+        "rivet_identity_reconcile_keys_total{key=\"ip\",action=\"deleted\"}",
+        "rivet_identity_snapshot_writes_total{outcome=\"written\"}",
+    ] {
+        assert!(sample(&converged, series) >= 1.0, "{series}: {converged}");
+    }
+    for keys in ["value_keys", "ip_entries"] {
+        let series = format!("rivet_identity_store_pending_writes{{keys=\"{keys}\"}}");
+        assert_eq!(sample(&converged, &series), 0.0, "{series}: {converged}");
+    }
+    drop(b);
+}

@@ -1,0 +1,329 @@
+//! svc-identity's telemetry: each named event writes its log line and
+//! updates its metric in one place, so logs and metrics never disagree.
+//!
+//! Metrics (under the daemon's `rivet_` prefix):
+//!
+//! - `rivet_identity_local_allocations_total`: allocations of label sets
+//!   with a known identity served while the kvstore was unreachable (their
+//!   value key is written when it is back);
+//! - `rivet_identity_store_pending_writes{keys}`: this node's keys not yet as
+//!   desired in the store (`value_keys`, `ip_entries`), read at each scrape;
+//! - `rivet_identity_reconcile_passes_total{keys, outcome}`: reconciliation
+//!   passes by outcome (`succeeded`, `store_unreachable`, `store_error`);
+//! - `rivet_identity_reconcile_keys_total{key, action}`: keys the passes
+//!   wrote or deleted (`value`, `master`, `ip` × `created`, `updated`,
+//!   `deleted`);
+//! - `rivet_identity_snapshot_writes_total{outcome}`,
+//!   `rivet_identity_snapshot_write_duration_seconds`,
+//!   `rivet_identity_snapshot_loads_total{outcome}`: the local snapshot
+//!   served while etcd is away ([`crate::snapshot`]).
+
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family as MetricFamily;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::backend::BackendError;
+
+/// Which of this node's keys a reconciliation pass keeps in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReconciledKeys {
+    /// Value keys (and vanished master keys) of the identities held here.
+    ValueKeys,
+    /// This node's IP cache entries.
+    IpEntries,
+}
+
+impl ReconciledKeys {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ValueKeys => "value_keys",
+            Self::IpEntries => "ip_entries",
+        }
+    }
+}
+
+/// A kind of key a pass writes or deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreKey {
+    /// `identities/v1/value/<labels>/<node>`.
+    Value,
+    /// `identities/v1/id/<id>` (re-created when it vanished).
+    Master,
+    /// `ip/v1/<cluster>/<ip>`.
+    Ip,
+}
+
+impl StoreKey {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Value => "value",
+            Self::Master => "master",
+            Self::Ip => "ip",
+        }
+    }
+}
+
+/// What a pass did to a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KeyAction {
+    /// Written where the store lacked it.
+    Created,
+    /// Written over a different value.
+    Updated,
+    /// Deleted.
+    Deleted,
+}
+
+impl KeyAction {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Created => "created",
+            Self::Updated => "updated",
+            Self::Deleted => "deleted",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PassLabels {
+    keys: &'static str,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KeyLabels {
+    key: &'static str,
+    action: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PendingLabels {
+    keys: &'static str,
+}
+
+/// The metrics of svc-identity (`rivet_identity_*`); cheap to clone (every
+/// clone updates the same metrics).
+#[derive(Clone, Debug)]
+pub struct IdentityMetrics {
+    local_allocations: Counter,
+    passes: MetricFamily<PassLabels, Counter>,
+    keys: MetricFamily<KeyLabels, Counter>,
+    snapshot_writes: MetricFamily<OutcomeLabels, Counter>,
+    snapshot_write_duration: Histogram,
+    snapshot_loads: MetricFamily<OutcomeLabels, Counter>,
+}
+
+impl Default for IdentityMetrics {
+    fn default() -> Self {
+        Self {
+            local_allocations: Counter::default(),
+            passes: MetricFamily::default(),
+            keys: MetricFamily::default(),
+            snapshot_writes: MetricFamily::default(),
+            snapshot_write_duration: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            snapshot_loads: MetricFamily::default(),
+        }
+    }
+}
+
+impl IdentityMetrics {
+    /// Registers every metric under `registry` (prefix it with `rivet`);
+    /// `pending_writes` is read at each scrape: this node's keys not yet as
+    /// desired in the store, per kind.
+    pub fn register(
+        &self,
+        registry: &mut Registry,
+        pending_writes: impl Fn() -> Vec<(ReconciledKeys, usize)> + Send + Sync + 'static,
+    ) {
+        let r = registry.sub_registry_with_prefix("identity");
+        r.register(
+            "local_allocations",
+            "Allocations of label sets with a known identity served while the kvstore was unreachable",
+            self.local_allocations.clone(),
+        );
+        r.register(
+            "reconcile_passes",
+            "Reconciliation passes of this node's keys with the store, by keys and outcome",
+            self.passes.clone(),
+        );
+        r.register(
+            "reconcile_keys",
+            "Keys of this node the reconciliation passes wrote or deleted in the store, by key and action",
+            self.keys.clone(),
+        );
+        r.register(
+            "snapshot_writes",
+            "Writes of the local snapshot served while etcd is away, by outcome",
+            self.snapshot_writes.clone(),
+        );
+        r.register(
+            "snapshot_write_duration_seconds",
+            "Time to gather, encode, write and fsync the local snapshot",
+            self.snapshot_write_duration.clone(),
+        );
+        r.register(
+            "snapshot_loads",
+            "Loads of the local snapshot at start, by outcome",
+            self.snapshot_loads.clone(),
+        );
+        r.register_collector(Box::new(PendingWrites(Box::new(pending_writes))));
+    }
+}
+
+/// `store_pending_writes{keys}`, computed at each scrape.
+struct PendingWrites(Box<dyn Fn() -> Vec<(ReconciledKeys, usize)> + Send + Sync>);
+
+impl std::fmt::Debug for PendingWrites {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PendingWrites")
+    }
+}
+
+impl Collector for PendingWrites {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let family = MetricFamily::<PendingLabels, Gauge>::default();
+        for (keys, pending) in (self.0)() {
+            family
+                .get_or_create(&PendingLabels { keys: keys.as_str() })
+                .set(i64::try_from(pending).unwrap_or(i64::MAX));
+        }
+        let metric = encoder.encode_descriptor(
+            "store_pending_writes",
+            "This node's keys not yet as desired in the store (written or deleted when it answers), by keys",
+            None,
+            family.metric_type(),
+        )?;
+        family.encode(metric)
+    }
+}
+
+/// The outcome label of a pass's result.
+fn outcome(result: &Result<(), BackendError>) -> &'static str {
+    match result {
+        Ok(()) => "succeeded",
+        Err(BackendError::Unavailable { .. }) => "store_unreachable",
+        Err(_) => "store_error",
+    }
+}
+
+/// The kvstore is unreachable and an identity the node knows was taken
+/// locally; its value key is written by the pass after the store is back.
+pub fn allocation_served_locally(m: &IdentityMetrics, id: u32, labels: &str, error: &BackendError) {
+    tracing::warn!(
+        id,
+        labels,
+        %error,
+        "the kvstore is unreachable: identity taken locally, its value key is written when the store is back"
+    );
+    m.local_allocations.inc();
+}
+
+/// A reconciliation pass ended; `retry_in` is when a failed one runs again.
+pub fn reconcile_pass_finished(
+    m: &IdentityMetrics,
+    keys: ReconciledKeys,
+    result: &Result<(), BackendError>,
+    retry_in: Option<Duration>,
+) {
+    let outcome = outcome(result);
+    match result {
+        Ok(()) => tracing::debug!(keys = keys.as_str(), "reconciliation pass succeeded"),
+        Err(error) => tracing::warn!(
+            keys = keys.as_str(),
+            outcome,
+            %error,
+            ?retry_in,
+            "reconciling this node's keys with the store failed; retrying"
+        ),
+    }
+    m.passes
+        .get_or_create(&PassLabels {
+            keys: keys.as_str(),
+            outcome,
+        })
+        .inc();
+}
+
+/// A pass wrote or deleted `count` keys of one kind.
+pub fn keys_reconciled(m: &IdentityMetrics, key: StoreKey, action: KeyAction, count: usize) {
+    if count == 0 {
+        return;
+    }
+    tracing::info!(
+        key = key.as_str(),
+        action = action.as_str(),
+        count,
+        "reconciliation changed this node's keys in the store"
+    );
+    m.keys
+        .get_or_create(&KeyLabels {
+            key: key.as_str(),
+            action: action.as_str(),
+        })
+        .inc_by(count as u64);
+}
+
+/// The snapshot was written.
+pub fn snapshot_written(m: &IdentityMetrics, identities: usize, ip_entries: usize, took: Duration) {
+    tracing::debug!(
+        identities,
+        ip_entries,
+        took_us = took.as_micros() as u64,
+        "local snapshot written"
+    );
+    m.snapshot_writes
+        .get_or_create(&OutcomeLabels { outcome: "written" })
+        .inc();
+    m.snapshot_write_duration.observe(took.as_secs_f64());
+}
+
+/// Writing the snapshot failed (the previous one stays); retried after
+/// `retry_in` unless the daemon is stopping.
+pub fn snapshot_write_failed(m: &IdentityMetrics, error: &dyn std::fmt::Display, retry_in: Option<Duration>) {
+    tracing::warn!(%error, ?retry_in, "writing the local snapshot failed; the previous one stays");
+    m.snapshot_writes
+        .get_or_create(&OutcomeLabels { outcome: "failed" })
+        .inc();
+}
+
+/// The snapshot was loaded at start.
+pub fn snapshot_loaded(m: &IdentityMetrics, identities: usize, ip_entries: usize, age: Option<Duration>) {
+    tracing::info!(
+        identities,
+        ip_entries,
+        age_s = age.map(|a| a.as_secs()),
+        "local snapshot loaded: served until the kvstore is listed"
+    );
+    m.snapshot_loads
+        .get_or_create(&OutcomeLabels { outcome: "loaded" })
+        .inc();
+}
+
+/// No snapshot existed at start.
+pub fn snapshot_missing(m: &IdentityMetrics, path: &std::path::Path) {
+    tracing::info!(path = %path.display(), "no local snapshot: nothing is served before the kvstore is listed");
+    m.snapshot_loads
+        .get_or_create(&OutcomeLabels { outcome: "missing" })
+        .inc();
+}
+
+/// A snapshot existed but cannot be used (corrupt, another version, another
+/// node's or keyspace's); it is ignored and overwritten by the next write.
+pub fn snapshot_unusable(m: &IdentityMetrics, reason: &dyn std::fmt::Display) {
+    tracing::warn!(%reason, "the local snapshot cannot be used; nothing is served before the kvstore is listed");
+    m.snapshot_loads
+        .get_or_create(&OutcomeLabels { outcome: "unusable" })
+        .inc();
+}
