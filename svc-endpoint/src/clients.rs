@@ -79,6 +79,8 @@ pub trait LoaderApi: Send + Sync + 'static {
     ) -> BoxFuture<'_, ApiResult<loader::RemoveEndpointResponse>>;
     /// ListEndpoints.
     fn list(&self) -> BoxFuture<'_, ApiResult<loader::ListEndpointsResponse>>;
+    /// ListEndpointInterfaces.
+    fn interfaces(&self) -> BoxFuture<'_, ApiResult<loader::ListEndpointInterfacesResponse>>;
 }
 
 fn boot_id(channel: &DaemonChannel) -> BoxFuture<'static, ApiResult<String>> {
@@ -251,5 +253,12 @@ impl LoaderApi for GrpcLoader {
     }
     fn list(&self) -> BoxFuture<'_, ApiResult<loader::ListEndpointsResponse>> {
         unary!(self.client(), list_endpoints, loader::ListEndpointsRequest {})
+    }
+    fn interfaces(&self) -> BoxFuture<'_, ApiResult<loader::ListEndpointInterfacesResponse>> {
+        unary!(
+            self.client(),
+            list_endpoint_interfaces,
+            loader::ListEndpointInterfacesRequest {}
+        )
     }
 }

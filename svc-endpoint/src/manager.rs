@@ -444,12 +444,10 @@ impl State {
             .map_err(|e| Status::invalid_argument(format!("labels of namespace {}: {e}", spec.pod_namespace)))
     }
 
-    /// The endpoints svc-loader's listing says lost their host interface
-    /// (gone, or its ifindex names another interface), with the reason.
-    fn lost_interfaces(&self, listed: &ldpb::ListEndpointsResponse) -> Vec<(u16, RemovalReason)> {
-        listed
-            .endpoints
-            .iter()
+    /// The endpoints whose host interface svc-loader says is lost (gone, or
+    /// its ifindex names another interface), with the reason.
+    fn lost_interfaces(&self, held: &[ldpb::EndpointInterface]) -> Vec<(u16, RemovalReason)> {
+        held.iter()
             .filter_map(|held| {
                 let id = u16::try_from(held.endpoint_id).ok()?;
                 let slot = self.endpoints.get(&id)?;
@@ -461,8 +459,9 @@ impl State {
             .collect()
     }
 
-    /// The ready endpoints whose host interface svc-loader's listing does
-    /// not name (it may be gone; ListEndpoints does not say for certain).
+    /// The ready endpoints whose host interface the listing of an older
+    /// svc-loader does not name (it may be gone; its ListEndpoints does not
+    /// say for certain).
     fn unnamed_interfaces(&self, listed: &ldpb::ListEndpointsResponse) -> Vec<u16> {
         listed
             .endpoints
@@ -2060,7 +2059,8 @@ impl EndpointManager {
                     state.reserved_ids.insert(id);
                 }
             }
-            state.lost_interfaces(&listed)
+            let held: Vec<_> = listed.endpoints.iter().map(listed_interface).collect();
+            state.lost_interfaces(&held)
         };
         self.inner.ids_known.send_replace(true);
 
@@ -2233,7 +2233,8 @@ impl EndpointManager {
     /// Every `interface_check`, once restore is done: endpoints whose host
     /// interface disappeared while they ran (the pod's netns went without a
     /// DEL, e.g. a runtime leaking a sandbox) are dropped and their
-    /// addresses released, as at restore.
+    /// addresses released, as at restore. svc-loader answers from one link
+    /// dump (ListEndpointInterfaces), not per-interface tc queries.
     async fn check_interfaces_forever(&self) {
         let period = self.inner.options.interface_check;
         if period.is_zero() {
@@ -2244,23 +2245,33 @@ impl EndpointManager {
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             interval.tick().await;
-            let listed = match self.inner.deps.loader.list().await {
-                Ok(listed) => listed,
+            let loader = &self.inner.deps.loader;
+            let (held, unnamed) = match loader.interfaces().await {
+                Ok(listed) => (listed.endpoints, Vec::new()),
+                // An svc-loader older than this daemon: its full listing.
+                Err(e) if e.code() == Code::Unimplemented => match loader.list().await {
+                    Ok(listed) => (
+                        listed.endpoints.iter().map(listed_interface).collect(),
+                        self.state().unnamed_interfaces(&listed),
+                    ),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "listing the datapath for lost interfaces failed; next time");
+                        continue;
+                    }
+                },
                 Err(e) => {
-                    tracing::debug!(error = %e, "listing the datapath for lost interfaces failed; next time");
+                    tracing::debug!(error = %e, "listing the endpoints' interfaces failed; next time");
                     continue;
                 }
             };
-            let (lost, unnamed) = {
-                let state = self.state();
-                (state.lost_interfaces(&listed), state.unnamed_interfaces(&listed))
-            };
+            let lost = self.state().lost_interfaces(&held);
             for (id, reason) in lost {
                 self.drop_endpoint(id, reason);
             }
-            // svc-loader could not name the interface: a regeneration asks
-            // it for certain (ApplyEndpoint answers NOT_FOUND for a gone
-            // interface, and the worker drops the endpoint then).
+            // An older svc-loader could not name the interface: a
+            // regeneration asks it for certain (ApplyEndpoint answers
+            // NOT_FOUND for a gone interface, and the worker drops the
+            // endpoint then).
             let state = self.state();
             for id in unnamed {
                 if let Some(slot) = state.endpoints.get(&id) {
@@ -2504,14 +2515,24 @@ impl EndpointManager {
 
 /// Why svc-loader's view of an endpoint says its pod is gone: the host
 /// interface is gone, or its ifindex names another interface now.
-fn interface_lost(held: &ldpb::Endpoint, spec: &EndpointSpec) -> Option<RemovalReason> {
-    let gone = held.from_container == ldpb::AttachState::InterfaceGone as i32
-        || held.to_container == ldpb::AttachState::InterfaceGone as i32;
-    if gone {
+fn interface_lost(held: &ldpb::EndpointInterface, spec: &EndpointSpec) -> Option<RemovalReason> {
+    if held.gone {
         return Some(RemovalReason::InterfaceGone);
     }
     let renamed = !held.host_ifname.is_empty() && held.host_ifname != spec.host_interface;
     renamed.then_some(RemovalReason::InterfaceReplaced)
+}
+
+/// An endpoint of svc-loader's full listing as its interface listing
+/// would say it: gone when a hook says so.
+fn listed_interface(held: &ldpb::Endpoint) -> ldpb::EndpointInterface {
+    ldpb::EndpointInterface {
+        endpoint_id: held.endpoint_id,
+        host_ifindex: held.host_ifindex,
+        host_ifname: held.host_ifname.clone(),
+        gone: held.from_container == ldpb::AttachState::InterfaceGone as i32
+            || held.to_container == ldpb::AttachState::InterfaceGone as i32,
+    }
 }
 
 /// While armed, a caller waiting for a removal has not been told it

@@ -1,7 +1,10 @@
 //! The manager in-process against a node's real daemons, with faults
 //! injected per call: a new label set while the kvstore is away, deletes
 //! that fail and converge by themselves, deletes that must not wait for
-//! unrelated work, and endpoints that must not regenerate once closed.
+//! unrelated work, endpoints that must not regenerate once closed, and
+//! endpoints whose host interface went (dropped at restore on svc-loader's
+//! listing; while running by a check that asks svc-loader only whether
+//! the interfaces exist).
 
 mod support;
 
@@ -449,4 +452,109 @@ async fn an_identity_event_resolves_only_the_endpoints_whose_selectors_it_change
         blocking, 1,
         "db's policy, which has peers, is resolved on a blocking thread"
     );
+}
+
+/// svc-endpoint stopped, a pod's network namespace (and with it its host
+/// veth) deleted, svc-endpoint started: restore drops the endpoint on
+/// svc-loader's listing, without trying to realise it first, and releases
+/// its addresses, identity reference, ipcache entries and state dir.
+#[tokio::test(flavor = "multi_thread")]
+async fn restore_drops_an_endpoint_whose_interface_went_while_svc_endpoint_was_down_on_the_loaders_listing() {
+    let mut node = EndpointNode::start(NodeOptions::default())
+        .await
+        .expect("the node's daemons start");
+    let stays = node.add_pod("stays", &["k8s:app=stays"]).await;
+    let gone = node.add_pod("gone", &["k8s:app=gone"]).await;
+    let addresses = node.pod("gone").addrs();
+    node.endpoint_daemon().kill9();
+    assert!(node.node.node.remove_pod("gone"), "the pod existed");
+    let node_ns = &node.node.node.ns;
+    eventually(Duration::from_secs(10), "the pod's host veth is deleted", async || {
+        !node_ns.has_link(&gone.host_interface).unwrap()
+    })
+    .await;
+
+    // svc-endpoint again (in-process, over the same state dir and daemons),
+    // counting the ApplyEndpoint calls for the vanished pod's endpoint.
+    let faults = Arc::new(Faults::default());
+    faults.apply.set_for(&format!("endpoint/{}", gone.id), Mode::Pass);
+    let manager = start_manager(options(&node.state_dir()), faulty_dependencies(&node, &faults));
+    tokio::time::timeout(Duration::from_secs(30), manager.restored())
+        .await
+        .expect("restore completes");
+    let progress = manager.restore_progress();
+    assert_eq!(
+        (progress.found, progress.restored, progress.dropped, progress.failed),
+        (2, 1, 1, 0),
+        "one endpoint restored, the one without an interface dropped: {progress:?}"
+    );
+    assert_eq!(
+        faults.apply.calls(),
+        0,
+        "restore drops the endpoint on svc-loader's listing, without an ApplyEndpoint for it"
+    );
+    let left: Vec<u32> = manager.list().iter().map(|v| u32::from(v.spec.id)).collect();
+    assert_eq!(left, [stays.id], "only the other pod's endpoint is left");
+    assert_nothing_left(
+        &node,
+        &node.state_dir(),
+        u16::try_from(gone.id).unwrap(),
+        ("gone", &addresses),
+        true,
+        "after restore",
+    )
+    .await;
+}
+
+/// The periodic interface check with `interfaces` as svc-loader's
+/// ListEndpointInterfaces answer: pod "gone" loses its network namespace
+/// while running and its endpoint is dropped and releases everything.
+/// Returns the ListEndpoints and ListEndpointInterfaces calls made from
+/// the loss to the drop.
+async fn interface_check_drops_a_vanished_pod(interfaces: Mode) -> (u32, u32) {
+    let mut t = Setup::start_with(&["stays", "gone"], |o| o.interface_check = Duration::from_millis(50)).await;
+    t.faults.interfaces.set(interfaces);
+    tokio::time::timeout(Duration::from_secs(30), t.manager.restored())
+        .await
+        .expect("restore completes");
+    t.create("stays", &["k8s:app=stays"]).await;
+    let id = t.create("gone", &["k8s:app=gone"]).await;
+    let addresses = t.node.pod("gone").addrs();
+    let before = (t.faults.list.calls(), t.faults.interfaces.calls());
+    assert!(t.node.node.node.remove_pod("gone"), "the pod existed");
+    eventually(
+        Duration::from_secs(10),
+        "the endpoint of the vanished pod is dropped",
+        async || t.manager.list().iter().all(|v| v.spec.id != id),
+    )
+    .await;
+    assert_eq!(t.manager.list().len(), 1, "the other endpoint stays");
+    assert_nothing_left(
+        &t.node,
+        t.state.path(),
+        id,
+        ("gone", &addresses),
+        true,
+        "after the interface check",
+    )
+    .await;
+    (t.faults.list.calls() - before.0, t.faults.interfaces.calls() - before.1)
+}
+
+/// The periodic interface check costs svc-loader one link dump
+/// (ListEndpointInterfaces), never its full listing (two tc queries per
+/// interface), and drops an endpoint whose interface went.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_interface_check_asks_only_whether_interfaces_exist() {
+    let (listings, checks) = interface_check_drops_a_vanished_pod(Mode::Pass).await;
+    assert_eq!(listings, 0, "no ListEndpoints from the periodic check");
+    assert!(checks > 0, "the check asked ListEndpointInterfaces");
+}
+
+/// With an svc-loader older than svc-endpoint (no ListEndpointInterfaces)
+/// the check falls back to its full listing and still drops the endpoint.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_interface_check_falls_back_to_the_full_listing_of_an_older_svc_loader() {
+    let (listings, _) = interface_check_drops_a_vanished_pod(Mode::Unimplemented).await;
+    assert!(listings > 0, "the check used ListEndpoints");
 }

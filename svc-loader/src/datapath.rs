@@ -643,6 +643,21 @@ pub struct Attachment {
     pub egress: AttachState,
 }
 
+impl AttachState {
+    /// Whether a filter of ours is on the hook (this instance's program or
+    /// another's).
+    pub fn is_ours(self) -> bool {
+        matches!(self, Self::Attached { .. } | Self::Stale { .. })
+    }
+}
+
+impl Attachment {
+    /// Whether a filter of ours is on either hook.
+    pub fn has_ours(&self) -> bool {
+        self.ingress.is_ours() || self.egress.is_ours()
+    }
+}
+
 /// Kernel ids of this loader's program instances.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ProgramIds {
@@ -1126,12 +1141,13 @@ impl Datapath {
     }
 
     /// Every interface of the namespace with a filter of ours, with the
-    /// state of both hooks, by ifindex.
+    /// state of both hooks, by ifindex (one deleted during the walk is
+    /// left out: its filters went with it).
     pub fn attachments(&self) -> Result<Vec<Attachment>, DatapathError> {
         let mut list = Vec::new();
-        for ifindex in interfaces()? {
+        for ifindex in interfaces()?.into_keys() {
             let attachment = self.attachment(ifindex)?;
-            if attachment.ingress != AttachState::Detached || attachment.egress != AttachState::Detached {
+            if attachment.has_ours() {
                 list.push(attachment);
             }
         }
@@ -1312,9 +1328,9 @@ fn tc_err(what: String, ifindex: u32, error: io::Error) -> DatapathError {
     DatapathError::Tc { what, ifindex, error }
 }
 
-/// The interface indexes of the calling thread's network namespace.
-fn interfaces() -> Result<Vec<u32>, DatapathError> {
-    netdev::ifindexes().map_err(|error| DatapathError::Interfaces { error })
+/// The interfaces of the calling thread's network namespace (one link dump).
+pub(crate) fn interfaces() -> Result<BTreeMap<u32, String>, DatapathError> {
+    netdev::interfaces().map_err(|error| DatapathError::Interfaces { error })
 }
 
 fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, DatapathError> {

@@ -47,6 +47,7 @@ pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[(
     &[
         "GetEndpointPolicy",
         "ListEndpoints",
+        "ListEndpointInterfaces",
         "ListIpcache",
         "GetDatapathStatus",
         "DumpConntrack",

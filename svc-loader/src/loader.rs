@@ -37,7 +37,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
-use crate::datapath::{AttachState, Attachment, Datapath, DatapathError};
+use crate::datapath::{self, AttachState, Attachment, Datapath, DatapathError};
 use crate::maps::{
     DIR_EGRESS, DIR_INGRESS, EP_F_ALLOW_FROM_HOST, EP_F_EGRESS_PREFIXES, EP_F_ENFORCE_EGRESS, EP_F_ENFORCE_INGRESS,
     EP_F_INGRESS_PREFIXES, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, IpcacheKey, IpcacheValue,
@@ -165,6 +165,18 @@ pub struct EndpointView {
     pub ingress: AttachState,
     /// `to_container` attachment.
     pub egress: AttachState,
+}
+
+/// An endpoint's host interface, see [`EndpointDatapath::endpoint_interfaces`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointInterface {
+    /// The endpoint.
+    pub endpoint_id: u32,
+    /// Its interface index.
+    pub ifindex: u32,
+    /// The name of the interface at `ifindex` now; `None` when there is
+    /// none (the interface is gone).
+    pub ifname: Option<String>,
 }
 
 /// What the datapath holds, see [`EndpointDatapath::list`].
@@ -891,7 +903,11 @@ impl EndpointDatapath {
     }
 
     /// Every endpoint with its attachment, plus attachments and policy
-    /// entries that belong to no endpoint.
+    /// entries that belong to no endpoint. An endpoint whose interface is
+    /// gone says `InterfaceGone` on both hooks, with no name. Costs one
+    /// link dump and two filter queries per interface of the namespace;
+    /// [`endpoint_interfaces`](Self::endpoint_interfaces) answers whether
+    /// the interfaces exist for one link dump.
     pub fn list(&self) -> Result<DatapathListing, LoaderError> {
         let mut infos = Vec::new();
         for item in self.datapath.maps().endpoints.lock().iter() {
@@ -901,7 +917,15 @@ impl EndpointDatapath {
             }
         }
         infos.sort_by_key(|i| i.endpoint_id);
-        let attachments = self.datapath.attachments().map_err(|source| LoaderError::Datapath {
+        // After the map read: an interface an entry names existed before
+        // the entry was written, so one missing from the dump is gone.
+        let inspect = || -> Result<HashMap<u32, Attachment>, DatapathError> {
+            datapath::interfaces()?
+                .into_keys()
+                .map(|ifindex| Ok((ifindex, self.datapath.attachment(ifindex)?)))
+                .collect()
+        };
+        let mut attachments = inspect().map_err(|source| LoaderError::Datapath {
             action: "listing attachments".into(),
             source: Box::new(source),
         })?;
@@ -926,26 +950,53 @@ impl EndpointDatapath {
         orphan_policies.sort_unstable();
         let mut views = Vec::new();
         for info in infos {
-            let a = attachments.iter().find(|a| a.ifindex == info.ifindex);
+            let attachment = attachments.remove(&info.ifindex).unwrap_or(Attachment {
+                ifindex: info.ifindex,
+                ifname: None,
+                ingress: AttachState::InterfaceGone,
+                egress: AttachState::InterfaceGone,
+            });
             let (policy_entries, policy_prefixes) = counts.get(&info.endpoint_id).copied().unwrap_or_default();
             views.push(EndpointView {
                 info,
-                ifname: netdev::ifindex_to_name(info.ifindex).ok().flatten(),
+                ifname: attachment.ifname,
                 policy_entries,
                 policy_prefixes,
-                ingress: a.map_or(AttachState::Detached, |a| a.ingress),
-                egress: a.map_or(AttachState::Detached, |a| a.egress),
+                ingress: attachment.ingress,
+                egress: attachment.egress,
             });
         }
-        let orphans = attachments
-            .into_iter()
-            .filter(|a| !views.iter().any(|v| v.info.ifindex == a.ifindex))
-            .collect();
+        let mut orphans: Vec<Attachment> = attachments.into_values().filter(Attachment::has_ours).collect();
+        orphans.sort_by_key(|a| a.ifindex);
         Ok(DatapathListing {
             endpoints: views,
             orphan_attachments: orphans,
             orphan_policies,
         })
+    }
+
+    /// Each endpoint's host interface as the namespace has it now, by
+    /// endpoint id: the loader's index and one link dump, no filter query
+    /// and no map read, so cheap enough to poll (README, "Interface
+    /// liveness").
+    pub fn endpoint_interfaces(&self) -> Result<Vec<EndpointInterface>, LoaderError> {
+        // The index first: an interface it names existed before it was
+        // reserved, so one missing from the later dump is gone.
+        let held: Vec<(u32, u32)> = self.index().interfaces.iter().map(|(&i, &id)| (id, i)).collect();
+        let links = datapath::interfaces().map_err(|source| LoaderError::Datapath {
+            action: "listing the interfaces of endpoints".into(),
+            source: Box::new(source),
+        })?;
+        let mut interfaces: Vec<EndpointInterface> = held
+            .into_iter()
+            .map(|(endpoint_id, ifindex)| EndpointInterface {
+                endpoint_id,
+                ifindex,
+                ifname: links.get(&ifindex).cloned(),
+            })
+            .collect();
+        interfaces.sort_by_key(|i| i.endpoint_id);
+        Ok(interfaces)
     }
 
     /// One endpoint's map entry, compiled policy with counters, and prefixes.

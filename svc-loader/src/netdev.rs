@@ -2,7 +2,7 @@
 //! index ↔ name, MAC address, and whether an interface is a veth.
 //!
 //! Everything here goes through `ioctl`s on a socket the function creates
-//! (the list through `if_nameindex`, which asks rtnetlink the same way),
+//! (the list through `if_nameindex`: one rtnetlink link dump),
 //! and a socket belongs to the network namespace of the thread that created
 //! it. That is what a loader running inside a node namespace needs:
 //! `/sys/class/net` shows the namespace of whoever mounted sysfs, not the
@@ -13,6 +13,7 @@
 //! index (an interface renamed or replaced in between is retried, then
 //! reported as gone).
 
+use std::collections::BTreeMap;
 use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
@@ -91,25 +92,28 @@ pub fn name_to_ifindex(name: &str) -> io::Result<Option<u32>> {
     Ok(Some(index))
 }
 
-/// The indexes of every interface in this namespace, ascending.
-pub fn ifindexes() -> io::Result<Vec<u32>> {
+/// Every interface of this namespace, index → name, from one rtnetlink
+/// link dump (`if_nameindex`: one socket, one `RTM_GETLINK` request): what
+/// a liveness check of many interfaces should cost.
+pub fn interfaces() -> io::Result<BTreeMap<u32, String>> {
     // SAFETY: if_nameindex returns an array ended by a zero entry, or NULL.
     let list = unsafe { libc::if_nameindex() };
     if list.is_null() {
         return Err(io::Error::last_os_error());
     }
-    let mut indexes = Vec::new();
+    let mut interfaces = BTreeMap::new();
     let mut entry = list;
-    // SAFETY: walks the array up to its terminating entry, then frees it once.
+    // SAFETY: walks the array up to its terminating entry (each name is
+    // NUL-terminated), then frees it once.
     unsafe {
         while (*entry).if_index != 0 {
-            indexes.push((*entry).if_index);
+            let name = CStr::from_ptr((*entry).if_name).to_string_lossy().into_owned();
+            interfaces.insert((*entry).if_index, name);
             entry = entry.add(1);
         }
         libc::if_freenameindex(list);
     }
-    indexes.sort_unstable();
-    Ok(indexes)
+    Ok(interfaces)
 }
 
 /// Whether interface `ifindex` exists in this namespace.
@@ -274,6 +278,17 @@ mod tests {
             })
             .unwrap();
         assert_eq!(names, (Some("rvnda".to_owned()), Some(veth)));
+        let all = ns.in_ns(interfaces).unwrap().unwrap();
+        assert_eq!(
+            (all.get(&1), all.get(&veth), all.get(&bridge)),
+            (
+                Some(&"lo".to_owned()),
+                Some(&"rvnda".to_owned()),
+                Some(&"rvndbr".to_owned())
+            ),
+            "one link dump names every interface of the namespace: {all:?}"
+        );
+        assert_eq!(all.len(), 4, "lo, the veth pair and the bridge: {all:?}");
         assert_eq!(drivers, (true, false, Some("bridge".to_owned())));
         assert_eq!(macs, mac);
         assert_eq!(lo, (false, io::ErrorKind::InvalidInput));

@@ -470,6 +470,25 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         }))
     }
 
+    async fn list_endpoint_interfaces(
+        &self,
+        _request: Request<pb::ListEndpointInterfacesRequest>,
+    ) -> Result<Response<pb::ListEndpointInterfacesResponse>, Status> {
+        let interfaces = self.blocking(|dp| dp.endpoint_interfaces()).await?;
+        Ok(Response::new(pb::ListEndpointInterfacesResponse {
+            endpoints: interfaces
+                .into_iter()
+                .map(|i| pb::EndpointInterface {
+                    endpoint_id: i.endpoint_id,
+                    host_ifindex: i.ifindex,
+                    gone: i.ifname.is_none(),
+                    host_ifname: i.ifname.unwrap_or_default(),
+                })
+                .collect(),
+            boot_id: self.boot_id(),
+        }))
+    }
+
     async fn upsert_ipcache(
         &self,
         request: Request<pb::UpsertIpcacheRequest>,

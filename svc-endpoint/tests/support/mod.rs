@@ -35,6 +35,8 @@ pub enum Mode {
     Unavailable,
     /// Answers INTERNAL (not retried).
     Internal,
+    /// Answers UNIMPLEMENTED, as a daemon older than the call does.
+    Unimplemented,
     /// Calls the real daemon, then answers INTERNAL: the work is done but
     /// the caller sees a failure, the harder case to undo.
     InternalAfterCall,
@@ -131,6 +133,10 @@ pub struct Faults {
     pub apply: Fault,
     /// svc-loader RemoveEndpoint (key: `endpoint/<id>`).
     pub remove: Fault,
+    /// svc-loader ListEndpoints (key: empty).
+    pub list: Fault,
+    /// svc-loader ListEndpointInterfaces (key: empty).
+    pub interfaces: Fault,
     /// svc-ipam Release (key: the container id).
     pub ipam_release: Fault,
 }
@@ -163,6 +169,7 @@ fn faulty<'a, T: Send + 'a>(
                 "{what}: the store is unreachable: injected by the test"
             ))),
             Mode::Internal => Err(Status::internal(format!("{what}: injected failure"))),
+            Mode::Unimplemented => Err(Status::unimplemented(format!("{what}: injected by the test"))),
             Mode::InternalAfterCall => {
                 call().await?;
                 Err(Status::internal(format!("{what}: injected failure after the call")))
@@ -255,7 +262,17 @@ impl LoaderApi for FaultyLoader {
         })
     }
     fn list(&self) -> BoxFuture<'_, ApiResult<ldpb::ListEndpointsResponse>> {
-        self.inner.list()
+        faulty(&self.faults.list, "listing the datapath", String::new(), move || {
+            self.inner.list()
+        })
+    }
+    fn interfaces(&self) -> BoxFuture<'_, ApiResult<ldpb::ListEndpointInterfacesResponse>> {
+        faulty(
+            &self.faults.interfaces,
+            "listing the endpoints' interfaces",
+            String::new(),
+            move || self.inner.interfaces(),
+        )
     }
 }
 

@@ -614,3 +614,87 @@ fn concurrent_applies_and_removes_on_many_interfaces_leave_maps_and_filters_cons
         );
     });
 }
+
+/// An endpoint whose host veth is deleted behind the loader's back (a pod's
+/// netns removed without a DEL) is listed as gone, by the full listing (both
+/// hooks `InterfaceGone`, no name, no orphan attachment) and by the cheap
+/// one; its neighbour is listed as it is.
+#[test]
+fn an_endpoint_whose_interface_is_deleted_is_listed_as_gone() {
+    let fx = Fixture::new(2, 64);
+    let ns = fx.ns.name().to_owned();
+    fx.run(move |dp, ifs| {
+        dp.apply(&spec(
+            1,
+            ifs[0],
+            0,
+            Some(policy(1, vec![allow(DIR_INGRESS, 7, TCP, 80)])),
+        ))
+        .unwrap();
+        dp.apply(&spec(2, ifs[1], 1, None)).unwrap();
+        let name = |ifindex| netdev::ifindex_to_name(ifindex).unwrap().expect("the veth exists");
+        let (gone, kept) = (name(ifs[0]), name(ifs[1]));
+        let deleted = std::process::Command::new("ip")
+            .args(["-n", &ns, "link", "del", &gone])
+            .status()
+            .unwrap();
+        assert!(deleted.success(), "deleting {gone}");
+
+        let listing = dp.list().unwrap();
+        let states: Vec<_> = listing
+            .endpoints
+            .iter()
+            .map(|v| {
+                (
+                    v.info.endpoint_id,
+                    v.info.ifindex,
+                    v.ifname.clone(),
+                    v.ingress,
+                    v.egress,
+                )
+            })
+            .collect();
+        assert_eq!(
+            states[0],
+            (1, ifs[0], None, AttachState::InterfaceGone, AttachState::InterfaceGone),
+            "the endpoint of the deleted veth is listed as gone: {listing:?}"
+        );
+        assert!(
+            matches!(&states[1], (2, i, Some(n), AttachState::Attached { .. }, AttachState::Attached { .. })
+                if *i == ifs[1] && *n == kept),
+            "the other endpoint is listed attached: {listing:?}"
+        );
+        assert_eq!(states.len(), 2, "{listing:?}");
+        assert!(listing.orphan_attachments.is_empty(), "{listing:?}");
+        assert!(listing.orphan_policies.is_empty(), "{listing:?}");
+
+        assert_eq!(
+            dp.endpoint_interfaces().unwrap(),
+            [
+                EndpointInterface {
+                    endpoint_id: 1,
+                    ifindex: ifs[0],
+                    ifname: None,
+                },
+                EndpointInterface {
+                    endpoint_id: 2,
+                    ifindex: ifs[1],
+                    ifname: Some(kept.clone()),
+                },
+            ],
+            "the cheap listing says the same"
+        );
+
+        // Removing the gone endpoint leaves the other one only.
+        dp.remove(Some(1), None).unwrap();
+        assert_eq!(
+            dp.endpoint_interfaces().unwrap(),
+            [EndpointInterface {
+                endpoint_id: 2,
+                ifindex: ifs[1],
+                ifname: Some(kept),
+            }]
+        );
+        assert_eq!(dp.list().unwrap().endpoints.len(), 1);
+    });
+}
