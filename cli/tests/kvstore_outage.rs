@@ -8,7 +8,9 @@
 //! degraded;
 //! when etcd is back everything converges (the other node's IP cache, the
 //! keys in etcd, svc-ipam, svc-endpoint) and nothing is left; a node that
-//! stops cleanly takes its keys with it at once.
+//! stops cleanly takes its keys with it at once. And svc-identity killed
+//! (-9) during the outage restarts from its local snapshot and serves
+//! (svc-loader's push, known label sets) until etcd is back.
 //!
 //! Needs root, a bpffs at /sys/fs/bpf, the rivet users (`cargo xtask
 //! install`) and the workspace binaries beside `rivet` (`cargo build
@@ -44,8 +46,13 @@ fn shown(out: &Output) -> String {
 /// `pools` (`default=<v4>,<v6>`), [`LEASE_TTL_SECONDS`] and
 /// [`CNI_TIMEOUT_SECONDS`].
 fn node_on(etcd: &str, pools: &str) -> TestNode {
+    node_with(etcd, pools, &[])
+}
+
+/// [`node_on`] with more `rivet node up` flags.
+fn node_with(etcd: &str, pools: &str, extra: &[&str]) -> TestNode {
     let ttl = format!("svc-identity=--lease-ttl-seconds={LEASE_TTL_SECONDS}");
-    TestNode::up_with(&[
+    let mut args = vec![
         "--pool",
         pools,
         "--etcd-endpoints",
@@ -54,7 +61,9 @@ fn node_on(etcd: &str, pools: &str) -> TestNode {
         &ttl,
         "--cni-timeout-seconds",
         CNI_TIMEOUT_SECONDS,
-    ])
+    ];
+    args.extend(extra);
+    TestNode::up_with(&args)
 }
 
 fn run(node: &TestNode, args: &[&str]) -> Output {
@@ -350,6 +359,294 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
         gone < Duration::from_secs(LEASE_TTL_SECONDS / 2),
         "gone {gone:?} after the stop, well before the {LEASE_TTL_SECONDS} s TTL"
     );
+    a.down_and_check_nothing_left();
+    let left = keys(&endpoint, "rivet/state/").await;
+    assert!(
+        left.iter().all(|k| k.contains("/identities/v1/id/")),
+        "only master keys (for the operator's GC) are left: {left:?}"
+    );
+}
+
+/// Every key under `prefix` in etcd with its lease.
+async fn leases(endpoint: &str, prefix: &str) -> BTreeMap<String, i64> {
+    let mut c = etcd_client::Client::connect([endpoint], None)
+        .await
+        .expect("connecting to the test etcd");
+    let r = c
+        .get(prefix, Some(GetOptions::new().with_prefix().with_keys_only()))
+        .await
+        .expect("listing etcd");
+    r.kvs()
+        .iter()
+        .map(|kv| (kv.key_str().unwrap().to_string(), kv.lease()))
+        .collect()
+}
+
+/// svc-identity's local snapshot on `node` (JSON), if written.
+fn identity_snapshot(node: &TestNode) -> Option<serde_json::Value> {
+    let path = node.state_dir().join("svc-identity/identity/etcd-snapshot.json");
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(serde_json::from_str(&text).expect("the snapshot is JSON"))
+}
+
+/// The `ip`s of the snapshot's IP cache entries of `part` (`remote`, `local`).
+fn snapshot_ips(snapshot: &serde_json::Value, part: &str) -> BTreeSet<String> {
+    snapshot["data"]["ipcache"][part]
+        .as_array()
+        .map(|a| a.iter().map(|e| e["ip"].as_str().unwrap().to_string()).collect())
+        .unwrap_or_default()
+}
+
+/// svc-loader's ipcache on `node`: prefix → identity.
+async fn loader_ipcache(node: &TestNode) -> BTreeMap<String, u32> {
+    use rivet_proto::loader::v1 as loader_pb;
+    let channel = rivet_common::grpc::connect_unix(
+        &node.path("sockets").join("svc-loader.sock"),
+        &rivet_common::grpc::ClientOptions::default(),
+    )
+    .await
+    .expect("connecting to svc-loader");
+    let r = loader_pb::loader_service_client::LoaderServiceClient::new(channel)
+        .list_ipcache(loader_pb::ListIpcacheRequest {
+            page_size: 10000,
+            start_after: None,
+        })
+        .await
+        .expect("svc-loader lists its ipcache")
+        .into_inner();
+    assert!(r.complete);
+    r.entries
+        .into_iter()
+        .map(|e| {
+            let p = e.prefix.expect("a prefix");
+            let ip: std::net::IpAddr = match p.address.len() {
+                4 => <[u8; 4]>::try_from(p.address.as_slice()).unwrap().into(),
+                _ => <[u8; 16]>::try_from(p.address.as_slice()).unwrap().into(),
+            };
+            (format!("{ip}/{}", p.prefix_length), e.identity)
+        })
+        .collect()
+}
+
+/// The value of the sample `series` (as printed) in svc-identity's
+/// `/metrics` at `address`, 0 when absent.
+async fn identity_metric(address: std::net::SocketAddr, series: &str) -> f64 {
+    let text = rivet_common::testing::http_get(address, "/metrics")
+        .await
+        .expect("GET /metrics of svc-identity");
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0.0)
+}
+
+/// `rivet status -o json` of `node`, whatever its exit status (3 while
+/// degraded).
+fn status_json(node: &TestNode) -> serde_json::Value {
+    let out = run(node, &["status", "-o", "json"]);
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("rivet status -o json: {e}: {}", shown(&out)))
+}
+
+/// svc-identity killed (-9) while etcd is down is restarted by the
+/// supervisor and serves from its local snapshot: pods keep their traffic,
+/// svc-loader gets its full ipcache push (the other node's pod included)
+/// and the new pod of a known label set; `rivet status` says degraded. When
+/// etcd is back it converges: the other node sees the new pod, this node's
+/// keys are those of its pods, all on its new lease, and nothing is left
+/// after the nodes stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn svc_identity_killed_during_an_etcd_outage_restarts_from_its_snapshot_and_converges() {
+    let mut etcd = tokio::task::spawn_blocking(EtcdServer::start)
+        .await
+        .unwrap()
+        .expect("etcd starts");
+    let endpoint = etcd.endpoint();
+    let metrics = std::net::SocketAddr::from((
+        [127, 0, 0, 1],
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port(),
+    ));
+    let metrics_arg = format!("svc-identity=--metrics-address={metrics}");
+    // Passes every 2 s: one fails while etcd is away.
+    let resync_arg = "svc-identity=--resync-seconds=2";
+    let mut a = node_with(
+        &endpoint,
+        "default=198.18.8.0/22,2001:2:0:8::/64",
+        &["--daemon-arg", &metrics_arg, "--daemon-arg", resync_arg],
+    );
+    let mut b = node_on(&endpoint, "default=198.18.12.0/22,2001:2:0:9::/64");
+    for (pod, app) in [("web", "web"), ("client", "client")] {
+        let out = add_pod(&a, pod, app);
+        assert!(out.status.success(), "pod {pod}: {}", shown(&out));
+    }
+    let out = add_pod(&b, "remote", "web");
+    assert!(out.status.success(), "{}", shown(&out));
+    let ip = |node: &TestNode, pod: &str| format!("{}/32", node.ipv4(pod));
+    let (web, client, remote) = (ip(&a, "web"), ip(&a, "client"), ip(&b, "remote"));
+    eventually("node a knows node b's pod", Duration::from_secs(15), || {
+        ipcache(&a).get(&remote) == Some(&b.netns)
+    });
+    // The signal that a restart has what it needs: the snapshot holds it.
+    let bare = |p: &str| p.trim_end_matches("/32").to_string();
+    eventually(
+        "node a's snapshot holds both nodes' pods",
+        Duration::from_secs(15),
+        || {
+            identity_snapshot(&a).is_some_and(|s| {
+                snapshot_ips(&s, "remote").contains(&bare(&remote))
+                    && [&web, &client]
+                        .iter()
+                        .all(|p| snapshot_ips(&s, "local").contains(&bare(p)))
+            })
+        },
+    );
+    let web_v4 = a.ipv4("web");
+    let pinger = Pinger::start(&pod_netns(&a, "client"), &web_v4);
+    assert!(a.ping("client", &web_v4), "traffic flows before the outage");
+
+    etcd.stop();
+    eventually("rivet status says node a is degraded", Duration::from_secs(15), || {
+        status(&a).0 == Some(3)
+    });
+    let killed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i64;
+    a.kill9_and_wait_for_restart("svc-identity");
+
+    // Served from the snapshot, degraded, the push to svc-loader done.
+    let (code, text) = status(&a);
+    assert_eq!(code, Some(3), "{text}");
+    assert!(text.contains("DEGRADED") && text.contains("local snapshot"), "{text}");
+    eventually(
+        "svc-loader got the restarted svc-identity's full push",
+        Duration::from_secs(15),
+        || {
+            status_json(&a).as_array().unwrap().iter().any(|d| {
+                let s = &d["identity_status"];
+                s["loader_connected"] == true
+                    && s["loader_last_full_sync_unix_nanos"]
+                        .as_i64()
+                        .is_some_and(|t| t > killed)
+            })
+        },
+    );
+    let view = ipcache(&a);
+    assert_eq!(
+        view.get(&remote),
+        Some(&b.netns),
+        "the other node's pod is served: {view:?}"
+    );
+    let loader = loader_ipcache(&a).await;
+    assert!(
+        loader.contains_key(&remote) && loader.contains_key(&web) && loader.contains_key(&client),
+        "the full push held the snapshot's view: {loader:?}"
+    );
+    assert!(a.ok(&["identity", "list"]).contains("app=web"), "identities are served");
+    // A pod of a known label set starts and is reachable; its address
+    // reaches svc-loader.
+    let out = add_pod(&a, "web-2", "web");
+    assert!(out.status.success(), "a known label set starts: {}", shown(&out));
+    let web2 = ip(&a, "web-2");
+    assert!(a.ping("client", &a.ipv4("web-2")), "the new pod is reachable at once");
+    let pushed = loader_ipcache(&a).await;
+    assert!(pushed.contains_key(&web2), "{pushed:?}");
+    let unreachable = "rivet_identity_reconcile_passes_total{keys=\"value_keys\",outcome=\"store_unreachable\"}";
+    let started = Instant::now();
+    while identity_metric(metrics, unreachable).await < 1.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "no failed pass was counted"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        identity_metric(metrics, "rivet_identity_snapshot_loads_total{outcome=\"loaded\"}").await,
+        1.0
+    );
+    assert!(identity_metric(metrics, "rivet_identity_local_allocations_total").await >= 1.0);
+    assert!(
+        identity_metric(metrics, "rivet_identity_store_pending_writes{keys=\"ip_entries\"}").await >= 1.0,
+        "web-2's entries wait for etcd"
+    );
+
+    // etcd is back: node a converges.
+    let _etcd = tokio::task::spawn_blocking(move || {
+        etcd.restart().expect("etcd restarts");
+        etcd
+    })
+    .await
+    .unwrap();
+    eventually("node a reconciles with etcd", Duration::from_secs(30), || {
+        status(&a).0 == Some(0)
+            && a.json(&["status"])
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|d| d["identity_status"]["store_pending_writes"] == 0)
+    });
+    let (sent, received, summary) = pinger.stop();
+    assert!(
+        sent >= 5 && received == sent,
+        "no ping lost across the outage and the restart: {summary}"
+    );
+    eventually("node b sees node a's new pod", Duration::from_secs(15), || {
+        let on_b = ipcache(&b);
+        [&web, &client, &web2].iter().all(|p| on_b.get(*p) == Some(&a.netns))
+    });
+    let lease = a
+        .json(&["status"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|d| d["identity_status"]["lease_id"].as_i64())
+        .expect("svc-identity's lease");
+    let of_a: BTreeMap<String, i64> = leases(&endpoint, "rivet/state/")
+        .await
+        .into_iter()
+        .filter(|(k, _)| {
+            k.ends_with(&format!("/{}", a.netns))
+                || k.contains("/ip/v1/default/198.18.8.")
+                || k.contains("/ip/v1/default/2001:2:0:8:")
+        })
+        .collect();
+    let expected: BTreeSet<String> = ["web", "client", "web-2"]
+        .iter()
+        .flat_map(|p| a.addresses(p))
+        .map(|address| format!("rivet/state/ip/v1/default/{address}"))
+        .collect();
+    let ips: BTreeSet<String> = of_a.keys().filter(|k| k.contains("/ip/")).cloned().collect();
+    assert_eq!(ips, expected, "etcd holds node a's pods");
+    for app in ["app=web", "app=client"] {
+        assert!(of_a.keys().any(|k| k.contains(app)), "node a holds {app}: {of_a:?}");
+    }
+    assert!(
+        of_a.values().all(|l| *l == lease),
+        "every key of node a is on its new lease {lease:x}, none on the killed process's: {of_a:?}"
+    );
+    assert!(
+        identity_metric(
+            metrics,
+            "rivet_identity_reconcile_keys_total{key=\"ip\",action=\"created\"}"
+        )
+        .await
+            >= 1.0
+    );
+    assert_eq!(
+        identity_metric(metrics, "rivet_identity_store_pending_writes{keys=\"ip_entries\"}").await,
+        0.0
+    );
+
+    b.down_and_check_nothing_left();
     a.down_and_check_nothing_left();
     let left = keys(&endpoint, "rivet/state/").await;
     assert!(
