@@ -146,14 +146,54 @@ impl Drop for Pinger {
 
 /// Every key under `prefix` in etcd.
 async fn keys(endpoint: &str, prefix: &str) -> BTreeSet<String> {
-    let mut c = etcd_client::Client::connect([endpoint], None)
+    leases(endpoint, prefix).await.into_keys().collect()
+}
+
+async fn start_etcd() -> EtcdServer {
+    tokio::task::spawn_blocking(EtcdServer::start)
         .await
-        .expect("connecting to the test etcd");
-    let r = c
-        .get(prefix, Some(GetOptions::new().with_prefix().with_keys_only()))
-        .await
-        .expect("listing etcd");
-    r.kvs().iter().map(|kv| kv.key_str().unwrap().to_string()).collect()
+        .unwrap()
+        .expect("etcd starts")
+}
+
+async fn restart_etcd(mut etcd: EtcdServer) -> EtcdServer {
+    tokio::task::spawn_blocking(move || {
+        etcd.restart().expect("etcd restarts");
+        etcd
+    })
+    .await
+    .unwrap()
+}
+
+/// Waits until `node` reconciled with etcd (rivet status healthy, nothing
+/// left to publish); returns how long that took.
+fn wait_reconciled(node: &TestNode) -> Duration {
+    eventually(
+        &format!(
+            "node {} reconciles with etcd (rivet status healthy, nothing left to publish)",
+            node.netns
+        ),
+        Duration::from_secs(30),
+        || {
+            status(node).0 == Some(0)
+                && node
+                    .json(&["status"])
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|d| d["identity_status"]["store_pending_writes"] == 0)
+        },
+    )
+}
+
+/// Once every node stopped: only master keys (for the operator's GC) are
+/// left in etcd.
+async fn assert_only_master_keys_left(endpoint: &str) {
+    let left = keys(endpoint, "rivet/state/").await;
+    assert!(
+        left.iter().all(|k| k.contains("/identities/v1/id/")),
+        "only master keys (for the operator's GC) are left: {left:?}"
+    );
 }
 
 /// `rivet status` of `node`: its exit status and output.
@@ -164,10 +204,7 @@ fn status(node: &TestNode) -> (Option<i32>, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
-    let mut etcd = tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts");
+    let mut etcd = start_etcd().await;
     let endpoint = etcd.endpoint();
     let mut a = node_on(&endpoint, "default=198.18.0.0/22,2001:2::/64");
     let mut b = node_on(&endpoint, "default=198.18.4.0/22,2001:2:0:1::/64");
@@ -257,12 +294,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
     a.ok(&["pod", "del", "forced", "--force"]);
     let outage_work = outage.elapsed();
 
-    let _etcd = tokio::task::spawn_blocking(move || {
-        etcd.restart().expect("etcd restarts");
-        etcd
-    })
-    .await
-    .unwrap();
+    let _etcd = restart_etcd(etcd).await;
     eprintln!("etcd was down {:?} (local work took {outage_work:?})", outage.elapsed());
     // ...and starts once etcd is back.
     let out = late.wait_with_output().expect("rivet pod add ends");
@@ -271,18 +303,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
         "a new label set starts once etcd is back within the deadline: {}",
         shown(&out)
     );
-    let took = eventually(
-        "node a reconciles with etcd (rivet status healthy, nothing left to publish)",
-        Duration::from_secs(30),
-        || {
-            status(&a).0 == Some(0)
-                && a.json(&["status"])
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .any(|d| d["identity_status"]["store_pending_writes"] == 0)
-        },
-    );
+    let took = wait_reconciled(&a);
     eprintln!("node a reconciled {took:?} after etcd's restart");
     let (sent, received, summary) = pinger.stop();
     assert!(
@@ -360,11 +381,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
         "gone {gone:?} after the stop, well before the {LEASE_TTL_SECONDS} s TTL"
     );
     a.down_and_check_nothing_left();
-    let left = keys(&endpoint, "rivet/state/").await;
-    assert!(
-        left.iter().all(|k| k.contains("/identities/v1/id/")),
-        "only master keys (for the operator's GC) are left: {left:?}"
-    );
+    assert_only_master_keys_left(&endpoint).await;
 }
 
 /// Every key under `prefix` in etcd with its lease.
@@ -434,16 +451,7 @@ async fn identity_metric(address: std::net::SocketAddr, series: &str) -> f64 {
     let text = rivet_common::testing::http_get(address, "/metrics")
         .await
         .expect("GET /metrics of svc-identity");
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(series)?
-                .strip_prefix(' ')?
-                .split(' ')
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(0.0)
+    rivet_common::testing::metric_sample(&text, series).unwrap_or(0.0)
 }
 
 /// `rivet status -o json` of `node`, whatever its exit status (3 while
@@ -462,19 +470,9 @@ fn status_json(node: &TestNode) -> serde_json::Value {
 /// after the nodes stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn svc_identity_killed_during_an_etcd_outage_restarts_from_its_snapshot_and_converges() {
-    let mut etcd = tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts");
+    let mut etcd = start_etcd().await;
     let endpoint = etcd.endpoint();
-    let metrics = std::net::SocketAddr::from((
-        [127, 0, 0, 1],
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port(),
-    ));
+    let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], rivet_common::testing::free_local_port()));
     let metrics_arg = format!("svc-identity=--metrics-address={metrics}");
     // Passes every 2 s: one fails while etcd is away.
     let resync_arg = "svc-identity=--resync-seconds=2";
@@ -580,20 +578,8 @@ async fn svc_identity_killed_during_an_etcd_outage_restarts_from_its_snapshot_an
     );
 
     // etcd is back: node a converges.
-    let _etcd = tokio::task::spawn_blocking(move || {
-        etcd.restart().expect("etcd restarts");
-        etcd
-    })
-    .await
-    .unwrap();
-    eventually("node a reconciles with etcd", Duration::from_secs(30), || {
-        status(&a).0 == Some(0)
-            && a.json(&["status"])
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|d| d["identity_status"]["store_pending_writes"] == 0)
-    });
+    let _etcd = restart_etcd(etcd).await;
+    wait_reconciled(&a);
     let (sent, received, summary) = pinger.stop();
     assert!(
         sent >= 5 && received == sent,
@@ -648,9 +634,5 @@ async fn svc_identity_killed_during_an_etcd_outage_restarts_from_its_snapshot_an
 
     b.down_and_check_nothing_left();
     a.down_and_check_nothing_left();
-    let left = keys(&endpoint, "rivet/state/").await;
-    assert!(
-        left.iter().all(|k| k.contains("/identities/v1/id/")),
-        "only master keys (for the operator's GC) are left: {left:?}"
-    );
+    assert_only_master_keys_left(&endpoint).await;
 }

@@ -359,6 +359,34 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
     Ok(out)
 }
 
+/// The value of one sample of a `/metrics` text, the series named exactly
+/// as printed (`rivet_x_total{kind="a"}`); `None` when it is not there.
+///
+/// ```
+/// let text = "# TYPE rivet_x counter\nrivet_x_total{kind=\"a\"} 3\n";
+/// assert_eq!(rivet_common::testing::metric_sample(text, "rivet_x_total{kind=\"a\"}"), Some(3.0));
+/// assert_eq!(rivet_common::testing::metric_sample(text, "rivet_x_total"), None);
+/// ```
+pub fn metric_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's
+/// `--metrics-address`).
+pub fn free_local_port() -> u16 {
+    std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding 127.0.0.1:0 to find a free port")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

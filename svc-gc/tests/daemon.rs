@@ -172,14 +172,6 @@ async fn kill_9_during_a_pass_over_a_million_entries_and_restart() {
     assert_eq!(again.boot_id, daemon.info().boot_id);
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn rivet(sockets: &Path, args: &[&str]) -> serde_json::Value {
     let out = std::process::Command::new(workspace_binary("rivet"))
         .arg("--socket-dir")
@@ -204,7 +196,7 @@ async fn rivet_gc_run_and_status_and_metrics() {
     let (keys, values) = synthetic_entries(clock.monotonic_nanos(), 10, 5, 21_600);
     let mut ct4 = maps.ct4();
     ct4.insert_all(&keys, &values).unwrap();
-    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics = SocketAddr::from(([127, 0, 0, 1], rivet_common::testing::free_local_port()));
     let daemon = daemon_command(
         &workspace_binary("svc-gc"),
         dir.path(),

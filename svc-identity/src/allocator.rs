@@ -32,7 +32,6 @@
 //! and again with backoff after a failed pass.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -48,7 +47,7 @@ use crate::backend::{
     AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord, Revision,
 };
 use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
-use crate::snapshot::IdentitySnapshot;
+use crate::snapshot::{IdentitySnapshot, SnapshotPart};
 
 /// Smallest cluster identity.
 pub const MIN_CLUSTER_ID: u32 = 256;
@@ -265,13 +264,10 @@ pub struct IdentityAllocator {
     /// One reconcile pass at a time.
     pass: tokio::sync::Mutex<()>,
     started: Instant,
-    /// The store revision of the last listing (or of the restored snapshot).
-    store_revision: AtomicI64,
     /// What is served while the store was not listed since a restore.
     restored_from: Mutex<Option<String>>,
-    /// Bumped by every change of what the snapshot holds (the cache, the
-    /// released sets).
-    persisted: watch::Sender<u64>,
+    /// Its part of the local snapshot: changes and store revision.
+    snapshot_part: SnapshotPart,
 }
 
 impl std::fmt::Debug for IdentityAllocator {
@@ -303,26 +299,20 @@ impl IdentityAllocator {
             reconcile: Notify::new(),
             pass: tokio::sync::Mutex::new(()),
             started: Instant::now(),
-            store_revision: AtomicI64::new(0),
             restored_from: Mutex::new(None),
-            persisted: watch::channel(0).0,
+            snapshot_part: SnapshotPart::default(),
         })
-    }
-
-    /// Notes a change of what [`snapshot`](Self::snapshot) returns.
-    fn persisted_changed(&self) {
-        self.persisted.send_modify(|g| *g += 1);
     }
 
     /// Changes whenever what [`snapshot`](Self::snapshot) returns changed.
     pub fn state_changes(&self) -> watch::Receiver<u64> {
-        self.persisted.subscribe()
+        self.snapshot_part.changes()
     }
 
     /// The store revision of the last listing (of the restored snapshot's
     /// until the store is listed); 0 before either.
     pub fn store_revision(&self) -> Revision {
-        self.store_revision.load(Ordering::Acquire)
+        self.snapshot_part.store_revision()
     }
 
     /// What a restart needs to serve without the store: the cache and the
@@ -354,7 +344,7 @@ impl IdentityAllocator {
             .lock()
             .expect("released poisoned")
             .extend(snapshot.released);
-        self.store_revision.store(snapshot.store_revision, Ordering::Release);
+        self.snapshot_part.set_store_revision(snapshot.store_revision);
         *self.restored_from.lock().expect("restored_from poisoned") = Some(origin.to_string());
         self.ready.send_replace(true);
     }
@@ -471,7 +461,7 @@ impl IdentityAllocator {
         // Taken out before the store is written: a pass deleting the value
         // key meanwhile writes it again (see `delete_released`).
         if self.released.lock().expect("released poisoned").remove(&key) {
-            self.persisted_changed();
+            self.snapshot_part.changed();
         }
         let (id, newly_allocated) = match self.allocate_in_store(&key).await? {
             StoreAllocation::Published { id, newly_allocated } => (id, newly_allocated),
@@ -643,7 +633,7 @@ impl IdentityAllocator {
             (key, left)
         };
         if left == 0 {
-            self.persisted_changed();
+            self.snapshot_part.changed();
             if !self.store_answers() {
                 tracing::info!(id, labels = %key, "last local reference released; the kvstore is unreachable, its value key is deleted when it is back");
             } else if let Err(e) = self.delete_released(&key).await {
@@ -670,7 +660,7 @@ impl IdentityAllocator {
         }
         self.backend.release(key).await?;
         let retaken = !self.released.lock().expect("released poisoned").remove(key);
-        self.persisted_changed();
+        self.snapshot_part.changed();
         if retaken {
             let held = self.local.lock().expect("local refs poisoned").get(key).map(|r| r.id);
             if let Some(id) = held {
@@ -778,7 +768,7 @@ impl IdentityAllocator {
             match self.backend.list_identities().await {
                 Ok((records, revision)) => {
                     let recovered = self.store_error().is_some();
-                    self.store_revision.store(revision, Ordering::Release);
+                    self.snapshot_part.set_store_revision(revision);
                     self.replace_cache(records);
                     self.restored_from.lock().expect("restored_from poisoned").take();
                     self.set_store_error(None);
@@ -822,7 +812,7 @@ impl IdentityAllocator {
         if cache.insert(r.id, r.labels.clone()) {
             let _ = self.changes.send((cache.revision, IdentityChange::Upsert(r)));
             drop(cache);
-            self.persisted_changed();
+            self.snapshot_part.changed();
         }
     }
 
@@ -831,7 +821,7 @@ impl IdentityAllocator {
         if cache.remove(id) {
             let _ = self.changes.send((cache.revision, IdentityChange::Delete(id)));
             drop(cache);
-            self.persisted_changed();
+            self.snapshot_part.changed();
         }
     }
 
@@ -959,7 +949,7 @@ impl IdentityAllocator {
             (stale, *released != before)
         };
         if released_changed {
-            self.persisted_changed();
+            self.snapshot_part.changed();
         }
         for key in stale {
             match self.delete_released(&key).await {

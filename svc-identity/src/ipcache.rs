@@ -74,7 +74,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -93,7 +93,7 @@ use tokio::time::Instant;
 
 use crate::backend::{BackendError, IdentityBackend, IpEntry, IpEvent, Revision};
 use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
-use crate::snapshot::IpcacheSnapshot;
+use crate::snapshot::{IpcacheSnapshot, SnapshotPart};
 
 /// Most entries svc-loader takes in one ipcache call.
 pub const LOADER_MAX_BATCH: usize = 4096;
@@ -409,10 +409,8 @@ pub struct IpCache {
     /// The last pass's error, `None` after a pass that succeeded.
     publish_error: Mutex<Option<String>>,
     reconcile: Notify,
-    /// The store revision of the last listing (or of the restored snapshot).
-    store_revision: AtomicI64,
-    /// Bumped by every change of what the snapshot holds.
-    persisted: watch::Sender<u64>,
+    /// Its part of the local snapshot: changes and store revision.
+    snapshot_part: SnapshotPart,
 }
 
 impl std::fmt::Debug for IpCache {
@@ -451,25 +449,19 @@ impl IpCache {
             progress: watch::channel(PublishProgress::default()).0,
             publish_error: Mutex::new(None),
             reconcile: Notify::new(),
-            store_revision: AtomicI64::new(0),
-            persisted: watch::channel(0).0,
+            snapshot_part: SnapshotPart::default(),
         })
-    }
-
-    /// Notes a change of what [`snapshot`](Self::snapshot) returns.
-    fn persisted_changed(&self) {
-        self.persisted.send_modify(|g| *g += 1);
     }
 
     /// Changes whenever what [`snapshot`](Self::snapshot) returns changed.
     pub fn state_changes(&self) -> watch::Receiver<u64> {
-        self.persisted.subscribe()
+        self.snapshot_part.changes()
     }
 
     /// The store revision of the last listing (of the restored snapshot's
     /// until the store is listed); 0 before either.
     pub fn store_revision(&self) -> Revision {
-        self.store_revision.load(Ordering::Acquire)
+        self.snapshot_part.store_revision()
     }
 
     /// What a restart needs to serve without the store: other nodes'
@@ -551,7 +543,7 @@ impl IpCache {
             "IP cache restored from the local snapshot; served until the store is listed"
         );
         drop(st);
-        self.store_revision.store(snapshot.store_revision, Ordering::Release);
+        self.snapshot_part.set_store_revision(snapshot.store_revision);
         // Not listed yet: changes do not wait for a store that may be away.
         self.watch_failed.store(true, Ordering::Release);
         self.ready.send_replace(true);
@@ -612,7 +604,7 @@ impl IpCache {
             prefix,
             entry: after,
         });
-        self.persisted_changed();
+        self.snapshot_part.changed();
         true
     }
 
@@ -701,7 +693,7 @@ impl IpCache {
             }
             if has_local {
                 st.local_generation += 1;
-                self.persisted_changed();
+                self.snapshot_part.changed();
             }
             let changed = before.iter().filter(|(p, b)| st.effective(p) != b.as_ref()).count();
             (changed as u32, st.local_generation)
@@ -740,7 +732,7 @@ impl IpCache {
             }
             if source == IpcacheSource::LocalEndpoint {
                 st.local_generation += 1;
-                self.persisted_changed();
+                self.snapshot_part.changed();
             }
             (deleted, st.local_generation)
         };
@@ -830,7 +822,7 @@ impl IpCache {
         events::keys_reconciled(m, StoreKey::Ip, KeyAction::Created, created);
         events::keys_reconciled(m, StoreKey::Ip, KeyAction::Updated, updated);
         if created + updated > 0 {
-            self.persisted_changed();
+            self.snapshot_part.changed();
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -861,7 +853,7 @@ impl IpCache {
         }
         events::keys_reconciled(&self.opts.metrics, StoreKey::Ip, KeyAction::Deleted, deleted);
         if deleted > 0 {
-            self.persisted_changed();
+            self.snapshot_part.changed();
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -941,7 +933,7 @@ impl IpCache {
         loop {
             match self.backend.list_ips().await {
                 Ok((entries, revision)) => {
-                    self.store_revision.store(revision, Ordering::Release);
+                    self.snapshot_part.set_store_revision(revision);
                     self.apply_listing(entries);
                     self.watch_failed.store(false, Ordering::Release);
                     match self.backend.watch_ips(revision).await {
@@ -1057,7 +1049,7 @@ impl IpCache {
         );
         st.own_in_store = own;
         drop(st);
-        self.persisted_changed();
+        self.snapshot_part.changed();
         self.ready.send_replace(true);
         self.reconcile.notify_one();
     }
@@ -1116,7 +1108,7 @@ impl IpCache {
             }
         }
         drop(st);
-        self.persisted_changed();
+        self.snapshot_part.changed();
     }
 
     /// Keeps this node's store entries equal to its LOCAL_ENDPOINT claims.

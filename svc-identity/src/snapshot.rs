@@ -38,11 +38,13 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rivet_common::backoff::Backoff;
 use rivet_common::state_file::{StateFile, StateFileError};
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::allocator::IdentityAllocator;
@@ -56,6 +58,47 @@ pub const SNAPSHOT_KIND: &str = "svc-identity-snapshot";
 pub const SNAPSHOT_SCHEMA_VERSION: u32 = 1;
 /// The file name under `<state-dir>/identity/`.
 pub const SNAPSHOT_FILE_NAME: &str = "etcd-snapshot.json";
+
+/// What a component's part of the snapshot changes with: a generation
+/// bumped by every change of it (what wakes the [`SnapshotWriter`]) and the
+/// store revision of the component's last listing (or of the restored
+/// snapshot until then).
+#[derive(Debug)]
+pub struct SnapshotPart {
+    generation: watch::Sender<u64>,
+    store_revision: AtomicI64,
+}
+
+impl Default for SnapshotPart {
+    fn default() -> Self {
+        Self {
+            generation: watch::channel(0).0,
+            store_revision: AtomicI64::new(0),
+        }
+    }
+}
+
+impl SnapshotPart {
+    /// Notes a change of the part.
+    pub fn changed(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    /// Changes whenever the part changed.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    /// The store revision of the last listing; 0 before any.
+    pub fn store_revision(&self) -> Revision {
+        self.store_revision.load(Ordering::Acquire)
+    }
+
+    /// Records the store revision of a listing (or a restored snapshot's).
+    pub fn set_store_revision(&self, revision: Revision) {
+        self.store_revision.store(revision, Ordering::Release);
+    }
+}
 
 /// The allocator's part of the snapshot.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

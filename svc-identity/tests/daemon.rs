@@ -923,26 +923,9 @@ async fn metrics(address: std::net::SocketAddr) -> String {
     response
 }
 
-/// The value of the sample `name{labels}` (exactly as printed), 0 when absent.
+/// The value of the sample `series` (exactly as printed), 0 when absent.
 fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| {
-            l.strip_prefix(series)?
-                .strip_prefix(' ')?
-                .split(' ')
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or(0.0)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    rivet_common::testing::metric_sample(text, series).unwrap_or(0.0)
 }
 
 /// The prefixes of svc-loader's ipcache under 198.18.9.0/24 with their
@@ -1048,7 +1031,7 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
     let etcd = start_etcd().await;
     let endpoint = etcd.endpoint();
     let dir = tempfile::tempdir().unwrap();
-    let metrics_address = std::net::SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics_address = std::net::SocketAddr::from(([127, 0, 0, 1], rivet_common::testing::free_local_port()));
     let state_a = dir.path().join("node-a").join("state");
     // node-a shares svc-loader's socket dir; its lease outlives the test, so
     // keys of its first run go only if something deletes them.
