@@ -38,7 +38,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rivet_common::backoff::Backoff;
@@ -248,6 +248,12 @@ pub struct SnapshotWriter {
     ipcache: Arc<IpCache>,
     opts: SnapshotOptions,
     metrics: IdentityMetrics,
+    /// Numbers the gathered snapshots.
+    gathered: AtomicU64,
+    /// The number of the snapshot in the file, held while one is written:
+    /// a write that outlived its aborted task never runs beside another
+    /// one (they share the temp file) nor replaces a newer snapshot.
+    stored: Arc<std::sync::Mutex<u64>>,
 }
 
 impl std::fmt::Debug for SnapshotWriter {
@@ -272,6 +278,8 @@ impl SnapshotWriter {
             ipcache,
             opts,
             metrics,
+            gathered: AtomicU64::new(0),
+            stored: Arc::new(std::sync::Mutex::new(0)),
         })
     }
 
@@ -328,6 +336,7 @@ impl SnapshotWriter {
     /// The write failed (the previous snapshot stays).
     pub async fn write(&self) -> Result<(), SnapshotError> {
         let started = Instant::now();
+        let number = self.gathered.fetch_add(1, Ordering::AcqRel) + 1;
         let snapshot = Snapshot {
             node: self.opts.node.clone(),
             prefix: self.opts.prefix.clone(),
@@ -342,10 +351,18 @@ impl SnapshotWriter {
             snapshot.identities.identities.len(),
             snapshot.ipcache.remote.len() + snapshot.ipcache.local.len(),
         );
-        let file = self.opts.file();
-        tokio::task::spawn_blocking(move || file.store(&snapshot))
-            .await
-            .map_err(|e| SnapshotError::Task(e.to_string()))??;
+        let (file, stored) = (self.opts.file(), self.stored.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut stored = stored.lock().unwrap_or_else(|e| e.into_inner());
+            if *stored > number {
+                return Ok(()); // A newer one is in the file already.
+            }
+            file.store(&snapshot)?;
+            *stored = number;
+            Ok::<_, StateFileError>(())
+        })
+        .await
+        .map_err(|e| SnapshotError::Task(e.to_string()))??;
         events::snapshot_written(&self.metrics, identities, ip_entries, started.elapsed());
         Ok(())
     }
@@ -449,5 +466,46 @@ mod tests {
             text.contains("identity_snapshot_writes_total{outcome=\"written\"} 1"),
             "{text}"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_at_once_never_share_the_temp_file_and_the_newest_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = Arc::new(EmbeddedBackend::open(dir.path().join("store.json"), "n1").unwrap());
+        let allocator = IdentityAllocator::new(backend.clone(), AllocatorOptions::default());
+        let ipcache = IpCache::new(backend, IpCacheOptions::new("n1"));
+        let tasks = allocator.run();
+        allocator.wait_ready().await;
+        let writer = SnapshotWriter::new(
+            allocator.clone(),
+            ipcache,
+            options(dir.path(), "n1"),
+            IdentityMetrics::default(),
+        );
+        // Many writes at once, as when a stop's last write meets one that
+        // outlived the aborted loop.
+        let writes = (0..16).map(|i| {
+            let (writer, allocator) = (writer.clone(), allocator.clone());
+            tokio::spawn(async move {
+                allocator
+                    .allocate(&format!("k8s:app=a{i}").parse().unwrap(), None)
+                    .await
+                    .unwrap();
+                writer.write().await
+            })
+        });
+        for result in futures::future::join_all(writes).await {
+            result.unwrap().expect("every write succeeds");
+        }
+        writer.write().await.expect("the last write");
+        let loaded = load(&options(dir.path(), "n1"), &IdentityMetrics::default()).expect("a whole snapshot");
+        assert_eq!(
+            loaded.identities.identities.len(),
+            16,
+            "the newest snapshot is in the file"
+        );
+        for t in tasks {
+            t.abort();
+        }
     }
 }
