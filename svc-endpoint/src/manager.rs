@@ -39,8 +39,8 @@ use tracing::Instrument;
 
 use crate::clients::{IdentityApi, IpamApi, LoaderApi};
 use crate::endpoint::{
-    EndpointSpec, EndpointState, EndpointStatus, IDENTITY_OWNER_PREFIX, MAX_ENDPOINT_ID, RegenerationFailure,
-    RegenerationStep, identity_owner,
+    EndpointAddress, EndpointSpec, EndpointState, EndpointStatus, IDENTITY_OWNER_PREFIX, MAX_ENDPOINT_ID,
+    RegenerationFailure, RegenerationStep, identity_owner,
 };
 use crate::events::{self, EndpointMetrics};
 use crate::policy::{
@@ -489,6 +489,33 @@ impl State {
             .flat_map(|s| s.spec.named_ports.iter().cloned())
             .collect();
         self.selectors.set_named_ports(identity, ports);
+    }
+
+    /// Sets the named ports at each of `addresses` to those of the endpoints
+    /// holding it (egress ipBlocks naming a port resolve per address).
+    /// Returns whether any changed: the CIDR identities of the host prefixes
+    /// they need ([`State::desired_cidrs`]) may have changed too.
+    fn refresh_address_named_ports(&mut self, addresses: &[EndpointAddress]) -> bool {
+        let mut changed = false;
+        for address in addresses.iter().map(|a| a.address) {
+            let ports = self
+                .endpoints
+                .values()
+                .filter(|s| s.spec.addresses.iter().any(|a| a.address == address))
+                .flat_map(|s| s.spec.named_ports.iter().cloned())
+                .collect();
+            changed |= self.selectors.set_address_named_ports(address, ports);
+        }
+        changed
+    }
+
+    /// Every prefix that needs a CIDR identity: the policies' ipBlock
+    /// prefixes and the host prefixes of the endpoints their egress ipBlocks
+    /// resolve a named port for.
+    fn desired_cidrs(&self) -> BTreeSet<IpNet> {
+        let mut desired = self.repository.cidrs();
+        desired.extend(self.repository.named_port_hosts(&self.selectors));
+        desired
     }
 
     fn counts(&self) -> Vec<(EndpointState, usize)> {
@@ -1001,6 +1028,9 @@ impl EndpointManager {
         slot.status.transition(id, EndpointState::Disconnected, reason.as_str());
         // Peers stop resolving its named ports.
         state.refresh_named_ports(slot.status.identity);
+        if state.refresh_address_named_ports(&slot.spec.addresses) {
+            self.inner.cidr_wake.notify_one();
+        }
         self.queue_changed_policies(&mut state, "named ports changed");
         // The pod's remembered labels go with its last endpoint (a reused
         // name must not inherit them), unless a failed create is undone:
@@ -1479,8 +1509,7 @@ impl EndpointManager {
         let missing: Vec<IpNet> = {
             let state = self.state();
             state
-                .repository
-                .cidrs()
+                .desired_cidrs()
                 .into_iter()
                 .filter(|p| reallocate || !state.cidr_identities.contains_key(p))
                 .collect()
@@ -1496,7 +1525,7 @@ impl EndpointManager {
                 })
                 .await?;
             let mut state = self.state();
-            let desired = state.repository.cidrs();
+            let desired = state.desired_cidrs();
             for identity in response.identities {
                 let Ok(prefix) = identity.prefix.parse::<IpNet>() else {
                     tracing::warn!(prefix = identity.prefix, "svc-identity returned an unparseable prefix");
@@ -1514,7 +1543,7 @@ impl EndpointManager {
         }
         let releases: Vec<IpNet> = {
             let mut state = self.state();
-            let desired = state.repository.cidrs();
+            let desired = state.desired_cidrs();
             let extra: Vec<IpNet> = state
                 .cidr_identities
                 .keys()
@@ -1723,6 +1752,7 @@ impl EndpointManager {
             match result {
                 Ok((identity, identity_labels, resolved, revision, record)) => {
                     let took = started.elapsed();
+                    let addresses = slot.spec.addresses.clone();
                     let previous = std::mem::replace(&mut slot.status.identity, identity);
                     slot.status.identity_labels = identity_labels;
                     slot.status.realised_policy = Some(resolved);
@@ -1739,6 +1769,9 @@ impl EndpointManager {
                         state.refresh_named_ports(previous);
                     }
                     state.refresh_named_ports(identity);
+                    if state.refresh_address_named_ports(&addresses) {
+                        self.inner.cidr_wake.notify_one();
+                    }
                     self.queue_changed_policies(&mut state, "named ports changed");
                     self.update_state_metrics(&state);
                     return Ok(());

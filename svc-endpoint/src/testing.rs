@@ -256,8 +256,19 @@ impl EndpointNode {
 
     /// Wires pod `name` and creates its endpoint synchronously with `labels`.
     pub async fn add_pod(&mut self, name: &str, labels: &[&str]) -> pb::Endpoint {
+        self.add_pod_with_ports(name, labels, Vec::new()).await
+    }
+
+    /// [`add_pod`](Self::add_pod) with named container ports.
+    pub async fn add_pod_with_ports(
+        &mut self,
+        name: &str,
+        labels: &[&str],
+        named_ports: Vec<pb::NamedPort>,
+    ) -> pb::Endpoint {
         self.add_pod_interface(name).await;
-        let request = self.create_request(name, labels);
+        let mut request = self.create_request(name, labels);
+        request.named_ports = named_ports;
         self.endpoints()
             .await
             .create_endpoint(request)

@@ -21,14 +21,11 @@
 //! one, `RIVET_DIFF_SCENARIOS=<n>` changes how many policy sets are tried
 //! (each with [`PACKETS_PER_SCENARIO`] packets).
 //!
-//! Named ports: the subject's and each pod peer's own ports, in ingress
-//! rules and in egress rules naming their peers. Not generated: named ports
-//! in egress rules for any peer (the engine allows the name's port of every
-//! endpoint towards any peer; Kubernetes means the destination pod's own
-//! port, which the evaluator follows: a known difference, not a datapath
-//! one), nor in egress rules with an ipBlock peer (a CIDR identity has no
-//! named ports, so the engine resolves them to nothing; the evaluator would
-//! use the matched pod's ports).
+//! Named ports: the subject's and each pod peer's own ports (every pod is
+//! known to the engine as a local endpoint would be: by identity and by
+//! address), in ingress rules and in egress rules with any peers: selectors,
+//! none or the entity `all`, and ipBlocks (whose pods get CIDR identities
+//! for their host prefixes, as svc-endpoint allocates them).
 //!
 //! ipBlocks: cidrs and excepts around the peers' addresses, pods included.
 //! Each prefix gets a CIDR identity (from 2^24, in the selector cache and in
@@ -116,10 +113,12 @@ fn the_datapath_enforces_what_the_policy_engine_says() {
     eprintln!("differential test: seed {seed} (replay with RIVET_DIFF_SEED={seed}), {scenarios} scenarios");
 
     let started = Instant::now();
-    let (cases, failures, seen, pods_by_address) = in_test_namespace(move |pin_dir| run(seed, scenarios, pin_dir));
+    let (cases, failures, seen, (pods_by_address, named_port_hosts)) =
+        in_test_namespace(move |pin_dir| run(seed, scenarios, pin_dir));
     eprintln!(
         "differential test: {cases} cases in {:.1} s, {} disagreements (seed {seed}); expected outcomes: {seen:?}; \
-         {pods_by_address} cases with a pod peer inside an ipBlock prefix of the subject",
+         {pods_by_address} cases with a pod peer inside an ipBlock prefix of the subject, {named_port_hosts} at its \
+         own host prefix (an ipBlock naming a port)",
         started.elapsed().as_secs_f64(),
         failures.len()
     );
@@ -394,17 +393,24 @@ fn in_test_namespace<T: Send + 'static>(f: impl FnOnce(std::path::PathBuf) -> T 
 /// Runs every scenario inside the test namespace; returns the case count,
 /// a description of each disagreement, how often each outcome was expected,
 /// and how many cases had a pod peer inside an ipBlock prefix of the
-/// subject (decided per address).
+/// subject (decided per address) and, of those, at the host prefix of an
+/// ipBlock naming a port.
 fn run(
     seed: u64,
     scenarios: usize,
     pin_dir: std::path::PathBuf,
-) -> (usize, Vec<String>, std::collections::BTreeMap<Outcome, usize>, usize) {
+) -> (
+    usize,
+    Vec<String>,
+    std::collections::BTreeMap<Outcome, usize>,
+    (usize, usize),
+) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut harness = Harness::new(pin_dir);
 
     let mut cases = 0;
     let mut pods_by_address = 0;
+    let mut named_port_hosts = 0;
     let mut seen = std::collections::BTreeMap::new();
     let mut failures = Vec::new();
     let mut frag_id = 1u32;
@@ -419,18 +425,28 @@ fn run(
             repo.upsert(policy, PolicyOrigin::Api).expect("stored");
         }
         let mut cache = SelectorCache::new();
-        // A CIDR identity per ipBlock prefix, as svc-endpoint allocates them.
-        let cidrs: Vec<(IpNet, u32)> = repo.cidrs().into_iter().zip(CIDR_IDENTITY_MIN..).collect();
-        for (prefix, id) in &cidrs {
-            cache.set_cidr_identity(*prefix, *id);
-        }
         cache.upsert_identity(SUBJECT_ID, world.subject.clone());
         cache.set_named_ports(SUBJECT_ID, world.subject_ports.clone());
+        for address in [IpAddr::V4(SUBJECT_V4), IpAddr::V6(SUBJECT_V6)] {
+            cache.set_address_named_ports(address, world.subject_ports.clone());
+        }
         for peer in &world.peers {
             if let Some(labels) = &peer.labels {
                 cache.upsert_identity(peer.identity, labels.clone());
                 cache.set_named_ports(peer.identity, peer.named_ports.clone());
+                for address in [IpAddr::V4(peer.v4), IpAddr::V6(peer.v6)] {
+                    cache.set_address_named_ports(address, peer.named_ports.clone());
+                }
             }
+        }
+        // A CIDR identity per ipBlock prefix and per host prefix a named
+        // port needs, as svc-endpoint allocates them.
+        let hosts = repo.named_port_hosts(&cache);
+        let mut prefixes = repo.cidrs();
+        prefixes.extend(hosts.iter().copied());
+        let cidrs: Vec<(IpNet, u32)> = prefixes.into_iter().zip(CIDR_IDENTITY_MIN..).collect();
+        for (prefix, id) in &cidrs {
+            cache.set_cidr_identity(*prefix, *id);
         }
         let subject = Subject {
             labels: &world.subject,
@@ -511,6 +527,10 @@ fn run(
                     .any(|p| p.prefix.contains(&case.address))
             {
                 pods_by_address += 1;
+                let host = IpNet::from(case.address);
+                if hosts.contains(&host) && resolved.prefixes_of(case.direction).any(|p| p.prefix == host) {
+                    named_port_hosts += 1;
+                }
             }
             *seen.entry(expected[0].any_direction()).or_insert(0) += 1;
             if outcomes != expected {
@@ -529,7 +549,7 @@ fn run(
         let stale: Vec<(IpAddr, u8)> = ipcache.iter().map(|(a, l, _)| (*a, *l)).collect();
         harness.loader.delete_ipcache(&stale).expect("ipcache cleanup");
     }
-    (cases, failures, seen, pods_by_address)
+    (cases, failures, seen, (pods_by_address, named_port_hosts))
 }
 
 /// What one frame did: passed, or dropped with a reason.
@@ -725,9 +745,9 @@ fn random_peer(rng: &mut StdRng, rivet: bool, peers: &[PeerSpec]) -> Value {
     }
 }
 
-/// `named`: whether the port may be a name (see `random_rule`).
-fn random_port(rng: &mut StdRng, rivet: bool, named: bool) -> Value {
-    if named && rng.random_bool(0.2) {
+/// `named`: the probability that the port is a name.
+fn random_port(rng: &mut StdRng, rivet: bool, named: f64) -> Value {
+    if rng.random_bool(named) {
         let (name, protocol) = PORT_NAMES.choose(rng).unwrap();
         let protocol = match protocol {
             Protocol::Tcp => "TCP",
@@ -761,14 +781,12 @@ fn random_rule(rng: &mut StdRng, rivet: bool, peers_key: &str, world: &[PeerSpec
     let peers: Vec<Value> = (0..rng.random_range(0..=2))
         .map(|_| random_peer(rng, rivet, world))
         .collect();
-    // Named ports in egress rules for any peer (no peers, or the entity
-    // `all`) are left out: the engine then allows every port the name has
-    // on any endpoint, towards any peer, where Kubernetes means the
-    // destination pod's own port (noted in the report; the evaluator
-    // follows Kubernetes).
-    let any_peer = peers.is_empty() || peers.iter().any(|p| p.to_string().contains("\"all\""));
-    let ip_block = peers.iter().any(|p| p.get("ipBlock").is_some());
-    let named = peers_key == "from" || !(any_peer || ip_block);
+    // Egress ipBlocks naming a port resolve per pod address: often named.
+    let named = if peers_key == "to" && peers.iter().any(|p| p.get("ipBlock").is_some()) {
+        0.5
+    } else {
+        0.2
+    };
     if !peers.is_empty() {
         rule.insert(peers_key.into(), Value::Array(peers));
     }
@@ -921,8 +939,15 @@ fn random_case(rng: &mut StdRng, world: &World, frag_id: &mut u32) -> Case {
         // Other informational types: ICMPv6 200, ICMP timestamp.
         _ => (if v6 { proto::ICMPV6 } else { proto::ICMP }, if v6 { 200 } else { 13 }),
     };
+    // Often a number the destination pod names, so that named ports decide.
+    let named_here = match direction {
+        Direction::Ingress => &world.subject_ports,
+        Direction::Egress => &world.peers[peer].named_ports,
+    };
     let port = if matches!(protocol, proto::TCP | proto::UDP | proto::SCTP) {
-        if rng.random_bool(0.8) {
+        if !named_here.is_empty() && rng.random_bool(0.3) {
+            named_here.choose(rng).expect("a named port").port
+        } else if rng.random_bool(0.8) {
             *PORTS.choose(rng).unwrap() + rng.random_range(0..3) * rng.random_range(0..400)
         } else {
             rng.random_range(1..=65535)

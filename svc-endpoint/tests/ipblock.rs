@@ -1,10 +1,14 @@
 //! Issue 12 §2 end to end: svc-endpoint with the real svc-identity,
 //! svc-ipam and svc-loader, and namespace pods. An ipBlock matches pod
 //! addresses (an egress ipBlock of B's /32 lets A reach B), and `except` is
-//! decided per address: two pods of one identity fall on different sides.
+//! decided per address: two pods of one identity fall on different sides;
+//! an egress ipBlock naming a port resolves it per pod address.
 
-use std::time::Duration;
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
 
+use rivet_proto::endpoint::v1 as pb;
+use rivet_proto::loader::v1 as ldpb;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
 
 fn pings(node: &EndpointNode, from: &str, to: &str) -> bool {
@@ -73,4 +77,89 @@ async fn ipblocks_match_pod_addresses_and_except_is_per_address() {
         shown.contains("addr:") && shown.contains("192.0.0.0/4") && shown.contains(&format!("{x_ip}/32")),
         "rivet bpf policy get shows the address entries and prefixes:\n{shown}"
     );
+}
+
+/// Issue 12 §2: an egress ipBlock naming a port lets a client reach each
+/// pod inside the block on that pod's own number, and nothing else: web-0
+/// and web-1 share an identity but name `http` 8080 and 8081. Each pod's
+/// address gets a CIDR identity of its host prefix, which goes with the pod.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_egress_ipblock_naming_a_port_reaches_each_pod_on_its_own_number() {
+    let mut node = EndpointNode::start(NodeOptions::default())
+        .await
+        .expect("the node's daemons start");
+    let client = node.add_pod("client", &["k8s:app=client"]).await;
+    let mut webs = Vec::new();
+    for (name, port) in [("web-0", 8080), ("web-1", 8081)] {
+        let http = pb::NamedPort {
+            name: "http".into(),
+            protocol: "TCP".into(),
+            port,
+        };
+        webs.push(node.add_pod_with_ports(name, &["k8s:app=web"], vec![http]).await);
+    }
+    assert_eq!(webs[0].identity, webs[1].identity, "web-0 and web-1 share one identity");
+    let _servers: Vec<_> = ["web-0", "web-1"]
+        .into_iter()
+        .flat_map(|pod| [8080, 8081].map(|port| node.pod(pod).tcp_server(port).expect("a server")))
+        .collect();
+    let reaches = |to: &str, port: u16| {
+        node.pod("client")
+            .tcp_echo(SocketAddr::new(node.ipv4(to), port), Duration::from_millis(500))
+            .expect("the harness can run a TCP probe")
+    };
+    node.apply_policy(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: clients-out, namespace: default}\n\
+         spec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  \
+         - to: [{ipBlock: {cidr: 198.18.0.0/15}}]\n    ports: [{port: http}]\n",
+    )
+    .await;
+    assert!(reaches("web-0", 8080), "web-0's http is 8080");
+    assert!(!reaches("web-0", 8081), "web-0 does not name 8081");
+    assert!(reaches("web-1", 8081), "web-1's http is 8081");
+    assert!(!reaches("web-1", 8080), "web-1 does not name 8080");
+
+    // web-1 goes: its host prefix leaves the client's policy and its CIDR
+    // identity is released (the ipcache holds nothing at its address).
+    let web1_host = ldpb::IpPrefix {
+        address: match node.ipv4("web-1") {
+            IpAddr::V4(a) => a.octets().to_vec(),
+            IpAddr::V6(a) => a.octets().to_vec(),
+        },
+        prefix_length: 32,
+    };
+    node.endpoints()
+        .await
+        .delete_endpoint(pb::DeleteEndpointRequest {
+            r#ref: Some(pb::EndpointRef {
+                r#ref: Some(pb::endpoint_ref::Ref::Id(webs[1].id)),
+            }),
+        })
+        .await
+        .expect("deleting web-1");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut loader = node.node.client().await;
+        let held = loader
+            .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id: client.id })
+            .await
+            .expect("GetEndpointPolicy of the client")
+            .into_inner();
+        let ipcache = loader
+            .list_ipcache(ldpb::ListIpcacheRequest::default())
+            .await
+            .expect("ListIpcache")
+            .into_inner();
+        let in_policy = held.prefixes.iter().any(|p| p.prefix.as_ref() == Some(&web1_host));
+        let in_ipcache = ipcache.entries.iter().any(|e| e.prefix.as_ref() == Some(&web1_host));
+        if !in_policy && !in_ipcache {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "web-1's host prefix is still in the client's policy ({in_policy}) or the ipcache ({in_ipcache})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(reaches("web-0", 8080), "web-0 is still reached on its own number");
 }

@@ -20,7 +20,9 @@ use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
 use super::selector::{Entity, LabelSelector, Operator, Peer, Requirement, inside};
-use super::{Direction, PolicyError, PolicyKey, PolicyKind, Protocol, SelectorChanges, Verdict};
+use super::{
+    Direction, NamedPort, PolicyError, PolicyKey, PolicyKind, Protocol, SelectorCache, SelectorChanges, Verdict,
+};
 
 /// One parsed, validated and normalised policy document. Immutable; see
 /// [`Policy::parse`].
@@ -208,6 +210,39 @@ impl Policy {
         })
     }
 
+    /// The host prefixes (/32, /128) of the local endpoints' addresses that
+    /// an ipBlock of an egress rule naming a port selects (allow or deny),
+    /// where the endpoint has a port of that name: the caller allocates a
+    /// CIDR identity for each too, so that the endpoint's prefixes tell that
+    /// pod's address apart from the rest of the block and the rule allows
+    /// exactly that pod's own port number there (see the module docs).
+    pub(crate) fn named_port_hosts(&self, cache: &SelectorCache) -> Vec<IpNet> {
+        let mut out = Vec::new();
+        if !self.spec.applies(Direction::Egress) {
+            return out;
+        }
+        for verdict in [Verdict::Allow, Verdict::Deny] {
+            for rule in self.spec.rules(Direction::Egress, verdict) {
+                // A rule for any peer resolves per identity, not per address.
+                if rule.peers.iter().any(Peer::is_any) {
+                    continue;
+                }
+                for peer in &rule.peers {
+                    let Peer::IpBlock { cidr, except } = peer else {
+                        continue;
+                    };
+                    let hosts = cache.addresses_with_named_ports().filter(|(address, ports)| {
+                        cidr.contains(address)
+                            && !except.iter().any(|e| e.contains(address))
+                            && ports.iter().any(|p| rule.names(p))
+                    });
+                    out.extend(hosts.map(|(address, _)| IpNet::from(address)));
+                }
+            }
+        }
+        out
+    }
+
     /// Every ipBlock prefix (cidr and except) of the rules that take effect
     /// (those of the directions in policyTypes), sorted and unique, host bits
     /// cleared. The caller allocates a CIDR identity for each.
@@ -293,6 +328,14 @@ pub(crate) struct Rule {
     pub(crate) ports: Vec<PortSpec>,
 }
 
+impl Rule {
+    /// Whether one of the rule's ports names `port`: its name and protocol
+    /// (a port numbered 0 is never resolved).
+    pub(crate) fn names(&self, port: &NamedPort) -> bool {
+        port.port != 0 && self.ports.iter().any(|spec| spec.names(port))
+    }
+}
+
 /// One entry of `ports`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -305,6 +348,16 @@ pub(crate) struct PortSpec {
     /// Only with a numeric port, and then > port.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) end_port: Option<u16>,
+}
+
+impl PortSpec {
+    /// Whether this is a named port that names `port` (same name and
+    /// protocol, a non-zero number).
+    pub(crate) fn names(&self, port: &NamedPort) -> bool {
+        matches!(&self.port, Some(PortRef::Name(name)) if *name == port.name)
+            && self.protocol == port.protocol
+            && port.port != 0
+    }
 }
 
 /// A port number or a named port.

@@ -14,8 +14,9 @@ use super::selector::{IdentityRef, Peer};
 use super::{Direction, NamedPort, Policy, Protocol, Subject, Verdict};
 
 /// The other end of a packet: its identity, the labels of a cluster
-/// identity, its address and its named ports (for egress rules naming a
-/// port).
+/// identity, its address and, for a pod, its own named ports (for egress
+/// rules naming a port, whatever their peers: Kubernetes resolves them
+/// against the destination pod).
 #[derive(Debug, Clone, Copy)]
 pub struct PacketPeer<'a> {
     /// Numeric identity (reserved 1-7, cluster 256 <= id < 2^24, CIDR above).
@@ -24,7 +25,8 @@ pub struct PacketPeer<'a> {
     pub labels: Option<&'a Labels>,
     /// The peer's address (ipBlock peers match on it).
     pub address: Option<IpAddr>,
-    /// The peer's named container ports.
+    /// The peer pod's own named container ports (ignored unless `identity`
+    /// is a cluster identity: only pods have named ports).
     pub named_ports: &'a [NamedPort],
 }
 
@@ -152,14 +154,22 @@ fn port_matches(
         None => true,
         Some(PortRef::Number(first)) => (*first..=spec.end_port.unwrap_or(*first)).contains(&port),
         Some(PortRef::Name(name)) => {
-            // Ingress: the endpoint's own ports; egress: the peer's.
+            // Ingress: the endpoint's own ports; egress: the destination
+            // pod's own (only pods have named ports: a reserved or CIDR
+            // identity never matches one).
             let ports = match direction {
                 Direction::Ingress => subject.named_ports,
-                Direction::Egress => peer.named_ports,
+                Direction::Egress if is_pod(peer.identity) => peer.named_ports,
+                Direction::Egress => &[],
             };
             ports
                 .iter()
                 .any(|n| n.name == *name && n.protocol == spec.protocol && n.port == port && port != 0)
         }
     }
+}
+
+/// Whether an identity is a cluster identity (a pod's).
+fn is_pod(identity: u32) -> bool {
+    (256..rivet_common::labels::CIDR_IDENTITY_MIN).contains(&identity)
 }

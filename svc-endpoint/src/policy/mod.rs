@@ -63,9 +63,46 @@
 //! when ipBlocks were matched through the ipcache's CIDR identities (the
 //! node-wide longest prefix over every policy's prefixes): by the argument
 //! above both decide "a ∈ C \ ∪E_i". The ipcache keeps the CIDR identities,
-//! which entities (`world`) still need. A named port on egress resolves
-//! against the peer identity's named ports, which a CIDR identity has none
-//! of: an ipBlock with a named port on egress contributes nothing.
+//! which entities (`world`) still need.
+//!
+//! # Named ports
+//!
+//! As in Kubernetes, a named port resolves against the destination pod's own
+//! container ports: on ingress the endpoint's ([`Subject::named_ports`]), on
+//! egress each destination pod's. Only pods have named ports, so a named
+//! port never matches host, world, remote-node or an address no pod holds,
+//! and a name that resolves to nothing contributes nothing. On egress:
+//!
+//! - **identity-matched peers** (pod and namespace selectors, entities): an
+//!   entry per selected identity with a port of that name, with that
+//!   identity's numbers ([`SelectorCache::set_named_ports`]: the union over
+//!   the node's endpoints of that identity);
+//! - **any peer** (no `to`, or the entity `all`): the same for every
+//!   identity with a port of that name (`to` all pods, not peer 0: rule
+//!   `ports: [{port: web}]` reaches each pod on its own `web` and nothing
+//!   else on any number);
+//! - **ipBlocks**: the node's endpoints whose addresses the block selects
+//!   each lend their own numbers to their own address
+//!   ([`SelectorCache::set_address_named_ports`]). The caller allocates a
+//!   CIDR identity for the host prefix (/32, /128) of each such address
+//!   ([`PolicyRepository::named_port_hosts`]); it joins the endpoint's
+//!   prefixes `S`, where it is the longest prefix of that address only, so
+//!   the numbers are address entries of that host prefix and apply to that
+//!   pod alone (by the argument above, the host prefix also gets every other
+//!   block's entries for its address). An address in an `except` is not
+//!   selected and gets nothing. Until a host prefix has its CIDR identity,
+//!   an allow gives that pod nothing on the name (fail closed) and a deny
+//!   denies its numbers at the prefix its address falls in (denies more).
+//!   The ipcache prefers the pod's own endpoint entry over the host
+//!   prefix's CIDR claim, so the pod keeps its identity for every other
+//!   rule.
+//!
+//! The remaining approximations: endpoints of one identity share one
+//! identity entry, so on identity-matched and any-peer rules each gets the
+//! union of their numbers for a name (ipBlock rules are exact per address);
+//! and only this node's endpoints declare named ports, so pods on other
+//! nodes match no egress named port until their ports arrive with the
+//! Kubernetes feed (issue 14).
 //!
 //! # Pieces
 //!
@@ -78,9 +115,9 @@
 //! - [`PolicyRepository`]: the stored policies by [`PolicyKey`], each owned
 //!   by the [`PolicyOrigin`] that created it, with a revision counter.
 //! - [`SelectorCache`]: the known identities (reserved, cluster, CIDR), the
-//!   named ports of local endpoints, and per distinct peer selector the set of
-//!   identities it matches, memoised and updated incrementally as identities
-//!   come and go.
+//!   named ports of local endpoints by identity and by address, and per
+//!   distinct peer selector the set of identities it matches, memoised and
+//!   updated incrementally as identities come and go.
 //! - [`PolicyRepository::resolve`]: the complete [`ResolvedPolicy`] of one
 //!   endpoint: per direction whether it is enforced, the sorted, unique
 //!   [`Entry`] list the loader takes (`rivet.loader.v1.PolicyEntry`), and the
@@ -101,9 +138,7 @@
 //! any peer (peer identity 0), a rule with no ports any protocol and port
 //! (protocol [`Protocol::Any`]); a rule whose peers match no identity at the
 //! moment contributes nothing (it is not a wildcard). Named ports resolve
-//! against the endpoint's own ports on ingress and against the peers' ports
-//! on egress ([`SelectorCache::set_named_ports`]); a name that resolves to
-//! nothing contributes nothing.
+//! against the destination pod's ports (see "Named ports" above).
 //!
 //! Rivet's kind adds deny rules (a Deny entry wins over an Allow entry with
 //! the same key) and `enableDefaultDeny`. When every policy selecting an

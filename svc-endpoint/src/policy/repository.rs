@@ -284,6 +284,17 @@ impl PolicyRepository {
         self.policies.values().flat_map(|s| s.policy.cidrs()).collect()
     }
 
+    /// The host prefixes of local endpoint addresses that egress ipBlocks
+    /// naming a port select ([`Policy`]'s rules over the named ports of
+    /// [`SelectorCache::set_address_named_ports`]): the caller keeps a CIDR
+    /// identity for each too, besides those of [`cidrs`](Self::cidrs).
+    pub fn named_port_hosts(&self, identities: &SelectorCache) -> BTreeSet<IpNet> {
+        self.policies
+            .values()
+            .flat_map(|s| s.policy.named_port_hosts(identities))
+            .collect()
+    }
+
     /// The complete policy of one endpoint: which directions are enforced
     /// and the sorted, unique entries.
     ///

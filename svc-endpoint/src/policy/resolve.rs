@@ -2,6 +2,7 @@
 //! expanded over the selector cache into datapath entries.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
@@ -51,6 +52,7 @@ pub(crate) fn resolve<'p>(
                 direction,
                 subject,
                 cache,
+                prefixes: &prefixes[slot],
                 prefix_ids: prefixes[slot].values().copied().collect(),
             };
             for verdict in [Verdict::Allow, Verdict::Deny] {
@@ -108,22 +110,39 @@ pub(crate) fn resolve<'p>(
 
 /// The prefixes the datapath matches peer addresses against in one
 /// direction: every `cidr` and `except` prefix of the ipBlocks of the
-/// selecting policies' rules (allow and deny) in that direction, each with its
-/// CIDR identity (a prefix without one yet is left out; see [`expand`]).
+/// selecting policies' rules (allow and deny) in that direction, and on
+/// egress the host prefixes of the local endpoints those blocks resolve a
+/// named port for ([`Policy::named_port_hosts`]), each with its CIDR
+/// identity (a prefix without one yet is left out; see [`expand`]).
 fn address_prefixes(selecting: &[&Policy], direction: Direction, cache: &SelectorCache) -> BTreeMap<IpNet, u32> {
-    selecting
+    let blocks = selecting
         .iter()
         .filter(|p| p.spec.applies(direction))
         .flat_map(|p| [Verdict::Allow, Verdict::Deny].map(|v| p.spec.rules(direction, v)))
         .flatten()
         .flat_map(|rule| &rule.peers)
         .filter_map(|peer| match peer {
-            Peer::IpBlock { cidr, except } => Some(std::iter::once(cidr).chain(except)),
+            Peer::IpBlock { cidr, except } => Some(std::iter::once(*cidr).chain(except.iter().copied())),
             _ => None,
         })
-        .flatten()
-        .filter_map(|prefix| cache.cidr_identity(prefix).map(|id| (prefix.trunc(), id)))
+        .flatten();
+    let hosts = selecting
+        .iter()
+        .filter(|_| direction == Direction::Egress)
+        .flat_map(|p| p.named_port_hosts(cache));
+    blocks
+        .chain(hosts)
+        .filter_map(|prefix| cache.cidr_identity(&prefix).map(|id| (prefix.trunc(), id)))
         .collect()
+}
+
+/// The longest of `prefixes` containing `address`, with its identity.
+fn longest_prefix(prefixes: &BTreeMap<IpNet, u32>, address: IpAddr) -> Option<(IpNet, u32)> {
+    prefixes
+        .iter()
+        .filter(|(prefix, _)| prefix.contains(&address))
+        .max_by_key(|(prefix, _)| prefix.prefix_len())
+        .map(|(prefix, id)| (*prefix, *id))
 }
 
 /// What [`expand`] needs besides the rule.
@@ -131,7 +150,9 @@ struct Context<'a, 's> {
     direction: Direction,
     subject: &'a Subject<'s>,
     cache: &'a SelectorCache,
-    /// CIDR identities of the direction's address prefixes.
+    /// The direction's address prefixes with their CIDR identities ...
+    prefixes: &'a BTreeMap<IpNet, u32>,
+    /// ... and those identities.
     prefix_ids: BTreeSet<u32>,
 }
 
@@ -184,11 +205,17 @@ impl Peers {
 /// allocated yet contributes nothing until it is: without its `except`
 /// prefixes the datapath would find `cidr` for excepted addresses and allow
 /// them (for a deny, a missing `except` only denies more).
+///
+/// A named port on egress resolves per destination pod: for identity-matched
+/// peers (and any peer) each identity's own numbers; for ipBlocks each
+/// local endpoint's own numbers at its address's host prefix (see
+/// [`Policy::named_port_hosts`]).
 fn expand(out: &mut Vec<Entry>, verdict: Verdict, rule: &Rule, cx: &Context<'_, '_>) {
     let Context {
         direction,
         subject,
         cache,
+        prefixes,
         ref prefix_ids,
     } = *cx;
     let peers = if rule.peers.is_empty() || rule.peers.iter().any(|p| p.is_any()) {
@@ -232,27 +259,43 @@ fn expand(out: &mut Vec<Entry>, verdict: Verdict, rule: &Rule, cx: &Context<'_, 
                 let end = spec.end_port.unwrap_or(0);
                 peers.for_each(|kind, peer| out.push(entry(kind, peer, protocol, *port, end)));
             }
-            Some(PortRef::Name(name)) => {
-                let resolves = |p: &&NamedPort| p.name == *name && p.protocol == protocol && p.port != 0;
+            Some(PortRef::Name(_)) => {
+                let mut push = |kind, peer, ports: &[NamedPort]| {
+                    for named in ports.iter().filter(|p| spec.names(p)) {
+                        out.push(entry(kind, peer, protocol, named.port, 0));
+                    }
+                };
                 match (direction, &peers) {
                     // Ingress: the endpoint's own ports.
-                    (Direction::Ingress, _) => {
-                        for named in subject.named_ports.iter().filter(resolves) {
-                            peers.for_each(|kind, peer| out.push(entry(kind, peer, protocol, named.port, 0)));
-                        }
-                    }
-                    // Egress to any peer: whatever port the name has anywhere.
+                    (Direction::Ingress, _) => peers.for_each(|kind, peer| push(kind, peer, subject.named_ports)),
+                    // Egress to any peer: each identity with the name gets
+                    // its own numbers; others (reserved and CIDR identities:
+                    // not pods) get nothing.
                     (Direction::Egress, Peers::Any) => {
-                        for named in cache.all_named_ports().filter(resolves) {
-                            out.push(entry(PeerKind::Identity, 0, protocol, named.port, 0));
+                        for (identity, ports) in cache.identities_with_named_ports() {
+                            push(PeerKind::Identity, identity, ports);
                         }
                     }
-                    // Egress: each peer's own ports (a CIDR identity has none).
-                    (Direction::Egress, Peers::Sets { .. }) => peers.for_each(|kind, peer| {
-                        for named in cache.named_ports_of(peer).iter().filter(resolves) {
-                            out.push(entry(kind, peer, protocol, named.port, 0));
+                    (Direction::Egress, Peers::Sets { identities, addresses }) => {
+                        // Each peer identity's own ports.
+                        for identity in identities.iter().flat_map(|set| set.iter()) {
+                            push(PeerKind::Identity, *identity, cache.named_ports_of(*identity));
                         }
-                    }),
+                        // Each local endpoint inside a block, at its own
+                        // address: the longest prefix containing it is its
+                        // host prefix once that has a CIDR identity. Until
+                        // then an allow gives nothing (fail closed) and a
+                        // deny denies the numbers at the prefix it falls in.
+                        for (address, ports) in cache.addresses_with_named_ports() {
+                            let Some((prefix, id)) = longest_prefix(prefixes, address) else {
+                                continue;
+                            };
+                            let own = prefix == IpNet::from(address);
+                            if addresses.contains(&id) && (own || verdict == Verdict::Deny) {
+                                push(PeerKind::Address, id, ports);
+                            }
+                        }
+                    }
                 }
             }
         }

@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -64,6 +65,8 @@ pub struct SelectorCache {
     cidr_prefixes: BTreeMap<u32, IpNet>,
     /// Named ports of the local endpoints holding an identity (sorted, unique).
     named_ports: BTreeMap<u32, Vec<NamedPort>>,
+    /// Named ports of the local endpoint holding an address (sorted, unique).
+    address_ports: BTreeMap<IpAddr, Vec<NamedPort>>,
     memo: RwLock<Memo>,
     /// What changed since the caller last took it.
     changes: SelectorChanges,
@@ -74,14 +77,15 @@ pub struct SelectorCache {
 
 /// What changed in a [`SelectorCache`] since [`SelectorCache::take_changes`]
 /// was last called: each identity that appeared, vanished or changed (its
-/// labels or prefix before and after), and the identities whose named ports
-/// changed. [`PolicyRepository::affected_by`](super::PolicyRepository::affected_by)
+/// labels or prefix before and after), and the identities and endpoint
+/// addresses whose named ports changed. [`PolicyRepository::affected_by`](super::PolicyRepository::affected_by)
 /// turns it into the policies whose resolution it can change, so only the
 /// endpoints those select are regenerated.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct SelectorChanges {
     identities: Vec<(u32, Option<Known>, Option<Known>)>,
     named_ports: BTreeSet<u32>,
+    address_ports: BTreeSet<IpAddr>,
 }
 
 /// An identity the cache knows beyond the reserved ones.
@@ -103,7 +107,7 @@ impl Known {
 impl SelectorChanges {
     /// Whether nothing changed.
     pub fn is_empty(&self) -> bool {
-        self.identities.is_empty() && self.named_ports.is_empty()
+        self.identities.is_empty() && self.named_ports.is_empty() && self.address_ports.is_empty()
     }
 
     /// Whether a peer matches a changed identity differently before and
@@ -126,9 +130,9 @@ impl SelectorChanges {
         })
     }
 
-    /// Whether some identity's named ports changed.
+    /// Whether the named ports of some identity or endpoint address changed.
     pub(crate) fn named_ports_changed(&self) -> bool {
-        !self.named_ports.is_empty()
+        !self.named_ports.is_empty() || !self.address_ports.is_empty()
     }
 
     fn identity(&mut self, id: u32, before: Option<Known>, after: Option<Known>) {
@@ -162,6 +166,7 @@ impl fmt::Debug for SelectorCache {
             .field("cluster_identities", &self.cluster.len())
             .field("cidr_identities", &self.cidr_ids.len())
             .field("named_port_identities", &self.named_ports.len())
+            .field("named_port_addresses", &self.address_ports.len())
             .field("cached_selectors", &self.cached_selectors())
             .finish()
     }
@@ -175,6 +180,7 @@ impl SelectorCache {
             cidr_ids: BTreeMap::new(),
             cidr_prefixes: BTreeMap::new(),
             named_ports: BTreeMap::new(),
+            address_ports: BTreeMap::new(),
             memo: RwLock::new(Memo {
                 entries: HashMap::new(),
                 sweep_at: MIN_SWEEP_SIZE,
@@ -207,6 +213,7 @@ impl SelectorCache {
             cidr_ids: self.cidr_ids.clone(),
             cidr_prefixes: self.cidr_prefixes.clone(),
             named_ports: self.named_ports.clone(),
+            address_ports: self.address_ports.clone(),
             memo: RwLock::new(Memo {
                 entries,
                 sweep_at: usize::MAX,
@@ -330,21 +337,24 @@ impl SelectorCache {
     }
 
     /// Sets the named ports of the local endpoints holding an identity (what
-    /// egress rules with named ports resolve against); an empty list removes
-    /// them. Returns whether anything changed.
-    pub fn set_named_ports(&mut self, identity: u32, mut ports: Vec<NamedPort>) -> bool {
-        ports.sort();
-        ports.dedup();
-        let changed = if ports.is_empty() {
-            self.named_ports.remove(&identity).is_some()
-        } else if self.named_ports.get(&identity) == Some(&ports) {
-            false
-        } else {
-            self.named_ports.insert(identity, ports);
-            true
-        };
+    /// egress rules with named ports and identity-matched peers resolve
+    /// against); an empty list removes them. Returns whether anything changed.
+    pub fn set_named_ports(&mut self, identity: u32, ports: Vec<NamedPort>) -> bool {
+        let changed = replace_ports(&mut self.named_ports, identity, ports);
         if changed {
             self.changes.named_ports.insert(identity);
+        }
+        changed
+    }
+
+    /// Sets the named ports of the local endpoint holding `address` (what
+    /// egress rules with named ports and ipBlock peers resolve against: the
+    /// pods inside the block, each at its own address); an empty list
+    /// removes them. Returns whether anything changed.
+    pub fn set_address_named_ports(&mut self, address: IpAddr, ports: Vec<NamedPort>) -> bool {
+        let changed = replace_ports(&mut self.address_ports, address, ports);
+        if changed {
+            self.changes.address_ports.insert(address);
         }
         changed
     }
@@ -425,9 +435,14 @@ impl SelectorCache {
         self.named_ports.get(&id).map_or(&[], Vec::as_slice)
     }
 
-    /// The named ports of every identity.
-    pub(crate) fn all_named_ports(&self) -> impl Iterator<Item = &NamedPort> {
-        self.named_ports.values().flatten()
+    /// Every identity with named ports, with them.
+    pub(crate) fn identities_with_named_ports(&self) -> impl Iterator<Item = (u32, &[NamedPort])> {
+        self.named_ports.iter().map(|(id, ports)| (*id, ports.as_slice()))
+    }
+
+    /// Every local endpoint address with named ports, with them.
+    pub(crate) fn addresses_with_named_ports(&self) -> impl Iterator<Item = (IpAddr, &[NamedPort])> {
+        self.address_ports.iter().map(|(a, ports)| (*a, ports.as_slice()))
     }
 
     /// A peer's identities, from scratch.
@@ -453,6 +468,21 @@ impl SelectorCache {
 
     fn memo_mut(&mut self) -> &mut Memo {
         self.memo.get_mut().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Sets (sorted, unique) or, when empty, removes the named ports of `key`.
+/// Returns whether anything changed.
+fn replace_ports<K: Ord>(map: &mut BTreeMap<K, Vec<NamedPort>>, key: K, mut ports: Vec<NamedPort>) -> bool {
+    ports.sort();
+    ports.dedup();
+    if ports.is_empty() {
+        map.remove(&key).is_some()
+    } else if map.get(&key) == Some(&ports) {
+        false
+    } else {
+        map.insert(key, ports);
+        true
     }
 }
 
@@ -593,9 +623,23 @@ mod tests {
         let http = NamedPort::new("http", super::super::Protocol::Tcp, 80);
         assert!(cache.set_named_ports(256, vec![http.clone(), http.clone()]));
         assert!(!cache.set_named_ports(256, vec![http.clone()]));
-        assert_eq!(cache.named_ports_of(256), [http]);
+        assert_eq!(cache.named_ports_of(256), std::slice::from_ref(&http));
         assert!(cache.set_named_ports(256, vec![]));
         assert!(!cache.set_named_ports(256, vec![]));
         assert!(cache.named_ports_of(256).is_empty());
+        assert!(cache.take_changes().named_ports_changed());
+
+        let address: IpAddr = "198.18.0.5".parse().unwrap();
+        assert!(cache.set_address_named_ports(address, vec![http.clone(), http.clone()]));
+        assert!(!cache.set_address_named_ports(address, vec![http.clone()]));
+        let changes = cache.take_changes();
+        assert!(changes.named_ports_changed() && !changes.is_empty());
+        assert_eq!(
+            cache.addresses_with_named_ports().collect::<Vec<_>>(),
+            [(address, std::slice::from_ref(&http))]
+        );
+        assert!(cache.set_address_named_ports(address, vec![]));
+        assert_eq!(cache.addresses_with_named_ports().count(), 0);
+        assert!(!cache.set_address_named_ports(address, vec![]));
     }
 }

@@ -3,6 +3,7 @@
 //! repository, and a large cluster checked against an independent oracle.
 
 use std::collections::BTreeSet;
+use std::net::IpAddr;
 
 use ipnet::IpNet;
 use rand::rngs::StdRng;
@@ -905,7 +906,7 @@ spec:
 ";
     let repo = repo(&[document]);
     check(
-        "egress named ports are each peer's own port; for any peer the union of every identity's",
+        "egress named ports are each peer's own port; for any peer each identity's own",
         &repo,
         &cache,
         &identity(WEB),
@@ -913,8 +914,8 @@ spec:
         (false, true),
         &[
             e("Egress Allow", DB, "TCP 5432"),
-            e("Egress Allow", 0, "UDP 53"),
-            e("Egress Allow", 0, "UDP 5353"),
+            e("Egress Allow", MYPROJ, "UDP 53"),
+            e("Egress Allow", ALICE_SERVER, "UDP 5353"),
         ],
     );
     cache.set_named_ports(DB, vec![]);
@@ -925,7 +926,346 @@ spec:
         &identity(WEB),
         &[],
         (false, true),
-        &[e("Egress Allow", 0, "UDP 53"), e("Egress Allow", 0, "UDP 5353")],
+        &[
+            e("Egress Allow", MYPROJ, "UDP 53"),
+            e("Egress Allow", ALICE_SERVER, "UDP 5353"),
+        ],
+    );
+}
+
+/// What the datapath does with a new egress connection under a resolved
+/// policy, simulated: identity entries of the peer's identity (or any),
+/// address entries of the longest of the endpoint's prefixes containing the
+/// address; deny wins.
+fn simulated_egress(resolved: &ResolvedPolicy, peer: u32, address: IpAddr, protocol: Protocol, port: u16) -> bool {
+    if !resolved.enforce_egress {
+        return true;
+    }
+    let prefix = resolved
+        .prefixes_of(Direction::Egress)
+        .filter(|p| p.prefix.contains(&address))
+        .max_by_key(|p| p.prefix.prefix_len())
+        .map(|p| p.identity);
+    let verdict = resolved
+        .entries_of(Direction::Egress)
+        .filter(|e| match e.peer_kind {
+            PeerKind::Identity => e.peer_identity == 0 || e.peer_identity == peer,
+            PeerKind::Address => Some(e.peer_identity) == prefix,
+        })
+        .filter(|e| {
+            e.protocol == Protocol::Any
+                || (e.protocol == protocol && (e.port == 0 || (e.port..=e.port.max(e.end_port)).contains(&port)))
+        })
+        .map(|e| e.verdict)
+        .max();
+    verdict == Some(Verdict::Allow)
+}
+
+/// A destination of the egress named-port tests: identity, address, its
+/// own named ports.
+type Destination = (u32, &'static str, Vec<NamedPort>);
+
+/// Checks that the evaluator (the differential test's oracle) and the
+/// simulated datapath of the resolution agree on TCP to each destination on
+/// each port, and that they say `allowed` (destination index, port).
+#[track_caller]
+fn check_egress_decisions(
+    what: &str,
+    repo: &PolicyRepository,
+    cache: &SelectorCache,
+    destinations: &[Destination],
+    ports: &[u16],
+    allowed: &[(usize, u16)],
+) {
+    let subject_labels = identity(WEB);
+    let subject = Subject::new(&subject_labels);
+    let resolved = repo.resolve(&subject, cache);
+    for (index, (id, address, named_ports)) in destinations.iter().enumerate() {
+        let labels = (256..CIDR_MIN).contains(id).then(|| identity(*id));
+        let address: IpAddr = address.parse().unwrap();
+        let peer = PacketPeer {
+            identity: *id,
+            labels: labels.as_ref(),
+            address: Some(address),
+            named_ports,
+        };
+        for port in ports {
+            let want = allowed.contains(&(index, *port));
+            let evaluated = repo.evaluate(&subject, Direction::Egress, &peer, 6, *port).passes();
+            let simulated = simulated_egress(&resolved, *id, address, Protocol::Tcp, *port);
+            assert_eq!(
+                (evaluated, simulated),
+                (want, want),
+                "{what}: TCP {port} to identity {id} at {address} (evaluator, datapath)\n{resolved:#?}"
+            );
+        }
+    }
+}
+
+/// The issue's first case: a rule for any peer naming a port allowed the
+/// name's number of every pod towards every destination (x/a reached z/c on
+/// 80 though z/c's `web` is 81, and world on 80). Kubernetes resolves it
+/// against each destination pod.
+#[test]
+fn egress_named_ports_for_any_peer_resolve_per_destination() {
+    let mut cache = fixture();
+    let web = |port| vec![NamedPort::new("web", Protocol::Tcp, port)];
+    cache.set_named_ports(DB, web(80));
+    cache.set_named_ports(DEF_DB, web(80));
+    cache.set_named_ports(MYPROJ, web(81));
+    let any_peer = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: p, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  policyTypes: [Egress]
+  egress: [{ports: [{port: web}]}]
+";
+    let entity_all = "
+apiVersion: rivet.io/v1
+kind: RivetNetworkPolicy
+metadata: {name: p, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  egress: [{to: [{entities: [all]}, {podSelector: {}}], ports: [{port: web}]}]
+";
+    let destinations: Vec<Destination> = vec![
+        (DB, "198.18.0.11", web(80)),
+        (DEF_DB, "198.18.0.12", web(80)),
+        (MYPROJ, "198.18.0.13", web(81)),
+        (DEF_FRONT, "198.18.0.14", vec![]),
+        (2, "198.18.200.2", vec![]),
+        (6, "198.18.200.6", vec![]),
+        (1, "198.18.200.1", vec![]),
+        (C10, "10.9.9.9", vec![]),
+    ];
+    for (what, document) in [("no peers", any_peer), ("the entity all", entity_all)] {
+        let repo = repo(&[document]);
+        check(
+            what,
+            &repo,
+            &cache,
+            &identity(WEB),
+            &[],
+            (false, true),
+            &[
+                e("Egress Allow", DB, "TCP 80"),
+                e("Egress Allow", DEF_DB, "TCP 80"),
+                e("Egress Allow", MYPROJ, "TCP 81"),
+            ],
+        );
+        check_egress_decisions(
+            what,
+            &repo,
+            &cache,
+            &destinations,
+            &[80, 81],
+            &[(0, 80), (1, 80), (2, 81)],
+        );
+    }
+    // Deny rules resolve the same way.
+    let deny = "
+apiVersion: rivet.io/v1
+kind: RivetNetworkPolicy
+metadata: {name: p, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  enableDefaultDeny: {egress: false}
+  egressDeny: [{ports: [{port: web}]}]
+";
+    let repo = repo(&[deny]);
+    check(
+        "deny",
+        &repo,
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[
+            e("Egress Allow", 0, "ANY"),
+            e("Egress Deny", DB, "TCP 80"),
+            e("Egress Deny", DEF_DB, "TCP 80"),
+            e("Egress Deny", MYPROJ, "TCP 81"),
+        ],
+    );
+    let mut allowed: Vec<(usize, u16)> = (0..destinations.len()).flat_map(|i| [(i, 80), (i, 81)]).collect();
+    allowed.retain(|cell| ![(0, 80), (1, 80), (2, 81)].contains(cell));
+    check_egress_decisions("deny", &repo, &cache, &destinations, &[80, 81], &allowed);
+}
+
+/// The issue's second case: an egress ipBlock naming a port resolved to
+/// nothing. Every local endpoint inside the block lends its own number to
+/// its own address (a host prefix with a CIDR identity of its own), so two
+/// pods of one identity with different numbers each get their own.
+#[test]
+fn egress_named_ports_with_ipblock_peers_resolve_per_address() {
+    const C198: u32 = CIDR_MIN + 20; // 198.18.0.0/15
+    const X12: u32 = CIDR_MIN + 21; // 198.18.0.12/32, the except
+    const H11: u32 = CIDR_MIN + 22;
+    const H13: u32 = CIDR_MIN + 23;
+    const H15: u32 = CIDR_MIN + 24;
+    const H16: u32 = CIDR_MIN + 25;
+    let mut cache = fixture();
+    assert!(cache.set_cidr_identity(net("198.18.0.0/15"), C198));
+    assert!(cache.set_cidr_identity(net("198.18.0.12/32"), X12));
+    let web = |port| vec![NamedPort::new("web", Protocol::Tcp, port)];
+    // Local endpoints: two of identity DB with different numbers, one in
+    // the except, one without the name, one outside the block.
+    let destinations: Vec<Destination> = vec![
+        (DB, "198.18.0.11", web(80)),
+        (DB, "198.18.0.15", web(82)),
+        (DEF_DB, "198.18.0.12", web(80)),
+        (MYPROJ, "198.18.0.13", web(81)),
+        (DEF_FRONT, "198.18.0.14", vec![NamedPort::new("web", Protocol::Udp, 80)]),
+        (OTHER_FRONT, "10.0.0.16", web(80)),
+        (2, "198.18.9.9", vec![]),
+        (C198, "198.18.9.10", vec![]),
+    ];
+    for (_, address, ports) in &destinations {
+        cache.set_address_named_ports(address.parse().unwrap(), ports.clone());
+    }
+    cache.set_named_ports(DB, [web(80), web(82)].concat());
+    cache.set_named_ports(DEF_DB, web(80));
+    cache.set_named_ports(MYPROJ, web(81));
+    let document = "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: p, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  policyTypes: [Egress]
+  egress:
+  - to: [{ipBlock: {cidr: 198.18.0.0/15, except: [198.18.0.12/32]}}]
+    ports: [{port: web}]
+";
+    let repo = repo(&[document]);
+    let hosts = ["198.18.0.11/32", "198.18.0.13/32", "198.18.0.15/32"];
+    assert_eq!(
+        repo.named_port_hosts(&cache),
+        hosts.iter().map(|h| net(h)).collect(),
+        "a host prefix for each endpoint the block selects that has the name (not the except's, not a UDP web)"
+    );
+    check(
+        "without the host prefixes' identities an allow gives nothing (fail closed)",
+        &repo,
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[],
+    );
+    cache.take_changes();
+    for (host, id) in hosts.into_iter().zip([H11, H13, H15]) {
+        assert!(cache.set_cidr_identity(net(host), id));
+    }
+    assert_eq!(
+        repo.affected_by(&cache.take_changes()).len(),
+        1,
+        "host prefix identities re-resolve the policy"
+    );
+    check(
+        "each endpoint inside the block at its own address, with its own number",
+        &repo,
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[
+            a("Egress Allow", H11, "TCP 80"),
+            a("Egress Allow", H13, "TCP 81"),
+            a("Egress Allow", H15, "TCP 82"),
+            pfx("Egress", "198.18.0.0/15", C198),
+            pfx("Egress", "198.18.0.12/32", X12),
+            pfx("Egress", "198.18.0.11/32", H11),
+            pfx("Egress", "198.18.0.13/32", H13),
+            pfx("Egress", "198.18.0.15/32", H15),
+        ],
+    );
+    check_egress_decisions(
+        "allow",
+        &repo,
+        &cache,
+        &destinations,
+        &[80, 81, 82],
+        &[(0, 80), (1, 82), (3, 81)],
+    );
+
+    // A new endpoint in the block: the policy re-resolves, and it needs a
+    // host prefix of its own.
+    let sixteen: IpAddr = "198.18.0.16".parse().unwrap();
+    assert!(cache.set_address_named_ports(sixteen, web(83)));
+    assert_eq!(repo.affected_by(&cache.take_changes()).len(), 1);
+    assert!(repo.named_port_hosts(&cache).contains(&net("198.18.0.16/32")));
+    assert!(cache.set_cidr_identity(net("198.18.0.16/32"), H16));
+    let resolved = repo.resolve(&Subject::new(&identity(WEB)), &cache);
+    assert!(resolved.entries.contains(&Entry {
+        direction: Direction::Egress,
+        peer_kind: PeerKind::Address,
+        peer_identity: H16,
+        protocol: Protocol::Tcp,
+        port: 83,
+        end_port: 0,
+        verdict: Verdict::Allow,
+    }));
+    assert!(cache.set_address_named_ports(sixteen, vec![]));
+    assert!(cache.remove_cidr_identity(&net("198.18.0.16/32")));
+
+    // A deny: every other rule still applies at a host prefix, and before a
+    // host prefix has its identity the numbers are denied at the prefix the
+    // address falls in (fail closed: more is denied).
+    let deny = "
+apiVersion: rivet.io/v1
+kind: RivetNetworkPolicy
+metadata: {name: p, namespace: shop}
+spec:
+  podSelector: {matchLabels: {app: web}}
+  egress: [{to: [{ipBlock: {cidr: 198.18.0.0/15}}]}]
+  egressDeny:
+  - to: [{ipBlock: {cidr: 198.18.0.0/15, except: [198.18.0.12/32]}}]
+    ports: [{port: web}]
+";
+    let repo = super::tests::repo(&[deny]);
+    check(
+        "deny at each endpoint's address; the allow of the whole block there too",
+        &repo,
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, true),
+        &[
+            a("Egress Allow", C198, "ANY"),
+            a("Egress Allow", H11, "ANY"),
+            a("Egress Allow", H13, "ANY"),
+            a("Egress Allow", H15, "ANY"),
+            a("Egress Allow", X12, "ANY"),
+            a("Egress Deny", H11, "TCP 80"),
+            a("Egress Deny", H13, "TCP 81"),
+            a("Egress Deny", H15, "TCP 82"),
+            pfx("Egress", "198.18.0.0/15", C198),
+            pfx("Egress", "198.18.0.12/32", X12),
+            pfx("Egress", "198.18.0.11/32", H11),
+            pfx("Egress", "198.18.0.13/32", H13),
+            pfx("Egress", "198.18.0.15/32", H15),
+        ],
+    );
+    let in_block = [0, 1, 2, 3, 4, 6, 7];
+    let mut allowed: Vec<(usize, u16)> = in_block.iter().flat_map(|i| [(*i, 80), (*i, 81), (*i, 82)]).collect();
+    allowed.retain(|cell| ![(0, 80), (1, 82), (3, 81)].contains(cell));
+    check_egress_decisions("deny", &repo, &cache, &destinations, &[80, 81, 82], &allowed);
+    assert!(cache.remove_cidr_identity(&net("198.18.0.13/32")));
+    let resolved = repo.resolve(&Subject::new(&identity(WEB)), &cache);
+    assert!(
+        resolved.entries.contains(&Entry {
+            direction: Direction::Egress,
+            peer_kind: PeerKind::Address,
+            peer_identity: C198,
+            protocol: Protocol::Tcp,
+            port: 81,
+            end_port: 0,
+            verdict: Verdict::Deny,
+        }),
+        "{resolved:#?}"
     );
 }
 
