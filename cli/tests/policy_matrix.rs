@@ -99,6 +99,7 @@ const TCP81: Port = port(Protocol::Tcp, 81, Family::V4);
 const UDP80: Port = port(Protocol::Udp, 80, Family::V4);
 const UDP81: Port = port(Protocol::Udp, 81, Family::V4);
 const TCP80_V6: Port = port(Protocol::Tcp, 80, Family::V6);
+const TCP81_V6: Port = port(Protocol::Tcp, 81, Family::V6);
 const UDP81_V6: Port = port(Protocol::Udp, 81, Family::V6);
 /// Every port the servers listen on, IPv4.
 const ALL_V4: &[Port] = &[TCP80, TCP81, UDP80, UDP81];
@@ -1696,6 +1697,101 @@ spec:
             }),
             Step::Expect(Expect {
                 ports: &[TCP81],
+                base: true,
+                cells: &[("x/a", "*/*", false), ("x/a", "z/c", true)],
+            }),
+        ],
+    },
+    Case {
+        // No `to`: each destination pod's own `web` (z/c's is 81), and
+        // nothing on any number to a pod that does not name it.
+        name: "egress to a named port for any peer, resolved per destination",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-egress-any-web, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  policyTypes: [Egress]
+  egress: [{ports: [{port: web}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("x/a", "z/c", false)],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[("x/a", "*/*", false), ("x/a", "z/c", true)],
+            }),
+            Step::Expect(Expect {
+                ports: &[UDP80, UDP81],
+                base: true,
+                cells: &[("x/a", "*/*", false)],
+            }),
+        ],
+    },
+    Case {
+        // The pods inside the block, each on its own number of the name;
+        // an except is honoured per address.
+        name: "egress to a named port with ipBlock peers",
+        steps: &[
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-egress-block-port, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  policyTypes: [Egress]
+  egress: [{to: [{ipBlock: {cidr: 198.18.0.0/15}}], ports: [{port: serve-81-tcp}]}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP80, UDP81],
+                base: true,
+                cells: &[("x/a", "*/*", false)],
+            }),
+            Step::Apply(
+                "
+apiVersion: networking.k8s.io/v1
+kind: NetworkPolicy
+metadata: {name: a-egress-block-port, namespace: x}
+spec:
+  podSelector: {matchLabels: {pod: a}}
+  policyTypes: [Egress]
+  egress:
+  - to: [{ipBlock: {cidr: 198.18.0.0/15, except: ['{z/c}/32']}}, {ipBlock: {cidr: '2001:2::/48'}}]
+    ports: [{port: web}]
+",
+            ),
+            Step::Expect(Expect {
+                ports: &[TCP80],
+                base: true,
+                cells: &[("x/a", "z/c", false)],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP81],
+                base: true,
+                cells: &[("x/a", "*/*", false)],
+            }),
+            Step::Expect(Expect {
+                ports: &[TCP80_V6],
+                base: true,
+                cells: &[("x/a", "z/c", false)],
+            }),
+            // z/c's `web` over IPv6: inside the IPv6 block, no except there.
+            Step::Expect(Expect {
+                ports: &[TCP81_V6],
                 base: true,
                 cells: &[("x/a", "*/*", false), ("x/a", "z/c", true)],
             }),
