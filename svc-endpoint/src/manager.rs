@@ -2062,6 +2062,19 @@ impl EndpointManager {
                     },
                 );
             }
+            // Peers' named ports before any regeneration: an endpoint
+            // restored before the peers whose ports its rules name would
+            // otherwise lose those entries until they regenerated.
+            let restored: Vec<(u32, Vec<EndpointAddress>)> = state
+                .endpoints
+                .values()
+                .map(|s| (s.status.identity, s.spec.addresses.clone()))
+                .collect();
+            for (identity, addresses) in restored {
+                state.refresh_named_ports(identity);
+                state.refresh_address_named_ports(&addresses);
+            }
+            self.queue_changed_policies(&mut state, "named ports restored");
             self.update_state_metrics(&state);
         }
         self.inner.scanned.send_replace(true);

@@ -10,6 +10,8 @@
 //! - a DeleteEndpoint while restore waits for svc-ipam: the delete and the
 //!   restore both complete and the deleted pod's addresses are not
 //!   re-reserved.
+//! - kill -9 of svc-endpoint with egress rules naming peers' ports: the
+//!   client's named-port entries hold throughout the restore.
 //!
 //! Every wait polls a condition with a deadline; nothing sleeps for a fixed
 //! time where a condition can be awaited.
@@ -1274,4 +1276,87 @@ async fn a_delete_the_moment_svc_endpoint_answers_after_a_restart_finds_the_endp
 
     restore_complete(&node, "restore completes").await;
     only_a_is_left(&node, "restore does not bring the deleted b back").await;
+}
+
+/// After kill -9 of svc-endpoint, the restore must not regenerate a client
+/// before it knows its peers' named ports: the client's egress rules naming
+/// the web pods' `http` (by podSelector and by ipBlock) keep their entries
+/// in the datapath at every moment of the restore. The ports used to be
+/// known again only once each web endpoint had regenerated, so a client
+/// regenerated first dropped them until the webs caught up.
+#[tokio::test(flavor = "multi_thread")]
+async fn restore_keeps_the_named_port_entries_of_peers_not_regenerated_yet() {
+    let mut node = EndpointNode::start(NodeOptions::default())
+        .await
+        .expect("the node's daemons start");
+    let client = node.add_pod("client", &["k8s:app=client"]).await;
+    for i in 0..8 {
+        let http = pb::NamedPort {
+            name: "http".into(),
+            protocol: "TCP".into(),
+            port: 8080 + i,
+        };
+        node.add_pod_with_ports(&format!("web-{i}"), &["k8s:app=web"], vec![http])
+            .await;
+    }
+    node.apply_policy(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: client-out, namespace: default}\n\
+         spec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  \
+         - to: [{podSelector: {matchLabels: {app: web}}}]\n    ports: [{port: http}]\n  \
+         - to: [{ipBlock: {cidr: 198.18.0.0/15}}]\n    ports: [{port: http}]\n",
+    )
+    .await;
+    // (peer kind, port) of the client's egress entries.
+    let held_ports = |held: &ldpb::GetEndpointPolicyResponse| -> BTreeSet<(i32, u32)> {
+        held.entries
+            .iter()
+            .filter_map(|e| e.entry.as_ref())
+            .map(|e| (e.peer_kind, e.port))
+            .collect()
+    };
+    let expected: BTreeSet<(i32, u32)> = [ldpb::PeerKind::Identity, ldpb::PeerKind::Address]
+        .into_iter()
+        .flat_map(|kind| (8080..8088).map(move |port| (kind as i32, port)))
+        .collect();
+    assert_eq!(
+        held_ports(&loader_policy(&node, client.id).await),
+        expected,
+        "before the kill"
+    );
+
+    node.endpoint_daemon().kill9();
+    node.endpoint_daemon().restart().await.expect("svc-endpoint restarts");
+    let deadline = Instant::now() + DEADLINE;
+    let mut snapshots = 0;
+    loop {
+        // Whether restore had completed before this snapshot was taken.
+        let complete = endpoint_status(&node)
+            .await
+            .restore
+            .is_some_and(|r| r.phase == pb::RestorePhase::Complete as i32);
+        let held = loader_policy(&node, client.id).await;
+        snapshots += 1;
+        assert_eq!(
+            held_ports(&held),
+            expected,
+            "the client's entries during restore (snapshot {snapshots}, revision {})",
+            held.revision
+        );
+        if complete {
+            break;
+        }
+        assert!(Instant::now() < deadline, "restore did not complete");
+    }
+    eprintln!("{snapshots} snapshots of the client's policy during restore");
+}
+
+/// The policy svc-loader holds for an endpoint.
+async fn loader_policy(node: &EndpointNode, endpoint_id: u32) -> ldpb::GetEndpointPolicyResponse {
+    node.node
+        .client()
+        .await
+        .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id })
+        .await
+        .unwrap_or_else(|e| panic!("GetEndpointPolicy of endpoint {endpoint_id}: {e}"))
+        .into_inner()
 }
