@@ -675,6 +675,15 @@ impl IdentityAllocator {
         Ok(!retaken)
     }
 
+    /// Whether this node holds `key` under `id`.
+    fn holds(&self, key: &str, id: u32) -> bool {
+        self.local
+            .lock()
+            .expect("local refs poisoned")
+            .get(key)
+            .is_some_and(|r| r.id == id)
+    }
+
     /// Drops every reference `owner` holds; returns the ids released.
     pub async fn release_owner(&self, owner: &str) -> Vec<u32> {
         let ids: Vec<u32> = self
@@ -906,6 +915,9 @@ impl IdentityAllocator {
             .map(|(k, r)| (k.clone(), r.id))
             .collect();
         for (key, id) in held {
+            if !self.holds(&key, id) {
+                continue; // Released since: nothing to write.
+            }
             match self.backend.acquire(id, &key).await {
                 Ok(AcquireOutcome::Acquired) => counts.value_created += usize::from(pending.contains(&key)),
                 Ok(AcquireOutcome::MasterRecreated) => {
@@ -927,6 +939,12 @@ impl IdentityAllocator {
                 }
             }
             self.unpublished.lock().expect("unpublished poisoned").remove(&key);
+            // Released while its key was written (the release's delete may
+            // have come first): the key goes with the stale ones below.
+            let local = self.local.lock().expect("local refs poisoned");
+            if !local.contains_key(&key) {
+                self.released.lock().expect("released poisoned").insert(key.clone());
+            }
         }
         let listed = match self.backend.node_value_keys().await {
             Ok(listed) => listed,
@@ -1104,5 +1122,100 @@ mod tests {
             "the cache is rebuilt from the store"
         );
         assert_eq!(a.allocate(&labels("k8s:app=db"), None).await.unwrap().id, id);
+    }
+
+    /// The embedded store, with `acquire` of one label set held until the
+    /// test lets it go (a pass slow on that set).
+    struct GatedAcquire {
+        inner: EmbeddedBackend,
+        labels: String,
+        reached: Notify,
+        go: Notify,
+    }
+
+    #[tonic::async_trait]
+    impl IdentityBackend for GatedAcquire {
+        fn kind(&self) -> &'static str {
+            self.inner.kind()
+        }
+        async fn list_identities(&self) -> Result<(Vec<IdentityRecord>, crate::backend::Revision), BackendError> {
+            self.inner.list_identities().await
+        }
+        async fn watch_identities(
+            &self,
+            after: crate::backend::Revision,
+        ) -> Result<futures::stream::BoxStream<'static, Result<IdentityEvent, BackendError>>, BackendError> {
+            self.inner.watch_identities(after).await
+        }
+        async fn held_id(&self, labels: &str) -> Result<Option<u32>, BackendError> {
+            self.inner.held_id(labels).await
+        }
+        async fn create_identity(&self, id: u32, labels: &str) -> Result<CreateOutcome, BackendError> {
+            self.inner.create_identity(id, labels).await
+        }
+        async fn acquire(&self, id: u32, labels: &str) -> Result<AcquireOutcome, BackendError> {
+            if labels == self.labels {
+                self.reached.notify_one();
+                self.go.notified().await;
+            }
+            self.inner.acquire(id, labels).await
+        }
+        async fn release(&self, labels: &str) -> Result<(), BackendError> {
+            self.inner.release(labels).await
+        }
+        async fn node_value_keys(&self) -> Result<Vec<String>, BackendError> {
+            self.inner.node_value_keys().await
+        }
+        async fn upsert_ip(&self, entry: &crate::backend::IpEntry) -> Result<(), BackendError> {
+            self.inner.upsert_ip(entry).await
+        }
+        async fn delete_ip(&self, ip: &str) -> Result<(), BackendError> {
+            self.inner.delete_ip(ip).await
+        }
+        async fn list_ips(&self) -> Result<(Vec<crate::backend::IpEntry>, crate::backend::Revision), BackendError> {
+            self.inner.list_ips().await
+        }
+        async fn watch_ips(
+            &self,
+            after: crate::backend::Revision,
+        ) -> Result<futures::stream::BoxStream<'static, Result<crate::backend::IpEvent, BackendError>>, BackendError>
+        {
+            self.inner.watch_ips(after).await
+        }
+        async fn lease_renewed(&self) {
+            self.inner.lease_renewed().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_set_released_while_a_pass_writes_its_key_loses_the_key_in_that_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let web = labels("k8s:app=web");
+        let backend = Arc::new(GatedAcquire {
+            inner: EmbeddedBackend::open(dir.path().join("store.json"), "node-1").unwrap(),
+            labels: web.to_string(),
+            reached: Notify::new(),
+            go: Notify::new(),
+        });
+        let a = IdentityAllocator::new(backend.clone(), AllocatorOptions::default());
+        let _tasks = a.run();
+        a.wait_ready().await;
+        let id = a.allocate(&web, Some("endpoint/1")).await.unwrap().id;
+        // A pass took the set as held and is writing its value key...
+        let pass = tokio::spawn({
+            let a = a.clone();
+            async move { a.reconcile_once().await }
+        });
+        backend.reached.notified().await;
+        // ...when its last reference goes (the key is deleted at once).
+        assert_eq!(a.release(id, Some("endpoint/1")).await, Some(0));
+        assert_eq!(backend.node_value_keys().await.unwrap(), Vec::<String>::new());
+        backend.go.notify_one();
+        pass.await.unwrap().expect("the pass succeeds");
+        assert_eq!(
+            backend.node_value_keys().await.unwrap(),
+            Vec::<String>::new(),
+            "the pass must not leave the released set's value key behind (it would stay for the restore grace)"
+        );
     }
 }
