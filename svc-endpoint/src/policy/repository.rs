@@ -300,7 +300,8 @@ impl PolicyRepository {
     ///
     /// ```
     /// use svc_endpoint::policy::{
-    ///     Direction, Entry, Policy, PolicyOrigin, PolicyRepository, Protocol, SelectorCache, Subject, Verdict,
+    ///     Direction, Entry, PeerKind, Policy, PolicyOrigin, PolicyRepository, Protocol, SelectorCache, Subject,
+    ///     Verdict,
     /// };
     ///
     /// let mut repo = PolicyRepository::new();
@@ -331,6 +332,7 @@ impl PolicyRepository {
     ///     [Entry {
     ///         direction: Direction::Ingress,
     ///         peer_identity: 256,
+    ///         peer_kind: PeerKind::Identity,
     ///         protocol: Protocol::Tcp,
     ///         port: 5432,
     ///         end_port: 0,
