@@ -509,6 +509,35 @@ impl State {
         changed
     }
 
+    /// Sets the named ports of every identity and address of the known
+    /// endpoints in one pass (what [`refresh_named_ports`] and
+    /// [`refresh_address_named_ports`] do for one).
+    ///
+    /// [`refresh_named_ports`]: State::refresh_named_ports
+    /// [`refresh_address_named_ports`]: State::refresh_address_named_ports
+    fn restore_named_ports(&mut self) {
+        let mut by_identity = BTreeMap::<u32, Vec<NamedPort>>::new();
+        let mut by_address = BTreeMap::<IpAddr, Vec<NamedPort>>::new();
+        for slot in self.endpoints.values() {
+            let ports = &slot.spec.named_ports;
+            if slot.status.identity != 0 {
+                by_identity
+                    .entry(slot.status.identity)
+                    .or_default()
+                    .extend_from_slice(ports);
+            }
+            for address in &slot.spec.addresses {
+                by_address.entry(address.address).or_default().extend_from_slice(ports);
+            }
+        }
+        for (identity, ports) in by_identity {
+            self.selectors.set_named_ports(identity, ports);
+        }
+        for (address, ports) in by_address {
+            self.selectors.set_address_named_ports(address, ports);
+        }
+    }
+
     /// Every prefix that needs a CIDR identity: the policies' ipBlock
     /// prefixes and the host prefixes of the endpoints their egress ipBlocks
     /// resolve a named port for.
@@ -2065,15 +2094,7 @@ impl EndpointManager {
             // Peers' named ports before any regeneration: an endpoint
             // restored before the peers whose ports its rules name would
             // otherwise lose those entries until they regenerated.
-            let restored: Vec<(u32, Vec<EndpointAddress>)> = state
-                .endpoints
-                .values()
-                .map(|s| (s.status.identity, s.spec.addresses.clone()))
-                .collect();
-            for (identity, addresses) in restored {
-                state.refresh_named_ports(identity);
-                state.refresh_address_named_ports(&addresses);
-            }
+            state.restore_named_ports();
             self.queue_changed_policies(&mut state, "named ports restored");
             self.update_state_metrics(&state);
         }
