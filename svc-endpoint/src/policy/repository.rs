@@ -82,7 +82,7 @@ impl<'a> Subject<'a> {
 /// no entries and no prefixes; `entries` is sorted and unique by
 /// (direction, peer_kind, peer_identity, protocol, port, end_port);
 /// `prefixes` is sorted and unique by (direction, prefix), and a direction
-/// has prefixes exactly when it has [`PeerKind::Address`] entries, each of
+/// has prefixes exactly when it has [`PeerKind::Address`](super::PeerKind::Address) entries, each of
 /// which names the identity of one of them.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct ResolvedPolicy {
