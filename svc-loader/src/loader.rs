@@ -337,14 +337,21 @@ struct Index {
 #[derive(Debug, Default)]
 struct KeyedLocks {
     state: Mutex<HeldKeys>,
-    changed: Condvar,
+    /// A key was released: its waiters look again.
+    released: Condvar,
+    /// A caller started waiting or woke up (only tests wait on it: a waiter
+    /// notifying the condvar other waiters sleep on would wake them, and
+    /// they it, over and over while the key stays held).
+    waiters_changed: Condvar,
 }
 
 #[derive(Debug, Default)]
 struct HeldKeys {
     held: HashSet<u32>,
-    /// Callers waiting for a key.
+    /// Callers waiting for a key (tests wait for them).
     waiting: usize,
+    /// Times a waiter woke up to look again (tests check that waiters sleep).
+    wakeups: u64,
 }
 
 /// A held key of [`KeyedLocks`]; released on drop.
@@ -360,19 +367,49 @@ impl KeyedLocks {
         let mut state = lock(&self.state);
         while state.held.contains(&key) {
             state.waiting += 1;
-            self.changed.notify_all();
-            state = self.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
+            self.waiters_changed.notify_all();
+            state = self.released.wait(state).unwrap_or_else(PoisonError::into_inner);
             state.waiting -= 1;
+            state.wakeups += 1;
+            self.waiters_changed.notify_all();
         }
         state.held.insert(key);
         KeyGuard { locks: self, key }
     }
 }
 
+#[cfg(test)]
+impl KeyedLocks {
+    /// Waits until `n` callers wait for a key, at most `bound`.
+    fn wait_for_waiters(&self, n: usize, bound: std::time::Duration) {
+        let state = lock(&self.state);
+        let (state, _) = self
+            .waiters_changed
+            .wait_timeout_while(state, bound, |s| s.waiting < n)
+            .unwrap_or_else(PoisonError::into_inner);
+        assert!(
+            state.waiting >= n,
+            "{} callers wait for a key, expected {n}",
+            state.waiting
+        );
+    }
+
+    /// Waits up to `bound` for a waiter to wake up after `wakeups` wake-ups;
+    /// returns the wake-ups then.
+    fn wakeups_after(&self, wakeups: u64, bound: std::time::Duration) -> u64 {
+        let state = lock(&self.state);
+        let (state, _) = self
+            .waiters_changed
+            .wait_timeout_while(state, bound, |s| s.wakeups == wakeups)
+            .unwrap_or_else(PoisonError::into_inner);
+        state.wakeups
+    }
+}
+
 impl Drop for KeyGuard<'_> {
     fn drop(&mut self) {
         lock(&self.locks.state).held.remove(&self.key);
-        self.locks.changed.notify_all();
+        self.locks.released.notify_all();
     }
 }
 
@@ -1103,17 +1140,7 @@ impl EndpointDatapath {
     /// Waits until `n` callers wait for an endpoint's lock, at most `bound`.
     #[cfg(test)]
     fn wait_for_lock_waiters(&self, n: usize, bound: std::time::Duration) {
-        let state = lock(&self.endpoint_locks.state);
-        let (state, _) = self
-            .endpoint_locks
-            .changed
-            .wait_timeout_while(state, bound, |s| s.waiting < n)
-            .unwrap_or_else(PoisonError::into_inner);
-        assert!(
-            state.waiting >= n,
-            "{} callers wait for an endpoint lock, expected {n}",
-            state.waiting
-        );
+        self.endpoint_locks.wait_for_waiters(n, bound);
     }
 }
 

@@ -1,5 +1,6 @@
 //! [`EndpointDatapath`] over the real datapath in a test network namespace:
-//! a policy diff that fails midway, concurrent applies and removes.
+//! a policy diff that fails midway, concurrent applies and removes; and its
+//! [`KeyedLocks`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -697,4 +698,30 @@ fn an_endpoint_whose_interface_is_deleted_is_listed_as_gone() {
         );
         assert_eq!(dp.list().unwrap().endpoints.len(), 1);
     });
+}
+
+#[test]
+fn callers_waiting_for_a_held_key_sleep_until_it_is_released() {
+    let locks = Arc::new(KeyedLocks::default());
+    let held = locks.lock(1);
+    let other = locks.lock(2);
+    let waiters: Vec<_> = [1, 1, 2]
+        .into_iter()
+        .map(|key| {
+            let locks = locks.clone();
+            std::thread::spawn(move || drop(locks.lock(key)))
+        })
+        .collect();
+    locks.wait_for_waiters(3, STUCK);
+    let before = lock(&locks.state).wakeups;
+    // No key was released: a waiter that wakes now is woken by another
+    // waiter (and then wakes it in turn, spinning while the key is held).
+    let after = locks.wakeups_after(before, Duration::from_millis(300));
+    assert_eq!(after - before, 0, "waiters woke up while their keys stayed held");
+    drop(other);
+    drop(held);
+    for waiter in waiters {
+        waiter.join().expect("a waiter gets its key once released");
+    }
+    assert!(lock(&locks.state).held.is_empty(), "every key was released");
 }
