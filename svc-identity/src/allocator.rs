@@ -47,6 +47,7 @@ use crate::backend::{
     AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord, Revision,
 };
 use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
+use crate::reconcile;
 use crate::snapshot::{IdentitySnapshot, SnapshotPart};
 
 /// Smallest cluster identity.
@@ -856,34 +857,24 @@ impl IdentityAllocator {
     /// Runs reconcile passes: on a lease replacement, on demand, after the
     /// store recovered, periodically, and with backoff after a failure.
     async fn reconcile_loop(self: Arc<Self>) {
-        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
-        let mut retry_at: Option<Instant> = None;
-        loop {
-            let next = retry_at.unwrap_or_else(|| Instant::now() + self.opts.resync_interval);
+        let this = &*self;
+        let woken = || async move {
             tokio::select! {
-                () = self.backend.lease_renewed() => tracing::info!("lease renewed; re-creating this node's keys"),
-                () = self.reconcile.notified() => {}
-                () = tokio::time::sleep_until(next) => {}
+                () = this.backend.lease_renewed() => tracing::info!("lease renewed; re-creating this node's keys"),
+                () = this.reconcile.notified() => {}
             }
-            let result = self.reconcile_once().await;
-            *self.pass_error.lock().expect("pass error poisoned") = result
+        };
+        // Every pass writes every held key: nothing to learn from the wake.
+        let pass = |()| async move {
+            let result = this.reconcile_once().await;
+            *this.pass_error.lock().expect("pass error poisoned") = result
                 .as_ref()
                 .err()
                 .map(|e| format!("reconciling this node's value keys: {e}"));
-            let retry_in = match result {
-                Ok(()) => {
-                    backoff.reset();
-                    retry_at = None;
-                    None
-                }
-                Err(_) => {
-                    let delay = backoff.next_delay();
-                    retry_at = Some(Instant::now() + delay);
-                    Some(delay)
-                }
-            };
-            events::reconcile_pass_finished(&self.opts.metrics, ReconciledKeys::ValueKeys, &result, retry_in);
-        }
+            result
+        };
+        let (metrics, resync) = (&self.opts.metrics, self.opts.resync_interval);
+        reconcile::run_passes(ReconciledKeys::ValueKeys, metrics, resync, woken, pass).await;
     }
 
     /// One pass (never two at once): every held identity has its value key

@@ -93,6 +93,7 @@ use tokio::time::Instant;
 
 use crate::backend::{BackendError, IdentityBackend, IpEntry, IpEvent, Revision};
 use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
+use crate::reconcile;
 use crate::snapshot::{IpcacheSnapshot, SnapshotPart};
 
 /// Most entries svc-loader takes in one ipcache call.
@@ -1113,36 +1114,25 @@ impl IpCache {
 
     /// Keeps this node's store entries equal to its LOCAL_ENDPOINT claims.
     async fn publish_loop(self: Arc<Self>) {
-        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
-        let mut retry_at: Option<Instant> = None;
-        loop {
-            let deadline = self.lock().restore_deadline;
-            let next = retry_at.unwrap_or_else(|| Instant::now() + self.opts.resync_interval);
-            let mut republish = false;
+        let this = &*self;
+        // Woken with whether every claim is to be written again.
+        let woken = || async move {
+            let deadline = this.lock().restore_deadline;
             tokio::select! {
-                () = self.backend.lease_renewed() => {
+                () = this.backend.lease_renewed() => {
                     tracing::info!("node lease replaced; publishing this node's IP cache entries again");
-                    republish = true;
+                    true
                 }
-                () = self.reconcile.notified() => {}
-                () = tokio::time::sleep_until(next) => {}
-                () = sleep_until_opt(deadline) => self.expire_restored(),
+                () = this.reconcile.notified() => false,
+                () = sleep_until_opt(deadline) => {
+                    this.expire_restored();
+                    false
+                }
             }
-            let result = self.reconcile_once(republish).await;
-            let retry_in = match result {
-                Ok(()) => {
-                    backoff.reset();
-                    retry_at = None;
-                    None
-                }
-                Err(_) => {
-                    let delay = backoff.next_delay();
-                    retry_at = Some(Instant::now() + delay);
-                    Some(delay)
-                }
-            };
-            events::reconcile_pass_finished(&self.opts.metrics, ReconciledKeys::IpEntries, &result, retry_in);
-        }
+        };
+        let pass = |republish| this.reconcile_once(republish);
+        let (metrics, resync) = (&self.opts.metrics, self.opts.resync_interval);
+        reconcile::run_passes(ReconciledKeys::IpEntries, metrics, resync, woken, pass).await;
     }
 
     /// Drops the restored claims nobody claimed again.

@@ -6,7 +6,11 @@
 //! - [`etcd_backend`]: the store in etcd (a cluster), with the node lease;
 //! - [`embedded_backend`]: the store in one crash-safe local file (one node);
 //! - [`allocator`]: allocation, local references, the identity cache and the
-//!   sync loop that re-creates this node's keys;
+//!   reconcile loop that keeps this node's value keys in the store;
+//! - [`ipcache`]: the IP cache, its publication to the store and the push to
+//!   svc-loader;
+//! - `reconcile`: when the reconcile passes of both run (woken, periodic,
+//!   retried with backoff);
 //! - [`snapshot`]: the local snapshot served while etcd is unreachable
 //!   (also right after a restart during an outage);
 //! - [`events`]: log lines and metrics of the outage events;
@@ -20,6 +24,7 @@ pub mod etcd_backend;
 pub mod events;
 pub mod ipcache;
 pub mod ipcache_service;
+mod reconcile;
 pub mod service;
 pub mod snapshot;
 
