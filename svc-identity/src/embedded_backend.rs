@@ -641,12 +641,8 @@ impl IdentityBackend for EmbeddedBackend {
         let committed = lock(&self.shared.committed);
         let layout = &self.shared.layout;
         let root = layout.value_root();
-        let mut labels: Vec<String> = with_prefix(&committed.data.kvs, &root)
-            .filter_map(|(key, _)| layout.labels_of_node_value_key(&self.shared.node, key))
-            .map(str::to_string)
-            .collect();
-        labels.sort();
-        Ok(labels)
+        let keys = with_prefix(&committed.data.kvs, &root).map(|(key, _)| key.as_str());
+        Ok(layout.node_value_labels(&self.shared.node, keys))
     }
 
     async fn shutdown(&self) {

@@ -150,12 +150,32 @@ impl Layout {
         format!("{}identities/v1/value/", self.prefix)
     }
 
-    /// The labels of a value key of `node` (`None` for any other key).
-    /// Labels may hold `/`, node names never do: the node is the last
-    /// segment.
-    pub fn labels_of_node_value_key<'k>(&self, node: &str, key: &'k str) -> Option<&'k str> {
-        let (labels, owner) = key.strip_prefix(&self.value_root())?.rsplit_once('/')?;
-        (owner == node && !labels.is_empty()).then_some(labels)
+    /// The label sets of `node`'s value keys among `keys` (other keys are
+    /// skipped), sorted. Labels may hold `/`, node names never do: the node
+    /// is the last segment.
+    ///
+    /// ```
+    /// use svc_identity::etcd_backend::Layout;
+    /// let layout = Layout::new("rivet/state/", "default");
+    /// let keys = [
+    ///     "rivet/state/identities/v1/value/k8s:app=web/n1",
+    ///     "rivet/state/identities/v1/value/k8s:app=web/n2",
+    ///     "rivet/state/identities/v1/value/k8s:a/b=c/n1",
+    ///     "rivet/state/identities/v1/id/256",
+    /// ];
+    /// assert_eq!(layout.node_value_labels("n1", keys), ["k8s:a/b=c", "k8s:app=web"]);
+    /// ```
+    pub fn node_value_labels<'k>(&self, node: &str, keys: impl IntoIterator<Item = &'k str>) -> Vec<String> {
+        let root = self.value_root();
+        let mut labels: Vec<String> = keys
+            .into_iter()
+            .filter_map(|key| {
+                let (labels, owner) = key.strip_prefix(&root)?.rsplit_once('/')?;
+                (owner == node && !labels.is_empty()).then(|| labels.to_string())
+            })
+            .collect();
+        labels.sort();
+        labels
     }
 
     /// `<prefix>identities/v1/value/<labels>/`: the value keys of `labels`
@@ -898,15 +918,8 @@ impl IdentityBackend for EtcdBackend {
                 GetOptions::new().with_prefix().with_keys_only(),
             )
             .await?;
-        let mut labels: Vec<String> = resp
-            .kvs()
-            .iter()
-            .filter_map(|kv| std::str::from_utf8(kv.key()).ok())
-            .filter_map(|key| self.layout.labels_of_node_value_key(&self.node, key))
-            .map(str::to_string)
-            .collect();
-        labels.sort();
-        Ok(labels)
+        let keys = resp.kvs().iter().filter_map(|kv| std::str::from_utf8(kv.key()).ok());
+        Ok(self.layout.node_value_labels(&self.node, keys))
     }
 
     async fn shutdown(&self) {
