@@ -42,32 +42,30 @@ pub const ALWAYS_READ_ONLY: ReadOnlyMethods = &[
     ("grpc.reflection.v1alpha.ServerReflection", &["ServerReflectionInfo"]),
 ];
 
-/// The entries of `methods` that are not an rpc of their service in the
-/// `.proto` text `proto` (for each daemon's test of its read-only list).
+/// The entries of `methods` that name no rpc `daemon`'s socket serves,
+/// checked against the compiled descriptors of its `.proto` files and of
+/// gRPC server reflection: each daemon's test of its read-only list.
 ///
 /// ```
-/// let proto = "package rivet.x.v1;\nservice X {\n  rpc List(A) returns (B);\n}\n";
-/// let methods: rivet_common::access::ReadOnlyMethods = &[("rivet.x.v1.X", &["List", "Lits"])];
-/// assert_eq!(rivet_common::access::unknown_methods(methods, proto), ["rivet.x.v1.X/Lits"]);
+/// let methods: rivet_common::access::ReadOnlyMethods =
+///     &[("rivet.ipam.v1.Ipam", &["List", "Lits"]), ("rivet.gc.v1.GcService", &["Status"])];
+/// assert_eq!(
+///     rivet_common::access::unknown_methods("svc-ipam", methods),
+///     ["rivet.ipam.v1.Ipam/Lits", "rivet.gc.v1.GcService/Status"]
+/// );
 /// ```
-pub fn unknown_methods(methods: ReadOnlyMethods, proto: &str) -> Vec<String> {
-    let mut package = "";
-    let mut service = String::new();
-    let mut rpcs = Vec::new();
-    for line in proto.lines().map(str::trim) {
-        if let Some(p) = line.strip_prefix("package ") {
-            package = p.trim_end_matches(';').trim();
-        } else if let Some(s) = line.strip_prefix("service ") {
-            service = format!("{package}.{}", s.trim_end_matches('{').trim());
-        } else if let Some(r) = line.strip_prefix("rpc ") {
-            let name = r.split('(').next().unwrap_or_default().trim();
-            rpcs.push(format!("{service}/{name}"));
-        }
-    }
+pub fn unknown_methods(daemon: &str, methods: ReadOnlyMethods) -> Vec<String> {
+    let served = crate::grpc::served_services(daemon);
+    let is_served = |service: &str, method: &str| {
+        served
+            .iter()
+            .any(|s| s.name == service && s.methods.iter().any(|m| m == method))
+    };
     methods
         .iter()
-        .flat_map(|(service, names)| names.iter().map(move |m| format!("{service}/{m}")))
-        .filter(|m| !rpcs.contains(m))
+        .flat_map(|(service, names)| names.iter().map(move |method| (*service, *method)))
+        .filter(|(service, method)| !is_served(service, method))
+        .map(|(service, method)| format!("{service}/{method}"))
         .collect()
 }
 

@@ -168,21 +168,20 @@ pub async fn serve_unix(
     );
     let access = AccessLayer::new(daemon, listener.access(), listener.access_metrics().clone());
     let advertised = reflected_services(daemon);
-    let reflection = |reason: tonic_reflection::server::Error| ServeError::Reflection {
+    let reflection = || {
+        advertised.iter().fold(
+            tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(rivet_proto::FILE_DESCRIPTOR_SET),
+            |builder, name| builder.with_service_name(name.clone()),
+        )
+    };
+    let failed = |reason: tonic_reflection::server::Error| ServeError::Reflection {
         daemon,
         reason: reason.to_string(),
     };
-    let reflection_v1 = advertised
-        .iter()
-        .fold(reflection_builder(), |b, name| b.with_service_name(name.clone()))
-        .build_v1()
-        .map_err(reflection)?;
+    let reflection_v1 = reflection().build_v1().map_err(failed)?;
     // grpcurl and grpcio's reflection client still ask v1alpha first.
-    let reflection_v1alpha = advertised
-        .iter()
-        .fold(reflection_builder(), |b, name| b.with_service_name(name.clone()))
-        .build_v1alpha()
-        .map_err(reflection)?;
+    let reflection_v1alpha = reflection().build_v1alpha().map_err(failed)?;
     let routes = routes
         .add_service(pb::daemon_server::DaemonServer::new(DaemonInfoService(identity)))
         .add_service(reflection_v1)
@@ -224,26 +223,55 @@ pub async fn serve_unix(
     }
 }
 
-fn reflection_builder() -> tonic_reflection::server::Builder<'static> {
-    tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(rivet_proto::FILE_DESCRIPTOR_SET)
+/// A gRPC service as its compiled descriptor declares it.
+#[derive(Debug)]
+pub(crate) struct ServiceDescriptor {
+    /// Its proto package (`rivet.ipam.v1`).
+    pub(crate) package: String,
+    /// Its full name (`rivet.ipam.v1.Ipam`), as in a call's path.
+    pub(crate) name: String,
+    /// Its rpcs.
+    pub(crate) methods: Vec<String>,
 }
 
-/// The services gRPC reflection advertises on `daemon`'s socket: the shared
-/// `rivet.daemon.v1.Daemon` and those of its own package (`svc-ipam` →
-/// `rivet.ipam.v1`), not the other daemons' (whose descriptors are served
-/// too, one set for all).
-pub fn reflected_services(daemon: &str) -> Vec<String> {
+/// The services of an encoded `google.protobuf.FileDescriptorSet`.
+fn services(encoded: &[u8]) -> impl Iterator<Item = ServiceDescriptor> {
     use prost::Message as _;
-    let own = format!("rivet.{}.v1", daemon.trim_start_matches("svc-"));
-    let set = prost_types::FileDescriptorSet::decode(rivet_proto::FILE_DESCRIPTOR_SET)
-        .expect("rivet-proto's build encodes a FileDescriptorSet");
-    let mut names: Vec<String> = set
+    prost_types::FileDescriptorSet::decode(encoded)
+        .expect("a compiled FileDescriptorSet decodes")
         .file
-        .iter()
-        .filter(|f| matches!(f.package(), p if p == own || p == "rivet.daemon.v1"))
-        .flat_map(|f| f.service.iter().map(move |s| format!("{}.{}", f.package(), s.name())))
-        .collect();
+        .into_iter()
+        .flat_map(|file| {
+            let package = file.package().to_string();
+            file.service.into_iter().map(move |service| ServiceDescriptor {
+                name: format!("{package}.{}", service.name()),
+                methods: service.method.iter().map(|m| m.name().to_string()).collect(),
+                package: package.clone(),
+            })
+        })
+}
+
+/// The Rivet services on `daemon`'s socket: the shared `rivet.daemon.v1.Daemon`
+/// and those of its own package (`svc-ipam` → `rivet.ipam.v1`).
+fn rivet_services(daemon: &str) -> impl Iterator<Item = ServiceDescriptor> {
+    let own = format!("rivet.{}.v1", daemon.trim_start_matches("svc-"));
+    services(rivet_proto::FILE_DESCRIPTOR_SET).filter(move |s| s.package == own || s.package == "rivet.daemon.v1")
+}
+
+/// Every service `daemon`'s socket serves: its Rivet services and gRPC
+/// server reflection (v1 and v1alpha).
+pub(crate) fn served_services(daemon: &str) -> Vec<ServiceDescriptor> {
+    rivet_services(daemon)
+        .chain(services(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET))
+        .chain(services(tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET))
+        .collect()
+}
+
+/// The services gRPC reflection advertises on `daemon`'s socket: its Rivet
+/// services, not the other daemons' (whose descriptors are served too, one
+/// set for all).
+pub fn reflected_services(daemon: &str) -> Vec<String> {
+    let mut names: Vec<String> = rivet_services(daemon).map(|s| s.name).collect();
     names.sort();
     names
 }
