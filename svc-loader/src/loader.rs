@@ -322,7 +322,8 @@ fn prefix_steps(
 }
 
 /// Who holds what, across endpoints. Its lock is held for in-memory work
-/// only.
+/// only. `interfaces` and `addresses` are the inverse of the records'
+/// `ifindex` and `addresses`; only the methods below change either side.
 #[derive(Debug, Default)]
 struct Index {
     endpoints: HashMap<u32, EndpointRecord>,
@@ -330,6 +331,89 @@ struct Index {
     interfaces: HashMap<u32, u32>,
     /// address → endpoint.
     addresses: HashMap<IpAddr, u32>,
+}
+
+impl Index {
+    /// Endpoint `id` holds `ifindex` (if given) and `addresses`, besides
+    /// the addresses it held.
+    fn hold(&mut self, id: u32, ifindex: Option<u32>, addresses: &[IpAddr]) {
+        let record = self.endpoints.entry(id).or_default();
+        if let Some(ifindex) = ifindex {
+            record.ifindex = Some(ifindex);
+            self.interfaces.insert(ifindex, id);
+        }
+        for address in addresses {
+            if !record.addresses.contains(address) {
+                record.addresses.push(*address);
+            }
+            self.addresses.insert(*address, id);
+        }
+    }
+
+    /// The checks of an apply of endpoint `id` on `ifindex` with
+    /// `addresses`, and their reservations (one step, so two endpoints never
+    /// both pass). Returns the addresses the endpoint held before.
+    fn reserve(&mut self, id: u32, ifindex: u32, addresses: &[IpAddr]) -> Result<Vec<IpAddr>, LoaderError> {
+        if let Some(&owner) = self.interfaces.get(&ifindex)
+            && owner != id
+        {
+            return Err(LoaderError::InterfaceHeld { ifindex, owner });
+        }
+        if let Some(other) = self.endpoints.get(&id).and_then(|r| r.ifindex)
+            && other != ifindex
+        {
+            return Err(LoaderError::EndpointElsewhere {
+                endpoint_id: id,
+                ifindex: other,
+            });
+        }
+        for address in addresses {
+            if let Some(&owner) = self.addresses.get(address)
+                && owner != id
+            {
+                return Err(LoaderError::AddressHeld {
+                    address: *address,
+                    owner,
+                });
+            }
+        }
+        let previous = self.endpoints.get(&id).map(|r| r.addresses.clone()).unwrap_or_default();
+        self.hold(id, Some(ifindex), addresses);
+        Ok(previous)
+    }
+
+    /// Endpoint `id` holds exactly `addresses` now: the others it held are
+    /// released.
+    fn keep_addresses(&mut self, id: u32, addresses: &[IpAddr]) {
+        let record = self.endpoints.entry(id).or_default();
+        for address in std::mem::replace(&mut record.addresses, addresses.to_vec()) {
+            if !addresses.contains(&address) && self.addresses.get(&address) == Some(&id) {
+                self.addresses.remove(&address);
+            }
+        }
+    }
+
+    /// Releases `ifindex` and `addresses` where endpoint `id` holds them,
+    /// and its record's; forgets the record when nothing else is left in it.
+    fn release(&mut self, id: u32, ifindex: Option<u32>, addresses: &[IpAddr]) {
+        if let Some(i) = ifindex
+            && self.interfaces.get(&i) == Some(&id)
+        {
+            self.interfaces.remove(&i);
+        }
+        for a in addresses {
+            if self.addresses.get(a) == Some(&id) {
+                self.addresses.remove(a);
+            }
+        }
+        if let Some(record) = self.endpoints.get_mut(&id) {
+            record.ifindex = None;
+            record.addresses.clear();
+            if record.holds_nothing() {
+                self.endpoints.remove(&id);
+            }
+        }
+    }
 }
 
 /// Locks by number (endpoint id, ifindex): one holder per key at a time;
@@ -450,14 +534,8 @@ impl EndpointDatapath {
         let mut index = Index::default();
         for item in datapath.maps().endpoints.lock().iter() {
             let (k, v) = item.map_err(map_err("reading the endpoints map"))?;
-            let record = index.endpoints.entry(v.endpoint_id).or_default();
-            if let Some(ifindex) = k.as_ifindex() {
-                record.ifindex = Some(ifindex);
-                index.interfaces.insert(ifindex, v.endpoint_id);
-            } else if let Some(address) = k.as_ip() {
-                record.addresses.push(address);
-                index.addresses.insert(address, v.endpoint_id);
-            }
+            let address: Vec<IpAddr> = k.as_ip().into_iter().collect();
+            index.hold(v.endpoint_id, k.as_ifindex(), &address);
         }
         for (id, entries) in read_policy(&datapath, None)? {
             index.endpoints.entry(id).or_default().policy = OwnedEntries::read_back(entries);
@@ -548,7 +626,7 @@ impl EndpointDatapath {
             .collect();
         let _endpoint = self.endpoint_locks.lock(id);
         let _interface = self.interface_locks.lock(spec.ifindex);
-        let previous_addresses = self.reserve(id, spec.ifindex, &addresses)?;
+        let previous_addresses = self.index().reserve(id, spec.ifindex, &addresses)?;
 
         let ifkey = EndpointKey::ifindex(spec.ifindex);
         let existing = self.datapath.maps().endpoints.lock().get(&ifkey, 0).ok();
@@ -619,13 +697,7 @@ impl EndpointDatapath {
                 }
             }
             drop(endpoints);
-            let mut index = self.index();
-            for address in &dropped {
-                if index.addresses.get(address) == Some(&id) {
-                    index.addresses.remove(address);
-                }
-            }
-            index.endpoints.entry(id).or_default().addresses = addresses.clone();
+            self.index().keep_addresses(id, &addresses);
             changed = true;
         }
         let maps_done = started.elapsed();
@@ -656,49 +728,6 @@ impl EndpointDatapath {
             changed,
             policy_entries,
         })
-    }
-
-    /// The checks of an apply of endpoint `id` on `ifindex` with
-    /// `addresses`, and their reservations (one step, so two endpoints never
-    /// both pass). Returns the addresses the endpoint held before.
-    fn reserve(&self, id: u32, ifindex: u32, addresses: &[IpAddr]) -> Result<Vec<IpAddr>, LoaderError> {
-        let mut index = self.index();
-        if let Some(&owner) = index.interfaces.get(&ifindex)
-            && owner != id
-        {
-            return Err(LoaderError::InterfaceHeld { ifindex, owner });
-        }
-        if let Some(other) = index.endpoints.get(&id).and_then(|r| r.ifindex)
-            && other != ifindex
-        {
-            return Err(LoaderError::EndpointElsewhere {
-                endpoint_id: id,
-                ifindex: other,
-            });
-        }
-        for address in addresses {
-            if let Some(&owner) = index.addresses.get(address)
-                && owner != id
-            {
-                return Err(LoaderError::AddressHeld {
-                    address: *address,
-                    owner,
-                });
-            }
-        }
-        index.interfaces.insert(ifindex, id);
-        for address in addresses {
-            index.addresses.insert(*address, id);
-        }
-        let record = index.endpoints.entry(id).or_default();
-        record.ifindex = Some(ifindex);
-        let previous = record.addresses.clone();
-        for address in addresses {
-            if !record.addresses.contains(address) {
-                record.addresses.push(*address);
-            }
-        }
-        Ok(previous)
     }
 
     /// Brings endpoint `id`'s policy entries to `desired` and its prefixes
@@ -871,24 +900,7 @@ impl EndpointDatapath {
         if record.has_policy() {
             removed |= self.sync_policy(id, &BTreeMap::new(), &BTreeMap::new())?;
         }
-        let mut index = self.index();
-        if let Some(i) = ifindex
-            && index.interfaces.get(&i) == Some(&id)
-        {
-            index.interfaces.remove(&i);
-        }
-        for a in &addresses {
-            if index.addresses.get(a) == Some(&id) {
-                index.addresses.remove(a);
-            }
-        }
-        if let Some(record) = index.endpoints.get_mut(&id) {
-            record.ifindex = None;
-            record.addresses.clear();
-            if record.holds_nothing() {
-                index.endpoints.remove(&id);
-            }
-        }
+        self.index().release(id, ifindex, &addresses);
         Ok(removed)
     }
 
