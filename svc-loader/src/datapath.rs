@@ -695,11 +695,6 @@ impl<T> SharedMap<T> {
         // A panic while holding it leaves a map handle, not broken data.
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
-
-    /// The map, with exclusive access to the datapath (no locking).
-    pub fn get_mut(&mut self) -> &mut T {
-        self.0.get_mut().unwrap_or_else(PoisonError::into_inner)
-    }
 }
 
 /// The typed maps (all pinned). Use the key constructors in [`crate::maps`].
@@ -948,56 +943,6 @@ impl Datapath {
         &self.maps
     }
 
-    /// The typed maps, writable without locking.
-    pub fn maps_mut(&mut self) -> &mut DatapathMaps {
-        &mut self.maps
-    }
-
-    /// The endpoints map.
-    pub fn endpoints(&mut self) -> &mut HashMap<MapData, EndpointKey, EndpointInfo> {
-        self.maps.endpoints.get_mut()
-    }
-
-    /// The ipcache LPM trie.
-    pub fn ipcache(&mut self) -> &mut LpmTrie<MapData, IpcacheKeyData, IpcacheValue> {
-        self.maps.ipcache.get_mut()
-    }
-
-    /// The policy LPM trie.
-    pub fn policy(&mut self) -> &mut LpmTrie<MapData, PolicyKeyData, PolicyValue> {
-        self.maps.policy.get_mut()
-    }
-
-    /// The per-endpoint prefixes LPM trie.
-    pub fn ep_prefixes(&mut self) -> &mut LpmTrie<MapData, EpPrefixKeyData, EpPrefixValue> {
-        self.maps.ep_prefixes.get_mut()
-    }
-
-    /// IPv4 conntrack.
-    pub fn ct4(&mut self) -> &mut HashMap<MapData, Ct4Key, CtEntry> {
-        self.maps.ct4.get_mut()
-    }
-
-    /// IPv6 conntrack.
-    pub fn ct6(&mut self) -> &mut HashMap<MapData, Ct6Key, CtEntry> {
-        self.maps.ct6.get_mut()
-    }
-
-    /// The fragments map.
-    pub fn fragments(&mut self) -> &mut HashMap<MapData, FragKey, FragValue> {
-        self.maps.fragments.get_mut()
-    }
-
-    /// The per-CPU metrics.
-    pub fn metrics(&self) -> MutexGuard<'_, PerCpuArray<MapData, MetricsValue>> {
-        self.maps.metrics.lock()
-    }
-
-    /// The config array.
-    pub fn config(&mut self) -> &mut Array<MapData, DatapathConfig> {
-        self.maps.config.get_mut()
-    }
-
     /// The event ring buffer, for one consumer (`None` once taken). It can be
     /// wrapped in `tokio::io::unix::AsyncFd` for async reading.
     pub fn take_events(&mut self) -> Option<RingBuf<MapData>> {
@@ -1007,9 +952,9 @@ impl Datapath {
     /// The counters summed over CPUs, by `(reason, direction)`, non-zero only.
     pub fn metrics_totals(&self) -> Result<BTreeMap<(u8, u8), MetricsValue>, DatapathError> {
         let mut totals = BTreeMap::new();
+        let metrics = self.maps.metrics.lock();
         for index in 0..METRICS_ENTRIES {
-            let per_cpu = self
-                .metrics()
+            let per_cpu = metrics
                 .get(&index, 0)
                 .map_err(map_err(format!("reading index {index} of"), MAP_METRICS))?;
             let sum = per_cpu.iter().fold(MetricsValue::default(), |acc, v| MetricsValue {
@@ -1041,13 +986,15 @@ impl Datapath {
     }
 
     /// Writes the options' conntrack lifetimes and event flags to the config map.
-    pub fn write_config(&mut self) -> Result<(), DatapathError> {
+    pub fn write_config(&self) -> Result<(), DatapathError> {
         let config = DatapathConfig {
             event_flags: self.opts.event_flags,
             pad: 0,
             ct: self.opts.ct_timeouts,
         };
-        self.config()
+        self.maps
+            .config
+            .lock()
             .set(0, config, 0)
             .map_err(map_err("writing the config to", MAP_CONFIG))
     }
@@ -1659,7 +1606,7 @@ pub(crate) mod tests {
     #[test]
     fn open_twice_reuses_the_pinned_maps() {
         let dir = PinDir::new("reuse");
-        let mut first = Datapath::open(dir.opts()).unwrap();
+        let first = Datapath::open(dir.opts()).unwrap();
         for name in MAP_NAMES {
             assert!(dir.0.join(name).exists(), "map {name} is pinned");
         }
@@ -1673,15 +1620,19 @@ pub(crate) mod tests {
             ..EndpointInfo::default()
         };
         info.set_ipv4(Some("198.18.0.2".parse().unwrap()));
-        first.endpoints().insert(key, info, 0).unwrap();
+        first.maps().endpoints.lock().insert(key, info, 0).unwrap();
         let prefix = IpcacheKey::new("198.18.0.0".parse().unwrap(), 24).unwrap();
         first
-            .ipcache()
+            .maps()
+            .ipcache
+            .lock()
             .insert(&prefix.to_lpm(), IpcacheValue::new(300, None), 0)
             .unwrap();
         let rule = PolicyKey::new(7, 300, crate::maps::DIR_INGRESS, 6, 80, 16);
         first
-            .policy()
+            .maps()
+            .policy
+            .lock()
             .insert(&rule.to_lpm(), PolicyValue::new(VERDICT_ALLOW), 0)
             .unwrap();
 
