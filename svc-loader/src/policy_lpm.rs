@@ -432,14 +432,15 @@ pub fn diff(current: &BTreeMap<PolicyEntry, u8>, desired: &BTreeMap<PolicyEntry,
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::maps::{POLICY_PREFIX_FULL_BITS, PolicyKey};
 
     const TCP: u8 = 6;
     const UDP: u8 = 17;
 
-    fn rule(direction: u8, peer: u32, protocol: u8, port: u16, end_port: u16, verdict: u8) -> PolicyRule {
+    /// A rule matching peers by identity (the loader's tests build theirs with it too).
+    pub(crate) fn rule(direction: u8, peer: u32, protocol: u8, port: u16, end_port: u16, verdict: u8) -> PolicyRule {
         PolicyRule {
             direction,
             by_address: false,

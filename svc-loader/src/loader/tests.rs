@@ -10,12 +10,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
 use rivet_common::testing::netns::{NetNs, veth_pair};
 
 use super::*;
 use crate::datapath::{DEFAULT_BPFFS, DatapathOptions};
 use crate::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
 use crate::policy_lpm::PolicyRule;
+use crate::policy_lpm::tests::rule;
 use crate::testing::PinDir;
 use crate::validate::PolicySpec;
 
@@ -84,22 +87,11 @@ impl Fixture {
 }
 
 fn allow(direction: u8, peer: u32, protocol: u8, port: u16) -> PolicyRule {
-    PolicyRule {
-        direction,
-        by_address: false,
-        peer_identity: peer,
-        protocol,
-        port,
-        end_port: 0,
-        verdict: VERDICT_ALLOW,
-    }
+    rule(direction, peer, protocol, port, 0, VERDICT_ALLOW)
 }
 
 fn deny(direction: u8, peer: u32, protocol: u8, port: u16) -> PolicyRule {
-    PolicyRule {
-        verdict: VERDICT_DENY,
-        ..allow(direction, peer, protocol, port)
-    }
+    rule(direction, peer, protocol, port, 0, VERDICT_DENY)
 }
 
 fn policy(revision: u64, rules: Vec<PolicyRule>) -> PolicySpec {
@@ -448,39 +440,30 @@ fn applies_on_different_interfaces_overlap_and_one_endpoint_stays_serialised() {
 /// A compiled policy.
 type Compiled = BTreeMap<PolicyEntry, u8>;
 
-/// xorshift64*: enough randomness for a stress test, seeded and printed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
-}
-
-fn random_policy(rng: &mut Rng) -> PolicySpec {
+fn random_policy(rng: &mut StdRng) -> PolicySpec {
     let mut rules = Vec::new();
-    for _ in 0..rng.below(6) {
-        let protocol = [0, TCP, UDP][rng.below(3) as usize];
-        let port = if protocol == 0 { 0 } else { 1 + rng.below(2000) as u16 };
-        let end_port = if port != 0 && rng.below(3) == 0 {
-            port + rng.below(300) as u16
+    for _ in 0..rng.random_range(0..6) {
+        let protocol = [0, TCP, UDP][rng.random_range(0..3)];
+        let port = if protocol == 0 { 0 } else { rng.random_range(1..=2000) };
+        let end_port = if port != 0 && rng.random_range(0..3) == 0 {
+            port + rng.random_range(0..300)
         } else {
             0
         };
-        rules.push(PolicyRule {
-            direction: if rng.below(2) == 0 { DIR_INGRESS } else { DIR_EGRESS },
-            by_address: false,
-            peer_identity: rng.below(4) as u32,
+        rules.push(rule(
+            [DIR_INGRESS, DIR_EGRESS][rng.random_range(0..2)],
+            rng.random_range(0..4),
             protocol,
             port,
             end_port,
-            verdict: if rng.below(4) == 0 { VERDICT_DENY } else { VERDICT_ALLOW },
-        });
+            if rng.random_range(0..4) == 0 {
+                VERDICT_DENY
+            } else {
+                VERDICT_ALLOW
+            },
+        ));
     }
-    policy(rng.below(1000), rules)
+    policy(rng.random_range(0..1000), rules)
 }
 
 #[test]
@@ -488,11 +471,7 @@ fn concurrent_applies_and_removes_on_many_interfaces_leave_maps_and_filters_cons
     const INTERFACES: usize = 8;
     const THREADS: u64 = 4;
     const OPS: usize = 40;
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1;
+    let seed: u64 = rand::random();
     eprintln!("stress seed {seed:#x}");
     let fx = Fixture::new(INTERFACES, 4096);
     fx.run(move |dp, ifs| {
@@ -504,11 +483,11 @@ fn concurrent_applies_and_removes_on_many_interfaces_leave_maps_and_filters_cons
             .map(|t| {
                 let (dp, ifs, applied) = (dp.clone(), ifs.clone(), applied.clone());
                 std::thread::spawn(move || {
-                    let mut rng = Rng(seed.wrapping_add(t.wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1);
+                    let mut rng = StdRng::seed_from_u64(seed.wrapping_add(t));
                     for _ in 0..OPS {
-                        let i = rng.below(INTERFACES as u64) as usize;
-                        let id = if rng.below(3) == 0 { 200 } else { 100 } + i as u32;
-                        match rng.below(6) {
+                        let i = rng.random_range(0..INTERFACES);
+                        let id = if rng.random_range(0..3) == 0 { 200 } else { 100 } + i as u32;
+                        match rng.random_range(0..6) {
                             0..=2 => {
                                 let p = random_policy(&mut rng);
                                 let compiled = policy_lpm::compile(id, &p.rules).unwrap();
