@@ -324,12 +324,8 @@ pub fn ipv4_fragments(
     datagram: &[u8],
     chunk: usize,
 ) -> Vec<Vec<u8>> {
-    assert_eq!(chunk % 8, 0);
-    let n = datagram.len().div_ceil(chunk);
-    datagram
-        .chunks(chunk)
-        .enumerate()
-        .map(|(i, piece)| ipv4(src, dst, protocol, 64, id, Some(((i * chunk) as u16, i + 1 < n)), piece))
+    fragment_pieces(datagram, chunk)
+        .map(|(offset, more, piece)| ipv4(src, dst, protocol, 64, id, Some((offset, more)), piece))
         .collect()
 }
 
@@ -345,21 +341,24 @@ pub fn ipv6_fragments(
     datagram: &[u8],
     chunk: usize,
 ) -> Vec<Vec<u8>> {
-    assert_eq!(chunk % 8, 0);
+    fragment_pieces(datagram, chunk)
+        .map(|(offset, more, piece)| {
+            let mut headers = unfragmentable.to_vec();
+            headers.push(ExtHeader::Fragment { offset, more, id });
+            ipv6(src, dst, 64, &headers, protocol, piece)
+        })
+        .collect()
+}
+
+/// `datagram` in pieces of at most `chunk` bytes (a multiple of 8), each
+/// with its offset in bytes and its More Fragments flag.
+fn fragment_pieces(datagram: &[u8], chunk: usize) -> impl Iterator<Item = (u16, bool, &[u8])> {
+    assert_eq!(chunk % 8, 0, "fragment offsets are multiples of 8");
     let n = datagram.len().div_ceil(chunk);
     datagram
         .chunks(chunk)
         .enumerate()
-        .map(|(i, piece)| {
-            let mut headers = unfragmentable.to_vec();
-            headers.push(ExtHeader::Fragment {
-                offset: (i * chunk) as u16,
-                more: i + 1 < n,
-                id,
-            });
-            ipv6(src, dst, 64, &headers, protocol, piece)
-        })
-        .collect()
+        .map(move |(i, piece)| ((i * chunk) as u16, i + 1 < n, piece))
 }
 
 /// Sends each frame once, in order, from interface `ifname` of the calling
@@ -421,6 +420,56 @@ mod tests {
             &[],
         );
         assert_eq!(checksum(&ip[..20]), 0);
+    }
+
+    #[test]
+    fn fragments_carry_their_offsets_and_more_fragments_flags() {
+        let datagram: Vec<u8> = (0..20).collect();
+        let (s4, d4) = (Ipv4Addr::new(198, 18, 0, 2), Ipv4Addr::new(198, 18, 0, 3));
+        let v4 = ipv4_fragments(s4, d4, proto::UDP, 7, &datagram, 8);
+        let fields: Vec<(u16, u16, &[u8])> = v4
+            .iter()
+            .map(|p| {
+                (
+                    u16::from_be_bytes([p[4], p[5]]),
+                    u16::from_be_bytes([p[6], p[7]]),
+                    &p[20..],
+                )
+            })
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                (7, 0x2000, &datagram[..8]),
+                (7, 0x2000 | 1, &datagram[8..16]),
+                (7, 2, &datagram[16..])
+            ],
+            "identification, flags and offset in 8-byte units, payload"
+        );
+        let (s6, d6) = (Ipv6Addr::LOCALHOST, Ipv6Addr::LOCALHOST);
+        let v6 = ipv6_fragments(s6, d6, &[ExtHeader::HopByHop { len: 0 }], proto::UDP, 9, &datagram, 8);
+        let fields: Vec<(u8, u16, u32, &[u8])> = v6
+            .iter()
+            .map(|p| {
+                let f = &p[48..56]; // after the Hop-by-Hop header
+                (
+                    f[0],
+                    u16::from_be_bytes([f[2], f[3]]),
+                    u32::from_be_bytes([f[4], f[5], f[6], f[7]]),
+                    &p[56..],
+                )
+            })
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                (proto::UDP, 1, 9, &datagram[..8]),
+                (proto::UDP, 8 | 1, 9, &datagram[8..16]),
+                (proto::UDP, 16, 9, &datagram[16..])
+            ],
+            "next header, offset in bytes with M, identification, payload"
+        );
+        assert!(v6.iter().all(|p| p[6] == proto::HOP_BY_HOP && p[40] == proto::FRAGMENT));
     }
 
     #[test]
