@@ -154,6 +154,20 @@ impl LoaderNode {
             .sum()
     }
 
+    /// Waits until the drops for `reason` reach `target` (a drop counter
+    /// is the signal that packets went through the datapath), at most
+    /// `within`; returns the count then.
+    pub async fn drops_reaching(&self, reason: pb::DropReason, target: u64, within: std::time::Duration) -> u64 {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let now = self.drops(reason).await;
+            if now >= target || std::time::Instant::now() >= deadline {
+                return now;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
     /// A pod by name.
     pub fn pod(&self, name: &str) -> &TestPod {
         self.node.pod(name)

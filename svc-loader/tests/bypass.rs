@@ -55,14 +55,7 @@ async fn all_drops(node: &LoaderNode) -> u64 {
 /// Waits until the `reason` counter reaches `target` (or [`SIGNAL`]
 /// passes) and returns it.
 async fn drops_reaching(node: &LoaderNode, reason: pb::DropReason, target: u64) -> u64 {
-    let deadline = Instant::now() + SIGNAL;
-    loop {
-        let now = node.drops(reason).await;
-        if now >= target || Instant::now() >= deadline {
-            return now;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    node.drops_reaching(reason, target, SIGNAL).await
 }
 
 fn v6(node: &LoaderNode, pod: &str) -> Ipv6Addr {

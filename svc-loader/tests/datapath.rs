@@ -652,12 +652,9 @@ async fn mld_reports_from_the_unspecified_address_pass_and_spoofed_sources_are_d
         .in_ns(move || frames::send_frames("eth0", &spoof))
         .unwrap()
         .unwrap();
-    let mut after = before;
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while after < before + 3 && std::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        after = node.drops(pb::DropReason::InvalidSourceAddress).await;
-    }
+    let after = node
+        .drops_reaching(pb::DropReason::InvalidSourceAddress, before + 3, Duration::from_secs(5))
+        .await;
     assert_eq!(
         after - before,
         3,
