@@ -149,22 +149,6 @@ async fn keys(endpoint: &str, prefix: &str) -> BTreeSet<String> {
     leases(endpoint, prefix).await.into_keys().collect()
 }
 
-async fn start_etcd() -> EtcdServer {
-    tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts")
-}
-
-async fn restart_etcd(mut etcd: EtcdServer) -> EtcdServer {
-    tokio::task::spawn_blocking(move || {
-        etcd.restart().expect("etcd restarts");
-        etcd
-    })
-    .await
-    .unwrap()
-}
-
 /// Waits until `node` reconciled with etcd (rivet status healthy, nothing
 /// left to publish); returns how long that took.
 fn wait_reconciled(node: &TestNode) -> Duration {
@@ -204,7 +188,7 @@ fn status(node: &TestNode) -> (Option<i32>, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
-    let mut etcd = start_etcd().await;
+    let mut etcd = EtcdServer::start_async().await.expect("etcd starts");
     let endpoint = etcd.endpoint();
     let mut a = node_on(&endpoint, "default=198.18.0.0/22,2001:2::/64");
     let mut b = node_on(&endpoint, "default=198.18.4.0/22,2001:2:0:1::/64");
@@ -294,7 +278,7 @@ async fn two_nodes_ride_out_an_etcd_outage_and_converge_when_it_returns() {
     a.ok(&["pod", "del", "forced", "--force"]);
     let outage_work = outage.elapsed();
 
-    let _etcd = restart_etcd(etcd).await;
+    let _etcd = etcd.restart_async().await.expect("etcd restarts");
     eprintln!("etcd was down {:?} (local work took {outage_work:?})", outage.elapsed());
     // ...and starts once etcd is back.
     let out = late.wait_with_output().expect("rivet pod add ends");
@@ -470,7 +454,7 @@ fn status_json(node: &TestNode) -> serde_json::Value {
 /// after the nodes stop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn svc_identity_killed_during_an_etcd_outage_restarts_from_its_snapshot_and_converges() {
-    let mut etcd = start_etcd().await;
+    let mut etcd = EtcdServer::start_async().await.expect("etcd starts");
     let endpoint = etcd.endpoint();
     let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], rivet_common::testing::free_local_port()));
     let metrics_arg = format!("svc-identity=--metrics-address={metrics}");
@@ -578,7 +562,7 @@ async fn svc_identity_killed_during_an_etcd_outage_restarts_from_its_snapshot_an
     );
 
     // etcd is back: node a converges.
-    let _etcd = restart_etcd(etcd).await;
+    let _etcd = etcd.restart_async().await.expect("etcd restarts");
     wait_reconciled(&a);
     let (sent, received, summary) = pinger.stop();
     assert!(

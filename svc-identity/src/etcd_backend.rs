@@ -1227,30 +1227,6 @@ mod tests {
     const TTL: Duration = Duration::from_secs(2);
     const REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
 
-    async fn start_etcd() -> EtcdServer {
-        tokio::task::spawn_blocking(|| EtcdServer::start().expect("start etcd"))
-            .await
-            .expect("start task")
-    }
-
-    async fn stop_etcd(mut etcd: EtcdServer) -> EtcdServer {
-        tokio::task::spawn_blocking(move || {
-            etcd.stop();
-            etcd
-        })
-        .await
-        .expect("stop task")
-    }
-
-    async fn restart_etcd(mut etcd: EtcdServer) -> EtcdServer {
-        tokio::task::spawn_blocking(move || {
-            etcd.restart().expect("restart etcd");
-            etcd
-        })
-        .await
-        .expect("restart task")
-    }
-
     fn options(endpoint: &str, node: &str) -> EtcdOptions {
         EtcdOptions {
             lease_ttl: TTL,
@@ -1389,7 +1365,7 @@ mod tests {
     /// etcd 3.4 facts the allocation transaction relies on.
     #[tokio::test]
     async fn etcd_range_compare_on_an_empty_range_succeeds() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let mut c = raw(&etcd).await;
         let check = |compare: Compare| Txn::new().when([compare]).and_then([]).or_else([]);
         let empty_create = || Compare::create_revision("x/value/a/", CompareOp::Equal, 0).with_prefix();
@@ -1427,7 +1403,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn etcd_racing_creates_end_with_one_id() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = Arc::new(backend(&etcd, "node-a").await);
         let b = Arc::new(backend(&etcd, "node-b").await);
         let mut c = raw(&etcd).await;
@@ -1477,7 +1453,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_id_taken_and_released_identity_reuse() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = backend(&etcd, "node-a").await;
         let b = backend(&etcd, "node-b").await;
         assert_eq!(
@@ -1510,7 +1486,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_acquire_on_matching_mismatching_and_vanished_master() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = backend(&etcd, "node-a").await;
         let b = backend(&etcd, "node-b").await;
         let mut c = raw(&etcd).await;
@@ -1554,7 +1530,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_release_deletes_only_this_nodes_value_key() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = backend(&etcd, "node-a").await;
         let b = backend(&etcd, "node-b").await;
         let mut c = raw(&etcd).await;
@@ -1582,7 +1558,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_keys_and_values_follow_the_layout() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let opts = EtcdOptions {
             prefix: "test/pfx".into(),
             cluster: "c1".into(),
@@ -1631,7 +1607,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_label_sets_sharing_a_key_prefix_stay_apart() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = backend(&etcd, "node-a").await;
         let b = backend(&etcd, "node-b").await;
         let mut c = raw(&etcd).await;
@@ -1678,7 +1654,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_list_then_watch_delivers_later_changes_in_order() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = backend(&etcd, "node-a").await;
         let b = backend(&etcd, "node-b").await;
         let mut c = raw(&etcd).await;
@@ -1744,7 +1720,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_watch_from_a_compacted_revision_is_compacted() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = backend(&etcd, "node-a").await;
         let mut c = raw(&etcd).await;
         for i in 0..5 {
@@ -1780,7 +1756,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_dead_nodes_keys_expire_with_its_lease_and_shutdown_revokes() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = backend(&etcd, "node-a").await;
         let b = backend(&etcd, "node-b").await;
         let mut c = raw(&etcd).await;
@@ -1830,7 +1806,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_outage_is_unavailable_quickly_and_recovery_keeps_the_lease() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = Arc::new(backend(&etcd, "node-a").await);
         let layout = a.layout().clone();
         a.create_identity(1200, "k8s:app=web").await.unwrap();
@@ -1838,7 +1814,7 @@ mod tests {
         let (_, revision) = a.list_identities().await.unwrap();
         let mut watch = a.watch_identities(revision).await.unwrap();
 
-        let etcd = stop_etcd(etcd).await;
+        let etcd = etcd.stop_async().await;
         let down = Instant::now();
         assert!(matches!(next_err(&mut watch).await, BackendError::Unavailable { .. }));
         let started = Instant::now();
@@ -1861,7 +1837,7 @@ mod tests {
             let a = a.clone();
             async move { a.lease_renewed().await }
         });
-        let etcd = restart_etcd(etcd).await;
+        let etcd = etcd.restart_async().await.expect("etcd restarts");
         eprintln!("etcd was down {:?}", down.elapsed());
         // etcd keeps leases across restarts (and refreshes their TTL when a
         // leader is elected): no renewal, the keys are still there, and the
@@ -1881,12 +1857,12 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_outage_recovery_serves_requests_again() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = backend(&etcd, "node-a").await;
         a.create_identity(1300, "k8s:app=web").await.unwrap();
-        let etcd = stop_etcd(etcd).await;
+        let etcd = etcd.stop_async().await;
         assert!(a.held_id("k8s:app=web").await.is_err());
-        let etcd = restart_etcd(etcd).await;
+        let etcd = etcd.restart_async().await.expect("etcd restarts");
         let took = eventually("the backend answers again", Duration::from_secs(3), || async {
             a.held_id("k8s:app=web").await.is_ok()
         })
@@ -1906,7 +1882,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_lost_lease_is_replaced_signalled_and_used() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let a = Arc::new(backend(&etcd, "node-a").await);
         let mut c = raw(&etcd).await;
         let layout = a.layout().clone();
@@ -2034,7 +2010,7 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_partition_longer_than_the_ttl_replaces_the_lease() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let proxy = Proxy::start(etcd.client_addr()).await;
         let a = Arc::new(
             EtcdBackend::connect(options(&format!("http://{}", proxy.addr), "node-a"))
@@ -2105,9 +2081,9 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_started_without_etcd_grants_its_lease_when_etcd_answers() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let endpoint = etcd.endpoint();
-        let etcd = stop_etcd(etcd).await;
+        let etcd = etcd.stop_async().await;
         let started = Instant::now();
         let a = Arc::new(
             EtcdBackend::start(options(&endpoint, "node-a"))
@@ -2127,7 +2103,7 @@ mod tests {
             async move { a.lease_renewed().await }
         });
 
-        let etcd = restart_etcd(etcd).await;
+        let etcd = etcd.restart_async().await.expect("etcd restarts");
         tokio::time::timeout(Duration::from_secs(10), renewed)
             .await
             .expect("the first lease is reported like a replacement")
@@ -2150,9 +2126,9 @@ mod tests {
 
     #[tokio::test]
     async fn etcd_connect_fails_fast_without_etcd_and_rejects_bad_names() {
-        let etcd = start_etcd().await;
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let endpoint = etcd.endpoint();
-        let etcd = stop_etcd(etcd).await;
+        let etcd = etcd.stop_async().await;
         let started = Instant::now();
         let err = EtcdBackend::connect(options(&endpoint, "node-a")).await.unwrap_err();
         assert_unavailable(&err, "connecting to etcd");

@@ -41,13 +41,6 @@ fn command_with_ttl(dir: &Path, node: &str, etcd: Option<&str>, lease_ttl_second
     cmd
 }
 
-async fn start_etcd() -> EtcdServer {
-    tokio::task::spawn_blocking(EtcdServer::start)
-        .await
-        .unwrap()
-        .expect("etcd starts")
-}
-
 /// svc-identity as `node` on `etcd`.
 async fn spawn(dir: &Path, node: &str, etcd: &EtcdServer) -> DaemonProcess {
     command(dir, node, Some(&etcd.endpoint()))
@@ -195,7 +188,7 @@ async fn raw_keys(endpoint: &str, prefix: &str) -> BTreeMap<String, String> {
 
 #[tokio::test]
 async fn two_nodes_racing_on_overlapping_label_sets_agree_on_one_id_each() {
-    let etcd = start_etcd().await;
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
     let a = spawn(dir.path(), "node-a", &etcd).await;
     let b = spawn(dir.path(), "node-b", &etcd).await;
@@ -316,7 +309,7 @@ async fn wait_keys_gone(
 
 #[tokio::test]
 async fn a_killed_node_loses_its_value_keys_after_the_lease_ttl() {
-    let etcd = start_etcd().await;
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
     let mut a = spawn(dir.path(), "node-a", &etcd).await;
     let b = spawn(dir.path(), "node-b", &etcd).await;
@@ -344,7 +337,7 @@ async fn a_killed_node_loses_its_value_keys_after_the_lease_ttl() {
 #[tokio::test]
 async fn a_cleanly_stopped_node_revokes_its_lease_so_its_keys_go_at_once() {
     const TTL_SECONDS: u32 = 30;
-    let etcd = start_etcd().await;
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
     let endpoint = etcd.endpoint();
     let mut a = command_with_ttl(dir.path(), "node-a", Some(&endpoint), TTL_SECONDS)
@@ -387,7 +380,7 @@ async fn a_cleanly_stopped_node_revokes_its_lease_so_its_keys_go_at_once() {
 
 #[tokio::test]
 async fn etcd_outage_keeps_known_sets_and_refuses_new_ones_then_recovers() {
-    let mut etcd = start_etcd().await;
+    let mut etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
     let a = spawn(dir.path(), "node-a", &etcd).await;
     let mut c = client(&a).await;
@@ -477,7 +470,7 @@ async fn allocate_owned(
 
 #[tokio::test]
 async fn etcd_outage_serves_known_sets_and_ip_changes_locally_and_reconciles_when_back() {
-    let mut etcd = start_etcd().await;
+    let mut etcd = EtcdServer::start_async().await.expect("etcd starts");
     let endpoint = etcd.endpoint();
     let dir = tempfile::tempdir().unwrap();
     let a = spawn(dir.path(), "node-a", &etcd).await;
@@ -718,7 +711,7 @@ async fn value_keys_of_a_previous_run_nobody_claims_again_are_deleted_after_the_
 
 #[tokio::test]
 async fn keys_that_vanish_from_etcd_are_recreated_with_the_same_id() {
-    let etcd = start_etcd().await;
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
     let a = spawn(dir.path(), "node-a", &etcd).await;
     let mut c = client(&a).await;
@@ -751,7 +744,7 @@ async fn keys_that_vanish_from_etcd_are_recreated_with_the_same_id() {
 #[tokio::test]
 async fn an_ip_published_on_one_node_reaches_the_other() {
     use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
-    let etcd = start_etcd().await;
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
     let a = spawn(dir.path(), "node-a", &etcd).await;
     let b = spawn(dir.path(), "node-b", &etcd).await;
@@ -997,24 +990,6 @@ async fn raw_leases(endpoint: &str, prefix: &str) -> BTreeMap<String, i64> {
         .collect()
 }
 
-async fn restart_etcd(mut etcd: EtcdServer) -> EtcdServer {
-    tokio::task::spawn_blocking(move || {
-        etcd.restart().expect("etcd restarts");
-        etcd
-    })
-    .await
-    .unwrap()
-}
-
-async fn stop_etcd(mut etcd: EtcdServer) -> EtcdServer {
-    tokio::task::spawn_blocking(move || {
-        etcd.stop();
-        etcd
-    })
-    .await
-    .unwrap()
-}
-
 /// svc-identity killed (-9) while etcd is down restarts and serves from its
 /// local snapshot: identities (list, watch, allocation of known sets),
 /// svc-loader's full ipcache push with the other node's entries, local
@@ -1028,7 +1003,7 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
         svc_loader::testing::LoaderNode::start(&rivet_common::testing::workspace_binary("svc-loader"), &[], &[])
             .await
             .expect("svc-loader starts");
-    let etcd = start_etcd().await;
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
     let endpoint = etcd.endpoint();
     let dir = tempfile::tempdir().unwrap();
     let metrics_address = std::net::SocketAddr::from(([127, 0, 0, 1], rivet_common::testing::free_local_port()));
@@ -1075,7 +1050,7 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
 
     // etcd stops; node-a releases set 2 and withdraws .2 locally, and its
     // snapshot records that; then it is killed.
-    let etcd = stop_etcd(etcd).await;
+    let etcd = etcd.stop_async().await;
     wait_store(&mut ca, "node-a sees the outage", |s| !s.connected).await;
     ca.release_identity(pb::ReleaseIdentityRequest {
         id: 0,
@@ -1107,7 +1082,7 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
 
     // While node-a is down, etcd answers for a while: node-b deletes pod .20
     // and the operator's GC deletes set 5's master key.
-    let etcd = restart_etcd(etcd).await;
+    let etcd = etcd.restart_async().await.expect("etcd restarts");
     wait_store(&mut cb, "node-b reconnects", |s| s.connected).await;
     delete_local(&mut ib, "198.18.9.20").await.unwrap();
     cb.release_identity(pb::ReleaseIdentityRequest {
@@ -1129,7 +1104,7 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
     let old_lease_keys = raw_leases(&endpoint, "rivet/state/").await;
 
     // etcd goes again; node-a restarts and serves from its snapshot.
-    let etcd = stop_etcd(etcd).await;
+    let etcd = etcd.stop_async().await;
     a.restart().await.expect("node-a starts while etcd is down");
     let (mut ca, mut ia) = (client(&a).await, ipcache_client(&a).await);
     let status = ca.get_status(pb::GetStatusRequest {}).await.unwrap().into_inner();
@@ -1231,7 +1206,7 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
     }
 
     // etcd is back: node-a converges.
-    let _etcd = restart_etcd(etcd).await;
+    let _etcd = etcd.restart_async().await.expect("etcd restarts");
     let reconciled = wait_reconciled(&mut ca).await;
     let lease = reconciled.lease_id;
     assert!(lease != 0, "{reconciled:?}");

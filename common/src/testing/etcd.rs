@@ -89,6 +89,13 @@ impl std::fmt::Debug for EtcdError {
     }
 }
 
+/// Runs `f` on tokio's blocking pool; a panic in it is resumed here.
+async fn on_blocking_pool<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+}
+
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> EtcdError {
     let context = context.into();
     move |source| EtcdError::Io { context, source }
@@ -159,6 +166,44 @@ impl EtcdServer {
                 Ok(()) => return Ok(server),
             }
         }
+    }
+
+    /// [`start`](Self::start) on tokio's blocking pool: the test's runtime
+    /// keeps running its other tasks (clients, backends under test) while
+    /// etcd comes up.
+    ///
+    /// ```no_run
+    /// # async fn t() -> Result<(), rivet_common::testing::etcd::EtcdError> {
+    /// use rivet_common::testing::etcd::EtcdServer;
+    ///
+    /// let etcd = EtcdServer::start_async().await?;
+    /// let etcd = etcd.stop_async().await; // an outage
+    /// let etcd = etcd.restart_async().await?; // back, same endpoint and data
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    pub async fn start_async() -> Result<Self, EtcdError> {
+        on_blocking_pool(Self::start).await
+    }
+
+    /// [`stop`](Self::stop) on tokio's blocking pool; hands the server back.
+    pub async fn stop_async(mut self) -> Self {
+        on_blocking_pool(move || {
+            self.stop();
+            self
+        })
+        .await
+    }
+
+    /// [`restart`](Self::restart) on tokio's blocking pool; hands the server
+    /// back (on an error it is dropped: killed, its temp dir removed).
+    ///
+    /// # Errors
+    /// As [`restart`](Self::restart).
+    pub async fn restart_async(mut self) -> Result<Self, EtcdError> {
+        on_blocking_pool(move || self.restart().map(|()| self)).await
     }
 
     /// `http://127.0.0.1:PORT`, the client URL (the same across restarts).
@@ -549,6 +594,21 @@ mod tests {
             assert!(!pid_alive(pid), "etcd pid {pid} still exists after drop");
             assert!(!root.exists(), "{} still exists after drop", root.display());
         }
+    }
+
+    /// The async forms hand the same server back: stopped, then restarted
+    /// on its endpoint with its data.
+    #[tokio::test]
+    async fn etcd_async_start_stop_restart_keep_the_server() {
+        let etcd = EtcdServer::start_async().await.expect("start etcd");
+        put(&etcd, "rivet/test/key", "kept");
+        let endpoint = etcd.endpoint();
+        let etcd = etcd.stop_async().await;
+        assert_eq!(etcd.pid(), None);
+        assert!(!etcd.is_healthy(), "etcd answers /health after stop_async");
+        let etcd = etcd.restart_async().await.expect("restart etcd");
+        assert_eq!(etcd.endpoint(), endpoint);
+        assert_eq!(get(&etcd, "rivet/test/key").as_deref(), Some("kept"));
     }
 
     /// etcd-client 0.21 against the harness: put/get and a create-if-absent
