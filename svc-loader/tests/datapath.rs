@@ -688,18 +688,7 @@ async fn ipblocks_match_pod_addresses_per_address() {
     let wide: [(IpAddr, u32); 2] = [("198.18.0.0".parse().unwrap(), 15), ("2001:2::".parse().unwrap(), 48)];
 
     // Egress to b's /32 and /128 only.
-    let to_b = pb::EndpointPolicy {
-        prefixes: vec![prefix(Egress, b[0], 32, CIDR_1), prefix(Egress, b[1], 128, CIDR_2)],
-        ..policy(
-            1,
-            false,
-            true,
-            vec![
-                address_entry(Egress, CIDR_1, Protocol::Any, 0, Allow),
-                address_entry(Egress, CIDR_2, Protocol::Any, 0, Allow),
-            ],
-        )
-    };
+    let to_b = egress_to_hosts(1, &b, Allow, Vec::new());
     apply(&mut client, node.endpoint("a", 1, A, to_b)).await;
     for (b, c) in b.into_iter().zip(c) {
         assert_eq!(pings(&node, "a", b), 3, "ipBlock {b}/{}: a reaches b", host_prefix(b));
@@ -768,19 +757,7 @@ async fn ipblocks_match_pod_addresses_per_address() {
     );
 
     // A deny by address beats an allow by identity (a Rivet deny ipBlock).
-    let deny_c = pb::EndpointPolicy {
-        prefixes: vec![prefix(Egress, c[0], 32, CIDR_1), prefix(Egress, c[1], 128, CIDR_2)],
-        ..policy(
-            3,
-            false,
-            true,
-            vec![
-                entry(Egress, B, Protocol::Any, 0, 0, Allow),
-                address_entry(Egress, CIDR_1, Protocol::Any, 0, Deny),
-                address_entry(Egress, CIDR_2, Protocol::Any, 0, Deny),
-            ],
-        )
-    };
+    let deny_c = egress_to_hosts(3, &c, Deny, vec![entry(Egress, B, Protocol::Any, 0, 0, Allow)]);
     apply(&mut client, node.endpoint("a", 1, A, deny_c)).await;
     let denied_before = node.drops(pb::DropReason::PolicyDenied).await;
     for (b, c) in b.into_iter().zip(c) {
@@ -807,7 +784,11 @@ async fn ipblocks_match_pod_addresses_per_address() {
     for c in c {
         assert_eq!(pings(&node, "a", c), 3, "no address deny is left behind for {c}");
     }
-    apply(&mut client, node.endpoint("a", 1, A, deny_c_again(c))).await;
+    apply(
+        &mut client,
+        node.endpoint("a", 1, A, egress_to_hosts(5, &c[..1], Deny, Vec::new())),
+    )
+    .await;
     client
         .remove_endpoint(pb::RemoveEndpointRequest {
             endpoint_id: 1,
@@ -826,15 +807,24 @@ async fn ipblocks_match_pod_addresses_per_address() {
     );
 }
 
-fn deny_c_again(c: [IpAddr; 2]) -> pb::EndpointPolicy {
+/// An egress-only policy: `entries`, and `verdict` by address for each
+/// of `hosts` (its /32 or /128, with CIDR identity CIDR_1, CIDR_2, ... in
+/// order).
+fn egress_to_hosts(
+    revision: u64,
+    hosts: &[IpAddr],
+    verdict: pb::Verdict,
+    mut entries: Vec<pb::PolicyEntry>,
+) -> pb::EndpointPolicy {
+    let cidr = |i: usize| CIDR_1 + i as u32;
+    entries.extend((0..hosts.len()).map(|i| address_entry(Egress, cidr(i), Protocol::Any, 0, verdict)));
     pb::EndpointPolicy {
-        prefixes: vec![prefix(Egress, c[0], 32, CIDR_1)],
-        ..policy(
-            5,
-            false,
-            true,
-            vec![address_entry(Egress, CIDR_1, Protocol::Any, 0, Deny)],
-        )
+        prefixes: hosts
+            .iter()
+            .enumerate()
+            .map(|(i, &host)| prefix(Egress, host, host_prefix(host), cidr(i)))
+            .collect(),
+        ..policy(revision, false, true, entries)
     }
 }
 
@@ -872,16 +862,7 @@ async fn a_pin_set_without_the_prefix_map_is_adopted() {
     let mut client = node.client().await;
     apply(&mut client, node.endpoint("b", 2, B, unrestricted(1))).await;
     let b = v4(&node, "b");
-    let to_b = pb::EndpointPolicy {
-        prefixes: vec![prefix(Egress, b, 32, CIDR_1)],
-        ..policy(
-            1,
-            false,
-            true,
-            vec![address_entry(Egress, CIDR_1, Protocol::Any, 0, Allow)],
-        )
-    };
-    let a_req = node.endpoint("a", 1, A, to_b);
+    let a_req = node.endpoint("a", 1, A, egress_to_hosts(1, &[b], Allow, Vec::new()));
     apply(&mut client, a_req.clone()).await;
     drop(client);
     node.loader.kill9();
