@@ -31,14 +31,14 @@
 //! of the store replaces it: identities and other nodes' entries the store
 //! no longer has go then (no stale entry is resurrected). Written by
 //! [`SnapshotWriter`]: after changes, coalesced over
-//! [`SnapshotOptions::min_interval`], on the blocking pool (never on a
-//! request's path), retried with backoff when the write fails; and once
+//! [`SnapshotOptions::min_interval`], gathered and written on the blocking
+//! pool (never on a request's path nor an async worker), retried with backoff when the write fails; and once
 //! more at a clean stop. A snapshot of another node, key prefix or cluster
 //! is ignored.
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rivet_common::backoff::Backoff;
@@ -248,12 +248,10 @@ pub struct SnapshotWriter {
     ipcache: Arc<IpCache>,
     opts: SnapshotOptions,
     metrics: IdentityMetrics,
-    /// Numbers the gathered snapshots.
-    gathered: AtomicU64,
-    /// The number of the snapshot in the file, held while one is written:
-    /// a write that outlived its aborted task never runs beside another
-    /// one (they share the temp file) nor replaces a newer snapshot.
-    stored: Arc<std::sync::Mutex<u64>>,
+    /// Held while a snapshot is gathered and written: a write that outlived
+    /// its aborted task never runs beside another one (they share the temp
+    /// file), and the last write holds the newest state.
+    file: std::sync::Mutex<StateFile<Snapshot>>,
 }
 
 impl std::fmt::Debug for SnapshotWriter {
@@ -276,10 +274,9 @@ impl SnapshotWriter {
         Arc::new(Self {
             allocator,
             ipcache,
+            file: std::sync::Mutex::new(opts.file()),
             opts,
             metrics,
-            gathered: AtomicU64::new(0),
-            stored: Arc::new(std::sync::Mutex::new(0)),
         })
     }
 
@@ -324,19 +321,32 @@ impl SnapshotWriter {
 
     /// Writes once more now (a clean stop, after the loop was aborted); a
     /// failure is reported, the previous snapshot stays.
-    pub async fn write_last(&self) {
+    pub async fn write_last(self: &Arc<Self>) {
         if let Err(e) = self.write().await {
             events::snapshot_write_failed(&self.metrics, &e, None);
         }
     }
 
-    /// Gathers the state now and writes it on the blocking pool.
+    /// Gathers the state and writes it, both on the blocking pool (the
+    /// gathering copies the whole identity and IP cache, never on an async
+    /// worker).
     ///
     /// # Errors
     /// The write failed (the previous snapshot stays).
-    pub async fn write(&self) -> Result<(), SnapshotError> {
+    pub async fn write(self: &Arc<Self>) -> Result<(), SnapshotError> {
         let started = Instant::now();
-        let number = self.gathered.fetch_add(1, Ordering::AcqRel) + 1;
+        let writer = Arc::clone(self);
+        let (identities, ip_entries) = tokio::task::spawn_blocking(move || writer.gather_and_store())
+            .await
+            .map_err(|e| SnapshotError::Task(e.to_string()))??;
+        events::snapshot_written(&self.metrics, identities, ip_entries, started.elapsed());
+        Ok(())
+    }
+
+    /// Gathers the state now and stores it (blocking); returns how many
+    /// identities and IP cache entries it holds.
+    fn gather_and_store(&self) -> Result<(usize, usize), StateFileError> {
+        let file = self.file.lock().unwrap_or_else(|e| e.into_inner());
         let snapshot = Snapshot {
             node: self.opts.node.clone(),
             prefix: self.opts.prefix.clone(),
@@ -347,24 +357,11 @@ impl SnapshotWriter {
             identities: self.allocator.snapshot(),
             ipcache: self.ipcache.snapshot(),
         };
-        let (identities, ip_entries) = (
+        file.store(&snapshot)?;
+        Ok((
             snapshot.identities.identities.len(),
             snapshot.ipcache.remote.len() + snapshot.ipcache.local.len(),
-        );
-        let (file, stored) = (self.opts.file(), self.stored.clone());
-        tokio::task::spawn_blocking(move || {
-            let mut stored = stored.lock().unwrap_or_else(|e| e.into_inner());
-            if *stored > number {
-                return Ok(()); // A newer one is in the file already.
-            }
-            file.store(&snapshot)?;
-            *stored = number;
-            Ok::<_, StateFileError>(())
-        })
-        .await
-        .map_err(|e| SnapshotError::Task(e.to_string()))??;
-        events::snapshot_written(&self.metrics, identities, ip_entries, started.elapsed());
-        Ok(())
+        ))
     }
 }
 
