@@ -473,14 +473,7 @@ impl IpCache {
             .claims
             .values()
             .filter_map(|c| c.get(&IpcacheSource::KvStore))
-            .map(|e| IpEntry {
-                ip: store_ip(&e.prefix),
-                identity: e.identity,
-                host_ip: e.host_ip.map(|h| h.to_string()),
-                namespace: (!e.pod_namespace.is_empty()).then(|| e.pod_namespace.clone()),
-                pod: (!e.pod_name.is_empty()).then(|| e.pod_name.clone()),
-                node: e.node_name.clone(),
-            })
+            .map(|e| Self::store_entry(e, &e.node_name))
             .collect();
         IpcacheSnapshot {
             store_revision: self.store_revision(),
@@ -609,15 +602,15 @@ impl IpCache {
         true
     }
 
-    /// The store form of a LOCAL_ENDPOINT claim.
-    fn store_entry(&self, e: &IpcacheEntry) -> IpEntry {
+    /// The store form of a claim, as published by `node`.
+    fn store_entry(e: &IpcacheEntry, node: &str) -> IpEntry {
         IpEntry {
             ip: store_ip(&e.prefix),
             identity: e.identity,
             host_ip: e.host_ip.map(|h| h.to_string()),
             namespace: (!e.pod_namespace.is_empty()).then(|| e.pod_namespace.clone()),
             pod: (!e.pod_name.is_empty()).then(|| e.pod_name.clone()),
-            node: self.opts.node_name.clone(),
+            node: node.to_string(),
         }
     }
 
@@ -785,7 +778,10 @@ impl IpCache {
     fn desired(&self, st: &State) -> BTreeMap<IpNet, IpEntry> {
         st.claims
             .iter()
-            .filter_map(|(p, c)| c.get(&IpcacheSource::LocalEndpoint).map(|e| (*p, self.store_entry(e))))
+            .filter_map(|(p, c)| {
+                c.get(&IpcacheSource::LocalEndpoint)
+                    .map(|e| (*p, Self::store_entry(e, &self.opts.node_name)))
+            })
             .collect()
     }
 
