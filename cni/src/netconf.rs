@@ -497,6 +497,16 @@ fn parse_runtime_config(value: Option<&Value>) -> Result<PodArgs, CniError> {
     }
 }
 
+/// The items of an optional list (missing or `null`: none); anything else
+/// than a list is an error naming `field`.
+fn optional_list<'a>(field: &str, value: Option<&'a Value>) -> Result<&'a [Value], CniError> {
+    match value {
+        None | Some(Value::Null) => Ok(&[]),
+        Some(Value::Array(items)) => Ok(items),
+        Some(other) => Err(CniError::netconf(format!("{field}: expected a list, found {other}"))),
+    }
+}
+
 /// Keys of a `containerPorts` entry: Kubernetes' ContainerPort. `hostPort`
 /// and `hostIP` are a port-mapping plugin's business and ignored here.
 const CONTAINER_PORT_KEYS: &[&str] = &["name", "containerPort", "protocol", "hostPort", "hostIP"];
@@ -505,11 +515,7 @@ const CONTAINER_PORT_KEYS: &[&str] = &["name", "containerPort", "protocol", "hos
 /// "containerPort": 8080, "protocol": "TCP"}`, protocol default TCP); the
 /// named ones, each name once.
 fn parse_container_ports(field: &str, value: Option<&Value>) -> Result<Vec<NamedPort>, CniError> {
-    let items = match value {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(items)) => items,
-        Some(other) => return Err(CniError::netconf(format!("{field}: expected a list, found {other}"))),
-    };
+    let items = optional_list(field, value)?;
     let mut ports: Vec<NamedPort> = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let entry = format!("{field}[{i}]");
@@ -583,11 +589,7 @@ fn merge_named_ports(args: Vec<NamedPort>, runtime: Vec<NamedPort>) -> Result<Ve
 /// A list of `source:key=value` / `key=value` strings, or of the
 /// conventions' `{"key": ..., "value": ...}` objects.
 fn parse_labels(field: &str, value: Option<&Value>) -> Result<Vec<String>, CniError> {
-    let items = match value {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(items)) => items,
-        Some(other) => return Err(CniError::netconf(format!("{field}: expected a list, found {other}"))),
-    };
+    let items = optional_list(field, value)?;
     let mut labels = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let text = match item {
@@ -645,11 +647,7 @@ pub fn normalize_label(text: &str) -> Result<String, String> {
 }
 
 fn parse_ips(field: &str, value: Option<&Value>) -> Result<Vec<IpAddr>, CniError> {
-    let items = match value {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(items)) => items,
-        Some(other) => return Err(CniError::netconf(format!("{field}: expected a list, found {other}"))),
-    };
+    let items = optional_list(field, value)?;
     let mut ips: Vec<IpAddr> = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let text = item
