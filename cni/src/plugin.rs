@@ -1084,7 +1084,6 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
         .map(|Attachment { container_id, ifname }| (container_id.as_str(), ifname.as_str()))
         .collect();
     let mut errors = Vec::new();
-    let mut removed_endpoints = 0usize;
     let mut released = 0usize;
 
     let timeout = deadline.remaining("listing endpoints")?;
@@ -1110,8 +1109,8 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
         }
     };
     let mut kept_addresses: HashSet<String> = HashSet::new();
-    // (container id, interface) of each endpoint removed.
-    let mut removed: Vec<(String, String)> = Vec::new();
+    // The attachments whose endpoint GC removed.
+    let mut removed: Vec<Attachment> = Vec::new();
     for ep in &endpoints {
         if !ours(ep) || valid.contains(&(ep.container_id.as_str(), ep.interface.as_str())) {
             continue;
@@ -1119,10 +1118,10 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
         tracing::info!(endpoint_id = ep.id, container = %ep.container_id, interface = %ep.interface, "GC: stale endpoint");
         let timeout = deadline.remaining("deleting a stale endpoint")?;
         match deps.endpoints.delete_id(ep.id, timeout).await {
-            Ok(_) => {
-                removed_endpoints += 1;
-                removed.push((ep.container_id.clone(), ep.interface.clone()));
-            }
+            Ok(_) => removed.push(Attachment {
+                container_id: ep.container_id.clone(),
+                ifname: ep.interface.clone(),
+            }),
             Err(s) => {
                 errors.push(daemon_error(
                     "svc-endpoint",
@@ -1195,7 +1194,12 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
             }
         }
     }
-    tracing::info!(removed_endpoints, released, errors = errors.len(), "GC done");
+    tracing::info!(
+        removed_endpoints = removed.len(),
+        released,
+        errors = errors.len(),
+        "GC done"
+    );
     first_error(errors)
 }
 
@@ -1208,7 +1212,7 @@ async fn delegated_gc(
     deps: Deps<'_>,
     inv: &Invocation,
     plugin: &str,
-    removed: &[(String, String)],
+    removed: &[Attachment],
     deadline: Deadline,
 ) -> Result<(), CniError> {
     let timeout = deadline.remaining("asking the delegated IPAM plugin its versions")?;
@@ -1247,8 +1251,8 @@ async fn delegated_gc(
         .map_err(|e| CniError::decode(format!("re-reading the network configuration: {e}")))?;
     conf["cniVersion"] = version.as_str().into();
     let stdin = conf.to_string();
-    let mut first_error = None;
-    for (container_id, ifname) in removed {
+    let mut errors = Vec::new();
+    for Attachment { container_id, ifname } in removed {
         let timeout = deadline.remaining("delegated IPAM DEL of a stale attachment")?;
         let env = [
             ("CNI_CONTAINERID", container_id.clone()),
@@ -1263,12 +1267,10 @@ async fn delegated_gc(
             Ok(_) => {
                 tracing::info!(container = %container_id, interface = %ifname, plugin, "GC: delegated addresses released")
             }
-            Err(e) => {
-                first_error.get_or_insert(e);
-            }
+            Err(e) => errors.push(e),
         }
     }
-    first_error.map_or(Ok(()), Err)
+    first_error(errors)
 }
 
 #[cfg(test)]
