@@ -514,13 +514,25 @@ struct FakeDelegate {
     add_output: Mutex<Option<Result<Vec<u8>, CniError>>>,
     /// stdout of VERSION (default: up to 1.0.0, as Debian's host-local).
     version_output: Mutex<Option<Vec<u8>>>,
-    calls: Mutex<Vec<Command>>,
-    /// Every call: verb, extra environment, stdin.
-    exec_log: Mutex<Vec<DelegateCall>>,
+    /// Every call, in order.
+    calls: Mutex<Vec<DelegateCall>>,
 }
 
 /// One call of the fake delegated plugin.
-type DelegateCall = (Command, Vec<(&'static str, String)>, String);
+#[derive(Debug, Clone)]
+struct DelegateCall {
+    command: Command,
+    /// The extra environment.
+    env: Vec<(&'static str, String)>,
+    stdin: String,
+}
+
+impl FakeDelegate {
+    /// The verbs it was called with, in order.
+    fn verbs(&self) -> Vec<Command> {
+        self.calls.lock().unwrap().iter().map(|call| call.command).collect()
+    }
+}
 
 impl DelegateExec for FakeDelegate {
     fn exec<'a>(
@@ -532,11 +544,11 @@ impl DelegateExec for FakeDelegate {
         _: Duration,
     ) -> BoxFuture<'a, Result<Vec<u8>, CniError>> {
         async move {
-            self.calls.lock().unwrap().push(command);
-            self.exec_log
-                .lock()
-                .unwrap()
-                .push((command, env.to_vec(), String::from_utf8_lossy(stdin).into_owned()));
+            self.calls.lock().unwrap().push(DelegateCall {
+                command,
+                env: env.to_vec(),
+                stdin: String::from_utf8_lossy(stdin).into_owned(),
+            });
             match command {
                 Command::Add => self.add_output.lock().unwrap().clone().expect("ADD output configured"),
                 Command::Version => Ok(self
@@ -580,6 +592,16 @@ impl World {
 
     async fn run(&self, inv: &Invocation) -> Result<Option<Value>, CniError> {
         run(self.deps(), inv).await
+    }
+
+    /// The container ids of svc-endpoint's endpoints, in its order.
+    fn endpoint_containers(&self) -> Vec<String> {
+        self.endpoints
+            .state()
+            .endpoints
+            .iter()
+            .map(|e| e.container_id.clone())
+            .collect()
     }
 
     /// Nothing of any attachment is left.
@@ -1132,14 +1154,7 @@ async fn gc_removes_what_is_not_valid() {
     let mut c = conf("1.1.0");
     c["cni.dev/valid-attachments"] = json!([{"containerID": "c2", "ifname": "eth0"}]);
     w.run(&invocation("GC", "", c)).await.unwrap();
-    let endpoints: Vec<String> = w
-        .endpoints
-        .state()
-        .endpoints
-        .iter()
-        .map(|e| e.container_id.clone())
-        .collect();
-    assert_eq!(endpoints, ["c2", "other"]);
+    assert_eq!(w.endpoint_containers(), ["c2", "other"]);
     let owners: Vec<String> = w.ipam.state().allocations.values().map(|o| o.0.clone()).collect();
     assert_eq!(owners, ["c2", "c2"]);
     let links: Vec<String> = w.netlink.state().node.keys().cloned().collect();
@@ -1196,7 +1211,7 @@ async fn delegated_ipam() {
         "not svc-ipam's address"
     );
     w.run(&invocation("DEL", "c1", delegated_conf())).await.unwrap();
-    assert_eq!(*w.delegate.calls.lock().unwrap(), [Command::Add, Command::Del]);
+    assert_eq!(w.delegate.verbs(), [Command::Add, Command::Del]);
     assert!(w.netlink.state().node.is_empty());
 
     // A failure after the delegate allocated gives the address back with DEL.
@@ -1214,7 +1229,7 @@ async fn delegated_ipam() {
             .code,
         codes::ENDPOINT
     );
-    assert_eq!(*w.delegate.calls.lock().unwrap(), [Command::Add, Command::Del]);
+    assert_eq!(w.delegate.verbs(), [Command::Add, Command::Del]);
     assert!(w.netlink.state().node.is_empty());
 
     // Its errors pass through with their code; a result without gateway is refused.
@@ -1232,7 +1247,7 @@ async fn delegated_ipam() {
     let err = w.run(&invocation("ADD", "c1", delegated_conf())).await.unwrap_err();
     assert_eq!(err.code, codes::DELEGATED_IPAM);
     assert!(err.msg.contains("gateway"), "{err}");
-    assert_eq!(*w.delegate.calls.lock().unwrap(), [Command::Add, Command::Del]);
+    assert_eq!(w.delegate.verbs(), [Command::Add, Command::Del]);
 }
 
 /// GC with a delegated IPAM plugin gives the removed attachments' addresses
@@ -1251,32 +1266,25 @@ async fn gc_releases_the_delegated_plugins_addresses() {
     for c in ["c1", "c2", "c3"] {
         w.run(&invocation("ADD", c, delegated_conf())).await.unwrap();
     }
-    w.delegate.exec_log.lock().unwrap().clear();
+    w.delegate.calls.lock().unwrap().clear();
     let mut c = delegated_conf();
     c["cniVersion"] = "1.1.0".into();
     c["cni.dev/valid-attachments"] = json!([{"containerID": "c2", "ifname": "eth0"}]);
     w.run(&invocation("GC", "", c.clone())).await.unwrap();
-    let endpoints: Vec<String> = w
-        .endpoints
-        .state()
-        .endpoints
-        .iter()
-        .map(|e| e.container_id.clone())
-        .collect();
-    assert_eq!(endpoints, ["c2"]);
-    let log = w.delegate.exec_log.lock().unwrap().clone();
-    assert_eq!(log[0].0, Command::Version);
+    assert_eq!(w.endpoint_containers(), ["c2"]);
+    let log = w.delegate.calls.lock().unwrap().clone();
+    assert_eq!(log[0].command, Command::Version);
     let dels: Vec<_> = log[1..]
         .iter()
-        .map(|(verb, env, _)| (*verb, env[0].1.clone()))
+        .map(|call| (call.command, call.env[0].1.clone()))
         .collect();
     assert_eq!(
         dels,
         [(Command::Del, "c1".to_string()), (Command::Del, "c3".to_string())]
     );
-    for (_, env, stdin) in &log[1..] {
-        assert_eq!(env[1], ("CNI_IFNAME", "eth0".to_string()));
-        let stdin: Value = serde_json::from_str(stdin).unwrap();
+    for call in &log[1..] {
+        assert_eq!(call.env[1], ("CNI_IFNAME", "eth0".to_string()));
+        let stdin: Value = serde_json::from_str(&call.stdin).unwrap();
         assert_eq!(stdin["cniVersion"], "1.0.0", "a version the plugin takes");
         assert_eq!(stdin["ipam"]["type"], "host-local");
     }
@@ -1288,10 +1296,9 @@ async fn gc_releases_the_delegated_plugins_addresses() {
     ));
     *w.delegate.version_output.lock().unwrap() = Some(br#"{"supportedVersions": ["1.0.0", "1.1.0"]}"#.to_vec());
     w.run(&invocation("ADD", "c1", delegated_conf())).await.unwrap();
-    w.delegate.exec_log.lock().unwrap().clear();
+    w.delegate.calls.lock().unwrap().clear();
     w.run(&invocation("GC", "", c)).await.unwrap();
-    let log = w.delegate.exec_log.lock().unwrap().clone();
-    let verbs: Vec<Command> = log.iter().map(|l| l.0).collect();
-    assert_eq!(verbs, [Command::Version, Command::Gc]);
-    assert!(log[1].2.contains("cni.dev/valid-attachments"), "{}", log[1].2);
+    assert_eq!(w.delegate.verbs(), [Command::Version, Command::Gc]);
+    let gc = w.delegate.calls.lock().unwrap()[1].clone();
+    assert!(gc.stdin.contains("cni.dev/valid-attachments"), "{}", gc.stdin);
 }
