@@ -179,14 +179,14 @@ impl IdentityStatus {
 
 /// The svc-identity section of `rivet status`.
 fn identity_section(s: &IdentityStatus, now: i64) -> String {
-    let one_line = |e: &str| truncate(&one_line(e), ERROR_WIDTH);
+    let short = |e: &str| truncate(&one_line(e), ERROR_WIDTH);
     let mut store = s.store.clone();
     if s.lease_id != 0 {
         store.push_str(&format!(", lease {:x}", s.lease_id));
     }
     if !s.store_connected {
         // In full: it is the reason the node is degraded.
-        store.push_str(&format!(", NOT in sync (DEGRADED): {}", self::one_line(&s.store_error)));
+        store.push_str(&format!(", NOT in sync (DEGRADED): {}", one_line(&s.store_error)));
     }
     if s.store_pending_writes > 0 {
         store.push_str(&format!(", {} changes not yet published", s.store_pending_writes));
@@ -201,7 +201,7 @@ fn identity_section(s: &IdentityStatus, now: i64) -> String {
     } else if s.loader_error.is_empty() {
         "svc-loader not connected".to_string()
     } else {
-        format!("svc-loader not connected: {}", one_line(&s.loader_error))
+        format!("svc-loader not connected: {}", short(&s.loader_error))
     };
     let body = crate::fields([
         ("store", store),
@@ -409,20 +409,10 @@ pub fn node_health(all: &[DaemonStatus]) -> NodeHealth {
 /// The closing lines: the node's health and every problem in full.
 fn health_section(all: &[DaemonStatus]) -> String {
     let health = node_health(all);
-    let mut out = format!(
-        "
-node health: {}
-",
-        health.as_str().to_uppercase()
-    );
+    let mut out = format!("\nnode health: {}\n", health.as_str().to_uppercase());
     for s in all {
         for problem in &s.problems {
-            out.push_str(&format!(
-                "  {} {}: {problem}
-",
-                s.daemon,
-                s.health.as_str()
-            ));
+            out.push_str(&format!("  {} {}: {problem}\n", s.daemon, s.health.as_str()));
         }
     }
     out
