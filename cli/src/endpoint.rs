@@ -86,21 +86,14 @@ pub enum EndpointCommand {
     /// Replace a pod's own labels (svc-endpoint's UpdateLabels): how pods a
     /// runtime created without Kubernetes get labels. Its endpoints are
     /// re-identified (and their policy recomputed) before this returns; labels
-    /// of a pod without an endpoint yet are remembered for it.
+    /// of a pod without an endpoint yet are remembered for it. `--clear`
+    /// removes every label of the pod.
     Label {
         /// The pod, `namespace/name` (or another endpoint reference, as for `get`).
         #[arg(value_name = "REF")]
         reference: EndpointRef,
-        /// The complete new set, `key=value` each (`k8s:key=value` accepted).
-        #[arg(
-            value_name = "KEY=VALUE",
-            required_unless_present = "clear",
-            conflicts_with = "clear"
-        )]
-        labels: Vec<String>,
-        /// Remove every label of the pod.
-        #[arg(long)]
-        clear: bool,
+        #[command(flatten)]
+        labels: crate::namespace::NewLabels,
     },
 }
 
@@ -676,7 +669,7 @@ fn endpoint_text(e: &EndpointView, now: i64) -> String {
 pub async fn run(ctx: &Context, command: EndpointCommand) -> Result<(), CliError> {
     // Bad labels need no daemon.
     let labels = match &command {
-        EndpointCommand::Label { labels, .. } => crate::namespace::parse_labels(labels).map_err(CliError::Usage)?,
+        EndpointCommand::Label { labels, .. } => labels.parse().map_err(CliError::Usage)?,
         _ => Vec::new(),
     };
     let mut client = EndpointServiceClient::new(ctx.connect_with_deadline(DAEMON).await?);

@@ -1,7 +1,7 @@
 //! `rivet namespace label|list`: namespace labels as svc-endpoint stores
 //! them (without Kubernetes; with it svc-k8s-sync feeds them).
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use rivet_common::labels::{Label, LabelSource};
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::namespace_service_client::NamespaceServiceClient;
@@ -15,23 +15,39 @@ const DAEMON: &str = "svc-endpoint";
 /// `rivet namespace ...`
 #[derive(Debug, Subcommand)]
 pub enum NamespaceCommand {
-    /// Replace a namespace's labels; its pods are re-identified.
+    /// Replace a namespace's labels; its pods are re-identified. With
+    /// `--clear` svc-endpoint forgets the namespace.
     Label {
         /// The namespace.
         namespace: String,
-        /// The complete new set, `key=value` each (`k8s:key=value` accepted).
-        #[arg(
-            value_name = "KEY=VALUE",
-            required_unless_present = "clear",
-            conflicts_with = "clear"
-        )]
-        labels: Vec<String>,
-        /// Remove every label (svc-endpoint forgets the namespace).
-        #[arg(long)]
-        clear: bool,
+        #[command(flatten)]
+        labels: NewLabels,
     },
     /// Known namespaces: with labels or with endpoints.
     List,
+}
+
+/// The new labels of `rivet namespace label` and `rivet endpoint label`:
+/// the complete set, or `--clear`.
+#[derive(Debug, Args)]
+pub struct NewLabels {
+    /// The complete new set, `key=value` each (`k8s:key=value` accepted).
+    #[arg(
+        value_name = "KEY=VALUE",
+        required_unless_present = "clear",
+        conflicts_with = "clear"
+    )]
+    pub labels: Vec<String>,
+    /// Remove every label.
+    #[arg(long)]
+    pub clear: bool,
+}
+
+impl NewLabels {
+    /// The labels as the API takes them ([`parse_labels`]); none with `--clear`.
+    pub fn parse(&self) -> Result<Vec<String>, String> {
+        parse_labels(&self.labels)
+    }
 }
 
 /// `key=value` (or `k8s:key=value`) from the command line as the API's
@@ -90,9 +106,7 @@ pub struct NamespaceView {
 pub async fn run(ctx: &Context, command: NamespaceCommand) -> Result<(), CliError> {
     // Check the labels before connecting: bad input needs no daemon.
     let (namespace, labels) = match &command {
-        NamespaceCommand::Label { namespace, labels, .. } => {
-            (namespace.clone(), parse_labels(labels).map_err(CliError::Usage)?)
-        }
+        NamespaceCommand::Label { namespace, labels } => (namespace.clone(), labels.parse().map_err(CliError::Usage)?),
         NamespaceCommand::List => (String::new(), Vec::new()),
     };
     let mut client = NamespaceServiceClient::new(ctx.connect_with_deadline(DAEMON).await?);
@@ -195,6 +209,31 @@ mod tests {
         );
         assert_eq!(given(&[]), Ok(vec![]));
         assert!(given(&["team=a", "k8s:team=b"]).unwrap_err().contains("twice"));
+    }
+
+    #[test]
+    fn label_commands_take_a_complete_set_or_clear() {
+        use clap::Parser;
+
+        #[derive(Debug, Parser)]
+        struct Cli {
+            #[command(subcommand)]
+            command: NamespaceCommand,
+        }
+        let parse = |args: &[&str]| Cli::try_parse_from(["rivet"].iter().chain(args)).map(|cli| cli.command);
+        let Ok(NamespaceCommand::Label { namespace, labels }) = parse(&["label", "shop", "team=shop", "tier=web"])
+        else {
+            panic!("a label set parses");
+        };
+        assert_eq!(namespace, "shop");
+        assert_eq!(labels.parse(), Ok(vec!["k8s:team=shop".into(), "k8s:tier=web".into()]));
+        let Ok(NamespaceCommand::Label { labels, .. }) = parse(&["label", "shop", "--clear"]) else {
+            panic!("--clear parses");
+        };
+        assert!(labels.clear);
+        assert_eq!(labels.parse(), Ok(vec![]));
+        assert!(parse(&["label", "shop"]).is_err(), "labels or --clear is required");
+        assert!(parse(&["label", "shop", "team=shop", "--clear"]).is_err(), "not both");
     }
 
     #[test]
