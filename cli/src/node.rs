@@ -1468,9 +1468,7 @@ fn give_daemons_their_dirs(plan: &NodePlan, accounts: &NodeAccounts) -> Result<(
     for daemon in NODE_DAEMONS {
         let account = accounts.of(daemon);
         accounts::give_private_dir(&plan.daemon_state_dir(daemon), account)?;
-        let mut lock = plan.socket(daemon).into_os_string();
-        lock.push(".lock");
-        accounts::give_lock_file(Path::new(&lock), account)?;
+        accounts::give_lock_file(&rivet_common::socket::lock_path(&plan.socket(daemon)), account)?;
     }
     if let Some(bpf_root) = plan.pin_dir.parent() {
         std::fs::create_dir_all(bpf_root).with_context(|| format!("creating {}", bpf_root.display()))?;
@@ -1574,11 +1572,9 @@ fn after_daemons_stop(record: &NodeRecord) -> Vec<String> {
     }
     for daemon in NODE_DAEMONS {
         let socket = rivet_common::socket::socket_path(&record.socket_dir, daemon);
-        let mut lock = socket.clone().into_os_string();
-        lock.push(".lock");
         let mut quiet = Vec::new();
         remove_file(&socket, &mut quiet);
-        remove_file(Path::new(&lock), &mut quiet);
+        remove_file(&rivet_common::socket::lock_path(&socket), &mut quiet);
     }
     if record.socket_dir_created {
         let _ = std::fs::remove_dir(&record.socket_dir);

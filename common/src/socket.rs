@@ -341,7 +341,15 @@ impl AsyncWrite for PeerStream {
     }
 }
 
-fn lock_path(path: &Path) -> PathBuf {
+/// The lock file beside a socket, `<socket>.lock` ([`UnixSocketListener`]
+/// holds it while bound; it stays when the daemon is killed).
+///
+/// ```
+/// use std::path::Path;
+/// let p = rivet_common::socket::lock_path(Path::new("/run/rivet/svc-ipam.sock"));
+/// assert_eq!(p, Path::new("/run/rivet/svc-ipam.sock.lock"));
+/// ```
+pub fn lock_path(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(".lock");
     path.with_file_name(name)
