@@ -514,6 +514,8 @@ struct FakeDelegate {
     add_output: Mutex<Option<Result<Vec<u8>, CniError>>>,
     /// stdout of VERSION (default: up to 1.0.0, as Debian's host-local).
     version_output: Mutex<Option<Vec<u8>>>,
+    /// DEL fails, naming the attachment's `CNI_CONTAINERID` when given.
+    fail_del: Mutex<bool>,
     /// Every call, in order.
     calls: Mutex<Vec<DelegateCall>>,
 }
@@ -557,6 +559,13 @@ impl DelegateExec for FakeDelegate {
                     .unwrap()
                     .clone()
                     .unwrap_or_else(|| br#"{"cniVersion":"1.0.0","supportedVersions":["0.4.0","1.0.0"]}"#.to_vec())),
+                Command::Del if *self.fail_del.lock().unwrap() => {
+                    let container = env
+                        .iter()
+                        .find(|(k, _)| *k == "CNI_CONTAINERID")
+                        .map(|(_, v)| v.as_str());
+                    Err(CniError::new(11, format!("DEL of {}: busy", container.unwrap_or("-"))))
+                }
                 _ => Ok(Vec::new()),
             }
         }
@@ -1297,8 +1306,22 @@ async fn gc_releases_the_delegated_plugins_addresses() {
     *w.delegate.version_output.lock().unwrap() = Some(br#"{"supportedVersions": ["1.0.0", "1.1.0"]}"#.to_vec());
     w.run(&invocation("ADD", "c1", delegated_conf())).await.unwrap();
     w.delegate.calls.lock().unwrap().clear();
-    w.run(&invocation("GC", "", c)).await.unwrap();
+    w.run(&invocation("GC", "", c.clone())).await.unwrap();
     assert_eq!(w.delegate.verbs(), [Command::Version, Command::Gc]);
     let gc = w.delegate.calls.lock().unwrap()[1].clone();
     assert!(gc.stdin.contains("cni.dev/valid-attachments"), "{}", gc.stdin);
+
+    // Every failed DEL is reported, not only the first.
+    let w = World::new();
+    *w.delegate.add_output.lock().unwrap() = Some(Ok(
+        br#"{"ips": [{"address": "198.18.8.7/24", "gateway": "198.18.8.1"}]}"#.to_vec(),
+    ));
+    for c in ["c1", "c2", "c3"] {
+        w.run(&invocation("ADD", c, delegated_conf())).await.unwrap();
+    }
+    *w.delegate.fail_del.lock().unwrap() = true;
+    let err = w.run(&invocation("GC", "", c)).await.unwrap_err();
+    assert_eq!(err.code, 11, "{err}");
+    assert!(err.msg.contains("DEL of c1: busy"), "{err}");
+    assert!(err.details.contains("DEL of c3: busy"), "{err:?}");
 }
