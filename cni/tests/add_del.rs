@@ -244,22 +244,12 @@ async fn status_and_gc() {
     for pod in &pods {
         h.add(pod, "1.1.0").await;
     }
-    let gc = |valid: Option<Value>| {
-        let mut conf = h.conf("1.1.0");
-        if let Some(valid) = valid {
-            conf["cni.dev/valid-attachments"] = valid;
-        }
-        let env = vec![
-            ("CNI_COMMAND".to_string(), "GC".to_string()),
-            ("CNI_PATH".to_string(), "/usr/lib/cni".to_string()),
-        ];
-        let h = &h;
-        async move { h.exec(&env, &conf).await }
-    };
     // Without the list nothing is removed.
-    gc(None).await.ok();
+    h.gc(&h.conf("1.1.0")).await.ok();
     assert_eq!(h.endpoints().await.len(), 3);
-    gc(Some(json!([{"containerID": "gc1", "ifname": "eth0"}]))).await.ok();
+    let mut conf = h.conf("1.1.0");
+    conf["cni.dev/valid-attachments"] = json!([{"containerID": "gc1", "ifname": "eth0"}]);
+    h.gc(&conf).await.ok();
     let endpoints = h.endpoints().await;
     assert_eq!(endpoints.len(), 1);
     assert_eq!(endpoints[0].container_id, "gc1");
@@ -323,11 +313,7 @@ async fn gc_gives_a_delegated_plugins_addresses_back() {
     assert_eq!(held(), ["dgc0", "dgc1", "dgc2"]);
     let mut gc = conf("1.1.0");
     gc["cni.dev/valid-attachments"] = json!([{"containerID": "dgc1", "ifname": "eth0"}]);
-    let env = vec![
-        ("CNI_COMMAND".to_string(), "GC".to_string()),
-        ("CNI_PATH".to_string(), "/usr/lib/cni".to_string()),
-    ];
-    h.exec(&env, &gc).await.ok();
+    h.gc(&gc).await.ok();
     let endpoints: Vec<String> = h.endpoints().await.iter().map(|e| e.container_id.clone()).collect();
     assert_eq!(endpoints, ["dgc1"]);
     assert_eq!(

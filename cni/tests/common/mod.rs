@@ -102,6 +102,16 @@ impl Harness {
         self.exec(&Self::env(command, pod, "eth0"), conf).await
     }
 
+    /// Runs rivet-cni's GC (no attachment: only `CNI_COMMAND` and the
+    /// reference plugins' `CNI_PATH`) with `conf`.
+    pub async fn gc(&self, conf: &Value) -> CniRun {
+        let env = [
+            ("CNI_COMMAND".to_string(), "GC".to_string()),
+            ("CNI_PATH".to_string(), "/usr/lib/cni".to_string()),
+        ];
+        self.exec(&env, conf).await
+    }
+
     pub async fn add(&self, pod: &Pod, version: &str) -> Value {
         self.cni("ADD", pod, &self.conf(version)).await.ok()
     }
