@@ -46,7 +46,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rivet_common::testing::netns::{NetNs, TcpServerGuard, UdpServerGuard};
-use support::{TestNode, eventually};
+use support::{TestNode, eventually, eventually_ok};
 
 const NAMESPACES: [&str; 3] = ["x", "y", "z"];
 const POD_NAMES: [&str; 3] = ["a", "b", "c"];
@@ -391,10 +391,10 @@ struct Monitor {
     process: Mutex<MonitorProcess>,
 }
 
-/// One `rivet monitor` and the thread reading its drops.
+/// One `rivet monitor` and the threads reading its drops and its stderr.
 struct MonitorProcess {
     child: Child,
-    reader: Option<JoinHandle<()>>,
+    readers: Vec<JoinHandle<()>>,
 }
 
 impl MonitorProcess {
@@ -410,7 +410,7 @@ impl MonitorProcess {
         let stderr = child.stderr.take().unwrap();
         let (subscribed_tx, subscribed) = std::sync::mpsc::channel();
         // Ends with the process (its stderr closes).
-        std::thread::spawn(move || {
+        let stderr_reader = std::thread::spawn(move || {
             let mut text = String::new();
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 if line == "rivet monitor: listening" {
@@ -421,7 +421,7 @@ impl MonitorProcess {
             }
             let _ = subscribed_tx.send(Err(text));
         });
-        let reader = {
+        let drops_reader = {
             let drops = Arc::clone(drops);
             std::thread::spawn(move || {
                 for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -433,7 +433,7 @@ impl MonitorProcess {
         };
         let mut process = Self {
             child,
-            reader: Some(reader),
+            readers: vec![drops_reader, stderr_reader],
         };
         match subscribed.recv_timeout(Duration::from_secs(30)) {
             Ok(Ok(())) => process,
@@ -450,7 +450,7 @@ impl Drop for MonitorProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        if let Some(reader) = self.reader.take() {
+        for reader in self.readers.drain(..) {
             let _ = reader.join();
         }
     }
@@ -714,8 +714,8 @@ impl Cluster {
                 && event.source == pods[i].addr(port.family)
                 && event.destination == SocketAddr::new(pods[j].addr(port.family), port.number)
         };
-        let deadline = Instant::now() + DROP_EVENTS_WITHIN;
-        loop {
+        let what = format!("case {case:?}: a policy drop in `rivet monitor` for every denied probe");
+        eventually_ok(&what, DROP_EVENTS_WITHIN, || {
             let drops = self.monitor.since(mark);
             let missing: Vec<String> = wanted
                 .iter()
@@ -730,16 +730,11 @@ impl Cluster {
                 })
                 .collect();
             if missing.is_empty() {
-                return;
+                Ok(())
+            } else {
+                Err(missing.join("\n  "))
             }
-            assert!(
-                Instant::now() < deadline,
-                "case {case:?}: denied probes without a policy drop in `rivet monitor` within \
-                 {DROP_EVENTS_WITHIN:?}:\n  {}",
-                missing.join("\n  ")
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        });
     }
 
     fn run(&self, case: &Case) {

@@ -45,15 +45,25 @@ pub fn require_binaries() {
 /// Polls `f` every 100 ms until it is true; panics after `timeout`.
 /// Returns how long it took.
 pub fn eventually(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    eventually_ok(what, timeout, || if f() { Ok(()) } else { Err(String::new()) })
+}
+
+/// Polls `f` every 100 ms until it is `Ok`; panics after `timeout` with
+/// the last `Err` (what is still missing). Returns how long it took.
+pub fn eventually_ok(what: &str, timeout: Duration, mut f: impl FnMut() -> Result<(), String>) -> Duration {
     let started = Instant::now();
-    while !f() {
+    loop {
+        let missing = match f() {
+            Ok(()) => return started.elapsed(),
+            Err(missing) => missing,
+        };
         assert!(
             started.elapsed() < timeout,
-            "timed out after {timeout:?} waiting for {what}"
+            "timed out after {timeout:?} waiting for {what}{}{missing}",
+            if missing.is_empty() { "" } else { "; still missing:\n  " }
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    started.elapsed()
 }
 
 /// Whether `pid` runs (a zombie does not).
