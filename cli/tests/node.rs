@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use rivet_cli::node::{DaemonPhase, NODE_DAEMONS, NodePhase};
 use rivet_common::privileges::{Account, resolve_group, resolve_user};
-use support::{TestNode, alive, eventually, netns_list, require_binaries, rivet_bin};
+use support::{ProcCredentials, TestNode, alive, eventually, netns_list, require_binaries, rivet_bin};
 
 mod support;
 
@@ -194,42 +194,6 @@ const CAP_BPF: u64 = 1 << 39;
 /// A user `cargo xtask install` creates.
 fn installed_user(name: &str) -> Account {
     resolve_user(name).unwrap_or_else(|e| panic!("{e}: run `cargo xtask install` first (it creates the rivet users)"))
-}
-
-/// The credential fields of `/proc/<pid>/status`.
-#[derive(Debug)]
-struct ProcCredentials {
-    uids: Vec<u32>,
-    gids: Vec<u32>,
-    groups: Vec<u32>,
-    cap: std::collections::BTreeMap<String, u64>,
-    no_new_privs: bool,
-}
-
-impl ProcCredentials {
-    fn of(pid: &str) -> Self {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        let field = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(&format!("{name}:")))
-                .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
-                .trim()
-                .to_string()
-        };
-        let ids = |name: &str| -> Vec<u32> { field(name).split_whitespace().map(|n| n.parse().unwrap()).collect() };
-        let mut groups = ids("Groups");
-        groups.sort_unstable();
-        Self {
-            uids: ids("Uid"),
-            gids: ids("Gid"),
-            groups,
-            cap: ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"]
-                .iter()
-                .map(|c| (c.to_string(), u64::from_str_radix(&field(c), 16).unwrap()))
-                .collect(),
-            no_new_privs: field("NoNewPrivs") == "1",
-        }
-    }
 }
 
 /// Runs `f` on a thread with `user`'s uid, gid and groups and no

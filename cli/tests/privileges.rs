@@ -6,30 +6,19 @@
 //! Needs root, the workspace binaries beside `rivet` (`cargo build --bins`)
 //! and the users `cargo xtask install` creates.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
-fn bin(name: &str) -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_BIN_EXE_rivet")).with_file_name(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: build the workspace binaries first (`cargo build --bins`)",
-        path.display()
-    );
-    path
-}
+use rivet_common::testing::workspace_binary;
+use support::{ProcCredentials, eventually, reachable_tempdir, rivet_bin};
 
-/// A temp dir the daemons' users can reach (tempfile makes 0700 ones).
-fn reachable_tempdir() -> tempfile::TempDir {
-    let dir = tempfile::Builder::new().prefix("rvp").tempdir_in("/tmp").unwrap();
-    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    dir
-}
+mod support;
 
 /// svc-ipam's command line with its dirs in `dir`.
 fn ipam(dir: &Path, extra: &[&str]) -> Command {
-    let mut cmd = Command::new(bin("svc-ipam"));
+    let mut cmd = Command::new(workspace_binary("svc-ipam"));
     cmd.arg("--socket-dir")
         .arg(dir.join("sockets"))
         .arg("--state-dir")
@@ -52,11 +41,22 @@ fn as_nobody(cmd: &Command) -> Command {
     wrapped
 }
 
-/// Runs `cmd`, which must exit with an error (within 30 s); its stderr.
+/// Runs `cmd`, which must exit with an error within 30 s; its stderr.
 fn refused(mut cmd: Command) -> String {
-    let out: Output = cmd.output().expect("running the daemon");
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "it must refuse to start: {stderr}");
+    let mut daemon = Running(
+        cmd.stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("running the daemon"),
+    );
+    let mut status = None;
+    eventually("it exits by itself", Duration::from_secs(30), || {
+        status = daemon.0.try_wait().unwrap();
+        status.is_some()
+    });
+    let mut stderr = String::new();
+    daemon.0.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(!status.unwrap().success(), "it must refuse to start: {stderr}");
     stderr
 }
 
@@ -72,36 +72,25 @@ impl Drop for Running {
 
 #[test]
 fn a_daemon_started_as_root_without_user_keeps_its_uid_and_drops_every_capability() {
-    let dir = reachable_tempdir();
+    let dir = reachable_tempdir("rvp");
     let mut daemon = Running(ipam(dir.path(), &[]).stderr(Stdio::null()).spawn().unwrap());
     let socket = dir.path().join("sockets/svc-ipam.sock");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !socket.exists() {
+    eventually("svc-ipam binds its socket", Duration::from_secs(30), || {
         assert!(daemon.0.try_wait().unwrap().is_none(), "svc-ipam exited");
-        assert!(Instant::now() < deadline, "svc-ipam did not bind its socket");
-        std::thread::sleep(Duration::from_millis(50));
+        socket.exists()
+    });
+    let creds = ProcCredentials::of(&daemon.0.id().to_string());
+    assert_eq!(creds.uids, [0; 4], "no --user: the uid stays");
+    for (set, mask) in &creds.cap {
+        assert_eq!(*mask, 0, "{set}");
     }
-    let status = std::fs::read_to_string(format!("/proc/{}/status", daemon.0.id())).unwrap();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{name}:")))
-            .unwrap()
-            .split_whitespace()
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    assert_eq!(field("Uid"), "0 0 0 0", "no --user: the uid stays");
-    for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
-        assert_eq!(field(set), "0000000000000000", "{set}");
-    }
-    assert_eq!(field("NoNewPrivs"), "1");
+    assert!(creds.no_new_privs);
 }
 
 #[test]
 fn svc_loader_refuses_to_serve_without_its_capabilities() {
-    let dir = reachable_tempdir();
-    let mut loader = Command::new(bin("svc-loader"));
+    let dir = reachable_tempdir("rvp");
+    let mut loader = Command::new(workspace_binary("svc-loader"));
     loader.arg("--socket-dir").arg(dir.path().join("sockets")).args([
         "--state-dir",
         "/nonexistent",
@@ -123,7 +112,7 @@ fn svc_loader_refuses_to_serve_without_its_capabilities() {
 
 #[test]
 fn switching_user_needs_root_and_an_existing_user() {
-    let dir = reachable_tempdir();
+    let dir = reachable_tempdir("rvp");
     let stderr = refused(as_nobody(&ipam(dir.path(), &["--user", "rivet"])));
     assert!(
         stderr.contains("--user rivet") && stderr.contains("needs root") && stderr.contains("uid 65534"),
@@ -140,9 +129,9 @@ fn switching_user_needs_root_and_an_existing_user() {
 /// cannot reach its directories.
 #[test]
 fn node_up_names_a_missing_user_and_an_unreachable_state_dir() {
-    let dir = reachable_tempdir();
+    let dir = reachable_tempdir("rvp");
     let node_up = |state: &Path, extra: &[&str]| {
-        let mut cmd = Command::new(bin("rivet"));
+        let mut cmd = Command::new(rivet_bin());
         cmd.arg("--state-dir")
             .arg(state)
             .arg("--socket-dir")

@@ -1,10 +1,12 @@
 //! Shared by the tests that run whole nodes with `rivet node up
 //! --create-netns --detach`: [`TestNode`] (a node in a temp dir and a
 //! namespace of its own, `rivet node down` on drop) and the checks they
-//! share.
+//! share; and by those that start daemons themselves ([`reachable_tempdir`],
+//! [`ProcCredentials`]).
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -66,6 +68,58 @@ pub fn eventually_ok(what: &str, timeout: Duration, mut f: impl FnMut() -> Resul
     }
 }
 
+/// A temp dir in /tmp the daemons' users can reach (tempfile makes 0700
+/// ones).
+pub fn reachable_tempdir(prefix: &str) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .expect("temp dir");
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    dir
+}
+
+/// The credential fields of `/proc/<pid>/status`.
+#[derive(Debug)]
+pub struct ProcCredentials {
+    /// Real, effective, saved and filesystem uid.
+    pub uids: Vec<u32>,
+    /// The same gids.
+    pub gids: Vec<u32>,
+    /// Supplementary groups, sorted.
+    pub groups: Vec<u32>,
+    /// `CapInh`, `CapPrm`, `CapEff`, `CapBnd` and `CapAmb`.
+    pub cap: BTreeMap<String, u64>,
+    pub no_new_privs: bool,
+}
+
+impl ProcCredentials {
+    /// Of `/proc/<pid>/status` (`pid` may be `self` or `thread-self`).
+    pub fn of(pid: &str) -> Self {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name}:")))
+                .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"))
+                .trim()
+                .to_string()
+        };
+        let ids = |name: &str| -> Vec<u32> { field(name).split_whitespace().map(|n| n.parse().unwrap()).collect() };
+        let mut groups = ids("Groups");
+        groups.sort_unstable();
+        Self {
+            uids: ids("Uid"),
+            gids: ids("Gid"),
+            groups,
+            cap: ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"]
+                .iter()
+                .map(|c| (c.to_string(), u64::from_str_radix(&field(c), 16).unwrap()))
+                .collect(),
+            no_new_privs: field("NoNewPrivs") == "1",
+        }
+    }
+}
+
 /// Whether `pid` runs (a zombie does not).
 pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
@@ -104,12 +158,8 @@ impl TestNode {
     /// `--etcd-endpoints ...`).
     pub fn up_with(extra: &[&str]) -> Self {
         require_binaries();
-        let dir = tempfile::Builder::new()
-            .prefix("rvt")
-            .tempdir_in("/tmp")
-            .expect("temp dir");
         // The daemons run as the rivet users: they must reach their dirs in it.
-        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        let dir = reachable_tempdir("rvt");
         let netns = format!("rvtn-{}-{}", std::process::id(), NODES.fetch_add(1, Ordering::Relaxed));
         let mut node = Self {
             dir,
