@@ -34,10 +34,9 @@ use tower::{Layer, Service};
 pub type ReadOnlyMethods = &'static [(&'static str, &'static [&'static str])];
 
 /// Methods every daemon serves that only read: the shared `Daemon` info
-/// service, gRPC health and server reflection.
+/// service and server reflection.
 pub const ALWAYS_READ_ONLY: ReadOnlyMethods = &[
     ("rivet.daemon.v1.Daemon", &["GetInfo"]),
-    ("grpc.health.v1.Health", &["Check", "Watch"]),
     ("grpc.reflection.v1.ServerReflection", &["ServerReflectionInfo"]),
     ("grpc.reflection.v1alpha.ServerReflection", &["ServerReflectionInfo"]),
 ];
@@ -391,6 +390,11 @@ mod tests {
             Access::Full,
             "no list: open"
         );
+    }
+
+    #[test]
+    fn the_always_read_only_methods_are_served() {
+        assert_eq!(unknown_methods("svc-test", ALWAYS_READ_ONLY), Vec::<String>::new());
     }
 
     #[test]
