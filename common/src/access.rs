@@ -81,6 +81,19 @@ pub struct Peer {
     pub groups: Vec<u32>,
 }
 
+impl Peer {
+    /// A peer whose credentials are not known (they could not be read, or
+    /// the request did not come through a Rivet listener).
+    pub fn unknown() -> Self {
+        Self {
+            uid: u32::MAX,
+            gid: u32::MAX,
+            pid: None,
+            groups: Vec::new(),
+        }
+    }
+}
+
 impl fmt::Display for Peer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "uid {}", self.uid)?;
@@ -330,15 +343,7 @@ where
                 .map_err(|refusal| (p.peer.clone(), refusal)),
             // Not from a Rivet socket listener: only an open policy lets it through.
             None if layer.policy.is_open() => Ok(()),
-            None => Err((
-                Peer {
-                    uid: u32::MAX,
-                    gid: u32::MAX,
-                    pid: None,
-                    groups: Vec::new(),
-                },
-                Refusal::NotAllowed,
-            )),
+            None => Err((Peer::unknown(), Refusal::NotAllowed)),
         };
         match verdict {
             Ok(()) => Box::pin(self.inner.call(request)),

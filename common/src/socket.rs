@@ -240,12 +240,7 @@ impl PeerStream {
             Err(e) => {
                 tracing::warn!(socket = %path.display(), error = %e, "reading the peer's credentials failed; it may call nothing");
                 PeerAccess {
-                    peer: Peer {
-                        uid: u32::MAX,
-                        gid: u32::MAX,
-                        pid: None,
-                        groups: Vec::new(),
-                    },
+                    peer: Peer::unknown(),
                     access: crate::access::Access::Denied,
                 }
             }
