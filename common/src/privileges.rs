@@ -30,7 +30,7 @@ use std::fmt;
 
 pub use caps::Capability;
 use caps::{CapSet, CapsHashSet};
-use nix::unistd::{Gid, Group, Uid, User};
+use nix::unistd::{Gid, Group, ResGid, ResUid, Uid, User};
 
 /// Why privileges could not be dropped, or why the daemon refuses to serve
 /// with what it has.
@@ -343,6 +343,32 @@ fn thread_count() -> usize {
         .unwrap_or(1)
 }
 
+/// The process's real, effective and saved uids and gids.
+struct Credentials {
+    uids: ResUid,
+    gids: ResGid,
+}
+
+impl Credentials {
+    fn read() -> Result<Self, PrivilegeError> {
+        Ok(Self {
+            uids: nix::unistd::getresuid().map_err(sys_err("getresuid"))?,
+            gids: nix::unistd::getresgid().map_err(sys_err("getresgid"))?,
+        })
+    }
+
+    /// Whether all three uids are `account`'s and all three gids its primary group.
+    fn are_exactly(&self, account: &Account) -> bool {
+        let (u, g) = (&self.uids, &self.gids);
+        [u.real, u.effective, u.saved]
+            .iter()
+            .all(|id| id.as_raw() == account.uid)
+            && [g.real, g.effective, g.saved]
+                .iter()
+                .all(|id| id.as_raw() == account.gid)
+    }
+}
+
 fn read_set(set: CapSet) -> Result<CapsHashSet, PrivilegeError> {
     caps::read(None, set).map_err(caps_err("reading a capability set"))
 }
@@ -371,20 +397,13 @@ pub fn drop_privileges(
 
     // 2. The user.
     if let Some(account) = user {
-        let current = nix::unistd::getresuid().map_err(sys_err("getresuid"))?;
-        let gids = nix::unistd::getresgid().map_err(sys_err("getresgid"))?;
-        let already = [current.real, current.effective, current.saved]
-            .iter()
-            .all(|u| u.as_raw() == account.uid)
-            && [gids.real, gids.effective, gids.saved]
-                .iter()
-                .all(|g| g.as_raw() == account.gid);
-        if !already {
-            if current.effective.as_raw() != 0 {
+        let current = Credentials::read()?;
+        if !current.are_exactly(account) {
+            if current.uids.effective.as_raw() != 0 {
                 return Err(PrivilegeError::CannotSwitch {
                     user: account.name.clone(),
                     uid: account.uid,
-                    current: current.effective.as_raw(),
+                    current: current.uids.effective.as_raw(),
                 });
             }
             // Keep the permitted set across setresuid only if something of it is needed.
@@ -437,32 +456,25 @@ pub fn drop_privileges(
             needed,
         });
     }
-    let uids = nix::unistd::getresuid().map_err(sys_err("getresuid"))?;
-    let gids = nix::unistd::getresgid().map_err(sys_err("getresgid"))?;
+    let now = Credentials::read()?;
     let groups: Vec<u32> = nix::unistd::getgroups()
         .map_err(sys_err("getgroups"))?
         .into_iter()
         .map(Gid::as_raw)
         .collect();
-    if let Some(account) = user {
-        let uid_ok = [uids.real, uids.effective, uids.saved]
-            .iter()
-            .all(|u| u.as_raw() == account.uid);
-        let gid_ok = [gids.real, gids.effective, gids.saved]
-            .iter()
-            .all(|g| g.as_raw() == account.gid);
-        if !uid_ok || !gid_ok {
-            return Err(PrivilegeError::WrongUser {
-                user: format!("{} (uid {}, gid {})", account.name, account.uid, account.gid),
-                found: format!("uids {uids:?}, gids {gids:?}"),
-            });
-        }
+    if let Some(account) = user
+        && !now.are_exactly(account)
+    {
+        return Err(PrivilegeError::WrongUser {
+            user: format!("{} (uid {}, gid {})", account.name, account.uid, account.gid),
+            found: format!("uids {:?}, gids {:?}", now.uids, now.gids),
+        });
     }
     let bounding_left: CapsHashSet = read_set(CapSet::Bounding)?.difference(&keep).copied().collect();
     Ok(Dropped {
         daemon,
-        uid: uids.effective.as_raw(),
-        gid: gids.effective.as_raw(),
+        uid: now.uids.effective.as_raw(),
+        gid: now.gids.effective.as_raw(),
         groups,
         capabilities: CapabilityList::of(&effective),
         bounding_left: CapabilityList::of(&bounding_left),
