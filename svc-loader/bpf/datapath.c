@@ -1014,9 +1014,10 @@ static __always_inline __u16 csum_fold(__u32 s)
 	return (__u16)~s;
 }
 
-/* Answers neighbour solicitations from the pod for anything but its own
- * address with a neighbour advertisement carrying the host-side veth MAC,
- * delivered into the pod directly (bpf_redirect_peer). */
+/* Answers neighbour solicitations from the pod (`p`: parsed as one, right
+ * behind the IPv6 header) for anything but its own address with a
+ * neighbour advertisement carrying the host-side veth MAC, delivered into
+ * the pod directly (bpf_redirect_peer). */
 static __always_inline int nd_respond(struct __sk_buff *skb, const struct endpoint_info *ep, const struct pkt *p)
 {
 	struct ipv6hdr ip;
@@ -1027,6 +1028,9 @@ static __always_inline int nd_respond(struct __sk_buff *skb, const struct endpoi
 	__u32 len, sum;
 	__s64 s;
 
+	/* DAD (unspecified source) is not ours. */
+	if (p->icmp_code != 0 || ipv6_is_unspecified(p->outer_saddr))
+		return TC_ACT_OK;
 	if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
 		return TC_ACT_SHOT;
 	len = bpf_ntohs(ip.payload_len);
@@ -1034,12 +1038,7 @@ static __always_inline int nd_respond(struct __sk_buff *skb, const struct endpoi
 		return TC_ACT_OK;
 	if (bpf_skb_load_bytes(skb, icmp_off, &nd, len == 32 ? 32 : 24) < 0)
 		return TC_ACT_SHOT;
-	if (nd.type != 135 || nd.code != 0)
-		return TC_ACT_OK;
-	/* DAD (unspecified source) and the pod's own address are not ours. */
-	if ((ip.saddr.in6_u.u6_addr32[0] | ip.saddr.in6_u.u6_addr32[1] | ip.saddr.in6_u.u6_addr32[2] |
-	     ip.saddr.in6_u.u6_addr32[3]) == 0)
-		return TC_ACT_OK;
+	/* Nor is the pod's own address. */
 	if (ipv6_equal(nd.target, ep->ipv6))
 		return TC_ACT_OK;
 	if (len == 32 && (nd.opt_type != 1 || nd.opt_len != 1))
