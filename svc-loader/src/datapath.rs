@@ -1488,10 +1488,10 @@ pub(crate) mod tests {
 
     /// A unique pin directory under /sys/fs/bpf/rivet-test, removed (with
     /// every pin in it, which also frees pinned links) on drop.
-    struct PinDir(PathBuf);
+    pub(crate) struct PinDir(PathBuf);
 
     impl PinDir {
-        fn new(tag: &str) -> Self {
+        pub(crate) fn new(tag: &str) -> Self {
             let bpffs = Path::new(DEFAULT_BPFFS);
             let fs = sys::fs_type(bpffs).unwrap_or(0);
             assert_eq!(
@@ -1507,7 +1507,7 @@ pub(crate) mod tests {
             Self(dir)
         }
 
-        fn opts(&self) -> DatapathOptions {
+        pub(crate) fn opts(&self) -> DatapathOptions {
             test_opts(&self.0)
         }
     }

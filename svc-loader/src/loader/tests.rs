@@ -4,7 +4,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
@@ -15,11 +14,11 @@ use rand::{Rng as _, SeedableRng as _};
 use rivet_common::testing::netns::{NetNs, veth_pair};
 
 use super::*;
-use crate::datapath::{DEFAULT_BPFFS, DatapathOptions};
+use crate::datapath::DatapathOptions;
+use crate::datapath::tests::PinDir;
 use crate::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
 use crate::policy_lpm::PolicyRule;
 use crate::policy_lpm::tests::rule;
-use crate::testing::PinDir;
 use crate::validate::PolicySpec;
 
 const PREFIX: &str = "rvl";
@@ -50,11 +49,7 @@ impl Fixture {
             veth_pair(&ns, &name, &ns, &format!("rvp{n}-{i}")).unwrap();
             ifindexes.push(ns.ifindex(&name).unwrap());
         }
-        let pins = PinDir(
-            Path::new(DEFAULT_BPFFS)
-                .join("rivet-test")
-                .join(format!("loader-{}-{n}", std::process::id())),
-        );
+        let pins = PinDir::new("loader");
         Self {
             ns,
             pins,
@@ -68,7 +63,7 @@ impl Fixture {
         DatapathOptions {
             policy_max: self.policy_max,
             ep_prefixes_max: self.ep_prefixes_max,
-            ..crate::datapath::tests::test_opts(&self.pins.0)
+            ..self.pins.opts()
         }
     }
 
