@@ -395,8 +395,8 @@ fn encode_literal(name: &[u8], value: &[u8], out: &mut Vec<u8>) {
 /// A HEADERS frame carrying `block`, continued in CONTINUATION frames when
 /// it does not fit in [`MAX_FRAME_PAYLOAD`].
 fn write_header_block(stream: u32, end_stream: bool, priority: Option<[u8; 5]>, block: &[u8], out: &mut Vec<u8>) {
-    let first_room = MAX_FRAME_PAYLOAD - priority.map_or(0, |p| p.len());
-    let (first, mut rest) = block.split_at(block.len().min(first_room));
+    let fields: &[u8] = priority.as_ref().map_or(&[], |p| p);
+    let (first, mut rest) = block.split_at(block.len().min(MAX_FRAME_PAYLOAD - fields.len()));
     let mut flags = if end_stream { END_STREAM } else { 0 };
     if priority.is_some() {
         flags |= PRIORITY;
@@ -404,8 +404,6 @@ fn write_header_block(stream: u32, end_stream: bool, priority: Option<[u8; 5]>, 
     if rest.is_empty() {
         flags |= END_HEADERS;
     }
-    let fields = priority.unwrap_or_default();
-    let fields = &fields[..priority.map_or(0, |p| p.len())];
     write_frame(HEADERS, flags, stream, &[fields, first], out);
     while !rest.is_empty() {
         let (chunk, tail) = rest.split_at(rest.len().min(MAX_FRAME_PAYLOAD));
@@ -446,11 +444,6 @@ impl<S> NormalizedAuthority<S> {
             ready: Vec::new(),
             offset: 0,
         }
-    }
-
-    /// The connection inside.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
     }
 }
 
@@ -551,14 +544,14 @@ mod tests {
         out
     }
 
-    /// Parses what h2 would read: the preface, then (type, flags, stream,
-    /// payload) per frame, and the header blocks decoded with a fresh decoder
-    /// (h2's), whose dynamic table must stay in step.
     /// A frame: type, flags, stream, payload.
     type Frame = (u8, u8, u32, Vec<u8>);
     /// A decoded header block.
     type Block = Vec<(Vec<u8>, Vec<u8>)>;
 
+    /// Parses what h2 would read: the preface, then each frame, and the
+    /// header blocks decoded with a fresh decoder (h2's), whose dynamic table
+    /// must stay in step.
     fn parse_frames(bytes: &[u8]) -> (Vec<Frame>, Vec<Block>) {
         assert!(bytes.starts_with(PREFACE));
         let mut rest = &bytes[PREFACE.len()..];
