@@ -18,6 +18,7 @@
 //! connection would only say "transport error"). The socket file's mode and
 //! group ([`crate::socket`]) are the first gate; this is the second.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
@@ -261,8 +262,9 @@ impl AccessMetrics {
         );
     }
 
-    /// The event: a call refused. Logs it and counts it.
-    fn call_denied(&self, daemon: &str, peer: &Peer, path: &str, refusal: Refusal) {
+    /// The event: a call refused. Logs it and counts it, by `method` (see
+    /// [`AccessLayer`]: a path the daemon serves, or `unknown`).
+    fn call_denied(&self, daemon: &str, peer: &Peer, path: &str, method: &str, refusal: Refusal) {
         tracing::warn!(
             daemon,
             uid = peer.uid,
@@ -274,7 +276,7 @@ impl AccessMetrics {
         );
         self.denied
             .get_or_create(&DeniedLabels {
-                method: path.to_string(),
+                method: method.to_string(),
                 reason: refusal.as_str(),
             })
             .inc();
@@ -288,16 +290,30 @@ pub struct AccessLayer {
     daemon: &'static str,
     policy: Arc<AccessPolicy>,
     metrics: AccessMetrics,
+    /// The paths (`/service/method`) the daemon serves: the only `method`
+    /// labels of refusals, so that paths a client makes up cannot grow the
+    /// metric without bound.
+    served: Arc<HashSet<String>>,
 }
 
 impl AccessLayer {
     /// The layer of `daemon` enforcing `policy`.
     pub fn new(daemon: &'static str, policy: Arc<AccessPolicy>, metrics: AccessMetrics) -> Self {
+        let served = crate::grpc::served_services(daemon)
+            .into_iter()
+            .flat_map(|s| s.methods.into_iter().map(move |m| format!("/{}/{m}", s.name)))
+            .collect();
         Self {
             daemon,
             policy,
             metrics,
+            served: Arc::new(served),
         }
+    }
+
+    /// The `method` label of a refused call to `path`.
+    fn method_label<'a>(&self, path: &'a str) -> &'a str {
+        if self.served.contains(path) { path } else { "unknown" }
     }
 }
 
@@ -348,7 +364,9 @@ where
         match verdict {
             Ok(()) => Box::pin(self.inner.call(request)),
             Err((peer, refusal)) => {
-                layer.metrics.call_denied(layer.daemon, &peer, path, refusal);
+                layer
+                    .metrics
+                    .call_denied(layer.daemon, &peer, path, layer.method_label(path), refusal);
                 let message = layer.policy.refusal_message(layer.daemon, &peer, path, refusal);
                 let response = tonic::Status::permission_denied(message).into_http::<ResBody>();
                 Box::pin(async move { Ok(response) })
@@ -478,6 +496,47 @@ mod tests {
             text.contains(
                 r#"rivet_socket_calls_denied_total{method="/rivet.ipam.v1.Ipam/Allocate",reason="read_only"} 1"#
             ),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn refused_paths_the_daemon_does_not_serve_share_one_metric_label() {
+        use tower::ServiceExt as _;
+        let metrics = AccessMetrics::default();
+        let layer = AccessLayer::new("svc-ipam", Arc::new(policy()), metrics.clone());
+        let service = layer.layer(tower::service_fn(|_req: http::Request<()>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+        }));
+        let operator = PeerAccess {
+            peer: peer(1000, 995, &[]),
+            access: Access::ReadOnly,
+        };
+        // Paths a client makes up must not each make a series of their own.
+        for path in [
+            "/rivet.ipam.v1.Ipam/Allocate",
+            "/rivet.ipam.v1.Ipam/Made1",
+            "/made.Up/2",
+        ] {
+            let mut request = http::Request::builder().uri(path).body(()).unwrap();
+            request.extensions_mut().insert(operator.clone());
+            let refused = service.clone().oneshot(request).await.unwrap();
+            assert_eq!(
+                tonic::Status::from_header_map(refused.headers()).map(|s| s.code()),
+                Some(tonic::Code::PermissionDenied),
+                "{path}"
+            );
+        }
+        let mut registry = Registry::with_prefix("rivet");
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(
+                r#"rivet_socket_calls_denied_total{method="/rivet.ipam.v1.Ipam/Allocate",reason="read_only"} 1"#
+            ) && text.contains(r#"rivet_socket_calls_denied_total{method="unknown",reason="read_only"} 2"#)
+                && !text.contains("Made1")
+                && !text.contains("made.Up"),
             "{text}"
         );
     }
