@@ -127,6 +127,12 @@ impl RegenError {
     pub(crate) fn new(step: RegenerationStep, status: Status) -> Self {
         Self { step, status }
     }
+
+    /// A regeneration stopped at `step` (or a wait for one ended) because
+    /// its endpoint is being removed (ABORTED).
+    pub(crate) fn aborted(step: RegenerationStep) -> Self {
+        Self::new(step, Status::aborted("endpoint removed"))
+    }
 }
 
 /// The parameters of a new endpoint (validated by the caller).
@@ -1687,7 +1693,7 @@ impl EndpointManager {
             let _permit = tokio::select! {
                 permit = self.inner.permits.acquire() => permit.expect("semaphore never closed"),
                 () = queue.closed() => {
-                    queue.finish(target.generation, Err(aborted(RegenerationStep::Identity)));
+                    queue.finish(target.generation, Err(RegenError::aborted(RegenerationStep::Identity)));
                     continue;
                 }
             };
@@ -1747,7 +1753,7 @@ impl EndpointManager {
                 return Ok(());
             };
             if queue.is_closed() {
-                return Err(aborted(RegenerationStep::Identity));
+                return Err(RegenError::aborted(RegenerationStep::Identity));
             }
             let labels = state
                 .identity_request_labels(&slot.spec)
@@ -1857,7 +1863,13 @@ impl EndpointManager {
     ) -> Result<(u32, Labels, ResolvedPolicy, u64, Option<EndpointRecord>), RegenError> {
         let deps = &self.inner.deps;
         let id = spec.id;
-        let open = |step| if queue.is_closed() { Err(aborted(step)) } else { Ok(()) };
+        let open = |step| {
+            if queue.is_closed() {
+                Err(RegenError::aborted(step))
+            } else {
+                Ok(())
+            }
+        };
         // 1. identity
         let allocated = deps
             .identity
@@ -2626,11 +2638,6 @@ impl Drop for CallerKeepsAddresses<'_> {
             self.queue.release_addresses_when_gone();
         }
     }
-}
-
-/// A regeneration stopped at `step` because its endpoint is being removed.
-fn aborted(step: RegenerationStep) -> RegenError {
-    RegenError::new(step, Status::aborted("endpoint removed"))
 }
 
 /// Writes a state file on the blocking pool.

@@ -215,14 +215,14 @@ impl Queue {
                 o.realised >= generation || o.failed.as_ref().is_some_and(|(g, _)| *g >= generation) || self.is_closed()
             })
             .await
-            .map_err(|_| removed())?
+            .map_err(|_| RegenError::aborted(RegenerationStep::Identity))?
             .clone();
         if outcome.realised >= generation {
             return Ok(());
         }
         match outcome.failed {
             Some((g, e)) if g >= generation => Err(e),
-            _ => Err(removed()),
+            _ => Err(RegenError::aborted(RegenerationStep::Identity)),
         }
     }
 
@@ -300,8 +300,4 @@ impl Queue {
             _ => Ok(()),
         }
     }
-}
-
-fn removed() -> RegenError {
-    RegenError::new(RegenerationStep::Identity, Status::aborted("endpoint removed"))
 }
