@@ -39,8 +39,8 @@ use tracing::Instrument;
 
 use crate::clients::{IdentityApi, IpamApi, LoaderApi};
 use crate::endpoint::{
-    EndpointAddress, EndpointSpec, EndpointState, EndpointStatus, IDENTITY_OWNER_PREFIX, MAX_ENDPOINT_ID,
-    RegenerationFailure, RegenerationStep, identity_owner,
+    EndpointSpec, EndpointState, EndpointStatus, IDENTITY_OWNER_PREFIX, MAX_ENDPOINT_ID, RegenerationFailure,
+    RegenerationStep, identity_owner,
 };
 use crate::events::{self, EndpointMetrics};
 use crate::policy::{
@@ -481,67 +481,44 @@ impl State {
             .collect()
     }
 
-    /// Sets the named ports of `identity` to the union of those of the
-    /// endpoints holding it (they share one peer entry in other endpoints'
-    /// policies).
-    fn refresh_named_ports(&mut self, identity: u32) {
-        if identity == 0 {
-            return;
-        }
-        let ports = self
-            .endpoints
-            .values()
-            .filter(|s| s.status.identity == identity)
-            .flat_map(|s| s.spec.named_ports.iter().cloned())
+    /// Sets the named ports of each of `identities` and `addresses` in the
+    /// selector cache to the union of those of the endpoints holding it, in
+    /// one pass over the endpoints (endpoints of one identity share one peer
+    /// entry in other endpoints' policies; egress ipBlocks naming a port
+    /// resolve per address). Returns whether the ports of an address
+    /// changed: the CIDR identities of the host prefixes they need
+    /// ([`State::desired_cidrs`]) may have changed too.
+    fn refresh_named_ports(
+        &mut self,
+        identities: impl IntoIterator<Item = u32>,
+        addresses: impl IntoIterator<Item = IpAddr>,
+    ) -> bool {
+        let mut by_identity: BTreeMap<u32, Vec<NamedPort>> = identities
+            .into_iter()
+            .filter(|identity| *identity != 0)
+            .map(|identity| (identity, Vec::new()))
             .collect();
-        self.selectors.set_named_ports(identity, ports);
-    }
-
-    /// Sets the named ports at each of `addresses` to those of the endpoints
-    /// holding it (egress ipBlocks naming a port resolve per address).
-    /// Returns whether any changed: the CIDR identities of the host prefixes
-    /// they need ([`State::desired_cidrs`]) may have changed too.
-    fn refresh_address_named_ports(&mut self, addresses: &[EndpointAddress]) -> bool {
-        let mut changed = false;
-        for address in addresses.iter().map(|a| a.address) {
-            let ports = self
-                .endpoints
-                .values()
-                .filter(|s| s.spec.addresses.iter().any(|a| a.address == address))
-                .flat_map(|s| s.spec.named_ports.iter().cloned())
-                .collect();
-            changed |= self.selectors.set_address_named_ports(address, ports);
-        }
-        changed
-    }
-
-    /// Sets the named ports of every identity and address of the known
-    /// endpoints in one pass (what [`refresh_named_ports`] and
-    /// [`refresh_address_named_ports`] do for one).
-    ///
-    /// [`refresh_named_ports`]: State::refresh_named_ports
-    /// [`refresh_address_named_ports`]: State::refresh_address_named_ports
-    fn restore_named_ports(&mut self) {
-        let mut by_identity = BTreeMap::<u32, Vec<NamedPort>>::new();
-        let mut by_address = BTreeMap::<IpAddr, Vec<NamedPort>>::new();
+        let mut by_address: BTreeMap<IpAddr, Vec<NamedPort>> =
+            addresses.into_iter().map(|address| (address, Vec::new())).collect();
         for slot in self.endpoints.values() {
             let ports = &slot.spec.named_ports;
-            if slot.status.identity != 0 {
-                by_identity
-                    .entry(slot.status.identity)
-                    .or_default()
-                    .extend_from_slice(ports);
+            if let Some(held) = by_identity.get_mut(&slot.status.identity) {
+                held.extend_from_slice(ports);
             }
             for address in &slot.spec.addresses {
-                by_address.entry(address.address).or_default().extend_from_slice(ports);
+                if let Some(held) = by_address.get_mut(&address.address) {
+                    held.extend_from_slice(ports);
+                }
             }
         }
         for (identity, ports) in by_identity {
             self.selectors.set_named_ports(identity, ports);
         }
+        let mut changed = false;
         for (address, ports) in by_address {
-            self.selectors.set_address_named_ports(address, ports);
+            changed |= self.selectors.set_address_named_ports(address, ports);
         }
+        changed
     }
 
     /// Every prefix that needs a CIDR identity: the policies' ipBlock
@@ -1062,11 +1039,12 @@ impl EndpointManager {
         let reason = removal.reason.unwrap_or(RemovalReason::Deleted);
         slot.status.transition(id, EndpointState::Disconnected, reason.as_str());
         // Peers stop resolving its named ports.
-        state.refresh_named_ports(slot.status.identity);
-        if state.refresh_address_named_ports(&slot.spec.addresses) {
-            self.inner.cidr_wake.notify_one();
-        }
-        self.queue_changed_policies(&mut state, "named ports changed");
+        self.named_ports_changed(
+            &mut state,
+            [slot.status.identity],
+            slot.spec.addresses.iter().map(|a| a.address),
+            "named ports changed",
+        );
         // The pod's remembered labels go with its last endpoint (a reused
         // name must not inherit them), unless a failed create is undone:
         // the runtime retries that pod.
@@ -1668,6 +1646,23 @@ impl EndpointManager {
         queued
     }
 
+    /// After endpoints holding `identities` or `addresses` came, went or
+    /// changed: their named ports in the selector cache, the CIDR identities
+    /// of the host prefixes those need (in the background), and a
+    /// regeneration of the endpoints whose policies they can change.
+    fn named_ports_changed(
+        &self,
+        state: &mut State,
+        identities: impl IntoIterator<Item = u32>,
+        addresses: impl IntoIterator<Item = IpAddr>,
+        reason: &str,
+    ) {
+        if state.refresh_named_ports(identities, addresses) {
+            self.inner.cidr_wake.notify_one();
+        }
+        self.queue_changed_policies(state, reason);
+    }
+
     // ------------------------------------------------------- regeneration --
 
     fn spawn_worker(&self, id: u16, queue: Arc<Queue>) {
@@ -1787,7 +1782,7 @@ impl EndpointManager {
             match result {
                 Ok((identity, identity_labels, resolved, revision, record)) => {
                     let took = started.elapsed();
-                    let addresses = slot.spec.addresses.clone();
+                    let addresses: Vec<IpAddr> = slot.spec.addresses.iter().map(|a| a.address).collect();
                     let previous = std::mem::replace(&mut slot.status.identity, identity);
                     slot.status.identity_labels = identity_labels;
                     slot.status.realised_policy = Some(resolved);
@@ -1800,14 +1795,7 @@ impl EndpointManager {
                     }
                     slot.status.transition(id, EndpointState::Ready, reason);
                     events::regeneration_completed(&self.inner.metrics, id, identity, revision, reason, took);
-                    if previous != identity {
-                        state.refresh_named_ports(previous);
-                    }
-                    state.refresh_named_ports(identity);
-                    if state.refresh_address_named_ports(&addresses) {
-                        self.inner.cidr_wake.notify_one();
-                    }
-                    self.queue_changed_policies(&mut state, "named ports changed");
+                    self.named_ports_changed(&mut state, [previous, identity], addresses, "named ports changed");
                     self.update_state_metrics(&state);
                     return Ok(());
                 }
@@ -2106,8 +2094,13 @@ impl EndpointManager {
             // Peers' named ports before any regeneration: an endpoint
             // restored before the peers whose ports its rules name would
             // otherwise lose those entries until they regenerated.
-            state.restore_named_ports();
-            self.queue_changed_policies(&mut state, "named ports restored");
+            let identities: Vec<u32> = state.endpoints.values().map(|s| s.status.identity).collect();
+            let addresses: Vec<IpAddr> = state
+                .endpoints
+                .values()
+                .flat_map(|s| s.spec.addresses.iter().map(|a| a.address))
+                .collect();
+            self.named_ports_changed(&mut state, identities, addresses, "named ports restored");
             self.update_state_metrics(&state);
         }
         self.inner.scanned.send_replace(true);
