@@ -911,15 +911,12 @@ impl EndpointManager {
             }
             Ok(Err(failure)) => failure,
             Err(_) => {
-                // Decided under the state lock, where the worker forgets the
-                // endpoint: either it is gone now, or its addresses will be
-                // released when it is.
+                // Either it is gone now, or its addresses will be released
+                // when it is.
                 keeps.armed = false;
-                let state = self.state();
-                if !state.endpoints.contains_key(&id) {
+                if !self.caller_keeps_addresses(id, &queue) {
                     return Ok(());
                 }
-                queue.release_addresses_when_gone();
                 RemovalFailure {
                     step: "waiting",
                     status: Status::unavailable(
@@ -933,6 +930,20 @@ impl EndpointManager {
             step: failure.step,
             status: failure.status,
         })
+    }
+
+    /// Asks the worker to release the addresses of endpoint `id` once it is
+    /// gone, because a caller of its removal keeps them (it was not told the
+    /// removal succeeded); whether the endpoint is still there (false: it is
+    /// gone already, the removal succeeded). Decided under the state lock,
+    /// where the worker forgets the endpoint.
+    fn caller_keeps_addresses(&self, id: u16, queue: &Queue) -> bool {
+        let state = self.state();
+        let present = state.endpoints.contains_key(&id);
+        if present {
+            queue.release_addresses_when_gone();
+        }
+        present
     }
 
     /// Marks the endpoint `disconnecting` and asks its worker for a removal
@@ -2610,10 +2621,10 @@ fn listed_interface(held: &ldpb::Endpoint) -> ldpb::EndpointInterface {
 /// While armed, a caller waiting for a removal has not been told it
 /// succeeded: on drop (an error, or the call cancelled by its client) the
 /// worker is asked to release the endpoint's addresses once it is gone,
-/// because such a caller keeps them (rivet-cni does). Decided under the
-/// state lock, where the worker forgets the endpoint. (A removal that
-/// completes in the instant its caller goes away still leaves the addresses
-/// to the caller.)
+/// because such a caller keeps them (rivet-cni does; see
+/// [`EndpointManager::caller_keeps_addresses`]). (A removal that completes
+/// in the instant its caller goes away still leaves the addresses to the
+/// caller.)
 struct CallerKeepsAddresses<'a> {
     manager: &'a EndpointManager,
     id: u16,
@@ -2623,12 +2634,8 @@ struct CallerKeepsAddresses<'a> {
 
 impl Drop for CallerKeepsAddresses<'_> {
     fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let state = self.manager.state();
-        if state.endpoints.contains_key(&self.id) {
-            self.queue.release_addresses_when_gone();
+        if self.armed {
+            self.manager.caller_keeps_addresses(self.id, self.queue);
         }
     }
 }
