@@ -1279,7 +1279,7 @@ impl EndpointManager {
         state.namespaces = next;
         let mut affected = 0;
         for slot in state.endpoints.values_mut() {
-            if slot.spec.pod_namespace == namespace && slot.status.state != EndpointState::Disconnecting {
+            if slot.spec.pod_namespace == namespace && !slot.queue.is_closed() {
                 slot.queue.request("namespace labels changed");
                 affected += 1;
             }
@@ -2588,10 +2588,8 @@ impl EndpointManager {
 
     fn request_all(&self, reason: &str) {
         let state = self.state();
-        for slot in state.endpoints.values() {
-            if slot.status.state != EndpointState::Disconnecting {
-                slot.queue.request(reason);
-            }
+        for slot in state.endpoints.values().filter(|s| !s.queue.is_closed()) {
+            slot.queue.request(reason);
         }
     }
 }
