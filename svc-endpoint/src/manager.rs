@@ -15,9 +15,11 @@
 //! themselves). The permit is taken before the endpoint's lock, so a
 //! removal never waits behind other endpoints' regenerations.
 //!
-//! Any change of the selector cache re-requests every endpoint that is not
-//! idle: a regeneration that resolved its policy before the change realises
-//! a stale policy, and the coalesced request makes one more.
+//! A change of the selector cache (identities, CIDR identities, named
+//! ports) re-requests the endpoints selected by a policy whose resolution it
+//! can change, including one whose running regeneration resolved already:
+//! that regeneration realises a stale policy, and the coalesced request
+//! makes one more.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
