@@ -17,14 +17,9 @@ struct StateLabels {
     state: &'static str,
 }
 
+/// A failed step (of a regeneration or a removal) and the gRPC code.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StepLabels {
-    step: &'static str,
-    code: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RemovalStepLabels {
     step: &'static str,
     code: &'static str,
 }
@@ -53,7 +48,7 @@ pub struct EndpointMetrics {
     regeneration_errors: MetricFamily<StepLabels, Counter>,
     regeneration_seconds: Histogram,
     endpoints_dropped: MetricFamily<ReasonLabels, Counter>,
-    removal_errors: MetricFamily<RemovalStepLabels, Counter>,
+    removal_errors: MetricFamily<StepLabels, Counter>,
     removals_converged: MetricFamily<ReasonLabels, Counter>,
     resyncs: MetricFamily<DependencyLabels, Counter>,
     policy_revision: Gauge,
@@ -237,7 +232,7 @@ pub fn endpoint_dropped(m: &EndpointMetrics, id: u16, reason: &'static str, deta
 pub fn removal_failed(m: &EndpointMetrics, id: u16, step: &'static str, status: &tonic::Status, failures: u32) {
     tracing::warn!(endpoint = id, step, code = ?status.code(), failures, "removing the endpoint failed; retrying in the background: {}", status.message());
     m.removal_errors
-        .get_or_create(&RemovalStepLabels {
+        .get_or_create(&StepLabels {
             step,
             code: rivet_common::grpc::code_label(status.code()),
         })
