@@ -11,7 +11,7 @@ use rivet_common::labels::{Labels, ReservedIdentity};
 
 use super::document::{PortRef, PortSpec, Rule};
 use super::selector::{IdentityRef, Peer};
-use super::{Direction, NamedPort, Policy, Protocol, Subject, Verdict};
+use super::{Direction, NamedPort, PolicyRepository, Protocol, Subject, Verdict};
 
 /// The other end of a packet: its identity, the labels of a cluster
 /// identity, its address and, for a pod, its own named ports (for egress
@@ -51,66 +51,103 @@ impl Decision {
     }
 }
 
-/// What `policies` say about a packet of protocol `protocol` (IANA number)
-/// to destination port `port` (0 for protocols without ports) between
-/// `subject` and `peer` in `direction`: Kubernetes semantics (a policy
-/// enforces the directions of its policyTypes on the pods it selects; rules
-/// are a union; a rule without peers or ports matches any) plus Rivet's
-/// deny rules and `enableDefaultDeny`.
-pub(crate) fn evaluate<'p>(
-    policies: impl Iterator<Item = &'p Policy>,
-    subject: &Subject<'_>,
-    direction: Direction,
-    peer: &PacketPeer<'_>,
-    protocol: u8,
-    port: u16,
-) -> Decision {
-    let (mut applies, mut has_rules, mut default_deny) = (false, false, false);
-    let (mut allowed, mut denied) = (false, false);
-    for policy in policies.filter(|p| p.selects(subject.labels)) {
-        let spec = &policy.spec;
-        if !spec.applies(direction) {
-            continue;
-        }
-        applies = true;
-        default_deny |= spec.default_deny(direction);
-        for verdict in [Verdict::Allow, Verdict::Deny] {
-            let rules = spec.rules(direction, verdict);
-            has_rules |= !rules.is_empty();
-            let hit = rules
-                .iter()
-                .any(|rule| rule_matches(rule, direction, subject, peer, protocol, port));
-            match verdict {
-                Verdict::Allow => allowed |= hit,
-                Verdict::Deny => denied |= hit,
+impl PolicyRepository {
+    /// What the stored policies do with a new connection's packet of
+    /// `protocol` (IANA number) to destination port `port` (0 without
+    /// ports) between `subject` and `peer` in `direction`, evaluated
+    /// straight from the rules (see [`Decision`]): Kubernetes semantics (a
+    /// policy enforces the directions of its policyTypes on the pods it
+    /// selects; rules are a union; a rule without peers or ports matches
+    /// any) plus Rivet's deny rules and `enableDefaultDeny`. Independent of
+    /// [`resolve`](Self::resolve): the oracle of the datapath's tests.
+    ///
+    /// ```
+    /// use svc_endpoint::policy::{Decision, Direction, PacketPeer, Policy, PolicyOrigin, PolicyRepository, Subject};
+    ///
+    /// let mut repo = PolicyRepository::new();
+    /// repo.upsert(
+    ///     Policy::parse(
+    ///         r#"
+    /// apiVersion: networking.k8s.io/v1
+    /// kind: NetworkPolicy
+    /// metadata: {name: db, namespace: shop}
+    /// spec:
+    ///   podSelector: {matchLabels: {app: db}}
+    ///   ingress: [{from: [{podSelector: {matchLabels: {app: web}}}], ports: [{port: 5432}]}]
+    /// "#,
+    ///     )?,
+    ///     PolicyOrigin::Api,
+    /// )?;
+    /// let db = "k8s:app=db,k8s:io.kubernetes.pod.namespace=shop".parse()?;
+    /// let web = "k8s:app=web,k8s:io.kubernetes.pod.namespace=shop".parse()?;
+    /// let peer = PacketPeer { identity: 300, labels: Some(&web), address: None, named_ports: &[] };
+    /// let subject = Subject::new(&db);
+    /// assert_eq!(repo.evaluate(&subject, Direction::Ingress, &peer, 6, 5432), Decision::Allowed);
+    /// assert_eq!(repo.evaluate(&subject, Direction::Ingress, &peer, 6, 80), Decision::DefaultDenied);
+    /// assert_eq!(repo.evaluate(&subject, Direction::Egress, &peer, 6, 80), Decision::NotEnforced);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn evaluate(
+        &self,
+        subject: &Subject<'_>,
+        direction: Direction,
+        peer: &PacketPeer<'_>,
+        protocol: u8,
+        port: u16,
+    ) -> Decision {
+        let packet = Packet {
+            direction,
+            subject,
+            peer,
+            protocol,
+            port,
+        };
+        let (mut applies, mut has_rules, mut default_deny) = (false, false, false);
+        let (mut allowed, mut denied) = (false, false);
+        for policy in self.iter().map(|s| &s.policy).filter(|p| p.selects(subject.labels)) {
+            let spec = &policy.spec;
+            if !spec.applies(direction) {
+                continue;
+            }
+            applies = true;
+            default_deny |= spec.default_deny(direction);
+            for verdict in [Verdict::Allow, Verdict::Deny] {
+                let rules = spec.rules(direction, verdict);
+                has_rules |= !rules.is_empty();
+                let hit = rules.iter().any(|rule| rule_matches(rule, &packet));
+                match verdict {
+                    Verdict::Allow => allowed |= hit,
+                    Verdict::Deny => denied |= hit,
+                }
             }
         }
-    }
-    if !applies || !(default_deny || has_rules) {
-        Decision::NotEnforced
-    } else if denied {
-        Decision::Denied
-    } else if allowed || !default_deny {
-        Decision::Allowed
-    } else {
-        Decision::DefaultDenied
+        if !applies || !(default_deny || has_rules) {
+            Decision::NotEnforced
+        } else if denied {
+            Decision::Denied
+        } else if allowed || !default_deny {
+            Decision::Allowed
+        } else {
+            Decision::DefaultDenied
+        }
     }
 }
 
-fn rule_matches(
-    rule: &Rule,
+/// One packet, as the rules see it.
+#[derive(Clone, Copy)]
+struct Packet<'a> {
     direction: Direction,
-    subject: &Subject<'_>,
-    peer: &PacketPeer<'_>,
+    subject: &'a Subject<'a>,
+    peer: &'a PacketPeer<'a>,
+    /// IANA number.
     protocol: u8,
+    /// Destination port; 0 for protocols without ports.
     port: u16,
-) -> bool {
-    let peer_ok = rule.peers.is_empty() || rule.peers.iter().any(|p| peer_matches(p, peer));
-    let port_ok = rule.ports.is_empty()
-        || rule
-            .ports
-            .iter()
-            .any(|spec| port_matches(spec, direction, subject, peer, protocol, port));
+}
+
+fn rule_matches(rule: &Rule, packet: &Packet<'_>) -> bool {
+    let peer_ok = rule.peers.is_empty() || rule.peers.iter().any(|p| peer_matches(p, packet.peer));
+    let port_ok = rule.ports.is_empty() || rule.ports.iter().any(|spec| port_matches(spec, packet));
     peer_ok && port_ok
 }
 
@@ -136,14 +173,14 @@ fn peer_matches(selector: &Peer, peer: &PacketPeer<'_>) -> bool {
     }
 }
 
-fn port_matches(
-    spec: &PortSpec,
-    direction: Direction,
-    subject: &Subject<'_>,
-    peer: &PacketPeer<'_>,
-    protocol: u8,
-    port: u16,
-) -> bool {
+fn port_matches(spec: &PortSpec, packet: &Packet<'_>) -> bool {
+    let Packet {
+        direction,
+        subject,
+        peer,
+        protocol,
+        port,
+    } = *packet;
     if spec.protocol == Protocol::Any {
         return true;
     }

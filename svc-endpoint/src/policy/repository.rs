@@ -9,7 +9,6 @@ use rivet_common::labels::Labels;
 use rivet_proto::loader::v1 as loader;
 use serde::{Deserialize, Serialize};
 
-use super::evaluate::{self, Decision, PacketPeer};
 use super::{
     AddressPrefix, Direction, Entry, NamedPort, Policy, PolicyError, PolicyKey, PolicyOrigin, SelectorCache,
     SelectorChanges, resolve,
@@ -361,55 +360,5 @@ impl PolicyRepository {
         let peers = policies.iter().flat_map(|p| p.peers());
         let cache = identities.snapshot_for(peers);
         Resolution { policies, cache }
-    }
-
-    /// What the stored policies do with a new connection's packet of
-    /// `protocol` (IANA number) to destination port `port` (0 without
-    /// ports) between `subject` and `peer` in `direction`, evaluated
-    /// straight from the rules (see [`Decision`]). Independent of
-    /// [`resolve`](Self::resolve): the oracle of the datapath's tests.
-    ///
-    /// ```
-    /// use svc_endpoint::policy::{Decision, Direction, PacketPeer, Policy, PolicyOrigin, PolicyRepository, Subject};
-    ///
-    /// let mut repo = PolicyRepository::new();
-    /// repo.upsert(
-    ///     Policy::parse(
-    ///         r#"
-    /// apiVersion: networking.k8s.io/v1
-    /// kind: NetworkPolicy
-    /// metadata: {name: db, namespace: shop}
-    /// spec:
-    ///   podSelector: {matchLabels: {app: db}}
-    ///   ingress: [{from: [{podSelector: {matchLabels: {app: web}}}], ports: [{port: 5432}]}]
-    /// "#,
-    ///     )?,
-    ///     PolicyOrigin::Api,
-    /// )?;
-    /// let db = "k8s:app=db,k8s:io.kubernetes.pod.namespace=shop".parse()?;
-    /// let web = "k8s:app=web,k8s:io.kubernetes.pod.namespace=shop".parse()?;
-    /// let peer = PacketPeer { identity: 300, labels: Some(&web), address: None, named_ports: &[] };
-    /// let subject = Subject::new(&db);
-    /// assert_eq!(repo.evaluate(&subject, Direction::Ingress, &peer, 6, 5432), Decision::Allowed);
-    /// assert_eq!(repo.evaluate(&subject, Direction::Ingress, &peer, 6, 80), Decision::DefaultDenied);
-    /// assert_eq!(repo.evaluate(&subject, Direction::Egress, &peer, 6, 80), Decision::NotEnforced);
-    /// # Ok::<(), Box<dyn std::error::Error>>(())
-    /// ```
-    pub fn evaluate(
-        &self,
-        subject: &Subject<'_>,
-        direction: Direction,
-        peer: &PacketPeer<'_>,
-        protocol: u8,
-        port: u16,
-    ) -> Decision {
-        evaluate::evaluate(
-            self.policies.values().map(|s| &*s.policy),
-            subject,
-            direction,
-            peer,
-            protocol,
-            port,
-        )
     }
 }
