@@ -750,22 +750,12 @@ async fn named_ports_reach_the_peers_that_use_them_and_leave_with_their_endpoint
     .await;
     until_realised(&node, client.id, "no web endpoint names http yet", |e| e.is_empty()).await;
 
-    node.add_pod_interface("web-1").await;
-    let mut request = node.create_request("web-1", &["k8s:app=web"]);
-    request.named_ports = vec![pb::NamedPort {
+    let http = pb::NamedPort {
         name: "http".into(),
         protocol: "TCP".into(),
         port: 8080,
-    }];
-    let web1 = node
-        .endpoints()
-        .await
-        .create_endpoint(request)
-        .await
-        .expect("creating web-1")
-        .into_inner()
-        .endpoint
-        .unwrap();
+    };
+    let web1 = node.add_pod_with_ports("web-1", &["k8s:app=web"], vec![http]).await;
     assert_eq!(web1.identity, web0.identity, "web-1 shares web-0's identity");
     until_realised(&node, client.id, "client's rule resolves web's http to 8080", |e| {
         e == [(web0.identity, 8080)]
