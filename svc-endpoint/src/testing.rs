@@ -12,8 +12,11 @@ use rivet_common::testing::{DaemonCommand, DaemonProcess, OtlpCollector, workspa
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;
+use rivet_proto::identity::v1 as idpb;
+use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
+use rivet_proto::loader::v1 as ldpb;
 use svc_loader::testing::{DEFAULT_ENDPOINTS_MAX, LoaderNode};
 
 use crate::endpoint::format_mac;
@@ -277,6 +280,58 @@ impl EndpointNode {
             .into_inner()
             .endpoint
             .expect("the created endpoint")
+    }
+
+    /// Deletes endpoint `id` through svc-endpoint; the ids it deleted (none
+    /// when it was gone already).
+    pub async fn delete_endpoint(&self, id: u32) -> Vec<u32> {
+        self.endpoints()
+            .await
+            .delete_endpoint(pb::DeleteEndpointRequest {
+                r#ref: Some(pb::EndpointRef {
+                    r#ref: Some(pb::endpoint_ref::Ref::Id(id)),
+                }),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("deleting endpoint {id}: {e}"))
+            .into_inner()
+            .deleted
+    }
+
+    /// svc-loader's listing: its endpoints, and attachments and policy
+    /// entries that belong to none.
+    pub async fn datapath_endpoints(&self) -> ldpb::ListEndpointsResponse {
+        self.node
+            .client()
+            .await
+            .list_endpoints(ldpb::ListEndpointsRequest {})
+            .await
+            .unwrap_or_else(|e| panic!("svc-loader ListEndpoints: {e}"))
+            .into_inner()
+    }
+
+    /// The policy svc-loader holds for endpoint `endpoint_id`.
+    pub async fn datapath_policy(&self, endpoint_id: u32) -> ldpb::GetEndpointPolicyResponse {
+        self.node
+            .client()
+            .await
+            .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id })
+            .await
+            .unwrap_or_else(|e| panic!("GetEndpointPolicy of endpoint {endpoint_id}: {e}"))
+            .into_inner()
+    }
+
+    /// svc-identity's node-local identities, with their owners.
+    pub async fn local_identities(&self) -> idpb::ListIdentitiesResponse {
+        IdentityServiceClient::new(self.channel(self.identity.socket()).await)
+            .list_identities(idpb::ListIdentitiesRequest {
+                local_only: true,
+                include_owners: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("svc-identity ListIdentities: {e}"))
+            .into_inner()
     }
 
     /// Every address svc-ipam holds (orphaned ones included).

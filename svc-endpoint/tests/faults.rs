@@ -12,8 +12,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rivet_common::labels::Labels;
-use rivet_proto::identity::v1 as idpb;
-use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use support::{Faults, Mode, assert_nothing_left, eventually, faulty_dependencies, options, start_manager};
 use svc_endpoint::endpoint::EndpointState;
 use svc_endpoint::manager::{EndpointManager, EndpointSelector, ManagerError, ManagerOptions, NewEndpoint};
@@ -374,22 +372,11 @@ async fn a_stale_cidr_pass_never_reinserts_a_prefix_after_its_policy_was_deleted
         .expect("the delete succeeds")
         .expect("the policy existed");
 
-    let channel = rivet_common::grpc::connect_unix(&t.node.sockets().join("svc-identity.sock"), &Default::default())
-        .await
-        .unwrap();
     eventually(
         Duration::from_secs(5),
         "no CIDR identity is held for the deleted policy",
         async || {
-            let listed = IdentityServiceClient::new(channel.clone())
-                .list_identities(idpb::ListIdentitiesRequest {
-                    local_only: true,
-                    include_owners: true,
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-                .into_inner();
+            let listed = t.node.local_identities().await;
             !listed
                 .identities
                 .iter()

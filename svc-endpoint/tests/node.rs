@@ -70,14 +70,7 @@ async fn a_created_endpoint_is_ready_and_reachable_when_create_returns() {
     );
 
     // The datapath holds both, attached.
-    let listed = node
-        .node
-        .client()
-        .await
-        .list_endpoints(ldpb::ListEndpointsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = node.datapath_endpoints().await;
     let ids: Vec<u32> = listed.endpoints.iter().map(|e| e.endpoint_id).collect();
     assert!(
         ids.contains(&a.id) && ids.contains(&b.id),
@@ -148,35 +141,12 @@ async fn a_created_endpoint_is_ready_and_reachable_when_create_returns() {
     }
 
     // Delete: gone from the datapath, twice is fine.
-    let delete = pb::DeleteEndpointRequest {
-        r#ref: Some(pb::EndpointRef {
-            r#ref: Some(pb::endpoint_ref::Ref::Id(b.id)),
-        }),
-    };
-    let deleted = node
-        .endpoints()
-        .await
-        .delete_endpoint(delete.clone())
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(deleted.deleted, vec![b.id]);
-    let again = node
-        .endpoints()
-        .await
-        .delete_endpoint(delete)
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(again.deleted.is_empty(), "a second delete finds nothing and succeeds");
-    let listed = node
-        .node
-        .client()
-        .await
-        .list_endpoints(ldpb::ListEndpointsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    assert_eq!(node.delete_endpoint(b.id).await, vec![b.id]);
+    assert!(
+        node.delete_endpoint(b.id).await.is_empty(),
+        "a second delete finds nothing and succeeds"
+    );
+    let listed = node.datapath_endpoints().await;
     assert!(
         listed.endpoints.iter().all(|e| e.endpoint_id != b.id) && listed.orphan_attachments.is_empty(),
         "a deleted endpoint leaves nothing in the datapath"
@@ -393,14 +363,7 @@ async fn the_cli_lists_endpoints_applies_policies_and_shows_status() {
 
 /// The policy svc-loader holds for an endpoint, and its entries' peers.
 async fn realised_peers(node: &EndpointNode, endpoint_id: u32) -> (ldpb::GetEndpointPolicyResponse, Vec<u32>) {
-    let held = node
-        .node
-        .client()
-        .await
-        .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id })
-        .await
-        .unwrap_or_else(|e| panic!("GetEndpointPolicy of endpoint {endpoint_id}: {e}"))
-        .into_inner();
+    let held = node.datapath_policy(endpoint_id).await;
     let peers = held
         .entries
         .iter()
@@ -762,15 +725,7 @@ async fn named_ports_reach_the_peers_that_use_them_and_leave_with_their_endpoint
     })
     .await;
 
-    node.endpoints()
-        .await
-        .delete_endpoint(pb::DeleteEndpointRequest {
-            r#ref: Some(pb::EndpointRef {
-                r#ref: Some(pb::endpoint_ref::Ref::Id(web1.id)),
-            }),
-        })
-        .await
-        .expect("deleting web-1");
+    node.delete_endpoint(web1.id).await;
     until_realised(&node, client.id, "web-1's port leaves with it", |e| e.is_empty()).await;
 }
 

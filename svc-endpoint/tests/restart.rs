@@ -663,14 +663,7 @@ async fn kill_9_of_svc_endpoint_restores_50_endpoints_under_traffic_and_cleans_t
     check_consistent(&node, &remaining, std::slice::from_ref(&victim_name))
         .await
         .unwrap_or_else(|e| panic!("after restore: {e}"));
-    let loader = node
-        .node
-        .client()
-        .await
-        .list_endpoints(ldpb::ListEndpointsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let loader = node.datapath_endpoints().await;
     assert!(
         loader
             .endpoints
@@ -1319,7 +1312,7 @@ async fn restore_keeps_the_named_port_entries_of_peers_not_regenerated_yet() {
         .flat_map(|kind| (8080..8088).map(move |port| (kind as i32, port)))
         .collect();
     assert_eq!(
-        held_ports(&loader_policy(&node, client.id).await),
+        held_ports(&node.datapath_policy(client.id).await),
         expected,
         "before the kill"
     );
@@ -1334,7 +1327,7 @@ async fn restore_keeps_the_named_port_entries_of_peers_not_regenerated_yet() {
             .await
             .restore
             .is_some_and(|r| r.phase == pb::RestorePhase::Complete as i32);
-        let held = loader_policy(&node, client.id).await;
+        let held = node.datapath_policy(client.id).await;
         snapshots += 1;
         assert_eq!(
             held_ports(&held),
@@ -1348,15 +1341,4 @@ async fn restore_keeps_the_named_port_entries_of_peers_not_regenerated_yet() {
         assert!(Instant::now() < deadline, "restore did not complete");
     }
     eprintln!("{snapshots} snapshots of the client's policy during restore");
-}
-
-/// The policy svc-loader holds for an endpoint.
-async fn loader_policy(node: &EndpointNode, endpoint_id: u32) -> ldpb::GetEndpointPolicyResponse {
-    node.node
-        .client()
-        .await
-        .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id })
-        .await
-        .unwrap_or_else(|e| panic!("GetEndpointPolicy of endpoint {endpoint_id}: {e}"))
-        .into_inner()
 }

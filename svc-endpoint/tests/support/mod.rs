@@ -14,7 +14,6 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use rivet_common::backoff::Backoff;
 use rivet_proto::identity::v1 as idpb;
-use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
@@ -351,37 +350,22 @@ pub async fn assert_nothing_left(
     addresses_released: bool,
     what: &str,
 ) {
-    let listed = node
-        .node
-        .client()
-        .await
-        .list_endpoints(ldpb::ListEndpointsRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = node.datapath_endpoints().await;
     assert!(
         listed.endpoints.iter().all(|e| e.endpoint_id != u32::from(id))
             && listed.orphan_attachments.is_empty()
             && !listed.orphan_policy_endpoint_ids.contains(&u32::from(id)),
         "{what}: nothing of endpoint {id} in the datapath: {listed:?}"
     );
-    let channel = rivet_common::grpc::connect_unix(&node.sockets().join("svc-identity.sock"), &Default::default())
-        .await
-        .unwrap();
-    let identities = IdentityServiceClient::new(channel.clone())
-        .list_identities(idpb::ListIdentitiesRequest {
-            local_only: true,
-            include_owners: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let identities = node.local_identities().await;
     let owner = format!("endpoint/{id}");
     assert!(
         identities.identities.iter().all(|i| !i.owners.contains(&owner)),
         "{what}: no identity reference of endpoint {id}"
     );
+    let channel = rivet_common::grpc::connect_unix(node.identity.socket(), &Default::default())
+        .await
+        .unwrap();
     let ipcache = IpcacheServiceClient::new(channel)
         .list_ipcache(idpb::ListIpcacheRequest {
             source: idpb::IpcacheSource::LocalEndpoint.into(),
