@@ -72,6 +72,21 @@ impl Setup {
         view.spec.id
     }
 
+    /// Asserts that nothing of endpoint `id` of the wired pod `pod` is left
+    /// (see [`assert_nothing_left`]).
+    async fn assert_nothing_left(&self, id: u16, pod: &str, addresses_released: bool, what: &str) {
+        let addresses = self.node.pod(pod).addrs();
+        assert_nothing_left(
+            &self.node,
+            self.state.path(),
+            id,
+            (pod, &addresses),
+            addresses_released,
+            what,
+        )
+        .await;
+    }
+
     /// Waits until the manager knows no endpoint.
     async fn until_empty(&self, what: &str) {
         eventually(Duration::from_secs(10), what, async || self.manager.list().is_empty()).await;
@@ -157,15 +172,8 @@ async fn a_new_label_set_fails_with_the_kvstore_reason_at_the_deadline_and_leave
         "it retried until about the deadline: {took:?}"
     );
     t.until_empty("the undone endpoint is gone").await;
-    assert_nothing_left(
-        &t.node,
-        t.state.path(),
-        id,
-        ("a", &t.node.pod("a").addrs()),
-        false,
-        "after a create that found no identity",
-    )
-    .await;
+    t.assert_nothing_left(id, "a", false, "after a create that found no identity")
+        .await;
 }
 
 /// Issue 12 §6: a delete that fails (here svc-identity cannot unpublish the
@@ -201,15 +209,7 @@ async fn a_failed_delete_converges_by_itself_and_releases_the_addresses_the_call
 
     t.faults.delete_ip.set(Mode::Pass);
     t.until_empty("the endpoint is removed without a new call").await;
-    assert_nothing_left(
-        &t.node,
-        t.state.path(),
-        id,
-        ("a", &t.node.pod("a").addrs()),
-        true,
-        "after the delete converged",
-    )
-    .await;
+    t.assert_nothing_left(id, "a", true, "after the delete converged").await;
     assert_eq!(
         t.manager.delete(&container("a"), Duration::from_secs(5)).await.unwrap(),
         Vec::<u16>::new(),
@@ -263,15 +263,7 @@ async fn a_delete_does_not_wait_behind_other_regenerations_and_a_closed_endpoint
         0,
         "a closed endpoint never reaches the datapath again"
     );
-    assert_nothing_left(
-        &t.node,
-        t.state.path(),
-        a,
-        ("a", &t.node.pod("a").addrs()),
-        false,
-        "after a's delete",
-    )
-    .await;
+    t.assert_nothing_left(a, "a", false, "after a's delete").await;
 }
 
 /// A delete whose endpoint's own regeneration hangs on a dependency
@@ -303,15 +295,7 @@ async fn a_delete_behind_its_hung_regeneration_returns_at_its_deadline_and_compl
 
     t.faults.apply.set(Mode::Pass);
     t.until_empty("the removal completes in the background").await;
-    assert_nothing_left(
-        &t.node,
-        t.state.path(),
-        id,
-        ("a", &t.node.pod("a").addrs()),
-        true,
-        "after the delete converged",
-    )
-    .await;
+    t.assert_nothing_left(id, "a", true, "after the delete converged").await;
 }
 
 /// Changes pod `name`'s labels without waiting: its worker regenerates.
