@@ -4,11 +4,14 @@
 //! decided per address: two pods of one identity fall on different sides;
 //! an egress ipBlock naming a port resolves it per pod address.
 
+mod support;
+
 use std::net::{IpAddr, SocketAddr};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::loader::v1 as ldpb;
+use support::until;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
 
 fn pings(node: &EndpointNode, from: &str, to: &str) -> bool {
@@ -128,38 +131,31 @@ async fn an_egress_ipblock_naming_a_port_reaches_each_pod_on_its_own_number() {
         },
         prefix_length: 32,
     };
-    node.endpoints()
-        .await
-        .delete_endpoint(pb::DeleteEndpointRequest {
-            r#ref: Some(pb::EndpointRef {
-                r#ref: Some(pb::endpoint_ref::Ref::Id(webs[1].id)),
-            }),
-        })
-        .await
-        .expect("deleting web-1");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let mut loader = node.node.client().await;
-        let held = loader
-            .get_endpoint_policy(ldpb::GetEndpointPolicyRequest { endpoint_id: client.id })
-            .await
-            .expect("GetEndpointPolicy of the client")
-            .into_inner();
-        let ipcache = loader
-            .list_ipcache(ldpb::ListIpcacheRequest::default())
-            .await
-            .expect("ListIpcache")
-            .into_inner();
-        let in_policy = held.prefixes.iter().any(|p| p.prefix.as_ref() == Some(&web1_host));
-        let in_ipcache = ipcache.entries.iter().any(|e| e.prefix.as_ref() == Some(&web1_host));
-        if !in_policy && !in_ipcache {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "web-1's host prefix is still in the client's policy ({in_policy}) or the ipcache ({in_ipcache})"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    node.delete_endpoint(webs[1].id).await;
+    until(
+        Duration::from_secs(10),
+        "web-1's host prefix leaves the client's policy and the ipcache",
+        async || {
+            let held = node.datapath_policy(client.id).await;
+            let ipcache = node
+                .node
+                .client()
+                .await
+                .list_ipcache(ldpb::ListIpcacheRequest::default())
+                .await
+                .expect("ListIpcache")
+                .into_inner();
+            let in_policy = held.prefixes.iter().any(|p| p.prefix.as_ref() == Some(&web1_host));
+            let in_ipcache = ipcache.entries.iter().any(|e| e.prefix.as_ref() == Some(&web1_host));
+            if !in_policy && !in_ipcache {
+                Ok(())
+            } else {
+                Err(format!(
+                    "still in the client's policy ({in_policy}) or the ipcache ({in_ipcache})"
+                ))
+            }
+        },
+    )
+    .await;
     assert!(reaches("web-0", 8080), "web-0 is still reached on its own number");
 }

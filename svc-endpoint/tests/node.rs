@@ -4,6 +4,8 @@
 
 mod support;
 
+use support::{eventually, until};
+
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -385,15 +387,6 @@ async fn policy_dir_status(node: &EndpointNode) -> pb::PolicyDirStatus {
         .expect("svc-endpoint watches a policy dir")
 }
 
-/// Polls `check` until it holds or `within` passes.
-async fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !check() {
-        assert!(Instant::now() < deadline, "{what} within {within:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
     let policies = tempfile::tempdir().unwrap();
@@ -415,7 +408,7 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
         "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny-web, namespace: default}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Ingress]\n---\napiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: client-out}\nspec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  - to:\n    - ipBlock: {cidr: 198.19.128.0/24, except: [198.19.128.0/28]}\n    - podSelector: {matchLabels: {app: web}}\n",
     )
     .unwrap();
-    eventually(Duration::from_secs(10), "a policy file denies traffic", || {
+    eventually(Duration::from_secs(10), "a policy file denies traffic", async || {
         !tcp(&node, "client", "web", 80)
     })
     .await;
@@ -469,15 +462,15 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
     let scanned = policy_dir_status(&node).await;
     assert_eq!(scanned.files_rejected, 0, "no file was rejected yet: {scanned:?}");
     std::fs::write(&file, "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny-web}\nspec:\n  podSelector: {matchLabels: {app: web}}\n  policyTypes: [Sideways]\n").unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let rejected = loop {
+    let rejected = until(Duration::from_secs(10), "a scan rejects the broken file", async || {
         let status = policy_dir_status(&node).await;
         if status.files_rejected > 0 {
-            break status;
+            Ok(status)
+        } else {
+            Err(format!("{status:?}"))
         }
-        assert!(Instant::now() < deadline, "a scan rejects the broken file: {status:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    })
+    .await;
     assert!(
         rejected.last_error.contains("web.yaml") && rejected.last_error.contains("Sideways"),
         "the status names the file and the field: {rejected:?}"
@@ -497,7 +490,7 @@ async fn the_policy_dir_is_followed_and_a_bad_file_changes_nothing() {
 
     // Removing the file removes its policies.
     std::fs::remove_file(&file).unwrap();
-    eventually(Duration::from_secs(10), "removing the file reopens web", || {
+    eventually(Duration::from_secs(10), "removing the file reopens web", async || {
         tcp(&node, "client", "web", 80)
     })
     .await;
@@ -549,7 +542,7 @@ async fn namespace_labels_are_identity_labels_and_namespace_selectors_follow_the
     eventually(
         Duration::from_secs(10),
         "labelling the namespace lets its pods reach db",
-        || tcp(&node, "shop-client", "db", 5432),
+        async || tcp(&node, "shop-client", "db", 5432),
     )
     .await;
     assert!(!tcp(&node, "lab-client", "db", 5432), "another namespace stays out");
@@ -643,57 +636,54 @@ async fn a_namespace_relabel_during_a_regeneration_reaches_every_selected_peer()
 
         // The new identities, once their endpoints are ready with them.
         let mut identities = Vec::new();
+        let round_label = format!("k8s:ns.labels/round={round}");
         for name in Y_PODS {
-            let deadline = Instant::now() + Duration::from_secs(10);
-            let round_label = format!("k8s:ns.labels/round={round}");
-            loop {
+            let what = format!("round {round}: y/{name} is re-identified");
+            let identity = until(Duration::from_secs(10), &what, async || {
                 let e = node.endpoint_of_pod("y", name).await;
                 if e.identity_labels.contains(&round_label) && e.state == pb::EndpointState::Ready as i32 {
-                    identities.push(e.identity);
-                    break;
+                    Ok(e.identity)
+                } else {
+                    Err(format!("{e:?}"))
                 }
-                assert!(
-                    Instant::now() < deadline,
-                    "round {round}: y/{name} is re-identified: {e:?}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            })
+            .await;
+            identities.push(identity);
         }
         let expected = if updated { identities.len() } else { 0 };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        let what = format!("round {round}: x/a's realised policy allows {expected} of y's identities {identities:?}");
+        until(Duration::from_secs(10), &what, async || {
             let (_, peers) = realised_peers(&node, xa.id).await;
             let allowed = identities.iter().filter(|id| peers.contains(id)).count();
             if allowed == expected {
-                break;
+                Ok(())
+            } else {
+                Err(format!("it allows {allowed} (peers {peers:?})"))
             }
-            assert!(
-                Instant::now() < deadline,
-                "round {round}: x/a's realised policy allows {allowed} of y's identities {identities:?}, expected {expected} (peers {peers:?})"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await;
     }
 }
 
 /// Waits until `check` holds for the policy svc-loader holds for endpoint
 /// `endpoint_id` (entries as (peer, port)).
 async fn until_realised(node: &EndpointNode, endpoint_id: u32, what: &str, check: impl Fn(&[(u32, u32)]) -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let (held, _) = realised_peers(node, endpoint_id).await;
-        let entries: Vec<(u32, u32)> = held
+    until(Duration::from_secs(10), what, async || {
+        let entries: Vec<(u32, u32)> = node
+            .datapath_policy(endpoint_id)
+            .await
             .entries
             .iter()
             .filter_map(|e| e.entry.as_ref())
             .map(|e| (e.peer_identity, e.port))
             .collect();
         if check(&entries) {
-            return;
+            Ok(())
+        } else {
+            Err(format!("entries {entries:?}"))
         }
-        assert!(Instant::now() < deadline, "{what}: entries {entries:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await;
 }
 
 /// Issue 12 §4: a change in an endpoint's named ports re-queues the
@@ -826,25 +816,26 @@ async fn an_endpoint_whose_interface_disappears_while_running_is_dropped_and_rel
         "the pod's namespace is deleted behind the CNI's back"
     );
 
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let listed = node
-            .endpoints()
-            .await
-            .list_endpoints(pb::ListEndpointsRequest::default())
-            .await
-            .unwrap()
-            .into_inner();
-        if listed.endpoints.iter().all(|e| e.id != gone.id) {
-            assert_eq!(listed.endpoints.len(), 1, "the other pod's endpoint stays: {listed:?}");
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the endpoint of the vanished pod is dropped: {listed:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let listed = until(
+        Duration::from_secs(10),
+        "the endpoint of the vanished pod is dropped",
+        async || {
+            let listed = node
+                .endpoints()
+                .await
+                .list_endpoints(pb::ListEndpointsRequest::default())
+                .await
+                .unwrap()
+                .into_inner();
+            if listed.endpoints.iter().all(|e| e.id != gone.id) {
+                Ok(listed)
+            } else {
+                Err(format!("{listed:?}"))
+            }
+        },
+    )
+    .await;
+    assert_eq!(listed.endpoints.len(), 1, "the other pod's endpoint stays: {listed:?}");
     let id = u16::try_from(gone.id).unwrap();
     support::assert_nothing_left(
         &node,

@@ -329,13 +329,30 @@ pub fn start_manager(options: ManagerOptions, deps: Dependencies) -> EndpointMan
     manager
 }
 
-/// Polls `check` (a status the manager or a daemon reports) until it holds.
-pub async fn eventually(within: Duration, what: &str, mut check: impl AsyncFnMut() -> bool) {
+/// Polls `check` (a status the manager or a daemon reports) every 20 ms
+/// until it returns `Ok`, and returns that value; once `within` passed,
+/// panics with `what` and the last `Err` (what was seen instead).
+pub async fn until<T>(within: Duration, what: &str, mut check: impl AsyncFnMut() -> Result<T, String>) -> T {
     let deadline = Instant::now() + within;
-    while !check().await {
-        assert!(Instant::now() < deadline, "{what} within {within:?}");
+    loop {
+        match check().await {
+            Ok(value) => return value,
+            Err(seen) => assert!(Instant::now() < deadline, "{what} within {within:?}: {seen}"),
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Polls `check` until it holds (see [`until`]).
+pub async fn eventually(within: Duration, what: &str, mut check: impl AsyncFnMut() -> bool) {
+    until(within, what, async || {
+        if check().await {
+            Ok(())
+        } else {
+            Err("it did not hold".into())
+        }
+    })
+    .await;
 }
 
 /// Asserts that nothing of endpoint `id` (container `container`, whose
