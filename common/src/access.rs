@@ -396,6 +396,22 @@ mod tests {
         }
     }
 
+    /// A member of the read-only group of [`policy`].
+    fn operator() -> PeerAccess {
+        PeerAccess {
+            peer: peer(1000, 995, &[]),
+            access: Access::ReadOnly,
+        }
+    }
+
+    fn metrics_text(metrics: &AccessMetrics) -> String {
+        let mut registry = Registry::with_prefix("rivet");
+        metrics.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
     #[test]
     fn full_uids_read_only_groups_and_everyone_else() {
         let p = policy();
@@ -463,10 +479,7 @@ mod tests {
             }
             service.clone().oneshot(request)
         };
-        let operator = PeerAccess {
-            peer: peer(1000, 995, &[]),
-            access: Access::ReadOnly,
-        };
+        let operator = operator();
         let ok = call("/rivet.ipam.v1.Ipam/List", Some(operator.clone())).await.unwrap();
         assert_eq!(ok.into_body(), "served");
         let refused = call("/rivet.ipam.v1.Ipam/Allocate", Some(operator)).await.unwrap();
@@ -488,10 +501,7 @@ mod tests {
             1,
             "refused calls never reach the service"
         );
-        let mut registry = Registry::with_prefix("rivet");
-        metrics.register(&mut registry);
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let text = metrics_text(&metrics);
         assert!(
             text.contains(
                 r#"rivet_socket_calls_denied_total{method="/rivet.ipam.v1.Ipam/Allocate",reason="read_only"} 1"#
@@ -508,10 +518,7 @@ mod tests {
         let service = layer.layer(tower::service_fn(|_req: http::Request<()>| async {
             Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
         }));
-        let operator = PeerAccess {
-            peer: peer(1000, 995, &[]),
-            access: Access::ReadOnly,
-        };
+        let operator = operator();
         // Paths a client makes up must not each make a series of their own.
         for path in [
             "/rivet.ipam.v1.Ipam/Allocate",
@@ -527,10 +534,7 @@ mod tests {
                 "{path}"
             );
         }
-        let mut registry = Registry::with_prefix("rivet");
-        metrics.register(&mut registry);
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let text = metrics_text(&metrics);
         assert!(
             text.contains(
                 r#"rivet_socket_calls_denied_total{method="/rivet.ipam.v1.Ipam/Allocate",reason="read_only"} 1"#
