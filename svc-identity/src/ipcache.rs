@@ -349,12 +349,12 @@ impl IpcacheError {
 }
 
 /// How far the reconcile passes got.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct PublishProgress {
     /// The generation of the LOCAL_ENDPOINT claims the last pass started from.
     attempted: u64,
-    /// That pass could not reconcile everything (the store did not answer).
-    failed: bool,
+    /// Why that pass could not reconcile everything, `None` when it did.
+    error: Option<String>,
 }
 
 type Claims = BTreeMap<IpcacheSource, IpcacheEntry>;
@@ -407,8 +407,6 @@ pub struct IpCache {
     /// Progress of the reconcile passes (the publish loop is their only
     /// runner, so passes never overlap).
     progress: watch::Sender<PublishProgress>,
-    /// The last pass's error, `None` after a pass that succeeded.
-    publish_error: Mutex<Option<String>>,
     reconcile: Notify,
     /// Its part of the local snapshot: changes and store revision.
     snapshot_part: SnapshotPart,
@@ -448,7 +446,6 @@ impl IpCache {
             ready,
             watch_failed: AtomicBool::new(false),
             progress: watch::channel(PublishProgress::default()).0,
-            publish_error: Mutex::new(None),
             reconcile: Notify::new(),
             snapshot_part: SnapshotPart::default(),
         })
@@ -739,8 +736,7 @@ impl IpCache {
     /// Whether the store is known to be unreachable: the last pass or the
     /// last listing/watch failed.
     fn store_unreachable(&self) -> bool {
-        let progress = *self.progress.borrow();
-        self.watch_failed.load(Ordering::Acquire) || progress.failed
+        self.watch_failed.load(Ordering::Acquire) || self.progress.borrow().error.is_some()
     }
 
     /// Has the claims of `generation` published: unless the store is known
@@ -758,7 +754,7 @@ impl IpCache {
 
     /// Why the last publishing pass failed, `None` when it succeeded.
     pub fn publish_error(&self) -> Option<String> {
-        self.publish_error.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.progress.borrow().error.clone()
     }
 
     /// This node's entries not yet as desired in the store: claims to
@@ -1194,13 +1190,12 @@ impl IpCache {
         if republished && result.is_ok() {
             self.lock().republish_pending = false;
         }
-        *self.publish_error.lock().unwrap_or_else(|e| e.into_inner()) = result
-            .as_ref()
-            .err()
-            .map(|e| format!("publishing this node's IP cache entries: {e}"));
         self.progress.send_replace(PublishProgress {
             attempted: generation,
-            failed: result.is_err(),
+            error: result
+                .as_ref()
+                .err()
+                .map(|e| format!("publishing this node's IP cache entries: {e}")),
         });
         result
     }
