@@ -10,7 +10,7 @@ use rivet_common::labels::Labels;
 use rivet_proto::endpoint::v1 as pb;
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{NamedPort, Protocol, ResolvedPolicy};
+use rivet_policy::{NamedPort, Protocol, ResolvedPolicy};
 
 /// Endpoint ids are 1..=65535 (the datapath keys policy by a 16-bit id).
 pub const MAX_ENDPOINT_ID: u16 = u16::MAX;

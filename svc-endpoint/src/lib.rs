@@ -2,8 +2,8 @@
 //! §6). It drives svc-identity, svc-ipam and svc-loader over gRPC and owns
 //! the node's endpoint state on disk.
 //!
-//! - [`policy`]: the policy engine (NetworkPolicy + Rivet's kind, selector
-//!   cache, resolution into datapath entries), pure and unit-tested;
+//! - the policy engine (NetworkPolicy + Rivet's kind, selector cache,
+//!   resolution into datapath entries) is the `rivet-policy` crate;
 //! - [`manager`]: endpoints, their state machine and regeneration queues,
 //!   restore on start, resync when a dependency restarts (each endpoint's
 //!   worker and its queue are in `queue`);
@@ -16,7 +16,6 @@ pub mod clients;
 pub mod endpoint;
 pub mod events;
 pub mod manager;
-pub mod policy;
 pub mod policy_dir;
 mod queue;
 pub mod service;

@@ -45,12 +45,12 @@ use crate::endpoint::{
     RegenerationStep, identity_owner,
 };
 use crate::events::{self, EndpointMetrics};
-use crate::policy::{
+use crate::queue::{Queue, RemovalFailure, RemovalReason};
+use crate::state_dir::{EndpointRecord, EndpointStateDir};
+use rivet_policy::{
     NamedPort, Policy, PolicyChange, PolicyError, PolicyKey, PolicyOrigin, PolicyRepository, Resolution,
     ResolvedPolicy, SelectorCache, StoredPolicy, Subject,
 };
-use crate::queue::{Queue, RemovalFailure, RemovalReason};
-use crate::state_dir::{EndpointRecord, EndpointStateDir};
 
 /// The namespace of endpoints created without one.
 pub const DEFAULT_NAMESPACE: &str = "default";

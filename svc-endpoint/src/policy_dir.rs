@@ -15,7 +15,7 @@ use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc;
 
 use crate::manager::EndpointManager;
-use crate::policy::{Policy, PolicyKey, PolicyOrigin};
+use rivet_policy::{Policy, PolicyKey, PolicyOrigin};
 
 /// How long changes settle before the directory is read.
 const SETTLE: Duration = Duration::from_millis(100);

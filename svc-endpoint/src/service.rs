@@ -15,7 +15,7 @@ use crate::endpoint::{self, EndpointAddress, EndpointSpec, EndpointState, parse_
 use crate::manager::{
     DEFAULT_NAMESPACE, EndpointManager, EndpointSelector, ManagerError, NewEndpoint, parse_namespace_label,
 };
-use crate::policy::{NamedPort, Policy, PolicyKey, PolicyKind, PolicyOrigin, Protocol, StoredPolicy};
+use rivet_policy::{NamedPort, Policy, PolicyKey, PolicyKind, PolicyOrigin, Protocol, StoredPolicy};
 
 /// Deadline of a call that carries none.
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);

@@ -43,12 +43,12 @@ use rand::seq::IndexedRandom as _;
 use rand::{Rng, SeedableRng};
 use rivet_common::labels::{CIDR_IDENTITY_MIN, Labels};
 use rivet_common::testing::netns::{NetNs, veth_pair};
-use rivet_proto::loader::v1 as pb;
-use serde_json::{Value, json};
-use svc_endpoint::policy::{
+use rivet_policy::{
     Decision, Direction, NamedPort, PacketPeer, Policy, PolicyOrigin, PolicyRepository, Protocol, ResolvedPolicy,
     SelectorCache, Subject,
 };
+use rivet_proto::loader::v1 as pb;
+use serde_json::{Value, json};
 use svc_loader::datapath::{Datapath, DatapathOptions, Hook};
 use svc_loader::loader::EndpointDatapath;
 use svc_loader::maps::{self, Event, IpcacheValue};

@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rivet_common::labels::Labels;
+use rivet_policy::{Policy, PolicyOrigin};
 use support::{Faults, Mode, assert_nothing_left, eventually, faulty_dependencies, options, start_manager};
 use svc_endpoint::endpoint::EndpointState;
 use svc_endpoint::manager::{EndpointManager, EndpointSelector, ManagerError, ManagerOptions, NewEndpoint};
-use svc_endpoint::policy::{Policy, PolicyOrigin};
 use svc_endpoint::service::validate_create;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
 use tonic::{Code, Status};

@@ -39,7 +39,7 @@ impl Policy {
     /// the reason; an empty document is a Syntax error.
     ///
     /// ```
-    /// use svc_endpoint::policy::{Policy, PolicyKind};
+    /// use rivet_policy::{Policy, PolicyKind};
     ///
     /// let policy = Policy::parse(
     ///     r#"

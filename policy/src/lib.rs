@@ -2,7 +2,7 @@
 //! selector cache over identities, and resolution of one endpoint's exact
 //! datapath policy entries.
 //!
-//! This module is a pure library: no I/O, no async, no clocks except the
+//! This crate is a pure library: no I/O, no async, no clocks except the
 //! `updated` time stamped on stored policies.
 //!
 //! # Model
@@ -186,13 +186,13 @@ pub const RIVET_POLICY_API_VERSION: &str = "rivet.io/v1";
 /// The kind of a policy document.
 ///
 /// ```
-/// use svc_endpoint::policy::PolicyKind;
+/// use rivet_policy::PolicyKind;
 ///
 /// let kind: PolicyKind = "RivetNetworkPolicy".parse()?;
 /// assert_eq!(kind.as_str(), "RivetNetworkPolicy");
 /// assert_eq!(kind.api_version(), "rivet.io/v1");
 /// assert!("Pod".parse::<PolicyKind>().is_err());
-/// # Ok::<(), svc_endpoint::policy::PolicyError>(())
+/// # Ok::<(), rivet_policy::PolicyError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PolicyKind {
@@ -262,12 +262,12 @@ impl<'de> Deserialize<'de> for PolicyKind {
 /// the document. Displayed (and parsed) as `kind/namespace/name`.
 ///
 /// ```
-/// use svc_endpoint::policy::{PolicyKey, PolicyKind};
+/// use rivet_policy::{PolicyKey, PolicyKind};
 ///
 /// let key = PolicyKey::new(PolicyKind::NetworkPolicy, "shop", "allow-web");
 /// assert_eq!(key.to_string(), "NetworkPolicy/shop/allow-web");
 /// assert_eq!("NetworkPolicy/shop/allow-web".parse::<PolicyKey>()?, key);
-/// # Ok::<(), svc_endpoint::policy::PolicyError>(())
+/// # Ok::<(), rivet_policy::PolicyError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PolicyKey {
@@ -420,7 +420,7 @@ impl fmt::Display for Verdict {
 /// `ICMP`, `ICMPv6` and `ANY`; parsing is case-sensitive like Kubernetes'.
 ///
 /// ```
-/// use svc_endpoint::policy::Protocol;
+/// use rivet_policy::Protocol;
 ///
 /// assert_eq!("TCP".parse::<Protocol>(), Ok(Protocol::Tcp));
 /// assert_eq!(Protocol::Tcp.number(), 6);
@@ -695,7 +695,7 @@ impl fmt::Display for Entry {
 /// Why a policy was rejected, or why the repository refused a change.
 ///
 /// ```
-/// use svc_endpoint::policy::{Policy, PolicyError};
+/// use rivet_policy::{Policy, PolicyError};
 ///
 /// let err = Policy::parse("apiVersion: v1\nkind: Pod\nmetadata: {name: x}").unwrap_err();
 /// assert!(matches!(&err, PolicyError::Invalid { path, .. } if path == "kind"));

@@ -298,7 +298,7 @@ impl PolicyRepository {
     /// and the sorted, unique entries.
     ///
     /// ```
-    /// use svc_endpoint::policy::{
+    /// use rivet_policy::{
     ///     Direction, Entry, PeerKind, Policy, PolicyOrigin, PolicyRepository, Protocol, SelectorCache, Subject,
     ///     Verdict,
     /// };

@@ -62,7 +62,7 @@ impl PolicyRepository {
     /// [`resolve`](Self::resolve): the oracle of the datapath's tests.
     ///
     /// ```
-    /// use svc_endpoint::policy::{Decision, Direction, PacketPeer, Policy, PolicyOrigin, PolicyRepository, Subject};
+    /// use rivet_policy::{Decision, Direction, PacketPeer, Policy, PolicyOrigin, PolicyRepository, Subject};
     ///
     /// let mut repo = PolicyRepository::new();
     /// repo.upsert(

@@ -41,7 +41,7 @@ const MIN_SWEEP_SIZE: usize = 1024;
 /// so the caller knows when to regenerate endpoints.
 ///
 /// ```
-/// use svc_endpoint::policy::SelectorCache;
+/// use rivet_policy::SelectorCache;
 ///
 /// let mut cache = SelectorCache::new();
 /// assert_eq!(cache.identities(), 7);
