@@ -8,6 +8,7 @@ mod gc;
 mod identity;
 mod ipam;
 mod report;
+mod verdict;
 
 use clap::{Parser, Subcommand};
 
@@ -26,8 +27,11 @@ struct Cli {
 enum Bench {
     /// Allocate+Release pairs/s over svc-ipam's socket vs in-process.
     Ipam(ipam::IpamArgs),
-    /// iperf3 pod→pod through Rivet's datapath vs plain veth routing; ApplyEndpoint latency.
+    /// iperf3 pod→pod through Rivet's datapath vs plain veth routing, interleaved rounds; ApplyEndpoint latency.
     Datapath(datapath::DatapathArgs),
+    /// ns/packet of from_container and to_container (BPF_PROG_TEST_RUN: CT hit, CT miss, v4, v6) vs a
+    /// program that only returns TC_ACT_OK.
+    Verdict(verdict::VerdictArgs),
     /// New and cached identity allocations/s over svc-identity's socket vs raw etcd CAS txns/s.
     Identity(identity::IdentityArgs),
     /// svc-endpoint on one node: first-regeneration latency vs raw ApplyEndpoint, a policy change on 500
@@ -48,7 +52,15 @@ async fn main() -> anyhow::Result<()> {
             println!(
                 "ipam  Allocate+Release pairs/s over svc-ipam's socket vs in-process (ratio = socket / in-process)"
             );
-            println!("datapath  iperf3 pod-to-pod through Rivet's BPF vs plain veth routing (ratio = Rivet / plain)");
+            println!(
+                "datapath  iperf3 pod-to-pod through Rivet's BPF vs plain veth routing, interleaved rounds (ratio = \
+                 median of the rounds' Rivet / plain, with min and max)"
+            );
+            println!(
+                "verdict  ns/packet of from_container and to_container under BPF_PROG_TEST_RUN (conntrack hit and \
+                 miss, IPv4 and IPv6) vs a tc program that only returns TC_ACT_OK (ratio = from_container IPv4 hit / \
+                 floor)"
+            );
             println!(
                 "identity  new identity allocations/s over svc-identity's socket vs raw etcd CAS txns/s \
                  (ratio = new allocations / raw CAS)"
@@ -72,6 +84,7 @@ async fn main() -> anyhow::Result<()> {
     let result = match bench {
         Bench::Ipam(args) => ipam::run(&args).await?,
         Bench::Datapath(args) => datapath::run(&args).await?,
+        Bench::Verdict(args) => verdict::run(&args).await?,
         Bench::Identity(args) => identity::run(&args).await?,
         Bench::Endpoint(args) => endpoint::run(&args).await?,
         Bench::Gc(args) => gc::run(&args).await?,

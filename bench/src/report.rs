@@ -79,6 +79,16 @@ pub fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// The machine's 1-minute load average (`/proc/loadavg`), printed beside
+/// figures that the machine's load moves.
+pub fn load_average() -> anyhow::Result<f64> {
+    let text = std::fs::read_to_string("/proc/loadavg")?;
+    text.split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("/proc/loadavg reads {text:?}"))
+}
+
 /// A duration in milliseconds.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3

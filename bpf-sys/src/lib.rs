@@ -152,6 +152,27 @@ const SKB_IFINDEX_OFFSET: usize = 40;
 /// one). Returns the program's return value (`TC_ACT_*`). Redirects are
 /// reported, not performed; map writes are real.
 pub fn test_run_classifier(prog: BorrowedFd<'_>, frame: &[u8], ifindex: u32) -> io::Result<u32> {
+    test_run_classifier_repeat(prog, frame, ifindex, 1).map(|run| run.retval)
+}
+
+/// What a `BPF_PROG_TEST_RUN` of a classifier reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TestRun {
+    /// The last run's return value (`TC_ACT_*`).
+    pub retval: u32,
+    /// Mean nanoseconds per run, measured by the kernel around its loop.
+    pub duration_ns: u32,
+}
+
+/// [`test_run_classifier`] `repeat` times in the kernel, on one socket
+/// buffer: a program that rewrites the frame sees its own rewrite on the
+/// next run.
+pub fn test_run_classifier_repeat(
+    prog: BorrowedFd<'_>,
+    frame: &[u8],
+    ifindex: u32,
+    repeat: u32,
+) -> io::Result<TestRun> {
     // A `struct __sk_buff` prefix up to and including `ifindex`: the kernel
     // zero-fills the rest and refuses non-zero fields it does not take.
     let mut ctx = [0u8; SKB_IFINDEX_OFFSET + 4];
@@ -161,13 +182,16 @@ pub fn test_run_classifier(prog: BorrowedFd<'_>, frame: &[u8], ifindex: u32) -> 
         data_size_in: u32::try_from(frame.len())
             .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "frame too large"))?,
         data_in: frame.as_ptr() as u64,
-        repeat: 1,
+        repeat,
         ctx_size_in: ctx.len() as u32,
         ctx_in: ctx.as_ptr() as u64,
         ..TestRunAttr::default()
     };
     bpf(BPF_PROG_TEST_RUN, &mut attr)?;
-    Ok(attr.retval)
+    Ok(TestRun {
+        retval: attr.retval,
+        duration_ns: attr.duration,
+    })
 }
 
 fn fd_u32(fd: BorrowedFd<'_>) -> u32 {

@@ -974,8 +974,21 @@ impl Datapath {
     /// program's `TC_ACT_*`. For tests (the differential test of the
     /// datapath against the policy engine): a redirect is reported, not done.
     pub fn test_run(&self, hook: Hook, frame: &[u8], ifindex: u32) -> Result<u32, DatapathError> {
+        self.test_run_repeat(hook, frame, ifindex, 1).map(|run| run.retval)
+    }
+
+    /// [`test_run`](Self::test_run) `repeat` times in the kernel on one
+    /// socket buffer (a rewrite by one run is the next run's input), with
+    /// the kernel's mean time per run: the verdict benchmark.
+    pub fn test_run_repeat(
+        &self,
+        hook: Hook,
+        frame: &[u8],
+        ifindex: u32,
+        repeat: u32,
+    ) -> Result<sys::TestRun, DatapathError> {
         let program = hook.program();
-        sys::test_run_classifier(self.program_fd(hook).as_fd(), frame, ifindex).map_err(|error| {
+        sys::test_run_classifier_repeat(self.program_fd(hook).as_fd(), frame, ifindex, repeat).map_err(|error| {
             DatapathError::TestRun {
                 program,
                 len: frame.len(),
