@@ -5,8 +5,8 @@
 //! - the policy engine (NetworkPolicy + Rivet's kind, selector cache,
 //!   resolution into datapath entries) is the `rivet-policy` crate;
 //! - [`manager`]: endpoints, their state machine and regeneration queues,
-//!   restore on start, resync when a dependency restarts (each endpoint's
-//!   worker and its queue are in `queue`);
+//!   restore on start, resync when a dependency restarts (one module per
+//!   concern: create, removal, queue, worker, regeneration, restore, ...);
 //! - [`state_dir`]: `<state-dir>/endpoints/<id>/`, crash-safe;
 //! - [`clients`]: the other daemons behind small traits;
 //! - [`service`]: the `rivet.endpoint.v1` gRPC services;
@@ -17,7 +17,6 @@ pub mod endpoint;
 pub mod events;
 pub mod manager;
 pub mod policy_dir;
-mod queue;
 pub mod service;
 pub mod state_dir;
 #[cfg(feature = "testing")]

@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{Notify, watch};
 use tonic::Status;
 
+use super::RegenError;
 use crate::endpoint::RegenerationStep;
-use crate::manager::RegenError;
 
 /// A failed removal attempt: what was being removed, and why it failed.
 #[derive(Debug, Clone)]

@@ -1,0 +1,127 @@
+//! The CIDR identities the policies' ipBlocks (and the host prefixes of
+//! named ports they resolve) need, allocated from svc-identity.
+
+use std::collections::BTreeSet;
+
+use ipnet::IpNet;
+use rivet_proto::identity::v1 as idpb;
+use tonic::Status;
+
+use super::{EndpointManager, State};
+
+/// Owner of the CIDR identities allocated for policies.
+const CIDR_OWNER: &str = "svc-endpoint/policy";
+
+impl State {
+    /// Every prefix that needs a CIDR identity: the policies' ipBlock
+    /// prefixes and the host prefixes of the endpoints their egress ipBlocks
+    /// resolve a named port for.
+    pub(super) fn desired_cidrs(&self) -> BTreeSet<IpNet> {
+        let mut desired = self.repository.cidrs();
+        desired.extend(self.repository.named_port_hosts(&self.selectors));
+        desired
+    }
+}
+
+impl EndpointManager {
+    /// Makes the CIDR identities match the repository's prefixes. With
+    /// `reallocate` every prefix is allocated again (svc-identity restarted
+    /// and forgot them).
+    ///
+    /// One pass at a time (a policy change and the background retry both
+    /// run it), each reading the desired prefixes when it starts and again
+    /// after svc-identity answered: a prefix whose policy went meanwhile is
+    /// never inserted but released, so the latest desired state wins.
+    /// Releases that failed are kept and retried by the next pass.
+    pub(super) async fn reconcile_cidrs(&self, reallocate: bool) -> Result<(), Status> {
+        let _pass = self.inner.cidr_pass.lock().await;
+        let missing: Vec<IpNet> = {
+            let state = self.state();
+            state
+                .desired_cidrs()
+                .into_iter()
+                .filter(|p| reallocate || !state.cidr_identities.contains_key(p))
+                .collect()
+        };
+        if !missing.is_empty() {
+            let response = self
+                .inner
+                .deps
+                .identity
+                .allocate_cidrs(idpb::AllocateCidrIdentitiesRequest {
+                    prefixes: missing.iter().map(ToString::to_string).collect(),
+                    owner: CIDR_OWNER.into(),
+                })
+                .await?;
+            let mut state = self.state();
+            let desired = state.desired_cidrs();
+            for identity in response.identities {
+                let Ok(prefix) = identity.prefix.parse::<IpNet>() else {
+                    tracing::warn!(prefix = identity.prefix, "svc-identity returned an unparseable prefix");
+                    continue;
+                };
+                if desired.contains(&prefix) {
+                    state.cidr_identities.insert(prefix, identity.id);
+                    state.selectors.set_cidr_identity(prefix, identity.id);
+                } else {
+                    // Its policy went while svc-identity allocated it.
+                    state.cidr_releases.insert(prefix);
+                }
+            }
+            self.queue_changed_policies(&mut state, "CIDR identities allocated");
+        }
+        let releases: Vec<IpNet> = {
+            let mut state = self.state();
+            let desired = state.desired_cidrs();
+            let extra: Vec<IpNet> = state
+                .cidr_identities
+                .keys()
+                .filter(|p| !desired.contains(p))
+                .copied()
+                .collect();
+            for prefix in &extra {
+                state.cidr_identities.remove(prefix);
+                state.selectors.remove_cidr_identity(prefix);
+                state.cidr_releases.insert(*prefix);
+            }
+            self.queue_changed_policies(&mut state, "CIDR identities released");
+            // Desired again before its release went out: it stays allocated.
+            state.cidr_releases.retain(|p| !desired.contains(p));
+            state.cidr_releases.iter().copied().collect()
+        };
+        if !releases.is_empty() {
+            self.inner
+                .deps
+                .identity
+                .release_cidrs(idpb::ReleaseCidrIdentitiesRequest {
+                    prefixes: releases.iter().map(ToString::to_string).collect(),
+                    owner: CIDR_OWNER.into(),
+                })
+                .await?;
+            let mut state = self.state();
+            for prefix in &releases {
+                state.cidr_releases.remove(prefix);
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) async fn reconcile_cidrs_forever(&self) {
+        let mut backoff = self.inner.options.retry_backoff.clone();
+        loop {
+            self.inner.cidr_wake.notified().await;
+            loop {
+                match self.reconcile_cidrs(false).await {
+                    Ok(()) => {
+                        backoff.reset();
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "CIDR identity reconciliation failed; retrying");
+                        tokio::time::sleep(backoff.next_delay()).await;
+                    }
+                }
+            }
+        }
+    }
+}

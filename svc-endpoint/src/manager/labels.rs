@@ -1,0 +1,188 @@
+//! The labels an endpoint's identity is derived from: its pod's labels
+//! (also remembered for a pod without an endpoint yet) and its namespace's.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, SystemTime};
+
+use rivet_common::labels::{Label, LabelSource, Labels};
+use tonic::Status;
+
+use super::{EndpointManager, EndpointSelector, EndpointView, ManagerError, State, store};
+use crate::endpoint::{EndpointSpec, EndpointState};
+
+/// The namespace of endpoints created without one.
+pub const DEFAULT_NAMESPACE: &str = "default";
+
+/// The namespace label Kubernetes sets on every namespace; added here too so
+/// `namespaceSelector` can name a namespace.
+pub const NAMESPACE_NAME_LABEL: &str = "kubernetes.io/metadata.name";
+
+/// A namespace with labels.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NamespaceLabels {
+    /// Label key → value (no source).
+    pub labels: BTreeMap<String, String>,
+    /// Last change.
+    pub updated: Option<SystemTime>,
+}
+
+impl State {
+    /// The full label set an endpoint's identity is allocated for.
+    pub(super) fn identity_request_labels(&self, spec: &EndpointSpec) -> Result<Labels, Status> {
+        let namespace = self.namespaces.get(&spec.pod_namespace);
+        let mut ns_labels: BTreeMap<&str, &str> = namespace
+            .map(|n| n.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
+            .unwrap_or_default();
+        ns_labels.insert(NAMESPACE_NAME_LABEL, &spec.pod_namespace);
+        spec.labels
+            .with_namespace(&spec.pod_namespace, ns_labels)
+            .map_err(|e| Status::invalid_argument(format!("labels of namespace {}: {e}", spec.pod_namespace)))
+    }
+}
+
+impl EndpointManager {
+    /// Replaces the pod labels of the selected endpoints (a pod selector
+    /// with no endpoint remembers them for its create). Returns the
+    /// endpoints after the change and how many were re-identified.
+    pub async fn update_labels(
+        &self,
+        selector: &EndpointSelector,
+        labels: Labels,
+        wait: bool,
+        deadline: Duration,
+    ) -> Result<(Vec<EndpointView>, usize), ManagerError> {
+        let waits = {
+            let mut state = self.state();
+            let ids = state.find(selector);
+            if ids.is_empty() {
+                match selector {
+                    EndpointSelector::Pod { namespace, name } => {
+                        state.pod_labels.insert((namespace.clone(), name.clone()), labels);
+                        return Ok((Vec::new(), 0));
+                    }
+                    _ => return Err(ManagerError::NotFound(format!("no endpoint matches {selector:?}"))),
+                }
+            }
+            if let EndpointSelector::Pod { namespace, name } = selector {
+                state
+                    .pod_labels
+                    .insert((namespace.clone(), name.clone()), labels.clone());
+            }
+            let mut waits = Vec::new();
+            for id in ids {
+                let slot = state.endpoints.get_mut(&id).expect("found above");
+                if slot.spec.labels == labels || slot.queue.is_closed() {
+                    continue;
+                }
+                slot.spec.labels = labels.clone();
+                slot.status
+                    .transition(id, EndpointState::WaitingToRegenerate, "labels changed");
+                waits.push((
+                    id,
+                    slot.queue.clone(),
+                    slot.status.identity,
+                    slot.queue.request("labels changed"),
+                ));
+            }
+            waits
+        };
+        let mut ids: Vec<u16> = waits.iter().map(|(id, ..)| *id).collect();
+        if wait {
+            self.wait_all(
+                &waits
+                    .iter()
+                    .map(|(id, q, _, g)| (*id, q.clone(), *g))
+                    .collect::<Vec<_>>(),
+                deadline,
+            )
+            .await?;
+        }
+        let mut reidentified = 0;
+        let state = self.state();
+        for (id, _, before, _) in &waits {
+            if let Some(slot) = state.endpoints.get(id)
+                && slot.status.identity != *before
+            {
+                reidentified += 1;
+            }
+        }
+        if ids.is_empty() {
+            ids = state.find(selector);
+        }
+        let views = ids
+            .iter()
+            .filter_map(|id| state.endpoints.get(id))
+            .map(|s| EndpointView {
+                spec: s.spec.clone(),
+                status: s.status.clone(),
+            })
+            .collect();
+        Ok((views, reidentified))
+    }
+
+    /// Replaces a namespace's labels; its endpoints are re-identified (not
+    /// waited for). Returns whether anything changed and how many endpoints
+    /// were queued.
+    pub async fn set_namespace_labels(
+        &self,
+        namespace: &str,
+        labels: BTreeMap<String, String>,
+    ) -> Result<(bool, usize), ManagerError> {
+        let _config = self.inner.config_lock.lock().await;
+        let mut next = {
+            let state = self.state();
+            let current = state.namespaces.get(namespace).map(|n| &n.labels);
+            if current == Some(&labels) || (current.is_none() && labels.is_empty()) {
+                return Ok((false, 0));
+            }
+            state.namespaces.clone()
+        };
+        if labels.is_empty() {
+            next.remove(namespace);
+        } else {
+            next.insert(
+                namespace.to_string(),
+                NamespaceLabels {
+                    labels,
+                    updated: Some(SystemTime::now()),
+                },
+            );
+        }
+        // Durable before it takes effect; written off the runtime's threads
+        // and without the state lock (an fsync stalls every regeneration).
+        store(&self.inner.namespaces_file, next.clone(), "namespace labels").await?;
+        let mut state = self.state();
+        state.namespaces = next;
+        let mut affected = 0;
+        for slot in state.endpoints.values_mut() {
+            if slot.spec.pod_namespace == namespace && !slot.queue.is_closed() {
+                slot.queue.request("namespace labels changed");
+                affected += 1;
+            }
+        }
+        Ok((true, affected))
+    }
+
+    /// Namespaces with labels or endpoints: (name, labels, endpoints).
+    pub fn namespaces(&self) -> Vec<(String, NamespaceLabels, usize)> {
+        let state = self.state();
+        let mut out: BTreeMap<String, (NamespaceLabels, usize)> = state
+            .namespaces
+            .iter()
+            .map(|(name, labels)| (name.clone(), (labels.clone(), 0)))
+            .collect();
+        for slot in state.endpoints.values() {
+            out.entry(slot.spec.pod_namespace.clone()).or_default().1 += 1;
+        }
+        out.into_iter().map(|(name, (labels, n))| (name, labels, n)).collect()
+    }
+}
+
+/// Parses a `k8s:key=value` namespace label.
+pub fn parse_namespace_label(text: &str) -> Result<(String, String), String> {
+    let label: Label = text.parse().map_err(|e| format!("{text:?}: {e}"))?;
+    if label.source() != LabelSource::K8s {
+        return Err(format!("{text:?}: namespace labels must have source k8s"));
+    }
+    Ok((label.key().to_string(), label.value().to_string()))
+}
