@@ -25,11 +25,33 @@ pub struct DependencyStatus {
     pub last_error: String,
 }
 
-const IDENTITY: usize = 0;
+/// A daemon svc-endpoint drives; its index in [`Dependency::ALL`] is its
+/// status's in the manager's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Dependency {
+    Identity,
+    Ipam,
+    Loader,
+}
 
-const IPAM: usize = 1;
+impl Dependency {
+    /// Every dependency, in the order of the status table.
+    pub(super) const ALL: [Dependency; 3] = [Dependency::Identity, Dependency::Ipam, Dependency::Loader];
 
-const LOADER: usize = 2;
+    /// Its daemon's name.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            Dependency::Identity => "svc-identity",
+            Dependency::Ipam => "svc-ipam",
+            Dependency::Loader => "svc-loader",
+        }
+    }
+
+    /// Its status's place in the manager's table.
+    fn index(self) -> usize {
+        self as usize
+    }
+}
 
 impl EndpointManager {
     /// The dependencies as last probed.
@@ -112,10 +134,14 @@ impl EndpointManager {
             let deps = &self.inner.deps;
             let (identity, ipam, loader) =
                 futures::join!(deps.identity.boot_id(), deps.ipam.boot_id(), deps.loader.boot_id());
-            for (index, result) in [(IDENTITY, identity), (IPAM, ipam), (LOADER, loader)] {
+            for (dependency, result) in [
+                (Dependency::Identity, identity),
+                (Dependency::Ipam, ipam),
+                (Dependency::Loader, loader),
+            ] {
                 let restarted = {
                     let mut all = self.inner.dependencies.lock().expect("dependency lock poisoned");
-                    let dep = &mut all[index];
+                    let dep = &mut all[dependency.index()];
                     match result {
                         Ok(boot_id) => {
                             dep.connected = true;
@@ -132,19 +158,18 @@ impl EndpointManager {
                     }
                 };
                 if restarted {
-                    self.resync(index).await;
+                    self.resync(dependency).await;
                 }
             }
         }
     }
 
     /// Replays desired state into a restarted dependency.
-    pub(super) async fn resync(&self, index: usize) {
-        let name = ["svc-identity", "svc-ipam", "svc-loader"][index];
+    async fn resync(&self, dependency: Dependency) {
         let ids: Vec<u16> = self.state().endpoints.keys().copied().collect();
         let mut error = String::new();
-        match index {
-            IDENTITY => {
+        match dependency {
+            Dependency::Identity => {
                 // Node-local CIDR identities and every endpoint's reference
                 // and ipcache entry live in svc-identity's memory.
                 if let Err(e) = self.reconcile_cidrs(true).await {
@@ -153,8 +178,8 @@ impl EndpointManager {
                 }
                 self.request_all("svc-identity restarted");
             }
-            LOADER => self.request_all("svc-loader restarted"),
-            _ => {
+            Dependency::Loader => self.request_all("svc-loader restarted"),
+            Dependency::Ipam => {
                 for id in &ids {
                     if let Err(e) = self.restore_addresses(*id).await {
                         error = format!("endpoint {id}: {}", e.message());
@@ -162,11 +187,12 @@ impl EndpointManager {
                 }
             }
         }
-        events::dependency_resynced(&self.inner.metrics, name, ids.len());
+        events::dependency_resynced(&self.inner.metrics, dependency.name(), ids.len());
         let mut all = self.inner.dependencies.lock().expect("dependency lock poisoned");
-        all[index].last_resync = Some(SystemTime::now());
+        let status = &mut all[dependency.index()];
+        status.last_resync = Some(SystemTime::now());
         if !error.is_empty() {
-            all[index].last_error = error;
+            status.last_error = error;
         }
     }
 

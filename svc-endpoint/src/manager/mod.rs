@@ -62,6 +62,7 @@ use crate::state_dir::{EndpointRecord, EndpointStateDir};
 use queue::Queue;
 use rivet_policy::{Policy, PolicyOrigin, PolicyRepository, SelectorCache};
 
+use dependencies::Dependency;
 pub use dependencies::DependencyStatus;
 pub use error::{ManagerError, RegenError};
 pub use labels::{DEFAULT_NAMESPACE, NAMESPACE_NAME_LABEL, NamespaceLabels, parse_namespace_label};
@@ -266,7 +267,8 @@ struct Inner {
     /// Set once the selector cache holds svc-identity's first complete
     /// snapshot: resolving policy before that would leave out peers.
     identities_synced: watch::Sender<bool>,
-    dependencies: Mutex<[DependencyStatus; 3]>,
+    /// One per [`Dependency`], in the order of [`Dependency::ALL`].
+    dependencies: Mutex<[DependencyStatus; Dependency::ALL.len()]>,
     policy_dir: Mutex<PolicyDirStatus>,
     /// Wakes the CIDR identity reconciliation.
     cidr_wake: Notify,
@@ -338,20 +340,10 @@ impl EndpointManager {
             ids_known: watch::channel(false).0,
             restore_done: watch::channel(false).0,
             identities_synced: watch::channel(false).0,
-            dependencies: Mutex::new([
-                DependencyStatus {
-                    name: "svc-identity",
-                    ..Default::default()
-                },
-                DependencyStatus {
-                    name: "svc-ipam",
-                    ..Default::default()
-                },
-                DependencyStatus {
-                    name: "svc-loader",
-                    ..Default::default()
-                },
-            ]),
+            dependencies: Mutex::new(Dependency::ALL.map(|dependency| DependencyStatus {
+                name: dependency.name(),
+                ..Default::default()
+            })),
             policy_dir: Mutex::default(),
             cidr_wake: Notify::new(),
             config_lock: tokio::sync::Mutex::new(()),

@@ -15,6 +15,20 @@ use crate::events;
 use crate::state_dir::EndpointRecord;
 use rivet_policy::{NamedPort, Resolution, ResolvedPolicy, Subject};
 
+/// What a regeneration realised.
+struct Regenerated {
+    /// The endpoint's identity.
+    identity: u32,
+    /// Its labels, as svc-identity returned them.
+    identity_labels: Labels,
+    /// The policy now in the datapath.
+    policy: ResolvedPolicy,
+    /// The repository revision it was resolved at.
+    revision: u64,
+    /// The record written to the state dir; `None` when it already held it.
+    written: Option<EndpointRecord>,
+}
+
 impl EndpointManager {
     /// One regeneration: identity → policy → datapath → ipcache → state dir.
     /// Stops before the next step once the endpoint is being removed
@@ -59,17 +73,23 @@ impl EndpointManager {
                 return result.map(|_| ());
             }
             match result {
-                Ok((identity, identity_labels, resolved, revision, record)) => {
+                Ok(Regenerated {
+                    identity,
+                    identity_labels,
+                    policy,
+                    revision,
+                    written,
+                }) => {
                     let took = started.elapsed();
                     let addresses: Vec<IpAddr> = slot.spec.addresses.iter().map(|a| a.address).collect();
                     let previous = std::mem::replace(&mut slot.status.identity, identity);
                     slot.status.identity_labels = identity_labels;
-                    slot.status.realised_policy = Some(resolved);
+                    slot.status.realised_policy = Some(policy);
                     slot.status.policy_revision = revision;
                     slot.status.last_regeneration = Some((SystemTime::now(), took));
                     slot.status.regenerations += 1;
                     slot.status.last_error = None;
-                    if let Some(record) = record {
+                    if let Some(record) = written {
                         slot.persisted = Some(record);
                     }
                     slot.status.transition(id, EndpointState::Ready, reason);
@@ -119,7 +139,8 @@ impl EndpointManager {
         Err(e)
     }
 
-    #[allow(clippy::type_complexity)]
+    /// The steps of one regeneration, without touching the endpoint's
+    /// status (its caller records the outcome).
     async fn run_steps(
         &self,
         spec: &EndpointSpec,
@@ -127,7 +148,7 @@ impl EndpointManager {
         previous_identity: u32,
         reason: &str,
         queue: &Queue,
-    ) -> Result<(u32, Labels, ResolvedPolicy, u64, Option<EndpointRecord>), RegenError> {
+    ) -> Result<Regenerated, RegenError> {
         let deps = &self.inner.deps;
         let id = spec.id;
         let open = |step| {
@@ -271,7 +292,13 @@ impl EndpointManager {
         {
             tracing::warn!(endpoint = id, identity = previous_identity, error = %e, "releasing the previous identity failed; a resync will");
         }
-        Ok((identity.id, identity_labels, resolved, revision, written))
+        Ok(Regenerated {
+            identity: identity.id,
+            identity_labels,
+            policy: resolved,
+            revision,
+            written,
+        })
     }
 
     /// Resolves prepared policy inputs: on the async thread when small, on a
