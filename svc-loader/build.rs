@@ -1,5 +1,6 @@
 //! Compiles the datapath (bpf/*.c) with clang into one BPF object that is
-//! embedded in the binary: nodes never run a compiler.
+//! embedded in the binary: nodes never run a compiler. The map layouts come
+//! from the datapath ABI crate's `rivet.h` (rivet-datapath).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -7,14 +8,17 @@ use std::process::Command;
 fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let object = out.join("datapath.o");
-    for file in ["bpf/datapath.c", "bpf/rivet.h"] {
-        println!("cargo:rerun-if-changed={file}");
-    }
+    let include = PathBuf::from(
+        std::env::var("DEP_RIVET_DATAPATH_INCLUDE").expect("rivet-datapath's build script exports its include dir"),
+    );
+    println!("cargo:rerun-if-changed=bpf/datapath.c");
+    println!("cargo:rerun-if-changed={}", include.join("rivet.h").display());
     println!("cargo:rerun-if-env-changed=CLANG");
     let clang = std::env::var("CLANG").unwrap_or_else(|_| "clang".into());
     let status = Command::new(&clang)
         .args(["-O2", "-g", "-target", "bpf", "-Wall", "-Werror"])
-        .args(["-I", "/usr/include/x86_64-linux-gnu", "-I", "bpf"])
+        .args(["-I", "/usr/include/x86_64-linux-gnu", "-I"])
+        .arg(&include)
         .args(["-c", "bpf/datapath.c", "-o"])
         .arg(&object)
         .status();

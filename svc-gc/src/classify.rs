@@ -33,7 +33,7 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::time::Duration;
 
-use svc_loader::maps::{
+use rivet_datapath::maps::{
     CT_TCP_CLOSING, CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS, ipv4_from_raw, ipv6_from_raw,
 };
 
@@ -182,7 +182,7 @@ impl CtRules {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use svc_loader::maps::CT_TCP_SYN;
+    use rivet_datapath::maps::CT_TCP_SYN;
 
     const S: u64 = 1_000_000_000;
 

@@ -30,7 +30,7 @@
 
 use std::time::{Duration, Instant};
 
-use svc_loader::maps::{Ct4Key, Ct6Key, CtEntry};
+use rivet_datapath::maps::{Ct4Key, Ct6Key, CtEntry};
 
 use crate::classify::{CtKey, CtRules, Reason};
 use crate::clock::Clock;

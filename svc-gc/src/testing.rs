@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use rivet_common::testing::DaemonCommand;
+use rivet_datapath::maps::{CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS};
 use svc_loader::datapath::{Datapath, DatapathOptions, MAP_CT4, MAP_CT6};
-use svc_loader::maps::{CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS};
 use svc_loader::testing::PinDir;
 
 use crate::map::{BatchMode, PinnedMap};

@@ -11,13 +11,13 @@ use std::time::{Duration, Instant};
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::{DaemonCommand, DaemonProcess, http_get, workspace_binary};
+use rivet_datapath::maps::{Ct4Key, CtEntry, DIR_EGRESS, DIR_INGRESS, ipv4_to_raw};
 use rivet_proto::gc::v1 as pb;
 use rivet_proto::gc::v1::gc_service_client::GcServiceClient;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
 use svc_gc::clock::{Clock, KernelClock};
 use svc_gc::map::{BatchMode, EntryMap as _, PinnedMap};
 use svc_gc::testing::{BPFFS, SECOND, TestMaps, daemon_command, synthetic_entries};
-use svc_loader::maps::{Ct4Key, CtEntry, DIR_EGRESS, DIR_INGRESS, ipv4_to_raw};
 
 async fn client(daemon: &DaemonProcess) -> GcServiceClient<DaemonChannel> {
     GcServiceClient::new(

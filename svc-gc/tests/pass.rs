@@ -10,6 +10,9 @@ use std::net::{IpAddr, SocketAddrV4, SocketAddrV6};
 use std::sync::Arc;
 use std::time::Duration;
 
+use rivet_datapath::maps::{
+    CT_TCP_CLOSING, CT_TCP_ESTABLISHED, CT_TCP_SYN, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS,
+};
 use svc_gc::classify::{CtRules, LocalEndpoints, Timeouts};
 use svc_gc::clock::{Clock, KernelClock};
 use svc_gc::collector::{Collector, CollectorOptions};
@@ -19,9 +22,6 @@ use svc_gc::interval::IntervalBounds;
 use svc_gc::map::{BatchMode, DeleteOutcome, EntryMap, MapError, PinnedMap};
 use svc_gc::pass::{CtMap, GcMaps, MapReport, OrphanCheck, PassPlan, Slot, Trigger, run_pass};
 use svc_gc::testing::{SECOND, TestMaps, entry, synthetic_entries};
-use svc_loader::maps::{
-    CT_TCP_CLOSING, CT_TCP_ESTABLISHED, CT_TCP_SYN, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS,
-};
 
 const TCP: u8 = 6;
 const UDP: u8 = 17;

@@ -48,12 +48,12 @@ use aya::{Ebpf, EbpfError, EbpfLoader};
 use rivet_bpf_sys as sys;
 
 use crate::DATAPATH_OBJECT;
-use crate::maps::{
+use crate::netdev;
+use crate::tc;
+use rivet_datapath::maps::{
     Ct4Key, Ct6Key, CtEntry, CtTimeouts, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKeyData, EpPrefixValue,
     FragKey, FragValue, IpcacheKeyData, IpcacheValue, METRICS_ENTRIES, MetricsValue, PolicyKeyData, PolicyValue,
 };
-use crate::netdev;
-use crate::tc;
 
 /// Map names (as in `bpf/datapath.c` and under the pin directory).
 pub const MAP_ENDPOINTS: &str = "endpoints";
@@ -697,7 +697,7 @@ impl<T> SharedMap<T> {
     }
 }
 
-/// The typed maps (all pinned). Use the key constructors in [`crate::maps`].
+/// The typed maps (all pinned). Use the key constructors in [`rivet_datapath::maps`].
 pub struct DatapathMaps {
     /// ifindex / address → endpoint.
     pub endpoints: SharedMap<HashMap<MapData, EndpointKey, EndpointInfo>>,
@@ -1495,7 +1495,7 @@ pub(crate) mod tests {
     use rivet_common::testing::netns::{NetNs, veth_pair};
 
     use super::*;
-    use crate::maps::{IpcacheKey, PolicyKey, VERDICT_ALLOW};
+    use rivet_datapath::maps::{IpcacheKey, PolicyKey, VERDICT_ALLOW};
 
     static PIN_DIRS: AtomicU32 = AtomicU32::new(0);
 
@@ -1641,7 +1641,7 @@ pub(crate) mod tests {
             .lock()
             .insert(&prefix.to_lpm(), IpcacheValue::new(300, None), 0)
             .unwrap();
-        let rule = PolicyKey::new(7, 300, crate::maps::DIR_INGRESS, 6, 80, 16);
+        let rule = PolicyKey::new(7, 300, rivet_datapath::maps::DIR_INGRESS, 6, 80, 16);
         first
             .maps()
             .policy
@@ -1660,7 +1660,7 @@ pub(crate) mod tests {
             .get(&IpcacheKey::lookup(ip).to_lpm(), 0)
             .unwrap();
         assert_eq!(found.identity, 300);
-        let hit = PolicyKey::lookup(7, 300, crate::maps::DIR_INGRESS, 6, 80);
+        let hit = PolicyKey::lookup(7, 300, rivet_datapath::maps::DIR_INGRESS, 6, 80);
         assert_eq!(
             second.maps().policy.lock().get(&hit.to_lpm(), 0).unwrap().verdict,
             VERDICT_ALLOW

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::loader::EndpointDatapath;
-use crate::maps::{IDENTITY_HOST, IpcacheValue};
+use rivet_datapath::maps::{IDENTITY_HOST, IpcacheValue};
 
 /// The unicast addresses of the loader's network namespace (not link-local).
 pub fn node_addresses() -> std::io::Result<BTreeSet<IpAddr>> {

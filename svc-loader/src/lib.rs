@@ -4,7 +4,8 @@
 //!
 //! - [`datapath`]: load once per node, reuse pins, attach/adopt/detach;
 //! - [`tc`]: clsact qdiscs and `cls_bpf` filters over rtnetlink;
-//! - [`maps`]: Rust mirrors of `bpf/rivet.h`;
+//! - [`maps`]: the datapath ABI's mirrors of `rivet.h`, re-exported from
+//!   [`rivet_datapath`] (svc-loader's API speaks these types);
 //! - [`policy_lpm`]: policy rules → LPM trie entries (deny wins);
 //! - [`loader`]: endpoint operations (checked, ordered map writes);
 //! - [`validate`]: request validation (no paths or free-form strings);
@@ -17,7 +18,7 @@ pub mod datapath;
 pub mod events;
 pub mod host_addresses;
 pub mod loader;
-pub mod maps;
+pub use rivet_datapath::maps;
 pub mod monitor;
 pub mod netdev;
 pub mod policy_lpm;
@@ -67,6 +68,39 @@ pub fn object_sha256() -> String {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+#[cfg(test)]
+mod object_tests {
+    use rivet_datapath::maps::*;
+
+    /// The maps in the compiled object have exactly the key and value sizes
+    /// of the ABI crate's types the loader uses for them.
+    #[test]
+    fn object_maps_have_the_rust_key_and_value_sizes() {
+        let obj = aya_obj::Object::parse(super::DATAPATH_OBJECT).expect("the embedded object parses");
+        let expect = [
+            ("endpoints", size_of::<EndpointKey>(), size_of::<EndpointInfo>()),
+            ("ipcache", size_of::<IpcacheKey>(), size_of::<IpcacheValue>()),
+            ("policy", size_of::<PolicyKey>(), size_of::<PolicyValue>()),
+            ("ep_prefixes", size_of::<EpPrefixKey>(), size_of::<EpPrefixValue>()),
+            ("ct4", size_of::<Ct4Key>(), size_of::<CtEntry>()),
+            ("ct6", size_of::<Ct6Key>(), size_of::<CtEntry>()),
+            ("metrics", size_of::<u32>(), size_of::<MetricsValue>()),
+            ("config", size_of::<u32>(), size_of::<DatapathConfig>()),
+            ("fragments", size_of::<FragKey>(), size_of::<FragValue>()),
+        ];
+        for (name, key, value) in expect {
+            let map = obj
+                .maps
+                .get(name)
+                .unwrap_or_else(|| panic!("the object has no map {name}"));
+            assert_eq!(map.key_size() as usize, key, "key size of map {name}");
+            assert_eq!(map.value_size() as usize, value, "value size of map {name}");
+        }
+        assert_eq!(obj.maps["metrics"].max_entries(), METRICS_ENTRIES);
+        assert!(obj.maps.contains_key("events"), "the object has no events ring buffer");
+    }
 }
 
 #[cfg(test)]

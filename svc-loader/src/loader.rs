@@ -38,14 +38,14 @@ use std::net::IpAddr;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::datapath::{self, AttachState, Attachment, Datapath, DatapathError};
-use crate::maps::{
+use crate::netdev;
+use crate::policy_lpm::{self, PolicyEntry, PolicyRuleError};
+use crate::validate::{EndpointSpec, PolicyPrefix, PolicySpec};
+use rivet_datapath::maps::{
     DIR_EGRESS, DIR_INGRESS, EP_F_ALLOW_FROM_HOST, EP_F_EGRESS_PREFIXES, EP_F_ENFORCE_EGRESS, EP_F_ENFORCE_INGRESS,
     EP_F_INGRESS_PREFIXES, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, IpcacheKey, IpcacheValue,
     PolicyValue,
 };
-use crate::netdev;
-use crate::policy_lpm::{self, PolicyEntry, PolicyRuleError};
-use crate::validate::{EndpointSpec, PolicyPrefix, PolicySpec};
 
 /// Why an operation was refused or failed. Nothing was changed unless the
 /// variant says so.

@@ -11,7 +11,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::broadcast;
 
 use crate::loader::EndpointDatapath;
-use crate::maps::{CONFIG_EVENT_TRACE, CONFIG_EVENT_VERDICTS, Event};
+use rivet_datapath::maps::{CONFIG_EVENT_TRACE, CONFIG_EVENT_VERDICTS, Event};
 
 /// How many events a slow subscriber may lag behind before it loses some.
 pub const SUBSCRIBER_BACKLOG: usize = 8192;

@@ -44,7 +44,7 @@ use std::ops::RangeInclusive;
 
 use aya::maps::lpm_trie::Key as LpmKey;
 
-use crate::maps::{
+use rivet_datapath::maps::{
     DIR_EGRESS, DIR_INGRESS, POLICY_DIR_BY_ADDRESS, POLICY_PREFIX_FIXED_BITS, PolicyKey, PolicyKeyData, VERDICT_ALLOW,
     VERDICT_DENY,
 };
@@ -434,7 +434,7 @@ pub fn diff(current: &BTreeMap<PolicyEntry, u8>, desired: &BTreeMap<PolicyEntry,
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::maps::{POLICY_PREFIX_FULL_BITS, PolicyKey};
+    use rivet_datapath::maps::{POLICY_PREFIX_FULL_BITS, PolicyKey};
 
     const TCP: u8 = 6;
     const UDP: u8 = 17;

@@ -15,9 +15,9 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::datapath::AttachState;
 use crate::events::{self, LoaderMetrics};
 use crate::loader::{EndpointDatapath, LoaderError};
-use crate::maps::{self, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS, Event, IpcacheValue};
 use crate::monitor::EventHub;
 use crate::validate::{self, InvalidField, MAX_IPCACHE_BATCH};
+use rivet_datapath::maps::{self, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS, Event, IpcacheValue};
 
 /// Implements `rivet.loader.v1.LoaderService`.
 #[derive(Debug, Clone)]

@@ -7,8 +7,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use rivet_common::labels::CIDR_IDENTITY_MIN;
 use rivet_proto::loader::v1 as pb;
 
-use crate::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
 use crate::policy_lpm::PolicyRule;
+use rivet_datapath::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
 
 /// Most policy entries one endpoint may have (Cilium's per-endpoint map size).
 pub const MAX_POLICY_ENTRIES: usize = 16384;

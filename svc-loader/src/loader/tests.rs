@@ -16,10 +16,10 @@ use rivet_common::testing::netns::{NetNs, veth_pair};
 use super::*;
 use crate::datapath::DatapathOptions;
 use crate::datapath::tests::PinDir;
-use crate::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
 use crate::policy_lpm::PolicyRule;
 use crate::policy_lpm::tests::rule;
 use crate::validate::PolicySpec;
+use rivet_datapath::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
 
 const PREFIX: &str = "rvl";
 const TCP: u8 = 6;
@@ -242,7 +242,11 @@ fn a_policy_diff_that_fails_midway_leaves_no_entry_the_loader_does_not_know() {
             .maps()
             .policy
             .lock()
-            .insert(&extra.lpm_key(), crate::maps::PolicyValue::new(VERDICT_ALLOW), 0)
+            .insert(
+                &extra.lpm_key(),
+                rivet_datapath::maps::PolicyValue::new(VERDICT_ALLOW),
+                0,
+            )
             .unwrap();
         dp.apply(&spec(id, ifs[0], 0, Some(narrow.clone()))).unwrap();
         assert_eq!(

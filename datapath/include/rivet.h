@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: (GPL-2.0-only OR BSD-2-Clause) */
 /*
- * Rivet datapath: the layout of every map shared between the BPF programs
- * (datapath.c) and svc-loader (src/maps.rs mirrors these structs with
- * #[repr(C)]; a layout test there checks sizes). Change both together.
+ * Rivet datapath ABI: the layout of every map shared between the BPF programs
+ * (svc-loader/bpf/datapath.c) and the Rust processes using the maps
+ * (rivet-datapath's src/maps.rs mirrors these structs with #[repr(C)]; its
+ * tests check every size, offset and constant with clang). Change both together.
  *
  * All multi-byte addresses and ports are in network byte order; every other
  * integer is host order.
