@@ -1,0 +1,256 @@
+//! `rivet node up|down|status`: the single-node launcher.
+//!
+//! `rivet node up` starts every node daemon as its own process, in
+//! dependency order — svc-ipam, svc-identity, svc-loader, svc-endpoint, svc-gc —
+//! each one only once the previous one answers `GetInfo` on its socket, and
+//! supervises them ([`NodeSupervisor`]): a daemon that exits is restarted
+//! after a backoff (200 ms doubling to 30 s, reset once it ran 30 s), and one
+//! that exits 5 times within 60 s is reported as crash-looping (and still
+//! restarted, at the longest backoff). Each daemon's stdout and stderr are
+//! appended to `<log-dir>/<daemon>.log`. Daemons run in their own process
+//! groups, so a terminal's Ctrl-C reaches only the supervisor, which stops
+//! them in order.
+//!
+//! Once the daemons are up it installs the CNI plugin: `rivet-cni` from the
+//! bin dir into `--cni-bin-dir`, with `loopback` beside it (runtimes need
+//! it; copied from `--cni-plugins-dir`, default /usr/lib/cni, unless the bin
+//! dir has one: `node up` fails before starting anything when neither has
+//! it), and `10-rivet.conflist` (cniVersion `--cni-version`, default 1.0.0,
+//! network `rivet`, plugin `rivet-cni` with the socket dir, IPAM pool, host
+//! interface prefix, MTU, log file and timeout) into `--cni-conf-dir`; the
+//! conflist comes last, because a runtime starts using it as soon as it
+//! appears. svc-identity uses its embedded store unless `--etcd-endpoints`
+//! is given.
+//!
+//! Each daemon is started as root with `--user`: svc-ipam, svc-identity and
+//! svc-endpoint switch to `--daemon-user` with no capabilities, svc-loader
+//! and svc-gc to `--datapath-user` (svc-loader keeping CAP_BPF,
+//! CAP_NET_ADMIN and CAP_PERFMON), and each socket admits full calls only
+//! from root and the daemons that drive it, read-only calls from
+//! `--operator-group` ([`crate::accounts`]). Before starting them, `node up`
+//! gives each daemon `<state-dir>/<daemon>/` and the datapath user the pin dir.
+//!
+//! For demos and tests the node can live in a network namespace
+//! (DESIGN.md §8): `--netns NAME` uses an existing one, `--create-netns`
+//! creates it with IPv4/IPv6 forwarding on, IPv6 DAD off and the node
+//! addresses on `lo` (so the kernel has a source address for ARP and ND
+//! towards pods); svc-loader, svc-gc, and rivet-cni when `rivet pod` runs it, run
+//! inside it via `nsenter --net` (not `ip netns exec`, which remounts /sys
+//! and hides the bpffs). Pools default to 198.18.0.0/22 and 2001:2::/64 there.
+//!
+//! `<state-dir>/node.json` describes the running node — its namespace,
+//! directories, CNI files and the pid of every process — for `rivet pod`,
+//! `rivet status` (which finds the socket dir there) and `rivet node down`.
+//!
+//! Stopping (SIGINT or SIGTERM to the supervisor; `rivet node down` sends
+//! SIGTERM to the pid in node.json and waits): the conflist is removed, the
+//! test pods of `rivet pod add` are deleted (CNI DEL, then their namespaces),
+//! the daemons are stopped in reverse order (SIGTERM, SIGKILL after
+//! `--stop-grace-seconds`), then everything the node created goes: the
+//! installed rivet-cni and the `loopback` it copied, the pins under `<bpffs>/rivet/<node>`, the sockets
+//! and their lock files, the socket dir if it created it, the network
+//! namespace if it created it, and node.json. Logs and the daemons' state
+//! stay. `rivet node up --detach` runs the same supervisor in the background
+//! (its own output in `<log-dir>/node.log`) and returns once the node is up.
+//! When the supervisor was killed without cleaning up, `rivet node down`
+//! does the cleanup itself from node.json.
+//!
+//! Modules: `plan` (every path, flag and file of a node, from the
+//! arguments), `supervisor` (start, readiness, restart with backoff, stop),
+//! `record` (node.json), `up`, `down` (and the teardown both share), and
+//! `render` (`rivet node status`, the supervision part of `rivet status`).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Result, anyhow};
+use clap::{Args, Subcommand};
+
+use crate::Context;
+use crate::accounts;
+
+mod down;
+mod plan;
+mod record;
+mod render;
+mod supervisor;
+mod up;
+
+pub use down::supervisor_alive;
+pub use plan::{CompanionPlugin, NodePlan};
+pub use record::{DaemonPhase, DaemonStatus, NodePhase, NodeRecord};
+pub use render::{describe_node, describe_supervision};
+pub use supervisor::{DaemonSpec, NodeSupervisor, RestartDecision, RestartPolicy, RestartTracker, StatusObserver};
+
+/// The node daemons in start order (stopped in reverse). svc-gc comes last:
+/// it sweeps svc-loader's pinned conntrack maps and asks svc-endpoint which
+/// endpoints exist.
+pub const NODE_DAEMONS: [&str; 5] = ["svc-ipam", "svc-identity", "svc-loader", "svc-endpoint", "svc-gc"];
+
+/// The privileged datapath daemon that creates the pins.
+const LOADER: &str = "svc-loader";
+
+/// The conntrack garbage collector, the other datapath daemon.
+const GC: &str = "svc-gc";
+
+/// The CNI plugin binary.
+pub const CNI_BINARY: &str = "rivet-cni";
+
+/// File name of the installed network configuration list.
+pub const CONFLIST_FILE: &str = "10-rivet.conflist";
+
+/// Network name in the conflist.
+pub const NETWORK_NAME: &str = "rivet";
+
+/// The CNI spec versions rivet-cni reads (its VERSION verb's
+/// `supportedVersions`), oldest first; `--cni-version` takes one of them.
+pub const CNI_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+
+/// cniVersion of the conflist unless `--cni-version` says otherwise: the
+/// newest version common runtimes read (containerd 1.6's libcni refuses
+/// 1.1.0 results). rivet-cni still answers 1.1.0 to a conflist asking for it.
+pub const DEFAULT_CNI_VERSION: &str = "1.0.0";
+
+/// Plugins a runtime runs beside rivet-cni from the CNI bin dir:
+/// containerd's CRI plugin sets up every pod's `lo` with `loopback`, and a
+/// sandbox whose `loopback` is missing fails (and so does its cleanup).
+pub const COMPANION_PLUGINS: [&str; 1] = ["loopback"];
+
+/// Where Debian's containernetworking-plugins are; `--cni-plugins-dir`.
+pub const DEFAULT_CNI_PLUGINS_DIR: &str = "/usr/lib/cni";
+
+/// The node record under the state dir.
+pub const NODE_FILE: &str = "node.json";
+
+/// Pools of a node in its own namespace when no `--pool` is given.
+pub const DEFAULT_NETNS_POOL: &str = "default=198.18.0.0/22,2001:2::/64";
+
+/// Addresses on `lo` of a created node namespace when no `--node-address` is given.
+pub const DEFAULT_NODE_ADDRESSES: [&str; 2] = ["198.19.0.1/32", "2001:2:0:ffff::1/128"];
+
+/// `rivet node ...`
+#[derive(Debug, Subcommand)]
+pub enum NodeCommand {
+    /// Start and supervise the node daemons and install the CNI plugin; runs
+    /// until SIGINT/SIGTERM (or in the background with --detach).
+    Up(Box<UpArgs>),
+    /// Stop the node started with `rivet node up` (SIGTERM to its supervisor)
+    /// and wait until everything it created is gone.
+    Down {
+        /// How long to wait for the supervisor to finish, seconds.
+        #[arg(long, default_value_t = 120)]
+        timeout_seconds: u64,
+    },
+    /// The node of node.json: namespace, directories and each daemon's pid,
+    /// state and restarts.
+    Status,
+}
+
+/// `rivet node up`.
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct UpArgs {
+    /// Node name (pins go to `<bpffs>/rivet/<node-name>`); default: the
+    /// network namespace's name, else the hostname.
+    #[arg(long)]
+    pub node_name: Option<String>,
+    /// Run the node in this network namespace (svc-loader and the CNI
+    /// plugin inside it).
+    #[arg(long, value_name = "NAME")]
+    pub netns: Option<String>,
+    /// Create the --netns namespace (and delete it when the node stops).
+    #[arg(long, requires = "netns")]
+    pub create_netns: bool,
+    /// An address (with prefix length) on `lo` of the created namespace;
+    /// repeat for several. Default 198.19.0.1/32 and 2001:2:0:ffff::1/128.
+    #[arg(long = "node-address", value_name = "CIDR", requires = "create_netns")]
+    pub node_addresses: Vec<String>,
+    /// An address pool of svc-ipam, NAME=CIDR[,CIDR...]; repeat for several.
+    /// Default with --netns: default=198.18.0.0/22,2001:2::/64.
+    #[arg(long = "pool", value_name = "NAME=CIDR,...")]
+    pub pools: Vec<String>,
+    /// The pool the CNI plugin allocates from; default: the first pool's name.
+    #[arg(long)]
+    pub ipam_pool: Option<String>,
+    /// Where the daemon binaries and rivet-cni are; default: the directory
+    /// of this `rivet`.
+    #[arg(long, value_name = "DIR")]
+    pub bin_dir: Option<PathBuf>,
+    /// Daemon logs (`<daemon>.log`, `node.log`, `rivet-cni.log`); default `<state-dir>/logs`.
+    #[arg(long, value_name = "DIR")]
+    pub log_dir: Option<PathBuf>,
+    /// Where rivet-cni is installed.
+    #[arg(long, value_name = "DIR", default_value = "/opt/cni/bin")]
+    pub cni_bin_dir: PathBuf,
+    /// Where 10-rivet.conflist is installed.
+    #[arg(long, value_name = "DIR", default_value = "/etc/cni/net.d")]
+    pub cni_conf_dir: PathBuf,
+    /// cniVersion of the conflist (containerd 1.6 reads up to 1.0.0).
+    #[arg(long, value_name = "VERSION", default_value = DEFAULT_CNI_VERSION,
+          value_parser = clap::builder::PossibleValuesParser::new(CNI_VERSIONS))]
+    pub cni_version: String,
+    /// The machine's CNI plugins: `loopback`, which runtimes need beside
+    /// rivet-cni, is copied from here into --cni-bin-dir unless that has one.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_CNI_PLUGINS_DIR)]
+    pub cni_plugins_dir: PathBuf,
+    /// Prefix of the pods' host-side veth names (CNI and svc-loader).
+    #[arg(long, default_value = "lxc")]
+    pub host_interface_prefix: String,
+    /// MTU of pod interfaces.
+    #[arg(long, default_value_t = 1500)]
+    pub mtu: u32,
+    /// Deadline of each CNI call (the conflist's timeoutSeconds).
+    #[arg(long, default_value_t = 30)]
+    pub cni_timeout_seconds: u64,
+    /// etcd endpoints for svc-identity (comma-separated); default: its embedded store.
+    #[arg(long)]
+    pub etcd_endpoints: Option<String>,
+    /// Mount point of the BPF filesystem.
+    #[arg(long, default_value = "/sys/fs/bpf")]
+    pub bpffs: PathBuf,
+    /// An extra flag for one daemon, DAEMON=ARG (e.g.
+    /// `svc-endpoint=--policy-dir=/etc/rivet/policies`); repeat for several.
+    #[arg(long = "daemon-arg", value_name = "DAEMON=ARG")]
+    pub daemon_args: Vec<String>,
+    /// User of svc-ipam, svc-identity and svc-endpoint, which run with no
+    /// capabilities (`cargo xtask install` creates it).
+    #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DAEMON_USER)]
+    pub daemon_user: String,
+    /// User of svc-loader (which keeps CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)
+    /// and svc-gc (none); the pins are this user's. Must differ from --daemon-user.
+    #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DATAPATH_USER)]
+    pub datapath_user: String,
+    /// Group of the daemon sockets: its members may make read-only calls
+    /// (`rivet status`, `... list`, `rivet monitor`); changes need root.
+    #[arg(long, value_name = "GROUP", default_value = accounts::DEFAULT_OPERATOR_GROUP)]
+    pub operator_group: String,
+    /// How long a daemon may take to answer on its socket, seconds.
+    #[arg(long, default_value_t = 30)]
+    pub ready_timeout_seconds: u64,
+    /// Time between SIGTERM and SIGKILL when stopping a daemon, seconds.
+    #[arg(long, default_value_t = 10)]
+    pub stop_grace_seconds: u64,
+    /// Run in the background; return once the node is up.
+    #[arg(long)]
+    pub detach: bool,
+}
+
+/// Runs `rivet node ...`.
+pub async fn run(ctx: &Context, state_dir: &Path, command: NodeCommand) -> Result<bool> {
+    match command {
+        NodeCommand::Up(args) => up::up(ctx, state_dir, &args).await,
+        NodeCommand::Down { timeout_seconds } => down::down(state_dir, Duration::from_secs(timeout_seconds)).await,
+        NodeCommand::Status => {
+            let record = NodeRecord::load(state_dir)?.ok_or_else(|| no_node(state_dir))?;
+            ctx.print(&record, || describe_node(&record));
+            Ok(true)
+        }
+    }
+}
+
+fn no_node(state_dir: &Path) -> anyhow::Error {
+    anyhow!(
+        "no node recorded in {} (start one with `rivet --state-dir {} node up`)",
+        state_dir.join(NODE_FILE).display(),
+        state_dir.display()
+    )
+}

@@ -1,0 +1,612 @@
+//! The node plan: every path, flag and file of a node, from the arguments.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Result, bail};
+use serde_json::{Value, json};
+
+use super::{
+    CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonPhase, DaemonSpec,
+    DaemonStatus, GC, LOADER, NETWORK_NAME, NODE_DAEMONS, NodePhase, NodeRecord, UpArgs,
+};
+use crate::accounts::NodeAccounts;
+use crate::{netns, now_unix_nanos};
+
+/// Longest Unix socket path (`sun_path` is 108 bytes with the NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// A plugin installed beside rivet-cni ([`COMPANION_PLUGINS`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompanionPlugin {
+    /// Its file name.
+    pub name: String,
+    /// Where it is copied from; `None`: the CNI bin dir has it already
+    /// (kept as it is, and left there when the node stops).
+    pub source: Option<PathBuf>,
+    /// Its path in the CNI bin dir.
+    pub target: PathBuf,
+}
+
+/// Everything `rivet node up` will do, resolved from its arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePlan {
+    /// Node name.
+    pub node_name: String,
+    /// The node's namespace.
+    pub netns: Option<String>,
+    /// Create (and delete) it.
+    pub create_netns: bool,
+    /// Addresses on `lo` of the created namespace.
+    pub node_addresses: Vec<String>,
+    /// svc-ipam pools.
+    pub pools: Vec<String>,
+    /// The CNI's pool.
+    pub ipam_pool: String,
+    /// Daemon binaries and rivet-cni.
+    pub bin_dir: PathBuf,
+    /// State dir.
+    pub state_dir: PathBuf,
+    /// Socket dir.
+    pub socket_dir: PathBuf,
+    /// Log dir.
+    pub log_dir: PathBuf,
+    /// `<bpffs>/rivet/<node>`.
+    pub pin_dir: PathBuf,
+    /// Arguments of `rivet node up`.
+    pub args: UpArgs,
+}
+
+impl NodePlan {
+    /// Resolves the arguments (`bin_dir_default`: where this `rivet` is).
+    pub fn new(socket_dir: &Path, state_dir: &Path, args: &UpArgs, bin_dir_default: &Path) -> Result<Self> {
+        if let Some(ns) = &args.netns {
+            netns::check_name(ns)?;
+        }
+        let node_name = match (&args.node_name, &args.netns) {
+            (Some(n), _) => n.clone(),
+            (None, Some(ns)) => ns.clone(),
+            (None, None) => rivet_common::config::hostname(),
+        };
+        let name_ok = !node_name.is_empty()
+            && node_name.len() <= 64
+            && node_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            && !node_name.starts_with('.');
+        if !name_ok {
+            bail!("`{node_name}` is not a usable node name (1 to 64 of A-Z a-z 0-9 - _ ., it names the pin dir)");
+        }
+        let pools = if !args.pools.is_empty() {
+            args.pools.clone()
+        } else if args.netns.is_some() {
+            vec![DEFAULT_NETNS_POOL.to_string()]
+        } else {
+            bail!("give svc-ipam's pools with --pool NAME=CIDR[,CIDR] (defaults exist only with --netns)");
+        };
+        for p in &pools {
+            match p.split_once('=') {
+                Some((name, cidrs)) if !name.is_empty() && !cidrs.is_empty() => {}
+                _ => bail!("`{p}` is not a pool: give NAME=CIDR[,CIDR...]"),
+            }
+        }
+        let first_pool = pools[0].split_once('=').map(|(n, _)| n.to_string()).unwrap_or_default();
+        let node_addresses = if args.create_netns && args.node_addresses.is_empty() {
+            DEFAULT_NODE_ADDRESSES.iter().map(|a| a.to_string()).collect()
+        } else {
+            args.node_addresses.clone()
+        };
+        for a in &node_addresses {
+            let ok = a
+                .split_once('/')
+                .is_some_and(|(ip, len)| ip.parse::<std::net::IpAddr>().is_ok() && len.parse::<u8>().is_ok());
+            if !ok {
+                bail!("`{a}` is not an address with prefix length (e.g. 198.19.0.1/32)");
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for d in &args.daemon_args {
+            let Some((daemon, arg)) = d.split_once('=') else {
+                bail!("`{d}` is not DAEMON=ARG");
+            };
+            if !NODE_DAEMONS.contains(&daemon) || arg.is_empty() {
+                bail!("`{d}`: the daemon must be one of {}", NODE_DAEMONS.join(", "));
+            }
+            seen.insert(daemon);
+        }
+        if args.host_interface_prefix.is_empty() || args.host_interface_prefix.len() > 10 {
+            bail!("--host-interface-prefix must be 1 to 10 characters (interface names are at most 15)");
+        }
+        let plan = Self {
+            node_name: node_name.clone(),
+            netns: args.netns.clone(),
+            create_netns: args.create_netns,
+            node_addresses,
+            pools,
+            ipam_pool: args.ipam_pool.clone().unwrap_or(first_pool),
+            bin_dir: args.bin_dir.clone().unwrap_or_else(|| bin_dir_default.to_path_buf()),
+            state_dir: state_dir.to_path_buf(),
+            socket_dir: socket_dir.to_path_buf(),
+            log_dir: args.log_dir.clone().unwrap_or_else(|| state_dir.join("logs")),
+            pin_dir: args.bpffs.join("rivet").join(&node_name),
+            args: args.clone(),
+        };
+        for daemon in NODE_DAEMONS {
+            let socket = plan.socket(daemon);
+            if socket.as_os_str().len() > MAX_SOCKET_PATH {
+                bail!(
+                    "the socket path {} is longer than the {MAX_SOCKET_PATH} bytes a Unix socket allows: \
+                     use a shorter --socket-dir",
+                    socket.display()
+                );
+            }
+        }
+        Ok(plan)
+    }
+
+    /// `<socket-dir>/<daemon>.sock`.
+    pub fn socket(&self, daemon: &str) -> PathBuf {
+        rivet_common::socket::socket_path(&self.socket_dir, daemon)
+    }
+
+    /// `/run/netns/<netns>`.
+    pub fn netns_path(&self) -> Option<PathBuf> {
+        self.netns.as_deref().map(netns::path)
+    }
+
+    /// The installed conflist.
+    pub fn conflist_path(&self) -> PathBuf {
+        self.args.cni_conf_dir.join(CONFLIST_FILE)
+    }
+
+    /// The installed rivet-cni.
+    pub fn cni_binary_path(&self) -> PathBuf {
+        self.args.cni_bin_dir.join(CNI_BINARY)
+    }
+
+    /// The [`COMPANION_PLUGINS`] and where each comes from: copied from
+    /// `--cni-plugins-dir`, or kept when `--cni-bin-dir` has it already (a
+    /// runtime's own install). An error names what is missing and where it
+    /// was looked for.
+    pub fn companion_plugins(&self) -> Result<Vec<CompanionPlugin>> {
+        COMPANION_PLUGINS
+            .iter()
+            .map(|&name| {
+                let target = self.args.cni_bin_dir.join(name);
+                let source = self.args.cni_plugins_dir.join(name);
+                let source = if target.is_file() {
+                    None
+                } else if source.is_file() {
+                    Some(source)
+                } else {
+                    bail!(
+                        "the CNI plugin `{name}` is in neither {} nor {}: runtimes need it beside rivet-cni \
+                         (containerd sets up every pod's lo with it); install the reference plugins \
+                         (Debian package containernetworking-plugins) or give --cni-plugins-dir DIR",
+                        self.args.cni_plugins_dir.display(),
+                        self.args.cni_bin_dir.display()
+                    )
+                };
+                Ok(CompanionPlugin {
+                    name: name.to_string(),
+                    source,
+                    target,
+                })
+            })
+            .collect()
+    }
+
+    /// `<state-dir>/<daemon>`: the daemon's own state dir, its user's.
+    pub fn daemon_state_dir(&self, daemon: &str) -> PathBuf {
+        self.state_dir.join(daemon)
+    }
+
+    /// The node daemons, in start order, each switching to its user at start
+    /// and admitting on its socket only who needs it ([`accounts`]).
+    pub fn specs(&self, accounts: &NodeAccounts) -> Vec<DaemonSpec> {
+        NODE_DAEMONS
+            .iter()
+            .map(|&name| {
+                let ids = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+                let mut args: Vec<OsString> = vec![
+                    "--socket-dir".into(),
+                    self.socket_dir.clone().into(),
+                    "--state-dir".into(),
+                    self.daemon_state_dir(name).into(),
+                    "--node-name".into(),
+                    self.node_name.clone().into(),
+                    "--user".into(),
+                    accounts.of(name).name.clone().into(),
+                    "--socket-gid".into(),
+                    accounts.operator_gid.to_string().into(),
+                    "--allowed-uids".into(),
+                    ids(&accounts.full_access_uids(name)).into(),
+                    "--read-only-gids".into(),
+                    accounts.operator_gid.to_string().into(),
+                ];
+                match name {
+                    "svc-ipam" => {
+                        for p in &self.pools {
+                            args.extend(["--pool".into(), p.into()]);
+                        }
+                    }
+                    "svc-identity" => {
+                        if let Some(etcd) = &self.args.etcd_endpoints {
+                            args.extend(["--etcd-endpoints".into(), etcd.into()]);
+                        }
+                    }
+                    LOADER => {
+                        args.extend([
+                            "--bpffs".into(),
+                            self.args.bpffs.clone().into(),
+                            "--endpoint-interface-prefix".into(),
+                            self.args.host_interface_prefix.clone().into(),
+                        ]);
+                    }
+                    GC => args.extend(["--bpffs".into(), self.args.bpffs.clone().into()]),
+                    _ => {}
+                }
+                for d in &self.args.daemon_args {
+                    if let Some((daemon, arg)) = d.split_once('=')
+                        && daemon == name
+                    {
+                        args.push(arg.into());
+                    }
+                }
+                DaemonSpec {
+                    name: name.to_string(),
+                    program: self.bin_dir.join(name),
+                    args,
+                    // The datapath daemons live in the node's namespace (DESIGN.md §8).
+                    netns: if matches!(name, LOADER | GC) {
+                        self.netns_path()
+                    } else {
+                        None
+                    },
+                    socket: self.socket(name),
+                    log: self.log_dir.join(format!("{name}.log")),
+                }
+            })
+            .collect()
+    }
+
+    /// The network configuration list installed for runtimes.
+    pub fn conflist(&self) -> Value {
+        json!({
+            "cniVersion": self.args.cni_version,
+            "name": NETWORK_NAME,
+            "plugins": [{
+                "type": CNI_BINARY,
+                "socketDir": self.socket_dir,
+                "ipamPool": self.ipam_pool,
+                "hostInterfacePrefix": self.args.host_interface_prefix,
+                "mtu": self.args.mtu,
+                "logFile": self.log_dir.join("rivet-cni.log"),
+                "timeoutSeconds": self.args.cni_timeout_seconds,
+            }],
+        })
+    }
+
+    /// The initial node record.
+    pub(super) fn record(&self, socket_dir_created: bool, specs: &[DaemonSpec]) -> NodeRecord {
+        NodeRecord {
+            node_name: self.node_name.clone(),
+            phase: NodePhase::Starting,
+            supervisor_pid: std::process::id(),
+            started_unix_nanos: now_unix_nanos(),
+            state_dir: self.state_dir.clone(),
+            socket_dir: self.socket_dir.clone(),
+            socket_dir_created,
+            log_dir: self.log_dir.clone(),
+            netns: self.netns.clone(),
+            netns_path: self.netns_path(),
+            netns_created: false,
+            node_addresses: if self.create_netns {
+                self.node_addresses.clone()
+            } else {
+                Vec::new()
+            },
+            pools: self.pools.clone(),
+            pin_dir: self.pin_dir.clone(),
+            cni_bin_dir: self.args.cni_bin_dir.clone(),
+            cni_conf_dir: self.args.cni_conf_dir.clone(),
+            conflist: self.conflist_path(),
+            cni_binary: self.cni_binary_path(),
+            cni_plugins: Vec::new(),
+            stop_grace_seconds: self.args.stop_grace_seconds,
+            daemons: specs
+                .iter()
+                .map(|s| DaemonStatus {
+                    name: s.name.clone(),
+                    pid: None,
+                    phase: DaemonPhase::Pending,
+                    restarts: 0,
+                    started_unix_nanos: 0,
+                    last_exit: None,
+                    last_exit_unix_nanos: 0,
+                    socket: s.socket.clone(),
+                    log: s.log.clone(),
+                })
+                .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use clap::Parser;
+
+    use crate::pod;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        up: UpArgs,
+    }
+
+    pub(in crate::node) fn args(extra: &[&str]) -> UpArgs {
+        Cli::try_parse_from(std::iter::once("up").chain(extra.iter().copied()))
+            .unwrap()
+            .up
+    }
+
+    pub(in crate::node) fn plan(extra: &[&str]) -> Result<NodePlan> {
+        NodePlan::new(
+            Path::new("/tmp/r/sockets"),
+            Path::new("/tmp/r/state"),
+            &args(extra),
+            Path::new("/opt/rivet/bin"),
+        )
+    }
+
+    /// Flags every daemon gets from `node up`.
+    const COMMON: usize = 14;
+
+    pub(in crate::node) fn test_accounts() -> NodeAccounts {
+        let account = |name: &str, uid, gid| rivet_common::privileges::Account {
+            name: name.into(),
+            uid,
+            gid,
+            groups: vec![gid, 995],
+        };
+        NodeAccounts {
+            daemon: account("rivet", 999, 994),
+            datapath: account("rivet-datapath", 998, 994),
+            operator_group: "rivet-operator".into(),
+            operator_gid: 995,
+        }
+    }
+
+    fn strings(v: &[OsString]) -> Vec<String> {
+        v.iter().map(|a| a.to_string_lossy().into_owned()).collect()
+    }
+
+    #[test]
+    fn netns_mode_has_defaults() {
+        let p = plan(&["--netns", "rn1", "--create-netns"]).unwrap();
+        assert_eq!(p.node_name, "rn1");
+        assert_eq!(p.pools, [DEFAULT_NETNS_POOL]);
+        assert_eq!(p.ipam_pool, "default");
+        assert_eq!(p.node_addresses, DEFAULT_NODE_ADDRESSES);
+        assert_eq!(p.pin_dir, Path::new("/sys/fs/bpf/rivet/rn1"));
+        assert_eq!(p.log_dir, Path::new("/tmp/r/state/logs"));
+        assert_eq!(p.netns_path(), Some(PathBuf::from("/run/netns/rn1")));
+        // An existing namespace: no addresses are added to it.
+        let p = plan(&["--netns", "rn1", "--node-name", "n"]).unwrap();
+        assert_eq!(p.node_name, "n");
+        assert!(p.node_addresses.is_empty());
+    }
+
+    #[test]
+    fn host_mode_needs_pools_and_bad_input_is_refused() {
+        let err = plan(&[]).unwrap_err().to_string();
+        assert!(err.contains("--pool"), "{err}");
+        let p = plan(&["--pool", "a=10.0.0.0/24", "--pool", "b=fd00::/64", "--node-name", "h1"]).unwrap();
+        assert_eq!(p.ipam_pool, "a");
+        assert!(p.netns_path().is_none());
+        for (bad, expected) in [
+            (vec!["--netns", "a/b"], "network namespace name"),
+            (vec!["--netns", "n", "--pool", "nocidr"], "is not a pool"),
+            (
+                vec!["--netns", "n", "--create-netns", "--node-address", "1.2.3.4"],
+                "prefix length",
+            ),
+            (
+                vec!["--netns", "n", "--daemon-arg", "svc-k8s-sync=--x"],
+                "must be one of",
+            ),
+            (vec!["--netns", "n", "--daemon-arg", "svc-ipam"], "DAEMON=ARG"),
+            (vec!["--netns", "n", "--node-name", "a b"], "node name"),
+            (
+                vec!["--netns", "n", "--host-interface-prefix", "toolongprefix"],
+                "1 to 10",
+            ),
+        ] {
+            let err = plan(&bad).unwrap_err().to_string();
+            assert!(err.contains(expected), "{bad:?}: {err}");
+        }
+        // --create-netns and --node-address need their companions.
+        assert!(Cli::try_parse_from(["up", "--create-netns"]).is_err());
+        assert!(Cli::try_parse_from(["up", "--netns", "n", "--node-address", "1.2.3.4/32"]).is_err());
+    }
+
+    #[test]
+    fn socket_paths_must_fit() {
+        let long = format!("/tmp/{}", "d".repeat(100));
+        let err = NodePlan::new(
+            Path::new(&long),
+            Path::new("/s"),
+            &args(&["--netns", "n"]),
+            Path::new("/b"),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("shorter --socket-dir"), "{err}");
+    }
+
+    #[test]
+    fn daemons_in_order_with_their_flags() {
+        let p = plan(&[
+            "--netns",
+            "rn1",
+            "--create-netns",
+            "--etcd-endpoints",
+            "http://127.0.0.1:2379",
+            "--daemon-arg",
+            "svc-endpoint=--dependency-poll-ms=200",
+            "--host-interface-prefix",
+            "rvc",
+        ])
+        .unwrap();
+        let specs = p.specs(&test_accounts());
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, NODE_DAEMONS);
+        let ipam = strings(&specs[0].args);
+        assert_eq!(
+            ipam[..COMMON],
+            [
+                "--socket-dir",
+                "/tmp/r/sockets",
+                "--state-dir",
+                "/tmp/r/state/svc-ipam",
+                "--node-name",
+                "rn1",
+                "--user",
+                "rivet",
+                "--socket-gid",
+                "995",
+                "--allowed-uids",
+                "0,999",
+                "--read-only-gids",
+                "995",
+            ]
+        );
+        assert_eq!(ipam[COMMON..], ["--pool", DEFAULT_NETNS_POOL]);
+        assert_eq!(
+            strings(&specs[1].args)[COMMON..],
+            ["--etcd-endpoints", "http://127.0.0.1:2379"]
+        );
+        // Each daemon: its own state dir, its user, and full access only for who drives it.
+        for (spec, user, uids) in [
+            (&specs[1], "rivet", "0,999"),
+            (&specs[2], "rivet-datapath", "0,999"),
+            (&specs[3], "rivet", "0"),
+            (&specs[4], "rivet-datapath", "0"),
+        ] {
+            let args = strings(&spec.args);
+            assert_eq!(args[3], format!("/tmp/r/state/{}", spec.name));
+            assert_eq!((args[7].as_str(), args[11].as_str()), (user, uids), "{}", spec.name);
+        }
+        // The datapath daemons, svc-loader and svc-gc, run in the namespace, via nsenter.
+        let loader = &specs[2];
+        assert_eq!(
+            strings(&loader.command_line())[..4],
+            ["nsenter", "--net=/run/netns/rn1", "--", "/opt/rivet/bin/svc-loader"]
+        );
+        assert_eq!(
+            strings(&loader.args)[COMMON..],
+            ["--bpffs", "/sys/fs/bpf", "--endpoint-interface-prefix", "rvc"]
+        );
+        let gc = &specs[4];
+        assert_eq!(
+            strings(&gc.command_line())[..4],
+            ["nsenter", "--net=/run/netns/rn1", "--", "/opt/rivet/bin/svc-gc"]
+        );
+        assert_eq!(strings(&gc.args)[COMMON..], ["--bpffs", "/sys/fs/bpf"]);
+        assert_eq!(specs.iter().filter(|s| s.netns.is_some()).count(), 2);
+        assert_eq!(strings(&specs[3].args)[COMMON..], ["--dependency-poll-ms=200"]);
+        assert_eq!(specs[3].socket, Path::new("/tmp/r/sockets/svc-endpoint.sock"));
+        assert_eq!(specs[3].log, Path::new("/tmp/r/state/logs/svc-endpoint.log"));
+        assert_eq!(strings(&specs[3].command_line())[0], "/opt/rivet/bin/svc-endpoint");
+        // Without --etcd-endpoints: the embedded store (no flag).
+        let p = plan(&["--netns", "rn1"]).unwrap();
+        assert_eq!(p.specs(&test_accounts())[1].args.len(), COMMON);
+    }
+
+    #[test]
+    fn conflist_is_what_rivet_cni_reads() {
+        let p = plan(&["--netns", "rn1", "--mtu", "1400", "--cni-conf-dir", "/tmp/r/net.d"]).unwrap();
+        let list = p.conflist();
+        assert_eq!(
+            list,
+            json!({
+                // The newest version containerd 1.6 and CRI-O read.
+                "cniVersion": "1.0.0",
+                "name": "rivet",
+                "plugins": [{
+                    "type": "rivet-cni",
+                    "socketDir": "/tmp/r/sockets",
+                    "ipamPool": "default",
+                    "hostInterfacePrefix": "lxc",
+                    "mtu": 1400,
+                    "logFile": "/tmp/r/state/logs/rivet-cni.log",
+                    "timeoutSeconds": 30,
+                }],
+            })
+        );
+        assert_eq!(p.conflist_path(), Path::new("/tmp/r/net.d/10-rivet.conflist"));
+        // The pod commands read it back.
+        let parsed = pod::NetworkConfigList::parse(&list.to_string()).unwrap();
+        assert_eq!(parsed.plugin_types(), ["rivet-cni"]);
+    }
+
+    #[test]
+    fn cni_version_flag_takes_what_rivet_cni_supports() {
+        for version in ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"] {
+            let p = plan(&["--netns", "rn1", "--cni-version", version]).unwrap();
+            assert_eq!(p.conflist()["cniVersion"], version);
+        }
+        for bad in ["0.2.0", "1.2.0", "1.1", ""] {
+            let err = Cli::try_parse_from(["up", "--netns", "rn1", "--cni-version", bad]).unwrap_err();
+            assert!(
+                err.to_string().contains("1.0.0") && err.to_string().contains("1.1.0"),
+                "{bad:?}: the error lists the supported versions: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn loopback_comes_from_the_machines_plugins_unless_the_bin_dir_has_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("lib-cni");
+        let bin = dir.path().join("bin");
+        std::fs::create_dir_all(&source).unwrap();
+        let p = plan(&[
+            "--netns",
+            "rn1",
+            "--cni-bin-dir",
+            bin.to_str().unwrap(),
+            "--cni-plugins-dir",
+            source.to_str().unwrap(),
+        ])
+        .unwrap();
+        // Missing everywhere: a message naming the plugin, where it was
+        // looked for and how to get it.
+        let err = p.companion_plugins().unwrap_err().to_string();
+        for want in [
+            "loopback",
+            source.to_str().unwrap(),
+            bin.to_str().unwrap(),
+            "containernetworking-plugins",
+            "--cni-plugins-dir",
+        ] {
+            assert!(err.contains(want), "{want} in: {err}");
+        }
+        // In the machine's plugins: copied.
+        std::fs::write(source.join("loopback"), "#!/bin/sh\n").unwrap();
+        let plugins = p.companion_plugins().unwrap();
+        assert_eq!(
+            plugins,
+            [CompanionPlugin {
+                name: "loopback".into(),
+                source: Some(source.join("loopback")),
+                target: bin.join("loopback"),
+            }]
+        );
+        // Already in the bin dir (a runtime's own install): kept, not ours.
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("loopback"), "theirs").unwrap();
+        let plugins = p.companion_plugins().unwrap();
+        assert_eq!(plugins[0].source, None, "{plugins:?}");
+    }
+}

@@ -1,0 +1,371 @@
+//! `rivet node up`: preflight, directories, the node namespace, the CNI
+//! install, the supervisor in the foreground or detached.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use rivet_common::state_file::write_atomic;
+use tokio::sync::watch;
+
+use super::down::{after_daemons_stop, before_daemons_stop};
+use super::supervisor::{answering_pid, describe_exit, log_tail, stopped};
+use super::{
+    CNI_BINARY, CompanionPlugin, DaemonStatus, LOADER, NODE_DAEMONS, NODE_FILE, NodePhase, NodePlan, NodeRecord,
+    NodeSupervisor, RestartPolicy, StatusObserver, UpArgs, describe_node, supervisor_alive,
+};
+use crate::accounts::{self, NodeAccounts};
+use crate::{Context, netns};
+
+/// Set in the environment of the background supervisor of `--detach`.
+const DETACHED_ENV: &str = "RIVET_NODE_DETACHED";
+
+/// The directory of the running `rivet`.
+fn own_dir() -> Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the running rivet binary")?;
+    Ok(exe
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from(".")))
+}
+
+pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result<bool> {
+    let plan = NodePlan::new(&ctx.socket_dir, state_dir, args, &own_dir()?)?;
+    if args.detach && std::env::var_os(DETACHED_ENV).is_none() {
+        return detach(ctx, &plan).await;
+    }
+    // Signals first: a SIGTERM while starting must tear down, not kill us.
+    // A parent may have left them blocked (a blocked mask is inherited):
+    // unblock them, here and so in every daemon.
+    let mut shutdown = nix::sys::signal::SigSet::empty();
+    shutdown.add(Signal::SIGINT);
+    shutdown.add(Signal::SIGTERM);
+    shutdown.thread_unblock().context("unblocking SIGINT and SIGTERM")?;
+    let (cancel_tx, cancel) = watch::channel(false);
+    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = sigint.recv() => {}
+            _ = sigterm.recv() => {}
+        }
+        let _ = cancel_tx.send(true);
+    });
+
+    preflight(&plan).await?;
+    let companions = plan.companion_plugins()?;
+    let accounts = NodeAccounts::resolve(&args.daemon_user, &args.datapath_user, &args.operator_group)?;
+    check_reachable(&plan, &accounts)?;
+    let socket_dir_created = !plan.socket_dir.exists();
+    std::fs::create_dir_all(&plan.socket_dir).with_context(|| format!("creating {}", plan.socket_dir.display()))?;
+    if socket_dir_created {
+        accounts::set_up_socket_dir(&plan.socket_dir, &accounts)?;
+    }
+    std::fs::create_dir_all(&plan.log_dir).with_context(|| format!("creating {}", plan.log_dir.display()))?;
+    let specs = plan.specs(&accounts);
+    let record = Arc::new(Mutex::new(plan.record(socket_dir_created, &specs)));
+    let save = {
+        let record = Arc::clone(&record);
+        move |f: &dyn Fn(&mut NodeRecord)| {
+            let mut r = record.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            f(&mut r);
+            if let Err(e) = r.store() {
+                eprintln!("rivet node: writing node.json: {e:#}");
+            }
+        }
+    };
+    save(&|_| {});
+
+    let observer: StatusObserver = {
+        let record = Arc::clone(&record);
+        Arc::new(move |statuses: &[DaemonStatus]| {
+            let mut r = record.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            r.daemons = statuses.to_vec();
+            if let Err(e) = r.store() {
+                eprintln!("rivet node: writing node.json: {e:#}");
+            }
+        })
+    };
+    let mut supervisor = NodeSupervisor::new(
+        specs,
+        RestartPolicy::default(),
+        Duration::from_secs(args.ready_timeout_seconds),
+        Duration::from_secs(args.stop_grace_seconds),
+        observer,
+    );
+
+    let started = async {
+        if plan.create_netns {
+            let ns = plan.netns.as_deref().expect("--create-netns requires --netns");
+            netns::create(ns)?;
+            save(&|r| r.netns_created = true);
+            configure_node_netns(&plan)?;
+            eprintln!("rivet node: created network namespace {ns}");
+        } else if let Some(ns) = &plan.netns
+            && !netns::exists(ns)
+        {
+            bail!("network namespace `{ns}` does not exist (add --create-netns to create it)");
+        }
+        give_daemons_their_dirs(&plan, &accounts)?;
+        supervisor.start(&cancel).await?;
+        // Recorded before the copy: node down removes whatever was started.
+        let copied: Vec<PathBuf> = companions
+            .iter()
+            .filter(|c| c.source.is_some())
+            .map(|c| c.target.clone())
+            .collect();
+        save(&|r| r.cni_plugins = copied.clone());
+        install_cni(&plan, &companions)?;
+        anyhow::Ok(())
+    }
+    .await;
+
+    let outcome = match started {
+        Ok(()) => {
+            save(&|r| r.phase = NodePhase::Running);
+            let snapshot = record.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+            print!("{}", describe_node(&snapshot));
+            println!(
+                "stop it with Ctrl-C, or `rivet --state-dir {} node down`",
+                plan.state_dir.display()
+            );
+            let _ = std::io::stdout().flush();
+            let mut cancel = cancel.clone();
+            stopped(&mut cancel).await;
+            eprintln!("rivet node: stopping node {}", plan.node_name);
+            Ok(true)
+        }
+        Err(e) => Err(e),
+    };
+    save(&|r| r.phase = NodePhase::Stopping);
+    let snapshot = record.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    for message in before_daemons_stop(&snapshot).await {
+        eprintln!("rivet node: {message}");
+    }
+    supervisor.stop().await;
+    for message in after_daemons_stop(&snapshot) {
+        eprintln!("rivet node: {message}");
+    }
+    eprintln!("rivet node: node {} stopped", plan.node_name);
+    outcome
+}
+
+/// Refuses to start over a running node, live sockets or missing binaries.
+async fn preflight(plan: &NodePlan) -> Result<()> {
+    if let Some(existing) = NodeRecord::load(&plan.state_dir)? {
+        if supervisor_alive(existing.supervisor_pid) {
+            bail!(
+                "node {} is already running from {} (supervisor pid {}); stop it with `rivet --state-dir {} node down`",
+                existing.node_name,
+                plan.state_dir.display(),
+                existing.supervisor_pid,
+                plan.state_dir.display()
+            );
+        }
+        bail!(
+            "{} records node {} whose supervisor (pid {}) is gone; clean up what it left with \
+             `rivet --state-dir {} node down`",
+            plan.state_dir.join(NODE_FILE).display(),
+            existing.node_name,
+            existing.supervisor_pid,
+            plan.state_dir.display()
+        );
+    }
+    for daemon in NODE_DAEMONS {
+        let binary = plan.bin_dir.join(daemon);
+        if !binary.is_file() {
+            bail!(
+                "{} is missing (build it with `cargo build --bins`, or give --bin-dir)",
+                binary.display()
+            );
+        }
+        if let Some(pid) = answering_pid(&plan.socket(daemon)).await {
+            bail!(
+                "{daemon} (pid {pid}) already answers on {}: another node uses this socket dir",
+                plan.socket(daemon).display()
+            );
+        }
+    }
+    let cni = plan.bin_dir.join(CNI_BINARY);
+    if !cni.is_file() {
+        bail!(
+            "{} is missing (build it with `cargo build --bins`, or give --bin-dir)",
+            cni.display()
+        );
+    }
+    Ok(())
+}
+
+/// Fails unless each daemon's user can reach its state dir and socket dir
+/// (and both can create sockets in an existing socket dir).
+fn check_reachable(plan: &NodePlan, accounts: &NodeAccounts) -> Result<()> {
+    for daemon in NODE_DAEMONS {
+        let account = accounts.of(daemon);
+        accounts::check_reachable(account, &plan.daemon_state_dir(daemon), "state dir")?;
+        accounts::check_reachable(account, &plan.socket(daemon), "socket dir")?;
+    }
+    accounts::check_reachable(&accounts.datapath, &plan.pin_dir.join(LOADER), "pin dir")?;
+    if plan.socket_dir.exists() {
+        accounts::check_socket_dir(&plan.socket_dir, accounts)?;
+    }
+    Ok(())
+}
+
+/// What the daemons write becomes their users': each one's state dir
+/// (moving the entries of the layout before per-daemon dirs), stale lock
+/// files of their sockets, and the pin dir.
+fn give_daemons_their_dirs(plan: &NodePlan, accounts: &NodeAccounts) -> Result<()> {
+    for message in accounts::migrate_legacy_state(&plan.state_dir)? {
+        eprintln!("rivet node: {message}");
+    }
+    for daemon in NODE_DAEMONS {
+        let account = accounts.of(daemon);
+        accounts::give_private_dir(&plan.daemon_state_dir(daemon), account)?;
+        accounts::give_lock_file(&rivet_common::socket::lock_path(&plan.socket(daemon)), account)?;
+    }
+    if let Some(bpf_root) = plan.pin_dir.parent() {
+        std::fs::create_dir_all(bpf_root).with_context(|| format!("creating {}", bpf_root.display()))?;
+    }
+    accounts::give_private_dir(&plan.pin_dir, &accounts.datapath)
+}
+
+/// Forwarding on, DAD off, the node addresses on `lo`: only inside the
+/// node's own namespace.
+fn configure_node_netns(plan: &NodePlan) -> Result<()> {
+    let ns = plan.netns.as_deref().expect("a node namespace");
+    let path = netns::path(ns);
+    netns::sysctls(
+        &path,
+        &[
+            ("net.ipv4.ip_forward", "1"),
+            ("net.ipv6.conf.all.forwarding", "1"),
+            // Host veths need a usable link-local address at once.
+            ("net.ipv6.conf.all.accept_dad", "0"),
+            ("net.ipv6.conf.default.accept_dad", "0"),
+        ],
+    )?;
+    for address in &plan.node_addresses {
+        if address.contains(':') {
+            netns::ip(ns, &["-6", "addr", "add", address, "dev", "lo", "nodad"])?;
+        } else {
+            netns::ip(ns, &["addr", "add", address, "dev", "lo"])?;
+        }
+    }
+    Ok(())
+}
+
+/// Copies rivet-cni and the companion plugins to copy into the CNI bin dir,
+/// then writes the conflist (atomically, each).
+fn install_cni(plan: &NodePlan, companions: &[CompanionPlugin]) -> Result<()> {
+    std::fs::create_dir_all(&plan.args.cni_bin_dir)
+        .with_context(|| format!("creating {}", plan.args.cni_bin_dir.display()))?;
+    let target = plan.cni_binary_path();
+    install_executable(&plan.bin_dir.join(CNI_BINARY), &target)?;
+    for plugin in companions {
+        if let Some(source) = &plugin.source {
+            install_executable(source, &plugin.target)?;
+            eprintln!(
+                "rivet node: installed {} from {}",
+                plugin.target.display(),
+                source.display()
+            );
+        }
+    }
+    let text = serde_json::to_string_pretty(&plan.conflist()).expect("JSON values serialise") + "\n";
+    write_atomic(&plan.conflist_path(), text.as_bytes())
+        .map_err(|(action, e)| anyhow!("{action} {}: {e}", plan.conflist_path().display()))?;
+    eprintln!(
+        "rivet node: installed {} and {}",
+        target.display(),
+        plan.conflist_path().display()
+    );
+    Ok(())
+}
+
+/// Copies an executable to `target` through a temp file beside it (a
+/// runtime never sees half a binary).
+fn install_executable(source: &Path, target: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let name = target.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = target.with_file_name(format!(".{name}.tmp"));
+    std::fs::copy(source, &tmp).with_context(|| format!("copying {} to {}", source.display(), tmp.display()))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))
+        .with_context(|| format!("making {} executable", tmp.display()))?;
+    File::open(&tmp)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("syncing {}", tmp.display()))?;
+    std::fs::rename(&tmp, target).with_context(|| format!("installing {}", target.display()))
+}
+
+/// Starts this same command in the background and waits until its node
+/// is up; prints the node.
+async fn detach(ctx: &Context, plan: &NodePlan) -> Result<bool> {
+    use std::os::unix::process::CommandExt;
+    std::fs::create_dir_all(&plan.log_dir).with_context(|| format!("creating {}", plan.log_dir.display()))?;
+    let log_path = plan.log_dir.join("node.log");
+    let log = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    let exe = std::env::current_exe()?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.args(std::env::args_os().skip(1))
+        .env(DETACHED_ENV, "1")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    // Its own session: no terminal signals, survives this process.
+    // SAFETY: setsid is async-signal-safe and touches no memory of ours.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().context("starting the background supervisor")?;
+    let pid = child.id();
+    let deadline =
+        Instant::now() + Duration::from_secs(plan.args.ready_timeout_seconds * NODE_DAEMONS.len() as u64 + 30);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "the node did not come up: the supervisor exited ({}); the end of {}:\n{}",
+                describe_exit(status),
+                log_path.display(),
+                log_tail(&log_path, 25)
+            );
+        }
+        if let Ok(Some(record)) = NodeRecord::load(&plan.state_dir)
+            && record.supervisor_pid == pid
+            && record.phase == NodePhase::Running
+        {
+            ctx.print(&record, || {
+                format!(
+                    "{}its log: {}\nstop it with `rivet --state-dir {} node down`\n",
+                    describe_node(&record),
+                    log_path.display(),
+                    plan.state_dir.display()
+                )
+            });
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+            bail!(
+                "the node did not come up in time; stopping it. The end of {}:\n{}",
+                log_path.display(),
+                log_tail(&log_path, 25)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
