@@ -1,0 +1,356 @@
+//! The loaded datapath: the BPF object, its pinned maps, and the tc
+//! attachments of its two programs.
+//!
+//! # Pins
+//!
+//! Everything lives under one pin directory, `<bpffs>/rivet/<node>/`
+//! ([`DatapathOptions::pin_dir`]): `<pin_dir>/<map>` for every map of the
+//! object (`endpoints`, `ipcache`, `policy`, `ep_prefixes`, `ct4`, `ct6`,
+//! `metrics`, `events`, `config`, and any map the datapath adds later). A
+//! map of the object with no pin yet (one added by a newer datapath) is
+//! created and pinned beside the adopted ones.
+//!
+//! [`Datapath::open`] reuses an existing map pin only if the kernel's map has
+//! exactly the type, key size, value size, max_entries and flags this object
+//! and these options ask for; otherwise it fails with
+//! [`DatapathError::PinMismatch`], naming the map and the fix. It never
+//! deletes or recreates a map pin: a map in use keeps its state across
+//! loader restarts, and replacing one is an operator's decision.
+//!
+//! # Attachments outlive the loader
+//!
+//! [`Datapath::attach`] adds a `clsact` qdisc to the host-side veth and one
+//! direct-action `cls_bpf` filter per hook ([`crate::tc`]: priority 1,
+//! handle 1, named `rivet-<node>-<program>`). A filter holds its program and the
+//! program its maps, so the programs keep running when the loader exits or
+//! crashes, with nothing pinned; the filter goes away with its device. A new
+//! loader [`adopts`](Datapath::adopt_existing) every filter of its node by
+//! replacing its program with its own instance in place (one
+//! netlink request; no packet sees a missing program). [`Datapath::detach`]
+//! deletes the filters. Classic tc rather than TCX links: see [`crate::tc`]
+//! for the measurement. A loader that finds TCX link pins of an earlier
+//! version under `<pin_dir>/links/` moves them to tc filters on start.
+//!
+//! Interfaces are looked up in the calling thread's network namespace
+//! ([`crate::netdev`]); the loader is meant to run inside the node's.
+//!
+//! # Modules
+//!
+//! [`Datapath`] itself (here: open, maps, config, test runs) and, by
+//! concern: `options` (pin directory and map sizes), `error`
+//! ([`DatapathError`]), `pins` (map names, checking pins, opening a pinned
+//! map from another process), `attach` (tc filters: attach, detach, adopt,
+//! list), `legacy` (moving TCX link pins of earlier loaders to filters),
+//! `typed_maps` (the shared typed map handles).
+
+mod attach;
+mod error;
+mod legacy;
+mod options;
+mod pins;
+mod typed_maps;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::os::fd::AsFd as _;
+use std::path::{Path, PathBuf};
+
+use aya::maps::{MapData, RingBuf};
+use aya::programs::{ProgramError, ProgramFd};
+use aya::{Ebpf, EbpfLoader};
+use rivet_bpf_sys as sys;
+use rivet_datapath::maps::{DatapathConfig, METRICS_ENTRIES, MetricsValue};
+
+use crate::DATAPATH_OBJECT;
+
+use attach::classifier;
+pub(crate) use attach::interfaces;
+pub use attach::{
+    AdoptReport, AttachOutcome, AttachState, Attachment, DetachOutcome, Hook, LinkChange, PROG_FROM_CONTAINER,
+    PROG_TO_CONTAINER, ProgramIds,
+};
+pub use error::DatapathError;
+use error::{io_err, map_err};
+pub use legacy::LEGACY_LINKS_DIR;
+pub use options::{
+    DEFAULT_BPFFS, DEFAULT_CT_MAX, DEFAULT_ENDPOINTS_MAX, DEFAULT_EP_PREFIXES_MAX, DEFAULT_EVENTS_BYTES,
+    DEFAULT_IPCACHE_MAX, DEFAULT_POLICY_MAX, DatapathOptions,
+};
+pub use pins::{
+    MAP_CONFIG, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_FRAGMENTS, MAP_IPCACHE, MAP_METRICS,
+    MAP_NAMES, MAP_POLICY, MapSpec, map_type_name, open_pinned_map,
+};
+use pins::{check_bpffs, check_map_pin, expected_specs};
+use typed_maps::take_map;
+pub use typed_maps::{DatapathMaps, SharedMap};
+
+// ------------------------------------------------------------------ datapath
+
+/// The loaded datapath of one node; see the module docs.
+///
+/// Dropping it closes this process's handles only: maps stay pinned, and
+/// attached programs stay attached through their filters.
+///
+/// Shared by the loader's threads (`&self`): attaching and detaching need
+/// no lock (each netlink request is its own socket), and each map has its
+/// own short lock ([`SharedMap`]).
+pub struct Datapath {
+    opts: DatapathOptions,
+    /// aya's record of the two loaded programs (the maps are taken out into
+    /// `maps`); attaching uses `program_fds`, so only tests read it.
+    #[cfg_attr(not(test), allow(dead_code))]
+    ebpf: Ebpf,
+    /// The programs' fds, `from_container` then `to_container`, for attaching.
+    program_fds: [ProgramFd; 2],
+    maps: DatapathMaps,
+    events: Option<RingBuf<MapData>>,
+    program_ids: ProgramIds,
+    adoption: AdoptReport,
+    map_specs: BTreeMap<String, MapSpec>,
+    reused_maps: BTreeSet<String>,
+}
+
+/// One pinned map, see [`Datapath::map_status`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MapStatus {
+    /// Map (and pin) name.
+    pub name: String,
+    /// What the kernel holds.
+    pub spec: MapSpec,
+    /// Its pin.
+    pub pin: PathBuf,
+    /// The pin existed when this loader started (adopted, not created).
+    pub reused: bool,
+}
+
+impl fmt::Debug for Datapath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Datapath")
+            .field("pin_dir", &self.opts.pin_dir)
+            .field("program_ids", &self.program_ids)
+            .field("events_taken", &self.events.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Datapath {
+    /// Loads the datapath with its maps pinned in `opts.pin_dir` (reusing
+    /// matching pins, refusing mismatching ones), loads both programs, writes
+    /// the config map, and [adopts](Self::adopt_existing) attached filters.
+    pub fn open(opts: DatapathOptions) -> Result<Self, DatapathError> {
+        opts.validate()?;
+        check_bpffs(&opts.pin_dir)?;
+        std::fs::create_dir_all(&opts.pin_dir).map_err(io_err("creating the pin directory", &opts.pin_dir))?;
+
+        let specs = expected_specs(&opts)?;
+        let mut reused_maps = BTreeSet::new();
+        for (name, spec) in &specs {
+            let pin = opts.pin_dir.join(name);
+            check_map_pin(name, &pin, spec)?;
+            if pin.exists() {
+                reused_maps.insert(name.clone());
+            }
+        }
+
+        let pins: Vec<(&str, PathBuf)> = specs
+            .keys()
+            .map(|name| (name.as_str(), opts.pin_dir.join(name)))
+            .collect();
+        let mut loader = EbpfLoader::new();
+        for (name, pin) in &pins {
+            loader.map_pin_path(name, pin.as_path());
+        }
+        for (name, max) in opts.max_entries() {
+            loader.map_max_entries(name, max);
+        }
+        let mut ebpf = loader.load(DATAPATH_OBJECT).map_err(|error| DatapathError::Load {
+            pin_dir: opts.pin_dir.clone(),
+            error: Box::new(error),
+        })?;
+        // Again, now that every pin exists: one created by someone else
+        // between the check and the load would have been reused as is.
+        for (name, spec) in &specs {
+            check_map_pin(name, &opts.pin_dir.join(name), spec)?;
+        }
+
+        let mut ids = [0u32; 2];
+        let mut fds = Vec::with_capacity(2);
+        for (hook, id) in Hook::ALL.into_iter().zip(&mut ids) {
+            let prog = classifier(&mut ebpf, hook)?;
+            let program = hook.program();
+            prog.load().map_err(|error| DatapathError::Program {
+                what: "loading (verifying)",
+                program,
+                error: Box::new(error),
+            })?;
+            let fd = prog
+                .fd()
+                .and_then(|fd| {
+                    fd.try_clone().map_err(|io_error| {
+                        ProgramError::SyscallError(aya::sys::SyscallError { call: "dup", io_error })
+                    })
+                })
+                .map_err(|error| DatapathError::Program {
+                    what: "duplicating the fd of",
+                    program,
+                    error: Box::new(error),
+                })?;
+            fds.push(fd);
+            *id = prog
+                .info()
+                .map_err(|error| DatapathError::Program {
+                    what: "reading the id of",
+                    program,
+                    error: Box::new(error),
+                })?
+                .id();
+        }
+        let maps = DatapathMaps::take(&mut ebpf)?;
+        let events = take_map(&mut ebpf, MAP_EVENTS)?;
+
+        let program_fds: [ProgramFd; 2] = fds
+            .try_into()
+            .map_err(|_| DatapathError::Object("both programs must load".into()))?;
+        let mut datapath = Self {
+            opts,
+            ebpf,
+            program_fds,
+            maps,
+            events: Some(events),
+            program_ids: ProgramIds {
+                from_container: ids[0],
+                to_container: ids[1],
+            },
+            adoption: AdoptReport::default(),
+            map_specs: specs,
+            reused_maps,
+        };
+        datapath.write_config()?;
+        datapath.adoption = datapath.adopt_existing()?;
+        Ok(datapath)
+    }
+
+    /// Every pinned map with its shape and whether it was adopted.
+    pub fn map_status(&self) -> Vec<MapStatus> {
+        self.map_specs
+            .iter()
+            .map(|(name, spec)| MapStatus {
+                name: name.clone(),
+                spec: *spec,
+                pin: self.opts.pin_dir.join(name),
+                reused: self.reused_maps.contains(name),
+            })
+            .collect()
+    }
+
+    /// The options it was opened with.
+    pub fn options(&self) -> &DatapathOptions {
+        &self.opts
+    }
+
+    /// The pin directory.
+    pub fn pin_dir(&self) -> &Path {
+        &self.opts.pin_dir
+    }
+
+    /// Kernel ids of this instance's programs.
+    pub fn program_ids(&self) -> ProgramIds {
+        self.program_ids
+    }
+
+    /// What [`open`](Self::open) found and did with attachments.
+    pub fn adoption(&self) -> &AdoptReport {
+        &self.adoption
+    }
+
+    /// The typed maps.
+    pub fn maps(&self) -> &DatapathMaps {
+        &self.maps
+    }
+
+    /// The event ring buffer, for one consumer (`None` once taken). It can be
+    /// wrapped in `tokio::io::unix::AsyncFd` for async reading.
+    pub fn take_events(&mut self) -> Option<RingBuf<MapData>> {
+        self.events.take()
+    }
+
+    /// The counters summed over CPUs, by `(reason, direction)`, non-zero only.
+    pub fn metrics_totals(&self) -> Result<BTreeMap<(u8, u8), MetricsValue>, DatapathError> {
+        let mut totals = BTreeMap::new();
+        let metrics = self.maps.metrics.lock();
+        for index in 0..METRICS_ENTRIES {
+            let per_cpu = metrics
+                .get(&index, 0)
+                .map_err(map_err(format!("reading index {index} of"), MAP_METRICS))?;
+            let sum = per_cpu.iter().fold(MetricsValue::default(), |acc, v| MetricsValue {
+                packets: acc.packets + v.packets,
+                bytes: acc.bytes + v.bytes,
+            });
+            if sum != MetricsValue::default() {
+                totals.insert(((index / 4) as u8, (index % 4) as u8), sum);
+            }
+        }
+        Ok(totals)
+    }
+
+    /// Runs `hook`'s program once on `frame` (an Ethernet frame) as if it
+    /// came through interface `ifindex` of the calling thread's network
+    /// namespace (`BPF_PROG_TEST_RUN`), against the real maps; returns the
+    /// program's `TC_ACT_*`. For tests (the differential test of the
+    /// datapath against the policy engine): a redirect is reported, not done.
+    pub fn test_run(&self, hook: Hook, frame: &[u8], ifindex: u32) -> Result<u32, DatapathError> {
+        self.test_run_repeat(hook, frame, ifindex, 1).map(|run| run.retval)
+    }
+
+    /// [`test_run`](Self::test_run) `repeat` times in the kernel on one
+    /// socket buffer (a rewrite by one run is the next run's input), with
+    /// the kernel's mean time per run: the verdict benchmark.
+    pub fn test_run_repeat(
+        &self,
+        hook: Hook,
+        frame: &[u8],
+        ifindex: u32,
+        repeat: u32,
+    ) -> Result<sys::TestRun, DatapathError> {
+        let program = hook.program();
+        sys::test_run_classifier_repeat(self.program_fd(hook).as_fd(), frame, ifindex, repeat).map_err(|error| {
+            DatapathError::TestRun {
+                program,
+                len: frame.len(),
+                ifindex,
+                error,
+            }
+        })
+    }
+
+    /// Writes the options' conntrack lifetimes and event flags to the config map.
+    pub fn write_config(&self) -> Result<(), DatapathError> {
+        let config = DatapathConfig {
+            event_flags: self.opts.event_flags,
+            pad: 0,
+            ct: self.opts.ct_timeouts,
+        };
+        self.maps
+            .config
+            .lock()
+            .set(0, config, 0)
+            .map_err(map_err("writing the config to", MAP_CONFIG))
+    }
+
+    /// Switches the optional events (`CONFIG_EVENT_*`) to `event_flags`,
+    /// keeping the conntrack lifetimes (the config map is the truth; the
+    /// options keep what the datapath was opened with).
+    pub fn set_event_flags(&self, event_flags: u32) -> Result<(), DatapathError> {
+        let mut config = self.maps.config.lock();
+        let mut value = config
+            .get(&0, 0)
+            .map_err(map_err("reading the config from", MAP_CONFIG))?;
+        value.event_flags = event_flags;
+        config
+            .set(0, value, 0)
+            .map_err(map_err("writing the config to", MAP_CONFIG))
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests;
