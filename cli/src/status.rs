@@ -1,11 +1,15 @@
 //! `rivet status`: every daemon socket — reachable, boot id, version — what
 //! svc-identity reports about its store, identities and IP cache, and what
 //! svc-endpoint reports about restore, endpoints, policy and its links to the
-//! other daemons; and the node's health with every problem in full, which
-//! is also the exit status ([`NodeHealth::exit_code`]).
+//! other daemons; every daemon's controllers (its supervised background
+//! loops: state, restarts, last success, last error); and the node's health
+//! with every problem in full, which is also the exit status
+//! ([`NodeHealth::exit_code`]). A daemon with a controller failing for
+//! longer than it may is degraded.
 
 use std::time::Duration;
 
+use rivet_proto::daemon::v1 as daemon_pb;
 use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use rivet_proto::endpoint::v1 as endpoint_pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
@@ -86,12 +90,97 @@ pub struct DaemonStatus {
     pub health: NodeHealth,
     /// Why it is not healthy, each in full.
     pub problems: Vec<String>,
+    /// Its controllers (supervised background loops), when it answered.
+    pub controllers: Vec<ControllerView>,
     /// svc-endpoint's detailed status, when it answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub endpoint_status: Option<EndpointStatus>,
     /// svc-identity's detailed status, when it answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub identity_status: Option<IdentityStatus>,
+}
+
+/// One supervised background loop of a daemon (`rivet_common::controller`).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ControllerView {
+    /// Its name.
+    pub name: String,
+    /// `running`, `failing`, `done`, `stopped` (or `unknown`).
+    pub state: String,
+    /// Times its loop was started again after a panic or an end.
+    pub restarts: u64,
+    /// Failures since its last success.
+    pub consecutive_failures: u64,
+    /// Its last failure (kept after a recovery).
+    pub last_error: String,
+    /// Milliseconds since its last success; `None` before the first.
+    pub last_success_age_ms: Option<u64>,
+    /// Milliseconds since it started failing; `None` unless failing.
+    pub failing_for_ms: Option<u64>,
+    /// Failing for longer than it may: its daemon is degraded.
+    pub degraded: bool,
+}
+
+impl From<&daemon_pb::ControllerStatus> for ControllerView {
+    fn from(c: &daemon_pb::ControllerStatus) -> Self {
+        Self {
+            name: c.name.clone(),
+            state: match daemon_pb::ControllerState::try_from(c.state) {
+                Ok(daemon_pb::ControllerState::Running) => "running",
+                Ok(daemon_pb::ControllerState::Failing) => "failing",
+                Ok(daemon_pb::ControllerState::Done) => "done",
+                Ok(daemon_pb::ControllerState::Stopped) => "stopped",
+                _ => "unknown",
+            }
+            .into(),
+            restarts: c.restarts,
+            consecutive_failures: c.consecutive_failures,
+            last_error: c.last_error.clone(),
+            last_success_age_ms: c.last_success_age_ms,
+            failing_for_ms: c.failing_for_ms,
+            degraded: c.degraded,
+        }
+    }
+}
+
+/// The controllers of every daemon that answered, one row each.
+fn controllers_section(all: &[DaemonStatus]) -> String {
+    let millis = |ms: u64| duration(ms.saturating_mul(1_000_000));
+    let mut t = Table::new([
+        "DAEMON",
+        "CONTROLLER",
+        "STATE",
+        "RESTARTS",
+        "LAST SUCCESS",
+        "LAST ERROR",
+    ]);
+    let mut rows = 0;
+    for s in all {
+        for c in &s.controllers {
+            rows += 1;
+            let mut state = c.state.clone();
+            if let Some(failing) = c.failing_for_ms {
+                state.push_str(&format!(" {}", millis(failing)));
+            }
+            t.row([
+                s.daemon.clone(),
+                c.name.clone(),
+                state,
+                c.restarts.to_string(),
+                c.last_success_age_ms
+                    .map_or_else(|| "never".into(), |ms| format!("{} ago", millis(ms))),
+                if c.last_error.is_empty() {
+                    "-".into()
+                } else {
+                    truncate(&one_line(&c.last_error), ERROR_WIDTH)
+                },
+            ]);
+        }
+    }
+    if rows == 0 {
+        return String::new();
+    }
+    section("controllers", &t.render())
 }
 
 /// What svc-identity reports in `GetStatus`.
@@ -457,6 +546,7 @@ pub async fn run(ctx: &Context) -> anyhow::Result<NodeHealth> {
                 out.push_str(&endpoint_section(endpoint, now));
             }
         }
+        out.push_str(&controllers_section(&all));
         out.push_str(&health_section(&all));
         out
     });
@@ -476,6 +566,7 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
         error: None,
         health: NodeHealth::Healthy,
         problems: Vec::new(),
+        controllers: Vec::new(),
         endpoint_status: None,
         identity_status: None,
     };
@@ -520,6 +611,11 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
                     }
                     Err(s) => status.error = status_error(s),
                 }
+            }
+            status.controllers = info.controllers.iter().map(ControllerView::from).collect();
+            if !info.degraded.is_empty() {
+                status.health = status.health.max(NodeHealth::Degraded);
+                status.problems.push(info.degraded.clone());
             }
             if let Some(error) = &status.error {
                 status.health = NodeHealth::Unhealthy;
@@ -683,6 +779,7 @@ mod tests {
             error: None,
             health,
             problems: problems.iter().map(|p| (*p).to_string()).collect(),
+            controllers: Vec::new(),
             endpoint_status: None,
             identity_status: None,
         }
@@ -714,6 +811,48 @@ mod tests {
         let json = serde_json::to_value(&unhealthy[1]).unwrap();
         assert_eq!(json["health"], "degraded");
         assert_eq!(json["problems"][0], "kvstore (etcd) unreachable: x");
+    }
+
+    #[test]
+    fn controllers_are_listed_per_daemon_with_their_failures() {
+        let mut identity = daemon("svc-identity", NodeHealth::Degraded, &[]);
+        identity.controllers = vec![
+            ControllerView::from(&daemon_pb::ControllerStatus {
+                name: "identity-watch".into(),
+                state: daemon_pb::ControllerState::Failing as i32,
+                restarts: 3,
+                consecutive_failures: 3,
+                last_error: "watching identities: etcd answered Unavailable".into(),
+                last_success_age_ms: Some(95_000),
+                failing_for_ms: Some(40_000),
+                degraded: true,
+            }),
+            ControllerView::from(&daemon_pb::ControllerStatus {
+                name: "snapshot-writer".into(),
+                state: daemon_pb::ControllerState::Running as i32,
+                last_success_age_ms: Some(1_500),
+                ..Default::default()
+            }),
+        ];
+        let mut ipam = daemon("svc-ipam", NodeHealth::Healthy, &[]);
+        ipam.controllers = vec![ControllerView::from(&daemon_pb::ControllerStatus {
+            name: "state-writer".into(),
+            state: daemon_pb::ControllerState::Running as i32,
+            ..Default::default()
+        })];
+        assert_eq!(
+            controllers_section(&[ipam, identity.clone()]),
+            "\ncontrollers:\n\
+             \x20 DAEMON        CONTROLLER       STATE          RESTARTS  LAST SUCCESS  LAST ERROR\n\
+             \x20 svc-ipam      state-writer     running        0         never         -\n\
+             \x20 svc-identity  identity-watch   failing 40.0s  3         1m35s ago     watching identities: etcd answered Unavailable\n\
+             \x20 svc-identity  snapshot-writer  running        0         1.5s ago      -\n"
+        );
+        assert_eq!(controllers_section(&[daemon("svc-gc", NodeHealth::Healthy, &[])]), "");
+        let json = serde_json::to_value(&identity).unwrap();
+        assert_eq!(json["controllers"][0]["name"], "identity-watch");
+        assert_eq!(json["controllers"][0]["degraded"], true);
+        assert_eq!(json["controllers"][1]["failing_for_ms"], serde_json::Value::Null);
     }
 
     #[test]

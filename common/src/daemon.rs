@@ -9,6 +9,7 @@ use tonic::service::Routes;
 
 use crate::access::{AccessPolicy, ReadOnlyMethods};
 use crate::config::CommonArgs;
+use crate::controller::Controllers;
 use crate::grpc::{self, DaemonIdentity, ServeError};
 use crate::metrics::{Health, MetricsError, MetricsServer};
 use crate::privileges::{self, Capability, Dropped, PrivilegeError};
@@ -93,19 +94,22 @@ pub fn bind_socket(
     )
 }
 
-/// Serves `routes` (plus the `Daemon` info service) on `listener`, and
-/// `/metrics` + `/healthz` when `--metrics-address` is set, until SIGTERM or
-/// SIGINT.
+/// Serves `routes` (plus the `Daemon` info service, which reports
+/// `controllers`) on `listener`, and `/metrics` + `/healthz` when
+/// `--metrics-address` is set, until SIGTERM or SIGINT; then stops every
+/// controller and waits for them.
 pub async fn run(
     common: &CommonArgs,
     listener: UnixSocketListener,
     identity: DaemonIdentity,
+    controllers: Controllers,
     routes: Routes,
     registry: Registry,
     health: Health,
 ) -> Result<(), DaemonError> {
     let mut registry = registry;
     listener.access_metrics().register(&mut registry);
+    controllers.register_metrics(&mut registry);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let metrics = match common.metrics_address {
         Some(address) => {
@@ -119,8 +123,9 @@ pub async fn run(
         None => None,
     };
     health.set_serving();
-    let result = grpc::serve_unix(listener, identity, routes, grpc::shutdown_signal()).await;
+    let result = grpc::serve_unix(listener, identity, controllers.clone(), routes, grpc::shutdown_signal()).await;
     health.set_unhealthy("shutting down");
+    controllers.shutdown().await;
     let _ = stop_tx.send(true);
     if let Some(task) = metrics {
         match task.await {

@@ -19,6 +19,7 @@ use tower::Layer;
 
 use crate::access::AccessLayer;
 use crate::backoff::Backoff;
+use crate::controller::Controllers;
 use crate::h2_authority::NormalizedAuthority;
 use crate::socket::UnixSocketListener;
 use crate::telemetry::{TraceContextClient, TraceContextClientLayer, TraceContextServerLayer};
@@ -98,12 +99,18 @@ impl DaemonIdentity {
                 .map(|d| d.as_secs() as i64)
                 .unwrap_or_default(),
             pid: std::process::id(),
+            controllers: Vec::new(),
+            degraded: String::new(),
         }
     }
 }
 
+/// `GetInfo`: who the daemon is and how its controllers are doing.
 #[derive(Debug, Clone)]
-struct DaemonInfoService(DaemonIdentity);
+struct DaemonInfoService {
+    identity: DaemonIdentity,
+    controllers: Controllers,
+}
 
 #[tonic::async_trait]
 impl pb::daemon_server::Daemon for DaemonInfoService {
@@ -111,7 +118,11 @@ impl pb::daemon_server::Daemon for DaemonInfoService {
         &self,
         _request: tonic::Request<pb::GetInfoRequest>,
     ) -> Result<tonic::Response<pb::DaemonInfo>, tonic::Status> {
-        Ok(tonic::Response::new(self.0.to_proto()))
+        Ok(tonic::Response::new(pb::DaemonInfo {
+            controllers: self.controllers.status().iter().map(|c| c.to_proto()).collect(),
+            degraded: self.controllers.degraded().unwrap_or_default(),
+            ..self.identity.to_proto()
+        }))
     }
 }
 
@@ -138,8 +149,9 @@ pub enum ServeError {
     },
 }
 
-/// Serves `routes` plus the shared `Daemon` info service on `listener` until
-/// `shutdown` completes, then drains in-flight calls. Requests carry their
+/// Serves `routes` plus the shared `Daemon` info service (the daemon's
+/// `identity` and its `controllers`' state) on `listener` until `shutdown`
+/// completes, then drains in-flight calls. Requests carry their
 /// caller's trace context into the server span; calls the listener's access
 /// policy does not allow the peer are refused with `PERMISSION_DENIED`.
 ///
@@ -148,12 +160,14 @@ pub enum ServeError {
 /// use rivet_common::{grpc, socket};
 /// let listener = socket::UnixSocketListener::bind("/tmp/x.sock".as_ref(), &Default::default())?;
 /// let me = grpc::DaemonIdentity::new("svc-x", "0.1.0", "node-1".into());
-/// grpc::serve_unix(listener, me, routes, grpc::shutdown_signal()).await?;
+/// let controllers = rivet_common::controller::Controllers::new();
+/// grpc::serve_unix(listener, me, controllers, routes, grpc::shutdown_signal()).await?;
 /// # Ok(()) }
 /// ```
 pub async fn serve_unix(
     listener: UnixSocketListener,
     identity: DaemonIdentity,
+    controllers: Controllers,
     routes: Routes,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
@@ -183,7 +197,10 @@ pub async fn serve_unix(
     // grpcurl and grpcio's reflection client still ask v1alpha first.
     let reflection_v1alpha = reflection().build_v1alpha().map_err(failed)?;
     let routes = routes
-        .add_service(pb::daemon_server::DaemonServer::new(DaemonInfoService(identity)))
+        .add_service(pb::daemon_server::DaemonServer::new(DaemonInfoService {
+            identity,
+            controllers,
+        }))
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
     let (draining_tx, draining_rx) = tokio::sync::oneshot::channel::<()>();
@@ -659,9 +676,15 @@ mod tests {
             let listener = UnixSocketListener::bind(path, &SocketOptions::default()).expect("bind test socket");
             let (tx, rx) = oneshot::channel();
             let identity = DaemonIdentity::new("svc-test", "0.0.0", node.to_string());
-            let task = tokio::spawn(serve_unix(listener, identity, Routes::default(), async {
-                let _ = rx.await;
-            }));
+            let task = tokio::spawn(serve_unix(
+                listener,
+                identity,
+                Controllers::new(),
+                Routes::default(),
+                async {
+                    let _ = rx.await;
+                },
+            ));
             Self { stop: Some(tx), task }
         }
 

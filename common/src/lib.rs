@@ -14,12 +14,15 @@
 //! - [`daemon`]: the run loop a daemon's `main` ends with;
 //! - [`labels`]: security labels (`source:key=value`), label sets, reserved
 //!   identities, namespace labels and the identity-relevant label filter;
+//! - [`controller`]: supervised background loops (reconcile or run for
+//!   ever; restarted on panic or end, counted, shown in `rivet status`);
 //! - [`backoff`]: retry delays;
 //! - [`named_port`]: the rule for named container ports' names.
 
 pub mod access;
 pub mod backoff;
 pub mod config;
+pub mod controller;
 pub mod daemon;
 pub mod grpc;
 pub mod h2_authority;

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::controller::Controllers;
 use rivet_common::daemon;
 use rivet_common::grpc::{ClientOptions, DaemonIdentity};
 use rivet_common::metrics::Health;
@@ -113,6 +114,15 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let identity = DaemonIdentity::new(svc_endpoint::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let (endpoints, policies, namespaces) = EndpointApi::new(manager, identity.boot_id.clone()).into_servers();
     let routes = Routes::new(endpoints).add_service(policies).add_service(namespaces);
-    daemon::run(&flags.common, listener, identity, routes, registry, Health::default()).await?;
+    daemon::run(
+        &flags.common,
+        listener,
+        identity,
+        Controllers::new(),
+        routes,
+        registry,
+        Health::default(),
+    )
+    .await?;
     Ok(())
 }

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::controller::Controllers;
 use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
@@ -173,8 +174,16 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let identity = DaemonIdentity::new(svc_gc::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let service = GcService::new(collector, identity.boot_id.clone());
     let routes = Routes::new(service.into_server());
-    daemon::run(&flags.common, listener, identity, routes, registry, Health::default())
-        .await
-        .context("serving")?;
+    daemon::run(
+        &flags.common,
+        listener,
+        identity,
+        Controllers::new(),
+        routes,
+        registry,
+        Health::default(),
+    )
+    .await
+    .context("serving")?;
     Ok(())
 }

@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::controller::Controllers;
 use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::labels::LabelFilter;
@@ -193,7 +194,16 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         IdentityService::new(allocator, cidrs, identity.boot_id.clone()).with_ipcache(ipcache.clone(), loader_sync);
     let routes = Routes::new(service.into_server())
         .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server());
-    let served = daemon::run(&flags.common, listener, identity, routes, registry, Health::default()).await;
+    let served = daemon::run(
+        &flags.common,
+        listener,
+        identity,
+        Controllers::new(),
+        routes,
+        registry,
+        Health::default(),
+    )
+    .await;
     // A clean stop (SIGTERM/SIGINT): no pass writes any more, the snapshot
     // holds the last state, and this node's keys go now, not after the
     // lease TTL (a crash leaves them to the TTL).

@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::controller::Controllers;
 use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
@@ -60,6 +61,15 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     );
     let service = IpamService::new(Arc::new(store), identity.boot_id.clone(), metrics);
     let routes = Routes::new(service.into_server());
-    daemon::run(&flags.common, listener, identity, routes, registry, Health::default()).await?;
+    daemon::run(
+        &flags.common,
+        listener,
+        identity,
+        Controllers::new(),
+        routes,
+        registry,
+        Health::default(),
+    )
+    .await?;
     Ok(())
 }

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
+use rivet_common::controller::Controllers;
 use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
@@ -139,6 +140,15 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     metrics.register(&mut registry);
     let service = LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics);
     let routes = Routes::new(service.into_server());
-    daemon::run(&flags.common, listener, identity, routes, registry, Health::default()).await?;
+    daemon::run(
+        &flags.common,
+        listener,
+        identity,
+        Controllers::new(),
+        routes,
+        registry,
+        Health::default(),
+    )
+    .await?;
     Ok(())
 }
