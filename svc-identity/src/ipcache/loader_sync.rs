@@ -1,0 +1,384 @@
+//! [`LoaderSync`] pushes the effective view to svc-loader: a full
+//! `ReplaceIpcache` on connect and whenever the loader's boot id changes
+//! (noticed on every response and by a `GetInfo` probe while idle), then
+//! coalesced `UpsertIpcache`/`DeleteIpcache` batches. It waits for the first
+//! listing of the store, or a view restored from the local snapshot
+//! ([`IpCache::restore`], [`crate::snapshot`]), before its first full sync:
+//! replacing the loader's ipcache with a view lacking the other nodes'
+//! entries would cut the traffic to them, while waiting only delays changes.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ipnet::IpNet;
+use rivet_common::backoff::Backoff;
+use rivet_common::grpc::{BootIdWatch, ClientOptions, DaemonChannel, connect_unix};
+use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
+use rivet_proto::identity::v1 as pb;
+use rivet_proto::loader::v1 as loader_pb;
+use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
+use tokio::sync::{broadcast, watch};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::{IpCache, IpcacheDelta, IpcacheEntry, IpcacheSource};
+
+/// Most entries svc-loader takes in one ipcache call.
+pub const LOADER_MAX_BATCH: usize = 4096;
+
+/// How [`LoaderSync`] reaches svc-loader.
+#[derive(Debug, Clone)]
+pub struct LoaderSyncOptions {
+    /// svc-loader's socket.
+    pub socket: PathBuf,
+    /// Connect and per-call timeouts.
+    pub client: ClientOptions,
+    /// Delays between failed sessions.
+    pub retry: Backoff,
+    /// How often an idle session asks the loader who it is, to notice a
+    /// restart (and resync) when no change is pushed.
+    pub probe_interval: Duration,
+    /// Entries per call (at most [`LOADER_MAX_BATCH`]).
+    pub batch_size: usize,
+}
+
+impl LoaderSyncOptions {
+    /// Defaults for `socket`: probe every second, batches of 4096.
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        Self {
+            socket: socket.into(),
+            client: ClientOptions::default(),
+            retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+            probe_interval: Duration::from_secs(1),
+            batch_size: LOADER_MAX_BATCH,
+        }
+    }
+}
+
+/// The state of the push to svc-loader (`GetStatus`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoaderSyncStatus {
+    /// A session is up (the last call succeeded).
+    pub connected: bool,
+    /// svc-loader's boot id at the last full sync.
+    pub loader_boot_id: String,
+    /// When the last full sync completed.
+    pub last_full_sync: Option<SystemTime>,
+    /// Full syncs done since start.
+    pub full_syncs: u64,
+    /// Changes of the effective view not yet pushed (every entry before the
+    /// first full sync).
+    pub pending: u32,
+    /// The latest error; empty once a session is up again.
+    pub last_error: String,
+}
+
+impl LoaderSyncStatus {
+    /// The protobuf message.
+    pub fn to_proto(&self) -> pb::LoaderSyncStatus {
+        pb::LoaderSyncStatus {
+            connected: self.connected,
+            loader_boot_id: self.loader_boot_id.clone(),
+            last_full_sync_unix_nanos: self
+                .last_full_sync
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+                .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)),
+            pending: self.pending,
+            last_error: self.last_error.clone(),
+        }
+    }
+}
+
+/// Why a session with the loader ended.
+#[derive(Debug, thiserror::Error)]
+enum SyncError {
+    #[error("{0}")]
+    Connect(#[from] rivet_common::grpc::ConnectError),
+    #[error("{action}: svc-loader answered {code:?}: {message}")]
+    Call {
+        action: &'static str,
+        code: tonic::Code,
+        message: String,
+    },
+}
+
+fn call_error(action: &'static str) -> impl FnOnce(tonic::Status) -> SyncError {
+    move |s| SyncError::Call {
+        action,
+        code: s.code(),
+        message: s.message().to_string(),
+    }
+}
+
+/// Pushes an [`IpCache`]'s effective view to svc-loader; see the module docs.
+pub struct LoaderSync {
+    ipcache: Arc<IpCache>,
+    opts: LoaderSyncOptions,
+    status: Mutex<LoaderSyncStatus>,
+    /// The cache revision the loader holds.
+    pushed: watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for LoaderSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoaderSync")
+            .field("opts", &self.opts)
+            .field("status", &self.status())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoaderSync {
+    /// A sync of `ipcache` to the loader at `opts.socket`; call
+    /// [`run`](Self::run).
+    pub fn new(ipcache: Arc<IpCache>, opts: LoaderSyncOptions) -> Arc<Self> {
+        let (pushed, _) = watch::channel(0);
+        Arc::new(Self {
+            ipcache,
+            opts,
+            status: Mutex::new(LoaderSyncStatus::default()),
+            pushed,
+        })
+    }
+
+    /// Starts pushing; runs until aborted.
+    pub fn run(self: &Arc<Self>) -> JoinHandle<()> {
+        tokio::spawn(self.clone().sync_loop())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LoaderSyncStatus> {
+        self.status.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The state of the push.
+    pub fn status(&self) -> LoaderSyncStatus {
+        let mut status = self.lock().clone();
+        status.pending = if status.full_syncs == 0 {
+            self.ipcache.len() as u32
+        } else {
+            self.ipcache.revision().saturating_sub(*self.pushed.borrow()) as u32
+        };
+        status
+    }
+
+    /// The cache revision the loader holds.
+    pub fn pushed_revision(&self) -> u64 {
+        *self.pushed.borrow()
+    }
+
+    /// Waits until the loader holds the cache at `revision` or later
+    /// (e.g. [`IpCache::revision`] after a change), or `timeout` passes;
+    /// returns whether it does.
+    pub async fn wait_pushed(&self, revision: u64, timeout: Duration) -> bool {
+        let mut rx = self.pushed.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|r| *r >= revision))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// The loader's form of an effective entry: identity, and the host as
+    /// tunnel endpoint for another node's IPv4 host (the loader's underlay
+    /// is IPv4 only).
+    pub fn loader_entry(&self, e: &IpcacheEntry) -> loader_pb::IpcacheEntry {
+        let tunnel = match (e.source, e.host_ip) {
+            (IpcacheSource::KvStore | IpcacheSource::Kubernetes, Some(IpAddr::V4(host)))
+                if self.ipcache.opts.host_ip != Some(IpAddr::V4(host)) && !host.is_unspecified() =>
+            {
+                host.octets().to_vec()
+            }
+            _ => Vec::new(),
+        };
+        loader_pb::IpcacheEntry {
+            prefix: Some(loader_prefix(&e.prefix)),
+            identity: e.identity,
+            tunnel_endpoint: tunnel,
+        }
+    }
+
+    async fn sync_loop(self: Arc<Self>) {
+        self.ipcache.wait_ready().await;
+        let mut backoff = self.opts.retry.clone();
+        loop {
+            let error = match self.session(&mut backoff).await {
+                Ok(()) => return,
+                Err(e) => e,
+            };
+            let delay = backoff.next_delay();
+            tracing::warn!(error = %error, ?delay, "pushing the ipcache to svc-loader; retrying");
+            {
+                let mut status = self.lock();
+                status.connected = false;
+                status.last_error = error.to_string();
+            }
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// Connect, full sync, then deltas until something fails. `Ok` only
+    /// when the cache is gone.
+    async fn session(&self, backoff: &mut Backoff) -> Result<(), SyncError> {
+        let channel = connect_unix(&self.opts.socket, &self.opts.client).await?;
+        let mut loader = LoaderServiceClient::new(channel.clone());
+        let mut daemon = DaemonClient::new(channel);
+        let restarted = Arc::new(AtomicBool::new(false));
+        let flag = restarted.clone();
+        let boot = BootIdWatch::new("svc-loader", move |_| flag.store(true, Ordering::SeqCst));
+        let mut deltas = self.full_sync(&mut loader, &boot, &restarted).await?;
+        backoff.reset();
+        let mut probe = tokio::time::interval(self.opts.probe_interval);
+        probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        probe.tick().await;
+        loop {
+            if restarted.load(Ordering::SeqCst) {
+                deltas = self.full_sync(&mut loader, &boot, &restarted).await?;
+                continue;
+            }
+            tokio::select! {
+                first = deltas.recv() => {
+                    let mut batch: BTreeMap<IpNet, Option<IpcacheEntry>> = BTreeMap::new();
+                    let mut revision = 0;
+                    let mut lagged = false;
+                    let mut next = first;
+                    loop {
+                        match next {
+                            Ok(d) => {
+                                revision = d.revision;
+                                batch.insert(d.prefix, d.entry);
+                            }
+                            Err(broadcast::error::RecvError::Lagged(n)) => {
+                                tracing::info!(missed = n, "the loader push fell behind the ipcache; full resync");
+                                lagged = true;
+                                break;
+                            }
+                            Err(broadcast::error::RecvError::Closed) => return Ok(()),
+                        }
+                        next = match deltas.try_recv() {
+                            Ok(d) => Ok(d),
+                            Err(broadcast::error::TryRecvError::Empty) => break,
+                            Err(broadcast::error::TryRecvError::Lagged(n)) => Err(broadcast::error::RecvError::Lagged(n)),
+                            Err(broadcast::error::TryRecvError::Closed) => Err(broadcast::error::RecvError::Closed),
+                        };
+                    }
+                    if lagged {
+                        deltas = self.full_sync(&mut loader, &boot, &restarted).await?;
+                        continue;
+                    }
+                    self.push(&mut loader, &boot, batch).await?;
+                    self.pushed.send_replace(revision);
+                }
+                _ = probe.tick() => {
+                    let info = daemon
+                        .get_info(GetInfoRequest {})
+                        .await
+                        .map_err(call_error("asking svc-loader who it is"))?
+                        .into_inner();
+                    boot.observe_message(&info);
+                }
+            }
+        }
+    }
+
+    /// Replaces the loader's ipcache with the effective view; returns the
+    /// receiver of the deltas after it.
+    async fn full_sync(
+        &self,
+        loader: &mut LoaderServiceClient<DaemonChannel>,
+        boot: &BootIdWatch,
+        restarted: &AtomicBool,
+    ) -> Result<broadcast::Receiver<IpcacheDelta>, SyncError> {
+        let started = Instant::now();
+        let (snapshot, revision, deltas) = self.ipcache.subscribe();
+        let entries: Vec<loader_pb::IpcacheEntry> = snapshot.iter().map(|e| self.loader_entry(e)).collect();
+        let chunks: Vec<loader_pb::ReplaceIpcacheRequest> = entries
+            .chunks(self.batch_size())
+            .map(|c| loader_pb::ReplaceIpcacheRequest { entries: c.to_vec() })
+            .collect();
+        let response = loader
+            .replace_ipcache(tokio_stream::iter(chunks))
+            .await
+            .map_err(call_error("replacing svc-loader's ipcache"))?
+            .into_inner();
+        // Whatever restart this response reveals, this sync covered it.
+        boot.observe_message(&response);
+        restarted.store(false, Ordering::SeqCst);
+        {
+            let mut status = self.lock();
+            status.connected = true;
+            status.loader_boot_id.clone_from(&response.boot_id);
+            status.last_full_sync = Some(SystemTime::now());
+            status.full_syncs += 1;
+            status.last_error.clear();
+        }
+        self.pushed.send_replace(revision);
+        tracing::info!(
+            entries = entries.len(),
+            upserted = response.upserted,
+            unchanged = response.unchanged,
+            deleted = response.deleted,
+            loader_boot_id = %response.boot_id,
+            revision,
+            elapsed = ?started.elapsed(),
+            "ipcache fully synced to svc-loader"
+        );
+        Ok(deltas)
+    }
+
+    /// Pushes coalesced changes: upserts, then deletes, in batches.
+    async fn push(
+        &self,
+        loader: &mut LoaderServiceClient<DaemonChannel>,
+        boot: &BootIdWatch,
+        batch: BTreeMap<IpNet, Option<IpcacheEntry>>,
+    ) -> Result<(), SyncError> {
+        let mut upserts = Vec::new();
+        let mut deletes = Vec::new();
+        for (prefix, entry) in batch {
+            match entry {
+                Some(e) => upserts.push(self.loader_entry(&e)),
+                None => deletes.push(loader_prefix(&prefix)),
+            }
+        }
+        let (upserted, deleted) = (upserts.len(), deletes.len());
+        for chunk in upserts.chunks(self.batch_size()) {
+            let r = loader
+                .upsert_ipcache(loader_pb::UpsertIpcacheRequest {
+                    entries: chunk.to_vec(),
+                })
+                .await
+                .map_err(call_error("upserting svc-loader's ipcache entries"))?
+                .into_inner();
+            boot.observe_message(&r);
+        }
+        for chunk in deletes.chunks(self.batch_size()) {
+            let r = loader
+                .delete_ipcache(loader_pb::DeleteIpcacheRequest {
+                    prefixes: chunk.to_vec(),
+                })
+                .await
+                .map_err(call_error("deleting svc-loader's ipcache entries"))?
+                .into_inner();
+            boot.observe_message(&r);
+        }
+        tracing::debug!(upserted, deleted, "ipcache changes pushed to svc-loader");
+        Ok(())
+    }
+
+    fn batch_size(&self) -> usize {
+        self.opts.batch_size.clamp(1, LOADER_MAX_BATCH)
+    }
+}
+
+/// A prefix in the loader's form.
+pub fn loader_prefix(prefix: &IpNet) -> loader_pb::IpPrefix {
+    loader_pb::IpPrefix {
+        address: match prefix.addr() {
+            IpAddr::V4(a) => a.octets().to_vec(),
+            IpAddr::V6(a) => a.octets().to_vec(),
+        },
+        prefix_length: u32::from(prefix.prefix_len()),
+    }
+}
