@@ -5,6 +5,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use clap::Subcommand;
+use rivet_policy::documents::split_documents;
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;
 use serde::Serialize;
@@ -20,8 +21,9 @@ pub const NETWORK_POLICY: &str = "NetworkPolicy";
 /// `rivet policy ...`
 #[derive(Debug, Subcommand)]
 pub enum PolicyCommand {
-    /// Apply policy documents: YAML (several separated by `---`) or JSON (an
-    /// object, or an array of them). Each document is stored on its own, in
+    /// Apply policy documents: YAML (several separated by `---` or `...`
+    /// lines) or JSON (an object, or an array of them), split as
+    /// svc-endpoint splits its `--policy-dir` files. Each document is stored on its own, in
     /// order; the first failure stops, and the documents before it stay
     /// applied.
     Apply {
@@ -117,104 +119,6 @@ impl From<&pb::PolicyKey> for PolicyKey {
             name: k.name.clone(),
         }
     }
-}
-
-/// One policy document of the input, as sent.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Document {
-    /// Where it is in the input, for messages: `line 14` (its first line
-    /// that is not blank or a comment) or `item 2` (of a JSON array).
-    pub location: String,
-    /// The document's text.
-    pub text: String,
-}
-
-/// Splits `input` into policy documents: a JSON array into its items, any
-/// other text at YAML document markers (a line `---`, possibly followed by a
-/// comment or by the document's first node, and `...`). Documents with
-/// nothing but blank lines and comments are skipped. A single JSON object
-/// (which is YAML too) is one document.
-///
-/// ```
-/// let docs = rivet_cli::policy::split_documents("kind: A\n---\nkind: B\n").unwrap();
-/// assert_eq!(docs.iter().map(|d| d.text.as_str()).collect::<Vec<_>>(), ["kind: A\n", "kind: B\n"]);
-/// assert_eq!(docs[1].location, "line 3");
-/// ```
-pub fn split_documents(input: &str) -> Result<Vec<Document>, String> {
-    let input = input.strip_prefix('\u{feff}').unwrap_or(input);
-    if input.trim_start().starts_with('[') {
-        let items: Vec<serde_json::Value> =
-            serde_json::from_str(input).map_err(|e| format!("not a JSON array of policy objects: {e}"))?;
-        return Ok(items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| Document {
-                location: format!("item {}", i + 1),
-                text: serde_json::to_string_pretty(item).expect("a JSON value is serialisable"),
-            })
-            .collect());
-    }
-    let mut docs = Vec::new();
-    // The document being collected and its first line with content.
-    let mut text = String::new();
-    let mut first: Option<usize> = None;
-    let mut finish = |text: &mut String, first: &mut Option<usize>| {
-        if let Some(line) = first.take() {
-            docs.push(Document {
-                location: format!("line {line}"),
-                text: std::mem::take(text),
-            });
-        }
-        text.clear();
-    };
-    for (i, line) in input.split_inclusive('\n').enumerate() {
-        let number = i + 1;
-        let bare = line.trim_end_matches(['\n', '\r']);
-        match marker(bare) {
-            Some(Marker::Start { with_content }) => {
-                finish(&mut text, &mut first);
-                if with_content {
-                    text.push_str(line);
-                    first = Some(number);
-                }
-            }
-            Some(Marker::End) => finish(&mut text, &mut first),
-            None => {
-                let content = bare.trim_start();
-                if first.is_none() && !content.is_empty() && !content.starts_with('#') {
-                    first = Some(number);
-                }
-                text.push_str(line);
-            }
-        }
-    }
-    finish(&mut text, &mut first);
-    Ok(docs)
-}
-
-/// A YAML document marker line.
-#[derive(Debug, PartialEq, Eq)]
-enum Marker {
-    /// `---`, with the document's first node on the same line or not.
-    Start { with_content: bool },
-    /// `...`.
-    End,
-}
-
-fn marker(line: &str) -> Option<Marker> {
-    // A marker is three characters at the start of a line, followed by
-    // nothing or by white space.
-    let rest_of = |prefix: &str| {
-        line.strip_prefix(prefix)
-            .filter(|rest| rest.is_empty() || rest.starts_with([' ', '\t']))
-            .map(str::trim)
-    };
-    if let Some(rest) = rest_of("---") {
-        return Some(Marker::Start {
-            with_content: !rest.is_empty() && !rest.starts_with('#'),
-        });
-    }
-    rest_of("...").map(|_| Marker::End)
 }
 
 fn origin_name(raw: i32) -> &'static str {
@@ -573,7 +477,7 @@ pub async fn run(ctx: &Context, command: PolicyCommand) -> Result<bool, CliError
                 applied: Vec::new(),
                 failed: None,
             };
-            for (i, doc) in documents.into_iter().enumerate() {
+            for doc in documents {
                 let answer = client
                     .upsert_policy(ctx.request(pb::UpsertPolicyRequest {
                         document: doc.text,
@@ -585,8 +489,8 @@ pub async fn run(ctx: &Context, command: PolicyCommand) -> Result<bool, CliError
                     Ok(r) => {
                         let r = r.into_inner();
                         view.applied.push(AppliedView {
-                            document: i + 1,
-                            location: doc.location,
+                            document: doc.number,
+                            location: doc.location.to_string(),
                             key: r.key.as_ref().map(Into::into).unwrap_or_default(),
                             revision: r.revision,
                             changed: r.changed,
@@ -596,7 +500,7 @@ pub async fn run(ctx: &Context, command: PolicyCommand) -> Result<bool, CliError
                         });
                     }
                     Err(status) => {
-                        view.failed = Some(FailureView::new(i + 1, doc.location, &status, wait));
+                        view.failed = Some(FailureView::new(doc.number, doc.location.to_string(), &status, wait));
                         break;
                     }
                 }
@@ -735,71 +639,6 @@ mod tests {
         for bad in ["", "web", "/web", "shop/", "/shop/web", "K/shop/", "a/b/c/d", "//"] {
             assert!(key(bad).is_err(), "{bad:?} was accepted");
         }
-    }
-
-    fn texts(input: &str) -> Vec<(String, String)> {
-        split_documents(input)
-            .unwrap()
-            .into_iter()
-            .map(|d| (d.location, d.text))
-            .collect()
-    }
-
-    fn doc(location: &str, text: &str) -> (String, String) {
-        (location.to_string(), text.to_string())
-    }
-
-    #[test]
-    fn one_document_without_markers() {
-        assert_eq!(texts("kind: A\nspec: {}\n"), [doc("line 1", "kind: A\nspec: {}\n")]);
-        assert_eq!(texts("kind: A"), [doc("line 1", "kind: A")]);
-        assert_eq!(texts(""), []);
-        assert_eq!(texts("# only a comment\n\n"), []);
-    }
-
-    #[test]
-    fn documents_at_markers() {
-        let input = "# header\n---\nkind: A\n--- # second\n\nkind: B\n---\n---\n# empty\n...\nkind: C\n";
-        assert_eq!(
-            texts(input),
-            [
-                doc("line 3", "kind: A\n"),
-                doc("line 6", "\nkind: B\n"),
-                doc("line 11", "kind: C\n"),
-            ]
-        );
-        // The first node on the marker line belongs to the document.
-        assert_eq!(
-            texts("--- {kind: A}\n--- {kind: B}\n"),
-            [doc("line 1", "--- {kind: A}\n"), doc("line 2", "--- {kind: B}\n")]
-        );
-        // CRLF line ends, a byte order mark, a trailing marker.
-        assert_eq!(
-            texts("\u{feff}kind: A\r\n---\r\nkind: B\r\n---\r\n"),
-            [doc("line 1", "kind: A\r\n"), doc("line 3", "kind: B\r\n")]
-        );
-    }
-
-    #[test]
-    fn lookalikes_are_not_markers() {
-        let input = "kind: A\n----\n---x\n  ---\nd: |\n  ---\n...more\n";
-        assert_eq!(texts(input), [doc("line 1", input)]);
-    }
-
-    #[test]
-    fn json_object_and_array() {
-        let object = "{\"kind\": \"NetworkPolicy\", \"metadata\": {\"name\": \"a\"}}\n";
-        assert_eq!(texts(object), [doc("line 1", object)]);
-        let docs = texts("  [{\"kind\": \"A\"}, {\"kind\": \"B\"}]");
-        assert_eq!(
-            docs,
-            [
-                doc("item 1", "{\n  \"kind\": \"A\"\n}"),
-                doc("item 2", "{\n  \"kind\": \"B\"\n}")
-            ]
-        );
-        assert_eq!(texts("[]"), []);
-        assert!(split_documents("[{\"kind\": ").unwrap_err().contains("JSON array"));
     }
 
     fn status_of_apply(documents: usize, applied: usize, code: tonic::Code) -> ApplyView {

@@ -19,6 +19,8 @@ use serde::de::{self, DeserializeOwned, IgnoredAny, MapAccess, SeqAccess, Visito
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
+use crate::documents::{Document, DocumentsError, split_documents};
+
 use super::selector::{Entity, LabelSelector, Operator, Peer, Requirement, inside};
 use super::{
     Direction, NamedPort, PolicyError, PolicyKey, PolicyKind, Protocol, SelectorCache, SelectorChanges, Verdict,
@@ -81,35 +83,37 @@ impl Policy {
         })
     }
 
-    /// Parses a file that may hold several YAML documents separated by `---`
-    /// lines. Empty documents (nothing but blanks and comments) are skipped.
-    /// An error's path starts with the document's index counted from 0 over
-    /// every document of the file, e.g. `document[2].spec.podSelector`. Two
-    /// documents with the same key are an error: a file defines each policy once.
-    pub fn parse_all(text: &str) -> Result<Vec<Policy>, PolicyError> {
-        let mut policies: Vec<(usize, Policy)> = Vec::new();
-        for (index, document) in split_documents(text).into_iter().enumerate() {
-            let located = |err: PolicyError| match err {
-                PolicyError::Syntax { path, reason } => PolicyError::Syntax {
-                    path: document_path(index, &path),
-                    reason,
-                },
-                PolicyError::Invalid { path, reason } => PolicyError::Invalid {
-                    path: document_path(index, &path),
-                    reason,
-                },
-                other => other,
+    /// Parses an input that may hold several documents, split as
+    /// [`split_documents`] splits them (YAML `---`/`...` markers or a JSON
+    /// array; empty documents skipped). An error names the document by its
+    /// number and location, then the field path:
+    /// `document 2 (line 14): spec.podSelector: ...`. Two documents with the
+    /// same key are an error: an input defines each policy once.
+    ///
+    /// ```
+    /// use rivet_policy::Policy;
+    ///
+    /// let head = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {namespace: shop, name: ";
+    /// let text = format!("# shop\n---\n{head}a}}\nspec: {{podSelector: {{}}}}\n---\n{head}b}}\nspec: {{}}\n");
+    /// let err = Policy::parse_all(&text).unwrap_err();
+    /// assert!(err.to_string().starts_with("document 2 (line 8): spec.podSelector: is required"), "{err}");
+    /// ```
+    pub fn parse_all(text: &str) -> Result<Vec<Policy>, DocumentsError> {
+        let mut policies: Vec<(Document, Policy)> = Vec::new();
+        for document in split_documents(text)? {
+            let failed = |error: PolicyError| DocumentsError::Document {
+                number: document.number,
+                location: document.location,
+                error,
             };
-            let Some(policy) = parse_document(document).map_err(located)? else {
-                continue;
-            };
+            let policy = Policy::parse(&document.text).map_err(failed)?;
             if let Some((first, _)) = policies.iter().find(|(_, p)| p.key == policy.key) {
-                return Err(PolicyError::Invalid {
-                    path: document_path(index, "metadata.name"),
-                    reason: format!("{} is already defined by document[{first}]", policy.key),
-                });
+                return Err(failed(PolicyError::invalid(
+                    "metadata.name",
+                    format!("{} is already defined by {first}", policy.key),
+                )));
             }
-            policies.push((index, policy));
+            policies.push((document, policy));
         }
         Ok(policies.into_iter().map(|(_, p)| p).collect())
     }
@@ -705,34 +709,6 @@ fn push_field(out: &mut String, field: &str) {
     out.push_str(field);
 }
 
-fn document_path(index: usize, path: &str) -> String {
-    if path.is_empty() {
-        format!("document[{index}]")
-    } else {
-        format!("document[{index}].{path}")
-    }
-}
-
-/// Splits a YAML stream at `---` lines. What follows `---` on its line
-/// belongs to the next document (`--- # comment`, `--- {...}`).
-fn split_documents(text: &str) -> Vec<&str> {
-    let mut documents = Vec::new();
-    let mut start = 0;
-    let mut offset = 0;
-    for line in text.split_inclusive('\n') {
-        let separator = line
-            .strip_prefix("---")
-            .is_some_and(|rest| rest.chars().next().is_none_or(char::is_whitespace));
-        if separator {
-            documents.push(&text[start..offset]);
-            start = offset + 3;
-        }
-        offset += line.len();
-    }
-    documents.push(&text[start..]);
-    documents
-}
-
 // ---------------------------------------------------------------- validation
 
 struct Validator<'a> {
@@ -1240,15 +1216,6 @@ fn check_port_name(name: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn documents_split_at_separator_lines_only() {
-        assert_eq!(split_documents("a: 1\n---\nb: 2\n"), vec!["a: 1\n", "\nb: 2\n"]);
-        assert_eq!(split_documents("---\na: 1"), vec!["", "\na: 1"]);
-        assert_eq!(split_documents("a: '---'\n----\n"), vec!["a: '---'\n----\n"]);
-        assert_eq!(split_documents("a: 1\n--- # c\nb: 2"), vec!["a: 1\n", " # c\nb: 2"]);
-        assert_eq!(split_documents(""), vec![""]);
-    }
 
     #[test]
     fn kubernetes_name_rules() {

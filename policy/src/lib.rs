@@ -112,6 +112,9 @@
 //!   ICMP/ICMPv6/ANY protocols, `ingressDeny`/`egressDeny` rules and
 //!   `enableDefaultDeny`). Parse errors name the field path
 //!   (`spec.ingress[0].ports[1].endPort: must be >= port (80)`).
+//! - [`documents`]: an input with several documents (a YAML stream or a
+//!   JSON array) split into them, the one way every reader splits;
+//!   [`Policy::parse_all`] parses them all.
 //! - [`PolicyRepository`]: the stored policies by [`PolicyKey`], each owned
 //!   by the [`PolicyOrigin`] that created it, with a revision counter.
 //! - [`SelectorCache`]: the known identities (reserved, cluster, CIDR), the
@@ -154,6 +157,7 @@
 //! numbers.
 
 mod document;
+pub mod documents;
 mod evaluate;
 mod repository;
 mod resolve;

@@ -10,6 +10,7 @@ use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use rivet_common::labels::Labels;
 
+use super::documents::{DocumentsError, Location};
 use super::selector_cache::CIDR_MIN;
 use super::*;
 
@@ -2256,6 +2257,39 @@ spec:
     assert!(!flow.same_spec(&renamed), "the key is part of the spec's identity");
 }
 
+/// The documents of a file are split as the CLI splits its input
+/// (`documents::split_documents`): `...` ends a document, a JSON array holds
+/// one per item, a byte order mark and CRLF line ends are fine.
+#[test]
+fn files_are_split_like_every_other_input() {
+    let names = |text: &str| -> Vec<String> {
+        match Policy::parse_all(text) {
+            Ok(policies) => policies.iter().map(|p| p.key().to_string()).collect(),
+            Err(e) => panic!("{text:?} was refused: {e}"),
+        }
+    };
+    let both = [
+        "NetworkPolicy/shop/default-deny-ingress",
+        "NetworkPolicy/shop/allow-all-egress",
+    ];
+    assert_eq!(names(&format!("{DEFAULT_DENY_INGRESS}...\n{ALLOW_ALL_EGRESS}")), both);
+    let json = |yaml: &str| {
+        let value: serde_json::Value = serde_norway::from_str(yaml).unwrap();
+        value.to_string()
+    };
+    assert_eq!(
+        names(&format!("[{}, {}]", json(DEFAULT_DENY_INGRESS), json(ALLOW_ALL_EGRESS))),
+        both
+    );
+    let crlf = format!("\u{feff}{DEFAULT_DENY_INGRESS}---\n{ALLOW_ALL_EGRESS}").replace('\n', "\r\n");
+    assert_eq!(names(&crlf), both);
+    let err = Policy::parse_all("[{\"kind\": ").unwrap_err();
+    assert!(
+        err.to_string().starts_with("not a JSON array of policy objects"),
+        "{err}"
+    );
+}
+
 #[test]
 fn files_hold_several_documents() {
     let text = format!(
@@ -2282,18 +2316,25 @@ fn files_hold_several_documents() {
     let err = Policy::parse_all(&broken).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "document[2].spec.ingress[0].ports[0].port: must be between 1 and 65535, found 0",
-        "an error names the document index (counting empty documents) and the path"
+        "document 2 (line 14): spec.ingress[0].ports[0].port: must be between 1 and 65535, found 0",
+        "an error names the document (counting only documents with content), its first line and the path"
     );
     let syntax = Policy::parse_all(&format!("{DEFAULT_DENY_INGRESS}---\nkind: [\n")).unwrap_err();
     assert!(
-        matches!(&syntax, PolicyError::Syntax { path, .. } if path.starts_with("document[1]")),
-        "{syntax}"
+        matches!(
+            &syntax,
+            DocumentsError::Document {
+                number: 2,
+                location: Location::Line(12),
+                error: PolicyError::Syntax { .. }
+            }
+        ),
+        "{syntax:?}"
     );
     let twice = Policy::parse_all(&format!("{DEFAULT_DENY_INGRESS}---\n{DEFAULT_DENY_INGRESS}")).unwrap_err();
     assert_eq!(
         twice.to_string(),
-        "document[1].metadata.name: NetworkPolicy/shop/default-deny-ingress is already defined by document[0]"
+        "document 2 (line 13): metadata.name: NetworkPolicy/shop/default-deny-ingress is already defined by document 1 (line 2)"
     );
     assert!(Policy::parse_all("").unwrap().is_empty());
     assert!(Policy::parse_all("---\n# c\n---\n").unwrap().is_empty());
