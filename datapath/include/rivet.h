@@ -165,6 +165,12 @@ struct ct_entry {
 	 * idle time). 0 in entries written by a datapath older than this field
 	 * (it was padding: the value size is unchanged). */
 	__u32 lifetime;
+	/* The cached policy verdict on the connection and the policy revision
+	 * (datapath_config.policy_revision) it was taken at; while the revision
+	 * holds, the connection's packets skip the policy lookup. */
+	__u32 policy_revision;
+	__u8 policy_verdict; /* 0: allowed; else the DROP_POLICY_* reason that drops it */
+	__u8 pad[3];
 };
 
 /* Lifetimes in seconds; the datapath reads them from the config map so the
@@ -204,7 +210,10 @@ struct frag_value {
 
 struct datapath_config {
 	__u32 event_flags; /* CONFIG_EVENT_* */
-	__u32 pad;
+	/* Bumped by the loader after every change to a map a policy verdict
+	 * reads (endpoints, ipcache, policy, ep_prefixes): conntrack entries
+	 * cached at another revision take their verdict again. */
+	__u32 policy_revision;
 	struct ct_timeouts ct;
 };
 

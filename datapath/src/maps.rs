@@ -786,6 +786,14 @@ pub struct CtEntry {
     /// `expires - lifetime` is when the entry was last refreshed. 0 in
     /// entries of a datapath that predates the field (it was padding).
     pub lifetime: u32,
+    /// The [`DatapathConfig::policy_revision`] at which `policy_verdict`
+    /// was taken: while it holds, the connection skips the policy lookup.
+    pub policy_revision: u32,
+    /// 0: the connection is allowed; else the `DROP_POLICY_*` reason that
+    /// drops its packets.
+    pub policy_verdict: u8,
+    /// Zero.
+    pub pad: [u8; 3],
 }
 
 impl CtEntry {
@@ -872,8 +880,10 @@ impl Default for CtTimeouts {
 pub struct DatapathConfig {
     /// `CONFIG_EVENT_*`.
     pub event_flags: u32,
-    /// Zero.
-    pub pad: u32,
+    /// Bumped by the loader after every change to a map a policy verdict
+    /// reads (endpoints, ipcache, policy, ep_prefixes): conntrack entries
+    /// cached at another revision take their verdict again.
+    pub policy_revision: u32,
     /// Conntrack lifetimes.
     pub ct: CtTimeouts,
 }
@@ -1013,7 +1023,7 @@ mod tests {
         assert_eq!(size_of::<EpPrefixValue>(), 4);
         assert_eq!(size_of::<Ct4Key>(), 16);
         assert_eq!(size_of::<Ct6Key>(), 40);
-        assert_eq!(size_of::<CtEntry>(), 56);
+        assert_eq!(size_of::<CtEntry>(), 64);
         assert_eq!(size_of::<CtTimeouts>(), 24);
         assert_eq!(size_of::<DatapathConfig>(), 32);
         assert_eq!(size_of::<MetricsValue>(), 16);
@@ -1077,6 +1087,8 @@ mod tests {
                 "src_identity" => src_identity: u32, "endpoint_id" => endpoint_id: u32,
                 "tcp_state" => tcp_state: u8, "tcp_flags_fwd" => tcp_flags_fwd: u8,
                 "tcp_flags_rev" => tcp_flags_rev: u8, "flags" => flags: u8, "lifetime" => lifetime: u32,
+                "policy_revision" => policy_revision: u32, "policy_verdict" => policy_verdict: u8,
+                "pad" => pad: [u8; 3],
             ]),
             layout!("frag_key", FragKey, [
                 "saddr" => saddr: [u32; 4], "daddr" => daddr: [u32; 4], "id" => id: u32,
@@ -1090,7 +1102,9 @@ mod tests {
                 "tcp_syn" => tcp_syn: u32, "tcp_established" => tcp_established: u32,
                 "tcp_closing" => tcp_closing: u32, "udp" => udp: u32, "icmp" => icmp: u32, "other" => other: u32,
             ]),
-            layout!("datapath_config", DatapathConfig, ["event_flags" => event_flags: u32, "pad" => pad: u32, "ct" => ct: CtTimeouts]),
+            layout!("datapath_config", DatapathConfig, [
+                "event_flags" => event_flags: u32, "policy_revision" => policy_revision: u32, "ct" => ct: CtTimeouts,
+            ]),
             layout!("metrics_value", MetricsValue, ["packets" => packets: u64, "bytes" => bytes: u64]),
             layout!("event", Event, [
                 "timestamp" => timestamp: u64, "type" => kind: u8, "reason" => reason: u8,

@@ -683,15 +683,12 @@ static __always_inline __u32 address_identity(const struct endpoint_info *ep, __
  * the peer's identity (`peer`, and any identity) and, when the endpoint has
  * prefixes in this direction, by the CIDR identity of the peer address's
  * longest prefix in the address key space (ipBlock peers): deny wins across
- * all of them. Returns 0 to allow, or the drop reason (never 0). The
- * matching entries count the packet. */
-static __always_inline int policy_verdict(const struct endpoint_info *ep, __u32 peer, __u8 dir, const struct pkt *p,
-					  const __u32 *peer_addr)
+ * all of them. `proto` and `port` are the connection's (0 for ICMP).
+ * Returns 0 to allow, or the drop reason (never 0). The matching entries
+ * count the packet. */
+static __always_inline int policy_verdict(const struct endpoint_info *ep, __u32 peer, __u8 dir, __u8 proto,
+					  __u16 port, const struct pkt *p, const __u32 *peer_addr)
 {
-	/* An ICMP error of no known connection is ICMP traffic (its tuple is
-	 * the offending packet's, which only finds the connection). */
-	__u8 proto = p->icmp_error ? (p->family == 4 ? IPPROTO_ICMP : IPPROTO_ICMPV6) : p->protocol;
-	__u16 port = (proto == IPPROTO_ICMP || proto == IPPROTO_ICMPV6) ? 0 : p->dport;
 	__u32 ep_id = ep->endpoint_id;
 	__u32 cidr = address_identity(ep, dir, p, peer_addr);
 	__u8 addr_dir = dir | POLICY_DIR_BY_ADDRESS;
@@ -718,6 +715,25 @@ static __always_inline int policy_verdict(const struct endpoint_info *ep, __u32 
 	if (deny)
 		return DROP_POLICY_DENIED;
 	return allow ? 0 : DROP_POLICY_DEFAULT_DENY;
+}
+
+/* Endpoint `ep`'s verdict in direction `dir` on a connection with the peer
+ * of identity `peer` at `peer_addr`, of protocol `proto` to port `port` in
+ * its opening direction: 0 to allow, or the drop reason. An endpoint that
+ * does not enforce `dir` allows, and so does one that lets the host in, for
+ * ingress from the host. */
+static __always_inline int judge(const struct endpoint_info *ep, __u8 dir, __u32 peer, __u8 proto, __u16 port,
+				 const struct pkt *p, const __u32 *peer_addr)
+{
+	__u32 enforce_flag = dir == DIR_EGRESS ? EP_F_ENFORCE_EGRESS : EP_F_ENFORCE_INGRESS;
+
+	if (!(ep->flags & enforce_flag))
+		return 0;
+	if (dir == DIR_INGRESS && peer == IDENTITY_HOST && (ep->flags & EP_F_ALLOW_FROM_HOST))
+		return 0;
+	if (proto == IPPROTO_ICMP || proto == IPPROTO_ICMPV6)
+		port = 0;
+	return policy_verdict(ep, peer, dir, proto, port, p, peer_addr);
 }
 
 /* -------------------------------------------------------------- conntrack */
@@ -772,10 +788,6 @@ static __always_inline void ct6_key_of(struct ct6_key *k, const struct pkt *p, _
 	k->pad = 0;
 }
 
-#define CT_NEW 0
-#define CT_ESTABLISHED 1
-#define CT_REPLY 2
-
 static __always_inline struct ct_entry *ct_find(const struct pkt *p, __u8 dir, int reverse)
 {
 	if (p->family == 4) {
@@ -819,31 +831,28 @@ static __always_inline __u8 tcp_advance(struct ct_entry *e, __u8 flags, int repl
 	return state;
 }
 
-/* Looks the packet up; on a hit updates counters, TCP state and lifetime.
- * A fresh SYN on a closing entry is a new connection (the port was reused):
- * the entry is dropped and policy decides again. */
-static __always_inline int ct_lookup(const struct pkt *p, __u8 dir, const struct datapath_config *cfg)
+/* The entry of the packet's connection: forward (`*reply` 0) or as its
+ * reply (`*reply` 1), or NULL. */
+static __always_inline struct ct_entry *ct_find_either(const struct pkt *p, __u8 dir, int *reply)
 {
-	struct ct_entry *e;
-	int reply = 0;
+	struct ct_entry *e = ct_find(p, dir, 0);
+
+	*reply = 0;
+	if (e)
+		return e;
+	*reply = 1;
+	return ct_find(p, dir, 1);
+}
+
+/* A packet passed on an entry: updates its counters, TCP state and
+ * lifetime. */
+static __always_inline void ct_refresh(struct ct_entry *e, const struct pkt *p, int reply,
+				       const struct datapath_config *cfg)
+{
 	__u64 now, expires;
 	__u32 lifetime;
 	__u8 state;
 
-	e = ct_find(p, dir, 0);
-	if (!e) {
-		e = ct_find(p, dir, 1);
-		if (!e)
-			return CT_NEW;
-		reply = 1;
-	}
-	if (p->icmp_error)
-		return CT_REPLY;
-	if (!reply && p->protocol == IPPROTO_TCP && e->tcp_state == CT_TCP_CLOSING &&
-	    (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN) {
-		ct_delete(p, dir);
-		return CT_NEW;
-	}
 	/* Counters are best effort: plain increments, no locked operations on
 	 * a line both directions' CPUs write. Flags are written only when they
 	 * change. */
@@ -874,11 +883,10 @@ static __always_inline int ct_lookup(const struct pkt *p, __u8 dir, const struct
 		e->lifetime = lifetime;
 		e->expires = expires;
 	}
-	return reply ? CT_REPLY : CT_ESTABLISHED;
 }
 
 static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_identity, __u32 ep_id,
-				     const struct datapath_config *cfg)
+				     __u32 policy_revision, const struct datapath_config *cfg)
 {
 	struct ct_entry e = {};
 
@@ -894,6 +902,7 @@ static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_id
 	e.bytes_fwd = p->len;
 	e.src_identity = src_identity;
 	e.endpoint_id = ep_id;
+	e.policy_revision = policy_revision; /* policy_verdict 0: allowed */
 	if (p->family == 4) {
 		struct ct4_key k;
 		ct4_key_of(&k, p, dir, 0);
@@ -906,39 +915,81 @@ static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_id
 }
 
 /* Conntrack + policy for one direction of one endpoint. Returns 0 to pass
- * or a drop reason. */
-/* The peer's identity is looked up only for a connection's first packet
- * (or a drop): established traffic pays for the conntrack lookup alone. */
+ * or a drop reason.
+ *
+ * A connection's first packet takes the policy verdict; an allowed one
+ * creates the conntrack entry, which caches the verdict with the policy
+ * revision it was taken at (datapath_config.policy_revision, which the
+ * loader bumps after every change to a map a verdict reads). Later packets
+ * and replies pay for the conntrack lookup alone while the revision holds;
+ * the first one after a change takes the verdict again for the connection
+ * (its opening direction, port and peer) and caches the new one, so a
+ * policy change reaches established connections at their next packet. A
+ * cached deny drops the connection's packets (both ways) without touching
+ * its counters, lifetime or TCP state. The peer's identity is looked up
+ * only when a verdict is taken (or for a drop). */
 static __always_inline int enforce(const struct pkt *p, const struct endpoint_info *ep, __u8 dir,
 				   const struct endpoint_info *peer_ep, const __u32 *peer_addr,
 				   const struct datapath_config *cfg, __u32 *peer_out)
 {
 	__u32 enforce_flag = dir == DIR_EGRESS ? EP_F_ENFORCE_EGRESS : EP_F_ENFORCE_INGRESS;
-	__u32 peer, src_id, dst_id;
-	int ct, reason = 0;
+	__u32 revision, peer, src_id, dst_id;
+	struct ct_entry *e;
+	int reply, reason;
+	__u8 proto;
 
 	*peer_out = 0;
 	if (p->fragment)
 		return (ep->flags & enforce_flag) ? DROP_FRAGMENT_UNTRACKED : 0;
-	ct = ct_lookup(p, dir, cfg);
-	if (ct != CT_NEW)
+	/* Read before any policy lookup: a verdict taken while the loader
+	 * writes a change is cached at the revision before it, and taken again
+	 * once the change's bump lands. */
+	revision = cfg ? *(volatile __u32 *)&cfg->policy_revision : 0;
+	e = ct_find_either(p, dir, &reply);
+	/* A fresh SYN on a closing entry is a new connection (the port was
+	 * reused): the entry goes and policy decides again. */
+	if (e && !reply && p->protocol == IPPROTO_TCP && e->tcp_state == CT_TCP_CLOSING &&
+	    (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN) {
+		ct_delete(p, dir);
+		e = 0;
+	}
+	if (e) {
+		if (e->policy_revision != revision) {
+			/* The entry is `ep`'s, opened in `dir`, or, for a reply, in
+			 * the other direction by the packet's reverse; the peer is
+			 * the other side either way. */
+			__u8 open_dir = reply ? (dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS) : dir;
+
+			peer = peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
+			*peer_out = peer;
+			e->policy_verdict = judge(ep, open_dir, peer, p->protocol, reply ? p->sport : p->dport, p,
+						  peer_addr);
+			e->policy_revision = revision;
+		}
+		if (e->policy_verdict) {
+			if (!*peer_out)
+				*peer_out = peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
+			return e->policy_verdict;
+		}
+		if (!p->icmp_error)
+			ct_refresh(e, p, reply, cfg);
 		return 0;
+	}
 	peer = peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
 	*peer_out = peer;
 	src_id = dir == DIR_EGRESS ? ep->identity : peer;
 	dst_id = dir == DIR_EGRESS ? peer : ep->identity;
 	/* An ICMP error of no known connection is judged as plain ICMP and
 	 * never opens one. */
-	if ((ep->flags & enforce_flag) &&
-	    !(dir == DIR_INGRESS && peer == IDENTITY_HOST && (ep->flags & EP_F_ALLOW_FROM_HOST)))
-		reason = policy_verdict(ep, peer, dir, p, peer_addr);
+	proto = p->icmp_error ? (p->family == 4 ? IPPROTO_ICMP : IPPROTO_ICMPV6) : p->protocol;
+	reason = judge(ep, dir, peer, proto, p->dport, p, peer_addr);
 	if (cfg && (cfg->event_flags & CONFIG_EVENT_VERDICTS))
 		emit(EVENT_POLICY_VERDICT, reason, dir, reason ? VERDICT_DENY : VERDICT_ALLOW, p, ep, src_id, dst_id);
 	if (reason)
 		return reason;
 	if (p->icmp_error)
 		return 0;
-	if (ct_create(p, dir, src_id, ep->endpoint_id, cfg) < 0)
+	if (ct_create(p, dir, src_id, ep->endpoint_id, revision, cfg) < 0)
 		return DROP_CT_MAP_FULL;
 	return 0;
 }

@@ -32,6 +32,15 @@
 //! regeneration — hence the record. Another kind of per-endpoint entries
 //! gets its own [`OwnedEntries`] in [`EndpointRecord`] and the same three
 //! steps: read back when dirty, diff, [`OwnedEntries::write`].
+//!
+//! # Established connections follow policy changes
+//!
+//! Conntrack entries cache their policy verdict with the datapath's policy
+//! revision ([`Datapath::bump_policy_revision`]). Every operation that may
+//! write to a map a verdict reads (endpoints, policy, ep_prefixes, ipcache)
+//! holds a [`RevisionBump`] that bumps the revision after its last write
+//! when it changed something, and also when it failed or panicked half-way
+//! (a bump too many only costs each connection one policy lookup).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
@@ -137,6 +146,55 @@ pub enum LoaderError {
 fn map_err(action: impl Into<String>) -> impl FnOnce(aya::maps::MapError) -> LoaderError {
     let action = action.into();
     move |source| LoaderError::Map { action, source }
+}
+
+/// Whether a map delete failed because the key was not there: aya 0.14
+/// reports that as the syscall's ENOENT, never as `KeyNotFound`.
+fn is_absent(error: &aya::maps::MapError) -> bool {
+    match error {
+        aya::maps::MapError::KeyNotFound => true,
+        aya::maps::MapError::SyscallError(e) => e.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
+}
+
+/// Bumps the datapath's policy revision once the operation holding it is
+/// done: when [`finish`](Self::finish)ed with a change, or dropped without
+/// being finished (an error or a panic after a write may have left one).
+struct RevisionBump<'a> {
+    datapath: &'a Datapath,
+    armed: bool,
+}
+
+impl<'a> RevisionBump<'a> {
+    fn new(datapath: &'a Datapath) -> Self {
+        Self { datapath, armed: true }
+    }
+
+    /// The operation is done; bumps if it `changed` a map a verdict reads.
+    fn finish(mut self, changed: bool) -> Result<(), LoaderError> {
+        self.armed = false;
+        if !changed {
+            return Ok(());
+        }
+        self.datapath
+            .bump_policy_revision()
+            .map(drop)
+            .map_err(|source| LoaderError::Datapath {
+                action: "bumping the policy revision".to_owned(),
+                source: Box::new(source),
+            })
+    }
+}
+
+impl Drop for RevisionBump<'_> {
+    fn drop(&mut self) {
+        if self.armed
+            && let Err(error) = self.datapath.bump_policy_revision()
+        {
+            tracing::error!(%error, "bumping the policy revision after a failed change");
+        }
+    }
 }
 
 /// The result of [`EndpointDatapath::apply`].
@@ -629,6 +687,7 @@ impl EndpointDatapath {
         let previous_addresses = self.index().reserve(id, spec.ifindex, &addresses)?;
 
         let ifkey = EndpointKey::ifindex(spec.ifindex);
+        let bump = RevisionBump::new(&self.datapath);
         let existing = self.datapath.maps().endpoints.lock().get(&ifkey, 0).ok();
         let (flags, revision) = match (&desired_policy, &spec.policy, existing) {
             (Some((_, prefixes)), Some(p), _) => (policy_flags(p) | prefix_flags(prefixes.keys()), p.revision),
@@ -657,6 +716,9 @@ impl EndpointDatapath {
         info.policy_revision = revision;
 
         let mut changed = false;
+        // Whether a map a verdict reads changed: not when only the endpoint
+        // entry's copy of svc-endpoint's revision did (no program reads it).
+        let mut verdicts_changed = false;
         if let Some((desired, desired_prefixes)) = &desired_policy {
             // Prefix lookups on before any prefix or address entry of the
             // new policy is written; off again (the final entry below) only
@@ -667,9 +729,12 @@ impl EndpointDatapath {
                 if widened != e.flags {
                     e.flags = widened;
                     self.write_endpoint_entries(&e)?;
+                    verdicts_changed = true;
                 }
             }
-            changed |= self.sync_policy(id, desired, desired_prefixes)?;
+            let policy_changed = self.sync_policy(id, desired, desired_prefixes)?;
+            changed |= policy_changed;
+            verdicts_changed |= policy_changed;
         }
         // Addresses first, then the ifindex entry that enables the programs.
         if existing != Some(info) {
@@ -683,6 +748,11 @@ impl EndpointDatapath {
                 .insert(ifkey, info, 0)
                 .map_err(map_err(format!("writing endpoint {id}")))?;
             changed = true;
+            let revision_aside = existing.map(|e| EndpointInfo {
+                policy_revision: info.policy_revision,
+                ..e
+            });
+            verdicts_changed |= revision_aside != Some(info);
         }
         let dropped: Vec<IpAddr> = previous_addresses
             .into_iter()
@@ -692,14 +762,17 @@ impl EndpointDatapath {
             let mut endpoints = self.datapath.maps().endpoints.lock();
             for address in &dropped {
                 match endpoints.remove(&EndpointKey::ip(*address)) {
-                    Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+                    Ok(()) => {}
+                    Err(e) if is_absent(&e) => {}
                     Err(e) => return Err(map_err(format!("removing endpoint {id} address {address}"))(e)),
                 }
             }
             drop(endpoints);
             self.index().keep_addresses(id, &addresses);
             changed = true;
+            verdicts_changed = true;
         }
+        bump.finish(verdicts_changed)?;
         let maps_done = started.elapsed();
         #[cfg(test)]
         {
@@ -788,7 +861,8 @@ impl EndpointDatapath {
                 .insert(&key.to_lpm(), EpPrefixValue { cidr_identity }, 0)
                 .map_err(map_err(format!("writing a prefix of endpoint {id}"))),
             None => match prefixes.remove(&key.to_lpm()) {
-                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                Ok(()) => Ok(()),
+                Err(e) if is_absent(&e) => Ok(()),
                 Err(e) => Err(map_err(format!("removing a prefix of endpoint {id}"))(e)),
             },
         }
@@ -819,7 +893,8 @@ impl EndpointDatapath {
                 .insert(&entry.lpm_key(), PolicyValue::new(v), 0)
                 .map_err(map_err(format!("writing policy of endpoint {}", entry.endpoint_id))),
             None => match policy.remove(&entry.lpm_key()) {
-                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+                Ok(()) => Ok(()),
+                Err(e) if is_absent(&e) => Ok(()),
                 Err(e) => Err(map_err(format!("removing policy of endpoint {}", entry.endpoint_id))(e)),
             },
         }
@@ -864,6 +939,7 @@ impl EndpointDatapath {
     /// [`remove`](Self::remove) with endpoint `id` and its interface locked.
     fn remove_locked(&self, id: u32, ifindex: Option<u32>) -> Result<bool, LoaderError> {
         let record = self.index().endpoints.get(&id).cloned().unwrap_or_default();
+        let bump = RevisionBump::new(&self.datapath);
         let mut removed = false;
         let mut addresses = record.addresses.clone();
         {
@@ -901,6 +977,7 @@ impl EndpointDatapath {
             removed |= self.sync_policy(id, &BTreeMap::new(), &BTreeMap::new())?;
         }
         self.index().release(id, ifindex, &addresses);
+        bump.finish(removed)?;
         Ok(removed)
     }
 
@@ -1090,7 +1167,11 @@ impl EndpointDatapath {
     }
 
     /// Upserts ipcache entries; returns (written, unchanged).
+    /// An entry whose address already looked up its value (that prefix's,
+    /// or a covering one's) changes no verdict: the policy revision is
+    /// bumped only for the others.
     pub fn upsert_ipcache(&self, entries: &[(IpAddr, u8, IpcacheValue)]) -> Result<(u32, u32), LoaderError> {
+        let bump = RevisionBump::new(&self.datapath);
         let mut ipcache = self.datapath.maps().ipcache.lock();
         let (mut written, mut unchanged) = (0, 0);
         for (addr, len, value) in entries {
@@ -1105,21 +1186,26 @@ impl EndpointDatapath {
                 .map_err(map_err(format!("writing ipcache entry {addr}/{len}")))?;
             written += 1;
         }
+        drop(ipcache);
+        bump.finish(written > unchanged)?;
         Ok((written - unchanged, unchanged))
     }
 
     /// Deletes ipcache entries; returns how many existed.
     pub fn delete_ipcache(&self, prefixes: &[(IpAddr, u8)]) -> Result<u32, LoaderError> {
+        let bump = RevisionBump::new(&self.datapath);
         let mut ipcache = self.datapath.maps().ipcache.lock();
         let mut deleted = 0;
         for (addr, len) in prefixes {
             let key = IpcacheKey::new(*addr, *len).expect("validated prefix").to_lpm();
             match ipcache.remove(&key) {
                 Ok(()) => deleted += 1,
-                Err(aya::maps::MapError::KeyNotFound) => {}
+                Err(e) if is_absent(&e) => {}
                 Err(e) => return Err(map_err(format!("deleting ipcache entry {addr}/{len}"))(e)),
             }
         }
+        drop(ipcache);
+        bump.finish(deleted > 0)?;
         Ok(deleted)
     }
 

@@ -295,29 +295,78 @@ async fn drops_are_streamed_with_their_reason() {
     assert_eq!(t.protocol, 1);
 }
 
+/// One echo round trip on `stream`: `payload` comes back within `within`.
+fn echoes(stream: &mut std::net::TcpStream, payload: &[u8], within: Duration) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(within))?;
+    stream.write_all(payload)?;
+    let mut buf = vec![0u8; payload.len()];
+    stream.read_exact(&mut buf)?;
+    assert_eq!(buf, payload, "the echo server returns what it got");
+    Ok(())
+}
+
 #[tokio::test]
-async fn policy_change_affects_new_connections_while_established_ones_continue() {
+async fn a_policy_change_reaches_established_connections_at_their_next_packet() {
     let node = node(&["a", "b"]).await;
     let mut client = node.client().await;
     apply(&mut client, node.endpoint("a", 1, A, unrestricted(1))).await;
-    let allow = policy(1, true, false, vec![entry(Ingress, A, Protocol::Tcp, 8080, 0, Allow)]);
-    client.apply_endpoint(node.endpoint("b", 2, B, allow)).await.unwrap();
+    // b: ingress from a on 8080; egress enforced too, allowing nothing (b
+    // only answers).
+    let allow = |revision| {
+        policy(
+            revision,
+            true,
+            true,
+            vec![entry(Ingress, A, Protocol::Tcp, 8080, 0, Allow)],
+        )
+    };
+    apply(&mut client, node.endpoint("b", 2, B, allow(1))).await;
     let _server = node.pod("b").tcp_server(8080).unwrap();
     let dst = SocketAddr::new(v4(&node, "b"), 8080);
     let mut held = node.pod("a").tcp_stream(dst, SHORT).expect("connect while allowed");
+    echoes(&mut held, b"allowed", SHORT).expect("an allowed connection works");
 
-    let revoke = policy(2, true, false, vec![]);
-    client.apply_endpoint(node.endpoint("b", 2, B, revoke)).await.unwrap();
+    // A change to b's policy that keeps the connection allowed (another
+    // entry; egress still allows nothing): its replies still follow the
+    // ingress policy that let it open, not b's egress.
+    let mut wider = allow(2);
+    wider.entries.push(entry(Ingress, C, Protocol::Tcp, 9090, 0, Allow));
+    apply(&mut client, node.endpoint("b", 2, B, wider)).await;
+    echoes(&mut held, b"still allowed", SHORT).expect("a change that keeps a connection allowed keeps it");
+
+    // Revoked: the connection's next packet is dropped, on policy.
+    let denied_before = node.drops(pb::DropReason::PolicyDefaultDeny).await;
+    apply(&mut client, node.endpoint("b", 2, B, policy(3, true, true, vec![]))).await;
+    held.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    held.write_all(b"revoked").unwrap();
+    let denied = node
+        .drops_reaching(
+            pb::DropReason::PolicyDefaultDeny,
+            denied_before + 1,
+            Duration::from_secs(5),
+        )
+        .await;
+    assert!(
+        denied > denied_before,
+        "the established connection's next segment is dropped by the new policy"
+    );
+    let mut buf = [0u8; 7];
+    let read = held.read(&mut buf);
+    assert!(
+        matches!(&read, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+        "nothing comes back through a revoked policy: {read:?}"
+    );
     assert!(
         !node.pod("a").tcp_echo(dst, SHORT).unwrap(),
-        "a new connection follows the new policy"
+        "and a new connection follows the new policy"
     );
-    held.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-    held.write_all(b"still here").unwrap();
-    let mut buf = [0u8; 10];
+
+    // Allowed again: the same connection resumes (TCP retransmits what was dropped).
+    apply(&mut client, node.endpoint("b", 2, B, allow(4))).await;
+    held.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     held.read_exact(&mut buf)
-        .expect("an established connection follows conntrack, not the new policy");
-    assert_eq!(&buf, b"still here");
+        .expect("the retransmitted segment passes once policy allows the connection again");
+    assert_eq!(&buf, b"revoked");
 }
 
 #[tokio::test]

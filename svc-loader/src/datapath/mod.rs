@@ -226,6 +226,9 @@ impl Datapath {
             reused_maps,
         };
         datapath.write_config()?;
+        // A loader that died between a policy change and its bump left
+        // verdicts cached at a revision that no longer says what they saw.
+        datapath.bump_policy_revision()?;
         datapath.adoption = datapath.adopt_existing()?;
         Ok(datapath)
     }
@@ -323,18 +326,39 @@ impl Datapath {
         })
     }
 
-    /// Writes the options' conntrack lifetimes and event flags to the config map.
+    /// Writes the options' conntrack lifetimes and event flags to the config
+    /// map, keeping its policy revision.
     pub fn write_config(&self) -> Result<(), DatapathError> {
-        let config = DatapathConfig {
+        let mut config = self.maps.config.lock();
+        let current = config
+            .get(&0, 0)
+            .map_err(map_err("reading the config from", MAP_CONFIG))?;
+        let value = DatapathConfig {
             event_flags: self.opts.event_flags,
-            pad: 0,
+            policy_revision: current.policy_revision,
             ct: self.opts.ct_timeouts,
         };
-        self.maps
-            .config
-            .lock()
-            .set(0, config, 0)
+        config
+            .set(0, value, 0)
             .map_err(map_err("writing the config to", MAP_CONFIG))
+    }
+
+    /// Bumps the policy revision ([`DatapathConfig::policy_revision`]), so
+    /// that every established connection takes its policy verdict again at
+    /// its next packet; returns the new revision. Call it after the last
+    /// write of every change to a map a verdict reads (endpoints, ipcache,
+    /// policy, ep_prefixes): a verdict taken during the change is cached at
+    /// the revision before the bump.
+    pub fn bump_policy_revision(&self) -> Result<u32, DatapathError> {
+        let mut config = self.maps.config.lock();
+        let mut value = config
+            .get(&0, 0)
+            .map_err(map_err("reading the config from", MAP_CONFIG))?;
+        value.policy_revision = next_policy_revision(value.policy_revision);
+        config
+            .set(0, value, 0)
+            .map_err(map_err("writing the config to", MAP_CONFIG))?;
+        Ok(value.policy_revision)
     }
 
     /// Switches the optional events (`CONFIG_EVENT_*`) to `event_flags`,
@@ -350,6 +374,21 @@ impl Datapath {
             .set(0, value, 0)
             .map_err(map_err("writing the config to", MAP_CONFIG))
     }
+}
+
+/// The policy revision after `current`. A config map that never held one
+/// (0: new, or replaced while the conntrack maps were kept) starts at a
+/// value taken from the clock, so that entries cached at the revisions of
+/// an earlier config map do not match it; 0 is never used.
+fn next_policy_revision(current: u32) -> u32 {
+    let next = if current == 0 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.subsec_nanos() ^ d.as_secs() as u32)
+    } else {
+        current.wrapping_add(1)
+    };
+    next.max(1)
 }
 
 #[cfg(test)]

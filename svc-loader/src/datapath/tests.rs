@@ -228,7 +228,7 @@ fn mismatching_pins_are_refused_and_left_alone() {
             assert_eq!(map, MAP_CT4);
             assert_eq!(pin, &ct4);
             assert_eq!((found.key_size, found.value_size, found.max_entries), (4, 4, 16));
-            assert_eq!((expected.key_size, expected.value_size), (16, 56));
+            assert_eq!((expected.key_size, expected.value_size), (16, 64));
         }
         other => panic!("expected PinMismatch, got {other}"),
     }

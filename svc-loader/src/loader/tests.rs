@@ -378,6 +378,80 @@ impl TestGate {
     }
 }
 
+/// The datapath's policy revision (the config map's).
+fn policy_revision(dp: &EndpointDatapath) -> u32 {
+    dp.datapath().maps().config.lock().get(&0, 0).unwrap().policy_revision
+}
+
+#[test]
+fn every_change_to_a_map_a_verdict_reads_bumps_the_policy_revision_and_nothing_else_does() {
+    let fixture = Fixture::new(1, 1024);
+    fixture.run(|dp, ifindexes| {
+        let opened = policy_revision(&dp);
+        assert_ne!(opened, 0, "a datapath opens at a revision of its own");
+        let mut seen = opened;
+        let mut bumped = |dp: &EndpointDatapath, what: &str, expect: bool| {
+            let now = policy_revision(dp);
+            assert_eq!(now != seen, expect, "{what}: revision {seen} -> {now}");
+            if expect {
+                assert_eq!(now, seen.wrapping_add(1).max(1), "{what}: one bump");
+            }
+            seen = now;
+        };
+        let web = |revision| policy(revision, vec![allow(DIR_INGRESS, 2000, TCP, 80)]);
+        dp.apply(&spec(1, ifindexes[0], 0, Some(web(1)))).unwrap();
+        bumped(&dp, "a new endpoint", true);
+        dp.apply(&spec(1, ifindexes[0], 0, Some(web(2)))).unwrap();
+        bumped(
+            &dp,
+            "the same policy again (only svc-endpoint's revision differs)",
+            false,
+        );
+        dp.apply(&spec(1, ifindexes[0], 0, None)).unwrap();
+        bumped(&dp, "no policy: the current one kept", false);
+        dp.apply(&spec(
+            1,
+            ifindexes[0],
+            0,
+            Some(policy(3, vec![allow(DIR_INGRESS, 2000, TCP, 443)])),
+        ))
+        .unwrap();
+        bumped(&dp, "another port", true);
+        let mut unenforced = policy(4, vec![allow(DIR_INGRESS, 2000, TCP, 443)]);
+        unenforced.enforce_egress = false;
+        dp.apply(&spec(1, ifindexes[0], 0, Some(unenforced))).unwrap();
+        bumped(&dp, "egress no longer enforced (flags only)", true);
+        let mut relabelled = spec(1, ifindexes[0], 0, None);
+        relabelled.identity = 5000;
+        dp.apply(&relabelled).unwrap();
+        bumped(&dp, "a new identity", true);
+
+        let world = IpcacheValue::new(3000, None);
+        let prefix: IpAddr = Ipv4Addr::new(198, 18, 9, 0).into();
+        dp.upsert_ipcache(&[(prefix, 24, world)]).unwrap();
+        bumped(&dp, "a new ipcache prefix", true);
+        dp.upsert_ipcache(&[(prefix, 24, world)]).unwrap();
+        bumped(&dp, "the same ipcache entry again", false);
+        dp.upsert_ipcache(&[(prefix, 24, IpcacheValue::new(3001, None))])
+            .unwrap();
+        bumped(&dp, "another identity for the prefix", true);
+        assert_eq!(dp.delete_ipcache(&[(prefix, 24)]).unwrap(), 1);
+        bumped(&dp, "an ipcache prefix deleted", true);
+        assert_eq!(dp.delete_ipcache(&[(prefix, 24)]).unwrap(), 0);
+        bumped(&dp, "deleting it again", false);
+
+        assert!(dp.remove(Some(1), None).unwrap());
+        bumped(&dp, "the endpoint removed", true);
+        assert!(!dp.remove(Some(1), None).unwrap());
+        bumped(&dp, "removed again", false);
+    });
+    // A restarted loader bumps once: it cannot know whether its predecessor
+    // died between a change and its bump.
+    let before = fixture.run(|dp, _| policy_revision(&dp));
+    let after = fixture.run(|dp, _| policy_revision(&dp));
+    assert_eq!(after, before.wrapping_add(1).max(1));
+}
+
 fn gated(dp: &Arc<EndpointDatapath>) -> (Arc<TestGate>, mpsc::Receiver<u32>) {
     let gate = Arc::new(TestGate::default());
     let (tx, rx) = mpsc::channel();
