@@ -101,14 +101,15 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let mut registry = Registry::with_prefix("rivet");
     metrics.register(&mut registry);
     let manager = EndpointManager::new(options, deps, metrics)?;
-    manager.start();
+    let controllers = Controllers::new();
+    manager.start(&controllers);
     if let Some(dir) = flags.policy_dir.clone() {
-        let directory = PolicyDirectory::new(
+        PolicyDirectory::new(
             dir,
             manager.clone(),
             Duration::from_secs(flags.policy_dir_rescan_seconds.max(1)),
-        );
-        tokio::spawn(directory.run());
+        )
+        .start(&controllers);
     }
 
     let identity = DaemonIdentity::new(svc_endpoint::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
@@ -118,7 +119,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         &flags.common,
         listener,
         identity,
-        Controllers::new(),
+        controllers,
         routes,
         registry,
         Health::default(),

@@ -9,10 +9,11 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use notify::{RecursiveMode, Watcher};
-use tokio::sync::mpsc;
+use rivet_common::controller::{Action, Controller, Controllers, Trigger};
 
 use crate::manager::EndpointManager;
 use rivet_policy::{Policy, PolicyKey, PolicyOrigin};
@@ -44,30 +45,37 @@ impl PolicyDirectory {
         }
     }
 
-    /// Applies the directory, then follows its changes forever.
-    pub async fn run(mut self) {
-        let (tx, mut rx) = mpsc::channel::<()>(1);
+    /// Starts the `policy-dir` controller: applies the directory now, then
+    /// again on every change it is told of and at least every `rescan`.
+    pub fn start(self, controllers: &Controllers) {
+        let trigger = Trigger::new();
+        let changed = trigger.clone();
         let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
             if event.is_ok() {
-                let _ = tx.try_send(());
+                changed.trigger();
             }
         })
         .and_then(|mut w| w.watch(&self.dir, RecursiveMode::NonRecursive).map(|()| w));
-        let _watcher = match watcher {
+        let watcher = match watcher {
             Ok(w) => Some(w),
             Err(e) => {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot watch the policy dir; rescanning every {:?}", self.rescan);
                 None
             }
         };
-        loop {
-            self.sync().await;
-            tokio::select! {
-                _ = rx.recv() => tokio::time::sleep(SETTLE).await,
-                _ = tokio::time::sleep(self.rescan) => {}
+        let rescan = self.rescan;
+        let directory = Arc::new(tokio::sync::Mutex::new(self));
+        controllers.reconcile(Controller::new("policy-dir").trigger(&trigger), move || {
+            // Kept as long as the controller: dropping it ends the watch.
+            let _watcher = &watcher;
+            let directory = directory.clone();
+            async move {
+                // Let a burst of changes (a ConfigMap update) settle.
+                tokio::time::sleep(SETTLE).await;
+                directory.lock().await.sync().await;
+                Ok::<_, std::convert::Infallible>(Action::requeue(rescan))
             }
-            while rx.try_recv().is_ok() {}
-        }
+        });
     }
 
     /// Reads the directory and makes the repository's DIRECTORY policies

@@ -41,7 +41,7 @@ async fn a_failure_at_each_regeneration_step_leaves_nothing_behind() {
             // A file where the endpoints directory should be: every write fails.
             _ => std::fs::write(state.path().join("endpoints"), b"not a directory").unwrap(),
         }
-        let manager = start_manager(options(state.path()), faulty_dependencies(&node, &faults));
+        let (manager, _controllers) = start_manager(options(state.path()), faulty_dependencies(&node, &faults));
         let spec = validate_create(&node.create_request("a", &["k8s:app=faulty"])).unwrap();
         let e = manager
             .create(NewEndpoint { spec, sync: true }, Duration::from_secs(20))
@@ -72,7 +72,7 @@ async fn a_failure_at_each_regeneration_step_leaves_nothing_behind() {
 
     // With nothing injected the same create succeeds (the harness is sound).
     let state = tempfile::tempdir().unwrap();
-    let manager = start_manager(options(state.path()), node.dependencies());
+    let (manager, _controllers) = start_manager(options(state.path()), node.dependencies());
     let spec = validate_create(&node.create_request("a", &["k8s:app=faulty"])).unwrap();
     manager
         .create(NewEndpoint { spec, sync: true }, Duration::from_secs(20))

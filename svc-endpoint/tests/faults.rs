@@ -11,6 +11,7 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rivet_common::controller::Controllers;
 use rivet_common::labels::Labels;
 use rivet_policy::{Policy, PolicyOrigin};
 use support::{Faults, Mode, assert_nothing_left, eventually, faulty_dependencies, options, start_manager};
@@ -27,6 +28,8 @@ struct Setup {
     state: tempfile::TempDir,
     faults: Arc<Faults>,
     manager: EndpointManager,
+    /// The manager's background loops (dropped: stopped).
+    controllers: Controllers,
 }
 
 impl Setup {
@@ -53,12 +56,13 @@ impl Setup {
         let faults = Arc::new(Faults::default());
         let mut options = options(state.path());
         configure(&mut options);
-        let manager = start_manager(options, faulty_dependencies(&node, &faults));
+        let (manager, controllers) = start_manager(options, faulty_dependencies(&node, &faults));
         Self {
             node,
             state,
             faults,
             manager,
+            controllers,
         }
     }
 
@@ -298,6 +302,44 @@ async fn a_delete_behind_its_hung_regeneration_returns_at_its_deadline_and_compl
     t.assert_nothing_left(id, "a", true, "after the delete converged").await;
 }
 
+/// Issue 13 §1: an endpoint's worker that panics (here in the code around
+/// a dependency call of its first regeneration) does not die silently: it
+/// is started again for its endpoint, which regenerates (the synchronous
+/// create that waited for it succeeds), and the panic restarts the
+/// `endpoint-workers` controller, which counts it and keeps its message.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_endpoint_worker_that_panics_is_started_again_and_counted() {
+    let setup = Setup::start(&["a"], None).await;
+    setup.faults.apply.set(Mode::PanicOnce);
+    let id = setup.create("a", &["k8s:app=a"]).await;
+    assert_eq!(
+        setup.faults.apply.calls(),
+        2,
+        "the panicked apply and the one of the restarted worker"
+    );
+    let view = setup
+        .manager
+        .get(&EndpointSelector::Id(id))
+        .expect("the endpoint exists");
+    assert_eq!(view.status.state, EndpointState::Ready, "{:?}", view.status);
+    // Its first progress, then the restart.
+    setup.controllers.wait_outcomes("endpoint-workers", 2).await;
+    let workers = setup
+        .controllers
+        .status()
+        .into_iter()
+        .find(|c| c.name == "endpoint-workers")
+        .expect("endpoint-workers is a controller");
+    assert_eq!(workers.restarts, 1, "the panic was counted: {workers:?}");
+    assert!(
+        workers
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("applying an endpoint: injected panic")),
+        "the panic's message is kept: {workers:?}"
+    );
+}
+
 /// Changes pod `name`'s labels without waiting: its worker regenerates.
 async fn relabel(manager: &EndpointManager, name: &str) {
     manager
@@ -449,7 +491,7 @@ async fn restore_drops_an_endpoint_whose_interface_went_while_svc_endpoint_was_d
     // counting the ApplyEndpoint calls for the vanished pod's endpoint.
     let faults = Arc::new(Faults::default());
     faults.apply.set_for(&format!("endpoint/{}", gone.id), Mode::Pass);
-    let manager = start_manager(options(&node.state_dir()), faulty_dependencies(&node, &faults));
+    let (manager, _controllers) = start_manager(options(&node.state_dir()), faulty_dependencies(&node, &faults));
     tokio::time::timeout(Duration::from_secs(30), manager.restored())
         .await
         .expect("restore completes");

@@ -2,8 +2,11 @@
 //! named ports they resolve) need, allocated from svc-identity.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use ipnet::IpNet;
+use rivet_common::controller::Action;
 use rivet_proto::identity::v1 as idpb;
 use tonic::Status;
 
@@ -35,6 +38,9 @@ impl EndpointManager {
     /// Releases that failed are kept and retried by the next pass.
     pub(super) async fn reconcile_cidrs(&self, reallocate: bool) -> Result<(), Status> {
         let _pass = self.inner.cidr_pass.lock().await;
+        // Read before the desired state: a success covers every request
+        // made up to here.
+        let covers = self.inner.cidr_requested.load(Ordering::SeqCst);
         let missing: Vec<IpNet> = {
             let state = self.state();
             state
@@ -103,25 +109,38 @@ impl EndpointManager {
                 state.cidr_releases.remove(prefix);
             }
         }
+        self.inner.cidr_reconciled.send_if_modified(|reconciled| {
+            let newer = covers > *reconciled;
+            *reconciled = (*reconciled).max(covers);
+            newer
+        });
         Ok(())
     }
 
-    pub(super) async fn reconcile_cidrs_forever(&self) {
-        let mut backoff = self.inner.options.retry_backoff.clone();
-        loop {
-            self.inner.cidr_wake.notified().await;
-            loop {
-                match self.reconcile_cidrs(false).await {
-                    Ok(()) => {
-                        backoff.reset();
-                        break;
-                    }
-                    Err(e) => {
-                        tracing::debug!(error = %e, "CIDR identity reconciliation failed; retrying");
-                        tokio::time::sleep(backoff.next_delay()).await;
-                    }
+    /// `cidr-identities`: one pass when triggered (a policy or named port
+    /// changed, a replay failed); an error is retried with the controller's
+    /// backoff.
+    pub(super) async fn reconcile_cidrs_pass(&self) -> Result<Action, Status> {
+        let reallocate = self.inner.cidr_reallocate.swap(false, Ordering::SeqCst);
+        match self.reconcile_cidrs(reallocate).await {
+            Ok(()) => Ok(Action::await_change()),
+            Err(e) => {
+                if reallocate {
+                    self.inner.cidr_reallocate.store(true, Ordering::SeqCst);
                 }
+                Err(e)
             }
         }
+    }
+
+    /// Waits (at most `limit`) until a pass of `cidr-identities` that
+    /// started after this call succeeded; whether one did.
+    pub(super) async fn cidrs_reconciled(&self, limit: Duration) -> bool {
+        let wanted = self.inner.cidr_requested.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut reconciled = self.inner.cidr_reconciled.subscribe();
+        self.inner.cidr_wake.trigger();
+        tokio::time::timeout(limit, reconciled.wait_for(|done| *done >= wanted))
+            .await
+            .is_ok()
     }
 }

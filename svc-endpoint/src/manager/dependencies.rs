@@ -2,10 +2,13 @@
 //! selector cache, boot-id probes, and the replay of desired state into
 //! one that restarted.
 
+use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
 use futures::StreamExt;
+use rivet_common::controller::{Action, Progress};
 use rivet_common::labels::Labels;
+use tonic::Status;
 
 use super::EndpointManager;
 use crate::events;
@@ -23,6 +26,30 @@ pub struct DependencyStatus {
     pub last_resync: Option<SystemTime>,
     /// Last probe or replay error.
     pub last_error: String,
+    /// It restarted and the replay of desired state into it has not
+    /// succeeded yet (retried by every probe until it does).
+    pub resync_owed: bool,
+}
+
+/// Why a pass of `identity-watch` or `dependency-probe` failed (it runs
+/// again after a backoff).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum DependencyError {
+    /// svc-identity did not open the identity watch.
+    #[error("opening svc-identity's identity watch: {}", .0.message())]
+    WatchOpen(#[source] Status),
+    /// The identity watch broke.
+    #[error("svc-identity's identity watch broke: {}", .0.message())]
+    WatchBroken(#[source] Status),
+    /// A restarted svc-ipam did not take an endpoint's addresses back.
+    #[error("re-reserving the addresses of endpoint {id} in the restarted svc-ipam: {}", source.message())]
+    ReserveAddresses {
+        /// The endpoint.
+        id: u16,
+        /// svc-ipam's answer.
+        #[source]
+        source: Status,
+    },
 }
 
 /// A daemon svc-endpoint drives; its index in [`Dependency::ALL`] is its
@@ -63,126 +90,123 @@ impl EndpointManager {
             .to_vec()
     }
 
-    /// Keeps the selector cache current from svc-identity's identity stream.
-    pub(super) async fn watch_identities(&self) {
-        let mut backoff = self.inner.options.retry_backoff.clone();
-        loop {
-            let mut stream = match self.inner.deps.identity.watch().await {
-                Ok(stream) => stream,
-                Err(e) => {
-                    tracing::debug!(error = %e, "identity watch not established; retrying");
-                    tokio::time::sleep(backoff.next_delay()).await;
-                    continue;
-                }
-            };
-            let mut snapshot: Vec<(u32, Labels)> = Vec::new();
-            while let Some(message) = stream.next().await {
-                let message = match message {
-                    Ok(m) => m,
+    /// `identity-watch`: keeps the selector cache current from
+    /// svc-identity's identity stream; returns when the stream breaks or
+    /// ends (the controller opens it again after a backoff).
+    pub(super) async fn watch_identities(&self, progress: Progress) -> Result<(), DependencyError> {
+        let mut stream = self
+            .inner
+            .deps
+            .identity
+            .watch()
+            .await
+            .map_err(DependencyError::WatchOpen)?;
+        let mut snapshot: Vec<(u32, Labels)> = Vec::new();
+        while let Some(message) = stream.next().await {
+            let message = message.map_err(DependencyError::WatchBroken)?;
+            progress.ok();
+            let parsed = message
+                .added
+                .iter()
+                .filter_map(|i| match Labels::parse(&i.labels) {
+                    Ok(labels) => Some((i.id, labels)),
                     Err(e) => {
-                        tracing::info!(error = %e, "identity watch ended; re-establishing");
-                        break;
+                        tracing::warn!(identity = i.id, error = %e, "ignoring an identity with invalid labels");
+                        None
                     }
-                };
-                backoff.reset();
-                let parsed = message
-                    .added
-                    .iter()
-                    .filter_map(|i| match Labels::parse(&i.labels) {
-                        Ok(labels) => Some((i.id, labels)),
-                        Err(e) => {
-                            tracing::warn!(identity = i.id, error = %e, "ignoring an identity with invalid labels");
-                            None
-                        }
-                    })
-                    .collect::<Vec<_>>();
-                if message.snapshot {
-                    snapshot.extend(parsed);
-                    if !message.snapshot_complete {
-                        continue;
-                    }
-                    let mut state = self.state();
-                    state.selectors.replace_identities(std::mem::take(&mut snapshot));
-                    self.queue_changed_policies(&mut state, "identities resynced");
-                    drop(state);
-                    self.inner.identities_synced.send_replace(true);
+                })
+                .collect::<Vec<_>>();
+            if message.snapshot {
+                snapshot.extend(parsed);
+                if !message.snapshot_complete {
                     continue;
                 }
                 let mut state = self.state();
-                let mut changed = false;
-                for (id, labels) in parsed {
-                    changed |= state.selectors.upsert_identity(id, labels);
-                }
-                for id in &message.removed {
-                    changed |= state.selectors.remove_identity(*id);
-                }
-                if changed {
-                    self.queue_changed_policies(&mut state, "identities changed");
-                }
+                state.selectors.replace_identities(std::mem::take(&mut snapshot));
+                self.queue_changed_policies(&mut state, "identities resynced");
+                drop(state);
+                self.inner.identities_synced.send_replace(true);
+                continue;
             }
-            tokio::time::sleep(backoff.next_delay()).await;
+            let mut state = self.state();
+            let mut changed = false;
+            for (id, labels) in parsed {
+                changed |= state.selectors.upsert_identity(id, labels);
+            }
+            for id in &message.removed {
+                changed |= state.selectors.remove_identity(*id);
+            }
+            if changed {
+                self.queue_changed_policies(&mut state, "identities changed");
+            }
         }
+        Ok(())
     }
 
-    /// Probes each dependency's boot id; a new one replays everything it
-    /// should hold (level-triggered resync, DESIGN.md §1).
-    pub(super) async fn probe_dependencies(&self) {
-        let mut interval = tokio::time::interval(self.inner.options.dependency_poll);
-        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            interval.tick().await;
-            let deps = &self.inner.deps;
-            let (identity, ipam, loader) =
-                futures::join!(deps.identity.boot_id(), deps.ipam.boot_id(), deps.loader.boot_id());
-            for (dependency, result) in [
-                (Dependency::Identity, identity),
-                (Dependency::Ipam, ipam),
-                (Dependency::Loader, loader),
-            ] {
-                let restarted = {
-                    let mut all = self.inner.dependencies.lock().expect("dependency lock poisoned");
-                    let dep = &mut all[dependency.index()];
-                    match result {
-                        Ok(boot_id) => {
-                            dep.connected = true;
-                            dep.last_error.clear();
-                            let restarted = !dep.seen_boot_id.is_empty() && dep.seen_boot_id != boot_id;
-                            dep.seen_boot_id = boot_id;
-                            restarted
+    /// `dependency-probe`, every `dependency_poll`: probes each
+    /// dependency's boot id; a new one is owed a replay of everything it
+    /// should hold (level-triggered resync, DESIGN.md §1), until a replay
+    /// succeeded (a failed one is an error: retried after a backoff).
+    pub(super) async fn probe_dependencies(&self) -> Result<Action, DependencyError> {
+        let deps = &self.inner.deps;
+        let (identity, ipam, loader) =
+            futures::join!(deps.identity.boot_id(), deps.ipam.boot_id(), deps.loader.boot_id());
+        let mut failed = None;
+        for (dependency, result) in [
+            (Dependency::Identity, identity),
+            (Dependency::Ipam, ipam),
+            (Dependency::Loader, loader),
+        ] {
+            let owed = {
+                let mut all = self.inner.dependencies.lock().expect("dependency lock poisoned");
+                let dep = &mut all[dependency.index()];
+                match result {
+                    Ok(boot_id) => {
+                        dep.connected = true;
+                        dep.last_error.clear();
+                        if !dep.seen_boot_id.is_empty() && dep.seen_boot_id != boot_id {
+                            dep.resync_owed = true;
                         }
-                        Err(e) => {
-                            dep.connected = false;
-                            dep.last_error = e.message().to_string();
-                            false
-                        }
+                        dep.seen_boot_id = boot_id;
+                        dep.resync_owed
                     }
-                };
-                if restarted {
-                    self.resync(dependency).await;
+                    Err(e) => {
+                        dep.connected = false;
+                        dep.last_error = e.message().to_string();
+                        false
+                    }
                 }
+            };
+            if owed && let Err(e) = self.resync(dependency).await {
+                failed.get_or_insert(e);
             }
+        }
+        match failed {
+            None => Ok(Action::requeue(self.inner.options.dependency_poll)),
+            Some(e) => Err(e),
         }
     }
 
     /// Replays desired state into a restarted dependency.
-    async fn resync(&self, dependency: Dependency) {
+    async fn resync(&self, dependency: Dependency) -> Result<(), DependencyError> {
         let ids: Vec<u16> = self.state().endpoints.keys().copied().collect();
-        let mut error = String::new();
+        let mut result = Ok(());
         match dependency {
             Dependency::Identity => {
                 // Node-local CIDR identities and every endpoint's reference
                 // and ipcache entry live in svc-identity's memory.
                 if let Err(e) = self.reconcile_cidrs(true).await {
-                    error = format!("CIDR identities: {}", e.message());
-                    self.inner.cidr_wake.notify_one();
+                    tracing::warn!(error = %e, "replaying the CIDR identities failed; retrying in the background");
+                    self.inner.cidr_reallocate.store(true, Ordering::SeqCst);
+                    self.inner.cidr_wake.trigger();
                 }
                 self.request_all("svc-identity restarted");
             }
             Dependency::Loader => self.request_all("svc-loader restarted"),
             Dependency::Ipam => {
                 for id in &ids {
-                    if let Err(e) = self.restore_addresses(*id).await {
-                        error = format!("endpoint {id}: {}", e.message());
+                    if let Err(source) = self.restore_addresses(*id).await {
+                        result = Err(DependencyError::ReserveAddresses { id: *id, source });
                     }
                 }
             }
@@ -191,9 +215,11 @@ impl EndpointManager {
         let mut all = self.inner.dependencies.lock().expect("dependency lock poisoned");
         let status = &mut all[dependency.index()];
         status.last_resync = Some(SystemTime::now());
-        if !error.is_empty() {
-            status.last_error = error;
+        match &result {
+            Ok(()) => status.resync_owed = false,
+            Err(e) => status.last_error = e.to_string(),
         }
+        result
     }
 
     fn request_all(&self, reason: &str) {

@@ -1,12 +1,24 @@
 //! Endpoints whose host interface is gone or replaced (a pod that went
 //! without a DEL) are dropped.
 
+use rivet_common::controller::Action;
 use rivet_proto::loader::v1 as ldpb;
-use tonic::Code;
+use tonic::{Code, Status};
 
 use super::queue::RemovalReason;
 use super::{EndpointManager, State};
 use crate::endpoint::{EndpointSpec, EndpointState};
+
+/// Why a pass of `interface-check` failed (it runs again after a backoff).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum InterfaceCheckError {
+    /// svc-loader did not list the endpoints' interfaces.
+    #[error("listing the endpoints' interfaces with svc-loader: {}", .0.message())]
+    ListInterfaces(#[source] Status),
+    /// An older svc-loader did not list its endpoints.
+    #[error("listing svc-loader's endpoints: {}", .0.message())]
+    List(#[source] Status),
+}
 
 impl State {
     /// The endpoints whose host interface svc-loader says is lost (gone, or
@@ -48,55 +60,42 @@ impl EndpointManager {
         self.request_removal(id, reason);
     }
 
-    /// Every `interface_check`, once restore is done: endpoints whose host
-    /// interface disappeared while they ran (the pod's netns went without a
-    /// DEL, e.g. a runtime leaking a sandbox) are dropped and their
-    /// addresses released, as at restore. svc-loader answers from one link
-    /// dump (ListEndpointInterfaces), not per-interface tc queries.
-    pub(super) async fn check_interfaces_forever(&self) {
-        let period = self.inner.options.interface_check;
-        if period.is_zero() {
-            return;
-        }
+    /// `interface-check`, every `interface_check` once restore is done:
+    /// endpoints whose host interface disappeared while they ran (the pod's
+    /// netns went without a DEL, e.g. a runtime leaking a sandbox) are
+    /// dropped and their addresses released, as at restore. svc-loader
+    /// answers from one link dump (ListEndpointInterfaces), not
+    /// per-interface tc queries.
+    pub(super) async fn check_interfaces(&self) -> Result<Action, InterfaceCheckError> {
         self.restored().await;
-        let mut interval = tokio::time::interval(period);
-        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            interval.tick().await;
-            let loader = &self.inner.deps.loader;
-            let (held, unnamed) = match loader.interfaces().await {
-                Ok(listed) => (listed.endpoints, Vec::new()),
-                // An svc-loader older than this daemon: its full listing.
-                Err(e) if e.code() == Code::Unimplemented => match loader.list().await {
-                    Ok(listed) => (
-                        listed.endpoints.iter().map(listed_interface).collect(),
-                        self.state().unnamed_interfaces(&listed),
-                    ),
-                    Err(e) => {
-                        tracing::debug!(error = %e, "listing the datapath for lost interfaces failed; next time");
-                        continue;
-                    }
-                },
-                Err(e) => {
-                    tracing::debug!(error = %e, "listing the endpoints' interfaces failed; next time");
-                    continue;
-                }
-            };
-            let lost = self.state().lost_interfaces(&held);
-            for (id, reason) in lost {
-                self.drop_endpoint(id, reason);
+        let loader = &self.inner.deps.loader;
+        let (held, unnamed) = match loader.interfaces().await {
+            Ok(listed) => (listed.endpoints, Vec::new()),
+            // An svc-loader older than this daemon: its full listing.
+            Err(e) if e.code() == Code::Unimplemented => {
+                let listed = loader.list().await.map_err(InterfaceCheckError::List)?;
+                (
+                    listed.endpoints.iter().map(listed_interface).collect(),
+                    self.state().unnamed_interfaces(&listed),
+                )
             }
-            // An older svc-loader could not name the interface: a
-            // regeneration asks it for certain (ApplyEndpoint answers
-            // NOT_FOUND for a gone interface, and the worker drops the
-            // endpoint then).
-            let state = self.state();
-            for id in unnamed {
-                if let Some(slot) = state.endpoints.get(&id) {
-                    slot.queue.request("interface check");
-                }
+            Err(e) => return Err(InterfaceCheckError::ListInterfaces(e)),
+        };
+        let lost = self.state().lost_interfaces(&held);
+        for (id, reason) in lost {
+            self.drop_endpoint(id, reason);
+        }
+        // An older svc-loader could not name the interface: a
+        // regeneration asks it for certain (ApplyEndpoint answers
+        // NOT_FOUND for a gone interface, and the worker drops the
+        // endpoint then).
+        let state = self.state();
+        for id in unnamed {
+            if let Some(slot) = state.endpoints.get(&id) {
+                slot.queue.request("interface check");
             }
         }
+        Ok(Action::requeue(self.inner.options.interface_check))
     }
 }
 

@@ -45,13 +45,16 @@ mod worker;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use ipnet::IpNet;
 use rivet_common::backoff::Backoff;
+use rivet_common::controller::{Controller, Controllers, Trigger};
 use rivet_common::labels::Labels;
 use rivet_common::state_file::StateFile;
+use rivet_policy::{Policy, PolicyOrigin, PolicyRepository, SelectorCache};
 use rivet_proto::ipam::v1 as ipampb;
 use tokio::sync::{Notify, Semaphore, watch};
 
@@ -60,7 +63,7 @@ use crate::endpoint::{EndpointSpec, EndpointState, EndpointStatus, MAX_ENDPOINT_
 use crate::events::EndpointMetrics;
 use crate::state_dir::{EndpointRecord, EndpointStateDir};
 use queue::Queue;
-use rivet_policy::{Policy, PolicyOrigin, PolicyRepository, SelectorCache};
+use worker::Workers;
 
 use dependencies::Dependency;
 pub use dependencies::DependencyStatus;
@@ -270,8 +273,19 @@ struct Inner {
     /// One per [`Dependency`], in the order of [`Dependency::ALL`].
     dependencies: Mutex<[DependencyStatus; Dependency::ALL.len()]>,
     policy_dir: Mutex<PolicyDirStatus>,
-    /// Wakes the CIDR identity reconciliation.
-    cidr_wake: Notify,
+    /// Wakes the CIDR identity reconciliation (`cidr-identities`).
+    cidr_wake: Trigger,
+    /// The next pass of `cidr-identities` allocates every prefix again
+    /// (svc-identity restarted and forgot them, and the replay failed).
+    cidr_reallocate: AtomicBool,
+    /// CIDR passes asked for by [`EndpointManager::cidrs_reconciled`].
+    cidr_requested: AtomicU64,
+    /// The latest of those requests a successful pass covered.
+    cidr_reconciled: watch::Sender<u64>,
+    /// Every endpoint's worker, supervised by `endpoint-workers`.
+    workers: Mutex<Workers>,
+    /// Wakes `endpoint-workers` when a worker was added.
+    workers_added: Notify,
     /// Serialises changes of persisted configuration: policies (repository
     /// + API policies file) and namespace labels.
     config_lock: tokio::sync::Mutex<()>,
@@ -345,7 +359,12 @@ impl EndpointManager {
                 ..Default::default()
             })),
             policy_dir: Mutex::default(),
-            cidr_wake: Notify::new(),
+            cidr_wake: Trigger::new(),
+            cidr_reallocate: AtomicBool::new(false),
+            cidr_requested: AtomicU64::new(0),
+            cidr_reconciled: watch::channel(0).0,
+            workers: Mutex::default(),
+            workers_added: Notify::new(),
             config_lock: tokio::sync::Mutex::new(()),
             cidr_pass: tokio::sync::Mutex::new(()),
         };
@@ -356,21 +375,50 @@ impl EndpointManager {
         self.inner.state.lock().expect("endpoint state lock poisoned")
     }
 
-    /// Restores endpoints from the state dir and starts the background
-    /// tasks (identity watch, dependency probes, CIDR identities). Returns
-    /// at once; restore progress is in [`restore_progress`](Self::restore_progress).
-    pub fn start(&self) {
+    /// Starts restore and the background loops as `controllers` (each
+    /// restarted when it panics or ends, counted and shown in `rivet
+    /// status`): `endpoint-restore` (once), `endpoint-workers` (supervises
+    /// every endpoint's worker), `identity-watch`, `dependency-probe`,
+    /// `cidr-identities` and, unless disabled, `interface-check`. Returns at
+    /// once; restore progress is in [`restore_progress`](Self::restore_progress).
+    pub fn start(&self, controllers: &Controllers) {
+        let backoff = self.inner.options.retry_backoff.clone();
+        let controller = |name| Controller::new(name).backoff(backoff.clone());
         let this = self.clone();
-        tokio::spawn(async move { this.restore().await });
+        controllers.reconcile(controller("endpoint-restore"), move || {
+            let this = this.clone();
+            async move { this.restore().await }
+        });
         let this = self.clone();
-        tokio::spawn(async move { this.watch_identities().await });
+        controllers.supervise(controller("endpoint-workers"), move |progress| {
+            let this = this.clone();
+            async move { this.supervise_workers(progress).await }
+        });
         let this = self.clone();
-        tokio::spawn(async move { this.probe_dependencies().await });
+        controllers.supervise(controller("identity-watch"), move |progress| {
+            let this = this.clone();
+            async move { this.watch_identities(progress).await }
+        });
         let this = self.clone();
-        tokio::spawn(async move { this.reconcile_cidrs_forever().await });
+        controllers.reconcile(controller("dependency-probe"), move || {
+            let this = this.clone();
+            async move { this.probe_dependencies().await }
+        });
         let this = self.clone();
-        tokio::spawn(async move { this.check_interfaces_forever().await });
-        self.inner.cidr_wake.notify_one();
+        controllers.reconcile(
+            controller("cidr-identities").trigger(&self.inner.cidr_wake),
+            move || {
+                let this = this.clone();
+                async move { this.reconcile_cidrs_pass().await }
+            },
+        );
+        if !self.inner.options.interface_check.is_zero() {
+            let this = self.clone();
+            controllers.reconcile(controller("interface-check"), move || {
+                let this = this.clone();
+                async move { this.check_interfaces().await }
+            });
+        }
     }
 
     /// The metrics.

@@ -196,7 +196,7 @@ impl EndpointManager {
         // CIDR identities first, so the regenerations see them.
         if let Err(e) = self.reconcile_cidrs(false).await {
             tracing::warn!(error = %e, "CIDR identities for policies not allocated yet; retrying in the background");
-            self.inner.cidr_wake.notify_one();
+            self.inner.cidr_wake.trigger();
         }
         let waits: Vec<(u16, Arc<Queue>, u64)> = {
             let mut state = self.state();
@@ -274,7 +274,7 @@ impl EndpointManager {
         reason: &str,
     ) {
         if state.refresh_named_ports(identities, addresses) {
-            self.inner.cidr_wake.notify_one();
+            self.inner.cidr_wake.trigger();
         }
         self.queue_changed_policies(state, reason);
     }

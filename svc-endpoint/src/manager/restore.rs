@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use futures::StreamExt;
+use rivet_common::controller::Action;
 use rivet_proto::identity::v1 as idpb;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
@@ -20,6 +21,27 @@ use crate::events;
 
 /// How long restore waits for the identity snapshot and CIDR identities.
 const RESTORE_INPUTS_WAIT: Duration = Duration::from_secs(30);
+
+/// How long restore retries while svc-ipam is unreachable before it
+/// regenerates the endpoints without their addresses re-reserved.
+const RESTORE_ADDRESSES_WAIT: Duration = Duration::from_secs(60);
+
+/// Why a restore pass stopped (it runs again after a backoff).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum RestoreError {
+    /// svc-loader's listing is needed to know which endpoints are gone.
+    #[error("listing svc-loader's endpoints: {}", .0.message())]
+    ListDatapath(#[source] Status),
+    /// svc-ipam is unreachable (retried for [`RESTORE_ADDRESSES_WAIT`]).
+    #[error("re-reserving the addresses of endpoint {id} with svc-ipam: {}", source.message())]
+    ReserveAddresses {
+        /// The endpoint.
+        id: u16,
+        /// svc-ipam's answer.
+        #[source]
+        source: Status,
+    },
+}
 
 /// Restore progress.
 #[derive(Debug, Clone, Default)]
@@ -52,82 +74,35 @@ impl EndpointManager {
         let _ = rx.wait_for(|done| *done).await;
     }
 
-    /// Restore on start (the seed's restoreOldEndpoints): state dirs →
-    /// endpoints; drop those whose interface is gone; re-reserve addresses;
-    /// regenerate all; remove datapath entries and identity references no
-    /// endpoint owns.
-    pub(super) async fn restore(&self) {
-        let started = Instant::now();
-        {
-            let mut progress = self.inner.restore.lock().expect("restore lock poisoned");
-            progress.started = Some(SystemTime::now());
+    /// `endpoint-restore`, once on start (the seed's restoreOldEndpoints):
+    /// state dirs → endpoints; drop those whose interface is gone;
+    /// re-reserve addresses; regenerate all; remove datapath entries and
+    /// identity references no endpoint owns. An error (svc-loader or
+    /// svc-ipam unreachable) runs the pass again after a backoff; the
+    /// state dir is read by the first pass only (deletes may remove
+    /// endpoints once it did), later passes take the restored endpoints
+    /// from the table.
+    pub(super) async fn restore(&self) -> Result<Action, RestoreError> {
+        let started = *self
+            .inner
+            .restore
+            .lock()
+            .expect("restore lock poisoned")
+            .started
+            .get_or_insert_with(SystemTime::now);
+        if !*self.inner.scanned.borrow() {
+            self.restore_state_dir().await;
         }
-        let state_dir = self.inner.state_dir.clone();
-        let scan = match tokio::task::spawn_blocking(move || state_dir.scan()).await {
-            Ok(Ok(scan)) => scan,
-            Ok(Err(e)) => {
-                tracing::error!(error = %e, "reading the endpoint state dir failed; starting without restored endpoints");
-                Default::default()
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "reading the endpoint state dir panicked");
-                Default::default()
-            }
-        };
-        let found = u32::try_from(scan.records.len()).unwrap_or(u32::MAX);
-        tracing::info!(found, unreadable = scan.unreadable.len(), "restoring endpoints");
-        let mut queues = Vec::new();
-        {
-            let mut state = self.state();
-            for (id, reason) in &scan.unreadable {
-                tracing::error!(
-                    endpoint = id,
-                    reason,
-                    "endpoint state unreadable; its id stays reserved"
-                );
-                state.reserved_ids.insert(*id);
-            }
-            for (id, (record, source)) in scan.records {
-                let mut status = EndpointStatus::new(EndpointState::Restoring, &format!("restored from {source:?}"));
-                status.identity = record.identity;
-                status.identity_labels = record.identity_labels.clone();
-                // Its worker removes it at once if asked; regenerations wait
-                // until restore released it below.
-                let queue = Queue::new(true, true);
-                self.spawn_worker(id, queue.clone());
-                queues.push((id, queue.clone()));
-                state.next_id = state.next_id.max(id.wrapping_add(1)).max(1);
-                state.endpoints.insert(
-                    id,
-                    Slot {
-                        spec: record.spec.clone(),
-                        status,
-                        queue,
-                        persisted: Some(record),
-                        resolving: None,
-                    },
-                );
-            }
-            // Peers' named ports before any regeneration: an endpoint
-            // restored before the peers whose ports its rules name would
-            // otherwise lose those entries until they regenerated.
-            let identities: Vec<u32> = state.endpoints.values().map(|s| s.status.identity).collect();
-            let addresses: Vec<IpAddr> = state
-                .endpoints
-                .values()
-                .flat_map(|s| s.spec.addresses.iter().map(|a| a.address))
-                .collect();
-            self.named_ports_changed(&mut state, identities, addresses, "named ports restored");
-            self.update_state_metrics(&state);
-        }
-        self.inner.scanned.send_replace(true);
-        self.inner.restore.lock().expect("restore lock poisoned").found = found;
 
         // The datapath's view: which restored endpoints lost their interface,
         // which ids it holds that no endpoint owns.
         let listed = self
-            .retry_until_ok("svc-loader ListEndpoints", || self.inner.deps.loader.list())
-            .await;
+            .inner
+            .deps
+            .loader
+            .list()
+            .await
+            .map_err(RestoreError::ListDatapath)?;
         let mut dropped = {
             let mut state = self.state();
             for held in &listed.endpoints {
@@ -158,17 +133,45 @@ impl EndpointManager {
         // briefly deny allowed peers.
         self.wait_for_policy_inputs(RESTORE_INPUTS_WAIT).await;
 
-        // Re-reserve addresses and regenerate everything in parallel (the
-        // regeneration semaphore bounds the datapath work).
-        let pending: Vec<(u16, Arc<Queue>)> = queues
-            .into_iter()
-            .filter(|(id, _)| !dropped.iter().any(|(d, _)| d == id))
+        // The restored endpoints not regenerated yet.
+        let pending: Vec<(u16, Arc<Queue>)> = self
+            .state()
+            .endpoints
+            .iter()
+            .filter(|(id, slot)| {
+                slot.status.state == EndpointState::Restoring
+                    && !slot.queue.is_closed()
+                    && !dropped.iter().any(|(d, _)| d == *id)
+            })
+            .map(|(id, slot)| (*id, slot.queue.clone()))
             .collect();
+        // Their addresses first, so svc-ipam does not hand them out again;
+        // while svc-ipam is unreachable the pass is retried, for a while.
+        let ids: Vec<u16> = pending.iter().map(|(id, _)| *id).collect();
+        let reserved: Vec<(u16, Result<(), Status>)> = futures::stream::iter(ids)
+            .map(|id| async move { (id, self.restore_addresses(id).await) })
+            .buffer_unordered(64)
+            .collect()
+            .await;
+        for (id, result) in reserved {
+            match result {
+                Err(e)
+                    if e.code() == Code::Unavailable
+                        && started.elapsed().unwrap_or_default() < RESTORE_ADDRESSES_WAIT =>
+                {
+                    return Err(RestoreError::ReserveAddresses { id, source: e });
+                }
+                Err(e) => {
+                    tracing::error!(endpoint = id, error = %e, "re-reserving the endpoint's addresses failed")
+                }
+                Ok(()) => {}
+            }
+        }
+
+        // Regenerate everything in parallel (the regeneration semaphore
+        // bounds the datapath work).
         let results: Vec<(u16, Result<(), RegenError>)> = futures::stream::iter(pending)
             .map(|(id, queue)| async move {
-                if let Err(e) = self.restore_addresses(id).await {
-                    tracing::error!(endpoint = id, error = %e, "re-reserving the endpoint's addresses failed");
-                }
                 let generation = queue.request("restored");
                 queue.release_hold();
                 (id, queue.wait(generation).await)
@@ -204,22 +207,93 @@ impl EndpointManager {
         }
         self.cleanup_leftovers().await;
 
-        let took = started.elapsed();
+        let took = started.elapsed().unwrap_or_default();
         let dropped_count = u32::try_from(dropped.len()).unwrap_or(u32::MAX);
-        {
+        let found = {
             let mut progress = self.inner.restore.lock().expect("restore lock poisoned");
             progress.restored = restored;
             progress.dropped = dropped_count;
             progress.failed = failed;
             progress.finished = Some(SystemTime::now());
             progress.complete = true;
-        }
+            progress.found
+        };
         events::restore_finished(&self.inner.metrics, found, restored, dropped_count, failed, took);
         self.inner.restore_done.send_replace(true);
+        Ok(Action::done())
+    }
+
+    /// The state dir's endpoints into the table, each with its worker and
+    /// a queue that holds regenerations until restore releases it; the
+    /// ids of unreadable ones reserved. (A pass that panicked in the
+    /// middle left some in the table already: those are kept.)
+    async fn restore_state_dir(&self) {
+        let state_dir = self.inner.state_dir.clone();
+        let scan = match tokio::task::spawn_blocking(move || state_dir.scan()).await {
+            Ok(Ok(scan)) => scan,
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "reading the endpoint state dir failed; starting without restored endpoints");
+                Default::default()
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "reading the endpoint state dir panicked");
+                Default::default()
+            }
+        };
+        let found = u32::try_from(scan.records.len()).unwrap_or(u32::MAX);
+        tracing::info!(found, unreadable = scan.unreadable.len(), "restoring endpoints");
+        {
+            let mut state = self.state();
+            for (id, reason) in &scan.unreadable {
+                tracing::error!(
+                    endpoint = id,
+                    reason,
+                    "endpoint state unreadable; its id stays reserved"
+                );
+                state.reserved_ids.insert(*id);
+            }
+            for (id, (record, source)) in scan.records {
+                if state.endpoints.contains_key(&id) {
+                    continue;
+                }
+                let mut status = EndpointStatus::new(EndpointState::Restoring, &format!("restored from {source:?}"));
+                status.identity = record.identity;
+                status.identity_labels = record.identity_labels.clone();
+                // Its worker removes it at once if asked; regenerations wait
+                // until restore released it.
+                let queue = Queue::new(true, true);
+                self.spawn_worker(id, queue.clone());
+                state.next_id = state.next_id.max(id.wrapping_add(1)).max(1);
+                state.endpoints.insert(
+                    id,
+                    Slot {
+                        spec: record.spec.clone(),
+                        status,
+                        queue,
+                        persisted: Some(record),
+                        resolving: None,
+                    },
+                );
+            }
+            // Peers' named ports before any regeneration: an endpoint
+            // restored before the peers whose ports its rules name would
+            // otherwise lose those entries until they regenerated.
+            let identities: Vec<u32> = state.endpoints.values().map(|s| s.status.identity).collect();
+            let addresses: Vec<IpAddr> = state
+                .endpoints
+                .values()
+                .flat_map(|s| s.spec.addresses.iter().map(|a| a.address))
+                .collect();
+            self.named_ports_changed(&mut state, identities, addresses, "named ports restored");
+            self.update_state_metrics(&state);
+        }
+        self.inner.restore.lock().expect("restore lock poisoned").found = found;
+        self.inner.scanned.send_replace(true);
     }
 
     /// Waits (at most `limit`) for svc-identity's first identity snapshot
-    /// and for the CIDR identities of the repository's policies.
+    /// and for the CIDR identities of the repository's policies (allocated
+    /// by `cidr-identities`, which keeps retrying after the wait).
     async fn wait_for_policy_inputs(&self, limit: Duration) {
         let started = Instant::now();
         let mut synced = self.inner.identities_synced.subscribe();
@@ -227,35 +301,8 @@ impl EndpointManager {
             tracing::warn!(waited = ?limit, "no identity snapshot from svc-identity yet; policies may lack peers until it arrives");
             return;
         }
-        let mut backoff = self.inner.options.retry_backoff.clone();
-        while let Err(e) = self.reconcile_cidrs(false).await {
-            if started.elapsed() >= limit {
-                tracing::warn!(error = %e, "CIDR identities not allocated yet; retrying in the background");
-                self.inner.cidr_wake.notify_one();
-                return;
-            }
-            tokio::time::sleep(backoff.next_delay()).await;
-        }
-    }
-
-    async fn retry_until_ok<T, F, Fut>(&self, what: &str, call: F) -> T
-    where
-        F: Fn() -> Fut,
-        Fut: std::future::Future<Output = Result<T, Status>>,
-    {
-        let mut backoff = self.inner.options.retry_backoff.clone();
-        let mut attempts = 0u32;
-        loop {
-            match call().await {
-                Ok(value) => return value,
-                Err(e) => {
-                    attempts += 1;
-                    if attempts == 1 || attempts.is_multiple_of(10) {
-                        tracing::warn!(call = what, attempts, error = %e, "waiting for a dependency");
-                    }
-                    tokio::time::sleep(backoff.next_delay()).await;
-                }
-            }
+        if !self.cidrs_reconciled(limit.saturating_sub(started.elapsed())).await {
+            tracing::warn!(waited = ?limit, "CIDR identities not allocated yet; retrying in the background");
         }
     }
 
@@ -281,36 +328,16 @@ impl EndpointManager {
             // (and the CNI releases the addresses only once its delete
             // returned). Without it a resync after a svc-ipam restart could
             // re-reserve the addresses of a pod the CNI had just deleted and
-            // released: a leak. Never held across the retries' waits, so a
-            // delete does not wait for svc-ipam to come back.
-            self.retry_while_unavailable(|| async {
-                let _serialised = queue.lock.lock().await;
-                if queue.is_closed() {
-                    return Ok(());
-                }
-                self.inner.deps.ipam.restore(request.clone()).await.map(drop)
-            })
-            .await?;
+            // released: a leak. Released before any retry (the passes of
+            // restore and of the dependency probe retry), so a delete does
+            // not wait for svc-ipam to come back.
+            let _serialised = queue.lock.lock().await;
+            if queue.is_closed() {
+                return Ok(());
+            }
+            self.inner.deps.ipam.restore(request).await?;
         }
         Ok(())
-    }
-
-    /// Retries while the dependency is unreachable; other errors return.
-    async fn retry_while_unavailable<T, F, Fut>(&self, call: F) -> Result<T, Status>
-    where
-        F: Fn() -> Fut,
-        Fut: std::future::Future<Output = Result<T, Status>>,
-    {
-        let mut backoff = self.inner.options.retry_backoff.clone();
-        let give_up = Instant::now() + Duration::from_secs(60);
-        loop {
-            match call().await {
-                Err(e) if e.code() == Code::Unavailable && Instant::now() < give_up => {
-                    tokio::time::sleep(backoff.next_delay()).await;
-                }
-                other => return other,
-            }
-        }
     }
 
     /// Datapath entries, attachments and identity references that no

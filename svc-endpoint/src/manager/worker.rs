@@ -1,10 +1,20 @@
 //! Each endpoint's worker: the one task that regenerates or removes it,
 //! driven by its queue ([`super::queue`]).
+//!
+//! Workers are supervised by the `endpoint-workers` controller: they live
+//! in one [`JoinSet`] beside the manager's state (so a restart of the
+//! supervisor loses none), and a worker that panics is started again for
+//! its endpoint at once (its queue still holds what it was doing: every
+//! step is idempotent) and the panic restarts `endpoint-workers`, which
+//! counts it and shows it in `rivet status`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use rivet_common::controller::Progress;
+use tokio::task::{Id, JoinSet};
 use tonic::Code;
 use tracing::Instrument;
 
@@ -12,10 +22,82 @@ use super::queue::{Queue, RemovalReason};
 use super::{EndpointManager, ManagerError, RegenError};
 use crate::endpoint::{EndpointState, RegenerationStep};
 
+/// The running workers: each task's endpoint and queue.
+#[derive(Debug, Default)]
+pub(super) struct Workers {
+    tasks: JoinSet<()>,
+    endpoints: HashMap<Id, (u16, Arc<Queue>)>,
+}
+
+/// Stops every worker when `endpoint-workers` is cancelled (the daemon
+/// shuts down); not when it unwinds to restart after a worker panicked.
+struct StopWorkersOnShutdown<'a>(&'a EndpointManager);
+
+impl Drop for StopWorkersOnShutdown<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.0.workers().tasks.abort_all();
+        }
+    }
+}
+
 impl EndpointManager {
+    /// Starts the worker of endpoint `id` (supervised by `endpoint-workers`).
     pub(super) fn spawn_worker(&self, id: u16, queue: Arc<Queue>) {
         let this = self.clone();
-        tokio::spawn(async move { this.run_worker(id, queue).await });
+        let worker = queue.clone();
+        let mut workers = self.workers();
+        let task = workers.tasks.spawn(async move { this.run_worker(id, worker).await });
+        workers.endpoints.insert(task.id(), (id, queue));
+        drop(workers);
+        self.inner.workers_added.notify_one();
+    }
+
+    fn workers(&self) -> std::sync::MutexGuard<'_, Workers> {
+        // Nothing panics under this lock.
+        self.inner.workers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `endpoint-workers`: waits for workers to end; one that panicked is
+    /// started again for its endpoint (if that is still there) and the
+    /// panic goes on to the controller, which counts the restart. Never
+    /// returns otherwise.
+    pub(super) async fn supervise_workers(&self, progress: Progress) -> Result<(), std::convert::Infallible> {
+        let _stop = StopWorkersOnShutdown(self);
+        progress.ok();
+        loop {
+            let ended = std::future::poll_fn(|cx| match self.workers().tasks.poll_join_next_with_id(cx) {
+                // No worker at all: wait for one to be added.
+                std::task::Poll::Ready(None) => std::task::Poll::Pending,
+                other => other,
+            });
+            let ended = tokio::select! {
+                ended = ended => ended,
+                () = self.inner.workers_added.notified() => continue,
+            };
+            let Some(ended) = ended else { continue };
+            let task = match &ended {
+                Ok((task, ())) => *task,
+                Err(e) => e.id(),
+            };
+            let endpoint = self.workers().endpoints.remove(&task);
+            let Err(e) = ended else { continue };
+            let Some((id, queue)) = endpoint else { continue };
+            if !e.is_panic() {
+                // Aborted: only when the manager goes away.
+                continue;
+            }
+            tracing::error!(endpoint = id, "the endpoint's worker panicked; starting it again");
+            let still_there = self
+                .state()
+                .endpoints
+                .get(&id)
+                .is_some_and(|slot| Arc::ptr_eq(&slot.queue, &queue));
+            if still_there {
+                self.spawn_worker(id, queue);
+            }
+            std::panic::resume_unwind(e.into_panic());
+        }
     }
 
     /// The endpoint's worker: regenerates while requests come, removes the

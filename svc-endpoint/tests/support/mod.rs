@@ -13,6 +13,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use rivet_common::backoff::Backoff;
+use rivet_common::controller::Controllers;
 use rivet_proto::identity::v1 as idpb;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
@@ -41,6 +42,8 @@ pub enum Mode {
     InternalAfterCall,
     /// Waits until the mode changes (a hung dependency).
     Block,
+    /// Panics, once (then passes): a bug in the code the call runs in.
+    PanicOnce,
 }
 
 /// One call's fault: its mode and how many matching calls entered (a watch,
@@ -172,6 +175,10 @@ fn faulty<'a, T: Send + 'a>(
             Mode::InternalAfterCall => {
                 call().await?;
                 Err(Status::internal(format!("{what}: injected failure after the call")))
+            }
+            Mode::PanicOnce => {
+                fault.set(Mode::Pass);
+                panic!("{what}: injected panic")
             }
             Mode::Pass | Mode::Block => call().await,
         }
@@ -322,11 +329,13 @@ pub fn options(state: &Path) -> ManagerOptions {
     }
 }
 
-/// A started in-process manager over `deps`.
-pub fn start_manager(options: ManagerOptions, deps: Dependencies) -> EndpointManager {
+/// A started in-process manager over `deps`, and its controllers (keep
+/// them: dropping the last handle stops every background loop).
+pub fn start_manager(options: ManagerOptions, deps: Dependencies) -> (EndpointManager, Controllers) {
     let manager = EndpointManager::new(options, deps, EndpointMetrics::default()).expect("the manager starts");
-    manager.start();
-    manager
+    let controllers = Controllers::new();
+    manager.start(&controllers);
+    (manager, controllers)
 }
 
 /// Polls `check` (a status the manager or a daemon reports) every 20 ms
