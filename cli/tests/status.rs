@@ -1,6 +1,7 @@
 //! `rivet status` against a real svc-identity on a real etcd: the node's
 //! health, its exit status and the full reason while the kvstore is away,
-//! back, and while a daemon does not answer.
+//! back, and while a daemon does not answer; and the daemon's controllers
+//! (its identity watch failing and restarted while etcd is away).
 
 use std::path::Path;
 use std::process::Output;
@@ -45,6 +46,32 @@ async fn status_until(sockets: &Path, code: i32, what: &str) -> Output {
             out.status.code(),
             text(&out)
         );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs `rivet status -o json` until svc-identity's `identity-watch`
+/// controller satisfies `pred` (20 s); returns it.
+async fn identity_watch_until(
+    sockets: &Path,
+    what: &str,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let out = status(sockets, &["-o", "json"]);
+        let daemons: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        let watch = daemons
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|d| d["daemon"] == "svc-identity")
+            .flat_map(|d| d["controllers"].as_array().cloned().unwrap_or_default())
+            .find(|c| c["name"] == "identity-watch");
+        if let Some(watch) = watch.filter(|w| pred(w)) {
+            return watch;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}:\n{}", text(&out));
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -99,6 +126,18 @@ async fn status_exits_non_zero_with_the_whole_reason_while_the_kvstore_is_down_a
     assert_eq!(svc["health"], "degraded", "{svc}");
     let reason = svc["problems"][0].as_str().expect("a problem");
     assert!(problem.ends_with(reason), "JSON carries the same full reason: {reason}");
+    // The identity watch fails with etcd and is restarted: rivet status shows it.
+    let watch = identity_watch_until(&sockets, "the watch is shown failing and restarted", |w| {
+        w["state"] == "failing" && w["restarts"].as_u64().unwrap_or(0) >= 1
+    })
+    .await;
+    assert!(!watch["last_error"].as_str().unwrap_or("").is_empty(), "{watch}");
+    let shown = text(&status(&sockets, &[]));
+    let row = shown
+        .lines()
+        .find(|l| l.contains("svc-identity") && l.contains("identity-watch"))
+        .unwrap_or_else(|| panic!("the controller is listed: {shown}"));
+    assert!(row.contains("failing"), "{row}");
 
     let _etcd = tokio::task::spawn_blocking(move || {
         etcd.restart().expect("etcd restarts");
@@ -108,6 +147,7 @@ async fn status_exits_non_zero_with_the_whole_reason_while_the_kvstore_is_down_a
     .unwrap();
     let back = status_until(&sockets, 0, "the store is back").await;
     assert!(text(&back).contains("node health: HEALTHY"), "{}", text(&back));
+    identity_watch_until(&sockets, "the watch runs again", |w| w["state"] == "running").await;
 
     // A daemon whose socket is there but which does not answer.
     identity.kill9();

@@ -60,6 +60,7 @@ use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -211,8 +212,8 @@ impl Controller {
 }
 
 /// Lets a supervised loop say it is doing its job (connected, a watch
-/// established, an event handled): the controller counts as healthy and
-/// its restart backoff starts over.
+/// established, an event handled): the controller counts as healthy and,
+/// with [`ok`](Self::ok), its restart backoff starts over.
 ///
 /// ```
 /// use rivet_common::controller::{Controller, Controllers};
@@ -230,11 +231,21 @@ impl Controller {
 #[derive(Debug, Clone)]
 pub struct Progress {
     cell: Arc<Cell>,
+    /// This run made progress: its end restarts at the initial delay.
+    progressed: Arc<AtomicBool>,
 }
 
 impl Progress {
-    /// Records a success now.
+    /// Records a success now; the next restart waits the initial delay.
     pub fn ok(&self) {
+        self.progressed.store(true, Ordering::Release);
+        self.cell.succeeded(None);
+    }
+
+    /// Records a success now without starting the backoff over: for a step
+    /// (a listing) that says the loop works but not that it will stay up
+    /// (the watch after it may fail at once, again and again).
+    pub fn healthy(&self) {
         self.cell.succeeded(None);
     }
 }
@@ -745,10 +756,13 @@ impl Controllers {
         let mut backoff = controller.backoff;
         self.spawn(async move {
             loop {
-                let progress = Progress { cell: cell.clone() };
-                let before = cell.lock().last_success;
+                let progressed = Arc::new(AtomicBool::new(false));
+                let progress = Progress {
+                    cell: cell.clone(),
+                    progressed: progressed.clone(),
+                };
                 let outcome = AssertUnwindSafe(run(progress)).catch_unwind().await;
-                if cell.lock().last_success != before {
+                if progressed.load(Ordering::Acquire) {
                     // It worked for a while: the next failure starts over.
                     backoff.reset();
                 }
@@ -839,7 +853,7 @@ impl Controllers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::atomic::AtomicU32;
 
     fn no_jitter(initial_ms: u64, max_ms: u64) -> Backoff {
         Backoff::new(Duration::from_millis(initial_ms), Duration::from_millis(max_ms)).with_jitter(0.0)
@@ -963,6 +977,28 @@ mod tests {
             Some("lost the connection"),
             "kept for operators"
         );
+        controllers.shutdown().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn healthy_marks_success_without_starting_the_backoff_over() {
+        let controllers = Controllers::new();
+        let starts = Arc::new(Mutex::new(Vec::new()));
+        let s = starts.clone();
+        let t0 = tokio::time::Instant::now();
+        controllers.supervise(
+            Controller::new("relist").backoff(no_jitter(100, 1000)),
+            move |progress| {
+                s.lock().unwrap().push(t0.elapsed().as_millis());
+                async move {
+                    progress.healthy(); // listed; the watch then fails at once
+                    Err::<(), _>("watch refused")
+                }
+            },
+        );
+        controllers.wait_outcomes("relist", 8).await;
+        assert_eq!(*starts.lock().unwrap(), [0, 100, 300, 700]);
+        assert_eq!(status_of(&controllers, "relist").last_success_age, Some(Duration::ZERO));
         controllers.shutdown().await;
     }
 

@@ -38,9 +38,9 @@ use std::time::Duration;
 use futures::StreamExt;
 use rand::Rng;
 use rivet_common::backoff::Backoff;
+use rivet_common::controller::{Controller, Controllers, Progress, Trigger};
 use rivet_common::labels::{LabelFilter, LabelSource, Labels, ReservedIdentity};
-use tokio::sync::{Notify, broadcast, watch};
-use tokio::task::JoinHandle;
+use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
 use crate::backend::{
@@ -260,8 +260,8 @@ pub struct IdentityAllocator {
     store_error: Mutex<Option<String>>,
     /// The last reconcile pass's error, `None` after a pass that succeeded.
     pass_error: Mutex<Option<String>>,
-    /// Wakes the reconcile loop for a pass now.
-    reconcile: Notify,
+    /// Wakes the reconcile controller for a pass now.
+    reconcile: Trigger,
     /// One reconcile pass at a time.
     pass: tokio::sync::Mutex<()>,
     started: Instant,
@@ -297,7 +297,7 @@ impl IdentityAllocator {
             changes,
             store_error: Mutex::new(None),
             pass_error: Mutex::new(None),
-            reconcile: Notify::new(),
+            reconcile: Trigger::new(),
             pass: tokio::sync::Mutex::new(()),
             started: Instant::now(),
             restored_from: Mutex::new(None),
@@ -393,12 +393,28 @@ impl IdentityAllocator {
             + self.unpublished.lock().expect("unpublished poisoned").len()
     }
 
-    /// Runs the cache watcher and the reconcile loop until aborted.
-    pub fn run(self: &Arc<Self>) -> Vec<JoinHandle<()>> {
-        vec![
-            tokio::spawn(self.clone().watch_loop()),
-            tokio::spawn(self.clone().reconcile_loop()),
-        ]
+    /// Starts the cache watcher (`identity-watch`), the reconcile passes
+    /// (`identity-value-keys`) and their wake-up on a replaced node lease
+    /// (`identity-lease-renewals`) under `controllers`.
+    pub fn run(self: &Arc<Self>, controllers: &Controllers) {
+        let this = self.clone();
+        let watch =
+            Controller::new("identity-watch").backoff(Backoff::new(Duration::from_millis(100), Duration::from_secs(5)));
+        controllers.supervise(watch, move |progress| this.clone().watch(progress));
+        let this = self.clone();
+        reconcile::start(
+            controllers,
+            "identity-value-keys",
+            ReconciledKeys::ValueKeys,
+            &self.opts.metrics,
+            &self.reconcile,
+            move || this.clone().reconcile_pass_and_record(),
+        );
+        let trigger = self.reconcile.clone();
+        reconcile::on_lease_renewed(controllers, "identity-lease-renewals", &self.backend, move || {
+            tracing::info!("lease renewed; re-creating this node's keys");
+            trigger.trigger();
+        });
     }
 
     /// Waits until the first listing of the store completed.
@@ -639,7 +655,7 @@ impl IdentityAllocator {
                 tracing::info!(id, labels = %key, "last local reference released; the kvstore is unreachable, its value key is deleted when it is back");
             } else if let Err(e) = self.delete_released(&key).await {
                 tracing::warn!(id, labels = %key, error = %e, "deleting the released value key failed; the next pass retries");
-                self.reconcile.notify_one();
+                self.reconcile.trigger();
             } else {
                 tracing::info!(id, labels = %key, "last local reference released");
             }
@@ -772,49 +788,37 @@ impl IdentityAllocator {
     }
 
     /// Keeps the cache equal to the store: list, watch, re-list on error.
-    async fn watch_loop(self: Arc<Self>) {
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        loop {
-            match self.backend.list_identities().await {
-                Ok((records, revision)) => {
-                    let recovered = self.store_error().is_some();
-                    self.snapshot_part.set_store_revision(revision);
-                    self.replace_cache(records);
-                    self.restored_from.lock().expect("restored_from poisoned").take();
-                    self.set_store_error(None);
-                    self.ready.send_replace(true);
-                    backoff.reset();
-                    if recovered {
-                        tracing::info!("the identity store answers again; reconciling this node's value keys");
-                        self.reconcile.notify_one();
-                    }
-                    match self.backend.watch_identities(revision).await {
-                        Ok(mut stream) => {
-                            while let Some(event) = stream.next().await {
-                                match event {
-                                    Ok(IdentityEvent::Upsert(r)) => self.apply_upsert(r),
-                                    Ok(IdentityEvent::Delete { id }) => self.apply_delete(id),
-                                    Err(e) => {
-                                        tracing::warn!(error = %e, "identity watch ended; re-listing");
-                                        self.set_store_error(Some(e.to_string()));
-                                        break;
-                                    }
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "watching identities");
-                            self.set_store_error(Some(e.to_string()));
-                        }
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "listing identities");
-                    self.set_store_error(Some(e.to_string()));
-                }
-            }
-            tokio::time::sleep(backoff.next_delay()).await;
+    /// Lists the store into the cache and follows its watch until the
+    /// stream fails or ends (its controller then lists again, with backoff).
+    async fn watch(self: Arc<Self>, progress: Progress) -> Result<(), BackendError> {
+        let result = self.list_and_watch(&progress).await;
+        if let Err(e) = &result {
+            self.set_store_error(Some(e.to_string()));
         }
+        result
+    }
+
+    async fn list_and_watch(&self, progress: &Progress) -> Result<(), BackendError> {
+        let (records, revision) = self.backend.list_identities().await?;
+        let recovered = self.store_error().is_some();
+        self.snapshot_part.set_store_revision(revision);
+        self.replace_cache(records);
+        self.restored_from.lock().expect("restored_from poisoned").take();
+        self.set_store_error(None);
+        self.ready.send_replace(true);
+        progress.ok();
+        if recovered {
+            tracing::info!("the identity store answers again; reconciling this node's value keys");
+            self.reconcile.trigger();
+        }
+        let mut stream = self.backend.watch_identities(revision).await?;
+        while let Some(event) = stream.next().await {
+            match event? {
+                IdentityEvent::Upsert(r) => self.apply_upsert(r),
+                IdentityEvent::Delete { id } => self.apply_delete(id),
+            }
+        }
+        Ok(())
     }
 
     fn apply_upsert(&self, r: IdentityRecord) {
@@ -854,27 +858,16 @@ impl IdentityAllocator {
         }
     }
 
-    /// Runs reconcile passes: on a lease replacement, on demand, after the
-    /// store recovered, periodically, and with backoff after a failure.
-    async fn reconcile_loop(self: Arc<Self>) {
-        let this = &*self;
-        let woken = || async move {
-            tokio::select! {
-                () = this.backend.lease_renewed() => tracing::info!("lease renewed; re-creating this node's keys"),
-                () = this.reconcile.notified() => {}
-            }
-        };
+    /// A pass, its error kept for [`reconcile_error`](Self::reconcile_error);
+    /// the next one in a resync interval.
+    async fn reconcile_pass_and_record(self: Arc<Self>) -> Result<Duration, BackendError> {
         // Every pass writes every held key: nothing to learn from the wake.
-        let pass = |()| async move {
-            let result = this.reconcile_once().await;
-            *this.pass_error.lock().expect("pass error poisoned") = result
-                .as_ref()
-                .err()
-                .map(|e| format!("reconciling this node's value keys: {e}"));
-            result
-        };
-        let (metrics, resync) = (&self.opts.metrics, self.opts.resync_interval);
-        reconcile::run_passes(ReconciledKeys::ValueKeys, metrics, resync, woken, pass).await;
+        let result = self.reconcile_once().await;
+        *self.pass_error.lock().expect("pass error poisoned") = result
+            .as_ref()
+            .err()
+            .map(|e| format!("reconciling this node's value keys: {e}"));
+        result.map(|()| self.opts.resync_interval)
     }
 
     /// One pass (never two at once): every held identity has its value key
@@ -985,6 +978,8 @@ struct PassCounts {
 
 #[cfg(test)]
 mod tests {
+    use tokio::sync::Notify;
+
     use super::*;
     use crate::embedded_backend::EmbeddedBackend;
 
@@ -992,7 +987,9 @@ mod tests {
         s.parse().expect("valid labels")
     }
 
-    async fn allocator(dir: &std::path::Path, max_id: u32) -> Arc<IdentityAllocator> {
+    /// An allocator over an embedded store, running under the returned
+    /// controllers (dropping them stops it).
+    async fn allocator(dir: &std::path::Path, max_id: u32) -> (Arc<IdentityAllocator>, Controllers) {
         let backend = EmbeddedBackend::open(dir.join("store.json"), "node-1").expect("embedded store opens");
         let a = IdentityAllocator::new(
             Arc::new(backend),
@@ -1001,15 +998,16 @@ mod tests {
                 ..AllocatorOptions::default()
             },
         );
-        a.run();
+        let controllers = Controllers::new();
+        a.run(&controllers);
         a.wait_ready().await;
-        a
+        (a, controllers)
     }
 
     #[tokio::test]
     async fn references_are_counted_and_owners_are_idempotent() {
         let dir = tempfile::tempdir().unwrap();
-        let a = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
         let web = labels("k8s:app=web");
         let first = a.allocate(&web, None).await.unwrap();
         assert!(first.newly_allocated);
@@ -1058,7 +1056,7 @@ mod tests {
     #[tokio::test]
     async fn reserved_filtered_and_invalid_labels() {
         let dir = tempfile::tempdir().unwrap();
-        let a = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
         let host = a.allocate(&labels("reserved:host"), None).await.unwrap();
         assert_eq!(
             (host.id, host.kind),
@@ -1089,7 +1087,7 @@ mod tests {
     #[tokio::test]
     async fn exhaustion_is_reported_with_the_range() {
         let dir = tempfile::tempdir().unwrap();
-        let a = allocator(dir.path(), MIN_CLUSTER_ID + 2).await;
+        let (a, _controllers) = allocator(dir.path(), MIN_CLUSTER_ID + 2).await;
         let mut ids = BTreeMap::new();
         for i in 0..3 {
             let got = a.allocate(&labels(&format!("k8s:app=a{i}")), None).await.unwrap();
@@ -1103,10 +1101,10 @@ mod tests {
     async fn identities_survive_a_restart_of_the_embedded_store() {
         let dir = tempfile::tempdir().unwrap();
         let id = {
-            let a = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+            let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
             a.allocate(&labels("k8s:app=db"), None).await.unwrap().id
         };
-        let a = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
         assert_eq!(
             a.lookup(&labels("k8s:app=db")).unwrap(),
             Some(id),
@@ -1189,7 +1187,8 @@ mod tests {
             go: Notify::new(),
         });
         let a = IdentityAllocator::new(backend.clone(), AllocatorOptions::default());
-        let _tasks = a.run();
+        let controllers = Controllers::new();
+        a.run(&controllers);
         a.wait_ready().await;
         let id = a.allocate(&web, Some("endpoint/1")).await.unwrap().id;
         // A pass took the set as held and is writing its value key...

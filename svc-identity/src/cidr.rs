@@ -154,7 +154,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let backend = Arc::new(EmbeddedBackend::open(dir.path().join("s.json"), "n1").unwrap());
         let ipcache = IpCache::new(backend, IpCacheOptions::new("n1"));
-        ipcache.run();
+        let controllers = rivet_common::controller::Controllers::new();
+        ipcache.run(&controllers);
         ipcache.wait_ready().await;
         let cidrs = CidrIdentities::new(ipcache.clone());
         let block: IpNet = "198.18.64.0/18".parse().unwrap();

@@ -210,7 +210,7 @@ impl Collector for PendingWrites {
 }
 
 /// The outcome label of a pass's result.
-fn outcome(result: &Result<(), BackendError>) -> &'static str {
+fn outcome(result: Result<(), &BackendError>) -> &'static str {
     match result {
         Ok(()) => "succeeded",
         Err(BackendError::Unavailable { .. }) => "store_unreachable",
@@ -230,22 +230,17 @@ pub fn allocation_served_locally(m: &IdentityMetrics, id: u32, labels: &str, err
     m.local_allocations.inc();
 }
 
-/// A reconciliation pass ended; `retry_in` is when a failed one runs again.
-pub fn reconcile_pass_finished(
-    m: &IdentityMetrics,
-    keys: ReconciledKeys,
-    result: &Result<(), BackendError>,
-    retry_in: Option<Duration>,
-) {
+/// A reconciliation pass ended.
+pub fn reconcile_pass_finished(m: &IdentityMetrics, keys: ReconciledKeys, result: Result<(), &BackendError>) {
     let outcome = outcome(result);
     match result {
         Ok(()) => tracing::debug!(keys = keys.as_str(), "reconciliation pass succeeded"),
+        // Retried by its controller (rivet_common::controller), which logs when.
         Err(error) => tracing::warn!(
             keys = keys.as_str(),
             outcome,
             %error,
-            ?retry_in,
-            "reconciling this node's keys with the store failed; retrying"
+            "reconciling this node's keys with the store failed"
         ),
     }
     m.passes
@@ -289,10 +284,10 @@ pub fn snapshot_written(m: &IdentityMetrics, identities: usize, ip_entries: usiz
     m.snapshot_write_duration.observe(took.as_secs_f64());
 }
 
-/// Writing the snapshot failed (the previous one stays); retried after
-/// `retry_in` unless the daemon is stopping.
-pub fn snapshot_write_failed(m: &IdentityMetrics, error: &dyn std::fmt::Display, retry_in: Option<Duration>) {
-    tracing::warn!(%error, ?retry_in, "writing the local snapshot failed; the previous one stays");
+/// Writing the snapshot failed (the previous one stays); its controller
+/// retries unless the daemon is stopping.
+pub fn snapshot_write_failed(m: &IdentityMetrics, error: &dyn std::fmt::Display) {
+    tracing::warn!(%error, "writing the local snapshot failed; the previous one stays");
     m.snapshot_writes
         .get_or_create(&OutcomeLabels { outcome: "failed" })
         .inc();

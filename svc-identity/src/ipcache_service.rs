@@ -415,7 +415,8 @@ mod tests {
             ..IpCacheOptions::new("n1")
         };
         let cache = IpCache::new(backend, opts);
-        cache.run();
+        let controllers = rivet_common::controller::Controllers::new();
+        cache.run(&controllers);
         cache.wait_ready().await;
         let service = IpcacheService::new(cache.clone(), BootId::random());
         (cache, service)
@@ -543,7 +544,8 @@ mod tests {
         };
         let backend = Arc::new(EtcdBackend::connect(opts).await.unwrap());
         let cache = IpCache::new(backend.clone(), IpCacheOptions::new("n1"));
-        cache.run();
+        let controllers = rivet_common::controller::Controllers::new();
+        cache.run(&controllers);
         cache.wait_ready().await;
         let service = IpcacheService::new(cache.clone(), BootId::random());
         let kept = entry("198.18.3.1", 300, pb::IpcacheSource::LocalEndpoint);

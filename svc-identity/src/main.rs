@@ -166,16 +166,17 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let mut tasks = ipcache.run();
+    let controllers = Controllers::new();
+    ipcache.run(&controllers);
     // Every entry reaches this node's datapath (retrying until svc-loader is up).
     let loader_sync = LoaderSync::new(
         ipcache.clone(),
         LoaderSyncOptions::new(flags.common.socket_path("svc-loader")),
     );
-    tasks.push(loader_sync.run());
-    tasks.extend(allocator.run());
+    loader_sync.run(&controllers);
+    allocator.run(&controllers);
     if let Some(writer) = &snapshot_writer {
-        tasks.push(writer.run());
+        writer.run(&controllers);
     }
     let mut registry = Registry::with_prefix("rivet");
     {
@@ -198,18 +199,16 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         &flags.common,
         listener,
         identity,
-        Controllers::new(),
+        controllers,
         routes,
         registry,
         Health::default(),
     )
     .await;
-    // A clean stop (SIGTERM/SIGINT): no pass writes any more, the snapshot
-    // holds the last state, and this node's keys go now, not after the
-    // lease TTL (a crash leaves them to the TTL).
-    for task in &tasks {
-        task.abort();
-    }
+    // A clean stop (SIGTERM/SIGINT): the controllers stopped with the
+    // server, so no pass writes any more; the snapshot holds the last state,
+    // and this node's keys go now, not after the lease TTL (a crash leaves
+    // them to the TTL).
     if let Some(writer) = &snapshot_writer {
         writer.write_last().await;
     }

@@ -1,48 +1,66 @@
-//! When the reconcile passes of this node's keys run: the schedule the
+//! The reconcile controllers of this node's keys: the schedule the
 //! allocator's value keys and the IP cache's entries share (a pass when
-//! woken, every resync interval, and again with backoff after a failure;
-//! each outcome one [`events::reconcile_pass_finished`] event).
+//! triggered, every resync interval, and again with backoff after a
+//! failure; each outcome one [`events::reconcile_pass_finished`] event), and
+//! the controllers that trigger them when the node lease was replaced.
 
+use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rivet_common::backoff::Backoff;
-use tokio::time::Instant;
+use rivet_common::controller::{Action, Controller, Controllers, Trigger};
 
-use crate::backend::BackendError;
+use crate::backend::{BackendError, IdentityBackend};
 use crate::events::{self, IdentityMetrics, ReconciledKeys};
 
-/// Runs `pass` for ever, one at a time: when `woken` completes (its value is
-/// handed to the pass, e.g. whether to write every key again), else every
-/// `resync_interval` (with `W::default()`), and, after a failed pass, again
-/// after a backoff of 200 ms doubling up to 10 s (reset by a success).
-pub(crate) async fn run_passes<
-    W: Default,
-    Woken: Future<Output = W>,
-    Pass: Future<Output = Result<(), BackendError>>,
->(
+/// Starts controller `name`: `pass` when `trigger` fires, else after the
+/// delay its `Ok` names (at most the resync interval), and, after a failed
+/// pass, again after a backoff of 200 ms doubling up to 10 s (reset by a
+/// success).
+pub(crate) fn start<Pass, Fut>(
+    controllers: &Controllers,
+    name: &'static str,
     keys: ReconciledKeys,
     metrics: &IdentityMetrics,
-    resync_interval: Duration,
-    mut woken: impl FnMut() -> Woken,
-    mut pass: impl FnMut(W) -> Pass,
+    trigger: &Trigger,
+    mut pass: Pass,
+) where
+    Pass: FnMut() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<Duration, BackendError>> + Send + 'static,
+{
+    let metrics = metrics.clone();
+    let controller = Controller::new(name)
+        .trigger(trigger)
+        .backoff(Backoff::new(Duration::from_millis(200), Duration::from_secs(10)));
+    controllers.reconcile(controller, move || {
+        let (pass, metrics) = (pass(), metrics.clone());
+        async move {
+            let result = pass.await;
+            events::reconcile_pass_finished(&metrics, keys, result.as_ref().map(|_| ()));
+            result.map(Action::requeue)
+        }
+    });
+}
+
+/// Starts controller `name`: `renewed` each time `backend` reports a
+/// replaced node lease (every key must be written again on the new one).
+pub(crate) fn on_lease_renewed(
+    controllers: &Controllers,
+    name: &'static str,
+    backend: &Arc<dyn IdentityBackend>,
+    renewed: impl Fn() + Clone + Send + Sync + 'static,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
-    let mut retry_at: Option<Instant> = None;
+    let backend = backend.clone();
+    controllers.supervise(Controller::new(name), move |progress| {
+        progress.ok();
+        forward(backend.clone(), renewed.clone())
+    });
+}
+
+async fn forward(backend: Arc<dyn IdentityBackend>, renewed: impl Fn()) -> Result<(), Infallible> {
     loop {
-        let next = retry_at.unwrap_or_else(|| Instant::now() + resync_interval);
-        let wake = tokio::select! {
-            wake = woken() => wake,
-            () = tokio::time::sleep_until(next) => W::default(),
-        };
-        let result = pass(wake).await;
-        let retry_in = match result {
-            Ok(()) => {
-                backoff.reset();
-                None
-            }
-            Err(_) => Some(backoff.next_delay()),
-        };
-        retry_at = retry_in.map(|delay| Instant::now() + delay);
-        events::reconcile_pass_finished(metrics, keys, &result, retry_in);
+        backend.lease_renewed().await;
+        renewed();
     }
 }

@@ -42,10 +42,10 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rivet_common::backoff::Backoff;
+use rivet_common::controller::{Action, Controller, Controllers, Trigger};
 use rivet_common::state_file::{StateFile, StateFileError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::allocator::IdentityAllocator;
 use crate::backend::{IdentityRecord, IpEntry, Revision};
@@ -280,50 +280,63 @@ impl SnapshotWriter {
         })
     }
 
-    /// Writes after every change (coalesced) until aborted.
-    pub fn run(self: &Arc<Self>) -> JoinHandle<()> {
-        tokio::spawn(self.clone().write_loop())
-    }
-
-    async fn write_loop(self: Arc<Self>) {
-        let mut identities = self.allocator.state_changes();
-        let mut ipcache = self.ipcache.state_changes();
-        let mut retry = Backoff::new(
+    /// Writes after every change of the allocator's or the IP cache's state
+    /// (`snapshot-writer`; changes within [`SnapshotOptions::min_interval`]
+    /// share one write; a failed write is retried with backoff), woken by
+    /// `snapshot-changes`, under `controllers`.
+    pub fn run(self: &Arc<Self>, controllers: &Controllers) {
+        let trigger = Trigger::new();
+        let retry = Backoff::new(
             self.opts.min_interval.max(Duration::from_millis(100)),
             Duration::from_secs(30),
         );
-        let mut retry_in: Option<Duration> = None;
-        loop {
-            let delay = match retry_in.take() {
-                Some(delay) => delay,
-                None => {
-                    tokio::select! {
-                        changed = identities.changed() => if changed.is_err() { return },
-                        changed = ipcache.changed() => if changed.is_err() { return },
+        let this = self.clone();
+        // What the restore loaded is the file already: no write before a change.
+        let mut changed = false;
+        controllers.reconcile(
+            Controller::new("snapshot-writer").trigger(&trigger).backoff(retry),
+            move || {
+                let (this, write) = (this.clone(), std::mem::replace(&mut changed, true));
+                async move {
+                    if write {
+                        // Whatever changes meanwhile goes into this write.
+                        tokio::time::sleep(this.opts.min_interval).await;
+                        this.write()
+                            .await
+                            .inspect_err(|e| events::snapshot_write_failed(&this.metrics, e))?;
                     }
-                    self.opts.min_interval
+                    Ok::<_, SnapshotError>(Action::await_change())
                 }
-            };
-            // Whatever changes meanwhile goes into this write.
-            tokio::time::sleep(delay).await;
+            },
+        );
+        let this = self.clone();
+        controllers.supervise(Controller::new("snapshot-changes"), move |progress| {
+            progress.ok();
+            this.clone().forward_changes(trigger.clone())
+        });
+    }
+
+    /// Fires `trigger` on every change of the allocator's or the IP cache's
+    /// state; `Ok` when either is gone.
+    async fn forward_changes(self: Arc<Self>, trigger: Trigger) -> Result<(), SnapshotError> {
+        let mut identities = self.allocator.state_changes();
+        let mut ipcache = self.ipcache.state_changes();
+        loop {
+            tokio::select! {
+                changed = identities.changed() => if changed.is_err() { return Ok(()) },
+                changed = ipcache.changed() => if changed.is_err() { return Ok(()) },
+            }
             identities.borrow_and_update();
             ipcache.borrow_and_update();
-            match self.write().await {
-                Ok(()) => retry.reset(),
-                Err(e) => {
-                    let delay = retry.next_delay();
-                    events::snapshot_write_failed(&self.metrics, &e, Some(delay));
-                    retry_in = Some(delay);
-                }
-            }
+            trigger.trigger();
         }
     }
 
-    /// Writes once more now (a clean stop, after the loop was aborted); a
+    /// Writes once more now (a clean stop, after the controllers stopped); a
     /// failure is reported, the previous snapshot stays.
     pub async fn write_last(self: &Arc<Self>) {
         if let Err(e) = self.write().await {
-            events::snapshot_write_failed(&self.metrics, &e, None);
+            events::snapshot_write_failed(&self.metrics, &e);
         }
     }
 
@@ -394,8 +407,9 @@ mod tests {
         let metrics = IdentityMetrics::default();
         let allocator = IdentityAllocator::new(backend.clone(), AllocatorOptions::default());
         let ipcache = IpCache::new(backend, IpCacheOptions::new("n1"));
-        let mut tasks = allocator.run();
-        tasks.extend(ipcache.run());
+        let controllers = Controllers::new();
+        allocator.run(&controllers);
+        ipcache.run(&controllers);
         allocator.wait_ready().await;
         let web = allocator.allocate(&"k8s:app=web".parse().unwrap(), None).await.unwrap();
         let pod = IpcacheEntry::new("198.18.3.1/32".parse().unwrap(), web.id, IpcacheSource::LocalEndpoint);
@@ -407,9 +421,7 @@ mod tests {
             metrics.clone(),
         );
         writer.write().await.expect("written");
-        for t in tasks {
-            t.abort();
-        }
+        controllers.shutdown().await;
 
         let loaded = load(&options(dir.path(), "n1"), &metrics).expect("loaded");
         assert_eq!(
@@ -471,7 +483,8 @@ mod tests {
         let backend = Arc::new(EmbeddedBackend::open(dir.path().join("store.json"), "n1").unwrap());
         let allocator = IdentityAllocator::new(backend.clone(), AllocatorOptions::default());
         let ipcache = IpCache::new(backend, IpCacheOptions::new("n1"));
-        let tasks = allocator.run();
+        let controllers = Controllers::new();
+        allocator.run(&controllers);
         allocator.wait_ready().await;
         let writer = SnapshotWriter::new(
             allocator.clone(),
@@ -501,8 +514,6 @@ mod tests {
             16,
             "the newest snapshot is in the file"
         );
-        for t in tasks {
-            t.abort();
-        }
+        controllers.shutdown().await;
     }
 }

@@ -1270,3 +1270,110 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
     }
     drop(b);
 }
+
+/// The controllers GetInfo reports, by name.
+async fn controllers(d: &DaemonProcess) -> BTreeMap<String, rivet_proto::daemon::v1::ControllerStatus> {
+    let channel = connect_unix(d.socket(), &ClientOptions::default()).await.unwrap();
+    let info = rivet_proto::daemon::v1::daemon_client::DaemonClient::new(channel)
+        .get_info(rivet_proto::daemon::v1::GetInfoRequest {})
+        .await
+        .expect("GetInfo")
+        .into_inner();
+    info.controllers.into_iter().map(|c| (c.name.clone(), c)).collect()
+}
+
+/// Polls GetInfo until controller `name` satisfies `pred` (20 s).
+async fn wait_controller(
+    d: &DaemonProcess,
+    name: &str,
+    what: &str,
+    pred: impl Fn(&rivet_proto::daemon::v1::ControllerStatus) -> bool,
+) -> rivet_proto::daemon::v1::ControllerStatus {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let all = controllers(d).await;
+        let c = all
+            .get(name)
+            .unwrap_or_else(|| panic!("controller {name} is listed: {all:?}"));
+        if pred(c) {
+            return c.clone();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}: {c:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The identity watch is a supervised controller: when its stream fails
+/// (etcd stops under it) it is restarted with backoff, each restart counted
+/// in /metrics by reason and shown by GetInfo, and it is healthy again once
+/// etcd is back.
+#[tokio::test]
+async fn a_failing_identity_watch_is_restarted_counted_in_metrics_and_shown_then_recovers() {
+    use rivet_proto::daemon::v1::ControllerState;
+
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let metrics_address = std::net::SocketAddr::from(([127, 0, 0, 1], rivet_common::testing::free_local_port()));
+    let a = command(dir.path(), "node-a", Some(&etcd.endpoint()))
+        .args(["--metrics-address", &metrics_address.to_string()])
+        .spawn()
+        .await
+        .expect("node-a starts");
+    let mut c = client(&a).await;
+    wait_store(&mut c, "the store is listed", |s| s.connected).await;
+    let names: BTreeSet<String> = controllers(&a).await.into_keys().collect();
+    for expected in [
+        "identity-watch",
+        "identity-value-keys",
+        "identity-lease-renewals",
+        "ipcache-watch",
+        "ipcache-publish",
+        "ipcache-lease-renewals",
+        "ipcache-loader-sync",
+        "snapshot-writer",
+        "snapshot-changes",
+    ] {
+        assert!(names.contains(expected), "{expected} runs as a controller: {names:?}");
+    }
+    let watch = wait_controller(&a, "identity-watch", "the watch is up", |w| {
+        w.state == ControllerState::Running as i32 && w.last_success_age_ms.is_some()
+    })
+    .await;
+    assert_eq!(watch.restarts, 0, "{watch:?}");
+    let series = r#"rivet_controller_restarts_total{controller="identity-watch",reason="error"}"#;
+    assert_eq!(sample(&metrics(metrics_address).await, series), 0.0);
+
+    let etcd = etcd.stop_async().await;
+    let failing = wait_controller(&a, "identity-watch", "the failed watch is restarted", |w| {
+        w.state == ControllerState::Failing as i32 && w.restarts >= 2
+    })
+    .await;
+    assert!(
+        !failing.last_error.is_empty() && failing.failing_for_ms.is_some(),
+        "{failing:?}"
+    );
+    let text = metrics(metrics_address).await;
+    assert!(sample(&text, series) >= 2.0, "restarts are counted by reason:\n{text}");
+    assert_eq!(
+        sample(&text, r#"rivet_controller_failing{controller="identity-watch"}"#),
+        1.0,
+        "{text}"
+    );
+
+    let _etcd = etcd.restart_async().await.expect("etcd restarts");
+    let recovered = wait_controller(&a, "identity-watch", "the watch recovers", |w| {
+        w.state == ControllerState::Running as i32 && w.failing_for_ms.is_none()
+    })
+    .await;
+    assert!(recovered.restarts >= failing.restarts, "{recovered:?}");
+    assert!(
+        !recovered.last_error.is_empty(),
+        "the last error stays for operators: {recovered:?}"
+    );
+    let text = metrics(metrics_address).await;
+    assert_eq!(
+        sample(&text, r#"rivet_controller_failing{controller="identity-watch"}"#),
+        0.0,
+        "{text}"
+    );
+}

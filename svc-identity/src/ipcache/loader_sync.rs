@@ -16,13 +16,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ipnet::IpNet;
 use rivet_common::backoff::Backoff;
+use rivet_common::controller::{Controller, Controllers, Progress};
 use rivet_common::grpc::{BootIdWatch, ClientOptions, DaemonChannel, connect_unix};
 use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::loader::v1 as loader_pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 use tokio::sync::{broadcast, watch};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::{IpCache, IpcacheDelta, IpcacheEntry, IpcacheSource};
@@ -145,9 +145,13 @@ impl LoaderSync {
         })
     }
 
-    /// Starts pushing; runs until aborted.
-    pub fn run(self: &Arc<Self>) -> JoinHandle<()> {
-        tokio::spawn(self.clone().sync_loop())
+    /// Starts pushing (`ipcache-loader-sync`) under `controllers`: a
+    /// session that fails is started again with [`LoaderSyncOptions::retry`]'s
+    /// backoff.
+    pub fn run(self: &Arc<Self>, controllers: &Controllers) {
+        let this = self.clone();
+        let controller = Controller::new("ipcache-loader-sync").backoff(self.opts.retry.clone());
+        controllers.supervise(controller, move |progress| this.clone().sync(progress));
     }
 
     fn lock(&self) -> MutexGuard<'_, LoaderSyncStatus> {
@@ -199,28 +203,22 @@ impl LoaderSync {
         }
     }
 
-    async fn sync_loop(self: Arc<Self>) {
+    /// One session with svc-loader, its error kept for the status; its
+    /// controller starts the next one.
+    async fn sync(self: Arc<Self>, progress: Progress) -> Result<(), SyncError> {
         self.ipcache.wait_ready().await;
-        let mut backoff = self.opts.retry.clone();
-        loop {
-            let error = match self.session(&mut backoff).await {
-                Ok(()) => return,
-                Err(e) => e,
-            };
-            let delay = backoff.next_delay();
-            tracing::warn!(error = %error, ?delay, "pushing the ipcache to svc-loader; retrying");
-            {
-                let mut status = self.lock();
-                status.connected = false;
-                status.last_error = error.to_string();
-            }
-            tokio::time::sleep(delay).await;
+        let result = self.session(&progress).await;
+        if let Err(error) = &result {
+            let mut status = self.lock();
+            status.connected = false;
+            status.last_error = error.to_string();
         }
+        result
     }
 
     /// Connect, full sync, then deltas until something fails. `Ok` only
     /// when the cache is gone.
-    async fn session(&self, backoff: &mut Backoff) -> Result<(), SyncError> {
+    async fn session(&self, progress: &Progress) -> Result<(), SyncError> {
         let channel = connect_unix(&self.opts.socket, &self.opts.client).await?;
         let mut loader = LoaderServiceClient::new(channel.clone());
         let mut daemon = DaemonClient::new(channel);
@@ -228,7 +226,7 @@ impl LoaderSync {
         let flag = restarted.clone();
         let boot = BootIdWatch::new("svc-loader", move |_| flag.store(true, Ordering::SeqCst));
         let mut deltas = self.full_sync(&mut loader, &boot, &restarted).await?;
-        backoff.reset();
+        progress.ok();
         let mut probe = tokio::time::interval(self.opts.probe_interval);
         probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         probe.tick().await;

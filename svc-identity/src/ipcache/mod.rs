@@ -56,13 +56,14 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 use rivet_common::backoff::Backoff;
+use rivet_common::controller::{Controller, Controllers, Trigger};
 use rivet_common::labels::ReservedIdentity;
-use tokio::sync::{Notify, broadcast, watch};
-use tokio::task::JoinHandle;
+use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
 use crate::backend::{IdentityBackend, IpEntry, Revision};
-use crate::events::IdentityMetrics;
+use crate::events::{IdentityMetrics, ReconciledKeys};
+use crate::reconcile;
 use crate::snapshot::{IpcacheSnapshot, SnapshotPart};
 
 use claims::Claims;
@@ -179,7 +180,7 @@ pub struct IpCache {
     /// Progress of the reconcile passes (the publish loop is their only
     /// runner, so passes never overlap).
     progress: watch::Sender<PublishProgress>,
-    reconcile: Notify,
+    reconcile: Trigger,
     /// Its part of the local snapshot: changes and store revision.
     snapshot_part: SnapshotPart,
 }
@@ -218,7 +219,7 @@ impl IpCache {
             ready,
             watch_failed: AtomicBool::new(false),
             progress: watch::channel(PublishProgress::default()).0,
-            reconcile: Notify::new(),
+            reconcile: Trigger::new(),
             snapshot_part: SnapshotPart::default(),
         })
     }
@@ -312,13 +313,26 @@ impl IpCache {
         self.ready.send_replace(true);
     }
 
-    /// Starts following the store (list, watch, re-list) and keeping this
-    /// node's entries in it. The tasks run until aborted.
-    pub fn run(self: &Arc<Self>) -> Vec<JoinHandle<()>> {
-        vec![
-            tokio::spawn(self.clone().store_loop()),
-            tokio::spawn(self.clone().publish_loop()),
-        ]
+    /// Starts following the store (`ipcache-watch`: list, watch, re-list)
+    /// and keeping this node's entries in it (`ipcache-publish`, woken by
+    /// `ipcache-lease-renewals` too) under `controllers`.
+    pub fn run(self: &Arc<Self>, controllers: &Controllers) {
+        let this = self.clone();
+        let watch = Controller::new("ipcache-watch").backoff(self.opts.relist_backoff.clone());
+        controllers.supervise(watch, move |progress| this.clone().watch_store(progress));
+        let this = self.clone();
+        reconcile::start(
+            controllers,
+            "ipcache-publish",
+            ReconciledKeys::IpEntries,
+            &self.opts.metrics,
+            &self.reconcile,
+            move || this.clone().publish_pass(),
+        );
+        let this = self.clone();
+        reconcile::on_lease_renewed(controllers, "ipcache-lease-renewals", &self.backend, move || {
+            this.republish()
+        });
     }
 
     /// The options.

@@ -34,16 +34,20 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use ipnet::IpNet;
+use rivet_common::controller::Progress;
 use tokio::time::Instant;
 
 use super::{IpCache, IpcacheEntry, IpcacheSource, State, parse_prefix, store_ip};
 
 use crate::backend::{BackendError, IpEntry, IpEvent};
-use crate::events::{self, KeyAction, ReconciledKeys, StoreKey};
-use crate::reconcile;
+use crate::events::{self, KeyAction, StoreKey};
 
 /// Store writes in flight at once for one batch.
 const STORE_CONCURRENCY: usize = 16;
+
+/// A watch that ran this long before failing worked: the re-listing after
+/// it starts with the shortest delay.
+const WATCH_WORKED_AFTER: Duration = Duration::from_secs(10);
 
 /// How far the reconcile passes got.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -74,7 +78,7 @@ impl IpCache {
             return;
         }
         let mut rx = self.progress.subscribe();
-        self.reconcile.notify_one();
+        self.reconcile.trigger();
         let _ = tokio::time::timeout(self.opts.publish_wait, rx.wait_for(|p| p.attempted >= generation)).await;
     }
 
@@ -179,50 +183,39 @@ impl IpCache {
 
     /// Keeps the KVSTORE claims equal to the other nodes' store entries:
     /// list, watch from the listing's revision, re-list on any error.
-    pub(super) async fn store_loop(self: Arc<Self>) {
-        let mut backoff = self.opts.relist_backoff.clone();
-        loop {
-            match self.backend.list_ips().await {
-                Ok((entries, revision)) => {
-                    self.snapshot_part.set_store_revision(revision);
-                    self.apply_listing(entries);
-                    self.watch_failed.store(false, Ordering::Release);
-                    match self.backend.watch_ips(revision).await {
-                        Ok(mut stream) => {
-                            let started = Instant::now();
-                            let mut events = 0u64;
-                            loop {
-                                match stream.next().await {
-                                    Some(Ok(event)) => {
-                                        events += 1;
-                                        self.apply_event(event);
-                                    }
-                                    Some(Err(e)) => {
-                                        tracing::warn!(error = %e, "IP cache watch failed; re-listing");
-                                        break;
-                                    }
-                                    None => {
-                                        tracing::warn!("IP cache watch ended; re-listing");
-                                        break;
-                                    }
-                                }
-                            }
-                            // A watch that worked for a while starts over fast.
-                            if events > 0 || started.elapsed() > Duration::from_secs(10) {
-                                backoff.reset();
-                            }
-                        }
-                        Err(e) => tracing::warn!(error = %e, "watching the IP cache"),
-                    }
-                    self.watch_failed.store(true, Ordering::Release);
-                }
+    pub(super) async fn watch_store(self: Arc<Self>, progress: Progress) -> Result<(), BackendError> {
+        let result = self.list_and_watch(&progress).await;
+        self.watch_failed.store(true, Ordering::Release);
+        result
+    }
+
+    async fn list_and_watch(&self, progress: &Progress) -> Result<(), BackendError> {
+        let (entries, revision) = self.backend.list_ips().await?;
+        self.snapshot_part.set_store_revision(revision);
+        self.apply_listing(entries);
+        self.watch_failed.store(false, Ordering::Release);
+        // Listed, but only a watch that works for a while starts the
+        // backoff over (a watch refused at once must not re-list in a loop).
+        progress.healthy();
+        let mut stream = self.backend.watch_ips(revision).await?;
+        let started = Instant::now();
+        while let Some(event) = stream.next().await {
+            let event = match event {
+                Ok(event) => event,
                 Err(e) => {
-                    self.watch_failed.store(true, Ordering::Release);
-                    tracing::warn!(error = %e, "listing the IP cache");
+                    if started.elapsed() > WATCH_WORKED_AFTER {
+                        progress.ok();
+                    }
+                    return Err(e);
                 }
-            }
-            tokio::time::sleep(backoff.next_delay()).await;
+            };
+            self.apply_event(event);
+            progress.ok();
         }
+        if started.elapsed() > WATCH_WORKED_AFTER {
+            progress.ok();
+        }
+        Ok(())
     }
 
     fn apply_listing(&self, entries: Vec<IpEntry>) {
@@ -302,7 +295,7 @@ impl IpCache {
         drop(st);
         self.snapshot_part.changed();
         self.ready.send_replace(true);
-        self.reconcile.notify_one();
+        self.reconcile.trigger();
     }
 
     fn apply_event(&self, event: IpEvent) {
@@ -354,7 +347,7 @@ impl IpCache {
                 {
                     // The store lost an entry this node claims (lease
                     // expired, another node's delete): publish it again.
-                    self.reconcile.notify_one();
+                    self.reconcile.trigger();
                 }
             }
         }
@@ -362,27 +355,26 @@ impl IpCache {
         self.snapshot_part.changed();
     }
 
-    /// Keeps this node's store entries equal to its LOCAL_ENDPOINT claims.
-    pub(super) async fn publish_loop(self: Arc<Self>) {
-        let this = &*self;
-        // Woken with whether every claim is to be written again.
-        let woken = || async move {
-            let deadline = this.lock().restore_deadline;
-            tokio::select! {
-                () = this.backend.lease_renewed() => {
-                    tracing::info!("node lease replaced; publishing this node's IP cache entries again");
-                    true
-                }
-                () = this.reconcile.notified() => false,
-                () = sleep_until_opt(deadline) => {
-                    this.expire_restored();
-                    false
-                }
-            }
-        };
-        let pass = |republish| this.reconcile_once(republish);
-        let (metrics, resync) = (&self.opts.metrics, self.opts.resync_interval);
-        reconcile::run_passes(ReconciledKeys::IpEntries, metrics, resync, woken, pass).await;
+    /// One publish pass (see [`reconcile_once`](Self::reconcile_once)),
+    /// after dropping the restored claims whose grace ended; the next one
+    /// in a resync interval, or when the grace ends if that is sooner.
+    pub(super) async fn publish_pass(self: Arc<Self>) -> Result<Duration, BackendError> {
+        if self.lock().restore_deadline.is_some_and(|d| d <= Instant::now()) {
+            self.expire_restored();
+        }
+        self.reconcile_once().await?;
+        let resync = self.opts.resync_interval;
+        Ok(match self.lock().restore_deadline {
+            Some(deadline) => resync.min(deadline.saturating_duration_since(Instant::now())),
+            None => resync,
+        })
+    }
+
+    /// Every claim is to be written again (on a replaced node lease).
+    pub(super) fn republish(&self) {
+        tracing::info!("node lease replaced; publishing this node's IP cache entries again");
+        self.lock().republish_pending = true;
+        self.reconcile.trigger();
     }
 
     /// Drops the restored claims nobody claimed again.
@@ -408,10 +400,10 @@ impl IpCache {
     /// again with `republish`), and this node's store entries no claim backs
     /// are withdrawn (once the store was listed). Only the publish loop runs
     /// it, so passes never overlap; its outcome is recorded in `progress`.
-    async fn reconcile_once(&self, republish: bool) -> Result<(), BackendError> {
+    async fn reconcile_once(&self) -> Result<(), BackendError> {
         let (writes, withdraw, generation, republished) = {
             let st = self.lock();
-            let republish = republish || st.republish_pending;
+            let republish = st.republish_pending;
             let desired = self.desired(&st);
             let withdraw: Vec<IpNet> = if st.listed {
                 st.own_in_store
@@ -456,12 +448,5 @@ impl IpCache {
                 .map(|e| format!("publishing this node's IP cache entries: {e}")),
         });
         result
-    }
-}
-
-async fn sleep_until_opt(deadline: Option<Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
     }
 }

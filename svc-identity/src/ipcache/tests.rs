@@ -6,6 +6,7 @@ use svc_loader::testing::LoaderNode;
 
 use std::path::PathBuf;
 
+use rivet_common::controller::Controllers;
 use rivet_common::grpc::DaemonChannel;
 use rivet_proto::loader::v1 as loader_pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
@@ -45,7 +46,9 @@ async fn eventually<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-async fn etcd_node(etcd: &EtcdServer, name: &str, host: &str) -> Arc<IpCache> {
+/// A cache of node `name` on `etcd`, running under the returned controllers
+/// (dropping them stops it).
+async fn etcd_node(etcd: &EtcdServer, name: &str, host: &str) -> (Arc<IpCache>, Controllers) {
     let backend = EtcdBackend::connect(EtcdOptions::new(vec![etcd.endpoint()], name))
         .await
         .expect("connecting to the test etcd");
@@ -54,11 +57,12 @@ async fn etcd_node(etcd: &EtcdServer, name: &str, host: &str) -> Arc<IpCache> {
         ..IpCacheOptions::new(name)
     };
     let cache = IpCache::new(Arc::new(backend), opts);
-    cache.run();
+    let controllers = Controllers::new();
+    cache.run(&controllers);
     tokio::time::timeout(WAIT, cache.wait_ready())
         .await
         .expect("the first listing completes");
-    cache
+    (cache, controllers)
 }
 
 /// What a subscriber reconstructs from a snapshot and its deltas.
@@ -99,8 +103,8 @@ impl View {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_entry_published_on_one_node_reaches_the_other_and_claims_follow_precedence() {
     let etcd = EtcdServer::start().expect("starting etcd");
-    let a = etcd_node(&etcd, "node-a", "10.0.0.1").await;
-    let b = etcd_node(&etcd, "node-b", "10.0.0.2").await;
+    let (a, _a_controllers) = etcd_node(&etcd, "node-a", "10.0.0.1").await;
+    let (b, _b_controllers) = etcd_node(&etcd, "node-b", "10.0.0.2").await;
     let x = net("198.18.1.5/32");
     let mut b_view = View::of(&b);
 
@@ -210,7 +214,8 @@ async fn entries_of_a_previous_run_stay_for_the_grace_then_only_reclaimed_ones_r
     {
         let backend = Arc::new(EmbeddedBackend::open(&path, "n1").unwrap());
         let cache = IpCache::new(backend, IpCacheOptions::new("n1"));
-        let tasks = cache.run();
+        let controllers = Controllers::new();
+        cache.run(&controllers);
         cache
             .upsert(vec![
                 pod("198.18.2.1", 300, IpcacheSource::LocalEndpoint, None),
@@ -218,10 +223,7 @@ async fn entries_of_a_previous_run_stay_for_the_grace_then_only_reclaimed_ones_r
             ])
             .await
             .unwrap();
-        for t in tasks {
-            t.abort();
-            let _ = t.await;
-        }
+        controllers.shutdown().await;
     }
     let backend = Arc::new(EmbeddedBackend::open(&path, "n1").unwrap());
     let opts = IpCacheOptions {
@@ -229,7 +231,8 @@ async fn entries_of_a_previous_run_stay_for_the_grace_then_only_reclaimed_ones_r
         ..IpCacheOptions::new("n1")
     };
     let cache = IpCache::new(backend.clone(), opts);
-    cache.run();
+    let controllers = Controllers::new();
+    cache.run(&controllers);
     cache.wait_ready().await;
     let (kept, dropped) = (net("198.18.2.1"), net("198.18.2.2"));
     assert_eq!(cache.get(&kept).map(|e| e.identity), Some(300), "restored at start");
@@ -317,7 +320,8 @@ async fn the_loader_gets_the_view_and_a_full_resync_after_its_restart() {
         ..IpCacheOptions::new("n1")
     };
     let cache = IpCache::new(backend, opts);
-    cache.run();
+    let controllers = Controllers::new();
+    cache.run(&controllers);
     let sync = LoaderSync::new(
         cache.clone(),
         LoaderSyncOptions {
@@ -326,7 +330,7 @@ async fn the_loader_gets_the_view_and_a_full_resync_after_its_restart() {
             ..LoaderSyncOptions::new(node.loader.socket())
         },
     );
-    sync.run();
+    sync.run(&controllers);
     let mut client = node.client().await;
 
     cache
