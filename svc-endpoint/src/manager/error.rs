@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tonic::{Code, Status};
 
+use super::queue::RemovalReason;
 use crate::endpoint::{MAX_ENDPOINT_ID, RegenerationStep};
 use rivet_policy::PolicyError;
 
@@ -16,11 +17,27 @@ pub struct RegenError {
     pub step: RegenerationStep,
     /// What the dependency (or the local step) said.
     pub status: Status,
+    /// What svc-loader said of the endpoint's host interface: gone, or
+    /// another interface at its ifindex (its pod went without a DEL).
+    pub(crate) interface_lost: Option<RemovalReason>,
 }
 
 impl RegenError {
     pub(crate) fn new(step: RegenerationStep, status: Status) -> Self {
-        Self { step, status }
+        Self {
+            step,
+            status,
+            interface_lost: None,
+        }
+    }
+
+    /// The datapath step failed because the endpoint's host interface is
+    /// gone or replaced (`reason`).
+    pub(crate) fn interface_lost(status: Status, reason: RemovalReason) -> Self {
+        Self {
+            interface_lost: Some(reason),
+            ..Self::new(RegenerationStep::Datapath, status)
+        }
     }
 
     /// A regeneration stopped at `step` (or a wait for one ended) because

@@ -6,9 +6,9 @@ use std::time::{Instant, SystemTime};
 use rivet_common::labels::Labels;
 use rivet_proto::identity::v1 as idpb;
 use rivet_proto::loader::v1 as ldpb;
-use tonic::Status;
+use tonic::{Code, Status};
 
-use super::queue::Queue;
+use super::queue::{Queue, RemovalReason};
 use super::{EndpointManager, RegenError};
 use crate::endpoint::{EndpointSpec, EndpointState, RegenerationFailure, RegenerationStep};
 use crate::events;
@@ -214,17 +214,17 @@ impl EndpointManager {
                 policy: Some(resolved.to_proto(revision, self.inner.options.allow_from_host)),
             })
             .await
-            .map_err(|s| RegenError::new(RegenerationStep::Datapath, s))?;
+            .map_err(datapath_failure)?;
         if let Some(held) = applied.endpoint
             && !held.host_ifname.is_empty()
             && held.host_ifname != spec.host_interface
         {
-            return Err(RegenError::new(
-                RegenerationStep::Datapath,
+            return Err(RegenError::interface_lost(
                 Status::failed_precondition(format!(
                     "ifindex {} is now {}, not the endpoint's {}",
                     spec.host_ifindex, held.host_ifname, spec.host_interface
                 )),
+                RemovalReason::InterfaceReplaced,
             ));
         }
         // 4. ipcache
@@ -337,5 +337,16 @@ impl EndpointManager {
             blocking,
         );
         Ok(resolved)
+    }
+}
+
+/// A failed ApplyEndpoint, and whether svc-loader says the endpoint's
+/// host interface is gone (NOT_FOUND) or now another interface
+/// (FAILED_PRECONDITION: the endpoint is attached elsewhere).
+fn datapath_failure(status: Status) -> RegenError {
+    match status.code() {
+        Code::NotFound => RegenError::interface_lost(status, RemovalReason::InterfaceGone),
+        Code::FailedPrecondition => RegenError::interface_lost(status, RemovalReason::InterfaceReplaced),
+        _ => RegenError::new(RegenerationStep::Datapath, status),
     }
 }

@@ -14,9 +14,9 @@ use rivet_proto::loader::v1 as ldpb;
 use tonic::{Code, Status};
 
 use super::interfaces::listed_interface;
-use super::queue::{Queue, RemovalReason};
+use super::queue::Queue;
 use super::{EndpointManager, RegenError, Slot, ipam_owner};
-use crate::endpoint::{EndpointState, EndpointStatus, IDENTITY_OWNER_PREFIX, RegenerationStep, identity_owner};
+use crate::endpoint::{EndpointState, EndpointStatus, IDENTITY_OWNER_PREFIX, identity_owner};
 use crate::events;
 
 /// How long restore waits for the identity snapshot and CIDR identities.
@@ -183,12 +183,10 @@ impl EndpointManager {
         for (id, result) in results {
             match result {
                 Ok(()) => restored += 1,
-                Err(e) if e.step == RegenerationStep::Datapath && e.status.code() == Code::NotFound => {
-                    dropped.push((id, RemovalReason::InterfaceGone));
-                }
-                Err(e) if e.step == RegenerationStep::Datapath && e.status.code() == Code::FailedPrecondition => {
-                    dropped.push((id, RemovalReason::InterfaceReplaced));
-                }
+                Err(RegenError {
+                    interface_lost: Some(reason),
+                    ..
+                }) => dropped.push((id, reason)),
                 // Deleted (DeleteEndpoint) while restore waited: the delete
                 // cleaned it; neither restored nor a failure.
                 Err(e) if e.status.code() == Code::Aborted => {

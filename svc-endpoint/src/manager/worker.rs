@@ -137,7 +137,7 @@ impl EndpointManager {
             if queue.is_closed() || !queue.retry.load(Ordering::SeqCst) {
                 continue;
             }
-            if e.step == RegenerationStep::Datapath && e.status.code() == Code::NotFound {
+            if e.interface_lost == Some(RemovalReason::InterfaceGone) {
                 // svc-loader says the host interface is gone: the pod went
                 // without a DEL. (Another interface at its ifindex is found
                 // by the periodic check and at restore.)
