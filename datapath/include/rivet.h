@@ -175,6 +175,15 @@ struct ct_entry {
 
 /* Lifetimes in seconds; the datapath reads them from the config map so the
  * loader can change them by flag (tests use short ones). */
+/* Defaults (Cilium's), also what the datapath uses for a lifetime left at 0:
+ * rivet-datapath's CtTimeouts::DEFAULT, checked against these by its tests. */
+#define CT_DEFAULT_TCP_SYN 60
+#define CT_DEFAULT_TCP_ESTABLISHED 21600
+#define CT_DEFAULT_TCP_CLOSING 10
+#define CT_DEFAULT_UDP 60
+#define CT_DEFAULT_ICMP 60
+#define CT_DEFAULT_OTHER 60
+
 struct ct_timeouts {
 	__u32 tcp_syn;
 	__u32 tcp_established;

@@ -859,18 +859,26 @@ pub struct CtTimeouts {
     pub other: u32,
 }
 
+impl CtTimeouts {
+    /// The defaults, Cilium's: TCP SYN 60 s, established 6 h, closing 10 s,
+    /// everything non-TCP 60 s. The one place they are written: the
+    /// loader's and svc-gc's flags default to these, and `rivet.h`'s
+    /// `CT_DEFAULT_*` (what the datapath uses for a lifetime left at 0) are
+    /// checked against them.
+    pub const DEFAULT: Self = Self {
+        tcp_syn: 60,
+        tcp_established: 21_600,
+        tcp_closing: 10,
+        udp: 60,
+        icmp: 60,
+        other: 60,
+    };
+}
+
 impl Default for CtTimeouts {
-    /// Cilium's defaults: TCP SYN 60 s, established 6 h, closing 10 s,
-    /// everything non-TCP 60 s.
+    /// [`CtTimeouts::DEFAULT`].
     fn default() -> Self {
-        Self {
-            tcp_syn: 60,
-            tcp_established: 21_600,
-            tcp_closing: 10,
-            udp: 60,
-            icmp: 60,
-            other: 60,
-        }
+        Self::DEFAULT
     }
 }
 
@@ -1187,6 +1195,12 @@ mod tests {
             ("TRACE_TO_CONTAINER", TRACE_TO_CONTAINER.into()),
             ("TRACE_TO_STACK", TRACE_TO_STACK.into()),
             ("TRACE_TO_ENDPOINT", TRACE_TO_ENDPOINT.into()),
+            ("CT_DEFAULT_TCP_SYN", CtTimeouts::DEFAULT.tcp_syn.into()),
+            ("CT_DEFAULT_TCP_ESTABLISHED", CtTimeouts::DEFAULT.tcp_established.into()),
+            ("CT_DEFAULT_TCP_CLOSING", CtTimeouts::DEFAULT.tcp_closing.into()),
+            ("CT_DEFAULT_UDP", CtTimeouts::DEFAULT.udp.into()),
+            ("CT_DEFAULT_ICMP", CtTimeouts::DEFAULT.icmp.into()),
+            ("CT_DEFAULT_OTHER", CtTimeouts::DEFAULT.other.into()),
         ]
     }
 

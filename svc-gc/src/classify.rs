@@ -34,7 +34,8 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use rivet_datapath::maps::{
-    CT_TCP_CLOSING, CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS, ipv4_from_raw, ipv6_from_raw,
+    CT_TCP_CLOSING, CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, CtTimeouts, DIR_EGRESS, DIR_INGRESS, ipv4_from_raw,
+    ipv6_from_raw,
 };
 
 /// The datapath refreshes an entry's `expires` at most once a second: its
@@ -61,17 +62,27 @@ pub struct Timeouts {
     pub icmp: Duration,
 }
 
-impl Default for Timeouts {
-    /// The datapath's defaults (Cilium's): SYN 60 s, established 6 h,
-    /// closing 10 s, UDP 60 s, ICMP 60 s.
-    fn default() -> Self {
+impl From<CtTimeouts> for Timeouts {
+    /// The datapath's lifetimes as idle timeouts (`other` is not used:
+    /// protocols other than TCP and ICMP take `udp`, as the loader's flags
+    /// set them).
+    fn from(t: CtTimeouts) -> Self {
+        let secs = |s: u32| Duration::from_secs(u64::from(s));
         Self {
-            tcp_syn: Duration::from_secs(60),
-            tcp_established: Duration::from_secs(21_600),
-            tcp_closing: Duration::from_secs(10),
-            udp: Duration::from_secs(60),
-            icmp: Duration::from_secs(60),
+            tcp_syn: secs(t.tcp_syn),
+            tcp_established: secs(t.tcp_established),
+            tcp_closing: secs(t.tcp_closing),
+            udp: secs(t.udp),
+            icmp: secs(t.icmp),
         }
+    }
+}
+
+impl Default for Timeouts {
+    /// The datapath's defaults ([`CtTimeouts::DEFAULT`], Cilium's): SYN
+    /// 60 s, established 6 h, closing 10 s, UDP 60 s, ICMP 60 s.
+    fn default() -> Self {
+        CtTimeouts::DEFAULT.into()
     }
 }
 

@@ -14,6 +14,8 @@ use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
 use rivet_common::privileges::Dropped;
+use rivet_datapath::maps::CtTimeouts;
+use rivet_datapath::pin;
 use svc_gc::classify::Timeouts;
 use svc_gc::clock::KernelClock;
 use svc_gc::collector::{Collector, CollectorOptions};
@@ -23,7 +25,6 @@ use svc_gc::interval::IntervalBounds;
 use svc_gc::map::BatchMode;
 use svc_gc::pass::GcMaps;
 use svc_gc::service::GcService;
-use svc_loader::datapath::DatapathOptions;
 use tonic::service::Routes;
 
 /// Rivet's conntrack garbage collector.
@@ -35,24 +36,24 @@ struct Flags {
 
     /// Mount point of the BPF filesystem; the maps are `<bpffs>/rivet/<node-name>/ct4` and `ct6`
     /// (svc-loader's layout).
-    #[arg(long, env = "RIVET_BPFFS", default_value = "/sys/fs/bpf")]
+    #[arg(long, env = "RIVET_BPFFS", default_value = pin::DEFAULT_BPFFS)]
     bpffs: PathBuf,
 
     /// Idle timeout of a TCP connection being opened, seconds (same flag and variable as svc-loader's
     /// datapath lifetime).
-    #[arg(long, env = "RIVET_CT_TCP_SYN_TIMEOUT", default_value_t = 60)]
+    #[arg(long, env = "RIVET_CT_TCP_SYN_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.tcp_syn)]
     ct_tcp_syn_timeout: u32,
     /// Idle timeout of an established TCP connection, seconds.
-    #[arg(long, env = "RIVET_CT_TCP_ESTABLISHED_TIMEOUT", default_value_t = 21600)]
+    #[arg(long, env = "RIVET_CT_TCP_ESTABLISHED_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.tcp_established)]
     ct_tcp_established_timeout: u32,
     /// Idle timeout of a closing TCP connection, seconds.
-    #[arg(long, env = "RIVET_CT_TCP_CLOSING_TIMEOUT", default_value_t = 10)]
+    #[arg(long, env = "RIVET_CT_TCP_CLOSING_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.tcp_closing)]
     ct_tcp_closing_timeout: u32,
     /// Idle timeout of a UDP flow (and of other protocols), seconds.
-    #[arg(long, env = "RIVET_CT_UDP_TIMEOUT", default_value_t = 60)]
+    #[arg(long, env = "RIVET_CT_UDP_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.udp)]
     ct_udp_timeout: u32,
     /// Idle timeout of an ICMP flow, seconds.
-    #[arg(long, env = "RIVET_CT_ICMP_TIMEOUT", default_value_t = 60)]
+    #[arg(long, env = "RIVET_CT_ICMP_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.icmp)]
     ct_icmp_timeout: u32,
 
     /// Interval after the initial pass, before it adapts, seconds.
@@ -139,7 +140,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     privileges.log();
     let opts = options(&flags)?;
     let node = flags.common.node_name();
-    let pin_dir = DatapathOptions::for_node(&flags.bpffs, &node)?.pin_dir;
+    let pin_dir = pin::pin_dir(&flags.bpffs, &node)?;
     let list_timeout = seconds("endpoint-list-timeout-seconds", flags.endpoint_list_timeout_seconds)?;
     let listener = daemon::bind_socket(&flags.common, svc_gc::DAEMON_NAME, svc_gc::READ_ONLY_METHODS)?;
 

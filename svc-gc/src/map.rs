@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::Map;
 use rand::Rng as _;
+use rivet_datapath::spec::{MapDef, map_type_name};
+use rivet_datapath::{PinnedMapError, open_pinned_map};
 
 use crate::sys;
 
@@ -54,12 +56,37 @@ pub enum MapError {
         source: io::Error,
     },
     /// The map could not be opened (not pinned yet, wrong shape).
-    #[error("opening map {map}: {reason}")]
+    #[error("opening map {map}: {source}")]
     Open {
         /// Map name.
         map: String,
         /// Why.
-        reason: String,
+        source: Box<PinnedMapError>,
+    },
+    /// The pinned map is not a hash map (the datapath ABI says it is).
+    #[error("opening map {map}: it is not a hash map ({})", map_type_name(*map_type))]
+    NotAHashMap {
+        /// Map name.
+        map: String,
+        /// Its `BPF_MAP_TYPE_*`.
+        map_type: u32,
+    },
+    /// The map's key or value size is not the size of the Rust types
+    /// used to read it.
+    #[error(
+        "opening map {map}: key/value sizes {key_size}/{value_size} bytes, expected {expected_key_size}/{expected_value_size}"
+    )]
+    Sizes {
+        /// Map name.
+        map: String,
+        /// The map's key size.
+        key_size: u32,
+        /// The map's value size.
+        value_size: u32,
+        /// The key type's size.
+        expected_key_size: usize,
+        /// The value type's size.
+        expected_value_size: usize,
     },
     /// A per-element scan kept restarting (its cursor key vanished again
     /// and again) and was stopped.
@@ -155,24 +182,29 @@ impl<K, V> fmt::Debug for PinnedMap<K, V> {
 }
 
 impl<K: aya::Pod + PartialEq + Send, V: aya::Pod + PartialEq + Send> PinnedMap<K, V> {
-    /// Opens `<pin_dir>/<name>`, a map of the datapath: its type and key and
-    /// value sizes are checked against the embedded datapath object (as
-    /// svc-loader creates it) and against `K` and `V`.
-    pub fn open(pin_dir: &Path, name: &str, mode: BatchMode) -> Result<Self, MapError> {
-        let open_err = |reason: String| MapError::Open {
+    /// Opens `<pin_dir>/<def.name>`, a map of the datapath: its type, key
+    /// and value sizes and flags are checked against the datapath ABI's
+    /// definition (as svc-loader creates it) and against `K` and `V`.
+    pub fn open(pin_dir: &Path, def: &'static MapDef, mode: BatchMode) -> Result<Self, MapError> {
+        let name = def.name;
+        let map = open_pinned_map(pin_dir, def).map_err(|source| MapError::Open {
             map: name.to_owned(),
-            reason,
-        };
-        let map = svc_loader::datapath::open_pinned_map(pin_dir, name).map_err(|e| open_err(e.to_string()))?;
+            source: Box::new(source),
+        })?;
         let data = match map {
             Map::HashMap(data) | Map::LruHashMap(data) => data,
-            other => return Err(open_err(format!("not a hash map: {other:?}"))),
+            _ => {
+                return Err(MapError::NotAHashMap {
+                    map: name.to_owned(),
+                    map_type: def.map_type,
+                });
+            }
         };
-        let fd = data
-            .fd()
-            .as_fd()
-            .try_clone_to_owned()
-            .map_err(|e| open_err(e.to_string()))?;
+        let fd = data.fd().as_fd().try_clone_to_owned().map_err(|source| MapError::Io {
+            map: name.to_owned(),
+            op: "duplicating the fd",
+            source,
+        })?;
         Self::from_fd(name, pin_dir.join(name), fd, mode)
     }
 
@@ -185,15 +217,12 @@ impl<K: aya::Pod + PartialEq + Send, V: aya::Pod + PartialEq + Send> PinnedMap<K
             source,
         })?;
         if info.key_size as usize != size_of::<K>() || info.value_size as usize != size_of::<V>() {
-            return Err(MapError::Open {
+            return Err(MapError::Sizes {
                 map: name.to_owned(),
-                reason: format!(
-                    "key/value sizes {}/{} bytes, expected {}/{}",
-                    info.key_size,
-                    info.value_size,
-                    size_of::<K>(),
-                    size_of::<V>()
-                ),
+                key_size: info.key_size,
+                value_size: info.value_size,
+                expected_key_size: size_of::<K>(),
+                expected_value_size: size_of::<V>(),
             });
         }
         Ok(Self {

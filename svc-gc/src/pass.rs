@@ -31,6 +31,7 @@
 use std::time::{Duration, Instant};
 
 use rivet_datapath::maps::{Ct4Key, Ct6Key, CtEntry};
+use rivet_datapath::spec::{self, MapDef};
 
 use crate::classify::{CtKey, CtRules, Reason};
 use crate::clock::Clock;
@@ -216,13 +217,12 @@ impl<K: CtKey + 'static> Slot<K> {
         }
     }
 
-    /// The slot of map `name` pinned in `pin_dir`.
-    pub fn pinned(pin_dir: &std::path::Path, name: &str, mode: BatchMode) -> Self {
+    /// The slot of the datapath's map `def` pinned in `pin_dir`.
+    pub fn pinned(pin_dir: &std::path::Path, def: &'static MapDef, mode: BatchMode) -> Self {
         let dir = pin_dir.to_owned();
-        let map_name = name.to_owned();
         Self::new(
-            name,
-            Box::new(move || PinnedMap::<K, CtEntry>::open(&dir, &map_name, mode).map(|m| Box::new(m) as CtMap<K>)),
+            def.name,
+            Box::new(move || PinnedMap::<K, CtEntry>::open(&dir, def, mode).map(|m| Box::new(m) as CtMap<K>)),
         )
     }
 
@@ -264,8 +264,8 @@ impl GcMaps {
     /// The node's pinned maps in `pin_dir` (`<bpffs>/rivet/<node>`).
     pub fn pinned(pin_dir: &std::path::Path, mode: BatchMode) -> Self {
         Self {
-            ct4: Slot::pinned(pin_dir, svc_loader::datapath::MAP_CT4, mode),
-            ct6: Slot::pinned(pin_dir, svc_loader::datapath::MAP_CT6, mode),
+            ct4: Slot::pinned(pin_dir, &spec::CT4, mode),
+            ct6: Slot::pinned(pin_dir, &spec::CT6, mode),
         }
     }
 

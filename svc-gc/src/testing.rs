@@ -1,6 +1,7 @@
-//! Test support (feature `testing`): the datapath's real maps pinned in a
-//! unique test directory under `/sys/fs/bpf/rivet/`, synthetic conntrack
-//! entries, and the svc-gc daemon command.
+//! Test support (feature `testing`): the datapath's conntrack maps, created
+//! from the datapath ABI's definitions and pinned in a unique test directory
+//! under `/sys/fs/bpf/rivet/`, synthetic conntrack entries, and the svc-gc
+//! daemon command.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
@@ -8,8 +9,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use rivet_common::testing::DaemonCommand;
 use rivet_datapath::maps::{CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS};
-use svc_loader::datapath::{Datapath, DatapathOptions, MAP_CT4, MAP_CT6};
-use svc_loader::testing::PinDir;
+use rivet_datapath::pin::{self, PIN_ROOT, create_pinned_map};
+use rivet_datapath::spec;
 
 use crate::map::{BatchMode, PinnedMap};
 use crate::pass::GcMaps;
@@ -18,19 +19,28 @@ use crate::pass::GcMaps;
 pub const SECOND: u64 = 1_000_000_000;
 
 /// The bpffs of the tests.
-pub const BPFFS: &str = "/sys/fs/bpf";
+pub const BPFFS: &str = pin::DEFAULT_BPFFS;
 
 static DIRS: AtomicU32 = AtomicU32::new(0);
 
-/// The datapath's maps, created by svc-loader's own code (same types, key
-/// and value sizes, flags) in `<bpffs>/rivet/<node_name>/`, removed on drop.
+/// The datapath's `ct4` and `ct6` maps as svc-loader creates them (the
+/// ABI's types, key and value sizes, flags) in `<bpffs>/rivet/<node_name>/`,
+/// removed on drop. svc-gc opens no other map.
 #[derive(Debug)]
 pub struct TestMaps {
     /// The pin directory (removed on drop).
-    pub pins: PinDir,
+    pub pin_dir: PathBuf,
     /// The node name: svc-gc's `--node-name` with `--bpffs /sys/fs/bpf`.
     pub node_name: String,
     sizes: (u32, u32),
+}
+
+impl Drop for TestMaps {
+    fn drop(&mut self) {
+        if let Err(e) = self.remove() {
+            eprintln!("removing test pins {}: {e}", self.pin_dir.display());
+        }
+    }
 }
 
 impl TestMaps {
@@ -41,9 +51,8 @@ impl TestMaps {
             std::process::id(),
             DIRS.fetch_add(1, Ordering::Relaxed)
         );
-        let pins = PinDir(PathBuf::from(BPFFS).join("rivet").join(&node_name));
         let maps = Self {
-            pins,
+            pin_dir: Path::new(BPFFS).join(PIN_ROOT).join(&node_name),
             node_name,
             sizes: (ct4_max, ct6_max),
         };
@@ -52,15 +61,9 @@ impl TestMaps {
     }
 
     fn load(&self) -> std::io::Result<()> {
-        let mut opts = DatapathOptions::new(&self.pins.0);
-        (opts.ct4_max, opts.ct6_max) = self.sizes;
-        opts.endpoints_max = 64;
-        opts.ipcache_max = 64;
-        opts.policy_max = 64;
-        opts.events_bytes = 4096;
-        // Loading creates and pins every map; dropping the datapath leaves
-        // the pins (nothing is attached).
-        drop(Datapath::open(opts).map_err(std::io::Error::other)?);
+        // The pins hold the maps; the handles are not needed.
+        create_pinned_map(&self.pin_dir, &spec::CT4, self.sizes.0).map_err(std::io::Error::other)?;
+        create_pinned_map(&self.pin_dir, &spec::CT6, self.sizes.1).map_err(std::io::Error::other)?;
         Ok(())
     }
 
@@ -73,7 +76,7 @@ impl TestMaps {
 
     /// Removes the maps (their pins); [`recreate`](Self::recreate) makes new ones.
     pub fn remove(&self) -> std::io::Result<()> {
-        match std::fs::remove_dir_all(&self.pins.0) {
+        match std::fs::remove_dir_all(&self.pin_dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),
         }
@@ -81,17 +84,17 @@ impl TestMaps {
 
     /// `<bpffs>/rivet/<node_name>`.
     pub fn pin_dir(&self) -> &Path {
-        &self.pins.0
+        &self.pin_dir
     }
 
     /// `ct4`, opened like svc-gc opens it.
     pub fn ct4(&self) -> PinnedMap<Ct4Key, CtEntry> {
-        PinnedMap::open(self.pin_dir(), MAP_CT4, BatchMode::Auto).expect("the test ct4 map opens")
+        PinnedMap::open(self.pin_dir(), &spec::CT4, BatchMode::Auto).expect("the test ct4 map opens")
     }
 
     /// `ct6`, opened like svc-gc opens it.
     pub fn ct6(&self) -> PinnedMap<Ct6Key, CtEntry> {
-        PinnedMap::open(self.pin_dir(), MAP_CT6, BatchMode::Auto).expect("the test ct6 map opens")
+        PinnedMap::open(self.pin_dir(), &spec::CT6, BatchMode::Auto).expect("the test ct6 map opens")
     }
 
     /// svc-gc's view of these maps.

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::{DaemonCommand, DaemonProcess, http_get, workspace_binary};
 use rivet_datapath::maps::{Ct4Key, CtEntry, DIR_EGRESS, DIR_INGRESS, ipv4_to_raw};
+use rivet_datapath::spec;
 use rivet_proto::gc::v1 as pb;
 use rivet_proto::gc::v1::gc_service_client::GcServiceClient;
 use svc_endpoint::testing::{EndpointNode, NodeOptions};
@@ -125,7 +126,7 @@ async fn kill_9_during_a_pass_over_a_million_entries_and_restart() {
     // Consistent: every live entry is there, unchanged; everything else is
     // an expired entry as written; both iterations agree.
     let batch: HashMap<Ct4Key, CtEntry> = ct4.dump().unwrap().into_iter().collect();
-    let mut per_entry = PinnedMap::<Ct4Key, CtEntry>::open(maps.pin_dir(), "ct4", BatchMode::Never).unwrap();
+    let mut per_entry = PinnedMap::<Ct4Key, CtEntry>::open(maps.pin_dir(), &spec::CT4, BatchMode::Never).unwrap();
     let walked: HashMap<Ct4Key, CtEntry> = per_entry.dump().unwrap().into_iter().collect();
     assert!(!per_entry.batched());
     assert_eq!(batch.len(), live + left);
@@ -262,7 +263,7 @@ async fn rivet_gc_run_and_status_and_metrics() {
 /// The ct4 entries of connections to `dst`, by key.
 fn entries_to(pin_dir: &Path, dst: SocketAddr) -> HashMap<Ct4Key, CtEntry> {
     let SocketAddr::V4(dst) = dst else { panic!("IPv4") };
-    let mut map = PinnedMap::<Ct4Key, CtEntry>::open(pin_dir, "ct4", BatchMode::Auto).unwrap();
+    let mut map = PinnedMap::<Ct4Key, CtEntry>::open(pin_dir, &spec::CT4, BatchMode::Auto).unwrap();
     map.dump()
         .unwrap()
         .into_iter()

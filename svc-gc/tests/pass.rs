@@ -13,6 +13,7 @@ use std::time::Duration;
 use rivet_datapath::maps::{
     CT_TCP_CLOSING, CT_TCP_ESTABLISHED, CT_TCP_SYN, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS,
 };
+use rivet_datapath::spec::{self, MapDef};
 use svc_gc::classify::{CtRules, LocalEndpoints, Timeouts};
 use svc_gc::clock::{Clock, KernelClock};
 use svc_gc::collector::{Collector, CollectorOptions};
@@ -294,19 +295,18 @@ fn refreshed(e: &CtEntry, now: u64) -> CtEntry {
 
 fn slot<K: svc_gc::classify::CtKey + 'static>(
     maps: &TestMaps,
-    name: &str,
+    def: &'static MapDef,
     mode: BatchMode,
     refresh: Vec<(K, CtEntry)>,
 ) -> Slot<K> {
     let dir = maps.pin_dir().to_owned();
-    let map_name = name.to_owned();
     let mut refresh = Some(refresh);
     Slot::new(
-        name,
+        def.name,
         Box::new(move || {
             Ok(Box::new(RefreshDuringPass {
-                inner: PinnedMap::open(&dir, &map_name, mode)?,
-                writer: PinnedMap::open(&dir, &map_name, BatchMode::Auto)?,
+                inner: PinnedMap::open(&dir, def, mode)?,
+                writer: PinnedMap::open(&dir, def, BatchMode::Auto)?,
                 refresh: refresh.take().unwrap_or_default(),
                 chunks: 0,
             }) as CtMap<K>)
@@ -369,8 +369,8 @@ fn sweep(mode: BatchMode) {
         .map(|e| (e.0, refreshed(&e.1, now)))
         .collect();
     let mut gc = GcMaps {
-        ct4: slot(&maps, "ct4", mode, r4.clone()),
-        ct6: slot(&maps, "ct6", mode, r6.clone()),
+        ct4: slot(&maps, &spec::CT4, mode, r4.clone()),
+        ct6: slot(&maps, &spec::CT6, mode, r6.clone()),
     };
     let plan = PassPlan {
         number: 1,
@@ -598,7 +598,7 @@ fn fill_estimates_are_close_and_cheap() {
         assert!(took < Duration::from_millis(200), "{took:?}");
         eprintln!("{total} entries: estimate {estimate} in {took:?}");
     }
-    let mut per_entry = PinnedMap::<Ct4Key, CtEntry>::open(maps.pin_dir(), "ct4", BatchMode::Never).unwrap();
+    let mut per_entry = PinnedMap::<Ct4Key, CtEntry>::open(maps.pin_dir(), &spec::CT4, BatchMode::Never).unwrap();
     assert!(per_entry.estimate_len().is_err(), "no estimate without batches");
 }
 

@@ -150,14 +150,6 @@ struct {
  * the kernel's default reassembly timeout (net.ipv4.ipfrag_time). */
 #define FRAG_LIFETIME_NS (30 * NSEC_PER_SEC)
 
-/* Defaults when the loader left a timeout at 0 (seconds). */
-#define CT_DEFAULT_TCP_SYN 60
-#define CT_DEFAULT_TCP_ESTABLISHED 21600
-#define CT_DEFAULT_TCP_CLOSING 10
-#define CT_DEFAULT_UDP 60
-#define CT_DEFAULT_ICMP 60
-#define CT_DEFAULT_OTHER 60
-
 #define TCP_FLAG_FIN 0x01
 #define TCP_FLAG_SYN 0x02
 #define TCP_FLAG_RST 0x04

@@ -72,34 +72,39 @@ pub fn object_sha256() -> String {
 
 #[cfg(test)]
 mod object_tests {
-    use rivet_datapath::maps::*;
+    use rivet_datapath::spec::{self, BPF_MAP_TYPE_RINGBUF, MapSpec};
 
-    /// The maps in the compiled object have exactly the key and value sizes
-    /// of the ABI crate's types the loader uses for them.
+    /// Every map of the compiled object is the datapath ABI's definition of
+    /// it, exactly (type, key and value sizes, flags, size), and the ABI
+    /// defines no map the object lacks: svc-gc and inspection open pins
+    /// against these definitions without the object.
     #[test]
-    fn object_maps_have_the_rust_key_and_value_sizes() {
+    fn object_maps_are_the_abi_definitions() {
         let obj = aya_obj::Object::parse(super::DATAPATH_OBJECT).expect("the embedded object parses");
-        let expect = [
-            ("endpoints", size_of::<EndpointKey>(), size_of::<EndpointInfo>()),
-            ("ipcache", size_of::<IpcacheKey>(), size_of::<IpcacheValue>()),
-            ("policy", size_of::<PolicyKey>(), size_of::<PolicyValue>()),
-            ("ep_prefixes", size_of::<EpPrefixKey>(), size_of::<EpPrefixValue>()),
-            ("ct4", size_of::<Ct4Key>(), size_of::<CtEntry>()),
-            ("ct6", size_of::<Ct6Key>(), size_of::<CtEntry>()),
-            ("metrics", size_of::<u32>(), size_of::<MetricsValue>()),
-            ("config", size_of::<u32>(), size_of::<DatapathConfig>()),
-            ("fragments", size_of::<FragKey>(), size_of::<FragValue>()),
-        ];
-        for (name, key, value) in expect {
-            let map = obj
-                .maps
-                .get(name)
-                .unwrap_or_else(|| panic!("the object has no map {name}"));
-            assert_eq!(map.key_size() as usize, key, "key size of map {name}");
-            assert_eq!(map.value_size() as usize, value, "value size of map {name}");
+        let mut in_object = Vec::new();
+        for (name, map) in &obj.maps {
+            if !matches!(
+                map.section_kind(),
+                aya_obj::EbpfSectionKind::Maps | aya_obj::EbpfSectionKind::BtfMaps
+            ) {
+                continue; // .rodata/.data/.bss
+            }
+            let def = spec::by_name(name).unwrap_or_else(|| panic!("map {name} of the object has no MapDef"));
+            let ringbuf = map.map_type() == BPF_MAP_TYPE_RINGBUF;
+            let found = MapSpec {
+                map_type: map.map_type(),
+                key_size: if ringbuf { 0 } else { map.key_size() },
+                value_size: if ringbuf { 0 } else { map.value_size() },
+                max_entries: map.max_entries(),
+                flags: map.map_flags(),
+            };
+            assert_eq!(found, def.spec(def.default_max_entries), "map {name}");
+            in_object.push(name.as_str());
         }
-        assert_eq!(obj.maps["metrics"].max_entries(), METRICS_ENTRIES);
-        assert!(obj.maps.contains_key("events"), "the object has no events ring buffer");
+        in_object.sort_unstable();
+        let mut defined = spec::MAP_NAMES.to_vec();
+        defined.sort_unstable();
+        assert_eq!(in_object, defined, "maps of the object vs the ABI's");
     }
 }
 

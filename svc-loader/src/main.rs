@@ -15,6 +15,7 @@ use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
 use rivet_common::privileges::Dropped;
 use rivet_datapath::maps::CtTimeouts;
+use rivet_datapath::{pin, spec};
 use svc_loader::datapath::{Datapath, DatapathOptions};
 use svc_loader::events::LoaderMetrics;
 use svc_loader::loader::EndpointDatapath;
@@ -30,7 +31,7 @@ struct Flags {
     common: CommonArgs,
 
     /// Mount point of the BPF filesystem; pins go to `<bpffs>/rivet/<node-name>/`.
-    #[arg(long, env = "RIVET_BPFFS", default_value = "/sys/fs/bpf")]
+    #[arg(long, env = "RIVET_BPFFS", default_value = pin::DEFAULT_BPFFS)]
     bpffs: PathBuf,
 
     /// Only veths whose name starts with this are endpoint interfaces.
@@ -38,39 +39,39 @@ struct Flags {
     endpoint_interface_prefix: String,
 
     /// Size of the endpoints map (one entry per endpoint and per address).
-    #[arg(long, env = "RIVET_ENDPOINTS_MAX", default_value_t = 65536)]
+    #[arg(long, env = "RIVET_ENDPOINTS_MAX", default_value_t = spec::ENDPOINTS.default_max_entries)]
     endpoints_max: u32,
     /// Size of the ipcache (LPM trie, allocated on use).
-    #[arg(long, env = "RIVET_IPCACHE_MAX", default_value_t = 524288)]
+    #[arg(long, env = "RIVET_IPCACHE_MAX", default_value_t = spec::IPCACHE.default_max_entries)]
     ipcache_max: u32,
     /// Size of the policy map, all endpoints together (LPM trie, allocated on use).
-    #[arg(long, env = "RIVET_POLICY_MAX", default_value_t = 16384 * 64)]
+    #[arg(long, env = "RIVET_POLICY_MAX", default_value_t = spec::POLICY.default_max_entries)]
     policy_max: u32,
     /// Size of the per-endpoint prefixes map (ipBlock peers matched by
     /// address), all endpoints together (LPM trie, allocated on use).
-    #[arg(long, env = "RIVET_EP_PREFIXES_MAX", default_value_t = 4096 * 64)]
+    #[arg(long, env = "RIVET_EP_PREFIXES_MAX", default_value_t = spec::EP_PREFIXES.default_max_entries)]
     ep_prefixes_max: u32,
     /// Entries of each conntrack map (ct4, ct6): 512Ki TCP + 256Ki other by default.
-    #[arg(long, env = "RIVET_CT_MAX", default_value_t = 786432)]
+    #[arg(long, env = "RIVET_CT_MAX", default_value_t = spec::CT4.default_max_entries)]
     ct_max: u32,
     /// Size of the event ring buffer in bytes.
-    #[arg(long, env = "RIVET_EVENTS_BYTES", default_value_t = 1 << 20)]
+    #[arg(long, env = "RIVET_EVENTS_BYTES", default_value_t = spec::EVENTS.default_max_entries)]
     events_bytes: u32,
 
     /// Conntrack lifetime of a TCP connection being opened, seconds.
-    #[arg(long, env = "RIVET_CT_TCP_SYN_TIMEOUT", default_value_t = 60)]
+    #[arg(long, env = "RIVET_CT_TCP_SYN_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.tcp_syn)]
     ct_tcp_syn_timeout: u32,
     /// Conntrack lifetime of an established TCP connection, seconds.
-    #[arg(long, env = "RIVET_CT_TCP_ESTABLISHED_TIMEOUT", default_value_t = 21600)]
+    #[arg(long, env = "RIVET_CT_TCP_ESTABLISHED_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.tcp_established)]
     ct_tcp_established_timeout: u32,
     /// Conntrack lifetime of a closing TCP connection, seconds.
-    #[arg(long, env = "RIVET_CT_TCP_CLOSING_TIMEOUT", default_value_t = 10)]
+    #[arg(long, env = "RIVET_CT_TCP_CLOSING_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.tcp_closing)]
     ct_tcp_closing_timeout: u32,
     /// Conntrack lifetime of a UDP flow, seconds.
-    #[arg(long, env = "RIVET_CT_UDP_TIMEOUT", default_value_t = 60)]
+    #[arg(long, env = "RIVET_CT_UDP_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.udp)]
     ct_udp_timeout: u32,
     /// Conntrack lifetime of an ICMP flow, seconds.
-    #[arg(long, env = "RIVET_CT_ICMP_TIMEOUT", default_value_t = 60)]
+    #[arg(long, env = "RIVET_CT_ICMP_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.icmp)]
     ct_icmp_timeout: u32,
 
     /// How often the node's addresses are re-published as the host identity.

@@ -616,7 +616,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 .iter()
                 .map(|m| pb::MapStatus {
                     name: m.name.clone(),
-                    map_type: crate::datapath::map_type_name(m.spec.map_type),
+                    map_type: rivet_datapath::spec::map_type_name(m.spec.map_type),
                     key_size: m.spec.key_size,
                     value_size: m.spec.value_size,
                     max_entries: m.spec.max_entries,

@@ -10,7 +10,7 @@ use aya::maps::MapError;
 use aya::programs::ProgramError;
 
 use super::attach::Hook;
-use super::pins::MapSpec;
+use rivet_datapath::spec::MapSpec;
 
 /// Renders an error with all its sources (`a: b: c`); aya keeps the useful
 /// part (the errno, the verifier log) in the sources.
@@ -39,6 +39,9 @@ pub enum DatapathError {
     /// The options cannot work.
     #[error("invalid datapath options: {0}")]
     InvalidOptions(String),
+    /// The node name cannot name a pin directory.
+    #[error(transparent)]
+    PinDir(#[from] rivet_datapath::PinDirError),
     /// The pin directory is not on a BPF filesystem.
     #[error(
         "{} is not on a BPF filesystem (found filesystem type {fs_type:#x}); \

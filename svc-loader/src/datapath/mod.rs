@@ -38,8 +38,8 @@
 //!
 //! [`Datapath`] itself (here: open, maps, config, test runs) and, by
 //! concern: `options` (pin directory and map sizes), `error`
-//! ([`DatapathError`]), `pins` (map names, checking pins, opening a pinned
-//! map from another process), `attach` (tc filters: attach, detach, adopt,
+//! ([`DatapathError`]), `pins` (the specs the pins must have, checking
+//! them), `attach` (tc filters: attach, detach, adopt,
 //! list), `legacy` (moving TCX link pins of earlier loaders to filters),
 //! `typed_maps` (the shared typed map handles).
 
@@ -60,6 +60,7 @@ use aya::programs::{ProgramError, ProgramFd};
 use aya::{Ebpf, EbpfLoader};
 use rivet_bpf_sys as sys;
 use rivet_datapath::maps::{DatapathConfig, METRICS_ENTRIES, MetricsValue};
+use rivet_datapath::spec::{MAP_CONFIG, MAP_EVENTS, MAP_METRICS, MapSpec};
 
 use crate::DATAPATH_OBJECT;
 
@@ -72,14 +73,7 @@ pub use attach::{
 pub use error::DatapathError;
 use error::{io_err, map_err};
 pub use legacy::LEGACY_LINKS_DIR;
-pub use options::{
-    DEFAULT_BPFFS, DEFAULT_CT_MAX, DEFAULT_ENDPOINTS_MAX, DEFAULT_EP_PREFIXES_MAX, DEFAULT_EVENTS_BYTES,
-    DEFAULT_IPCACHE_MAX, DEFAULT_POLICY_MAX, DatapathOptions,
-};
-pub use pins::{
-    MAP_CONFIG, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_FRAGMENTS, MAP_IPCACHE, MAP_METRICS,
-    MAP_NAMES, MAP_POLICY, MapSpec, map_type_name, open_pinned_map,
-};
+pub use options::DatapathOptions;
 use pins::{check_bpffs, check_map_pin, expected_specs};
 use typed_maps::take_map;
 pub use typed_maps::{DatapathMaps, SharedMap};

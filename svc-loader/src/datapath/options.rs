@@ -3,26 +3,12 @@
 use std::path::{Path, PathBuf};
 
 use rivet_datapath::maps::CtTimeouts;
+use rivet_datapath::spec::{
+    self, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_IPCACHE, MAP_POLICY,
+};
 
 use super::error::DatapathError;
 use super::legacy::LEGACY_LINKS_DIR;
-use super::pins::{MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_IPCACHE, MAP_POLICY};
-
-/// Default bpffs mount point.
-pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
-/// Default endpoints map size (Cilium: 64Ki endpoints per node).
-pub const DEFAULT_ENDPOINTS_MAX: u32 = 65_536;
-/// Default ipcache size (Cilium: 512Ki prefixes).
-pub const DEFAULT_IPCACHE_MAX: u32 = 524_288;
-/// Default policy map size: 16Ki entries per endpoint, for 64 endpoints' worth.
-pub const DEFAULT_POLICY_MAX: u32 = 16_384 * 64;
-/// Default per-endpoint prefixes map size: 4Ki prefixes per endpoint, for 64
-/// endpoints' worth.
-pub const DEFAULT_EP_PREFIXES_MAX: u32 = 4096 * 64;
-/// Default conntrack size per family (Cilium: 512Ki TCP + 256Ki other).
-pub const DEFAULT_CT_MAX: u32 = 512 * 1024 + 256 * 1024;
-/// Default event ring buffer size (bytes).
-pub const DEFAULT_EVENTS_BYTES: u32 = 1 << 20;
 
 /// Where the datapath's pins live and how big its maps are.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,31 +37,28 @@ pub struct DatapathOptions {
 }
 
 impl DatapathOptions {
-    /// Cilium-like defaults with the pins in `pin_dir`.
+    /// The datapath ABI's default sizes (Cilium-like, [`rivet_datapath::spec`])
+    /// and lifetimes ([`CtTimeouts::DEFAULT`]) with the pins in `pin_dir`.
     pub fn new(pin_dir: impl Into<PathBuf>) -> Self {
         Self {
             pin_dir: pin_dir.into(),
-            endpoints_max: DEFAULT_ENDPOINTS_MAX,
-            ipcache_max: DEFAULT_IPCACHE_MAX,
-            policy_max: DEFAULT_POLICY_MAX,
-            ep_prefixes_max: DEFAULT_EP_PREFIXES_MAX,
-            ct4_max: DEFAULT_CT_MAX,
-            ct6_max: DEFAULT_CT_MAX,
-            events_bytes: DEFAULT_EVENTS_BYTES,
-            ct_timeouts: CtTimeouts::default(),
+            endpoints_max: spec::ENDPOINTS.default_max_entries,
+            ipcache_max: spec::IPCACHE.default_max_entries,
+            policy_max: spec::POLICY.default_max_entries,
+            ep_prefixes_max: spec::EP_PREFIXES.default_max_entries,
+            ct4_max: spec::CT4.default_max_entries,
+            ct6_max: spec::CT6.default_max_entries,
+            events_bytes: spec::EVENTS.default_max_entries,
+            ct_timeouts: CtTimeouts::DEFAULT,
             event_flags: 0,
         }
     }
 
-    /// Defaults with the pins in `<bpffs>/rivet/<node>`. The node name must
-    /// be one path component (no `/`, not `.` or `..`).
+    /// Defaults with the pins in `<bpffs>/rivet/<node>`
+    /// ([`rivet_datapath::pin_dir`]). The node name must be one path
+    /// component (no `/`, not `.` or `..`).
     pub fn for_node(bpffs: impl AsRef<Path>, node: &str) -> Result<Self, DatapathError> {
-        if node.is_empty() || node == "." || node == ".." || node.contains('/') || node.contains('\0') {
-            return Err(DatapathError::InvalidOptions(format!(
-                "node name {node:?} cannot name a pin directory"
-            )));
-        }
-        Ok(Self::new(bpffs.as_ref().join("rivet").join(node)))
+        Ok(Self::new(rivet_datapath::pin_dir(bpffs, node)?))
     }
 
     /// `<pin_dir>/links`, where earlier loaders pinned TCX links.

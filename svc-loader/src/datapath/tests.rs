@@ -14,6 +14,9 @@ use rivet_datapath::maps::{
     VERDICT_ALLOW,
 };
 
+use rivet_datapath::pin::{DEFAULT_BPFFS, open_pinned_map};
+use rivet_datapath::spec::{self, MAP_CT4, MAP_CT6, MAP_NAMES};
+
 use super::options::page_size;
 use super::pins::BPF_FS_MAGIC;
 use super::*;
@@ -199,12 +202,15 @@ fn open_twice_reuses_the_pinned_maps() {
     drop(first);
     drop(second);
     // Pins outlive the loader; another process can open one.
-    let ct4 = open_pinned_map(&dir.0, MAP_CT4).unwrap();
+    let ct4 = open_pinned_map(&dir.0, &spec::CT4).unwrap();
     aya::maps::HashMap::<_, Ct4Key, CtEntry>::try_from(ct4).unwrap();
-    let endpoints = open_pinned_map(&dir.0, MAP_ENDPOINTS).unwrap();
+    let endpoints = open_pinned_map(&dir.0, &spec::ENDPOINTS).unwrap();
     let endpoints = aya::maps::HashMap::<_, EndpointKey, EndpointInfo>::try_from(endpoints).unwrap();
     assert_eq!(endpoints.get(&key, 0).unwrap(), info);
-    assert!(open_pinned_map(&dir.0, "nope").is_err());
+    // Every map the loader pinned is what the ABI crate defines.
+    for def in &spec::ALL {
+        open_pinned_map(&dir.0, def).unwrap_or_else(|e| panic!("{e}"));
+    }
 }
 
 #[test]

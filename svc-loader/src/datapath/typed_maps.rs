@@ -11,7 +11,7 @@ use rivet_datapath::maps::{
 };
 
 use super::error::{DatapathError, map_err};
-use super::pins::{
+use rivet_datapath::spec::{
     MAP_CONFIG, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_FRAGMENTS, MAP_IPCACHE, MAP_METRICS, MAP_POLICY,
 };
 

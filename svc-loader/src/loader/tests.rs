@@ -55,7 +55,7 @@ impl Fixture {
             pins,
             ifindexes,
             policy_max,
-            ep_prefixes_max: crate::datapath::DEFAULT_EP_PREFIXES_MAX,
+            ep_prefixes_max: rivet_datapath::spec::EP_PREFIXES.default_max_entries,
         }
     }
 

@@ -1,0 +1,319 @@
+//! The datapath's maps as the kernel holds them: their names (also their
+//! pin names), types, key and value sizes, flags and default sizes. One
+//! [`MapDef`] per map of `svc-loader/bpf/datapath.c`; svc-loader's tests
+//! check the compiled object against [`ALL`], so a map added there fails
+//! until it is defined here.
+
+use std::fmt;
+
+use crate::maps::{
+    Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, FragKey, FragValue,
+    IpcacheKey, IpcacheValue, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue,
+};
+
+/// `BPF_MAP_TYPE_HASH`.
+pub const BPF_MAP_TYPE_HASH: u32 = 1;
+/// `BPF_MAP_TYPE_ARRAY`.
+pub const BPF_MAP_TYPE_ARRAY: u32 = 2;
+/// `BPF_MAP_TYPE_PERCPU_ARRAY`.
+pub const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+/// `BPF_MAP_TYPE_LRU_HASH`.
+pub const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+/// `BPF_MAP_TYPE_LPM_TRIE`.
+pub const BPF_MAP_TYPE_LPM_TRIE: u32 = 11;
+/// `BPF_MAP_TYPE_RINGBUF`.
+pub const BPF_MAP_TYPE_RINGBUF: u32 = 27;
+/// `BPF_F_NO_PREALLOC`: LPM tries must have it (the kernel requires it).
+pub const BPF_F_NO_PREALLOC: u32 = 1;
+
+/// Map names (as in `bpf/datapath.c` and under the pin directory).
+pub const MAP_ENDPOINTS: &str = "endpoints";
+/// The ipcache LPM trie.
+pub const MAP_IPCACHE: &str = "ipcache";
+/// The policy LPM trie.
+pub const MAP_POLICY: &str = "policy";
+/// The per-endpoint prefixes LPM trie (ipBlock peers matched by address).
+pub const MAP_EP_PREFIXES: &str = "ep_prefixes";
+/// IPv4 conntrack.
+pub const MAP_CT4: &str = "ct4";
+/// IPv6 conntrack.
+pub const MAP_CT6: &str = "ct6";
+/// Per-CPU counters by reason and direction.
+pub const MAP_METRICS: &str = "metrics";
+/// The event ring buffer.
+pub const MAP_EVENTS: &str = "events";
+/// The single-entry config array.
+pub const MAP_CONFIG: &str = "config";
+/// First fragments' ports for the later fragments (LRU hash, the datapath's alone).
+pub const MAP_FRAGMENTS: &str = "fragments";
+/// Every map of the datapath by name.
+pub const MAP_NAMES: [&str; 10] = [
+    MAP_ENDPOINTS,
+    MAP_IPCACHE,
+    MAP_POLICY,
+    MAP_EP_PREFIXES,
+    MAP_CT4,
+    MAP_CT6,
+    MAP_METRICS,
+    MAP_EVENTS,
+    MAP_CONFIG,
+    MAP_FRAGMENTS,
+];
+
+/// What a map is, as the kernel reports it (or as a process wants it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSpec {
+    /// `BPF_MAP_TYPE_*`.
+    pub map_type: u32,
+    /// Key size in bytes.
+    pub key_size: u32,
+    /// Value size in bytes.
+    pub value_size: u32,
+    /// max_entries (bytes for a ring buffer).
+    pub max_entries: u32,
+    /// `BPF_F_*` map flags.
+    pub flags: u32,
+}
+
+impl From<rivet_bpf_sys::MapInfo> for MapSpec {
+    fn from(info: rivet_bpf_sys::MapInfo) -> Self {
+        Self {
+            map_type: info.map_type,
+            key_size: info.key_size,
+            value_size: info.value_size,
+            max_entries: info.max_entries,
+            flags: info.map_flags,
+        }
+    }
+}
+
+impl fmt::Display for MapSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (key {} B, value {} B, max_entries {}, flags {:#x})",
+            map_type_name(self.map_type),
+            self.key_size,
+            self.value_size,
+            self.max_entries,
+            self.flags
+        )
+    }
+}
+
+/// The kernel's name of a map type (`lru_hash`, `lpm_trie`, ...).
+pub fn map_type_name(map_type: u32) -> String {
+    let name = match map_type {
+        BPF_MAP_TYPE_HASH => "hash",
+        BPF_MAP_TYPE_ARRAY => "array",
+        BPF_MAP_TYPE_PERCPU_ARRAY => "percpu_array",
+        BPF_MAP_TYPE_LRU_HASH => "lru_hash",
+        BPF_MAP_TYPE_LPM_TRIE => "lpm_trie",
+        BPF_MAP_TYPE_RINGBUF => "ringbuf",
+        _ => return format!("map type {map_type}"),
+    };
+    name.to_owned()
+}
+
+/// One map of the datapath: its name and the shape every process using it
+/// expects. The size is the loader's option (`default_max_entries` unless
+/// configured); everything else is fixed by the datapath.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapDef {
+    /// Map name in the object, and pin name under the pin directory.
+    pub name: &'static str,
+    /// `BPF_MAP_TYPE_*`.
+    pub map_type: u32,
+    /// Key size in bytes (0 for the ring buffer).
+    pub key_size: u32,
+    /// Value size in bytes (0 for the ring buffer).
+    pub value_size: u32,
+    /// `BPF_F_*` map flags.
+    pub flags: u32,
+    /// max_entries in the object (bytes for the ring buffer), what the
+    /// loader creates unless configured otherwise.
+    pub default_max_entries: u32,
+}
+
+impl MapDef {
+    /// The spec of this map with `max_entries`.
+    pub const fn spec(&self, max_entries: u32) -> MapSpec {
+        MapSpec {
+            map_type: self.map_type,
+            key_size: self.key_size,
+            value_size: self.value_size,
+            max_entries,
+            flags: self.flags,
+        }
+    }
+
+    /// Whether `found` is this map with any size (a map's size is the
+    /// loader's option, not part of the contract).
+    pub fn matches(&self, found: &MapSpec) -> bool {
+        self.spec(found.max_entries) == *found
+    }
+}
+
+const fn size32<T>() -> u32 {
+    size_of::<T>() as u32
+}
+
+/// Endpoints by host-side ifindex and by address (Cilium: 64Ki endpoints per node).
+pub const ENDPOINTS: MapDef = MapDef {
+    name: MAP_ENDPOINTS,
+    map_type: BPF_MAP_TYPE_HASH,
+    key_size: size32::<EndpointKey>(),
+    value_size: size32::<EndpointInfo>(),
+    flags: 0,
+    default_max_entries: 65_536,
+};
+
+/// Prefix → identity (Cilium: 512Ki prefixes).
+pub const IPCACHE: MapDef = MapDef {
+    name: MAP_IPCACHE,
+    map_type: BPF_MAP_TYPE_LPM_TRIE,
+    key_size: size32::<IpcacheKey>(),
+    value_size: size32::<IpcacheValue>(),
+    flags: BPF_F_NO_PREALLOC,
+    default_max_entries: 524_288,
+};
+
+/// Policy entries of all endpoints: 16Ki entries per endpoint, for 64
+/// endpoints' worth.
+pub const POLICY: MapDef = MapDef {
+    name: MAP_POLICY,
+    map_type: BPF_MAP_TYPE_LPM_TRIE,
+    key_size: size32::<PolicyKey>(),
+    value_size: size32::<PolicyValue>(),
+    flags: BPF_F_NO_PREALLOC,
+    default_max_entries: 16_384 * 64,
+};
+
+/// Per-endpoint prefixes (ipBlock peers matched by address): 4Ki prefixes
+/// per endpoint, for 64 endpoints' worth.
+pub const EP_PREFIXES: MapDef = MapDef {
+    name: MAP_EP_PREFIXES,
+    map_type: BPF_MAP_TYPE_LPM_TRIE,
+    key_size: size32::<EpPrefixKey>(),
+    value_size: size32::<EpPrefixValue>(),
+    flags: BPF_F_NO_PREALLOC,
+    default_max_entries: 4096 * 64,
+};
+
+/// Default conntrack size per family (Cilium: 512Ki TCP + 256Ki other).
+const CT_DEFAULT_MAX_ENTRIES: u32 = 512 * 1024 + 256 * 1024;
+
+/// IPv4 conntrack.
+pub const CT4: MapDef = MapDef {
+    name: MAP_CT4,
+    map_type: BPF_MAP_TYPE_LRU_HASH,
+    key_size: size32::<Ct4Key>(),
+    value_size: size32::<CtEntry>(),
+    flags: 0,
+    default_max_entries: CT_DEFAULT_MAX_ENTRIES,
+};
+
+/// IPv6 conntrack.
+pub const CT6: MapDef = MapDef {
+    name: MAP_CT6,
+    map_type: BPF_MAP_TYPE_LRU_HASH,
+    key_size: size32::<Ct6Key>(),
+    value_size: size32::<CtEntry>(),
+    flags: 0,
+    default_max_entries: CT_DEFAULT_MAX_ENTRIES,
+};
+
+/// Per-CPU counters, index `metrics_index(reason, direction)`.
+pub const METRICS: MapDef = MapDef {
+    name: MAP_METRICS,
+    map_type: BPF_MAP_TYPE_PERCPU_ARRAY,
+    key_size: size32::<u32>(),
+    value_size: size32::<MetricsValue>(),
+    flags: 0,
+    default_max_entries: METRICS_ENTRIES,
+};
+
+/// The event ring buffer (max_entries is its size in bytes).
+pub const EVENTS: MapDef = MapDef {
+    name: MAP_EVENTS,
+    map_type: BPF_MAP_TYPE_RINGBUF,
+    key_size: 0,
+    value_size: 0,
+    flags: 0,
+    default_max_entries: 1 << 20,
+};
+
+/// The single-entry config array.
+pub const CONFIG: MapDef = MapDef {
+    name: MAP_CONFIG,
+    map_type: BPF_MAP_TYPE_ARRAY,
+    key_size: size32::<u32>(),
+    value_size: size32::<DatapathConfig>(),
+    flags: 0,
+    default_max_entries: 1,
+};
+
+/// First fragments' ports (an LRU hash the datapath alone writes).
+pub const FRAGMENTS: MapDef = MapDef {
+    name: MAP_FRAGMENTS,
+    map_type: BPF_MAP_TYPE_LRU_HASH,
+    key_size: size32::<FragKey>(),
+    value_size: size32::<FragValue>(),
+    flags: 0,
+    default_max_entries: 16_384,
+};
+
+/// Every map of the datapath.
+pub const ALL: [MapDef; 10] = [
+    ENDPOINTS,
+    IPCACHE,
+    POLICY,
+    EP_PREFIXES,
+    CT4,
+    CT6,
+    METRICS,
+    EVENTS,
+    CONFIG,
+    FRAGMENTS,
+];
+
+/// The map called `name`, if the datapath has one.
+pub fn by_name(name: &str) -> Option<&'static MapDef> {
+    ALL.iter().find(|def| def.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_map_is_defined_once_under_its_name() {
+        let names: Vec<&str> = ALL.iter().map(|def| def.name).collect();
+        assert_eq!(names, MAP_NAMES);
+        for def in &ALL {
+            assert_eq!(by_name(def.name), Some(def));
+        }
+        assert_eq!(by_name("nope"), None);
+    }
+
+    #[test]
+    fn lpm_tries_are_not_preallocated_and_sizes_count() {
+        for def in &ALL {
+            if def.map_type == BPF_MAP_TYPE_LPM_TRIE {
+                assert_eq!(def.flags & BPF_F_NO_PREALLOC, BPF_F_NO_PREALLOC, "{}", def.name);
+            }
+            assert_ne!(def.default_max_entries, 0, "{}", def.name);
+        }
+        let found = CT4.spec(4096);
+        assert!(CT4.matches(&found));
+        assert!(!CT6.matches(&found));
+        assert!(!CT4.matches(&MapSpec { flags: 1, ..found }));
+        assert_eq!(
+            found.to_string(),
+            format!(
+                "lru_hash (key 16 B, value {} B, max_entries 4096, flags 0x0)",
+                CT4.value_size
+            )
+        );
+    }
+}
