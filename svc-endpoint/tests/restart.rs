@@ -26,6 +26,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix, connect_unix_lazy};
 use rivet_common::testing::DaemonProcess;
+use rivet_proto::daemon::v1 as daemonpb;
+use rivet_proto::daemon::v1::daemon_client::DaemonClient;
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::identity::v1 as idpb;
@@ -207,6 +209,22 @@ async fn endpoint_status(node: &EndpointNode) -> pb::GetStatusResponse {
         .await
         .expect("svc-endpoint GetStatus")
         .into_inner()
+}
+
+/// svc-endpoint's controller `name`, as its GetInfo reports it.
+async fn endpoint_controller(node: &EndpointNode, name: &str) -> daemonpb::ControllerStatus {
+    let channel = connect_unix(&node.sockets().join("svc-endpoint.sock"), &ClientOptions::default())
+        .await
+        .expect("connecting to svc-endpoint");
+    let info = DaemonClient::new(channel)
+        .get_info(daemonpb::GetInfoRequest {})
+        .await
+        .expect("svc-endpoint GetInfo")
+        .into_inner();
+    info.controllers
+        .into_iter()
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("svc-endpoint runs controller {name}"))
 }
 
 async fn list_endpoints(node: &EndpointNode) -> pb::ListEndpointsResponse {
@@ -1029,6 +1047,24 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
             },
         )
         .await;
+        if name == "svc-identity" {
+            // The identity stream broke with svc-identity: svc-endpoint's
+            // `identity-watch` controller ended, was counted and opened it
+            // again (issue 13 §1: no loop dies silently).
+            eventually(
+                "svc-endpoint's identity-watch restarted and is running again",
+                DEADLINE,
+                || async {
+                    let watch = endpoint_controller(node_ref, "identity-watch").await;
+                    if watch.restarts >= 1 && watch.state == daemonpb::ControllerState::Running as i32 {
+                        Ok(())
+                    } else {
+                        Err(format!("{watch:?}"))
+                    }
+                },
+            )
+            .await;
+        }
         pinger.wait_batches(1).await;
         let ping = pinger.stop();
         assert_eq!(
