@@ -191,16 +191,7 @@ pub fn parse_port(s: &str) -> Result<ContainerPort, String> {
 /// assert!(rivet_cli::pod::check_dns_label("pod", "Frontend").is_err());
 /// ```
 pub fn check_dns_label(what: &str, s: &str) -> Result<()> {
-    let ok = !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-');
-    if !ok {
-        bail!("`{s}` is not a valid {what} name (1 to 63 of a-z 0-9 -, not starting or ending with -)");
-    }
-    Ok(())
+    rivet_common::k8s_name::check_dns_label(s).map_err(|e| anyhow!("`{s}` is not a valid {what} name: it {e}"))
 }
 
 // ---------------------------------------------------------------------------

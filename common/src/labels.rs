@@ -105,6 +105,8 @@ use std::str::FromStr;
 use ipnet::IpNet;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use crate::k8s_name;
+
 /// Key of the label holding a pod's namespace (with source `k8s`).
 ///
 /// ```
@@ -152,15 +154,6 @@ pub const DEFAULT_EXCLUDES: &[&str] = &[
     "statefulset.kubernetes.io/pod-name",
     "apps.kubernetes.io/pod-index",
 ];
-
-/// Longest name part of a key, and longest value.
-const MAX_NAME_LEN: usize = 63;
-/// Longest prefix part of a key.
-const MAX_PREFIX_LEN: usize = 253;
-
-const NAME_FORM: &str = "alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric";
-const PREFIX_FORM: &str =
-    "a DNS subdomain: lowercase alphanumerics, '-' and '.', each part starting and ending with an alphanumeric";
 
 /// Why a label, label list or filter rule was rejected. Every message names
 /// the offending text and what is wrong with it.
@@ -754,34 +747,8 @@ fn label_text(source: LabelSource, key: &str, value: &str) -> String {
     }
 }
 
-/// `[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?`, the form of key names and
-/// values (length not checked).
-fn is_name(s: &str) -> bool {
-    let b = s.as_bytes();
-    match (b.first(), b.last()) {
-        (Some(first), Some(last)) => {
-            first.is_ascii_alphanumeric()
-                && last.is_ascii_alphanumeric()
-                && b.iter()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
-        }
-        _ => false,
-    }
-}
-
-/// A DNS-1123 subdomain (length not checked).
-fn is_dns_subdomain(s: &str) -> bool {
-    s.split('.').all(|part| {
-        let b = part.as_bytes();
-        let alnum = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-        match (b.first(), b.last()) {
-            (Some(first), Some(last)) => alnum(first) && alnum(last) && b.iter().all(|c| alnum(c) || *c == b'-'),
-            _ => false,
-        }
-    })
-}
-
-/// Kubernetes label-key rules, with `ns.labels/<key>` holding a key.
+/// Kubernetes label-key rules ([`k8s_name::check_label_key`]), with
+/// `ns.labels/<key>` holding a key.
 fn check_key(text: &str, key: &str) -> Result<(), LabelError> {
     let invalid = |reason: String| LabelError::InvalidKey {
         label: text.to_string(),
@@ -797,62 +764,16 @@ fn check_key(text: &str, key: &str) -> Result<(), LabelError> {
         Some(inner) => inner,
         None => key,
     };
-    let name = match inner.split_once('/') {
-        Some((prefix, name)) => {
-            if prefix.is_empty() {
-                return Err(invalid("has an empty prefix before '/'".into()));
-            }
-            if !is_dns_subdomain(prefix) {
-                return Err(invalid(format!("has prefix {prefix:?}, which is not {PREFIX_FORM}")));
-            }
-            if prefix.len() > MAX_PREFIX_LEN {
-                return Err(invalid(format!(
-                    "has a prefix of {} characters (at most {MAX_PREFIX_LEN})",
-                    prefix.len()
-                )));
-            }
-            if name.is_empty() {
-                return Err(invalid("has an empty name after '/'".into()));
-            }
-            if name.contains('/') {
-                return Err(invalid("has more than one '/' (a key is [prefix/]name)".into()));
-            }
-            name
-        }
-        None => inner,
-    };
-    if !is_name(name) {
-        return Err(invalid(format!("has name {name:?}, which is not {NAME_FORM}")));
-    }
-    if name.len() > MAX_NAME_LEN {
-        return Err(invalid(format!(
-            "has a name of {} characters (at most {MAX_NAME_LEN})",
-            name.len()
-        )));
-    }
-    Ok(())
+    k8s_name::check_label_key(inner).map_err(|e| invalid(e.to_string()))
 }
 
-/// Kubernetes label-value rules.
+/// Kubernetes label-value rules ([`k8s_name::check_label_value`]).
 fn check_value(text: &str, value: &str) -> Result<(), LabelError> {
-    let invalid = |reason: String| LabelError::InvalidValue {
+    k8s_name::check_label_value(value).map_err(|e| LabelError::InvalidValue {
         label: text.to_string(),
         value: value.to_string(),
-        reason,
-    };
-    if value.is_empty() {
-        return Ok(());
-    }
-    if !is_name(value) {
-        return Err(invalid(format!("must be empty or {NAME_FORM}")));
-    }
-    if value.len() > MAX_NAME_LEN {
-        return Err(invalid(format!(
-            "is {} characters long (at most {MAX_NAME_LEN})",
-            value.len()
-        )));
-    }
-    Ok(())
+        reason: e.to_string(),
+    })
 }
 
 fn check_no_value(text: &str, source: LabelSource, value: &str) -> Result<(), LabelError> {
@@ -2241,7 +2162,7 @@ mod tests {
     }
 
     fn random_subdomain(rng: &mut StdRng) -> String {
-        let target = len(rng, MAX_PREFIX_LEN);
+        let target = len(rng, k8s_name::MAX_DNS_SUBDOMAIN);
         let mut out = String::new();
         while out.len() < target {
             if !out.is_empty() {
@@ -2264,9 +2185,13 @@ mod tests {
 
     fn random_key(rng: &mut StdRng) -> String {
         let key = if rng.random_bool(0.4) {
-            format!("{}/{}", random_subdomain(rng), random_name(rng, MAX_NAME_LEN))
+            format!(
+                "{}/{}",
+                random_subdomain(rng),
+                random_name(rng, k8s_name::MAX_LABEL_NAME)
+            )
         } else {
-            random_name(rng, MAX_NAME_LEN)
+            random_name(rng, k8s_name::MAX_LABEL_NAME)
         };
         if rng.random_bool(0.1) {
             format!("{NAMESPACE_LABELS_PREFIX}{key}")
@@ -2298,7 +2223,7 @@ mod tests {
                 let value = if rng.random_bool(0.2) {
                     String::new()
                 } else {
-                    random_name(rng, MAX_NAME_LEN)
+                    random_name(rng, k8s_name::MAX_LABEL_NAME)
                 };
                 (random_key(rng), value)
             }

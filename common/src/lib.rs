@@ -17,7 +17,9 @@
 //! - [`controller`]: supervised background loops (reconcile or run for
 //!   ever; restarted on panic or end, counted, shown in `rivet status`);
 //! - [`backoff`]: retry delays;
-//! - [`named_port`]: the rule for named container ports' names.
+//! - [`named_port`]: the rule for named container ports' names;
+//! - [`k8s_name`]: Kubernetes name rules (DNS-1123 labels and subdomains,
+//!   namespace names, label keys and values).
 
 pub mod access;
 pub mod backoff;
@@ -26,6 +28,7 @@ pub mod controller;
 pub mod daemon;
 pub mod grpc;
 pub mod h2_authority;
+pub mod k8s_name;
 pub mod labels;
 pub mod metrics;
 pub mod named_port;

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use ipnet::IpNet;
+use rivet_common::k8s_name::{check_dns_subdomain, check_label_key, check_label_value, check_namespace};
 use rivet_common::labels::Labels;
 use serde::de::{self, DeserializeOwned, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
@@ -621,7 +622,7 @@ fn parse_document(text: &str) -> Result<Option<Policy>, PolicyError> {
         Some(ns) if ns.is_empty() => "default".to_string(),
         Some(ns) => ns,
     };
-    if let Err(why) = check_dns_label(&namespace) {
+    if let Err(why) = check_namespace(&namespace) {
         return Err(PolicyError::invalid(
             "metadata.namespace",
             format!("{namespace:?} {why}"),
@@ -1112,95 +1113,6 @@ fn parse_cidr(text: &str) -> Result<IpNet, String> {
 
 // ------------------------------------------------------ Kubernetes name rules
 
-const DNS_LABEL_FORM: &str = "lowercase alphanumerics and '-', starting and ending with an alphanumeric";
-
-fn is_dns_label(s: &str) -> bool {
-    let b = s.as_bytes();
-    let alnum = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-    match (b.first(), b.last()) {
-        (Some(first), Some(last)) => alnum(first) && alnum(last) && b.iter().all(|c| alnum(c) || *c == b'-'),
-        _ => false,
-    }
-}
-
-/// A DNS-1123 label: at most 63 characters.
-fn check_dns_label(s: &str) -> Result<(), String> {
-    if s.len() > 63 {
-        return Err(format!("must be at most 63 characters, found {}", s.len()));
-    }
-    if !is_dns_label(s) {
-        return Err(format!("must be a DNS-1123 label: {DNS_LABEL_FORM}"));
-    }
-    Ok(())
-}
-
-/// A DNS-1123 subdomain: dot-separated DNS labels, at most 253 characters.
-fn check_dns_subdomain(s: &str) -> Result<(), String> {
-    if s.len() > 253 {
-        return Err(format!("must be at most 253 characters, found {}", s.len()));
-    }
-    if !s.split('.').all(is_dns_label) {
-        return Err(format!(
-            "must be a DNS-1123 subdomain: {DNS_LABEL_FORM}, in parts separated by '.'"
-        ));
-    }
-    Ok(())
-}
-
-fn is_label_name(s: &str) -> bool {
-    let b = s.as_bytes();
-    match (b.first(), b.last()) {
-        (Some(first), Some(last)) => {
-            first.is_ascii_alphanumeric()
-                && last.is_ascii_alphanumeric()
-                && b.iter()
-                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
-        }
-        _ => false,
-    }
-}
-
-const LABEL_NAME_FORM: &str = "alphanumerics, '-', '_' and '.', starting and ending with an alphanumeric";
-
-/// A Kubernetes label key: `[prefix/]name`, the prefix a DNS subdomain, the
-/// name at most 63 characters of [`LABEL_NAME_FORM`].
-fn check_label_key(key: &str) -> Result<(), String> {
-    let name = match key.split_once('/') {
-        Some((prefix, name)) => {
-            if prefix.is_empty() {
-                return Err("has an empty prefix before '/'".into());
-            }
-            check_dns_subdomain(prefix).map_err(|why| format!("has prefix {prefix:?}, which {why}"))?;
-            name
-        }
-        None => key,
-    };
-    if name.is_empty() {
-        return Err("must have a name (the part after any prefix/)".into());
-    }
-    if name.len() > 63 {
-        return Err(format!("has a name of {} characters (at most 63)", name.len()));
-    }
-    if !is_label_name(name) {
-        return Err(format!("has name {name:?}, which must be {LABEL_NAME_FORM}"));
-    }
-    Ok(())
-}
-
-/// A Kubernetes label value: empty, or at most 63 characters of [`LABEL_NAME_FORM`].
-fn check_label_value(value: &str) -> Result<(), String> {
-    if value.is_empty() {
-        return Ok(());
-    }
-    if value.len() > 63 {
-        return Err(format!("is {} characters long (at most 63)", value.len()));
-    }
-    if !is_label_name(value) {
-        return Err(format!("must be empty or {LABEL_NAME_FORM}"));
-    }
-    Ok(())
-}
-
 /// IANA_SVC_NAME: at most 15 characters, lowercase alphanumerics and '-', at
 /// least one letter, no leading, trailing or double '-'.
 fn check_port_name(name: &str) -> Result<(), String> {
@@ -1218,27 +1130,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn kubernetes_name_rules() {
-        assert!(check_dns_subdomain("a.b-c.d").is_ok());
-        for bad in ["", "A", "a_b", "-a", "a-", "a..b", &"a".repeat(254)] {
-            assert!(check_dns_subdomain(bad).is_err(), "{bad}");
-        }
-        assert!(check_dns_label("kube-system").is_ok());
-        for bad in ["a.b", "", &"a".repeat(64)] {
-            assert!(check_dns_label(bad).is_err(), "{bad}");
-        }
-        for good in ["app", "app.kubernetes.io/name", "A_b.c-D", "x/y"] {
-            assert!(check_label_key(good).is_ok(), "{good}");
-        }
-        for bad in ["", "/a", "a/", "a b", "-a", "A/b", "a/b/c", &"a".repeat(64)] {
-            assert!(check_label_key(bad).is_err(), "{bad}");
-        }
-        for good in ["", "v1", "a.b_c-d"] {
-            assert!(check_label_value(good).is_ok(), "{good}");
-        }
-        for bad in ["-a", "a b", &"a".repeat(64)] {
-            assert!(check_label_value(bad).is_err(), "{bad}");
-        }
+    fn port_names() {
         for good in ["http", "h2c", "a-b", "x", "abcdefghijklmno"] {
             assert!(check_port_name(good).is_ok(), "{good}");
         }

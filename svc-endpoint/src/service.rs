@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
 use rivet_common::grpc::BootId;
+use rivet_common::k8s_name::{self, NameError};
 use rivet_common::labels::Labels;
 use rivet_proto::endpoint::v1 as pb;
 use tonic::{Request, Response, Status};
@@ -85,24 +86,14 @@ fn check_ifname(field: &str, value: &str) -> Result<(), Status> {
     Ok(())
 }
 
-/// A Kubernetes DNS label/subdomain-ish name (namespace, pod name).
-fn check_k8s_name(field: &str, value: &str, max: usize) -> Result<(), Status> {
+/// An optional Kubernetes name: empty (the caller's default), or one that
+/// `rule` accepts ([`k8s_name::check_namespace`] for namespaces,
+/// [`k8s_name::check_dns_subdomain`] for pod and policy names).
+fn check_k8s_name(field: &str, value: &str, rule: fn(&str) -> Result<(), NameError>) -> Result<(), Status> {
     if value.is_empty() {
         return Ok(());
     }
-    let ok = value.len() <= max
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-        && value.as_bytes()[0].is_ascii_alphanumeric()
-        && value.as_bytes()[value.len() - 1].is_ascii_alphanumeric();
-    if !ok {
-        return Err(invalid(
-            field,
-            format!("{value:?} is not a valid name (lowercase alphanumerics, '-' and '.', at most {max})"),
-        ));
-    }
-    Ok(())
+    rule(value).map_err(|e| invalid(field, format!("{value:?} {e}")))
 }
 
 fn parse_labels(field: &str, raw: &[String]) -> Result<Labels, Status> {
@@ -194,8 +185,8 @@ pub fn validate_create(r: &pb::CreateEndpointRequest) -> Result<EndpointSpec, St
     if mac == [0; 6] || mac[0] & 1 == 1 {
         return Err(invalid("mac", "must be a non-zero unicast MAC"));
     }
-    check_k8s_name("pod_namespace", &r.pod_namespace, 63)?;
-    check_k8s_name("pod_name", &r.pod_name, 253)?;
+    check_k8s_name("pod_namespace", &r.pod_namespace, k8s_name::check_namespace)?;
+    check_k8s_name("pod_name", &r.pod_name, k8s_name::check_dns_subdomain)?;
     check_text("pod_uid", &r.pod_uid, 128, false)?;
     Ok(EndpointSpec {
         id: 0,
@@ -243,8 +234,8 @@ pub fn parse_ref(r: Option<&pb::EndpointRef>) -> Result<EndpointSelector, Status
             if p.name.is_empty() {
                 return Err(invalid("ref.pod.name", "required"));
             }
-            check_k8s_name("ref.pod.namespace", &p.namespace, 63)?;
-            check_k8s_name("ref.pod.name", &p.name, 253)?;
+            check_k8s_name("ref.pod.namespace", &p.namespace, k8s_name::check_namespace)?;
+            check_k8s_name("ref.pod.name", &p.name, k8s_name::check_dns_subdomain)?;
             Ok(EndpointSelector::Pod {
                 namespace: if p.namespace.is_empty() {
                     DEFAULT_NAMESPACE.into()
@@ -293,8 +284,8 @@ fn parse_key(key: Option<&pb::PolicyKey>) -> Result<PolicyKey, Status> {
     if key.name.is_empty() {
         return Err(invalid("key.name", "required"));
     }
-    check_k8s_name("key.namespace", &key.namespace, 63)?;
-    check_k8s_name("key.name", &key.name, 253)?;
+    check_k8s_name("key.namespace", &key.namespace, k8s_name::check_namespace)?;
+    check_k8s_name("key.name", &key.name, k8s_name::check_dns_subdomain)?;
     Ok(PolicyKey {
         kind,
         namespace: if key.namespace.is_empty() {
@@ -599,7 +590,7 @@ impl pb::namespace_service_server::NamespaceService for EndpointApi {
         if r.namespace.is_empty() {
             return Err(invalid("namespace", "required"));
         }
-        check_k8s_name("namespace", &r.namespace, 63)?;
+        check_k8s_name("namespace", &r.namespace, k8s_name::check_namespace)?;
         if r.labels.len() > 256 {
             return Err(invalid("labels", "at most 256 labels"));
         }
@@ -709,6 +700,10 @@ mod tests {
             ("mac", Box::new(|r| r.mac = "02:00".into())),
             ("mac", Box::new(|r| r.mac = "01:00:5e:00:00:01".into())),
             ("pod_namespace", Box::new(|r| r.pod_namespace = "Shop".into())),
+            // A namespace is a DNS label, a pod name a DNS subdomain.
+            ("pod_namespace", Box::new(|r| r.pod_namespace = "shop.eu".into())),
+            ("pod_name", Box::new(|r| r.pod_name = "web..1".into())),
+            ("pod_name", Box::new(|r| r.pod_name = "web.-1".into())),
             ("labels", Box::new(|r| r.labels = vec!["k8s:=x".into()])),
             (
                 "named_ports[0].name",
