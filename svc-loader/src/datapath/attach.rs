@@ -11,7 +11,7 @@ use aya::Ebpf;
 use aya::programs::{ProgramFd, SchedClassifier};
 
 use super::Datapath;
-use super::error::{DatapathError, tc_err};
+use super::error::{DatapathError, ObjectError, tc_err};
 use crate::netdev;
 use crate::tc;
 
@@ -435,7 +435,7 @@ pub(crate) fn interfaces() -> Result<BTreeMap<u32, String>, DatapathError> {
 pub(super) fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, DatapathError> {
     let program = hook.program();
     ebpf.program_mut(program)
-        .ok_or_else(|| DatapathError::Object(format!("it has no program {program}")))?
+        .ok_or(ObjectError::MissingProgram(program))?
         .try_into()
         .map_err(|error| DatapathError::Program {
             what: "using",

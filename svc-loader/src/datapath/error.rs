@@ -32,13 +32,53 @@ pub(super) fn chain<'a>(err: &'a (dyn std::error::Error + 'static)) -> Chain<'a>
     Chain(err)
 }
 
+/// Options that cannot work (see [`DatapathOptions`](super::DatapathOptions)).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OptionsError {
+    /// The pin directory is relative.
+    #[error("pin directory {} must be an absolute path on a bpffs", pin_dir.display())]
+    RelativePinDir {
+        /// The pin directory.
+        pin_dir: PathBuf,
+    },
+    /// A map would have no room at all.
+    #[error("the size of map {map} must not be 0")]
+    ZeroSize {
+        /// The map.
+        map: &'static str,
+    },
+    /// The event ring buffer is bigger than the loader allows.
+    #[error("events ring buffer of {bytes} bytes is too big (at most 1 GiB)")]
+    EventsTooBig {
+        /// The size asked for.
+        bytes: u32,
+    },
+}
+
+/// What the embedded object lacks (a build bug: the tests catch it).
+#[derive(Debug, thiserror::Error)]
+pub enum ObjectError {
+    /// The object does not parse.
+    #[error("it does not parse: {0}")]
+    Parse(#[from] aya_obj::ParseError),
+    /// A map of the datapath ABI is missing.
+    #[error("it has no map {0}")]
+    MissingMap(&'static str),
+    /// A program is missing.
+    #[error("it has no program {0}")]
+    MissingProgram(&'static str),
+    /// An LPM trie is preallocated (the kernel refuses to create it).
+    #[error("its LPM trie {0} must be created with BPF_F_NO_PREALLOC")]
+    PreallocatedLpmTrie(&'static str),
+}
+
 /// Everything [`Datapath`] can fail with; each message says what was being
 /// done and to what (map, pin path, program, interface).
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
     /// The options cannot work.
     #[error("invalid datapath options: {0}")]
-    InvalidOptions(String),
+    InvalidOptions(#[from] OptionsError),
     /// The node name cannot name a pin directory.
     #[error(transparent)]
     PinDir(#[from] rivet_datapath::PinDirError),
@@ -66,7 +106,7 @@ pub enum DatapathError {
     },
     /// The embedded object lacks something the loader needs (a build bug).
     #[error("the embedded datapath object is unusable: {0}")]
-    Object(String),
+    Object(#[from] ObjectError),
     /// A pinned map differs from what the datapath needs.
     #[error("map `{map}` pinned at {} is {found}, but the datapath needs {expected}; to fix: {fix}", pin.display())]
     PinMismatch {

@@ -70,7 +70,7 @@ pub use attach::{
     AdoptReport, AttachOutcome, AttachState, Attachment, DetachOutcome, Hook, LinkChange, PROG_FROM_CONTAINER,
     PROG_TO_CONTAINER, ProgramIds,
 };
-pub use error::DatapathError;
+pub use error::{DatapathError, ObjectError, OptionsError};
 use error::{io_err, map_err};
 pub use legacy::LEGACY_LINKS_DIR;
 pub use options::DatapathOptions;
@@ -167,53 +167,20 @@ impl Datapath {
             check_map_pin(name, &opts.pin_dir.join(name), spec)?;
         }
 
-        let mut ids = [0u32; 2];
-        let mut fds = Vec::with_capacity(2);
-        for (hook, id) in Hook::ALL.into_iter().zip(&mut ids) {
-            let prog = classifier(&mut ebpf, hook)?;
-            let program = hook.program();
-            prog.load().map_err(|error| DatapathError::Program {
-                what: "loading (verifying)",
-                program,
-                error: Box::new(error),
-            })?;
-            let fd = prog
-                .fd()
-                .and_then(|fd| {
-                    fd.try_clone().map_err(|io_error| {
-                        ProgramError::SyscallError(aya::sys::SyscallError { call: "dup", io_error })
-                    })
-                })
-                .map_err(|error| DatapathError::Program {
-                    what: "duplicating the fd of",
-                    program,
-                    error: Box::new(error),
-                })?;
-            fds.push(fd);
-            *id = prog
-                .info()
-                .map_err(|error| DatapathError::Program {
-                    what: "reading the id of",
-                    program,
-                    error: Box::new(error),
-                })?
-                .id();
-        }
+        let (from_container_fd, from_container) = load_program(&mut ebpf, Hook::Ingress)?;
+        let (to_container_fd, to_container) = load_program(&mut ebpf, Hook::Egress)?;
         let maps = DatapathMaps::take(&mut ebpf)?;
         let events = take_map(&mut ebpf, MAP_EVENTS)?;
 
-        let program_fds: [ProgramFd; 2] = fds
-            .try_into()
-            .map_err(|_| DatapathError::Object("both programs must load".into()))?;
         let mut datapath = Self {
             opts,
             ebpf,
-            program_fds,
+            program_fds: [from_container_fd, to_container_fd],
             maps,
             events: Some(events),
             program_ids: ProgramIds {
-                from_container: ids[0],
-                to_container: ids[1],
+                from_container,
+                to_container,
             },
             adoption: AdoptReport::default(),
             map_specs: specs,
@@ -383,6 +350,37 @@ fn next_policy_revision(current: u32) -> u32 {
         current.wrapping_add(1)
     };
     next.max(1)
+}
+
+/// Loads (verifies) `hook`'s program: its fd, for attaching, and its kernel id.
+fn load_program(ebpf: &mut Ebpf, hook: Hook) -> Result<(ProgramFd, u32), DatapathError> {
+    let prog = classifier(ebpf, hook)?;
+    let program = hook.program();
+    prog.load().map_err(|error| DatapathError::Program {
+        what: "loading (verifying)",
+        program,
+        error: Box::new(error),
+    })?;
+    let fd = prog
+        .fd()
+        .and_then(|fd| {
+            fd.try_clone()
+                .map_err(|io_error| ProgramError::SyscallError(aya::sys::SyscallError { call: "dup", io_error }))
+        })
+        .map_err(|error| DatapathError::Program {
+            what: "duplicating the fd of",
+            program,
+            error: Box::new(error),
+        })?;
+    let id = prog
+        .info()
+        .map_err(|error| DatapathError::Program {
+            what: "reading the id of",
+            program,
+            error: Box::new(error),
+        })?
+        .id();
+    Ok((fd, id))
 }
 
 #[cfg(test)]

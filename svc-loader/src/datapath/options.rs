@@ -7,7 +7,7 @@ use rivet_datapath::spec::{
     self, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_IPCACHE, MAP_POLICY,
 };
 
-use super::error::DatapathError;
+use super::error::{DatapathError, OptionsError};
 use super::legacy::LEGACY_LINKS_DIR;
 
 /// Where the datapath's pins live and how big its maps are.
@@ -86,23 +86,19 @@ impl DatapathOptions {
         ]
     }
 
-    pub(super) fn validate(&self) -> Result<(), DatapathError> {
+    pub(super) fn validate(&self) -> Result<(), OptionsError> {
         if !self.pin_dir.is_absolute() {
-            return Err(DatapathError::InvalidOptions(format!(
-                "pin directory {} must be an absolute path on a bpffs",
-                self.pin_dir.display()
-            )));
+            return Err(OptionsError::RelativePinDir {
+                pin_dir: self.pin_dir.clone(),
+            });
         }
-        if let Some((name, _)) = self.max_entries().iter().find(|(_, n)| *n == 0) {
-            return Err(DatapathError::InvalidOptions(format!(
-                "the size of map {name} must not be 0"
-            )));
+        if let Some((map, _)) = self.max_entries().into_iter().find(|(_, n)| *n == 0) {
+            return Err(OptionsError::ZeroSize { map });
         }
         if self.events_bytes > 1 << 30 {
-            return Err(DatapathError::InvalidOptions(format!(
-                "events ring buffer of {} bytes is too big (at most 1 GiB)",
-                self.events_bytes
-            )));
+            return Err(OptionsError::EventsTooBig {
+                bytes: self.events_bytes,
+            });
         }
         Ok(())
     }

@@ -11,7 +11,7 @@ use std::path::Path;
 use rivet_bpf_sys as sys;
 use rivet_datapath::spec::{self, BPF_F_NO_PREALLOC, BPF_MAP_TYPE_RINGBUF, MAP_NAMES, MapSpec};
 
-use super::error::{DatapathError, io_err};
+use super::error::{DatapathError, ObjectError, io_err};
 use super::options::DatapathOptions;
 use crate::DATAPATH_OBJECT;
 
@@ -36,7 +36,7 @@ pub(super) fn check_bpffs(dir: &Path) -> Result<(), DatapathError> {
 
 /// What every pinnable map of the object must be, with the options' sizes.
 pub(super) fn expected_specs(opts: &DatapathOptions) -> Result<BTreeMap<String, MapSpec>, DatapathError> {
-    let object = aya_obj::Object::parse(DATAPATH_OBJECT).map_err(|e| DatapathError::Object(e.to_string()))?;
+    let object = aya_obj::Object::parse(DATAPATH_OBJECT).map_err(ObjectError::from)?;
     let mut specs = BTreeMap::new();
     for (name, map) in &object.maps {
         if !matches!(
@@ -65,18 +65,14 @@ pub(super) fn expected_specs(opts: &DatapathOptions) -> Result<BTreeMap<String, 
             },
         );
     }
-    for name in MAP_NAMES {
-        if !specs.contains_key(name) {
-            return Err(DatapathError::Object(format!("it has no map {name}")));
-        }
+    if let Some(name) = MAP_NAMES.into_iter().find(|name| !specs.contains_key(*name)) {
+        return Err(ObjectError::MissingMap(name).into());
     }
-    if [spec::IPCACHE, spec::POLICY, spec::EP_PREFIXES]
-        .iter()
-        .any(|def| specs[def.name].flags & BPF_F_NO_PREALLOC == 0)
+    if let Some(def) = [spec::IPCACHE, spec::POLICY, spec::EP_PREFIXES]
+        .into_iter()
+        .find(|def| specs[def.name].flags & BPF_F_NO_PREALLOC == 0)
     {
-        return Err(DatapathError::Object(
-            "its LPM tries must be created with BPF_F_NO_PREALLOC".to_owned(),
-        ));
+        return Err(ObjectError::PreallocatedLpmTrie(def.name).into());
     }
     Ok(specs)
 }

@@ -119,7 +119,8 @@ fn options_defaults_and_validation() {
     );
     assert_eq!(opts.effective_events_bytes(), 1 << 20);
     for bad in ["", ".", "..", "a/b"] {
-        assert!(DatapathOptions::for_node(DEFAULT_BPFFS, bad).is_err(), "{bad:?}");
+        let err = DatapathOptions::for_node(DEFAULT_BPFFS, bad).unwrap_err();
+        assert!(matches!(err, DatapathError::PinDir(_)), "{bad:?}: {err}");
     }
     let odd = DatapathOptions {
         events_bytes: 5000,
@@ -132,9 +133,29 @@ fn options_defaults_and_validation() {
         ..opts.clone()
     })
     .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            DatapathError::InvalidOptions(OptionsError::ZeroSize { map: "ct4" })
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("ct4"), "{err}");
     let err = Datapath::open(DatapathOptions::new("relative/dir")).unwrap_err();
+    assert!(
+        matches!(err, DatapathError::InvalidOptions(OptionsError::RelativePinDir { .. })),
+        "{err}"
+    );
     assert!(err.to_string().contains("absolute"), "{err}");
+    let err = Datapath::open(DatapathOptions {
+        events_bytes: 2 << 30,
+        ..opts.clone()
+    })
+    .unwrap_err();
+    assert!(
+        matches!(err, DatapathError::InvalidOptions(OptionsError::EventsTooBig { .. })),
+        "{err}"
+    );
     let tmp = tempfile::tempdir().unwrap();
     let err = Datapath::open(DatapathOptions::new(tmp.path().join("pins"))).unwrap_err();
     assert!(matches!(err, DatapathError::NotBpffs { .. }), "{err}");

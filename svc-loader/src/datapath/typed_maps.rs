@@ -10,7 +10,7 @@ use rivet_datapath::maps::{
     FragValue, IpcacheKeyData, IpcacheValue, MetricsValue, PolicyKeyData, PolicyValue,
 };
 
-use super::error::{DatapathError, map_err};
+use super::error::{DatapathError, ObjectError, map_err};
 use rivet_datapath::spec::{
     MAP_CONFIG, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_FRAGMENTS, MAP_IPCACHE, MAP_METRICS, MAP_POLICY,
 };
@@ -66,9 +66,7 @@ pub(super) fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, Data
 where
     T: TryFrom<Map, Error = MapError>,
 {
-    let map = ebpf
-        .take_map(name)
-        .ok_or_else(|| DatapathError::Object(format!("it has no map {name}")))?;
+    let map = ebpf.take_map(name).ok_or(ObjectError::MissingMap(name))?;
     T::try_from(map).map_err(map_err("using", name))
 }
 
