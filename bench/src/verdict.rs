@@ -271,8 +271,10 @@ fn measure(args: &VerdictArgs, pin_dir: std::path::PathBuf) -> anyhow::Result<Ve
 /// The datapath with its own pins, conntrack room for every new flow.
 fn open_loader(args: &VerdictArgs, pin_dir: std::path::PathBuf) -> anyhow::Result<EndpointDatapath> {
     let mut opts = DatapathOptions::new(pin_dir);
-    // Two entries per new IPv4 flow from_container (a's egress, b's ingress).
-    let ct_max = (4 * args.samples).clamp(4096, 1 << 20);
+    // Three entries per sample and family (from_container: a's egress and
+    // b's ingress; to_container: b's ingress), with room to spare: an LRU
+    // map near its size evicts on insert, which no node's map does.
+    let ct_max = (32 * args.samples).clamp(65536, 1 << 20);
     opts.ct4_max = ct_max;
     opts.ct6_max = ct_max;
     opts.endpoints_max = 64;
