@@ -112,29 +112,18 @@ pub async fn run(args: &DatapathArgs) -> anyhow::Result<BenchResult> {
     let load_before = load_average()?;
     let busy = BusyThreads::start(args.busy_cores);
     let mut rounds = Vec::with_capacity(args.rounds);
+    // Pods a and b of one side: a sends to b.
+    let run = |node: &TestNode| {
+        let (a, b) = (node.pod("a"), node.pod("b"));
+        iperf(&a.ns, &b.ns, b.ipv4().expect("pod b has IPv4"), args.seconds)
+    };
     for round in 0..args.rounds {
-        let rivet_run = || {
-            iperf(
-                &rivet.pod("a").ns,
-                &rivet.pod("b").ns,
-                rivet.pod("b").ipv4().unwrap(),
-                args.seconds,
-            )
-        };
-        let plain_run = || {
-            iperf(
-                &plain.pod("a").ns,
-                &plain.pod("b").ns,
-                plain.pod("b").ipv4().unwrap(),
-                args.seconds,
-            )
-        };
         let (r, p) = if round % 2 == 0 {
-            let r = rivet_run()?;
-            (r, plain_run()?)
+            let r = run(&rivet.node)?;
+            (r, run(&plain)?)
         } else {
-            let p = plain_run()?;
-            (rivet_run()?, p)
+            let p = run(&plain)?;
+            (run(&rivet.node)?, p)
         };
         println!(
             "round {round}: rivet {:.2} Gbit/s, plain veth {:.2} Gbit/s, ratio {:.3}",

@@ -258,15 +258,21 @@ pub async fn run(args: &EndpointArgs) -> anyhow::Result<BenchResult> {
         args.concurrency
     );
     check_datapath(&mut loader, restore_n, upserted.revision).await?;
-    let rss: Vec<(&str, f64)> = vec![
-        ("svc_loader", rss_mib(pid(node.node.loader.pid())?, "svc-loader")?),
-        ("svc_identity", rss_mib(pid(node.identity.pid())?, "svc-identity")?),
-        ("svc_ipam", rss_mib(pid(node.ipam.pid())?, "svc-ipam")?),
-        (
-            "svc_endpoint",
-            rss_mib(pid(node.endpoint_daemon().pid())?, "svc-endpoint")?,
-        ),
+    let daemons = [
+        ("svc_loader", pid(node.node.loader.pid())?, "svc-loader"),
+        ("svc_identity", pid(node.identity.pid())?, "svc-identity"),
+        ("svc_ipam", pid(node.ipam.pid())?, "svc-ipam"),
+        ("svc_endpoint", pid(node.endpoint_daemon().pid())?, "svc-endpoint"),
     ];
+    let mut rss: Vec<(&str, f64)> = Vec::new();
+    for (metric, pid, name) in daemons {
+        let m = memory(pid, name)?;
+        println!(
+            "{name}: VmRSS {:.1} MiB (anonymous {:.1}, file {:.1}), {} threads",
+            m.rss, m.anon, m.file, m.threads
+        );
+        rss.push((metric, m.rss));
+    }
     let rss_sum: f64 = rss.iter().map(|(_, v)| v).sum();
     println!(
         "VmRSS at {restore_n} endpoints: {} = {rss_sum:.1} MiB",
@@ -570,18 +576,43 @@ fn pid(pid: Option<u32>) -> anyhow::Result<u32> {
     pid.ok_or_else(|| anyhow::anyhow!("a daemon of the node is not running"))
 }
 
-/// VmRSS of `pid` in MiB, after checking it is `name` (svc-loader runs
+/// Where a daemon's resident memory is (from `/proc/<pid>/status`), MiB.
+#[derive(Debug, Clone, Copy)]
+struct Memory {
+    /// VmRSS.
+    rss: f64,
+    /// RssAnon: heap, stacks, anonymous mappings.
+    anon: f64,
+    /// RssFile: the binary's and libraries' pages.
+    file: f64,
+    /// Threads.
+    threads: f64,
+}
+
+/// The memory of `pid`, after checking it is `name` (svc-loader runs
 /// through nsenter, which execs it in place).
-fn rss_mib(pid: u32, name: &str) -> anyhow::Result<f64> {
+fn memory(pid: u32, name: &str) -> anyhow::Result<Memory> {
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))?;
     anyhow::ensure!(comm.trim() == name, "pid {pid} is {:?}, not {name}", comm.trim());
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("no VmRSS in /proc/{pid}/status"))?;
-    Ok(kib / 1024.0)
+    let field = |name: &str| -> anyhow::Result<f64> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("no {name} in /proc/{pid}/status"))
+    };
+    Ok(Memory {
+        rss: field("VmRSS")? / 1024.0,
+        anon: field("RssAnon")? / 1024.0,
+        file: field("RssFile")? / 1024.0,
+        threads: field("Threads")?,
+    })
+}
+
+/// VmRSS of `pid` in MiB (see [`memory`]).
+fn rss_mib(pid: u32, name: &str) -> anyhow::Result<f64> {
+    Ok(memory(pid, name)?.rss)
 }
 
 #[cfg(test)]
