@@ -2,7 +2,7 @@
 //! real (svc-loader in the node namespace, svc-identity with its embedded
 //! store, svc-ipam, svc-endpoint; release build), invoked the way a runtime
 //! does: `nsenter --net=<node ns> rivet-cni`, a clean environment of `CNI_*`
-//! variables, the netconf on stdin (`rivet_cni::testing`, as its
+//! variables, the netconf on stdin (`rivet_testkit::cni`, as its
 //! cross-process tests). Each pod is a fresh network namespace; each timing
 //! is one plugin process from spawn to exit, so it includes nsenter's
 //! fork+exec (~0.5 ms) on both sides.
@@ -43,11 +43,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
-use rivet_cni::testing::{CniRun, PLUGIN_DIR, Pod, exec_in_netns, node_conf, result_ips};
 use rivet_proto::endpoint::v1 as eppb;
+use rivet_testkit::cni::{CniRun, PLUGIN_DIR, Pod, exec_in_netns, node_conf, result_ips};
+use rivet_testkit::loader::HOST_PREFIX;
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use serde_json::{Value, json};
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
-use svc_loader::testing::HOST_PREFIX;
 
 use crate::report::{BenchResult, ms, percentile, sibling_binary};
 
@@ -76,7 +76,7 @@ pub struct CniArgs {
 /// CNI version of both netconfs (the newest the reference plugins speak).
 const CNI_VERSION: &str = "1.0.0";
 /// bridge's host-local range: in 198.18.0.0/15, outside the node's pools
-/// (`svc_endpoint::testing::POOL4` is 198.18.0.0/22).
+/// (`rivet_testkit::node::POOL4` is 198.18.0.0/22).
 const BRIDGE_SUBNET: &str = "198.19.0.0/22";
 /// First octets of each plugin's IPv4 addresses, for the result check.
 const RIVET_V4: [u8; 2] = [198, 18];

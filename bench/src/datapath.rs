@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use rivet_common::testing::netns::{NetNs, TestNode};
 use rivet_proto::loader::v1 as pb;
-use svc_loader::testing::{HOST_PREFIX, LoaderNode, entry, pod_spec, policy};
+use rivet_testkit::loader::{HOST_PREFIX, LoaderNode, entry, pod_spec, policy};
 
 use crate::report::{BenchResult, load_average, percentile, sibling_binary};
 

@@ -44,12 +44,12 @@ use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use rivet_proto::loader::v1 as ldpb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
-use svc_loader::testing::HOST_PREFIX;
+use rivet_testkit::loader::HOST_PREFIX;
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 
 use crate::report::{BenchResult, ms, percentile, sibling_binary};
 
-/// The node's IPv4 pool (`svc_endpoint::testing::POOL4`, a /22) bounds the
+/// The node's IPv4 pool (`rivet_testkit::node::POOL4`, a /22) bounds the
 /// node size.
 const MAX_ENDPOINTS: u32 = 1000;
 /// svc-loader's endpoints map: one entry per endpoint plus one per address

@@ -23,9 +23,9 @@ use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::DaemonProcess;
 use rivet_proto::gc::v1 as pb;
 use rivet_proto::gc::v1::gc_service_client::GcServiceClient;
+use rivet_testkit::gc::{TestMaps, daemon_command, synthetic_entries};
 use svc_gc::clock::{Clock as _, KernelClock};
 use svc_gc::sys;
-use svc_gc::testing::{TestMaps, daemon_command, synthetic_entries};
 use svc_loader::maps::{Ct4Key, CtEntry};
 
 use crate::report::{BenchResult, sibling_binary};

@@ -35,11 +35,11 @@ use aya::programs::SchedClassifier;
 use rivet_bpf_sys as sys;
 use rivet_common::testing::netns::{NetNs, veth_pair};
 use rivet_proto::loader::v1 as pb;
+use rivet_testkit::frames::{self, ETH_P_IP, ETH_P_IPV6, TCP_ACK, TCP_SYN, proto};
+use rivet_testkit::loader::{PinDir, entry, policy};
 use svc_loader::datapath::{Datapath, DatapathOptions, Hook};
 use svc_loader::loader::EndpointDatapath;
 use svc_loader::maps::IpcacheValue;
-use svc_loader::testing::frames::{self, ETH_P_IP, ETH_P_IPV6, TCP_ACK, TCP_SYN, proto};
-use svc_loader::testing::{PinDir, entry, policy};
 
 use crate::report::{BenchResult, load_average, percentile};
 

@@ -14,8 +14,8 @@
 //! [`result`] are the spec's formats; [`netlink`], [`grpc`] and [`delegate`]
 //! are the real implementations; [`logging`] sends logs to the `logFile` and
 //! spans over OTLP. `main.rs` reads the environment and stdin and wires them.
-//! `testing` (feature `testing`) runs the binary the way a runtime does, for
-//! the cross-process tests and the `cni` benchmark.
+//! Running the binary the way a runtime does, for the cross-process tests
+//! and the `cni` benchmark, is rivet-testkit's (`rivet_testkit::cni`).
 
 pub mod api;
 pub mod delegate;
@@ -28,8 +28,6 @@ pub mod netconf;
 pub mod netlink;
 pub mod plugin;
 pub mod result;
-#[cfg(feature = "testing")]
-pub mod testing;
 pub mod version;
 
 use serde_json::Value;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{Harness, Pod};
 use rivet_common::testing::{CollectedSpan, OtlpCollector};
-use svc_endpoint::testing::NodeOptions;
+use rivet_testkit::node::NodeOptions;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_add_is_one_trace_rooted_at_cni_add() {

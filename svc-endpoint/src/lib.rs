@@ -19,8 +19,6 @@ pub mod manager;
 pub mod policy_dir;
 pub mod service;
 pub mod state_dir;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-endpoint.sock`.
 pub const DAEMON_NAME: &str = "svc-endpoint";

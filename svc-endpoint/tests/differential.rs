@@ -48,12 +48,12 @@ use rivet_policy::{
     SelectorCache, Subject,
 };
 use rivet_proto::loader::v1 as pb;
+use rivet_testkit::frames::{self, ExtHeader, TCP_SYN, proto};
+use rivet_testkit::loader::PinDir;
 use serde_json::{Value, json};
 use svc_loader::datapath::{Datapath, DatapathOptions, Hook};
 use svc_loader::loader::EndpointDatapath;
 use svc_loader::maps::{self, Event, IpcacheValue};
-use svc_loader::testing::PinDir;
-use svc_loader::testing::frames::{self, ExtHeader, TCP_SYN, proto};
 
 /// Packets run against each random policy set.
 const PACKETS_PER_SCENARIO: usize = 40;

@@ -9,11 +9,11 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use support::{Faults, Mode, assert_nothing_left, faulty_dependencies, options, start_manager};
 use svc_endpoint::endpoint::RegenerationStep;
 use svc_endpoint::manager::{ManagerError, NewEndpoint};
 use svc_endpoint::service::validate_create;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failure_at_each_regeneration_step_leaves_nothing_behind() {

@@ -14,11 +14,11 @@ use std::time::{Duration, Instant};
 use rivet_common::controller::Controllers;
 use rivet_common::labels::Labels;
 use rivet_policy::{Policy, PolicyOrigin};
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use support::{Faults, Mode, assert_nothing_left, eventually, faulty_dependencies, options, start_manager};
 use svc_endpoint::endpoint::EndpointState;
 use svc_endpoint::manager::{EndpointManager, EndpointSelector, ManagerError, ManagerOptions, NewEndpoint};
 use svc_endpoint::service::validate_create;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
 use tonic::{Code, Status};
 
 /// A node without svc-endpoint, its pods wired, and an in-process manager

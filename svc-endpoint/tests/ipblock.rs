@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::loader::v1 as ldpb;
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use support::until;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
 
 fn pings(node: &EndpointNode, from: &str, to: &str) -> bool {
     node.pod(from)

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::loader::v1 as ldpb;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use tonic::Code;
 
 const SHORT: Duration = Duration::from_millis(500);

@@ -36,7 +36,7 @@ use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use rivet_proto::loader::v1 as ldpb;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use tonic::Code;
 
 /// Label sets the pods are spread over (several pods share each identity).

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use rivet_common::telemetry::{self, LogFormat, TelemetryOptions};
 use rivet_common::testing::OtlpCollector;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use tracing::Instrument;
 
 #[tokio::test(flavor = "multi_thread")]

@@ -26,8 +26,6 @@ pub mod map;
 pub mod pass;
 pub mod service;
 pub use rivet_bpf_sys as sys;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-gc.sock`.
 pub const DAEMON_NAME: &str = "svc-gc";

@@ -15,10 +15,10 @@ use rivet_datapath::maps::{Ct4Key, CtEntry, DIR_EGRESS, DIR_INGRESS, ipv4_to_raw
 use rivet_datapath::spec;
 use rivet_proto::gc::v1 as pb;
 use rivet_proto::gc::v1::gc_service_client::GcServiceClient;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
+use rivet_testkit::gc::{BPFFS, SECOND, TestMaps, daemon_command, synthetic_entries};
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use svc_gc::clock::{Clock, KernelClock};
 use svc_gc::map::{BatchMode, EntryMap as _, PinnedMap};
-use svc_gc::testing::{BPFFS, SECOND, TestMaps, daemon_command, synthetic_entries};
 
 async fn client(daemon: &DaemonProcess) -> GcServiceClient<DaemonChannel> {
     GcServiceClient::new(

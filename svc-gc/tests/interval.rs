@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rivet_testkit::gc::{TestMaps, synthetic_entries, synthetic_key};
 use svc_gc::classify::Timeouts;
 use svc_gc::clock::{Clock, KernelClock};
 use svc_gc::collector::{Collector, CollectorOptions, CollectorStatus};
@@ -13,7 +14,6 @@ use svc_gc::events::GcMetrics;
 use svc_gc::interval::IntervalBounds;
 use svc_gc::map::BatchMode;
 use svc_gc::pass::Trigger;
-use svc_gc::testing::{TestMaps, synthetic_entries, synthetic_key};
 
 fn options(start: Duration) -> CollectorOptions {
     CollectorOptions {

@@ -14,6 +14,7 @@ use rivet_datapath::maps::{
     CT_TCP_CLOSING, CT_TCP_ESTABLISHED, CT_TCP_SYN, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS,
 };
 use rivet_datapath::spec::{self, MapDef};
+use rivet_testkit::gc::{SECOND, TestMaps, entry, synthetic_entries};
 use svc_gc::classify::{CtRules, LocalEndpoints, Timeouts};
 use svc_gc::clock::{Clock, KernelClock};
 use svc_gc::collector::{Collector, CollectorOptions};
@@ -22,7 +23,6 @@ use svc_gc::events::GcMetrics;
 use svc_gc::interval::IntervalBounds;
 use svc_gc::map::{BatchMode, DeleteOutcome, EntryMap, MapError, PinnedMap};
 use svc_gc::pass::{CtMap, GcMaps, MapReport, OrphanCheck, PassPlan, Slot, Trigger, run_pass};
-use svc_gc::testing::{SECOND, TestMaps, entry, synthetic_entries};
 
 const TCP: u8 = 6;
 const UDP: u8 = 17;
@@ -584,7 +584,7 @@ fn fill_estimates_are_close_and_cheap() {
         let keys: Vec<Ct4Key> = keys
             .iter()
             .enumerate()
-            .map(|(i, _)| svc_gc::testing::synthetic_key(total - n + i as u32))
+            .map(|(i, _)| rivet_testkit::gc::synthetic_key(total - n + i as u32))
             .collect();
         ct4.insert_all(&keys, &values).unwrap();
         let started = std::time::Instant::now();

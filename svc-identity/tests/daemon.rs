@@ -924,7 +924,7 @@ fn sample(text: &str, series: &str) -> f64 {
 /// The prefixes of svc-loader's ipcache under 198.18.9.0/24 with their
 /// identities (the node's own addresses, which svc-loader keeps itself,
 /// left out).
-async fn loader_entries(loader: &svc_loader::testing::LoaderNode) -> BTreeMap<String, u32> {
+async fn loader_entries(loader: &rivet_testkit::loader::LoaderNode) -> BTreeMap<String, u32> {
     let r = loader
         .client()
         .await
@@ -948,7 +948,7 @@ async fn loader_entries(loader: &svc_loader::testing::LoaderNode) -> BTreeMap<St
 
 /// Polls svc-loader's ipcache until `pred` holds (15 s).
 async fn loader_until(
-    loader: &svc_loader::testing::LoaderNode,
+    loader: &rivet_testkit::loader::LoaderNode,
     what: &str,
     pred: impl Fn(&BTreeMap<String, u32>) -> bool,
 ) {
@@ -1000,7 +1000,7 @@ async fn raw_leases(endpoint: &str, prefix: &str) -> BTreeMap<String, i64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converges_when_etcd_is_back() {
     let loader =
-        svc_loader::testing::LoaderNode::start(&rivet_common::testing::workspace_binary("svc-loader"), &[], &[])
+        rivet_testkit::loader::LoaderNode::start(&rivet_common::testing::workspace_binary("svc-loader"), &[], &[])
             .await
             .expect("svc-loader starts");
     let etcd = EtcdServer::start_async().await.expect("etcd starts");

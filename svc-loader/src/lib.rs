@@ -24,8 +24,6 @@ pub mod netdev;
 pub mod policy_lpm;
 pub mod service;
 pub mod tc;
-#[cfg(feature = "testing")]
-pub mod testing;
 pub mod validate;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-loader.sock`.

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use rivet_common::testing::netns::{NetNs, veth_pair};
 use rivet_proto::loader::v1 as pb;
-use svc_loader::testing::frames::{self, ExtHeader, TCP_SYN, proto};
-use svc_loader::testing::{LoaderNode, entry, policy};
+use rivet_testkit::frames::{self, ExtHeader, TCP_SYN, proto};
+use rivet_testkit::loader::{LoaderNode, entry, policy};
 
 use pb::{Direction::*, Protocol, Verdict::*};
 

@@ -6,7 +6,8 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use rivet_proto::loader::v1 as pb;
-use svc_loader::testing::{LoaderNode, address_entry, entry, frames, policy, prefix};
+use rivet_testkit::frames;
+use rivet_testkit::loader::{LoaderNode, address_entry, entry, policy, prefix};
 use tonic::Code;
 
 type Client = rivet_proto::loader::v1::loader_service_client::LoaderServiceClient<rivet_common::grpc::DaemonChannel>;

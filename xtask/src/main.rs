@@ -9,6 +9,7 @@
 mod bench;
 mod cmd;
 mod demo;
+mod deps;
 mod install;
 mod test;
 
@@ -31,7 +32,8 @@ struct Cli {
 enum Command {
     /// Install the Debian packages and mount bpffs (idempotent; needs root).
     Install,
-    /// Run the whole suite: fmt check, clippy -D warnings, all tests, doc tests.
+    /// Run the whole suite: fmt check, the dependency rules, clippy -D warnings, all
+    /// tests, doc tests.
     ///
     /// Arguments after `--` are appended to both `cargo test` invocations, e.g.
     /// `cargo xtask test -- ipam -- --nocapture`.
@@ -46,6 +48,10 @@ enum Command {
     Demo,
     /// Run one benchmark of the `rivet-bench` crate with the bench-release profile.
     Bench(bench::Args),
+    /// Check that no daemon, the CLI or the CNI plugin links a crate it must not
+    /// (rivet-testkit; aya and svc-loader in the unprivileged ones; svc-loader in svc-gc), as a workspace
+    /// build resolves it.
+    Deps,
 }
 
 /// Runs the command; errors are printed as a short cause chain (no backtrace, even with
@@ -78,6 +84,7 @@ fn run(command: Command) -> Result<()> {
             install::run()?;
             bench::run(&args)
         }
+        Command::Deps => deps::run(),
     }
 }
 

@@ -1,28 +1,42 @@
 //! `cargo xtask test`: the whole suite, as CI runs it (`.ci/run` calls only this).
 //!
 //! Steps run in order and stop at the first failure, cheapest first, so a formatting
-//! slip fails in seconds instead of after a full test build. Output of every step goes
+//! slip or a daemon linking test code fails in seconds instead of after a full test
+//! build. Output of every step goes
 //! straight to the terminal: CI reads cargo test's own summary lines from stdout.
 
 use std::process::Command;
 
 use anyhow::{Context, Result};
 
-use crate::cmd;
+use crate::{cmd, deps};
 
-/// Runs fmt check, clippy, all tests and doc tests; `cargo_test_args` are appended to
-/// both `cargo test` invocations (a filter, cargo flags, or `-- <test binary args>`).
+/// One step of the suite.
+enum Step {
+    /// A command that must succeed.
+    Run(Command),
+    /// A check done here.
+    Check(fn() -> Result<()>),
+}
+
+/// Runs fmt check, the dependency rules, clippy, all tests and doc tests;
+/// `cargo_test_args` are appended to both `cargo test` invocations (a filter, cargo
+/// flags, or `-- <test binary args>`).
 pub fn run(cargo_test_args: &[String]) -> Result<()> {
-    for (name, mut command) in steps(cargo_test_args) {
+    for (name, step) in steps(cargo_test_args) {
         println!("==> {name}");
-        cmd::run(&mut command).with_context(|| format!("step `{name}` failed"))?;
+        match step {
+            Step::Run(mut command) => cmd::run(&mut command),
+            Step::Check(check) => check(),
+        }
+        .with_context(|| format!("step `{name}` failed"))?;
     }
     println!("==> all steps passed");
     Ok(())
 }
 
 /// The steps, each with a short name for its header.
-fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Command)> {
+fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Step)> {
     let mut fmt = cmd::cargo();
     fmt.args(["fmt", "--all", "--", "--check"]);
 
@@ -45,10 +59,11 @@ fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Command)> {
     doc_tests.args(["test", "--workspace", "--doc"]).args(cargo_test_args);
 
     vec![
-        ("fmt", fmt),
-        ("clippy", clippy),
-        ("test", tests),
-        ("doc tests", doc_tests),
+        ("fmt", Step::Run(fmt)),
+        ("dependencies", Step::Check(deps::run)),
+        ("clippy", Step::Run(clippy)),
+        ("test", Step::Run(tests)),
+        ("doc tests", Step::Run(doc_tests)),
     ]
 }
 
@@ -59,12 +74,16 @@ mod tests {
     #[test]
     fn extra_args_go_to_both_test_runs_only() {
         let extra = ["ipam".to_string(), "--".to_string(), "--nocapture".to_string()];
-        let rendered: Vec<(&str, String)> = steps(&extra)
+        let steps = steps(&extra);
+        let names: Vec<&str> = steps.iter().map(|(name, _)| *name).collect();
+        assert_eq!(names, ["fmt", "dependencies", "clippy", "test", "doc tests"]);
+        let rendered: Vec<(&str, String)> = steps
             .iter()
-            .map(|(name, command)| (*name, cmd::display(command)))
+            .filter_map(|(name, step)| match step {
+                Step::Run(command) => Some((*name, cmd::display(command))),
+                Step::Check(_) => None,
+            })
             .collect();
-        let names: Vec<&str> = rendered.iter().map(|(name, _)| *name).collect();
-        assert_eq!(names, ["fmt", "clippy", "test", "doc tests"]);
         assert!(rendered[0].1.ends_with("fmt --all -- --check"));
         assert!(rendered[1].1.ends_with("-- -D warnings"));
         assert!(

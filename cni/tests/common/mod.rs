@@ -4,7 +4,7 @@
 //! namespace the way a runtime runs it (`nsenter --net=<node ns>`, a clean
 //! environment with the `CNI_*` variables, the netconf on stdin), against pod
 //! namespaces the test owns. Running the binary, the netconf, the
-//! environment and pods are `rivet_cni::testing`'s (shared with the `cni`
+//! environment and pods are `rivet_testkit::cni`'s (shared with the `cni`
 //! benchmark); this adds the node and what the tests inspect on it.
 
 #![allow(dead_code)]
@@ -13,15 +13,15 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-pub use rivet_cni::testing::{CniRun, Pod};
-use rivet_cni::testing::{cni_env, exec_in_netns, node_conf};
 use rivet_common::testing::netns::NetNs;
 use rivet_common::testing::workspace_binary;
 use rivet_proto::endpoint::v1 as eppb;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
+pub use rivet_testkit::cni::{CniRun, Pod};
+use rivet_testkit::cni::{cni_env, exec_in_netns, node_conf};
+use rivet_testkit::node::{EndpointNode, NodeOptions};
 use serde_json::Value;
-use svc_endpoint::testing::{EndpointNode, NodeOptions};
 
 /// Host veth prefix the node's svc-loader acts on.
 pub const PREFIX: &str = "rvh";
@@ -221,7 +221,7 @@ impl Harness {
 /// The addresses of a result's `ips`, without prefix length.
 #[track_caller]
 pub fn result_ips(result: &Value) -> Vec<IpAddr> {
-    rivet_cni::testing::result_ips(result).unwrap_or_else(|| panic!("a result with addresses: {result}"))
+    rivet_testkit::cni::result_ips(result).unwrap_or_else(|| panic!("a result with addresses: {result}"))
 }
 
 /// Pings `dst` from `from` (3 packets); how many came back.

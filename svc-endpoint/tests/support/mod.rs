@@ -18,10 +18,10 @@ use rivet_proto::identity::v1 as idpb;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
+use rivet_testkit::node::EndpointNode;
 use svc_endpoint::clients::{ApiResult, IdentityApi, IpamApi, LoaderApi};
 use svc_endpoint::events::EndpointMetrics;
 use svc_endpoint::manager::{Dependencies, EndpointManager, ManagerOptions};
-use svc_endpoint::testing::EndpointNode;
 use tokio::sync::watch;
 use tonic::Status;
 

@@ -2,7 +2,7 @@
 //! and its push to a real svc-loader.
 
 use rivet_common::testing::etcd::EtcdServer;
-use svc_loader::testing::LoaderNode;
+use rivet_testkit::loader::LoaderNode;
 
 use std::path::PathBuf;
 

@@ -1,10 +1,11 @@
-//! Test support (feature `testing`): a whole simulated node — the node
-//! network namespace with svc-loader inside it, svc-identity (embedded
-//! store), svc-ipam and svc-endpoint as real processes sharing one socket
-//! dir — and pods wired to it, all removed on drop.
+//! A whole simulated node — the node network namespace with svc-loader
+//! inside it, svc-identity (embedded store), svc-ipam and svc-endpoint as
+//! real processes sharing one socket dir — and pods wired to it, all
+//! removed on drop.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::netns::{PodSpec, TestPod};
@@ -17,9 +18,11 @@ use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use rivet_proto::loader::v1 as ldpb;
-use svc_loader::testing::{DEFAULT_ENDPOINTS_MAX, LoaderNode};
+use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader};
+use svc_endpoint::endpoint::format_mac;
+use svc_endpoint::manager::Dependencies;
 
-use crate::endpoint::format_mac;
+use crate::loader::{DEFAULT_ENDPOINTS_MAX, LoaderNode};
 
 /// The node's IPv4 pool (the gateway .1 is answered by the datapath).
 pub const POOL4: &str = "198.18.0.0/22";
@@ -168,20 +171,14 @@ impl EndpointNode {
     }
 
     /// Clients of the node's svc-identity, svc-ipam and svc-loader, for an
-    /// in-process [`EndpointManager`](crate::manager::EndpointManager).
-    pub fn dependencies(&self) -> crate::manager::Dependencies {
+    /// in-process [`EndpointManager`](svc_endpoint::manager::EndpointManager).
+    pub fn dependencies(&self) -> Dependencies {
         let options = ClientOptions::default();
         let sockets = self.sockets();
-        crate::manager::Dependencies {
-            identity: std::sync::Arc::new(crate::clients::GrpcIdentity::new(
-                &sockets.join("svc-identity.sock"),
-                &options,
-            )),
-            ipam: std::sync::Arc::new(crate::clients::GrpcIpam::new(&sockets.join("svc-ipam.sock"), &options)),
-            loader: std::sync::Arc::new(crate::clients::GrpcLoader::new(
-                &sockets.join("svc-loader.sock"),
-                &options,
-            )),
+        Dependencies {
+            identity: Arc::new(GrpcIdentity::new(&sockets.join("svc-identity.sock"), &options)),
+            ipam: Arc::new(GrpcIpam::new(&sockets.join("svc-ipam.sock"), &options)),
+            loader: Arc::new(GrpcLoader::new(&sockets.join("svc-loader.sock"), &options)),
         }
     }
 

@@ -1,5 +1,5 @@
-//! Test support (feature `testing`): running a CNI plugin binary the way a
-//! container runtime does, against a simulated node (DESIGN.md §8).
+//! Running a CNI plugin binary the way a container runtime does, against a
+//! simulated node (DESIGN.md §8).
 //!
 //! The plugin (rivet-cni or a reference plugin from [`PLUGIN_DIR`]) runs
 //! inside the node namespace (`nsenter --net=<node ns> <plugin>`) with a
@@ -7,9 +7,9 @@
 //! ([`cni_env`]), the netconf on stdin ([`node_conf`] for rivet-cni on a
 //! node), and is timed from spawn to exit ([`exec_in_netns`], [`CniRun`]).
 //! Pods are network namespaces ([`Pod`]) removed on drop. The node itself
-//! (svc-endpoint's `EndpointNode`) is the caller's: this module only needs
-//! its namespace and socket dir, so rivet-cni does not depend on the daemons.
-//! Used by rivet-cni's cross-process tests and by `rivet-bench cni`.
+//! (usually an [`EndpointNode`](crate::node::EndpointNode)) is the caller's:
+//! this module only needs its namespace and socket dir. Used by rivet-cni's
+//! cross-process tests and by `rivet-bench cni`.
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
-//! Test support (feature `testing`): the datapath's conntrack maps, created
-//! from the datapath ABI's definitions and pinned in a unique test directory
-//! under `/sys/fs/bpf/rivet/`, synthetic conntrack entries, and the svc-gc
-//! daemon command.
+//! svc-gc's ground: the datapath's conntrack maps, created from the
+//! datapath ABI's definitions and pinned in a unique test directory under
+//! `/sys/fs/bpf/rivet/`, synthetic conntrack entries, and the svc-gc daemon
+//! command.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
@@ -11,9 +11,8 @@ use rivet_common::testing::DaemonCommand;
 use rivet_datapath::maps::{CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS};
 use rivet_datapath::pin::{self, PIN_ROOT, create_pinned_map};
 use rivet_datapath::spec;
-
-use crate::map::{BatchMode, PinnedMap};
-use crate::pass::GcMaps;
+use svc_gc::map::{BatchMode, PinnedMap};
+use svc_gc::pass::GcMaps;
 
 /// One second in nanoseconds.
 pub const SECOND: u64 = 1_000_000_000;

@@ -1,6 +1,6 @@
-//! Test support (feature `testing`): a simulated node — a node network
-//! namespace with pod namespaces wired by veth pairs — and the real
-//! svc-loader process running inside it, all removed on drop.
+//! A simulated node for svc-loader: a node network namespace with pod
+//! namespaces wired by veth pairs and the real svc-loader process running
+//! inside it, all removed on drop; and the policy entries tests give it.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
@@ -11,8 +11,6 @@ use rivet_common::testing::netns::{PodSpec, TestNode, TestPod};
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
-
-pub mod frames;
 
 /// Endpoint map entries of a test loader: 512 single-address or 341
 /// dual-stack endpoints.

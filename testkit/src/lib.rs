@@ -1,0 +1,24 @@
+//! rivet-testkit: the harnesses of Rivet's cross-process tests and
+//! benchmarks, kept out of the daemons' crates so that no daemon, the CLI or
+//! the CNI plugin links test code or, for the unprivileged ones, aya and
+//! svc-loader (DESIGN.md §2, §8). Dev-only: tests take it as a
+//! dev-dependency, rivet-bench as a dependency of its binary.
+//!
+//! - [`node`]: a whole node as real processes ([`node::EndpointNode`]:
+//!   svc-loader in a node namespace, svc-identity, svc-ipam, svc-endpoint)
+//!   and pods wired to it;
+//! - [`loader`]: a node namespace with pods and svc-loader only
+//!   ([`loader::LoaderNode`]), and policy entries for it;
+//! - [`gc`]: the datapath's maps pinned for svc-gc, synthetic conntrack
+//!   entries, the svc-gc command;
+//! - [`cni`]: running a CNI plugin the way a container runtime does;
+//! - [`frames`]: raw frames built by hand and sent from an interface.
+//!
+//! Namespaces, processes and pins come from `rivet_common::testing` and are
+//! removed on drop, also on panic.
+
+pub mod cni;
+pub mod frames;
+pub mod gc;
+pub mod loader;
+pub mod node;
