@@ -351,10 +351,6 @@ impl<'de> Deserialize<'de> for LabelSource {
     }
 }
 
-/// The first node-local CIDR identity (2^24): identities of ipBlock prefixes
-/// are `>= CIDR_IDENTITY_MIN`, cluster identities below it.
-pub const CIDR_IDENTITY_MIN: u32 = 1 << 24;
-
 /// A reserved identity (DESIGN.md §4): a fixed numeric identity named by a
 /// `reserved:<name>` label, resolved without the kvstore.
 ///

@@ -17,6 +17,7 @@
 //! - [`controller`]: supervised background loops (reconcile or run for
 //!   ever; restarted on panic or end, counted, shown in `rivet status`);
 //! - [`backoff`]: retry delays;
+//! - [`identity`]: the numeric identity ranges (reserved, cluster, CIDR);
 //! - [`named_port`]: the rule for named container ports' names;
 //! - [`k8s_name`]: Kubernetes name rules (DNS-1123 labels and subdomains,
 //!   namespace names, label keys and values).
@@ -28,6 +29,7 @@ pub mod controller;
 pub mod daemon;
 pub mod grpc;
 pub mod h2_authority;
+pub mod identity;
 pub mod k8s_name;
 pub mod labels;
 pub mod metrics;

@@ -7,7 +7,8 @@
 use std::net::IpAddr;
 
 use ipnet::IpNet;
-use rivet_common::labels::{Labels, ReservedIdentity};
+use rivet_common::identity::{IdentityScope, is_cluster};
+use rivet_common::labels::Labels;
 
 use super::document::{PortRef, PortSpec, Rule};
 use super::selector::{IdentityRef, Peer};
@@ -161,11 +162,11 @@ fn peer_matches(selector: &Peer, peer: &PacketPeer<'_>) -> bool {
             .is_some_and(|a| cidr.contains(&a) && !except.iter().any(|e| e.contains(&a)));
     }
     let host_net = peer.address.map(IpNet::from);
-    let identity = match peer.identity {
-        id @ 1..=7 => ReservedIdentity::from_id(id).map(IdentityRef::Reserved),
-        256..=0xff_ffff => peer.labels.map(IdentityRef::Cluster),
-        0x100_0000.. => host_net.as_ref().map(IdentityRef::Cidr),
-        _ => None,
+    let identity = match IdentityScope::of(peer.identity) {
+        IdentityScope::Reserved(r) => Some(IdentityRef::Reserved(r)),
+        IdentityScope::Cluster => peer.labels.map(IdentityRef::Cluster),
+        IdentityScope::Cidr => host_net.as_ref().map(IdentityRef::Cidr),
+        IdentityScope::None | IdentityScope::Unassigned => None,
     };
     match identity {
         Some(identity) => selector.matches(identity),
@@ -196,7 +197,7 @@ fn port_matches(spec: &PortSpec, packet: &Packet<'_>) -> bool {
             // identity never matches one).
             let ports = match direction {
                 Direction::Ingress => subject.named_ports,
-                Direction::Egress if is_pod(peer.identity) => peer.named_ports,
+                Direction::Egress if is_cluster(peer.identity) => peer.named_ports,
                 Direction::Egress => &[],
             };
             ports
@@ -204,9 +205,4 @@ fn port_matches(spec: &PortSpec, packet: &Packet<'_>) -> bool {
                 .any(|n| n.name == *name && n.protocol == spec.protocol && n.port == port && port != 0)
         }
     }
-}
-
-/// Whether an identity is a cluster identity (a pod's).
-fn is_pod(identity: u32) -> bool {
-    (256..rivet_common::labels::CIDR_IDENTITY_MIN).contains(&identity)
 }

@@ -19,15 +19,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use ipnet::IpNet;
+use rivet_common::identity::{self, is_cluster};
 use rivet_common::labels::{Labels, ReservedIdentity};
 
 use super::NamedPort;
 use super::selector::{IdentityRef, Peer};
 
-/// First cluster identity.
-pub(crate) const CLUSTER_MIN: u32 = 256;
-/// First node-local CIDR identity (2^24); cluster identities are below.
-pub(crate) const CIDR_MIN: u32 = rivet_common::labels::CIDR_IDENTITY_MIN;
 /// The memo is swept when it holds at least this many selectors.
 const MIN_SWEEP_SIZE: usize = 1024;
 
@@ -291,12 +288,13 @@ impl SelectorCache {
     }
 
     /// Sets the node-local identity of a policy prefix (host bits are
-    /// cleared). An id below 2^24 is refused (false). One prefix has one
+    /// cleared). An id outside the CIDR range ([`identity::is_cidr`]) is
+    /// refused (false). One prefix has one
     /// identity and one identity one prefix: an earlier mapping of either is
     /// replaced. Returns whether anything changed.
     pub fn set_cidr_identity(&mut self, prefix: IpNet, id: u32) -> bool {
-        if id < CIDR_MIN {
-            tracing::warn!(id, %prefix, "refusing a CIDR identity below 2^24");
+        if !identity::is_cidr(id) {
+            tracing::warn!(id, %prefix, "refusing an identity outside the CIDR range");
             return false;
         }
         let prefix = prefix.trunc();
@@ -486,10 +484,6 @@ fn replace_ports<K: Ord>(map: &mut BTreeMap<K, Vec<NamedPort>>, key: K, mut port
     }
 }
 
-fn is_cluster(id: u32) -> bool {
-    (CLUSTER_MIN..CIDR_MIN).contains(&id)
-}
-
 /// Re-evaluates one identity against every memoised selector; `None` removes it.
 fn update_memo(memo: &mut Memo, id: u32, identity: Option<IdentityRef<'_>>) {
     for (peer, entry) in &mut memo.entries {
@@ -507,6 +501,8 @@ fn update_memo(memo: &mut Memo, id: u32, identity: Option<IdentityRef<'_>>) {
 
 #[cfg(test)]
 mod tests {
+    use rivet_common::identity::{CIDR_IDENTITY_MAX, CIDR_IDENTITY_MIN};
+
     use super::super::selector::{Entity, LabelSelector};
     use super::*;
 
@@ -542,10 +538,10 @@ mod tests {
         assert!(cache.upsert_identity(258, labels("k8s:app=c,k8s:io.kubernetes.pod.namespace=shop")));
         assert!(cache.remove_identity(256));
         assert!(!cache.remove_identity(256));
-        assert!(cache.set_cidr_identity("10.0.0.0/8".parse().unwrap(), CIDR_MIN));
+        assert!(cache.set_cidr_identity("10.0.0.0/8".parse().unwrap(), CIDR_IDENTITY_MIN));
         assert_eq!(ids(&cache.select(&pods)), [258]);
         assert_eq!(ids(&cache.select(&cluster)), [1, 3, 4, 5, 6, 7, 257, 258]);
-        assert_eq!(ids(&cache.select(&world)), [2, CIDR_MIN]);
+        assert_eq!(ids(&cache.select(&world)), [2, CIDR_IDENTITY_MIN]);
         // A relabelled identity (a number reused) moves between sets.
         assert!(cache.upsert_identity(258, labels("k8s:app=c,k8s:io.kubernetes.pod.namespace=other")));
         assert!(cache.select(&pods).is_empty());
@@ -558,7 +554,7 @@ mod tests {
         // A snapshot replaces cluster identities only.
         assert!(cache.replace_identities([(300, labels("k8s:io.kubernetes.pod.namespace=shop")), (5, labels(""))]));
         assert_eq!(ids(&cache.select(&pods)), [300]);
-        assert_eq!(ids(&cache.select(&world)), [2, CIDR_MIN]);
+        assert_eq!(ids(&cache.select(&world)), [2, CIDR_IDENTITY_MIN]);
         assert!(!cache.replace_identities([(300, labels("k8s:io.kubernetes.pod.namespace=shop"))]));
         assert_eq!(cache.identities(), 7 + 1 + 1);
     }
@@ -573,20 +569,27 @@ mod tests {
             except: vec![],
         };
         assert!(!cache.set_cidr_identity(a, 300), "below 2^24");
-        assert!(cache.set_cidr_identity("10.1.2.3/8".parse().unwrap(), CIDR_MIN));
-        assert_eq!(cache.cidr_identity(&a), Some(CIDR_MIN));
-        assert!(!cache.set_cidr_identity(a, CIDR_MIN));
-        assert_eq!(ids(&cache.select(&block)), [CIDR_MIN]);
+        assert!(
+            !cache.set_cidr_identity(a, CIDR_IDENTITY_MAX + 1),
+            "above the CIDR range"
+        );
+        assert!(cache.set_cidr_identity("10.1.2.3/8".parse().unwrap(), CIDR_IDENTITY_MIN));
+        assert_eq!(cache.cidr_identity(&a), Some(CIDR_IDENTITY_MIN));
+        assert!(!cache.set_cidr_identity(a, CIDR_IDENTITY_MIN));
+        assert_eq!(ids(&cache.select(&block)), [CIDR_IDENTITY_MIN]);
         // The id moves to another prefix: the old prefix loses it.
-        assert!(cache.set_cidr_identity(b, CIDR_MIN));
+        assert!(cache.set_cidr_identity(b, CIDR_IDENTITY_MIN));
         assert_eq!(cache.cidr_identity(&a), None);
         assert!(cache.select(&block).is_empty());
         // The prefix gets another id.
-        assert!(cache.set_cidr_identity(a, CIDR_MIN + 1));
-        assert_eq!(ids(&cache.select(&block)), [CIDR_MIN + 1]);
-        assert!(cache.set_cidr_identity(a, CIDR_MIN + 2));
-        assert_eq!(ids(&cache.select(&block)), [CIDR_MIN + 2]);
-        assert_eq!(cache.labels(CIDR_MIN + 2).unwrap().to_string(), "cidr:10.0.0.0/8");
+        assert!(cache.set_cidr_identity(a, CIDR_IDENTITY_MIN + 1));
+        assert_eq!(ids(&cache.select(&block)), [CIDR_IDENTITY_MIN + 1]);
+        assert!(cache.set_cidr_identity(a, CIDR_IDENTITY_MIN + 2));
+        assert_eq!(ids(&cache.select(&block)), [CIDR_IDENTITY_MIN + 2]);
+        assert_eq!(
+            cache.labels(CIDR_IDENTITY_MIN + 2).unwrap().to_string(),
+            "cidr:10.0.0.0/8"
+        );
         assert!(cache.remove_cidr_identity(&a));
         assert!(!cache.remove_cidr_identity(&a));
         assert!(cache.select(&block).is_empty());

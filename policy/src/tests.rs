@@ -8,10 +8,10 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
+use rivet_common::identity::{CIDR_IDENTITY_MIN, is_cluster};
 use rivet_common::labels::Labels;
 
 use super::documents::{DocumentsError, Location};
-use super::selector_cache::CIDR_MIN;
 use super::*;
 
 // ------------------------------------------------------------------ fixture
@@ -48,16 +48,16 @@ const ALICE_SERVER: u32 = 271; // alice role=server
 const DEF_CLIENT: u32 = 272; // default role=client
 const BOB_CLIENT: u32 = 273; // bob role=client
 
-const C172: u32 = CIDR_MIN; // 172.17.0.0/16
-const C172_1: u32 = CIDR_MIN + 1; // 172.17.1.0/24
-const C172_128: u32 = CIDR_MIN + 2; // 172.17.128.0/17
-const C10_0: u32 = CIDR_MIN + 3; // 10.0.0.0/24
-const C10: u32 = CIDR_MIN + 4; // 10.0.0.0/8
-const C10_1: u32 = CIDR_MIN + 5; // 10.1.0.0/16
-const C10_1_2: u32 = CIDR_MIN + 6; // 10.1.2.0/24
-const C10_2: u32 = CIDR_MIN + 7; // 10.2.0.0/16
-const C192: u32 = CIDR_MIN + 8; // 192.168.0.0/16
-const C6: u32 = CIDR_MIN + 9; // 2001:db8::/32
+const C172: u32 = CIDR_IDENTITY_MIN; // 172.17.0.0/16
+const C172_1: u32 = CIDR_IDENTITY_MIN + 1; // 172.17.1.0/24
+const C172_128: u32 = CIDR_IDENTITY_MIN + 2; // 172.17.128.0/17
+const C10_0: u32 = CIDR_IDENTITY_MIN + 3; // 10.0.0.0/24
+const C10: u32 = CIDR_IDENTITY_MIN + 4; // 10.0.0.0/8
+const C10_1: u32 = CIDR_IDENTITY_MIN + 5; // 10.1.0.0/16
+const C10_1_2: u32 = CIDR_IDENTITY_MIN + 6; // 10.1.2.0/24
+const C10_2: u32 = CIDR_IDENTITY_MIN + 7; // 10.2.0.0/16
+const C192: u32 = CIDR_IDENTITY_MIN + 8; // 192.168.0.0/16
+const C6: u32 = CIDR_IDENTITY_MIN + 9; // 2001:db8::/32
 
 fn identity(id: u32) -> Labels {
     match id {
@@ -197,7 +197,10 @@ fn assert_loader_valid(resolved: &ResolvedPolicy) {
         );
     }
     for prefix in &resolved.prefixes {
-        assert!(prefix.identity >= CIDR_MIN, "a prefix has a CIDR identity: {prefix:?}");
+        assert!(
+            prefix.identity >= CIDR_IDENTITY_MIN,
+            "a prefix has a CIDR identity: {prefix:?}"
+        );
         assert_eq!(prefix.prefix, prefix.prefix.trunc(), "host bits clear: {prefix:?}");
         assert!(
             resolved
@@ -982,7 +985,7 @@ fn check_egress_decisions(
     let subject = Subject::new(&subject_labels);
     let resolved = repo.resolve(&subject, cache);
     for (index, (id, address, named_ports)) in destinations.iter().enumerate() {
-        let labels = (256..CIDR_MIN).contains(id).then(|| identity(*id));
+        let labels = is_cluster(*id).then(|| identity(*id));
         let address: IpAddr = address.parse().unwrap();
         let peer = PacketPeer {
             identity: *id,
@@ -1101,12 +1104,12 @@ spec:
 /// pods of one identity with different numbers each get their own.
 #[test]
 fn egress_named_ports_with_ipblock_peers_resolve_per_address() {
-    const C198: u32 = CIDR_MIN + 20; // 198.18.0.0/15
-    const X12: u32 = CIDR_MIN + 21; // 198.18.0.12/32, the except
-    const H11: u32 = CIDR_MIN + 22;
-    const H13: u32 = CIDR_MIN + 23;
-    const H15: u32 = CIDR_MIN + 24;
-    const H16: u32 = CIDR_MIN + 25;
+    const C198: u32 = CIDR_IDENTITY_MIN + 20; // 198.18.0.0/15
+    const X12: u32 = CIDR_IDENTITY_MIN + 21; // 198.18.0.12/32, the except
+    const H11: u32 = CIDR_IDENTITY_MIN + 22;
+    const H13: u32 = CIDR_IDENTITY_MIN + 23;
+    const H15: u32 = CIDR_IDENTITY_MIN + 24;
+    const H16: u32 = CIDR_IDENTITY_MIN + 25;
     let mut cache = fixture();
     assert!(cache.set_cidr_identity(net("198.18.0.0/15"), C198));
     assert!(cache.set_cidr_identity(net("198.18.0.12/32"), X12));
@@ -1592,11 +1595,11 @@ spec:
         "the caller allocates an identity for each cidr and except prefix"
     );
     // The caller allocates the missing prefix; another policy's prefix goes.
-    assert!(cache.set_cidr_identity(net("::/0"), CIDR_MIN + 100));
+    assert!(cache.set_cidr_identity(net("::/0"), CIDR_IDENTITY_MIN + 100));
     assert!(cache.remove_cidr_identity(&net("10.2.0.0/16")));
     let mut expected = expected_before.to_vec();
-    expected.push(a("Egress Allow", CIDR_MIN + 100, "TCP 80"));
-    expected.push(pfx("Egress", "::/0", CIDR_MIN + 100));
+    expected.push(a("Egress Allow", CIDR_IDENTITY_MIN + 100, "TCP 80"));
+    expected.push(pfx("Egress", "::/0", CIDR_IDENTITY_MIN + 100));
     check(
         "CIDR identities appearing and vanishing change the entries",
         &repo,
@@ -1612,10 +1615,10 @@ spec:
 /// (198.18.0.12) share an identity; A's policies name them by address.
 #[test]
 fn ipblocks_match_pod_addresses_per_address() {
-    const B32: u32 = CIDR_MIN + 20; // 198.18.0.11/32
-    const X32: u32 = CIDR_MIN + 21; // 198.18.0.12/32
-    const C192_4: u32 = CIDR_MIN + 22; // 192.0.0.0/4
-    const C198: u32 = CIDR_MIN + 23; // 198.18.0.0/15
+    const B32: u32 = CIDR_IDENTITY_MIN + 20; // 198.18.0.11/32
+    const X32: u32 = CIDR_IDENTITY_MIN + 21; // 198.18.0.12/32
+    const C192_4: u32 = CIDR_IDENTITY_MIN + 22; // 192.0.0.0/4
+    const C198: u32 = CIDR_IDENTITY_MIN + 23; // 198.18.0.0/15
     let mut cache = fixture();
     for (prefix, id) in [
         ("198.18.0.11/32", B32),
@@ -1886,7 +1889,7 @@ fn address_matching_decides_every_address_as_the_blocks_say() {
     for case in 0..400 {
         let mut cache = SelectorCache::new();
         cache.upsert_identity(WEB, identity(WEB));
-        let mut next_id = CIDR_MIN;
+        let mut next_id = CIDR_IDENTITY_MIN;
         let mut blocks: Vec<(Verdict, ipnet::Ipv4Net, Vec<ipnet::Ipv4Net>)> = Vec::new();
         for _ in 0..rng.random_range(1..=4) {
             let cidr = random_prefix(&mut rng, universe);
@@ -2568,7 +2571,7 @@ impl Member {
 }
 
 fn cidr_id(policy: usize, part: usize) -> u32 {
-    CIDR_MIN + (policy * 3 + part) as u32
+    CIDR_IDENTITY_MIN + (policy * 3 + part) as u32
 }
 
 fn large_policy(p: usize) -> String {
@@ -2621,7 +2624,7 @@ fn oracle(subject: Member, live: &[Member]) -> ResolvedPolicy {
     }
     let mut entries = BTreeSet::new();
     let mut add = |direction, peer_identity, protocol, port| {
-        let peer_kind = if peer_identity >= CIDR_MIN {
+        let peer_kind = if peer_identity >= CIDR_IDENTITY_MIN {
             PeerKind::Address
         } else {
             PeerKind::Identity

@@ -41,7 +41,8 @@ use ipnet::IpNet;
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom as _;
 use rand::{Rng, SeedableRng};
-use rivet_common::labels::{CIDR_IDENTITY_MIN, Labels};
+use rivet_common::identity::CIDR_IDENTITY_MIN;
+use rivet_common::labels::Labels;
 use rivet_common::testing::netns::{NetNs, veth_pair};
 use rivet_policy::{
     Decision, Direction, NamedPort, PacketPeer, Policy, PolicyOrigin, PolicyRepository, Protocol, ResolvedPolicy,

@@ -39,6 +39,7 @@ use futures::StreamExt;
 use rand::Rng;
 use rivet_common::backoff::Backoff;
 use rivet_common::controller::{Controller, Controllers, Progress, Trigger};
+use rivet_common::identity::{CLUSTER_IDENTITY_MIN, DEFAULT_MAX_CLUSTER_IDENTITY};
 use rivet_common::labels::{LabelFilter, LabelSource, Labels, ReservedIdentity};
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
@@ -49,11 +50,6 @@ use crate::backend::{
 use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
 use crate::reconcile;
 use crate::snapshot::{IdentitySnapshot, SnapshotPart};
-
-/// Smallest cluster identity.
-pub const MIN_CLUSTER_ID: u32 = 256;
-/// Default largest cluster identity.
-pub const DEFAULT_MAX_CLUSTER_ID: u32 = 65535;
 
 /// Allocation attempts before giving up on contention.
 const MAX_ATTEMPTS: usize = 64;
@@ -79,8 +75,8 @@ pub struct AllocatorOptions {
 impl Default for AllocatorOptions {
     fn default() -> Self {
         Self {
-            min_id: MIN_CLUSTER_ID,
-            max_id: DEFAULT_MAX_CLUSTER_ID,
+            min_id: CLUSTER_IDENTITY_MIN,
+            max_id: DEFAULT_MAX_CLUSTER_IDENTITY,
             filter: LabelFilter::default(),
             resync_interval: Duration::from_secs(60),
             restore_grace: Duration::from_secs(120),
@@ -1007,11 +1003,11 @@ mod tests {
     #[tokio::test]
     async fn references_are_counted_and_owners_are_idempotent() {
         let dir = tempfile::tempdir().unwrap();
-        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_IDENTITY).await;
         let web = labels("k8s:app=web");
         let first = a.allocate(&web, None).await.unwrap();
         assert!(first.newly_allocated);
-        assert!(first.id >= MIN_CLUSTER_ID);
+        assert!(first.id >= CLUSTER_IDENTITY_MIN);
         let second = a.allocate(&web, None).await.unwrap();
         assert_eq!(second.id, first.id, "the same label set is one identity");
         assert!(!second.newly_allocated);
@@ -1056,7 +1052,7 @@ mod tests {
     #[tokio::test]
     async fn reserved_filtered_and_invalid_labels() {
         let dir = tempfile::tempdir().unwrap();
-        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_IDENTITY).await;
         let host = a.allocate(&labels("reserved:host"), None).await.unwrap();
         assert_eq!(
             (host.id, host.kind),
@@ -1087,7 +1083,7 @@ mod tests {
     #[tokio::test]
     async fn exhaustion_is_reported_with_the_range() {
         let dir = tempfile::tempdir().unwrap();
-        let (a, _controllers) = allocator(dir.path(), MIN_CLUSTER_ID + 2).await;
+        let (a, _controllers) = allocator(dir.path(), CLUSTER_IDENTITY_MIN + 2).await;
         let mut ids = BTreeMap::new();
         for i in 0..3 {
             let got = a.allocate(&labels(&format!("k8s:app=a{i}")), None).await.unwrap();
@@ -1101,10 +1097,10 @@ mod tests {
     async fn identities_survive_a_restart_of_the_embedded_store() {
         let dir = tempfile::tempdir().unwrap();
         let id = {
-            let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+            let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_IDENTITY).await;
             a.allocate(&labels("k8s:app=db"), None).await.unwrap().id
         };
-        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_ID).await;
+        let (a, _controllers) = allocator(dir.path(), DEFAULT_MAX_CLUSTER_IDENTITY).await;
         assert_eq!(
             a.lookup(&labels("k8s:app=db")).unwrap(),
             Some(id),

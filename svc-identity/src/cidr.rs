@@ -7,19 +7,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use ipnet::IpNet;
+use rivet_common::identity::{CIDR_IDENTITY_MAX, CIDR_IDENTITY_MIN};
 
 use crate::ipcache::{IpCache, IpcacheEntry, IpcacheError, IpcacheSource};
-
-/// First node-local CIDR identity (Cilium's local scope bit).
-pub const CIDR_ID_MIN: u32 = 1 << 24;
-/// Last node-local CIDR identity.
-pub const CIDR_ID_MAX: u32 = CIDR_ID_MIN + 0xffff;
 
 /// Why a CIDR operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CidrError {
     /// The local range is full.
-    #[error("the node-local CIDR identity range {CIDR_ID_MIN}..={CIDR_ID_MAX} is exhausted")]
+    #[error("the node-local CIDR identity range {CIDR_IDENTITY_MIN}..={CIDR_IDENTITY_MAX} is exhausted")]
     Exhausted,
     /// The IP cache refused the claim.
     #[error("claiming CIDR identities in the IP cache: {0}")]
@@ -62,7 +58,7 @@ impl CidrIdentities {
                     out.push((prefix, *id));
                     continue;
                 }
-                let id = (CIDR_ID_MIN..=CIDR_ID_MAX)
+                let id = (CIDR_IDENTITY_MIN..=CIDR_IDENTITY_MAX)
                     .find(|id| !inner.used.contains(id))
                     .ok_or(CidrError::Exhausted)?;
                 inner.used.insert(id);
@@ -162,7 +158,8 @@ mod tests {
         let v6: IpNet = "2001:2:0:8000::/49".parse().unwrap();
         let got = cidrs.allocate(&[block, v6], "policy/a").await.unwrap();
         assert!(
-            got.iter().all(|(_, id)| (CIDR_ID_MIN..=CIDR_ID_MAX).contains(id)),
+            got.iter()
+                .all(|(_, id)| (CIDR_IDENTITY_MIN..=CIDR_IDENTITY_MAX).contains(id)),
             "a local range: {got:?}"
         );
         assert_ne!(got[0].1, got[1].1);

@@ -11,10 +11,11 @@ use rivet_common::config::{self, CommonArgs};
 use rivet_common::controller::Controllers;
 use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
+use rivet_common::identity::{self, DEFAULT_MAX_CLUSTER_IDENTITY};
 use rivet_common::labels::LabelFilter;
 use rivet_common::metrics::Health;
 use rivet_common::privileges::Dropped;
-use svc_identity::allocator::{AllocatorOptions, IdentityAllocator, MIN_CLUSTER_ID};
+use svc_identity::allocator::{AllocatorOptions, IdentityAllocator};
 use svc_identity::backend::IdentityBackend;
 use svc_identity::cidr::CidrIdentities;
 use svc_identity::embedded_backend::EmbeddedBackend;
@@ -62,8 +63,10 @@ struct Flags {
     #[arg(long, env = "RIVET_IDENTITY_RESTORE_GRACE_SECONDS", default_value_t = 120)]
     restore_grace_seconds: u64,
 
-    /// Largest cluster identity (the range starts at 256).
-    #[arg(long, env = "RIVET_MAX_IDENTITY", default_value_t = 65535)]
+    /// Largest cluster identity (the range starts at 256; CIDR identities
+    /// start at 2^24).
+    #[arg(long, env = "RIVET_MAX_IDENTITY", default_value_t = DEFAULT_MAX_CLUSTER_IDENTITY,
+          value_parser = max_cluster_identity)]
     max_identity: u32,
 
     /// Identity-relevant label rules, `[!][source:]key-prefix`, added to the
@@ -86,10 +89,6 @@ fn main() -> ExitCode {
 async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let _telemetry = daemon::init_telemetry(&flags.common, svc_identity::DAEMON_NAME)?;
     privileges.log();
-    anyhow::ensure!(
-        flags.max_identity > MIN_CLUSTER_ID,
-        "--max-identity must be above {MIN_CLUSTER_ID}"
-    );
     let filter = LabelFilter::parse(&flags.labels).context("invalid --label rule")?;
     let node = flags.common.node_name();
     let listener = daemon::bind_socket(
@@ -215,4 +214,11 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     backend.shutdown().await;
     served?;
     Ok(())
+}
+
+/// `--max-identity`: a number inside the cluster range.
+fn max_cluster_identity(text: &str) -> Result<u32, String> {
+    let max = text.parse().map_err(|e| format!("{text:?}: {e}"))?;
+    identity::check_max_cluster_identity(max).map_err(|e| e.to_string())?;
+    Ok(max)
 }

@@ -1377,3 +1377,40 @@ async fn a_failing_identity_watch_is_restarted_counted_in_metrics_and_shown_then
         "{text}"
     );
 }
+
+/// A cluster range reaching into the CIDR identities (2^24 up) is refused
+/// before the daemon starts: cluster and CIDR identities would collide.
+#[test]
+fn a_max_identity_in_the_cidr_range_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = std::process::Command::new(BIN)
+        .args(["--max-identity", "16777216", "--node-name", "max-identity"])
+        .arg("--socket-dir")
+        .arg(dir.path().join("sockets"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A daemon that accepted the flag would serve until stopped.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("svc-identity accepted --max-identity 16777216 and started");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let stderr = std::io::read_to_string(child.stderr.take().unwrap()).unwrap();
+    assert!(!status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the largest cluster identity must be in 256..=16777215"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("sockets").exists(), "nothing was started");
+}

@@ -4,7 +4,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use rivet_common::labels::CIDR_IDENTITY_MIN;
+use rivet_common::identity::{self, CIDR_IDENTITY_MAX, CIDR_IDENTITY_MIN};
 use rivet_proto::loader::v1 as pb;
 
 use crate::policy_lpm::PolicyRule;
@@ -286,13 +286,13 @@ fn policy(p: &pb::EndpointPolicy) -> Result<PolicySpec, InvalidField> {
     })
 }
 
-/// Checks a CIDR identity (>= 2^24): address-matched entries and prefixes
-/// name one.
+/// Checks a CIDR identity ([`identity::is_cidr`]): address-matched entries
+/// and prefixes name one.
 fn cidr_identity(field: String, id: u32) -> Result<u32, InvalidField> {
-    if id < CIDR_IDENTITY_MIN {
+    if !identity::is_cidr(id) {
         return Err(invalid(
             field,
-            format!("must be the CIDR identity of a prefix (>= {CIDR_IDENTITY_MIN}), got {id}"),
+            format!("must be the CIDR identity of a prefix ({CIDR_IDENTITY_MIN}..={CIDR_IDENTITY_MAX}), got {id}"),
         ));
     }
     Ok(id)

@@ -285,7 +285,7 @@ fn loader_prefixes(dp: &EndpointDatapath, id: u32) -> BTreeMap<EpPrefixKey, u32>
 
 /// A policy allowing egress by address to `n` /32 prefixes of 203.0.113.0/24.
 fn address_policy(revision: u64, n: u8) -> PolicySpec {
-    let cidr = |i: u8| rivet_common::labels::CIDR_IDENTITY_MIN + u32::from(i);
+    let cidr = |i: u8| rivet_common::identity::CIDR_IDENTITY_MIN + u32::from(i);
     PolicySpec {
         rules: (0..n)
             .map(|i| PolicyRule {
