@@ -657,8 +657,8 @@ impl Controllers {
     /// Runs `reconcile` over and over as its [`Action`]s say: first at once,
     /// then after the requeue delay or when the controller's trigger fires.
     /// An `Err` is retried after the controller's backoff (reset by a
-    /// success); a panic is caught, counted as a restart and retried the same
-    /// way. Returns at once; the loop runs until [`shutdown`](Self::shutdown).
+    /// success) or when the trigger fires, whichever comes first; a panic is
+    /// caught, counted as a restart and retried after the backoff. Returns at once; the loop runs until [`shutdown`](Self::shutdown).
     ///
     /// ```
     /// use rivet_common::controller::{Action, Controller, Controllers};
@@ -696,7 +696,12 @@ impl Controllers {
                     Ok(Err(error)) => {
                         let delay = backoff.next_delay();
                         cell.reconcile_failed(error.to_string(), took, delay);
-                        tokio::time::sleep(delay).await;
+                        // A change may be what it waited for: the trigger
+                        // cuts the backoff short (kube's scheduler does too).
+                        tokio::select! {
+                            () = tokio::time::sleep(delay) => {}
+                            () = trigger.fired() => {}
+                        }
                         continue;
                     }
                     Err(panic) => {
@@ -1041,6 +1046,34 @@ mod tests {
         assert!(
             text.contains(r#"rivet_controller_reconcile_duration_seconds_count{controller="publish"} 7"#),
             "{text}"
+        );
+        controllers.shutdown().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_trigger_cuts_the_error_backoff_short() {
+        let controllers = Controllers::new();
+        let trigger = Trigger::new();
+        let passes = Arc::new(Mutex::new(Vec::new()));
+        let p = passes.clone();
+        let t0 = tokio::time::Instant::now();
+        controllers.reconcile(
+            Controller::new("retry")
+                .trigger(&trigger)
+                .backoff(no_jitter(10_000, 10_000)),
+            move || {
+                p.lock().unwrap().push(t0.elapsed().as_millis());
+                async { Err::<Action, _>("store unreachable") }
+            },
+        );
+        controllers.wait_outcomes("retry", 1).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        trigger.trigger();
+        controllers.wait_outcomes("retry", 2).await;
+        assert_eq!(
+            *passes.lock().unwrap(),
+            [0, 500],
+            "retried at the trigger, not after 10 s"
         );
         controllers.shutdown().await;
     }

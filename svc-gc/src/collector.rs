@@ -1,6 +1,9 @@
 //! The collector: a full pass at start, then passes on the adaptive interval
 //! ([`crate::interval`]), early on RunNow or map pressure. Passes run one at a
-//! time on a blocking thread; the loop itself is a tokio task.
+//! time on a blocking thread, scheduled by the controller `gc-passes`
+//! (`rivet_common::controller`); a pass that could open no map is retried
+//! after [`CollectorOptions::retry`], doubling up to the interval's upper
+//! bound. The controller `gc-map-pressure` checks the maps' fill.
 //!
 //! RunNow: a caller waits for the first pass that *starts* after its call
 //! began (a pass already running is finished first); callers arriving
@@ -17,7 +20,9 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use tokio::sync::{Notify, watch};
+use rivet_common::backoff::Backoff;
+use rivet_common::controller::{Action, Controller, Controllers, Trigger as Wake};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::classify::{CtRules, LocalEndpoints, Timeouts};
@@ -44,7 +49,7 @@ pub struct CollectorOptions {
     /// How often the fill is estimated.
     pub pressure_check: Duration,
     /// Delay before retrying a pass that could open no map (doubling while
-    /// it keeps failing, up to the interval).
+    /// it keeps failing, up to the interval's upper bound).
     pub retry: Duration,
 }
 
@@ -124,7 +129,8 @@ struct State {
     last_pass: Option<PassReport>,
     passes: u64,
     fill_checks: u64,
-    failures: u32,
+    /// A pressure check asked for a pass.
+    pressure: bool,
     recent: VecDeque<(u64, Result<PassReport, PassError>)>,
     totals: BTreeMap<String, MapTotals>,
 }
@@ -137,7 +143,7 @@ struct Inner {
     clock: Arc<dyn Clock>,
     metrics: GcMetrics,
     state: Mutex<State>,
-    wake: Notify,
+    wake: Wake,
     finished: watch::Sender<u64>,
 }
 
@@ -192,21 +198,39 @@ impl Collector {
                     last_pass: None,
                     passes: 0,
                     fill_checks: 0,
-                    failures: 0,
+                    pressure: false,
                     recent: VecDeque::new(),
                     totals,
                 }),
-                wake: Notify::new(),
+                wake: Wake::new(),
                 finished: watch::channel(0).0,
             }),
         }
     }
 
-    /// Spawns the loop (the initial pass starts at once); it runs until the
-    /// returned handle is aborted or the runtime stops.
-    pub fn start(&self) -> tokio::task::JoinHandle<()> {
+    /// Starts the passes (the initial pass at once; controller `gc-passes`)
+    /// and the map-pressure checks (`gc-map-pressure`) under `controllers`.
+    pub fn start(&self, controllers: &Controllers) {
+        let opts = &self.inner.opts;
+        let retry = Backoff::new(opts.retry, opts.bounds.max.max(opts.retry)).with_jitter(0.0);
+        let passes = Controller::new("gc-passes").trigger(&self.inner.wake).backoff(retry);
         let inner = self.inner.clone();
-        tokio::spawn(async move { inner.run().await })
+        controllers.reconcile(passes, move || inner.clone().scheduled_pass());
+        if opts.pressure_threshold < 1.0 && !opts.pressure_check.is_zero() {
+            let inner = self.inner.clone();
+            // The first check one period after the start, as every later one.
+            let mut first = true;
+            controllers.reconcile(Controller::new("gc-map-pressure"), move || {
+                let (inner, check) = (inner.clone(), !std::mem::replace(&mut first, false));
+                async move {
+                    if check && inner.under_pressure().await {
+                        lock(&inner.state).pressure = true;
+                        inner.wake.trigger();
+                    }
+                    Ok::<_, std::convert::Infallible>(Action::requeue(inner.opts.pressure_check))
+                }
+            });
+        }
     }
 
     /// Waits for the first pass that starts after this call (see the module
@@ -217,7 +241,7 @@ impl Collector {
             state.run_now = true;
             state.running.map_or(state.started + 1, |n| n + 1)
         };
-        self.inner.wake.notify_one();
+        self.inner.wake.trigger();
         let mut finished = self.inner.finished.subscribe();
         match tokio::time::timeout(deadline, finished.wait_for(|n| *n >= target)).await {
             Err(_) => return Err(RunNowError::DeadlineExceeded(deadline)),
@@ -262,46 +286,26 @@ impl Collector {
 }
 
 impl Inner {
-    async fn run(self: Arc<Self>) {
-        let mut trigger = Trigger::Initial;
-        let mut pressure = (self.opts.pressure_threshold < 1.0 && !self.opts.pressure_check.is_zero())
-            .then(|| tokio::time::interval_at(Instant::now() + self.opts.pressure_check, self.opts.pressure_check));
-        if let Some(ticks) = pressure.as_mut() {
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        }
-        loop {
-            self.pass(trigger).await;
-            trigger = loop {
-                let (next, run_now) = {
-                    let state = lock(&self.state);
-                    (state.next_pass, state.run_now)
-                };
-                if run_now {
-                    break Trigger::RunNow;
-                }
-                let tick = async {
-                    match pressure.as_mut() {
-                        Some(ticks) => ticks.tick().await,
-                        None => std::future::pending().await,
-                    }
-                };
-                tokio::select! {
-                    // Until one pass completed (maps not pinned yet), a retry
-                    // is still the initial pass.
-                    () = tokio::time::sleep_until(next) => break if lock(&self.state).passes == 0 {
-                        Trigger::Initial
-                    } else {
-                        Trigger::Interval
-                    },
-                    () = self.wake.notified() => {}
-                    _ = tick => {
-                        if self.under_pressure().await {
-                            break Trigger::MapPressure;
-                        }
-                    }
-                }
-            };
-        }
+    /// One pass, for the reason that woke it; the next when the adaptive
+    /// interval says (or earlier, when woken).
+    async fn scheduled_pass(self: Arc<Self>) -> Result<Action, PassError> {
+        let trigger = {
+            let mut state = lock(&self.state);
+            if state.run_now {
+                Trigger::RunNow
+            } else if std::mem::take(&mut state.pressure) {
+                Trigger::MapPressure
+            } else if state.passes == 0 {
+                // Until one pass completed (maps not pinned yet), a retry is
+                // still the initial pass.
+                Trigger::Initial
+            } else {
+                Trigger::Interval
+            }
+        };
+        self.pass(trigger).await?;
+        let next = lock(&self.state).next_pass;
+        Ok(Action::requeue(next.saturating_duration_since(Instant::now())))
     }
 
     async fn plan(&self, number: u64, trigger: Trigger) -> PassPlan {
@@ -329,7 +333,7 @@ impl Inner {
         }
     }
 
-    async fn pass(&self, trigger: Trigger) {
+    async fn pass(&self, trigger: Trigger) -> Result<(), PassError> {
         let number = {
             let mut state = lock(&self.state);
             state.started += 1;
@@ -353,7 +357,6 @@ impl Inner {
                     state.next_pass = started + state.interval;
                     state.last_start = Some(started);
                     state.passes += 1;
-                    state.failures = 0;
                     for map in &report.maps {
                         let totals = state.totals.entry(map.map.clone()).or_default();
                         totals.scanned += map.scanned;
@@ -363,21 +366,16 @@ impl Inner {
                     state.last_pass = Some(report.clone());
                     events::pass_completed(&self.metrics, report, state.interval);
                 }
-                Err(error) => {
-                    let backoff = self.opts.retry.saturating_mul(1 << state.failures.min(16));
-                    state.failures += 1;
-                    let retry = backoff.min(state.interval);
-                    state.next_pass = Instant::now() + retry;
-                    events::pass_failed(&self.metrics, number, trigger, error, retry);
-                }
+                Err(error) => events::pass_failed(&self.metrics, number, trigger, error),
             }
-            state.recent.push_back((number, result));
+            state.recent.push_back((number, result.clone()));
             while state.recent.len() > RECENT {
                 state.recent.pop_front();
             }
             state.running = None;
         }
         self.finished.send_replace(number);
+        result.map(|_| ())
     }
 
     /// Estimates every map's fill; true when one is at the threshold and the

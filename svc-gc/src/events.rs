@@ -189,13 +189,9 @@ pub fn pass_completed(m: &GcMetrics, pass: &PassReport, interval: Duration) {
 }
 
 /// A pass could not run.
-pub fn pass_failed(m: &GcMetrics, number: u64, trigger: Trigger, error: &PassError, retry_in: Duration) {
-    tracing::warn!(
-        pass = number,
-        trigger = trigger.as_str(),
-        retry_in_s = retry_in.as_secs_f64(),
-        "pass failed: {error}"
-    );
+pub fn pass_failed(m: &GcMetrics, number: u64, trigger: Trigger, error: &PassError) {
+    // Retried by its controller, which logs when.
+    tracing::warn!(pass = number, trigger = trigger.as_str(), "pass failed: {error}");
     m.pass_failures.inc();
 }
 

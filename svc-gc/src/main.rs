@@ -170,7 +170,8 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         Arc::new(KernelClock::new()),
         metrics,
     );
-    let _loop = collector.start();
+    let controllers = Controllers::new();
+    collector.start(&controllers);
 
     let identity = DaemonIdentity::new(svc_gc::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let service = GcService::new(collector, identity.boot_id.clone());
@@ -179,7 +180,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         &flags.common,
         listener,
         identity,
-        Controllers::new(),
+        controllers,
         routes,
         registry,
         Health::default(),

@@ -75,9 +75,10 @@ async fn the_interval_follows_the_rule_for_chosen_delete_ratios() {
         let (keys, values) = synthetic_entries(now, 1000 - expired, expired, 21_600);
         maps.ct4().insert_all(&keys, &values).unwrap();
         let gc = collector(&maps, options(Duration::from_secs(300)));
-        let task = gc.start();
+        let controllers = rivet_common::controller::Controllers::new();
+        gc.start(&controllers);
         let status = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
-        task.abort();
+        controllers.shutdown().await;
         let pass = status.last_pass.unwrap();
         assert_eq!(pass.trigger, Trigger::Initial);
         assert_eq!(pass.deleted.expired, u64::from(expired));
@@ -104,7 +105,8 @@ async fn bounds_hold_and_early_passes_are_scaled_by_the_time_elapsed() {
     let mut ct4 = maps.ct4();
     ct4.insert_all(&keys, &values).unwrap();
     let gc = collector(&maps, options(Duration::from_secs(3000)));
-    let task = gc.start();
+    let controllers = rivet_common::controller::Controllers::new();
+    gc.start(&controllers);
     let status = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
     assert_eq!(status.interval, Duration::from_secs(3600), "×1.5 capped at the maximum");
 
@@ -133,7 +135,7 @@ async fn bounds_hold_and_early_passes_are_scaled_by_the_time_elapsed() {
     );
 
     // Floor: a ratio of 90% (scaled) from 10 s stays at 10 s.
-    task.abort();
+    controllers.shutdown().await;
     let gc = collector(
         &maps,
         CollectorOptions {
@@ -143,11 +145,12 @@ async fn bounds_hold_and_early_passes_are_scaled_by_the_time_elapsed() {
     );
     let (keys, values) = synthetic_entries(clock.monotonic_nanos(), 100, 900, 21_600);
     ct4.insert_all(&keys, &values).unwrap();
-    let task = gc.start();
+    let controllers = rivet_common::controller::Controllers::new();
+    gc.start(&controllers);
     let status = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
     assert_eq!(status.last_pass.unwrap().deleted.expired, 900);
     assert_eq!(status.interval, Duration::from_secs(10), "never below the minimum");
-    task.abort();
+    controllers.shutdown().await;
 }
 
 #[tokio::test]
@@ -169,7 +172,8 @@ async fn map_pressure_starts_a_pass_early() {
     let mut ct4 = maps.ct4();
     ct4.insert_all(&keys, &values).unwrap();
     let gc = collector(&maps, opts.clone());
-    let task = gc.start();
+    let controllers = rivet_common::controller::Controllers::new();
+    gc.start(&controllers);
     let initial = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
     // A pass the fill calls for starts before the next check: after three
     // checks, one would have run.
@@ -196,5 +200,5 @@ async fn map_pressure_starts_a_pass_early() {
         span + Duration::from_millis(20) * gaps >= Duration::from_millis(300) * gaps,
         "{gaps} passes in {span:?} with a 300 ms floor (checks every 100 ms)"
     );
-    task.abort();
+    controllers.shutdown().await;
 }

@@ -489,9 +489,10 @@ async fn orphan_checks_follow_the_endpoint_list() {
         let s4 = scenario4(now);
         fill(&mut maps.ct4(), &s4);
         let gc = collector(&maps, list, quiet());
-        let task = gc.start();
+        let controllers = rivet_common::controller::Controllers::new();
+        gc.start(&controllers);
         let pass = gc.run_now(Duration::from_secs(30)).await.unwrap();
-        task.abort();
+        controllers.shutdown().await;
         assert_eq!(pass.orphan_check, check);
         assert_eq!(pass.deleted.orphaned_endpoint, orphans, "{check:?}: {pass:?}");
         assert_eq!(pass.deleted.expired, s4.count(Fate::Expired) + 1, "{check:?}");
@@ -512,7 +513,8 @@ async fn without_maps_run_now_is_unavailable_until_they_are_pinned() {
         Arc::new(KernelClock::new()),
         GcMetrics::default(),
     );
-    let task = gc.start();
+    let controllers = rivet_common::controller::Controllers::new();
+    gc.start(&controllers);
     let err = gc.run_now(Duration::from_secs(30)).await.unwrap_err();
     assert!(err.to_string().contains("no map could be opened"), "{err}");
     let status = gc.status();
@@ -538,7 +540,7 @@ async fn without_maps_run_now_is_unavailable_until_they_are_pinned() {
     let pass = gc.status().last_pass.unwrap();
     assert_eq!(pass.trigger, Trigger::Initial);
     assert_eq!((pass.scanned, pass.deleted.expired), (3, 1));
-    task.abort();
+    controllers.shutdown().await;
 }
 
 #[test]

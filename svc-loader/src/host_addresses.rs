@@ -6,6 +6,9 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use rivet_common::backoff::Backoff;
+use rivet_common::controller::{Action, Controller, Controllers};
+
 use crate::loader::EndpointDatapath;
 use rivet_datapath::maps::{IDENTITY_HOST, IpcacheValue};
 
@@ -30,39 +33,55 @@ pub fn node_addresses() -> std::io::Result<BTreeSet<IpAddr>> {
     Ok(out)
 }
 
+/// Why the host addresses could not be synced.
+#[derive(Debug, thiserror::Error)]
+pub enum HostAddressError {
+    /// The namespace's addresses could not be listed.
+    #[error("listing the node's addresses: {0}")]
+    List(#[source] std::io::Error),
+    /// The ipcache refused the change.
+    #[error("syncing host addresses to the ipcache: {0}")]
+    Ipcache(#[source] crate::loader::LoaderError),
+}
+
 /// Keeps the ipcache's host entries equal to the node's addresses, checking
-/// every `interval`.
-pub async fn sync(datapath: Arc<EndpointDatapath>, interval: Duration) {
-    let mut published: BTreeSet<IpAddr> = BTreeSet::new();
-    loop {
-        match node_addresses() {
-            Ok(now) => {
-                let added: Vec<_> = now
-                    .difference(&published)
-                    .map(|a| (*a, full_len(a), IpcacheValue::new(IDENTITY_HOST, None)))
-                    .collect();
-                let removed: Vec<_> = published.difference(&now).map(|a| (*a, full_len(a))).collect();
-                let result = datapath
-                    .upsert_ipcache(&added)
-                    .and_then(|_| datapath.delete_ipcache(&removed));
-                match result {
-                    Ok(_) => {
-                        if !added.is_empty() || !removed.is_empty() {
-                            tracing::info!(
-                                added = added.len(),
-                                removed = removed.len(),
-                                "host addresses synced to the ipcache"
-                            );
-                        }
-                        published = now;
-                    }
-                    Err(e) => tracing::warn!(error = %e, "syncing host addresses to the ipcache"),
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "listing the node's addresses"),
+/// every `interval` (controller `host-addresses` under `controllers`; a
+/// failed check is retried after `interval`).
+pub fn sync(datapath: Arc<EndpointDatapath>, interval: Duration, controllers: &Controllers) {
+    let published = Arc::new(std::sync::Mutex::new(BTreeSet::new()));
+    let controller = Controller::new("host-addresses").backoff(Backoff::new(interval, interval).with_jitter(0.0));
+    controllers.reconcile(controller, move || {
+        let (datapath, published) = (datapath.clone(), published.clone());
+        async move {
+            let mut published = published.lock().unwrap_or_else(|e| e.into_inner());
+            sync_once(&datapath, &mut published)?;
+            Ok::<_, HostAddressError>(Action::requeue(interval))
         }
-        tokio::time::sleep(interval).await;
+    });
+}
+
+/// One check: adds the addresses not in `published` yet, removes those
+/// gone, and records what the ipcache holds now.
+fn sync_once(datapath: &EndpointDatapath, published: &mut BTreeSet<IpAddr>) -> Result<(), HostAddressError> {
+    let now = node_addresses().map_err(HostAddressError::List)?;
+    let added: Vec<_> = now
+        .difference(published)
+        .map(|a| (*a, full_len(a), IpcacheValue::new(IDENTITY_HOST, None)))
+        .collect();
+    let removed: Vec<_> = published.difference(&now).map(|a| (*a, full_len(a))).collect();
+    datapath
+        .upsert_ipcache(&added)
+        .and_then(|_| datapath.delete_ipcache(&removed))
+        .map_err(HostAddressError::Ipcache)?;
+    if !added.is_empty() || !removed.is_empty() {
+        tracing::info!(
+            added = added.len(),
+            removed = removed.len(),
+            "host addresses synced to the ipcache"
+        );
     }
+    *published = now;
+    Ok(())
 }
 
 fn full_len(a: &IpAddr) -> u8 {

@@ -129,11 +129,13 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         datapath,
         flags.endpoint_interface_prefix.clone(),
     )?);
-    let events = EventHub::start(ring, endpoints.clone()).context("watching the events ring buffer")?;
-    tokio::spawn(svc_loader::host_addresses::sync(
+    let controllers = Controllers::new();
+    let events = EventHub::start(ring, endpoints.clone(), &controllers).context("watching the events ring buffer")?;
+    svc_loader::host_addresses::sync(
         endpoints.clone(),
         Duration::from_secs(flags.host_address_sync_seconds.max(1)),
-    ));
+        &controllers,
+    );
 
     let identity = DaemonIdentity::new(svc_loader::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let metrics = LoaderMetrics::default();
@@ -145,7 +147,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         &flags.common,
         listener,
         identity,
-        Controllers::new(),
+        controllers,
         routes,
         registry,
         Health::default(),

@@ -1,14 +1,16 @@
-//! Datapath events: one task drains the ring buffer and fans events out to
-//! every `MonitorEvents` subscriber; verdict and trace events are switched
-//! on in the datapath only while someone asks for them.
+//! Datapath events: one controller (`events-ring`) drains the ring buffer
+//! and fans events out to every `MonitorEvents` subscriber; verdict and
+//! trace events are switched on in the datapath only while someone asks for
+//! them.
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use aya::maps::{MapData, RingBuf};
+use rivet_common::controller::{Controller, Controllers, Progress};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::broadcast;
+use tokio::sync::{Mutex, broadcast};
 
 use crate::loader::EndpointDatapath;
 use rivet_datapath::maps::{CONFIG_EVENT_TRACE, CONFIG_EVENT_VERDICTS, Event};
@@ -49,8 +51,13 @@ impl Drop for Subscription {
 }
 
 impl EventHub {
-    /// Starts draining `ring` into a new hub.
-    pub fn start(ring: RingBuf<MapData>, datapath: Arc<EndpointDatapath>) -> std::io::Result<Arc<Self>> {
+    /// Starts draining `ring` into a new hub (controller `events-ring`
+    /// under `controllers`: a drain that fails or panics starts again).
+    pub fn start(
+        ring: RingBuf<MapData>,
+        datapath: Arc<EndpointDatapath>,
+        controllers: &Controllers,
+    ) -> std::io::Result<Arc<Self>> {
         let (tx, _) = broadcast::channel(SUBSCRIBER_BACKLOG);
         let hub = Arc::new(Self {
             tx: tx.clone(),
@@ -60,25 +67,11 @@ impl EventHub {
         });
         // SAFETY: the fd belongs to the RingBuf moved into the AsyncFd; it
         // stays open and unchanged until the AsyncFd (and the RingBuf) drop.
-        let mut fd = unsafe { AsyncFd::register(RingFd(ring)) }.map_err(std::io::Error::other)?;
-        tokio::spawn(async move {
-            loop {
-                let mut guard = match fd.readable_mut().await {
-                    Ok(g) => g,
-                    Err(e) => {
-                        tracing::error!(error = %e, "event ring buffer is unreadable; monitor stopped");
-                        return;
-                    }
-                };
-                let ring = &mut guard.get_inner_mut().0;
-                while let Some(item) = ring.next() {
-                    if let Some(event) = Event::from_bytes(&item) {
-                        // No subscriber is fine: events are then dropped here.
-                        let _ = tx.send(event);
-                    }
-                }
-                guard.clear_ready();
-            }
+        let fd = unsafe { AsyncFd::register(RingFd(ring)) }.map_err(std::io::Error::other)?;
+        // Shared by the drains: a restarted one takes it over.
+        let fd = Arc::new(Mutex::new(fd));
+        controllers.supervise(Controller::new("events-ring"), move |progress| {
+            drain(fd.clone(), tx.clone(), progress)
         });
         Ok(hub)
     }
@@ -115,6 +108,31 @@ impl EventHub {
 }
 
 struct RingFd(RingBuf<MapData>);
+
+/// Sends every event of the ring to `tx` as it becomes readable, until
+/// the ring cannot be read.
+async fn drain(
+    fd: Arc<Mutex<AsyncFd<RingFd>>>,
+    tx: broadcast::Sender<Event>,
+    progress: Progress,
+) -> Result<(), std::io::Error> {
+    let mut fd = fd.lock().await;
+    progress.ok();
+    loop {
+        let mut guard = fd
+            .readable_mut()
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("waiting for the event ring buffer: {e}")))?;
+        let ring = &mut guard.get_inner_mut().0;
+        while let Some(item) = ring.next() {
+            if let Some(event) = Event::from_bytes(&item) {
+                // No subscriber is fine: events are then dropped here.
+                let _ = tx.send(event);
+            }
+        }
+        guard.clear_ready();
+    }
+}
 
 impl AsRawFd for RingFd {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {

@@ -5,11 +5,10 @@ use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use futures::Stream;
+use futures::{Stream, StreamExt as _};
 use rivet_common::grpc::BootId;
 use rivet_proto::loader::v1 as pb;
-use tokio::sync::{broadcast, mpsc};
-use tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::broadcast;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::datapath::AttachState;
@@ -779,12 +778,11 @@ impl pb::loader_service_server::LoaderService for LoaderService {
             kinds.push(maps::EVENT_DROP);
         }
         let endpoints = r.endpoint_ids;
-        let mut sub = self.events.subscribe(
+        let sub = self.events.subscribe(
             kinds.contains(&maps::EVENT_POLICY_VERDICT),
             kinds.contains(&maps::EVENT_TRACE),
         );
         let boot_id = self.boot_id();
-        let (tx, rx) = mpsc::channel(1024);
         // The subscription exists: say so first, so a client knows from
         // when on events reach it.
         let subscribed = pb::MonitorEvent {
@@ -792,29 +790,32 @@ impl pb::loader_service_server::LoaderService for LoaderService {
             r#type: pb::EventType::Subscribed as i32,
             ..Default::default()
         };
-        tokio::spawn(async move {
-            if tx.send(Ok(subscribed)).await.is_err() {
-                return;
-            }
-            let mut lost = 0u64;
-            loop {
-                let event = match sub.rx.recv().await {
-                    Ok(e) => e,
-                    Err(broadcast::error::RecvError::Lagged(n)) => {
-                        lost += n;
+        // Driven by the response (no task of its own): `sub` drops, and the
+        // optional events switch off, when the subscriber goes away.
+        let events = futures::stream::unfold(sub, move |mut sub| {
+            let (kinds, endpoints, boot_id) = (kinds.clone(), endpoints.clone(), boot_id.clone());
+            async move {
+                let mut lost = 0u64;
+                loop {
+                    let event = match sub.rx.recv().await {
+                        Ok(e) => e,
+                        Err(broadcast::error::RecvError::Lagged(n)) => {
+                            lost += n;
+                            continue;
+                        }
+                        Err(broadcast::error::RecvError::Closed) => return None,
+                    };
+                    if !kinds.contains(&event.kind)
+                        || (!endpoints.is_empty() && !endpoints.contains(&event.endpoint_id))
+                    {
                         continue;
                     }
-                    Err(broadcast::error::RecvError::Closed) => return,
-                };
-                if !kinds.contains(&event.kind) || (!endpoints.is_empty() && !endpoints.contains(&event.endpoint_id)) {
-                    continue;
+                    return Some((Ok(event_proto(&event, &boot_id, lost)), sub));
                 }
-                if tx.send(Ok(event_proto(&event, &boot_id, lost))).await.is_err() {
-                    return; // the subscriber went away; `sub` drops here
-                }
-                lost = 0;
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(
+            futures::stream::once(async { Ok(subscribed) }).chain(events),
+        )))
     }
 }
