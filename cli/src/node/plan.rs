@@ -7,8 +7,8 @@ use anyhow::{Result, bail};
 use serde_json::{Value, json};
 
 use super::{
-    CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonPhase, DaemonSpec,
-    DaemonStatus, GC, LOADER, NETWORK_NAME, NODE_DAEMONS, NodePhase, NodeRecord, UpArgs,
+    CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonSpec, GC, LOADER,
+    NETWORK_NAME, NODE_DAEMONS, NodePhase, NodeRecord, UpArgs,
 };
 use crate::accounts::NodeAccounts;
 use crate::{netns, now_unix_nanos};
@@ -314,20 +314,7 @@ impl NodePlan {
             cni_binary: self.cni_binary_path(),
             cni_plugins: Vec::new(),
             stop_grace_seconds: self.args.stop_grace_seconds,
-            daemons: specs
-                .iter()
-                .map(|s| DaemonStatus {
-                    name: s.name.clone(),
-                    pid: None,
-                    phase: DaemonPhase::Pending,
-                    restarts: 0,
-                    started_unix_nanos: 0,
-                    last_exit: None,
-                    last_exit_unix_nanos: 0,
-                    socket: s.socket.clone(),
-                    log: s.log.clone(),
-                })
-                .collect(),
+            daemons: specs.iter().map(DaemonSpec::pending_status).collect(),
         }
     }
 }

@@ -46,6 +46,21 @@ pub struct DaemonSpec {
 }
 
 impl DaemonSpec {
+    /// Its status before it is first started.
+    pub(super) fn pending_status(&self) -> DaemonStatus {
+        DaemonStatus {
+            name: self.name.clone(),
+            pid: None,
+            phase: DaemonPhase::Pending,
+            restarts: 0,
+            started_unix_nanos: 0,
+            last_exit: None,
+            last_exit_unix_nanos: 0,
+            socket: self.socket.clone(),
+            log: self.log.clone(),
+        }
+    }
+
     /// The command line, program first (`nsenter --net=... -- <program>
     /// ...` for a daemon in a namespace).
     pub fn command_line(&self) -> Vec<OsString> {
@@ -256,20 +271,7 @@ impl NodeSupervisor {
         stop_grace: Duration,
         observer: StatusObserver,
     ) -> Self {
-        let statuses = specs
-            .iter()
-            .map(|s| DaemonStatus {
-                name: s.name.clone(),
-                pid: None,
-                phase: DaemonPhase::Pending,
-                restarts: 0,
-                started_unix_nanos: 0,
-                last_exit: None,
-                last_exit_unix_nanos: 0,
-                socket: s.socket.clone(),
-                log: s.log.clone(),
-            })
-            .collect();
+        let statuses = specs.iter().map(DaemonSpec::pending_status).collect();
         Self {
             specs,
             shared: Shared {
