@@ -72,7 +72,7 @@ pub enum ObjectError {
     PreallocatedLpmTrie(&'static str),
 }
 
-/// Everything [`Datapath`] can fail with; each message says what was being
+/// Everything [`Datapath`](super::Datapath) can fail with; each message says what was being
 /// done and to what (map, pin path, program, interface).
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {
