@@ -5,6 +5,7 @@ use std::net::IpAddr;
 use clap::Subcommand;
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
+use rivet_proto::net::{self, format_address};
 use serde::Serialize;
 
 use crate::table::Table;
@@ -57,15 +58,6 @@ pub enum CtCommand {
         #[arg(long)]
         port: Option<u16>,
     },
-}
-
-fn ip(raw: &[u8]) -> String {
-    match raw.len() {
-        4 => IpAddr::from(<[u8; 4]>::try_from(raw).expect("length checked")).to_string(),
-        16 => IpAddr::from(<[u8; 16]>::try_from(raw).expect("length checked")).to_string(),
-        0 => "-".into(),
-        _ => format!("<{} bytes>", raw.len()),
-    }
 }
 
 fn mac(raw: &[u8]) -> String {
@@ -175,7 +167,7 @@ impl From<&pb::GetEndpointPolicyResponse> for PolicyView {
                 let prefix = p.prefix.clone().unwrap_or_default();
                 PrefixRow {
                     direction: name::<pb::Direction>(p.direction, "direction-"),
-                    prefix: format!("{}/{}", ip(&prefix.address), prefix.prefix_length),
+                    prefix: format!("{}/{}", format_address(&prefix.address), prefix.prefix_length),
                     cidr_identity: p.cidr_identity,
                 }
             })
@@ -241,7 +233,7 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
                     id: e.endpoint_id,
                     ifindex: e.host_ifindex,
                     ifname: e.host_ifname.clone(),
-                    addresses: e.addresses.iter().map(|a| ip(a)).collect(),
+                    addresses: e.addresses.iter().map(|a| format_address(a)).collect(),
                     mac: mac(&e.mac),
                     identity: e.identity,
                     policy_revision: e.policy_revision,
@@ -297,12 +289,7 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
             let filter = pb::ConntrackFilter {
                 family: 0,
                 protocol: 0,
-                address: address
-                    .map(|a| match a {
-                        IpAddr::V4(a) => a.octets().to_vec(),
-                        IpAddr::V6(a) => a.octets().to_vec(),
-                    })
-                    .unwrap_or_default(),
+                address: address.map(net::address_bytes).unwrap_or_default(),
                 port: port.map(u32::from).unwrap_or_default(),
             };
             let mut entries = Vec::new();
@@ -344,8 +331,8 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
                     Row {
                         direction: name::<pb::Direction>(key.direction, "direction-"),
                         protocol: name::<pb::Protocol>(t.protocol, "protocol-"),
-                        source: format!("{}:{}", ip(&t.source_address), t.source_port),
-                        destination: format!("{}:{}", ip(&t.destination_address), t.destination_port),
+                        source: format!("{}:{}", format_address(&t.source_address), t.source_port),
+                        destination: format!("{}:{}", format_address(&t.destination_address), t.destination_port),
                         state: name::<pb::TcpState>(e.tcp_state, "tcp-state-"),
                         expires_in_s: e.expires_in_nanos as f64 / 1e9,
                         packets_forward: e.packets_forward,
@@ -494,8 +481,8 @@ pub fn print_event(ctx: &Context, e: &pb::MonitorEvent) {
         direction: name::<pb::Direction>(e.direction, "direction-"),
         endpoint_id: e.endpoint_id,
         protocol: name::<pb::Protocol>(t.protocol, "protocol-"),
-        source: format!("{}:{}", ip(&t.source_address), t.source_port),
-        destination: format!("{}:{}", ip(&t.destination_address), t.destination_port),
+        source: format!("{}:{}", format_address(&t.source_address), t.source_port),
+        destination: format!("{}:{}", format_address(&t.destination_address), t.destination_port),
         source_identity: e.source_identity,
         destination_identity: e.destination_identity,
         length: e.packet_length,

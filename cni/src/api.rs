@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use ipnet::IpNet;
+use rivet_common::grpc::RpcError;
 use rivet_proto::endpoint::v1 as eppb;
 use rivet_proto::ipam::v1 as ipampb;
-use tonic::Status;
 
 use crate::env::Command;
 use crate::error::CniError;
@@ -178,61 +178,67 @@ pub trait Netlink: Send + Sync {
     ) -> BoxFuture<'a, Result<Option<PodState>, NetlinkError>>;
 }
 
-/// What a daemon call returns.
-pub type DaemonResult<T> = Result<T, Status>;
+/// A failed svc-ipam call, with the reason svc-ipam sent.
+pub type IpamError = RpcError<ipampb::ErrorReason>;
+/// What an svc-ipam call returns.
+pub type IpamResult<T> = Result<T, IpamError>;
+/// A failed svc-endpoint call, with the reason svc-endpoint sent.
+pub type EndpointError = RpcError<eppb::ErrorReason>;
+/// What an svc-endpoint call returns.
+pub type EndpointResult<T> = Result<T, EndpointError>;
 
 /// svc-ipam. Every call has its own deadline.
 pub trait IpamApi: Send + Sync {
     /// Reachable, and `pool` exists (`List` of the pool).
-    fn ready<'a>(&'a self, pool: &'a str, timeout: Duration) -> BoxFuture<'a, DaemonResult<()>>;
+    fn ready<'a>(&'a self, pool: &'a str, timeout: Duration) -> BoxFuture<'a, IpamResult<()>>;
     /// `Allocate`.
     fn allocate(
         &self,
         request: ipampb::AllocateRequest,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<ipampb::Allocation>>;
+    ) -> BoxFuture<'_, IpamResult<ipampb::Allocation>>;
     /// `Release` of everything `owner` holds; the released allocations.
-    fn release(&self, owner: ipampb::Owner, timeout: Duration) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>>;
+    fn release(&self, owner: ipampb::Owner, timeout: Duration) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>>;
     /// `ReleaseAddress` of one address of `pool`.
     fn release_address(
         &self,
         pool: String,
         address: String,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>>;
+    ) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>>;
     /// Every allocation of `pool`.
-    fn allocations(&self, pool: String, timeout: Duration) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>>;
+    fn allocations(&self, pool: String, timeout: Duration) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>>;
 }
 
 /// svc-endpoint. Every call has its own deadline.
 pub trait EndpointApi: Send + Sync {
     /// Reachable (`GetInfo`).
-    fn ready(&self, timeout: Duration) -> BoxFuture<'_, DaemonResult<()>>;
+    fn ready(&self, timeout: Duration) -> BoxFuture<'_, EndpointResult<()>>;
     /// `CreateEndpoint`; the server gets `timeout` as the call's deadline.
     fn create(
         &self,
         request: eppb::CreateEndpointRequest,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<eppb::Endpoint>>;
+    ) -> BoxFuture<'_, EndpointResult<eppb::Endpoint>>;
     /// `DeleteEndpoint` by container id and interface; ids deleted.
     fn delete(
         &self,
         container_id: String,
         interface: String,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<Vec<u32>>>;
+    ) -> BoxFuture<'_, EndpointResult<Vec<u32>>>;
     /// `DeleteEndpoint` by id; ids deleted.
-    fn delete_id(&self, id: u32, timeout: Duration) -> BoxFuture<'_, DaemonResult<Vec<u32>>>;
+    fn delete_id(&self, id: u32, timeout: Duration) -> BoxFuture<'_, EndpointResult<Vec<u32>>>;
     /// `GetEndpoint` by container id and interface; `None` when unknown.
     fn get(
         &self,
         container_id: String,
         interface: String,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<Option<eppb::Endpoint>>>;
+    ) -> BoxFuture<'_, EndpointResult<Option<eppb::Endpoint>>>;
     /// `ListEndpoints`: every endpoint, and whether svc-endpoint's restore
     /// is complete (before that the list may miss endpoints).
-    fn list(&self, timeout: Duration) -> BoxFuture<'_, DaemonResult<(Vec<eppb::Endpoint>, bool)>>;
+    fn list(&self, timeout: Duration) -> BoxFuture<'_, EndpointResult<(Vec<eppb::Endpoint>, bool)>>;
 }
 
 /// Runs a delegated IPAM plugin the way libcni does: the executable `plugin`

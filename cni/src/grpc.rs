@@ -18,9 +18,9 @@ use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use tokio::sync::OnceCell;
-use tonic::{Code, Request, Response, Status};
+use tonic::{Request, Response, Status};
 
-use crate::api::{DaemonResult, EndpointApi, IpamApi};
+use crate::api::{EndpointApi, EndpointError, EndpointResult, IpamApi, IpamResult};
 
 /// How long the first connection to a daemon is retried (bounded by the
 /// call's deadline): long enough for a daemon restart, short enough that
@@ -84,7 +84,7 @@ fn request<T>(message: T, timeout: Duration) -> Request<T> {
 }
 
 /// Runs a call bounded by `timeout` (connection included).
-async fn bounded<T, F>(daemon: &str, method: &str, timeout: Duration, call: F) -> DaemonResult<T>
+async fn bounded<T, F>(daemon: &str, method: &str, timeout: Duration, call: F) -> Result<T, Status>
 where
     F: Future<Output = Result<Response<T>, Status>>,
 {
@@ -116,7 +116,7 @@ impl GrpcIpam {
 }
 
 impl IpamApi for GrpcIpam {
-    fn ready<'a>(&'a self, pool: &'a str, timeout: Duration) -> BoxFuture<'a, DaemonResult<()>> {
+    fn ready<'a>(&'a self, pool: &'a str, timeout: Duration) -> BoxFuture<'a, IpamResult<()>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -128,6 +128,7 @@ impl IpamApi for GrpcIpam {
             bounded("svc-ipam", "List", t, client.list(request(list, t)))
                 .await
                 .map(drop)
+                .map_err(Into::into)
         })
     }
 
@@ -135,7 +136,7 @@ impl IpamApi for GrpcIpam {
         &self,
         message: ipampb::AllocateRequest,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<ipampb::Allocation>> {
+    ) -> BoxFuture<'_, IpamResult<ipampb::Allocation>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -143,11 +144,11 @@ impl IpamApi for GrpcIpam {
             let response = bounded("svc-ipam", "Allocate", t, client.allocate(request(message, t))).await?;
             response
                 .allocation
-                .ok_or_else(|| Status::internal("svc-ipam Allocate answered without an allocation"))
+                .ok_or_else(|| Status::internal("svc-ipam Allocate answered without an allocation").into())
         })
     }
 
-    fn release(&self, owner: ipampb::Owner, timeout: Duration) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>> {
+    fn release(&self, owner: ipampb::Owner, timeout: Duration) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -164,7 +165,7 @@ impl IpamApi for GrpcIpam {
         pool: String,
         address: String,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>> {
+    ) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -181,7 +182,7 @@ impl IpamApi for GrpcIpam {
         })
     }
 
-    fn allocations(&self, pool: String, timeout: Duration) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>> {
+    fn allocations(&self, pool: String, timeout: Duration) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -221,7 +222,7 @@ fn container_ref(container_id: String, interface: String) -> Option<eppb::Endpoi
 }
 
 impl EndpointApi for GrpcEndpoints {
-    fn ready(&self, timeout: Duration) -> BoxFuture<'_, DaemonResult<()>> {
+    fn ready(&self, timeout: Duration) -> BoxFuture<'_, EndpointResult<()>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = DaemonClient::new(self.0.get(timeout).await?);
@@ -234,6 +235,7 @@ impl EndpointApi for GrpcEndpoints {
             )
             .await
             .map(drop)
+            .map_err(Into::into)
         })
     }
 
@@ -241,7 +243,7 @@ impl EndpointApi for GrpcEndpoints {
         &self,
         message: eppb::CreateEndpointRequest,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<eppb::Endpoint>> {
+    ) -> BoxFuture<'_, EndpointResult<eppb::Endpoint>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -255,7 +257,7 @@ impl EndpointApi for GrpcEndpoints {
             .await?;
             response
                 .endpoint
-                .ok_or_else(|| Status::internal("svc-endpoint CreateEndpoint answered without the endpoint"))
+                .ok_or_else(|| Status::internal("svc-endpoint CreateEndpoint answered without the endpoint").into())
         })
     }
 
@@ -264,7 +266,7 @@ impl EndpointApi for GrpcEndpoints {
         container_id: String,
         interface: String,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<Vec<u32>>> {
+    ) -> BoxFuture<'_, EndpointResult<Vec<u32>>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -283,7 +285,7 @@ impl EndpointApi for GrpcEndpoints {
         })
     }
 
-    fn delete_id(&self, id: u32, timeout: Duration) -> BoxFuture<'_, DaemonResult<Vec<u32>>> {
+    fn delete_id(&self, id: u32, timeout: Duration) -> BoxFuture<'_, EndpointResult<Vec<u32>>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -309,7 +311,7 @@ impl EndpointApi for GrpcEndpoints {
         container_id: String,
         interface: String,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<Option<eppb::Endpoint>>> {
+    ) -> BoxFuture<'_, EndpointResult<Option<eppb::Endpoint>>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;
@@ -324,15 +326,16 @@ impl EndpointApi for GrpcEndpoints {
                 client.get_endpoint(request(message, t)),
             )
             .await
+            .map_err(EndpointError::from)
             {
                 Ok(response) => Ok(response.endpoint),
-                Err(status) if status.code() == Code::NotFound => Ok(None),
-                Err(status) => Err(status),
+                Err(e) if e.is(eppb::ErrorReason::EndpointNotFound) => Ok(None),
+                Err(e) => Err(e),
             }
         })
     }
 
-    fn list(&self, timeout: Duration) -> BoxFuture<'_, DaemonResult<(Vec<eppb::Endpoint>, bool)>> {
+    fn list(&self, timeout: Duration) -> BoxFuture<'_, EndpointResult<(Vec<eppb::Endpoint>, bool)>> {
         Box::pin(async move {
             let started = Instant::now();
             let mut client = self.client(timeout).await?;

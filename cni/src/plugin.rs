@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::future;
 use ipnet::IpNet;
+use rivet_common::grpc::RpcError;
 use rivet_proto::endpoint::v1 as eppb;
 use rivet_proto::ipam::v1 as ipampb;
 use serde_json::Value;
@@ -23,7 +24,8 @@ use tonic::{Code, Status};
 use tracing::Instrument as _;
 
 use crate::api::{
-    DelegateExec, EndpointApi, IpamApi, Link, Netlink, NetlinkError, PodAddress, PodConfig, PodRoute, Veth, VethRequest,
+    DelegateExec, EndpointApi, EndpointError, IpamApi, IpamError, Link, Netlink, NetlinkError, PodAddress, PodConfig,
+    PodRoute, Veth, VethRequest,
 };
 use crate::env::{CniEnv, Command};
 use crate::error::{CniError, codes};
@@ -178,15 +180,65 @@ fn netlink_error(e: NetlinkError) -> CniError {
     CniError::new(codes::NETLINK, e.to_string())
 }
 
-/// Maps a daemon's status: transient codes are 11 (try again later), the
-/// rest `code`.
-fn daemon_error(daemon: &str, step: &str, status: &Status, code: u32) -> CniError {
-    let code = match status.code() {
+/// What svc-ipam's refusal means to the runtime (CNI spec error codes):
+/// a full pool or a write that was not made durable clears by itself (11,
+/// try again later); a pool or requested address the netconf names wrongly
+/// is a bad network configuration (7); the rest are svc-ipam's refusals (101).
+fn ipam_code(reason: ipampb::ErrorReason) -> u32 {
+    use ipampb::ErrorReason as R;
+    match reason {
+        R::PoolExhausted | R::StateNotDurable => codes::TRY_AGAIN_LATER,
+        R::PoolNotFound | R::FamilyNotConfigured | R::AddressNotUsable => codes::INVALID_NETCONF,
+        R::Unspecified | R::AddressHeld | R::OwnerHoldsOther | R::WrongPool => codes::IPAM,
+    }
+}
+
+/// What svc-endpoint's refusal means to the runtime: conditions that clear
+/// by themselves (no identity while the kvstore is down, a removal retried
+/// in the background, a regeneration that goes on) are 11, the rest 102.
+fn endpoint_code(reason: eppb::ErrorReason, code: Code) -> u32 {
+    use eppb::ErrorReason as R;
+    match reason {
+        R::IdentityUnavailable
+        | R::NotRealisedInTime
+        | R::RemovalPending
+        | R::EndpointRemoved
+        | R::NotReady
+        | R::EndpointIdsExhausted => codes::TRY_AGAIN_LATER,
+        // The dependency's own code is kept: UNAVAILABLE means it restarts.
+        R::RegenerationFailed if code == Code::Unavailable => codes::TRY_AGAIN_LATER,
+        _ => codes::ENDPOINT,
+    }
+}
+
+fn ipam_error(step: &str, e: &IpamError) -> CniError {
+    daemon_error("svc-ipam", step, e, e.reason().map(ipam_code), codes::IPAM)
+}
+
+fn endpoint_error(step: &str, e: &EndpointError) -> CniError {
+    let code = e.reason().map(|r| endpoint_code(r, e.code()));
+    daemon_error("svc-endpoint", step, e, code, codes::ENDPOINT)
+}
+
+/// A daemon's refusal as a CNI error: the code its reason maps to; with no
+/// reason (the daemon was not reached, or the call ran out of time) the
+/// transport conditions are 11 (try again later), the rest `fallback`.
+fn daemon_error<R: rivet_proto::ErrorReason>(
+    daemon: &str,
+    step: &str,
+    e: &RpcError<R>,
+    by_reason: Option<u32>,
+    fallback: u32,
+) -> CniError {
+    let code = by_reason.unwrap_or(match e.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Aborted | Code::Cancelled => codes::TRY_AGAIN_LATER,
-        _ => code,
+        _ => fallback,
+    });
+    let details = match e.reason() {
+        Some(reason) => format!("gRPC status {:?}, reason {}", e.code(), reason.name()),
+        None => format!("gRPC status {:?}", e.code()),
     };
-    CniError::new(code, format!("{step}: {daemon}: {}", status.message()))
-        .with_details(format!("gRPC status {:?}", status.code()))
+    CniError::new(code, format!("{step}: {daemon}: {}", e.message())).with_details(details)
 }
 
 /// svc-endpoint (and, when it is the IPAM, svc-ipam with the pool) answer:
@@ -213,17 +265,17 @@ async fn readiness(deps: Deps<'_>, conf: &NetConf, with_ipam: bool, deadline: De
         )
         .with_details(format!("gRPC status {:?}", status.code()))
     };
-    if let Err(status) = endpoint {
-        return Err(not_available("svc-endpoint", &conf.endpoint_socket(), &status));
+    if let Err(e) = endpoint {
+        return Err(not_available("svc-endpoint", &conf.endpoint_socket(), e.status()));
     }
     match ipam {
         Ok(()) => Ok(()),
-        Err(status) if status.code() == Code::NotFound => Err(CniError::netconf(format!(
+        Err(e) if e.is(ipampb::ErrorReason::PoolNotFound) => Err(CniError::netconf(format!(
             "ipamPool={:?}: svc-ipam has no such pool ({})",
             conf.ipam_pool,
-            status.message()
+            e.message()
         ))),
-        Err(status) => Err(not_available("svc-ipam", &conf.ipam_socket(), &status)),
+        Err(e) => Err(not_available("svc-ipam", &conf.ipam_socket(), e.status())),
     }
 }
 
@@ -488,7 +540,7 @@ async fn create_endpoint(
         .create(request, timeout)
         .instrument(tracing::info_span!("cni.endpoint.create"))
         .await
-        .map_err(|s| daemon_error("svc-endpoint", "creating the endpoint", &s, codes::ENDPOINT))
+        .map_err(|e| endpoint_error("creating the endpoint", &e))
 }
 
 fn owner(env: &CniEnv) -> ipampb::Owner {
@@ -496,14 +548,6 @@ fn owner(env: &CniEnv) -> ipampb::Owner {
         container_id: env.container_id.clone(),
         interface: env.ifname.clone(),
     }
-}
-
-/// Whether svc-ipam refused because the pool has no range of the family
-/// (INVALID_ARGUMENT "pool <name> has no <family> range").
-fn is_missing_family(status: &Status) -> bool {
-    status.code() == Code::InvalidArgument
-        && status.message().contains(" has no ")
-        && status.message().ends_with(" range")
 }
 
 /// Allocates one address per family, both requests at once (svc-ipam makes
@@ -526,7 +570,7 @@ async fn allocate(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Resul
         };
         let allocation = match deps.ipam.allocate(request, timeout).await {
             Ok(a) => a,
-            Err(status) if is_missing_family(&status) => {
+            Err(e) if e.is(ipampb::ErrorReason::FamilyNotConfigured) => {
                 if let Some(ip) = requested {
                     return Err(CniError::netconf(format!(
                         "requested address {ip}: svc-ipam pool {:?} has no range of its family",
@@ -536,7 +580,7 @@ async fn allocate(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Resul
                 tracing::debug!(pool = %conf.ipam_pool, ?family, "the pool has no range of this family");
                 return Ok(None);
             }
-            Err(status) => return Err(daemon_error("svc-ipam", step, &status, codes::IPAM)),
+            Err(e) => return Err(ipam_error(step, &e)),
         };
         let bad = |what: &str| {
             CniError::new(
@@ -842,7 +886,7 @@ async fn del(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(),
         deps.endpoints
             .delete(env.container_id.clone(), env.ifname.clone(), timeout)
             .await
-            .map_err(|s| daemon_error("svc-endpoint", "deleting the endpoint", &s, codes::ENDPOINT))
+            .map_err(|e| endpoint_error("deleting the endpoint", &e))
     }
     .instrument(tracing::info_span!("cni.endpoint.delete"))
     .await;
@@ -893,7 +937,7 @@ async fn del(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(),
             deps.ipam
                 .release(owner(env), timeout)
                 .await
-                .map_err(|s| daemon_error("svc-ipam", "releasing addresses", &s, codes::IPAM))
+                .map_err(|e| ipam_error("releasing addresses", &e))
         }
         .instrument(tracing::info_span!("cni.ipam.release"))
         .await;
@@ -1038,7 +1082,7 @@ async fn check(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(
         .endpoints
         .get(env.container_id.clone(), env.ifname.clone(), timeout)
         .await
-        .map_err(|s| daemon_error("svc-endpoint", "reading the endpoint", &s, codes::ENDPOINT))?
+        .map_err(|e| endpoint_error("reading the endpoint", &e))?
         .ok_or_else(|| {
             check_failed(format!(
                 "svc-endpoint has no endpoint for container {} interface {}",
@@ -1091,7 +1135,7 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
         .endpoints
         .list(timeout)
         .await
-        .map_err(|s| daemon_error("svc-endpoint", "listing endpoints", &s, codes::ENDPOINT))?;
+        .map_err(|e| endpoint_error("listing endpoints", &e))?;
     if !restore_complete {
         return Err(CniError::new(
             codes::TRY_AGAIN_LATER,
@@ -1122,13 +1166,8 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
                 container_id: ep.container_id.clone(),
                 ifname: ep.interface.clone(),
             }),
-            Err(s) => {
-                errors.push(daemon_error(
-                    "svc-endpoint",
-                    "deleting a stale endpoint",
-                    &s,
-                    codes::ENDPOINT,
-                ));
+            Err(e) => {
+                errors.push(endpoint_error("deleting a stale endpoint", &e));
                 // Its addresses stay reserved while the endpoint exists.
                 kept_addresses.extend(ep.addresses.iter().map(|a| a.address.clone()));
                 continue;
@@ -1163,7 +1202,7 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
             .ipam
             .allocations(conf.ipam_pool.clone(), timeout)
             .await
-            .map_err(|s| daemon_error("svc-ipam", "listing allocations", &s, codes::IPAM))?;
+            .map_err(|e| ipam_error("listing allocations", &e))?;
         for a in allocations {
             let Some(o) = &a.owner else { continue };
             if valid.contains(&(o.container_id.as_str(), o.interface.as_str())) || kept_addresses.contains(&a.address) {
@@ -1190,7 +1229,7 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
                 .await
             {
                 Ok(r) => released += r.len(),
-                Err(s) => errors.push(daemon_error("svc-ipam", "releasing a stale address", &s, codes::IPAM)),
+                Err(e) => errors.push(ipam_error("releasing a stale address", &e)),
             }
         }
     }

@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Harness, PREFIX, Pod};
+use rivet_proto::ipam::v1 as ipampb;
 use serde_json::{Value, json};
 
 struct Case {
@@ -51,6 +52,64 @@ async fn expect_failure(h: &Harness, pod: &Pod, env: &[(String, String)], conf: 
     eprintln!("{}: failed as expected in {:?}: {msg}", case.name, run.elapsed);
 }
 
+/// Allocates every free IPv4 address of the node's pool (svc-ipam makes
+/// concurrent allocations durable with one write) until svc-ipam answers
+/// POOL_EXHAUSTED; the owners that got one.
+async fn fill_ipv4(h: &Harness) -> Vec<ipampb::Owner> {
+    let client = h.node.ipam_client().await;
+    let mut owners = Vec::new();
+    loop {
+        let batch: Vec<ipampb::Owner> = (owners.len()..owners.len() + 128)
+            .map(|i| ipampb::Owner {
+                container_id: format!("fill-{i}"),
+                interface: "eth0".into(),
+            })
+            .collect();
+        let results = futures::future::join_all(batch.iter().map(|owner| {
+            let mut client = client.clone();
+            let request = ipampb::AllocateRequest {
+                owner: Some(owner.clone()),
+                pool: "default".into(),
+                family: ipampb::Family::Ipv4.into(),
+                requested_address: String::new(),
+            };
+            async move { client.allocate(request).await }
+        }))
+        .await;
+        let mut exhausted = false;
+        for (owner, result) in batch.into_iter().zip(results) {
+            match result {
+                Ok(_) => owners.push(owner),
+                Err(status) => {
+                    assert_eq!(
+                        rivet_common::grpc::error_reason(&status),
+                        Some(ipampb::ErrorReason::PoolExhausted),
+                        "{status:?}"
+                    );
+                    exhausted = true;
+                }
+            }
+        }
+        if exhausted {
+            return owners;
+        }
+    }
+}
+
+async fn release(h: &Harness, owners: Vec<ipampb::Owner>) {
+    let client = h.node.ipam_client().await;
+    for chunk in owners.chunks(128) {
+        futures::future::join_all(chunk.iter().map(|owner| {
+            let mut client = client.clone();
+            let request = ipampb::ReleaseRequest {
+                owner: Some(owner.clone()),
+            };
+            async move { client.release(request).await.expect("svc-ipam releases a filler") }
+        }))
+        .await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failure_after_each_add_step_leaves_nothing() {
     let mut h = Harness::start().await;
@@ -82,6 +141,19 @@ async fn a_failure_after_each_add_step_leaves_nothing() {
         needle: "ipamPool",
     };
     expect_failure(&h, &pod, &env, &conf, &case).await;
+
+    // Addresses: the pool's IPv4 range is full. svc-ipam's POOL_EXHAUSTED
+    // reason, not its wording, makes it 11 (addresses come free as pods go).
+    let fillers = fill_ipv4(&h).await;
+    let run = h.exec(&env, &h.conf("1.0.0")).await;
+    let error = run.err();
+    assert_eq!(error["code"], 11, "a full pool clears by itself: {error}");
+    assert!(
+        error["details"].as_str().unwrap().contains("reason POOL_EXHAUSTED"),
+        "{error}"
+    );
+    release(&h, fillers).await;
+    h.assert_clean(&h.leftovers().await, "pool exhausted");
 
     // The container namespace: a path that is not a network namespace.
     let file = tempfile::NamedTempFile::new().unwrap();

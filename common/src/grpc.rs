@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hyper_util::rt::TokioIo;
-use rivet_proto::HasBootId;
 use rivet_proto::daemon::v1 as pb;
+use rivet_proto::{ErrorReason, HasBootId};
 use tokio::net::UnixStream;
 use tokio_stream::StreamExt as _;
 use tonic::service::Routes;
@@ -323,29 +323,100 @@ pub fn code_label(code: tonic::Code) -> &'static str {
 }
 
 /// A status whose cause is typed across processes (DESIGN.md §9): it
-/// carries a `google.rpc.ErrorInfo` detail with `reason` (an `ErrorReason`
-/// value name declared in the daemon's proto, e.g. `KVSTORE_UNREACHABLE`)
-/// and `domain` (`<daemon>.rivet.io`), so a client decides on the reason,
+/// carries a `google.rpc.ErrorInfo` detail whose `reason` is `reason`'s name
+/// as the API's proto declares it (`KVSTORE_UNREACHABLE`) and whose `domain`
+/// is the API's (`identity.rivet.io`), so a client decides on the reason,
 /// never on the message text.
 ///
 /// ```
 /// use rivet_common::grpc::{error_reason, status_with_reason};
-/// let s = status_with_reason(tonic::Code::Unavailable, "the kvstore is unreachable", "identity.rivet.io", "KVSTORE_UNREACHABLE");
+/// use rivet_proto::identity::v1::ErrorReason;
+/// let s = status_with_reason(tonic::Code::Unavailable, "the kvstore is unreachable", ErrorReason::KvstoreUnreachable);
 /// assert_eq!(s.code(), tonic::Code::Unavailable);
-/// assert_eq!(error_reason(&s).as_deref(), Some("KVSTORE_UNREACHABLE"));
-/// assert_eq!(error_reason(&tonic::Status::unavailable("down")), None);
+/// assert_eq!(error_reason(&s), Some(ErrorReason::KvstoreUnreachable));
+/// assert_eq!(error_reason::<ErrorReason>(&tonic::Status::unavailable("down")), None);
+/// // Another API's reason is not this one's.
+/// assert_eq!(error_reason::<rivet_proto::ipam::v1::ErrorReason>(&s), None);
 /// ```
-pub fn status_with_reason(code: tonic::Code, message: impl Into<String>, domain: &str, reason: &str) -> tonic::Status {
+pub fn status_with_reason<R: ErrorReason>(code: tonic::Code, message: impl Into<String>, reason: R) -> tonic::Status {
     use tonic_types::{ErrorDetails, StatusExt};
-    let details = ErrorDetails::with_error_info(reason, domain, std::collections::HashMap::new());
+    let details = ErrorDetails::with_error_info(reason.name(), R::DOMAIN, std::collections::HashMap::new());
     tonic::Status::with_error_details(code, message, details)
 }
 
-/// The `ErrorInfo` reason a status carries (see [`status_with_reason`]),
-/// if any.
-pub fn error_reason(status: &tonic::Status) -> Option<String> {
+/// The reason of API `R` a status carries (see [`status_with_reason`]);
+/// `None` when it carries none, one of another domain, or a name this build
+/// does not know.
+pub fn error_reason<R: ErrorReason>(status: &tonic::Status) -> Option<R> {
     use tonic_types::StatusExt;
-    status.get_details_error_info().map(|info| info.reason)
+    status
+        .get_details_error_info()
+        .filter(|info| info.domain == R::DOMAIN)
+        .and_then(|info| R::from_name(&info.reason))
+}
+
+/// A failed call to a daemon whose API declares reasons `R`: the status it
+/// answered (or the client's own, for an unreachable daemon or a missed
+/// deadline) with its reason decoded. Clients decide on
+/// [`reason`](Self::reason); the code only tells transport conditions
+/// (UNAVAILABLE, DEADLINE_EXCEEDED) apart where no reason was sent.
+///
+/// ```
+/// use rivet_common::grpc::{RpcError, status_with_reason};
+/// use rivet_proto::ipam::v1::ErrorReason;
+/// let e: RpcError<ErrorReason> = status_with_reason(tonic::Code::ResourceExhausted, "pool default is exhausted", ErrorReason::PoolExhausted).into();
+/// assert!(e.is(ErrorReason::PoolExhausted));
+/// assert_eq!(e.to_string(), "pool default is exhausted");
+/// let e: RpcError<ErrorReason> = tonic::Status::unavailable("connecting failed").into();
+/// assert_eq!(e.reason(), None);
+/// ```
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{}", .status.message())]
+pub struct RpcError<R: ErrorReason> {
+    reason: Option<R>,
+    status: tonic::Status,
+}
+
+impl<R: ErrorReason> RpcError<R> {
+    /// The reason the server sent, if any.
+    pub fn reason(&self) -> Option<R> {
+        self.reason
+    }
+
+    /// Whether the server sent `reason`.
+    pub fn is(&self, reason: R) -> bool {
+        self.reason == Some(reason)
+    }
+
+    /// The status's code.
+    pub fn code(&self) -> tonic::Code {
+        self.status.code()
+    }
+
+    /// The status's message (for people, not for decisions).
+    pub fn message(&self) -> &str {
+        self.status.message()
+    }
+
+    /// The status as received.
+    pub fn status(&self) -> &tonic::Status {
+        &self.status
+    }
+}
+
+impl<R: ErrorReason> From<tonic::Status> for RpcError<R> {
+    fn from(status: tonic::Status) -> Self {
+        Self {
+            reason: error_reason(&status),
+            status,
+        }
+    }
+}
+
+impl<R: ErrorReason> From<RpcError<R>> for tonic::Status {
+    fn from(e: RpcError<R>) -> Self {
+        e.status
+    }
 }
 
 /// How long a stopping daemon lets in-flight calls finish.

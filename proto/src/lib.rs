@@ -9,6 +9,8 @@
 /// (so `grpcurl` and other generic clients need no `.proto` files).
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rivet_descriptor.bin"));
 
+pub mod net;
+
 /// Common to every daemon: who answers (`rivet.daemon.v1`).
 pub mod daemon {
     /// Version 1.
@@ -30,10 +32,6 @@ pub mod identity {
     /// Version 1.
     pub mod v1 {
         tonic::include_proto!("rivet.identity.v1");
-
-        /// The `domain` of the `google.rpc.ErrorInfo` details this API's
-        /// errors carry; their `reason` is an [`ErrorReason`] value name.
-        pub const ERROR_DOMAIN: &str = "identity.rivet.io";
     }
 }
 
@@ -60,6 +58,67 @@ pub mod gc {
         tonic::include_proto!("rivet.gc.v1");
     }
 }
+
+/// Why a call failed, as one API declares it: the `ErrorReason` enum of its
+/// proto. A server sends the value's name as the `reason` of a
+/// `google.rpc.ErrorInfo` detail in the API's [`DOMAIN`](Self::DOMAIN)
+/// (`rivet_common::grpc::status_with_reason`); a client decodes it back
+/// (`rivet_common::grpc::error_reason`) and decides on it, never on the
+/// message text or on a generic gRPC code.
+///
+/// ```
+/// use rivet_proto::ErrorReason as _;
+/// use rivet_proto::ipam::v1::ErrorReason;
+/// assert_eq!(ErrorReason::PoolExhausted.name(), "POOL_EXHAUSTED");
+/// assert_eq!(ErrorReason::from_name("POOL_EXHAUSTED"), Some(ErrorReason::PoolExhausted));
+/// assert_eq!(ErrorReason::from_name("ERROR_REASON_UNSPECIFIED"), None);
+/// assert_eq!(<ErrorReason as rivet_proto::ErrorReason>::DOMAIN, "ipam.rivet.io");
+/// ```
+pub trait ErrorReason: Copy + Eq + std::fmt::Debug + Send + Sync + 'static {
+    /// The `ErrorInfo` domain of the API, `<daemon>.rivet.io`.
+    const DOMAIN: &'static str;
+
+    /// The value's name as the proto declares it (`POOL_EXHAUSTED`): the
+    /// `ErrorInfo` reason.
+    fn name(self) -> &'static str;
+
+    /// The value of a reason name; `None` for the unspecified value and for
+    /// names this build does not know (a newer server's).
+    fn from_name(name: &str) -> Option<Self>;
+
+    /// Every value but the unspecified one, in declaration order.
+    fn all() -> Vec<Self>;
+}
+
+macro_rules! error_reason {
+    ($($ty:ty => $domain:literal),* $(,)?) => {
+        $(impl ErrorReason for $ty {
+            const DOMAIN: &'static str = $domain;
+
+            fn name(self) -> &'static str {
+                self.as_str_name()
+            }
+
+            fn from_name(name: &str) -> Option<Self> {
+                Self::from_str_name(name).filter(|r| *r != Self::Unspecified)
+            }
+
+            fn all() -> Vec<Self> {
+                // prost enums are dense from 0 in our protos; stop at the
+                // first number that is not a value.
+                (1..).map_while(|n| Self::try_from(n).ok()).collect()
+            }
+        })*
+    };
+}
+
+error_reason!(
+    ipam::v1::ErrorReason => "ipam.rivet.io",
+    identity::v1::ErrorReason => "identity.rivet.io",
+    endpoint::v1::ErrorReason => "endpoint.rivet.io",
+    loader::v1::ErrorReason => "loader.rivet.io",
+    gc::v1::ErrorReason => "gc.rivet.io",
+);
 
 /// A message that carries the `boot_id` of the server that produced it.
 pub trait HasBootId {
@@ -122,3 +181,50 @@ has_boot_id!(
     gc::v1::RunNowResponse,
     gc::v1::StatusResponse,
 );
+
+#[cfg(test)]
+mod tests {
+    use super::ErrorReason;
+
+    /// Every reason of one API survives the trip through its name, and the
+    /// names are unique across the API.
+    fn round_trips<R: ErrorReason>(expected: usize) {
+        let all = R::all();
+        assert_eq!(all.len(), expected, "{}: a reason was added or lost", R::DOMAIN);
+        let mut names = std::collections::BTreeSet::new();
+        for reason in all {
+            assert_eq!(R::from_name(reason.name()), Some(reason), "{}: {reason:?}", R::DOMAIN);
+            assert!(names.insert(reason.name()), "{}: {} twice", R::DOMAIN, reason.name());
+            assert!(
+                reason.name().bytes().all(|b| b.is_ascii_uppercase() || b == b'_'),
+                "ErrorInfo reasons are UPPER_SNAKE_CASE: {}",
+                reason.name()
+            );
+        }
+        assert_eq!(R::from_name("ERROR_REASON_UNSPECIFIED"), None);
+        assert_eq!(R::from_name("NO_SUCH_REASON"), None);
+        assert!(R::DOMAIN.ends_with(".rivet.io"));
+    }
+
+    #[test]
+    fn every_reason_enum_round_trips() {
+        round_trips::<crate::ipam::v1::ErrorReason>(8);
+        round_trips::<crate::identity::v1::ErrorReason>(6);
+        round_trips::<crate::endpoint::v1::ErrorReason>(14);
+        round_trips::<crate::loader::v1::ErrorReason>(8);
+        round_trips::<crate::gc::v1::ErrorReason>(3);
+    }
+
+    #[test]
+    fn domains_are_distinct() {
+        let domains = [
+            <crate::ipam::v1::ErrorReason as ErrorReason>::DOMAIN,
+            <crate::identity::v1::ErrorReason as ErrorReason>::DOMAIN,
+            <crate::endpoint::v1::ErrorReason as ErrorReason>::DOMAIN,
+            <crate::loader::v1::ErrorReason as ErrorReason>::DOMAIN,
+            <crate::gc::v1::ErrorReason as ErrorReason>::DOMAIN,
+        ];
+        let unique: std::collections::BTreeSet<_> = domains.iter().collect();
+        assert_eq!(unique.len(), domains.len());
+    }
+}

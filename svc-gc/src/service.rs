@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use rivet_common::grpc::BootId;
+use rivet_common::grpc::{BootId, status_with_reason};
 use rivet_proto::gc::v1 as pb;
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::classify::Timeouts;
 use crate::collector::{Collector, CollectorStatus, RunNowError};
@@ -141,9 +141,14 @@ impl pb::gc_service_server::GcService for GcService {
                 pass: Some(pass_proto(&pass)),
                 boot_id: self.boot_id.to_string(),
             })),
-            Err(e @ RunNowError::Pass(_)) => Err(Status::unavailable(e.to_string())),
-            Err(e @ RunNowError::DeadlineExceeded(_)) => Err(Status::deadline_exceeded(e.to_string())),
-            Err(e @ RunNowError::Stopped) => Err(Status::unavailable(e.to_string())),
+            Err(e) => {
+                let (code, reason) = match &e {
+                    RunNowError::Pass(_) => (Code::Unavailable, pb::ErrorReason::MapsUnavailable),
+                    RunNowError::DeadlineExceeded(_) => (Code::DeadlineExceeded, pb::ErrorReason::PassContinues),
+                    RunNowError::Stopped => (Code::Unavailable, pb::ErrorReason::CollectorStopped),
+                };
+                Err(status_with_reason(code, e.to_string(), reason))
+            }
         }
     }
 

@@ -85,14 +85,17 @@ fn status(e: AllocError) -> Status {
     let message = e.to_string();
     match e {
         AllocError::InvalidLabels(_) => Status::invalid_argument(message),
-        AllocError::Unavailable { .. } => status_with_reason(
-            tonic::Code::Unavailable,
+        AllocError::Unavailable { .. } => {
+            status_with_reason(tonic::Code::Unavailable, message, pb::ErrorReason::KvstoreUnreachable)
+        }
+        AllocError::Exhausted { .. } => status_with_reason(
+            tonic::Code::ResourceExhausted,
             message,
-            pb::ERROR_DOMAIN,
-            pb::ErrorReason::KvstoreUnreachable.as_str_name(),
+            pb::ErrorReason::IdentitiesExhausted,
         ),
-        AllocError::Exhausted { .. } => Status::resource_exhausted(message),
-        AllocError::Contention { .. } => Status::aborted(message),
+        AllocError::Contention { .. } => {
+            status_with_reason(tonic::Code::Aborted, message, pb::ErrorReason::AllocationContention)
+        }
         AllocError::Store { .. } => Status::internal(message),
     }
 }
@@ -122,9 +125,17 @@ fn cidr_proto(prefix: &ipnet::IpNet, id: u32) -> pb::CidrIdentity {
     }
 }
 
+fn not_found(message: String) -> Status {
+    status_with_reason(tonic::Code::NotFound, message, pb::ErrorReason::IdentityNotFound)
+}
+
 fn cidr_status(e: CidrError) -> Status {
     match e {
-        CidrError::Exhausted => Status::resource_exhausted(e.to_string()),
+        CidrError::Exhausted => status_with_reason(
+            tonic::Code::ResourceExhausted,
+            e.to_string(),
+            pb::ErrorReason::CidrIdentitiesExhausted,
+        ),
         CidrError::Ipcache(ref i) => {
             let mut s = i.to_status();
             if s.code() == tonic::Code::InvalidArgument {
@@ -218,7 +229,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         let (labels, kind) = self
             .allocator
             .get(id)
-            .ok_or_else(|| Status::not_found(format!("identity {id} is not known")))?;
+            .ok_or_else(|| not_found(format!("identity {id} is not known")))?;
         let mut identity = self.identity(id, &labels, kind);
         if request.get_ref().include_owners {
             identity.owners = self.allocator.owners(id);
@@ -238,11 +249,11 @@ impl pb::identity_service_server::IdentityService for IdentityService {
             .allocator
             .lookup(&labels)
             .map_err(status)?
-            .ok_or_else(|| Status::not_found(format!("no identity for {labels}")))?;
+            .ok_or_else(|| not_found(format!("no identity for {labels}")))?;
         let (labels, kind) = self
             .allocator
             .get(id)
-            .ok_or_else(|| Status::not_found(format!("identity {id}")))?;
+            .ok_or_else(|| not_found(format!("identity {id}")))?;
         Ok(Response::new(pb::LookupIdentityResponse {
             identity: Some(self.identity(id, &labels, kind)),
             boot_id: self.boot_id.to_string(),
@@ -297,7 +308,11 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         _request: Request<pb::WatchIdentitiesRequest>,
     ) -> Result<Response<Self::WatchIdentitiesStream>, Status> {
         if !self.allocator.is_ready() {
-            return Err(Status::unavailable("the identity store has not been listed yet; retry"));
+            return Err(status_with_reason(
+                tonic::Code::Unavailable,
+                "the identity store has not been listed yet; retry",
+                pb::ErrorReason::StoreNotListed,
+            ));
         }
         let (snapshot, snapshot_revision, mut changes) = self.allocator.subscribe();
         let boot_id = self.boot_id.to_string();

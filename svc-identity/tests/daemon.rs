@@ -557,8 +557,8 @@ async fn etcd_outage_serves_known_sets_and_ip_changes_locally_and_reconciles_whe
     let err = allocate(&mut ca, 4).await.expect_err("a new set needs the store");
     assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
     assert_eq!(
-        rivet_common::grpc::error_reason(&err).as_deref(),
-        Some("KVSTORE_UNREACHABLE"),
+        rivet_common::grpc::error_reason(&err),
+        Some(pb::ErrorReason::KvstoreUnreachable),
         "{err:?}"
     );
     assert!(err.message().contains("kvstore is unreachable"), "{}", err.message());
@@ -1147,8 +1147,8 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
         .await
         .expect_err("a set with no identity needs etcd");
     assert_eq!(
-        rivet_common::grpc::error_reason(&err).as_deref(),
-        Some("KVSTORE_UNREACHABLE"),
+        rivet_common::grpc::error_reason(&err),
+        Some(pb::ErrorReason::KvstoreUnreachable),
         "{err:?}"
     );
     // svc-loader got the snapshot's view (a full push with the other node's

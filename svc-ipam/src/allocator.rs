@@ -47,8 +47,11 @@ impl Allocation {
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum AllocError {
     /// No pool of that name.
-    #[error("pool {0:?} does not exist")]
-    UnknownPool(String),
+    #[error("pool {pool:?} does not exist")]
+    UnknownPool {
+        /// The pool named.
+        pool: String,
+    },
     /// The pool has no range of that family.
     #[error("pool {pool} has no {family} range")]
     NoRangeForFamily {
@@ -299,7 +302,7 @@ impl Allocator {
         requested: Option<IpAddr>,
     ) -> Result<(Allocation, bool), AllocError> {
         if !self.pools.has_pool(pool) {
-            return Err(AllocError::UnknownPool(pool.into()));
+            return Err(AllocError::UnknownPool { pool: pool.into() });
         }
         let ranges: Vec<usize> = self.pools.range_indices(pool, family).collect();
         if ranges.is_empty() {
@@ -338,7 +341,7 @@ impl Allocator {
     /// Succeeds when it is free or already the owner's.
     pub fn restore(&mut self, owner: &Owner, pool: &str, address: IpAddr) -> Result<(Allocation, bool), AllocError> {
         if !self.pools.has_pool(pool) {
-            return Err(AllocError::UnknownPool(pool.into()));
+            return Err(AllocError::UnknownPool { pool: pool.into() });
         }
         if let Some(a) = self.by_address.get(&address) {
             if a.owner != *owner {
@@ -599,7 +602,7 @@ mod tests {
         ));
         assert!(matches!(
             a.allocate(&owner("a"), "nope", Family::V4, None),
-            Err(AllocError::UnknownPool(_))
+            Err(AllocError::UnknownPool { .. })
         ));
         assert!(matches!(
             a.allocate(&owner("a"), "default", Family::V6, None),

@@ -49,14 +49,23 @@ impl fmt::Display for Family {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PoolConfigError {
     /// Not `NAME=CIDR[,CIDR...]`.
-    #[error("pool {0:?}: expected NAME=CIDR[,CIDR...], e.g. default=198.18.0.0/24,2001:2::/112")]
-    Syntax(String),
+    #[error("pool {spec:?}: expected NAME=CIDR[,CIDR...], e.g. default=198.18.0.0/24,2001:2::/112")]
+    Syntax {
+        /// The pool specification given.
+        spec: String,
+    },
     /// Bad pool name.
-    #[error("pool name {0:?}: use 1-63 lowercase letters, digits and '-'")]
-    Name(String),
+    #[error("pool name {name:?}: use 1-63 lowercase letters, digits and '-'")]
+    Name {
+        /// The name given.
+        name: String,
+    },
     /// Two pools with one name.
-    #[error("pool {0:?} is defined twice")]
-    DuplicateName(String),
+    #[error("pool {name:?} is defined twice")]
+    DuplicateName {
+        /// The name.
+        name: String,
+    },
     /// Not a CIDR.
     #[error("pool {pool}: {cidr:?} is not a CIDR")]
     Cidr {
@@ -122,7 +131,9 @@ impl FromStr for PoolSpec {
     /// assert_eq!(spec.cidrs.len(), 2);
     /// ```
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let (name, cidrs) = s.split_once('=').ok_or_else(|| PoolConfigError::Syntax(s.into()))?;
+        let (name, cidrs) = s
+            .split_once('=')
+            .ok_or_else(|| PoolConfigError::Syntax { spec: s.into() })?;
         let name = name.trim();
         if name.is_empty()
             || name.len() > 63
@@ -130,7 +141,7 @@ impl FromStr for PoolSpec {
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         {
-            return Err(PoolConfigError::Name(name.into()));
+            return Err(PoolConfigError::Name { name: name.into() });
         }
         let cidrs = cidrs
             .split(',')
@@ -144,7 +155,7 @@ impl FromStr for PoolSpec {
             })
             .collect::<Result<Vec<_>, _>>()?;
         if cidrs.is_empty() {
-            return Err(PoolConfigError::Syntax(s.into()));
+            return Err(PoolConfigError::Syntax { spec: s.into() });
         }
         Ok(Self {
             name: name.into(),
@@ -257,7 +268,9 @@ impl PoolSet {
         let mut names: Vec<String> = Vec::new();
         for spec in specs {
             if names.contains(&spec.name) {
-                return Err(PoolConfigError::DuplicateName(spec.name.clone()));
+                return Err(PoolConfigError::DuplicateName {
+                    name: spec.name.clone(),
+                });
             }
             names.push(spec.name.clone());
             for cidr in &spec.cidrs {
@@ -371,10 +384,10 @@ mod tests {
         assert!(set(&["a=198.18.0.0/30"]).is_ok(), "a /30 leaves one pod address");
         let err = set(&["a=198.18.0.5/24"]).unwrap_err();
         assert!(err.to_string().contains("did you mean 198.18.0.0/24"), "{err}");
-        assert!(matches!("a".parse::<PoolSpec>(), Err(PoolConfigError::Syntax(_))));
+        assert!(matches!("a".parse::<PoolSpec>(), Err(PoolConfigError::Syntax { .. })));
         assert!(matches!(
             "A_b=198.18.0.0/24".parse::<PoolSpec>(),
-            Err(PoolConfigError::Name(_))
+            Err(PoolConfigError::Name { .. })
         ));
         assert!(matches!(
             "a=198.18.0.0/33".parse::<PoolSpec>(),
@@ -383,7 +396,7 @@ mod tests {
         assert!(matches!(set(&[]), Err(PoolConfigError::Empty)));
         assert!(matches!(
             set(&["a=198.18.0.0/24", "a=198.18.1.0/24"]),
-            Err(PoolConfigError::DuplicateName(_))
+            Err(PoolConfigError::DuplicateName { .. })
         ));
     }
 

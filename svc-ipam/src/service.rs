@@ -4,7 +4,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use rivet_common::grpc::BootId;
+use rivet_common::grpc::{BootId, status_with_reason};
 use rivet_proto::ipam::v1 as pb;
 use tonic::{Code, Request, Response, Status};
 
@@ -143,7 +143,14 @@ impl pb::ipam_server::Ipam for IpamService {
         let r = request.into_inner();
         let listing = self.store.list();
         if !r.pool.is_empty() && !listing.pools.has_pool(&r.pool) {
-            return Err(self.fail("List", Status::not_found(format!("pool: {:?} does not exist", r.pool))));
+            return Err(self.fail(
+                "List",
+                status_with_reason(
+                    Code::NotFound,
+                    format!("pool: {:?} does not exist", r.pool),
+                    pb::ErrorReason::PoolNotFound,
+                ),
+            ));
         }
         Ok(Response::new(self.list_response(&listing, &r)))
     }
@@ -285,22 +292,26 @@ fn owner(raw: Option<&pb::Owner>) -> Result<Owner, Status> {
     })
 }
 
-/// Maps a store error to a status; `held_by_other` is the code for an
+/// Maps a store error to a status and the reason a client acts on
+/// (`rivet.ipam.v1.ErrorReason`); `held_by_other` is the code for an
 /// address held by someone else (ALREADY_EXISTS on allocate,
 /// FAILED_PRECONDITION on restore).
 fn status(e: StoreError, held_by_other: Code) -> Status {
-    let code = match &e {
+    use pb::ErrorReason as R;
+    let (code, reason) = match &e {
         StoreError::Alloc(a) => match a {
-            AllocError::UnknownPool(_) => Code::NotFound,
-            AllocError::NoRangeForFamily { .. } | AllocError::NotUsable { .. } => Code::InvalidArgument,
-            AllocError::Exhausted { .. } => Code::ResourceExhausted,
-            AllocError::HeldByOther { .. } => held_by_other,
-            AllocError::OwnerHoldsOther { .. } | AllocError::WrongPool { .. } => Code::FailedPrecondition,
+            AllocError::UnknownPool { .. } => (Code::NotFound, R::PoolNotFound),
+            AllocError::NoRangeForFamily { .. } => (Code::InvalidArgument, R::FamilyNotConfigured),
+            AllocError::NotUsable { .. } => (Code::InvalidArgument, R::AddressNotUsable),
+            AllocError::Exhausted { .. } => (Code::ResourceExhausted, R::PoolExhausted),
+            AllocError::HeldByOther { .. } => (held_by_other, R::AddressHeld),
+            AllocError::OwnerHoldsOther { .. } => (Code::FailedPrecondition, R::OwnerHoldsOther),
+            AllocError::WrongPool { .. } => (Code::FailedPrecondition, R::WrongPool),
         },
-        StoreError::Persist(_) => Code::Unavailable,
-        StoreError::Load(_) | StoreError::Writer(_) => Code::Internal,
+        StoreError::Persist(_) => (Code::Unavailable, R::StateNotDurable),
+        StoreError::Load(_) | StoreError::Writer { .. } => return Status::internal(e.to_string()),
     };
-    Status::new(code, e.to_string())
+    status_with_reason(code, e.to_string(), reason)
 }
 
 #[cfg(test)]
@@ -373,6 +384,7 @@ mod tests {
 
         let err = svc.allocate(req("b", "eth0", pb::Family::Ipv4, "")).await.unwrap_err();
         assert_eq!(err.code(), Code::ResourceExhausted);
+        assert_eq!(reason(&err), Some(pb::ErrorReason::PoolExhausted));
         assert!(
             err.message().contains("pool default") && err.message().contains("all 1"),
             "{}",
@@ -384,6 +396,7 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::AlreadyExists);
+        assert_eq!(reason(&err), Some(pb::ErrorReason::AddressHeld));
 
         let restore = Request::new(pb::RestoreRequest {
             owner: Some(pb::Owner {
@@ -395,6 +408,7 @@ mod tests {
         });
         let err = svc.restore(restore).await.unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition);
+        assert_eq!(reason(&err), Some(pb::ErrorReason::AddressHeld));
         assert!(
             err.message().contains("held by a/eth0"),
             "restore names the current owner: {}",
@@ -403,8 +417,31 @@ mod tests {
 
         let err = svc.allocate(req("b", "eth0", pb::Family::Ipv6, "")).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+        assert_eq!(reason(&err), Some(pb::ErrorReason::FamilyNotConfigured));
+        let err = svc
+            .allocate(req("c", "eth0", pb::Family::Ipv4, "198.18.1.9"))
+            .await
+            .unwrap_err();
+        assert_eq!(reason(&err), Some(pb::ErrorReason::AddressNotUsable), "{err:?}");
         let mut r = req("b", "eth0", pb::Family::Ipv4, "");
         r.get_mut().pool = "missing".into();
-        assert_eq!(svc.allocate(r).await.unwrap_err().code(), Code::NotFound);
+        let err = svc.allocate(r).await.unwrap_err();
+        assert_eq!(err.code(), Code::NotFound);
+        assert_eq!(reason(&err), Some(pb::ErrorReason::PoolNotFound));
+        let err = svc
+            .list(Request::new(pb::ListRequest {
+                pool: "missing".into(),
+                include_allocations: false,
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(reason(&err), Some(pb::ErrorReason::PoolNotFound));
+        // Field validation carries no reason: nothing for a client to act on.
+        let err = svc.allocate(req("", "eth0", pb::Family::Ipv4, "")).await.unwrap_err();
+        assert_eq!(reason(&err), None);
+    }
+
+    fn reason(status: &Status) -> Option<pb::ErrorReason> {
+        rivet_common::grpc::error_reason(status)
     }
 }

@@ -32,8 +32,11 @@ pub enum StoreError {
     #[error("loading allocation state: {0}")]
     Load(#[source] StateFileError),
     /// The blocking writer task died.
-    #[error("state writer task failed: {0}")]
-    Writer(String),
+    #[error("writing the allocation state: the blocking writer task failed: {source}")]
+    Writer {
+        /// The task's failure (a panic or cancellation).
+        source: tokio::task::JoinError,
+    },
 }
 
 /// A snapshot of usage and allocations for listing.
@@ -261,7 +264,7 @@ impl IpamStore {
         let started = Instant::now();
         tokio::task::spawn_blocking(move || file.store(&state))
             .await
-            .map_err(|e| StoreError::Writer(e.to_string()))?
+            .map_err(|source| StoreError::Writer { source })?
             .map_err(StoreError::Persist)?;
         events::state_written(&self.metrics, count, started.elapsed());
         self.persisted.store(snapshot_generation, Ordering::Release);

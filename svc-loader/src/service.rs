@@ -6,10 +6,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::{Stream, StreamExt as _};
-use rivet_common::grpc::BootId;
+use rivet_common::grpc::{BootId, status_with_reason};
 use rivet_proto::loader::v1 as pb;
+use rivet_proto::net::address_bytes;
 use tokio::sync::broadcast;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::datapath::AttachState;
 use crate::events::{self, LoaderMetrics};
@@ -76,27 +77,32 @@ fn invalid(e: InvalidField) -> Status {
     Status::invalid_argument(e.to_string())
 }
 
+/// Maps a loader error to its status and the reason a client acts on
+/// (`rivet.loader.v1.ErrorReason`).
 fn status(e: LoaderError) -> Status {
     use LoaderError as E;
-    let message = e.to_string();
-    match e {
-        E::InterfaceNotFound { .. } | E::UnknownEndpoint(_) => Status::not_found(message),
-        E::NotAVeth { .. } | E::WrongPrefix { .. } => Status::permission_denied(message),
-        E::InterfaceHeld { .. } | E::AddressHeld { .. } => Status::already_exists(message),
-        E::EndpointElsewhere { .. } => Status::failed_precondition(message),
-        E::Policy(_) => Status::invalid_argument(message),
+    use pb::ErrorReason as R;
+    let (code, reason) = match &e {
+        E::InterfaceNotFound { .. } => (Code::NotFound, R::InterfaceNotFound),
+        E::UnknownEndpoint(_) => (Code::NotFound, R::EndpointNotFound),
+        E::NotAVeth { .. } | E::WrongPrefix { .. } => (Code::PermissionDenied, R::InterfaceNotEndpoint),
+        E::InterfaceHeld { .. } => (Code::AlreadyExists, R::InterfaceHeld),
+        E::AddressHeld { .. } => (Code::AlreadyExists, R::AddressHeld),
+        E::EndpointElsewhere { .. } => (Code::FailedPrecondition, R::EndpointOnOtherInterface),
+        E::Policy(_) => (Code::InvalidArgument, R::PolicyInvalid),
         E::Map {
-            source: aya::maps::MapError::SyscallError(ref s),
+            source: aya::maps::MapError::SyscallError(s),
             ..
         } if matches!(
             s.io_error.raw_os_error(),
             Some(libc::E2BIG) | Some(libc::ENOSPC) | Some(libc::ENOMEM)
         ) =>
         {
-            Status::resource_exhausted(message)
+            (Code::ResourceExhausted, R::MapFull)
         }
-        E::Interface { .. } | E::Datapath { .. } | E::Map { .. } => Status::internal(message),
-    }
+        E::Interface { .. } | E::Datapath { .. } | E::Map { .. } => return Status::internal(e.to_string()),
+    };
+    status_with_reason(code, e.to_string(), reason)
 }
 
 fn attach_state(s: AttachState) -> pb::AttachState {
@@ -105,13 +111,6 @@ fn attach_state(s: AttachState) -> pb::AttachState {
         AttachState::Detached => pb::AttachState::Detached,
         AttachState::Stale { .. } => pb::AttachState::Stale,
         AttachState::InterfaceGone => pb::AttachState::InterfaceGone,
-    }
-}
-
-fn ip_bytes(a: IpAddr) -> Vec<u8> {
-    match a {
-        IpAddr::V4(a) => a.octets().to_vec(),
-        IpAddr::V6(a) => a.octets().to_vec(),
     }
 }
 
@@ -139,7 +138,7 @@ fn endpoint_proto(v: &crate::loader::EndpointView) -> pb::Endpoint {
         addresses: [i.ipv4_addr().map(IpAddr::V4), i.ipv6_addr().map(IpAddr::V6)]
             .into_iter()
             .flatten()
-            .map(ip_bytes)
+            .map(address_bytes)
             .collect(),
         mac: i.mac.to_vec(),
         identity: i.identity,
@@ -196,7 +195,7 @@ fn ipcache_entries(field: &str, entries: &[pb::IpcacheEntry]) -> Result<Vec<(IpA
 fn ipcache_proto(addr: IpAddr, len: u8, v: &IpcacheValue) -> pb::IpcacheEntry {
     pb::IpcacheEntry {
         prefix: Some(pb::IpPrefix {
-            address: ip_bytes(addr),
+            address: address_bytes(addr),
             prefix_length: u32::from(len),
         }),
         identity: v.identity,
@@ -271,8 +270,8 @@ fn ct_proto(t: &CtTuple, e: &CtEntry, now: u64) -> pb::ConntrackEntry {
     pb::ConntrackEntry {
         key: Some(pb::ConntrackKey {
             tuple: Some(pb::FiveTuple {
-                source_address: ip_bytes(t.src),
-                destination_address: ip_bytes(t.dst),
+                source_address: address_bytes(t.src),
+                destination_address: address_bytes(t.dst),
                 source_port: u32::from(t.sport),
                 destination_port: u32::from(t.dport),
                 protocol: i32::from(t.protocol),
@@ -294,8 +293,8 @@ fn ct_proto(t: &CtTuple, e: &CtEntry, now: u64) -> pb::ConntrackEntry {
 
 fn event_proto(e: &Event, boot_id: &str, lost: u64) -> pb::MonitorEvent {
     let tuple = pb::FiveTuple {
-        source_address: e.src_ip().map(ip_bytes).unwrap_or_default(),
-        destination_address: e.dst_ip().map(ip_bytes).unwrap_or_default(),
+        source_address: e.src_ip().map(address_bytes).unwrap_or_default(),
+        destination_address: e.dst_ip().map(address_bytes).unwrap_or_default(),
         source_port: u32::from(e.src_port()),
         destination_port: u32::from(u16::from_be(e.dport)),
         protocol: i32::from(e.protocol),
@@ -438,7 +437,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 .map(|p| pb::EndpointPrefix {
                     direction: direction(p.direction) as i32,
                     prefix: Some(pb::IpPrefix {
-                        address: ip_bytes(p.addr),
+                        address: address_bytes(p.addr),
                         prefix_length: u32::from(p.len),
                     }),
                     cidr_identity: p.cidr_identity,

@@ -138,20 +138,7 @@ pub fn endpoint_id(field: &str, id: u32) -> Result<u32, InvalidField> {
 
 /// Checks an address: 4 or 16 bytes, not IPv4-mapped, not unspecified.
 pub fn address(field: &str, raw: &[u8]) -> Result<IpAddr, InvalidField> {
-    let addr = match raw.len() {
-        4 => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(raw).expect("length checked"))),
-        16 => {
-            let a = Ipv6Addr::from(<[u8; 16]>::try_from(raw).expect("length checked"));
-            if a.to_ipv4_mapped().is_some() {
-                return Err(invalid(
-                    field,
-                    "IPv4-mapped IPv6 addresses are not accepted; send 4 bytes",
-                ));
-            }
-            IpAddr::V6(a)
-        }
-        n => return Err(invalid(field, format!("must be 4 or 16 bytes, got {n}"))),
-    };
+    let addr = rivet_proto::net::address_from_bytes(raw).map_err(|e| invalid(field, e.to_string()))?;
     if addr.is_unspecified() || addr.is_multicast() {
         return Err(invalid(field, format!("{addr} is not a unicast address")));
     }
@@ -160,43 +147,16 @@ pub fn address(field: &str, raw: &[u8]) -> Result<IpAddr, InvalidField> {
 
 /// Checks a prefix: address bytes with no bits beyond the prefix length.
 pub fn prefix(field: &str, p: Option<&pb::IpPrefix>) -> Result<(IpAddr, u8), InvalidField> {
+    use rivet_proto::net::AddressError;
     let p = p.ok_or_else(|| invalid(field, "required"))?;
-    let addr = match p.address.len() {
-        4 => IpAddr::V4(Ipv4Addr::from(
-            <[u8; 4]>::try_from(p.address.as_slice()).expect("length checked"),
-        )),
-        16 => IpAddr::V6(Ipv6Addr::from(
-            <[u8; 16]>::try_from(p.address.as_slice()).expect("length checked"),
-        )),
-        n => {
-            return Err(invalid(
-                format!("{field}.address"),
-                format!("must be 4 or 16 bytes, got {n}"),
-            ));
-        }
-    };
-    let max = if addr.is_ipv4() { 32 } else { 128 };
-    if p.prefix_length > max {
-        return Err(invalid(format!("{field}.prefix_length"), format!("must be 0..={max}")));
-    }
-    let len = p.prefix_length as u8;
-    let bits: u128 = match addr {
-        IpAddr::V4(a) => u32::from(a) as u128,
-        IpAddr::V6(a) => u128::from(a),
-    };
-    let host_bits = max - len as u32;
-    let mask = if host_bits >= 128 {
-        u128::MAX
-    } else {
-        (1u128 << host_bits) - 1
-    };
-    if bits & mask != 0 {
-        return Err(invalid(
-            format!("{field}.address"),
-            format!("{addr} has bits set beyond /{len}"),
-        ));
-    }
-    Ok((addr, len))
+    let net = rivet_proto::net::prefix_from_proto(p).map_err(|e| {
+        let part = match e {
+            AddressError::PrefixLength { .. } => "prefix_length",
+            _ => "address",
+        };
+        invalid(format!("{field}.{part}"), e.to_string())
+    })?;
+    Ok((net.addr(), net.prefix_len()))
 }
 
 fn direction(field: String, raw: i32, p: &pb::EndpointPolicy) -> Result<u8, InvalidField> {

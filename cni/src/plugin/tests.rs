@@ -10,7 +10,8 @@ use futures::future::BoxFuture;
 use serde_json::json;
 
 use super::*;
-use crate::api::{DaemonResult, PodState, RouteEntry};
+use crate::api::{EndpointResult, IpamResult, PodState, RouteEntry};
+use rivet_common::grpc::status_with_reason;
 
 // ------------------------------------------------------------------ fakes --
 
@@ -262,37 +263,41 @@ fn allocation(address: IpAddr, owner: &(String, String), net: &IpNet, gw: IpAddr
 }
 
 impl IpamApi for FakeIpam {
-    fn ready<'a>(&'a self, pool: &'a str, _: Duration) -> BoxFuture<'a, DaemonResult<()>> {
+    fn ready<'a>(&'a self, pool: &'a str, _: Duration) -> BoxFuture<'a, IpamResult<()>> {
         async move {
             let st = self.state();
             if st.unreachable {
-                return Err(Status::unavailable("connection refused"));
+                return Err(Status::unavailable("connection refused").into());
             }
             if pool != "default" {
-                return Err(Status::not_found(format!("pool: {pool:?} does not exist")));
+                return Err(status_with_reason(
+                    Code::NotFound,
+                    format!("no pool {pool}"),
+                    ipampb::ErrorReason::PoolNotFound,
+                )
+                .into());
             }
             Ok(())
         }
         .boxed()
     }
 
-    fn allocate(
-        &self,
-        request: ipampb::AllocateRequest,
-        _: Duration,
-    ) -> BoxFuture<'_, DaemonResult<ipampb::Allocation>> {
+    fn allocate(&self, request: ipampb::AllocateRequest, _: Duration) -> BoxFuture<'_, IpamResult<ipampb::Allocation>> {
         async move {
             let mut st = self.state();
             st.calls.push("allocate");
             if let Some(status) = st.fail_allocate.clone() {
-                return Err(status);
+                return Err(status.into());
             }
             let v4 = request.family == 1;
             let Some((net, gw)) = (if v4 { st.v4 } else { st.v6 }) else {
-                return Err(Status::invalid_argument(format!(
-                    "pool default has no {} range",
-                    if v4 { "IPv4" } else { "IPv6" }
-                )));
+                // Worded unlike svc-ipam: the plugin decides on the reason.
+                return Err(status_with_reason(
+                    Code::InvalidArgument,
+                    "single-stack pool",
+                    ipampb::ErrorReason::FamilyNotConfigured,
+                )
+                .into());
             };
             let o = request.owner.unwrap();
             let owner = (o.container_id, o.interface);
@@ -312,12 +317,12 @@ impl IpamApi for FakeIpam {
         .boxed()
     }
 
-    fn release(&self, owner: ipampb::Owner, _: Duration) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>> {
+    fn release(&self, owner: ipampb::Owner, _: Duration) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>> {
         async move {
             let mut st = self.state();
             st.calls.push("release");
             if st.unreachable {
-                return Err(Status::unavailable("connection refused"));
+                return Err(Status::unavailable("connection refused").into());
             }
             let key = (owner.container_id, owner.interface);
             let released: Vec<IpAddr> = st
@@ -342,7 +347,7 @@ impl IpamApi for FakeIpam {
         _: String,
         address: String,
         _: Duration,
-    ) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>> {
+    ) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>> {
         async move {
             let mut st = self.state();
             st.calls.push("release_address");
@@ -358,7 +363,7 @@ impl IpamApi for FakeIpam {
         .boxed()
     }
 
-    fn allocations(&self, _: String, _: Duration) -> BoxFuture<'_, DaemonResult<Vec<ipampb::Allocation>>> {
+    fn allocations(&self, _: String, _: Duration) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>> {
         async move {
             let st = self.state();
             let (net, gw) = st.v4.unwrap();
@@ -402,10 +407,10 @@ impl FakeEndpoints {
 }
 
 impl EndpointApi for FakeEndpoints {
-    fn ready(&self, _: Duration) -> BoxFuture<'_, DaemonResult<()>> {
+    fn ready(&self, _: Duration) -> BoxFuture<'_, EndpointResult<()>> {
         async move {
             if self.state().unreachable {
-                return Err(Status::unavailable("connection refused"));
+                return Err(Status::unavailable("connection refused").into());
             }
             Ok(())
         }
@@ -416,20 +421,20 @@ impl EndpointApi for FakeEndpoints {
         &self,
         request: eppb::CreateEndpointRequest,
         timeout: Duration,
-    ) -> BoxFuture<'_, DaemonResult<eppb::Endpoint>> {
+    ) -> BoxFuture<'_, EndpointResult<eppb::Endpoint>> {
         async move {
             let delay = self.state().create_delay;
             if let Some(delay) = delay {
                 if delay > timeout {
                     tokio::time::sleep(timeout).await;
-                    return Err(Status::deadline_exceeded("regeneration did not finish"));
+                    return Err(Status::deadline_exceeded("regeneration did not finish").into());
                 }
                 tokio::time::sleep(delay).await;
             }
             let mut st = self.state();
             st.requests.push(request.clone());
             if let Some(status) = st.fail_create.clone() {
-                return Err(status);
+                return Err(status.into());
             }
             st.next_id += 1;
             let endpoint = eppb::Endpoint {
@@ -447,18 +452,18 @@ impl EndpointApi for FakeEndpoints {
             };
             st.endpoints.push(endpoint.clone());
             if let Some(status) = st.fail_after_create.clone() {
-                return Err(status);
+                return Err(status.into());
             }
             Ok(endpoint)
         }
         .boxed()
     }
 
-    fn delete(&self, container_id: String, interface: String, _: Duration) -> BoxFuture<'_, DaemonResult<Vec<u32>>> {
+    fn delete(&self, container_id: String, interface: String, _: Duration) -> BoxFuture<'_, EndpointResult<Vec<u32>>> {
         async move {
             let mut st = self.state();
             if let Some(status) = st.fail_delete.clone() {
-                return Err(status);
+                return Err(status.into());
             }
             let ids: Vec<u32> = st
                 .endpoints
@@ -472,7 +477,7 @@ impl EndpointApi for FakeEndpoints {
         .boxed()
     }
 
-    fn delete_id(&self, id: u32, _: Duration) -> BoxFuture<'_, DaemonResult<Vec<u32>>> {
+    fn delete_id(&self, id: u32, _: Duration) -> BoxFuture<'_, EndpointResult<Vec<u32>>> {
         async move {
             let mut st = self.state();
             let before = st.endpoints.len();
@@ -487,7 +492,7 @@ impl EndpointApi for FakeEndpoints {
         container_id: String,
         interface: String,
         _: Duration,
-    ) -> BoxFuture<'_, DaemonResult<Option<eppb::Endpoint>>> {
+    ) -> BoxFuture<'_, EndpointResult<Option<eppb::Endpoint>>> {
         async move {
             Ok(self
                 .state()
@@ -499,7 +504,7 @@ impl EndpointApi for FakeEndpoints {
         .boxed()
     }
 
-    fn list(&self, _: Duration) -> BoxFuture<'_, DaemonResult<(Vec<eppb::Endpoint>, bool)>> {
+    fn list(&self, _: Duration) -> BoxFuture<'_, EndpointResult<(Vec<eppb::Endpoint>, bool)>> {
         async move {
             let st = self.state();
             Ok((st.endpoints.clone(), st.restore_complete))
@@ -777,6 +782,45 @@ async fn add_skips_a_family_the_pool_lacks() {
         w.run(&invocation("ADD", "c1", conf("1.1.0"))).await.unwrap_err().code,
         codes::IPAM
     );
+}
+
+/// svc-ipam's reasons, not its wording, decide the CNI code: a full pool
+/// clears as pods go (11), a pool the netconf names wrongly is a bad
+/// configuration (7), and the old message text with no reason means nothing.
+#[tokio::test]
+async fn ipam_reasons_map_to_cni_codes_without_reading_the_message() {
+    let cases = [
+        (
+            status_with_reason(Code::ResourceExhausted, "no luck", ipampb::ErrorReason::PoolExhausted),
+            codes::TRY_AGAIN_LATER,
+        ),
+        (
+            status_with_reason(Code::Unavailable, "disk", ipampb::ErrorReason::StateNotDurable),
+            codes::TRY_AGAIN_LATER,
+        ),
+        (
+            status_with_reason(Code::NotFound, "?", ipampb::ErrorReason::PoolNotFound),
+            codes::INVALID_NETCONF,
+        ),
+        (
+            status_with_reason(Code::AlreadyExists, "?", ipampb::ErrorReason::AddressHeld),
+            codes::IPAM,
+        ),
+        // Exhaustion without its reason (an older svc-ipam): not retried.
+        (Status::resource_exhausted("pool default is exhausted"), codes::IPAM),
+        // svc-ipam's wording for a missing family, without the reason, is
+        // a refusal like any other, not a family to skip.
+        (Status::invalid_argument("pool default has no IPv6 range"), codes::IPAM),
+        // Not reached at all: transient.
+        (Status::unavailable("connection refused"), codes::TRY_AGAIN_LATER),
+    ];
+    for (status, code) in cases {
+        let w = World::new();
+        w.ipam.state().fail_allocate = Some(status.clone());
+        let err = w.run(&invocation("ADD", "c1", conf("1.1.0"))).await.unwrap_err();
+        assert_eq!(err.code, code, "{status:?} -> {err}");
+        w.assert_clean();
+    }
 }
 
 #[tokio::test]
