@@ -197,6 +197,25 @@ async fn check_fails_clearly_once_the_host_veth_is_gone() {
     let conf = with_prev(h.conf("1.0.0"), &r);
     h.cni("CHECK", &pod, &conf).await.ok();
 
+    // The endpoint goes behind the plugin's back: svc-endpoint's
+    // ENDPOINT_NOT_FOUND reaches rivet-cni as "no endpoint" (a failed
+    // CHECK, 104), not as svc-endpoint refusing the call (102).
+    h.node
+        .endpoints()
+        .await
+        .delete_endpoint(eppb::DeleteEndpointRequest {
+            r#ref: Some(eppb::EndpointRef {
+                r#ref: Some(eppb::endpoint_ref::Ref::Container(eppb::ContainerInterface {
+                    container_id: pod.id.clone(),
+                    interface: "eth0".into(),
+                })),
+            }),
+        })
+        .await
+        .expect("svc-endpoint deletes the endpoint");
+    let msg = h.cni("CHECK", &pod, &conf).await.err_code(104);
+    assert!(msg.contains("svc-endpoint has no endpoint"), "{msg}");
+
     // Something removes an address: CHECK names it.
     let ip4 = r["ips"][0]["address"].as_str().unwrap();
     pod.ns.ip(&["addr", "del", ip4, "dev", "eth0"]).unwrap();

@@ -565,10 +565,13 @@ impl pb::policy_service_server::PolicyService for EndpointApi {
         request: Request<pb::GetPolicyRequest>,
     ) -> Result<Response<pb::GetPolicyResponse>, Status> {
         let key = parse_key(request.get_ref().key.as_ref())?;
-        let (stored, selected) = self
-            .manager
-            .policy(&key)
-            .ok_or_else(|| Status::not_found(format!("no policy {key}")))?;
+        let (stored, selected) = self.manager.policy(&key).ok_or_else(|| {
+            rivet_common::grpc::status_with_reason(
+                tonic::Code::NotFound,
+                format!("no policy {key}"),
+                pb::ErrorReason::PolicyNotFound,
+            )
+        })?;
         Ok(Response::new(pb::GetPolicyResponse {
             policy: Some(policy_proto(
                 &stored,

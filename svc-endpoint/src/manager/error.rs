@@ -134,13 +134,14 @@ pub enum ManagerError {
 
 impl From<ManagerError> for Status {
     fn from(e: ManagerError) -> Self {
+        use rivet_proto::endpoint::v1::ErrorReason as R;
         let message = e.to_string();
-        match &e {
-            ManagerError::Invalid { .. } => Status::invalid_argument(message),
-            ManagerError::NotFound(_) => Status::not_found(message),
-            ManagerError::AddressInUse { .. } => Status::already_exists(message),
-            ManagerError::Precondition(_) => Status::failed_precondition(message),
-            ManagerError::NoFreeId => Status::resource_exhausted(message),
+        let (code, reason) = match &e {
+            ManagerError::Invalid { .. } => return Status::invalid_argument(message),
+            ManagerError::NotFound(_) => (Code::NotFound, R::EndpointNotFound),
+            ManagerError::AddressInUse { .. } => (Code::AlreadyExists, R::AddressInUse),
+            ManagerError::Precondition(_) => return Status::failed_precondition(message),
+            ManagerError::NoFreeId => (Code::ResourceExhausted, R::EndpointIdsExhausted),
             ManagerError::Regeneration { source, .. } => match source.status.code() {
                 // Keep the dependency's code when it means something to the caller.
                 code @ (Code::Unavailable
@@ -150,16 +151,19 @@ impl From<ManagerError> for Status {
                 | Code::AlreadyExists
                 | Code::FailedPrecondition
                 | Code::PermissionDenied
-                | Code::InvalidArgument) => Status::new(code, message),
-                _ => Status::internal(message),
+                | Code::InvalidArgument) => (code, R::RegenerationFailed),
+                _ => (Code::Internal, R::RegenerationFailed),
             },
-            ManagerError::IdentityUnavailable { .. } => Status::unavailable(message),
-            ManagerError::Deadline { .. } => Status::deadline_exceeded(message),
-            ManagerError::Removal { .. } => Status::unavailable(message),
-            ManagerError::Policy(PolicyError::OriginConflict { .. }) => Status::failed_precondition(message),
-            ManagerError::Policy(_) => Status::invalid_argument(message),
-            ManagerError::Storage(_) => Status::internal(message),
-            ManagerError::Unavailable(_) => Status::unavailable(message),
-        }
+            ManagerError::IdentityUnavailable { .. } => (Code::Unavailable, R::IdentityUnavailable),
+            ManagerError::Deadline { .. } => (Code::DeadlineExceeded, R::NotRealisedInTime),
+            ManagerError::Removal { .. } => (Code::Unavailable, R::RemovalPending),
+            ManagerError::Policy(PolicyError::OriginConflict { .. }) => {
+                (Code::FailedPrecondition, R::PolicyOriginConflict)
+            }
+            ManagerError::Policy(_) => (Code::InvalidArgument, R::PolicyInvalid),
+            ManagerError::Storage(_) => return Status::internal(message),
+            ManagerError::Unavailable(_) => (Code::Unavailable, R::NotReady),
+        };
+        rivet_common::grpc::status_with_reason(code, message, reason)
     }
 }
