@@ -36,7 +36,8 @@ use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
-use rivet_common::testing::netns::{NetNs, format_mac};
+use rivet_common::mac::format_mac;
+use rivet_common::testing::netns::NetNs;
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use futures::future;
 use ipnet::IpNet;
 use rivet_common::grpc::RpcError;
+use rivet_common::mac::format_mac;
 use rivet_proto::endpoint::v1 as eppb;
 use rivet_proto::ipam::v1 as ipampb;
 use serde_json::Value;
@@ -31,7 +32,7 @@ use crate::env::{CniEnv, Command};
 use crate::error::{CniError, codes};
 use crate::naming::host_ifname;
 use crate::netconf::{Attachment, NetConf};
-use crate::result::{CniResult, Interface, IpConfig, Route, format_mac};
+use crate::result::{CniResult, Interface, IpConfig, Route};
 use crate::version::CniVersion;
 
 /// The budget of the undo after a failed ADD (the invocation's own deadline

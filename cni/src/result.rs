@@ -247,11 +247,6 @@ impl CniResult {
     }
 }
 
-/// Formats a MAC as `aa:bb:cc:dd:ee:ff`.
-pub fn format_mac(mac: &[u8]) -> String {
-    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -378,10 +373,5 @@ mod tests {
             assert_eq!(err.code, crate::error::codes::DECODE, "{bad}");
             assert!(err.msg.starts_with("prevResult: "), "{err}");
         }
-    }
-
-    #[test]
-    fn mac_format() {
-        assert_eq!(format_mac(&[2, 0xab, 0, 1, 0xff, 0x10]), "02:ab:00:01:ff:10");
     }
 }

@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{CniRun, GATEWAY4, GATEWAY6, Harness, PREFIX, Pod, median_max, ping, result_ips};
+use rivet_common::mac::format_mac;
 use rivet_proto::endpoint::v1 as eppb;
 use serde_json::{Value, json};
 
@@ -137,10 +138,6 @@ async fn add_wires_reachable_pods_and_del_removes_everything() {
         "ADD wall time: {:?} and {:?}; DEL: {:?} (first), {:?} (repeat)",
         add_a.elapsed, add_b.elapsed, del_times[0], del_times[1]
     );
-}
-
-fn format_mac(mac: &[u8; 6]) -> String {
-    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
 }
 
 fn with_prev(mut conf: Value, prev: &Value) -> Value {

@@ -19,6 +19,7 @@
 //! - [`backoff`]: retry delays;
 //! - [`identity`]: the numeric identity ranges (reserved, cluster, CIDR);
 //! - [`named_port`]: the rule for named container ports' names;
+//! - [`mac`]: MAC addresses as text;
 //! - [`k8s_name`]: Kubernetes name rules (DNS-1123 labels and subdomains,
 //!   namespace names, label keys and values).
 
@@ -32,6 +33,7 @@ pub mod h2_authority;
 pub mod identity;
 pub mod k8s_name;
 pub mod labels;
+pub mod mac;
 pub mod metrics;
 pub mod named_port;
 pub mod privileges;

@@ -7,6 +7,7 @@ use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
 use rivet_common::labels::Labels;
+use rivet_common::mac::format_mac;
 use rivet_proto::endpoint::v1 as pb;
 use serde::{Deserialize, Serialize};
 
@@ -389,25 +390,6 @@ pub fn to_proto(spec: &EndpointSpec, status: &EndpointStatus, include_history: b
     }
 }
 
-/// "aa:bb:cc:dd:ee:ff".
-pub fn format_mac(mac: &[u8; 6]) -> String {
-    mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
-}
-
-/// Parses "aa:bb:cc:dd:ee:ff".
-pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
-    let mut mac = [0u8; 6];
-    let mut parts = text.split(':');
-    for byte in &mut mac {
-        let part = parts.next()?;
-        if part.len() != 2 {
-            return None;
-        }
-        *byte = u8::from_str_radix(part, 16).ok()?;
-    }
-    parts.next().is_none().then_some(mac)
-}
-
 /// Kubernetes' spelling of a container port protocol.
 pub fn protocol_name(protocol: Protocol) -> &'static str {
     match protocol {
@@ -423,21 +405,6 @@ pub fn protocol_name(protocol: Protocol) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn macs_round_trip_and_bad_ones_are_refused() {
-        let mac = parse_mac("02:00:c6:12:00:05").expect("a well-formed MAC must parse");
-        assert_eq!(format_mac(&mac), "02:00:c6:12:00:05");
-        for bad in [
-            "",
-            "02:00:c6:12:00",
-            "02:00:c6:12:00:05:06",
-            "02:00:c6:12:00:5",
-            "zz:00:c6:12:00:05",
-        ] {
-            assert_eq!(parse_mac(bad), None, "{bad:?} must not parse as a MAC");
-        }
-    }
 
     #[test]
     fn history_is_bounded_and_keeps_the_newest() {

@@ -9,10 +9,11 @@ use std::time::{Duration, SystemTime};
 use rivet_common::grpc::BootId;
 use rivet_common::k8s_name::{self, NameError};
 use rivet_common::labels::Labels;
+use rivet_common::mac::parse_mac;
 use rivet_proto::endpoint::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::endpoint::{self, EndpointAddress, EndpointSpec, EndpointState, parse_mac, unix_nanos};
+use crate::endpoint::{self, EndpointAddress, EndpointSpec, EndpointState, unix_nanos};
 use crate::manager::{
     DEFAULT_NAMESPACE, EndpointManager, EndpointSelector, ManagerError, NewEndpoint, parse_namespace_label,
 };

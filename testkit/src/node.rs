@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::mac::format_mac;
 use rivet_common::testing::netns::{PodSpec, TestPod};
 use rivet_common::testing::{DaemonCommand, DaemonProcess, OtlpCollector, workspace_binary};
 use rivet_proto::endpoint::v1 as pb;
@@ -19,7 +20,6 @@ use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use rivet_proto::loader::v1 as ldpb;
 use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader};
-use svc_endpoint::endpoint::format_mac;
 use svc_endpoint::manager::Dependencies;
 
 use crate::loader::{DEFAULT_ENDPOINTS_MAX, LoaderNode};

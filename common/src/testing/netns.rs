@@ -44,7 +44,6 @@
 //! ```
 
 use std::ffi::OsStr;
-use std::fmt::Write as _;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -59,6 +58,8 @@ use std::time::{Duration, Instant};
 use nix::sched::{CloneFlags, setns};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+
+use crate::mac::{format_mac, parse_mac};
 
 /// Longest Linux interface name (IFNAMSIZ - 1).
 pub const IFNAME_MAX: usize = 15;
@@ -1220,32 +1221,6 @@ fn link_line_name(line: &str) -> Option<&str> {
     Some(name.split('@').next().unwrap_or(name))
 }
 
-/// Parses `aa:bb:cc:dd:ee:ff`.
-pub fn parse_mac(text: &str) -> Option<[u8; 6]> {
-    let mut mac = [0u8; 6];
-    let mut parts = text.trim().split(':');
-    for byte in &mut mac {
-        let part = parts.next()?;
-        if part.is_empty() || part.len() > 2 {
-            return None;
-        }
-        *byte = u8::from_str_radix(part, 16).ok()?;
-    }
-    parts.next().is_none().then_some(mac)
-}
-
-/// Formats as `aa:bb:cc:dd:ee:ff`.
-pub fn format_mac(mac: &[u8; 6]) -> String {
-    let mut out = String::with_capacity(17);
-    for (i, byte) in mac.iter().enumerate() {
-        if i > 0 {
-            out.push(':');
-        }
-        let _ = write!(out, "{byte:02x}");
-    }
-    out
-}
-
 /// Parses iputils' `N packets transmitted, M received, …` line.
 fn parse_ping(stdout: &str) -> Option<PingStats> {
     let line = stdout.lines().find(|l| l.contains("packets transmitted"))?;
@@ -1398,10 +1373,6 @@ mod tests {
             })
         );
         assert_eq!(parse_ping("ping: connect: Network is unreachable"), None);
-        assert_eq!(parse_mac("02:aB:00:10:ff:1"), Some([2, 0xab, 0, 0x10, 0xff, 1]));
-        assert_eq!(parse_mac("02:ab:00:10:ff"), None);
-        assert_eq!(parse_mac("02:ab:00:10:ff:01:02"), None);
-        assert_eq!(format_mac(&[2, 0xab, 0, 0x10, 0xff, 1]), "02:ab:00:10:ff:01");
         assert_eq!(link_line_name("5: rvh1@if4: <BROADCAST> mtu 1500"), Some("rvh1"));
         assert_eq!(link_line_name("1: lo: <LOOPBACK,UP>"), Some("lo"));
         assert!(check_ifname("rvh123456789012").is_ok());
