@@ -6,7 +6,7 @@
 //! never fail because the store is unreachable (LOCAL_ENDPOINT entries are
 //! published when it is back, see [`IpCache`]).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -15,8 +15,7 @@ use futures::Stream;
 use ipnet::IpNet;
 use rivet_common::grpc::BootId;
 use rivet_proto::identity::v1 as pb;
-use tokio::sync::{broadcast, mpsc};
-use tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::broadcast;
 use tonic::{Request, Response, Status};
 
 use crate::ipcache::{IpCache, IpcacheDelta, IpcacheEntry, IpcacheSource, parse_prefix, prefix_text};
@@ -215,78 +214,77 @@ impl Watcher {
     }
 }
 
-async fn send_all(
-    tx: &mpsc::Sender<Result<pb::WatchIpcacheResponse, Status>>,
-    messages: Vec<pb::WatchIpcacheResponse>,
-) -> bool {
-    for m in messages {
-        if tx.send(Ok(m)).await.is_err() {
-            return false;
-        }
-    }
-    true
-}
-
-/// Streams snapshot then deltas to `tx` until the client goes away.
-async fn watch_task(
+/// One `WatchIpcache` stream: the snapshot, then coalesced deltas (those
+/// that queued while the client was slow go out as one message); a watcher
+/// too slow for the deltas starts over with a fresh snapshot.
+struct IpcacheWatch {
     ipcache: Arc<IpCache>,
     boot_id: String,
-    mut watcher: Watcher,
-    tx: mpsc::Sender<Result<pb::WatchIpcacheResponse, Status>>,
-) {
-    let (snapshot, revision, mut deltas) = ipcache.subscribe();
-    let entries = watcher.snapshot(snapshot);
-    if !send_all(&tx, snapshot_messages(&boot_id, revision, &entries)).await {
-        return;
+    watcher: Watcher,
+    deltas: broadcast::Receiver<IpcacheDelta>,
+    /// Messages of a snapshot not sent yet.
+    pending: VecDeque<pb::WatchIpcacheResponse>,
+}
+
+impl IpcacheWatch {
+    fn new(ipcache: Arc<IpCache>, boot_id: String, mut watcher: Watcher) -> Self {
+        let (snapshot, revision, deltas) = ipcache.subscribe();
+        let entries = watcher.snapshot(snapshot);
+        Self {
+            pending: snapshot_messages(&boot_id, revision, &entries).into(),
+            ipcache,
+            boot_id,
+            watcher,
+            deltas,
+        }
     }
-    loop {
-        let mut changes: BTreeMap<IpNet, Option<IpcacheEntry>> = BTreeMap::new();
-        let mut revision = 0;
-        let mut lagged = false;
-        let mut next = tokio::select! {
-            r = deltas.recv() => r,
-            () = tx.closed() => return,
-        };
+
+    /// The next message; `None` when the cache is gone.
+    async fn next(&mut self) -> Option<pb::WatchIpcacheResponse> {
         loop {
-            match next {
-                Ok(IpcacheDelta {
-                    revision: r,
-                    prefix,
-                    entry,
-                }) => {
-                    revision = r;
-                    changes.insert(prefix, entry);
+            if let Some(message) = self.pending.pop_front() {
+                return Some(message);
+            }
+            let mut changes: BTreeMap<IpNet, Option<IpcacheEntry>> = BTreeMap::new();
+            let mut revision = 0;
+            let mut lagged = false;
+            let mut next = self.deltas.recv().await;
+            loop {
+                match next {
+                    Ok(IpcacheDelta {
+                        revision: r,
+                        prefix,
+                        entry,
+                    }) => {
+                        revision = r;
+                        changes.insert(prefix, entry);
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        lagged = true;
+                        break;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return None,
                 }
-                Err(broadcast::error::RecvError::Lagged(_)) => {
-                    lagged = true;
+                if changes.len() >= MESSAGE_CHUNK {
                     break;
                 }
-                Err(broadcast::error::RecvError::Closed) => return,
+                next = match self.deltas.try_recv() {
+                    Ok(d) => Ok(d),
+                    Err(broadcast::error::TryRecvError::Empty) => break,
+                    Err(broadcast::error::TryRecvError::Lagged(n)) => Err(broadcast::error::RecvError::Lagged(n)),
+                    Err(broadcast::error::TryRecvError::Closed) => Err(broadcast::error::RecvError::Closed),
+                };
             }
-            if changes.len() >= MESSAGE_CHUNK {
-                break;
+            if lagged {
+                let (snapshot, revision, deltas) = self.ipcache.subscribe();
+                self.deltas = deltas;
+                let entries = self.watcher.snapshot(snapshot);
+                self.pending = snapshot_messages(&self.boot_id, revision, &entries).into();
+                continue;
             }
-            next = match deltas.try_recv() {
-                Ok(d) => Ok(d),
-                Err(broadcast::error::TryRecvError::Empty) => break,
-                Err(broadcast::error::TryRecvError::Lagged(n)) => Err(broadcast::error::RecvError::Lagged(n)),
-                Err(broadcast::error::TryRecvError::Closed) => Err(broadcast::error::RecvError::Closed),
-            };
-        }
-        if lagged {
-            // Too slow: start over with a fresh snapshot.
-            let (snapshot, revision, rx) = ipcache.subscribe();
-            deltas = rx;
-            let entries = watcher.snapshot(snapshot);
-            if !send_all(&tx, snapshot_messages(&boot_id, revision, &entries)).await {
-                return;
+            if let Some(message) = self.watcher.delta(&self.boot_id, revision, changes) {
+                return Some(message);
             }
-            continue;
-        }
-        if let Some(message) = watcher.delta(&boot_id, revision, changes)
-            && tx.send(Ok(message)).await.is_err()
-        {
-            return;
         }
     }
 }
@@ -373,13 +371,18 @@ impl pb::ipcache_service_server::IpcacheService for IpcacheService {
                 "the IP cache has not been listed from the store yet; retry",
             ));
         }
-        let (tx, rx) = mpsc::channel(64);
         let watcher = Watcher {
             sources,
             sent: BTreeSet::new(),
         };
-        tokio::spawn(watch_task(self.ipcache.clone(), self.boot_id.to_string(), watcher, tx));
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let watch = IpcacheWatch::new(self.ipcache.clone(), self.boot_id.to_string(), watcher);
+        // Driven by the response (no task of its own): it ends when the
+        // client goes away.
+        let stream = futures::stream::unfold(watch, |mut watch| async move {
+            let message = watch.next().await?;
+            Some((Ok(message), watch))
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 }
 

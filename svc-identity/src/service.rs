@@ -1,5 +1,6 @@
 //! `rivet.identity.v1.IdentityService` over the [`IdentityAllocator`].
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -7,8 +8,7 @@ use futures::Stream;
 use rivet_common::grpc::{BootId, status_with_reason};
 use rivet_common::labels::Labels;
 use rivet_proto::identity::v1 as pb;
-use tokio::sync::{broadcast, mpsc};
-use tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::broadcast;
 use tonic::{Request, Response, Status};
 
 use crate::allocator::{AllocError, IdentityAllocator, IdentityChange, IdentityKind};
@@ -314,71 +314,21 @@ impl pb::identity_service_server::IdentityService for IdentityService {
                 pb::ErrorReason::StoreNotListed,
             ));
         }
-        let (snapshot, snapshot_revision, mut changes) = self.allocator.subscribe();
+        let (snapshot, revision, changes) = self.allocator.subscribe();
         let boot_id = self.boot_id.to_string();
-        let (tx, rx) = mpsc::channel(64);
-        let allocator = self.allocator.clone();
-        tokio::spawn(async move {
-            let send_snapshot = |snapshot: Vec<IdentityRecord>, revision: u64| {
-                let chunks: Vec<Vec<IdentityRecord>> = if snapshot.is_empty() {
-                    vec![Vec::new()]
-                } else {
-                    snapshot.chunks(SNAPSHOT_CHUNK).map(<[_]>::to_vec).collect()
-                };
-                let last = chunks.len() - 1;
-                chunks
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, chunk)| pb::WatchIdentitiesResponse {
-                        boot_id: boot_id.clone(),
-                        snapshot: true,
-                        snapshot_complete: i == last,
-                        revision,
-                        added: chunk.iter().map(record_proto).collect(),
-                        removed: Vec::new(),
-                    })
-                    .collect::<Vec<_>>()
-            };
-            for message in send_snapshot(snapshot, snapshot_revision) {
-                if tx.send(Ok(message)).await.is_err() {
-                    return;
-                }
-            }
-            loop {
-                let change = match changes.recv().await {
-                    Ok(c) => c,
-                    // Too slow: start over with a fresh snapshot.
-                    Err(broadcast::error::RecvError::Lagged(_)) => {
-                        let (snapshot, revision, rx) = allocator.subscribe();
-                        changes = rx;
-                        for message in send_snapshot(snapshot, revision) {
-                            if tx.send(Ok(message)).await.is_err() {
-                                return;
-                            }
-                        }
-                        continue;
-                    }
-                    Err(broadcast::error::RecvError::Closed) => return,
-                };
-                let (revision, change) = change;
-                let (added, removed) = match change {
-                    IdentityChange::Upsert(r) => (vec![record_proto(&r)], Vec::new()),
-                    IdentityChange::Delete(id) => (Vec::new(), vec![id]),
-                };
-                let message = pb::WatchIdentitiesResponse {
-                    boot_id: boot_id.clone(),
-                    snapshot: false,
-                    snapshot_complete: false,
-                    revision,
-                    added,
-                    removed,
-                };
-                if tx.send(Ok(message)).await.is_err() {
-                    return;
-                }
-            }
+        let watch = IdentityWatch {
+            pending: snapshot_messages(&boot_id, snapshot, revision).into(),
+            allocator: self.allocator.clone(),
+            boot_id,
+            changes,
+        };
+        // Driven by the response (no task of its own): it ends when the
+        // client goes away.
+        let stream = futures::stream::unfold(watch, |mut watch| async move {
+            let message = watch.next().await?;
+            Some((Ok(message), watch))
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn allocate_cidr_identities(
@@ -447,4 +397,70 @@ impl pb::identity_service_server::IdentityService for IdentityService {
             boot_id: self.boot_id.to_string(),
         }))
     }
+}
+
+/// One `WatchIdentities` stream: the snapshot, then every change; a
+/// watcher too slow for the changes starts over with a fresh snapshot.
+struct IdentityWatch {
+    allocator: Arc<IdentityAllocator>,
+    boot_id: String,
+    changes: broadcast::Receiver<(u64, IdentityChange)>,
+    /// Messages of a snapshot not sent yet.
+    pending: VecDeque<pb::WatchIdentitiesResponse>,
+}
+
+impl IdentityWatch {
+    /// The next message; `None` when the allocator is gone.
+    async fn next(&mut self) -> Option<pb::WatchIdentitiesResponse> {
+        loop {
+            if let Some(message) = self.pending.pop_front() {
+                return Some(message);
+            }
+            let (revision, change) = match self.changes.recv().await {
+                Ok(c) => c,
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let (snapshot, revision, changes) = self.allocator.subscribe();
+                    self.changes = changes;
+                    self.pending = snapshot_messages(&self.boot_id, snapshot, revision).into();
+                    continue;
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            };
+            let (added, removed) = match change {
+                IdentityChange::Upsert(r) => (vec![record_proto(&r)], Vec::new()),
+                IdentityChange::Delete(id) => (Vec::new(), vec![id]),
+            };
+            return Some(pb::WatchIdentitiesResponse {
+                boot_id: self.boot_id.clone(),
+                snapshot: false,
+                snapshot_complete: false,
+                revision,
+                added,
+                removed,
+            });
+        }
+    }
+}
+
+/// A snapshot of the identities at `revision` in chunks (at least one
+/// message, the last one marked complete).
+fn snapshot_messages(boot_id: &str, snapshot: Vec<IdentityRecord>, revision: u64) -> Vec<pb::WatchIdentitiesResponse> {
+    let chunks: Vec<Vec<IdentityRecord>> = if snapshot.is_empty() {
+        vec![Vec::new()]
+    } else {
+        snapshot.chunks(SNAPSHOT_CHUNK).map(<[_]>::to_vec).collect()
+    };
+    let last = chunks.len() - 1;
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, chunk)| pb::WatchIdentitiesResponse {
+            boot_id: boot_id.to_string(),
+            snapshot: true,
+            snapshot_complete: i == last,
+            revision,
+            added: chunk.iter().map(record_proto).collect(),
+            removed: Vec::new(),
+        })
+        .collect()
 }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, anyhow, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use rivet_common::controller::{Action, Controller, Controllers};
 use rivet_common::state_file::write_atomic;
 use tokio::sync::watch;
 
@@ -48,14 +49,23 @@ pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result
     shutdown.add(Signal::SIGTERM);
     shutdown.thread_unblock().context("unblocking SIGINT and SIGTERM")?;
     let (cancel_tx, cancel) = watch::channel(false);
-    let mut sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = sigint.recv() => {}
-            _ = sigterm.recv() => {}
+    let sigint = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    // Supervised like every background loop; stopped when `up` returns.
+    let controllers = Controllers::new();
+    let signals = Arc::new(tokio::sync::Mutex::new((sigint, sigterm, cancel_tx)));
+    controllers.reconcile(Controller::new("node-signals"), move || {
+        let signals = Arc::clone(&signals);
+        async move {
+            let mut signals = signals.lock().await;
+            let (sigint, sigterm, cancel_tx) = &mut *signals;
+            tokio::select! {
+                _ = sigint.recv() => {}
+                _ = sigterm.recv() => {}
+            }
+            let _ = cancel_tx.send(true);
+            Ok::<_, std::convert::Infallible>(Action::done())
         }
-        let _ = cancel_tx.send(true);
     });
 
     preflight(&plan).await?;
