@@ -202,7 +202,7 @@ impl NodePlan {
     }
 
     /// The node daemons, in start order, each switching to its user at start
-    /// and admitting on its socket only who needs it ([`accounts`]).
+    /// and admitting on its socket only who needs it ([`accounts`](crate::accounts)).
     pub fn specs(&self, accounts: &NodeAccounts) -> Vec<DaemonSpec> {
         NODE_DAEMONS
             .iter()
