@@ -161,6 +161,8 @@ pub struct FailureView {
     location: String,
     /// gRPC code (`InvalidArgument`, ...).
     code: String,
+    /// svc-endpoint's reason (`POLICY_INVALID`, ...); empty when it sent none.
+    reason: &'static str,
     /// The daemon's message (for an invalid document: field path and reason).
     message: String,
     /// Whether the failed document itself stays applied: `yes` (the wait
@@ -183,19 +185,31 @@ pub struct ApplyView {
 
 impl FailureView {
     fn new(document: usize, location: String, status: &tonic::Status, wait: bool) -> Self {
-        let applied = match status.code() {
-            tonic::Code::InvalidArgument | tonic::Code::FailedPrecondition => "no",
+        use rivet_proto::endpoint::v1::ErrorReason as R;
+        let reason = rivet_common::grpc::error_reason::<R>(status);
+        let applied = match reason {
+            Some(R::PolicyInvalid | R::PolicyOriginConflict) => "no",
             // The daemon's answer with --wait: stored, not yet realised everywhere.
-            tonic::Code::DeadlineExceeded if wait => "yes",
+            Some(R::NotRealisedInTime) if wait => "yes",
+            // A field the request itself got wrong (no reason): refused
+            // before anything was stored.
+            None if status.code() == tonic::Code::InvalidArgument => "no",
             _ => "unknown",
         };
         Self {
             document,
             location,
             code: format!("{:?}", status.code()),
+            reason: reason.map_or("", |r| r.as_str_name()),
             message: status.message().to_string(),
             applied,
         }
+    }
+
+    /// The document itself is invalid (the message names the field).
+    fn invalid(&self) -> bool {
+        use rivet_proto::endpoint::v1::ErrorReason as R;
+        self.reason == R::PolicyInvalid.as_str_name() || (self.reason.is_empty() && self.code == "InvalidArgument")
     }
 }
 
@@ -235,7 +249,7 @@ fn no_selection_warning(key: &PolicyKey) -> String {
 
 /// Why `rivet policy apply` stopped and what that leaves applied.
 fn failure_text(view: &ApplyView, f: &FailureView) -> String {
-    let mut out = if f.code == "InvalidArgument" {
+    let mut out = if f.invalid() {
         // The message names the field path and the reason.
         format!(
             "error: document {} ({}) is invalid: {}\n",
@@ -614,6 +628,7 @@ pub async fn run(ctx: &Context, command: PolicyCommand) -> Result<bool, CliError
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rivet_proto::endpoint::v1::ErrorReason;
 
     fn key(s: &str) -> Result<PolicyKey, String> {
         s.parse()
@@ -641,8 +656,9 @@ mod tests {
         }
     }
 
-    fn status_of_apply(documents: usize, applied: usize, code: tonic::Code) -> ApplyView {
-        let status = tonic::Status::new(code, "spec.ingress[0].ports[1].endPort: must be >= port");
+    fn status_of_apply(documents: usize, applied: usize, code: tonic::Code, reason: ErrorReason) -> ApplyView {
+        let message = "spec.ingress[0].ports[1].endPort: must be >= port";
+        let status = rivet_common::grpc::status_with_reason(code, message, reason);
         ApplyView {
             documents,
             wait: false,
@@ -660,26 +676,43 @@ mod tests {
     fn failures_say_what_stays_applied() {
         let text = |view: &ApplyView| failure_text(view, view.failed.as_ref().unwrap());
         assert_eq!(
-            text(&status_of_apply(5, 2, tonic::Code::InvalidArgument)),
+            text(&status_of_apply(
+                5,
+                2,
+                tonic::Code::InvalidArgument,
+                ErrorReason::PolicyInvalid
+            )),
             "error: document 3 (line 21) is invalid: spec.ingress[0].ports[1].endPort: must be >= port\n\
              It was not applied. Documents 1-2 before it stay applied. Documents 4-5 after it were not sent.\n"
         );
         assert_eq!(
-            text(&status_of_apply(2, 1, tonic::Code::FailedPrecondition)),
+            text(&status_of_apply(
+                2,
+                1,
+                tonic::Code::FailedPrecondition,
+                ErrorReason::PolicyOriginConflict
+            )),
             "error: document 2 (line 11): FailedPrecondition: spec.ingress[0].ports[1].endPort: must be >= port\n\
              It was not applied. Document 1 before it stays applied.\n"
         );
-        let deadline = status_of_apply(2, 0, tonic::Code::DeadlineExceeded);
+        let deadline = status_of_apply(2, 0, tonic::Code::DeadlineExceeded, ErrorReason::NotRealisedInTime);
         assert_eq!(deadline.failed.as_ref().unwrap().applied, "yes");
         assert!(text(&deadline).ends_with(
             "\nIt is applied, but not every affected endpoint realised it in time. Document 2 after it was not sent.\n"
         ));
-        let unknown = status_of_apply(1, 0, tonic::Code::Cancelled);
+        let unknown = status_of_apply(1, 0, tonic::Code::Cancelled, ErrorReason::Unspecified);
         assert_eq!(unknown.failed.as_ref().unwrap().applied, "unknown");
         assert!(text(&unknown).ends_with("\nWhether it was applied is unknown (see `rivet policy list`).\n"));
         // Without --wait a deadline is a timeout like any other.
         let status = tonic::Status::deadline_exceeded("late");
         assert_eq!(FailureView::new(1, "line 1".into(), &status, false).applied, "unknown");
+        // The reason decides, not the code: a FAILED_PRECONDITION that is
+        // no policy conflict (svc-endpoint not ready) may have applied.
+        let not_ready = status_of_apply(1, 0, tonic::Code::FailedPrecondition, ErrorReason::NotReady);
+        assert_eq!(not_ready.failed.as_ref().unwrap().applied, "unknown");
+        // A refused field (no reason) changed nothing.
+        let field = tonic::Status::invalid_argument("key.name: required");
+        assert_eq!(FailureView::new(1, "line 1".into(), &field, true).applied, "no");
     }
 
     #[test]

@@ -502,23 +502,25 @@ async fn bad_requests_are_refused_and_change_nothing() {
         .into_inner()
         .endpoints;
 
+    // What a client acts on is the reason (svc-endpoint drops an endpoint
+    // whose interface is gone), decoded into the typed client error.
+    type LoaderError = rivet_common::grpc::RpcError<pb::ErrorReason>;
     let mut unknown = good.clone();
     unknown.host_ifindex = 999_999;
-    assert_eq!(
-        client.apply_endpoint(unknown).await.unwrap_err().code(),
-        Code::NotFound,
-        "unknown interface"
-    );
+    let err = LoaderError::from(client.apply_endpoint(unknown).await.unwrap_err());
+    assert_eq!(err.code(), Code::NotFound, "unknown interface");
+    assert_eq!(err.reason(), Some(pb::ErrorReason::InterfaceNotFound), "{err:?}");
 
     let mut not_veth = good.clone();
     not_veth.host_ifindex = node.node.ns.ifindex("lo").unwrap();
-    let err = client.apply_endpoint(not_veth).await.unwrap_err();
+    let err = LoaderError::from(client.apply_endpoint(not_veth).await.unwrap_err());
     assert_eq!(
         err.code(),
         Code::PermissionDenied,
         "a non-veth is refused: {}",
         err.message()
     );
+    assert_eq!(err.reason(), Some(pb::ErrorReason::InterfaceNotEndpoint), "{err:?}");
 
     // A veth without the endpoint prefix.
     node.node

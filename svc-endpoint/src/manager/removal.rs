@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime};
 use rivet_proto::identity::v1 as idpb;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
-use tonic::{Code, Status};
+use tonic::Status;
 
 use super::queue::{Queue, RemovalFailure, RemovalReason};
 use super::{EndpointManager, EndpointSelector, ManagerError, ipam_owner};
@@ -312,10 +312,11 @@ impl Drop for CallerKeepsAddresses<'_> {
     }
 }
 
+/// svc-loader has nothing of the endpoint left to remove.
 fn ignore_not_found<T: Default>(status: Status) -> Result<T, Status> {
-    if status.code() == Code::NotFound {
-        Ok(T::default())
-    } else {
-        Err(status)
+    use rivet_proto::loader::v1::ErrorReason as R;
+    match rivet_common::grpc::error_reason(&status) {
+        Some(R::InterfaceNotFound | R::EndpointNotFound) => Ok(T::default()),
+        _ => Err(status),
     }
 }

@@ -98,19 +98,17 @@ impl LoaderSyncStatus {
 enum SyncError {
     #[error("{0}")]
     Connect(#[from] rivet_common::grpc::ConnectError),
-    #[error("{action}: svc-loader answered {code:?}: {message}")]
+    #[error("{action}: svc-loader answered {:?}: {source}", source.code())]
     Call {
         action: &'static str,
-        code: tonic::Code,
-        message: String,
+        source: rivet_common::grpc::RpcError<rivet_proto::loader::v1::ErrorReason>,
     },
 }
 
 fn call_error(action: &'static str) -> impl FnOnce(tonic::Status) -> SyncError {
     move |s| SyncError::Call {
         action,
-        code: s.code(),
-        message: s.message().to_string(),
+        source: s.into(),
     }
 }
 
