@@ -580,8 +580,25 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 struct Inner {
     cancel: CancellationToken,
     tasks: Mutex<JoinSet<()>>,
-    cells: Mutex<BTreeMap<&'static str, Arc<Cell>>>,
+    /// Every controller of the daemon: this set's and its children's.
+    board: Arc<Mutex<BTreeMap<&'static str, Arc<Cell>>>>,
+    /// This set's own controllers.
+    own: Mutex<Vec<Arc<Cell>>>,
     metrics: Metrics,
+}
+
+impl Drop for Inner {
+    /// The tasks abort with the `JoinSet`; the controllers leave the board
+    /// (a component that is dropped and made again reuses their names).
+    fn drop(&mut self) {
+        let own = std::mem::take(self.own.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let mut board = self.board.lock().unwrap_or_else(|e| e.into_inner());
+        for cell in own {
+            if board.get(cell.name).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+                board.remove(cell.name);
+            }
+        }
+    }
 }
 
 /// A daemon's controllers: every background loop it runs, supervised,
@@ -618,6 +635,32 @@ impl Controllers {
         self.0.cancel.clone()
     }
 
+    /// A set for one component's controllers (an etcd backend's lease
+    /// keeper): shown and counted with this set's, cancelled by its
+    /// [`shutdown`](Self::shutdown), and stopped — its controllers leaving
+    /// the status — when the component drops it.
+    ///
+    /// ```
+    /// use rivet_common::controller::{Controller, Controllers};
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let daemon = Controllers::new();
+    /// let component = daemon.child();
+    /// component.supervise(Controller::new("keeper"), |_| std::future::pending::<Result<(), String>>());
+    /// assert_eq!(daemon.status()[0].name, "keeper");
+    /// drop(component);
+    /// assert!(daemon.status().is_empty());
+    /// # }
+    /// ```
+    pub fn child(&self) -> Controllers {
+        Controllers(Arc::new(Inner {
+            cancel: self.0.cancel.child_token(),
+            tasks: Mutex::default(),
+            board: self.0.board.clone(),
+            own: Mutex::default(),
+            metrics: self.0.metrics.clone(),
+        }))
+    }
+
     fn cell(&self, controller: &Controller) -> Arc<Cell> {
         let cell = Arc::new(Cell::new(
             controller.name,
@@ -626,10 +669,11 @@ impl Controllers {
         ));
         let previous = self
             .0
-            .cells
+            .board
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(controller.name, cell.clone());
+        self.0.own.lock().unwrap_or_else(|e| e.into_inner()).push(cell.clone());
         assert!(
             previous.is_none(),
             "controller {:?} started twice (names are unique per daemon)",
@@ -790,7 +834,7 @@ impl Controllers {
 
     fn cells(&self) -> Vec<Arc<Cell>> {
         self.0
-            .cells
+            .board
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .values()
@@ -823,7 +867,7 @@ impl Controllers {
     pub async fn wait_outcomes(&self, name: &str, outcomes: u64) {
         let cell = self
             .0
-            .cells
+            .board
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(name)
@@ -834,9 +878,9 @@ impl Controllers {
         }
     }
 
-    /// Cancels every controller and waits until all have stopped. Later
-    /// [`reconcile`](Self::reconcile)/[`supervise`](Self::supervise) calls
-    /// start nothing.
+    /// Cancels every controller (its children's too) and waits until this
+    /// set's have stopped. Later [`reconcile`](Self::reconcile) /
+    /// [`supervise`](Self::supervise) calls start nothing.
     pub async fn shutdown(&self) {
         self.0.cancel.cancel();
         let mut tasks = std::mem::take(&mut *self.0.tasks.lock().unwrap_or_else(|e| e.into_inner()));
@@ -847,7 +891,8 @@ impl Controllers {
                 tracing::error!(error = %e, "a controller's supervisor panicked");
             }
         }
-        for cell in self.cells() {
+        let own = self.0.own.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for cell in own {
             if cell.lock().state != ControllerState::Done {
                 cell.finished(ControllerState::Stopped);
             }
@@ -1199,6 +1244,49 @@ mod tests {
         assert_eq!(controllers.degraded(), None);
         assert_eq!(status_of(&controllers, "store-watch").to_proto().failing_for_ms, None);
         controllers.shutdown().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_child_set_is_shown_with_its_parent_cancelled_by_it_and_stopped_when_dropped() {
+        let daemon = Controllers::new();
+        let calls = Arc::new(Calls::default());
+        let start = |set: &Controllers| {
+            let c = calls.clone();
+            set.supervise(Controller::new("lease-keeper"), move |progress| {
+                let guard = DropGuard(c.clone());
+                c.started.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    let _guard = guard;
+                    progress.ok();
+                    std::future::pending::<Result<(), String>>().await
+                }
+            });
+        };
+        let component = daemon.child();
+        start(&component);
+        daemon.wait_outcomes("lease-keeper", 1).await;
+        assert_eq!(daemon.status().len(), 1, "the parent shows its child's controllers");
+        assert!(metrics_text(&daemon).contains(r#"rivet_controller_failing{controller="lease-keeper"} 0"#));
+        drop(component);
+        tokio::task::yield_now().await;
+        assert!(daemon.status().is_empty(), "{:?}", daemon.status());
+        assert_eq!(
+            calls.dropped.load(Ordering::SeqCst),
+            1,
+            "dropping the child stopped its loop"
+        );
+        // Made again under the same name; the parent's shutdown cancels it.
+        let component = daemon.child();
+        start(&component);
+        daemon.wait_outcomes("lease-keeper", 1).await;
+        daemon.shutdown().await;
+        tokio::task::yield_now().await;
+        assert_eq!(
+            calls.dropped.load(Ordering::SeqCst),
+            2,
+            "the parent's shutdown cancelled the child"
+        );
+        drop(component);
     }
 
     #[test]

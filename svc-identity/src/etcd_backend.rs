@@ -76,8 +76,8 @@ use etcd_client::{
 use futures::StreamExt;
 use futures::stream::BoxStream;
 use rivet_common::backoff::Backoff;
+use rivet_common::controller::{Controller, Controllers, Progress};
 use tokio::sync::{Notify, watch};
-use tokio::task::JoinHandle;
 
 use crate::backend::{
     AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord, IpEntry, IpEvent,
@@ -361,7 +361,9 @@ pub struct EtcdBackend {
     endpoints: Vec<String>,
     request_timeout: Duration,
     lease: Arc<LeaseShared>,
-    keeper: Mutex<Option<JoinHandle<()>>>,
+    /// The lease keeper's controller (`etcd-lease-keeper`); dropping the
+    /// backend stops it.
+    keeper: Controllers,
 }
 
 impl fmt::Debug for EtcdBackend {
@@ -372,15 +374,6 @@ impl fmt::Debug for EtcdBackend {
             .field("node", &self.node)
             .field("lease", &*self.lease.state.borrow())
             .finish_non_exhaustive()
-    }
-}
-
-impl Drop for EtcdBackend {
-    fn drop(&mut self) {
-        // Stop keeping the lease alive; revoke nothing (keys expire by TTL).
-        if let Some(keeper) = self.keeper.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            keeper.abort();
-        }
     }
 }
 
@@ -418,13 +411,15 @@ fn txn_get(resp: &TxnResponse, index: usize) -> Vec<KeyValue> {
 }
 
 impl EtcdBackend {
-    /// Connects to etcd and grants this node's lease; a background task keeps
-    /// it alive (needs a tokio runtime).
+    /// Connects to etcd and grants this node's lease; the controller
+    /// `etcd-lease-keeper` (a child of `controllers`, stopped when the
+    /// backend drops, which revokes nothing: keys expire by TTL) keeps it
+    /// alive (needs a tokio runtime).
     ///
     /// # Errors
     /// `Unavailable` when etcd does not answer the lease grant within the
     /// timeouts (or when the node or cluster name is unusable in a key).
-    pub async fn connect(opts: EtcdOptions) -> Result<Self, BackendError> {
+    pub async fn connect(opts: EtcdOptions, controllers: &Controllers) -> Result<Self, BackendError> {
         let action = format!("connecting to etcd at {}", opts.endpoints.join(","));
         let client = Self::client(&opts, &action).await?;
         let ttl = opts.ttl_secs();
@@ -451,6 +446,7 @@ impl EtcdBackend {
             opts,
             granted.id(),
             keepalive_interval(granted.ttl()),
+            controllers,
         ))
     }
 
@@ -464,7 +460,7 @@ impl EtcdBackend {
     /// # Errors
     /// Only configuration errors (a node or cluster name unusable in a key,
     /// no or invalid endpoints).
-    pub async fn start(opts: EtcdOptions) -> Result<Self, BackendError> {
+    pub async fn start(opts: EtcdOptions, controllers: &Controllers) -> Result<Self, BackendError> {
         let action = format!("connecting to etcd at {}", opts.endpoints.join(","));
         let client = Self::client(&opts, &action).await?;
         tracing::info!(
@@ -473,7 +469,7 @@ impl EtcdBackend {
             "etcd client ready; the node lease is granted when etcd answers"
         );
         let interval = keepalive_interval(opts.ttl_secs());
-        Ok(Self::with_lease(client, opts, NO_LEASE, interval))
+        Ok(Self::with_lease(client, opts, NO_LEASE, interval, controllers))
     }
 
     /// The client for `opts` (it connects lazily: no request is made).
@@ -498,21 +494,25 @@ impl EtcdBackend {
     }
 
     /// The backend over `client` with lease `id` ([`NO_LEASE`]: granted by
-    /// the keeper) kept alive every `interval`.
-    fn with_lease(client: Client, opts: EtcdOptions, id: i64, interval: Duration) -> Self {
+    /// the keeper) kept alive every `interval` by a child of `controllers`.
+    fn with_lease(client: Client, opts: EtcdOptions, id: i64, interval: Duration, controllers: &Controllers) -> Self {
         let (state, _) = watch::channel(LeaseState { id, generation: 0 });
         let lease = Arc::new(LeaseShared {
             state,
             poke: Notify::new(),
             reported: AtomicU64::new(0),
         });
-        let keeper = LeaseKeeper {
+        let keeper = Arc::new(LeaseKeeper {
             client: client.clone(),
             lease: lease.clone(),
             ttl: opts.ttl_secs(),
             request_timeout: opts.request_timeout,
-        };
-        let keeper = tokio::spawn(keeper.run(interval));
+            interval: Mutex::new(interval),
+        });
+        let controllers = controllers.child();
+        let controller = Controller::new("etcd-lease-keeper")
+            .backoff(Backoff::new(Duration::from_millis(50), Duration::from_secs(1)));
+        controllers.supervise(controller, move |progress| keeper.clone().keep(progress));
         Self {
             client,
             layout: Layout::new(&opts.prefix, &opts.cluster),
@@ -520,7 +520,7 @@ impl EtcdBackend {
             endpoints: opts.endpoints,
             request_timeout: opts.request_timeout,
             lease,
-            keeper: Mutex::new(Some(keeper)),
+            keeper: controllers,
         }
     }
 
@@ -543,9 +543,7 @@ impl EtcdBackend {
     /// value keys and IP entries vanish at once (a failure is logged; the
     /// keys then expire by TTL). The backend must not be used afterwards.
     pub async fn shutdown(&self) {
-        if let Some(keeper) = self.keeper.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            keeper.abort();
-        }
+        self.keeper.shutdown().await;
         let id = self.lease_id();
         if id == NO_LEASE {
             tracing::info!("no node lease was granted; nothing to revoke");
@@ -1126,6 +1124,24 @@ struct LeaseKeeper {
     lease: Arc<LeaseShared>,
     ttl: i64,
     request_timeout: Duration,
+    /// The keepalive interval of the current lease.
+    interval: Mutex<Duration>,
+}
+
+/// Why keeping the node lease alive stopped (its controller starts again).
+#[derive(Debug, thiserror::Error)]
+enum KeeperError {
+    /// etcd could not be reached or the keepalive stream broke.
+    #[error("keeping node lease {lease} alive: {detail}")]
+    Keepalive {
+        /// The lease.
+        lease: i64,
+        /// What went wrong.
+        detail: String,
+    },
+    /// A new lease could not be granted.
+    #[error("granting a new node lease: {0}")]
+    Grant(String),
 }
 
 /// Why a keepalive session ended.
@@ -1137,32 +1153,30 @@ enum SessionEnd {
 }
 
 impl LeaseKeeper {
-    async fn run(self, mut interval: Duration) {
-        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    /// Keeps the lease alive, replacing it when etcd says it is gone (or
+    /// none was granted yet), until keeping it alive or granting fails.
+    async fn keep(self: Arc<Self>, progress: Progress) -> Result<(), KeeperError> {
         loop {
             let id = self.lease.state.borrow().id;
             if id == NO_LEASE {
                 // Started while etcd was away: the first lease, when it answers.
-                interval = self.replace(id).await;
+                self.replace(id).await?;
                 continue;
             }
-            match self.session(id, interval, &mut backoff).await {
+            let interval = *self.interval.lock().unwrap_or_else(|e| e.into_inner());
+            match self.session(id, interval, &progress).await {
                 SessionEnd::Gone => {
                     tracing::warn!(lease = id, "etcd reports the node lease gone; granting a new one");
-                    interval = self.replace(id).await;
-                    backoff.reset();
+                    self.replace(id).await?;
+                    progress.ok();
                 }
-                SessionEnd::Broken(detail) => {
-                    let delay = backoff.next_delay();
-                    tracing::warn!(lease = id, %detail, ?delay, "keeping the node lease alive failed; retrying");
-                    tokio::time::sleep(delay).await;
-                }
+                SessionEnd::Broken(detail) => return Err(KeeperError::Keepalive { lease: id, detail }),
             }
         }
     }
 
     /// Keeps lease `id` alive until etcd says it is gone or the stream fails.
-    async fn session(&self, id: i64, interval: Duration, backoff: &mut Backoff) -> SessionEnd {
+    async fn session(&self, id: i64, interval: Duration, progress: &Progress) -> SessionEnd {
         let mut leases = self.client.lease_client();
         let (mut keeper, mut stream) = match tokio::time::timeout(self.request_timeout, leases.keep_alive(id)).await {
             Err(_) => return SessionEnd::Broken(format!("no answer within {:?}", self.request_timeout)),
@@ -1170,7 +1184,7 @@ impl LeaseKeeper {
             Ok(Err(e)) => return SessionEnd::Broken(e.to_string()),
             Ok(Ok(pair)) => pair,
         };
-        backoff.reset();
+        progress.ok();
         loop {
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}
@@ -1189,26 +1203,27 @@ impl LeaseKeeper {
         }
     }
 
-    /// Grants a new lease (retrying with backoff), swaps it in and wakes
-    /// `lease_renewed` waiters; returns the keepalive interval.
-    async fn replace(&self, old: i64) -> Duration {
-        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    /// Grants a new lease, swaps it in and wakes `lease_renewed` waiters;
+    /// its keepalive interval is used from then on.
+    async fn replace(&self, old: i64) -> Result<(), KeeperError> {
         let mut leases = self.client.lease_client();
-        loop {
-            match tokio::time::timeout(self.request_timeout, leases.grant(self.ttl, None)).await {
-                Ok(Ok(granted)) => {
-                    self.lease.state.send_modify(|state| {
-                        state.id = granted.id();
-                        state.generation += 1;
-                    });
-                    tracing::info!(old, lease = granted.id(), ttl = granted.ttl(), "new node lease granted");
-                    return keepalive_interval(granted.ttl());
-                }
-                Ok(Err(e)) => tracing::warn!(error = %e, "granting a new node lease failed; retrying"),
-                Err(_) => tracing::warn!("granting a new node lease timed out; retrying"),
+        let granted = match tokio::time::timeout(self.request_timeout, leases.grant(self.ttl, None)).await {
+            Ok(Ok(granted)) => granted,
+            Ok(Err(e)) => return Err(KeeperError::Grant(e.to_string())),
+            Err(_) => {
+                return Err(KeeperError::Grant(format!(
+                    "no answer within {:?}",
+                    self.request_timeout
+                )));
             }
-            tokio::time::sleep(backoff.next_delay()).await;
-        }
+        };
+        self.lease.state.send_modify(|state| {
+            state.id = granted.id();
+            state.generation += 1;
+        });
+        *self.interval.lock().unwrap_or_else(|e| e.into_inner()) = keepalive_interval(granted.ttl());
+        tracing::info!(old, lease = granted.id(), ttl = granted.ttl(), "new node lease granted");
+        Ok(())
     }
 }
 
@@ -1237,7 +1252,7 @@ mod tests {
     }
 
     async fn backend(etcd: &EtcdServer, node: &str) -> EtcdBackend {
-        EtcdBackend::connect(options(&etcd.endpoint(), node))
+        EtcdBackend::connect(options(&etcd.endpoint(), node), &Controllers::new())
             .await
             .expect("connect the backend")
     }
@@ -1564,7 +1579,7 @@ mod tests {
             cluster: "c1".into(),
             ..options(&etcd.endpoint(), "node-a")
         };
-        let a = EtcdBackend::connect(opts).await.unwrap();
+        let a = EtcdBackend::connect(opts, &Controllers::new()).await.unwrap();
         assert_eq!(a.kind(), "etcd");
         let mut c = raw(&etcd).await;
         let labels = "k8s:app.kubernetes.io/name=x,k8s:app=web";
@@ -1957,7 +1972,7 @@ mod tests {
     struct Proxy {
         addr: SocketAddr,
         connected: watch::Sender<bool>,
-        task: JoinHandle<()>,
+        task: tokio::task::JoinHandle<()>,
     }
 
     impl Proxy {
@@ -2013,9 +2028,12 @@ mod tests {
         let etcd = EtcdServer::start_async().await.expect("etcd starts");
         let proxy = Proxy::start(etcd.client_addr()).await;
         let a = Arc::new(
-            EtcdBackend::connect(options(&format!("http://{}", proxy.addr), "node-a"))
-                .await
-                .unwrap(),
+            EtcdBackend::connect(
+                options(&format!("http://{}", proxy.addr), "node-a"),
+                &Controllers::new(),
+            )
+            .await
+            .unwrap(),
         );
         let b = backend(&etcd, "node-b").await;
         let mut c = raw(&etcd).await;
@@ -2086,7 +2104,7 @@ mod tests {
         let etcd = etcd.stop_async().await;
         let started = Instant::now();
         let a = Arc::new(
-            EtcdBackend::start(options(&endpoint, "node-a"))
+            EtcdBackend::start(options(&endpoint, "node-a"), &Controllers::new())
                 .await
                 .expect("starts while etcd is away"),
         );
@@ -2130,12 +2148,18 @@ mod tests {
         let endpoint = etcd.endpoint();
         let etcd = etcd.stop_async().await;
         let started = Instant::now();
-        let err = EtcdBackend::connect(options(&endpoint, "node-a")).await.unwrap_err();
+        let err = EtcdBackend::connect(options(&endpoint, "node-a"), &Controllers::new())
+            .await
+            .unwrap_err();
         assert_unavailable(&err, "connecting to etcd");
         assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
-        let err = EtcdBackend::connect(options(&endpoint, "a/b")).await.unwrap_err();
+        let err = EtcdBackend::connect(options(&endpoint, "a/b"), &Controllers::new())
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("invalid node name"), "{err}");
-        let err = EtcdBackend::connect(options(&endpoint, "")).await.unwrap_err();
+        let err = EtcdBackend::connect(options(&endpoint, ""), &Controllers::new())
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("invalid node name"), "{err}");
         drop(etcd);
     }

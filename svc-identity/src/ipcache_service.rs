@@ -545,7 +545,8 @@ mod tests {
             dial_timeout: Duration::from_millis(500),
             ..EtcdOptions::new(vec![etcd.endpoint()], "n1")
         };
-        let backend = Arc::new(EtcdBackend::connect(opts).await.unwrap());
+        let controllers = rivet_common::controller::Controllers::new();
+        let backend = Arc::new(EtcdBackend::connect(opts, &controllers).await.unwrap());
         let cache = IpCache::new(backend.clone(), IpCacheOptions::new("n1"));
         let controllers = rivet_common::controller::Controllers::new();
         cache.run(&controllers);

@@ -101,6 +101,8 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let state_dir = flags.common.state_dir.join("identity");
     // With etcd: started whether etcd answers or not, serving the local
     // snapshot until etcd is listed (the embedded store is local already).
+    // Every background loop of the daemon, the etcd lease keeper's too.
+    let controllers = Controllers::new();
     let (backend, snapshot): (Arc<dyn IdentityBackend>, Option<SnapshotOptions>) = if flags.etcd_endpoints.is_empty() {
         let path = state_dir.join("store.json");
         let backend = EmbeddedBackend::open(&path, &node).context("opening the embedded identity store")?;
@@ -114,7 +116,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
             lease_ttl: Duration::from_secs(flags.lease_ttl_seconds.max(2)),
             ..EtcdOptions::new(flags.etcd_endpoints.clone(), node.clone())
         };
-        let backend = EtcdBackend::start(options)
+        let backend = EtcdBackend::start(options, &controllers)
             .await
             .context("configuring the etcd client")?;
         let snapshot = SnapshotOptions::new(
@@ -165,7 +167,6 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let controllers = Controllers::new();
     ipcache.run(&controllers);
     // Every entry reaches this node's datapath (retrying until svc-loader is up).
     let loader_sync = LoaderSync::new(

@@ -1251,7 +1251,15 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
     assert!(![set1, set2, set3, set5].contains(&fresh));
     assert_eq!(allocate(&mut cb, 4).await.unwrap(), fresh, "one id cluster-wide");
 
-    let converged = metrics(metrics_address).await;
+    // The snapshot is written min_interval (500 ms) after the last change:
+    // wait for that write, not only for the store.
+    let written = "rivet_identity_snapshot_writes_total{outcome=\"written\"}";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut converged = metrics(metrics_address).await;
+    while sample(&converged, written) < 1.0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        converged = metrics(metrics_address).await;
+    }
     for series in [
         "rivet_identity_reconcile_passes_total{keys=\"value_keys\",outcome=\"store_unreachable\"}",
         "rivet_identity_reconcile_passes_total{keys=\"value_keys\",outcome=\"succeeded\"}",
@@ -1332,6 +1340,7 @@ async fn a_failing_identity_watch_is_restarted_counted_in_metrics_and_shown_then
         "ipcache-loader-sync",
         "snapshot-writer",
         "snapshot-changes",
+        "etcd-lease-keeper",
     ] {
         assert!(names.contains(expected), "{expected} runs as a controller: {names:?}");
     }

@@ -49,7 +49,8 @@ async fn eventually<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 /// A cache of node `name` on `etcd`, running under the returned controllers
 /// (dropping them stops it).
 async fn etcd_node(etcd: &EtcdServer, name: &str, host: &str) -> (Arc<IpCache>, Controllers) {
-    let backend = EtcdBackend::connect(EtcdOptions::new(vec![etcd.endpoint()], name))
+    let controllers = Controllers::new();
+    let backend = EtcdBackend::connect(EtcdOptions::new(vec![etcd.endpoint()], name), &controllers)
         .await
         .expect("connecting to the test etcd");
     let opts = IpCacheOptions {
@@ -57,7 +58,6 @@ async fn etcd_node(etcd: &EtcdServer, name: &str, host: &str) -> (Arc<IpCache>, 
         ..IpCacheOptions::new(name)
     };
     let cache = IpCache::new(Arc::new(backend), opts);
-    let controllers = Controllers::new();
     cache.run(&controllers);
     tokio::time::timeout(WAIT, cache.wait_ready())
         .await
