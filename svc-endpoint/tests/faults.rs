@@ -340,6 +340,32 @@ async fn an_endpoint_worker_that_panics_is_started_again_and_counted() {
     );
 }
 
+/// A regeneration that fails because a dependency answered ABORTED
+/// (svc-identity: allocation contention) is a failure its waiter hears
+/// of; only svc-endpoint's own "endpoint removed" ends a wait quietly
+/// (before, any ABORTED did: a relabel that waited returned success with
+/// nothing realised).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_aborted_answer_of_a_dependency_is_a_failure_not_a_removal() {
+    let setup = Setup::start(&["a"], None).await;
+    let id = setup.create("a", &["k8s:app=a"]).await;
+    setup.faults.allocate.set(Mode::Aborted);
+    let e = setup
+        .manager
+        .update_labels(
+            &container("a"),
+            Labels::parse(&["k8s:app=a-relabelled".to_string()]).unwrap(),
+            true,
+            Duration::from_secs(20),
+        )
+        .await
+        .expect_err("the relabel's regeneration failed");
+    assert!(
+        matches!(&e, ManagerError::Regeneration { id: failed, source, .. } if *failed == id && source.status.code() == Code::Aborted),
+        "{e}"
+    );
+}
+
 /// Changes pod `name`'s labels without waiting: its worker regenerates.
 async fn relabel(manager: &EndpointManager, name: &str) {
     manager

@@ -17,9 +17,21 @@ pub struct RegenError {
     pub step: RegenerationStep,
     /// What the dependency (or the local step) said.
     pub status: Status,
-    /// What svc-loader said of the endpoint's host interface: gone, or
-    /// another interface at its ifindex (its pod went without a DEL).
-    pub(crate) interface_lost: Option<RemovalReason>,
+    /// What svc-endpoint makes of it (never read from the status's code:
+    /// a dependency's ABORTED or NOT_FOUND means something else).
+    pub(crate) kind: FailureKind,
+}
+
+/// What a failed regeneration means to svc-endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FailureKind {
+    /// A dependency or a local step failed; retried.
+    Failed,
+    /// svc-loader says the endpoint's host interface is gone, or another
+    /// interface is at its ifindex: its pod went without a DEL.
+    InterfaceLost(RemovalReason),
+    /// Stopped (or a wait ended) because the endpoint is being removed.
+    EndpointRemoved,
 }
 
 impl RegenError {
@@ -27,7 +39,7 @@ impl RegenError {
         Self {
             step,
             status,
-            interface_lost: None,
+            kind: FailureKind::Failed,
         }
     }
 
@@ -35,7 +47,7 @@ impl RegenError {
     /// gone or replaced (`reason`).
     pub(crate) fn interface_lost(status: Status, reason: RemovalReason) -> Self {
         Self {
-            interface_lost: Some(reason),
+            kind: FailureKind::InterfaceLost(reason),
             ..Self::new(RegenerationStep::Datapath, status)
         }
     }
@@ -43,7 +55,10 @@ impl RegenError {
     /// A regeneration stopped at `step` (or a wait for one ended) because
     /// its endpoint is being removed (ABORTED).
     pub(crate) fn aborted(step: RegenerationStep) -> Self {
-        Self::new(step, Status::aborted("endpoint removed"))
+        Self {
+            kind: FailureKind::EndpointRemoved,
+            ..Self::new(step, Status::aborted("endpoint removed"))
+        }
     }
 }
 

@@ -13,6 +13,7 @@ use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
 use tonic::{Code, Status};
 
+use super::error::FailureKind;
 use super::interfaces::listed_interface;
 use super::queue::Queue;
 use super::{EndpointManager, RegenError, Slot, ipam_owner};
@@ -184,12 +185,15 @@ impl EndpointManager {
             match result {
                 Ok(()) => restored += 1,
                 Err(RegenError {
-                    interface_lost: Some(reason),
+                    kind: FailureKind::InterfaceLost(reason),
                     ..
                 }) => dropped.push((id, reason)),
                 // Deleted (DeleteEndpoint) while restore waited: the delete
                 // cleaned it; neither restored nor a failure.
-                Err(e) if e.status.code() == Code::Aborted => {
+                Err(RegenError {
+                    kind: FailureKind::EndpointRemoved,
+                    ..
+                }) => {
                     tracing::info!(endpoint = id, "endpoint deleted during restore");
                 }
                 Err(e) => {

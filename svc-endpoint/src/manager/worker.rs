@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use rivet_common::controller::Progress;
 use tokio::task::{Id, JoinSet};
-use tonic::Code;
 use tracing::Instrument;
 
+use super::error::FailureKind;
 use super::queue::{Queue, RemovalReason};
 use super::{EndpointManager, ManagerError, RegenError};
 use crate::endpoint::{EndpointState, RegenerationStep};
@@ -137,7 +137,7 @@ impl EndpointManager {
             if queue.is_closed() || !queue.retry.load(Ordering::SeqCst) {
                 continue;
             }
-            if e.interface_lost == Some(RemovalReason::InterfaceGone) {
+            if e.kind == FailureKind::InterfaceLost(RemovalReason::InterfaceGone) {
                 // svc-loader says the host interface is gone: the pod went
                 // without a DEL. (Another interface at its ifindex is found
                 // by the periodic check and at restore.)
@@ -182,7 +182,7 @@ impl EndpointManager {
                     match result {
                         Ok(()) => realised += 1,
                         // A removed endpoint needs nothing realised.
-                        Err(e) if e.status.code() == Code::Aborted => {}
+                        Err(e) if e.kind == FailureKind::EndpointRemoved => {}
                         Err(source) => {
                             return Err(ManagerError::Regeneration {
                                 id,

@@ -44,6 +44,9 @@ pub enum Mode {
     Block,
     /// Panics, once (then passes): a bug in the code the call runs in.
     PanicOnce,
+    /// Answers ABORTED, as svc-identity does when other nodes allocated
+    /// concurrently more often than its retries allow.
+    Aborted,
 }
 
 /// One call's fault: its mode and how many matching calls entered (a watch,
@@ -176,6 +179,7 @@ fn faulty<'a, T: Send + 'a>(
                 call().await?;
                 Err(Status::internal(format!("{what}: injected failure after the call")))
             }
+            Mode::Aborted => Err(Status::aborted(format!("{what}: contention, injected by the test"))),
             Mode::PanicOnce => {
                 fault.set(Mode::Pass);
                 panic!("{what}: injected panic")
