@@ -340,6 +340,38 @@ async fn an_endpoint_worker_that_panics_is_started_again_and_counted() {
     );
 }
 
+/// A background regeneration that keeps failing is retried with backoff
+/// until it succeeds (before, the worker gave up after the second failure:
+/// the first retry's own wake-up cut the next backoff short and it waited
+/// for a new request that never came).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failing_background_regeneration_is_retried_until_it_succeeds() {
+    let setup = Setup::start(&["a"], None).await;
+    let id = setup.create("a", &["k8s:app=a"]).await;
+    setup.faults.apply.set_for(&format!("endpoint/{id}"), Mode::Internal);
+    relabel(&setup.manager, "a").await;
+    tokio::time::timeout(Duration::from_secs(10), setup.faults.apply.entered(4))
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "retried after each failure ({} calls): {:?}",
+                setup.faults.apply.calls(),
+                setup.manager.get(&EndpointSelector::Id(id))
+            )
+        });
+    setup.faults.apply.set(Mode::Pass);
+    eventually(
+        Duration::from_secs(10),
+        "the regeneration succeeds once svc-loader does",
+        async || {
+            setup.manager.get(&EndpointSelector::Id(id)).is_ok_and(|v| {
+                v.status.state == EndpointState::Ready && v.status.identity_labels.to_string().contains("a-relabelled")
+            })
+        },
+    )
+    .await;
+}
+
 /// A regeneration that fails because a dependency answered ABORTED
 /// (svc-identity: allocation contention) is a failure its waiter hears
 /// of; only svc-endpoint's own "endpoint removed" ends a wait quietly

@@ -170,6 +170,16 @@ impl Queue {
         self.wake.notify_one();
     }
 
+    /// Whether a regeneration is pending (see [`take_pending`](Self::take_pending)).
+    pub fn has_pending(&self) -> bool {
+        !self.is_closed() && !self.held.load(Ordering::SeqCst) && Self::pending(&self.outcome.borrow())
+    }
+
+    /// Requests not realised yet and not already failed.
+    fn pending(o: &Outcome) -> bool {
+        o.requested > o.realised && o.failed.as_ref().is_none_or(|(g, _)| *g < o.requested)
+    }
+
     /// The regeneration to run now, if one is pending: requests not realised
     /// yet and not already failed, no hold, not closed. Taken, not cloned:
     /// a span kept in the queue would never close (and never be exported).
@@ -179,8 +189,7 @@ impl Queue {
         }
         let mut target = None;
         self.outcome.send_if_modified(|o| {
-            let pending = o.requested > o.realised && o.failed.as_ref().is_none_or(|(g, _)| *g < o.requested);
-            if pending {
+            if Self::pending(o) {
                 target = Some(Target {
                     generation: o.requested,
                     reason: o.reason.clone(),

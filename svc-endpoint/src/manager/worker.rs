@@ -144,12 +144,23 @@ impl EndpointManager {
                 self.drop_endpoint(id, RemovalReason::InterfaceGone);
                 continue;
             }
-            // Retried after a backoff; a new request or a removal cuts it short.
-            tokio::select! {
-                () = tokio::time::sleep(backoff.next_delay()) => {
-                    queue.request("retry after failure");
+            // Retried after a backoff; a new request or a removal cuts it
+            // short. Any other wake-up (the previous retry's own request
+            // left one) is not a reason to give the retry up.
+            let retry = tokio::time::sleep(backoff.next_delay());
+            tokio::pin!(retry);
+            loop {
+                tokio::select! {
+                    () = &mut retry => {
+                        queue.request("retry after failure");
+                        break;
+                    }
+                    () = queue.wake.notified() => {
+                        if queue.is_closed() || queue.has_pending() {
+                            break;
+                        }
+                    }
                 }
-                () = queue.wake.notified() => {}
             }
         }
     }
