@@ -372,6 +372,47 @@ async fn a_failing_background_regeneration_is_retried_until_it_succeeds() {
     .await;
 }
 
+/// Issue 13 §2: svc-endpoint drops an endpoint (and releases its
+/// addresses) because its host interface is gone only when svc-loader says
+/// so with its reason (INTERFACE_NOT_FOUND); a bare NOT_FOUND says nothing
+/// about the interface and is retried like any failure (before, any
+/// NOT_FOUND of ApplyEndpoint dropped the endpoint).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_not_found_without_the_loaders_reason_never_drops_an_endpoint() {
+    let setup = Setup::start(&["a"], None).await;
+    let id = setup.create("a", &["k8s:app=a"]).await;
+    setup
+        .faults
+        .apply
+        .set_for(&format!("endpoint/{id}"), Mode::NotFoundWithoutReason);
+    relabel(&setup.manager, "a").await;
+    // The failed regeneration, then its retry: the worker kept the endpoint.
+    tokio::time::timeout(Duration::from_secs(10), setup.faults.apply.entered(2))
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the regeneration is retried: {:?}",
+                setup.manager.get(&EndpointSelector::Id(id))
+            )
+        });
+    let view = setup
+        .manager
+        .get(&EndpointSelector::Id(id))
+        .expect("the endpoint is kept");
+    assert_ne!(view.status.state, EndpointState::Disconnecting, "{:?}", view.status);
+    setup.faults.apply.set(Mode::Pass);
+    eventually(
+        Duration::from_secs(10),
+        "the endpoint regenerates once svc-loader answers",
+        async || {
+            setup.manager.get(&EndpointSelector::Id(id)).is_ok_and(|v| {
+                v.status.state == EndpointState::Ready && v.status.identity_labels.to_string().contains("a-relabelled")
+            })
+        },
+    )
+    .await;
+}
+
 /// A regeneration that fails because a dependency answered ABORTED
 /// (svc-identity: allocation contention) is a failure its waiter hears
 /// of; only svc-endpoint's own "endpoint removed" ends a wait quietly

@@ -4,7 +4,9 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
-use tonic::Code;
+use rivet_common::grpc::RpcError;
+use rivet_proto::identity::v1 as idpb;
+use tonic::{Code, Status};
 
 use super::queue::{Queue, RemovalReason};
 use super::{EndpointManager, EndpointView, ManagerError, NewEndpoint, RegenError, Slot};
@@ -149,7 +151,7 @@ impl EndpointManager {
                 });
             }
             let identity_unavailable =
-                source.step == RegenerationStep::Identity && source.status.code() == Code::Unavailable;
+                source.step == RegenerationStep::Identity && identity_unavailable(&source.status);
             let delay = backoff.next_delay();
             if identity_unavailable && started.elapsed() + delay < deadline {
                 let attempts = unavailable.as_ref().map_or(0, |(n, _)| *n) + 1;
@@ -183,5 +185,19 @@ impl EndpointManager {
                 false
             }
         }
+    }
+}
+
+/// Whether svc-identity could not allocate for now: its kvstore is
+/// unreachable or not listed yet (its reasons), or svc-identity itself is
+/// (UNAVAILABLE with no reason: the transport's).
+fn identity_unavailable(status: &Status) -> bool {
+    let e = RpcError::<idpb::ErrorReason>::from(status.clone());
+    match e.reason() {
+        Some(reason) => matches!(
+            reason,
+            idpb::ErrorReason::KvstoreUnreachable | idpb::ErrorReason::StoreNotListed
+        ),
+        None => e.code() == Code::Unavailable,
     }
 }

@@ -3,10 +3,11 @@
 use std::net::IpAddr;
 use std::time::{Instant, SystemTime};
 
+use rivet_common::grpc::error_reason;
 use rivet_common::labels::Labels;
 use rivet_proto::identity::v1 as idpb;
 use rivet_proto::loader::v1 as ldpb;
-use tonic::{Code, Status};
+use tonic::Status;
 
 use super::queue::{Queue, RemovalReason};
 use super::{EndpointManager, RegenError};
@@ -340,13 +341,15 @@ impl EndpointManager {
     }
 }
 
-/// A failed ApplyEndpoint, and whether svc-loader says the endpoint's
-/// host interface is gone (NOT_FOUND) or now another interface
-/// (FAILED_PRECONDITION: the endpoint is attached elsewhere).
+/// A failed ApplyEndpoint, and whether svc-loader's reason says the
+/// endpoint's host interface is gone or the endpoint is attached to
+/// another interface (its interface was replaced).
 fn datapath_failure(status: Status) -> RegenError {
-    match status.code() {
-        Code::NotFound => RegenError::interface_lost(status, RemovalReason::InterfaceGone),
-        Code::FailedPrecondition => RegenError::interface_lost(status, RemovalReason::InterfaceReplaced),
+    match error_reason::<ldpb::ErrorReason>(&status) {
+        Some(ldpb::ErrorReason::InterfaceNotFound) => RegenError::interface_lost(status, RemovalReason::InterfaceGone),
+        Some(ldpb::ErrorReason::EndpointOnOtherInterface) => {
+            RegenError::interface_lost(status, RemovalReason::InterfaceReplaced)
+        }
         _ => RegenError::new(RegenerationStep::Datapath, status),
     }
 }

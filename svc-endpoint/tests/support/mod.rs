@@ -44,6 +44,9 @@ pub enum Mode {
     Block,
     /// Panics, once (then passes): a bug in the code the call runs in.
     PanicOnce,
+    /// Answers NOT_FOUND without the daemon's reason (as a proxy or an
+    /// unknown service would): it says nothing about what is missing.
+    NotFoundWithoutReason,
     /// Answers ABORTED, as svc-identity does when other nodes allocated
     /// concurrently more often than its retries allow.
     Aborted,
@@ -179,6 +182,7 @@ fn faulty<'a, T: Send + 'a>(
                 call().await?;
                 Err(Status::internal(format!("{what}: injected failure after the call")))
             }
+            Mode::NotFoundWithoutReason => Err(Status::not_found(format!("{what}: injected, without a reason"))),
             Mode::Aborted => Err(Status::aborted(format!("{what}: contention, injected by the test"))),
             Mode::PanicOnce => {
                 fault.set(Mode::Pass);
