@@ -917,6 +917,15 @@ mod tests {
         text
     }
 
+    /// Asserts that `series` (exactly as printed) has `value` in `text`.
+    fn assert_sample(text: &str, series: &str, value: f64) {
+        assert_eq!(
+            crate::testing::metric_sample(text, series),
+            Some(value),
+            "{series}:\n{text}"
+        );
+    }
+
     fn status_of(controllers: &Controllers, name: &str) -> ControllerStatus {
         controllers
             .status()
@@ -967,14 +976,12 @@ mod tests {
         assert_eq!(s.last_error.as_deref(), Some("panicked: stream broke #1"));
         assert!(s.last_success_age.is_some());
         let text = metrics_text(&controllers);
-        assert!(
-            text.contains(r#"rivet_controller_restarts_total{controller="watch",reason="panic"} 2"#),
-            "{text}"
+        assert_sample(
+            &text,
+            r#"rivet_controller_restarts_total{controller="watch",reason="panic"}"#,
+            2.0,
         );
-        assert!(
-            text.contains(r#"rivet_controller_failing{controller="watch"} 0"#),
-            "{text}"
-        );
+        assert_sample(&text, r#"rivet_controller_failing{controller="watch"}"#, 0.0);
         controllers.shutdown().await;
     }
 
@@ -1011,13 +1018,15 @@ mod tests {
         // Delays 100, 200, 400; then progress resets: 100 again.
         assert_eq!(*starts.lock().unwrap(), [0, 100, 300, 700, 800]);
         let text = metrics_text(&controllers);
-        assert!(
-            text.contains(r#"rivet_controller_restarts_total{controller="session",reason="exited"} 1"#),
-            "{text}"
+        assert_sample(
+            &text,
+            r#"rivet_controller_restarts_total{controller="session",reason="exited"}"#,
+            1.0,
         );
-        assert!(
-            text.contains(r#"rivet_controller_restarts_total{controller="session",reason="error"} 3"#),
-            "{text}"
+        assert_sample(
+            &text,
+            r#"rivet_controller_restarts_total{controller="session",reason="error"}"#,
+            3.0,
         );
         let status = status_of(&controllers, "session");
         assert_eq!(status.restarts, 4);
@@ -1080,17 +1089,20 @@ mod tests {
         assert_eq!(s.state, ControllerState::Running);
         assert_eq!(s.last_error.as_deref(), Some("store unreachable again"));
         let text = metrics_text(&controllers);
-        assert!(
-            text.contains(r#"rivet_controller_reconciles_total{controller="publish",result="error"} 5"#),
-            "{text}"
+        assert_sample(
+            &text,
+            r#"rivet_controller_reconciles_total{controller="publish",result="error"}"#,
+            5.0,
         );
-        assert!(
-            text.contains(r#"rivet_controller_reconciles_total{controller="publish",result="ok"} 2"#),
-            "{text}"
+        assert_sample(
+            &text,
+            r#"rivet_controller_reconciles_total{controller="publish",result="ok"}"#,
+            2.0,
         );
-        assert!(
-            text.contains(r#"rivet_controller_reconcile_duration_seconds_count{controller="publish"} 7"#),
-            "{text}"
+        assert_sample(
+            &text,
+            r#"rivet_controller_reconcile_duration_seconds_count{controller="publish"}"#,
+            7.0,
         );
         controllers.shutdown().await;
     }
@@ -1149,9 +1161,11 @@ mod tests {
         trigger.trigger();
         controllers.wait_outcomes("sync", 3).await;
         assert_eq!(calls.load(Ordering::SeqCst), 3);
-        assert!(
-            metrics_text(&controllers)
-                .contains(r#"rivet_controller_restarts_total{controller="sync",reason="panic"} 1"#)
+        let text = metrics_text(&controllers);
+        assert_sample(
+            &text,
+            r#"rivet_controller_restarts_total{controller="sync",reason="panic"}"#,
+            1.0,
         );
         controllers.shutdown().await;
     }
@@ -1266,7 +1280,11 @@ mod tests {
         start(&component);
         daemon.wait_outcomes("lease-keeper", 1).await;
         assert_eq!(daemon.status().len(), 1, "the parent shows its child's controllers");
-        assert!(metrics_text(&daemon).contains(r#"rivet_controller_failing{controller="lease-keeper"} 0"#));
+        assert_sample(
+            &metrics_text(&daemon),
+            r#"rivet_controller_failing{controller="lease-keeper"}"#,
+            0.0,
+        );
         drop(component);
         tokio::task::yield_now().await;
         assert!(daemon.status().is_empty(), "{:?}", daemon.status());
