@@ -113,12 +113,13 @@ fn container(name: &str) -> EndpointSelector {
 }
 
 /// Issue 12 §6: while the kvstore is away svc-identity cannot allocate an
-/// identity for a label set it has not seen (UNAVAILABLE). A synchronous
+/// identity for a label set it has not seen (UNAVAILABLE, reason
+/// KVSTORE_UNREACHABLE). A synchronous
 /// create retries within its deadline and succeeds once the store is back.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_label_set_waits_for_the_kvstore_within_the_deadline_and_succeeds_when_it_returns() {
     let t = Setup::start(&["a"], None).await;
-    t.faults.allocate.set(Mode::Unavailable);
+    t.faults.allocate.set(Mode::KvstoreUnreachable);
     let create = tokio::spawn({
         let manager = t.manager.clone();
         let new = new_endpoint(&t.node, "a", &["k8s:app=new-set"], true);
@@ -143,7 +144,7 @@ async fn a_new_label_set_waits_for_the_kvstore_within_the_deadline_and_succeeds_
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_label_set_fails_with_the_kvstore_reason_at_the_deadline_and_leaves_nothing() {
     let t = Setup::start(&["a"], None).await;
-    t.faults.allocate.set(Mode::Unavailable);
+    t.faults.allocate.set(Mode::KvstoreUnreachable);
     let deadline = Duration::from_secs(2);
     let started = Instant::now();
     let e = t

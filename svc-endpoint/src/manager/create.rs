@@ -113,8 +113,9 @@ impl EndpointManager {
             return Ok((self.view(id)?, created));
         }
         // A label set svc-identity has not seen needs its kvstore: while that
-        // is away, allocation answers UNAVAILABLE and is retried within the
-        // call's deadline (a label set it already has works locally).
+        // is away, allocation answers KVSTORE_UNREACHABLE and is retried
+        // within the call's deadline (a label set it already has works
+        // locally).
         let mut generation = generation;
         let mut backoff = self.inner.options.retry_backoff.clone();
         let mut unavailable: Option<(u32, RegenError)> = None;

@@ -87,8 +87,8 @@ impl EndpointManager {
         }
         // An older svc-loader could not name the interface: a
         // regeneration asks it for certain (ApplyEndpoint answers
-        // NOT_FOUND for a gone interface, and the worker drops the
-        // endpoint then).
+        // INTERFACE_NOT_FOUND for a gone interface, and the worker drops
+        // the endpoint then).
         let state = self.state();
         for id in unnamed {
             if let Some(slot) = state.endpoints.get(&id) {

@@ -47,6 +47,9 @@ pub enum Mode {
     /// Answers NOT_FOUND without the daemon's reason (as a proxy or an
     /// unknown service would): it says nothing about what is missing.
     NotFoundWithoutReason,
+    /// Answers UNAVAILABLE with svc-identity's reason KVSTORE_UNREACHABLE,
+    /// as it does for a label set it has not seen while the kvstore is away.
+    KvstoreUnreachable,
     /// Answers ABORTED, as svc-identity does when other nodes allocated
     /// concurrently more often than its retries allow.
     Aborted,
@@ -183,6 +186,11 @@ fn faulty<'a, T: Send + 'a>(
                 Err(Status::internal(format!("{what}: injected failure after the call")))
             }
             Mode::NotFoundWithoutReason => Err(Status::not_found(format!("{what}: injected, without a reason"))),
+            Mode::KvstoreUnreachable => Err(rivet_common::grpc::status_with_reason(
+                tonic::Code::Unavailable,
+                format!("{what}: the store is unreachable: injected by the test"),
+                idpb::ErrorReason::KvstoreUnreachable,
+            )),
             Mode::Aborted => Err(Status::aborted(format!("{what}: contention, injected by the test"))),
             Mode::PanicOnce => {
                 fault.set(Mode::Pass);
