@@ -420,11 +420,8 @@ async fn loader_ipcache(node: &TestNode) -> BTreeMap<String, u32> {
         .into_iter()
         .map(|e| {
             let p = e.prefix.expect("a prefix");
-            let ip: std::net::IpAddr = match p.address.len() {
-                4 => <[u8; 4]>::try_from(p.address.as_slice()).unwrap().into(),
-                _ => <[u8; 16]>::try_from(p.address.as_slice()).unwrap().into(),
-            };
-            (format!("{ip}/{}", p.prefix_length), e.identity)
+            let prefix = rivet_proto::net::prefix_from_proto(&p).expect("the loader holds valid prefixes");
+            (prefix.to_string(), e.identity)
         })
         .collect()
 }

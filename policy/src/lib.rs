@@ -167,7 +167,6 @@ mod selector_cache;
 mod tests;
 
 use std::fmt;
-use std::net::IpAddr;
 use std::str::FromStr;
 
 use ipnet::IpNet;
@@ -592,10 +591,7 @@ pub struct AddressPrefix {
 impl AddressPrefix {
     /// The loader's message.
     pub fn to_proto(&self) -> loader::EndpointPrefix {
-        let address = match self.prefix.network() {
-            IpAddr::V4(a) => a.octets().to_vec(),
-            IpAddr::V6(a) => a.octets().to_vec(),
-        };
+        let address = rivet_proto::net::address_bytes(self.prefix.network());
         loader::EndpointPrefix {
             direction: self.direction.to_proto().into(),
             prefix: Some(loader::IpPrefix {

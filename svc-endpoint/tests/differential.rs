@@ -323,13 +323,7 @@ impl Harness {
         let request = pb::ApplyEndpointRequest {
             endpoint_id,
             host_ifindex: ifindex,
-            addresses: addresses
-                .iter()
-                .map(|a| match a {
-                    IpAddr::V4(a) => a.octets().to_vec(),
-                    IpAddr::V6(a) => a.octets().to_vec(),
-                })
-                .collect(),
+            addresses: addresses.iter().map(|a| rivet_proto::net::address_bytes(*a)).collect(),
             mac: vec![2, 0, 0, 0, 0, endpoint_id as u8 + 1],
             identity,
             policy: Some(resolved.to_proto(revision, allow_from_host)),

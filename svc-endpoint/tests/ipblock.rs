@@ -6,7 +6,7 @@
 
 mod support;
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use rivet_proto::endpoint::v1 as pb;
@@ -125,10 +125,7 @@ async fn an_egress_ipblock_naming_a_port_reaches_each_pod_on_its_own_number() {
     // web-1 goes: its host prefix leaves the client's policy and its CIDR
     // identity is released (the ipcache holds nothing at its address).
     let web1_host = ldpb::IpPrefix {
-        address: match node.ipv4("web-1") {
-            IpAddr::V4(a) => a.octets().to_vec(),
-            IpAddr::V6(a) => a.octets().to_vec(),
-        },
+        address: rivet_proto::net::address_bytes(node.ipv4("web-1")),
         prefix_length: 32,
     };
     node.delete_endpoint(webs[1].id).await;

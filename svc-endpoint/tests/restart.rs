@@ -261,11 +261,7 @@ fn host_prefix(prefix: &str) -> Option<IpAddr> {
 }
 
 fn loader_address(bytes: &[u8]) -> Option<IpAddr> {
-    match bytes.len() {
-        4 => Some(IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?)),
-        16 => Some(IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?)),
-        _ => None,
-    }
+    rivet_proto::net::address_from_bytes(bytes).ok()
 }
 
 /// Endpoint ids named by the state dir (`<id>`, `<id>_next`, ...).

@@ -175,15 +175,16 @@ fn ipcache_entries(field: &str, entries: &[pb::IpcacheEntry]) -> Result<Vec<(IpA
                     reason: "must be non-zero".into(),
                 });
             }
-            let tunnel = match e.tunnel_endpoint.len() {
-                0 => None,
-                4 => Some(std::net::Ipv4Addr::from(
-                    <[u8; 4]>::try_from(e.tunnel_endpoint.as_slice()).expect("length checked"),
-                )),
-                n => {
+            let tunnel = match rivet_proto::net::optional_address_from_bytes(&e.tunnel_endpoint) {
+                Ok(None) => None,
+                Ok(Some(IpAddr::V4(a))) => Some(a),
+                _ => {
                     return Err(InvalidField {
                         field: format!("{f}.tunnel_endpoint"),
-                        reason: format!("must be empty or 4 bytes (IPv4 underlay), got {n}"),
+                        reason: format!(
+                            "must be empty or 4 bytes (IPv4 underlay), got {}",
+                            e.tunnel_endpoint.len()
+                        ),
                     });
                 }
             };
@@ -201,7 +202,7 @@ fn ipcache_proto(addr: IpAddr, len: u8, v: &IpcacheValue) -> pb::IpcacheEntry {
         identity: v.identity,
         tunnel_endpoint: v
             .tunnel_endpoint_addr()
-            .map(|a| a.octets().to_vec())
+            .map(|a| address_bytes(IpAddr::V4(a)))
             .unwrap_or_default(),
     }
 }

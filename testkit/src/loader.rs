@@ -183,14 +183,7 @@ impl LoaderNode {
         pb::ApplyEndpointRequest {
             endpoint_id,
             host_ifindex: p.host_ifindex,
-            addresses: p
-                .addrs()
-                .into_iter()
-                .map(|a| match a {
-                    IpAddr::V4(a) => a.octets().to_vec(),
-                    IpAddr::V6(a) => a.octets().to_vec(),
-                })
-                .collect(),
+            addresses: p.addrs().into_iter().map(rivet_proto::net::address_bytes).collect(),
             mac: p.pod_mac.to_vec(),
             identity,
             policy: Some(policy),
@@ -238,10 +231,7 @@ pub fn prefix(direction: pb::Direction, address: IpAddr, prefix_length: u32, cid
     pb::EndpointPrefix {
         direction: direction as i32,
         prefix: Some(pb::IpPrefix {
-            address: match address {
-                IpAddr::V4(a) => a.octets().to_vec(),
-                IpAddr::V6(a) => a.octets().to_vec(),
-            },
+            address: rivet_proto::net::address_bytes(address),
             prefix_length,
         }),
         cidr_identity,

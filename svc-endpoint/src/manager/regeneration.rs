@@ -205,10 +205,7 @@ impl EndpointManager {
                 addresses: spec
                     .addresses
                     .iter()
-                    .map(|a| match a.address {
-                        IpAddr::V4(v4) => v4.octets().to_vec(),
-                        IpAddr::V6(v6) => v6.octets().to_vec(),
-                    })
+                    .map(|a| rivet_proto::net::address_bytes(a.address))
                     .collect(),
                 mac: spec.mac.to_vec(),
                 identity: identity.id,

@@ -190,7 +190,7 @@ impl LoaderSync {
             (IpcacheSource::KvStore | IpcacheSource::Kubernetes, Some(IpAddr::V4(host)))
                 if self.ipcache.opts.host_ip != Some(IpAddr::V4(host)) && !host.is_unspecified() =>
             {
-                host.octets().to_vec()
+                rivet_proto::net::address_bytes(IpAddr::V4(host))
             }
             _ => Vec::new(),
         };
@@ -370,11 +370,5 @@ impl LoaderSync {
 
 /// A prefix in the loader's form.
 pub fn loader_prefix(prefix: &IpNet) -> loader_pb::IpPrefix {
-    loader_pb::IpPrefix {
-        address: match prefix.addr() {
-            IpAddr::V4(a) => a.octets().to_vec(),
-            IpAddr::V6(a) => a.octets().to_vec(),
-        },
-        prefix_length: u32::from(prefix.prefix_len()),
-    }
+    rivet_proto::net::prefix_to_proto(*prefix)
 }
