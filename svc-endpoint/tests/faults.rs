@@ -373,6 +373,40 @@ async fn a_failing_background_regeneration_is_retried_until_it_succeeds() {
     .await;
 }
 
+/// A restarted dependency is owed the replay of its desired state until
+/// one succeeded: a restarted svc-ipam that refuses to take an endpoint's
+/// addresses back is asked again at every probe (before, the replay ran
+/// once per new boot id and a failure left the addresses unreserved).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_replay_into_a_restarted_dependency_is_retried_until_it_succeeds() {
+    let mut setup = Setup::start(&["a"], None).await;
+    setup.create("a", &["k8s:app=a"]).await;
+    setup.faults.ipam_restore.set(Mode::Internal);
+    setup.node.ipam.kill9();
+    setup.node.ipam.restart().await.expect("svc-ipam restarts");
+    tokio::time::timeout(Duration::from_secs(10), setup.faults.ipam_restore.entered(3))
+        .await
+        .unwrap_or_else(|_| panic!("the replay is retried: {:?}", setup.manager.dependencies()));
+    setup.faults.ipam_restore.set(Mode::Pass);
+    let owed = |setup: &Setup| {
+        setup
+            .manager
+            .dependencies()
+            .into_iter()
+            .find(|d| d.name == "svc-ipam")
+            .expect("svc-ipam is a dependency")
+    };
+    eventually(
+        Duration::from_secs(10),
+        "the replay succeeds once svc-ipam takes it",
+        async || {
+            let ipam = owed(&setup);
+            !ipam.resync_owed && ipam.last_error.is_empty()
+        },
+    )
+    .await;
+}
+
 /// Issue 13 §2: svc-endpoint drops an endpoint (and releases its
 /// addresses) because its host interface is gone only when svc-loader says
 /// so with its reason (INTERFACE_NOT_FOUND); a bare NOT_FOUND says nothing

@@ -150,6 +150,8 @@ pub struct Faults {
     pub interfaces: Fault,
     /// svc-ipam Release (key: the container id).
     pub ipam_release: Fault,
+    /// svc-ipam Restore (key: the container id).
+    pub ipam_restore: Fault,
 }
 
 struct FaultyIdentity {
@@ -303,7 +305,14 @@ impl IpamApi for FaultyIpam {
         self.inner.boot_id()
     }
     fn restore(&self, request: ipampb::RestoreRequest) -> BoxFuture<'_, ApiResult<ipampb::AllocateResponse>> {
-        self.inner.restore(request)
+        let key = request
+            .owner
+            .as_ref()
+            .map(|o| o.container_id.clone())
+            .unwrap_or_default();
+        faulty(&self.faults.ipam_restore, "re-reserving addresses", key, move || {
+            self.inner.restore(request)
+        })
     }
     fn release(&self, request: ipampb::ReleaseRequest) -> BoxFuture<'_, ApiResult<ipampb::ReleaseResponse>> {
         let key = request
