@@ -92,6 +92,41 @@ impl Setup {
     }
 
     /// Waits until the manager knows no endpoint.
+    /// Relabels pod `name` (endpoint `id`) while svc-loader's ApplyEndpoint
+    /// answers `mode` for it; waits until the worker tried `attempts` times
+    /// (retrying, the endpoint kept), then lets the calls through and waits
+    /// until the endpoint realised the new labels.
+    async fn relabel_while_apply_fails(&self, id: u16, name: &str, mode: Mode, attempts: u32) {
+        self.faults.apply.set_for(&format!("endpoint/{id}"), mode);
+        relabel(&self.manager, name).await;
+        tokio::time::timeout(Duration::from_secs(10), self.faults.apply.entered(attempts))
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "retried after each failure ({} calls): {:?}",
+                    self.faults.apply.calls(),
+                    self.manager.get(&EndpointSelector::Id(id))
+                )
+            });
+        let view = self
+            .manager
+            .get(&EndpointSelector::Id(id))
+            .expect("the endpoint is kept");
+        assert_ne!(view.status.state, EndpointState::Disconnecting, "{:?}", view.status);
+        self.faults.apply.set(Mode::Pass);
+        let relabelled = format!("{name}-relabelled");
+        eventually(
+            Duration::from_secs(10),
+            "the regeneration succeeds once svc-loader does",
+            async || {
+                self.manager.get(&EndpointSelector::Id(id)).is_ok_and(|v| {
+                    v.status.state == EndpointState::Ready && v.status.identity_labels.to_string().contains(&relabelled)
+                })
+            },
+        )
+        .await;
+    }
+
     async fn until_empty(&self, what: &str) {
         eventually(Duration::from_secs(10), what, async || self.manager.list().is_empty()).await;
     }
@@ -349,28 +384,7 @@ async fn an_endpoint_worker_that_panics_is_started_again_and_counted() {
 async fn a_failing_background_regeneration_is_retried_until_it_succeeds() {
     let setup = Setup::start(&["a"], None).await;
     let id = setup.create("a", &["k8s:app=a"]).await;
-    setup.faults.apply.set_for(&format!("endpoint/{id}"), Mode::Internal);
-    relabel(&setup.manager, "a").await;
-    tokio::time::timeout(Duration::from_secs(10), setup.faults.apply.entered(4))
-        .await
-        .unwrap_or_else(|_| {
-            panic!(
-                "retried after each failure ({} calls): {:?}",
-                setup.faults.apply.calls(),
-                setup.manager.get(&EndpointSelector::Id(id))
-            )
-        });
-    setup.faults.apply.set(Mode::Pass);
-    eventually(
-        Duration::from_secs(10),
-        "the regeneration succeeds once svc-loader does",
-        async || {
-            setup.manager.get(&EndpointSelector::Id(id)).is_ok_and(|v| {
-                v.status.state == EndpointState::Ready && v.status.identity_labels.to_string().contains("a-relabelled")
-            })
-        },
-    )
-    .await;
+    setup.relabel_while_apply_fails(id, "a", Mode::Internal, 4).await;
 }
 
 /// A restarted dependency is owed the replay of its desired state until
@@ -417,35 +431,8 @@ async fn a_not_found_without_the_loaders_reason_never_drops_an_endpoint() {
     let setup = Setup::start(&["a"], None).await;
     let id = setup.create("a", &["k8s:app=a"]).await;
     setup
-        .faults
-        .apply
-        .set_for(&format!("endpoint/{id}"), Mode::NotFoundWithoutReason);
-    relabel(&setup.manager, "a").await;
-    // The failed regeneration, then its retry: the worker kept the endpoint.
-    tokio::time::timeout(Duration::from_secs(10), setup.faults.apply.entered(2))
-        .await
-        .unwrap_or_else(|_| {
-            panic!(
-                "the regeneration is retried: {:?}",
-                setup.manager.get(&EndpointSelector::Id(id))
-            )
-        });
-    let view = setup
-        .manager
-        .get(&EndpointSelector::Id(id))
-        .expect("the endpoint is kept");
-    assert_ne!(view.status.state, EndpointState::Disconnecting, "{:?}", view.status);
-    setup.faults.apply.set(Mode::Pass);
-    eventually(
-        Duration::from_secs(10),
-        "the endpoint regenerates once svc-loader answers",
-        async || {
-            setup.manager.get(&EndpointSelector::Id(id)).is_ok_and(|v| {
-                v.status.state == EndpointState::Ready && v.status.identity_labels.to_string().contains("a-relabelled")
-            })
-        },
-    )
-    .await;
+        .relabel_while_apply_fails(id, "a", Mode::NotFoundWithoutReason, 2)
+        .await;
 }
 
 /// A regeneration that fails because a dependency answered ABORTED
