@@ -9,7 +9,7 @@ use tonic::service::Routes;
 
 use crate::access::{AccessPolicy, ReadOnlyMethods};
 use crate::config::CommonArgs;
-use crate::controller::Controllers;
+use crate::controller::{Controller, Controllers};
 use crate::grpc::{self, DaemonIdentity, ServeError};
 use crate::metrics::{Health, MetricsError, MetricsServer};
 use crate::privileges::{self, Capability, Dropped, PrivilegeError};
@@ -96,8 +96,8 @@ pub fn bind_socket(
 
 /// Serves `routes` (plus the `Daemon` info service, which reports
 /// `controllers`) on `listener`, and `/metrics` + `/healthz` when
-/// `--metrics-address` is set, until SIGTERM or SIGINT; then stops every
-/// controller and waits for them.
+/// `--metrics-address` is set (the controller `metrics-server`), until
+/// SIGTERM or SIGINT; then stops every controller and waits for them.
 pub async fn run(
     common: &CommonArgs,
     listener: UnixSocketListener,
@@ -110,28 +110,28 @@ pub async fn run(
     let mut registry = registry;
     listener.access_metrics().register(&mut registry);
     controllers.register_metrics(&mut registry);
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let metrics = match common.metrics_address {
-        Some(address) => {
-            let server = MetricsServer::bind(address).await?;
-            let mut rx = stop_rx.clone();
-            let stopped = async move {
-                let _ = rx.wait_for(|s| *s).await;
-            };
-            Some(tokio::spawn(server.serve(Arc::new(registry), health.clone(), stopped)))
-        }
-        None => None,
-    };
+    if let Some(address) = common.metrics_address {
+        // Bound now: an address in use fails the start. A server that fails
+        // later is bound and started again by its controller.
+        let bound = Arc::new(std::sync::Mutex::new(Some(MetricsServer::bind(address).await?)));
+        let (registry, health) = (Arc::new(registry), health.clone());
+        controllers.supervise(Controller::new("metrics-server"), move |progress| {
+            let (bound, registry, health) = (bound.clone(), registry.clone(), health.clone());
+            async move {
+                let taken = bound.lock().unwrap_or_else(|e| e.into_inner()).take();
+                let server = match taken {
+                    Some(server) => server,
+                    None => MetricsServer::bind(address).await?,
+                };
+                progress.ok();
+                // Until the daemon's shutdown cancels it.
+                server.serve(registry, health, std::future::pending()).await
+            }
+        });
+    }
     health.set_serving();
     let result = grpc::serve_unix(listener, identity, controllers.clone(), routes, grpc::shutdown_signal()).await;
     health.set_unhealthy("shutting down");
     controllers.shutdown().await;
-    let _ = stop_tx.send(true);
-    if let Some(task) = metrics {
-        match task.await {
-            Ok(r) => r?,
-            Err(e) => tracing::warn!(error = %e, "metrics task panicked"),
-        }
-    }
     Ok(result?)
 }
