@@ -1167,8 +1167,8 @@ mod tests {
         {
             self.inner.watch_ips(after).await
         }
-        async fn lease_renewed(&self) {
-            self.inner.lease_renewed().await;
+        async fn lease_renewed(&self, seen: &mut u64) {
+            self.inner.lease_renewed(seen).await;
         }
     }
 

@@ -202,8 +202,9 @@ pub trait IdentityBackend: Send + Sync + 'static {
     async fn shutdown(&self) {}
 
     /// Completes when this node's lease was lost and replaced (etcd restart,
-    /// long partition): every value key and IP entry still in use must be
-    /// written again (the allocator's sync loop does). The embedded store
-    /// never completes it.
-    async fn lease_renewed(&self);
+    /// long partition) later than `seen`, the last replacement the caller
+    /// heard of (0 at first; updated): every value key and IP entry still in
+    /// use must be written again. Each caller keeps its own `seen`, so every
+    /// caller hears every replacement. The embedded store never completes it.
+    async fn lease_renewed(&self, seen: &mut u64);
 }

@@ -688,7 +688,7 @@ impl IdentityBackend for EmbeddedBackend {
     }
 
     /// There is no lease: never completes.
-    async fn lease_renewed(&self) {
+    async fn lease_renewed(&self, _seen: &mut u64) {
         std::future::pending::<()>().await;
     }
 }
@@ -1157,7 +1157,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = open(&dir);
         assert!(
-            tokio::time::timeout(Duration::from_millis(100), store.lease_renewed())
+            tokio::time::timeout(Duration::from_millis(100), store.lease_renewed(&mut 0))
                 .await
                 .is_err()
         );

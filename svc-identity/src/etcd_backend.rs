@@ -45,9 +45,10 @@
 //! partition longer than the TTL) does the task grant a new lease, with
 //! backoff until it succeeds, swap it in (every later write uses it) and wake
 //! [`lease_renewed`](IdentityBackend::lease_renewed) waiters, who must write
-//! their keys again (a replacement that happens between two calls is
-//! reported by the next call, so the sync loop never misses one). A write refused with "requested lease not found" pokes
-//! the task to check at once.
+//! their keys again (each waiter keeps the last replacement it heard of, so
+//! one that happens between two calls is reported by the next, and every
+//! waiter hears every replacement). A write refused with "requested lease
+//! not found" pokes the task to check at once.
 //!
 //! Dropping the backend stops the keepalive and revokes nothing: a crashed
 //! node's keys expire after the TTL. [`EtcdBackend::shutdown`] revokes the
@@ -65,7 +66,7 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -349,8 +350,6 @@ struct LeaseShared {
     state: watch::Sender<LeaseState>,
     /// Wakes the keeper to check the lease at once.
     poke: Notify,
-    /// The last generation a `lease_renewed` call reported.
-    reported: AtomicU64,
 }
 
 /// The [`IdentityBackend`] over etcd; see the module docs.
@@ -500,7 +499,6 @@ impl EtcdBackend {
         let lease = Arc::new(LeaseShared {
             state,
             poke: Notify::new(),
-            reported: AtomicU64::new(0),
         });
         let keeper = Arc::new(LeaseKeeper {
             client: client.clone(),
@@ -1010,26 +1008,19 @@ impl IdentityBackend for EtcdBackend {
         .await
     }
 
-    /// Completes on a lease replacement that no earlier completed call has
-    /// reported: the next one after the call, or one that happened while
-    /// the caller was busy between two calls (e.g. re-writing its keys after
-    /// the previous one), so a single waiter never misses a replacement. A
-    /// call dropped before completing reports nothing.
-    async fn lease_renewed(&self) {
+    /// Completes on a lease replacement later than `seen` (the last one
+    /// the caller heard of, 0 at first) and records it there: the next one
+    /// after the call, or one that happened while the caller was busy
+    /// between two calls. Each caller keeps its own `seen`, so every waiter
+    /// hears every replacement. A call dropped before completing changes
+    /// nothing.
+    async fn lease_renewed(&self, seen: &mut u64) {
         let mut renewals = self.lease.state.subscribe();
         loop {
             let current = renewals.borrow_and_update().generation;
-            let reported = self.lease.reported.load(Ordering::Acquire);
-            if current > reported {
-                if self
-                    .lease
-                    .reported
-                    .compare_exchange(reported, current, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    return;
-                }
-                continue;
+            if current > *seen {
+                *seen = current;
+                return;
             }
             if renewals.changed().await.is_err() {
                 std::future::pending::<()>().await;
@@ -1850,7 +1841,7 @@ mod tests {
         tokio::time::sleep((TTL + Duration::from_secs(1)).saturating_sub(down.elapsed())).await;
         let renewed = tokio::spawn({
             let a = a.clone();
-            async move { a.lease_renewed().await }
+            async move { a.lease_renewed(&mut 0).await }
         });
         let etcd = etcd.restart_async().await.expect("etcd restarts");
         eprintln!("etcd was down {:?}", down.elapsed());
@@ -1903,20 +1894,33 @@ mod tests {
         let layout = a.layout().clone();
         a.create_identity(1400, "k8s:app=web").await.unwrap();
         let old = a.lease_id();
-        let renewed = tokio::spawn({
+        // Two waiters (the allocator's and the IP cache's passes), each
+        // with the last replacement it heard of.
+        let waiter = |seen: u64| {
             let a = a.clone();
-            async move { a.lease_renewed().await }
-        });
+            tokio::spawn(async move {
+                let mut seen = seen;
+                a.lease_renewed(&mut seen).await;
+                seen
+            })
+        };
+        let renewed = waiter(0);
+        let other = waiter(0);
         tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(!renewed.is_finished());
+        assert!(!renewed.is_finished() && !other.is_finished());
         // The lease is gone (as after a partition longer than the TTL).
         c.lease_revoke(old).await.unwrap();
         assert_eq!(raw_get(&mut c, &layout.value_key("k8s:app=web", "node-a")).await, None);
         let started = Instant::now();
-        tokio::time::timeout(TTL * 2, renewed)
+        let seen = tokio::time::timeout(TTL * 2, renewed)
             .await
             .expect("lease_renewed within 2 TTLs")
             .unwrap();
+        let other_seen = tokio::time::timeout(TTL * 2, other)
+            .await
+            .expect("every waiter hears the replacement")
+            .unwrap();
+        assert_eq!(seen, other_seen);
         eprintln!("a revoked lease was replaced and signalled in {:?}", started.elapsed());
         let new = a.lease_id();
         assert_ne!(new, old);
@@ -1932,10 +1936,7 @@ mod tests {
         );
         assert!(c.lease_time_to_live(new, None).await.unwrap().ttl() > 0);
         // A second loss is signalled again (a new call waits for the next one).
-        let renewed = tokio::spawn({
-            let a = a.clone();
-            async move { a.lease_renewed().await }
-        });
+        let renewed = waiter(seen);
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!renewed.is_finished());
         c.lease_revoke(new).await.unwrap();
@@ -1944,7 +1945,7 @@ mod tests {
         if let Err(err) = &err {
             assert_unavailable(err, "acquiring identity 1400");
         }
-        tokio::time::timeout(TTL * 2, renewed)
+        let mut seen = tokio::time::timeout(TTL * 2, renewed)
             .await
             .expect("second renewal")
             .unwrap();
@@ -1957,11 +1958,11 @@ mod tests {
             a.lease_id() != third
         })
         .await;
-        tokio::time::timeout(Duration::from_millis(100), a.lease_renewed())
+        tokio::time::timeout(Duration::from_millis(100), a.lease_renewed(&mut seen))
             .await
             .expect("an unreported replacement completes at once");
         assert!(
-            tokio::time::timeout(Duration::from_millis(100), a.lease_renewed())
+            tokio::time::timeout(Duration::from_millis(100), a.lease_renewed(&mut seen))
                 .await
                 .is_err(),
             "a reported replacement is not reported again"
@@ -2044,7 +2045,7 @@ mod tests {
         let old = a.lease_id();
         let renewed = tokio::spawn({
             let a = a.clone();
-            async move { a.lease_renewed().await }
+            async move { a.lease_renewed(&mut 0).await }
         });
 
         proxy.set_connected(false);
@@ -2118,7 +2119,7 @@ mod tests {
         assert!(matches!(a.list_ips().await, Err(BackendError::Unavailable { .. })));
         let renewed = tokio::spawn({
             let a = a.clone();
-            async move { a.lease_renewed().await }
+            async move { a.lease_renewed(&mut 0).await }
         });
 
         let etcd = etcd.restart_async().await.expect("etcd restarts");

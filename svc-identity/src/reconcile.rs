@@ -59,8 +59,11 @@ pub(crate) fn on_lease_renewed(
 }
 
 async fn forward(backend: Arc<dyn IdentityBackend>, renewed: impl Fn()) -> Result<(), Infallible> {
+    // Its own: the allocator's and the IP cache's forwarders both hear
+    // every replacement.
+    let mut seen = 0;
     loop {
-        backend.lease_renewed().await;
+        backend.lease_renewed(&mut seen).await;
         renewed();
     }
 }
