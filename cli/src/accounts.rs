@@ -76,7 +76,7 @@ impl NodeAccounts {
     pub fn resolve(daemon_user: &str, datapath_user: &str, operator_group: &str) -> Result<Self> {
         let user = |name: &str, flag: &str| {
             resolve_user(name).map_err(|e| match e {
-                PrivilegeError::NoSuchUser(_) => anyhow::anyhow!(
+                PrivilegeError::NoSuchUser { .. } => anyhow::anyhow!(
                     "user `{name}` does not exist: run `cargo xtask install` (it creates the users and groups \
                      the daemons run as), create it by hand (README, \"Users and groups\"), or name another \
                      with {flag}"
@@ -87,7 +87,7 @@ impl NodeAccounts {
         let daemon = user(daemon_user, "--daemon-user")?;
         let datapath = user(datapath_user, "--datapath-user")?;
         let operator_gid = resolve_group(operator_group).map_err(|e| match e {
-            PrivilegeError::NoSuchGroup(_) => anyhow::anyhow!(
+            PrivilegeError::NoSuchGroup { .. } => anyhow::anyhow!(
                 "group `{operator_group}` does not exist: run `cargo xtask install`, create it by hand \
                  (README, \"Users and groups\"), or name another with --operator-group"
             ),

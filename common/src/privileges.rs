@@ -38,16 +38,22 @@ use nix::unistd::{Gid, Group, ResGid, ResUid, Uid, User};
 pub enum PrivilegeError {
     /// `--user` names no user.
     #[error(
-        "user `{0}` does not exist: create the Rivet users and groups with `cargo xtask install` \
+        "user `{name}` does not exist: create the Rivet users and groups with `cargo xtask install` \
          (or by hand, see the README's \"Users and groups\"), or name another with --user"
     )]
-    NoSuchUser(String),
+    NoSuchUser {
+        /// The name given.
+        name: String,
+    },
     /// A group name resolves to nothing.
     #[error(
-        "group `{0}` does not exist: create the Rivet users and groups with `cargo xtask install` \
+        "group `{name}` does not exist: create the Rivet users and groups with `cargo xtask install` \
          (or by hand, see the README's \"Users and groups\")"
     )]
-    NoSuchGroup(String),
+    NoSuchGroup {
+        /// The name given.
+        name: String,
+    },
     /// The user or group database could not be read.
     #[error("looking up {what} `{name}`: {source}")]
     Lookup {
@@ -254,8 +260,8 @@ pub fn resolve_user(spec: &str) -> Result<Account, PrivilegeError> {
         Ok(uid) => User::from_uid(Uid::from_raw(uid)).map_err(lookup)?,
         Err(_) => User::from_name(spec).map_err(lookup)?,
     }
-    .ok_or_else(|| PrivilegeError::NoSuchUser(spec.to_string()))?;
-    let cname = CString::new(user.name.clone()).map_err(|_| PrivilegeError::NoSuchUser(spec.to_string()))?;
+    .ok_or_else(|| PrivilegeError::NoSuchUser { name: spec.to_string() })?;
+    let cname = CString::new(user.name.clone()).map_err(|_| PrivilegeError::NoSuchUser { name: spec.to_string() })?;
     let mut groups: Vec<u32> = nix::unistd::getgrouplist(&cname, user.gid)
         .map_err(lookup)?
         .into_iter()
@@ -288,7 +294,7 @@ pub fn resolve_group(spec: &str) -> Result<u32, PrivilegeError> {
             source,
         })?
         .map(|g| g.gid.as_raw())
-        .ok_or_else(|| PrivilegeError::NoSuchGroup(spec.to_string()))
+        .ok_or_else(|| PrivilegeError::NoSuchGroup { name: spec.to_string() })
 }
 
 /// What a daemon runs with after [`drop_privileges`].

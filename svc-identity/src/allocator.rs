@@ -109,12 +109,32 @@ pub struct Allocated {
     pub references: u64,
 }
 
+/// Why a label set cannot have a cluster identity.
+#[derive(Debug, thiserror::Error)]
+pub enum InvalidLabels {
+    /// A `cidr:` label: CIDR identities are node-local.
+    #[error("{label} is a CIDR label; CIDR identities are node-local (AllocateCidrIdentities)")]
+    Cidr {
+        /// The label.
+        label: String,
+    },
+    /// Two different reserved labels.
+    #[error("{labels} holds several reserved labels")]
+    SeveralReserved {
+        /// The filtered set.
+        labels: Labels,
+    },
+    /// Nothing identity-relevant is left after filtering.
+    #[error("no identity-relevant label left after filtering")]
+    NoneRelevant,
+}
+
 /// Why an allocation or release failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AllocError {
     /// Bad labels (named).
-    #[error("{0}")]
-    InvalidLabels(String),
+    #[error("labels: {0}")]
+    InvalidLabels(#[from] InvalidLabels),
     /// The store is unreachable and no identity is known for the labels.
     #[error(
         "allocating an identity for {labels}: the kvstore is unreachable and this label set has no identity \
@@ -428,20 +448,14 @@ impl IdentityAllocator {
     pub fn identity_labels(&self, labels: &Labels) -> Result<Labels, AllocError> {
         let filtered = self.opts.filter.filter(labels);
         if let Some(l) = filtered.iter().find(|l| l.source() == LabelSource::Cidr) {
-            return Err(AllocError::InvalidLabels(format!(
-                "labels: {l} is a CIDR label; CIDR identities are node-local (AllocateCidrIdentities)"
-            )));
+            return Err(InvalidLabels::Cidr { label: l.to_string() }.into());
         }
         let reserved = filtered.iter().filter(|l| l.source() == LabelSource::Reserved).count();
         if reserved > 1 {
-            return Err(AllocError::InvalidLabels(format!(
-                "labels: {filtered} holds several reserved labels"
-            )));
+            return Err(InvalidLabels::SeveralReserved { labels: filtered }.into());
         }
         if filtered.is_empty() {
-            return Err(AllocError::InvalidLabels(
-                "labels: no identity-relevant label left after filtering".into(),
-            ));
+            return Err(InvalidLabels::NoneRelevant.into());
         }
         Ok(filtered)
     }
@@ -1072,11 +1086,11 @@ mod tests {
         assert_eq!(x.labels.to_string(), "k8s:app=web");
         assert!(matches!(
             a.allocate(&labels("cidr:198.18.0.0/24"), None).await,
-            Err(AllocError::InvalidLabels(_))
+            Err(AllocError::InvalidLabels(InvalidLabels::Cidr { .. }))
         ));
         assert!(matches!(
             a.allocate(&labels("reserved:host,reserved:world"), None).await,
-            Err(AllocError::InvalidLabels(_))
+            Err(AllocError::InvalidLabels(InvalidLabels::SeveralReserved { .. }))
         ));
     }
 

@@ -351,7 +351,7 @@ impl SnapshotWriter {
         let writer = Arc::clone(self);
         let (identities, ip_entries) = tokio::task::spawn_blocking(move || writer.gather_and_store())
             .await
-            .map_err(|e| SnapshotError::Task(e.to_string()))??;
+            .map_err(SnapshotError::Task)??;
         events::snapshot_written(&self.metrics, identities, ip_entries, started.elapsed());
         Ok(())
     }
@@ -386,7 +386,7 @@ pub enum SnapshotError {
     File(#[from] StateFileError),
     /// The blocking task failed.
     #[error("writing the local snapshot: the blocking task failed: {0}")]
-    Task(String),
+    Task(#[source] tokio::task::JoinError),
 }
 
 #[cfg(test)]

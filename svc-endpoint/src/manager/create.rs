@@ -24,16 +24,12 @@ impl EndpointManager {
         // restore has read them.
         let mut known = self.inner.ids_known.subscribe();
         if tokio::time::timeout(deadline, known.wait_for(|k| *k)).await.is_err() {
-            return Err(ManagerError::Unavailable(
-                "svc-endpoint is still restoring (svc-loader not reachable yet); retry".into(),
-            ));
+            return Err(ManagerError::Restoring);
         }
         let mut synced = self.inner.identities_synced.subscribe();
         let remaining = deadline.saturating_sub(started.elapsed());
         if tokio::time::timeout(remaining, synced.wait_for(|s| *s)).await.is_err() {
-            return Err(ManagerError::Unavailable(
-                "svc-identity has not delivered its identities yet (is it running?); retry".into(),
-            ));
+            return Err(ManagerError::IdentitiesNotSynced);
         }
         let mut spec = new.spec;
         let (id, queue, generation, created) = {
@@ -44,16 +40,17 @@ impl EndpointManager {
                 .find(|s| s.spec.container_id == spec.container_id && s.spec.interface == spec.interface)
             {
                 if !existing.spec.same_request(&spec) {
-                    return Err(ManagerError::Precondition(format!(
-                        "container {} interface {} is endpoint {} with different parameters; delete it first",
-                        spec.container_id, spec.interface, existing.spec.id
-                    )));
+                    return Err(ManagerError::Conflict {
+                        container_id: spec.container_id.clone(),
+                        interface: spec.interface.clone(),
+                        existing: existing.spec.id,
+                    });
                 }
                 if existing.queue.is_closed() {
-                    return Err(ManagerError::Precondition(format!(
-                        "endpoint {} of container {} is being deleted; retry",
-                        existing.spec.id, spec.container_id
-                    )));
+                    return Err(ManagerError::BeingDeleted {
+                        id: existing.spec.id,
+                        container_id: spec.container_id.clone(),
+                    });
                 }
                 let outcome = existing.queue.outcome();
                 (

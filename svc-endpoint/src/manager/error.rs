@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tonic::{Code, Status};
 
+use super::EndpointSelector;
 use super::queue::RemovalReason;
 use crate::endpoint::{MAX_ENDPOINT_ID, RegenerationStep};
 use rivet_policy::PolicyError;
@@ -74,8 +75,11 @@ pub enum ManagerError {
         reason: String,
     },
     /// Nothing matches the reference.
-    #[error("{0}")]
-    NotFound(String),
+    #[error("no endpoint matches {selector:?}")]
+    NotFound {
+        /// The reference.
+        selector: EndpointSelector,
+    },
     /// An address belongs to another endpoint.
     #[error("address {address} is owned by endpoint {owner}")]
     AddressInUse {
@@ -84,9 +88,32 @@ pub enum ManagerError {
         /// The endpoint holding it.
         owner: u16,
     },
-    /// The state does not allow the call.
-    #[error("{0}")]
-    Precondition(String),
+    /// The container interface is an endpoint with other parameters.
+    #[error(
+        "container {container_id} interface {interface} is endpoint {existing} with different parameters; delete it first"
+    )]
+    Conflict {
+        /// The container.
+        container_id: String,
+        /// Its interface.
+        interface: String,
+        /// The endpoint it is.
+        existing: u16,
+    },
+    /// The container interface's endpoint is being deleted.
+    #[error("endpoint {id} of container {container_id} is being deleted; retry")]
+    BeingDeleted {
+        /// The endpoint.
+        id: u16,
+        /// Its container.
+        container_id: String,
+    },
+    /// A pod reference matches several endpoints.
+    #[error("{} endpoints match ({ids:?}); use the id", ids.len())]
+    Ambiguous {
+        /// The endpoints it matches.
+        ids: Vec<u16>,
+    },
     /// Every endpoint id is taken.
     #[error("no free endpoint id (1..={MAX_ENDPOINT_ID} all in use)")]
     NoFreeId,
@@ -139,12 +166,30 @@ pub enum ManagerError {
     /// A policy was rejected.
     #[error(transparent)]
     Policy(#[from] PolicyError),
-    /// A local file could not be written.
-    #[error("{0}")]
-    Storage(String),
-    /// A dependency is not ready; retrying later can succeed.
-    #[error("{0}")]
-    Unavailable(String),
+    /// A local state file could not be read or written.
+    #[error("{action}: {source}")]
+    Storage {
+        /// What was being done (`persisting namespace labels`).
+        action: String,
+        /// Why.
+        source: rivet_common::state_file::StateFileError,
+    },
+    /// The blocking task writing a state file failed.
+    #[error("{action}: the blocking task failed: {source}")]
+    StorageTask {
+        /// What was being done.
+        action: String,
+        /// Its failure.
+        source: tokio::task::JoinError,
+    },
+    /// Restore has not read the ids held by the datapath or old state dirs
+    /// yet (svc-loader not reachable); retrying later can succeed.
+    #[error("svc-endpoint is still restoring (svc-loader not reachable yet); retry")]
+    Restoring,
+    /// svc-identity has not delivered its identities yet; retrying later
+    /// can succeed.
+    #[error("svc-identity has not delivered its identities yet (is it running?); retry")]
+    IdentitiesNotSynced,
 }
 
 impl From<ManagerError> for Status {
@@ -153,9 +198,11 @@ impl From<ManagerError> for Status {
         let message = e.to_string();
         let (code, reason) = match &e {
             ManagerError::Invalid { .. } => return Status::invalid_argument(message),
-            ManagerError::NotFound(_) => (Code::NotFound, R::EndpointNotFound),
+            ManagerError::NotFound { .. } => (Code::NotFound, R::EndpointNotFound),
             ManagerError::AddressInUse { .. } => (Code::AlreadyExists, R::AddressInUse),
-            ManagerError::Precondition(_) => return Status::failed_precondition(message),
+            ManagerError::Conflict { .. } => (Code::FailedPrecondition, R::EndpointConflict),
+            ManagerError::BeingDeleted { .. } => (Code::FailedPrecondition, R::EndpointRemoved),
+            ManagerError::Ambiguous { .. } => (Code::FailedPrecondition, R::AmbiguousReference),
             ManagerError::NoFreeId => (Code::ResourceExhausted, R::EndpointIdsExhausted),
             ManagerError::Regeneration { source, .. } => match source.status.code() {
                 // Keep the dependency's code when it means something to the caller.
@@ -176,9 +223,79 @@ impl From<ManagerError> for Status {
                 (Code::FailedPrecondition, R::PolicyOriginConflict)
             }
             ManagerError::Policy(_) => (Code::InvalidArgument, R::PolicyInvalid),
-            ManagerError::Storage(_) => return Status::internal(message),
-            ManagerError::Unavailable(_) => (Code::Unavailable, R::NotReady),
+            ManagerError::Storage { .. } | ManagerError::StorageTask { .. } => return Status::internal(message),
+            ManagerError::Restoring | ManagerError::IdentitiesNotSynced => (Code::Unavailable, R::NotReady),
         };
         rivet_common::grpc::status_with_reason(code, message, reason)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rivet_proto::endpoint::v1::ErrorReason as R;
+
+    use super::*;
+
+    /// What a client acts on arrives as the reason, with the documented code.
+    #[test]
+    fn errors_become_statuses_with_their_reason() {
+        let cases = [
+            (
+                ManagerError::NotFound {
+                    selector: EndpointSelector::Id(7),
+                },
+                Code::NotFound,
+                Some(R::EndpointNotFound),
+            ),
+            (
+                ManagerError::Conflict {
+                    container_id: "c".into(),
+                    interface: "eth0".into(),
+                    existing: 3,
+                },
+                Code::FailedPrecondition,
+                Some(R::EndpointConflict),
+            ),
+            (
+                ManagerError::BeingDeleted {
+                    id: 3,
+                    container_id: "c".into(),
+                },
+                Code::FailedPrecondition,
+                Some(R::EndpointRemoved),
+            ),
+            (
+                ManagerError::Ambiguous { ids: vec![1, 2] },
+                Code::FailedPrecondition,
+                Some(R::AmbiguousReference),
+            ),
+            (ManagerError::Restoring, Code::Unavailable, Some(R::NotReady)),
+            (ManagerError::IdentitiesNotSynced, Code::Unavailable, Some(R::NotReady)),
+            (
+                ManagerError::NoFreeId,
+                Code::ResourceExhausted,
+                Some(R::EndpointIdsExhausted),
+            ),
+            (
+                ManagerError::Deadline { id: 1, undone: false },
+                Code::DeadlineExceeded,
+                Some(R::NotRealisedInTime),
+            ),
+            (
+                ManagerError::Invalid {
+                    field: "pod_name".into(),
+                    reason: "bad".into(),
+                },
+                Code::InvalidArgument,
+                None,
+            ),
+        ];
+        for (error, code, reason) in cases {
+            let text = error.to_string();
+            let status = Status::from(error);
+            assert_eq!(status.code(), code, "{text}");
+            assert_eq!(rivet_common::grpc::error_reason::<R>(&status), reason, "{text}");
+            assert_eq!(status.message(), text);
+        }
     }
 }

@@ -60,7 +60,11 @@ impl EndpointManager {
                         state.pod_labels.insert((namespace.clone(), name.clone()), labels);
                         return Ok((Vec::new(), 0));
                     }
-                    _ => return Err(ManagerError::NotFound(format!("no endpoint matches {selector:?}"))),
+                    _ => {
+                        return Err(ManagerError::NotFound {
+                            selector: selector.clone(),
+                        });
+                    }
                 }
             }
             if let EndpointSelector::Pod { namespace, name } = selector {

@@ -325,11 +325,17 @@ impl EndpointManager {
         };
         state.namespaces = namespaces_file
             .load()
-            .map_err(|e| ManagerError::Storage(format!("loading namespace labels: {e}")))?
+            .map_err(|source| ManagerError::Storage {
+                action: "loading namespace labels".into(),
+                source,
+            })?
             .unwrap_or_default();
         let documents: Vec<String> = api_policies
             .load()
-            .map_err(|e| ManagerError::Storage(format!("loading API policies: {e}")))?
+            .map_err(|source| ManagerError::Storage {
+                action: "loading API policies".into(),
+                source,
+            })?
             .unwrap_or_default();
         for document in documents {
             match Policy::parse(&document) {
@@ -428,10 +434,9 @@ impl EndpointManager {
 
     fn view(&self, id: u16) -> Result<EndpointView, ManagerError> {
         let state = self.state();
-        let slot = state
-            .endpoints
-            .get(&id)
-            .ok_or_else(|| ManagerError::NotFound(format!("endpoint {id} is gone")))?;
+        let slot = state.endpoints.get(&id).ok_or(ManagerError::NotFound {
+            selector: EndpointSelector::Id(id),
+        })?;
         Ok(EndpointView {
             spec: slot.spec.clone(),
             status: slot.status.clone(),
@@ -443,12 +448,11 @@ impl EndpointManager {
     pub fn get(&self, selector: &EndpointSelector) -> Result<EndpointView, ManagerError> {
         let ids = self.state().find(selector);
         match ids.as_slice() {
-            [] => Err(ManagerError::NotFound(format!("no endpoint matches {selector:?}"))),
+            [] => Err(ManagerError::NotFound {
+                selector: selector.clone(),
+            }),
             [id] => self.view(*id),
-            many => Err(ManagerError::Precondition(format!(
-                "{} endpoints match ({many:?}); use the id",
-                many.len()
-            ))),
+            many => Err(ManagerError::Ambiguous { ids: many.to_vec() }),
         }
     }
 
@@ -482,8 +486,14 @@ where
     let file = file.clone();
     tokio::task::spawn_blocking(move || file.store(&value))
         .await
-        .map_err(|e| ManagerError::Storage(format!("persisting {what}: {e}")))?
-        .map_err(|e| ManagerError::Storage(format!("persisting {what}: {e}")))
+        .map_err(|source| ManagerError::StorageTask {
+            action: format!("persisting {what}"),
+            source,
+        })?
+        .map_err(|source| ManagerError::Storage {
+            action: format!("persisting {what}"),
+            source,
+        })
 }
 
 /// svc-ipam's owner of an endpoint's addresses (the CNI allocated them with it).
