@@ -9,12 +9,12 @@ use std::path::Path;
 use std::pin::Pin;
 use std::time::Duration;
 
-use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix_lazy};
+use rivet_common::grpc::{ClientOptions, DaemonChannel, RpcError, connect_unix_lazy};
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 
 /// What the endpoint source answered.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum EndpointList {
     /// Restore has completed: these are all addresses of all endpoints
     /// (possibly none).
@@ -22,7 +22,28 @@ pub enum EndpointList {
     /// svc-endpoint is still restoring: the list may miss endpoints.
     Restoring,
     /// The list could not be had.
-    Failed(String),
+    Failed(EndpointListError),
+}
+
+/// Why the endpoint list could not be had.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum EndpointListError {
+    /// svc-gc runs without an endpoint source.
+    #[error("no endpoint source configured")]
+    NotConfigured,
+    /// svc-endpoint listed an address that is not one.
+    #[error("endpoint {endpoint} has an unreadable address {address:?}: {source}")]
+    UnreadableAddress {
+        /// The endpoint.
+        endpoint: u32,
+        /// What was listed.
+        address: String,
+        /// Why it is not an address.
+        source: std::net::AddrParseError,
+    },
+    /// svc-endpoint's `ListEndpoints` failed (or it was not reached).
+    #[error("svc-endpoint ListEndpoints: {0}")]
+    Call(#[from] RpcError<pb::ErrorReason>),
 }
 
 /// Where the node's endpoints come from.
@@ -48,7 +69,7 @@ pub struct NoEndpoints;
 
 impl EndpointSource for NoEndpoints {
     fn list(&self) -> Pin<Box<dyn Future<Output = EndpointList> + Send + '_>> {
-        Box::pin(async { EndpointList::Failed("no endpoint source configured".into()) })
+        Box::pin(async { EndpointList::Failed(EndpointListError::NotConfigured) })
     }
 }
 
@@ -87,11 +108,12 @@ pub fn from_response(response: &pb::ListEndpointsResponse) -> EndpointList {
                 }
                 // One unreadable address could be the only one of a live pod:
                 // better no orphan deletion than a wrong one.
-                Err(_) => {
-                    return EndpointList::Failed(format!(
-                        "endpoint {} has an unreadable address {:?}",
-                        endpoint.id, address.address
-                    ));
+                Err(source) => {
+                    return EndpointList::Failed(EndpointListError::UnreadableAddress {
+                        endpoint: endpoint.id,
+                        address: address.address.clone(),
+                        source,
+                    });
                 }
             }
         }
@@ -105,7 +127,7 @@ impl EndpointSource for GrpcEndpoints {
         Box::pin(async move {
             match client.list_endpoints(pb::ListEndpointsRequest::default()).await {
                 Ok(response) => from_response(response.get_ref()),
-                Err(status) => EndpointList::Failed(format!("svc-endpoint: {:?}: {}", status.code(), status.message())),
+                Err(status) => EndpointList::Failed(RpcError::from(status).into()),
             }
         })
     }
@@ -146,19 +168,25 @@ mod tests {
             restore_complete: false,
             ..response.clone()
         };
-        assert_eq!(from_response(&restoring), EndpointList::Restoring);
+        assert!(matches!(from_response(&restoring), EndpointList::Restoring));
 
         let bad = pb::ListEndpointsResponse {
             endpoints: vec![endpoint(3, &["not-an-ip"])],
             ..response
         };
-        assert!(matches!(from_response(&bad), EndpointList::Failed(_)));
+        assert!(matches!(
+            from_response(&bad),
+            EndpointList::Failed(EndpointListError::UnreadableAddress { endpoint: 3, .. })
+        ));
     }
 
     #[tokio::test]
     async fn an_absent_svc_endpoint_is_a_failed_list() {
         let dir = tempfile::tempdir().unwrap();
         let source = GrpcEndpoints::new(&dir.path().join("svc-endpoint.sock"), Duration::from_millis(200));
-        assert!(matches!(source.list().await, EndpointList::Failed(_)));
+        assert!(matches!(
+            source.list().await,
+            EndpointList::Failed(EndpointListError::Call(_))
+        ));
     }
 }

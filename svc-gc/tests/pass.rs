@@ -18,7 +18,7 @@ use rivet_testkit::gc::{SECOND, TestMaps, entry, synthetic_entries};
 use svc_gc::classify::{CtRules, LocalEndpoints, Timeouts};
 use svc_gc::clock::{Clock, KernelClock};
 use svc_gc::collector::{Collector, CollectorOptions};
-use svc_gc::endpoints::{EndpointList, StaticEndpoints};
+use svc_gc::endpoints::{EndpointList, EndpointListError, StaticEndpoints};
 use svc_gc::events::GcMetrics;
 use svc_gc::interval::IntervalBounds;
 use svc_gc::map::{BatchMode, DeleteOutcome, EntryMap, MapError, PinnedMap};
@@ -470,7 +470,9 @@ fn quiet() -> CollectorOptions {
 async fn orphan_checks_follow_the_endpoint_list() {
     let cases = [
         (
-            EndpointList::Failed("svc-endpoint down".into()),
+            EndpointList::Failed(EndpointListError::Call(
+                tonic::Status::unavailable("svc-endpoint down").into(),
+            )),
             OrphanCheck::SkippedListFailed,
             0,
         ),
