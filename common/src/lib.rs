@@ -12,6 +12,7 @@
 //! - [`state_file`]: crash-safe, versioned state files;
 //! - [`metrics`]: Prometheus metrics and `/healthz`;
 //! - [`daemon`]: the run loop a daemon's `main` ends with;
+//! - [`malloc`]: the C allocator's settings a daemon's `main` starts with;
 //! - [`labels`]: security labels (`source:key=value`), label sets, reserved
 //!   identities, namespace labels and the identity-relevant label filter;
 //! - [`controller`]: supervised background loops (reconcile or run for
@@ -34,6 +35,7 @@ pub mod identity;
 pub mod k8s_name;
 pub mod labels;
 pub mod mac;
+pub mod malloc;
 pub mod metrics;
 pub mod named_port;
 pub mod privileges;

@@ -126,6 +126,10 @@ fn options(flags: &Flags) -> anyhow::Result<CollectorOptions> {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
+    // Before any thread starts: the allocator hands out arenas per thread.
+    if let Err(e) = rivet_common::malloc::tune_for_daemon() {
+        return daemon::exit(svc_gc::DAEMON_NAME, Err(e));
+    }
     // First, before the runtime starts threads: credentials are per thread.
     let privileges = daemon::drop_privileges(&flags.common, svc_gc::DAEMON_NAME, svc_gc::CAPABILITIES);
     daemon::exit(

@@ -33,6 +33,10 @@ struct Flags {
 
 fn main() -> ExitCode {
     let flags: Flags = config::load();
+    // Before any thread starts: the allocator hands out arenas per thread.
+    if let Err(e) = rivet_common::malloc::tune_for_daemon() {
+        return daemon::exit(svc_ipam::DAEMON_NAME, Err(e));
+    }
     // First, before the runtime starts threads: credentials are per thread.
     let privileges = daemon::drop_privileges(&flags.common, svc_ipam::DAEMON_NAME, svc_ipam::CAPABILITIES);
     daemon::exit(
