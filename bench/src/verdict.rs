@@ -90,7 +90,7 @@ pub async fn run(args: &VerdictArgs) -> anyhow::Result<BenchResult> {
     for i in 0..2 {
         veth_pair(&ns, &format!("{PREFIX}{i}"), &ns, &format!("rvvp{i}"))?;
     }
-    let pins = PinDir(format!("/sys/fs/bpf/rivet/bench-verdict-{}", std::process::id()).into());
+    let pins = PinDir::of_node(&format!("bench-verdict-{}", std::process::id()));
     let pin_dir = pins.0.clone();
     let cases = ns.in_ns(move || measure(&args, pin_dir))??;
     drop(ns);

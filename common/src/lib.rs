@@ -21,6 +21,8 @@
 //! - [`identity`]: the numeric identity ranges (reserved, cluster, CIDR);
 //! - [`named_port`]: the rule for named container ports' names;
 //! - [`mac`]: MAC addresses as text;
+//! - [`pin_layout`]: where a node's datapath maps are pinned (aya-free;
+//!   `rivet_datapath::pin` re-exports it);
 //! - [`k8s_name`]: Kubernetes name rules (DNS-1123 labels and subdomains,
 //!   namespace names, label keys and values).
 
@@ -38,6 +40,7 @@ pub mod mac;
 pub mod malloc;
 pub mod metrics;
 pub mod named_port;
+pub mod pin_layout;
 pub mod privileges;
 pub mod socket;
 pub mod state_file;

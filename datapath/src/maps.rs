@@ -21,15 +21,21 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 
 use aya::maps::lpm_trie::Key as LpmKey;
+use rivet_common::labels::ReservedIdentity;
 
 // ------------------------------------------------------------------ identities
 
-/// Any peer identity (policy wildcard).
+// The numbers are rivet_common's (the one owner of identity numbers);
+// rivet.h's `IDENTITY_*` are checked against them by clang in the tests.
+
+/// Any peer identity (policy wildcard): identity 0, which no label set has
+/// ([`IdentityScope::None`](rivet_common::identity::IdentityScope::None)).
 pub const IDENTITY_ANY: u32 = 0;
-/// The node itself.
-pub const IDENTITY_HOST: u32 = 1;
-/// Everything outside the cluster; also any address missing from the ipcache.
-pub const IDENTITY_WORLD: u32 = 2;
+/// The node itself ([`ReservedIdentity::Host`]).
+pub const IDENTITY_HOST: u32 = ReservedIdentity::Host.id();
+/// Everything outside the cluster; also any address missing from the
+/// ipcache ([`ReservedIdentity::World`]).
+pub const IDENTITY_WORLD: u32 = ReservedIdentity::World.id();
 
 // ------------------------------------------------------------------- endpoints
 
@@ -1042,6 +1048,14 @@ mod tests {
         assert_eq!(offset_of!(IpcacheKeyData, addr) * 8, IPCACHE_PREFIX_FIXED_BITS as usize);
     }
 
+    /// The policy wildcard is a number no peer has (rivet_common's "no
+    /// identity"), so a wildcard entry never doubles as one peer's entry.
+    #[test]
+    fn the_any_identity_is_no_identity() {
+        use rivet_common::identity::IdentityScope;
+        assert_eq!(IdentityScope::of(IDENTITY_ANY), IdentityScope::None);
+    }
+
     /// (C struct, [(C field, Rust offset, Rust size)], Rust size).
     type Layout = (&'static str, Vec<(&'static str, usize, usize)>, usize);
 
@@ -1141,6 +1155,7 @@ mod tests {
 
     fn constants() -> Vec<(&'static str, u64)> {
         vec![
+            // rivet_common's reserved identities (IDENTITY_HOST/WORLD are theirs).
             ("IDENTITY_ANY", IDENTITY_ANY.into()),
             ("IDENTITY_HOST", IDENTITY_HOST.into()),
             ("IDENTITY_WORLD", IDENTITY_WORLD.into()),

@@ -1,6 +1,7 @@
 //! Where the datapath's maps are pinned and how another process opens them.
 //!
-//! Layout: `<bpffs>/rivet/<node>/<map>` ([`pin_dir`]): svc-loader creates
+//! Layout: `<bpffs>/rivet/<node>/<map>` ([`pin_dir`], owned by
+//! `rivet_common::pin_layout`, aya-free, re-exported here): svc-loader creates
 //! and pins the maps there; svc-gc and inspection open them by path with
 //! [`open_pinned_map`], which checks the map against its [`MapDef`] first.
 
@@ -12,28 +13,7 @@ use aya::maps::{Map, MapData, MapError};
 
 use crate::spec::{MapDef, MapSpec};
 
-/// Default bpffs mount point.
-pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
-
-/// Directory under the bpffs holding one pin directory per node.
-pub const PIN_ROOT: &str = "rivet";
-
-/// A node name that cannot be a pin directory's name.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("node name {node:?} cannot name a pin directory (it must be one path component, not . or ..)")]
-pub struct PinDirError {
-    /// The node name.
-    pub node: String,
-}
-
-/// `<bpffs>/rivet/<node>`: the pin directory of a node's datapath. The node
-/// name must be one path component (no `/` or NUL, not `.` or `..`).
-pub fn pin_dir(bpffs: impl AsRef<Path>, node: &str) -> Result<PathBuf, PinDirError> {
-    if node.is_empty() || node == "." || node == ".." || node.contains('/') || node.contains('\0') {
-        return Err(PinDirError { node: node.to_owned() });
-    }
-    Ok(bpffs.as_ref().join(PIN_ROOT).join(node))
-}
+pub use rivet_common::pin_layout::{DEFAULT_BPFFS, PIN_ROOT, PinDirError, pin_dir};
 
 /// Opening a pinned map of the datapath failed.
 #[derive(Debug, thiserror::Error)]
@@ -155,21 +135,4 @@ pub fn create_pinned_map(pin_dir: &Path, def: &'static MapDef, max_entries: u32)
         })
     })?;
     Map::from_map_data(data).map_err(use_err)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pin_dirs_are_one_component_under_the_bpffs() {
-        assert_eq!(
-            pin_dir(DEFAULT_BPFFS, "node-1").unwrap(),
-            Path::new("/sys/fs/bpf/rivet/node-1")
-        );
-        for bad in ["", ".", "..", "a/b", "a\0b"] {
-            let err = pin_dir(DEFAULT_BPFFS, bad).unwrap_err();
-            assert!(err.to_string().contains("cannot name a pin directory"), "{err}");
-        }
-    }
 }

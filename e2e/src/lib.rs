@@ -30,7 +30,9 @@ use std::process::ExitStatus;
 /// The Kubernetes CRI API (`k8s.io/cri-api`, package `runtime.v1`).
 pub mod runtime {
     /// Version 1, as served by containerd 1.6's CRI plugin.
-    #[allow(missing_docs, clippy::all)]
+    // Generated from the upstream proto, whose comments write placeholders
+    // as `<name>`, which rustdoc would read as HTML.
+    #[allow(missing_docs, clippy::all, rustdoc::invalid_html_tags)]
     pub mod v1 {
         tonic::include_proto!("runtime.v1");
     }

@@ -377,7 +377,7 @@ fn in_test_namespace<T: Send + 'static>(f: impl FnOnce(std::path::PathBuf) -> T 
     veth_pair(&ns, &format!("{PREFIX}0"), &ns, &format!("{PREFIX}1")).expect("a veth in it");
     veth_pair(&ns, &format!("{PREFIX}2"), &ns, &format!("{PREFIX}3")).expect("a second veth in it");
     let n = PINS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let pins = PinDir(format!("/sys/fs/bpf/rivet/diff-{}-{n}", std::process::id()).into());
+    let pins = PinDir::of_node(&format!("diff-{}-{n}", std::process::id()));
     let pin_dir = pins.0.clone();
     let out = ns.in_ns(move || f(pin_dir)).expect("entering the test namespace");
     drop(ns);

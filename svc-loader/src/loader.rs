@@ -6,11 +6,11 @@
 //! # Concurrency
 //!
 //! An apply or remove holds its endpoint's lock, then its interface's
-//! ([`KeyedLocks`], always in that order), for the whole operation, netlink
+//! (`KeyedLocks`, always in that order), for the whole operation, netlink
 //! included: calls for one endpoint (or one interface) run one after the
 //! other, calls for different ones in parallel. What must be decided across
 //! endpoints — which endpoint holds an interface or an address — lives in
-//! one [`Index`] whose lock is held for in-memory checks only, never across
+//! one `Index` whose lock is held for in-memory checks only, never across
 //! a syscall; the checks reserve the interface and addresses before the
 //! first write, so two endpoints never both pass them. Maps have their own
 //! short locks ([`crate::datapath::SharedMap`]).
@@ -18,7 +18,7 @@
 //! # The index equals what the maps hold
 //!
 //! Per endpoint the loader remembers the entries it wrote to the shared
-//! per-endpoint maps ([`OwnedEntries`]: the policy trie and `ep_prefixes`), so the next
+//! per-endpoint maps (`OwnedEntries`: the policy trie and `ep_prefixes`), so the next
 //! policy is a diff against them instead of a scan of a map every endpoint
 //! shares. Each step of a diff is recorded as it succeeds (a failed BPF map
 //! command changes nothing), so a diff that fails midway leaves the record
@@ -30,15 +30,15 @@
 //! back scans the whole trie (it is shared, there is no per-endpoint
 //! range), which is fine after a failure and too slow for every
 //! regeneration — hence the record. Another kind of per-endpoint entries
-//! gets its own [`OwnedEntries`] in [`EndpointRecord`] and the same three
-//! steps: read back when dirty, diff, [`OwnedEntries::write`].
+//! gets its own `OwnedEntries` in `EndpointRecord` and the same three
+//! steps: read back when dirty, diff, `OwnedEntries::write`.
 //!
 //! # Established connections follow policy changes
 //!
 //! Conntrack entries cache their policy verdict with the datapath's policy
 //! revision ([`Datapath::bump_policy_revision`]). Every operation that may
 //! write to a map a verdict reads (endpoints, policy, ep_prefixes, ipcache)
-//! holds a [`RevisionBump`] that bumps the revision after its last write
+//! holds a `RevisionBump` that bumps the revision after its last write
 //! when it changed something, and also when it failed or panicked half-way
 //! (a bump too many only costs each connection one policy lookup).
 

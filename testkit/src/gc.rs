@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use rivet_common::testing::DaemonCommand;
 use rivet_datapath::maps::{CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS};
-use rivet_datapath::pin::{self, PIN_ROOT, create_pinned_map};
+use rivet_datapath::pin::{self, create_pinned_map};
 use rivet_datapath::spec;
 use svc_gc::map::{BatchMode, PinnedMap};
 use svc_gc::pass::GcMaps;
@@ -51,7 +51,7 @@ impl TestMaps {
             DIRS.fetch_add(1, Ordering::Relaxed)
         );
         let maps = Self {
-            pin_dir: Path::new(BPFFS).join(PIN_ROOT).join(&node_name),
+            pin_dir: pin::pin_dir(BPFFS, &node_name).expect("a test node name is one path component"),
             node_name,
             sizes: (ct4_max, ct6_max),
         };

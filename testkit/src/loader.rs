@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::pin_layout;
 use rivet_common::testing::netns::{PodSpec, TestNode, TestPod};
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::loader::v1 as pb;
@@ -22,6 +23,14 @@ pub const HOST_PREFIX: &str = "rvh";
 /// Removes a node's pin directory (maps and links) on drop.
 #[derive(Debug)]
 pub struct PinDir(pub PathBuf);
+
+impl PinDir {
+    /// The pin directory of test node `node` (`<bpffs>/rivet/<node>`, the
+    /// layout of [`rivet_common::pin_layout`]).
+    pub fn of_node(node: &str) -> Self {
+        Self(pin_layout::pin_dir(pin_layout::DEFAULT_BPFFS, node).expect("a test node name is one path component"))
+    }
+}
 
 impl Drop for PinDir {
     fn drop(&mut self) {
@@ -87,7 +96,7 @@ impl LoaderNode {
                 .map_err(std::io::Error::other)?;
         }
         let node_name = format!("t{}-{}", std::process::id(), NODES.fetch_add(1, Ordering::Relaxed));
-        let pins = PinDir(PathBuf::from("/sys/fs/bpf/rivet").join(&node_name));
+        let pins = PinDir::of_node(&node_name);
         let dir = tempfile::tempdir()?;
         let sockets = dir.path().join("sockets");
         // nsenter switches only the network namespace: `ip netns exec` would

@@ -567,10 +567,15 @@ impl Demo {
              removes what it created: the namespace, the pins, the sockets, the CNI files.",
         );
         drop(servers);
+        // The pin dir as the node recorded it (the CLI owns the layout).
+        let pin_dir = self.json(&["node", "status"])?["pin_dir"]
+            .as_str()
+            .context("`rivet node status` names no pin_dir")?
+            .to_string();
         let _ = self.show(&mut self.teardown_command())?;
         let leftovers: Vec<String> = [
             format!("/run/netns/{}", self.netns),
-            format!("/sys/fs/bpf/rivet/{}", self.netns),
+            pin_dir,
             self.dir.join("sockets").display().to_string(),
             self.dir.join("state/node.json").display().to_string(),
             cni_conf.join("10-rivet.conflist").display().to_string(),

@@ -205,7 +205,7 @@ pub struct UpArgs {
     #[arg(long)]
     pub etcd_endpoints: Option<String>,
     /// Mount point of the BPF filesystem.
-    #[arg(long, default_value = "/sys/fs/bpf")]
+    #[arg(long, default_value = rivet_common::pin_layout::DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
     /// An extra flag for one daemon, DAEMON=ARG (e.g.
     /// `svc-endpoint=--policy-dir=/etc/rivet/policies`); repeat for several.

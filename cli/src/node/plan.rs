@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
+use rivet_common::pin_layout;
 use serde_json::{Value, json};
 
 use super::{
@@ -128,7 +129,7 @@ impl NodePlan {
             state_dir: state_dir.to_path_buf(),
             socket_dir: socket_dir.to_path_buf(),
             log_dir: args.log_dir.clone().unwrap_or_else(|| state_dir.join("logs")),
-            pin_dir: args.bpffs.join("rivet").join(&node_name),
+            pin_dir: pin_layout::pin_dir(&args.bpffs, &node_name)?,
             args: args.clone(),
         };
         for daemon in NODE_DAEMONS {

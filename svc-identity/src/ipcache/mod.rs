@@ -37,10 +37,10 @@
 //!
 //! # Modules
 //!
-//! - [`claims`]: sources, entries and deltas, the prefix forms;
-//! - [`store`]: keeping this node's entries in the store and the other
+//! - `claims`: sources, entries and deltas, the prefix forms;
+//! - `store`: keeping this node's entries in the store and the other
 //!   nodes' entries in the cache (the store and publish loops);
-//! - [`loader_sync`]: the push of the effective view to svc-loader.
+//! - `loader_sync`: the push of the effective view to svc-loader.
 
 mod claims;
 mod loader_sync;
