@@ -669,7 +669,7 @@ fn endpoint_text(e: &EndpointView, now: i64) -> String {
 pub async fn run(ctx: &Context, command: EndpointCommand) -> Result<(), CliError> {
     // Bad labels need no daemon.
     let labels = match &command {
-        EndpointCommand::Label { labels, .. } => labels.parse().map_err(CliError::Usage)?,
+        EndpointCommand::Label { labels, .. } => labels.parse()?,
         _ => Vec::new(),
     };
     let mut client = EndpointServiceClient::new(ctx.connect_with_deadline(DAEMON).await?);

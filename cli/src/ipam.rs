@@ -270,7 +270,7 @@ pub async fn run(ctx: &Context, command: IpamCommand) -> Result<(), CliError> {
                     .release_address(pb::ReleaseAddressRequest { pool, address })
                     .await
                     .map_err(rpc)?,
-                _ => return Err(CliError::Usage("give --container-id or --address".into())),
+                _ => return Err(CliError::NoReleaseTarget),
             }
             .into_inner();
             let view: Vec<AllocationView> = r.released.iter().map(Into::into).collect();

@@ -75,9 +75,34 @@ pub enum CliError {
         /// The daemon's message.
         message: String,
     },
-    /// Bad input on the command line.
-    #[error("{0}")]
-    Usage(String),
+    /// Labels on the command line are refused.
+    #[error(transparent)]
+    Labels(#[from] namespace::LabelArgError),
+    /// `rivet ipam release` without what to release.
+    #[error("give --container-id or --address")]
+    NoReleaseTarget,
+    /// A policy input could not be read.
+    #[error("reading {input}: {source}")]
+    ReadInput {
+        /// The file, or standard input.
+        input: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A policy input is not a sequence of documents.
+    #[error("{input}: {source}")]
+    Documents {
+        /// The file, or standard input.
+        input: String,
+        /// Why.
+        source: rivet_policy::documents::DocumentsError,
+    },
+    /// A policy input holds no document.
+    #[error("{input}: no policy document")]
+    NoDocument {
+        /// The file, or standard input.
+        input: String,
+    },
 }
 
 impl CliError {

@@ -45,7 +45,7 @@ pub struct NewLabels {
 
 impl NewLabels {
     /// The labels as the API takes them ([`parse_labels`]); none with `--clear`.
-    pub fn parse(&self) -> Result<Vec<String>, String> {
+    pub fn parse(&self) -> Result<Vec<String>, LabelArgError> {
         parse_labels(&self.labels)
     }
 }
@@ -57,26 +57,54 @@ impl NewLabels {
 /// assert_eq!(rivet_cli::namespace::parse_label("team=shop").unwrap(), "k8s:team=shop");
 /// assert!(rivet_cli::namespace::parse_label("team").is_err());
 /// ```
-pub fn parse_label(text: &str) -> Result<String, String> {
+pub fn parse_label(text: &str) -> Result<String, LabelArgError> {
     let bare = text.strip_prefix("k8s:").unwrap_or(text);
     let Some((key, value)) = bare.split_once('=') else {
-        return Err(format!("`{text}` is not a label: give key=value"));
+        return Err(LabelArgError::NotKeyValue { text: text.into() });
     };
     Label::new(LabelSource::K8s, key, value)
         .map(|label| label.to_string())
-        .map_err(|e| e.to_string())
+        .map_err(|source| LabelArgError::Invalid {
+            text: text.into(),
+            source,
+        })
+}
+
+/// Why a label on the command line is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LabelArgError {
+    /// Not `key=value`.
+    #[error("`{text}` is not a label: give key=value")]
+    NotKeyValue {
+        /// What was given.
+        text: String,
+    },
+    /// Not a valid Kubernetes label.
+    #[error("`{text}`: {source}")]
+    Invalid {
+        /// What was given.
+        text: String,
+        /// Why.
+        source: rivet_common::labels::LabelError,
+    },
+    /// One key twice.
+    #[error("label key of `{text}` given twice")]
+    KeyTwice {
+        /// The second label with that key.
+        text: String,
+    },
 }
 
 /// Every label of `texts` parsed with [`parse_label`], sorted; one key given
 /// twice is an error.
-pub fn parse_labels(texts: &[String]) -> Result<Vec<String>, String> {
+pub fn parse_labels(texts: &[String]) -> Result<Vec<String>, LabelArgError> {
     let mut labels = Vec::new();
     let mut keys = std::collections::BTreeSet::new();
     for text in texts {
         let label = parse_label(text)?;
         let key = label.split_once('=').map_or(label.as_str(), |(key, _)| key).to_string();
         if !keys.insert(key) {
-            return Err(format!("label key of `{text}` given twice"));
+            return Err(LabelArgError::KeyTwice { text: text.clone() });
         }
         labels.push(label);
     }
@@ -106,7 +134,7 @@ pub struct NamespaceView {
 pub async fn run(ctx: &Context, command: NamespaceCommand) -> Result<(), CliError> {
     // Check the labels before connecting: bad input needs no daemon.
     let (namespace, labels) = match &command {
-        NamespaceCommand::Label { namespace, labels } => (namespace.clone(), labels.parse().map_err(CliError::Usage)?),
+        NamespaceCommand::Label { namespace, labels } => (namespace.clone(), labels.parse()?),
         NamespaceCommand::List => (String::new(), Vec::new()),
     };
     let mut client = NamespaceServiceClient::new(ctx.connect_with_deadline(DAEMON).await?);
@@ -208,7 +236,12 @@ mod tests {
             Ok(vec!["k8s:team=shop".into(), "k8s:tier=web".into()])
         );
         assert_eq!(given(&[]), Ok(vec![]));
-        assert!(given(&["team=a", "k8s:team=b"]).unwrap_err().contains("twice"));
+        assert_eq!(
+            given(&["team=a", "k8s:team=b"]),
+            Err(LabelArgError::KeyTwice {
+                text: "k8s:team=b".into()
+            })
+        );
     }
 
     #[test]

@@ -462,7 +462,10 @@ fn read_input(file: &str) -> Result<String, CliError> {
     } else {
         std::fs::read_to_string(file)
     };
-    read.map_err(|e| CliError::Usage(format!("reading {}: {e}", input_name(file))))
+    read.map_err(|source| CliError::ReadInput {
+        input: input_name(file).into(),
+        source,
+    })
 }
 
 /// Runs one `rivet policy` command; false when `apply` stopped at a
@@ -472,9 +475,12 @@ pub async fn run(ctx: &Context, command: PolicyCommand) -> Result<bool, CliError
     let documents = match &command {
         PolicyCommand::Apply { file, .. } => {
             let name = input_name(file);
-            let docs = split_documents(&read_input(file)?).map_err(|e| CliError::Usage(format!("{name}: {e}")))?;
+            let docs = split_documents(&read_input(file)?).map_err(|source| CliError::Documents {
+                input: name.into(),
+                source,
+            })?;
             if docs.is_empty() {
-                return Err(CliError::Usage(format!("{name}: no policy document")));
+                return Err(CliError::NoDocument { input: name.into() });
             }
             docs
         }
