@@ -1123,16 +1123,30 @@ struct LeaseKeeper {
 #[derive(Debug, thiserror::Error)]
 enum KeeperError {
     /// etcd could not be reached or the keepalive stream broke.
-    #[error("keeping node lease {lease} alive: {detail}")]
+    #[error("keeping node lease {lease} alive: {source}")]
     Keepalive {
         /// The lease.
         lease: i64,
         /// What went wrong.
-        detail: String,
+        source: LeaseCallError,
     },
     /// A new lease could not be granted.
     #[error("granting a new node lease: {0}")]
-    Grant(String),
+    Grant(#[source] LeaseCallError),
+}
+
+/// Why a call on the node lease failed.
+#[derive(Debug, thiserror::Error)]
+enum LeaseCallError {
+    /// etcd did not answer within the request timeout.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// etcd answered with an error (or the stream failed).
+    #[error(transparent)]
+    Etcd(#[from] etcd_client::Error),
+    /// etcd closed the keepalive stream.
+    #[error("etcd closed the keepalive stream")]
+    StreamClosed,
 }
 
 /// Why a keepalive session ended.
@@ -1140,7 +1154,7 @@ enum SessionEnd {
     /// etcd says the lease does not exist (expired or revoked).
     Gone,
     /// etcd could not be reached or the stream broke.
-    Broken(String),
+    Broken(LeaseCallError),
 }
 
 impl LeaseKeeper {
@@ -1161,7 +1175,7 @@ impl LeaseKeeper {
                     self.replace(id).await?;
                     progress.ok();
                 }
-                SessionEnd::Broken(detail) => return Err(KeeperError::Keepalive { lease: id, detail }),
+                SessionEnd::Broken(source) => return Err(KeeperError::Keepalive { lease: id, source }),
             }
         }
     }
@@ -1170,9 +1184,9 @@ impl LeaseKeeper {
     async fn session(&self, id: i64, interval: Duration, progress: &Progress) -> SessionEnd {
         let mut leases = self.client.lease_client();
         let (mut keeper, mut stream) = match tokio::time::timeout(self.request_timeout, leases.keep_alive(id)).await {
-            Err(_) => return SessionEnd::Broken(format!("no answer within {:?}", self.request_timeout)),
+            Err(_) => return SessionEnd::Broken(LeaseCallError::Timeout(self.request_timeout)),
             Ok(Err(etcd_client::Error::LeaseKeepAliveError(m))) if m.contains("not found") => return SessionEnd::Gone,
-            Ok(Err(e)) => return SessionEnd::Broken(e.to_string()),
+            Ok(Err(e)) => return SessionEnd::Broken(e.into()),
             Ok(Ok(pair)) => pair,
         };
         progress.ok();
@@ -1182,12 +1196,12 @@ impl LeaseKeeper {
                 () = self.lease.poke.notified() => {}
             }
             if let Err(e) = keeper.keep_alive().await {
-                return SessionEnd::Broken(e.to_string());
+                return SessionEnd::Broken(e.into());
             }
             match tokio::time::timeout(self.request_timeout, stream.message()).await {
-                Err(_) => return SessionEnd::Broken(format!("no keepalive answer within {:?}", self.request_timeout)),
-                Ok(Err(e)) => return SessionEnd::Broken(e.to_string()),
-                Ok(Ok(None)) => return SessionEnd::Broken("etcd closed the keepalive stream".into()),
+                Err(_) => return SessionEnd::Broken(LeaseCallError::Timeout(self.request_timeout)),
+                Ok(Err(e)) => return SessionEnd::Broken(e.into()),
+                Ok(Ok(None)) => return SessionEnd::Broken(LeaseCallError::StreamClosed),
                 Ok(Ok(Some(resp))) if resp.ttl() <= 0 => return SessionEnd::Gone,
                 Ok(Ok(Some(_))) => {}
             }
@@ -1200,13 +1214,8 @@ impl LeaseKeeper {
         let mut leases = self.client.lease_client();
         let granted = match tokio::time::timeout(self.request_timeout, leases.grant(self.ttl, None)).await {
             Ok(Ok(granted)) => granted,
-            Ok(Err(e)) => return Err(KeeperError::Grant(e.to_string())),
-            Err(_) => {
-                return Err(KeeperError::Grant(format!(
-                    "no answer within {:?}",
-                    self.request_timeout
-                )));
-            }
+            Ok(Err(e)) => return Err(KeeperError::Grant(e.into())),
+            Err(_) => return Err(KeeperError::Grant(LeaseCallError::Timeout(self.request_timeout))),
         };
         self.lease.state.send_modify(|state| {
             state.id = granted.id();
