@@ -3,7 +3,9 @@
 //! commands of svc-gc's passes —
 //! `BPF_MAP_LOOKUP_BATCH` / `BPF_MAP_DELETE_BATCH` / `BPF_MAP_UPDATE_BATCH`
 //! plus the per-element commands of their fallback path — and
-//! `BPF_PROG_TEST_RUN` for running a classifier on a frame in tests.
+//! `BPF_PROG_TEST_RUN` for running a classifier on a frame in tests, and
+//! `BPF_MAP_CREATE` / `BPF_OBJ_PIN` for maps made outside an object (tests
+//! that build the pins of an earlier loader).
 //!
 //! Every function takes keys and values as `aya::Pod` slices; their sizes must
 //! be the map's key and value sizes (the callers check that once at open).
@@ -14,10 +16,12 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd as _, OwnedFd};
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::Path;
 
+const BPF_MAP_CREATE: u32 = 0;
 const BPF_MAP_LOOKUP_ELEM: u32 = 1;
 const BPF_MAP_UPDATE_ELEM: u32 = 2;
 const BPF_MAP_DELETE_ELEM: u32 = 3;
 const BPF_MAP_GET_NEXT_KEY: u32 = 4;
+const BPF_OBJ_PIN: u32 = 6;
 const BPF_OBJ_GET: u32 = 7;
 const BPF_PROG_TEST_RUN: u32 = 10;
 const BPF_OBJ_GET_INFO_BY_FD: u32 = 15;
@@ -72,6 +76,15 @@ struct BatchAttr {
     map_fd: u32,
     elem_flags: u64,
     flags: u64,
+}
+
+#[repr(C)]
+struct MapCreateAttr {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
 }
 
 #[repr(C)]
@@ -210,6 +223,38 @@ pub fn obj_get(path: &Path) -> io::Result<OwnedFd> {
     let fd = bpf(BPF_OBJ_GET, &mut attr)?;
     // SAFETY: BPF_OBJ_GET returned a new fd that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `BPF_MAP_CREATE` of an unnamed map with no BTF.
+pub fn map_create(
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+) -> io::Result<OwnedFd> {
+    let mut attr = MapCreateAttr {
+        map_type,
+        key_size,
+        value_size,
+        max_entries,
+        map_flags,
+    };
+    let fd = bpf(BPF_MAP_CREATE, &mut attr)?;
+    // SAFETY: BPF_MAP_CREATE returned a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `BPF_OBJ_PIN`: pins the object `fd` at `path` (which must not exist).
+pub fn obj_pin(fd: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    let c_path = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL byte in a pin path"))?;
+    let mut attr = ObjGetAttr {
+        pathname: c_path.as_ptr() as u64,
+        bpf_fd: fd_u32(fd),
+        file_flags: 0,
+    };
+    bpf(BPF_OBJ_PIN, &mut attr).map(drop)
 }
 
 /// `BPF_OBJ_GET_INFO_BY_FD` for a map.

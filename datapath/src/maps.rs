@@ -17,6 +17,10 @@
 //! [`IpcacheKeyData`] and [`PolicyKeyData`]. [`IpcacheKey`] and [`PolicyKey`]
 //! are the whole C structs (prefix length included) and convert to and from
 //! the aya key with `to_lpm` / `from_lpm`.
+//!
+//! [`legacy`]: the layouts of earlier ABIs that svc-loader migrates on upgrade.
+
+pub mod legacy;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
 

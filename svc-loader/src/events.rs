@@ -15,6 +15,11 @@ struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MapLabels {
+    map: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ErrorLabels {
     method: &'static str,
     kind: &'static str,
@@ -27,6 +32,7 @@ pub struct LoaderMetrics {
     apply_duration: Histogram,
     removals: Counter,
     request_errors: Family<ErrorLabels, Counter>,
+    ct_migrated_entries: Family<MapLabels, Counter>,
 }
 
 impl Default for LoaderMetrics {
@@ -36,6 +42,7 @@ impl Default for LoaderMetrics {
             apply_duration: Histogram::new(exponential_buckets(0.0005, 2.0, 14)),
             removals: Counter::default(),
             request_errors: Family::default(),
+            ct_migrated_entries: Family::default(),
         }
     }
 }
@@ -63,6 +70,11 @@ impl LoaderMetrics {
             "request_errors",
             "Failed requests by method and gRPC code",
             self.request_errors.clone(),
+        );
+        r.register(
+            "ct_migrated_entries",
+            "Conntrack entries copied from a map of the first ct_entry layout into the current one, by map",
+            self.ct_migrated_entries.clone(),
         );
     }
 }
@@ -103,4 +115,18 @@ pub fn request_failed(m: &LoaderMetrics, method: &'static str, status: &tonic::S
     let kind = rivet_common::grpc::code_label(status.code());
     tracing::warn!(method, kind, "request failed: {}", status.message());
     m.request_errors.get_or_create(&ErrorLabels { method, kind }).inc();
+}
+
+/// A conntrack map of the first `ct_entry` layout was migrated at start.
+pub fn ct_migrated(m: &LoaderMetrics, migrated: &crate::datapath::CtMigrated) {
+    tracing::info!(
+        map = migrated.map,
+        copied = migrated.copied,
+        kept_newer = migrated.kept_newer,
+        resumed = migrated.resumed,
+        "conntrack map migrated to the current entry layout"
+    );
+    m.ct_migrated_entries
+        .get_or_create(&MapLabels { map: migrated.map })
+        .inc_by(migrated.copied);
 }

@@ -128,6 +128,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         removed_tcx_link_pins = report.removed.len(),
         "datapath loaded; existing attachments adopted"
     );
+    let ct_migrations = datapath.ct_migrations().to_vec();
     let ring = datapath.take_events().context("the events ring buffer is missing")?;
     let endpoints = Arc::new(EndpointDatapath::new(
         datapath,
@@ -145,6 +146,9 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let metrics = LoaderMetrics::default();
     let mut registry = Registry::with_prefix("rivet");
     metrics.register(&mut registry);
+    for migrated in &ct_migrations {
+        svc_loader::events::ct_migrated(&metrics, migrated);
+    }
     let service = LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics);
     let routes = Routes::new(service.into_server());
     daemon::run(

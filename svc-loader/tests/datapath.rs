@@ -5,6 +5,10 @@ use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
+use rivet_bpf_sys as sys;
+use rivet_datapath::maps::legacy::CtEntryV1;
+use rivet_datapath::maps::{CT_F_SEEN_REPLY, CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry};
+use rivet_datapath::spec::{MAP_CT4, MAP_CT6};
 use rivet_proto::loader::v1 as pb;
 use rivet_testkit::frames;
 use rivet_testkit::loader::{LoaderNode, address_entry, entry, policy, prefix};
@@ -113,7 +117,7 @@ async fn policy_allows_denies_and_conntrack_lets_replies_through() {
         true,
         true,
         vec![
-            entry(Ingress, A, Protocol::Icmp, 0, 0, Allow),
+            entry(Ingress, A, Protocol::Icmpv6, 0, 0, Allow),
             entry(Ingress, A, Protocol::Icmpv6, 0, 0, Allow),
             entry(Ingress, A, Protocol::Tcp, 8080, 0, Allow),
             entry(Ingress, A, Protocol::Udp, 5353, 0, Allow),
@@ -449,7 +453,7 @@ async fn identity_change_under_traffic_drops_nothing_still_allowed() {
         true,
         false,
         vec![
-            entry(Ingress, A, Protocol::Icmp, 0, 0, Allow),
+            entry(Ingress, A, Protocol::Icmpv6, 0, 0, Allow),
             entry(Ingress, 4242, Protocol::Icmp, 0, 0, Allow),
         ],
     );
@@ -941,4 +945,296 @@ async fn a_pin_set_without_the_prefix_map_is_adopted() {
     let r = apply(&mut client, a_req).await;
     assert!(r.changed, "the prefixes are written again");
     assert_eq!(pings(&node, "a", b), 3, "a reaches b through the new map");
+}
+
+// ------------------------------------------------- upgrade of ct_entry layout
+
+/// Every entry of the map pinned at `pin`, as `(key, value)`.
+fn ct_entries<K: aya::Pod + Ord, V: aya::Pod>(pin: &std::path::Path) -> std::collections::BTreeMap<K, V> {
+    use std::os::fd::AsFd as _;
+    let fd = sys::obj_get(pin).unwrap_or_else(|e| panic!("opening {}: {e}", pin.display()));
+    let mut entries = std::collections::BTreeMap::new();
+    let mut cursor = None;
+    while let Some(key) = sys::next_key::<K>(fd.as_fd(), cursor.as_ref()).expect("walking the map") {
+        if let Some(value) = sys::lookup::<K, V>(fd.as_fd(), &key).expect("reading an entry") {
+            entries.insert(key, value);
+        }
+        cursor = Some(key);
+    }
+    entries
+}
+
+/// The kernel's view of the map pinned at `pin`.
+fn pinned_map_info(pin: &std::path::Path) -> sys::MapInfo {
+    use std::os::fd::AsFd as _;
+    let fd = sys::obj_get(pin).unwrap_or_else(|e| panic!("opening {}: {e}", pin.display()));
+    sys::map_info(fd.as_fd()).expect("the map's info")
+}
+
+/// A conntrack map with `value_size` and the spec the loader's flags ask
+/// for (an LRU hash of `--ct-max` entries), holding `entries`, pinned at
+/// `pin` in place of what was there: the pin an earlier loader left.
+fn pin_ct_map<K: aya::Pod, V: aya::Pod>(pin: &std::path::Path, entries: &[(K, V)]) -> u32 {
+    use std::os::fd::AsFd as _;
+    let like = pinned_map_info(&pin.with_file_name(MAP_CT4));
+    let fd = sys::map_create(
+        like.map_type,
+        size_of::<K>() as u32,
+        size_of::<V>() as u32,
+        like.max_entries,
+        like.map_flags,
+    )
+    .expect("creating a conntrack map");
+    for (key, value) in entries {
+        sys::update(fd.as_fd(), key, value, 0).expect("writing an entry");
+    }
+    match std::fs::remove_file(pin) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => panic!("removing {}: {e}", pin.display()),
+        _ => {}
+    }
+    sys::obj_pin(fd.as_fd(), pin).expect("pinning the map");
+    sys::map_info(fd.as_fd()).unwrap().id
+}
+
+/// `entry` as a loader of the first `ct_entry` layout wrote it.
+fn as_v1(entry: &CtEntry) -> CtEntryV1 {
+    CtEntryV1 {
+        expires: entry.expires,
+        packets_fwd: entry.packets_fwd,
+        bytes_fwd: entry.bytes_fwd,
+        packets_rev: entry.packets_rev,
+        bytes_rev: entry.bytes_rev,
+        src_identity: entry.src_identity,
+        endpoint_id: entry.endpoint_id,
+        tcp_state: entry.tcp_state,
+        tcp_flags_fwd: entry.tcp_flags_fwd,
+        tcp_flags_rev: entry.tcp_flags_rev,
+        flags: entry.flags,
+        lifetime: entry.lifetime,
+    }
+}
+
+/// An entry no packet of the test touches, with every field set.
+fn idle_entry(seed: u64) -> CtEntryV1 {
+    CtEntryV1 {
+        expires: u64::MAX - seed,
+        packets_fwd: 10 + seed,
+        bytes_fwd: 1000 + seed,
+        packets_rev: 20 + seed,
+        bytes_rev: 2000 + seed,
+        src_identity: A,
+        endpoint_id: 7,
+        tcp_state: CT_TCP_ESTABLISHED,
+        tcp_flags_fwd: 0x18,
+        tcp_flags_rev: 0x10,
+        flags: CT_F_SEEN_REPLY,
+        lifetime: 21_600,
+    }
+}
+
+fn idle_ct4_key(port: u16) -> Ct4Key {
+    let (src, dst) = (
+        "198.19.250.1:40000".parse().unwrap(),
+        std::net::SocketAddrV4::new([198, 19, 250, 2].into(), port),
+    );
+    Ct4Key::new(src, dst, 6, 0)
+}
+
+fn idle_ct6_key(port: u16) -> Ct6Key {
+    let src = "[2001:2:0:fa::1]:40000".parse().unwrap();
+    let dst = std::net::SocketAddrV6::new("2001:2:0:fa::2".parse().unwrap(), port, 0, 0);
+    Ct6Key::new(src, dst, 6, 0)
+}
+
+/// svc-loader upgraded across the cached-verdict change: the conntrack maps
+/// an earlier loader pinned with 56-byte entries are migrated with every
+/// entry, and the established connection keeps its entry (its counters go on
+/// from the migrated ones; the verdict is taken again at its next packet).
+#[tokio::test]
+async fn an_upgrade_from_the_first_ct_entry_layout_keeps_every_connection() {
+    let mut node = node(&["a", "b"]).await;
+    let mut client = node.client().await;
+    apply(&mut client, node.endpoint("a", 1, A, unrestricted(1))).await;
+    let b_policy = policy(
+        1,
+        true,
+        true,
+        vec![
+            entry(Ingress, A, Protocol::Tcp, 8080, 0, Allow),
+            entry(Ingress, A, Protocol::Icmpv6, 0, 0, Allow),
+        ],
+    );
+    apply(&mut client, node.endpoint("b", 2, B, b_policy)).await;
+    let _server = node.pod("b").tcp_server(8080).unwrap();
+    let dst = SocketAddr::new(v4(&node, "b"), 8080);
+    let mut held = node.pod("a").tcp_stream(dst, SHORT).expect("connect while allowed");
+    echoes(&mut held, b"before the upgrade", SHORT).expect("the connection works");
+    assert_eq!(pings(&node, "a", v6(&node, "b")), 3, "a pings b over IPv6");
+    drop(client);
+    node.loader.kill9();
+
+    // What the earlier loader would have left: the same entries in 56 bytes,
+    // plus one idle connection per family.
+    let (ct4_pin, ct6_pin) = (node.pins.0.join(MAP_CT4), node.pins.0.join(MAP_CT6));
+    let mut old4: Vec<(Ct4Key, CtEntryV1)> = ct_entries::<Ct4Key, CtEntry>(&ct4_pin)
+        .iter()
+        .map(|(k, v)| (*k, as_v1(v)))
+        .collect();
+    let mut old6: Vec<(Ct6Key, CtEntryV1)> = ct_entries::<Ct6Key, CtEntry>(&ct6_pin)
+        .iter()
+        .map(|(k, v)| (*k, as_v1(v)))
+        .collect();
+    let flow = old4
+        .iter()
+        .find(|(k, v)| k.protocol == 6 && k.dst().port() == 8080 && v.tcp_state == CT_TCP_ESTABLISHED)
+        .copied()
+        .unwrap_or_else(|| panic!("the established connection has its entry: {old4:?}"));
+    assert!(
+        old6.iter().any(|(k, _)| k.protocol == 58),
+        "the IPv6 ping has its entry: {old6:?}"
+    );
+    old4.push((idle_ct4_key(9), idle_entry(4)));
+    old6.push((idle_ct6_key(9), idle_entry(6)));
+    let old4_id = pin_ct_map(&ct4_pin, &old4);
+    let old6_id = pin_ct_map(&ct6_pin, &old6);
+
+    node.loader
+        .restart()
+        .await
+        .expect("the upgraded loader starts on the old pins");
+    let mut client = node.client().await;
+    client
+        .get_datapath_status(pb::GetDatapathStatusRequest {})
+        .await
+        .expect("the loader serves");
+
+    for (pin, old_id) in [(&ct4_pin, old4_id), (&ct6_pin, old6_id)] {
+        let info = pinned_map_info(pin);
+        assert_eq!(
+            info.value_size as usize,
+            size_of::<CtEntry>(),
+            "{} has the new layout",
+            pin.display()
+        );
+        assert_ne!(info.id, old_id, "{} names the new map", pin.display());
+        let mut migrating = pin.clone().into_os_string();
+        migrating.push(svc_loader::datapath::MIGRATING_PIN_SUFFIX);
+        assert!(!std::path::Path::new(&migrating).exists(), "no migration pin is left");
+    }
+    let new4 = ct_entries::<Ct4Key, CtEntry>(&ct4_pin);
+    let new6 = ct_entries::<Ct6Key, CtEntry>(&ct6_pin);
+    for (key, old) in &old4 {
+        let new = new4.get(key).unwrap_or_else(|| panic!("{key:?} was migrated"));
+        // Untouched since: the same fields, no cached verdict. (Packets of
+        // the test's own flows may have refreshed theirs.)
+        if new.policy_revision == 0 {
+            assert_eq!(*new, CtEntry::from(*old), "{key:?}");
+        }
+        assert_eq!(
+            (new.src_identity, new.endpoint_id),
+            (old.src_identity, old.endpoint_id),
+            "{key:?}"
+        );
+    }
+    for (key, old) in &old6 {
+        let new = new6.get(key).unwrap_or_else(|| panic!("{key:?} was migrated"));
+        if new.policy_revision == 0 {
+            assert_eq!(*new, CtEntry::from(*old), "{key:?}");
+        }
+    }
+    assert_eq!(
+        new4[&idle_ct4_key(9)],
+        CtEntry::from(idle_entry(4)),
+        "an idle IPv4 entry is as it was"
+    );
+    assert_eq!(
+        new6[&idle_ct6_key(9)],
+        CtEntry::from(idle_entry(6)),
+        "an idle IPv6 entry is as it was"
+    );
+
+    // The connection goes on through the new programs on its migrated entry.
+    echoes(&mut held, b"after the upgrade", Duration::from_secs(5)).expect("the connection survives the upgrade");
+    let after = ct_entries::<Ct4Key, CtEntry>(&ct4_pin)[&flow.0];
+    assert!(
+        after.packets_fwd > flow.1.packets_fwd && after.policy_revision != 0,
+        "the new datapath took the verdict again and counts on from the migrated entry: {:?} then {after:?}",
+        flow.1
+    );
+}
+
+/// A loader that died half way through the migration (the new map pinned
+/// under its temporary name, some entries already touched by the new
+/// programs) is finished by the next start: the new map is the one kept,
+/// what the new programs wrote wins, and the rest comes from the old map.
+#[tokio::test]
+async fn an_interrupted_ct_migration_completes_at_the_next_start() {
+    let mut node = node(&["a"]).await;
+    node.loader.kill9();
+    let ct4_pin = node.pins.0.join(MAP_CT4);
+    let mut migrating_pin = ct4_pin.clone().into_os_string();
+    migrating_pin.push(svc_loader::datapath::MIGRATING_PIN_SUFFIX);
+    let migrating_pin = std::path::PathBuf::from(migrating_pin);
+
+    let (touched, copied, stale, only_old) = (idle_ct4_key(1), idle_ct4_key(2), idle_ct4_key(3), idle_ct4_key(4));
+    // The new map of the dead loader: one entry the new programs refreshed
+    // (a cached verdict), one copied and unchanged since, one copied before
+    // the old programs updated it.
+    let touched_value = CtEntry {
+        policy_revision: 42,
+        packets_fwd: 999,
+        ..CtEntry::from(idle_entry(1))
+    };
+    let new_id = pin_ct_map(
+        &migrating_pin,
+        &[
+            (touched, touched_value),
+            (copied, CtEntry::from(idle_entry(2))),
+            (stale, CtEntry::from(idle_entry(3))),
+        ],
+    );
+    let updated = CtEntryV1 {
+        packets_fwd: 5000,
+        ..idle_entry(3)
+    };
+    pin_ct_map(
+        &ct4_pin,
+        &[
+            (touched, idle_entry(1)),
+            (copied, idle_entry(2)),
+            (stale, updated),
+            (only_old, idle_entry(4)),
+        ],
+    );
+
+    node.loader
+        .restart()
+        .await
+        .expect("the loader starts after an interrupted migration");
+    let mut client = node.client().await;
+    client
+        .get_datapath_status(pb::GetDatapathStatusRequest {})
+        .await
+        .expect("the loader serves");
+
+    assert!(!migrating_pin.exists(), "the migration pin was moved over the old one");
+    assert_eq!(
+        pinned_map_info(&ct4_pin).id,
+        new_id,
+        "the new map of the interrupted run is kept"
+    );
+    let entries = ct_entries::<Ct4Key, CtEntry>(&ct4_pin);
+    assert_eq!(entries[&touched], touched_value, "what the new programs wrote wins");
+    assert_eq!(entries[&copied], CtEntry::from(idle_entry(2)));
+    assert_eq!(
+        entries[&stale],
+        CtEntry::from(updated),
+        "an update of the old programs is copied again"
+    );
+    assert_eq!(
+        entries[&only_old],
+        CtEntry::from(idle_entry(4)),
+        "an entry not copied yet is copied"
+    );
+    assert_eq!(entries.len(), 4);
 }

@@ -15,7 +15,10 @@
 //! and these options ask for; otherwise it fails with
 //! [`DatapathError::PinMismatch`], naming the map and the fix. It never
 //! deletes or recreates a map pin: a map in use keeps its state across
-//! loader restarts, and replacing one is an operator's decision.
+//! loader restarts, and replacing one is an operator's decision. The one
+//! exception is an upgrade: `ct4`/`ct6` pinned by a loader of the first
+//! `ct_entry` layout are migrated to the current one with every entry
+//! (`ct_migration`; [`Datapath::ct_migrations`]).
 //!
 //! # Attachments outlive the loader
 //!
@@ -41,9 +44,11 @@
 //! ([`DatapathError`]), `pins` (the specs the pins must have, checking
 //! them), `attach` (tc filters: attach, detach, adopt,
 //! list), `legacy` (moving TCX link pins of earlier loaders to filters),
+//! `ct_migration` (conntrack maps of the first `ct_entry` layout),
 //! `typed_maps` (the shared typed map handles).
 
 mod attach;
+mod ct_migration;
 mod error;
 mod legacy;
 mod options;
@@ -70,6 +75,7 @@ pub use attach::{
     AdoptReport, AttachOutcome, AttachState, Attachment, DetachOutcome, Hook, LinkChange, PROG_FROM_CONTAINER,
     PROG_TO_CONTAINER, ProgramIds,
 };
+pub use ct_migration::{CtMigrated, MIGRATING_PIN_SUFFIX};
 pub use error::{DatapathError, ObjectError, OptionsError};
 use error::{io_err, map_err};
 pub use legacy::LEGACY_LINKS_DIR;
@@ -102,6 +108,7 @@ pub struct Datapath {
     adoption: AdoptReport,
     map_specs: BTreeMap<String, MapSpec>,
     reused_maps: BTreeSet<String>,
+    ct_migrations: Vec<CtMigrated>,
 }
 
 /// One pinned map, see [`Datapath::map_status`].
@@ -138,18 +145,28 @@ impl Datapath {
 
         let specs = expected_specs(&opts)?;
         let mut reused_maps = BTreeSet::new();
+        let mut migrations = Vec::new();
         for (name, spec) in &specs {
             let pin = opts.pin_dir.join(name);
+            if let Some(migration) = ct_migration::prepare(name, &opts.pin_dir, spec)? {
+                // Left by an interrupted migration, the new map is reused.
+                check_map_pin(name, migration.migrating_pin(), spec)?;
+                migrations.push(migration);
+                continue;
+            }
             check_map_pin(name, &pin, spec)?;
             if pin.exists() {
                 reused_maps.insert(name.clone());
             }
         }
+        let pin_of = |name: &str| {
+            migrations
+                .iter()
+                .find(|m| m.map() == name)
+                .map_or_else(|| opts.pin_dir.join(name), |m| m.migrating_pin().to_owned())
+        };
 
-        let pins: Vec<(&str, PathBuf)> = specs
-            .keys()
-            .map(|name| (name.as_str(), opts.pin_dir.join(name)))
-            .collect();
+        let pins: Vec<(&str, PathBuf)> = specs.keys().map(|name| (name.as_str(), pin_of(name))).collect();
         let mut loader = EbpfLoader::new();
         for (name, pin) in &pins {
             loader.map_pin_path(name, pin.as_path());
@@ -163,8 +180,13 @@ impl Datapath {
         })?;
         // Again, now that every pin exists: one created by someone else
         // between the check and the load would have been reused as is.
-        for (name, spec) in &specs {
-            check_map_pin(name, &opts.pin_dir.join(name), spec)?;
+        for (name, pin) in &pins {
+            check_map_pin(name, pin, &specs[*name])?;
+        }
+        // Before the new programs replace the old ones: they find every
+        // connection the old ones knew.
+        for migration in &mut migrations {
+            migration.copy()?;
         }
 
         let (from_container_fd, from_container) = load_program(&mut ebpf, Hook::Ingress)?;
@@ -185,13 +207,26 @@ impl Datapath {
             adoption: AdoptReport::default(),
             map_specs: specs,
             reused_maps,
+            ct_migrations: Vec::new(),
         };
         datapath.write_config()?;
         // A loader that died between a policy change and its bump left
         // verdicts cached at a revision that no longer says what they saw.
         datapath.bump_policy_revision()?;
         datapath.adoption = datapath.adopt_existing()?;
+        // The old programs are gone from every filter: what they wrote
+        // since the first copy is all there is left to copy.
+        for migration in migrations {
+            let report = migration.finish()?;
+            datapath.ct_migrations.push(report);
+        }
         Ok(datapath)
+    }
+
+    /// The conntrack maps [`open`](Self::open) migrated from the first
+    /// `ct_entry` layout (empty unless this start upgraded them).
+    pub fn ct_migrations(&self) -> &[CtMigrated] {
+        &self.ct_migrations
     }
 
     /// Every pinned map with its shape and whether it was adopted.

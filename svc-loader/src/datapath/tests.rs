@@ -14,6 +14,7 @@ use rivet_datapath::maps::{
     VERDICT_ALLOW,
 };
 
+use rivet_datapath::maps::legacy::CT_ENTRY_V1_SIZE;
 use rivet_datapath::pin::{DEFAULT_BPFFS, open_pinned_map};
 use rivet_datapath::spec::{self, MAP_CT4, MAP_CT6, MAP_NAMES};
 
@@ -614,4 +615,29 @@ fn attachments_survive_kill_9() {
         assert_eq!(attached("rvdk0"), both(dp.program_ids()));
     })
     .unwrap();
+}
+
+/// Only a conntrack pin of exactly the first layout's spec is migrated: a
+/// 56-byte one of another size is refused as any mismatch, and left alone.
+#[test]
+fn a_first_layout_conntrack_pin_of_another_shape_is_refused_not_migrated() {
+    let dir = PinDir::new("ctv1-shape");
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let ct4 = dir.0.join(MAP_CT4);
+    let old = sys::map_create(spec::CT4.map_type, spec::CT4.key_size, CT_ENTRY_V1_SIZE, 1234, 0).unwrap();
+    sys::obj_pin(old.as_fd(), &ct4).unwrap();
+
+    let err = Datapath::open(dir.opts()).unwrap_err();
+    assert!(
+        matches!(&err, DatapathError::PinMismatch { map, found, .. }
+            if map == MAP_CT4 && found.value_size == CT_ENTRY_V1_SIZE && found.max_entries == 1234),
+        "{err}"
+    );
+    assert!(!dir.0.join(format!("{MAP_CT4}{MIGRATING_PIN_SUFFIX}")).exists());
+    let pinned = sys::map_info(sys::obj_get(&ct4).unwrap().as_fd()).unwrap();
+    assert_eq!(
+        pinned.id,
+        sys::map_info(old.as_fd()).unwrap().id,
+        "the pin is left alone"
+    );
 }
