@@ -1142,6 +1142,16 @@ async fn an_upgrade_from_the_first_ct_entry_layout_keeps_every_connection() {
             assert_eq!(*new, CtEntry::from(*old), "{key:?}");
         }
     }
+    for (map, old) in [("ct4", old4.len()), ("ct6", old6.len())] {
+        let log = node.loader.log();
+        let copied = log
+            .lines()
+            .filter(|l| l.contains("conntrack map migrated to the current entry layout"))
+            .find(|l| l.contains(&format!("map=\"{map}\"")))
+            .and_then(|l| l.split("copied=").nth(1)?.split(' ').next()?.parse::<usize>().ok())
+            .unwrap_or_else(|| panic!("the migration of {map} is logged with its count: {log}"));
+        assert!(copied >= old, "{map}: {copied} of {old} entries counted as copied");
+    }
     assert_eq!(
         new4[&idle_ct4_key(9)],
         CtEntry::from(idle_entry(4)),
