@@ -19,7 +19,7 @@ enum Step {
     Check(fn() -> Result<()>),
 }
 
-/// Runs fmt check, the dependency rules, clippy, all tests and doc tests;
+/// Runs fmt check, the dependency rules, clippy, the docs, all tests and doc tests;
 /// `cargo_test_args` are appended to both `cargo test` invocations (a filter, cargo
 /// flags, or `-- <test binary args>`).
 pub fn run(cargo_test_args: &[String]) -> Result<()> {
@@ -49,6 +49,12 @@ fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Step)> {
     }
     clippy.args(["--", "-D", "warnings"]);
 
+    // Broken intra-doc links (e.g. to items a move made private) and stray HTML
+    // in doc comments fail like clippy warnings do.
+    let mut docs = cmd::cargo();
+    docs.args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+
     // `--all-targets` does not include doc tests, hence the separate `--doc` run.
     let mut tests = cmd::cargo();
     tests
@@ -62,6 +68,7 @@ fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Step)> {
         ("fmt", Step::Run(fmt)),
         ("dependencies", Step::Check(deps::run)),
         ("clippy", Step::Run(clippy)),
+        ("docs", Step::Run(docs)),
         ("test", Step::Run(tests)),
         ("doc tests", Step::Run(doc_tests)),
     ]
@@ -76,7 +83,7 @@ mod tests {
         let extra = ["ipam".to_string(), "--".to_string(), "--nocapture".to_string()];
         let steps = steps(&extra);
         let names: Vec<&str> = steps.iter().map(|(name, _)| *name).collect();
-        assert_eq!(names, ["fmt", "dependencies", "clippy", "test", "doc tests"]);
+        assert_eq!(names, ["fmt", "dependencies", "clippy", "docs", "test", "doc tests"]);
         let rendered: Vec<(&str, String)> = steps
             .iter()
             .filter_map(|(name, step)| match step {
@@ -86,11 +93,25 @@ mod tests {
             .collect();
         assert!(rendered[0].1.ends_with("fmt --all -- --check"));
         assert!(rendered[1].1.ends_with("-- -D warnings"));
+        assert!(rendered[2].1.ends_with("doc --workspace --no-deps"));
         assert!(
-            rendered[2]
+            rendered[3]
                 .1
                 .ends_with("test --workspace --all-targets ipam -- --nocapture")
         );
-        assert!(rendered[3].1.ends_with("test --workspace --doc ipam -- --nocapture"));
+        assert!(rendered[4].1.ends_with("test --workspace --doc ipam -- --nocapture"));
+    }
+
+    #[test]
+    fn docs_are_built_with_warnings_denied() {
+        let steps = steps(&[]);
+        let Some((_, Step::Run(docs))) = steps.iter().find(|(name, _)| *name == "docs") else {
+            panic!("no docs step");
+        };
+        let flags = docs
+            .get_envs()
+            .find(|(key, _)| *key == "RUSTDOCFLAGS")
+            .and_then(|(_, v)| v);
+        assert_eq!(flags, Some(std::ffi::OsStr::new("-D warnings")));
     }
 }
