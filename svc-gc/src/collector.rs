@@ -347,7 +347,10 @@ impl Inner {
         let clock = self.clock.clone();
         let result = tokio::task::spawn_blocking(move || run_pass(&mut lock(&maps), &plan, clock.as_ref()))
             .await
-            .unwrap_or_else(|e| Err(PassError::Unavailable(format!("the pass panicked: {e}"))));
+            .unwrap_or_else(|e| {
+                tracing::error!(pass = number, error = %e, "the pass panicked");
+                Err(PassError::Panicked { pass: number })
+            });
         {
             let mut state = lock(&self.state);
             match &result {

@@ -183,6 +183,13 @@ pub enum PassError {
     /// No map could be opened (not pinned yet, wrong shape).
     #[error("no map could be opened: {0}")]
     Unavailable(String),
+    /// The pass panicked (a bug, logged with the panic); the next pass
+    /// starts afresh.
+    #[error("pass {pass} panicked")]
+    Panicked {
+        /// The pass.
+        pass: u64,
+    },
 }
 
 /// A conntrack map handle.

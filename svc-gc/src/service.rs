@@ -8,6 +8,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::classify::Timeouts;
 use crate::collector::{Collector, CollectorStatus, RunNowError};
+use crate::pass::PassError;
 use crate::pass::{DeletedCounts, MapReport, OrphanCheck, PassReport, Trigger};
 
 /// How long RunNow waits when the call carries no deadline.
@@ -143,7 +144,11 @@ impl pb::gc_service_server::GcService for GcService {
             })),
             Err(e) => {
                 let (code, reason) = match &e {
-                    RunNowError::Pass(_) => (Code::Unavailable, pb::ErrorReason::MapsUnavailable),
+                    RunNowError::Pass(PassError::Unavailable(_)) => {
+                        (Code::Unavailable, pb::ErrorReason::MapsUnavailable)
+                    }
+                    // A bug: nothing for a client to act on.
+                    RunNowError::Pass(PassError::Panicked { .. }) => return Err(Status::internal(e.to_string())),
                     RunNowError::DeadlineExceeded(_) => (Code::DeadlineExceeded, pb::ErrorReason::PassContinues),
                     RunNowError::Stopped => (Code::Unavailable, pb::ErrorReason::CollectorStopped),
                 };
