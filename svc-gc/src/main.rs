@@ -35,7 +35,7 @@ struct Flags {
     common: CommonArgs,
 
     /// Mount point of the BPF filesystem; the maps are `<bpffs>/rivet/<node-name>/ct4` and `ct6`
-    /// (svc-loader's layout).
+    /// (the pin layout of `rivet_common::pin_layout`, which svc-loader creates).
     #[arg(long, env = "RIVET_BPFFS", default_value = pin::DEFAULT_BPFFS)]
     bpffs: PathBuf,
 
