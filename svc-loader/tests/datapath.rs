@@ -117,7 +117,7 @@ async fn policy_allows_denies_and_conntrack_lets_replies_through() {
         true,
         true,
         vec![
-            entry(Ingress, A, Protocol::Icmpv6, 0, 0, Allow),
+            entry(Ingress, A, Protocol::Icmp, 0, 0, Allow),
             entry(Ingress, A, Protocol::Icmpv6, 0, 0, Allow),
             entry(Ingress, A, Protocol::Tcp, 8080, 0, Allow),
             entry(Ingress, A, Protocol::Udp, 5353, 0, Allow),
@@ -453,7 +453,7 @@ async fn identity_change_under_traffic_drops_nothing_still_allowed() {
         true,
         false,
         vec![
-            entry(Ingress, A, Protocol::Icmpv6, 0, 0, Allow),
+            entry(Ingress, A, Protocol::Icmp, 0, 0, Allow),
             entry(Ingress, 4242, Protocol::Icmp, 0, 0, Allow),
         ],
     );
