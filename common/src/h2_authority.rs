@@ -90,12 +90,51 @@ struct PendingBlock {
     raw: Vec<u8>,
 }
 
+/// HTTP/2 framing the rewriter must understand and cannot.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FramingViolation {
+    /// A frame other than CONTINUATION inside a header block.
+    #[error("a frame of type {kind:#x} inside the header block of stream {stream}")]
+    FrameInsideBlock {
+        /// The frame's type.
+        kind: u8,
+        /// The stream of the header block.
+        stream: u32,
+    },
+    /// A header block larger than the rewriter buffers.
+    #[error("a header block of stream {stream} over {MAX_HEADER_BLOCK} bytes")]
+    BlockTooLarge {
+        /// The stream.
+        stream: u32,
+    },
+    /// A HEADERS frame whose padding or priority does not fit.
+    #[error("a malformed HEADERS frame on stream {stream}")]
+    MalformedHeaders {
+        /// The stream.
+        stream: u32,
+    },
+    /// HEADERS inside a block, or CONTINUATION outside one (or of another stream).
+    #[error(
+        "a {} frame on stream {stream} where {} was expected",
+        if *headers { "HEADERS" } else { "CONTINUATION" },
+        if *in_block { "a CONTINUATION" } else { "no header block" }
+    )]
+    UnexpectedFrame {
+        /// The stream.
+        stream: u32,
+        /// HEADERS (else CONTINUATION).
+        headers: bool,
+        /// Whether a header block was open.
+        in_block: bool,
+    },
+}
+
 /// Why a connection is cut.
 #[derive(Debug, thiserror::Error)]
 pub enum RewriteError {
     /// Frames that break HTTP/2 framing where the rewriter must understand them.
     #[error("HTTP/2 framing: {0}")]
-    Framing(String),
+    Framing(#[from] FramingViolation),
     /// A header block HPACK cannot decode after the connection was rewritten.
     #[error("HPACK: header block of stream {stream}: {reason}")]
     Hpack {
@@ -239,10 +278,7 @@ impl AuthorityRewriter {
                     let in_block = self.block.is_some();
                     if kind != HEADERS && kind != CONTINUATION {
                         if in_block {
-                            return self.framing(
-                                format!("a frame of type {kind:#x} inside the header block of stream {stream}"),
-                                out,
-                            );
+                            return self.framing(FramingViolation::FrameInsideBlock { kind, stream }, out);
                         }
                         out.extend_from_slice(&available[..FRAME_HEADER]);
                         *consumed += FRAME_HEADER;
@@ -251,10 +287,7 @@ impl AuthorityRewriter {
                     }
                     let buffered = self.block.as_ref().map_or(0, |b| b.raw.len());
                     if buffered + FRAME_HEADER + length > MAX_HEADER_BLOCK {
-                        return self.framing(
-                            format!("a header block of stream {stream} over {MAX_HEADER_BLOCK} bytes"),
-                            out,
-                        );
+                        return self.framing(FramingViolation::BlockTooLarge { stream }, out);
                     }
                     if available.len() < FRAME_HEADER + length {
                         return Ok(());
@@ -266,7 +299,7 @@ impl AuthorityRewriter {
                             let (priority, fragment) = match split_headers_payload(flags, payload) {
                                 Some(parts) => parts,
                                 None => {
-                                    return self.framing(format!("a malformed HEADERS frame on stream {stream}"), out);
+                                    return self.framing(FramingViolation::MalformedHeaders { stream }, out);
                                 }
                             };
                             self.block = Some(PendingBlock {
@@ -283,11 +316,11 @@ impl AuthorityRewriter {
                         }
                         _ => {
                             return self.framing(
-                                format!(
-                                    "a {} frame on stream {stream} where {} was expected",
-                                    if kind == HEADERS { "HEADERS" } else { "CONTINUATION" },
-                                    if in_block { "a CONTINUATION" } else { "no header block" }
-                                ),
+                                FramingViolation::UnexpectedFrame {
+                                    stream,
+                                    headers: kind == HEADERS,
+                                    in_block,
+                                },
                                 out,
                             );
                         }
@@ -304,7 +337,7 @@ impl AuthorityRewriter {
 
     /// Broken framing: while only inspecting, h2 gets the bytes and says so
     /// itself; once rewriting, the connection cannot go on.
-    fn framing(&mut self, reason: String, out: &mut Vec<u8>) -> Result<(), RewriteError> {
+    fn framing(&mut self, reason: FramingViolation, out: &mut Vec<u8>) -> Result<(), RewriteError> {
         if self.mode == Mode::Inspect {
             tracing::debug!(%reason, "passing the connection to h2 as it came");
             out.extend(self.block.take().map(|b| b.raw).unwrap_or_default());
