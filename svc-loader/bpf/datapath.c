@@ -18,8 +18,9 @@
  * follow their flow through the `fragments` map (see frag_track).
  *
  * A connection's first packet is judged by policy and creates a conntrack
- * entry keyed by (tuple, direction of the endpoint); later packets and
- * replies only touch that entry. Pod-to-pod traffic on the node meets both
+ * entry keyed by (tuple, direction of the endpoint) that caches the verdict
+ * with the policy revision it was taken at; later packets and replies only
+ * touch that entry until the revision changes (see enforce). Pod-to-pod traffic on the node meets both
  * policies in the source's from_container (the source's egress, then the
  * destination's ingress) and enters the destination pod by a redirect to
  * the veth peer, which skips the host veth's egress hook: each policy
