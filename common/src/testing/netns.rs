@@ -147,7 +147,59 @@ pub enum NetnsError {
     },
     /// A caller mistake (a name too long, a pod without address, …).
     #[error("invalid argument: {0}")]
-    Invalid(String),
+    Invalid(#[from] InvalidArgument),
+}
+
+/// A caller mistake the harness refuses before touching anything.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidArgument {
+    /// A namespace prefix that is empty, too long or not `[a-z0-9]`.
+    #[error("namespace prefix {prefix:?} must be 1 to {NS_PREFIX_MAX} characters of [a-z0-9]")]
+    NamespacePrefix {
+        /// The prefix given.
+        prefix: String,
+    },
+    /// No network namespace of that name.
+    #[error("there is no network namespace {name:?} ({} does not exist)", path.display())]
+    NoNamespace {
+        /// The name given.
+        name: String,
+        /// Where it would be.
+        path: std::path::PathBuf,
+    },
+    /// `NetNs::run` without a program.
+    #[error("NetNs::run needs a program")]
+    NoProgram,
+    /// A sysctl that is not per network namespace.
+    #[error("sysctl {key} is not per network namespace; only net.* keys may be set")]
+    NotNetSysctl {
+        /// The key given.
+        key: String,
+    },
+    /// A host veth prefix that is empty or too long.
+    #[error("host veth prefix {prefix:?} must be 1 to {} bytes", IFNAME_MAX - 5)]
+    HostPrefix {
+        /// The prefix given.
+        prefix: String,
+    },
+    /// A pod name that is empty or already used.
+    #[error("pod name {name:?} is empty or already used")]
+    PodName {
+        /// The name given.
+        name: String,
+    },
+    /// A pod with neither an IPv4 nor an IPv6 address.
+    #[error("pod {name} has no address")]
+    PodWithoutAddress {
+        /// The pod.
+        name: String,
+    },
+    /// An interface name the kernel would refuse.
+    #[error("interface name {name:?} must be 1 to {IFNAME_MAX} printable bytes without '/', ':' or spaces")]
+    InterfaceName {
+        /// The name given.
+        name: String,
+    },
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> NetnsError {
@@ -199,9 +251,7 @@ impl NetNs {
             || prefix.len() > NS_PREFIX_MAX
             || !prefix.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
         {
-            return Err(NetnsError::Invalid(format!(
-                "namespace prefix {prefix:?} must be 1 to {NS_PREFIX_MAX} characters of [a-z0-9]"
-            )));
+            return Err(InvalidArgument::NamespacePrefix { prefix: prefix.into() }.into());
         }
         let pid = std::process::id();
         let mut attempts = 0;
@@ -247,10 +297,11 @@ impl NetNs {
             owned: false,
         };
         if !ns.path().exists() || name.contains('/') {
-            return Err(NetnsError::Invalid(format!(
-                "there is no network namespace {name:?} ({} does not exist)",
-                ns.path().display()
-            )));
+            return Err(InvalidArgument::NoNamespace {
+                name: name.into(),
+                path: ns.path().to_path_buf(),
+            }
+            .into());
         }
         Ok(ns)
     }
@@ -284,7 +335,7 @@ impl NetNs {
     pub fn run(&self, args: &[&str]) -> Result<String, NetnsError> {
         let (program, rest) = args
             .split_first()
-            .ok_or_else(|| NetnsError::Invalid("NetNs::run needs a program".to_owned()))?;
+            .ok_or(NetnsError::Invalid(InvalidArgument::NoProgram))?;
         let out = output(self.command(program).args(rest))?;
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
@@ -364,9 +415,7 @@ impl NetNs {
     /// Several `sysctl -qw` settings in one child process.
     pub fn sysctls(&self, settings: &[(&str, &str)]) -> Result<(), NetnsError> {
         if let Some((key, _)) = settings.iter().find(|(key, _)| !key.starts_with("net.")) {
-            return Err(NetnsError::Invalid(format!(
-                "sysctl {key} is not per network namespace; only net.* keys may be set"
-            )));
+            return Err(InvalidArgument::NotNetSysctl { key: (*key).into() }.into());
         }
         let pairs: Vec<String> = settings.iter().map(|(k, v)| format!("{k}={v}")).collect();
         output(self.command("sysctl").arg("-qw").args(&pairs))?;
@@ -715,10 +764,10 @@ impl TestNode {
     /// (`host_prefix` at most 10 bytes, so names fit 15).
     pub fn with_host_prefix(host_prefix: &str) -> Result<Self, NetnsError> {
         if host_prefix.is_empty() || host_prefix.len() > IFNAME_MAX - 5 {
-            return Err(NetnsError::Invalid(format!(
-                "host veth prefix {host_prefix:?} must be 1 to {} bytes",
-                IFNAME_MAX - 5
-            )));
+            return Err(InvalidArgument::HostPrefix {
+                prefix: host_prefix.into(),
+            }
+            .into());
         }
         check_ifname(host_prefix)?;
         let n = NODE_COUNTER.fetch_add(1, Ordering::Relaxed) % 254 + 1;
@@ -763,13 +812,10 @@ impl TestNode {
     /// answers ARP/ND for it, or the static neighbour entries stand in.
     pub fn add_pod(&mut self, spec: PodSpec) -> Result<&TestPod, NetnsError> {
         if spec.name.is_empty() || self.pods.iter().any(|p| p.spec.name == spec.name) {
-            return Err(NetnsError::Invalid(format!(
-                "pod name {:?} is empty or already used",
-                spec.name
-            )));
+            return Err(InvalidArgument::PodName { name: spec.name }.into());
         }
         if spec.ipv4.is_none() && spec.ipv6.is_none() {
-            return Err(NetnsError::Invalid(format!("pod {} has no address", spec.name)));
+            return Err(InvalidArgument::PodWithoutAddress { name: spec.name }.into());
         }
         let host_ifname = format!("{}{}", self.host_prefix, self.next_pod);
         check_ifname(&host_ifname)?;
@@ -1208,9 +1254,7 @@ fn check_ifname(name: &str) -> Result<(), NetnsError> {
             .bytes()
             .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace() || !b.is_ascii_graphic())
     {
-        return Err(NetnsError::Invalid(format!(
-            "interface name {name:?} must be 1 to {IFNAME_MAX} printable bytes without '/', ':' or spaces"
-        )));
+        return Err(InvalidArgument::InterfaceName { name: name.into() }.into());
     }
     Ok(())
 }
