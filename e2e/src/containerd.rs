@@ -44,7 +44,7 @@ use nix::unistd::Pid;
 
 use crate::cri::Cri;
 use crate::image::{BUSYBOX_IMAGE, PAUSE_IMAGE};
-use crate::{Error, Result, io_context, tail};
+use crate::{Error, Missing, Result, io_context, tail};
 
 /// The containerd namespace the CRI plugin uses.
 pub const CRI_NAMESPACE: &str = "k8s.io";
@@ -131,9 +131,7 @@ impl ContainerdConfig {
 pub fn check_prerequisites() -> Result<()> {
     check_binaries(std::env::var_os("PATH").unwrap_or_default())?;
     if !nix::unistd::geteuid().is_root() {
-        return Err(Error::Missing(
-            "running pods with containerd needs root (mounts, namespaces, cgroups)".to_owned(),
-        ));
+        return Err(Missing::Root.into());
     }
     Ok(())
 }
@@ -143,11 +141,12 @@ pub fn check_prerequisites() -> Result<()> {
 pub fn check_binaries(path: OsString) -> Result<()> {
     for (binary, package) in REQUIRED_BINARIES {
         if find_in_path(binary, &path).is_none() {
-            return Err(Error::Missing(format!(
-                "`{binary}` is not on PATH ({package}); containerd with runc is needed to run pods \
-                 (PATH={})",
-                path.to_string_lossy()
-            )));
+            return Err(Missing::Binary {
+                binary: (*binary).into(),
+                package: (*package).into(),
+                path: path.to_string_lossy().into_owned(),
+            }
+            .into());
         }
     }
     Ok(())

@@ -23,7 +23,7 @@ use std::path::Path;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::{Error, Result, io_context};
+use crate::{Error, Missing, Result, io_context};
 
 /// The sandbox ("pause") image: busybox sleeping until killed.
 pub const PAUSE_IMAGE: &str = "docker.io/rivet/pause:e2e";
@@ -99,10 +99,9 @@ pub fn oci_arch() -> &'static str {
 pub fn busybox_layer(busybox: &Path) -> Result<Vec<u8>> {
     let binary = std::fs::read(busybox).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
-            Error::Missing(format!(
-                "{} not found: the e2e images are built from a static busybox (Debian package busybox-static)",
-                busybox.display()
-            ))
+            Error::Missing(Missing::Busybox {
+                path: busybox.to_path_buf(),
+            })
         } else {
             Error::Io {
                 context: format!("reading {}", busybox.display()),

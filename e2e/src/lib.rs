@@ -38,12 +38,36 @@ pub mod runtime {
     }
 }
 
+/// What this machine lacks for the harness.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Missing {
+    /// Not running as root.
+    #[error("running pods with containerd needs root (mounts, namespaces, cgroups)")]
+    Root,
+    /// A required binary is not on `PATH`.
+    #[error("`{binary}` is not on PATH ({package}); containerd with runc is needed to run pods (PATH={path})")]
+    Binary {
+        /// The binary.
+        binary: String,
+        /// The Debian package that provides it.
+        package: String,
+        /// The `PATH` searched.
+        path: String,
+    },
+    /// The static busybox the images are built from.
+    #[error("{} not found: the e2e images are built from a static busybox (Debian package busybox-static)", path.display())]
+    Busybox {
+        /// Where it was looked for.
+        path: std::path::PathBuf,
+    },
+}
+
 /// Everything that can go wrong while running pods.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Something this machine must provide is missing (a binary, root).
     #[error("the containerd e2e harness cannot run: {0}")]
-    Missing(String),
+    Missing(#[from] Missing),
     /// A command ran and failed.
     #[error("`{cmd}` failed ({status}): {stderr}")]
     Command {
