@@ -106,7 +106,7 @@ pub struct CollectorStatus {
 }
 
 /// Why RunNow returned without a pass.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum RunNowError {
     /// The pass could not open any map.
     #[error(transparent)]

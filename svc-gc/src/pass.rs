@@ -28,6 +28,7 @@
 //! `ct6` ([`Reason::NatWithoutConnection`]); the re-check and batch delete
 //! are the same.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rivet_datapath::maps::{Ct4Key, Ct6Key, CtEntry};
@@ -178,11 +179,16 @@ pub struct PassReport {
 }
 
 /// A pass that could not run at all.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum PassError {
-    /// No map could be opened (not pinned yet, wrong shape).
-    #[error("no map could be opened: {0}")]
-    Unavailable(String),
+    /// No map could be opened (not pinned yet, wrong shape): why, per map.
+    #[error("no map could be opened: {ct4}; {ct6}")]
+    Unavailable {
+        /// Why `ct4` could not be opened.
+        ct4: Arc<MapError>,
+        /// Why `ct6` could not be opened.
+        ct6: Arc<MapError>,
+    },
     /// The pass panicked (a bug, logged with the panic); the next pass
     /// starts afresh.
     #[error("pass {pass} panicked")]
@@ -366,7 +372,12 @@ pub struct PassPlan {
     pub orphan_check: OrphanCheck,
 }
 
-fn sweep_slot<K: CtKey + 'static>(slot: &mut Slot<K>, rules: &CtRules, clock: &dyn Clock) -> (MapReport, bool) {
+/// Sweeps one map; the error is why it could not be opened.
+fn sweep_slot<K: CtKey + 'static>(
+    slot: &mut Slot<K>,
+    rules: &CtRules,
+    clock: &dyn Clock,
+) -> (MapReport, Option<MapError>) {
     match slot.get() {
         Ok(map) => {
             let report = sweep_ct(map.as_mut(), rules, clock);
@@ -374,7 +385,7 @@ fn sweep_slot<K: CtKey + 'static>(slot: &mut Slot<K>, rules: &CtRules, clock: &d
                 // Start from a fresh handle next time.
                 slot.close();
             }
-            (report, true)
+            (report, None)
         }
         Err(e) => (
             MapReport {
@@ -382,7 +393,7 @@ fn sweep_slot<K: CtKey + 'static>(slot: &mut Slot<K>, rules: &CtRules, clock: &d
                 error: Some(e.to_string()),
                 ..MapReport::default()
             },
-            false,
+            Some(e),
         ),
     }
 }
@@ -392,13 +403,15 @@ pub fn run_pass(maps: &mut GcMaps, plan: &PassPlan, clock: &dyn Clock) -> Result
     let started = Instant::now();
     let started_unix_nanos = clock.unix_nanos();
     let started_monotonic = clock.monotonic_nanos();
-    let (ct4, open4) = sweep_slot(&mut maps.ct4, &plan.rules, clock);
-    let (ct6, open6) = sweep_slot(&mut maps.ct6, &plan.rules, clock);
-    let reports = vec![ct4, ct6];
-    if !open4 && !open6 {
-        let why: Vec<String> = reports.iter().filter_map(|r| r.error.clone()).collect();
-        return Err(PassError::Unavailable(why.join("; ")));
+    let (ct4, closed4) = sweep_slot(&mut maps.ct4, &plan.rules, clock);
+    let (ct6, closed6) = sweep_slot(&mut maps.ct6, &plan.rules, clock);
+    if let (Some(ct4), Some(ct6)) = (closed4, closed6) {
+        return Err(PassError::Unavailable {
+            ct4: Arc::new(ct4),
+            ct6: Arc::new(ct6),
+        });
     }
+    let reports = vec![ct4, ct6];
     let scanned = reports.iter().map(|m| m.scanned).sum::<u64>();
     let mut deleted = DeletedCounts::default();
     for m in &reports {

@@ -144,7 +144,7 @@ impl pb::gc_service_server::GcService for GcService {
             })),
             Err(e) => {
                 let (code, reason) = match &e {
-                    RunNowError::Pass(PassError::Unavailable(_)) => {
+                    RunNowError::Pass(PassError::Unavailable { .. }) => {
                         (Code::Unavailable, pb::ErrorReason::MapsUnavailable)
                     }
                     // A bug: nothing for a client to act on.
