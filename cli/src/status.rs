@@ -690,6 +690,7 @@ mod tests {
             ],
             boot_id: "b".into(),
             policy_dir: None,
+            ..Default::default()
         }
     }
 

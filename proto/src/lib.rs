@@ -59,6 +59,14 @@ pub mod gc {
     }
 }
 
+/// svc-k8s-sync: pod lookups and watch status (`rivet.k8s.v1`).
+pub mod k8s {
+    /// Version 1.
+    pub mod v1 {
+        tonic::include_proto!("rivet.k8s.v1");
+    }
+}
+
 /// Why a call failed, as one API declares it: the `ErrorReason` enum of its
 /// proto. A server sends the value's name as the `reason` of a
 /// `google.rpc.ErrorInfo` detail in the API's [`DOMAIN`](Self::DOMAIN)
@@ -118,6 +126,7 @@ error_reason!(
     endpoint::v1::ErrorReason => "endpoint.rivet.io",
     loader::v1::ErrorReason => "loader.rivet.io",
     gc::v1::ErrorReason => "gc.rivet.io",
+    k8s::v1::ErrorReason => "k8s.rivet.io",
 );
 
 /// A message that carries the `boot_id` of the server that produced it.
@@ -166,6 +175,12 @@ has_boot_id!(
     endpoint::v1::GetPolicyResponse,
     endpoint::v1::SetNamespaceLabelsResponse,
     endpoint::v1::ListNamespacesResponse,
+    endpoint::v1::WatchEndpointsResponse,
+    endpoint::v1::SetPodMetadataResponse,
+    endpoint::v1::DeletePodMetadataResponse,
+    endpoint::v1::ReplayKubernetesResponse,
+    k8s::v1::LookupPodResponse,
+    k8s::v1::GetStatusResponse,
     loader::v1::ApplyEndpointResponse,
     loader::v1::RemoveEndpointResponse,
     loader::v1::GetEndpointPolicyResponse,
@@ -210,9 +225,10 @@ mod tests {
     fn every_reason_enum_round_trips() {
         round_trips::<crate::ipam::v1::ErrorReason>(8);
         round_trips::<crate::identity::v1::ErrorReason>(6);
-        round_trips::<crate::endpoint::v1::ErrorReason>(14);
+        round_trips::<crate::endpoint::v1::ErrorReason>(16);
         round_trips::<crate::loader::v1::ErrorReason>(8);
         round_trips::<crate::gc::v1::ErrorReason>(3);
+        round_trips::<crate::k8s::v1::ErrorReason>(2);
     }
 
     #[test]

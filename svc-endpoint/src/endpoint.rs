@@ -387,6 +387,7 @@ pub fn to_proto(spec: &EndpointSpec, status: &EndpointStatus, include_history: b
                 port: u32::from(p.port),
             })
             .collect(),
+        labels_pending: false,
     }
 }
 

@@ -425,6 +425,15 @@ impl pb::endpoint_service_server::EndpointService for EndpointApi {
         }))
     }
 
+    type WatchEndpointsStream = futures::stream::BoxStream<'static, Result<pb::WatchEndpointsResponse, Status>>;
+
+    async fn watch_endpoints(
+        &self,
+        _: Request<pb::WatchEndpointsRequest>,
+    ) -> Result<Response<Self::WatchEndpointsStream>, Status> {
+        Err(Status::unimplemented("svc-endpoint: WatchEndpoints is not served yet"))
+    }
+
     async fn get_status(&self, _: Request<pb::GetStatusRequest>) -> Result<Response<pb::GetStatusResponse>, Status> {
         let restore = self.manager.restore_progress();
         let (revision, policies) = self.manager.policy_summary();
@@ -476,6 +485,15 @@ impl pb::endpoint_service_server::EndpointService for EndpointApi {
                     last_error: dir.last_error,
                 })
             },
+            // Every origin is accepted and pod metadata comes with the CNI
+            // call until Kubernetes mode lands (issue 14).
+            policy_sources: vec![
+                pb::PolicyOrigin::Api.into(),
+                pb::PolicyOrigin::Directory.into(),
+                pb::PolicyOrigin::Kubernetes.into(),
+            ],
+            kubernetes_mode: false,
+            labels_pending: 0,
         }))
     }
 }
