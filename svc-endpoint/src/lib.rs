@@ -31,7 +31,7 @@ pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
     (
         rivet_proto::endpoint::v1::endpoint_service_server::SERVICE_NAME,
-        &["GetEndpoint", "ListEndpoints", "GetStatus"],
+        &["GetEndpoint", "ListEndpoints", "GetStatus", "WatchEndpoints"],
     ),
     (
         rivet_proto::endpoint::v1::policy_service_server::SERVICE_NAME,

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
+use futures::StreamExt;
 use rivet_common::grpc::BootId;
 use rivet_common::k8s_name::{self, NameError};
 use rivet_common::labels::Labels;
@@ -15,7 +16,8 @@ use tonic::{Request, Response, Status};
 
 use crate::endpoint::{self, EndpointAddress, EndpointSpec, EndpointState, unix_nanos};
 use crate::manager::{
-    DEFAULT_NAMESPACE, EndpointManager, EndpointSelector, ManagerError, NewEndpoint, parse_namespace_label,
+    DEFAULT_NAMESPACE, EndpointEvent, EndpointManager, EndpointSelector, ManagerError, NewEndpoint,
+    parse_namespace_label,
 };
 use rivet_policy::{NamedPort, Policy, PolicyKey, PolicyKind, PolicyOrigin, Protocol, StoredPolicy};
 
@@ -429,9 +431,23 @@ impl pb::endpoint_service_server::EndpointService for EndpointApi {
 
     async fn watch_endpoints(
         &self,
-        _: Request<pb::WatchEndpointsRequest>,
+        request: Request<pb::WatchEndpointsRequest>,
     ) -> Result<Response<Self::WatchEndpointsStream>, Status> {
-        Err(Status::unimplemented("svc-endpoint: WatchEndpoints is not served yet"))
+        use pb::watch_endpoints_response::Event;
+        let include_history = request.get_ref().include_history;
+        let boot_id = self.boot_id();
+        let events = self.manager.watch().map(move |event| {
+            let event = match event {
+                EndpointEvent::Upserted(v) => Event::Upserted(endpoint::to_proto(&v.spec, &v.status, include_history)),
+                EndpointEvent::Removed(v) => Event::Removed(endpoint::to_proto(&v.spec, &v.status, include_history)),
+                EndpointEvent::Synced => Event::Synced(true),
+            };
+            Ok(pb::WatchEndpointsResponse {
+                event: Some(event),
+                boot_id: boot_id.clone(),
+            })
+        });
+        Ok(Response::new(events.boxed()))
     }
 
     async fn get_status(&self, _: Request<pb::GetStatusRequest>) -> Result<Response<pb::GetStatusResponse>, Status> {

@@ -98,8 +98,10 @@ impl EndpointManager {
                         queue: queue.clone(),
                         persisted: None,
                         resolving: None,
+                        changed: 0,
                     },
                 );
+                state.changed(id);
                 self.spawn_worker(id, queue.clone());
                 let generation = queue.request("created");
                 self.update_state_metrics(&state);

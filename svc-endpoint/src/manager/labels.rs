@@ -81,12 +81,14 @@ impl EndpointManager {
                 slot.spec.labels = labels.clone();
                 slot.status
                     .transition(id, EndpointState::WaitingToRegenerate, "labels changed");
-                waits.push((
+                let wait = (
                     id,
                     slot.queue.clone(),
                     slot.status.identity,
                     slot.queue.request("labels changed"),
-                ));
+                );
+                state.changed(id);
+                waits.push(wait);
             }
             waits
         };

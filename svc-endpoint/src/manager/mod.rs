@@ -33,6 +33,7 @@
 mod cidr;
 mod create;
 mod dependencies;
+mod endpoint_watch;
 mod error;
 mod interfaces;
 mod labels;
@@ -67,6 +68,7 @@ use worker::Workers;
 
 use dependencies::Dependency;
 pub use dependencies::DependencyStatus;
+pub use endpoint_watch::EndpointEvent;
 pub use error::{ManagerError, RegenError};
 pub use labels::{DEFAULT_NAMESPACE, NAMESPACE_NAME_LABEL, NamespaceLabels, parse_namespace_label};
 pub use policies::{PolicyDirStatus, PolicyUpdate};
@@ -173,6 +175,9 @@ struct Slot {
     /// The identity labels a running regeneration resolved the policy for
     /// (a selector change after that needs one more regeneration).
     resolving: Option<Labels>,
+    /// [`ChangeFeed`] revision of its last change (WatchEndpoints readers
+    /// send the endpoints whose revision moved).
+    changed: u64,
 }
 
 impl Slot {
@@ -204,6 +209,28 @@ struct State {
     /// CIDR identities no policy wants any more whose release svc-identity
     /// has not confirmed yet.
     cidr_releases: BTreeSet<IpNet>,
+    /// Tells WatchEndpoints readers that endpoints changed.
+    changes: ChangeFeed,
+}
+
+/// A revision counter of endpoint changes and a watch of it: every change
+/// of an endpoint (state, identity, labels, realised policy, error,
+/// creation, removal) takes the next revision and publishes it. Readers
+/// never block the manager: they wake on the latest revision and compare
+/// [`Slot::changed`] with what they sent (coalescing what they missed).
+#[derive(Debug)]
+struct ChangeFeed {
+    revision: u64,
+    published: watch::Sender<u64>,
+}
+
+impl Default for ChangeFeed {
+    fn default() -> Self {
+        Self {
+            revision: 0,
+            published: watch::channel(0).0,
+        }
+    }
 }
 
 impl State {
@@ -239,6 +266,17 @@ impl State {
             })
             .map(|(id, _)| *id)
             .collect()
+    }
+
+    /// Records a change of endpoint `id` (also its removal) for
+    /// WatchEndpoints readers.
+    fn changed(&mut self, id: u16) {
+        self.changes.revision += 1;
+        let revision = self.changes.revision;
+        if let Some(slot) = self.endpoints.get_mut(&id) {
+            slot.changed = revision;
+        }
+        self.changes.published.send_replace(revision);
     }
 
     fn counts(&self) -> Vec<(EndpointState, usize)> {

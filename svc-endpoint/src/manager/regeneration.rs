@@ -94,6 +94,7 @@ impl EndpointManager {
                         slot.persisted = Some(record);
                     }
                     slot.status.transition(id, EndpointState::Ready, reason);
+                    state.changed(id);
                     events::regeneration_completed(&self.inner.metrics, id, identity, revision, reason, took);
                     self.named_ports_changed(&mut state, [previous, identity], addresses, "named ports changed");
                     self.update_state_metrics(&state);
@@ -126,6 +127,7 @@ impl EndpointManager {
                     // endpoint, e.g. after a regeneration failed while
                     // svc-loader was down and the resync succeeded).
                     slot.persisted = None;
+                    state.changed(id);
                     (e, failed)
                 }
             }

@@ -111,6 +111,7 @@ impl EndpointManager {
         slot.status
             .transition(id, EndpointState::Disconnecting, reason.as_str());
         let queue = slot.queue.clone();
+        state.changed(id);
         self.update_state_metrics(&state);
         let attempt = queue.request_removal(reason);
         Some((queue, attempt))
@@ -179,6 +180,7 @@ impl EndpointManager {
                                 message: format!("removal failed at {}: {}", failure.step, failure.status.message()),
                                 at: SystemTime::now(),
                             });
+                            state.changed(id);
                         }
                     }
                     events::removal_failed(&self.inner.metrics, id, failure.step, &failure.status, failures);
@@ -205,6 +207,7 @@ impl EndpointManager {
         };
         let reason = removal.reason.unwrap_or(RemovalReason::Deleted);
         slot.status.transition(id, EndpointState::Disconnected, reason.as_str());
+        state.changed(id);
         // Peers stop resolving its named ports.
         self.named_ports_changed(
             &mut state,

@@ -274,8 +274,10 @@ impl EndpointManager {
                         queue,
                         persisted: Some(record),
                         resolving: None,
+                        changed: 0,
                     },
                 );
+                state.changed(id);
             }
             // Peers' named ports before any regeneration: an endpoint
             // restored before the peers whose ports its rules name would

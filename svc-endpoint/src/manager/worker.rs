@@ -175,6 +175,7 @@ impl EndpointManager {
             return;
         }
         slot.status.transition(id, to, reason);
+        state.changed(id);
         self.update_state_metrics(&state);
     }
 
