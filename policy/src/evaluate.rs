@@ -122,6 +122,10 @@ impl PolicyRepository {
                 }
             }
         }
+        if super::is_initializing(subject.labels) {
+            applies = true;
+            default_deny = true;
+        }
         if !applies || !(default_deny || has_rules) {
             Decision::NotEnforced
         } else if denied {

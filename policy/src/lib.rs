@@ -152,6 +152,15 @@
 //! unlike Kubernetes' "Ingress always" this means an egress-only Rivet policy
 //! does not silently default-deny ingress.
 //!
+//! An endpoint whose labels are not known yet holds the reserved `init`
+//! identity (`reserved:init`; svc-endpoint's Kubernetes mode) and is
+//! default-deny in both directions whatever selects it (as Cilium's
+//! repository does, though its docs say otherwise): nothing tells whether a
+//! NetworkPolicy isolates the pod, so it is treated as isolated until its
+//! labels arrive. Only the host (svc-endpoint's `--allow-from-host`, for
+//! kubelet probes) reaches it meanwhile; no policy kind can name
+//! `reserved:init` as its subject yet ([`is_initializing`]).
+//!
 //! Every entry produced is one the loader accepts: ports only with TCP, UDP
 //! or SCTP, `end_port` only above `port`, named ports resolved to non-zero
 //! numbers.
@@ -177,6 +186,25 @@ use rivet_common::labels::Labels;
 use rivet_proto::loader::v1 as loader;
 
 pub use document::Policy;
+
+/// Whether an endpoint with these identity labels is initializing (holds
+/// the reserved `init` identity): it is default-deny in both directions.
+///
+/// ```
+/// use rivet_common::labels::{Labels, ReservedIdentity};
+///
+/// assert!(rivet_policy::is_initializing(&ReservedIdentity::Init.labels()));
+/// assert!(!rivet_policy::is_initializing(&"k8s:app=web".parse::<Labels>()?));
+/// # Ok::<(), rivet_common::labels::LabelError>(())
+/// ```
+pub fn is_initializing(labels: &rivet_common::labels::Labels) -> bool {
+    labels
+        .get_from(
+            rivet_common::labels::LabelSource::Reserved,
+            rivet_common::labels::ReservedIdentity::Init.name(),
+        )
+        .is_some()
+}
 pub use evaluate::{Decision, PacketPeer};
 pub use repository::{PolicyChange, PolicyRepository, Resolution, ResolvedPolicy, StoredPolicy, Subject};
 pub use selector_cache::{SelectorCache, SelectorChanges};

@@ -64,6 +64,12 @@ pub(crate) fn resolve<'p>(
             }
         }
     }
+    if super::is_initializing(subject.labels) {
+        for st in &mut state {
+            st.applies = true;
+            st.default_deny = true;
+        }
+    }
     for (slot, direction) in Direction::ALL.into_iter().enumerate() {
         let st = state[slot];
         if !st.enforced() {

@@ -451,6 +451,52 @@ fn kubernetes_default_policies_of_a_namespace() {
     }
 }
 
+/// An initializing endpoint (reserved `init` identity: its labels are not
+/// known yet) is default-deny both ways, with or without policies in the
+/// repository, and the oracle agrees; an ordinary pod with no policy is
+/// not enforced.
+#[test]
+fn an_initializing_endpoint_is_default_deny_both_ways() {
+    let cache = fixture();
+    let init = rivet_common::labels::ReservedIdentity::Init.labels();
+    let none: &[String] = &[];
+    for documents in [&[][..], &[ALLOW_ALL_INGRESS, ALLOW_ALL_EGRESS][..]] {
+        let repo = repo(documents);
+        check(
+            "an initializing endpoint",
+            &repo,
+            &cache,
+            &init,
+            &[],
+            (true, true),
+            none,
+        );
+        let peer_labels = identity(WEB);
+        let peer = PacketPeer {
+            identity: WEB,
+            labels: Some(&peer_labels),
+            address: None,
+            named_ports: &[],
+        };
+        for direction in Direction::ALL {
+            assert_eq!(
+                repo.evaluate(&Subject::new(&init), direction, &peer, 6, 80),
+                Decision::DefaultDenied,
+                "the oracle denies {direction} of an initializing endpoint"
+            );
+        }
+    }
+    check(
+        "a pod no policy selects",
+        &repo(&[]),
+        &cache,
+        &identity(WEB),
+        &[],
+        (false, false),
+        none,
+    );
+}
+
 #[test]
 fn kubernetes_test_network_policy() {
     let cache = fixture();
