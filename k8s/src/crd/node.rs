@@ -1,0 +1,101 @@
+//! `RivetNode`: one per node, cluster-scoped, named like the Node. The spec
+//! says how to reach the node's pods (addresses, pod CIDRs, encapsulation);
+//! the status says whether Rivet is ready there. Written by svc-k8s-sync for
+//! its own node; read by the operator and other nodes (multi-node issues).
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The spec of a `RivetNode` (`rivet.io/v1`), cluster-scoped; short name `rnode`.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[kube(
+    group = "rivet.io",
+    version = "v1",
+    kind = "RivetNode",
+    shortname = "rnode",
+    category = "rivet",
+    status = "RivetNodeStatus",
+    derive = "PartialEq",
+    doc = "A node as Rivet sees it: addresses, pod CIDRs, encapsulation, readiness.",
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(name = "PodCIDRs", type_ = "string", json_path = ".spec.podCidrs"),
+    printcolumn(name = "Encapsulation", type_ = "string", json_path = ".spec.encapsulation.mode"),
+    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RivetNodeSpec {
+    /// The node's addresses.
+    #[serde(default)]
+    pub addresses: Vec<NodeAddress>,
+    /// The prefixes the node's pods get addresses from.
+    #[serde(default)]
+    pub pod_cidrs: Vec<String>,
+    /// How other nodes reach this node's pods.
+    #[serde(default)]
+    pub encapsulation: Encapsulation,
+}
+
+/// One node address.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct NodeAddress {
+    /// `InternalIP`, `ExternalIP` (as in the Node's status).
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// The address.
+    pub ip: String,
+}
+
+/// Encapsulation of pod traffic between nodes.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct Encapsulation {
+    /// Direct routing or VXLAN.
+    pub mode: EncapsulationMode,
+    /// The UDP port of the tunnel (VXLAN: 8472 by default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+}
+
+/// How pod traffic crosses nodes.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, Hash, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum EncapsulationMode {
+    /// Routed natively (pod CIDRs are routable between nodes).
+    #[default]
+    Direct,
+    /// VXLAN tunnels between nodes.
+    Vxlan,
+}
+
+/// Whether Rivet is ready on the node.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub struct RivetNodeStatus {
+    /// `Ready` (every daemon ready, caches synced) and others, like a Node's
+    /// conditions.
+    #[serde(default)]
+    pub conditions: Vec<NodeCondition>,
+}
+
+/// One condition, as Kubernetes conditions are written.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeCondition {
+    /// The condition, e.g. `Ready`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True`, `False` or `Unknown`.
+    pub status: String,
+    /// A CamelCase reason for the last transition.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// A human-readable message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// When the status last changed (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_transition_time: Option<String>,
+}

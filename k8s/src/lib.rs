@@ -1,0 +1,35 @@
+//! Rivet's Kubernetes pieces, shared by svc-k8s-sync, svc-identity's
+//! `kubernetes` store and the tests:
+//!
+//! - the custom resources of API group `rivet.io` (version `v1`), as Rust
+//!   types with kube's `CustomResource` derive: [`RivetNetworkPolicy`],
+//!   [`RivetEndpoint`], [`RivetNode`], [`RivetIdentity`]; their
+//!   CustomResourceDefinitions ([`crds`]) are generated into `deploy/crds/`
+//!   by `cargo xtask crds`;
+//! - building a kube client from a kubeconfig or the in-cluster
+//!   ServiceAccount ([`ClusterAccess`]);
+//! - turning a policy object read from the API into a `rivet_policy::Policy`
+//!   ([`policy_from_object`]).
+//!
+//! Not here: watching, reconciling and writing (svc-k8s-sync), identity
+//! allocation (svc-identity).
+
+mod client;
+mod crd;
+mod policy;
+
+pub use client::{ClientError, ClusterAccess};
+pub use crd::endpoint::{RivetEndpoint, RivetEndpointSpec, RivetEndpointState, RivetEndpointStatus};
+pub use crd::identity::{RivetIdentity, RivetIdentitySpec};
+pub use crd::network_policy::{
+    DefaultDeny, EgressRule, IngressRule, IpBlock, PolicyPeer, PolicyPort, RivetNetworkPolicy, RivetNetworkPolicySpec,
+};
+pub use crd::node::{
+    Encapsulation, EncapsulationMode, NodeAddress, NodeCondition, RivetNode, RivetNodeSpec, RivetNodeStatus,
+};
+pub use crd::{API_GROUP, API_VERSION, CrdManifest, crd_manifests, crds};
+pub use policy::policy_from_object;
+
+/// Re-exported so users name one kube and one k8s-openapi.
+pub use k8s_openapi;
+pub use kube;
