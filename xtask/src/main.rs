@@ -52,6 +52,9 @@ enum Command {
     /// (rivet-testkit; aya and svc-loader in the unprivileged ones; svc-loader in svc-gc), as a workspace
     /// build resolves it.
     Deps,
+    /// Write deploy/crds/ from rivet-k8s's CRD types (rivet-k8s's tests/crds.rs fails
+    /// when the checked-in files differ from them).
+    Crds,
 }
 
 /// Runs the command; errors are printed as a short cause chain (no backtrace, even with
@@ -85,6 +88,14 @@ fn run(command: Command) -> Result<()> {
             bench::run(&args)
         }
         Command::Deps => deps::run(),
+        Command::Crds => {
+            let dir = cmd::workspace_root().join("deploy/crds");
+            let mut write = cmd::cargo();
+            write
+                .args(["run", "--quiet", "-p", "rivet-k8s", "--example", "write_crds", "--"])
+                .arg(dir);
+            cmd::run(&mut write)
+        }
     }
 }
 
