@@ -12,7 +12,8 @@
 //! - [`gc`]: the datapath's maps pinned for svc-gc, synthetic conntrack
 //!   entries, the svc-gc command;
 //! - [`cni`]: running a CNI plugin the way a container runtime does;
-//! - [`frames`]: raw frames built by hand and sent from an interface.
+//! - [`frames`]: raw frames built by hand and sent from an interface;
+//! - [`tools`]: where the Go-built tools (Kubernetes, etcd 3.6, Jaeger) are.
 //!
 //! Namespaces, processes and pins come from `rivet_common::testing` and are
 //! removed on drop, also on panic.
@@ -22,3 +23,4 @@ pub mod frames;
 pub mod gc;
 pub mod loader;
 pub mod node;
+pub mod tools;

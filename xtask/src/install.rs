@@ -1,7 +1,10 @@
-//! `cargo xtask install`: make a fresh Debian 12 machine (root, Rust toolchain only)
-//! ready for the tests, the demo and the benchmarks. Every other command runs it first,
-//! so it must be idempotent and cheap when there is nothing to do: it asks dpkg,
-//! /proc/mounts and the user database first and only acts on what is missing.
+//! `cargo xtask install`: make a fresh Debian 12 machine (root, Rust toolchain and Go
+//! only) ready for the tests, the demo and the benchmarks. Every other command runs it
+//! first, so it must be idempotent and cheap when there is nothing to do: it asks dpkg,
+//! /proc/mounts, the user database and the Go tools' stamps first and only acts on what
+//! is missing.
+
+mod go_tools;
 
 use std::fs;
 use std::process::Command;
@@ -15,7 +18,6 @@ use crate::cmd;
 ///   svc-loader's build script;
 /// - iproute2, iputils-ping, iperf3: network namespaces, veth and traffic in the
 ///   cross-process tests, the demo and the benchmarks;
-/// - etcd-server: the kvstore the daemons use, run on 127.0.0.1 in tests;
 /// - protobuf-compiler, libprotobuf-dev: a `protoc` and the well-known types it imports
 ///   (`google/protobuf/descriptor.proto`, only a Recommends of protoc) for etcd-client's
 ///   build script (our own protos are compiled without one);
@@ -25,6 +27,9 @@ use crate::cmd;
 ///   through CRI, with a locally built busybox image;
 /// - python3-grpcio, python3-venv: gRPC clients of another language calling every
 ///   daemon's socket (Debian's grpcio, and PyPI's newer one in [`GRPCIO_VENV`]).
+///
+/// etcd is not among them: Debian's 3.4 is too old for kube-apiserver 1.34; the tests
+/// run the etcd 3.6 that `go_tools` builds.
 pub const PACKAGES: &[&str] = &[
     "clang",
     "llvm",
@@ -32,7 +37,6 @@ pub const PACKAGES: &[&str] = &[
     "iproute2",
     "iputils-ping",
     "iperf3",
-    "etcd-server",
     "protobuf-compiler",
     "libprotobuf-dev",
     "containernetworking-plugins",
@@ -73,14 +77,16 @@ pub const USERS: [(&str, &str, &str); 2] = [
     ("rivet-datapath", "rivet", "Rivet datapath daemons (svc-loader, svc-gc)"),
 ];
 
-/// Installs the missing Debian packages, mounts bpffs and creates the daemons'
-/// users and groups if needed.
+/// Installs the missing Debian packages, mounts bpffs, creates the daemons'
+/// users and groups and builds the Go test tools (Kubernetes, etcd, Jaeger) if
+/// needed.
 pub fn run() -> Result<()> {
     require_root()?;
     install_packages()?;
     install_pypi_grpcio()?;
     mount_bpffs()?;
-    create_users()
+    create_users()?;
+    go_tools::install()
 }
 
 /// Creates [`GRPCIO_VENV`] with grpcio [`GRPCIO_VERSION`] and

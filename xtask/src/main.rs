@@ -30,7 +30,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Install the Debian packages and mount bpffs (idempotent; needs root).
+    /// Install the Debian packages, mount bpffs, create the daemons' users and build
+    /// the Go test tools (Kubernetes, etcd 3.6, Jaeger) into ~/.cache/rivet/tools
+    /// (idempotent; needs root).
     Install,
     /// Run the whole suite: fmt check, the dependency rules, clippy -D warnings, all
     /// tests, doc tests.

@@ -1,7 +1,9 @@
-//! A real etcd server under test: the `etcd` binary from Debian's `etcd-server`
-//! (3.4), on `127.0.0.1` with free ports and a temp data dir, with fast raft
-//! timings (`--heartbeat-interval=10 --election-timeout=100`), so it answers in
-//! tens of milliseconds; killed and removed on drop.
+//! A real etcd server under test: etcd v3.6 as built by `cargo xtask install`
+//! (`rivet_tools`, `~/.cache/rivet/tools/etcd-v3.6.16/bin/etcd`; Debian's 3.4
+//! is too old for kube-apiserver 1.34 and every test uses the same etcd), on
+//! `127.0.0.1` with free ports and a temp data dir, with fast raft timings
+//! (`--heartbeat-interval=10 --election-timeout=100`), so it answers within a
+//! few hundred milliseconds; killed and removed on drop.
 //!
 //! The calls block (spawn, then poll `GET /health` every few milliseconds);
 //! from async code they are short enough to call directly in a test, or use
@@ -28,8 +30,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// The binary, looked up in `PATH`.
-const ETCD_BIN: &str = "etcd";
+use rivet_tools::Tool;
+
 /// How long [`EtcdServer::start`] and [`EtcdServer::restart`] wait for `/health`.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often readiness is polled.
@@ -49,12 +51,10 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 /// `Result` show the install hint or etcd's log tail verbatim.
 #[derive(thiserror::Error)]
 pub enum EtcdError {
-    /// `etcd` is not in `PATH`.
-    #[error(
-        "starting etcd: the `{ETCD_BIN}` binary was not found in PATH: install it with \
-         `apt-get install etcd-server` (`cargo xtask install` does)"
-    )]
-    NotInstalled,
+    /// The built etcd is not installed (the message names its version and
+    /// `cargo xtask install`).
+    #[error("starting etcd: {0}")]
+    NotInstalled(#[from] rivet_tools::ToolError),
     /// A file or process operation failed.
     #[error("{context}: {source}")]
     Io {
@@ -101,7 +101,7 @@ fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> EtcdErro
     move |source| EtcdError::Io { context, source }
 }
 
-/// A real etcd server (the `etcd` binary from Debian's etcd-server) on
+/// A real etcd server (v3.6, from `cargo xtask install`) on
 /// 127.0.0.1 with free client and peer ports and a temp data dir; killed
 /// (SIGKILL) and its data dir removed on drop.
 ///
@@ -114,6 +114,8 @@ fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> EtcdErro
 /// ```
 #[derive(Debug)]
 pub struct EtcdServer {
+    /// The etcd binary.
+    bin: PathBuf,
     /// The member name, unique per server.
     name: String,
     /// Temp dir holding `data/` and `etcd.log`; removed on drop.
@@ -129,10 +131,12 @@ impl EtcdServer {
     /// binding it is retried with new ports (3 times).
     ///
     /// # Errors
-    /// [`EtcdError::NotInstalled`] without the binary; [`EtcdError::Exited`] or
+    /// [`EtcdError::NotInstalled`] without the built etcd (before any port or
+    /// directory is taken); [`EtcdError::Exited`] or
     /// [`EtcdError::Timeout`], quoting the tail of etcd's log, when it does not
     /// come up.
     pub fn start() -> Result<Self, EtcdError> {
+        let bin = rivet_tools::tool_path(Tool::Etcd)?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         let nanos = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -142,6 +146,7 @@ impl EtcdServer {
         let root = std::env::temp_dir().join(&name);
         std::fs::create_dir_all(&root).map_err(io_err(format!("creating etcd's temp dir {}", root.display())))?;
         let mut server = Self {
+            bin,
             name,
             root,
             client_port: 0,
@@ -294,7 +299,7 @@ impl EtcdServer {
         let stderr = stdout
             .try_clone()
             .map_err(io_err(format!("{action}: duplicating the log file {}", log.display())))?;
-        let mut cmd = Command::new(ETCD_BIN);
+        let mut cmd = Command::new(&self.bin);
         cmd.arg("--name")
             .arg(&self.name)
             .arg("--data-dir")
@@ -319,13 +324,9 @@ impl EtcdServer {
         if let Some(arch) = unsupported_arch() {
             cmd.env("ETCD_UNSUPPORTED_ARCH", arch);
         }
-        let child = cmd.spawn().map_err(|source| match source.kind() {
-            std::io::ErrorKind::NotFound => EtcdError::NotInstalled,
-            _ => EtcdError::Io {
-                context: format!("{action}: spawning `{ETCD_BIN}`"),
-                source,
-            },
-        })?;
+        let child = cmd
+            .spawn()
+            .map_err(io_err(format!("{action}: spawning {}", self.bin.display())))?;
         let child = self.child.insert(child);
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.client_port));
         let deadline = Instant::now() + READY_TIMEOUT;
@@ -384,12 +385,11 @@ fn port_taken(log_tail: &str) -> bool {
     log_tail.contains("address already in use")
 }
 
-/// `ETCD_UNSUPPORTED_ARCH` for architectures etcd 3.4 does not support
-/// officially (only amd64 and ppc64le); `None` where it is not needed.
+/// `ETCD_UNSUPPORTED_ARCH` for architectures etcd 3.6 does not support
+/// officially (amd64, arm64, ppc64le, s390x); `None` where it is not needed.
 fn unsupported_arch() -> Option<&'static str> {
     match std::env::consts::ARCH {
-        "x86_64" | "powerpc64" => None,
-        "aarch64" => Some("arm64"),
+        "x86_64" | "aarch64" | "powerpc64" | "s390x" => None,
         "x86" => Some("386"),
         other => Some(other),
     }
@@ -652,14 +652,43 @@ mod tests {
         let message = err.to_string();
         assert!(matches!(err, EtcdError::Exited { .. }), "{message}");
         assert!(message.starts_with("restarting etcd: etcd exited with"), "{message}");
-        assert!(message.contains("etcdmain:"), "no log tail in: {message}");
+        // etcd 3.6 logs JSON; its fatal line says why.
+        assert!(
+            message.contains(r#""level":"fatal""#) && message.contains("not a directory"),
+            "no log tail in: {message}"
+        );
         assert_eq!(etcd.pid(), None);
         assert!(!etcd.is_healthy());
     }
 
+    /// Without the built etcd, start fails at once naming the version and
+    /// the install command (no test silently skips).
     #[test]
-    fn etcd_missing_binary_names_the_package() {
-        let message = EtcdError::NotInstalled.to_string();
-        assert!(message.contains("apt-get install etcd-server"), "{message}");
+    fn etcd_missing_binary_names_the_version_and_the_install() {
+        let empty = tempfile::tempdir().expect("temp dir");
+        let err = rivet_tools::ToolsDir::at(empty.path())
+            .path(Tool::Etcd)
+            .map_err(EtcdError::from)
+            .expect_err("no etcd in an empty cache");
+        let message = err.to_string();
+        assert!(
+            message.starts_with("starting etcd: etcd (etcd v3.6.16) is not installed"),
+            "{message}"
+        );
+        assert!(message.contains("run `cargo xtask install`"), "{message}");
+    }
+
+    /// The server under test is the built etcd 3.6, not whatever `etcd` is
+    /// in PATH (Debian's 3.4 is too old for kube-apiserver 1.34).
+    #[test]
+    fn etcd_is_the_built_3_6() {
+        let etcd = EtcdServer::start().expect("start etcd");
+        let mut stream = TcpStream::connect(etcd.client_addr()).expect("connect to etcd");
+        stream
+            .write_all(b"GET /version HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            .expect("write the request");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("read the response");
+        assert!(response.contains(r#""etcdserver":"3.6."#), "{response}");
     }
 }
