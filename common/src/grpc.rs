@@ -269,9 +269,11 @@ fn services(encoded: &[u8]) -> impl Iterator<Item = ServiceDescriptor> {
 }
 
 /// The Rivet services on `daemon`'s socket: the shared `rivet.daemon.v1.Daemon`
-/// and those of its own package (`svc-ipam` → `rivet.ipam.v1`).
+/// and those of its own package (`svc-ipam` → `rivet.ipam.v1`,
+/// `svc-k8s-sync` → `rivet.k8s.v1`).
 fn rivet_services(daemon: &str) -> impl Iterator<Item = ServiceDescriptor> {
-    let own = format!("rivet.{}.v1", daemon.trim_start_matches("svc-"));
+    let api = daemon.trim_start_matches("svc-");
+    let own = format!("rivet.{}.v1", api.strip_suffix("-sync").unwrap_or(api));
     services(rivet_proto::FILE_DESCRIPTOR_SET).filter(move |s| s.package == own || s.package == "rivet.daemon.v1")
 }
 
@@ -901,7 +903,16 @@ mod tests {
                 "rivet.daemon.v1.Daemon",
                 "rivet.endpoint.v1.EndpointService",
                 "rivet.endpoint.v1.NamespaceService",
+                "rivet.endpoint.v1.PodMetadataService",
                 "rivet.endpoint.v1.PolicyService",
+            ]
+        );
+        assert_eq!(
+            reflected_services("svc-k8s-sync"),
+            [
+                "rivet.daemon.v1.Daemon",
+                "rivet.k8s.v1.KubernetesSyncService",
+                "rivet.k8s.v1.PodDirectory",
             ]
         );
         assert_eq!(reflected_services("svc-test"), ["rivet.daemon.v1.Daemon"]);

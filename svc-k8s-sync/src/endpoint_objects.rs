@@ -1,0 +1,251 @@
+//! `RivetEndpoint` objects from svc-endpoint's endpoints: one per pod, in
+//! the pod's namespace and with its name, owned by the pod (so the API
+//! server's garbage collector deletes it with the pod), its status written
+//! by server-side apply with field manager `svc-k8s-sync`, deleted when the
+//! endpoint goes. After each WatchEndpoints snapshot (a new stream: start,
+//! or svc-endpoint restarted) objects of this node that no endpoint has
+//! are deleted.
+//!
+//! A supervised controller (`rivet-endpoints`) holding the WatchEndpoints
+//! stream; a stream that ends or fails is opened again after a backoff. A
+//! new svc-endpoint `boot_id` on the stream also wakes the feed.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use rivet_common::controller::{Controller, Controllers, Trigger};
+use rivet_common::grpc::{ClientOptions, DaemonChannel, RpcError, connect_unix_lazy};
+use rivet_k8s::{RivetEndpoint, RivetEndpointState, RivetEndpointStatus};
+use rivet_proto::endpoint::v1 as pb;
+use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
+use serde_json::json;
+
+use crate::caches::Caches;
+use crate::error::ApiError;
+use crate::events::SyncMetrics;
+use crate::{FIELD_MANAGER, SyncState};
+
+/// The label naming the node of a RivetEndpoint (so a node lists its own).
+pub const NODE_LABEL: &str = "rivet.io/node";
+
+/// Why the endpoint stream stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointObjectsError {
+    /// WatchEndpoints failed or its stream broke.
+    #[error("svc-endpoint WatchEndpoints: {0}")]
+    Watch(#[from] RpcError<pb::ErrorReason>),
+    /// An API write failed.
+    #[error(transparent)]
+    Api(#[from] ApiError),
+}
+
+/// The status of `endpoint`'s RivetEndpoint on node `node`.
+pub fn endpoint_status(endpoint: &pb::Endpoint, node: &str) -> RivetEndpointStatus {
+    let addresses: Vec<IpAddr> = endpoint
+        .addresses
+        .iter()
+        .filter_map(|a| a.address.parse().ok())
+        .collect();
+    let state = match pb::EndpointState::try_from(endpoint.state).unwrap_or_default() {
+        pb::EndpointState::Restoring => RivetEndpointState::Restoring,
+        pb::EndpointState::Unspecified | pb::EndpointState::WaitingForIdentity => {
+            RivetEndpointState::WaitingForIdentity
+        }
+        pb::EndpointState::WaitingToRegenerate => RivetEndpointState::WaitingToRegenerate,
+        pb::EndpointState::Regenerating => RivetEndpointState::Regenerating,
+        pb::EndpointState::Ready => RivetEndpointState::Ready,
+        pb::EndpointState::Disconnecting => RivetEndpointState::Disconnecting,
+        pb::EndpointState::Disconnected => RivetEndpointState::Disconnected,
+    };
+    RivetEndpointStatus {
+        id: endpoint.id,
+        node: node.into(),
+        container_id: Some(endpoint.container_id.clone()).filter(|c| !c.is_empty()),
+        identity: Some(endpoint.identity).filter(|i| *i != 0),
+        identity_labels: endpoint.identity_labels.clone(),
+        ipv4: addresses.iter().find(|a| a.is_ipv4()).map(|a| a.to_string()),
+        ipv6: addresses.iter().find(|a| a.is_ipv6()).map(|a| a.to_string()),
+        state,
+        policy_revision: endpoint.policy_revision,
+        ingress_enforced: endpoint.ingress_enforced,
+        egress_enforced: endpoint.egress_enforced,
+        last_error: Some(endpoint.last_error.clone()).filter(|e| !e.is_empty()),
+    }
+}
+
+type PodKey = (String, String);
+
+/// The writer's inputs.
+pub struct EndpointObjects {
+    /// The API.
+    pub client: Client,
+    /// This node.
+    pub node_name: String,
+    /// The caches (pod uids for owner references; writes wait for sync).
+    pub caches: Caches,
+    /// Counters for GetStatus.
+    pub state: Arc<SyncState>,
+    /// Logs and metrics.
+    pub metrics: SyncMetrics,
+    /// Fired when svc-endpoint's boot_id changes.
+    pub feed_trigger: Trigger,
+}
+
+impl EndpointObjects {
+    /// Runs as controller `rivet-endpoints` against svc-endpoint at
+    /// `socket`, once the caches synced.
+    pub fn start(self, controllers: &Controllers, socket: &Path) {
+        let channel = connect_unix_lazy(socket, &ClientOptions::default());
+        let this = Arc::new(self);
+        controllers.supervise(Controller::new("rivet-endpoints"), move |progress| {
+            let (this, channel) = (this.clone(), channel.clone());
+            async move {
+                this.caches.status.wait_synced().await;
+                this.run(channel, &progress).await
+            }
+        });
+    }
+
+    async fn run(
+        &self,
+        channel: DaemonChannel,
+        progress: &rivet_common::controller::Progress,
+    ) -> Result<(), EndpointObjectsError> {
+        let mut stream = EndpointServiceClient::new(channel)
+            .watch_endpoints(pb::WatchEndpointsRequest::default())
+            .await
+            .map_err(RpcError::from)?
+            .into_inner();
+        progress.ok();
+        // Endpoint ids per pod, and the status last applied per pod.
+        let mut pods: BTreeMap<PodKey, BTreeSet<u32>> = BTreeMap::new();
+        let mut applied: BTreeMap<PodKey, RivetEndpointStatus> = BTreeMap::new();
+        let mut boot_id = String::new();
+        while let Some(message) = stream.next().await {
+            let message = message.map_err(RpcError::from)?;
+            if message.boot_id != boot_id {
+                boot_id = message.boot_id.clone();
+                self.feed_trigger.trigger();
+            }
+            match message.event {
+                Some(pb::watch_endpoints_response::Event::Upserted(endpoint)) => {
+                    let Some(key) = pod_key(&endpoint) else { continue };
+                    pods.entry(key.clone()).or_default().insert(endpoint.id);
+                    let status = endpoint_status(&endpoint, &self.node_name);
+                    if applied.get(&key) == Some(&status) {
+                        continue;
+                    }
+                    if self.apply(&key, &endpoint, &status).await? {
+                        applied.insert(key, status);
+                    }
+                }
+                Some(pb::watch_endpoints_response::Event::Removed(endpoint)) => {
+                    let Some(key) = pod_key(&endpoint) else { continue };
+                    let left = pods.get_mut(&key).map(|ids| {
+                        ids.remove(&endpoint.id);
+                        ids.len()
+                    });
+                    if left.unwrap_or(0) == 0 {
+                        pods.remove(&key);
+                        applied.remove(&key);
+                        self.delete(&key).await?;
+                    }
+                }
+                Some(pb::watch_endpoints_response::Event::Synced(_)) => {
+                    self.delete_orphans(&pods).await?;
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the object and its status; `false` when the pod is not in
+    /// the cache (gone: its object, if any, goes with it).
+    async fn apply(&self, key: &PodKey, endpoint: &pb::Endpoint, status: &RivetEndpointStatus) -> Result<bool, ApiError> {
+        let (namespace, name) = key;
+        let uid = match self.caches.pod(namespace, name).and_then(|p| p.metadata.uid.clone()) {
+            Some(uid) => uid,
+            None if !endpoint.pod_uid.is_empty() => endpoint.pod_uid.clone(),
+            None => return Ok(false),
+        };
+        let api: Api<RivetEndpoint> = Api::namespaced(self.client.clone(), namespace);
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let resource = format!("rivetendpoints {namespace}/{name}");
+        let object = json!({
+            "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetEndpoint",
+            "metadata": {
+                "name": name, "namespace": namespace,
+                "labels": { NODE_LABEL: self.node_name },
+                "ownerReferences": [{ "apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid }],
+            },
+            "spec": {},
+        });
+        let result = api.patch(name, &params, &Patch::Apply(object)).await;
+        self.count("apply RivetEndpoint", &result);
+        result.map_err(|e| ApiError::new("apply", resource.clone(), e))?;
+        let status = json!({ "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetEndpoint", "status": status });
+        let result = api.patch_status(name, &params, &Patch::Apply(status)).await;
+        self.count("apply RivetEndpoint status", &result);
+        result.map_err(|e| ApiError::new("apply", format!("{resource}/status"), e))?;
+        self.state.endpoint_object_applied();
+        Ok(true)
+    }
+
+    async fn delete(&self, (namespace, name): &PodKey) -> Result<(), ApiError> {
+        let api: Api<RivetEndpoint> = Api::namespaced(self.client.clone(), namespace);
+        match api.delete(name, &DeleteParams::default()).await {
+            Ok(_) => {
+                self.metrics.call_ok("delete RivetEndpoint");
+                self.state.endpoint_object_deleted();
+                Ok(())
+            }
+            Err(e) if crate::error::status_code(&e) == Some(404) => Ok(()),
+            Err(e) => {
+                let e = ApiError::new("delete", format!("rivetendpoints {namespace}/{name}"), e);
+                self.metrics.call_failed("delete RivetEndpoint", e.kind_label(), &e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes this node's objects that no endpoint has.
+    async fn delete_orphans(&self, pods: &BTreeMap<PodKey, BTreeSet<u32>>) -> Result<(), ApiError> {
+        let api: Api<RivetEndpoint> = Api::all(self.client.clone());
+        let selector = format!("{NODE_LABEL}={}", self.node_name);
+        let objects = api
+            .list_metadata(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| ApiError::new("list", "rivetendpoints", e))?;
+        for object in objects {
+            let (Some(namespace), Some(name)) = (object.metadata.namespace, object.metadata.name) else {
+                continue;
+            };
+            let key = (namespace, name);
+            if !pods.contains_key(&key) {
+                tracing::info!(namespace = key.0, pod = key.1, "deleting a RivetEndpoint no endpoint has");
+                self.delete(&key).await?;
+            }
+        }
+        Ok(())
+    }
+
+    fn count<T>(&self, call: &'static str, result: &Result<T, kube::Error>) {
+        match result {
+            Ok(_) => self.metrics.call_ok(call),
+            Err(e) => self
+                .metrics
+                .call_failed(call, crate::error::kind_label(e), &format!("{call}: {e}")),
+        }
+    }
+}
+
+fn pod_key(endpoint: &pb::Endpoint) -> Option<PodKey> {
+    (!endpoint.pod_namespace.is_empty() && !endpoint.pod_name.is_empty())
+        .then(|| (endpoint.pod_namespace.clone(), endpoint.pod_name.clone()))
+}

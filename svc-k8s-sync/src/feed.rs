@@ -1,0 +1,368 @@
+//! Feeding svc-endpoint (DESIGN.md §1, level-triggered): a reconcile
+//! controller that compares what the watch caches say ([`Desired`]) with
+//! what svc-endpoint was last told and sends the difference as single calls
+//! (SetPodMetadata, SetNamespaceLabels, UpsertPolicy, ...). It sends the
+//! whole state as one ReplayKubernetes stream instead the first time, after
+//! a re-list of any watched kind, and whenever svc-endpoint's `boot_id`
+//! changed (it restarted and remembers nothing), so svc-endpoint forgets
+//! what Kubernetes no longer says and regenerates only what changed.
+//!
+//! Nothing is sent before every watch cache completed its initial list: a
+//! partial list would make svc-endpoint forget pods and policies that exist.
+
+use std::future::Future;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rivet_common::controller::{Action, Controller, Controllers, Trigger};
+use rivet_common::grpc::{ClientOptions, DaemonChannel, RpcError, connect_unix_lazy};
+use rivet_proto::endpoint::v1 as pb;
+use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
+use rivet_proto::endpoint::v1::namespace_service_client::NamespaceServiceClient;
+use rivet_proto::endpoint::v1::pod_metadata_service_client::PodMetadataServiceClient;
+use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;
+
+use crate::desired::{Change, Desired};
+use crate::events::SyncMetrics;
+use crate::watch::WatchStatus;
+
+/// A failed call to svc-endpoint.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("svc-endpoint {call}: {source}")]
+pub struct FeedError {
+    /// The rpc (`SetPodMetadata`, `ReplayKubernetes`, ...).
+    pub call: &'static str,
+    /// What it answered.
+    #[source]
+    pub source: RpcError<pb::ErrorReason>,
+}
+
+impl FeedError {
+    fn new(call: &'static str, status: tonic::Status) -> Self {
+        Self {
+            call,
+            source: status.into(),
+        }
+    }
+
+    /// svc-endpoint refused this one item for good (an invalid document, a
+    /// policy source the node does not accept): retrying it would not help.
+    pub fn is_rejection(&self) -> bool {
+        self.source.code() == tonic::Code::InvalidArgument
+            || self.source.is(pb::ErrorReason::PolicyOriginDisabled)
+            || self.source.is(pb::ErrorReason::PolicyOriginConflict)
+    }
+
+    fn label(&self) -> &'static str {
+        rivet_common::grpc::code_label(self.source.code())
+    }
+}
+
+type CallFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, FeedError>> + Send + 'a>>;
+
+/// svc-endpoint's side of the feed; each call returns the `boot_id` it
+/// answered with.
+pub trait EndpointFeed: Send + Sync {
+    /// One incremental change.
+    fn apply<'a>(&'a self, change: &'a Change) -> CallFuture<'a, String>;
+    /// The whole state.
+    fn replay(&self, items: Vec<pb::ReplayKubernetesRequest>) -> CallFuture<'_, pb::ReplayKubernetesResponse>;
+    /// Who answers now (no change).
+    fn boot_id(&self) -> CallFuture<'_, String>;
+}
+
+/// svc-endpoint over its socket (connected lazily; it may start later or
+/// restart).
+#[derive(Clone, Debug)]
+pub struct GrpcFeed {
+    channel: DaemonChannel,
+}
+
+impl GrpcFeed {
+    /// A client of svc-endpoint at `socket`.
+    pub fn new(socket: &Path) -> Self {
+        let options = ClientOptions {
+            request_timeout: Duration::from_secs(30),
+            ..ClientOptions::default()
+        };
+        Self {
+            channel: connect_unix_lazy(socket, &options),
+        }
+    }
+}
+
+impl EndpointFeed for GrpcFeed {
+    fn apply<'a>(&'a self, change: &'a Change) -> CallFuture<'a, String> {
+        Box::pin(async move {
+            let channel = self.channel.clone();
+            match change {
+                Change::SetPod(metadata) => PodMetadataServiceClient::new(channel)
+                    .set_pod_metadata(pb::SetPodMetadataRequest {
+                        metadata: Some(metadata.clone()),
+                        wait: false,
+                    })
+                    .await
+                    .map(|r| r.into_inner().boot_id)
+                    .map_err(|s| FeedError::new("SetPodMetadata", s)),
+                Change::DeletePod((namespace, name)) => PodMetadataServiceClient::new(channel)
+                    .delete_pod_metadata(pb::DeletePodMetadataRequest {
+                        pod: Some(pb::PodRef {
+                            namespace: namespace.clone(),
+                            name: name.clone(),
+                        }),
+                    })
+                    .await
+                    .map(|r| r.into_inner().boot_id)
+                    .map_err(|s| FeedError::new("DeletePodMetadata", s)),
+                Change::SetNamespace(namespace, labels) => NamespaceServiceClient::new(channel)
+                    .set_namespace_labels(pb::SetNamespaceLabelsRequest {
+                        namespace: namespace.clone(),
+                        labels: labels.clone(),
+                    })
+                    .await
+                    .map(|r| r.into_inner().boot_id)
+                    .map_err(|s| FeedError::new("SetNamespaceLabels", s)),
+                Change::UpsertPolicy(_, document) => PolicyServiceClient::new(channel)
+                    .upsert_policy(pb::UpsertPolicyRequest {
+                        document: document.clone(),
+                        origin: pb::PolicyOrigin::Kubernetes.into(),
+                        wait: false,
+                    })
+                    .await
+                    .map(|r| r.into_inner().boot_id)
+                    .map_err(|s| FeedError::new("UpsertPolicy", s)),
+                Change::DeletePolicy((kind, namespace, name)) => PolicyServiceClient::new(channel)
+                    .delete_policy(pb::DeletePolicyRequest {
+                        key: Some(pb::PolicyKey {
+                            kind: kind.clone(),
+                            namespace: namespace.clone(),
+                            name: name.clone(),
+                        }),
+                        origin: pb::PolicyOrigin::Kubernetes.into(),
+                        wait: false,
+                    })
+                    .await
+                    .map(|r| r.into_inner().boot_id)
+                    .map_err(|s| FeedError::new("DeletePolicy", s)),
+            }
+        })
+    }
+
+    fn replay(&self, items: Vec<pb::ReplayKubernetesRequest>) -> CallFuture<'_, pb::ReplayKubernetesResponse> {
+        Box::pin(async move {
+            PodMetadataServiceClient::new(self.channel.clone())
+                .replay_kubernetes(tokio_stream::iter(items))
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| FeedError::new("ReplayKubernetes", s))
+        })
+    }
+
+    fn boot_id(&self) -> CallFuture<'_, String> {
+        Box::pin(async move {
+            EndpointServiceClient::new(self.channel.clone())
+                .get_status(pb::GetStatusRequest {})
+                .await
+                .map(|r| r.into_inner().boot_id)
+                .map_err(|s| FeedError::new("GetStatus", s))
+        })
+    }
+}
+
+/// What the feed did, for GetStatus.
+#[derive(Clone, Debug, Default)]
+pub struct FeedStatus {
+    /// The last call reached svc-endpoint.
+    pub connected: bool,
+    /// svc-endpoint's boot_id as last seen.
+    pub seen_boot_id: String,
+    /// Completed replays.
+    pub replays: u64,
+    /// When the last replay completed.
+    pub last_replay_unix_nanos: i64,
+    /// The last failure or rejection; empty after a clean pass.
+    pub last_error: String,
+}
+
+/// What svc-endpoint was told, and when to tell it everything again.
+#[derive(Debug, Default)]
+struct Sent {
+    /// `None`: a replay is due.
+    state: Option<Desired>,
+    /// `WatchStatus::relists` at the last replay.
+    relists: u64,
+    boot_id: String,
+}
+
+/// The feed controller's state.
+pub struct Feed {
+    client: Arc<dyn EndpointFeed>,
+    status: Arc<WatchStatus>,
+    desired: Box<dyn Fn() -> Desired + Send + Sync>,
+    sent: tokio::sync::Mutex<Sent>,
+    report: Mutex<FeedStatus>,
+    metrics: SyncMetrics,
+    poll: Duration,
+}
+
+impl std::fmt::Debug for Feed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Feed").field("report", &self.report()).finish_non_exhaustive()
+    }
+}
+
+impl Feed {
+    /// A feed of `client` from the caches behind `status`; `desired` reads
+    /// the caches. `poll` is how often svc-endpoint's boot_id is checked
+    /// when there is nothing to send.
+    pub fn new(
+        client: Arc<dyn EndpointFeed>,
+        status: Arc<WatchStatus>,
+        desired: impl Fn() -> Desired + Send + Sync + 'static,
+        metrics: SyncMetrics,
+        poll: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            client,
+            status,
+            desired: Box::new(desired),
+            sent: Default::default(),
+            report: Default::default(),
+            metrics,
+            poll,
+        })
+    }
+
+    /// What the feed did.
+    pub fn report(&self) -> FeedStatus {
+        self.report.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut FeedStatus)) {
+        f(&mut self.report.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Runs the feed as controller `feed-svc-endpoint`, woken by `trigger`
+    /// (fire it on every cache change and when svc-endpoint's boot_id may
+    /// have changed).
+    pub fn start(self: &Arc<Self>, controllers: &Controllers, trigger: &Trigger) {
+        let feed = self.clone();
+        controllers.reconcile(Controller::new("feed-svc-endpoint").trigger(trigger), move || {
+            let feed = feed.clone();
+            async move { feed.pass().await }
+        });
+    }
+
+    /// One pass: replay or send the difference.
+    pub async fn pass(&self) -> Result<Action, FeedError> {
+        if !self.status.all_synced() {
+            // Woken again by the cache events.
+            return Ok(Action::await_change());
+        }
+        let desired = (self.desired)();
+        let relists = self.status.relists();
+        let mut sent = self.sent.lock().await;
+        let result = self.send(&mut sent, desired, relists).await;
+        match &result {
+            Ok(_) => self.update(|r| r.connected = true),
+            Err(e) => {
+                self.metrics.call_failed(e.call, e.label(), &e.to_string());
+                let connected = !matches!(e.source.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded);
+                self.update(|r| {
+                    r.connected = connected;
+                    r.last_error = e.to_string();
+                });
+            }
+        }
+        result
+    }
+
+    async fn send(&self, sent: &mut Sent, desired: Desired, relists: u64) -> Result<Action, FeedError> {
+        let why = match &sent.state {
+            None if sent.boot_id.is_empty() => Some("start"),
+            None => Some("svc-endpoint restarted"),
+            Some(_) if sent.relists != relists => Some("re-list"),
+            Some(_) => None,
+        };
+        if let Some(why) = why {
+            let response = self.client.replay(desired.replay_items()).await?;
+            self.metrics.call_ok("ReplayKubernetes");
+            self.metrics.replayed(&response.boot_id, why, &response);
+            let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+            let rejected = response
+                .rejected
+                .iter()
+                .map(|r| format!("{}: {}", r.item, r.error))
+                .collect::<Vec<_>>()
+                .join("; ");
+            self.update(|r| {
+                r.replays += 1;
+                r.last_replay_unix_nanos = now.as_nanos() as i64;
+                r.seen_boot_id = response.boot_id.clone();
+                r.last_error = rejected;
+            });
+            *sent = Sent {
+                state: Some(desired),
+                relists,
+                boot_id: response.boot_id,
+            };
+            return Ok(Action::requeue(self.poll));
+        }
+        let state = sent.state.as_mut().expect("checked above");
+        let changes = desired.changes_from(state);
+        if changes.is_empty() {
+            let boot_id = self.client.boot_id().await?;
+            return Ok(self.check_boot(sent, boot_id));
+        }
+        let mut rejections = Vec::new();
+        for change in &changes {
+            let boot_id = match self.client.apply(change).await {
+                Ok(boot_id) => {
+                    self.metrics.call_ok(call_name(change));
+                    boot_id
+                }
+                Err(e) if e.is_rejection() => {
+                    // Kept as sent: it is retried when the object changes,
+                    // not in a loop.
+                    self.metrics.call_failed(e.call, e.label(), &e.to_string());
+                    rejections.push(e.to_string());
+                    sent.boot_id.clone()
+                }
+                Err(e) => return Err(e),
+            };
+            if boot_id != sent.boot_id {
+                return Ok(self.check_boot(sent, boot_id));
+            }
+            sent.state.as_mut().expect("checked above").apply(change);
+        }
+        self.update(|r| r.last_error = rejections.join("; "));
+        Ok(Action::requeue(self.poll))
+    }
+
+    /// A new boot_id: svc-endpoint restarted; replay at once.
+    fn check_boot(&self, sent: &mut Sent, boot_id: String) -> Action {
+        if boot_id == sent.boot_id {
+            return Action::requeue(self.poll);
+        }
+        tracing::info!(
+            previous = sent.boot_id,
+            boot_id,
+            "svc-endpoint restarted (new boot_id): replaying the whole state"
+        );
+        sent.state = None;
+        sent.boot_id = boot_id;
+        Action::requeue(Duration::ZERO)
+    }
+}
+
+fn call_name(change: &Change) -> &'static str {
+    match change {
+        Change::SetPod(_) => "SetPodMetadata",
+        Change::DeletePod(_) => "DeletePodMetadata",
+        Change::SetNamespace(..) => "SetNamespaceLabels",
+        Change::UpsertPolicy(..) => "UpsertPolicy",
+        Change::DeletePolicy(_) => "DeletePolicy",
+    }
+}

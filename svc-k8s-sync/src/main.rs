@@ -1,0 +1,142 @@
+//! svc-k8s-sync: flags and wiring; the logic lives in the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use prometheus_client::registry::Registry;
+use rivet_common::config::{self, CommonArgs};
+use rivet_common::controller::{Controllers, Trigger};
+use rivet_common::daemon;
+use rivet_common::grpc::DaemonIdentity;
+use rivet_common::metrics::Health;
+use rivet_common::privileges::Dropped;
+use svc_k8s_sync::caches::Caches;
+use svc_k8s_sync::events::SyncMetrics;
+use svc_k8s_sync::feed::{Feed, GrpcFeed};
+use svc_k8s_sync::service::SyncService;
+use svc_k8s_sync::{DAEMON_NAME, SyncState};
+
+/// Rivet's Kubernetes watcher: feeds pod and namespace labels and policies
+/// to svc-endpoint, answers pod lookups, marks the node ready.
+#[derive(Debug, Parser)]
+#[command(name = "svc-k8s-sync", version, about)]
+struct Flags {
+    #[command(flatten)]
+    common: CommonArgs,
+
+    /// How to reach the API server: the path of a kubeconfig (its current
+    /// context), or `in-cluster` for the pod's ServiceAccount.
+    #[arg(long, env = "RIVET_KUBECONFIG", default_value = "in-cluster")]
+    kubeconfig: String,
+
+    /// How long the initial lists of every watched kind may take before the
+    /// delay is reported (status, log, metric); not fatal: nothing is fed or
+    /// deleted until they complete.
+    #[arg(long, env = "RIVET_CACHE_SYNC_TIMEOUT_SECONDS", default_value_t = 60.0)]
+    cache_sync_timeout_seconds: f64,
+
+    /// How often svc-endpoint's boot_id is checked when there is nothing to
+    /// send (a restarted svc-endpoint gets the whole state again), seconds.
+    #[arg(long, env = "RIVET_FEED_POLL_SECONDS", default_value_t = 2.0)]
+    feed_poll_seconds: f64,
+}
+
+fn seconds(name: &str, value: f64) -> anyhow::Result<Duration> {
+    anyhow::ensure!(
+        value.is_finite() && value > 0.0,
+        "--{name} must be a number of seconds > 0"
+    );
+    Ok(Duration::from_secs_f64(value))
+}
+
+async fn client(access: &str) -> anyhow::Result<kube::Client> {
+    let config = if access == "in-cluster" {
+        kube::Config::incluster().context("reading the in-cluster ServiceAccount configuration")?
+    } else {
+        let path = PathBuf::from(access);
+        let kubeconfig = Kubeconfig::read_from(&path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .with_context(|| format!("using kubeconfig {}", path.display()))?
+    };
+    kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
+fn main() -> ExitCode {
+    let flags: Flags = config::load();
+    // Before any thread starts: the allocator hands out arenas per thread.
+    if let Err(e) = rivet_common::malloc::tune_for_daemon() {
+        return daemon::exit(DAEMON_NAME, Err(e));
+    }
+    // First, before the runtime starts threads: credentials are per thread.
+    let privileges = daemon::drop_privileges(&flags.common, DAEMON_NAME, svc_k8s_sync::CAPABILITIES);
+    daemon::exit(
+        DAEMON_NAME,
+        privileges.map_err(anyhow::Error::from).and_then(|p| run(flags, p)),
+    )
+}
+
+#[tokio::main]
+async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
+    let _telemetry = daemon::init_telemetry(&flags.common, DAEMON_NAME)?;
+    privileges.log();
+    let node = flags.common.node_name();
+    let sync_timeout = seconds("cache-sync-timeout-seconds", flags.cache_sync_timeout_seconds)?;
+    let poll = seconds("feed-poll-seconds", flags.feed_poll_seconds)?;
+    let listener = daemon::bind_socket(&flags.common, DAEMON_NAME, svc_k8s_sync::READ_ONLY_METHODS)?;
+    let client = client(&flags.kubeconfig).await?;
+
+    let metrics = SyncMetrics::default();
+    let mut registry = Registry::with_prefix("rivet");
+    metrics.register(&mut registry);
+    let controllers = Controllers::new();
+    let state = Arc::new(SyncState::default());
+    let (feed_trigger, sync_trigger) = (Trigger::new(), Trigger::new());
+    let caches = Caches::start(
+        &client,
+        &node,
+        &controllers,
+        &metrics,
+        &[feed_trigger.clone(), sync_trigger.clone()],
+    );
+    tracing::info!(node, access = flags.kubeconfig, "watching the API server");
+    svc_k8s_sync::watch_cache_sync(
+        &controllers,
+        &sync_trigger,
+        caches.status.clone(),
+        state.clone(),
+        metrics.clone(),
+        sync_timeout,
+    );
+    let feed = {
+        let caches = caches.clone();
+        Feed::new(
+            Arc::new(GrpcFeed::new(&flags.common.socket_path("svc-endpoint"))),
+            caches.status.clone(),
+            move || caches.desired(),
+            metrics.clone(),
+            poll,
+        )
+    };
+    feed.start(&controllers, &feed_trigger);
+
+    let identity = DaemonIdentity::new(DAEMON_NAME, env!("CARGO_PKG_VERSION"), node.clone());
+    let service = SyncService::new(node, identity.boot_id.clone(), caches, feed, state);
+    daemon::run(
+        &flags.common,
+        listener,
+        identity,
+        controllers,
+        service.into_routes(),
+        registry,
+        Health::default(),
+    )
+    .await
+    .context("serving")?;
+    Ok(())
+}

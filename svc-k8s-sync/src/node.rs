@@ -1,0 +1,293 @@
+//! Marking the node ready (the seed's AnnotateNode): once every watch cache
+//! synced and every daemon of the node answers GetInfo without being
+//! degraded, svc-k8s-sync
+//! - applies this node's `RivetNode` (spec: addresses from flags, pod CIDRs
+//!   from svc-ipam's pools; status: condition `Ready`),
+//! - annotates the Node (`rivet.io/pod-cidrs`, `rivet.io/node-addresses`),
+//! - removes the taint `node.rivet.io/agent-not-ready:NoSchedule` if present
+//!   (the operator puts it back when the node stops being ready).
+//!
+//! A reconcile controller (`node-ready`): level-triggered, re-checked
+//! periodically; while a daemon is not ready the RivetNode says so
+//! (`Ready=False` with the daemon named) and the taint stays.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Taint};
+use kube::Client;
+use kube::api::{Api, Patch, PatchParams};
+use rivet_common::controller::{Action, Controller, Controllers, Trigger};
+use rivet_common::grpc::{ClientOptions, connect_unix};
+use rivet_k8s::{NodeAddress, NodeCondition, RivetNode, RivetNodeSpec, RivetNodeStatus};
+use rivet_proto::daemon::v1::GetInfoRequest;
+use rivet_proto::daemon::v1::daemon_client::DaemonClient;
+use rivet_proto::ipam::v1::ListRequest;
+use rivet_proto::ipam::v1::ipam_client::IpamClient;
+use serde_json::json;
+
+use crate::error::ApiError;
+use crate::events::SyncMetrics;
+use crate::watch::WatchStatus;
+use crate::{FIELD_MANAGER, SyncState};
+
+/// The taint a node carries until Rivet is ready on it.
+pub const NOT_READY_TAINT: &str = "node.rivet.io/agent-not-ready";
+/// Node annotation: the pod CIDRs, comma-separated.
+pub const POD_CIDRS_ANNOTATION: &str = "rivet.io/pod-cidrs";
+/// Node annotation: the node addresses Rivet uses, comma-separated.
+pub const NODE_ADDRESSES_ANNOTATION: &str = "rivet.io/node-addresses";
+
+/// Why the node could not be marked ready.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadinessError {
+    /// A daemon of the node is not ready.
+    #[error("{daemon} is not ready: {reason}")]
+    DaemonNotReady {
+        /// The daemon.
+        daemon: String,
+        /// Unreachable or degraded, and why.
+        reason: String,
+    },
+    /// svc-ipam's pools could not be read.
+    #[error("reading svc-ipam's pools: {0}")]
+    Pools(String),
+    /// An API call failed.
+    #[error(transparent)]
+    Api(#[from] ApiError),
+}
+
+type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The node's daemons as readiness sees them.
+pub trait NodeDaemons: Send + Sync {
+    /// `Ok` when every daemon answers and none is degraded.
+    fn check(&self) -> BoxFuture<'_, Result<(), ReadinessError>>;
+    /// The pod CIDRs of svc-ipam's pools.
+    fn pod_cidrs(&self) -> BoxFuture<'_, Result<Vec<String>, ReadinessError>>;
+}
+
+/// The daemons' sockets in the socket dir.
+#[derive(Clone, Debug)]
+pub struct SocketDaemons {
+    /// The socket dir.
+    pub socket_dir: PathBuf,
+    /// The daemons that must be ready (`svc-ipam`, `svc-endpoint`, ...).
+    pub daemons: Vec<String>,
+}
+
+fn options() -> ClientOptions {
+    ClientOptions {
+        connect_timeout: Duration::from_secs(2),
+        request_timeout: Duration::from_secs(5),
+        ..ClientOptions::default()
+    }
+}
+
+impl NodeDaemons for SocketDaemons {
+    fn check(&self) -> BoxFuture<'_, Result<(), ReadinessError>> {
+        Box::pin(async move {
+            for daemon in &self.daemons {
+                let socket = rivet_common::socket::socket_path(&self.socket_dir, daemon);
+                let not_ready = |reason: String| ReadinessError::DaemonNotReady {
+                    daemon: daemon.clone(),
+                    reason,
+                };
+                let channel = connect_unix(&socket, &options())
+                    .await
+                    .map_err(|e| not_ready(e.to_string()))?;
+                let info = DaemonClient::new(channel)
+                    .get_info(GetInfoRequest {})
+                    .await
+                    .map_err(|e| not_ready(format!("GetInfo: {}", e.message())))?
+                    .into_inner();
+                if !info.degraded.is_empty() {
+                    return Err(not_ready(format!("degraded: {}", info.degraded)));
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn pod_cidrs(&self) -> BoxFuture<'_, Result<Vec<String>, ReadinessError>> {
+        Box::pin(async move {
+            let socket = rivet_common::socket::socket_path(&self.socket_dir, "svc-ipam");
+            let channel = connect_unix(&socket, &options())
+                .await
+                .map_err(|e| ReadinessError::Pools(e.to_string()))?;
+            let pools = IpamClient::new(channel)
+                .list(ListRequest::default())
+                .await
+                .map_err(|e| ReadinessError::Pools(e.message().to_string()))?
+                .into_inner()
+                .pools;
+            let mut cidrs: Vec<String> = pools.into_iter().flat_map(|p| p.ranges).map(|r| r.cidr).collect();
+            cidrs.sort();
+            cidrs.dedup();
+            Ok(cidrs)
+        })
+    }
+}
+
+/// The node-ready controller's inputs.
+pub struct NodeReadiness {
+    /// The API.
+    pub client: Client,
+    /// This node.
+    pub node_name: String,
+    /// Its addresses (`--node-address`).
+    pub addresses: Vec<String>,
+    /// The node's daemons.
+    pub daemons: Arc<dyn NodeDaemons>,
+    /// The caches' sync state.
+    pub status: Arc<WatchStatus>,
+    /// What GetStatus reports.
+    pub state: Arc<SyncState>,
+    /// Logs and metrics.
+    pub metrics: SyncMetrics,
+    /// How often readiness is re-checked.
+    pub period: Duration,
+}
+
+impl NodeReadiness {
+    /// Runs as controller `node-ready`, woken by `trigger` (cache events).
+    pub fn start(self, controllers: &Controllers, trigger: &Trigger) {
+        let this = Arc::new(self);
+        controllers.reconcile(Controller::new("node-ready").trigger(trigger), move || {
+            let this = this.clone();
+            async move { this.pass().await }
+        });
+    }
+
+    async fn pass(&self) -> Result<Action, ReadinessError> {
+        if !self.status.all_synced() {
+            return Ok(Action::await_change());
+        }
+        if let Err(e) = self.daemons.check().await {
+            self.state.set_node_ready(false);
+            self.apply_rivet_node(None, Some(&e.to_string())).await?;
+            return Err(e);
+        }
+        let cidrs = self.daemons.pod_cidrs().await?;
+        self.apply_rivet_node(Some(&cidrs), None).await?;
+        self.annotate_node(&cidrs).await?;
+        let taint_removed = self.remove_taint().await?;
+        if !self.state.node_ready() || taint_removed {
+            self.metrics.node_marked_ready(&self.node_name, taint_removed);
+        }
+        self.state.set_node_ready(true);
+        Ok(Action::requeue(self.period))
+    }
+
+    /// Applies the RivetNode: the spec when `cidrs` is known, and the Ready
+    /// condition (False with `not_ready`'s text when given).
+    async fn apply_rivet_node(&self, cidrs: Option<&[String]>, not_ready: Option<&str>) -> Result<(), ApiError> {
+        let api: Api<RivetNode> = Api::all(self.client.clone());
+        let params = PatchParams::apply(FIELD_MANAGER).force();
+        let resource = format!("rivetnodes/{}", self.node_name);
+        if let Some(cidrs) = cidrs {
+            let spec = RivetNodeSpec {
+                addresses: self
+                    .addresses
+                    .iter()
+                    .map(|ip| NodeAddress {
+                        type_: "InternalIP".into(),
+                        ip: ip.clone(),
+                    })
+                    .collect(),
+                pod_cidrs: cidrs.to_vec(),
+                ..RivetNodeSpec::default()
+            };
+            let object = json!({
+                "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetNode",
+                "metadata": { "name": self.node_name },
+                "spec": spec,
+            });
+            api.patch(&self.node_name, &params, &Patch::Apply(object))
+                .await
+                .map_err(|e| ApiError::new("apply", resource.clone(), e))?;
+        } else if api.get_opt(&self.node_name).await.map_err(|e| ApiError::new("get", resource.clone(), e))?.is_none() {
+            // The status needs the object; its spec comes once ready.
+            let object = json!({
+                "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetNode",
+                "metadata": { "name": self.node_name },
+                "spec": RivetNodeSpec::default(),
+            });
+            api.patch(&self.node_name, &params, &Patch::Apply(object))
+                .await
+                .map_err(|e| ApiError::new("apply", resource.clone(), e))?;
+        }
+        let condition = match not_ready {
+            None => NodeCondition {
+                type_: "Ready".into(),
+                status: "True".into(),
+                reason: Some("AgentReady".into()),
+                message: Some("watch caches synced and every daemon of the node ready".into()),
+                last_transition_time: None,
+            },
+            Some(message) => NodeCondition {
+                type_: "Ready".into(),
+                status: "False".into(),
+                reason: Some("DaemonNotReady".into()),
+                message: Some(message.into()),
+                last_transition_time: None,
+            },
+        };
+        let status = json!({
+            "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetNode",
+            "status": RivetNodeStatus { conditions: vec![condition] },
+        });
+        api.patch_status(&self.node_name, &params, &Patch::Apply(status))
+            .await
+            .map_err(|e| ApiError::new("apply", format!("{resource}/status"), e))?;
+        Ok(())
+    }
+
+    async fn annotate_node(&self, cidrs: &[String]) -> Result<(), ApiError> {
+        let api: Api<Node> = Api::all(self.client.clone());
+        let annotations: BTreeMap<&str, String> = [
+            (POD_CIDRS_ANNOTATION, cidrs.join(",")),
+            (NODE_ADDRESSES_ANNOTATION, self.addresses.join(",")),
+        ]
+        .into();
+        let patch = json!({ "metadata": { "annotations": annotations } });
+        api.patch(&self.node_name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map_err(|e| ApiError::new("patch", format!("nodes/{}", self.node_name), e))?;
+        Ok(())
+    }
+
+    /// Removes the not-ready taint; `true` when there was one. The patch
+    /// carries the resourceVersion read, so a concurrent change of the
+    /// taints fails it (409) and the next pass reads again.
+    async fn remove_taint(&self) -> Result<bool, ApiError> {
+        let api: Api<Node> = Api::all(self.client.clone());
+        let resource = format!("nodes/{}", self.node_name);
+        let node = api
+            .get(&self.node_name)
+            .await
+            .map_err(|e| ApiError::new("get", resource.clone(), e))?;
+        let taints: Vec<Taint> = node.spec.and_then(|s| s.taints).unwrap_or_default();
+        let kept: Vec<&Taint> = taints.iter().filter(|t| !is_not_ready_taint(t)).collect();
+        if kept.len() == taints.len() {
+            return Ok(false);
+        }
+        let patch = json!({
+            "metadata": { "resourceVersion": node.metadata.resource_version },
+            "spec": { "taints": kept },
+        });
+        api.patch(&self.node_name, &PatchParams::default(), &Patch::Merge(patch))
+            .await
+            .map_err(|e| ApiError::new("patch", resource, e))?;
+        Ok(true)
+    }
+}
+
+/// Whether `taint` is Rivet's not-ready taint.
+pub fn is_not_ready_taint(taint: &Taint) -> bool {
+    taint.key == NOT_READY_TAINT && taint.effect == "NoSchedule"
+}
