@@ -8,10 +8,10 @@ use std::sync::Arc;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::Client;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
-use kube::Client;
 use rivet_common::controller::{Controllers, Trigger};
 
 use crate::desired::{self, Desired};
@@ -62,7 +62,9 @@ pub struct Caches {
 
 impl std::fmt::Debug for Caches {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Caches").field("status", &self.status).finish_non_exhaustive()
+        f.debug_struct("Caches")
+            .field("status", &self.status)
+            .finish_non_exhaustive()
     }
 }
 
@@ -105,7 +107,13 @@ impl Caches {
                 config.clone().fields(&format!("spec.nodeName={node_name}")),
                 ()
             ),
-            namespaces: watch!("Namespace", "watch-namespaces", Api::all(client.clone()), config.clone(), ()),
+            namespaces: watch!(
+                "Namespace",
+                "watch-namespaces",
+                Api::all(client.clone()),
+                config.clone(),
+                ()
+            ),
             network_policies: watch!(
                 "NetworkPolicy",
                 "watch-network-policies",
@@ -121,7 +129,13 @@ impl Caches {
                 rnp.clone()
             ),
             nodes: watch!("Node", "watch-nodes", Api::all(client.clone()), config.clone(), ()),
-            services: watch!("Service", "watch-services", Api::all(client.clone()), config.clone(), ()),
+            services: watch!(
+                "Service",
+                "watch-services",
+                Api::all(client.clone()),
+                config.clone(),
+                ()
+            ),
             endpoint_slices: watch!(
                 "EndpointSlice",
                 "watch-endpoint-slices",

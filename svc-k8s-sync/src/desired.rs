@@ -268,11 +268,10 @@ mod tests {
     fn changes_order_namespaces_pods_policies_and_delete_what_went() {
         let mut sent = Desired::default();
         sent.namespaces.insert("old".into(), vec!["k8s:a=b".into()]);
-        sent.pods.insert(
-            ("shop".into(), "gone".into()),
-            pod_metadata(&pod("gone", &[])).unwrap(),
-        );
-        sent.policies.insert(("NetworkPolicy".into(), "shop".into(), "p".into()), "{}".into());
+        sent.pods
+            .insert(("shop".into(), "gone".into()), pod_metadata(&pod("gone", &[])).unwrap());
+        sent.policies
+            .insert(("NetworkPolicy".into(), "shop".into(), "p".into()), "{}".into());
         let mut desired = Desired::default();
         desired.namespaces.insert("shop".into(), vec!["k8s:team=a".into()]);
         let web = pod_metadata(&pod("web", &[("app", "web")])).unwrap();
@@ -292,7 +291,10 @@ mod tests {
             sent.apply(change);
         }
         assert_eq!(sent, desired);
-        assert!(desired.changes_from(&sent).is_empty(), "applied changes leave nothing to send");
+        assert!(
+            desired.changes_from(&sent).is_empty(),
+            "applied changes leave nothing to send"
+        );
     }
 
     #[test]

@@ -167,7 +167,12 @@ impl EndpointObjects {
 
     /// Applies the object and its status; `false` when the pod is not in
     /// the cache (gone: its object, if any, goes with it).
-    async fn apply(&self, key: &PodKey, endpoint: &pb::Endpoint, status: &RivetEndpointStatus) -> Result<bool, ApiError> {
+    async fn apply(
+        &self,
+        key: &PodKey,
+        endpoint: &pb::Endpoint,
+        status: &RivetEndpointStatus,
+    ) -> Result<bool, ApiError> {
         let (namespace, name) = key;
         let uid = match self.caches.pod(namespace, name).and_then(|p| p.metadata.uid.clone()) {
             Some(uid) => uid,
@@ -208,7 +213,8 @@ impl EndpointObjects {
             Err(e) if crate::error::status_code(&e) == Some(404) => Ok(()),
             Err(e) => {
                 let e = ApiError::new("delete", format!("rivetendpoints {namespace}/{name}"), e);
-                self.metrics.call_failed("delete RivetEndpoint", e.kind_label(), &e.to_string());
+                self.metrics
+                    .call_failed("delete RivetEndpoint", e.kind_label(), &e.to_string());
                 Err(e)
             }
         }
@@ -228,7 +234,11 @@ impl EndpointObjects {
             };
             let key = (namespace, name);
             if !pods.contains_key(&key) {
-                tracing::info!(namespace = key.0, pod = key.1, "deleting a RivetEndpoint no endpoint has");
+                tracing::info!(
+                    namespace = key.0,
+                    pod = key.1,
+                    "deleting a RivetEndpoint no endpoint has"
+                );
                 self.delete(&key).await?;
             }
         }

@@ -74,7 +74,10 @@ fn describe(e: &kube::Error) -> String {
             "forbidden by the API server's RBAC (403): the ServiceAccount lacks this permission (deploy/rbac/svc-k8s-sync.yaml grants svc-k8s-sync's): {}",
             status.message
         ),
-        kube::Error::Api(status) => format!("the API server answered {} ({}): {}", status.code, status.reason, status.message),
+        kube::Error::Api(status) => format!(
+            "the API server answered {} ({}): {}",
+            status.code, status.reason, status.message
+        ),
         other => format!("the API server was not reached: {other}"),
     }
 }

@@ -52,7 +52,11 @@ impl SyncMetrics {
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("k8s_sync");
         r.register("objects", "Objects in the watch cache, per kind", self.objects.clone());
-        r.register("relists", "Watch restarts that listed the kind again", self.relists.clone());
+        r.register(
+            "relists",
+            "Watch restarts that listed the kind again",
+            self.relists.clone(),
+        );
         r.register(
             "watch_errors",
             "Watch and list failures, per kind and error (forbidden, not_found, unavailable, ...)",
@@ -153,13 +157,21 @@ impl SyncMetrics {
             "replayed the Kubernetes state to svc-endpoint"
         );
         for item in &response.rejected {
-            tracing::warn!(item = item.item, "svc-endpoint rejected a replayed item: {}", item.error);
+            tracing::warn!(
+                item = item.item,
+                "svc-endpoint rejected a replayed item: {}",
+                item.error
+            );
         }
     }
 
     /// The node was marked ready.
     pub fn node_marked_ready(&self, node: &str, taint_removed: bool) {
         self.node_ready.set(1);
-        tracing::info!(node, taint_removed, "node marked ready (RivetNode status, Node annotations)");
+        tracing::info!(
+            node,
+            taint_removed,
+            "node marked ready (RivetNode status, Node annotations)"
+        );
     }
 }

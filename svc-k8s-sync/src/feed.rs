@@ -209,7 +209,9 @@ pub struct Feed {
 
 impl std::fmt::Debug for Feed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Feed").field("report", &self.report()).finish_non_exhaustive()
+        f.debug_struct("Feed")
+            .field("report", &self.report())
+            .finish_non_exhaustive()
     }
 }
 
@@ -269,7 +271,10 @@ impl Feed {
             Ok(_) => self.update(|r| r.connected = true),
             Err(e) => {
                 self.metrics.call_failed(e.call, e.label(), &e.to_string());
-                let connected = !matches!(e.source.code(), tonic::Code::Unavailable | tonic::Code::DeadlineExceeded);
+                let connected = !matches!(
+                    e.source.code(),
+                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+                );
                 self.update(|r| {
                     r.connected = connected;
                     r.last_error = e.to_string();

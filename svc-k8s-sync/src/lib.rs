@@ -12,6 +12,11 @@
 //! - [`feed`]: the level-triggered feed of svc-endpoint (single calls for
 //!   changes, a full ReplayKubernetes after start, a re-list or a new
 //!   svc-endpoint `boot_id`);
+//! - [`endpoint_objects`]: a `RivetEndpoint` per pod from svc-endpoint's
+//!   WatchEndpoints (server-side apply of the status; deleted with the
+//!   endpoint);
+//! - [`node`]: marking the node ready (RivetNode, Node annotations, the
+//!   not-ready taint);
 //! - [`service`]: `PodDirectory.LookupPod` (restore asks whether a pod
 //!   still exists) and `KubernetesSyncService.GetStatus`;
 //! - [`error`]: API failures typed, a 403 naming the verb and resource;
@@ -21,17 +26,19 @@
 //! kind completed its initial list; a sync that takes longer than the
 //! timeout is reported (status, log, metric), not fatal.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rivet_common::controller::{Action, Controller, Controllers, Trigger};
 
 pub mod caches;
 pub mod desired;
+pub mod endpoint_objects;
 pub mod error;
 pub mod events;
 pub mod feed;
+pub mod node;
 pub mod service;
 pub mod watch;
 
@@ -55,10 +62,7 @@ pub const FIELD_MANAGER: &str = "svc-k8s-sync";
 
 /// Methods that only read: members of the operator group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
-    (
-        rivet_proto::k8s::v1::pod_directory_server::SERVICE_NAME,
-        &["LookupPod"],
-    ),
+    (rivet_proto::k8s::v1::pod_directory_server::SERVICE_NAME, &["LookupPod"]),
     (
         rivet_proto::k8s::v1::kubernetes_sync_service_server::SERVICE_NAME,
         &["GetStatus"],

@@ -1,13 +1,11 @@
 //! svc-k8s-sync: flags and wiring; the logic lives in the library.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use prometheus_client::registry::Registry;
 use rivet_common::config::{self, CommonArgs};
 use rivet_common::controller::{Controllers, Trigger};
@@ -15,9 +13,12 @@ use rivet_common::daemon;
 use rivet_common::grpc::DaemonIdentity;
 use rivet_common::metrics::Health;
 use rivet_common::privileges::Dropped;
+use rivet_k8s::ClusterAccess;
 use svc_k8s_sync::caches::Caches;
+use svc_k8s_sync::endpoint_objects::EndpointObjects;
 use svc_k8s_sync::events::SyncMetrics;
 use svc_k8s_sync::feed::{Feed, GrpcFeed};
+use svc_k8s_sync::node::{NodeReadiness, SocketDaemons};
 use svc_k8s_sync::service::SyncService;
 use svc_k8s_sync::{DAEMON_NAME, SyncState};
 
@@ -31,8 +32,27 @@ struct Flags {
 
     /// How to reach the API server: the path of a kubeconfig (its current
     /// context), or `in-cluster` for the pod's ServiceAccount.
-    #[arg(long, env = "RIVET_KUBECONFIG", default_value = "in-cluster")]
-    kubeconfig: String,
+    #[arg(long, env = "RIVET_KUBECONFIG", default_value = ClusterAccess::IN_CLUSTER)]
+    kubeconfig: ClusterAccess,
+
+    /// This node's addresses (repeat or comma-separate), written into its
+    /// RivetNode and the Node's `rivet.io/node-addresses` annotation.
+    #[arg(long, env = "RIVET_NODE_ADDRESS", value_delimiter = ',')]
+    node_address: Vec<std::net::IpAddr>,
+
+    /// The daemons that must answer GetInfo without being degraded before
+    /// the node is marked ready (their sockets in --socket-dir).
+    #[arg(
+        long,
+        env = "RIVET_READY_DAEMONS",
+        value_delimiter = ',',
+        default_value = "svc-ipam,svc-identity,svc-loader,svc-endpoint"
+    )]
+    ready_daemons: Vec<String>,
+
+    /// How often node readiness is checked again once marked, seconds.
+    #[arg(long, env = "RIVET_NODE_READY_PERIOD_SECONDS", default_value_t = 10.0)]
+    node_ready_period_seconds: f64,
 
     /// How long the initial lists of every watched kind may take before the
     /// delay is reported (status, log, metric); not fatal: nothing is fed or
@@ -52,19 +72,6 @@ fn seconds(name: &str, value: f64) -> anyhow::Result<Duration> {
         "--{name} must be a number of seconds > 0"
     );
     Ok(Duration::from_secs_f64(value))
-}
-
-async fn client(access: &str) -> anyhow::Result<kube::Client> {
-    let config = if access == "in-cluster" {
-        kube::Config::incluster().context("reading the in-cluster ServiceAccount configuration")?
-    } else {
-        let path = PathBuf::from(access);
-        let kubeconfig = Kubeconfig::read_from(&path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
-        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-            .await
-            .with_context(|| format!("using kubeconfig {}", path.display()))?
-    };
-    kube::Client::try_from(config).context("building the Kubernetes client")
 }
 
 fn main() -> ExitCode {
@@ -89,22 +96,23 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let sync_timeout = seconds("cache-sync-timeout-seconds", flags.cache_sync_timeout_seconds)?;
     let poll = seconds("feed-poll-seconds", flags.feed_poll_seconds)?;
     let listener = daemon::bind_socket(&flags.common, DAEMON_NAME, svc_k8s_sync::READ_ONLY_METHODS)?;
-    let client = client(&flags.kubeconfig).await?;
+    let ready_period = seconds("node-ready-period-seconds", flags.node_ready_period_seconds)?;
+    let client = flags.kubeconfig.client().await?;
 
     let metrics = SyncMetrics::default();
     let mut registry = Registry::with_prefix("rivet");
     metrics.register(&mut registry);
     let controllers = Controllers::new();
     let state = Arc::new(SyncState::default());
-    let (feed_trigger, sync_trigger) = (Trigger::new(), Trigger::new());
+    let (feed_trigger, sync_trigger, ready_trigger) = (Trigger::new(), Trigger::new(), Trigger::new());
     let caches = Caches::start(
         &client,
         &node,
         &controllers,
         &metrics,
-        &[feed_trigger.clone(), sync_trigger.clone()],
+        &[feed_trigger.clone(), sync_trigger.clone(), ready_trigger.clone()],
     );
-    tracing::info!(node, access = flags.kubeconfig, "watching the API server");
+    tracing::info!(node, access = %flags.kubeconfig, "watching the API server");
     svc_k8s_sync::watch_cache_sync(
         &controllers,
         &sync_trigger,
@@ -124,6 +132,29 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         )
     };
     feed.start(&controllers, &feed_trigger);
+    EndpointObjects {
+        client: client.clone(),
+        node_name: node.clone(),
+        caches: caches.clone(),
+        state: state.clone(),
+        metrics: metrics.clone(),
+        feed_trigger: feed_trigger.clone(),
+    }
+    .start(&controllers, &flags.common.socket_path("svc-endpoint"));
+    NodeReadiness {
+        client,
+        node_name: node.clone(),
+        addresses: flags.node_address.iter().map(ToString::to_string).collect(),
+        daemons: Arc::new(SocketDaemons {
+            socket_dir: flags.common.socket_dir.clone(),
+            daemons: flags.ready_daemons.clone(),
+        }),
+        status: caches.status.clone(),
+        state: state.clone(),
+        metrics: metrics.clone(),
+        period: ready_period,
+    }
+    .start(&controllers, &ready_trigger);
 
     let identity = DaemonIdentity::new(DAEMON_NAME, env!("CARGO_PKG_VERSION"), node.clone());
     let service = SyncService::new(node, identity.boot_id.clone(), caches, feed, state);

@@ -210,7 +210,12 @@ impl NodeReadiness {
             api.patch(&self.node_name, &params, &Patch::Apply(object))
                 .await
                 .map_err(|e| ApiError::new("apply", resource.clone(), e))?;
-        } else if api.get_opt(&self.node_name).await.map_err(|e| ApiError::new("get", resource.clone(), e))?.is_none() {
+        } else if api
+            .get_opt(&self.node_name)
+            .await
+            .map_err(|e| ApiError::new("get", resource.clone(), e))?
+            .is_none()
+        {
             // The status needs the object; its spec comes once ready.
             let object = json!({
                 "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetNode",

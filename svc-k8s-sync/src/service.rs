@@ -38,13 +38,17 @@ impl SyncService {
 
     /// Routes for both services.
     pub fn into_routes(self) -> tonic::service::Routes {
-        tonic::service::Routes::new(PodDirectoryServer::new(self.clone())).add_service(KubernetesSyncServiceServer::new(self))
+        tonic::service::Routes::new(PodDirectoryServer::new(self.clone()))
+            .add_service(KubernetesSyncServiceServer::new(self))
     }
 }
 
 #[tonic::async_trait]
 impl PodDirectory for SyncService {
-    async fn lookup_pod(&self, request: Request<pb::LookupPodRequest>) -> Result<Response<pb::LookupPodResponse>, Status> {
+    async fn lookup_pod(
+        &self,
+        request: Request<pb::LookupPodRequest>,
+    ) -> Result<Response<pb::LookupPodResponse>, Status> {
         let request = request.into_inner();
         k8s_name::check_namespace(&request.namespace)
             .map_err(|e| Status::invalid_argument(format!("namespace {:?}: {e}", request.namespace)))?;

@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use kube::Resource;
 use kube::api::Api;
-use kube::runtime::reflector::store::Writer;
-use kube::runtime::reflector::Store;
-use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
+use kube::runtime::reflector::Store;
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::watcher::{self, Event};
 use rivet_common::controller::{Controller, Controllers, Trigger};
 use serde::de::DeserializeOwned;
 
@@ -68,7 +68,8 @@ impl WatchStatus {
             f(kinds.entry(kind).or_default());
             kinds.values().all(|s| s.synced)
         };
-        self.all_synced.send_if_modified(|synced| std::mem::replace(synced, all) != all);
+        self.all_synced
+            .send_if_modified(|synced| std::mem::replace(synced, all) != all);
     }
 
     /// Completes once every registered kind completed its initial list.
@@ -227,9 +228,15 @@ fn describe_watch_error(kind: &str, e: &watcher::Error) -> (&'static str, String
         watcher::Error::WatchStartFailed(source) | watcher::Error::WatchFailed(source) => call("watch", source),
         watcher::Error::WatchError(status) if status.code == 403 => (
             "forbidden",
-            format!("watch {kind}: forbidden by the API server's RBAC (403): {}", status.message),
+            format!(
+                "watch {kind}: forbidden by the API server's RBAC (403): {}",
+                status.message
+            ),
         ),
-        watcher::Error::WatchError(status) => ("watch_error", format!("watch {kind}: {} ({})", status.message, status.code)),
+        watcher::Error::WatchError(status) => (
+            "watch_error",
+            format!("watch {kind}: {} ({})", status.message, status.code),
+        ),
         watcher::Error::NoResourceVersion => ("other", format!("watch {kind}: {e}")),
     }
 }
