@@ -371,3 +371,189 @@ fn call_name(change: &Change) -> &'static str {
         Change::DeletePolicy(_) => "DeletePolicy",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::desired::pod_metadata;
+
+    /// svc-endpoint as the feed sees it: records calls, answers with a
+    /// boot_id the test sets, refuses what the test says.
+    #[derive(Default)]
+    struct Recorder {
+        calls: Mutex<Vec<String>>,
+        boot_id: Mutex<String>,
+        refuse_upserts: std::sync::atomic::AtomicBool,
+    }
+
+    impl Recorder {
+        fn take(&self) -> Vec<String> {
+            std::mem::take(&mut self.calls.lock().unwrap())
+        }
+        fn boot(&self) -> String {
+            self.boot_id.lock().unwrap().clone()
+        }
+    }
+
+    impl EndpointFeed for Recorder {
+        fn apply<'a>(&'a self, change: &'a Change) -> CallFuture<'a, String> {
+            Box::pin(async move {
+                if matches!(change, Change::UpsertPolicy(..))
+                    && self.refuse_upserts.load(std::sync::atomic::Ordering::SeqCst)
+                {
+                    return Err(FeedError::new(
+                        "UpsertPolicy",
+                        tonic::Status::invalid_argument("spec: bad"),
+                    ));
+                }
+                self.calls.lock().unwrap().push(call_name(change).to_string());
+                Ok(self.boot())
+            })
+        }
+        fn replay(&self, items: Vec<pb::ReplayKubernetesRequest>) -> CallFuture<'_, pb::ReplayKubernetesResponse> {
+            Box::pin(async move {
+                self.calls.lock().unwrap().push(format!("Replay({})", items.len()));
+                Ok(pb::ReplayKubernetesResponse {
+                    boot_id: self.boot(),
+                    ..Default::default()
+                })
+            })
+        }
+        fn boot_id(&self) -> CallFuture<'_, String> {
+            Box::pin(async move { Ok(self.boot()) })
+        }
+    }
+
+    fn pod(name: &str, app: &str) -> pb::PodMetadata {
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "shop", "name": name, "uid": name, "labels": {"app": app}}
+        }))
+        .unwrap();
+        pod_metadata(&pod).unwrap()
+    }
+
+    struct Fixture {
+        feed: Arc<Feed>,
+        recorder: Arc<Recorder>,
+        status: Arc<WatchStatus>,
+        desired: Arc<Mutex<Desired>>,
+    }
+
+    fn fixture() -> Fixture {
+        let recorder = Arc::new(Recorder::default());
+        *recorder.boot_id.lock().unwrap() = "boot-1".into();
+        let status = Arc::new(WatchStatus::default());
+        status.register("Pod");
+        let desired = Arc::new(Mutex::new(Desired::default()));
+        let source = desired.clone();
+        let feed = Feed::new(
+            recorder.clone(),
+            status.clone(),
+            move || source.lock().unwrap().clone(),
+            SyncMetrics::default(),
+            Duration::from_secs(1),
+        );
+        Fixture {
+            feed,
+            recorder,
+            status,
+            desired,
+        }
+    }
+
+    #[tokio::test]
+    async fn nothing_is_sent_before_the_caches_synced_then_one_replay_then_only_changes() {
+        let f = fixture();
+        f.desired
+            .lock()
+            .unwrap()
+            .pods
+            .insert(("shop".into(), "a".into()), pod("a", "web"));
+        assert_eq!(f.feed.pass().await.unwrap(), Action::await_change());
+        assert!(
+            f.recorder.take().is_empty(),
+            "nothing before the initial list completed"
+        );
+
+        f.status.update("Pod", |s| s.synced = true);
+        f.feed.pass().await.unwrap();
+        assert_eq!(f.recorder.take(), ["Replay(2)"], "one pod and `end`");
+        assert_eq!(f.feed.report().replays, 1);
+
+        f.feed.pass().await.unwrap();
+        assert!(f.recorder.take().is_empty(), "no change, no call");
+
+        f.desired
+            .lock()
+            .unwrap()
+            .pods
+            .insert(("shop".into(), "a".into()), pod("a", "db"));
+        f.desired
+            .lock()
+            .unwrap()
+            .pods
+            .insert(("shop".into(), "b".into()), pod("b", "web"));
+        f.feed.pass().await.unwrap();
+        assert_eq!(f.recorder.take(), ["SetPodMetadata", "SetPodMetadata"]);
+        f.desired.lock().unwrap().pods.remove(&("shop".into(), "a".into()));
+        f.feed.pass().await.unwrap();
+        assert_eq!(f.recorder.take(), ["DeletePodMetadata"]);
+    }
+
+    #[tokio::test]
+    async fn a_new_boot_id_or_a_relist_replays_everything() {
+        let f = fixture();
+        f.status.update("Pod", |s| s.synced = true);
+        f.feed.pass().await.unwrap();
+        f.recorder.take();
+
+        *f.recorder.boot_id.lock().unwrap() = "boot-2".into();
+        assert_eq!(
+            f.feed.pass().await.unwrap(),
+            Action::requeue(Duration::ZERO),
+            "the poll sees the restart"
+        );
+        f.feed.pass().await.unwrap();
+        assert_eq!(f.recorder.take(), ["Replay(1)"]);
+        assert_eq!(f.feed.report().seen_boot_id, "boot-2");
+
+        f.status.update("Pod", |s| s.relists += 1);
+        f.feed.pass().await.unwrap();
+        assert_eq!(f.recorder.take(), ["Replay(1)"], "a re-list replays");
+        assert_eq!(f.feed.report().replays, 3);
+    }
+
+    #[tokio::test]
+    async fn a_refused_document_is_reported_and_not_retried_until_it_changes() {
+        let f = fixture();
+        f.status.update("Pod", |s| s.synced = true);
+        f.feed.pass().await.unwrap();
+        f.recorder.take();
+        f.recorder
+            .refuse_upserts
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let key = ("NetworkPolicy".to_string(), "shop".to_string(), "p".to_string());
+        f.desired
+            .lock()
+            .unwrap()
+            .policies
+            .insert(key.clone(), "{\"bad\":1}".into());
+        f.feed.pass().await.unwrap();
+        assert!(
+            f.feed.report().last_error.contains("spec: bad"),
+            "{:?}",
+            f.feed.report()
+        );
+        f.recorder
+            .refuse_upserts
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        f.feed.pass().await.unwrap();
+        assert!(
+            f.recorder.take().is_empty(),
+            "the same refused document is not sent again"
+        );
+        f.desired.lock().unwrap().policies.insert(key, "{\"good\":1}".into());
+        f.feed.pass().await.unwrap();
+        assert_eq!(f.recorder.take(), ["UpsertPolicy"]);
+    }
+}

@@ -62,7 +62,7 @@ impl WatchStatus {
         self.kinds.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn update(&self, kind: &'static str, f: impl FnOnce(&mut KindStatus)) {
+    pub(crate) fn update(&self, kind: &'static str, f: impl FnOnce(&mut KindStatus)) {
         let all = {
             let mut kinds = self.lock();
             f(kinds.entry(kind).or_default());

@@ -65,6 +65,9 @@ pub struct NodeOptions {
     /// address; the ipcache gets twice as many entries, at least 4096).
     /// `None`: the test loader's [`DEFAULT_ENDPOINTS_MAX`].
     pub loader_endpoints_max: Option<u32>,
+    /// Run svc-endpoint in Kubernetes mode, its pod metadata from
+    /// svc-k8s-sync at `<sockets>/svc-k8s-sync.sock` (which the test starts).
+    pub k8s_sync: bool,
 }
 
 impl NodeOptions {
@@ -121,6 +124,14 @@ impl EndpointNode {
             Some(
                 common("svc-endpoint")
                     .args(["--dependency-poll-ms", "200"])
+                    .args(if options.k8s_sync {
+                        vec![
+                            "--k8s-sync-socket".into(),
+                            sockets.join("svc-k8s-sync.sock").into_os_string(),
+                        ]
+                    } else {
+                        Vec::new()
+                    })
                     .args(&options.endpoint_args)
                     .spawn()
                     .await?,
