@@ -1,5 +1,6 @@
 //! The daemons svc-endpoint drives, behind small traits: [`IdentityApi`]
-//! (svc-identity), [`IpamApi`] (svc-ipam) and [`LoaderApi`] (svc-loader).
+//! (svc-identity), [`IpamApi`] (svc-ipam), [`LoaderApi`] (svc-loader) and,
+//! in Kubernetes mode, [`PodDirectoryApi`] (svc-k8s-sync).
 //! The gRPC implementations ([`GrpcIdentity`], [`GrpcIpam`], [`GrpcLoader`])
 //! connect lazily over the node's Unix sockets, so svc-endpoint starts and
 //! keeps running while a dependency is down or restarting.
@@ -13,6 +14,7 @@ use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix_lazy, connec
 use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use rivet_proto::identity::v1 as identity;
 use rivet_proto::ipam::v1 as ipam;
+use rivet_proto::k8s::v1 as k8s;
 use rivet_proto::loader::v1 as loader;
 use tonic::Status;
 
@@ -259,6 +261,38 @@ impl LoaderApi for GrpcLoader {
             self.client(),
             list_endpoint_interfaces,
             loader::ListEndpointInterfacesRequest {}
+        )
+    }
+}
+
+/// svc-k8s-sync's pod directory as svc-endpoint uses it (Kubernetes mode:
+/// restore asks whether a restored endpoint's pod still exists).
+pub trait PodDirectoryApi: Send + Sync + 'static {
+    /// PodDirectory.LookupPod.
+    fn lookup(&self, request: k8s::LookupPodRequest) -> BoxFuture<'_, ApiResult<k8s::LookupPodResponse>>;
+}
+
+/// svc-k8s-sync's PodDirectory over its socket (`--k8s-sync-socket`).
+#[derive(Debug, Clone)]
+pub struct GrpcPodDirectory {
+    channel: DaemonChannel,
+}
+
+impl GrpcPodDirectory {
+    /// A lazily connecting client of the socket at `path`.
+    pub fn new(path: &Path, options: &ClientOptions) -> Self {
+        Self {
+            channel: connect_unix_lazy(path, options),
+        }
+    }
+}
+
+impl PodDirectoryApi for GrpcPodDirectory {
+    fn lookup(&self, request: k8s::LookupPodRequest) -> BoxFuture<'_, ApiResult<k8s::LookupPodResponse>> {
+        unary!(
+            k8s::pod_directory_client::PodDirectoryClient::new(self.channel.clone()),
+            lookup_pod,
+            request
         )
     }
 }

@@ -172,6 +172,10 @@ pub struct EndpointSpec {
     pub named_ports: Vec<NamedPort>,
     /// When it was created.
     pub created: SystemTime,
+    /// Kubernetes mode: the pod's labels are not known yet; the endpoint
+    /// holds the reserved `init` identity until they arrive.
+    #[serde(default)]
+    pub labels_pending: bool,
 }
 
 impl EndpointSpec {
@@ -387,7 +391,7 @@ pub fn to_proto(spec: &EndpointSpec, status: &EndpointStatus, include_history: b
                 port: u32::from(p.port),
             })
             .collect(),
-        labels_pending: false,
+        labels_pending: spec.labels_pending,
     }
 }
 

@@ -58,6 +58,14 @@ pub struct EndpointMetrics {
     policy_resolutions: MetricFamily<ResolutionLabels, Counter>,
     policy_resolution_seconds: Histogram,
     policy_dir_files_rejected: Counter,
+    kubernetes_replays: Counter,
+    kubernetes_replay_forgotten: MetricFamily<KindLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    /// "pod", "namespace" or "policy".
+    kind: &'static str,
 }
 
 impl Default for EndpointMetrics {
@@ -78,6 +86,8 @@ impl Default for EndpointMetrics {
             policy_resolutions: Default::default(),
             policy_resolution_seconds: Histogram::new(exponential_buckets(0.00001, 4.0, 12)),
             policy_dir_files_rejected: Default::default(),
+            kubernetes_replays: Default::default(),
+            kubernetes_replay_forgotten: Default::default(),
         }
     }
 }
@@ -143,6 +153,16 @@ impl EndpointMetrics {
             "policy_dir_files_rejected",
             "Policy dir files that did not parse (their previous policies stay)",
             self.policy_dir_files_rejected.clone(),
+        );
+        r.register(
+            "kubernetes_replays",
+            "Level-triggered replays of svc-k8s-sync's desired state applied",
+            self.kubernetes_replays.clone(),
+        );
+        r.register(
+            "kubernetes_replay_forgotten",
+            "Pod metadata, namespaces and policies forgotten because a replay did not name them, by kind",
+            self.kubernetes_replay_forgotten.clone(),
         );
         r.register(
             "restore_duration_seconds",
@@ -300,4 +320,28 @@ pub fn policy_resolved(m: &EndpointMetrics, id: u16, entries: usize, took: Durat
     let thread = if blocking { "blocking" } else { "inline" };
     m.policy_resolutions.get_or_create(&ResolutionLabels { thread }).inc();
     m.policy_resolution_seconds.observe(took.as_secs_f64());
+}
+
+/// A Kubernetes replay was applied: what it forgot and how many endpoints
+/// it queued.
+pub fn kubernetes_replayed(
+    m: &EndpointMetrics,
+    forgotten: [(&'static str, usize); 3],
+    affected: usize,
+    rejected: usize,
+) {
+    tracing::info!(
+        pods_forgotten = forgotten[0].1,
+        namespaces_forgotten = forgotten[1].1,
+        policies_removed = forgotten[2].1,
+        affected,
+        rejected,
+        "Kubernetes replay applied"
+    );
+    m.kubernetes_replays.inc();
+    for (kind, n) in forgotten {
+        m.kubernetes_replay_forgotten
+            .get_or_create(&KindLabels { kind })
+            .inc_by(n as u64);
+    }
 }

@@ -12,9 +12,9 @@ use rivet_common::daemon;
 use rivet_common::grpc::{ClientOptions, DaemonIdentity};
 use rivet_common::metrics::Health;
 use rivet_common::privileges::Dropped;
-use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader};
+use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader, GrpcPodDirectory, PodDirectoryApi};
 use svc_endpoint::events::EndpointMetrics;
-use svc_endpoint::manager::{Dependencies, EndpointManager, ManagerOptions};
+use svc_endpoint::manager::{Dependencies, EndpointManager, ManagerOptions, PolicySources};
 use svc_endpoint::policy_dir::PolicyDirectory;
 use svc_endpoint::service::EndpointApi;
 use tonic::service::Routes;
@@ -58,6 +58,19 @@ struct Flags {
     /// Deadline of each call to svc-identity, svc-ipam and svc-loader, seconds.
     #[arg(long, env = "RIVET_CALL_TIMEOUT_SECONDS", default_value_t = 10)]
     call_timeout_seconds: u64,
+
+    /// Kubernetes mode: svc-k8s-sync's socket. Pod labels and named ports
+    /// then come from svc-k8s-sync (PodMetadataService) only, never from
+    /// the CNI call; a pod whose labels are not known yet runs on the
+    /// reserved init identity; restore asks it whether each pod still
+    /// exists.
+    #[arg(long, env = "RIVET_K8S_SYNC_SOCKET")]
+    k8s_sync_socket: Option<std::path::PathBuf>,
+
+    /// The policy origins accepted, comma-separated: api, directory,
+    /// kubernetes. Default: api,directory; all three in Kubernetes mode.
+    #[arg(long, env = "RIVET_POLICY_SOURCES", value_parser = PolicySources::parse)]
+    policy_sources: Option<PolicySources>,
 }
 
 fn main() -> ExitCode {
@@ -93,12 +106,23 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         identity: Arc::new(GrpcIdentity::new(&flags.common.socket_path("svc-identity"), &client)),
         ipam: Arc::new(GrpcIpam::new(&flags.common.socket_path("svc-ipam"), &client)),
         loader: Arc::new(GrpcLoader::new(&flags.common.socket_path("svc-loader"), &client)),
+        pods: flags
+            .k8s_sync_socket
+            .as_deref()
+            .map(|socket| Arc::new(GrpcPodDirectory::new(socket, &client)) as Arc<dyn PodDirectoryApi>),
     };
+    let policy_sources = flags
+        .policy_sources
+        .unwrap_or_else(|| PolicySources::default_for(flags.k8s_sync_socket.is_some()));
+    if flags.policy_dir.is_some() && !policy_sources.accepts(rivet_policy::PolicyOrigin::Directory) {
+        anyhow::bail!("--policy-dir is given but `directory` is not one of --policy-sources ({policy_sources})");
+    }
     let options = ManagerOptions {
         regeneration_concurrency: flags.regeneration_concurrency.max(1),
         allow_from_host: flags.allow_from_host,
         dependency_poll: Duration::from_millis(flags.dependency_poll_ms.max(100)),
         interface_check: Duration::from_millis(flags.interface_check_ms),
+        policy_sources: Some(policy_sources),
         ..ManagerOptions::new(flags.common.state_dir.clone())
     };
     let metrics = EndpointMetrics::default();
@@ -117,8 +141,12 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     }
 
     let identity = DaemonIdentity::new(svc_endpoint::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
-    let (endpoints, policies, namespaces) = EndpointApi::new(manager, identity.boot_id.clone()).into_servers();
-    let routes = Routes::new(endpoints).add_service(policies).add_service(namespaces);
+    let (endpoints, policies, namespaces, pod_metadata) =
+        EndpointApi::new(manager, identity.boot_id.clone()).into_servers();
+    let routes = Routes::new(endpoints)
+        .add_service(policies)
+        .add_service(namespaces)
+        .add_service(pod_metadata);
     daemon::run(
         &flags.common,
         listener,

@@ -1,5 +1,5 @@
 //! `rivet.endpoint.v1` over the [`EndpointManager`]: EndpointService,
-//! PolicyService and NamespaceService. Every field is validated here before
+//! PolicyService, NamespaceService and PodMetadataService. Every field is validated here before
 //! the manager sees it; INVALID_ARGUMENT names the field.
 
 use std::collections::BTreeMap;
@@ -9,15 +9,15 @@ use std::time::{Duration, SystemTime};
 use futures::StreamExt;
 use rivet_common::grpc::BootId;
 use rivet_common::k8s_name::{self, NameError};
-use rivet_common::labels::Labels;
+use rivet_common::labels::{LabelSource, Labels};
 use rivet_common::mac::parse_mac;
 use rivet_proto::endpoint::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use crate::endpoint::{self, EndpointAddress, EndpointSpec, EndpointState, unix_nanos};
 use crate::manager::{
-    DEFAULT_NAMESPACE, EndpointEvent, EndpointManager, EndpointSelector, ManagerError, NewEndpoint,
-    parse_namespace_label,
+    DEFAULT_NAMESPACE, EndpointEvent, EndpointManager, EndpointSelector, KubernetesReplay, ManagerError, NewEndpoint,
+    PodMetadata, PodName, parse_namespace_label,
 };
 use rivet_policy::{NamedPort, Policy, PolicyKey, PolicyKind, PolicyOrigin, Protocol, StoredPolicy};
 
@@ -37,18 +37,20 @@ impl EndpointApi {
         Self { manager, boot_id }
     }
 
-    /// The tonic servers: (endpoints, policies, namespaces).
+    /// The tonic servers: (endpoints, policies, namespaces, pod metadata).
     pub fn into_servers(
         self,
     ) -> (
         pb::endpoint_service_server::EndpointServiceServer<Self>,
         pb::policy_service_server::PolicyServiceServer<Self>,
         pb::namespace_service_server::NamespaceServiceServer<Self>,
+        pb::pod_metadata_service_server::PodMetadataServiceServer<Self>,
     ) {
         (
             pb::endpoint_service_server::EndpointServiceServer::new(self.clone()),
             pb::policy_service_server::PolicyServiceServer::new(self.clone()),
-            pb::namespace_service_server::NamespaceServiceServer::new(self),
+            pb::namespace_service_server::NamespaceServiceServer::new(self.clone()),
+            pb::pod_metadata_service_server::PodMetadataServiceServer::new(self),
         )
     }
 
@@ -106,10 +108,13 @@ fn parse_labels(field: &str, raw: &[String]) -> Result<Labels, Status> {
     Labels::parse(raw).map_err(|e| invalid(field, e))
 }
 
-fn parse_named_ports(raw: &[pb::NamedPort]) -> Result<Vec<NamedPort>, Status> {
+fn parse_named_ports(field: &str, raw: &[pb::NamedPort]) -> Result<Vec<NamedPort>, Status> {
+    if raw.len() > 256 {
+        return Err(invalid(field, "at most 256 named ports"));
+    }
     let mut ports = Vec::with_capacity(raw.len());
     for (i, p) in raw.iter().enumerate() {
-        let field = format!("named_ports[{i}]");
+        let field = format!("{field}[{i}]");
         rivet_common::named_port::check_port_name(&p.name).map_err(|e| invalid(&format!("{field}.name"), e))?;
         let protocol = match p.protocol.as_str() {
             "" | "TCP" => Protocol::Tcp,
@@ -208,8 +213,9 @@ pub fn validate_create(r: &pb::CreateEndpointRequest) -> Result<EndpointSpec, St
         pod_name: r.pod_name.clone(),
         pod_uid: r.pod_uid.clone(),
         labels: parse_labels("labels", &r.labels)?,
-        named_ports: parse_named_ports(&r.named_ports)?,
+        named_ports: parse_named_ports("named_ports", &r.named_ports)?,
         created: SystemTime::UNIX_EPOCH,
+        labels_pending: false,
     })
 }
 
@@ -501,15 +507,15 @@ impl pb::endpoint_service_server::EndpointService for EndpointApi {
                     last_error: dir.last_error,
                 })
             },
-            // Every origin is accepted and pod metadata comes with the CNI
-            // call until Kubernetes mode lands (issue 14).
-            policy_sources: vec![
-                pb::PolicyOrigin::Api.into(),
-                pb::PolicyOrigin::Directory.into(),
-                pb::PolicyOrigin::Kubernetes.into(),
-            ],
-            kubernetes_mode: false,
-            labels_pending: 0,
+            policy_sources: self
+                .manager
+                .policy_sources()
+                .origins()
+                .into_iter()
+                .map(|o| origin_proto(o).into())
+                .collect(),
+            kubernetes_mode: self.manager.kubernetes_mode(),
+            labels_pending: count(self.manager.labels_pending()),
         }))
     }
 }
@@ -625,18 +631,7 @@ impl pb::namespace_service_server::NamespaceService for EndpointApi {
         request: Request<pb::SetNamespaceLabelsRequest>,
     ) -> Result<Response<pb::SetNamespaceLabelsResponse>, Status> {
         let r = request.into_inner();
-        if r.namespace.is_empty() {
-            return Err(invalid("namespace", "required"));
-        }
-        check_k8s_name("namespace", &r.namespace, k8s_name::check_namespace)?;
-        if r.labels.len() > 256 {
-            return Err(invalid("labels", "at most 256 labels"));
-        }
-        let mut labels = BTreeMap::new();
-        for (i, text) in r.labels.iter().enumerate() {
-            let (key, value) = parse_namespace_label(text).map_err(|e| invalid(&format!("labels[{i}]"), e))?;
-            labels.insert(key, value);
-        }
+        let labels = parse_namespace_labels("", &r)?;
         let (changed, affected) = self
             .manager
             .set_namespace_labels(&r.namespace, labels)
@@ -665,6 +660,233 @@ impl pb::namespace_service_server::NamespaceService for EndpointApi {
                     updated_unix_nanos: labels.updated.map_or(0, unix_nanos),
                 })
                 .collect(),
+            boot_id: self.boot_id(),
+        }))
+    }
+}
+
+/// Items a replay may carry (a bound on what one call holds in memory).
+const MAX_REPLAY_ITEMS: usize = 1_000_000;
+
+/// Validates one pod's metadata (`field` names it in errors).
+pub fn parse_pod_metadata(field: &str, m: &pb::PodMetadata) -> Result<(PodName, PodMetadata), Status> {
+    let pod = m
+        .pod
+        .as_ref()
+        .ok_or_else(|| invalid(&format!("{field}.pod"), "required"))?;
+    if pod.namespace.is_empty() {
+        return Err(invalid(&format!("{field}.pod.namespace"), "required"));
+    }
+    if pod.name.is_empty() {
+        return Err(invalid(&format!("{field}.pod.name"), "required"));
+    }
+    check_k8s_name(
+        &format!("{field}.pod.namespace"),
+        &pod.namespace,
+        k8s_name::check_namespace,
+    )?;
+    check_k8s_name(&format!("{field}.pod.name"), &pod.name, k8s_name::check_dns_subdomain)?;
+    check_text(&format!("{field}.uid"), &m.uid, 128, false)?;
+    let labels = parse_labels(&format!("{field}.labels"), &m.labels)?;
+    // Only Kubernetes' own labels: a feed must not make a pod `reserved:host`.
+    if let Some(label) = labels.iter().find(|l| l.source() != LabelSource::K8s) {
+        return Err(invalid(
+            &format!("{field}.labels"),
+            format!("{label}: pod labels must have source k8s"),
+        ));
+    }
+    let named_ports = parse_named_ports(&format!("{field}.named_ports"), &m.named_ports)?;
+    Ok((
+        (pod.namespace.clone(), pod.name.clone()),
+        PodMetadata {
+            uid: m.uid.clone(),
+            labels,
+            named_ports,
+        },
+    ))
+}
+
+/// Validates a SetNamespaceLabels request (or a replay's namespace item).
+fn parse_namespace_labels(field: &str, r: &pb::SetNamespaceLabelsRequest) -> Result<BTreeMap<String, String>, Status> {
+    let name_field = if field.is_empty() {
+        "namespace".to_string()
+    } else {
+        format!("{field}.namespace")
+    };
+    let labels_field = if field.is_empty() {
+        "labels".to_string()
+    } else {
+        format!("{field}.labels")
+    };
+    if r.namespace.is_empty() {
+        return Err(invalid(&name_field, "required"));
+    }
+    check_k8s_name(&name_field, &r.namespace, k8s_name::check_namespace)?;
+    if r.labels.len() > 256 {
+        return Err(invalid(&labels_field, "at most 256 labels"));
+    }
+    let mut labels = BTreeMap::new();
+    for (i, text) in r.labels.iter().enumerate() {
+        let (key, value) = parse_namespace_label(text).map_err(|e| invalid(&format!("{labels_field}[{i}]"), e))?;
+        labels.insert(key, value);
+    }
+    Ok(labels)
+}
+
+fn pod_ref(field: &str, pod: Option<&pb::PodRef>) -> Result<PodName, Status> {
+    let pod = pod.ok_or_else(|| invalid(field, "required"))?;
+    if pod.namespace.is_empty() {
+        return Err(invalid(&format!("{field}.namespace"), "required"));
+    }
+    if pod.name.is_empty() {
+        return Err(invalid(&format!("{field}.name"), "required"));
+    }
+    check_k8s_name(&format!("{field}.namespace"), &pod.namespace, k8s_name::check_namespace)?;
+    check_k8s_name(&format!("{field}.name"), &pod.name, k8s_name::check_dns_subdomain)?;
+    Ok((pod.namespace.clone(), pod.name.clone()))
+}
+
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+#[tonic::async_trait]
+impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
+    async fn set_pod_metadata(
+        &self,
+        request: Request<pb::SetPodMetadataRequest>,
+    ) -> Result<Response<pb::SetPodMetadataResponse>, Status> {
+        let deadline = deadline(&request);
+        let r = request.into_inner();
+        if !self.manager.kubernetes_mode() {
+            return Err(status(ManagerError::KubernetesModeOff));
+        }
+        let metadata = r.metadata.as_ref().ok_or_else(|| invalid("metadata", "required"))?;
+        let (pod, metadata) = parse_pod_metadata("metadata", metadata)?;
+        let (changed, affected) = self
+            .manager
+            .set_pod_metadata(pod, metadata, r.wait, deadline)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::SetPodMetadataResponse {
+            changed,
+            affected_endpoints: count(affected),
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn delete_pod_metadata(
+        &self,
+        request: Request<pb::DeletePodMetadataRequest>,
+    ) -> Result<Response<pb::DeletePodMetadataResponse>, Status> {
+        if !self.manager.kubernetes_mode() {
+            return Err(status(ManagerError::KubernetesModeOff));
+        }
+        let pod = pod_ref("pod", request.get_ref().pod.as_ref())?;
+        let deleted = self.manager.delete_pod_metadata(&pod).await.map_err(status)?;
+        Ok(Response::new(pb::DeletePodMetadataResponse {
+            deleted,
+            boot_id: self.boot_id(),
+        }))
+    }
+
+    async fn replay_kubernetes(
+        &self,
+        request: Request<tonic::Streaming<pb::ReplayKubernetesRequest>>,
+    ) -> Result<Response<pb::ReplayKubernetesResponse>, Status> {
+        use pb::replay_kubernetes_request::Item;
+        if !self.manager.kubernetes_mode() {
+            return Err(status(ManagerError::KubernetesModeOff));
+        }
+        let mut stream = request.into_inner();
+        let mut replay = KubernetesReplay::default();
+        let mut rejected = Vec::new();
+        let mut reject = |item: String, error: &Status| {
+            rejected.push(pb::ReplayItemError {
+                item,
+                error: error.message().to_string(),
+            })
+        };
+        let mut ended = false;
+        let mut items = 0usize;
+        while let Some(request) = stream.message().await? {
+            items += 1;
+            if ended {
+                return Err(invalid(
+                    "end",
+                    format!("item {items} follows `end`, which must be last; nothing was applied"),
+                ));
+            }
+            if items > MAX_REPLAY_ITEMS {
+                return Err(invalid(
+                    "item",
+                    format!("at most {MAX_REPLAY_ITEMS} items; nothing was applied"),
+                ));
+            }
+            match request.item {
+                Some(Item::Pod(p)) => match parse_pod_metadata("pod", &p) {
+                    Ok((pod, metadata)) => {
+                        replay.pods.insert(pod, metadata);
+                    }
+                    Err(e) => {
+                        let name = p.pod.map(|p| format!("pod {}/{}", p.namespace, p.name));
+                        reject(name.unwrap_or_else(|| format!("item {items}")), &e);
+                        replay.rejected_pods = true;
+                    }
+                },
+                Some(Item::Namespace(n)) => match parse_namespace_labels("namespace", &n) {
+                    Ok(labels) => {
+                        replay.namespaces.insert(n.namespace, labels);
+                    }
+                    Err(e) => {
+                        reject(format!("namespace {}", n.namespace), &e);
+                        replay.rejected_namespaces = true;
+                    }
+                },
+                Some(Item::PolicyDocument(document)) => {
+                    let parsed = if document.len() > MAX_DOCUMENT_BYTES {
+                        Err(invalid(
+                            "policy_document",
+                            format!("at most {MAX_DOCUMENT_BYTES} bytes"),
+                        ))
+                    } else {
+                        Policy::parse(&document).map_err(|e| invalid("policy_document", e))
+                    };
+                    match parsed {
+                        Ok(policy) => replay.policies.push(policy),
+                        Err(e) => {
+                            reject(format!("item {items}"), &e);
+                            replay.rejected_policies = true;
+                        }
+                    }
+                }
+                Some(Item::End(true)) => ended = true,
+                Some(Item::End(false)) | None => {
+                    reject(format!("item {items}"), &invalid("item", "empty"));
+                }
+            }
+        }
+        if !ended {
+            return Err(invalid(
+                "end",
+                "the replay ended without `end`: nothing was applied or forgotten",
+            ));
+        }
+        let (pods, namespaces, policies) = (replay.pods.len(), replay.namespaces.len(), replay.policies.len());
+        let outcome = self.manager.replay_kubernetes(replay).await.map_err(status)?;
+        rejected.extend(outcome.rejected.iter().map(|(key, error)| pb::ReplayItemError {
+            item: format!("policy {key}"),
+            error: error.clone(),
+        }));
+        Ok(Response::new(pb::ReplayKubernetesResponse {
+            pods: count(pods),
+            namespaces: count(namespaces),
+            policies: count(policies - outcome.rejected.len()),
+            pods_forgotten: count(outcome.pods_forgotten),
+            namespaces_forgotten: count(outcome.namespaces_forgotten),
+            policies_removed: count(outcome.policies_removed),
+            affected_endpoints: count(outcome.affected_endpoints),
+            rejected,
             boot_id: self.boot_id(),
         }))
     }

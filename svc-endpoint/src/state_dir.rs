@@ -315,6 +315,7 @@ mod tests {
                 labels: "k8s:app=web".parse().unwrap(),
                 named_ports: Vec::new(),
                 created: SystemTime::UNIX_EPOCH,
+                labels_pending: false,
             },
             identity,
             identity_labels: Labels::new(),

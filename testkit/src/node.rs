@@ -190,6 +190,7 @@ impl EndpointNode {
             identity: Arc::new(GrpcIdentity::new(&sockets.join("svc-identity.sock"), &options)),
             ipam: Arc::new(GrpcIpam::new(&sockets.join("svc-ipam.sock"), &options)),
             loader: Arc::new(GrpcLoader::new(&sockets.join("svc-loader.sock"), &options)),
+            pods: None,
         }
     }
 

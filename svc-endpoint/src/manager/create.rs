@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime};
 
 use rivet_common::grpc::RpcError;
+use rivet_common::labels::Labels;
 use rivet_proto::identity::v1 as idpb;
 use tonic::{Code, Status};
 
@@ -71,7 +72,21 @@ impl EndpointManager {
                 let id = state.allocate_id().ok_or(ManagerError::NoFreeId)?;
                 spec.id = id;
                 spec.created = SystemTime::now();
-                if !spec.pod_name.is_empty()
+                if self.kubernetes_mode() && !spec.pod_name.is_empty() {
+                    // Labels and ports only from Kubernetes; the init
+                    // identity until they are known.
+                    let pod = (spec.pod_namespace.clone(), spec.pod_name.clone());
+                    match state.pod_metadata.get(&pod) {
+                        Some(metadata) if metadata.describes(&spec) => {
+                            metadata.apply_to(&mut spec);
+                        }
+                        _ => {
+                            spec.labels = Labels::new();
+                            spec.named_ports = Vec::new();
+                            spec.labels_pending = true;
+                        }
+                    }
+                } else if !spec.pod_name.is_empty()
                     && let Some(remembered) = state
                         .pod_labels
                         .get(&(spec.pod_namespace.clone(), spec.pod_name.clone()))

@@ -6,9 +6,10 @@ use std::time::Duration;
 use tonic::{Code, Status};
 
 use super::EndpointSelector;
+use super::PolicySources;
 use super::queue::RemovalReason;
 use crate::endpoint::{MAX_ENDPOINT_ID, RegenerationStep};
-use rivet_policy::PolicyError;
+use rivet_policy::{PolicyError, PolicyOrigin};
 
 /// A failed regeneration: the step and the dependency's status.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -190,6 +191,24 @@ pub enum ManagerError {
     /// can succeed.
     #[error("svc-identity has not delivered its identities yet (is it running?); retry")]
     IdentitiesNotSynced,
+    /// A policy of an origin this node does not accept.
+    #[error("policies of origin {origin} are not accepted on this node (--policy-sources {sources})")]
+    PolicyOriginDisabled {
+        /// The policy's origin.
+        origin: PolicyOrigin,
+        /// The accepted ones.
+        sources: PolicySources,
+    },
+    /// Pod metadata on a node not in Kubernetes mode.
+    #[error(
+        "this node is not in Kubernetes mode (svc-endpoint runs without --k8s-sync-socket): pod labels come with the CNI call"
+    )]
+    KubernetesModeOff,
+    /// Pod labels set through the API in Kubernetes mode.
+    #[error(
+        "pod labels come from Kubernetes on this node (svc-endpoint runs with --k8s-sync-socket); label the Pod object instead"
+    )]
+    LabelsFromKubernetes,
 }
 
 impl From<ManagerError> for Status {
@@ -225,6 +244,9 @@ impl From<ManagerError> for Status {
             ManagerError::Policy(_) => (Code::InvalidArgument, R::PolicyInvalid),
             ManagerError::Storage { .. } | ManagerError::StorageTask { .. } => return Status::internal(message),
             ManagerError::Restoring | ManagerError::IdentitiesNotSynced => (Code::Unavailable, R::NotReady),
+            ManagerError::PolicyOriginDisabled { .. } => (Code::FailedPrecondition, R::PolicyOriginDisabled),
+            ManagerError::KubernetesModeOff => (Code::FailedPrecondition, R::KubernetesModeOff),
+            ManagerError::LabelsFromKubernetes => (Code::FailedPrecondition, R::LabelsFromKubernetes),
         };
         rivet_common::grpc::status_with_reason(code, message, reason)
     }
@@ -270,6 +292,24 @@ mod tests {
                 Some(R::AmbiguousReference),
             ),
             (ManagerError::Restoring, Code::Unavailable, Some(R::NotReady)),
+            (
+                ManagerError::PolicyOriginDisabled {
+                    origin: PolicyOrigin::Kubernetes,
+                    sources: PolicySources::default_for(false),
+                },
+                Code::FailedPrecondition,
+                Some(R::PolicyOriginDisabled),
+            ),
+            (
+                ManagerError::KubernetesModeOff,
+                Code::FailedPrecondition,
+                Some(R::KubernetesModeOff),
+            ),
+            (
+                ManagerError::LabelsFromKubernetes,
+                Code::FailedPrecondition,
+                Some(R::LabelsFromKubernetes),
+            ),
             (ManagerError::IdentitiesNotSynced, Code::Unavailable, Some(R::NotReady)),
             (
                 ManagerError::NoFreeId,

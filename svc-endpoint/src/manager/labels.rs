@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
-use rivet_common::labels::{Label, LabelSource, Labels};
+use rivet_common::labels::{Label, LabelSource, Labels, ReservedIdentity};
 use tonic::Status;
 
 use super::{EndpointManager, EndpointSelector, EndpointView, ManagerError, State, store};
@@ -29,6 +29,10 @@ pub struct NamespaceLabels {
 impl State {
     /// The full label set an endpoint's identity is allocated for.
     pub(super) fn identity_request_labels(&self, spec: &EndpointSpec) -> Result<Labels, Status> {
+        if spec.labels_pending {
+            // Kubernetes mode, the pod's labels not known yet.
+            return Ok(ReservedIdentity::Init.labels());
+        }
         let namespace = self.namespaces.get(&spec.pod_namespace);
         let mut ns_labels: BTreeMap<&str, &str> = namespace
             .map(|n| n.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect())
@@ -51,6 +55,9 @@ impl EndpointManager {
         wait: bool,
         deadline: Duration,
     ) -> Result<(Vec<EndpointView>, usize), ManagerError> {
+        if self.kubernetes_mode() {
+            return Err(ManagerError::LabelsFromKubernetes);
+        }
         let waits = {
             let mut state = self.state();
             let ids = state.find(selector);
@@ -134,39 +141,68 @@ impl EndpointManager {
         namespace: &str,
         labels: BTreeMap<String, String>,
     ) -> Result<(bool, usize), ManagerError> {
+        let (changed, queued) = self
+            .replace_namespace_labels(BTreeMap::from([(namespace.to_string(), labels)]))
+            .await?;
+        Ok((changed > 0, queued.len()))
+    }
+
+    /// Replaces the labels of each named namespace (an empty set forgets
+    /// it), persisted once; the endpoints of changed namespaces are
+    /// re-identified (not waited for). Returns how many namespaces changed
+    /// and the endpoints queued. The one path of SetNamespaceLabels and of
+    /// a Kubernetes replay.
+    pub(super) async fn replace_namespace_labels(
+        &self,
+        changes: BTreeMap<String, BTreeMap<String, String>>,
+    ) -> Result<(usize, Vec<u16>), ManagerError> {
         let _config = self.inner.config_lock.lock().await;
-        let mut next = {
+        let (mut next, changed) = {
             let state = self.state();
-            let current = state.namespaces.get(namespace).map(|n| &n.labels);
-            if current == Some(&labels) || (current.is_none() && labels.is_empty()) {
-                return Ok((false, 0));
+            let changed: Vec<(String, BTreeMap<String, String>)> = changes
+                .into_iter()
+                .filter(|(namespace, labels)| {
+                    let current = state.namespaces.get(namespace).map(|n| &n.labels);
+                    !(current == Some(labels) || (current.is_none() && labels.is_empty()))
+                })
+                .collect();
+            if changed.is_empty() {
+                return Ok((0, Vec::new()));
             }
-            state.namespaces.clone()
+            (state.namespaces.clone(), changed)
         };
-        if labels.is_empty() {
-            next.remove(namespace);
-        } else {
-            next.insert(
-                namespace.to_string(),
-                NamespaceLabels {
-                    labels,
-                    updated: Some(SystemTime::now()),
-                },
-            );
+        for (namespace, labels) in &changed {
+            if labels.is_empty() {
+                next.remove(namespace);
+            } else {
+                next.insert(
+                    namespace.clone(),
+                    NamespaceLabels {
+                        labels: labels.clone(),
+                        updated: Some(SystemTime::now()),
+                    },
+                );
+            }
         }
         // Durable before it takes effect; written off the runtime's threads
         // and without the state lock (an fsync stalls every regeneration).
         store(&self.inner.namespaces_file, next.clone(), "namespace labels").await?;
         let mut state = self.state();
         state.namespaces = next;
-        let mut affected = 0;
+        let mut queued = Vec::new();
         for slot in state.endpoints.values_mut() {
-            if slot.spec.pod_namespace == namespace && !slot.queue.is_closed() {
+            // An endpoint on the init identity has no namespace labels.
+            if changed
+                .iter()
+                .any(|(namespace, _)| slot.spec.pod_namespace == *namespace)
+                && !slot.queue.is_closed()
+                && !slot.spec.labels_pending
+            {
                 slot.queue.request("namespace labels changed");
-                affected += 1;
+                queued.push(slot.spec.id);
             }
         }
-        Ok((true, affected))
+        Ok((changed.len(), queued))
     }
 
     /// Namespaces with labels or endpoints: (name, labels, endpoints).

@@ -36,7 +36,9 @@ mod dependencies;
 mod endpoint_watch;
 mod error;
 mod interfaces;
+mod kubernetes;
 mod labels;
+mod pods;
 mod policies;
 mod queue;
 mod regeneration;
@@ -59,7 +61,7 @@ use rivet_policy::{Policy, PolicyOrigin, PolicyRepository, SelectorCache};
 use rivet_proto::ipam::v1 as ipampb;
 use tokio::sync::{Notify, Semaphore, watch};
 
-use crate::clients::{IdentityApi, IpamApi, LoaderApi};
+use crate::clients::{IdentityApi, IpamApi, LoaderApi, PodDirectoryApi};
 use crate::endpoint::{EndpointSpec, EndpointState, EndpointStatus, MAX_ENDPOINT_ID};
 use crate::events::EndpointMetrics;
 use crate::state_dir::{EndpointRecord, EndpointStateDir};
@@ -70,8 +72,9 @@ use dependencies::Dependency;
 pub use dependencies::DependencyStatus;
 pub use endpoint_watch::EndpointEvent;
 pub use error::{ManagerError, RegenError};
+pub use kubernetes::{KubernetesReplay, PodMetadata, PodName, ReplayOutcome};
 pub use labels::{DEFAULT_NAMESPACE, NAMESPACE_NAME_LABEL, NamespaceLabels, parse_namespace_label};
-pub use policies::{PolicyDirStatus, PolicyUpdate};
+pub use policies::{PolicyDirStatus, PolicySources, PolicySourcesError, PolicyUpdate};
 pub use restore::RestoreProgress;
 
 /// The daemons svc-endpoint drives.
@@ -83,6 +86,10 @@ pub struct Dependencies {
     pub ipam: Arc<dyn IpamApi>,
     /// svc-loader.
     pub loader: Arc<dyn LoaderApi>,
+    /// svc-k8s-sync's pod directory: `Some` puts the node in Kubernetes
+    /// mode (pod labels and named ports from PodMetadataService only; see
+    /// the `kubernetes` module).
+    pub pods: Option<Arc<dyn PodDirectoryApi>>,
 }
 
 /// How the manager behaves.
@@ -107,6 +114,9 @@ pub struct ManagerOptions {
     /// interface (a runtime that never calls DEL must not leak them); zero:
     /// only at restore and when a regeneration finds it gone.
     pub interface_check: Duration,
+    /// The policy origins accepted; `None`: [`PolicySources::default_for`]
+    /// the mode.
+    pub policy_sources: Option<PolicySources>,
 }
 
 impl ManagerOptions {
@@ -120,6 +130,7 @@ impl ManagerOptions {
             retry_backoff: Backoff::new(Duration::from_millis(500), Duration::from_secs(30)),
             interface_check: Duration::from_secs(10),
             blocking_resolution_above: 4096,
+            policy_sources: None,
         }
     }
 }
@@ -203,6 +214,11 @@ struct State {
     namespaces: BTreeMap<String, NamespaceLabels>,
     /// Labels remembered for pods without an endpoint yet.
     pod_labels: BTreeMap<(String, String), Labels>,
+    /// Kubernetes mode: each pod's metadata from svc-k8s-sync.
+    pod_metadata: BTreeMap<kubernetes::PodName, PodMetadata>,
+    /// Kubernetes mode: restored endpoints svc-k8s-sync could not say
+    /// whether their pod exists (checked again by `pod-check`).
+    pods_unchecked: BTreeSet<u16>,
     repository: PolicyRepository,
     selectors: SelectorCache,
     cidr_identities: BTreeMap<IpNet, u32>,
@@ -290,6 +306,8 @@ impl State {
 
 struct Inner {
     options: ManagerOptions,
+    /// The policy origins accepted (the options', or the mode's default).
+    policy_sources: PolicySources,
     deps: Dependencies,
     state_dir: EndpointStateDir,
     api_policies: StateFile<Vec<String>>,
@@ -357,6 +375,9 @@ impl EndpointManager {
             "rivet.endpoint.namespaces",
             1,
         );
+        let policy_sources = options
+            .policy_sources
+            .unwrap_or_else(|| PolicySources::default_for(deps.pods.is_some()));
         let mut state = State {
             next_id: 1,
             ..State::default()
@@ -375,6 +396,16 @@ impl EndpointManager {
                 source,
             })?
             .unwrap_or_default();
+        if !policy_sources.accepts(PolicyOrigin::Api) && !documents.is_empty() {
+            tracing::warn!(
+                policies = documents.len(),
+                sources = %policy_sources,
+                "API policies are persisted but the API is not a policy source: not applied (the file is kept)"
+            );
+        }
+        let documents = documents
+            .into_iter()
+            .filter(|_| policy_sources.accepts(PolicyOrigin::Api));
         for document in documents {
             match Policy::parse(&document) {
                 Ok(policy) => {
@@ -386,6 +417,7 @@ impl EndpointManager {
         let concurrency = options.regeneration_concurrency.max(1);
         let inner = Inner {
             options,
+            policy_sources,
             deps,
             state_dir,
             api_policies,
@@ -456,6 +488,13 @@ impl EndpointManager {
                 async move { this.reconcile_cidrs_pass().await }
             },
         );
+        if self.kubernetes_mode() {
+            let this = self.clone();
+            controllers.reconcile(controller("pod-check"), move || {
+                let this = this.clone();
+                async move { this.recheck_pods().await }
+            });
+        }
         if !self.inner.options.interface_check.is_zero() {
             let this = self.clone();
             controllers.reconcile(controller("interface-check"), move || {

@@ -24,6 +24,94 @@ pub struct PolicyDirStatus {
     pub last_error: String,
 }
 
+/// The policy origins a node accepts (`--policy-sources`, e.g.
+/// `api,directory`). A policy of another origin is refused
+/// (POLICY_ORIGIN_DISABLED) and nothing is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicySources {
+    api: bool,
+    directory: bool,
+    kubernetes: bool,
+}
+
+/// A `--policy-sources` value that names no origin or an unknown one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicySourcesError {
+    /// An unknown name.
+    #[error("unknown policy source {0:?} (expected api, directory or kubernetes)")]
+    Unknown(String),
+    /// Nothing named.
+    #[error("no policy source named (expected a list of api, directory, kubernetes)")]
+    Empty,
+}
+
+impl PolicySources {
+    /// The default: `api,directory`, and `kubernetes` too in Kubernetes
+    /// mode (files and the CLI stay useful for node-local policies).
+    pub fn default_for(kubernetes_mode: bool) -> Self {
+        Self {
+            api: true,
+            directory: true,
+            kubernetes: kubernetes_mode,
+        }
+    }
+
+    /// Parses a comma-separated list of `api`, `directory`, `kubernetes`.
+    ///
+    /// ```
+    /// use svc_endpoint::manager::PolicySources;
+    /// use rivet_policy::PolicyOrigin;
+    ///
+    /// let sources = PolicySources::parse("kubernetes, api")?;
+    /// assert!(sources.accepts(PolicyOrigin::Api) && !sources.accepts(PolicyOrigin::Directory));
+    /// assert!(PolicySources::parse("api,files").is_err());
+    /// # Ok::<(), svc_endpoint::manager::PolicySourcesError>(())
+    /// ```
+    pub fn parse(text: &str) -> Result<Self, PolicySourcesError> {
+        let mut sources = Self {
+            api: false,
+            directory: false,
+            kubernetes: false,
+        };
+        for name in text.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "api" => sources.api = true,
+                "directory" => sources.directory = true,
+                "kubernetes" => sources.kubernetes = true,
+                other => return Err(PolicySourcesError::Unknown(other.to_string())),
+            }
+        }
+        if sources.origins().is_empty() {
+            return Err(PolicySourcesError::Empty);
+        }
+        Ok(sources)
+    }
+
+    /// Whether policies of `origin` are accepted.
+    pub fn accepts(self, origin: PolicyOrigin) -> bool {
+        match origin {
+            PolicyOrigin::Api => self.api,
+            PolicyOrigin::Directory => self.directory,
+            PolicyOrigin::Kubernetes => self.kubernetes,
+        }
+    }
+
+    /// The accepted origins, in declaration order.
+    pub fn origins(self) -> Vec<PolicyOrigin> {
+        [PolicyOrigin::Api, PolicyOrigin::Directory, PolicyOrigin::Kubernetes]
+            .into_iter()
+            .filter(|o| self.accepts(*o))
+            .collect()
+    }
+}
+
+impl std::fmt::Display for PolicySources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.origins().into_iter().map(PolicyOrigin::as_str).collect();
+        f.write_str(&names.join(","))
+    }
+}
+
 /// The outcome of a policy change.
 #[derive(Debug, Clone)]
 pub struct PolicyUpdate {
@@ -31,6 +119,8 @@ pub struct PolicyUpdate {
     pub change: PolicyChange,
     /// Endpoints whose policy the change affects.
     pub affected: usize,
+    /// Their ids.
+    pub endpoints: Vec<u16>,
     /// With `wait`: endpoints that realised the change.
     pub realised: usize,
 }
@@ -78,6 +168,22 @@ impl State {
 }
 
 impl EndpointManager {
+    /// The policy origins this node accepts.
+    pub fn policy_sources(&self) -> PolicySources {
+        self.inner.policy_sources
+    }
+
+    fn require_policy_source(&self, origin: PolicyOrigin) -> Result<(), ManagerError> {
+        if self.inner.policy_sources.accepts(origin) {
+            Ok(())
+        } else {
+            Err(ManagerError::PolicyOriginDisabled {
+                origin,
+                sources: self.inner.policy_sources,
+            })
+        }
+    }
+
     /// Records a completed scan of the policy dir and the files it rejected
     /// (file, reason).
     pub fn policy_dir_scanned(&self, dir: &std::path::Path, rejected: &[(std::path::PathBuf, String)]) {
@@ -132,6 +238,7 @@ impl EndpointManager {
         wait: bool,
         deadline: Duration,
     ) -> Result<PolicyUpdate, ManagerError> {
+        self.require_policy_source(origin)?;
         let _config = self.inner.config_lock.lock().await;
         let change = {
             let mut state = self.state();
@@ -159,6 +266,7 @@ impl EndpointManager {
         wait: bool,
         deadline: Duration,
     ) -> Result<Option<PolicyUpdate>, ManagerError> {
+        self.require_policy_source(origin)?;
         let _config = self.inner.config_lock.lock().await;
         let change = self.state().repository.delete(key, origin)?;
         match change {
@@ -178,6 +286,7 @@ impl EndpointManager {
             return Ok(PolicyUpdate {
                 change,
                 affected: 0,
+                endpoints: Vec::new(),
                 realised: 0,
             });
         }
@@ -221,6 +330,7 @@ impl EndpointManager {
         Ok(PolicyUpdate {
             change,
             affected,
+            endpoints: waits.iter().map(|(id, ..)| *id).collect(),
             realised,
         })
     }

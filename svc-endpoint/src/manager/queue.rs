@@ -39,6 +39,9 @@ pub(crate) enum RemovalReason {
     InterfaceGone,
     /// Its ifindex now names another interface.
     InterfaceReplaced,
+    /// Kubernetes mode: svc-k8s-sync says its pod is gone (deleted while
+    /// svc-endpoint was down).
+    PodGone,
 }
 
 impl RemovalReason {
@@ -49,13 +52,14 @@ impl RemovalReason {
             Self::CreateFailed => "create_failed",
             Self::InterfaceGone => "interface_gone",
             Self::InterfaceReplaced => "interface_replaced",
+            Self::PodGone => "pod_gone",
         }
     }
 
     /// Whether svc-endpoint itself decided the endpoint goes (nobody else
     /// will release its addresses).
     pub fn is_drop(self) -> bool {
-        matches!(self, Self::InterfaceGone | Self::InterfaceReplaced)
+        matches!(self, Self::InterfaceGone | Self::InterfaceReplaced | Self::PodGone)
     }
 }
 

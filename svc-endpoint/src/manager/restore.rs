@@ -53,7 +53,8 @@ pub struct RestoreProgress {
     pub found: u32,
     /// Regenerated and ready.
     pub restored: u32,
-    /// Dropped (interface gone) and cleaned up.
+    /// Dropped (interface or pod gone) and cleaned up; in Kubernetes mode
+    /// also those `pod-check` dropped after restore.
     pub dropped: u32,
     /// Failed (kept, retried in the background).
     pub failed: u32,
@@ -128,6 +129,9 @@ impl EndpointManager {
             state.lost_interfaces(&held)
         };
         self.inner.ids_known.send_replace(true);
+        // Kubernetes mode: pods deleted while svc-endpoint was down.
+        let pods_gone = self.pods_gone_at_restore(&dropped).await;
+        dropped.extend(pods_gone);
 
         // Restored endpoints keep their datapath; regenerating them against
         // an empty selector cache (or without the CIDR identities) would

@@ -342,6 +342,7 @@ pub fn faulty_dependencies(node: &EndpointNode, faults: &Arc<Faults>) -> Depende
             inner: real.loader,
             faults: faults.clone(),
         }),
+        pods: None,
     }
 }
 
