@@ -373,6 +373,12 @@ pub struct EndpointStatus {
     pub policies: u32,
     /// Links to the daemons it drives.
     pub dependencies: Vec<DependencyView>,
+    /// The policy origins it accepts (`api`, `directory`, `kubernetes`).
+    pub policy_sources: Vec<String>,
+    /// Pod labels come from svc-k8s-sync (`--k8s-sync-socket`).
+    pub kubernetes_mode: bool,
+    /// Endpoints on the init identity waiting for their pod's labels.
+    pub labels_pending: u32,
 }
 
 impl From<&endpoint_pb::GetStatusResponse> for EndpointStatus {
@@ -414,6 +420,19 @@ impl From<&endpoint_pb::GetStatusResponse> for EndpointStatus {
                     last_error: d.last_error.clone(),
                 })
                 .collect(),
+            policy_sources: r
+                .policy_sources
+                .iter()
+                .map(|o| match endpoint_pb::PolicyOrigin::try_from(*o) {
+                    Ok(endpoint_pb::PolicyOrigin::Api) => "api",
+                    Ok(endpoint_pb::PolicyOrigin::Directory) => "directory",
+                    Ok(endpoint_pb::PolicyOrigin::Kubernetes) => "kubernetes",
+                    _ => "unknown",
+                })
+                .map(String::from)
+                .collect(),
+            kubernetes_mode: r.kubernetes_mode,
+            labels_pending: r.labels_pending,
         }
     }
 }
@@ -439,7 +458,7 @@ fn endpoint_section(s: &EndpointStatus, now: i64) -> String {
         .filter(|c| c.count > 0)
         .map(|c| format!("{} {}", c.count, c.state))
         .collect();
-    let mut body = crate::fields([
+    let mut fields = vec![
         ("restore", restore),
         (
             "endpoints",
@@ -452,13 +471,29 @@ fn endpoint_section(s: &EndpointStatus, now: i64) -> String {
         (
             "policy",
             format!(
-                "revision {}, {} {}",
+                "revision {}, {} {}{}",
                 s.policy_revision,
                 s.policies,
-                if s.policies == 1 { "policy" } else { "policies" }
+                if s.policies == 1 { "policy" } else { "policies" },
+                if s.policy_sources.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (sources: {})", s.policy_sources.join(", "))
+                }
             ),
         ),
-    ]);
+    ];
+    if s.kubernetes_mode {
+        fields.push((
+            "kubernetes",
+            format!(
+                "pod labels from svc-k8s-sync; {} {} waiting for labels (init identity)",
+                s.labels_pending,
+                if s.labels_pending == 1 { "endpoint" } else { "endpoints" }
+            ),
+        ));
+    }
+    let mut body = crate::fields(fields);
     if !s.dependencies.is_empty() {
         let mut t = Table::new(["DEPENDENCY", "CONNECTED", "SEEN BOOT ID", "LAST RESYNC", "LAST ERROR"]);
         for d in &s.dependencies {
@@ -690,6 +725,10 @@ mod tests {
             ],
             boot_id: "b".into(),
             policy_dir: None,
+            policy_sources: vec![
+                endpoint_pb::PolicyOrigin::Api as i32,
+                endpoint_pb::PolicyOrigin::Directory as i32,
+            ],
             ..Default::default()
         }
     }
@@ -702,7 +741,7 @@ mod tests {
             "\nsvc-endpoint:\n\
              \x20 restore    complete in 1.2s: 12 found, 10 restored, 1 dropped, 1 failed\n\
              \x20 endpoints  1 regenerating, 10 ready\n\
-             \x20 policy     revision 42, 7 policies\n\
+             \x20 policy     revision 42, 7 policies (sources: api, directory)\n\
              \x20 DEPENDENCY    CONNECTED  SEEN BOOT ID  LAST RESYNC  LAST ERROR\n\
              \x20 svc-identity  yes        3f2a9c1d      5m0s ago     -\n\
              \x20 svc-loader    no         -             never        connection refused\n"
@@ -871,6 +910,31 @@ mod tests {
         let text = endpoint_section(&EndpointStatus::from(&r), 700 * S);
         assert!(text.contains("restore    running for 3s: 3 found, 0 restored, 0 dropped, 0 failed\n"));
         assert!(text.contains("endpoints  none\n"));
-        assert!(text.ends_with("policy     revision 42, 1 policy\n"));
+        assert!(text.ends_with("policy     revision 42, 1 policy (sources: api, directory)\n"));
+    }
+
+    #[test]
+    fn endpoint_section_names_kubernetes_mode_and_the_pods_waiting_for_labels() {
+        let mut r = status();
+        r.kubernetes_mode = true;
+        r.labels_pending = 2;
+        r.policy_sources.push(endpoint_pb::PolicyOrigin::Kubernetes as i32);
+        r.dependencies.clear();
+        let view = EndpointStatus::from(&r);
+        let text = endpoint_section(&view, 700 * S);
+        assert!(
+            text.contains("policy      revision 42, 7 policies (sources: api, directory, kubernetes)\n"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with(
+                "kubernetes  pod labels from svc-k8s-sync; 2 endpoints waiting for labels (init identity)\n"
+            ),
+            "{text}"
+        );
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["kubernetes_mode"], true);
+        assert_eq!(json["labels_pending"], 2);
+        assert_eq!(json["policy_sources"][2], "kubernetes");
     }
 }
