@@ -11,6 +11,8 @@
 //!   ([`loader::LoaderNode`]), and policy entries for it;
 //! - [`gc`]: the datapath's maps pinned for svc-gc, synthetic conntrack
 //!   entries, the svc-gc command;
+//! - [`kube`]: a real kube-apiserver with its own etcd, per-test PKI, RBAC,
+//!   an admin client, Rivet's CRDs and ServiceAccounts bound to deploy/'s RBAC;
 //! - [`cni`]: running a CNI plugin the way a container runtime does;
 //! - [`frames`]: raw frames built by hand and sent from an interface;
 //! - [`tools`]: where the Go-built tools (Kubernetes, etcd 3.6, Jaeger) are.
@@ -21,6 +23,7 @@
 pub mod cni;
 pub mod frames;
 pub mod gc;
+pub mod kube;
 pub mod loader;
 pub mod node;
 pub mod tools;
