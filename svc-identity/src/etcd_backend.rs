@@ -1377,7 +1377,8 @@ mod tests {
         ));
     }
 
-    /// etcd 3.4 facts the allocation transaction relies on.
+    /// etcd facts the allocation transaction relies on (the tests run etcd
+    /// 3.6; they held on 3.4 too).
     #[tokio::test]
     async fn etcd_range_compare_on_an_empty_range_succeeds() {
         let etcd = EtcdServer::start_async().await.expect("etcd starts");

@@ -531,6 +531,35 @@ replace (
         assert_eq!(first_error_line("$ go build\n"), None);
     }
 
+    /// A failing `go` step (here a malformed module path, refused before
+    /// any download) fails the install naming the set, its version, the step
+    /// and go's first error line, and leaves the set unstamped.
+    #[test]
+    fn a_failed_build_names_the_set_the_step_and_gos_error() {
+        static BROKEN: ToolSet = ToolSet {
+            name: "broken",
+            version: "v0.0.1",
+            requires: &["not a module@v0.0.1"],
+            replaces: None,
+            binaries: &[],
+            tags: &[],
+            ldflags: &[],
+            static_binary: true,
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        let tools = ToolsDir::at(dir.path());
+        let err = install_set(&tools, &BROKEN, GO).expect_err("go get fails").to_string();
+        assert!(
+            err.starts_with("building broken v0.0.1 failed at `go get` (exit status: 1): go: "),
+            "{err}"
+        );
+        assert!(err.contains("malformed module path"), "{err}");
+        assert!(err.contains("broken-v0.0.1/build.log"), "{err}");
+        assert!(!tools.is_installed(&BROKEN));
+        let go_mod = std::fs::read_to_string(tools.module_dir(&BROKEN).join("go.mod")).expect("go.mod");
+        assert!(go_mod.starts_with("module rivet.local/tools/broken\n"), "{go_mod}");
+    }
+
     /// The stamp decides: a stamped set is left alone (no `go` needed, no
     /// lock), an unstamped one is built. Here the "build" fails at once
     /// because `go` is not in PATH, which proves it was attempted.
