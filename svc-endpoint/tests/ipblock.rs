@@ -12,15 +12,7 @@ use std::time::Duration;
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::loader::v1 as ldpb;
 use rivet_testkit::node::{EndpointNode, NodeOptions};
-use support::until;
-
-fn pings(node: &EndpointNode, from: &str, to: &str) -> bool {
-    node.pod(from)
-        .ping(node.ipv4(to), 1, Duration::from_millis(10), Duration::from_millis(500))
-        .expect("the harness can ping")
-        .received
-        == 1
-}
+use support::{pings, until};
 
 /// X and B share one identity, yet `192.0.0.0/4 except X/32` denies only X;
 /// the same for ingress with two clients of one identity. `rivet bpf policy

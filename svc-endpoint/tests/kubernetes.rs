@@ -22,7 +22,7 @@ use rivet_proto::endpoint::v1::pod_metadata_service_client::PodMetadataServiceCl
 use rivet_proto::endpoint::v1::watch_endpoints_response::Event;
 use rivet_proto::k8s::v1 as k8spb;
 use rivet_testkit::node::{EndpointNode, NodeOptions};
-use support::{eventually, options, start_manager, until};
+use support::{endpoint_status, eventually, options, pings, start_manager, until};
 use svc_endpoint::endpoint::EndpointState;
 use svc_endpoint::manager::{EndpointEvent, EndpointSelector, NewEndpoint};
 use svc_endpoint::service::validate_create;
@@ -390,20 +390,7 @@ async fn endpoint(node: &EndpointNode, id: u32) -> pb::Endpoint {
 }
 
 async fn status(node: &EndpointNode) -> pb::GetStatusResponse {
-    node.endpoints()
-        .await
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .expect("GetStatus")
-        .into_inner()
-}
-
-fn pings(node: &EndpointNode, from: &str, to: &str) -> bool {
-    node.pod(from)
-        .ping(node.ipv4(to), 1, Duration::from_millis(10), Duration::from_millis(500))
-        .expect("the harness can ping")
-        .received
-        == 1
+    endpoint_status(node).await
 }
 
 /// The restore status once restore completed.
@@ -488,6 +475,48 @@ async fn a_pod_without_metadata_runs_on_init_and_is_reidentified_when_its_labels
         a.regenerations,
         "no regeneration"
     );
+
+    // Named ports come with the metadata too: a regeneration, same identity.
+    let mut with_port = metadata("a", &["k8s:app=a"]);
+    with_port.named_ports = vec![pb::NamedPort {
+        name: "http".into(),
+        protocol: "TCP".into(),
+        port: 80,
+    }];
+    let ported = pod_metadata(&node)
+        .await
+        .set_pod_metadata(pb::SetPodMetadataRequest {
+            metadata: Some(with_port.clone()),
+            wait: true,
+        })
+        .await
+        .expect("named ports")
+        .into_inner();
+    assert!(ported.changed && ported.affected_endpoints == 1, "{ported:?}");
+    let a_ported = endpoint(&node, a.id).await;
+    assert_eq!(a_ported.named_ports, with_port.named_ports);
+    assert_eq!(a_ported.identity, a.identity, "ports do not change the identity");
+
+    // The pod deleted in the API: its metadata is forgotten, the endpoint
+    // keeps its labels until the CNI deletes it.
+    let pod = Some(pb::PodRef {
+        namespace: "default".into(),
+        name: "a".into(),
+    });
+    let mut client = pod_metadata(&node).await;
+    let deleted = client
+        .delete_pod_metadata(pb::DeletePodMetadataRequest { pod: pod.clone() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(deleted.deleted);
+    let again = client
+        .delete_pod_metadata(pb::DeletePodMetadataRequest { pod })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.deleted, "idempotent");
+    assert_eq!(endpoint(&node, a.id).await.labels, vec!["k8s:app=a".to_string()]);
 
     // Labels come from Kubernetes only.
     let refused = node
@@ -716,6 +745,9 @@ async fn a_replay_forgets_what_it_does_not_name_and_regenerates_nothing_unchange
         vec!["k8s:app=b".to_string()],
         "forgotten metadata leaves the endpoint's labels"
     );
+    // ghost's metadata is gone: its pod starts on the init identity.
+    let ghost = node.add_pod("ghost", &[]).await;
+    assert!(ghost.labels_pending && ghost.identity == 5, "{ghost:?}");
 
     // Without `end`: refused, nothing forgotten.
     let cut = replay(&node, vec![Item::Pod("a", &["k8s:app=a2"])])

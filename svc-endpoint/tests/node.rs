@@ -4,7 +4,7 @@
 
 mod support;
 
-use support::{eventually, until};
+use support::{endpoint_status, eventually, pings, until};
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -26,14 +26,6 @@ fn tcp(node: &EndpointNode, from: &str, to: &str, port: u16) -> bool {
     node.pod(from)
         .tcp_echo(SocketAddr::new(node.ipv4(to), port), SHORT)
         .expect("the harness can run a TCP probe")
-}
-
-fn pings(node: &EndpointNode, from: &str, to: &str) -> bool {
-    node.pod(from)
-        .ping(node.ipv4(to), 1, Duration::from_millis(10), SHORT)
-        .expect("the harness can ping")
-        .received
-        == 1
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -377,12 +369,8 @@ async fn realised_peers(node: &EndpointNode, endpoint_id: u32) -> (ldpb::GetEndp
 
 /// What svc-endpoint's policy dir watcher reports.
 async fn policy_dir_status(node: &EndpointNode) -> pb::PolicyDirStatus {
-    node.endpoints()
+    endpoint_status(node)
         .await
-        .get_status(pb::GetStatusRequest {})
-        .await
-        .expect("GetStatus")
-        .into_inner()
         .policy_dir
         .expect("svc-endpoint watches a policy dir")
 }

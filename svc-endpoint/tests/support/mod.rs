@@ -14,6 +14,7 @@ use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use rivet_common::backoff::Backoff;
 use rivet_common::controller::Controllers;
+use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::identity::v1 as idpb;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
@@ -457,4 +458,24 @@ pub async fn assert_nothing_left(
             "{what}: {container}'s addresses are released: {held:?}"
         );
     }
+}
+
+/// Whether one ping from pod `from` to pod `to`'s IPv4 address is answered
+/// (within 500 ms).
+pub fn pings(node: &EndpointNode, from: &str, to: &str) -> bool {
+    node.pod(from)
+        .ping(node.ipv4(to), 1, Duration::from_millis(10), Duration::from_millis(500))
+        .expect("the harness can ping")
+        .received
+        == 1
+}
+
+/// svc-endpoint's GetStatus.
+pub async fn endpoint_status(node: &EndpointNode) -> pb::GetStatusResponse {
+    node.endpoints()
+        .await
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .expect("GetStatus")
+        .into_inner()
 }
