@@ -12,6 +12,7 @@
 //!   `deploy/rbac/<component>.yaml`, as a kubeconfig holding a token from the
 //!   TokenRequest API ([`KubeApiServer::service_account_client`]): the daemons
 //!   run with it, so least privilege is tested, not assumed;
+//! - `kubectl` with the admin kubeconfig ([`KubeApiServer::kubectl`]);
 //! - [`KubeApiServer::restart`]: kube-apiserver killed and started again on
 //!   the same port and etcd data (the restart tests).
 //!
@@ -328,6 +329,20 @@ impl KubeApiServer {
     /// A client with the admin kubeconfig (cheap to clone).
     pub fn admin_client(&self) -> Client {
         self.admin.clone()
+    }
+
+    /// `kubectl --kubeconfig <admin kubeconfig>` (the built kubectl v1.34.4),
+    /// for what a user sees (`kubectl get rivetendpoints` printer columns).
+    ///
+    /// # Errors
+    /// [`KubeApiServerError::NotInstalled`] without the built kubectl.
+    pub fn kubectl(&self) -> Result<Command, KubeApiServerError> {
+        let mut kubectl = Command::new(tool_path(Tool::Kubectl)?);
+        kubectl
+            .arg("--kubeconfig")
+            .arg(self.admin_kubeconfig())
+            .stdin(Stdio::null());
+        Ok(kubectl)
     }
 
     /// The CA that signed the serving certificate (and the client
