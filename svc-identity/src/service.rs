@@ -370,6 +370,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let backend = match self.allocator.backend_kind() {
             "etcd" => pb::StoreBackend::Etcd,
+            "kubernetes" => pb::StoreBackend::Kubernetes,
             _ => pb::StoreBackend::Embedded,
         };
         let list = self.allocator.list();
