@@ -259,6 +259,25 @@ async fn a_pod_deleted_while_svc_endpoint_is_down_is_dropped_at_restore_and_its_
         cluster.endpoint("shop", "stays").await.is_some(),
         "the other pod's endpoint stays"
     );
+    // The deleted pod's RivetEndpoint goes with its endpoint (no
+    // controller-manager runs here to collect it by owner reference).
+    let objects: Api<RivetEndpoint> = Api::namespaced(cluster.admin(), "shop");
+    eventually("the gone pod's RivetEndpoint is deleted", CONVERGE, || async {
+        let names: Vec<String> = objects
+            .list(&Default::default())
+            .await
+            .map_err(|e| e.to_string())?
+            .items
+            .into_iter()
+            .filter_map(|o| o.metadata.name)
+            .collect();
+        if names == ["stays"] {
+            Ok(())
+        } else {
+            Err(format!("{names:?}"))
+        }
+    })
+    .await;
     let allocated: Vec<String> = cluster
         .node
         .allocations()

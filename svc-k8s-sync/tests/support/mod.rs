@@ -267,8 +267,8 @@ impl Cluster {
             .namespaces
     }
 
-    /// Regenerations of every endpoint, summed.
-    pub async fn regenerations(&self) -> u64 {
+    /// Every endpoint of the node.
+    pub async fn endpoints(&self) -> Vec<pb::Endpoint> {
         self.node
             .endpoints()
             .await
@@ -277,9 +277,11 @@ impl Cluster {
             .expect("ListEndpoints answers")
             .into_inner()
             .endpoints
-            .iter()
-            .map(|e| e.regenerations)
-            .sum()
+    }
+
+    /// Regenerations of every endpoint, summed.
+    pub async fn regenerations(&self) -> u64 {
+        self.endpoints().await.iter().map(|e| e.regenerations).sum()
     }
 
     /// The repository's revision once policy `kind namespace/name` of
@@ -320,15 +322,7 @@ impl Cluster {
     /// revision `revision` (endpoints a change does not affect keep theirs).
     pub async fn wait_realised(&self, revision: u64, pods: &[&str]) {
         eventually(&format!("{pods:?} realise revision {revision}"), CONVERGE, || async {
-            let endpoints = self
-                .node
-                .endpoints()
-                .await
-                .list_endpoints(pb::ListEndpointsRequest::default())
-                .await
-                .expect("ListEndpoints answers")
-                .into_inner()
-                .endpoints;
+            let endpoints = self.endpoints().await;
             let behind: Vec<_> = endpoints
                 .iter()
                 .filter(|e| pods.is_empty() || pods.contains(&e.pod_name.as_str()))
