@@ -42,7 +42,7 @@ async fn a_network_policy_made_through_the_api_is_enforced_patched_and_removed()
     cluster.pod("shop", "frontend", &[("app", "frontend")]).await;
     cluster.pod("shop", "backend", &[("app", "backend")]).await;
     cluster.pod("shop", "other", &[("app", "other")]).await;
-    let _server = cluster.node.pod("backend").tcp_server(8080).unwrap();
+    let _server = cluster.tcp_server("backend", 8080);
     assert!(cluster.tcp("other", "backend", 8080), "no policy: allowed");
 
     let policies: Api<NetworkPolicy> = Api::namespaced(cluster.admin(), "shop");
@@ -130,7 +130,7 @@ async fn pod_and_namespace_labels_patched_in_the_api_change_identities_and_verdi
     cluster.pod("shop", "backend", &[("app", "backend")]).await;
     cluster.pod("shop", "other", &[("app", "other")]).await;
     cluster.pod("tools", "probe", &[("app", "probe")]).await;
-    let _server = cluster.node.pod("backend").tcp_server(8080).unwrap();
+    let _server = cluster.tcp_server("backend", 8080);
     let policy: NetworkPolicy = serde_json::from_value(json!({
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": { "name": "backend", "namespace": "shop" },
@@ -292,8 +292,8 @@ async fn a_pod_deleted_while_svc_endpoint_is_down_is_dropped_at_restore_and_its_
 
 /// `ping -c <count> -i 0.005` from pod `from` to `to` in a thread.
 fn ping_in_background(cluster: &Cluster, from: &str, to: &str, count: u32) -> std::thread::JoinHandle<(u64, u64)> {
-    let ns = cluster.node.pod(from).ns.name().to_owned();
-    let dst = cluster.node.ipv4(to).to_string();
+    let ns = cluster.cni_pod(from).pod.ns.name().to_owned();
+    let dst = cluster.cni_pod(to).ipv4.to_string();
     std::thread::spawn(move || {
         let out = Command::new("ip")
             .args([

@@ -2,13 +2,15 @@
 //! daemons ([`EndpointNode`], svc-endpoint with `--k8s-sync-socket`),
 //! svc-k8s-sync as a real process with the ServiceAccount of
 //! `deploy/rbac/svc-k8s-sync.yaml`, and pods that are network namespaces
-//! with Pod objects in the API (nodeName set; no kubelet).
+//! wired by rivet-cni (CNI ADD with kubelet's `K8S_POD_*` args, run in the
+//! node namespace as a runtime does) with Pod objects in the API (nodeName
+//! set; no kubelet).
 
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -16,13 +18,16 @@ use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::testing::netns::TcpServerGuard;
 use rivet_common::testing::{DaemonCommand, DaemonProcess, workspace_binary};
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::namespace_service_client::NamespaceServiceClient;
 use rivet_proto::k8s::v1 as k8spb;
 use rivet_proto::k8s::v1::kubernetes_sync_service_client::KubernetesSyncServiceClient;
 use rivet_proto::k8s::v1::pod_directory_client::PodDirectoryClient;
+use rivet_testkit::cni::{self, cni_env, exec_in_netns, node_conf, result_ips};
 use rivet_testkit::kube::{KubeApiServer, ServiceAccountAccess};
+use rivet_testkit::loader::HOST_PREFIX;
 use rivet_testkit::node::{EndpointNode, NodeOptions};
 use serde_json::json;
 
@@ -49,9 +54,19 @@ where
     }
 }
 
+/// A pod wired by rivet-cni.
+pub struct CniPod {
+    /// Its network namespace (removed on drop).
+    pub pod: cni::Pod,
+    /// Its IPv4 address.
+    pub ipv4: IpAddr,
+}
+
 /// The cluster of one node.
 pub struct Cluster {
-    /// The node's daemons and pods (dropped first).
+    /// The pods by name (dropped first).
+    pub pods: BTreeMap<String, CniPod>,
+    /// The node's daemons.
     pub node: EndpointNode,
     /// svc-k8s-sync.
     pub sync: DaemonProcess,
@@ -111,6 +126,7 @@ impl Cluster {
             .await
             .expect("svc-k8s-sync starts");
         let cluster = Self {
+            pods: BTreeMap::new(),
             node,
             sync,
             access,
@@ -188,9 +204,10 @@ impl Cluster {
     }
 
     /// Creates pod `namespace/name` in the API (on this node, with `labels`
-    /// and a named port `http` 8080) and its network namespace and endpoint
-    /// (svc-endpoint takes the labels from svc-k8s-sync); waits until the
-    /// endpoint has its labels' identity.
+    /// and a named port `http` 8080), then its network namespace through
+    /// rivet-cni's ADD with kubelet's CNI_ARGS (svc-endpoint takes the
+    /// labels from svc-k8s-sync); waits until the endpoint has its labels'
+    /// identity. Pod names are unique per cluster (they are container ids).
     pub async fn pod(&mut self, namespace: &str, name: &str, labels: &[(&str, &str)]) -> pb::Endpoint {
         let pods: Api<Pod> = Api::namespaced(self.admin(), namespace);
         let labels_map: BTreeMap<&str, &str> = labels.iter().copied().collect();
@@ -206,21 +223,58 @@ impl Cluster {
             .create(&PostParams::default(), &pod)
             .await
             .expect("the Pod is created");
-        self.node.add_pod_interface(name).await;
-        let mut request = self.node.create_request(name, &[]);
-        request.pod_namespace = namespace.into();
-        request.pod_uid = created.metadata.uid.clone().unwrap_or_default();
-        self.node
-            .endpoints()
-            .await
-            .create_endpoint(request)
-            .await
-            .unwrap_or_else(|e| panic!("creating the endpoint of {namespace}/{name}: {e}"));
+        let uid = created.metadata.uid.unwrap_or_default();
+        let cni_pod = cni::Pod::new(name);
+        let mut env = cni_env("ADD", name, &cni_pod.path(), "eth0");
+        for (key, value) in &mut env {
+            if key == "CNI_ARGS" {
+                *value = format!(
+                    "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};\
+                     K8S_POD_INFRA_CONTAINER_ID={name};K8S_POD_UID={uid}"
+                );
+            }
+        }
+        let conf = node_conf(
+            "1.0.0",
+            &self.node.sockets(),
+            HOST_PREFIX,
+            &self.dir().join("rivet-cni.log"),
+            None,
+        );
+        let run = exec_in_netns(
+            &self.node.node.node.ns.path(),
+            &workspace_binary("rivet-cni"),
+            &env,
+            conf.to_string().as_bytes(),
+            CONVERGE,
+        )
+        .await
+        .expect("rivet-cni runs");
+        let ipv4 = result_ips(&run.ok())
+            .expect("the result has addresses")
+            .into_iter()
+            .find(IpAddr::is_ipv4)
+            .expect("an IPv4 address");
+        self.pods.insert(name.to_string(), CniPod { pod: cni_pod, ipv4 });
         let want: Vec<String> = labels.iter().map(|(k, v)| format!("k8s:{k}={v}")).collect();
         self.wait_endpoint(namespace, name, |e| {
             !e.labels_pending && want.iter().all(|l| e.identity_labels.contains(l))
         })
         .await
+    }
+
+    /// The pod `name`.
+    pub fn cni_pod(&self, name: &str) -> &CniPod {
+        self.pods.get(name).unwrap_or_else(|| panic!("no pod {name}"))
+    }
+
+    /// A TCP echo server on `port` of pod `name`'s IPv4 address.
+    pub fn tcp_server(&self, name: &str, port: u16) -> TcpServerGuard {
+        let pod = self.cni_pod(name);
+        pod.pod
+            .ns
+            .tcp_echo_server(&[SocketAddr::new(pod.ipv4, port)])
+            .expect("a TCP server in the pod")
     }
 
     /// The endpoint of pod `namespace/name`.
@@ -340,9 +394,10 @@ impl Cluster {
 
     /// Whether pod `from` completes a TCP echo with pod `to` on `port`.
     pub fn tcp(&self, from: &str, to: &str, port: u16) -> bool {
-        self.node
-            .pod(from)
-            .tcp_echo(SocketAddr::new(self.node.ipv4(to), port), PROBE)
+        self.cni_pod(from)
+            .pod
+            .ns
+            .tcp_echo(SocketAddr::new(self.cni_pod(to).ipv4, port), PROBE)
             .expect("the harness can run a TCP probe")
     }
 
