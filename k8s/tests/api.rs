@@ -12,43 +12,8 @@ use rivet_k8s::{
 use rivet_policy::Policy;
 use rivet_testkit::kube::KubeApiServer;
 
-const POLICY: &str = r#"
-apiVersion: rivet.io/v1
-kind: RivetNetworkPolicy
-metadata:
-  name: every-field
-  namespace: default
-spec:
-  podSelector:
-    matchLabels: {app: db}
-    matchExpressions:
-    - {key: tier, operator: In, values: [backend, storage]}
-  policyTypes: [Ingress, Egress]
-  ingress:
-  - from:
-    - podSelector: {matchLabels: {app: web}}
-      namespaceSelector: {matchLabels: {team: shop}}
-    - entities: [host, remote-node]
-    - ipBlock: {cidr: 198.18.0.0/16, except: [198.18.1.0/24]}
-    ports:
-    - {protocol: TCP, port: 5432, endPort: 5440}
-    - {protocol: UDP, port: metrics}
-    - {protocol: ICMP}
-  egress:
-  - to:
-    - entities: [world]
-    ports:
-    - {protocol: ICMPv6}
-  ingressDeny:
-  - from:
-    - ipBlock: {cidr: "2001:2::/48"}
-  egressDeny:
-  - to:
-    - namespaceSelector: {matchExpressions: [{key: env, operator: NotIn, values: [prod]}]}
-    ports:
-    - {protocol: SCTP, port: 9}
-  enableDefaultDeny: {ingress: true, egress: false}
-"#;
+/// Every field of a RivetNetworkPolicy spec.
+const POLICY: &str = include_str!("every-field-rnp.yaml");
 
 fn kubectl_get(server: &KubeApiServer, args: &[&str]) -> String {
     let output = server

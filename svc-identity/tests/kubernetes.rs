@@ -6,17 +6,19 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::Duration;
 
-use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_k8s::RivetIdentity;
 use rivet_k8s::k8s_openapi::api::core::v1::Pod;
 use rivet_k8s::kube::api::{Api, DeleteParams, ListParams};
 use rivet_proto::identity::v1 as pb;
-use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
-use rivet_testkit::kube::KubeApiServer;
+use rivet_testkit::kube::{KubeApiServer, ServiceAccountAccess};
 use svc_identity::backend::{BackendError, IdentityBackend};
 use svc_identity::kubernetes_backend::KubernetesBackend;
 use tonic::Code;
+
+mod support;
+
+use support::{allocate, client, labels};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
 
@@ -41,36 +43,23 @@ async fn spawn(dir: &Path, node: &str, kubeconfig: &Path) -> DaemonProcess {
         .expect("svc-identity starts")
 }
 
-async fn client(d: &DaemonProcess) -> IdentityServiceClient<DaemonChannel> {
-    IdentityServiceClient::new(connect_unix(d.socket(), &ClientOptions::default()).await.unwrap())
-}
-
-fn labels(i: usize) -> Vec<String> {
-    vec![
-        format!("k8s:app=app-{i}"),
-        "k8s:io.kubernetes.pod.namespace=default".to_string(),
-    ]
-}
-
-async fn allocate(c: &mut IdentityServiceClient<DaemonChannel>, i: usize) -> Result<u32, tonic::Status> {
-    c.allocate_identity(pb::AllocateIdentityRequest {
-        labels: labels(i),
-        owner: format!("endpoint/{i}"),
-    })
-    .await
-    .map(|r| r.into_inner().identity.unwrap().id)
-}
-
-const SETS: usize = 500;
-
-#[tokio::test]
-async fn two_nodes_allocating_the_same_500_label_sets_concurrently_get_one_id_per_set() {
+/// A kube-apiserver with Rivet's CRDs and svc-identity's ServiceAccount
+/// bound to exactly deploy/rbac/svc-identity.yaml.
+async fn server_with_identity_account() -> (KubeApiServer, ServiceAccountAccess) {
     let server = KubeApiServer::start().await.expect("kube-apiserver starts");
     server.apply_crds().await.expect("CRDs applied");
     let access = server
         .service_account_client("svc-identity")
         .await
         .expect("svc-identity's ServiceAccount");
+    (server, access)
+}
+
+const SETS: usize = 500;
+
+#[tokio::test]
+async fn two_nodes_allocating_the_same_500_label_sets_concurrently_get_one_id_per_set() {
+    let (server, access) = server_with_identity_account().await;
     let dir = tempfile::tempdir().unwrap();
     let a = spawn(dir.path(), "node-a", &access.kubeconfig).await;
     let b = spawn(dir.path(), "node-b", &access.kubeconfig).await;
@@ -155,12 +144,7 @@ async fn two_nodes_allocating_the_same_500_label_sets_concurrently_get_one_id_pe
 
 #[tokio::test]
 async fn with_deploy_rbac_it_works_and_what_is_outside_it_is_refused_with_403_named() {
-    let server = KubeApiServer::start().await.expect("kube-apiserver starts");
-    server.apply_crds().await.expect("CRDs applied");
-    let access = server
-        .service_account_client("svc-identity")
-        .await
-        .expect("svc-identity's ServiceAccount");
+    let (server, access) = server_with_identity_account().await;
     let dir = tempfile::tempdir().unwrap();
     let node = spawn(dir.path(), "node-a", &access.kubeconfig).await;
     let id = allocate(&mut client(&node).await, 1)
