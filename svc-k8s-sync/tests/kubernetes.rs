@@ -393,7 +393,7 @@ async fn kill_9_of_svc_k8s_sync_and_an_api_server_restart_lose_no_packet_and_reg
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn the_node_is_marked_ready_once_synced() {
+async fn the_node_is_marked_ready_once_synced_and_not_ready_while_a_daemon_is_down() {
     let cluster = Cluster::start().await;
     let status = eventually("the node is marked ready", CONVERGE, || async {
         let status = cluster.sync_status().await;
@@ -432,6 +432,56 @@ async fn the_node_is_marked_ready_once_synced() {
         ready.iter().any(|c| c.type_ == "Ready" && c.status == "True"),
         "{ready:?}"
     );
+
+    // A daemon that stops answering makes the node not ready, named in the
+    // RivetNode's condition; its return makes it ready again.
+    let mut cluster = cluster;
+    cluster.node.identity.terminate().await.expect("svc-identity stops");
+    let rivet_nodes = Api::<rivet_k8s::RivetNode>::all(cluster.admin());
+    let name = cluster.node.node.node_name.clone();
+    eventually("the RivetNode says svc-identity is not ready", CONVERGE, || async {
+        let conditions = rivet_nodes
+            .get(&name)
+            .await
+            .map_err(|e| e.to_string())?
+            .status
+            .unwrap_or_default()
+            .conditions;
+        let not_ready = conditions.iter().any(|c| {
+            c.type_ == "Ready" && c.status == "False" && c.message.as_deref().unwrap_or("").contains("svc-identity")
+        });
+        if not_ready && !cluster.sync_status().await.node_ready {
+            // The node's state, not a failure of svc-k8s-sync.
+            let info = rivet_proto::daemon::v1::daemon_client::DaemonClient::new(cluster.sync_channel().await)
+                .get_info(rivet_proto::daemon::v1::GetInfoRequest {})
+                .await
+                .map_err(|e| e.to_string())?
+                .into_inner();
+            let controller = info
+                .controllers
+                .iter()
+                .find(|c| c.name == "node-ready")
+                .expect("node-ready");
+            assert_ne!(
+                controller.state,
+                rivet_proto::daemon::v1::ControllerState::Failing as i32,
+                "{controller:?}"
+            );
+            Ok(())
+        } else {
+            Err(format!("{conditions:?}"))
+        }
+    })
+    .await;
+    cluster.node.identity.restart().await.expect("svc-identity restarts");
+    eventually("the node is ready again", CONVERGE, || async {
+        if cluster.sync_status().await.node_ready {
+            Ok(())
+        } else {
+            Err("not ready".to_string())
+        }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
