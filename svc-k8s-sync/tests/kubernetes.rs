@@ -516,7 +516,13 @@ async fn without_its_permissions_svc_k8s_sync_reports_the_403_and_feeds_nothing(
         .lookup_pod("shop", "any")
         .await
         .expect_err("no answer from an unsynced cache");
-    assert_eq!(lookup.code(), tonic::Code::Unavailable);
+    assert_eq!(lookup.code(), tonic::Code::PermissionDenied, "{lookup:?}");
+    assert_eq!(
+        rivet_common::grpc::error_reason::<k8spb::ErrorReason>(&lookup),
+        Some(k8spb::ErrorReason::ApiForbidden),
+        "the refusal crosses gRPC typed"
+    );
+    assert!(lookup.message().contains("list Pod"), "{}", lookup.message());
     assert!(cluster.sync_log().contains("forbidden"), "the log says forbidden");
 
     // And svc-k8s-sync's own account is refused what deploy/rbac does not grant.
