@@ -52,13 +52,13 @@ use crate::report::{BenchResult, ms, percentile, sibling_binary};
 
 /// The node's IPv4 pool (`rivet_testkit::node::POOL4`, a /22) bounds the
 /// node size.
-pub(crate) const MAX_ENDPOINTS: u32 = 1000;
+const MAX_ENDPOINTS: u32 = 1000;
 /// svc-loader's endpoints map: one entry per endpoint plus one per address
 /// (the test loader's default 1024 holds only 512 of these endpoints).
-pub(crate) const LOADER_ENDPOINTS_MAX: u32 = 2 * MAX_ENDPOINTS + 48;
+const LOADER_ENDPOINTS_MAX: u32 = 2 * MAX_ENDPOINTS + 48;
 /// Distinct `app` labels, so endpoints share a handful of identities like
 /// replicas do.
-pub(crate) const APPS: u32 = 10;
+const APPS: u32 = 10;
 /// Selects every endpoint (they all carry `tier=bench`), ingress from any
 /// pod of the namespace (all `APPS` identities) on two ports.
 const POLICY: &str = r#"apiVersion: networking.k8s.io/v1
@@ -104,7 +104,7 @@ pub struct EndpointArgs {
 }
 
 /// Client deadline: long enough for a policy realised on every endpoint.
-pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long restore may take before the benchmark gives up.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -152,8 +152,11 @@ pub async fn run(args: &EndpointArgs) -> anyhow::Result<BenchResult> {
     })
     .await?;
     let mut node = EndpointNode::start(node_options).await?;
+    let node_ns = &node.node.node.ns;
+    let rivet_veths = add_veths(node_ns, 'e', args.restore_endpoints)?;
     // As many interfaces on both nodes; the peer uses the first `--first`.
     let peer_veths = add_veths(&peer.node.node.ns, 'r', args.restore_endpoints)?;
+    let netns_path = node_ns.path().display().to_string();
 
     let options = ClientOptions {
         request_timeout: CALL_TIMEOUT,
@@ -171,12 +174,19 @@ pub async fn run(args: &EndpointArgs) -> anyhow::Result<BenchResult> {
     let mut loader = LoaderServiceClient::new(channel("svc-loader").await?);
     let mut raw = LoaderServiceClient::new(connect_unix(peer.node.loader.socket(), &options).await?);
 
-    // Interfaces and addresses for every endpoint, up front (not measured).
-    let requests = endpoint_requests(&node, &ipam, args.restore_endpoints, args.concurrency).await?;
+    // Addresses from svc-ipam for every endpoint, up front (not measured).
+    let addresses = allocate(&ipam, args.restore_endpoints, args.concurrency).await?;
+    let requests: Vec<pb::CreateEndpointRequest> = rivet_veths
+        .iter()
+        .zip(&addresses)
+        .enumerate()
+        .map(|(i, (veth, (pool, address)))| create_request(i as u32, veth, pool, address, &netns_path))
+        .collect();
     println!(
-        "setup: two nodes, {} + {} veths, as many addresses from svc-ipam in {:.1} s",
-        requests.len(),
+        "setup: two nodes, {} + {} veths, {} addresses from svc-ipam in {:.1} s",
+        rivet_veths.len(),
         peer_veths.len(),
+        addresses.len(),
         setup.elapsed().as_secs_f64()
     );
 
@@ -383,36 +393,13 @@ fn add_veths(ns: &NetNs, tag: char, count: u32) -> anyhow::Result<Vec<Veth>> {
     Ok(veths)
 }
 
-/// The synchronous CreateEndpoint requests of `count` endpoints `bench-<i>`
-/// of `node`: a veth pair each in the node namespace ([`add_veths`], tag
-/// `e`), one IPv4 address each from svc-ipam, labels `app=bench-<i % 10>`
-/// and `tier=bench` (ignored in Kubernetes mode, where the Pod's labels
-/// count).
-pub(crate) async fn endpoint_requests(
-    node: &EndpointNode,
-    ipam: &IpamClient<DaemonChannel>,
-    count: u32,
-    concurrency: usize,
-) -> anyhow::Result<Vec<pb::CreateEndpointRequest>> {
-    let node_ns = &node.node.node.ns;
-    let veths = add_veths(node_ns, 'e', count)?;
-    let netns_path = node_ns.path().display().to_string();
-    let addresses = allocate(ipam, count, concurrency).await?;
-    Ok(veths
-        .iter()
-        .zip(&addresses)
-        .enumerate()
-        .map(|(i, (veth, (pool, address)))| create_request(i as u32, veth, pool, address, &netns_path))
-        .collect())
-}
-
 /// One IPv4 address per endpoint `bench-<i>` (interface eth0) from the
 /// default pool: `(pool, address)` in endpoint order.
 async fn allocate(
     ipam: &IpamClient<DaemonChannel>,
     count: u32,
     concurrency: usize,
-) -> anyhow::Result<Vec<(String, String)>> {
+) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
     futures::stream::iter(0..count)
         .map(|i| {
             let mut ipam = ipam.clone();
@@ -425,7 +412,7 @@ async fn allocate(
                         }),
                         pool: "default".into(),
                         family: ipampb::Family::Ipv4.into(),
-                        requested_address: String::new(),
+                        requested_address: Vec::new(),
                     })
                     .await?
                     .into_inner()
@@ -439,12 +426,12 @@ async fn allocate(
         .await
 }
 
-pub(crate) fn container_id(i: u32) -> String {
+fn container_id(i: u32) -> String {
     format!("bench-{i}")
 }
 
 /// The synchronous CreateEndpoint of endpoint `i`.
-fn create_request(i: u32, veth: &Veth, pool: &str, address: &str, netns_path: &str) -> pb::CreateEndpointRequest {
+fn create_request(i: u32, veth: &Veth, pool: &str, address: &[u8], netns_path: &str) -> pb::CreateEndpointRequest {
     pb::CreateEndpointRequest {
         container_id: container_id(i),
         interface: "eth0".into(),
@@ -453,10 +440,10 @@ fn create_request(i: u32, veth: &Veth, pool: &str, address: &str, netns_path: &s
         host_interface: veth.host.clone(),
         host_ifindex: veth.ifindex,
         addresses: vec![pb::EndpointAddress {
-            address: address.into(),
+            address: address.to_vec(),
             ipam_pool: pool.into(),
         }],
-        mac: format_mac(&veth.mac),
+        mac: veth.mac.to_vec(),
         pod_namespace: "default".into(),
         pod_name: container_id(i),
         labels: vec![format!("k8s:app=bench-{}", i % APPS), "k8s:tier=bench".into()],
@@ -486,7 +473,7 @@ fn raw_apply_request(i: u32, veth: &Veth) -> ldpb::ApplyEndpointRequest {
 }
 
 /// Synchronous creates, `concurrency` at a time; the wall time of all.
-pub(crate) async fn create_all(
+async fn create_all(
     endpoints: &EndpointServiceClient<DaemonChannel>,
     requests: &[pb::CreateEndpointRequest],
     concurrency: usize,
@@ -586,7 +573,7 @@ fn restore_took_ms(log: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-pub(crate) fn pid(pid: Option<u32>) -> anyhow::Result<u32> {
+fn pid(pid: Option<u32>) -> anyhow::Result<u32> {
     pid.ok_or_else(|| anyhow::anyhow!("a daemon of the node is not running"))
 }
 
@@ -625,7 +612,7 @@ fn memory(pid: u32, name: &str) -> anyhow::Result<Memory> {
 }
 
 /// VmRSS of `pid` in MiB (see [`memory`]).
-pub(crate) fn rss_mib(pid: u32, name: &str) -> anyhow::Result<f64> {
+fn rss_mib(pid: u32, name: &str) -> anyhow::Result<f64> {
     Ok(memory(pid, name)?.rss)
 }
 

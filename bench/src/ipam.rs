@@ -105,7 +105,7 @@ async fn over_socket(socket: &std::path::Path, pairs: usize, round: usize) -> an
                             owner: Some(owner.clone()),
                             pool: String::new(),
                             family: pb::Family::Ipv4 as i32,
-                            requested_address: String::new(),
+                            requested_address: Vec::new(),
                         })
                         .await?;
                     client.release(pb::ReleaseRequest { owner: Some(owner) }).await?;

@@ -547,7 +547,7 @@ mod tests {
             ],
             prefixes: vec![pb::EndpointPrefix {
                 direction: pb::Direction::Egress as i32,
-                prefix: Some(pb::IpPrefix {
+                prefix: Some(rivet_proto::net::IpPrefix {
                     address: vec![198, 18, 0, 0],
                     prefix_length: 15,
                 }),

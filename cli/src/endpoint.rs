@@ -6,8 +6,10 @@ use std::net::IpAddr;
 use std::str::FromStr;
 
 use clap::{Subcommand, ValueEnum};
+use rivet_common::mac::format_mac_bytes;
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
+use rivet_proto::net::{address_bytes, format_address};
 use serde::Serialize;
 
 use crate::table::Table;
@@ -224,13 +226,13 @@ impl fmt::Display for EndpointRef {
 }
 
 impl EndpointRef {
-    /// The reference as the API takes it; an address in canonical text form.
+    /// The reference as the API takes it; an address as its bytes.
     pub fn to_proto(&self) -> pb::EndpointRef {
         use pb::endpoint_ref::Ref;
         pb::EndpointRef {
             r#ref: Some(match self {
                 Self::Id(id) => Ref::Id(*id),
-                Self::Address(a) => Ref::Address(a.to_string()),
+                Self::Address(a) => Ref::Address(address_bytes(*a)),
                 Self::Pod { namespace, name } => Ref::Pod(pb::PodRef {
                     namespace: namespace.clone(),
                     name: name.clone(),
@@ -383,11 +385,11 @@ impl From<&pb::Endpoint> for EndpointView {
                 .addresses
                 .iter()
                 .map(|a| AddressView {
-                    address: a.address.clone(),
+                    address: format_address(&a.address),
                     ipam_pool: a.ipam_pool.clone(),
                 })
                 .collect(),
-            mac: e.mac.clone(),
+            mac: format_mac_bytes(&e.mac),
             pod_namespace: e.pod_namespace.clone(),
             pod_name: e.pod_name.clone(),
             pod_uid: e.pod_uid.clone(),
@@ -758,12 +760,14 @@ mod tests {
             parse("198.18.0.5"),
             Ok(EndpointRef::Address("198.18.0.5".parse().unwrap()))
         );
-        // Sent in canonical form, as the server stores addresses.
+        // Any spelling is the same address on the wire.
         let v6 = parse("2001:2:0:0::5").unwrap();
         assert_eq!(v6, EndpointRef::Address("2001:2::5".parse().unwrap()));
         assert_eq!(
             v6.to_proto().r#ref,
-            Some(pb::endpoint_ref::Ref::Address("2001:2::5".into()))
+            Some(pb::endpoint_ref::Ref::Address(vec![
+                0x20, 1, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5
+            ]))
         );
     }
 
@@ -821,7 +825,7 @@ mod tests {
             container_id: "0123456789abcdef".into(),
             host_interface: "lxc7".into(),
             addresses: vec![pb::EndpointAddress {
-                address: "198.18.0.7".into(),
+                address: vec![198, 18, 0, 7],
                 ipam_pool: "default".into(),
             }],
             state: pb::EndpointState::Ready as i32,

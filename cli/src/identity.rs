@@ -3,6 +3,7 @@
 use clap::Subcommand;
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
+use rivet_proto::net::{format_address, format_prefix};
 use serde::Serialize;
 
 use crate::table::Table;
@@ -124,23 +125,27 @@ pub async fn run_ipcache(ctx: &Context, command: IpcacheCommand) -> Result<(), C
     let mut client =
         rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient::new(ctx.connect(DAEMON).await?);
     let mut rows = Vec::new();
-    let mut start_after = String::new();
+    let mut start_after = None;
     loop {
         let r = client
             .list_ipcache(pb::ListIpcacheRequest {
                 source: 0,
                 page_size: 1000,
-                start_after: start_after.clone(),
+                start_after: start_after.take(),
             })
             .await
             .map_err(|s| CliError::rpc(DAEMON, s))?
             .into_inner();
         for e in &r.entries {
             rows.push(IpcacheView {
-                prefix: e.prefix.clone(),
+                prefix: e.prefix.as_ref().map_or_else(|| "-".into(), format_prefix),
                 identity: e.identity,
                 source: format!("{:?}", pb::IpcacheSource::try_from(e.source).unwrap_or_default()).to_lowercase(),
-                host_ip: e.host_ip.clone(),
+                host_ip: if e.host_ip.is_empty() {
+                    String::new()
+                } else {
+                    format_address(&e.host_ip)
+                },
                 pod: if e.pod_name.is_empty() {
                     String::new()
                 } else {
@@ -150,7 +155,7 @@ pub async fn run_ipcache(ctx: &Context, command: IpcacheCommand) -> Result<(), C
             });
         }
         match (r.complete, r.entries.last()) {
-            (false, Some(last)) => start_after = last.prefix.clone(),
+            (false, Some(last)) if last.prefix.is_some() => start_after = last.prefix.clone(),
             _ => break,
         }
     }

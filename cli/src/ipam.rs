@@ -1,8 +1,11 @@
 //! `rivet ipam list|allocate|release|restore`: inspect and debug svc-ipam.
 
+use std::net::IpAddr;
+
 use clap::{Subcommand, ValueEnum};
 use rivet_proto::ipam::v1 as pb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
+use rivet_proto::net::{address_bytes, format_address, format_prefix};
 use serde::Serialize;
 
 use crate::table::Table;
@@ -47,7 +50,7 @@ pub enum IpamCommand {
         family: FamilyArg,
         /// A specific address.
         #[arg(long)]
-        address: Option<String>,
+        address: Option<IpAddr>,
     },
     /// Release what an owner holds, or one address with --address.
     Release {
@@ -59,7 +62,7 @@ pub enum IpamCommand {
         interface: String,
         /// Release this address whoever holds it.
         #[arg(long)]
-        address: Option<String>,
+        address: Option<IpAddr>,
         /// Pool the address must belong to.
         #[arg(long, default_value = "")]
         pool: String,
@@ -90,15 +93,11 @@ impl From<&pb::Allocation> for AllocationView {
             pool: a.pool.clone(),
             family: family_name(a.family),
             address: if a.prefix_length > 0 {
-                format!("{}/{}", a.address, a.prefix_length)
+                format!("{}/{}", format_address(&a.address), a.prefix_length)
             } else {
-                a.address.clone()
+                format_address(&a.address)
             },
-            gateway: if a.gateway.is_empty() {
-                "-".into()
-            } else {
-                a.gateway.clone()
-            },
+            gateway: format_address(&a.gateway),
             container_id: owner.container_id,
             interface: owner.interface,
         }
@@ -184,8 +183,8 @@ pub async fn run(ctx: &Context, command: IpamCommand) -> Result<(), CliError> {
                         p.ranges.iter().map(|g| RangeView {
                             pool: p.name.clone(),
                             family: family_name(g.family),
-                            cidr: g.cidr.clone(),
-                            gateway: g.gateway.clone(),
+                            cidr: g.cidr.as_ref().map_or_else(|| "-".into(), format_prefix),
+                            gateway: format_address(&g.gateway),
                             size: g.size,
                             allocated: g.allocated,
                             available: g.available,
@@ -242,7 +241,7 @@ pub async fn run(ctx: &Context, command: IpamCommand) -> Result<(), CliError> {
                         FamilyArg::Ipv4 => pb::Family::Ipv4,
                         FamilyArg::Ipv6 => pb::Family::Ipv6,
                     } as i32,
-                    requested_address: address.unwrap_or_default(),
+                    requested_address: address.map(address_bytes).unwrap_or_default(),
                 })
                 .await
                 .map_err(rpc)?
@@ -267,7 +266,10 @@ pub async fn run(ctx: &Context, command: IpamCommand) -> Result<(), CliError> {
                     .await
                     .map_err(rpc)?,
                 (None, Some(address)) => client
-                    .release_address(pb::ReleaseAddressRequest { pool, address })
+                    .release_address(pb::ReleaseAddressRequest {
+                        pool,
+                        address: address_bytes(address),
+                    })
                     .await
                     .map_err(rpc)?,
                 _ => return Err(CliError::NoReleaseTarget),

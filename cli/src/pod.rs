@@ -1192,7 +1192,11 @@ fn runtime_pod_view(e: &endpoint_pb::Endpoint) -> PodView {
         } else {
             e.pod_name.clone()
         },
-        addresses: e.addresses.iter().map(|a| a.address.clone()).collect(),
+        addresses: e
+            .addresses
+            .iter()
+            .map(|a| rivet_proto::net::format_address(&a.address))
+            .collect(),
         endpoint_id: Some(e.id),
         identity: Some(e.identity).filter(|i| *i != 0),
         state: crate::endpoint::state_name(e.state).to_string(),

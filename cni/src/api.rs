@@ -199,11 +199,11 @@ pub trait IpamApi: Send + Sync {
     ) -> BoxFuture<'_, IpamResult<ipampb::Allocation>>;
     /// `Release` of everything `owner` holds; the released allocations.
     fn release(&self, owner: ipampb::Owner, timeout: Duration) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>>;
-    /// `ReleaseAddress` of one address of `pool`.
+    /// `ReleaseAddress` of one address (its wire bytes) of `pool`.
     fn release_address(
         &self,
         pool: String,
-        address: String,
+        address: Vec<u8>,
         timeout: Duration,
     ) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>>;
     /// Every allocation of `pool`.

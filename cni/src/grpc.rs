@@ -163,7 +163,7 @@ impl IpamApi for GrpcIpam {
     fn release_address(
         &self,
         pool: String,
-        address: String,
+        address: Vec<u8>,
         timeout: Duration,
     ) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>> {
         Box::pin(async move {

@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 use futures::future;
 use ipnet::IpNet;
 use rivet_common::grpc::RpcError;
-use rivet_common::mac::format_mac;
+use rivet_common::mac::{format_mac, parse_mac};
 use rivet_proto::endpoint::v1 as eppb;
 use rivet_proto::ipam::v1 as ipampb;
+use rivet_proto::net;
 use serde_json::Value;
 use tonic::{Code, Status};
 use tracing::Instrument as _;
@@ -444,7 +445,7 @@ async fn add_steps(
         .instrument(tracing::info_span!("cni.netlink.host_routes"))
         .await?;
 
-    let mac = veth.peer.mac.map(|m| format_mac(&m)).ok_or_else(|| {
+    let mac = veth.peer.mac.ok_or_else(|| {
         CniError::new(
             codes::NETLINK,
             format!("{} in the container has no MAC address", env.ifname),
@@ -461,11 +462,11 @@ async fn add_steps(
             .iter()
             .zip(&addresses.pools)
             .map(|(a, pool)| eppb::EndpointAddress {
-                address: a.address.addr().to_string(),
+                address: net::address_bytes(a.address.addr()),
                 ipam_pool: pool.clone(),
             })
             .collect(),
-        mac: mac.clone(),
+        mac: mac.to_vec(),
         pod_namespace: env.args.pod_namespace.clone().unwrap_or_default(),
         pod_name: env.args.pod_name.clone().unwrap_or_default(),
         pod_uid: env.args.pod_uid.clone().unwrap_or_default(),
@@ -492,7 +493,7 @@ async fn add_steps(
             },
             Interface {
                 name: env.ifname.clone(),
-                mac: Some(mac),
+                mac: Some(format_mac(&mac)),
                 sandbox: Some(netns.display().to_string()),
                 mtu: Some(veth.peer.mtu),
             },
@@ -562,7 +563,7 @@ async fn allocate(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Resul
             owner: Some(owner(env)),
             pool: conf.ipam_pool.clone(),
             family: family.into(),
-            requested_address: requested.map(ToString::to_string).unwrap_or_default(),
+            requested_address: requested.copied().map(net::address_bytes).unwrap_or_default(),
         };
         let step = if v4 {
             "allocating an IPv4 address"
@@ -589,8 +590,8 @@ async fn allocate(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Resul
                 format!("{step}: svc-ipam returned {what} in {allocation:?}"),
             )
         };
-        let address: IpAddr = allocation.address.parse().map_err(|_| bad("an invalid address"))?;
-        let gateway: IpAddr = allocation.gateway.parse().map_err(|_| bad("an invalid gateway"))?;
+        let address = net::address_from_bytes(&allocation.address).map_err(|_| bad("an invalid address"))?;
+        let gateway = net::address_from_bytes(&allocation.gateway).map_err(|_| bad("an invalid gateway"))?;
         let prefix = u8::try_from(allocation.prefix_length).map_err(|_| bad("an invalid prefix length"))?;
         let net = IpNet::new(address, prefix).map_err(|_| bad("an invalid prefix length"))?;
         if address.is_ipv4() != v4 || gateway.is_ipv4() != v4 {
@@ -717,7 +718,7 @@ async fn undo_add(deps: Deps<'_>, inv: &Invocation, undo: Undo) -> Result<(), St
         match deadline.remaining("undo: releasing addresses") {
             Ok(t) => match deps.ipam.release(owner(env), t).await {
                 Ok(released) => tracing::info!(
-                    released = ?released.iter().map(|a| a.address.as_str()).collect::<Vec<_>>(),
+                    released = ?released.iter().map(|a| net::format_address(&a.address)).collect::<Vec<_>>(),
                     "undo: addresses released"
                 ),
                 Err(s) => problems.push(format!("releasing addresses: {}", s.message())),
@@ -795,7 +796,12 @@ async fn add_chained(
         CniError::netconf("prevResult: no interface without sandbox is a veth in this namespace (the host side)")
     })?;
     let mac = match &prev.interfaces[index].mac {
-        Some(mac) => mac.to_ascii_lowercase(),
+        Some(mac) => parse_mac(mac).ok_or_else(|| {
+            CniError::netconf(format!(
+                "prevResult: interface {} has MAC {mac:?}, not aa:bb:cc:dd:ee:ff",
+                env.ifname
+            ))
+        })?,
         None => {
             let state = deadline
                 .bound("reading the container interface", async {
@@ -809,7 +815,6 @@ async fn add_chained(
             state
                 .link
                 .mac
-                .map(|m| format_mac(&m))
                 .ok_or_else(|| CniError::new(codes::NETLINK, format!("{} has no MAC address", env.ifname)))?
         }
     };
@@ -822,11 +827,11 @@ async fn add_chained(
         addresses: ips
             .iter()
             .map(|ip| eppb::EndpointAddress {
-                address: ip.address.addr().to_string(),
+                address: net::address_bytes(ip.address.addr()),
                 ipam_pool: String::new(),
             })
             .collect(),
-        mac,
+        mac: mac.to_vec(),
         pod_namespace: env.args.pod_namespace.clone().unwrap_or_default(),
         pod_name: env.args.pod_name.clone().unwrap_or_default(),
         pod_uid: env.args.pod_uid.clone().unwrap_or_default(),
@@ -944,7 +949,7 @@ async fn del(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(),
         .await;
         match released {
             Ok(released) => tracing::info!(
-                released = ?released.iter().map(|a| a.address.as_str()).collect::<Vec<_>>(),
+                released = ?released.iter().map(|a| net::format_address(&a.address)).collect::<Vec<_>>(),
                 "addresses released"
             ),
             Err(e) => errors.push(e),
@@ -1105,8 +1110,12 @@ async fn check(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(
         )));
     }
     for ip in &expected_ips {
-        let address = ip.address.addr().to_string();
-        if !endpoint.addresses.iter().any(|a| a.address == address) {
+        let address = ip.address.addr();
+        if !endpoint
+            .addresses
+            .iter()
+            .any(|a| a.address == net::address_bytes(address))
+        {
             return Err(check_failed(format!(
                 "endpoint {} does not hold {address}",
                 endpoint.id
@@ -1153,7 +1162,7 @@ async fn gc(deps: Deps<'_>, inv: &Invocation, deadline: Deadline) -> Result<(), 
                 && ep.addresses.iter().all(|a| a.ipam_pool.is_empty())
         }
     };
-    let mut kept_addresses: HashSet<String> = HashSet::new();
+    let mut kept_addresses: HashSet<Vec<u8>> = HashSet::new();
     // The attachments whose endpoint GC removed.
     let mut removed: Vec<Attachment> = Vec::new();
     for ep in &endpoints {

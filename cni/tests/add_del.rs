@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::{CniRun, GATEWAY4, GATEWAY6, Harness, PREFIX, Pod, median_max, ping, result_ips};
 use rivet_common::mac::format_mac;
 use rivet_proto::endpoint::v1 as eppb;
+use rivet_proto::net::{format_address, mac_from_bytes};
 use serde_json::{Value, json};
 
 #[tokio::test(flavor = "multi_thread")]
@@ -86,11 +87,14 @@ async fn add_wires_reachable_pods_and_del_removes_everything() {
     assert_ne!(ep.identity, 0);
     assert_eq!(ep.host_interface, host);
     assert_eq!(ep.host_ifindex, h.node_ns().ifindex(&host).unwrap());
-    assert_eq!(ep.mac, ra["interfaces"][1]["mac"]);
+    assert_eq!(
+        format_mac(&mac_from_bytes(&ep.mac).unwrap()),
+        ra["interfaces"][1]["mac"]
+    );
     assert_eq!(ep.pod_namespace, "default");
     assert_eq!(ep.pod_name, "pod-a");
     assert_eq!(ep.pod_uid, "uid-pod-a");
-    let ep_addrs: Vec<&str> = ep.addresses.iter().map(|a| a.address.as_str()).collect();
+    let ep_addrs: Vec<String> = ep.addresses.iter().map(|a| format_address(&a.address)).collect();
     assert_eq!(ep_addrs, ips_a.iter().map(ToString::to_string).collect::<Vec<_>>());
     assert!(ep.addresses.iter().all(|a| a.ipam_pool == "default"));
 

@@ -11,6 +11,7 @@ use std::path::Path;
 use common::{Harness, Pod, ping, result_ips};
 use rivet_common::testing::{DaemonCommand, workspace_binary};
 use rivet_proto::endpoint::v1 as eppb;
+use rivet_proto::net::format_address;
 use serde_json::{Value, json};
 
 const PTP: &str = "/usr/lib/cni/ptp";
@@ -93,7 +94,8 @@ async fn chained_after_ptp_with_host_local() {
             ep.addresses
         );
         let ips: Vec<String> = result_ips(&ptp_result).iter().map(ToString::to_string).collect();
-        assert_eq!(ep.addresses.iter().map(|a| a.address.clone()).collect::<Vec<_>>(), ips);
+        let ep_ips: Vec<String> = ep.addresses.iter().map(|a| format_address(&a.address)).collect();
+        assert_eq!(ep_ips, ips);
         assert!(h.host_veths().is_empty(), "rivet-cni created no interface of its own");
         assert!(h.allocations().await.is_empty(), "svc-ipam was not asked");
 

@@ -71,7 +71,7 @@ async fn fill_ipv4(h: &Harness) -> Vec<ipampb::Owner> {
                 owner: Some(owner.clone()),
                 pool: "default".into(),
                 family: ipampb::Family::Ipv4.into(),
-                requested_address: String::new(),
+                requested_address: Vec::new(),
             };
             async move { client.allocate(request).await }
         }))

@@ -357,6 +357,39 @@ pub fn error_reason<R: ErrorReason>(status: &tonic::Status) -> Option<R> {
         .and_then(|info| R::from_name(&info.reason))
 }
 
+/// A request's address field (`rivet_proto::net`: 4 or 16 bytes), or
+/// INVALID_ARGUMENT naming the field.
+///
+/// ```
+/// let err = rivet_common::grpc::address_field("entries[2].host_ip", b"198.18.0.5").unwrap_err();
+/// assert_eq!(err.code(), tonic::Code::InvalidArgument);
+/// assert_eq!(err.message(), "entries[2].host_ip: must be 4 or 16 bytes, got 10");
+/// ```
+pub fn address_field(field: &str, raw: &[u8]) -> Result<std::net::IpAddr, tonic::Status> {
+    optional_address_field(field, raw)?.ok_or_else(|| invalid_field(field, "required"))
+}
+
+/// Like [`address_field`], but empty bytes are `None`.
+pub fn optional_address_field(field: &str, raw: &[u8]) -> Result<Option<std::net::IpAddr>, tonic::Status> {
+    rivet_proto::net::optional_address_from_bytes(raw).map_err(|e| invalid_field(field, e))
+}
+
+/// A request's prefix field (`rivet_proto::net::IpPrefix`, host bits zero),
+/// or INVALID_ARGUMENT naming the field; unset is "required".
+pub fn prefix_field(field: &str, raw: Option<&rivet_proto::net::IpPrefix>) -> Result<ipnet::IpNet, tonic::Status> {
+    let raw = raw.ok_or_else(|| invalid_field(field, "required"))?;
+    rivet_proto::net::prefix_from_proto(raw).map_err(|e| invalid_field(field, e))
+}
+
+/// A request's MAC field (6 bytes), or INVALID_ARGUMENT naming the field.
+pub fn mac_field(field: &str, raw: &[u8]) -> Result<[u8; 6], tonic::Status> {
+    rivet_proto::net::mac_from_bytes(raw).map_err(|e| invalid_field(field, e))
+}
+
+fn invalid_field(field: &str, reason: impl std::fmt::Display) -> tonic::Status {
+    tonic::Status::invalid_argument(format!("{field}: {reason}"))
+}
+
 /// A failed call to a daemon whose API declares reasons `R`: the status it
 /// answered (or the client's own, for an unreachable daemon or a missed
 /// deadline) with its reason decoded. Clients decide on

@@ -1,6 +1,7 @@
-//! MAC addresses as text, `aa:bb:cc:dd:ee:ff`: the form of the endpoint
-//! proto's `mac`, of CNI results and of `ip`'s output. One formatter and one
-//! parser for every crate, so what one side writes the other reads.
+//! MAC addresses as text, `aa:bb:cc:dd:ee:ff`: the form of CNI results, of
+//! `ip`'s output and of what `rivet` prints (on the wire a MAC is 6 bytes,
+//! `rivet_proto::net`). One formatter and one parser for every crate, so what
+//! one side writes the other reads.
 
 use std::fmt::Write as _;
 
@@ -15,6 +16,16 @@ pub fn format_mac(mac: &[u8; 6]) -> String {
         let _ = write!(out, "{byte:02x}");
     }
     out
+}
+
+/// MAC bytes from the wire as text for people: the MAC, `-` for none, and
+/// what arrived when it is not 6 bytes.
+pub fn format_mac_bytes(raw: &[u8]) -> String {
+    match <&[u8; 6]>::try_from(raw) {
+        Ok(mac) => format_mac(mac),
+        Err(_) if raw.is_empty() => "-".into(),
+        Err(_) => format!("<{} bytes>", raw.len()),
+    }
 }
 
 /// Parses `aa:bb:cc:dd:ee:ff` (either case): exactly six bytes of exactly two
@@ -42,6 +53,9 @@ mod tests {
         assert_eq!(mac, [2, 0, 0xc6, 0x12, 0, 5]);
         assert_eq!(format_mac(&mac), "02:00:c6:12:00:05");
         assert_eq!(format_mac(&[2, 0xab, 0, 0x10, 0xff, 1]), "02:ab:00:10:ff:01");
+        assert_eq!(format_mac_bytes(&[2, 0xab, 0, 0x10, 0xff, 1]), "02:ab:00:10:ff:01");
+        assert_eq!(format_mac_bytes(&[]), "-");
+        assert_eq!(format_mac_bytes(&[2, 0]), "<2 bytes>");
         assert_eq!(parse_mac("02:aB:00:10:FF:01"), Some([2, 0xab, 0, 0x10, 0xff, 1]));
         for bad in [
             "",

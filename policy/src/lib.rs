@@ -619,13 +619,9 @@ pub struct AddressPrefix {
 impl AddressPrefix {
     /// The loader's message.
     pub fn to_proto(&self) -> loader::EndpointPrefix {
-        let address = rivet_proto::net::address_bytes(self.prefix.network());
         loader::EndpointPrefix {
             direction: self.direction.to_proto().into(),
-            prefix: Some(loader::IpPrefix {
-                address,
-                prefix_length: u32::from(self.prefix.prefix_len()),
-            }),
+            prefix: Some(rivet_proto::net::prefix_to_proto(self.prefix.trunc())),
             cidr_identity: self.identity,
         }
     }

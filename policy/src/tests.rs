@@ -2536,7 +2536,7 @@ fn resolved_policies_convert_to_the_loader_messages() {
         message.prefixes,
         [rivet_proto::loader::v1::EndpointPrefix {
             direction: rivet_proto::loader::v1::Direction::Egress as i32,
-            prefix: Some(rivet_proto::loader::v1::IpPrefix {
+            prefix: Some(rivet_proto::net::IpPrefix {
                 address: vec![10, 0, 0, 0],
                 prefix_length: 24,
             }),

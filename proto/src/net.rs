@@ -1,8 +1,9 @@
-//! IP addresses and prefixes on the wire, one encoding for every Rivet API:
-//! an address is its raw bytes (4 = IPv4, 16 = IPv6; IPv4 is never sent as
-//! IPv4-mapped IPv6), a prefix is an [`IpPrefix`] (address bytes and a
-//! length, no bits set beyond the length). Every crate converts through
-//! this module; none has its own copy.
+//! IP addresses, prefixes and MACs on the wire, one encoding for every Rivet
+//! API (`rivet/net/v1/net.proto`): an address is its raw bytes (4 = IPv4,
+//! 16 = IPv6; IPv4 is never sent as IPv4-mapped IPv6), a prefix is an
+//! [`IpPrefix`] (address bytes and a length, no bits set beyond the length),
+//! a MAC is 6 bytes. Every crate converts through this module; none has its
+//! own copy.
 //!
 //! Bytes rather than text: a length check is the whole validation (no
 //! parser differences, zone ids, leading zeros or IPv4-mapped spellings to
@@ -23,7 +24,12 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 
-pub use crate::loader::v1::IpPrefix;
+/// The shared messages (`rivet.net.v1`), imported by every API.
+pub mod v1 {
+    tonic::include_proto!("rivet.net.v1");
+}
+
+pub use v1::IpPrefix;
 
 /// Why bytes on the wire are not an address or a prefix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -58,6 +64,19 @@ pub enum AddressError {
         /// The prefix with the host bits cleared.
         network: IpNet,
     },
+}
+
+/// Why bytes on the wire are not a MAC.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("must be 6 bytes, got {len}")]
+pub struct MacLengthError {
+    /// The length received.
+    pub len: usize,
+}
+
+/// A MAC from the wire: exactly 6 bytes.
+pub fn mac_from_bytes(raw: &[u8]) -> Result<[u8; 6], MacLengthError> {
+    <[u8; 6]>::try_from(raw).map_err(|_| MacLengthError { len: raw.len() })
 }
 
 /// An address as it goes on the wire.
@@ -96,6 +115,11 @@ pub fn prefix_to_proto(prefix: IpNet) -> IpPrefix {
     }
 }
 
+/// The host prefix of an address (/32 or /128) as it goes on the wire.
+pub fn host_prefix(address: IpAddr) -> IpPrefix {
+    prefix_to_proto(IpNet::from(address))
+}
+
 /// A prefix from the wire; host bits must be zero.
 pub fn prefix_from_proto(prefix: &IpPrefix) -> Result<IpNet, AddressError> {
     let address = address_from_bytes(&prefix.address)?;
@@ -126,6 +150,12 @@ pub fn format_address(raw: &[u8]) -> String {
         Ok(None) => "-".into(),
         Err(_) => format!("<{} bytes>", raw.len()),
     }
+}
+
+/// A prefix as text for people: `198.18.0.0/15`, with the address shown as
+/// [`format_address`] shows it when it is not one.
+pub fn format_prefix(prefix: &IpPrefix) -> String {
+    format!("{}/{}", format_address(&prefix.address), prefix.prefix_length)
 }
 
 #[cfg(test)]
@@ -173,9 +203,20 @@ mod tests {
     }
 
     #[test]
+    fn macs_are_six_bytes() {
+        assert_eq!(mac_from_bytes(&[2, 0, 0, 0, 0, 1]), Ok([2, 0, 0, 0, 0, 1]));
+        assert_eq!(mac_from_bytes(b"02:00:00:00:00:01"), Err(MacLengthError { len: 17 }));
+        assert_eq!(mac_from_bytes(&[]), Err(MacLengthError { len: 0 }));
+    }
+
+    #[test]
     fn formatting_for_people() {
         assert_eq!(format_address(&[198, 18, 0, 1]), "198.18.0.1");
         assert_eq!(format_address(&[]), "-");
         assert_eq!(format_address(&[1, 2]), "<2 bytes>");
+        assert_eq!(
+            format_prefix(&prefix_to_proto("2001:2::/48".parse().unwrap())),
+            "2001:2::/48"
+        );
     }
 }

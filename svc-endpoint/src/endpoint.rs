@@ -7,8 +7,8 @@ use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
 use rivet_common::labels::Labels;
-use rivet_common::mac::format_mac;
 use rivet_proto::endpoint::v1 as pb;
+use rivet_proto::net;
 use serde::{Deserialize, Serialize};
 
 use rivet_policy::{NamedPort, Protocol, ResolvedPolicy};
@@ -335,11 +335,11 @@ pub fn to_proto(spec: &EndpointSpec, status: &EndpointStatus, include_history: b
             .addresses
             .iter()
             .map(|a| pb::EndpointAddress {
-                address: a.address.to_string(),
+                address: net::address_bytes(a.address),
                 ipam_pool: a.ipam_pool.clone(),
             })
             .collect(),
-        mac: format_mac(&spec.mac),
+        mac: spec.mac.to_vec(),
         pod_namespace: spec.pod_namespace.clone(),
         pod_name: spec.pod_name.clone(),
         pod_uid: spec.pod_uid.clone(),

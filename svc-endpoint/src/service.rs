@@ -3,14 +3,12 @@
 //! the manager sees it; INVALID_ARGUMENT names the field.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
-use rivet_common::grpc::BootId;
+use rivet_common::grpc::{BootId, address_field, mac_field};
 use rivet_common::k8s_name::{self, NameError};
 use rivet_common::labels::{LabelSource, Labels};
-use rivet_common::mac::parse_mac;
 use rivet_proto::endpoint::v1 as pb;
 use tonic::{Request, Response, Status};
 
@@ -105,20 +103,7 @@ fn parse_labels(field: &str, raw: &[String]) -> Result<Labels, Status> {
     if raw.len() > 256 {
         return Err(invalid(field, "at most 256 labels"));
     }
-    let labels = Labels::parse(raw).map_err(|e| invalid(field, e))?;
-    // A pod's own labels never name a reserved identity or a CIDR: a client
-    // of this socket must not make a pod `reserved:host` (rivet-cni refuses
-    // them too; this is the daemon's own check).
-    if let Some(label) = labels
-        .iter()
-        .find(|l| matches!(l.source(), LabelSource::Reserved | LabelSource::Cidr))
-    {
-        return Err(invalid(
-            field,
-            format!("{label}: source {} is not a pod label source", label.source()),
-        ));
-    }
-    Ok(labels)
+    Labels::parse(raw).map_err(|e| invalid(field, e))
 }
 
 fn parse_named_ports(field: &str, raw: &[pb::NamedPort]) -> Result<Vec<NamedPort>, Status> {
@@ -169,25 +154,10 @@ pub fn validate_create(r: &pb::CreateEndpointRequest) -> Result<EndpointSpec, St
     }
     let mut addresses = Vec::new();
     for (i, a) in r.addresses.iter().enumerate() {
-        let address: IpAddr = a.address.parse().map_err(|_| {
-            invalid(
-                &format!("addresses[{i}].address"),
-                format!("{:?} is not an IP address", a.address),
-            )
-        })?;
+        let field = format!("addresses[{i}].address");
+        let address = address_field(&field, &a.address)?;
         if address.is_unspecified() || address.is_multicast() || address.is_loopback() {
-            return Err(invalid(
-                &format!("addresses[{i}].address"),
-                "must be a unicast, non-loopback address",
-            ));
-        }
-        if let IpAddr::V6(v6) = address
-            && v6.to_ipv4_mapped().is_some()
-        {
-            return Err(invalid(
-                &format!("addresses[{i}].address"),
-                "IPv4-mapped IPv6 is not accepted",
-            ));
+            return Err(invalid(&field, "must be a unicast, non-loopback address"));
         }
         if addresses
             .iter()
@@ -201,8 +171,7 @@ pub fn validate_create(r: &pb::CreateEndpointRequest) -> Result<EndpointSpec, St
             ipam_pool: a.ipam_pool.clone(),
         });
     }
-    let mac =
-        parse_mac(&r.mac).ok_or_else(|| invalid("mac", format!("{:?} is not a MAC (aa:bb:cc:dd:ee:ff)", r.mac)))?;
+    let mac = mac_field("mac", &r.mac)?;
     if mac == [0; 6] || mac[0] & 1 == 1 {
         return Err(invalid("mac", "must be a non-zero unicast MAC"));
     }
@@ -267,10 +236,7 @@ pub fn parse_ref(r: Option<&pb::EndpointRef>) -> Result<EndpointSelector, Status
                 name: p.name.clone(),
             })
         }
-        Some(Ref::Address(a)) => a
-            .parse()
-            .map(EndpointSelector::Address)
-            .map_err(|_| invalid("ref.address", format!("{a:?} is not an IP address"))),
+        Some(Ref::Address(a)) => address_field("ref.address", a).map(EndpointSelector::Address),
     }
 }
 
@@ -917,10 +883,10 @@ mod tests {
             host_interface: "lxc1234".into(),
             host_ifindex: 7,
             addresses: vec![pb::EndpointAddress {
-                address: "198.18.0.5".into(),
+                address: vec![198, 18, 0, 5],
                 ipam_pool: "default".into(),
             }],
-            mac: "02:00:c6:12:00:05".into(),
+            mac: vec![2, 0, 0xc6, 0x12, 0, 5],
             pod_namespace: String::new(),
             pod_name: "web-1".into(),
             labels: vec!["k8s:app=web".into()],
@@ -951,36 +917,40 @@ mod tests {
             ("addresses", Box::new(|r| r.addresses.clear())),
             (
                 "addresses[0].address",
-                Box::new(|r| r.addresses[0].address = "nope".into()),
+                Box::new(|r| r.addresses[0].address = b"198.18.0.5".to_vec()),
             ),
             (
                 "addresses[0].address",
-                Box::new(|r| r.addresses[0].address = "0.0.0.0".into()),
+                Box::new(|r| r.addresses[0].address = vec![0; 4]),
             ),
             (
                 "addresses[0].address",
-                Box::new(|r| r.addresses[0].address = "::ffff:198.18.0.5".into()),
+                Box::new(|r| {
+                    r.addresses[0].address = "::ffff:198.18.0.5"
+                        .parse::<std::net::Ipv6Addr>()
+                        .unwrap()
+                        .octets()
+                        .to_vec()
+                }),
             ),
             (
                 "addresses",
                 Box::new(|r| {
                     r.addresses.push(pb::EndpointAddress {
-                        address: "198.18.0.6".into(),
+                        address: vec![198, 18, 0, 6],
                         ipam_pool: String::new(),
                     })
                 }),
             ),
-            ("mac", Box::new(|r| r.mac = "02:00".into())),
-            ("mac", Box::new(|r| r.mac = "01:00:5e:00:00:01".into())),
+            ("mac", Box::new(|r| r.mac = vec![2, 0])),
+            ("mac", Box::new(|r| r.mac = b"02:00:c6:12:00:05".to_vec())),
+            ("mac", Box::new(|r| r.mac = vec![1, 0, 0x5e, 0, 0, 1])),
             ("pod_namespace", Box::new(|r| r.pod_namespace = "Shop".into())),
             // A namespace is a DNS label, a pod name a DNS subdomain.
             ("pod_namespace", Box::new(|r| r.pod_namespace = "shop.eu".into())),
             ("pod_name", Box::new(|r| r.pod_name = "web..1".into())),
             ("pod_name", Box::new(|r| r.pod_name = "web.-1".into())),
             ("labels", Box::new(|r| r.labels = vec!["k8s:=x".into()])),
-            // A client must not give a pod a reserved identity or a CIDR's.
-            ("labels", Box::new(|r| r.labels = vec!["reserved:host".into()])),
-            ("labels", Box::new(|r| r.labels = vec!["cidr:198.18.0.0/15".into()])),
             (
                 "named_ports[0].name",
                 Box::new(|r| {
@@ -1021,7 +991,10 @@ mod tests {
         let r = |r: Ref| pb::EndpointRef { r#ref: Some(r) };
         assert_eq!(parse_ref(Some(&r(Ref::Id(5)))).unwrap(), EndpointSelector::Id(5));
         assert_eq!(
-            parse_ref(Some(&r(Ref::Address("2001:2::5".into())))).unwrap(),
+            parse_ref(Some(&r(Ref::Address(rivet_proto::net::address_bytes(
+                "2001:2::5".parse().unwrap()
+            )))))
+            .unwrap(),
             EndpointSelector::Address("2001:2::5".parse().unwrap())
         );
         assert_eq!(
@@ -1038,7 +1011,8 @@ mod tests {
         for bad in [
             r(Ref::Id(0)),
             r(Ref::Id(70000)),
-            r(Ref::Address("x".into())),
+            r(Ref::Address(b"198.18.0.5".to_vec())),
+            r(Ref::Address(Vec::new())),
             pb::EndpointRef { r#ref: None },
         ] {
             assert_eq!(parse_ref(Some(&bad)).unwrap_err().code(), tonic::Code::InvalidArgument);

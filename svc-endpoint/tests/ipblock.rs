@@ -116,7 +116,7 @@ async fn an_egress_ipblock_naming_a_port_reaches_each_pod_on_its_own_number() {
 
     // web-1 goes: its host prefix leaves the client's policy and its CIDR
     // identity is released (the ipcache holds nothing at its address).
-    let web1_host = ldpb::IpPrefix {
+    let web1_host = rivet_proto::net::IpPrefix {
         address: rivet_proto::net::address_bytes(node.ipv4("web-1")),
         prefix_length: 32,
     };

@@ -109,7 +109,7 @@ async fn a_created_endpoint_is_ready_and_reachable_when_create_returns() {
     // Get by every kind of reference.
     for r in [
         pb::endpoint_ref::Ref::Id(b.id),
-        pb::endpoint_ref::Ref::Address(node.ipv4("b").to_string()),
+        pb::endpoint_ref::Ref::Address(rivet_proto::net::address_bytes(node.ipv4("b"))),
         pb::endpoint_ref::Ref::Pod(pb::PodRef {
             namespace: "default".into(),
             name: "b".into(),

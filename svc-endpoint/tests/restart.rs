@@ -36,6 +36,7 @@ use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use rivet_proto::loader::v1 as ldpb;
+use rivet_proto::net::IpPrefix;
 use rivet_testkit::node::{EndpointNode, NodeOptions};
 use tonic::Code;
 
@@ -248,20 +249,14 @@ fn addresses(endpoint: &pb::Endpoint) -> BTreeSet<IpAddr> {
     endpoint
         .addresses
         .iter()
-        .map(|a| a.address.parse().expect("svc-endpoint lists parseable addresses"))
+        .map(|a| rivet_proto::net::address_from_bytes(&a.address).expect("svc-endpoint lists addresses"))
         .collect()
 }
 
-/// An ipcache prefix of one address ("198.18.0.5/32") as the address.
-fn host_prefix(prefix: &str) -> Option<IpAddr> {
-    let (address, length) = prefix.split_once('/').unwrap_or((prefix, ""));
-    let address: IpAddr = address.parse().ok()?;
-    let full = if address.is_ipv4() { "32" } else { "128" };
-    (length.is_empty() || length == full).then_some(address)
-}
-
-fn loader_address(bytes: &[u8]) -> Option<IpAddr> {
-    rivet_proto::net::address_from_bytes(bytes).ok()
+/// A prefix of one address (198.18.0.5/32) as the address.
+fn host_prefix(prefix: Option<&IpPrefix>) -> Option<IpAddr> {
+    let prefix = rivet_proto::net::prefix_from_proto(prefix?).ok()?;
+    (prefix.prefix_len() == prefix.max_prefix_len()).then_some(prefix.addr())
 }
 
 /// Endpoint ids named by the state dir (`<id>`, `<id>_next`, ...).
@@ -387,11 +382,7 @@ async fn check_consistent(
     let datapath_ipcache: BTreeMap<IpAddr, u32> = ipcache
         .entries
         .iter()
-        .filter_map(|e| {
-            let prefix = e.prefix.as_ref()?;
-            let full = if prefix.address.len() == 4 { 32 } else { 128 };
-            (prefix.prefix_length == full).then(|| Some((loader_address(&prefix.address)?, e.identity)))?
-        })
+        .filter_map(|e| host_prefix(e.prefix.as_ref()).map(|address| (address, e.identity)))
         .collect();
     for e in endpoints.values() {
         for address in addresses(e) {
@@ -436,7 +427,7 @@ async fn check_consistent(
         .list_ipcache(idpb::ListIpcacheRequest {
             source: idpb::IpcacheSource::LocalEndpoint.into(),
             page_size: 10_000,
-            start_after: String::new(),
+            start_after: None,
         })
         .await
         .map_err(|e| format!("svc-identity ListIpcache: {e}"))?
@@ -446,7 +437,7 @@ async fn check_consistent(
         .iter()
         .map(|e| {
             (
-                host_prefix(&e.prefix).unwrap_or_else(|| panic!("a host prefix: {e:?}")),
+                host_prefix(e.prefix.as_ref()).unwrap_or_else(|| panic!("a host prefix: {e:?}")),
                 e.identity,
             )
         })
@@ -479,7 +470,7 @@ async fn check_consistent(
         .flat_map(|p| p.allocations.iter())
         .chain(ipam.orphaned.iter())
         .map(|a| {
-            let address = a.address.parse().expect("svc-ipam lists parseable addresses");
+            let address = rivet_proto::net::address_from_bytes(&a.address).expect("svc-ipam lists addresses");
             (
                 address,
                 a.owner
@@ -708,7 +699,7 @@ async fn kill_9_of_svc_endpoint_restores_50_endpoints_under_traffic_and_cleans_t
         .await
         .unwrap()
         .into_inner();
-    let victim_addresses: BTreeSet<String> = victim.addresses.iter().map(|a| a.address.clone()).collect();
+    let victim_addresses: BTreeSet<Vec<u8>> = victim.addresses.iter().map(|a| a.address.clone()).collect();
     assert!(
         ipam.pools
             .iter()
@@ -807,7 +798,7 @@ async fn churn(sockets: PathBuf, pods: Vec<SparePod>, stop: Arc<AtomicBool>, sta
         // ADD: addresses, then the endpoint.
         let mut added = true;
         for address in &pod.request.addresses {
-            let family = if address.address.contains(':') {
+            let family = if address.address.len() == 16 {
                 ipampb::Family::Ipv6
             } else {
                 ipampb::Family::Ipv4

@@ -32,14 +32,12 @@ pub enum EndpointListError {
     #[error("no endpoint source configured")]
     NotConfigured,
     /// svc-endpoint listed an address that is not one.
-    #[error("endpoint {endpoint} has an unreadable address {address:?}: {source}")]
+    #[error("endpoint {endpoint} has an unreadable address: {source}")]
     UnreadableAddress {
         /// The endpoint.
         endpoint: u32,
-        /// What was listed.
-        address: String,
-        /// Why it is not an address.
-        source: std::net::AddrParseError,
+        /// Why what was listed is not an address.
+        source: rivet_proto::net::AddressError,
     },
     /// svc-endpoint's `ListEndpoints` failed (or it was not reached).
     #[error("svc-endpoint ListEndpoints: {0}")]
@@ -102,7 +100,7 @@ pub fn from_response(response: &pb::ListEndpointsResponse) -> EndpointList {
     let mut addrs = HashSet::new();
     for endpoint in &response.endpoints {
         for address in &endpoint.addresses {
-            match address.address.parse::<IpAddr>() {
+            match rivet_proto::net::address_from_bytes(&address.address) {
                 Ok(ip) => {
                     addrs.insert(ip);
                 }
@@ -111,7 +109,6 @@ pub fn from_response(response: &pb::ListEndpointsResponse) -> EndpointList {
                 Err(source) => {
                     return EndpointList::Failed(EndpointListError::UnreadableAddress {
                         endpoint: endpoint.id,
-                        address: address.address.clone(),
                         source,
                     });
                 }
@@ -138,12 +135,20 @@ mod tests {
     use super::*;
 
     fn endpoint(id: u32, addrs: &[&str]) -> pb::Endpoint {
+        endpoint_with(
+            id,
+            addrs
+                .iter()
+                .map(|a| rivet_proto::net::address_bytes(a.parse().unwrap())),
+        )
+    }
+
+    fn endpoint_with(id: u32, addrs: impl Iterator<Item = Vec<u8>>) -> pb::Endpoint {
         pb::Endpoint {
             id,
             addresses: addrs
-                .iter()
-                .map(|a| pb::EndpointAddress {
-                    address: (*a).into(),
+                .map(|address| pb::EndpointAddress {
+                    address,
                     ipam_pool: "default".into(),
                 })
                 .collect(),
@@ -171,7 +176,7 @@ mod tests {
         assert!(matches!(from_response(&restoring), EndpointList::Restoring));
 
         let bad = pb::ListEndpointsResponse {
-            endpoints: vec![endpoint(3, &["not-an-ip"])],
+            endpoints: vec![endpoint_with(3, [b"198.18.0.3".to_vec()].into_iter())],
             ..response
         };
         assert!(matches!(

@@ -7,18 +7,18 @@
 //! published when it is back, see [`IpCache`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
 use ipnet::IpNet;
-use rivet_common::grpc::BootId;
+use rivet_common::grpc::{BootId, optional_address_field, prefix_field};
 use rivet_proto::identity::v1 as pb;
+use rivet_proto::net;
 use tokio::sync::broadcast;
 use tonic::{Request, Response, Status};
 
-use crate::ipcache::{IpCache, IpcacheDelta, IpcacheEntry, IpcacheSource, parse_prefix, prefix_text};
+use crate::ipcache::{IpCache, IpcacheDelta, IpcacheEntry, IpcacheSource, prefix_text};
 
 /// Most entries of one UpsertIp or DeleteIp.
 pub const MAX_BATCH: usize = 1024;
@@ -79,13 +79,6 @@ fn filter_source(field: &str, raw: i32) -> Result<Option<IpcacheSource>, Status>
     }
 }
 
-fn prefix(field: &str, raw: &str) -> Result<IpNet, Status> {
-    if raw.is_empty() {
-        return Err(invalid(field, "required"));
-    }
-    parse_prefix(raw).map_err(|reason| invalid(field, reason))
-}
-
 fn bounded(field: &str, raw: &str, max: usize) -> Result<String, Status> {
     if raw.len() > max {
         return Err(invalid(field, format!("at most {max} characters, got {}", raw.len())));
@@ -108,20 +101,12 @@ fn entries(raw: &[pb::IpcacheEntry]) -> Result<Vec<IpcacheEntry>, Status> {
     let mut out = Vec::with_capacity(raw.len());
     for (i, e) in raw.iter().enumerate() {
         let f = |name: &str| format!("entries[{i}].{name}");
-        let net = prefix(&f("prefix"), &e.prefix)?;
+        let net = prefix_field(&f("prefix"), e.prefix.as_ref())?;
         if e.identity == 0 {
             return Err(invalid(f("identity"), "must be non-zero"));
         }
         let source = client_source(&f("source"), e.source)?;
-        let host_ip = if e.host_ip.is_empty() {
-            None
-        } else {
-            Some(
-                e.host_ip
-                    .parse::<IpAddr>()
-                    .map_err(|_| invalid(f("host_ip"), format!("{:?} is not an IP address", e.host_ip)))?,
-            )
-        };
+        let host_ip = optional_address_field(&f("host_ip"), &e.host_ip)?;
         if let Some(first) = seen.insert((net, source), i) {
             return Err(invalid(
                 f("prefix"),
@@ -198,7 +183,7 @@ impl Watcher {
                 }
                 _ => {
                     if self.sent.remove(&prefix) {
-                        deleted.push(prefix_text(&prefix));
+                        deleted.push(net::prefix_to_proto(prefix));
                     }
                 }
             }
@@ -315,7 +300,7 @@ impl pb::ipcache_service_server::IpcacheService for IpcacheService {
             .prefixes
             .iter()
             .enumerate()
-            .map(|(i, p)| prefix(&format!("prefixes[{i}]"), p))
+            .map(|(i, p)| prefix_field(&format!("prefixes[{i}]"), Some(p)))
             .collect::<Result<Vec<_>, _>>()?;
         let deleted = self
             .ipcache
@@ -339,11 +324,11 @@ impl pb::ipcache_service_server::IpcacheService for IpcacheService {
             n if n <= MAX_PAGE => n,
             n => return Err(invalid("page_size", format!("at most {MAX_PAGE}, got {n}"))),
         };
-        let after = if r.start_after.is_empty() {
-            None
-        } else {
-            Some(prefix("start_after", &r.start_after)?)
-        };
+        let after = r
+            .start_after
+            .as_ref()
+            .map(|p| prefix_field("start_after", Some(p)))
+            .transpose()?;
         let (entries, complete) = self.ipcache.list_page(source, after, page);
         Ok(Response::new(pb::ListIpcacheResponse {
             entries: entries.iter().map(IpcacheEntry::to_proto).collect(),
@@ -393,18 +378,20 @@ mod tests {
     use futures::StreamExt;
     use pb::ipcache_service_server::IpcacheService as _;
     use rivet_common::testing::etcd::EtcdServer;
+    use rivet_proto::net::IpPrefix;
+    use rivet_testkit::wire;
 
     use super::*;
     use crate::backend::IdentityBackend as _;
     use crate::embedded_backend::EmbeddedBackend;
     use crate::etcd_backend::{EtcdBackend, EtcdOptions};
-    use crate::ipcache::IpCacheOptions;
+    use crate::ipcache::{IpCacheOptions, parse_prefix};
 
     const WAIT: Duration = Duration::from_secs(10);
 
     fn entry(prefix: &str, identity: u32, source: pb::IpcacheSource) -> pb::IpcacheEntry {
         pb::IpcacheEntry {
-            prefix: prefix.into(),
+            prefix: Some(wire::prefix(prefix)),
             identity,
             source: source as i32,
             ..Default::default()
@@ -475,16 +462,21 @@ mod tests {
             "entries[1].prefix",
         );
         assert!(m.contains("host bits"), "{m}");
-        refused(
-            upsert(&service, with(entry("not-an-ip", 301, pb::IpcacheSource::Kubernetes))).await,
-            "entries[1].prefix",
-        );
+        let mut bad_prefix = entry("198.18.0.9", 301, pb::IpcacheSource::Kubernetes);
+        bad_prefix.prefix = Some(IpPrefix {
+            address: b"198.18.0.9".to_vec(),
+            prefix_length: 32,
+        });
+        refused(upsert(&service, with(bad_prefix)).await, "entries[1].prefix");
+        let mut no_prefix = entry("198.18.0.9", 301, pb::IpcacheSource::Kubernetes);
+        no_prefix.prefix = None;
+        refused(upsert(&service, with(no_prefix)).await, "entries[1].prefix");
         refused(
             upsert(&service, with(entry("198.18.0.9", 0, pb::IpcacheSource::Kubernetes))).await,
             "entries[1].identity",
         );
         let mut bad_host = entry("198.18.0.9", 301, pb::IpcacheSource::Kubernetes);
-        bad_host.host_ip = "node-b".into();
+        bad_host.host_ip = b"node-b".to_vec();
         refused(upsert(&service, with(bad_host)).await, "entries[1].host_ip");
         let mut long_ns = entry("198.18.0.9", 301, pb::IpcacheSource::Kubernetes);
         long_ns.pod_namespace = "n".repeat(64);
@@ -507,7 +499,7 @@ mod tests {
 
         let delete = |prefixes: Vec<&str>, source: pb::IpcacheSource| {
             service.delete_ip(Request::new(pb::DeleteIpRequest {
-                prefixes: prefixes.into_iter().map(String::from).collect(),
+                prefixes: prefixes.into_iter().map(wire::prefix).collect(),
                 source: source as i32,
             }))
         };
@@ -565,7 +557,7 @@ mod tests {
         assert_eq!(r.changed, 2);
         let deleted = service
             .delete_ip(Request::new(pb::DeleteIpRequest {
-                prefixes: vec!["198.18.3.9".into()],
+                prefixes: vec![wire::prefix("198.18.3.9")],
                 source: pb::IpcacheSource::LocalEndpoint as i32,
             }))
             .await
@@ -621,7 +613,7 @@ mod tests {
             .collect();
         batch.push(entry("2001:2::/64", 500, pb::IpcacheSource::Kubernetes));
         upsert(&service, batch).await.unwrap();
-        let page = |source: pb::IpcacheSource, page_size: u32, start_after: String| {
+        let page = |source: pb::IpcacheSource, page_size: u32, start_after: Option<IpPrefix>| {
             service.list_ipcache(Request::new(pb::ListIpcacheRequest {
                 source: source as i32,
                 page_size,
@@ -629,36 +621,40 @@ mod tests {
             }))
         };
         let mut all = Vec::new();
-        let mut after = String::new();
+        let mut after = None;
         loop {
             let r = page(pb::IpcacheSource::Unspecified, 10, after)
                 .await
                 .unwrap()
                 .into_inner();
             assert!(r.entries.len() <= 10);
-            after = r.entries.last().map(|e| e.prefix.clone()).unwrap_or_default();
+            after = r.entries.last().and_then(|e| e.prefix.clone());
             all.extend(r.entries);
             if r.complete {
                 break;
             }
         }
-        let prefixes: Vec<IpNet> = all.iter().map(|e| parse_prefix(&e.prefix).unwrap()).collect();
+        let prefixes: Vec<IpNet> = all
+            .iter()
+            .map(|e| net::prefix_from_proto(e.prefix.as_ref().unwrap()).unwrap())
+            .collect();
         assert_eq!(prefixes.len(), 28, "25 + one IPv6 + two reserved");
         assert!(prefixes.is_sorted(), "prefix order: {prefixes:?}");
-        assert_eq!(all[0].prefix, "0.0.0.0/0");
-        assert_eq!(all[1].prefix, "198.18.4.0/32");
-        let reserved = page(pb::IpcacheSource::Reserved, 0, String::new())
-            .await
-            .unwrap()
-            .into_inner();
-        let names: Vec<&str> = reserved.entries.iter().map(|e| e.prefix.as_str()).collect();
+        assert_eq!(all[0].prefix, Some(wire::prefix("0.0.0.0/0")));
+        assert_eq!(all[1].prefix, Some(wire::prefix("198.18.4.0/32")));
+        let reserved = page(pb::IpcacheSource::Reserved, 0, None).await.unwrap().into_inner();
+        let names: Vec<String> = reserved
+            .entries
+            .iter()
+            .map(|e| wire::text(e.prefix.as_ref().unwrap()))
+            .collect();
         assert_eq!(names, ["0.0.0.0/0", "::/0"]);
         assert!(reserved.entries.iter().all(|e| e.identity == 2));
-        let s = page(pb::IpcacheSource::Unspecified, 10001, String::new())
+        let s = page(pb::IpcacheSource::Unspecified, 10001, None).await.unwrap_err();
+        assert!(s.message().starts_with("page_size: "), "{s:?}");
+        let s = page(pb::IpcacheSource::Unspecified, 0, Some(wire::prefix("198.18.4.1/24")))
             .await
             .unwrap_err();
-        assert!(s.message().starts_with("page_size: "), "{s:?}");
-        let s = page(pb::IpcacheSource::Unspecified, 0, "x".into()).await.unwrap_err();
         assert!(s.message().starts_with("start_after: "), "{s:?}");
     }
 
@@ -694,8 +690,7 @@ mod tests {
         fn apply(&mut self, m: pb::WatchIpcacheResponse) {
             assert!(!m.boot_id.is_empty(), "every message names the server");
             if m.snapshot {
-                self.pending
-                    .extend(m.upserted.into_iter().map(|e| (e.prefix.clone(), e)));
+                self.pending.extend(m.upserted.into_iter().map(|e| (key(&e), e)));
                 if m.snapshot_complete {
                     self.view = std::mem::take(&mut self.pending);
                     self.snapshots += 1;
@@ -706,9 +701,9 @@ mod tests {
             assert!(m.revision > self.revision, "delta revisions increase");
             self.revision = m.revision;
             for e in m.upserted {
-                self.view.insert(e.prefix.clone(), e);
+                self.view.insert(key(&e), e);
             }
-            for p in m.deleted {
+            for p in m.deleted.iter().map(wire::text) {
                 assert!(
                     self.view.remove(&p).is_some(),
                     "a deletion of {p} the watcher never had"
@@ -740,8 +735,13 @@ mod tests {
             .filter(|e| source.is_none_or(|s| e.source == s))
             .map(IpcacheEntry::to_proto)
             .collect();
-        out.sort_by(|a, b| a.prefix.cmp(&b.prefix));
+        out.sort_by_key(key);
         out
+    }
+
+    /// An entry's prefix as text: the order a watcher's view is kept in.
+    fn key(e: &pb::IpcacheEntry) -> String {
+        wire::text(e.prefix.as_ref().expect("every entry has its prefix"))
     }
 
     #[tokio::test]
@@ -805,7 +805,7 @@ mod tests {
         // It goes: the KUBERNETES claim is effective again.
         service
             .delete_ip(Request::new(pb::DeleteIpRequest {
-                prefixes: vec!["198.18.8.1".into()],
+                prefixes: vec![wire::prefix("198.18.8.1")],
                 source: pb::IpcacheSource::LocalEndpoint as i32,
             }))
             .await

@@ -5,17 +5,16 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
-use rivet_common::grpc::{BootId, status_with_reason};
+use rivet_common::grpc::{BootId, prefix_field, status_with_reason};
 use rivet_common::labels::Labels;
 use rivet_proto::identity::v1 as pb;
 use tokio::sync::broadcast;
 use tonic::{Request, Response, Status};
 
 use crate::allocator::{AllocError, IdentityAllocator, IdentityChange, IdentityKind};
-use crate::backend::BackendError;
 use crate::backend::IdentityRecord;
 use crate::cidr::{CidrError, CidrIdentities};
-use crate::ipcache::{IpCache, LoaderSync, parse_prefix, prefix_text};
+use crate::ipcache::{IpCache, LoaderSync, prefix_text};
 
 /// Identities per snapshot message (keeps messages far below 4 MiB).
 const SNAPSHOT_CHUNK: usize = 1000;
@@ -97,18 +96,14 @@ fn status(e: AllocError) -> Status {
         AllocError::Contention { .. } => {
             status_with_reason(tonic::Code::Aborted, message, pb::ErrorReason::AllocationContention)
         }
-        AllocError::Store {
-            source: BackendError::Refused { code: 401 | 403, .. },
-            ..
-        } => Status::permission_denied(message),
         AllocError::Store { .. } => Status::internal(message),
     }
 }
 
-fn prefixes(raw: &[String]) -> Result<Vec<ipnet::IpNet>, Status> {
+fn prefixes(raw: &[rivet_proto::net::IpPrefix]) -> Result<Vec<ipnet::IpNet>, Status> {
     raw.iter()
         .enumerate()
-        .map(|(i, p)| parse_prefix(p).map_err(|e| Status::invalid_argument(format!("prefixes[{i}]: {e}"))))
+        .map(|(i, p)| prefix_field(&format!("prefixes[{i}]"), Some(p)))
         .collect()
 }
 
@@ -125,7 +120,7 @@ fn cidr_identity(prefix: &ipnet::IpNet, id: u32, local_references: u32) -> pb::I
 
 fn cidr_proto(prefix: &ipnet::IpNet, id: u32) -> pb::CidrIdentity {
     pb::CidrIdentity {
-        prefix: prefix_text(prefix),
+        prefix: Some(rivet_proto::net::prefix_to_proto(*prefix)),
         id,
     }
 }
@@ -370,7 +365,6 @@ impl pb::identity_service_server::IdentityService for IdentityService {
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let backend = match self.allocator.backend_kind() {
             "etcd" => pb::StoreBackend::Etcd,
-            "kubernetes" => pb::StoreBackend::Kubernetes,
             _ => pb::StoreBackend::Embedded,
         };
         let list = self.allocator.list();

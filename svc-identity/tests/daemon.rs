@@ -12,11 +12,8 @@ use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
+use rivet_testkit::wire;
 use tonic::Code;
-
-mod support;
-
-use support::{allocate, allocate_owned, client, labels};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
 
@@ -51,6 +48,26 @@ async fn spawn(dir: &Path, node: &str, etcd: &EtcdServer) -> DaemonProcess {
         .spawn()
         .await
         .expect("svc-identity starts")
+}
+
+async fn client(d: &DaemonProcess) -> IdentityServiceClient<DaemonChannel> {
+    IdentityServiceClient::new(connect_unix(d.socket(), &ClientOptions::default()).await.unwrap())
+}
+
+fn labels(i: usize) -> Vec<String> {
+    vec![
+        format!("k8s:app=app-{i}"),
+        "k8s:io.kubernetes.pod.namespace=default".to_string(),
+    ]
+}
+
+async fn allocate(c: &mut IdentityServiceClient<DaemonChannel>, i: usize) -> Result<u32, tonic::Status> {
+    c.allocate_identity(pb::AllocateIdentityRequest {
+        labels: labels(i),
+        owner: String::new(),
+    })
+    .await
+    .map(|r| r.into_inner().identity.unwrap().id)
 }
 
 async fn store_status(c: &mut IdentityServiceClient<DaemonChannel>) -> pb::StoreStatus {
@@ -91,7 +108,7 @@ async fn upsert_local(
 ) -> Result<pb::UpsertIpResponse, tonic::Status> {
     c.upsert_ip(pb::UpsertIpRequest {
         entries: vec![pb::IpcacheEntry {
-            prefix: prefix.into(),
+            prefix: Some(wire::prefix(prefix)),
             identity,
             pod_namespace: "default".into(),
             pod_name: format!("pod-{prefix}"),
@@ -109,7 +126,7 @@ async fn delete_local(
     prefix: &str,
 ) -> Result<pb::DeleteIpResponse, tonic::Status> {
     c.delete_ip(pb::DeleteIpRequest {
-        prefixes: vec![prefix.into()],
+        prefixes: vec![wire::prefix(prefix)],
         source: pb::IpcacheSource::LocalEndpoint as i32,
     })
     .await
@@ -152,10 +169,10 @@ impl IpcacheView {
             }
             self.in_snapshot = m.snapshot && !m.snapshot_complete;
             for e in m.upserted {
-                self.entries.insert(e.prefix.clone(), e);
+                self.entries.insert(wire::text(e.prefix.as_ref().expect("a prefix")), e);
             }
             for p in m.deleted {
-                self.entries.remove(&p);
+                self.entries.remove(&wire::text(&p));
             }
         }
     }
@@ -438,6 +455,20 @@ async fn wait_reconciled(c: &mut IdentityServiceClient<DaemonChannel>) -> pb::St
     last
 }
 
+/// The owner-held variant of [`allocate`].
+async fn allocate_owned(
+    c: &mut IdentityServiceClient<DaemonChannel>,
+    i: usize,
+    owner: &str,
+) -> Result<u32, tonic::Status> {
+    c.allocate_identity(pb::AllocateIdentityRequest {
+        labels: labels(i),
+        owner: owner.into(),
+    })
+    .await
+    .map(|r| r.into_inner().identity.unwrap().id)
+}
+
 #[tokio::test]
 async fn etcd_outage_serves_known_sets_and_ip_changes_locally_and_reconciles_when_back() {
     let mut etcd = EtcdServer::start_async().await.expect("etcd starts");
@@ -516,7 +547,7 @@ async fn etcd_outage_serves_known_sets_and_ip_changes_locally_and_reconciles_whe
         .entries
         .into_iter()
         .filter(|e| e.source == pb::IpcacheSource::LocalEndpoint as i32)
-        .map(|e| e.prefix)
+        .map(|e| wire::text(&e.prefix.expect("a prefix")))
         .collect();
     assert_eq!(
         local,
@@ -728,9 +759,9 @@ async fn an_ip_published_on_one_node_reaches_the_other() {
         .into_inner();
     ia.upsert_ip(pb::UpsertIpRequest {
         entries: vec![pb::IpcacheEntry {
-            prefix: "198.18.5.9".into(),
+            prefix: Some(wire::prefix("198.18.5.9")),
             identity: 4242,
-            host_ip: "198.19.0.1".into(),
+            host_ip: wire::address("198.19.0.1"),
             pod_namespace: "default".into(),
             pod_name: "web-0".into(),
             source: pb::IpcacheSource::LocalEndpoint as i32,
@@ -742,7 +773,7 @@ async fn an_ip_published_on_one_node_reaches_the_other() {
     let seen = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             let m = watch.message().await.unwrap().expect("the stream stays open");
-            if let Some(e) = m.upserted.iter().find(|e| e.prefix.starts_with("198.18.5.9")) {
+            if let Some(e) = m.upserted.iter().find(|e| e.prefix == Some(wire::prefix("198.18.5.9"))) {
                 return e.clone();
             }
         }
@@ -757,7 +788,7 @@ async fn an_ip_published_on_one_node_reaches_the_other() {
     );
     assert_eq!(seen.node_name, "node-a");
     ia.delete_ip(pb::DeleteIpRequest {
-        prefixes: vec!["198.18.5.9".into()],
+        prefixes: vec![wire::prefix("198.18.5.9")],
         source: pb::IpcacheSource::LocalEndpoint as i32,
     })
     .await
@@ -765,7 +796,7 @@ async fn an_ip_published_on_one_node_reaches_the_other() {
     tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             let m = watch.message().await.unwrap().expect("the stream stays open");
-            if m.deleted.iter().any(|p| p.starts_with("198.18.5.9")) {
+            if m.deleted.contains(&wire::prefix("198.18.5.9")) {
                 return;
             }
         }
@@ -825,7 +856,7 @@ async fn list_and_watch_agree_on_the_cache_revision_and_the_list_holds_cidr_iden
 
     let cidr = c
         .allocate_cidr_identities(pb::AllocateCidrIdentitiesRequest {
-            prefixes: vec!["198.19.128.0/24".into()],
+            prefixes: vec![wire::prefix("198.19.128.0/24")],
             owner: "policy/default/p".into(),
         })
         .await

@@ -1,11 +1,11 @@
 //! The `rivet.ipam.v1.Ipam` gRPC service: validates every field, maps rule
 //! violations to gRPC codes, and stamps every response with the boot id.
 
-use std::net::IpAddr;
 use std::sync::Arc;
 
-use rivet_common::grpc::{BootId, status_with_reason};
+use rivet_common::grpc::{BootId, address_field, optional_address_field, status_with_reason};
 use rivet_proto::ipam::v1 as pb;
+use rivet_proto::net;
 use tonic::{Code, Request, Response, Status};
 
 use crate::allocator::{AllocError, Allocation, Owner};
@@ -55,7 +55,7 @@ impl pb::ipam_server::Ipam for IpamService {
         let result = async {
             let owner = owner(r.owner.as_ref())?;
             let pool = pool_name(&r.pool);
-            let requested = optional_address("requested_address", &r.requested_address)?;
+            let requested = optional_address_field("requested_address", &r.requested_address)?;
             let family = match (family(r.family), requested) {
                 (Some(f), Some(a)) if f != Family::of(&a) => {
                     return Err(Status::invalid_argument(format!(
@@ -105,8 +105,7 @@ impl pb::ipam_server::Ipam for IpamService {
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
         let r = request.into_inner();
         let released = async {
-            let address = optional_address("address", &r.address)?
-                .ok_or_else(|| Status::invalid_argument("address: must not be empty"))?;
+            let address = address_field("address", &r.address)?;
             let pool = (!r.pool.is_empty()).then_some(r.pool.as_str());
             self.store
                 .release_address(pool, &address)
@@ -123,8 +122,7 @@ impl pb::ipam_server::Ipam for IpamService {
         let r = request.into_inner();
         let result = async {
             let owner = owner(r.owner.as_ref())?;
-            let address = optional_address("address", &r.address)?
-                .ok_or_else(|| Status::invalid_argument("address: must not be empty"))?;
+            let address = address_field("address", &r.address)?;
             self.store
                 .restore(&owner, pool_name(&r.pool), address)
                 .await
@@ -190,8 +188,8 @@ impl IpamService {
                         let range = &pools.ranges()[u.range];
                         pb::PoolRange {
                             family: family_proto(range.family()) as i32,
-                            cidr: range.cidr.to_string(),
-                            gateway: range.gateway.to_string(),
+                            cidr: Some(net::prefix_to_proto(range.cidr)),
+                            gateway: net::address_bytes(range.gateway),
                             size: saturate(u.size),
                             allocated: saturate(u.allocated),
                             available: saturate(u.size - u.allocated),
@@ -222,9 +220,9 @@ fn allocation_proto(a: &Allocation, range: Option<&crate::pool::PoolRange>) -> p
     pb::Allocation {
         pool: a.pool.clone(),
         family: family_proto(a.family()) as i32,
-        address: a.address.to_string(),
+        address: net::address_bytes(a.address),
         prefix_length: range.map(|r| u32::from(r.cidr.prefix_len())).unwrap_or_default(),
-        gateway: range.map(|r| r.gateway.to_string()).unwrap_or_default(),
+        gateway: range.map(|r| net::address_bytes(r.gateway)).unwrap_or_default(),
         owner: Some(pb::Owner {
             container_id: a.owner.container_id.clone(),
             interface: a.owner.interface.clone(),
@@ -253,15 +251,6 @@ fn family(raw: i32) -> Option<Family> {
 
 fn pool_name(raw: &str) -> &str {
     if raw.is_empty() { DEFAULT_POOL } else { raw }
-}
-
-fn optional_address(field: &str, raw: &str) -> Result<Option<IpAddr>, Status> {
-    if raw.is_empty() {
-        return Ok(None);
-    }
-    raw.parse()
-        .map(Some)
-        .map_err(|_| Status::invalid_argument(format!("{field}: {raw:?} is not an IP address")))
 }
 
 /// Validates the owner: a CNI container id and a Linux interface name.
@@ -326,7 +315,11 @@ mod tests {
         IpamService::new(Arc::new(store), BootId::random(), IpamMetrics::default())
     }
 
-    fn req(container: &str, iface: &str, family: pb::Family, addr: &str) -> Request<pb::AllocateRequest> {
+    fn ip(text: &str) -> Vec<u8> {
+        net::address_bytes(text.parse().unwrap())
+    }
+
+    fn req(container: &str, iface: &str, family: pb::Family, addr: &[u8]) -> Request<pb::AllocateRequest> {
         Request::new(pb::AllocateRequest {
             owner: Some(pb::Owner {
                 container_id: container.into(),
@@ -334,7 +327,7 @@ mod tests {
             }),
             pool: String::new(),
             family: family as i32,
-            requested_address: addr.into(),
+            requested_address: addr.to_vec(),
         })
     }
 
@@ -343,16 +336,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let svc = service(dir.path(), "default=198.18.0.0/24");
         let cases = [
-            (req("", "eth0", pb::Family::Ipv4, ""), "owner.container_id"),
-            (req("a/b", "eth0", pb::Family::Ipv4, ""), "owner.container_id"),
-            (req("abc", "", pb::Family::Ipv4, ""), "owner.interface"),
+            (req("", "eth0", pb::Family::Ipv4, b""), "owner.container_id"),
+            (req("a/b", "eth0", pb::Family::Ipv4, b""), "owner.container_id"),
+            (req("abc", "", pb::Family::Ipv4, b""), "owner.interface"),
             (
-                req("abc", "much-too-long-name", pb::Family::Ipv4, ""),
+                req("abc", "much-too-long-name", pb::Family::Ipv4, b""),
                 "owner.interface",
             ),
-            (req("abc", "eth0", pb::Family::Unspecified, ""), "family"),
-            (req("abc", "eth0", pb::Family::Ipv4, "nope"), "requested_address"),
-            (req("abc", "eth0", pb::Family::Ipv6, "198.18.0.9"), "family"),
+            (req("abc", "eth0", pb::Family::Unspecified, b""), "family"),
+            (req("abc", "eth0", pb::Family::Ipv4, b"abc"), "requested_address"),
+            (req("abc", "eth0", pb::Family::Ipv4, b"198.18.0.9"), "requested_address"),
+            (req("abc", "eth0", pb::Family::Ipv6, &ip("198.18.0.9")), "family"),
         ];
         for (r, field) in cases {
             let err = svc.allocate(r).await.unwrap_err();
@@ -363,7 +357,7 @@ mod tests {
                 err.message()
             );
         }
-        let mut r = req("abc", "eth0", pb::Family::Ipv4, "");
+        let mut r = req("abc", "eth0", pb::Family::Ipv4, b"");
         r.get_mut().owner = None;
         assert_eq!(svc.allocate(r).await.unwrap_err().code(), Code::InvalidArgument);
     }
@@ -373,16 +367,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let svc = service(dir.path(), "default=198.18.0.0/30");
         let ok = svc
-            .allocate(req("a", "eth0", pb::Family::Ipv4, ""))
+            .allocate(req("a", "eth0", pb::Family::Ipv4, b""))
             .await
             .unwrap()
             .into_inner();
-        assert_eq!(ok.allocation.as_ref().unwrap().address, "198.18.0.2");
-        assert_eq!(ok.allocation.as_ref().unwrap().gateway, "198.18.0.1");
+        assert_eq!(ok.allocation.as_ref().unwrap().address, ip("198.18.0.2"));
+        assert_eq!(ok.allocation.as_ref().unwrap().gateway, ip("198.18.0.1"));
         assert_eq!(ok.allocation.as_ref().unwrap().prefix_length, 30);
         assert!(!ok.boot_id.is_empty(), "every response carries the boot id");
 
-        let err = svc.allocate(req("b", "eth0", pb::Family::Ipv4, "")).await.unwrap_err();
+        let err = svc.allocate(req("b", "eth0", pb::Family::Ipv4, b"")).await.unwrap_err();
         assert_eq!(err.code(), Code::ResourceExhausted);
         assert_eq!(reason(&err), Some(pb::ErrorReason::PoolExhausted));
         assert!(
@@ -392,7 +386,7 @@ mod tests {
         );
 
         let err = svc
-            .allocate(req("b", "eth0", pb::Family::Ipv4, "198.18.0.2"))
+            .allocate(req("b", "eth0", pb::Family::Ipv4, &ip("198.18.0.2")))
             .await
             .unwrap_err();
         assert_eq!(err.code(), Code::AlreadyExists);
@@ -404,7 +398,7 @@ mod tests {
                 interface: "eth0".into(),
             }),
             pool: String::new(),
-            address: "198.18.0.2".into(),
+            address: ip("198.18.0.2"),
         });
         let err = svc.restore(restore).await.unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition);
@@ -415,15 +409,15 @@ mod tests {
             err.message()
         );
 
-        let err = svc.allocate(req("b", "eth0", pb::Family::Ipv6, "")).await.unwrap_err();
+        let err = svc.allocate(req("b", "eth0", pb::Family::Ipv6, b"")).await.unwrap_err();
         assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
         assert_eq!(reason(&err), Some(pb::ErrorReason::FamilyNotConfigured));
         let err = svc
-            .allocate(req("c", "eth0", pb::Family::Ipv4, "198.18.1.9"))
+            .allocate(req("c", "eth0", pb::Family::Ipv4, &ip("198.18.1.9")))
             .await
             .unwrap_err();
         assert_eq!(reason(&err), Some(pb::ErrorReason::AddressNotUsable), "{err:?}");
-        let mut r = req("b", "eth0", pb::Family::Ipv4, "");
+        let mut r = req("b", "eth0", pb::Family::Ipv4, b"");
         r.get_mut().pool = "missing".into();
         let err = svc.allocate(r).await.unwrap_err();
         assert_eq!(err.code(), Code::NotFound);
@@ -437,7 +431,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(reason(&err), Some(pb::ErrorReason::PoolNotFound));
         // Field validation carries no reason: nothing for a client to act on.
-        let err = svc.allocate(req("", "eth0", pb::Family::Ipv4, "")).await.unwrap_err();
+        let err = svc.allocate(req("", "eth0", pb::Family::Ipv4, b"")).await.unwrap_err();
         assert_eq!(reason(&err), None);
     }
 

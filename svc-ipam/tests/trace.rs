@@ -46,7 +46,7 @@ async fn client_and_server_spans_share_one_trace() {
                 }),
                 pool: String::new(),
                 family: pb::Family::Ipv4 as i32,
-                requested_address: String::new(),
+                requested_address: Vec::new(),
             })
             .await
             .expect("allocate succeeds");

@@ -49,7 +49,7 @@ pub fn endpoint_status(endpoint: &pb::Endpoint, node: &str) -> RivetEndpointStat
     let addresses: Vec<IpAddr> = endpoint
         .addresses
         .iter()
-        .filter_map(|a| a.address.parse().ok())
+        .filter_map(|a| rivet_proto::net::address_from_bytes(&a.address).ok())
         .collect();
     let state = match pb::EndpointState::try_from(endpoint.state).unwrap_or_default() {
         pb::EndpointState::Restoring => RivetEndpointState::Restoring,
@@ -258,4 +258,25 @@ impl EndpointObjects {
 fn pod_key(endpoint: &pb::Endpoint) -> Option<PodKey> {
     (!endpoint.pod_namespace.is_empty() && !endpoint.pod_name.is_empty())
         .then(|| (endpoint.pod_namespace.clone(), endpoint.pod_name.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_status_shows_the_endpoints_addresses_as_text() {
+        let address = |a: &str| pb::EndpointAddress {
+            address: rivet_proto::net::address_bytes(a.parse().unwrap()),
+            ipam_pool: "default".into(),
+        };
+        let endpoint = pb::Endpoint {
+            id: 7,
+            addresses: vec![address("2001:2::7"), address("198.18.0.7")],
+            ..Default::default()
+        };
+        let status = endpoint_status(&endpoint, "node-a");
+        assert_eq!(status.ipv4.as_deref(), Some("198.18.0.7"));
+        assert_eq!(status.ipv6.as_deref(), Some("2001:2::7"));
+    }
 }

@@ -42,9 +42,6 @@ pub const POD_CIDRS_ANNOTATION: &str = "rivet.io/pod-cidrs";
 /// Node annotation: the node addresses Rivet uses, comma-separated.
 pub const NODE_ADDRESSES_ANNOTATION: &str = "rivet.io/node-addresses";
 
-/// How soon readiness is checked again while a daemon is not ready.
-const NOT_READY_RECHECK: Duration = Duration::from_secs(1);
-
 /// Why the node could not be marked ready.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadinessError {
@@ -128,7 +125,20 @@ impl NodeDaemons for SocketDaemons {
                 .map_err(|e| ReadinessError::Pools(e.message().to_string()))?
                 .into_inner()
                 .pools;
-            let mut cidrs: Vec<String> = pools.into_iter().flat_map(|p| p.ranges).map(|r| r.cidr).collect();
+            let mut cidrs = pools
+                .iter()
+                .flat_map(|p| &p.ranges)
+                .map(|r| {
+                    let cidr = r.cidr.as_ref().map(rivet_proto::net::prefix_from_proto);
+                    match cidr {
+                        Some(Ok(cidr)) => Ok(cidr.to_string()),
+                        Some(Err(e)) => Err(ReadinessError::Pools(format!("svc-ipam listed a bad pool CIDR: {e}"))),
+                        None => Err(ReadinessError::Pools(
+                            "svc-ipam listed a pool range without its CIDR".into(),
+                        )),
+                    }
+                })
+                .collect::<Result<Vec<String>, _>>()?;
             cidrs.sort();
             cidrs.dedup();
             Ok(cidrs)
@@ -171,13 +181,9 @@ impl NodeReadiness {
             return Ok(Action::await_change());
         }
         if let Err(e) = self.daemons.check().await {
-            // Another daemon not being ready is the node's state, not a
-            // failure of this controller: reported, then checked again.
-            let was_ready = self.state.node_ready();
             self.state.set_node_ready(false);
             self.apply_rivet_node(None, Some(&e.to_string())).await?;
-            self.metrics.node_not_ready(&self.node_name, was_ready, &e.to_string());
-            return Ok(Action::requeue(NOT_READY_RECHECK));
+            return Err(e);
         }
         let cidrs = self.daemons.pod_cidrs().await?;
         self.apply_rivet_node(Some(&cidrs), None).await?;

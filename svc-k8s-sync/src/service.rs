@@ -54,15 +54,7 @@ impl PodDirectory for SyncService {
             .map_err(|e| Status::invalid_argument(format!("namespace {:?}: {e}", request.namespace)))?;
         k8s_name::check_dns_subdomain(&request.name)
             .map_err(|e| Status::invalid_argument(format!("name {:?}: {e}", request.name)))?;
-        let pods = self.caches.status.kind("Pod").unwrap_or_default();
-        if !pods.synced && pods.forbidden {
-            return Err(status_with_reason(
-                tonic::Code::PermissionDenied,
-                format!("node {}'s pod cache cannot list: {}", self.node_name, pods.last_error),
-                pb::ErrorReason::ApiForbidden,
-            ));
-        }
-        if !pods.synced {
+        if !self.caches.status.synced("Pod") {
             return Err(status_with_reason(
                 tonic::Code::Unavailable,
                 format!(

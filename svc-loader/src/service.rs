@@ -8,7 +8,7 @@ use std::sync::Arc;
 use futures::{Stream, StreamExt as _};
 use rivet_common::grpc::{BootId, status_with_reason};
 use rivet_proto::loader::v1 as pb;
-use rivet_proto::net::address_bytes;
+use rivet_proto::net::{IpPrefix, address_bytes};
 use tokio::sync::broadcast;
 use tonic::{Code, Request, Response, Status, Streaming};
 
@@ -195,7 +195,7 @@ fn ipcache_entries(field: &str, entries: &[pb::IpcacheEntry]) -> Result<Vec<(IpA
 
 fn ipcache_proto(addr: IpAddr, len: u8, v: &IpcacheValue) -> pb::IpcacheEntry {
     pb::IpcacheEntry {
-        prefix: Some(pb::IpPrefix {
+        prefix: Some(IpPrefix {
             address: address_bytes(addr),
             prefix_length: u32::from(len),
         }),
@@ -437,7 +437,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 .iter()
                 .map(|p| pb::EndpointPrefix {
                     direction: direction(p.direction) as i32,
-                    prefix: Some(pb::IpPrefix {
+                    prefix: Some(IpPrefix {
                         address: address_bytes(p.addr),
                         prefix_length: u32::from(p.len),
                     }),

@@ -6,6 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use rivet_common::identity::{self, CIDR_IDENTITY_MAX, CIDR_IDENTITY_MIN};
 use rivet_proto::loader::v1 as pb;
+use rivet_proto::net::IpPrefix;
 
 use crate::policy_lpm::PolicyRule;
 use rivet_datapath::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
@@ -146,7 +147,7 @@ pub fn address(field: &str, raw: &[u8]) -> Result<IpAddr, InvalidField> {
 }
 
 /// Checks a prefix: address bytes with no bits beyond the prefix length.
-pub fn prefix(field: &str, p: Option<&pb::IpPrefix>) -> Result<(IpAddr, u8), InvalidField> {
+pub fn prefix(field: &str, p: Option<&IpPrefix>) -> Result<(IpAddr, u8), InvalidField> {
     use rivet_proto::net::AddressError;
     let p = p.ok_or_else(|| invalid(field, "required"))?;
     let net = rivet_proto::net::prefix_from_proto(p).map_err(|e| {
@@ -332,7 +333,7 @@ mod tests {
                 ],
                 prefixes: vec![pb::EndpointPrefix {
                     direction: pb::Direction::Ingress as i32,
-                    prefix: Some(pb::IpPrefix {
+                    prefix: Some(IpPrefix {
                         address: vec![198, 18, 0, 0],
                         prefix_length: 15,
                     }),
@@ -482,7 +483,7 @@ mod tests {
 
     #[test]
     fn prefixes_must_be_aligned() {
-        let p = |a: Vec<u8>, l| pb::IpPrefix {
+        let p = |a: Vec<u8>, l| IpPrefix {
             address: a,
             prefix_length: l,
         };

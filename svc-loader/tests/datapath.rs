@@ -552,7 +552,7 @@ async fn bad_requests_are_refused_and_change_nothing() {
     let big = pb::UpsertIpcacheRequest {
         entries: vec![
             pb::IpcacheEntry {
-                prefix: Some(pb::IpPrefix {
+                prefix: Some(rivet_proto::net::IpPrefix {
                     address: vec![198, 18, 1, 0],
                     prefix_length: 24,
                 }),
@@ -792,7 +792,7 @@ async fn ipblocks_match_pod_addresses_per_address() {
     );
     assert!(
         listed.prefixes.iter().any(|p| p.prefix
-            == Some(pb::IpPrefix {
+            == Some(rivet_proto::net::IpPrefix {
                 address: vec![198, 18, 0, 0],
                 prefix_length: 15
             })

@@ -15,7 +15,8 @@
 //!   an admin client, Rivet's CRDs and ServiceAccounts bound to deploy/'s RBAC;
 //! - [`cni`]: running a CNI plugin the way a container runtime does;
 //! - [`frames`]: raw frames built by hand and sent from an interface;
-//! - [`tools`]: where the Go-built tools (Kubernetes, etcd 3.6, Jaeger) are.
+//! - [`tools`]: where the Go-built tools (Kubernetes, etcd 3.6, Jaeger) are;
+//! - [`wire`]: addresses and prefixes written as text, in their wire form.
 //!
 //! Namespaces, processes and pins come from `rivet_common::testing` and are
 //! removed on drop, also on panic.
@@ -27,3 +28,4 @@ pub mod kube;
 pub mod loader;
 pub mod node;
 pub mod tools;
+pub mod wire;

@@ -239,7 +239,7 @@ pub fn address_entry(
 pub fn prefix(direction: pb::Direction, address: IpAddr, prefix_length: u32, cidr_identity: u32) -> pb::EndpointPrefix {
     pb::EndpointPrefix {
         direction: direction as i32,
-        prefix: Some(pb::IpPrefix {
+        prefix: Some(rivet_proto::net::IpPrefix {
             address: rivet_proto::net::address_bytes(address),
             prefix_length,
         }),

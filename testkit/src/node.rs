@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
-use rivet_common::mac::format_mac;
 use rivet_common::testing::netns::{PodSpec, TestPod};
 use rivet_common::testing::{DaemonCommand, DaemonProcess, OtlpCollector, workspace_binary};
 use rivet_proto::endpoint::v1 as pb;
@@ -212,7 +211,7 @@ impl EndpointNode {
                 }),
                 pool: "default".into(),
                 family: family.into(),
-                requested_address: String::new(),
+                requested_address: Vec::new(),
             };
             let mut ipam = ipam.clone();
             async move {
@@ -226,8 +225,8 @@ impl EndpointNode {
         };
         let v4 = allocate(ipampb::Family::Ipv4).await;
         let v6 = allocate(ipampb::Family::Ipv6).await;
-        let parse4 = |a: &str| a.parse::<Ipv4Addr>().expect("svc-ipam returns IPv4 text");
-        let parse6 = |a: &str| a.parse::<Ipv6Addr>().expect("svc-ipam returns IPv6 text");
+        let parse4 = |a: &[u8]| Ipv4Addr::from(<[u8; 4]>::try_from(a).expect("svc-ipam returns IPv4 bytes"));
+        let parse6 = |a: &[u8]| Ipv6Addr::from(<[u8; 16]>::try_from(a).expect("svc-ipam returns IPv6 bytes"));
         let spec = PodSpec::new(
             name,
             (parse4(&v4.address), v4.prefix_length as u8),
@@ -254,11 +253,11 @@ impl EndpointNode {
                 .addrs()
                 .into_iter()
                 .map(|a| pb::EndpointAddress {
-                    address: a.to_string(),
+                    address: rivet_proto::net::address_bytes(a),
                     ipam_pool: "default".into(),
                 })
                 .collect(),
-            mac: format_mac(&pod.pod_mac),
+            mac: pod.pod_mac.to_vec(),
             pod_namespace: "default".into(),
             pod_name: name.into(),
             labels: labels.iter().map(|l| (*l).to_string()).collect(),

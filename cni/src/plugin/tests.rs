@@ -252,9 +252,9 @@ fn allocation(address: IpAddr, owner: &(String, String), net: &IpNet, gw: IpAddr
     ipampb::Allocation {
         pool: "default".into(),
         family: if address.is_ipv4() { 1 } else { 2 },
-        address: address.to_string(),
+        address: rivet_proto::net::address_bytes(address),
         prefix_length: u32::from(net.prefix_len()),
-        gateway: gw.to_string(),
+        gateway: rivet_proto::net::address_bytes(gw),
         owner: Some(ipampb::Owner {
             container_id: owner.0.clone(),
             interface: owner.1.clone(),
@@ -309,7 +309,7 @@ impl IpamApi for FakeIpam {
                     .find(|a| *a != gw && *a != net.network() && !st.allocations.contains_key(a))
                     .unwrap()
             } else {
-                request.requested_address.parse().unwrap()
+                rivet_proto::net::address_from_bytes(&request.requested_address).unwrap()
             };
             st.allocations.insert(address, owner.clone());
             Ok(allocation(address, &owner, &net, gw))
@@ -345,13 +345,13 @@ impl IpamApi for FakeIpam {
     fn release_address(
         &self,
         _: String,
-        address: String,
+        address: Vec<u8>,
         _: Duration,
     ) -> BoxFuture<'_, IpamResult<Vec<ipampb::Allocation>>> {
         async move {
             let mut st = self.state();
             st.calls.push("release_address");
-            let a: IpAddr = address.parse().unwrap();
+            let a = rivet_proto::net::address_from_bytes(&address).unwrap();
             let (net, gw) = st.v4.unwrap();
             Ok(st
                 .allocations
@@ -714,7 +714,7 @@ async fn add_wires_the_pod_and_creates_the_endpoint() {
     assert_eq!(request.interface, "eth0");
     assert_eq!(request.netns_path, NETNS);
     assert_eq!(request.host_interface, host);
-    assert_eq!(request.mac, "02:00:00:00:02:01");
+    assert_eq!(request.mac, [2, 0, 0, 0, 2, 1]);
     assert_eq!(
         (
             request.pod_namespace.as_str(),
@@ -1026,11 +1026,11 @@ async fn chained_add_creates_only_the_endpoint() {
         let request = &st.requests[0];
         assert_eq!(request.host_interface, "veth1234abcd");
         assert_eq!(request.host_ifindex, veth.index);
-        assert_eq!(request.mac, "aa:bb:cc:00:00:02");
+        assert_eq!(request.mac, [0xaa, 0xbb, 0xcc, 0, 0, 2]);
         assert_eq!(
             request.addresses,
             [eppb::EndpointAddress {
-                address: "198.18.8.5".into(),
+                address: vec![198, 18, 8, 5],
                 ipam_pool: String::new()
             }]
         );
@@ -1194,7 +1194,7 @@ async fn gc_removes_what_is_not_valid() {
         container_id: "other".into(),
         interface: "net1".into(),
         addresses: vec![eppb::EndpointAddress {
-            address: "198.19.0.5".into(),
+            address: vec![198, 19, 0, 5],
             ipam_pool: "blue".into(),
         }],
         ..Default::default()

@@ -18,6 +18,7 @@ use rivet_common::testing::workspace_binary;
 use rivet_proto::endpoint::v1 as eppb;
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::loader::v1 as ldpb;
+use rivet_proto::net::format_address;
 pub use rivet_testkit::cni::{CniRun, Pod};
 use rivet_testkit::cni::{cni_env, exec_in_netns, node_conf};
 use rivet_testkit::node::{EndpointNode, NodeOptions};
@@ -177,7 +178,7 @@ impl Harness {
                 .allocations()
                 .await
                 .iter()
-                .map(|a| format!("{} ({:?})", a.address, a.owner))
+                .map(|a| format!("{} ({:?})", format_address(&a.address), a.owner))
                 .collect(),
             endpoints: self
                 .endpoints()

@@ -22,17 +22,15 @@
 //! # Ok(()) }
 //! ```
 
-use std::fs::OpenOptions;
+use std::fs::{File, OpenOptions};
 use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rivet_tools::Tool;
-
-use super::{last_lines, read_log};
 
 /// How long [`EtcdServer::start`] and [`EtcdServer::restart`] wait for `/health`.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -268,7 +266,7 @@ impl EtcdServer {
     /// Everything etcd wrote to stdout and stderr, across restarts, with a
     /// `=== rivet: ... ===` line for each start, stop and retry.
     pub fn log(&self) -> String {
-        read_log(&self.log_path())
+        read_lossy(&self.log_path())
     }
 
     /// One `GET /health` probe: true when etcd answers `{"health":"true"}`.
@@ -341,7 +339,7 @@ impl EtcdServer {
                 return Err(EtcdError::Exited {
                     action,
                     status,
-                    tail: last_lines(&read_log(&log), LOG_TAIL_LINES),
+                    tail: tail(&read_lossy(&log), LOG_TAIL_LINES),
                     log,
                 });
             }
@@ -354,7 +352,7 @@ impl EtcdServer {
                     action,
                     endpoint: self.endpoint(),
                     timeout: READY_TIMEOUT,
-                    tail: last_lines(&read_log(&log), LOG_TAIL_LINES),
+                    tail: tail(&read_lossy(&log), LOG_TAIL_LINES),
                     log,
                 });
             }
@@ -410,6 +408,20 @@ fn health_probe(addr: SocketAddr) -> bool {
         Ok(response)
     };
     probe().is_ok_and(|r| r.starts_with("HTTP/1.1 200") && r.contains(r#""health":"true""#))
+}
+
+fn read_lossy(path: &Path) -> String {
+    let mut bytes = Vec::new();
+    match File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)) {
+        Ok(_) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(err) => format!("<cannot read {}: {err}>", path.display()),
+    }
+}
+
+/// The last `n` lines of `text`.
+fn tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 #[cfg(test)]
@@ -493,7 +505,7 @@ mod tests {
 
     fn pid_alive(pid: u32) -> bool {
         // A reaped process has no /proc entry (a zombie would still have one).
-        std::path::Path::new(&format!("/proc/{pid}")).exists()
+        Path::new(&format!("/proc/{pid}")).exists()
     }
 
     #[test]
@@ -510,9 +522,9 @@ mod tests {
 
     #[test]
     fn etcd_tail_keeps_the_last_lines() {
-        assert_eq!(last_lines("a\nb\nc\n", 2), "b\nc");
-        assert_eq!(last_lines("a", 5), "a");
-        assert_eq!(last_lines("", 5), "");
+        assert_eq!(tail("a\nb\nc\n", 2), "b\nc");
+        assert_eq!(tail("a", 5), "a");
+        assert_eq!(tail("", 5), "");
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::time::Duration;
 use ipnet::IpNet;
 use rivet_common::controller::Action;
 use rivet_proto::identity::v1 as idpb;
+use rivet_proto::net;
 use tonic::Status;
 
 use super::{EndpointManager, State};
@@ -55,16 +56,26 @@ impl EndpointManager {
                 .deps
                 .identity
                 .allocate_cidrs(idpb::AllocateCidrIdentitiesRequest {
-                    prefixes: missing.iter().map(ToString::to_string).collect(),
+                    prefixes: missing.iter().map(|p| net::prefix_to_proto(*p)).collect(),
                     owner: CIDR_OWNER.into(),
                 })
                 .await?;
             let mut state = self.state();
             let desired = state.desired_cidrs();
             for identity in response.identities {
-                let Ok(prefix) = identity.prefix.parse::<IpNet>() else {
-                    tracing::warn!(prefix = identity.prefix, "svc-identity returned an unparseable prefix");
-                    continue;
+                let prefix = match identity.prefix.as_ref().map(net::prefix_from_proto) {
+                    Some(Ok(prefix)) => prefix,
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "svc-identity returned an invalid prefix");
+                        continue;
+                    }
+                    None => {
+                        tracing::warn!(
+                            id = identity.id,
+                            "svc-identity returned a CIDR identity without its prefix"
+                        );
+                        continue;
+                    }
                 };
                 if desired.contains(&prefix) {
                     state.cidr_identities.insert(prefix, identity.id);
@@ -100,7 +111,7 @@ impl EndpointManager {
                 .deps
                 .identity
                 .release_cidrs(idpb::ReleaseCidrIdentitiesRequest {
-                    prefixes: releases.iter().map(ToString::to_string).collect(),
+                    prefixes: releases.iter().map(|p| net::prefix_to_proto(*p)).collect(),
                     owner: CIDR_OWNER.into(),
                 })
                 .await?;

@@ -235,9 +235,9 @@ impl EndpointManager {
                     .addresses
                     .iter()
                     .map(|a| idpb::IpcacheEntry {
-                        prefix: a.address.to_string(),
+                        prefix: Some(rivet_proto::net::host_prefix(a.address)),
                         identity: identity.id,
-                        host_ip: String::new(),
+                        host_ip: Vec::new(),
                         pod_namespace: spec.pod_namespace.clone(),
                         pod_name: spec.pod_name.clone(),
                         source: idpb::IpcacheSource::LocalEndpoint.into(),

@@ -136,7 +136,11 @@ impl EndpointManager {
                     step: "addresses",
                     status,
                 })?;
-            let addresses: Vec<&str> = released.released.iter().map(|a| a.address.as_str()).collect();
+            let addresses: Vec<String> = released
+                .released
+                .iter()
+                .map(|a| rivet_proto::net::format_address(&a.address))
+                .collect();
             tracing::info!(
                 endpoint = spec.id,
                 ?addresses,
@@ -270,7 +274,11 @@ impl EndpointManager {
         if !spec.addresses.is_empty() {
             deps.identity
                 .delete_ip(idpb::DeleteIpRequest {
-                    prefixes: spec.addresses.iter().map(|a| a.address.to_string()).collect(),
+                    prefixes: spec
+                        .addresses
+                        .iter()
+                        .map(|a| rivet_proto::net::host_prefix(a.address))
+                        .collect(),
                     source: idpb::IpcacheSource::LocalEndpoint.into(),
                 })
                 .await

@@ -328,7 +328,7 @@ impl EndpointManager {
             let request = ipampb::RestoreRequest {
                 owner: Some(ipam_owner(&spec)),
                 pool: address.ipam_pool.clone(),
-                address: address.address.to_string(),
+                address: rivet_proto::net::address_bytes(address.address),
             };
             // Each call holds the endpoint's lock, as a removal attempt does:
             // a concurrent DeleteEndpoint then completes either before (the

@@ -234,7 +234,12 @@ impl IdentityApi for FaultyIdentity {
         &self,
         request: idpb::AllocateCidrIdentitiesRequest,
     ) -> BoxFuture<'_, ApiResult<idpb::AllocateCidrIdentitiesResponse>> {
-        let key = request.prefixes.join(",");
+        let key = request
+            .prefixes
+            .iter()
+            .map(rivet_proto::net::format_prefix)
+            .collect::<Vec<_>>()
+            .join(",");
         faulty(
             &self.faults.allocate_cidrs,
             "allocating CIDR identities",
@@ -252,7 +257,11 @@ impl IdentityApi for FaultyIdentity {
         let key = request
             .entries
             .iter()
-            .map(|e| e.prefix.as_str())
+            .map(|e| {
+                e.prefix
+                    .as_ref()
+                    .map_or_else(|| "-".into(), rivet_proto::net::format_prefix)
+            })
             .collect::<Vec<_>>()
             .join(",");
         faulty(&self.faults.upsert_ip, "publishing IP cache entries", key, move || {
@@ -260,7 +269,12 @@ impl IdentityApi for FaultyIdentity {
         })
     }
     fn delete_ip(&self, request: idpb::DeleteIpRequest) -> BoxFuture<'_, ApiResult<idpb::DeleteIpResponse>> {
-        let key = request.prefixes.join(",");
+        let key = request
+            .prefixes
+            .iter()
+            .map(rivet_proto::net::format_prefix)
+            .collect::<Vec<_>>()
+            .join(",");
         faulty(
             &self.faults.delete_ip,
             "unpublishing IP cache entries",
@@ -427,12 +441,11 @@ pub async fn assert_nothing_left(
         .await
         .unwrap()
         .into_inner();
-    let pod_addresses: Vec<String> = addresses.iter().map(ToString::to_string).collect();
+    let pod_addresses: Vec<Vec<u8>> = addresses.iter().map(|a| rivet_proto::net::address_bytes(*a)).collect();
     assert!(
-        ipcache
-            .entries
+        ipcache.entries.iter().all(|e| !pod_addresses
             .iter()
-            .all(|e| !pod_addresses.iter().any(|a| e.prefix.split('/').next() == Some(a))),
+            .any(|a| e.prefix.as_ref().is_some_and(|p| p.address == *a))),
         "{what}: no ipcache entry of {container}: {ipcache:?}"
     );
     let leftovers: Vec<_> = std::fs::read_dir(state_dir.join("endpoints"))

@@ -6,6 +6,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 use rivet_proto::identity::v1 as pb;
+use rivet_proto::net;
 
 /// Who claims a prefix. The order is the precedence: a smaller variant wins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -116,9 +117,9 @@ impl IpcacheEntry {
     /// The protobuf message.
     pub fn to_proto(&self) -> pb::IpcacheEntry {
         pb::IpcacheEntry {
-            prefix: prefix_text(&self.prefix),
+            prefix: Some(net::prefix_to_proto(self.prefix)),
             identity: self.identity,
-            host_ip: self.host_ip.map(|h| h.to_string()).unwrap_or_default(),
+            host_ip: self.host_ip.map(net::address_bytes).unwrap_or_default(),
             pod_namespace: self.pod_namespace.clone(),
             pod_name: self.pod_name.clone(),
             source: self.source.to_proto() as i32,

@@ -195,7 +195,7 @@ impl LoaderSync {
             _ => Vec::new(),
         };
         loader_pb::IpcacheEntry {
-            prefix: Some(loader_prefix(&e.prefix)),
+            prefix: Some(rivet_proto::net::prefix_to_proto(e.prefix)),
             identity: e.identity,
             tunnel_endpoint: tunnel,
         }
@@ -335,7 +335,7 @@ impl LoaderSync {
         for (prefix, entry) in batch {
             match entry {
                 Some(e) => upserts.push(self.loader_entry(&e)),
-                None => deletes.push(loader_prefix(&prefix)),
+                None => deletes.push(rivet_proto::net::prefix_to_proto(prefix)),
             }
         }
         let (upserted, deleted) = (upserts.len(), deletes.len());
@@ -366,9 +366,4 @@ impl LoaderSync {
     fn batch_size(&self) -> usize {
         self.opts.batch_size.clamp(1, LOADER_MAX_BATCH)
     }
-}
-
-/// A prefix in the loader's form.
-pub fn loader_prefix(prefix: &IpNet) -> loader_pb::IpPrefix {
-    rivet_proto::net::prefix_to_proto(*prefix)
 }

@@ -68,7 +68,7 @@ use crate::snapshot::{IpcacheSnapshot, SnapshotPart};
 
 use claims::Claims;
 pub use claims::{IpcacheDelta, IpcacheEntry, IpcacheSource, parse_prefix, prefix_text, store_ip};
-pub use loader_sync::{LOADER_MAX_BATCH, LoaderSync, LoaderSyncOptions, LoaderSyncStatus, loader_prefix};
+pub use loader_sync::{LOADER_MAX_BATCH, LoaderSync, LoaderSyncOptions, LoaderSyncStatus};
 use store::PublishProgress;
 
 /// How the cache behaves.

@@ -286,7 +286,7 @@ async fn loader_ipcache(client: &mut LoaderServiceClient<DaemonChannel>) -> BTre
 }
 
 fn key(prefix: &str) -> (Vec<u8>, u32) {
-    let p = loader_prefix(&net(prefix));
+    let p = rivet_proto::net::prefix_to_proto(net(prefix));
     (p.address, p.prefix_length)
 }
 
@@ -356,7 +356,7 @@ async fn the_loader_gets_the_view_and_a_full_resync_after_its_restart() {
     // Lost behind the cache's back, then the loader restarts.
     let gone = client
         .delete_ipcache(loader_pb::DeleteIpcacheRequest {
-            prefixes: vec![loader_prefix(&net("198.18.5.2"))],
+            prefixes: vec![rivet_proto::net::prefix_to_proto(net("198.18.5.2"))],
         })
         .await
         .unwrap()
