@@ -52,13 +52,13 @@ use crate::report::{BenchResult, ms, percentile, sibling_binary};
 
 /// The node's IPv4 pool (`rivet_testkit::node::POOL4`, a /22) bounds the
 /// node size.
-const MAX_ENDPOINTS: u32 = 1000;
+pub(crate) const MAX_ENDPOINTS: u32 = 1000;
 /// svc-loader's endpoints map: one entry per endpoint plus one per address
 /// (the test loader's default 1024 holds only 512 of these endpoints).
-const LOADER_ENDPOINTS_MAX: u32 = 2 * MAX_ENDPOINTS + 48;
+pub(crate) const LOADER_ENDPOINTS_MAX: u32 = 2 * MAX_ENDPOINTS + 48;
 /// Distinct `app` labels, so endpoints share a handful of identities like
 /// replicas do.
-const APPS: u32 = 10;
+pub(crate) const APPS: u32 = 10;
 /// Selects every endpoint (they all carry `tier=bench`), ingress from any
 /// pod of the namespace (all `APPS` identities) on two ports.
 const POLICY: &str = r#"apiVersion: networking.k8s.io/v1
@@ -104,7 +104,7 @@ pub struct EndpointArgs {
 }
 
 /// Client deadline: long enough for a policy realised on every endpoint.
-const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long restore may take before the benchmark gives up.
 const RESTORE_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -152,11 +152,8 @@ pub async fn run(args: &EndpointArgs) -> anyhow::Result<BenchResult> {
     })
     .await?;
     let mut node = EndpointNode::start(node_options).await?;
-    let node_ns = &node.node.node.ns;
-    let rivet_veths = add_veths(node_ns, 'e', args.restore_endpoints)?;
     // As many interfaces on both nodes; the peer uses the first `--first`.
     let peer_veths = add_veths(&peer.node.node.ns, 'r', args.restore_endpoints)?;
-    let netns_path = node_ns.path().display().to_string();
 
     let options = ClientOptions {
         request_timeout: CALL_TIMEOUT,
@@ -174,19 +171,12 @@ pub async fn run(args: &EndpointArgs) -> anyhow::Result<BenchResult> {
     let mut loader = LoaderServiceClient::new(channel("svc-loader").await?);
     let mut raw = LoaderServiceClient::new(connect_unix(peer.node.loader.socket(), &options).await?);
 
-    // Addresses from svc-ipam for every endpoint, up front (not measured).
-    let addresses = allocate(&ipam, args.restore_endpoints, args.concurrency).await?;
-    let requests: Vec<pb::CreateEndpointRequest> = rivet_veths
-        .iter()
-        .zip(&addresses)
-        .enumerate()
-        .map(|(i, (veth, (pool, address)))| create_request(i as u32, veth, pool, address, &netns_path))
-        .collect();
+    // Interfaces and addresses for every endpoint, up front (not measured).
+    let requests = endpoint_requests(&node, &ipam, args.restore_endpoints, args.concurrency).await?;
     println!(
-        "setup: two nodes, {} + {} veths, {} addresses from svc-ipam in {:.1} s",
-        rivet_veths.len(),
+        "setup: two nodes, {} + {} veths, as many addresses from svc-ipam in {:.1} s",
+        requests.len(),
         peer_veths.len(),
-        addresses.len(),
         setup.elapsed().as_secs_f64()
     );
 
@@ -393,6 +383,29 @@ fn add_veths(ns: &NetNs, tag: char, count: u32) -> anyhow::Result<Vec<Veth>> {
     Ok(veths)
 }
 
+/// The synchronous CreateEndpoint requests of `count` endpoints `bench-<i>`
+/// of `node`: a veth pair each in the node namespace ([`add_veths`], tag
+/// `e`), one IPv4 address each from svc-ipam, labels `app=bench-<i % 10>`
+/// and `tier=bench` (ignored in Kubernetes mode, where the Pod's labels
+/// count).
+pub(crate) async fn endpoint_requests(
+    node: &EndpointNode,
+    ipam: &IpamClient<DaemonChannel>,
+    count: u32,
+    concurrency: usize,
+) -> anyhow::Result<Vec<pb::CreateEndpointRequest>> {
+    let node_ns = &node.node.node.ns;
+    let veths = add_veths(node_ns, 'e', count)?;
+    let netns_path = node_ns.path().display().to_string();
+    let addresses = allocate(ipam, count, concurrency).await?;
+    Ok(veths
+        .iter()
+        .zip(&addresses)
+        .enumerate()
+        .map(|(i, (veth, (pool, address)))| create_request(i as u32, veth, pool, address, &netns_path))
+        .collect())
+}
+
 /// One IPv4 address per endpoint `bench-<i>` (interface eth0) from the
 /// default pool: `(pool, address)` in endpoint order.
 async fn allocate(
@@ -426,7 +439,7 @@ async fn allocate(
         .await
 }
 
-fn container_id(i: u32) -> String {
+pub(crate) fn container_id(i: u32) -> String {
     format!("bench-{i}")
 }
 
@@ -473,7 +486,7 @@ fn raw_apply_request(i: u32, veth: &Veth) -> ldpb::ApplyEndpointRequest {
 }
 
 /// Synchronous creates, `concurrency` at a time; the wall time of all.
-async fn create_all(
+pub(crate) async fn create_all(
     endpoints: &EndpointServiceClient<DaemonChannel>,
     requests: &[pb::CreateEndpointRequest],
     concurrency: usize,
@@ -573,7 +586,7 @@ fn restore_took_ms(log: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-fn pid(pid: Option<u32>) -> anyhow::Result<u32> {
+pub(crate) fn pid(pid: Option<u32>) -> anyhow::Result<u32> {
     pid.ok_or_else(|| anyhow::anyhow!("a daemon of the node is not running"))
 }
 
@@ -612,7 +625,7 @@ fn memory(pid: u32, name: &str) -> anyhow::Result<Memory> {
 }
 
 /// VmRSS of `pid` in MiB (see [`memory`]).
-fn rss_mib(pid: u32, name: &str) -> anyhow::Result<f64> {
+pub(crate) fn rss_mib(pid: u32, name: &str) -> anyhow::Result<f64> {
     Ok(memory(pid, name)?.rss)
 }
 

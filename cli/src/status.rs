@@ -222,6 +222,7 @@ impl From<&identity_pb::GetStatusResponse> for IdentityStatus {
             store: match identity_pb::StoreBackend::try_from(store.backend) {
                 Ok(identity_pb::StoreBackend::Etcd) => "etcd",
                 Ok(identity_pb::StoreBackend::Embedded) => "embedded",
+                Ok(identity_pb::StoreBackend::Kubernetes) => "kubernetes",
                 _ => "unknown",
             }
             .into(),

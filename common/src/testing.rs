@@ -21,6 +21,25 @@ pub mod netns;
 mod process;
 pub use process::{DaemonCommand, DaemonProcess};
 
+/// A log file's text (lossy UTF-8) for an error message, or a note saying
+/// why it cannot be read.
+pub fn read_log(path: &std::path::Path) -> String {
+    match std::fs::read(path) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(err) => format!("<cannot read {}: {err}>", path.display()),
+    }
+}
+
+/// The last `n` lines of `text` (a log's tail for an error message).
+///
+/// ```
+/// assert_eq!(rivet_common::testing::last_lines("a\nb\nc\n", 2), "b\nc");
+/// ```
+pub fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
 /// A binary of this workspace built beside the running test
 /// (`target/<profile>/deps/<test>` → `target/<profile>/<name>`). Panics with
 /// how to build it when missing: `cargo test --workspace` builds every

@@ -6,45 +6,7 @@ use rivet_policy::Policy;
 
 /// Every field of a RivetNetworkPolicy spec rivet-policy knows: a field the
 /// CRD type dropped would make the two policies differ.
-const EVERY_FIELD: &str = r#"
-apiVersion: rivet.io/v1
-kind: RivetNetworkPolicy
-metadata:
-  name: every-field
-  namespace: shop
-spec:
-  podSelector:
-    matchLabels: {app: db}
-    matchExpressions:
-    - {key: tier, operator: In, values: [backend, storage]}
-    - {key: canary, operator: DoesNotExist}
-  policyTypes: [Ingress, Egress]
-  ingress:
-  - from:
-    - podSelector: {matchLabels: {app: web}}
-      namespaceSelector: {matchLabels: {team: shop}}
-    - entities: [host, remote-node]
-    - ipBlock: {cidr: 198.18.0.0/16, except: [198.18.1.0/24]}
-    ports:
-    - {protocol: TCP, port: 5432, endPort: 5440}
-    - {protocol: UDP, port: metrics}
-    - {protocol: ICMP}
-  egress:
-  - to:
-    - entities: [world]
-    ports:
-    - {protocol: ICMPv6}
-    - {protocol: ANY}
-  ingressDeny:
-  - from:
-    - ipBlock: {cidr: "2001:2::/48"}
-  egressDeny:
-  - to:
-    - namespaceSelector: {matchExpressions: [{key: env, operator: NotIn, values: [prod]}]}
-    ports:
-    - {protocol: SCTP, port: 9}
-  enableDefaultDeny: {ingress: true, egress: false}
-"#;
+const EVERY_FIELD: &str = include_str!("every-field-rnp.yaml");
 
 #[test]
 fn rivet_network_policy_object_is_the_same_policy_as_its_yaml() {

@@ -103,7 +103,20 @@ fn parse_labels(field: &str, raw: &[String]) -> Result<Labels, Status> {
     if raw.len() > 256 {
         return Err(invalid(field, "at most 256 labels"));
     }
-    Labels::parse(raw).map_err(|e| invalid(field, e))
+    let labels = Labels::parse(raw).map_err(|e| invalid(field, e))?;
+    // A pod's own labels never name a reserved identity or a CIDR: a client
+    // of this socket must not make a pod `reserved:host` (rivet-cni refuses
+    // them too; this is the daemon's own check).
+    if let Some(label) = labels
+        .iter()
+        .find(|l| matches!(l.source(), LabelSource::Reserved | LabelSource::Cidr))
+    {
+        return Err(invalid(
+            field,
+            format!("{label}: source {} is not a pod label source", label.source()),
+        ));
+    }
+    Ok(labels)
 }
 
 fn parse_named_ports(field: &str, raw: &[pb::NamedPort]) -> Result<Vec<NamedPort>, Status> {
@@ -951,6 +964,9 @@ mod tests {
             ("pod_name", Box::new(|r| r.pod_name = "web..1".into())),
             ("pod_name", Box::new(|r| r.pod_name = "web.-1".into())),
             ("labels", Box::new(|r| r.labels = vec!["k8s:=x".into()])),
+            // A client must not give a pod a reserved identity or a CIDR's.
+            ("labels", Box::new(|r| r.labels = vec!["reserved:host".into()])),
+            ("labels", Box::new(|r| r.labels = vec!["cidr:198.18.0.0/15".into()])),
             (
                 "named_ports[0].name",
                 Box::new(|r| {

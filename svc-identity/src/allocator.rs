@@ -45,7 +45,7 @@ use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
 use crate::backend::{
-    AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord, Revision,
+    AcquireOutcome, BackendError, CreateOutcome, IdOrder, IdentityBackend, IdentityEvent, IdentityRecord, Revision,
 };
 use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
 use crate::reconcile;
@@ -544,9 +544,16 @@ impl IdentityAllocator {
     }
 
     async fn allocate_in_store(&self, key: &str) -> Result<StoreAllocation, AllocError> {
-        let unavailable = |source| AllocError::Unavailable {
-            labels: key.to_string(),
-            source,
+        // Only an unreachable store is worth a retry; a refusal says why.
+        let unavailable = |source| match source {
+            BackendError::Unavailable { .. } => AllocError::Unavailable {
+                labels: key.to_string(),
+                source,
+            },
+            source => AllocError::Store {
+                labels: key.to_string(),
+                source,
+            },
         };
         // Known in the cluster: take a reference on it (locally when the
         // store does not answer). Unknown to the cache: go straight to the
@@ -582,8 +589,10 @@ impl IdentityAllocator {
         }
         let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(200));
         let mut tried = HashSet::new();
-        for _ in 0..MAX_ATTEMPTS {
-            let id = self.free_id(&tried)?;
+        let probing = self.backend.id_order() == IdOrder::LabelHash;
+        let mut attempts = 0;
+        while attempts < MAX_ATTEMPTS {
+            let id = self.free_id(key, &tried)?;
             tried.insert(id);
             match self.backend.create_identity(id, key).await.map_err(unavailable)? {
                 CreateOutcome::Created => {
@@ -603,8 +612,13 @@ impl IdentityAllocator {
                         AcquireOutcome::Conflict => {}
                     }
                 }
+                // Probing in label-hash order, a taken id is the next step
+                // of the walk, not contention: on at once (the walk ends at
+                // a free id or with `Exhausted`).
+                CreateOutcome::IdTaken if probing => continue,
                 CreateOutcome::IdTaken => {}
             }
+            attempts += 1;
             tokio::time::sleep(backoff.next_delay()).await;
         }
         Err(AllocError::Contention {
@@ -613,16 +627,21 @@ impl IdentityAllocator {
         })
     }
 
-    /// A random id of the range that the cache does not know as taken.
-    fn free_id(&self, tried: &HashSet<u32>) -> Result<u32, AllocError> {
+    /// The first id of the range, in the backend's [`IdOrder`] for `key`,
+    /// that the cache does not know as taken and was not tried.
+    fn free_id(&self, key: &str, tried: &HashSet<u32>) -> Result<u32, AllocError> {
         let cache = self.cache.read().expect("cache poisoned");
         let (min, max) = (self.opts.min_id, self.opts.max_id);
         let size = (max - min + 1) as usize;
         if cache.by_id.range(min..=max).count() + tried.len() >= size {
             return Err(AllocError::Exhausted { min, max });
         }
-        // Random start spreads concurrent nodes over the range.
-        let start = rand::rng().random_range(min..=max);
+        let start = match self.backend.id_order() {
+            // A random start spreads concurrent nodes over the range.
+            IdOrder::Random => rand::rng().random_range(min..=max),
+            // The same start on every node (see `IdOrder::LabelHash`).
+            IdOrder::LabelHash => label_hash_id(key, min, max),
+        };
         (start..=max)
             .chain(min..start)
             .find(|id| !cache.by_id.contains_key(id) && !tried.contains(id))
@@ -975,6 +994,15 @@ impl IdentityAllocator {
     }
 }
 
+/// The id `labels` starts at with [`IdOrder::LabelHash`]: the first 8
+/// bytes of their SHA-256 modulo the range (stable across nodes and versions).
+fn label_hash_id(labels: &str, min: u32, max: u32) -> u32 {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(labels.as_bytes());
+    let hash = u64::from_be_bytes(digest[..8].try_into().expect("8 bytes"));
+    min + (hash % (u64::from(max - min) + 1)) as u32
+}
+
 /// What one reconcile pass changed in the store.
 #[derive(Debug, Default)]
 struct PassCounts {
@@ -1217,5 +1245,130 @@ mod tests {
             Vec::<String>::new(),
             "the pass must not leave the released set's value key behind (it would stay for the restore grace)"
         );
+    }
+
+    /// A store that, like the Kubernetes API, creates by id only: it cannot
+    /// refuse a second id for a label set. Its watch never yields, so each
+    /// allocator's cache knows only what it allocated itself (the widest
+    /// race window).
+    struct CreateByIdOnly {
+        objects: Mutex<BTreeMap<u32, String>>,
+        order: IdOrder,
+    }
+
+    #[tonic::async_trait]
+    impl IdentityBackend for CreateByIdOnly {
+        fn kind(&self) -> &'static str {
+            "create-by-id-only"
+        }
+        fn id_order(&self) -> IdOrder {
+            self.order
+        }
+        async fn list_identities(&self) -> Result<(Vec<IdentityRecord>, crate::backend::Revision), BackendError> {
+            Ok((Vec::new(), 0))
+        }
+        async fn watch_identities(
+            &self,
+            _after: crate::backend::Revision,
+        ) -> Result<futures::stream::BoxStream<'static, Result<IdentityEvent, BackendError>>, BackendError> {
+            Ok(futures::stream::pending().boxed())
+        }
+        async fn held_id(&self, _labels: &str) -> Result<Option<u32>, BackendError> {
+            Ok(None)
+        }
+        async fn create_identity(&self, id: u32, labels: &str) -> Result<CreateOutcome, BackendError> {
+            let mut objects = self.objects.lock().unwrap();
+            Ok(match objects.get(&id) {
+                None => {
+                    objects.insert(id, labels.to_string());
+                    CreateOutcome::Created
+                }
+                Some(held) if held == labels => CreateOutcome::LabelsHeldAs(id),
+                Some(_) => CreateOutcome::IdTaken,
+            })
+        }
+        async fn acquire(&self, id: u32, labels: &str) -> Result<AcquireOutcome, BackendError> {
+            Ok(match self.objects.lock().unwrap().get(&id) {
+                Some(held) if held == labels => AcquireOutcome::Acquired,
+                _ => AcquireOutcome::Conflict,
+            })
+        }
+        async fn release(&self, _labels: &str) -> Result<(), BackendError> {
+            Ok(())
+        }
+        async fn node_value_keys(&self) -> Result<Vec<String>, BackendError> {
+            Ok(Vec::new())
+        }
+        async fn upsert_ip(&self, _entry: &crate::backend::IpEntry) -> Result<(), BackendError> {
+            Ok(())
+        }
+        async fn delete_ip(&self, _ip: &str) -> Result<(), BackendError> {
+            Ok(())
+        }
+        async fn list_ips(&self) -> Result<(Vec<crate::backend::IpEntry>, crate::backend::Revision), BackendError> {
+            Ok((Vec::new(), 0))
+        }
+        async fn watch_ips(
+            &self,
+            _after: crate::backend::Revision,
+        ) -> Result<futures::stream::BoxStream<'static, Result<crate::backend::IpEvent, BackendError>>, BackendError>
+        {
+            Ok(futures::stream::pending().boxed())
+        }
+        async fn lease_renewed(&self, _seen: &mut u64) {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Two nodes allocating the same sets on a create-by-id store: the ids
+    /// each node gets per set, and how many objects the store holds.
+    async fn two_nodes_on_a_create_by_id_store(order: IdOrder) -> (Vec<(u32, u32)>, usize) {
+        let store = Arc::new(CreateByIdOnly {
+            objects: Mutex::default(),
+            order,
+        });
+        // A small range: some sets share their first id (about 20 of 200).
+        let options = || AllocatorOptions {
+            max_id: CLUSTER_IDENTITY_MIN + 999,
+            ..AllocatorOptions::default()
+        };
+        let a = IdentityAllocator::new(store.clone(), options());
+        let b = IdentityAllocator::new(store.clone(), options());
+        let mut ids = Vec::new();
+        for i in 0..200 {
+            let set = labels(&format!("k8s:app=a{i}"));
+            let on_a = a.allocate(&set, None).await.unwrap().id;
+            let on_b = b.allocate(&set, None).await.unwrap().id;
+            ids.push((on_a, on_b));
+        }
+        let objects = store.objects.lock().unwrap().len();
+        (ids, objects)
+    }
+
+    #[tokio::test]
+    async fn label_hash_order_gives_one_id_per_set_on_a_store_that_creates_by_id_only() {
+        let (ids, objects) = two_nodes_on_a_create_by_id_store(IdOrder::LabelHash).await;
+        for (set, (on_a, on_b)) in ids.iter().enumerate() {
+            assert_eq!(on_a, on_b, "set {set}: both nodes must get one id");
+        }
+        assert_eq!(objects, 200, "one object per set");
+        // Random order is what etcd's label-checking create needs; on this
+        // store it would split the sets (the failure LabelHash prevents).
+        let (ids, objects) = two_nodes_on_a_create_by_id_store(IdOrder::Random).await;
+        assert!(ids.iter().any(|(a, b)| a != b), "random ids split sets here");
+        assert!(objects > 200);
+    }
+
+    #[test]
+    fn label_hash_ids_are_stable_and_in_the_range() {
+        assert_eq!(
+            label_hash_id("k8s:app=web", 256, 65535),
+            label_hash_id("k8s:app=web", 256, 65535)
+        );
+        for i in 0..1000 {
+            let id = label_hash_id(&format!("k8s:app=a{i}"), 256, 300);
+            assert!((256..=300).contains(&id), "{id}");
+        }
+        assert_eq!(label_hash_id("k8s:app=web", 256, 256), 256);
     }
 }

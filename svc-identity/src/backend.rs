@@ -124,6 +124,21 @@ pub enum BackendError {
         /// What is wrong.
         detail: String,
     },
+    /// The store refused the request (the Kubernetes API: RBAC, validation):
+    /// retrying does not help, the configuration must change.
+    #[error("{action}: the API server refused `{verb}` on {resource} ({code}): {message}{}", refusal_hint(*.code))]
+    Refused {
+        /// What was being done.
+        action: String,
+        /// The API verb (`create`, `get`, `list`, `watch`).
+        verb: &'static str,
+        /// The resource (`rivetidentities.rivet.io`).
+        resource: &'static str,
+        /// The HTTP status (403: not allowed by RBAC).
+        code: u16,
+        /// The API server's message.
+        message: String,
+    },
     /// Local I/O of the embedded store failed.
     #[error("{action}: {source}")]
     Local {
@@ -134,14 +149,39 @@ pub enum BackendError {
     },
 }
 
+fn refusal_hint(code: u16) -> &'static str {
+    match code {
+        401 | 403 => " (svc-identity's ServiceAccount needs the permissions of deploy/rbac/svc-identity.yaml)",
+        _ => "",
+    }
+}
+
+/// In which order the allocator tries ids for a label set no node has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdOrder {
+    /// From a random id on: concurrent nodes spread over the range. For
+    /// stores whose create checks the label set too (etcd, embedded).
+    Random,
+    /// From an id derived from a hash of the labels on, the same on every
+    /// node: two nodes creating one set race for the same id, and the
+    /// store's create-if-absent lets one win. For stores that can only
+    /// create by id (Kubernetes).
+    LabelHash,
+}
+
 /// The store of identities and IP cache entries for one node.
 ///
 /// Every method is safe to retry. Value keys and IP entries written by this
 /// node are bound to its lease (etcd) and vanish when the node is gone.
 #[tonic::async_trait]
 pub trait IdentityBackend: Send + Sync + 'static {
-    /// `"etcd"` or `"embedded"`, for status.
+    /// `"etcd"`, `"embedded"` or `"kubernetes"`, for status.
     fn kind(&self) -> &'static str;
+
+    /// How the allocator picks ids for a new label set.
+    fn id_order(&self) -> IdOrder {
+        IdOrder::Random
+    }
 
     /// The lease this node's keys are bound to, for status (0 without one).
     fn lease_id(&self) -> i64 {

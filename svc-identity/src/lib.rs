@@ -5,6 +5,8 @@
 //! - [`backend`]: the store trait and its key layout;
 //! - [`etcd_backend`]: the store in etcd (a cluster), with the node lease;
 //! - [`embedded_backend`]: the store in one crash-safe local file (one node);
+//! - [`kubernetes_backend`]: the store as `RivetIdentity` objects in the
+//!   Kubernetes API (CRD mode);
 //! - [`allocator`]: allocation, local references, the identity cache and the
 //!   reconcile loop that keeps this node's value keys in the store;
 //! - [`ipcache`]: the IP cache, its publication to the store and the push to
@@ -24,6 +26,7 @@ pub mod etcd_backend;
 pub mod events;
 pub mod ipcache;
 pub mod ipcache_service;
+pub mod kubernetes_backend;
 mod reconcile;
 pub mod service;
 pub mod snapshot;

@@ -15,6 +15,7 @@ use rivet_common::identity::{self, DEFAULT_MAX_CLUSTER_IDENTITY};
 use rivet_common::labels::LabelFilter;
 use rivet_common::metrics::Health;
 use rivet_common::privileges::Dropped;
+use rivet_k8s::ClusterAccess;
 use svc_identity::allocator::{AllocatorOptions, IdentityAllocator};
 use svc_identity::backend::IdentityBackend;
 use svc_identity::cidr::CidrIdentities;
@@ -23,6 +24,7 @@ use svc_identity::etcd_backend::{EtcdBackend, EtcdOptions};
 use svc_identity::events::{IdentityMetrics, ReconciledKeys};
 use svc_identity::ipcache::{IpCache, IpCacheOptions, LoaderSync, LoaderSyncOptions};
 use svc_identity::ipcache_service::IpcacheService;
+use svc_identity::kubernetes_backend::KubernetesBackend;
 use svc_identity::service::IdentityService;
 use svc_identity::snapshot::{self, SNAPSHOT_FILE_NAME, SnapshotOptions, SnapshotWriter};
 use tonic::service::Routes;
@@ -34,10 +36,21 @@ struct Flags {
     #[command(flatten)]
     common: CommonArgs,
 
-    /// etcd endpoints (comma-separated); without them the embedded store
-    /// in `<state-dir>/identity/` serves a single node.
+    /// Where identities live: `embedded` (one node: a file in
+    /// `<state-dir>/identity/`), `etcd` (`--etcd-endpoints`) or `kubernetes`
+    /// (RivetIdentity objects; `--kubeconfig`). Default: etcd when
+    /// `--etcd-endpoints` is given, else embedded.
+    #[arg(long, env = "RIVET_IDENTITY_STORE", value_enum)]
+    identity_store: Option<StoreKind>,
+
+    /// etcd endpoints (comma-separated), for the etcd store.
     #[arg(long, env = "RIVET_ETCD_ENDPOINTS", value_delimiter = ',')]
     etcd_endpoints: Vec<String>,
+
+    /// The API server of the kubernetes store: `in-cluster` (the pod's
+    /// ServiceAccount) or the path of a kubeconfig.
+    #[arg(long, env = "RIVET_KUBECONFIG")]
+    kubeconfig: Option<ClusterAccess>,
 
     /// Key prefix in etcd.
     #[arg(long, env = "RIVET_KVSTORE_PREFIX", default_value = "rivet/state/")]
@@ -75,6 +88,37 @@ struct Flags {
     labels: Vec<String>,
 }
 
+/// `--identity-store`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum StoreKind {
+    Embedded,
+    Etcd,
+    Kubernetes,
+}
+
+impl Flags {
+    /// The store to use, checked against the flags it needs.
+    fn store(&self) -> anyhow::Result<StoreKind> {
+        let kind = self.identity_store.unwrap_or(if self.etcd_endpoints.is_empty() {
+            StoreKind::Embedded
+        } else {
+            StoreKind::Etcd
+        });
+        match kind {
+            StoreKind::Etcd if self.etcd_endpoints.is_empty() => {
+                anyhow::bail!("--identity-store etcd needs --etcd-endpoints")
+            }
+            StoreKind::Kubernetes if self.kubeconfig.is_none() => {
+                anyhow::bail!("--identity-store kubernetes needs --kubeconfig (`in-cluster` or a kubeconfig path)")
+            }
+            StoreKind::Embedded | StoreKind::Kubernetes if !self.etcd_endpoints.is_empty() => {
+                anyhow::bail!("--etcd-endpoints is only for --identity-store etcd")
+            }
+            kind => Ok(kind),
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let flags: Flags = config::load();
     // Before any thread starts: the allocator hands out arenas per thread.
@@ -107,10 +151,14 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     // snapshot until etcd is listed (the embedded store is local already).
     // Every background loop of the daemon, the etcd lease keeper's too.
     let controllers = Controllers::new();
-    let (backend, snapshot): (Arc<dyn IdentityBackend>, Option<SnapshotOptions>) = if flags.etcd_endpoints.is_empty() {
+    let store = flags.store()?;
+    let (backend, snapshot): (Arc<dyn IdentityBackend>, Option<SnapshotOptions>) = if store == StoreKind::Embedded {
         let path = state_dir.join("store.json");
         let backend = EmbeddedBackend::open(&path, &node).context("opening the embedded identity store")?;
         (Arc::new(backend), None)
+    } else if let (StoreKind::Kubernetes, Some(access)) = (store, &flags.kubeconfig) {
+        let client = access.client().await.context("configuring the Kubernetes client")?;
+        (Arc::new(KubernetesBackend::new(client)), None)
     } else {
         let options = EtcdOptions {
             endpoints: flags.etcd_endpoints.clone(),

@@ -12,6 +12,7 @@ use tokio::sync::broadcast;
 use tonic::{Request, Response, Status};
 
 use crate::allocator::{AllocError, IdentityAllocator, IdentityChange, IdentityKind};
+use crate::backend::BackendError;
 use crate::backend::IdentityRecord;
 use crate::cidr::{CidrError, CidrIdentities};
 use crate::ipcache::{IpCache, LoaderSync, prefix_text};
@@ -96,6 +97,10 @@ fn status(e: AllocError) -> Status {
         AllocError::Contention { .. } => {
             status_with_reason(tonic::Code::Aborted, message, pb::ErrorReason::AllocationContention)
         }
+        AllocError::Store {
+            source: BackendError::Refused { code: 401 | 403, .. },
+            ..
+        } => Status::permission_denied(message),
         AllocError::Store { .. } => Status::internal(message),
     }
 }
@@ -365,6 +370,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
     ) -> Result<Response<pb::GetStatusResponse>, Status> {
         let backend = match self.allocator.backend_kind() {
             "etcd" => pb::StoreBackend::Etcd,
+            "kubernetes" => pb::StoreBackend::Kubernetes,
             _ => pb::StoreBackend::Embedded,
         };
         let list = self.allocator.list();

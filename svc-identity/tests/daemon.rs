@@ -15,6 +15,10 @@ use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_testkit::wire;
 use tonic::Code;
 
+mod support;
+
+use support::{allocate, allocate_owned, client, labels};
+
 const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
 
 fn command(dir: &Path, node: &str, etcd: Option<&str>) -> DaemonCommand {
@@ -48,26 +52,6 @@ async fn spawn(dir: &Path, node: &str, etcd: &EtcdServer) -> DaemonProcess {
         .spawn()
         .await
         .expect("svc-identity starts")
-}
-
-async fn client(d: &DaemonProcess) -> IdentityServiceClient<DaemonChannel> {
-    IdentityServiceClient::new(connect_unix(d.socket(), &ClientOptions::default()).await.unwrap())
-}
-
-fn labels(i: usize) -> Vec<String> {
-    vec![
-        format!("k8s:app=app-{i}"),
-        "k8s:io.kubernetes.pod.namespace=default".to_string(),
-    ]
-}
-
-async fn allocate(c: &mut IdentityServiceClient<DaemonChannel>, i: usize) -> Result<u32, tonic::Status> {
-    c.allocate_identity(pb::AllocateIdentityRequest {
-        labels: labels(i),
-        owner: String::new(),
-    })
-    .await
-    .map(|r| r.into_inner().identity.unwrap().id)
 }
 
 async fn store_status(c: &mut IdentityServiceClient<DaemonChannel>) -> pb::StoreStatus {
@@ -453,20 +437,6 @@ async fn wait_reconciled(c: &mut IdentityServiceClient<DaemonChannel>) -> pb::St
         last = store_status(c).await;
     }
     last
-}
-
-/// The owner-held variant of [`allocate`].
-async fn allocate_owned(
-    c: &mut IdentityServiceClient<DaemonChannel>,
-    i: usize,
-    owner: &str,
-) -> Result<u32, tonic::Status> {
-    c.allocate_identity(pb::AllocateIdentityRequest {
-        labels: labels(i),
-        owner: owner.into(),
-    })
-    .await
-    .map(|r| r.into_inner().identity.unwrap().id)
 }
 
 #[tokio::test]

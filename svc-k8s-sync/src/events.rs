@@ -165,6 +165,17 @@ impl SyncMetrics {
         }
     }
 
+    /// A daemon of the node is not ready: the RivetNode says so (logged when
+    /// the node was ready, at debug level while it stays not ready).
+    pub fn node_not_ready(&self, node: &str, was_ready: bool, why: &str) {
+        self.node_ready.set(0);
+        if was_ready {
+            tracing::warn!(node, "node no longer ready: {why}");
+        } else {
+            tracing::debug!(node, "node not ready yet: {why}");
+        }
+    }
+
     /// The node was marked ready.
     pub fn node_marked_ready(&self, node: &str, taint_removed: bool) {
         self.node_ready.set(1);

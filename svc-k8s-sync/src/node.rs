@@ -42,6 +42,9 @@ pub const POD_CIDRS_ANNOTATION: &str = "rivet.io/pod-cidrs";
 /// Node annotation: the node addresses Rivet uses, comma-separated.
 pub const NODE_ADDRESSES_ANNOTATION: &str = "rivet.io/node-addresses";
 
+/// How soon readiness is checked again while a daemon is not ready.
+const NOT_READY_RECHECK: Duration = Duration::from_secs(1);
+
 /// Why the node could not be marked ready.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadinessError {
@@ -181,9 +184,13 @@ impl NodeReadiness {
             return Ok(Action::await_change());
         }
         if let Err(e) = self.daemons.check().await {
+            // Another daemon not being ready is the node's state, not a
+            // failure of this controller: reported, then checked again.
+            let was_ready = self.state.node_ready();
             self.state.set_node_ready(false);
             self.apply_rivet_node(None, Some(&e.to_string())).await?;
-            return Err(e);
+            self.metrics.node_not_ready(&self.node_name, was_ready, &e.to_string());
+            return Ok(Action::requeue(NOT_READY_RECHECK));
         }
         let cidrs = self.daemons.pod_cidrs().await?;
         self.apply_rivet_node(Some(&cidrs), None).await?;

@@ -54,7 +54,15 @@ impl PodDirectory for SyncService {
             .map_err(|e| Status::invalid_argument(format!("namespace {:?}: {e}", request.namespace)))?;
         k8s_name::check_dns_subdomain(&request.name)
             .map_err(|e| Status::invalid_argument(format!("name {:?}: {e}", request.name)))?;
-        if !self.caches.status.synced("Pod") {
+        let pods = self.caches.status.kind("Pod").unwrap_or_default();
+        if !pods.synced && pods.forbidden {
+            return Err(status_with_reason(
+                tonic::Code::PermissionDenied,
+                format!("node {}'s pod cache cannot list: {}", self.node_name, pods.last_error),
+                pb::ErrorReason::ApiForbidden,
+            ));
+        }
+        if !pods.synced {
             return Err(status_with_reason(
                 tonic::Code::Unavailable,
                 format!(

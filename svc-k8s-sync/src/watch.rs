@@ -34,6 +34,8 @@ pub struct KindStatus {
     pub relists: u64,
     /// The last watch error; empty once the watch works again.
     pub last_error: String,
+    /// The last error was a refusal by RBAC (403).
+    pub forbidden: bool,
 }
 
 /// Every watched kind's status, by kind name ("Pod", "NetworkPolicy").
@@ -82,6 +84,11 @@ impl WatchStatus {
     /// Each kind's status.
     pub fn kinds(&self) -> Vec<(&'static str, KindStatus)> {
         self.lock().iter().map(|(k, s)| (*k, s.clone())).collect()
+    }
+
+    /// `kind`'s status.
+    pub fn kind(&self, kind: &str) -> Option<KindStatus> {
+        self.lock().get(kind).cloned()
     }
 
     /// Whether `kind` completed its initial list.
@@ -179,6 +186,7 @@ where
                                     s.synced = true;
                                     s.objects = objects;
                                     s.last_error.clear();
+                                    s.forbidden = false;
                                 });
                                 metrics.listed(kind, objects, first);
                                 progress.ok();
@@ -187,6 +195,7 @@ where
                                 status.update(kind, |s| {
                                     s.objects = objects;
                                     s.last_error.clear();
+                                    s.forbidden = false;
                                 });
                                 progress.ok();
                             }
@@ -199,7 +208,10 @@ where
                     Err(e) => {
                         let (label, text) = describe_watch_error(kind, &e);
                         metrics.watch_failed(kind, label, &text);
-                        status.update(kind, |s| s.last_error = text);
+                        status.update(kind, |s| {
+                            s.last_error = text;
+                            s.forbidden = label == "forbidden";
+                        });
                     }
                 }
             }

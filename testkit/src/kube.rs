@@ -12,6 +12,7 @@
 //!   `deploy/rbac/<component>.yaml`, as a kubeconfig holding a token from the
 //!   TokenRequest API ([`KubeApiServer::service_account_client`]): the daemons
 //!   run with it, so least privilege is tested, not assumed;
+//! - `kubectl` with the admin kubeconfig ([`KubeApiServer::kubectl`]);
 //! - [`KubeApiServer::restart`]: kube-apiserver killed and started again on
 //!   the same port and etcd data (the restart tests).
 //!
@@ -44,8 +45,8 @@
 //! # Ok(()) }
 //! ```
 
-use std::fs::{File, OpenOptions};
-use std::io::{Read as _, Write as _};
+use std::fs::OpenOptions;
+use std::io::Write as _;
 use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -63,6 +64,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose,
 };
 use rivet_common::testing::etcd::{EtcdError, EtcdServer};
+use rivet_common::testing::{last_lines, read_log};
 use rivet_k8s::{ClientError, ClusterAccess};
 use rivet_tools::{Tool, ToolError, tool_path};
 
@@ -329,6 +331,20 @@ impl KubeApiServer {
         self.admin.clone()
     }
 
+    /// `kubectl --kubeconfig <admin kubeconfig>` (the built kubectl v1.34.4),
+    /// for what a user sees (`kubectl get rivetendpoints` printer columns).
+    ///
+    /// # Errors
+    /// [`KubeApiServerError::NotInstalled`] without the built kubectl.
+    pub fn kubectl(&self) -> Result<Command, KubeApiServerError> {
+        let mut kubectl = Command::new(tool_path(Tool::Kubectl)?);
+        kubectl
+            .arg("--kubeconfig")
+            .arg(self.admin_kubeconfig())
+            .stdin(Stdio::null());
+        Ok(kubectl)
+    }
+
     /// The CA that signed the serving certificate (and the client
     /// certificates the server accepts).
     pub fn ca_cert(&self) -> PathBuf {
@@ -353,7 +369,7 @@ impl KubeApiServer {
     /// Everything kube-apiserver wrote, across restarts, with a
     /// `=== rivet: ... ===` line for each start, stop and retry.
     pub fn log(&self) -> String {
-        read_lossy(&self.log_path())
+        read_log(&self.log_path())
     }
 
     /// SIGKILLs kube-apiserver (a crash or outage) and reaps it; etcd and its
@@ -638,7 +654,7 @@ impl KubeApiServer {
                 return Err(KubeApiServerError::Exited {
                     action,
                     status,
-                    tail: tail(&read_lossy(&log), LOG_TAIL_LINES),
+                    tail: last_lines(&read_log(&log), LOG_TAIL_LINES),
                     log,
                 });
             }
@@ -656,7 +672,7 @@ impl KubeApiServer {
                     action,
                     timeout: READY_TIMEOUT,
                     last,
-                    tail: tail(&read_lossy(&log), LOG_TAIL_LINES),
+                    tail: last_lines(&read_log(&log), LOG_TAIL_LINES),
                     log,
                 });
             }
@@ -880,18 +896,4 @@ fn free_port() -> Result<u16, KubeApiServerError> {
 /// Whether the log says the listener could not bind.
 fn port_taken(log_tail: &str) -> bool {
     log_tail.contains("address already in use")
-}
-
-fn read_lossy(path: &Path) -> String {
-    let mut bytes = Vec::new();
-    match File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)) {
-        Ok(_) => String::from_utf8_lossy(&bytes).into_owned(),
-        Err(err) => format!("<cannot read {}: {err}>", path.display()),
-    }
-}
-
-/// The last `n` lines of `text`.
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }

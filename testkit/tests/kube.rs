@@ -63,6 +63,15 @@ async fn kube_api_server_serves_restarts_and_cleans_up() {
         .await
         .expect("a second pod");
 
+    let out = server
+        .kubectl()
+        .expect("kubectl")
+        .args(["get", "pods", "-n", &ns, "-o", "name"])
+        .output()
+        .expect("run kubectl");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "pod/web-1\npod/web-2\n");
+
     let pid = server.pid().expect("runs");
     server.restart().await.expect("kube-apiserver restarts");
     eprintln!("kube-apiserver restarted, ready after {:?}", server.ready_after());

@@ -7,7 +7,7 @@ use anyhow::{Context as _, Result, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use super::{NODE_DAEMONS, NODE_FILE, NodePhase, NodeRecord};
+use super::{ALL_DAEMONS, NODE_FILE, NodePhase, NodeRecord};
 use crate::{netns, pod};
 
 /// Whether `pid` is a live `rivet ... node up` (not a zombie, not a reused pid).
@@ -141,7 +141,7 @@ pub(super) fn after_daemons_stop(record: &NodeRecord) -> Vec<String> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => messages.push(format!("removing pins {}: {e}", record.pin_dir.display())),
     }
-    for daemon in NODE_DAEMONS {
+    for daemon in ALL_DAEMONS {
         let socket = rivet_common::socket::socket_path(&record.socket_dir, daemon);
         let mut quiet = Vec::new();
         remove_file(&socket, &mut quiet);

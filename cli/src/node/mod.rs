@@ -87,6 +87,20 @@ pub use supervisor::{DaemonSpec, NodeSupervisor, RestartDecision, RestartPolicy,
 /// endpoints exist.
 pub const NODE_DAEMONS: [&str; 5] = ["svc-ipam", "svc-identity", "svc-loader", "svc-endpoint", "svc-gc"];
 
+/// The Kubernetes watcher, started before svc-endpoint when `rivet node up`
+/// is given `--kubeconfig` (svc-endpoint then runs in Kubernetes mode).
+pub const K8S_SYNC: &str = "svc-k8s-sync";
+
+/// Every daemon a node may run, for cleaning up sockets.
+pub const ALL_DAEMONS: [&str; 6] = [
+    "svc-ipam",
+    "svc-identity",
+    "svc-loader",
+    K8S_SYNC,
+    "svc-endpoint",
+    "svc-gc",
+];
+
 /// The privileged datapath daemon that creates the pins.
 const LOADER: &str = "svc-loader";
 
@@ -201,6 +215,12 @@ pub struct UpArgs {
     /// Deadline of each CNI call (the conflist's timeoutSeconds).
     #[arg(long, default_value_t = 30)]
     pub cni_timeout_seconds: u64,
+    /// Connect the node to Kubernetes: start svc-k8s-sync with this
+    /// kubeconfig (a path readable by --daemon-user, or `in-cluster`) and run
+    /// svc-endpoint in Kubernetes mode (pod labels, namespace labels and
+    /// policies from the API server). Without it nothing Kubernetes runs.
+    #[arg(long, value_name = "PATH|in-cluster")]
+    pub kubeconfig: Option<String>,
     /// etcd endpoints for svc-identity (comma-separated); default: its embedded store.
     #[arg(long)]
     pub etcd_endpoints: Option<String>,

@@ -8,8 +8,8 @@ use rivet_common::pin_layout;
 use serde_json::{Value, json};
 
 use super::{
-    CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonSpec, GC, LOADER,
-    NETWORK_NAME, NODE_DAEMONS, NodePhase, NodeRecord, UpArgs,
+    ALL_DAEMONS, CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonSpec,
+    GC, K8S_SYNC, LOADER, NETWORK_NAME, NodePhase, NodeRecord, UpArgs,
 };
 use crate::accounts::NodeAccounts;
 use crate::{netns, now_unix_nanos};
@@ -110,8 +110,8 @@ impl NodePlan {
             let Some((daemon, arg)) = d.split_once('=') else {
                 bail!("`{d}` is not DAEMON=ARG");
             };
-            if !NODE_DAEMONS.contains(&daemon) || arg.is_empty() {
-                bail!("`{d}`: the daemon must be one of {}", NODE_DAEMONS.join(", "));
+            if !ALL_DAEMONS.contains(&daemon) || arg.is_empty() {
+                bail!("`{d}`: the daemon must be one of {}", ALL_DAEMONS.join(", "));
             }
             seen.insert(daemon);
         }
@@ -132,7 +132,10 @@ impl NodePlan {
             pin_dir: pin_layout::pin_dir(&args.bpffs, &node_name)?,
             args: args.clone(),
         };
-        for daemon in NODE_DAEMONS {
+        if args.kubeconfig.as_deref() == Some("") {
+            bail!("--kubeconfig needs the path of a kubeconfig or `in-cluster`");
+        }
+        for daemon in plan.daemons() {
             let socket = plan.socket(daemon);
             if socket.as_os_str().len() > MAX_SOCKET_PATH {
                 bail!(
@@ -143,6 +146,15 @@ impl NodePlan {
             }
         }
         Ok(plan)
+    }
+
+    /// The daemons this node runs, in start order: [`NODE_DAEMONS`](super::NODE_DAEMONS), and
+    /// svc-k8s-sync before svc-endpoint with `--kubeconfig`.
+    pub fn daemons(&self) -> Vec<&'static str> {
+        ALL_DAEMONS
+            .into_iter()
+            .filter(|d| *d != K8S_SYNC || self.args.kubeconfig.is_some())
+            .collect()
     }
 
     /// `<socket-dir>/<daemon>.sock`.
@@ -205,9 +217,9 @@ impl NodePlan {
     /// The node daemons, in start order, each switching to its user at start
     /// and admitting on its socket only who needs it ([`accounts`](crate::accounts)).
     pub fn specs(&self, accounts: &NodeAccounts) -> Vec<DaemonSpec> {
-        NODE_DAEMONS
-            .iter()
-            .map(|&name| {
+        self.daemons()
+            .into_iter()
+            .map(|name| {
                 let ids = |ids: &[u32]| ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
                 let mut args: Vec<OsString> = vec![
                     "--socket-dir".into(),
@@ -245,6 +257,19 @@ impl NodePlan {
                         ]);
                     }
                     GC => args.extend(["--bpffs".into(), self.args.bpffs.clone().into()]),
+                    "svc-endpoint" if self.args.kubeconfig.is_some() => {
+                        args.extend(["--k8s-sync-socket".into(), self.socket(K8S_SYNC).into()]);
+                    }
+                    K8S_SYNC => {
+                        args.extend([
+                            "--kubeconfig".into(),
+                            self.args.kubeconfig.clone().unwrap_or_default().into(),
+                        ]);
+                        for address in &self.node_addresses {
+                            let ip = address.split_once('/').map_or(address.as_str(), |(ip, _)| ip);
+                            args.extend(["--node-address".into(), ip.into()]);
+                        }
+                    }
                     _ => {}
                 }
                 for d in &self.args.daemon_args {
@@ -323,6 +348,7 @@ impl NodePlan {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
+    use crate::node::NODE_DAEMONS;
     use clap::Parser;
 
     use crate::pod;
@@ -401,7 +427,7 @@ pub(super) mod tests {
                 "prefix length",
             ),
             (
-                vec!["--netns", "n", "--daemon-arg", "svc-k8s-sync=--x"],
+                vec!["--netns", "n", "--daemon-arg", "svc-operator=--x"],
                 "must be one of",
             ),
             (vec!["--netns", "n", "--daemon-arg", "svc-ipam"], "DAEMON=ARG"),
@@ -430,6 +456,57 @@ pub(super) mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("shorter --socket-dir"), "{err}");
+    }
+
+    #[test]
+    fn a_kubeconfig_adds_svc_k8s_sync_before_svc_endpoint_in_kubernetes_mode() {
+        let without = plan(&["--netns", "rn1", "--create-netns"]).unwrap();
+        assert_eq!(
+            without.daemons(),
+            NODE_DAEMONS,
+            "nothing Kubernetes without --kubeconfig"
+        );
+        let p = plan(&[
+            "--netns",
+            "rn1",
+            "--create-netns",
+            "--kubeconfig",
+            "/etc/rivet/kubeconfig",
+        ])
+        .unwrap();
+        let specs = p.specs(&test_accounts());
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "svc-ipam",
+                "svc-identity",
+                "svc-loader",
+                "svc-k8s-sync",
+                "svc-endpoint",
+                "svc-gc"
+            ]
+        );
+        assert_eq!(
+            strings(&specs[3].args)[COMMON..],
+            [
+                "--kubeconfig",
+                "/etc/rivet/kubeconfig",
+                "--node-address",
+                "198.19.0.1",
+                "--node-address",
+                "2001:2:0:ffff::1"
+            ]
+        );
+        assert!(
+            specs[3].netns.is_none(),
+            "svc-k8s-sync talks to the API server from the host"
+        );
+        assert_eq!(
+            strings(&specs[4].args)[COMMON..],
+            ["--k8s-sync-socket", "/tmp/r/sockets/svc-k8s-sync.sock"]
+        );
+        assert!(plan(&["--netns", "rn1", "--kubeconfig", ""]).is_err());
     }
 
     #[test]

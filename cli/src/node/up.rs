@@ -18,8 +18,8 @@ use tokio::sync::watch;
 use super::down::{after_daemons_stop, before_daemons_stop};
 use super::supervisor::{answering_pid, describe_exit, log_tail, stopped};
 use super::{
-    CNI_BINARY, CompanionPlugin, DaemonStatus, LOADER, NODE_DAEMONS, NODE_FILE, NodePhase, NodePlan, NodeRecord,
-    NodeSupervisor, RestartPolicy, StatusObserver, UpArgs, describe_node, supervisor_alive,
+    CNI_BINARY, CompanionPlugin, DaemonStatus, LOADER, NODE_FILE, NodePhase, NodePlan, NodeRecord, NodeSupervisor,
+    RestartPolicy, StatusObserver, UpArgs, describe_node, supervisor_alive,
 };
 use crate::accounts::{self, NodeAccounts};
 use crate::{Context, netns};
@@ -187,7 +187,7 @@ async fn preflight(plan: &NodePlan) -> Result<()> {
             plan.state_dir.display()
         );
     }
-    for daemon in NODE_DAEMONS {
+    for daemon in plan.daemons() {
         let binary = plan.bin_dir.join(daemon);
         if !binary.is_file() {
             bail!(
@@ -215,7 +215,7 @@ async fn preflight(plan: &NodePlan) -> Result<()> {
 /// Fails unless each daemon's user can reach its state dir and socket dir
 /// (and both can create sockets in an existing socket dir).
 fn check_reachable(plan: &NodePlan, accounts: &NodeAccounts) -> Result<()> {
-    for daemon in NODE_DAEMONS {
+    for daemon in plan.daemons() {
         let account = accounts.of(daemon);
         accounts::check_reachable(account, &plan.daemon_state_dir(daemon), "state dir")?;
         accounts::check_reachable(account, &plan.socket(daemon), "socket dir")?;
@@ -234,7 +234,7 @@ fn give_daemons_their_dirs(plan: &NodePlan, accounts: &NodeAccounts) -> Result<(
     for message in accounts::migrate_legacy_state(&plan.state_dir)? {
         eprintln!("rivet node: {message}");
     }
-    for daemon in NODE_DAEMONS {
+    for daemon in plan.daemons() {
         let account = accounts.of(daemon);
         accounts::give_private_dir(&plan.daemon_state_dir(daemon), account)?;
         accounts::give_lock_file(&rivet_common::socket::lock_path(&plan.socket(daemon)), account)?;
@@ -344,7 +344,7 @@ async fn detach(ctx: &Context, plan: &NodePlan) -> Result<bool> {
     let mut child = cmd.spawn().context("starting the background supervisor")?;
     let pid = child.id();
     let deadline =
-        Instant::now() + Duration::from_secs(plan.args.ready_timeout_seconds * NODE_DAEMONS.len() as u64 + 30);
+        Instant::now() + Duration::from_secs(plan.args.ready_timeout_seconds * plan.daemons().len() as u64 + 30);
     loop {
         if let Some(status) = child.try_wait()? {
             bail!(

@@ -22,15 +22,17 @@
 //! # Ok(()) }
 //! ```
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io::{Read as _, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rivet_tools::Tool;
+
+use super::{last_lines, read_log};
 
 /// How long [`EtcdServer::start`] and [`EtcdServer::restart`] wait for `/health`.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -266,7 +268,7 @@ impl EtcdServer {
     /// Everything etcd wrote to stdout and stderr, across restarts, with a
     /// `=== rivet: ... ===` line for each start, stop and retry.
     pub fn log(&self) -> String {
-        read_lossy(&self.log_path())
+        read_log(&self.log_path())
     }
 
     /// One `GET /health` probe: true when etcd answers `{"health":"true"}`.
@@ -339,7 +341,7 @@ impl EtcdServer {
                 return Err(EtcdError::Exited {
                     action,
                     status,
-                    tail: tail(&read_lossy(&log), LOG_TAIL_LINES),
+                    tail: last_lines(&read_log(&log), LOG_TAIL_LINES),
                     log,
                 });
             }
@@ -352,7 +354,7 @@ impl EtcdServer {
                     action,
                     endpoint: self.endpoint(),
                     timeout: READY_TIMEOUT,
-                    tail: tail(&read_lossy(&log), LOG_TAIL_LINES),
+                    tail: last_lines(&read_log(&log), LOG_TAIL_LINES),
                     log,
                 });
             }
@@ -408,20 +410,6 @@ fn health_probe(addr: SocketAddr) -> bool {
         Ok(response)
     };
     probe().is_ok_and(|r| r.starts_with("HTTP/1.1 200") && r.contains(r#""health":"true""#))
-}
-
-fn read_lossy(path: &Path) -> String {
-    let mut bytes = Vec::new();
-    match File::open(path).and_then(|mut f| f.read_to_end(&mut bytes)) {
-        Ok(_) => String::from_utf8_lossy(&bytes).into_owned(),
-        Err(err) => format!("<cannot read {}: {err}>", path.display()),
-    }
-}
-
-/// The last `n` lines of `text`.
-fn tail(text: &str, n: usize) -> String {
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 #[cfg(test)]
@@ -505,7 +493,7 @@ mod tests {
 
     fn pid_alive(pid: u32) -> bool {
         // A reaped process has no /proc entry (a zombie would still have one).
-        Path::new(&format!("/proc/{pid}")).exists()
+        std::path::Path::new(&format!("/proc/{pid}")).exists()
     }
 
     #[test]
@@ -522,9 +510,9 @@ mod tests {
 
     #[test]
     fn etcd_tail_keeps_the_last_lines() {
-        assert_eq!(tail("a\nb\nc\n", 2), "b\nc");
-        assert_eq!(tail("a", 5), "a");
-        assert_eq!(tail("", 5), "");
+        assert_eq!(last_lines("a\nb\nc\n", 2), "b\nc");
+        assert_eq!(last_lines("a", 5), "a");
+        assert_eq!(last_lines("", 5), "");
     }
 
     #[test]

@@ -228,7 +228,7 @@ impl DaemonProcess {
                 return Err(std::io::Error::other(format!(
                     "{} exited during start-up ({status}); log:\n{}",
                     self.command.bin.display(),
-                    tail(&self.log(), 40)
+                    super::last_lines(&self.log(), 40)
                 )));
             }
             let options = ClientOptions {
@@ -252,7 +252,7 @@ impl DaemonProcess {
                     "{} did not answer on {} within {deadline:?}; log:\n{}",
                     self.command.bin.display(),
                     self.command.socket.display(),
-                    tail(&self.log(), 40)
+                    super::last_lines(&self.log(), 40)
                 )));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -264,9 +264,4 @@ impl Drop for DaemonProcess {
     fn drop(&mut self) {
         self.kill9();
     }
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }

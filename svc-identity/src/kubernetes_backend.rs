@@ -1,0 +1,386 @@
+//! The identity store in the Kubernetes API (`--identity-store kubernetes`,
+//! Cilium's "CRD mode"): every cluster identity is a cluster-scoped
+//! `RivetIdentity` object named by its number, `spec.labels` the canonical
+//! label set, and a `rivet.io/labels-hash` label for lookups by labels.
+//!
+//! # Allocation and the race it closes
+//!
+//! etcd creates an identity in one transaction that checks both the id and
+//! the label set, so two nodes racing on one set end with one id. The API
+//! server can only create an object *if its name is free*: a label set is
+//! not unique by itself. Two nodes picking different random ids for one new
+//! set would both succeed and the set would have two identities.
+//!
+//! This store closes that window by ordering the ids: it asks the allocator
+//! for [`IdOrder::LabelHash`], so every node tries the ids of a new set in
+//! the same order, starting at a hash of the labels. Two nodes racing on a
+//! set race for the same first free object; the API server lets exactly one
+//! create it, and the other gets `409 AlreadyExists`, reads the object,
+//! finds its own labels and uses that id ([`CreateOutcome::LabelsHeldAs`]).
+//! An id taken by another set sends both to the next id of the same order.
+//! What remains: an identity deleted (garbage-collected) on the probe path
+//! of a new set while two nodes allocate it can make them see the path
+//! differently; GC of unused identities is the operator's (after a grace
+//! period), so this needs a GC and a first allocation of the same set on two
+//! nodes within one API round trip.
+//!
+//! # References and GC
+//!
+//! There are no per-node value keys: objects carry no reference count, and
+//! this store never deletes one (svc-identity's RBAC has no `delete`). This
+//! node's references are counted locally by the allocator; `release` does
+//! nothing here. Which identities are in use is what the `RivetEndpoint`
+//! objects say (their `status.identity`); the operator deletes identities no
+//! endpoint uses (operator issue). An identity still held here but deleted
+//! anyway is re-created with the same number by the next reconcile pass
+//! ([`AcquireOutcome::MasterRecreated`]).
+//!
+//! # IP cache
+//!
+//! Only identities are in the API: this node's IP cache entries stay local
+//! (svc-loader gets them as always) and no other node's are learned here;
+//! with Kubernetes the other nodes' pods come from their `RivetEndpoint`
+//! objects (svc-k8s-sync, the multi-node issue).
+
+use std::collections::BTreeMap;
+
+use futures::stream::{self, BoxStream, StreamExt};
+use rivet_common::labels::Labels;
+use rivet_k8s::kube::api::{Api, ListParams, ObjectMeta, PostParams, WatchEvent, WatchParams};
+use rivet_k8s::kube::{self, Client, ResourceExt};
+use rivet_k8s::{RivetIdentity, RivetIdentitySpec};
+use sha2::{Digest, Sha256};
+
+use crate::backend::{
+    AcquireOutcome, BackendError, CreateOutcome, IdOrder, IdentityBackend, IdentityEvent, IdentityRecord, IpEntry,
+    IpEvent, Revision,
+};
+
+/// The label holding a hash of the identity labels (for lookups by labels).
+pub const LABELS_HASH_LABEL: &str = "rivet.io/labels-hash";
+
+/// The resource, as errors name it.
+const RESOURCE: &str = "rivetidentities.rivet.io";
+
+/// Objects per page when listing.
+const PAGE_SIZE: u32 = 500;
+
+/// How long one watch request runs before the API server ends it (the
+/// allocator then lists and watches again).
+const WATCH_TIMEOUT_SECONDS: u32 = 290;
+
+/// The identity store in the Kubernetes API.
+#[derive(Clone)]
+pub struct KubernetesBackend {
+    identities: Api<RivetIdentity>,
+}
+
+impl std::fmt::Debug for KubernetesBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubernetesBackend").finish_non_exhaustive()
+    }
+}
+
+impl KubernetesBackend {
+    /// A store over `client` (nothing is sent yet).
+    pub fn new(client: Client) -> Self {
+        Self {
+            identities: Api::all(client),
+        }
+    }
+
+    async fn get(&self, id: u32) -> Result<Option<IdentityRecord>, BackendError> {
+        let object = self
+            .identities
+            .get_opt(&id.to_string())
+            .await
+            .map_err(|e| api_error(e, "get", format!("reading RivetIdentity {id}")))?;
+        object.map(|o| record(&o)).transpose()
+    }
+
+    /// Creates the object; `Ok(false)` when the name is taken.
+    async fn create(&self, id: u32, labels: &str) -> Result<bool, BackendError> {
+        let action = || format!("creating RivetIdentity {id} for {labels}");
+        let object = identity_object(id, labels).map_err(|detail| BackendError::Corrupt {
+            key: labels.to_string(),
+            detail,
+        })?;
+        match self.identities.create(&PostParams::default(), &object).await {
+            Ok(_) => Ok(true),
+            Err(kube::Error::Api(status)) if status.code == 409 => Ok(false),
+            Err(e) => Err(api_error(e, "create", action())),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl IdentityBackend for KubernetesBackend {
+    fn kind(&self) -> &'static str {
+        "kubernetes"
+    }
+
+    fn id_order(&self) -> IdOrder {
+        IdOrder::LabelHash
+    }
+
+    async fn list_identities(&self) -> Result<(Vec<IdentityRecord>, Revision), BackendError> {
+        let mut records = Vec::new();
+        let mut params = ListParams::default().limit(PAGE_SIZE);
+        let mut revision = None;
+        loop {
+            let page = self
+                .identities
+                .list(&params)
+                .await
+                .map_err(|e| api_error(e, "list", "listing RivetIdentities".into()))?;
+            // The first page's version: later pages continue its snapshot.
+            if revision.is_none() {
+                revision = Some(parse_revision(page.metadata.resource_version.as_deref())?);
+            }
+            for object in &page.items {
+                records.push(record(object)?);
+            }
+            match page.metadata.continue_.filter(|c| !c.is_empty()) {
+                Some(token) => params = params.continue_token(&token),
+                None => break,
+            }
+        }
+        records.sort();
+        Ok((records, revision.unwrap_or_default()))
+    }
+
+    async fn watch_identities(
+        &self,
+        after: Revision,
+    ) -> Result<BoxStream<'static, Result<IdentityEvent, BackendError>>, BackendError> {
+        let params = WatchParams::default().timeout(WATCH_TIMEOUT_SECONDS);
+        let events = self
+            .identities
+            .watch(&params, &after.to_string())
+            .await
+            .map_err(|e| api_error(e, "watch", format!("watching RivetIdentities from version {after}")))?;
+        let events = events.filter_map(move |event| async move {
+            match event {
+                Ok(WatchEvent::Added(object) | WatchEvent::Modified(object)) => {
+                    Some(record(&object).map(IdentityEvent::Upsert))
+                }
+                Ok(WatchEvent::Deleted(object)) => {
+                    Some(identity_number(&object).map(|id| IdentityEvent::Delete { id }))
+                }
+                Ok(WatchEvent::Bookmark(_)) => None,
+                // 410 Gone: the version is older than the API server keeps.
+                Ok(WatchEvent::Error(status)) if status.code == 410 => Some(Err(BackendError::Compacted {
+                    what: "RivetIdentities",
+                    revision: after,
+                    compacted: 0,
+                })),
+                Ok(WatchEvent::Error(status)) => Some(Err(api_error(
+                    kube::Error::Api(status),
+                    "watch",
+                    format!("watching RivetIdentities from version {after}"),
+                ))),
+                Err(e) => Some(Err(api_error(
+                    e,
+                    "watch",
+                    format!("watching RivetIdentities from version {after}"),
+                ))),
+            }
+        });
+        Ok(events.boxed())
+    }
+
+    async fn held_id(&self, labels: &str) -> Result<Option<u32>, BackendError> {
+        let selector = format!("{LABELS_HASH_LABEL}={}", labels_hash(labels));
+        let listed = self
+            .identities
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| api_error(e, "list", format!("looking up the RivetIdentity of {labels}")))?;
+        let mut ids = Vec::new();
+        for object in &listed.items {
+            let r = record(object)?;
+            if r.labels == labels {
+                ids.push(r.id);
+            }
+        }
+        Ok(ids.into_iter().min())
+    }
+
+    async fn create_identity(&self, id: u32, labels: &str) -> Result<CreateOutcome, BackendError> {
+        if self.create(id, labels).await? {
+            return Ok(CreateOutcome::Created);
+        }
+        // The name is taken: by this set (another node won the race for
+        // the same id) or by another set.
+        Ok(match self.get(id).await? {
+            Some(existing) if existing.labels == labels => CreateOutcome::LabelsHeldAs(id),
+            // Another set, or deleted since: the allocator tries on.
+            _ => CreateOutcome::IdTaken,
+        })
+    }
+
+    async fn acquire(&self, id: u32, labels: &str) -> Result<AcquireOutcome, BackendError> {
+        match self.get(id).await? {
+            Some(existing) if existing.labels == labels => return Ok(AcquireOutcome::Acquired),
+            Some(_) => return Ok(AcquireOutcome::Conflict),
+            None => {}
+        }
+        if self.create(id, labels).await? {
+            return Ok(AcquireOutcome::MasterRecreated);
+        }
+        Ok(match self.get(id).await? {
+            Some(existing) if existing.labels == labels => AcquireOutcome::Acquired,
+            _ => AcquireOutcome::Conflict,
+        })
+    }
+
+    /// Nothing per node to delete (see the module docs).
+    async fn release(&self, _labels: &str) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// No per-node keys: nothing for a pass to delete.
+    async fn node_value_keys(&self) -> Result<Vec<String>, BackendError> {
+        Ok(Vec::new())
+    }
+
+    /// Local only (see the module docs).
+    async fn upsert_ip(&self, _entry: &IpEntry) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Local only (see the module docs).
+    async fn delete_ip(&self, _ip: &str) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// No other node's entries come from here.
+    async fn list_ips(&self) -> Result<(Vec<IpEntry>, Revision), BackendError> {
+        Ok((Vec::new(), 0))
+    }
+
+    /// Never yields: no other node's entries come from here.
+    async fn watch_ips(
+        &self,
+        _after: Revision,
+    ) -> Result<BoxStream<'static, Result<IpEvent, BackendError>>, BackendError> {
+        Ok(stream::pending().boxed())
+    }
+
+    /// No lease: never completes.
+    async fn lease_renewed(&self, _seen: &mut u64) {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// A hash of the canonical labels, short enough for a label value (63).
+pub fn labels_hash(labels: &str) -> String {
+    let digest = Sha256::digest(labels.as_bytes());
+    digest[..16].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn identity_object(id: u32, labels: &str) -> Result<RivetIdentity, String> {
+    let parsed: Labels = labels.parse().map_err(|e| format!("not a label set: {e}"))?;
+    Ok(RivetIdentity {
+        metadata: ObjectMeta {
+            name: Some(id.to_string()),
+            labels: Some(BTreeMap::from([(LABELS_HASH_LABEL.to_string(), labels_hash(labels))])),
+            ..ObjectMeta::default()
+        },
+        spec: RivetIdentitySpec {
+            labels: parsed.iter().map(ToString::to_string).collect(),
+        },
+    })
+}
+
+fn identity_number(object: &RivetIdentity) -> Result<u32, BackendError> {
+    let name = object.name_any();
+    name.parse().map_err(|_| BackendError::Corrupt {
+        key: format!("RivetIdentity {name}"),
+        detail: "the name is not an identity number".into(),
+    })
+}
+
+fn record(object: &RivetIdentity) -> Result<IdentityRecord, BackendError> {
+    let id = identity_number(object)?;
+    let labels = Labels::parse(&object.spec.labels).map_err(|e| BackendError::Corrupt {
+        key: format!("RivetIdentity {id}"),
+        detail: format!("spec.labels: {e}"),
+    })?;
+    Ok(IdentityRecord {
+        id,
+        labels: labels.to_string(),
+    })
+}
+
+fn parse_revision(version: Option<&str>) -> Result<Revision, BackendError> {
+    version
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| BackendError::Corrupt {
+            key: "RivetIdentities".into(),
+            detail: format!("resourceVersion {version:?} is not a number"),
+        })
+}
+
+/// Errors of the API: refusals (RBAC, validation) are typed with the verb
+/// and resource; server errors, throttling and transport failures mean the
+/// store is unavailable (retry).
+fn api_error(error: kube::Error, verb: &'static str, action: String) -> BackendError {
+    match error {
+        kube::Error::Api(status) if (400..500).contains(&status.code) && status.code != 429 => BackendError::Refused {
+            action,
+            verb,
+            resource: RESOURCE,
+            code: status.code,
+            message: status.message.clone(),
+        },
+        other => BackendError::Unavailable {
+            action,
+            detail: other.to_string(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn objects_hold_the_canonical_labels_and_their_hash() {
+        let labels = "k8s:app=web,k8s:io.kubernetes.pod.namespace=shop";
+        let object = identity_object(70001, labels).unwrap();
+        assert_eq!(object.metadata.name.as_deref(), Some("70001"));
+        assert_eq!(
+            object.spec.labels,
+            ["k8s:app=web", "k8s:io.kubernetes.pod.namespace=shop"]
+        );
+        let hash = &object.metadata.labels.as_ref().unwrap()[LABELS_HASH_LABEL];
+        assert_eq!(hash.len(), 32);
+        assert_ne!(hash, &labels_hash("k8s:app=db,k8s:io.kubernetes.pod.namespace=shop"));
+        assert_eq!(
+            record(&object).unwrap(),
+            IdentityRecord {
+                id: 70001,
+                labels: labels.into()
+            }
+        );
+    }
+
+    #[test]
+    fn an_object_with_a_bad_name_or_labels_is_corrupt_and_named() {
+        let mut object = identity_object(300, "k8s:app=web").unwrap();
+        object.metadata.name = Some("web".into());
+        assert_eq!(
+            record(&object).unwrap_err().to_string(),
+            "RivetIdentity web: stored value is invalid: the name is not an identity number"
+        );
+        let mut object = identity_object(300, "k8s:app=web").unwrap();
+        object.spec.labels = vec!["=".into()];
+        assert!(
+            record(&object)
+                .unwrap_err()
+                .to_string()
+                .starts_with("RivetIdentity 300: stored value is invalid: spec.labels:")
+        );
+    }
+}

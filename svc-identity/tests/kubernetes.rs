@@ -1,0 +1,247 @@
+//! svc-identity with the `kubernetes` store, as real processes against a
+//! real kube-apiserver (rivet-testkit's KubeApiServer), each with exactly
+//! the RBAC of deploy/rbac/svc-identity.yaml.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::Duration;
+
+use rivet_common::testing::{DaemonCommand, DaemonProcess};
+use rivet_k8s::RivetIdentity;
+use rivet_k8s::k8s_openapi::api::core::v1::Pod;
+use rivet_k8s::kube::api::{Api, DeleteParams, ListParams};
+use rivet_proto::identity::v1 as pb;
+use rivet_testkit::kube::{KubeApiServer, ServiceAccountAccess};
+use svc_identity::backend::{BackendError, IdentityBackend};
+use svc_identity::kubernetes_backend::KubernetesBackend;
+use tonic::Code;
+
+mod support;
+
+use support::{allocate, client, labels};
+
+const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
+
+/// svc-identity as `node`, its identities in the API server of `kubeconfig`.
+async fn spawn(dir: &Path, node: &str, kubeconfig: &Path) -> DaemonProcess {
+    let sockets = dir.join(node).join("sockets");
+    DaemonCommand::new(BIN, sockets.join("svc-identity.sock"))
+        .args(["--socket-dir".as_ref(), sockets.as_os_str()])
+        .args(["--state-dir".as_ref(), dir.join(node).join("state").as_os_str()])
+        .args([
+            "--node-name",
+            node,
+            "--identity-store",
+            "kubernetes",
+            "--resync-seconds",
+            "1",
+        ])
+        .args(["--kubeconfig".as_ref(), kubeconfig.as_os_str()])
+        .log_to(dir.join(format!("{node}.log")))
+        .spawn()
+        .await
+        .expect("svc-identity starts")
+}
+
+/// A kube-apiserver with Rivet's CRDs and svc-identity's ServiceAccount
+/// bound to exactly deploy/rbac/svc-identity.yaml.
+async fn server_with_identity_account() -> (KubeApiServer, ServiceAccountAccess) {
+    let server = KubeApiServer::start().await.expect("kube-apiserver starts");
+    server.apply_crds().await.expect("CRDs applied");
+    let access = server
+        .service_account_client("svc-identity")
+        .await
+        .expect("svc-identity's ServiceAccount");
+    (server, access)
+}
+
+const SETS: usize = 500;
+
+#[tokio::test]
+async fn two_nodes_allocating_the_same_500_label_sets_concurrently_get_one_id_per_set() {
+    let (server, access) = server_with_identity_account().await;
+    let dir = tempfile::tempdir().unwrap();
+    let a = spawn(dir.path(), "node-a", &access.kubeconfig).await;
+    let b = spawn(dir.path(), "node-b", &access.kubeconfig).await;
+    let mut tasks = Vec::new();
+    for (node, daemon) in [("a", &a), ("b", &b)] {
+        for worker in 0..10 {
+            let mut c = client(daemon).await;
+            // Both nodes walk the same sets in the same order: each set is
+            // asked for on both nodes at about the same time.
+            tasks.push(tokio::spawn(async move {
+                let mut got = Vec::new();
+                for k in 0..SETS / 10 {
+                    let i = worker * (SETS / 10) + k;
+                    got.push((node, i, allocate(&mut c, i).await.expect("allocation succeeds")));
+                }
+                got
+            }));
+        }
+    }
+    let mut by_set: BTreeMap<usize, BTreeMap<&str, u32>> = BTreeMap::new();
+    for t in tasks {
+        for (node, i, id) in t.await.unwrap() {
+            by_set.entry(i).or_default().insert(node, id);
+        }
+    }
+    assert_eq!(by_set.len(), SETS);
+    let mut owners: BTreeMap<u32, usize> = BTreeMap::new();
+    for (i, ids) in &by_set {
+        let distinct: BTreeSet<u32> = ids.values().copied().collect();
+        assert_eq!(
+            distinct.len(),
+            1,
+            "label set {i} must have one id on both nodes: {ids:?}"
+        );
+        let id = *distinct.first().unwrap();
+        assert!(id >= 256, "cluster identities start at 256");
+        if let Some(other) = owners.insert(id, *i) {
+            panic!("id {id} is bound to two label sets ({other} and {i})");
+        }
+    }
+    // The API holds exactly one RivetIdentity per set, named by its id.
+    let objects = Api::<RivetIdentity>::all(server.admin_client())
+        .list(&ListParams::default())
+        .await
+        .expect("listing RivetIdentities as admin");
+    let in_api: BTreeMap<u32, Vec<String>> = objects
+        .items
+        .iter()
+        .map(|o| {
+            (
+                o.metadata.name.as_ref().unwrap().parse().unwrap(),
+                o.spec.labels.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(in_api.len(), SETS, "one RivetIdentity per label set");
+    for (id, i) in &owners {
+        assert_eq!(in_api.get(id), Some(&labels(*i)), "RivetIdentity {id}");
+    }
+    // Each node sees the other's identities through its watch.
+    for daemon in [&a, &b] {
+        let mut c = client(daemon).await;
+        let listed = c
+            .list_identities(pb::ListIdentitiesRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        let cluster: BTreeSet<u32> = listed.identities.iter().map(|i| i.id).filter(|id| *id >= 256).collect();
+        assert_eq!(
+            cluster,
+            owners.keys().copied().collect(),
+            "{}",
+            daemon.socket().display()
+        );
+        let status = c.get_status(pb::GetStatusRequest {}).await.unwrap().into_inner();
+        let store = status.store.unwrap();
+        assert_eq!(store.backend, pb::StoreBackend::Kubernetes as i32);
+        assert!(store.connected, "{store:?}");
+    }
+    drop((a, b));
+}
+
+#[tokio::test]
+async fn with_deploy_rbac_it_works_and_what_is_outside_it_is_refused_with_403_named() {
+    let (server, access) = server_with_identity_account().await;
+    let dir = tempfile::tempdir().unwrap();
+    let node = spawn(dir.path(), "node-a", &access.kubeconfig).await;
+    let id = allocate(&mut client(&node).await, 1)
+        .await
+        .expect("allocation with deploy/rbac's permissions");
+
+    // Outside the ClusterRole: deleting identities, reading pods.
+    let identities = Api::<RivetIdentity>::all(access.client.clone());
+    let refused = identities
+        .delete(&id.to_string(), &DeleteParams::default())
+        .await
+        .expect_err("svc-identity may not delete identities");
+    assert!(
+        matches!(&refused, rivet_k8s::kube::Error::Api(s) if s.code == 403),
+        "{refused}"
+    );
+    let refused = Api::<Pod>::all(access.client.clone())
+        .list(&ListParams::default())
+        .await
+        .expect_err("svc-identity may not list pods");
+    assert!(
+        matches!(&refused, rivet_k8s::kube::Error::Api(s) if s.code == 403),
+        "{refused}"
+    );
+
+    // A ServiceAccount without the identity permissions (svc-k8s-sync's):
+    // the store's refusal is typed and names the verb and resource...
+    let other = server
+        .service_account_client("svc-k8s-sync")
+        .await
+        .expect("svc-k8s-sync's ServiceAccount");
+    let backend = KubernetesBackend::new(other.client.clone());
+    match backend.list_identities().await {
+        Err(BackendError::Refused {
+            verb: "list",
+            resource: "rivetidentities.rivet.io",
+            code: 403,
+            ..
+        }) => {}
+        other => panic!("expected a 403 refusal of list: {other:?}"),
+    }
+    let refused = backend.create_identity(300, "k8s:app=web").await.unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            BackendError::Refused {
+                verb: "create",
+                code: 403,
+                ..
+            }
+        ),
+        "{refused:?}"
+    );
+    // ...and a daemon running with it says so: PERMISSION_DENIED on
+    // allocation, the listing's refusal in GetStatus.
+    let denied = spawn(dir.path(), "node-b", &other.kubeconfig).await;
+    let mut c = client(&denied).await;
+    let status = allocate(&mut c, 2)
+        .await
+        .expect_err("allocation without create is refused");
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("the API server refused `create` on rivetidentities.rivet.io (403)"),
+        "{}",
+        status.message()
+    );
+    assert!(
+        status.message().contains("deploy/rbac/svc-identity.yaml"),
+        "{}",
+        status.message()
+    );
+    let listing_refused = |store: &pb::StoreStatus| {
+        !store.connected && store.last_error.contains("`list` on rivetidentities.rivet.io (403)")
+    };
+    let mut store = c
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .store
+        .unwrap();
+    // The listing controller reports its first failure: poll the status.
+    for _ in 0..200 {
+        if listing_refused(&store) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        store = c
+            .get_status(pb::GetStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .store
+            .unwrap();
+    }
+    assert!(listing_refused(&store), "{store:?}");
+    drop((node, denied));
+}
