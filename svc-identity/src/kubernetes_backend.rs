@@ -43,6 +43,8 @@
 //! objects (svc-k8s-sync, the multi-node issue).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::stream::{self, BoxStream, StreamExt};
 use rivet_common::labels::Labels;
@@ -73,6 +75,9 @@ const WATCH_TIMEOUT_SECONDS: u32 = 290;
 #[derive(Clone)]
 pub struct KubernetesBackend {
     identities: Api<RivetIdentity>,
+    watch_timeout_seconds: u32,
+    /// Watch requests sent, for tests (a resumed watch is a new request).
+    watch_requests: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for KubernetesBackend {
@@ -86,7 +91,23 @@ impl KubernetesBackend {
     pub fn new(client: Client) -> Self {
         Self {
             identities: Api::all(client),
+            watch_timeout_seconds: WATCH_TIMEOUT_SECONDS,
+            watch_requests: Arc::default(),
         }
+    }
+
+    /// The same store with watch requests the API server ends after
+    /// `seconds` (tests of the resumed watch).
+    pub fn with_watch_timeout(self, seconds: u32) -> Self {
+        Self {
+            watch_timeout_seconds: seconds,
+            ..self
+        }
+    }
+
+    /// Watch requests sent so far.
+    pub fn watch_requests(&self) -> u64 {
+        self.watch_requests.load(Ordering::Relaxed)
     }
 
     async fn get(&self, id: u32) -> Result<Option<IdentityRecord>, BackendError> {
@@ -149,44 +170,27 @@ impl IdentityBackend for KubernetesBackend {
         Ok((records, revision.unwrap_or_default()))
     }
 
+    /// One watch that resumes by itself: when the API server ends a watch
+    /// request (its timeout, [`WATCH_TIMEOUT_SECONDS`]), the next starts
+    /// from the last version seen (objects and bookmarks), so the allocator
+    /// re-lists only after an error, not every few minutes.
     async fn watch_identities(
         &self,
         after: Revision,
     ) -> Result<BoxStream<'static, Result<IdentityEvent, BackendError>>, BackendError> {
-        let params = WatchParams::default().timeout(WATCH_TIMEOUT_SECONDS);
-        let events = self
-            .identities
-            .watch(&params, &after.to_string())
-            .await
-            .map_err(|e| api_error(e, "watch", format!("watching RivetIdentities from version {after}")))?;
-        let events = events.filter_map(move |event| async move {
-            match event {
-                Ok(WatchEvent::Added(object) | WatchEvent::Modified(object)) => {
-                    Some(record(&object).map(IdentityEvent::Upsert))
-                }
-                Ok(WatchEvent::Deleted(object)) => {
-                    Some(identity_number(&object).map(|id| IdentityEvent::Delete { id }))
-                }
-                Ok(WatchEvent::Bookmark(_)) => None,
-                // 410 Gone: the version is older than the API server keeps.
-                Ok(WatchEvent::Error(status)) if status.code == 410 => Some(Err(BackendError::Compacted {
-                    what: "RivetIdentities",
-                    revision: after,
-                    compacted: 0,
-                })),
-                Ok(WatchEvent::Error(status)) => Some(Err(api_error(
-                    kube::Error::Api(status),
-                    "watch",
-                    format!("watching RivetIdentities from version {after}"),
-                ))),
-                Err(e) => Some(Err(api_error(
-                    e,
-                    "watch",
-                    format!("watching RivetIdentities from version {after}"),
-                ))),
-            }
-        });
-        Ok(events.boxed())
+        let watch = ResumingWatch {
+            identities: self.identities.clone(),
+            timeout_seconds: self.watch_timeout_seconds,
+            requests: self.watch_requests.clone(),
+            version: after.to_string(),
+            events: None,
+            failed: false,
+        };
+        Ok(stream::unfold(watch, |mut watch| async move {
+            let event = watch.next().await?;
+            Some((event, watch))
+        })
+        .boxed())
     }
 
     async fn held_id(&self, labels: &str) -> Result<Option<u32>, BackendError> {
@@ -270,6 +274,84 @@ impl IdentityBackend for KubernetesBackend {
     /// No lease: never completes.
     async fn lease_renewed(&self, _seen: &mut u64) {
         std::future::pending::<()>().await;
+    }
+}
+
+/// The state of one resuming watch (see `watch_identities`).
+struct ResumingWatch {
+    identities: Api<RivetIdentity>,
+    timeout_seconds: u32,
+    requests: Arc<AtomicU64>,
+    /// The last resourceVersion seen: where the next request starts.
+    version: String,
+    events: Option<BoxStream<'static, Result<WatchEvent<RivetIdentity>, kube::Error>>>,
+    /// An error was yielded: the stream ends (the allocator re-lists).
+    failed: bool,
+}
+
+impl ResumingWatch {
+    async fn next(&mut self) -> Option<Result<IdentityEvent, BackendError>> {
+        if self.failed {
+            return None;
+        }
+        let action = |version: &str| format!("watching RivetIdentities from version {version}");
+        loop {
+            let events = match &mut self.events {
+                Some(events) => events,
+                None => {
+                    let params = WatchParams::default().timeout(self.timeout_seconds);
+                    self.requests.fetch_add(1, Ordering::Relaxed);
+                    match self.identities.watch(&params, &self.version).await {
+                        Ok(events) => self.events.insert(events.boxed()),
+                        Err(e) => return self.fail(api_error(e, "watch", action(&self.version))),
+                    }
+                }
+            };
+            let event = match events.next().await {
+                // The API server ended the request: resume.
+                None => {
+                    self.events = None;
+                    continue;
+                }
+                Some(Ok(event)) => event,
+                Some(Err(e)) => return self.fail(api_error(e, "watch", action(&self.version))),
+            };
+            let (object, deleted) = match event {
+                WatchEvent::Added(object) | WatchEvent::Modified(object) => (object, false),
+                WatchEvent::Deleted(object) => (object, true),
+                WatchEvent::Bookmark(bookmark) => {
+                    self.version = bookmark.metadata.resource_version;
+                    continue;
+                }
+                // 410 Gone: the version is older than the API server keeps.
+                WatchEvent::Error(status) if status.code == 410 => {
+                    return self.fail(BackendError::Compacted {
+                        what: "RivetIdentities",
+                        revision: self.version.parse().unwrap_or_default(),
+                        compacted: 0,
+                    });
+                }
+                WatchEvent::Error(status) => {
+                    let error = api_error(kube::Error::Api(status), "watch", action(&self.version));
+                    return self.fail(error);
+                }
+            };
+            if let Some(version) = object.resource_version() {
+                self.version = version;
+            }
+            let event = if deleted {
+                identity_number(&object).map(|id| IdentityEvent::Delete { id })
+            } else {
+                record(&object).map(IdentityEvent::Upsert)
+            };
+            return Some(event);
+        }
+    }
+
+    fn fail(&mut self, error: BackendError) -> Option<Result<IdentityEvent, BackendError>> {
+        self.failed = true;
+        self.events = None;
+        Some(Err(error))
     }
 }
 

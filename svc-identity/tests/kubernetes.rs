@@ -6,13 +6,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::time::Duration;
 
+use futures::StreamExt;
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_k8s::RivetIdentity;
 use rivet_k8s::k8s_openapi::api::core::v1::Pod;
 use rivet_k8s::kube::api::{Api, DeleteParams, ListParams};
 use rivet_proto::identity::v1 as pb;
 use rivet_testkit::kube::{KubeApiServer, ServiceAccountAccess};
-use svc_identity::backend::{BackendError, IdentityBackend};
+use svc_identity::backend::{BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord};
 use svc_identity::kubernetes_backend::KubernetesBackend;
 use tonic::Code;
 
@@ -244,4 +245,60 @@ async fn with_deploy_rbac_it_works_and_what_is_outside_it_is_refused_with_403_na
     }
     assert!(listing_refused(&store), "{store:?}");
     drop((node, denied));
+}
+
+#[tokio::test]
+async fn a_watch_the_api_server_ends_resumes_from_the_last_version_seen() {
+    let (server, access) = server_with_identity_account().await;
+    // Watch requests the API server ends after one second.
+    let backend = KubernetesBackend::new(access.client.clone()).with_watch_timeout(1);
+    let (listed, revision) = backend.list_identities().await.unwrap();
+    assert_eq!(listed, []);
+    let mut watch = backend.watch_identities(revision).await.unwrap();
+    let (events, mut received) = tokio::sync::mpsc::unbounded_channel();
+    let reader = tokio::spawn(async move {
+        while let Some(event) = watch.next().await {
+            if events.send(event).is_err() {
+                break;
+            }
+        }
+    });
+    let record = |id: u32, labels: &str| IdentityRecord {
+        id,
+        labels: labels.into(),
+    };
+    assert_eq!(
+        backend.create_identity(300, "k8s:app=a").await.unwrap(),
+        CreateOutcome::Created
+    );
+    assert_eq!(
+        received.recv().await.unwrap().unwrap(),
+        IdentityEvent::Upsert(record(300, "k8s:app=a"))
+    );
+    // The first request ended and the watch went on with a second one.
+    for _ in 0..200 {
+        if backend.watch_requests() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(backend.watch_requests() >= 2, "the API server ends a watch after 1 s");
+    assert_eq!(
+        backend.create_identity(301, "k8s:app=b").await.unwrap(),
+        CreateOutcome::Created
+    );
+    assert_eq!(
+        received.recv().await.unwrap().unwrap(),
+        IdentityEvent::Upsert(record(301, "k8s:app=b"))
+    );
+    Api::<RivetIdentity>::all(server.admin_client())
+        .delete("300", &DeleteParams::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        received.recv().await.unwrap().unwrap(),
+        IdentityEvent::Delete { id: 300 }
+    );
+    assert!(received.try_recv().is_err(), "nothing else: no error, no duplicate");
+    reader.abort();
 }
