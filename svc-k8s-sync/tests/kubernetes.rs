@@ -211,7 +211,8 @@ async fn a_pod_deleted_while_svc_endpoint_is_down_is_dropped_at_restore_and_its_
     cluster.namespace("shop", &[]).await;
     cluster.pod("shop", "stays", &[("app", "a")]).await;
     let gone = cluster.pod("shop", "gone", &[("app", "b")]).await;
-    let gone_addresses: Vec<String> = gone.addresses.iter().map(|a| a.address.clone()).collect();
+    let address = |bytes: &[u8]| rivet_proto::net::address_from_bytes(bytes).expect("an address");
+    let gone_addresses: Vec<std::net::IpAddr> = gone.addresses.iter().map(|a| address(&a.address)).collect();
 
     cluster
         .node
@@ -278,12 +279,12 @@ async fn a_pod_deleted_while_svc_endpoint_is_down_is_dropped_at_restore_and_its_
         }
     })
     .await;
-    let allocated: Vec<String> = cluster
+    let allocated: Vec<std::net::IpAddr> = cluster
         .node
         .allocations()
         .await
-        .into_iter()
-        .map(|a| a.address)
+        .iter()
+        .map(|a| address(&a.address))
         .collect();
     for address in &gone_addresses {
         assert!(!allocated.contains(address), "{address} is released: {allocated:?}");
