@@ -43,8 +43,8 @@
 //! objects (svc-k8s-sync, the multi-node issue).
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 
 use futures::stream::{self, BoxStream, StreamExt};
 use rivet_common::labels::Labels;
@@ -78,7 +78,17 @@ pub struct KubernetesBackend {
     watch_timeout_seconds: u32,
     /// Watch requests sent, for tests (a resumed watch is a new request).
     watch_requests: Arc<AtomicU64>,
+    /// Object reads (GET) sent, for tests.
+    reads: Arc<AtomicU64>,
+    /// The objects as the listing and the watch (and this node's own reads
+    /// and creates) last showed them: `acquire` of an identity known here
+    /// needs no request, so a reconcile pass over the held identities costs
+    /// the API server nothing while they exist.
+    known: Known,
 }
+
+/// Identity number → canonical labels.
+type Known = Arc<RwLock<BTreeMap<u32, String>>>;
 
 impl std::fmt::Debug for KubernetesBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -93,6 +103,8 @@ impl KubernetesBackend {
             identities: Api::all(client),
             watch_timeout_seconds: WATCH_TIMEOUT_SECONDS,
             watch_requests: Arc::default(),
+            reads: Arc::default(),
+            known: Known::default(),
         }
     }
 
@@ -110,13 +122,25 @@ impl KubernetesBackend {
         self.watch_requests.load(Ordering::Relaxed)
     }
 
+    /// Object reads (GET) sent so far.
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
+    }
+
     async fn get(&self, id: u32) -> Result<Option<IdentityRecord>, BackendError> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
         let object = self
             .identities
             .get_opt(&id.to_string())
             .await
             .map_err(|e| api_error(e, "get", format!("reading RivetIdentity {id}")))?;
-        object.map(|o| record(&o)).transpose()
+        let found = object.map(|o| record(&o)).transpose()?;
+        let mut known = self.known.write().expect("known identities poisoned");
+        match &found {
+            Some(r) => known.insert(id, r.labels.clone()),
+            None => known.remove(&id),
+        };
+        Ok(found)
     }
 
     /// Creates the object; `Ok(false)` when the name is taken.
@@ -127,7 +151,11 @@ impl KubernetesBackend {
             detail,
         })?;
         match self.identities.create(&PostParams::default(), &object).await {
-            Ok(_) => Ok(true),
+            Ok(_) => {
+                let mut known = self.known.write().expect("known identities poisoned");
+                known.insert(id, labels.to_string());
+                Ok(true)
+            }
             Err(kube::Error::Api(status)) if status.code == 409 => Ok(false),
             Err(e) => Err(api_error(e, "create", action())),
         }
@@ -167,6 +195,8 @@ impl IdentityBackend for KubernetesBackend {
             }
         }
         records.sort();
+        *self.known.write().expect("known identities poisoned") =
+            records.iter().map(|r| (r.id, r.labels.clone())).collect();
         Ok((records, revision.unwrap_or_default()))
     }
 
@@ -182,6 +212,7 @@ impl IdentityBackend for KubernetesBackend {
             identities: self.identities.clone(),
             timeout_seconds: self.watch_timeout_seconds,
             requests: self.watch_requests.clone(),
+            known: self.known.clone(),
             version: after.to_string(),
             events: None,
             failed: false,
@@ -223,7 +254,13 @@ impl IdentityBackend for KubernetesBackend {
         })
     }
 
+    /// Known here with these labels: no request (see `known`). Otherwise
+    /// read, and re-created with the same number when it is gone.
     async fn acquire(&self, id: u32, labels: &str) -> Result<AcquireOutcome, BackendError> {
+        let known = self.known.read().expect("known identities poisoned").get(&id).cloned();
+        if known.as_deref() == Some(labels) {
+            return Ok(AcquireOutcome::Acquired);
+        }
         match self.get(id).await? {
             Some(existing) if existing.labels == labels => return Ok(AcquireOutcome::Acquired),
             Some(_) => return Ok(AcquireOutcome::Conflict),
@@ -282,6 +319,7 @@ struct ResumingWatch {
     identities: Api<RivetIdentity>,
     timeout_seconds: u32,
     requests: Arc<AtomicU64>,
+    known: Known,
     /// The last resourceVersion seen: where the next request starts.
     version: String,
     events: Option<BoxStream<'static, Result<WatchEvent<RivetIdentity>, kube::Error>>>,
@@ -344,6 +382,16 @@ impl ResumingWatch {
             } else {
                 record(&object).map(IdentityEvent::Upsert)
             };
+            let mut known = self.known.write().expect("known identities poisoned");
+            match &event {
+                Ok(IdentityEvent::Upsert(r)) => {
+                    known.insert(r.id, r.labels.clone());
+                }
+                Ok(IdentityEvent::Delete { id }) => {
+                    known.remove(id);
+                }
+                Err(_) => {}
+            }
             return Some(event);
         }
     }

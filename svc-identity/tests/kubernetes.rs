@@ -13,7 +13,9 @@ use rivet_k8s::k8s_openapi::api::core::v1::Pod;
 use rivet_k8s::kube::api::{Api, DeleteParams, ListParams};
 use rivet_proto::identity::v1 as pb;
 use rivet_testkit::kube::{KubeApiServer, ServiceAccountAccess};
-use svc_identity::backend::{BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord};
+use svc_identity::backend::{
+    AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord,
+};
 use svc_identity::kubernetes_backend::KubernetesBackend;
 use tonic::Code;
 
@@ -301,4 +303,53 @@ async fn a_watch_the_api_server_ends_resumes_from_the_last_version_seen() {
     );
     assert!(received.try_recv().is_err(), "nothing else: no error, no duplicate");
     reader.abort();
+}
+
+#[tokio::test]
+async fn acquiring_an_identity_the_watch_knows_sends_no_request_and_a_deleted_one_is_recreated() {
+    let (server, access) = server_with_identity_account().await;
+    let other_node = KubernetesBackend::new(access.client.clone());
+    assert_eq!(
+        other_node.create_identity(400, "k8s:app=x").await.unwrap(),
+        CreateOutcome::Created
+    );
+    let backend = KubernetesBackend::new(access.client.clone());
+    let (listed, revision) = backend.list_identities().await.unwrap();
+    assert_eq!(
+        listed,
+        [IdentityRecord {
+            id: 400,
+            labels: "k8s:app=x".into()
+        }]
+    );
+    let mut watch = backend.watch_identities(revision).await.unwrap();
+    // What a reconcile pass does for every held identity, every resync.
+    for _ in 0..3 {
+        assert_eq!(
+            backend.acquire(400, "k8s:app=x").await.unwrap(),
+            AcquireOutcome::Acquired
+        );
+    }
+    assert_eq!(backend.reads(), 0, "known from the listing: no request");
+    assert_eq!(
+        backend.acquire(400, "k8s:app=y").await.unwrap(),
+        AcquireOutcome::Conflict
+    );
+    // Deleted (the operator's GC) while still held here: re-created.
+    Api::<RivetIdentity>::all(server.admin_client())
+        .delete("400", &DeleteParams::default())
+        .await
+        .unwrap();
+    assert_eq!(watch.next().await.unwrap().unwrap(), IdentityEvent::Delete { id: 400 });
+    let reads = backend.reads();
+    assert_eq!(
+        backend.acquire(400, "k8s:app=x").await.unwrap(),
+        AcquireOutcome::MasterRecreated
+    );
+    assert_eq!(backend.reads(), reads + 1, "unknown now: read, then created");
+    let object = Api::<RivetIdentity>::all(server.admin_client())
+        .get("400")
+        .await
+        .unwrap();
+    assert_eq!(object.spec.labels, ["k8s:app=x"]);
 }
