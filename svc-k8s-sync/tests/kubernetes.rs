@@ -552,3 +552,25 @@ async fn lookup_pod_answers_from_the_synced_cache() {
         .expect_err("an invalid namespace");
     assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_created_while_svc_k8s_sync_is_down_runs_on_init_until_its_labels_arrive() {
+    let mut cluster = Cluster::start().await;
+    cluster.namespace("shop", &[]).await;
+    cluster.sync.terminate().await.expect("svc-k8s-sync stops");
+    // The CNI ADD does not fail for want of labels.
+    cluster.create_pod("shop", "late", &[("app", "late")]).await;
+    let early = cluster.endpoint("shop", "late").await.expect("the endpoint exists");
+    assert_eq!(early.identity, 5, "the reserved init identity: {early:?}");
+    assert!(early.labels_pending);
+    cluster.sync.restart().await.expect("svc-k8s-sync restarts");
+    let later = cluster
+        .wait_endpoint("shop", "late", |e| {
+            !e.labels_pending && e.identity_labels.iter().any(|l| l == "k8s:app=late")
+        })
+        .await;
+    assert!(
+        later.identity >= 256,
+        "a cluster identity once the labels arrived: {later:?}"
+    );
+}

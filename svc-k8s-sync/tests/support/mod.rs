@@ -206,9 +206,9 @@ impl Cluster {
     /// Creates pod `namespace/name` in the API (on this node, with `labels`
     /// and a named port `http` 8080), then its network namespace through
     /// rivet-cni's ADD with kubelet's CNI_ARGS (svc-endpoint takes the
-    /// labels from svc-k8s-sync); waits until the endpoint has its labels'
-    /// identity. Pod names are unique per cluster (they are container ids).
-    pub async fn pod(&mut self, namespace: &str, name: &str, labels: &[(&str, &str)]) -> pb::Endpoint {
+    /// labels from svc-k8s-sync); panics unless the ADD succeeds. Pod names
+    /// are unique per cluster (they are container ids).
+    pub async fn create_pod(&mut self, namespace: &str, name: &str, labels: &[(&str, &str)]) {
         let pods: Api<Pod> = Api::namespaced(self.admin(), namespace);
         let labels_map: BTreeMap<&str, &str> = labels.iter().copied().collect();
         let pod: Pod = serde_json::from_value(json!({
@@ -256,6 +256,12 @@ impl Cluster {
             .find(IpAddr::is_ipv4)
             .expect("an IPv4 address");
         self.pods.insert(name.to_string(), CniPod { pod: cni_pod, ipv4 });
+    }
+
+    /// [`create_pod`](Self::create_pod), then waits until the endpoint has
+    /// its labels' identity.
+    pub async fn pod(&mut self, namespace: &str, name: &str, labels: &[(&str, &str)]) -> pb::Endpoint {
+        self.create_pod(namespace, name, labels).await;
         let want: Vec<String> = labels.iter().map(|(k, v)| format!("k8s:{k}={v}")).collect();
         self.wait_endpoint(namespace, name, |e| {
             !e.labels_pending && want.iter().all(|l| e.identity_labels.contains(l))
