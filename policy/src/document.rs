@@ -95,9 +95,9 @@ impl Policy {
     /// use rivet_policy::Policy;
     ///
     /// let head = "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {namespace: shop, name: ";
-    /// let text = format!("# shop\n---\n{head}a}}\nspec: {{podSelector: {{}}}}\n---\n{head}b}}\nspec: {{}}\n");
+    /// let text = format!("# shop\n---\n{head}a}}\nspec: {{podSelector: {{}}}}\n---\n{head}b}}\nspec: {{policyTypes: [ingress]}}\n");
     /// let err = Policy::parse_all(&text).unwrap_err();
-    /// assert!(err.to_string().starts_with("document 2 (line 8): spec.podSelector: is required"), "{err}");
+    /// assert!(err.to_string().starts_with("document 2 (line 8): spec.policyTypes[0]: must be Ingress or Egress"), "{err}");
     /// ```
     pub fn parse_all(text: &str) -> Result<Vec<Policy>, DocumentsError> {
         let mut policies: Vec<(Document, Policy)> = Vec::new();
@@ -408,7 +408,7 @@ struct SpecDoc {
     enable_default_deny: Option<DefaultDenyDoc>,
 }
 
-#[derive(Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 struct SelectorDoc {
     match_labels: Option<BTreeMap<String, String>>,
@@ -629,8 +629,10 @@ fn parse_document(text: &str) -> Result<Option<Policy>, PolicyError> {
         ));
     }
 
+    // As in Kubernetes: a missing spec is the empty spec (every pod of the
+    // namespace, isolated for ingress).
     let spec: SpecDoc = match envelope.spec {
-        None | Some(Value::Null) => return Err(PolicyError::invalid("spec", "is required")),
+        None | Some(Value::Null) => from_value(Value::Object(Default::default()), "spec")?,
         Some(value) => from_value(value, "spec")?,
     };
     let spec = Validator {
@@ -733,13 +735,10 @@ impl Validator<'_> {
     }
 
     fn spec(&self, doc: SpecDoc) -> Result<Spec, PolicyError> {
+        // Optional since Kubernetes 1.31: a missing selector is the empty one,
+        // every pod of the policy's namespace.
         let pod_selector = match &doc.pod_selector {
-            None => {
-                return Err(PolicyError::invalid(
-                    "spec.podSelector",
-                    "is required ({} selects every pod of the policy's namespace)",
-                ));
-            }
+            None => self.selector(&SelectorDoc::default(), "spec.podSelector")?,
             Some(selector) => self.selector(selector, "spec.podSelector")?,
         };
         if doc.ingress_deny.is_some() {

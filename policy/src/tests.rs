@@ -2092,6 +2092,24 @@ enum Kind {
     Invalid,
 }
 
+/// Kubernetes defaults a missing `spec.podSelector` (optional since 1.31) to
+/// the empty selector and a missing spec to the empty spec; both kinds
+/// follow it.
+#[test]
+fn a_missing_pod_selector_or_spec_is_the_empty_one() {
+    for head in [NP_HEAD, RIVET_HEAD] {
+        let parse = |spec: &str| Policy::parse(&format!("{head}{spec}")).expect("a valid policy");
+        assert!(
+            parse("spec: {ingress: [{}]}").same_spec(&parse("spec: {podSelector: {}, ingress: [{}]}")),
+            "a missing podSelector must select every pod of the namespace: {head}"
+        );
+        assert!(
+            parse("").same_spec(&parse("spec: {podSelector: {}}")),
+            "a missing spec must isolate every pod of the namespace for ingress: {head}"
+        );
+    }
+}
+
 #[test]
 fn invalid_documents_name_the_path_and_the_rule() {
     let np = |spec: &str| format!("{NP_HEAD}spec: {spec}");
@@ -2125,9 +2143,6 @@ fn invalid_documents_name_the_path_and_the_rule() {
         ("missing metadata", "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nspec: {podSelector: {}}".into(), Kind::Invalid, "metadata.name", "is required"),
         ("bad name", "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: Bad_Name}\nspec: {podSelector: {}}".into(), Kind::Invalid, "metadata.name", "must be a DNS-1123 subdomain"),
         ("bad namespace", "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: t, namespace: a.b}\nspec: {podSelector: {}}".into(), Kind::Invalid, "metadata.namespace", "must be a DNS-1123 label"),
-        ("missing spec", NP_HEAD.to_string(), Kind::Invalid, "spec", "is required"),
-        ("missing podSelector", np("{ingress: [{}]}"), Kind::Invalid, "spec.podSelector", "is required"),
-        ("missing podSelector (Rivet)", rivet("{ingress: [{}]}"), Kind::Invalid, "spec.podSelector", "is required"),
         // policyTypes.
         ("bad policy type", np("{podSelector: {}, policyTypes: [ingress]}"), Kind::Invalid, "spec.policyTypes[0]", "must be Ingress or Egress, found \"ingress\""),
         ("duplicate policy type", np("{podSelector: {}, policyTypes: [Egress, Egress]}"), Kind::Invalid, "spec.policyTypes[1]", "duplicate value \"Egress\""),
