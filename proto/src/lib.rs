@@ -231,6 +231,60 @@ mod tests {
         round_trips::<crate::k8s::v1::ErrorReason>(2);
     }
 
+    /// A message of one text field, as a client built before the bytes
+    /// encoding wrote it.
+    fn old_text(fields: &[(u32, &str)]) -> Vec<u8> {
+        let mut buf = Vec::new();
+        for (number, text) in fields {
+            prost::encoding::string::encode(*number, &(*text).to_string(), &mut buf);
+        }
+        buf
+    }
+
+    /// The fields that were text moved to new numbers and the old ones are
+    /// reserved: an old client's text is an unknown field to a new reader,
+    /// never bytes ("1::2" is 4 bytes, an IPv4 address to a length check)
+    /// or a prefix.
+    #[test]
+    fn text_from_an_old_client_is_never_read_as_an_address() {
+        use prost::Message as _;
+        let r = crate::ipam::v1::AllocateRequest::decode(&*old_text(&[(4, "1::2")])).unwrap();
+        assert!(r.requested_address.is_empty());
+        let a = crate::ipam::v1::Allocation::decode(&*old_text(&[(3, "1::2"), (5, "1::1")])).unwrap();
+        assert!(a.address.is_empty() && a.gateway.is_empty());
+        let r = crate::ipam::v1::ReleaseAddressRequest::decode(&*old_text(&[(2, "1::2")])).unwrap();
+        assert!(r.address.is_empty());
+        let r = crate::ipam::v1::RestoreRequest::decode(&*old_text(&[(3, "1::2")])).unwrap();
+        assert!(r.address.is_empty());
+        let p = crate::ipam::v1::PoolRange::decode(&*old_text(&[(2, "::/0"), (3, "1::1")])).unwrap();
+        assert!(p.cidr.is_none() && p.gateway.is_empty());
+
+        let r = crate::endpoint::v1::EndpointRef::decode(&*old_text(&[(4, "1::2")])).unwrap();
+        assert_eq!(r.r#ref, None);
+        let a = crate::endpoint::v1::EndpointAddress::decode(&*old_text(&[(1, "1::2")])).unwrap();
+        assert!(a.address.is_empty());
+        // Six characters are six bytes: a MAC to a length check.
+        let c = crate::endpoint::v1::CreateEndpointRequest::decode(&*old_text(&[(7, "aabbcc")])).unwrap();
+        assert!(c.mac.is_empty());
+        let e = crate::endpoint::v1::Endpoint::decode(&*old_text(&[(8, "aabbcc")])).unwrap();
+        assert!(e.mac.is_empty());
+
+        let c = crate::identity::v1::CidrIdentity::decode(&*old_text(&[(1, "::/0")])).unwrap();
+        assert_eq!(c.prefix, None);
+        let r = crate::identity::v1::AllocateCidrIdentitiesRequest::decode(&*old_text(&[(1, "::/0")])).unwrap();
+        assert!(r.prefixes.is_empty());
+        let r = crate::identity::v1::ReleaseCidrIdentitiesRequest::decode(&*old_text(&[(1, "::/0")])).unwrap();
+        assert!(r.prefixes.is_empty());
+        let e = crate::identity::v1::IpcacheEntry::decode(&*old_text(&[(1, "1::2"), (3, "1::1")])).unwrap();
+        assert!(e.prefix.is_none() && e.host_ip.is_empty());
+        let r = crate::identity::v1::DeleteIpRequest::decode(&*old_text(&[(1, "::/0")])).unwrap();
+        assert!(r.prefixes.is_empty());
+        let r = crate::identity::v1::ListIpcacheRequest::decode(&*old_text(&[(3, "::/0")])).unwrap();
+        assert_eq!(r.start_after, None);
+        let w = crate::identity::v1::WatchIpcacheResponse::decode(&*old_text(&[(6, "::/0")])).unwrap();
+        assert!(w.deleted.is_empty());
+    }
+
     #[test]
     fn domains_are_distinct() {
         let domains = [
