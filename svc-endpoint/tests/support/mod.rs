@@ -234,12 +234,7 @@ impl IdentityApi for FaultyIdentity {
         &self,
         request: idpb::AllocateCidrIdentitiesRequest,
     ) -> BoxFuture<'_, ApiResult<idpb::AllocateCidrIdentitiesResponse>> {
-        let key = request
-            .prefixes
-            .iter()
-            .map(rivet_proto::net::format_prefix)
-            .collect::<Vec<_>>()
-            .join(",");
+        let key = prefixes_key(request.prefixes.iter());
         faulty(
             &self.faults.allocate_cidrs,
             "allocating CIDR identities",
@@ -254,27 +249,13 @@ impl IdentityApi for FaultyIdentity {
         self.inner.release_cidrs(request)
     }
     fn upsert_ip(&self, request: idpb::UpsertIpRequest) -> BoxFuture<'_, ApiResult<idpb::UpsertIpResponse>> {
-        let key = request
-            .entries
-            .iter()
-            .map(|e| {
-                e.prefix
-                    .as_ref()
-                    .map_or_else(|| "-".into(), rivet_proto::net::format_prefix)
-            })
-            .collect::<Vec<_>>()
-            .join(",");
+        let key = prefixes_key(request.entries.iter().filter_map(|e| e.prefix.as_ref()));
         faulty(&self.faults.upsert_ip, "publishing IP cache entries", key, move || {
             self.inner.upsert_ip(request)
         })
     }
     fn delete_ip(&self, request: idpb::DeleteIpRequest) -> BoxFuture<'_, ApiResult<idpb::DeleteIpResponse>> {
-        let key = request
-            .prefixes
-            .iter()
-            .map(rivet_proto::net::format_prefix)
-            .collect::<Vec<_>>()
-            .join(",");
+        let key = prefixes_key(request.prefixes.iter());
         faulty(
             &self.faults.delete_ip,
             "unpublishing IP cache entries",
@@ -339,6 +320,14 @@ impl IpamApi for FaultyIpam {
             self.inner.release(request)
         })
     }
+}
+
+/// The fault key of a call about `prefixes`: them as text, comma-separated.
+fn prefixes_key<'a>(prefixes: impl Iterator<Item = &'a rivet_proto::net::IpPrefix>) -> String {
+    prefixes
+        .map(rivet_proto::net::format_prefix)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The node's real dependencies behind `faults`.
