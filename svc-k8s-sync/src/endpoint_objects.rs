@@ -30,8 +30,31 @@ use crate::error::ApiError;
 use crate::events::SyncMetrics;
 use crate::{FIELD_MANAGER, SyncState};
 
-/// The label naming the node of a RivetEndpoint (so a node lists its own).
+/// The label naming the node of a RivetEndpoint (so a node lists its own);
+/// its value is [`node_label_value`], the full name is in the status.
 pub const NODE_LABEL: &str = "rivet.io/node";
+
+/// The longest label value the API server accepts.
+const LABEL_VALUE_MAX: usize = 63;
+/// Hex digits of the name's SHA-256 in a shortened value (64 bits).
+const NODE_HASH_HEX: usize = 16;
+
+/// The [`NODE_LABEL`] value of node `node`: the name itself when it fits a
+/// label value (a node name is a DNS subdomain of up to 253 characters, a
+/// label value at most 63), else its first 46 characters, `_` and 16 hex
+/// digits of its SHA-256. A node name never holds `_`, so a shortened value
+/// never equals another node's own name.
+pub fn node_label_value(node: &str) -> String {
+    if node.len() <= LABEL_VALUE_MAX {
+        return node.to_owned();
+    }
+    use sha2::Digest;
+    let digest = sha2::Sha256::digest(node.as_bytes());
+    let hash: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    // A DNS subdomain is ASCII, so a byte index is a char boundary.
+    let prefix = &node[..LABEL_VALUE_MAX - 1 - NODE_HASH_HEX];
+    format!("{prefix}_{}", &hash[..NODE_HASH_HEX])
+}
 
 /// Why the endpoint stream stopped.
 #[derive(Debug, thiserror::Error)]
@@ -186,7 +209,7 @@ impl EndpointObjects {
             "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetEndpoint",
             "metadata": {
                 "name": name, "namespace": namespace,
-                "labels": { NODE_LABEL: self.node_name },
+                "labels": { NODE_LABEL: node_label_value(&self.node_name) },
                 "ownerReferences": [{ "apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid }],
             },
             "spec": {},
@@ -223,7 +246,7 @@ impl EndpointObjects {
     /// Deletes this node's objects that no endpoint has.
     async fn delete_orphans(&self, pods: &BTreeMap<PodKey, BTreeSet<u32>>) -> Result<(), ApiError> {
         let api: Api<RivetEndpoint> = Api::all(self.client.clone());
-        let selector = format!("{NODE_LABEL}={}", self.node_name);
+        let selector = format!("{NODE_LABEL}={}", node_label_value(&self.node_name));
         let objects = api
             .list_metadata(&ListParams::default().labels(&selector))
             .await
@@ -263,6 +286,49 @@ fn pod_key(endpoint: &pb::Endpoint) -> Option<PodKey> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Kubernetes' label value rule: at most 63 characters, empty or
+    /// alphanumeric at both ends with `-`, `_`, `.` and alphanumerics between.
+    fn is_label_value(value: &str) -> bool {
+        let alnum = |c: char| c.is_ascii_alphanumeric();
+        value.len() <= 63
+            && (value.is_empty()
+                || (value.starts_with(alnum)
+                    && value.ends_with(alnum)
+                    && value.chars().all(|c| alnum(c) || "-_.".contains(c))))
+    }
+
+    #[test]
+    fn a_node_name_that_fits_a_label_value_is_the_value() {
+        let name = format!("node-{}", "a".repeat(58));
+        assert_eq!(name.len(), 63);
+        assert_eq!(node_label_value(&name), name);
+        assert_eq!(node_label_value("node-a.example"), "node-a.example");
+    }
+
+    #[test]
+    fn a_node_name_longer_than_a_label_value_gets_a_valid_value_of_its_own() {
+        // The longest node name (a DNS subdomain of 253), names that differ
+        // only past the cut, and one whose cut ends on a dot.
+        let longest = format!(
+            "{}.{}.{}.{}",
+            "a".repeat(63),
+            "b".repeat(63),
+            "c".repeat(63),
+            "d".repeat(61)
+        );
+        assert_eq!(longest.len(), 253);
+        let twin_a = format!("{}-a", "n".repeat(70));
+        let twin_b = format!("{}-b", "n".repeat(70));
+        let dotted = format!("{}.{}", "x".repeat(45), "y".repeat(40));
+        for name in [&longest, &twin_a, &twin_b, &dotted] {
+            let value = node_label_value(name);
+            assert!(is_label_value(&value), "{value:?} for {name:?} is not a label value");
+            assert!(value.starts_with(&name[..46]), "{value:?} keeps the name's start");
+            assert_eq!(node_label_value(name), value, "the value is stable");
+        }
+        assert_ne!(node_label_value(&twin_a), node_label_value(&twin_b));
+    }
 
     #[test]
     fn the_status_shows_the_endpoints_addresses_as_text() {
