@@ -1,7 +1,8 @@
 //! `rivet status`: every daemon socket — reachable, boot id, version — what
 //! svc-identity reports about its store, identities and IP cache, and what
 //! svc-endpoint reports about restore, endpoints, policy and its links to the
-//! other daemons; every daemon's controllers (its supervised background
+//! other daemons, what svc-k8s-sync reports about its watches, the node's
+//! readiness and the daemons it feeds; every daemon's controllers (its supervised background
 //! loops: state, restarts, last success, last error); and the node's health
 //! with every problem in full, which is also the exit status
 //! ([`NodeHealth::exit_code`]). A daemon with a controller failing for
@@ -15,6 +16,8 @@ use rivet_proto::endpoint::v1 as endpoint_pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::identity::v1 as identity_pb;
 use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
+use rivet_proto::k8s::v1 as k8s_pb;
+use rivet_proto::k8s::v1::kubernetes_sync_service_client::KubernetesSyncServiceClient;
 use serde::Serialize;
 
 use crate::endpoint::state_name;
@@ -24,6 +27,7 @@ use crate::{Context, DAEMONS, age, connect, duration, now_unix_nanos, truncate};
 /// Daemons whose `GetStatus` is shown.
 const ENDPOINT_DAEMON: &str = "svc-endpoint";
 const IDENTITY_DAEMON: &str = "svc-identity";
+const K8S_SYNC_DAEMON: &str = "svc-k8s-sync";
 
 /// Characters of a boot id shown for a dependency.
 const SHORT_BOOT_ID: usize = 8;
@@ -98,6 +102,9 @@ pub struct DaemonStatus {
     /// svc-identity's detailed status, when it answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub identity_status: Option<IdentityStatus>,
+    /// svc-k8s-sync's detailed status, when it answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub k8s_sync_status: Option<K8sSyncStatus>,
 }
 
 /// One supervised background loop of a daemon (`rivet_common::controller`).
@@ -316,6 +323,206 @@ fn section(daemon: &str, body: &str) -> String {
         out.push('\n');
     }
     out
+}
+
+/// One kind svc-k8s-sync watches.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct WatchedKindView {
+    /// `Pod`, `NetworkPolicy`, ...
+    pub kind: String,
+    /// Its initial list completed since its watch last (re)started.
+    pub synced: bool,
+    /// Objects in its cache.
+    pub objects: u64,
+    /// Watch restarts (re-lists) since start.
+    pub relists: u64,
+    /// Its last watch error; empty when healthy.
+    pub last_error: String,
+}
+
+/// A daemon svc-k8s-sync feeds (svc-endpoint).
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct FedDaemonView {
+    /// The daemon.
+    pub name: String,
+    /// Whether svc-k8s-sync is connected to it.
+    pub connected: bool,
+    /// Its boot id as svc-k8s-sync last saw it.
+    pub seen_boot_id: String,
+    /// Completed replays of the whole desired state.
+    pub replays: u64,
+    /// Last replay, Unix nanoseconds; 0 never.
+    pub last_replay_unix_nanos: i64,
+    /// Its last error.
+    pub last_error: String,
+}
+
+/// What svc-k8s-sync reports in `GetStatus`.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct K8sSyncStatus {
+    /// The node it watches pods of.
+    pub node_name: String,
+    /// Every watched kind completed its initial list.
+    pub caches_synced: bool,
+    /// The initial sync took longer than its timeout (watches go on).
+    pub cache_sync_timed_out: bool,
+    /// The node is marked ready (RivetNode, Node annotations, taint removed).
+    pub node_ready: bool,
+    /// Its watches.
+    pub kinds: Vec<WatchedKindView>,
+    /// The daemons it feeds.
+    pub fed: Vec<FedDaemonView>,
+    /// RivetEndpoint objects written since start.
+    pub endpoint_objects_applied: u64,
+    /// RivetEndpoint objects deleted since start.
+    pub endpoint_objects_deleted: u64,
+}
+
+impl From<&k8s_pb::GetStatusResponse> for K8sSyncStatus {
+    fn from(r: &k8s_pb::GetStatusResponse) -> Self {
+        Self {
+            node_name: r.node_name.clone(),
+            caches_synced: r.caches_synced,
+            cache_sync_timed_out: r.cache_sync_timed_out,
+            node_ready: r.node_ready,
+            kinds: r
+                .kinds
+                .iter()
+                .map(|k| WatchedKindView {
+                    kind: k.kind.clone(),
+                    synced: k.synced,
+                    objects: k.objects,
+                    relists: k.relists,
+                    last_error: k.last_error.clone(),
+                })
+                .collect(),
+            fed: r
+                .fed
+                .iter()
+                .map(|f| FedDaemonView {
+                    name: f.name.clone(),
+                    connected: f.connected,
+                    seen_boot_id: f.seen_boot_id.clone(),
+                    replays: f.replays,
+                    last_replay_unix_nanos: f.last_replay_unix_nanos,
+                    last_error: f.last_error.clone(),
+                })
+                .collect(),
+            endpoint_objects_applied: r.endpoint_objects_applied,
+            endpoint_objects_deleted: r.endpoint_objects_deleted,
+        }
+    }
+}
+
+impl K8sSyncStatus {
+    /// What keeps svc-k8s-sync from being healthy, in full: a watch failing
+    /// (its cache is stale), the initial sync timed out, a fed daemon not
+    /// reached. A node not ready only because another daemon is down is
+    /// that daemon's problem, not this one's.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.cache_sync_timed_out && !self.caches_synced {
+            let waiting: Vec<&str> = self
+                .kinds
+                .iter()
+                .filter(|k| !k.synced)
+                .map(|k| k.kind.as_str())
+                .collect();
+            problems.push(format!(
+                "caches not synced after the timeout (waiting for {}): nothing is fed from the API yet",
+                waiting.join(", ")
+            ));
+        }
+        for k in self.kinds.iter().filter(|k| !k.last_error.is_empty()) {
+            problems.push(format!(
+                "watch of {} failing ({} re-lists): {}",
+                k.kind,
+                k.relists,
+                one_line(&k.last_error)
+            ));
+        }
+        for f in self.fed.iter().filter(|f| !f.connected && !f.last_error.is_empty()) {
+            problems.push(format!("{} not fed: {}", f.name, one_line(&f.last_error)));
+        }
+        problems
+    }
+}
+
+/// The svc-k8s-sync section of `rivet status`.
+fn k8s_sync_section(s: &K8sSyncStatus, now: i64) -> String {
+    let short = |e: &str| truncate(&one_line(e), ERROR_WIDTH);
+    let caches = if s.caches_synced {
+        "synced".to_string()
+    } else if s.cache_sync_timed_out {
+        "NOT synced (initial sync timed out, DEGRADED)".to_string()
+    } else {
+        "syncing".to_string()
+    };
+    let mut body = crate::fields([
+        (
+            "node",
+            format!("{}, {}", s.node_name, if s.node_ready { "ready" } else { "NOT ready" }),
+        ),
+        ("caches", caches),
+        (
+            "endpoints",
+            format!(
+                "{} RivetEndpoint writes, {} deletes",
+                s.endpoint_objects_applied, s.endpoint_objects_deleted
+            ),
+        ),
+    ]);
+    if !s.kinds.is_empty() {
+        let mut t = Table::new(["KIND", "SYNCED", "OBJECTS", "RE-LISTS", "LAST ERROR"]);
+        for k in &s.kinds {
+            t.row([
+                k.kind.clone(),
+                if k.synced { "yes" } else { "no" }.into(),
+                k.objects.to_string(),
+                k.relists.to_string(),
+                if k.last_error.is_empty() {
+                    "-".into()
+                } else {
+                    short(&k.last_error)
+                },
+            ]);
+        }
+        body.push_str(&t.render());
+    }
+    if !s.fed.is_empty() {
+        let mut t = Table::new([
+            "FEEDS",
+            "CONNECTED",
+            "SEEN BOOT ID",
+            "REPLAYS",
+            "LAST REPLAY",
+            "LAST ERROR",
+        ]);
+        for f in &s.fed {
+            t.row([
+                f.name.clone(),
+                if f.connected { "yes" } else { "no" }.into(),
+                if f.seen_boot_id.is_empty() {
+                    "-".into()
+                } else {
+                    f.seen_boot_id.chars().take(SHORT_BOOT_ID).collect()
+                },
+                f.replays.to_string(),
+                if f.last_replay_unix_nanos == 0 {
+                    "never".into()
+                } else {
+                    format!("{} ago", age(now, f.last_replay_unix_nanos))
+                },
+                if f.last_error.is_empty() {
+                    "-".into()
+                } else {
+                    short(&f.last_error)
+                },
+            ]);
+        }
+        body.push_str(&t.render());
+    }
+    section(K8S_SYNC_DAEMON, &body)
 }
 
 /// svc-endpoint's restore progress.
@@ -581,6 +788,9 @@ pub async fn run(ctx: &Context) -> anyhow::Result<NodeHealth> {
             if let Some(endpoint) = &s.endpoint_status {
                 out.push_str(&endpoint_section(endpoint, now));
             }
+            if let Some(sync) = &s.k8s_sync_status {
+                out.push_str(&k8s_sync_section(sync, now));
+            }
         }
         out.push_str(&controllers_section(&all));
         out.push_str(&health_section(&all));
@@ -605,6 +815,7 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
         controllers: Vec::new(),
         endpoint_status: None,
         identity_status: None,
+        k8s_sync_status: None,
     };
     if !path.exists() {
         return status;
@@ -644,6 +855,21 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
                             status.health = NodeHealth::Degraded;
                         }
                         status.identity_status = Some(identity);
+                    }
+                    Err(s) => status.error = status_error(s),
+                }
+            } else if daemon == K8S_SYNC_DAEMON {
+                match KubernetesSyncServiceClient::new(channel)
+                    .get_status(k8s_pb::GetStatusRequest {})
+                    .await
+                {
+                    Ok(r) => {
+                        let sync = K8sSyncStatus::from(&r.into_inner());
+                        status.problems = sync.problems();
+                        if !status.problems.is_empty() {
+                            status.health = NodeHealth::Degraded;
+                        }
+                        status.k8s_sync_status = Some(sync);
                     }
                     Err(s) => status.error = status_error(s),
                 }
@@ -823,6 +1049,7 @@ mod tests {
             controllers: Vec::new(),
             endpoint_status: None,
             identity_status: None,
+            k8s_sync_status: None,
         }
     }
 
@@ -937,5 +1164,95 @@ mod tests {
         assert_eq!(json["kubernetes_mode"], true);
         assert_eq!(json["labels_pending"], 2);
         assert_eq!(json["policy_sources"][2], "kubernetes");
+    }
+
+    fn k8s_sync_status() -> k8s_pb::GetStatusResponse {
+        let kind = |kind: &str, objects: u64| k8s_pb::WatchedKind {
+            kind: kind.into(),
+            synced: true,
+            objects,
+            relists: 1,
+            last_error: String::new(),
+        };
+        k8s_pb::GetStatusResponse {
+            node_name: "node-a".into(),
+            kinds: vec![kind("Pod", 12), kind("Namespace", 4)],
+            caches_synced: true,
+            cache_sync_timed_out: false,
+            node_ready: true,
+            fed: vec![k8s_pb::FedDaemon {
+                name: "svc-endpoint".into(),
+                connected: true,
+                seen_boot_id: "9c1d3f2a-0000-4000-8000-000000000000".into(),
+                replays: 2,
+                last_replay_unix_nanos: 690 * S,
+                last_error: String::new(),
+            }],
+            endpoint_objects_applied: 30,
+            endpoint_objects_deleted: 2,
+            boot_id: "b".into(),
+        }
+    }
+
+    #[test]
+    fn k8s_sync_section_shows_the_watches_the_node_and_the_feed() {
+        let view = K8sSyncStatus::from(&k8s_sync_status());
+        assert_eq!(
+            k8s_sync_section(&view, 700 * S),
+            "\nsvc-k8s-sync:\n\
+             \x20 node       node-a, ready\n\
+             \x20 caches     synced\n\
+             \x20 endpoints  30 RivetEndpoint writes, 2 deletes\n\
+             \x20 KIND       SYNCED  OBJECTS  RE-LISTS  LAST ERROR\n\
+             \x20 Pod        yes     12       1         -\n\
+             \x20 Namespace  yes     4        1         -\n\
+             \x20 FEEDS         CONNECTED  SEEN BOOT ID  REPLAYS  LAST REPLAY  LAST ERROR\n\
+             \x20 svc-endpoint  yes        9c1d3f2a      2        10s ago      -\n"
+        );
+        assert!(
+            view.problems().is_empty(),
+            "synced, every watch healthy, svc-endpoint fed"
+        );
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["kinds"][0]["objects"], 12);
+        assert_eq!(json["fed"][0]["replays"], 2);
+    }
+
+    #[test]
+    fn k8s_sync_is_degraded_by_a_failing_watch_a_timed_out_sync_or_an_unfed_daemon() {
+        let forbidden = "listing pods: the API server refused (403): pods is forbidden: User \
+                         \"system:serviceaccount:kube-system:svc-k8s-sync\" cannot list resource \"pods\"";
+        let mut r = k8s_sync_status();
+        r.caches_synced = false;
+        r.cache_sync_timed_out = true;
+        r.node_ready = false;
+        r.kinds[0].synced = false;
+        r.kinds[0].relists = 4;
+        r.kinds[0].last_error = forbidden.into();
+        r.fed[0].connected = false;
+        r.fed[0].last_error = "connection refused".into();
+        let view = K8sSyncStatus::from(&r);
+        assert_eq!(
+            view.problems(),
+            [
+                "caches not synced after the timeout (waiting for Pod): nothing is fed from the API yet".to_string(),
+                format!("watch of Pod failing (4 re-lists): {forbidden}"),
+                "svc-endpoint not fed: connection refused".to_string(),
+            ]
+        );
+        let text = k8s_sync_section(&view, 700 * S);
+        assert!(text.contains("node       node-a, NOT ready\n"), "{text}");
+        assert!(
+            text.contains("caches     NOT synced (initial sync timed out, DEGRADED)\n"),
+            "{text}"
+        );
+
+        // Still syncing within the timeout is not a problem yet.
+        r.cache_sync_timed_out = false;
+        r.kinds[0].last_error.clear();
+        r.fed[0].last_error.clear();
+        let view = K8sSyncStatus::from(&r);
+        assert!(view.problems().is_empty(), "{:?}", view.problems());
+        assert!(k8s_sync_section(&view, 700 * S).contains("caches     syncing\n"));
     }
 }
