@@ -89,7 +89,13 @@ impl Telemetry {
                 .with_filter(filter)
                 .boxed(),
         };
-        let export = match OtlpExporter::from_env("rivet-cni") {
+        // Each invocation is an instance of its own (OpenTelemetry's
+        // `service.instance.id` is unique per process).
+        let instance = [(
+            "service.instance.id".to_owned(),
+            rivet_common::grpc::BootId::random().to_string(),
+        )];
+        let export = match OtlpExporter::from_env("rivet-cni", &instance) {
             Ok(export) => export,
             Err(e) => {
                 log_problem = Some(format!("OTLP export is off: {e}"));

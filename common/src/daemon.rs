@@ -30,13 +30,22 @@ pub enum DaemonError {
     Metrics(#[from] MetricsError),
 }
 
-/// Logs and traces of daemon `name` as the common flags say: text or JSON
-/// on stderr at `info` (or `RUST_LOG`), OTLP when configured.
-pub fn init_telemetry(common: &CommonArgs, name: &str) -> Result<TelemetryGuard, TelemetryError> {
+/// Logs and traces of the daemon `identity` names, as the common flags
+/// say: text or JSON on stderr at `info` (or `RUST_LOG`), OTLP when
+/// configured, with the OpenTelemetry resource attributes `service.name`,
+/// `service.version`, `service.instance.id` (the boot id every response
+/// carries, so a trace names the process start that served it) and
+/// `k8s.node.name`.
+pub fn init_telemetry(common: &CommonArgs, identity: &DaemonIdentity) -> Result<TelemetryGuard, TelemetryError> {
     telemetry::init(TelemetryOptions {
-        service_name: name.into(),
+        service_name: identity.name.into(),
         log_format: common.log_format,
         default_filter: "info".into(),
+        resource_attributes: vec![
+            ("service.version".into(), identity.version.into()),
+            ("service.instance.id".into(), identity.boot_id.to_string()),
+            ("k8s.node.name".into(), identity.node_name.clone()),
+        ],
     })
 }
 

@@ -558,6 +558,32 @@ fn describe_socket_file(path: &Path) -> String {
 /// # Ok(()) }
 /// ```
 pub async fn connect_unix(path: &Path, options: &ClientOptions) -> Result<DaemonChannel, ConnectError> {
+    connect_unix_counted(path, options).await.map(|c| c.channel)
+}
+
+/// A channel from [`connect_unix_counted`] and what connecting took.
+#[derive(Debug)]
+pub struct Connected {
+    /// The channel.
+    pub channel: DaemonChannel,
+    /// Connection attempts, the successful one included (1: at once).
+    pub attempts: u32,
+    /// Time from the first attempt to the connection.
+    pub waited: Duration,
+}
+
+/// [`connect_unix`], also telling how many attempts it took and how long
+/// (a caller's span records them: right after a daemon restart the retries
+/// are most of a call's time).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use rivet_common::grpc::{connect_unix_counted, ClientOptions};
+/// let connected = connect_unix_counted("/var/run/rivet/sockets/svc-ipam.sock".as_ref(), &ClientOptions::default()).await?;
+/// tracing::info!(attempts = connected.attempts, waited = ?connected.waited, "connected");
+/// # Ok(()) }
+/// ```
+pub async fn connect_unix_counted(path: &Path, options: &ClientOptions) -> Result<Connected, ConnectError> {
     // The URI is required by tonic but unused: the connector dials the socket.
     let endpoint = Endpoint::from_static("http://rivet.invalid")
         .timeout(options.request_timeout)
@@ -573,7 +599,13 @@ pub async fn connect_unix(path: &Path, options: &ClientOptions) -> Result<Daemon
             async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
         });
         match endpoint.connect_with_connector(connector).await {
-            Ok(channel) => return Ok(TraceContextClientLayer.layer(channel)),
+            Ok(channel) => {
+                return Ok(Connected {
+                    channel: TraceContextClientLayer.layer(channel),
+                    attempts,
+                    waited: started.elapsed(),
+                });
+            }
             Err(source) if permission_denied(&source) => {
                 return Err(ConnectError::PermissionDenied {
                     path: path.to_path_buf(),

@@ -19,6 +19,7 @@
 //!         service_name: "svc-ipam".into(),
 //!         log_format: LogFormat::Text,
 //!         default_filter: "info".into(),
+//!         resource_attributes: Vec::new(),
 //!     })?;
 //!     tracing::info!("started");
 //!     Ok(()) // `_telemetry` is dropped here and flushes every pending span.
@@ -90,6 +91,7 @@ impl fmt::Display for LogFormat {
 ///     service_name: "svc-ipam".into(),
 ///     log_format: LogFormat::Json,
 ///     default_filter: "info,rivet=debug".into(),
+///     resource_attributes: vec![("service.instance.id".into(), "5f0c...".into())],
 /// };
 /// assert_eq!(TelemetryOptions::new("svc-ipam").default_filter, "info");
 /// # drop(opts);
@@ -102,6 +104,10 @@ pub struct TelemetryOptions {
     pub log_format: LogFormat,
     /// `EnvFilter` directives used when `RUST_LOG` is unset or empty, e.g. `"info"`.
     pub default_filter: String,
+    /// Further OTLP resource attributes of the process (OpenTelemetry
+    /// semantic conventions), e.g. `service.instance.id` = the boot id and
+    /// `k8s.node.name`.
+    pub resource_attributes: Vec<(String, String)>,
 }
 
 impl TelemetryOptions {
@@ -116,6 +122,7 @@ impl TelemetryOptions {
             service_name: service_name.into(),
             log_format: LogFormat::Text,
             default_filter: "info".to_owned(),
+            resource_attributes: Vec::new(),
         }
     }
 }
@@ -220,17 +227,24 @@ impl fmt::Debug for OtlpExporter {
 impl OtlpExporter {
     /// The exporter configured by the standard `OTEL_EXPORTER_OTLP_*`
     /// variables, or `None` when `OTEL_EXPORTER_OTLP_ENDPOINT` is unset or
-    /// empty (export off).
+    /// empty (export off). Its resource is `service.name = service_name`
+    /// plus `resource_attributes`.
     ///
     /// ```no_run
     /// # fn f() -> Result<(), rivet_common::telemetry::TelemetryError> {
-    /// let exporter = rivet_common::telemetry::OtlpExporter::from_env("rivet-cni")?;
+    /// let instance = [("service.instance.id".to_owned(), "5f0c...".to_owned())];
+    /// let exporter = rivet_common::telemetry::OtlpExporter::from_env("rivet-cni", &instance)?;
     /// assert!(exporter.is_none() || std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").is_ok());
     /// # Ok(()) }
     /// ```
-    pub fn from_env(service_name: &str) -> Result<Option<Self>, TelemetryError> {
+    pub fn from_env(
+        service_name: &str,
+        resource_attributes: &[(String, String)],
+    ) -> Result<Option<Self>, TelemetryError> {
         match std::env::var(OTLP_ENDPOINT_VAR) {
-            Ok(endpoint) if !endpoint.trim().is_empty() => otlp_export(service_name, endpoint).map(Some),
+            Ok(endpoint) if !endpoint.trim().is_empty() => {
+                otlp_export(service_name, resource_attributes, endpoint).map(Some)
+            }
             _ => Ok(None),
         }
     }
@@ -342,6 +356,7 @@ impl Drop for TelemetryGuard {
 ///     service_name: "svc-ipam".into(),
 ///     log_format: LogFormat::Json,
 ///     default_filter: "info".into(),
+///     resource_attributes: vec![("service.instance.id".into(), "5f0c...".into())],
 /// })?;
 /// # drop(guard); Ok(()) }
 /// ```
@@ -349,7 +364,7 @@ pub fn init(opts: TelemetryOptions) -> Result<TelemetryGuard, TelemetryError> {
     install_propagator();
     let env_filter = env_filter(&opts.default_filter)?;
 
-    let export = OtlpExporter::from_env(&opts.service_name)?;
+    let export = OtlpExporter::from_env(&opts.service_name, &opts.resource_attributes)?;
 
     let fmt_layer = match opts.log_format {
         LogFormat::Text => tracing_subscriber::fmt::layer()
@@ -403,7 +418,11 @@ fn env_filter(default_filter: &str) -> Result<EnvFilter, TelemetryError> {
 }
 
 /// Builds the OTLP/gRPC exporter on its own runtime and the tracer provider.
-fn otlp_export(service_name: &str, endpoint: String) -> Result<OtlpExporter, TelemetryError> {
+fn otlp_export(
+    service_name: &str,
+    resource_attributes: &[(String, String)],
+    endpoint: String,
+) -> Result<OtlpExporter, TelemetryError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("rivet-otlp-export")
@@ -427,6 +446,11 @@ fn otlp_export(service_name: &str, endpoint: String) -> Result<OtlpExporter, Tel
     };
     let resource = opentelemetry_sdk::Resource::builder()
         .with_service_name(service_name.to_owned())
+        .with_attributes(
+            resource_attributes
+                .iter()
+                .map(|(key, value)| opentelemetry::KeyValue::new(key.clone(), value.clone())),
+        )
         .build();
     let provider = SdkTracerProvider::builder()
         .with_resource(resource)
@@ -524,11 +548,60 @@ pub fn extract_context(headers: &HeaderMap) -> Context {
     opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&HeaderExtractor(headers)))
 }
 
+/// The trace context of one span, kept so that work it causes later, in
+/// another task and possibly batched with other causes, links back to it.
+/// A span link (not a parent) fits such work: it outlives the cause and may
+/// serve several (svc-identity's ipcache push to svc-loader links to the
+/// `UpsertIp` requests whose changes it carries).
+///
+/// ```
+/// use rivet_common::telemetry::TraceLink;
+///
+/// // Without an OpenTelemetry layer (export off) there is nothing to link.
+/// let span = tracing::info_span!("ipcache.upsert");
+/// assert_eq!(span.in_scope(TraceLink::current), None);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TraceLink(opentelemetry::trace::SpanContext);
+
+impl TraceLink {
+    /// The current `tracing` span's context; `None` when export is off or
+    /// no traced span is current.
+    pub fn current() -> Option<Self> {
+        let span_context = tracing::Span::current().context().span().span_context().clone();
+        span_context.is_valid().then_some(Self(span_context))
+    }
+
+    /// Adds a link from `span` to this context. Links are part of a span's
+    /// start: add them before the span is first entered.
+    pub fn link_from(&self, span: &tracing::Span) {
+        span.add_link(self.0.clone());
+    }
+
+    /// The linked span's trace id, 32 lowercase hex digits.
+    pub fn trace_id(&self) -> String {
+        self.0.trace_id().to_string()
+    }
+}
+
 /// Splits a gRPC request path `/pkg.Service/Method` into `("pkg.Service", "Method")`.
 fn split_grpc_path(path: &str) -> (&str, &str) {
     path.strip_prefix('/')
         .and_then(|rest| rest.split_once('/'))
         .unwrap_or((path, ""))
+}
+
+/// Methods that clients poll (daemon liveness and boot ids): traced only
+/// inside a caller's trace, never as a trace of their own.
+const HEALTH_POLLS: &[&str] = &[
+    "/rivet.daemon.v1.Daemon/GetInfo",
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+];
+
+/// Whether `path` is one of the [`HEALTH_POLLS`].
+fn is_health_poll(path: &str) -> bool {
+    HEALTH_POLLS.contains(&path)
 }
 
 /// Whether a gRPC status code marks a server span as failed (OTel semantic
@@ -551,6 +624,11 @@ fn is_server_error(code: i64) -> bool {
 ///
 /// The span covers the handler up to the response headers; the body of a
 /// streaming response is sent after the span has closed.
+///
+/// Health polls (`rivet.daemon.v1.Daemon/GetInfo`, gRPC health checks)
+/// without an incoming trace context get no span: they would otherwise be a
+/// root trace each, most of all traces. With a caller's context (rivet-cni
+/// asks svc-endpoint whether it is up inside `cni.add`) they are traced.
 ///
 /// ```no_run
 /// use rivet_common::telemetry::TraceContextServerLayer;
@@ -633,6 +711,14 @@ where
     }
 
     fn call(&mut self, req: http::Request<ReqBody>) -> Self::Future {
+        let parent = extract_context(req.headers());
+        let continues_a_trace = parent.span().span_context().is_valid();
+        if !continues_a_trace && is_health_poll(req.uri().path()) {
+            // Polling starts no trace: GetInfo polls were ~80% of all traces
+            // and hid the pods' traces in Jaeger. A poll inside a caller's
+            // trace (rivet-cni's readiness check) stays in that trace.
+            return Box::pin(self.inner.call(req));
+        }
         let path = req.uri().path();
         let (service, method) = split_grpc_path(path);
         let span = tracing::info_span!(
@@ -646,8 +732,7 @@ where
             rpc.grpc.status_code = Empty,
             otel.status_code = Empty,
         );
-        let parent = extract_context(req.headers());
-        if parent.span().span_context().is_valid() {
+        if continues_a_trace {
             // Fails only when no OpenTelemetry layer is installed (export
             // off) or the span is disabled; the span is then local-only.
             let _ = span.set_parent(parent);
@@ -975,6 +1060,47 @@ mod tests {
         assert_eq!(spans.len(), 1, "{spans:#?}");
         assert_eq!(spans[0].parent_span_id, opentelemetry::trace::SpanId::INVALID);
         assert_eq!(spans[0].name, "a.B/C");
+    }
+
+    /// A health poll that continues no trace opens no span (so no root
+    /// trace); the same call from inside a trace is traced (the first test).
+    #[tokio::test]
+    async fn telemetry_a_health_poll_outside_a_trace_is_not_traced() {
+        let (subscriber, memory) = otel_subscriber();
+        let _default = tracing::subscriber::set_default(subscriber);
+        let handler = tower::service_fn(|_req: http::Request<()>| async {
+            assert!(tracing::Span::current().is_none(), "no server span around the handler");
+            Ok::<_, Infallible>(http::Response::new(()))
+        });
+        let server = TraceContextServerLayer::default().layer(handler);
+        for path in HEALTH_POLLS {
+            let req = http::Request::builder().uri(*path).body(()).unwrap();
+            server.clone().oneshot(req).await.unwrap();
+        }
+        let spans = memory.0.lock().unwrap().clone();
+        assert!(spans.is_empty(), "health polls made traces: {spans:#?}");
+    }
+
+    /// A link taken inside one span and added to another lands on the
+    /// exported span with the first one's trace and span id.
+    #[test]
+    fn telemetry_trace_link_links_to_the_current_span() {
+        let (subscriber, memory) = otel_subscriber();
+        tracing::subscriber::with_default(subscriber, || {
+            let cause = tracing::info_span!("cause");
+            let link = cause.in_scope(TraceLink::current).expect("a traced span is current");
+            assert_eq!(link.trace_id(), trace_id_of(&cause).to_string());
+            drop(cause);
+            let effect = tracing::info_span!(parent: None, "effect");
+            link.link_from(&effect);
+            drop(effect);
+            let spans = memory.0.lock().unwrap().clone();
+            let cause = spans.iter().find(|s| s.name == "cause").unwrap();
+            let effect = spans.iter().find(|s| s.name == "effect").unwrap();
+            assert_ne!(effect.span_context.trace_id(), cause.span_context.trace_id());
+            let links: Vec<_> = effect.links.iter().map(|l| l.span_context.clone()).collect();
+            assert_eq!(links, std::slice::from_ref(&cause.span_context));
+        });
     }
 
     /// `DaemonClient::new(TraceContextClient<Channel>)` must type-check.

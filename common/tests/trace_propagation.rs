@@ -58,6 +58,7 @@ async fn server_span_joins_the_client_trace() -> Result<(), Box<dyn std::error::
         service_name: SERVICE_NAME.into(),
         log_format: LogFormat::Text,
         default_filter: "info".into(),
+        resource_attributes: Vec::new(),
     })?;
     assert!(guard.is_exporting(), "OTEL_EXPORTER_OTLP_ENDPOINT is set");
 

@@ -89,9 +89,13 @@ fn main() -> ExitCode {
 
 #[tokio::main]
 async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
-    let _telemetry = daemon::init_telemetry(&flags.common, svc_endpoint::DAEMON_NAME)?;
+    let identity = DaemonIdentity::new(
+        svc_endpoint::DAEMON_NAME,
+        env!("CARGO_PKG_VERSION"),
+        flags.common.node_name(),
+    );
+    let _telemetry = daemon::init_telemetry(&flags.common, &identity)?;
     privileges.log();
-    let node = flags.common.node_name();
     let listener = daemon::bind_socket(
         &flags.common,
         svc_endpoint::DAEMON_NAME,
@@ -140,7 +144,6 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         .start(&controllers);
     }
 
-    let identity = DaemonIdentity::new(svc_endpoint::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let (endpoints, policies, namespaces, pod_metadata) =
         EndpointApi::new(manager, identity.boot_id.clone()).into_servers();
     let routes = Routes::new(endpoints)

@@ -140,7 +140,8 @@ fn main() -> ExitCode {
 
 #[tokio::main]
 async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
-    let _telemetry = daemon::init_telemetry(&flags.common, svc_gc::DAEMON_NAME)?;
+    let identity = DaemonIdentity::new(svc_gc::DAEMON_NAME, env!("CARGO_PKG_VERSION"), flags.common.node_name());
+    let _telemetry = daemon::init_telemetry(&flags.common, &identity)?;
     privileges.log();
     let opts = options(&flags)?;
     let node = flags.common.node_name();
@@ -177,7 +178,6 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let controllers = Controllers::new();
     collector.start(&controllers);
 
-    let identity = DaemonIdentity::new(svc_gc::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let service = GcService::new(collector, identity.boot_id.clone());
     let routes = Routes::new(service.into_server());
     daemon::run(

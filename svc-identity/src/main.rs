@@ -135,7 +135,12 @@ fn main() -> ExitCode {
 
 #[tokio::main]
 async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
-    let _telemetry = daemon::init_telemetry(&flags.common, svc_identity::DAEMON_NAME)?;
+    let identity = DaemonIdentity::new(
+        svc_identity::DAEMON_NAME,
+        env!("CARGO_PKG_VERSION"),
+        flags.common.node_name(),
+    );
+    let _telemetry = daemon::init_telemetry(&flags.common, &identity)?;
     privileges.log();
     let filter = LabelFilter::parse(&flags.labels).context("invalid --label rule")?;
     let node = flags.common.node_name();
@@ -241,7 +246,6 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         });
     }
 
-    let identity = DaemonIdentity::new(svc_identity::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let cidrs = Arc::new(CidrIdentities::new(ipcache.clone()));
     let service =
         IdentityService::new(allocator, cidrs, identity.boot_id.clone()).with_ipcache(ipcache.clone(), loader_sync);

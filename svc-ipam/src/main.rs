@@ -47,7 +47,12 @@ fn main() -> ExitCode {
 
 #[tokio::main]
 async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
-    let _telemetry = daemon::init_telemetry(&flags.common, svc_ipam::DAEMON_NAME)?;
+    let identity = DaemonIdentity::new(
+        svc_ipam::DAEMON_NAME,
+        env!("CARGO_PKG_VERSION"),
+        flags.common.node_name(),
+    );
+    let _telemetry = daemon::init_telemetry(&flags.common, &identity)?;
     privileges.log();
     let pools = PoolSet::new(&flags.pools).context("invalid --pool configuration")?;
     // The socket lock comes first: it keeps a second instance off the state.
@@ -58,11 +63,6 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     metrics.register(&mut registry);
     let store = IpamStore::open(&flags.common.state_dir.join("ipam"), pools, metrics.clone())?;
 
-    let identity = DaemonIdentity::new(
-        svc_ipam::DAEMON_NAME,
-        env!("CARGO_PKG_VERSION"),
-        flags.common.node_name(),
-    );
     let service = IpamService::new(Arc::new(store), identity.boot_id.clone(), metrics);
     let routes = Routes::new(service.into_server());
     daemon::run(

@@ -20,6 +20,7 @@ async fn client_and_server_spans_share_one_trace() {
         service_name: "ipam-trace-test".into(),
         log_format: LogFormat::Text,
         default_filter: "info".into(),
+        resource_attributes: Vec::new(),
     })
     .expect("telemetry initialises");
 

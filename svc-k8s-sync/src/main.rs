@@ -90,7 +90,8 @@ fn main() -> ExitCode {
 
 #[tokio::main]
 async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
-    let _telemetry = daemon::init_telemetry(&flags.common, DAEMON_NAME)?;
+    let identity = DaemonIdentity::new(DAEMON_NAME, env!("CARGO_PKG_VERSION"), flags.common.node_name());
+    let _telemetry = daemon::init_telemetry(&flags.common, &identity)?;
     privileges.log();
     let node = flags.common.node_name();
     let sync_timeout = seconds("cache-sync-timeout-seconds", flags.cache_sync_timeout_seconds)?;
@@ -156,7 +157,6 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     }
     .start(&controllers, &ready_trigger);
 
-    let identity = DaemonIdentity::new(DAEMON_NAME, env!("CARGO_PKG_VERSION"), node.clone());
     let service = SyncService::new(node, identity.boot_id.clone(), caches, feed, state);
     daemon::run(
         &flags.common,

@@ -95,7 +95,12 @@ fn main() -> ExitCode {
 
 #[tokio::main]
 async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
-    let _telemetry = daemon::init_telemetry(&flags.common, svc_loader::DAEMON_NAME)?;
+    let identity = DaemonIdentity::new(
+        svc_loader::DAEMON_NAME,
+        env!("CARGO_PKG_VERSION"),
+        flags.common.node_name(),
+    );
+    let _telemetry = daemon::init_telemetry(&flags.common, &identity)?;
     privileges.log();
     let node = flags.common.node_name();
     let listener = daemon::bind_socket(&flags.common, svc_loader::DAEMON_NAME, svc_loader::READ_ONLY_METHODS)?;
@@ -142,7 +147,6 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         &controllers,
     );
 
-    let identity = DaemonIdentity::new(svc_loader::DAEMON_NAME, env!("CARGO_PKG_VERSION"), node);
     let metrics = LoaderMetrics::default();
     let mut registry = Registry::with_prefix("rivet");
     metrics.register(&mut registry);
