@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use rivet_common::backoff::Backoff;
-use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::grpc::{ClientOptions, ConnectError, DaemonChannel, connect_unix_counted};
 use rivet_proto::daemon::v1::GetInfoRequest;
 use rivet_proto::daemon::v1::daemon_client::DaemonClient;
 use rivet_proto::endpoint::v1 as eppb;
@@ -19,6 +19,7 @@ use rivet_proto::ipam::v1 as ipampb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use tokio::sync::OnceCell;
 use tonic::{Request, Response, Status};
+use tracing::Instrument as _;
 
 use crate::api::{EndpointApi, EndpointError, EndpointResult, IpamApi, IpamResult};
 
@@ -49,30 +50,58 @@ impl LazyChannel {
 
     async fn get(&self, timeout: Duration) -> Result<DaemonChannel, Status> {
         self.channel
-            .get_or_try_init(|| async {
-                let window = CONNECT_WINDOW.min(timeout);
-                let options = ClientOptions {
-                    connect_timeout: window,
-                    request_timeout: self.request_timeout,
-                    backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(250)),
-                };
-                match tokio::time::timeout(
-                    window + Duration::from_millis(100),
-                    connect_unix(&self.socket, &options),
-                )
-                .await
-                {
-                    Ok(Ok(channel)) => Ok(channel),
-                    Ok(Err(e)) => Err(Status::unavailable(format!("{}: {e}", self.daemon))),
-                    Err(_) => Err(Status::unavailable(format!(
-                        "{}: connecting to {} did not finish within {window:?}",
-                        self.daemon,
-                        self.socket.display()
-                    ))),
-                }
+            .get_or_try_init(|| {
+                // The wait for a daemon that is (re)starting is part of the
+                // pod's trace: hundreds of ms right after a restart.
+                let span = tracing::info_span!(
+                    "cni.connect",
+                    daemon = self.daemon,
+                    socket = %self.socket.display(),
+                    attempts = tracing::field::Empty,
+                    otel.status_code = tracing::field::Empty,
+                );
+                self.connect(timeout).instrument(span)
             })
             .await
             .cloned()
+    }
+
+    /// Connects, retrying within [`CONNECT_WINDOW`] (and `timeout`); records
+    /// the attempts on the current (`cni.connect`) span.
+    async fn connect(&self, timeout: Duration) -> Result<DaemonChannel, Status> {
+        let window = CONNECT_WINDOW.min(timeout);
+        let options = ClientOptions {
+            connect_timeout: window,
+            request_timeout: self.request_timeout,
+            backoff: Backoff::new(Duration::from_millis(20), Duration::from_millis(250)),
+        };
+        let span = tracing::Span::current();
+        let result = match tokio::time::timeout(
+            window + Duration::from_millis(100),
+            connect_unix_counted(&self.socket, &options),
+        )
+        .await
+        {
+            Ok(Ok(connected)) => {
+                span.record("attempts", connected.attempts);
+                Ok(connected.channel)
+            }
+            Ok(Err(e)) => {
+                if let ConnectError::Unreachable { attempts, .. } = &e {
+                    span.record("attempts", attempts);
+                }
+                Err(Status::unavailable(format!("{}: {e}", self.daemon)))
+            }
+            Err(_) => Err(Status::unavailable(format!(
+                "{}: connecting to {} did not finish within {window:?}",
+                self.daemon,
+                self.socket.display()
+            ))),
+        };
+        if result.is_err() {
+            span.record("otel.status_code", "ERROR");
+        }
+        result
     }
 }
 

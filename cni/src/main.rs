@@ -113,34 +113,39 @@ fn execute(inv: Invocation) -> Outcome {
     }
 }
 
-/// The invocation's root span (`cni.add`, ...): the root of the pod's trace.
+/// The invocation's root span (`cni.add`, ...): the root of the pod's
+/// trace, with the pod's OpenTelemetry attributes (`container.id`,
+/// `k8s.namespace.name`, `k8s.pod.name` when the runtime passed them).
 fn root_span(env: &CniEnv) -> tracing::Span {
     let netns = env.netns.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
-    let pod = match (&env.args.pod_namespace, &env.args.pod_name) {
-        (Some(ns), Some(name)) => format!("{ns}/{name}"),
-        (None, Some(name)) => name.clone(),
-        _ => String::new(),
-    };
     let pid = std::process::id();
     macro_rules! span {
         ($name:literal) => {
             tracing::info_span!(
                 $name,
                 otel.kind = "internal",
-                container_id = %env.container_id,
+                container.id = %env.container_id,
+                k8s.namespace.name = tracing::field::Empty,
+                k8s.pod.name = tracing::field::Empty,
                 ifname = %env.ifname,
                 netns = %netns,
-                pod = %pod,
                 pid,
             )
         };
     }
-    match env.command {
+    let span = match env.command {
         Command::Add => span!("cni.add"),
         Command::Del => span!("cni.del"),
         Command::Check => span!("cni.check"),
         Command::Status => span!("cni.status"),
         Command::Gc => span!("cni.gc"),
         Command::Version => span!("cni.version"),
+    };
+    if let Some(namespace) = &env.args.pod_namespace {
+        span.record("k8s.namespace.name", namespace.as_str());
     }
+    if let Some(name) = &env.args.pod_name {
+        span.record("k8s.pod.name", name.as_str());
+    }
+    span
 }

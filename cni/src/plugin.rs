@@ -355,9 +355,15 @@ async fn add_steps(
     let addresses = match &conf.ipam {
         None => {
             undo.ipam = true;
-            allocate(deps, inv, deadline)
-                .instrument(tracing::info_span!("cni.ipam.allocate", pool = %conf.ipam_pool))
-                .await?
+            let span = tracing::info_span!(
+                "cni.ipam.allocate",
+                pool = %conf.ipam_pool,
+                rivet.pod.addresses = tracing::field::Empty,
+            );
+            let addresses = allocate(deps, inv, deadline).instrument(span.clone()).await?;
+            let assigned: Vec<String> = addresses.pod.iter().map(|a| a.address.to_string()).collect();
+            span.record("rivet.pod.addresses", assigned.join(",").as_str());
+            addresses
         }
         Some(delegated) => {
             undo.delegated = Some(delegated.plugin_type.clone());
@@ -538,11 +544,29 @@ async fn create_endpoint(
     deadline: Deadline,
 ) -> Result<eppb::Endpoint, CniError> {
     let timeout = deadline.remaining("creating the endpoint")?;
-    deps.endpoints
+    let span = tracing::info_span!(
+        "cni.endpoint.create",
+        container.id = %request.container_id,
+        k8s.namespace.name = tracing::field::Empty,
+        k8s.pod.name = tracing::field::Empty,
+        rivet.endpoint.id = tracing::field::Empty,
+        rivet.identity.id = tracing::field::Empty,
+    );
+    if !request.pod_namespace.is_empty() {
+        span.record("k8s.namespace.name", request.pod_namespace.as_str());
+    }
+    if !request.pod_name.is_empty() {
+        span.record("k8s.pod.name", request.pod_name.as_str());
+    }
+    let endpoint = deps
+        .endpoints
         .create(request, timeout)
-        .instrument(tracing::info_span!("cni.endpoint.create"))
+        .instrument(span.clone())
         .await
-        .map_err(|e| endpoint_error("creating the endpoint", &e))
+        .map_err(|e| endpoint_error("creating the endpoint", &e))?;
+    span.record("rivet.endpoint.id", endpoint.id);
+    span.record("rivet.identity.id", endpoint.identity);
+    Ok(endpoint)
 }
 
 fn owner(env: &CniEnv) -> ipampb::Owner {

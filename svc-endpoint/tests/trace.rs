@@ -1,31 +1,28 @@
-//! One endpoint creation is one trace: the caller's span, svc-endpoint's
-//! CreateEndpoint, and the calls its regeneration makes into svc-identity
-//! and svc-loader share a trace id at an OTLP collector all processes export
-//! to. Its own test binary: it installs the global subscriber and sets the
-//! OTLP endpoint every daemon inherits.
+//! One endpoint creation is one trace in a real Jaeger: the caller's span,
+//! svc-endpoint's CreateEndpoint and its regeneration's calls into
+//! svc-identity and svc-loader (inside the node namespace, through the
+//! node's relay), parent-child links intact. Its own test binary: it
+//! installs the global subscriber and sets the OTLP endpoint.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
-use rivet_common::telemetry::{self, LogFormat, TelemetryOptions};
-use rivet_common::testing::OtlpCollector;
+use rivet_common::telemetry::{self, TelemetryOptions};
+use rivet_testkit::jaeger::{Jaeger, JaegerSpan, orphans};
 use rivet_testkit::node::{EndpointNode, NodeOptions};
 use tracing::Instrument;
 
+const SERVICE: &str = "endpoint-trace-test";
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_endpoint_creation_is_one_trace_across_the_daemons() {
-    let collector = OtlpCollector::start().await.expect("collector starts");
-    // SAFETY: set before any other thread of this test reads the environment;
-    // the daemons inherit it.
-    unsafe { std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", collector.endpoint()) };
-    let guard = telemetry::init(TelemetryOptions {
-        service_name: "endpoint-trace-test".into(),
-        log_format: LogFormat::Text,
-        default_filter: "info".into(),
-    })
-    .expect("telemetry initialises");
+    let jaeger = Jaeger::start().await.expect("Jaeger starts");
+    // SAFETY: set before any other thread of this test reads the environment.
+    unsafe { std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", jaeger.otlp_endpoint()) };
+    let guard = telemetry::init(TelemetryOptions::new(SERVICE)).expect("telemetry initialises");
 
     let mut node = EndpointNode::start(NodeOptions {
-        trace_loader: true,
+        otlp: Some(jaeger.otlp_addr()),
         ..NodeOptions::default()
     })
     .await
@@ -42,57 +39,46 @@ async fn an_endpoint_creation_is_one_trace_across_the_daemons() {
     }
     .instrument(span)
     .await;
-
-    // Graceful stops flush the daemons' exporters.
-    let endpoint = node.endpoint_daemon();
-    assert!(endpoint.terminate().await.unwrap().success(), "{}", endpoint.log());
-    assert!(
-        node.identity.terminate().await.unwrap().success(),
-        "{}",
-        node.identity.log()
-    );
-    assert!(
-        node.node.loader.terminate().await.unwrap().success(),
-        "{}",
-        node.node.loader.log()
-    );
     guard.shutdown().expect("flush the test's spans");
 
-    let server = |service: &'static str, method: &'static str| {
-        move |s: &rivet_common::testing::CollectedSpan| s.service_name == service && s.name.ends_with(method)
-    };
-    let loader_collector = node
-        .loader_collector
-        .as_ref()
-        .expect("the node collects svc-loader's spans");
-    let loader_spans = loader_collector
-        .wait_for(Duration::from_secs(10), |spans| {
-            spans.iter().any(server("svc-loader", "/ApplyEndpoint"))
-        })
-        .await;
-    let mut spans = collector
-        .wait_for(Duration::from_secs(10), |spans| {
+    let ours = jaeger
+        .wait_for_service(SERVICE, Duration::from_secs(10), |spans| {
             spans.iter().any(|s| s.name == "test.create_endpoint")
-                && spans.iter().any(server("svc-endpoint", "/CreateEndpoint"))
-                && spans.iter().any(server("svc-identity", "/AllocateIdentity"))
         })
-        .await;
-    spans.extend(loader_spans);
-    let root = spans
+        .await
+        .expect("the query API answers");
+    let root = ours
         .iter()
         .find(|s| s.name == "test.create_endpoint")
-        .unwrap_or_else(|| panic!("the test's span reaches the collector: {spans:#?}"));
-    for (service, method) in [
+        .unwrap_or_else(|| panic!("the test's span reaches Jaeger: {ours:#?}"));
+    let has = |spans: &[JaegerSpan], service: &str, method: &str| {
+        spans
+            .iter()
+            .any(|s| s.service_name == service && s.name.ends_with(method))
+    };
+    let expected = [
         ("svc-endpoint", "/CreateEndpoint"),
         ("svc-identity", "/AllocateIdentity"),
         ("svc-identity", "/UpsertIp"),
         ("svc-loader", "/ApplyEndpoint"),
-    ] {
+    ];
+    let trace = jaeger
+        .wait_for_trace(&root.trace_id, Duration::from_secs(20), |spans| {
+            expected.iter().all(|(service, method)| has(spans, service, method)) && orphans(spans).is_empty()
+        })
+        .await
+        .expect("the query API answers");
+    for (service, method) in expected {
         assert!(
-            spans
-                .iter()
-                .any(|s| server(service, method)(s) && s.trace_id == root.trace_id),
-            "{service}{method} must belong to the creation's trace: {spans:#?}"
+            has(&trace, service, method),
+            "{service}{method} must belong to the creation's trace: {trace:#?}"
         );
     }
+    assert!(orphans(&trace).is_empty(), "orphans: {:#?}", orphans(&trace));
+    let roots: BTreeSet<&str> = trace
+        .iter()
+        .filter(|s| s.parent_span_id.is_empty())
+        .map(|s| s.name.as_str())
+        .collect();
+    assert_eq!(roots, BTreeSet::from(["test.create_endpoint"]), "one root");
 }

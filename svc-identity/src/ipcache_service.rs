@@ -240,6 +240,7 @@ impl IpcacheWatch {
                         revision: r,
                         prefix,
                         entry,
+                        ..
                     }) => {
                         revision = r;
                         changes.insert(prefix, entry);

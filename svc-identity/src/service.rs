@@ -168,7 +168,11 @@ fn record_proto(r: &IdentityRecord) -> pb::Identity {
 
 #[tonic::async_trait]
 impl pb::identity_service_server::IdentityService for IdentityService {
-    #[tracing::instrument(name = "identity.allocate", skip_all)]
+    #[tracing::instrument(
+        name = "identity.allocate",
+        skip_all,
+        fields(rivet.identity.id, rivet.identity.labels, rivet.identity.newly_allocated)
+    )]
     async fn allocate_identity(
         &self,
         request: Request<pb::AllocateIdentityRequest>,
@@ -177,8 +181,13 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         let labels = parse_labels(&r.labels)?;
         let owner = owner(&r.owner)?;
         let a = self.allocator.allocate(&labels, owner).await.map_err(status)?;
+        let identity = self.identity(a.id, &a.labels, a.kind);
+        let span = tracing::Span::current();
+        span.record("rivet.identity.id", a.id);
+        span.record("rivet.identity.labels", identity.labels.join(",").as_str());
+        span.record("rivet.identity.newly_allocated", a.newly_allocated);
         Ok(Response::new(pb::AllocateIdentityResponse {
-            identity: Some(self.identity(a.id, &a.labels, a.kind)),
+            identity: Some(identity),
             newly_allocated: a.newly_allocated,
             boot_id: self.boot_id.to_string(),
         }))

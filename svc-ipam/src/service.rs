@@ -49,7 +49,14 @@ impl IpamService {
 
 #[tonic::async_trait]
 impl pb::ipam_server::Ipam for IpamService {
-    #[tracing::instrument(name = "ipam.allocate", skip_all)]
+    #[tracing::instrument(
+        name = "ipam.allocate",
+        skip_all,
+        fields(
+            container.id = request.get_ref().owner.as_ref().map_or("", |o| o.container_id.as_str()),
+            rivet.pod.addresses,
+        )
+    )]
     async fn allocate(&self, request: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
         let r = request.into_inner();
         let result = async {
@@ -77,6 +84,7 @@ impl pb::ipam_server::Ipam for IpamService {
         }
         .await
         .map_err(|s| self.fail("Allocate", s))?;
+        tracing::Span::current().record("rivet.pod.addresses", result.address.to_string().as_str());
         Ok(Response::new(pb::AllocateResponse {
             allocation: Some(self.allocation_proto(&result)),
             boot_id: self.boot_id.to_string(),

@@ -332,7 +332,15 @@ fn event_proto(e: &Event, boot_id: &str, lost: u64) -> pb::MonitorEvent {
 
 #[tonic::async_trait]
 impl pb::loader_service_server::LoaderService for LoaderService {
-    #[tracing::instrument(name = "loader.apply_endpoint", skip_all, fields(endpoint_id = request.get_ref().endpoint_id))]
+    #[tracing::instrument(
+        name = "loader.apply_endpoint",
+        skip_all,
+        fields(
+            endpoint_id = request.get_ref().endpoint_id,
+            rivet.identity.id = request.get_ref().identity,
+            rivet.pod.addresses,
+        )
+    )]
     async fn apply_endpoint(
         &self,
         request: Request<pb::ApplyEndpointRequest>,
@@ -341,6 +349,10 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         let spec = validate::endpoint(request.get_ref())
             .map_err(invalid)
             .map_err(|s| self.fail("ApplyEndpoint", s))?;
+        let addresses: Vec<String> = (spec.ipv4.map(|a| a.to_string()).into_iter())
+            .chain(spec.ipv6.map(|a| a.to_string()))
+            .collect();
+        tracing::Span::current().record("rivet.pod.addresses", addresses.join(",").as_str());
         let applied = self
             .blocking(move |dp| dp.apply(&spec))
             .await

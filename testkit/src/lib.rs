@@ -15,6 +15,8 @@
 //!   an admin client, Rivet's CRDs and ServiceAccounts bound to deploy/'s RBAC;
 //! - [`cni`]: running a CNI plugin the way a container runtime does;
 //! - [`frames`]: raw frames built by hand and sent from an interface;
+//! - [`jaeger`]: a real Jaeger v2 for trace tests, read back through its
+//!   query API, and OTLP relays into node namespaces;
 //! - [`tools`]: where the Go-built tools (Kubernetes, etcd 3.6, Jaeger) are;
 //! - [`wire`]: addresses and prefixes written as text, in their wire form.
 //!
@@ -24,6 +26,7 @@
 pub mod cni;
 pub mod frames;
 pub mod gc;
+pub mod jaeger;
 pub mod kube;
 pub mod loader;
 pub mod node;

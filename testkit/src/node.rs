@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::netns::{PodSpec, TestPod};
-use rivet_common::testing::{DaemonCommand, DaemonProcess, OtlpCollector, workspace_binary};
+use rivet_common::testing::{DaemonCommand, DaemonProcess, workspace_binary};
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;
@@ -21,12 +21,18 @@ use rivet_proto::loader::v1 as ldpb;
 use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader};
 use svc_endpoint::manager::Dependencies;
 
+use crate::jaeger::OtlpRelay;
 use crate::loader::{DEFAULT_ENDPOINTS_MAX, LoaderNode};
 
 /// The node's IPv4 pool (the gateway .1 is answered by the datapath).
 pub const POOL4: &str = "198.18.0.0/22";
 /// The node's IPv6 pool.
 pub const POOL6: &str = "2001:2::/64";
+
+/// How often the daemons export their finished spans with
+/// [`NodeOptions::otlp`] (`OTEL_BSP_SCHEDULE_DELAY`, ms; the SDK's default
+/// is 5 s): a test sees a trace without stopping the daemons.
+pub const EXPORT_DELAY_MS: &str = "100";
 
 /// A node running all four node daemons. Fields drop in order: the
 /// unprivileged daemons, then the loader node (loader, namespaces, pins,
@@ -41,8 +47,10 @@ pub struct EndpointNode {
     pub ipam: DaemonProcess,
     /// The node namespace, its pods and svc-loader.
     pub node: LoaderNode,
-    /// The collector of svc-loader's spans (with [`NodeOptions::trace_loader`]).
-    pub loader_collector: Option<OtlpCollector>,
+    /// The relay from the node namespace to the OTLP receiver (with
+    /// [`NodeOptions::otlp`]): its [`endpoint`](OtlpRelay::endpoint) is the
+    /// one for processes inside the namespace (svc-loader, rivet-cni).
+    pub otlp_relay: Option<OtlpRelay>,
 }
 
 /// Extra flags per daemon.
@@ -52,10 +60,11 @@ pub struct NodeOptions {
     pub endpoint_args: Vec<String>,
     /// Do not start svc-endpoint (a test runs the manager in-process).
     pub without_endpoint_daemon: bool,
-    /// Run an OTLP collector inside the node namespace for svc-loader's
-    /// spans ([`EndpointNode::loader_collector`]); the other daemons export
-    /// to `OTEL_EXPORTER_OTLP_ENDPOINT` of the test's environment.
-    pub trace_loader: bool,
+    /// Export every daemon's spans to this OTLP/gRPC receiver on the host's
+    /// loopback (e.g. [`Jaeger::otlp_addr`](crate::jaeger::Jaeger::otlp_addr)):
+    /// the daemons in the host namespace directly, svc-loader through a
+    /// relay inside the node namespace ([`EndpointNode::otlp_relay`]).
+    pub otlp: Option<std::net::SocketAddr>,
     /// Where the daemon binaries are; `None`: beside the running test
     /// ([`workspace_binary`]). A benchmark binary (`target/<profile>/`,
     /// not `deps/`) passes its own directory.
@@ -83,34 +92,37 @@ impl EndpointNode {
     /// Starts the node: svc-loader, svc-ipam, svc-identity, svc-endpoint.
     pub async fn start(options: NodeOptions) -> std::io::Result<Self> {
         // svc-loader runs in the node namespace, where the host's loopback
-        // (and a collector on it) is out of reach: it gets its own.
-        let mut listener = None;
+        // (and the receiver on it) is out of reach: it exports through a relay.
+        let mut otlp_relay = None;
         let endpoints_max = options.loader_endpoints_max.unwrap_or(DEFAULT_ENDPOINTS_MAX);
         let node = LoaderNode::start_with_env(&options.binary("svc-loader"), &[], &[], endpoints_max, |node| {
-            if !options.trace_loader {
+            let Some(receiver) = options.otlp else {
                 return Ok(Vec::new());
-            }
-            let bound = node
-                .ns
-                .in_ns(|| std::net::TcpListener::bind("127.0.0.1:0"))
-                .map_err(std::io::Error::other)??;
-            let endpoint = format!("http://{}", bound.local_addr()?);
-            listener = Some(bound);
-            Ok(vec![("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint)])
+            };
+            let relay = OtlpRelay::start(&node.ns, receiver).map_err(std::io::Error::other)?;
+            let endpoint = relay.endpoint();
+            otlp_relay = Some(relay);
+            Ok(vec![
+                ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
+                ("OTEL_BSP_SCHEDULE_DELAY".into(), EXPORT_DELAY_MS.into()),
+            ])
         })
         .await?;
-        let loader_collector = match listener {
-            Some(listener) => Some(OtlpCollector::start_on(listener).await?),
-            None => None,
-        };
+        let otlp_env = options.otlp.map(|addr| format!("http://{addr}"));
         let dir = node.dir.path().to_path_buf();
         let sockets = dir.join("sockets");
         let common = |name: &str| {
-            DaemonCommand::new(options.binary(name), sockets.join(format!("{name}.sock")))
+            let command = DaemonCommand::new(options.binary(name), sockets.join(format!("{name}.sock")))
                 .args(["--socket-dir".as_ref(), sockets.as_os_str()])
                 .args(["--state-dir".as_ref(), dir.join("state").as_os_str()])
                 .args(["--node-name", &node.node_name])
-                .log_to(dir.join(format!("{name}.log")))
+                .log_to(dir.join(format!("{name}.log")));
+            match &otlp_env {
+                Some(endpoint) => command
+                    .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+                    .env("OTEL_BSP_SCHEDULE_DELAY", EXPORT_DELAY_MS),
+                None => command,
+            }
         };
         let ipam = common("svc-ipam")
             .args(["--pool", &format!("default={POOL4},{POOL6}")])
@@ -141,7 +153,7 @@ impl EndpointNode {
             identity,
             ipam,
             node,
-            loader_collector,
+            otlp_relay,
         })
     }
 

@@ -8,6 +8,7 @@ use rivet_common::labels::Labels;
 use rivet_proto::identity::v1 as idpb;
 use rivet_proto::loader::v1 as ldpb;
 use tonic::Status;
+use tracing::Instrument as _;
 
 use super::queue::{Queue, RemovalReason};
 use super::{EndpointManager, RegenError};
@@ -59,6 +60,7 @@ impl EndpointManager {
         } else {
             EndpointState::Regenerating
         };
+        record_pod_attributes(&spec);
         self.set_state(id, regenerating, reason);
         let result = self
             .run_steps(&spec, request_labels, previous_identity, reason, queue)
@@ -168,6 +170,7 @@ impl EndpointManager {
                 labels: request_labels.iter().map(ToString::to_string).collect(),
                 owner: spec.identity_owner(),
             })
+            .instrument(tracing::info_span!("regenerate.identity"))
             .await
             .map_err(|s| RegenError::new(RegenerationStep::Identity, s))?;
         let identity = allocated.identity.ok_or_else(|| {
@@ -182,21 +185,26 @@ impl EndpointManager {
                 Status::internal(format!("svc-identity returned invalid labels: {e}")),
             )
         })?;
+        tracing::Span::current().record("rivet.identity.id", identity.id);
         if previous_identity == 0 {
             self.set_state(id, EndpointState::Regenerating, reason);
         }
         // 2. policy: its inputs under the lock, the resolution without it
-        let (prepared, revision) = {
+        let policy_span = tracing::info_span!("regenerate.policy", entries = tracing::field::Empty);
+        let (prepared, revision) = policy_span.in_scope(|| {
             let mut state = self.state();
             let prepared = state.repository.prepare(&identity_labels, &state.selectors);
             if let Some(slot) = state.endpoints.get_mut(&id) {
                 slot.resolving = Some(identity_labels.clone());
             }
             (prepared, state.repository.revision())
-        };
+        });
         let resolved = self
             .resolve_policy(id, prepared, identity_labels.clone(), spec.named_ports.clone())
+            .instrument(policy_span.clone())
             .await?;
+        policy_span.record("entries", resolved.entries.len());
+        drop(policy_span);
         // 3. datapath
         open(RegenerationStep::Datapath)?;
         let applied = deps
@@ -213,6 +221,7 @@ impl EndpointManager {
                 identity: identity.id,
                 policy: Some(resolved.to_proto(revision, self.inner.options.allow_from_host)),
             })
+            .instrument(tracing::info_span!("regenerate.datapath"))
             .await
             .map_err(datapath_failure)?;
         if let Some(held) = applied.endpoint
@@ -245,6 +254,7 @@ impl EndpointManager {
                     })
                     .collect(),
             })
+            .instrument(tracing::info_span!("regenerate.ipcache"))
             .await
             .map_err(|s| RegenError::new(RegenerationStep::Ipcache, s))?;
         // 5. state dir (skipped when it already holds exactly this)
@@ -274,6 +284,7 @@ impl EndpointManager {
             let state_dir = self.inner.state_dir.clone();
             let to_write = record.clone();
             tokio::task::spawn_blocking(move || state_dir.write(&to_write))
+                .instrument(tracing::info_span!("regenerate.state_dir"))
                 .await
                 .map_err(|e| RegenError::new(RegenerationStep::StateDir, Status::internal(e.to_string())))?
                 .map_err(|e| RegenError::new(RegenerationStep::StateDir, Status::internal(e.to_string())))?;
@@ -288,6 +299,7 @@ impl EndpointManager {
                     id: previous_identity,
                     owner: spec.identity_owner(),
                 })
+                .instrument(tracing::info_span!("regenerate.release_identity"))
                 .await
         {
             tracing::warn!(endpoint = id, identity = previous_identity, error = %e, "releasing the previous identity failed; a resync will");
@@ -338,6 +350,24 @@ impl EndpointManager {
         );
         Ok(resolved)
     }
+}
+
+/// Records the pod's OpenTelemetry attributes on the current (`regenerate`)
+/// span: what a Jaeger user searches a pod's traces by.
+fn record_pod_attributes(spec: &EndpointSpec) {
+    let span = tracing::Span::current();
+    for (field, value) in [
+        ("k8s.pod.name", &spec.pod_name),
+        ("k8s.namespace.name", &spec.pod_namespace),
+        ("k8s.pod.uid", &spec.pod_uid),
+        ("container.id", &spec.container_id),
+    ] {
+        if !value.is_empty() {
+            span.record(field, value.as_str());
+        }
+    }
+    let addresses: Vec<String> = spec.addresses.iter().map(|a| a.address.to_string()).collect();
+    span.record("rivet.pod.addresses", addresses.join(",").as_str());
 }
 
 /// A failed ApplyEndpoint, and whether svc-loader's reason says the

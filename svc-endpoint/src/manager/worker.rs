@@ -124,7 +124,20 @@ impl EndpointManager {
             };
             let result = {
                 let _serialised = queue.lock.lock().await;
-                let span = tracing::info_span!(parent: &target.requester, "regenerate", endpoint = id, reason = %target.reason);
+                // The pod's attributes (OpenTelemetry semantic conventions)
+                // are recorded by `regenerate` once it read the spec.
+                let span = tracing::info_span!(
+                    parent: &target.requester,
+                    "regenerate",
+                    endpoint = id,
+                    reason = %target.reason,
+                    k8s.pod.name = tracing::field::Empty,
+                    k8s.namespace.name = tracing::field::Empty,
+                    k8s.pod.uid = tracing::field::Empty,
+                    container.id = tracing::field::Empty,
+                    rivet.pod.addresses = tracing::field::Empty,
+                    rivet.identity.id = tracing::field::Empty,
+                );
                 self.regenerate(id, &target.reason, &queue).instrument(span).await
             };
             drop(_permit);

@@ -137,6 +137,11 @@ pub struct IpcacheDelta {
     pub prefix: IpNet,
     /// Its new effective entry; `None` when no claim is left.
     pub entry: Option<IpcacheEntry>,
+    /// The trace context of the request that made the change (an
+    /// `UpsertIp` or `DeleteIp` call inside a pod's trace), so that the push
+    /// to svc-loader links to it; `None` for changes without one (the
+    /// store's watch, restore, export off).
+    pub cause: Option<rivet_common::telemetry::TraceLink>,
 }
 
 /// A prefix as the API prints it: always `address/length`.

@@ -18,12 +18,14 @@ use ipnet::IpNet;
 use rivet_common::backoff::Backoff;
 use rivet_common::controller::{Controller, Controllers, Progress};
 use rivet_common::grpc::{BootIdWatch, ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::telemetry::TraceLink;
 use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::loader::v1 as loader_pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use super::{IpCache, IpcacheDelta, IpcacheEntry, IpcacheSource};
 
@@ -236,6 +238,7 @@ impl LoaderSync {
             tokio::select! {
                 first = deltas.recv() => {
                     let mut batch: BTreeMap<IpNet, Option<IpcacheEntry>> = BTreeMap::new();
+                    let mut causes: Vec<TraceLink> = Vec::new();
                     let mut revision = 0;
                     let mut lagged = false;
                     let mut next = first;
@@ -244,6 +247,11 @@ impl LoaderSync {
                             Ok(d) => {
                                 revision = d.revision;
                                 batch.insert(d.prefix, d.entry);
+                                if let Some(cause) = d.cause
+                                    && !causes.contains(&cause)
+                                {
+                                    causes.push(cause);
+                                }
                             }
                             Err(broadcast::error::RecvError::Lagged(n)) => {
                                 tracing::info!(missed = n, "the loader push fell behind the ipcache; full resync");
@@ -263,7 +271,7 @@ impl LoaderSync {
                         deltas = self.full_sync(&mut loader, &boot, &restarted).await?;
                         continue;
                     }
-                    self.push(&mut loader, &boot, batch).await?;
+                    self.push(&mut loader, &boot, batch, &causes).await?;
                     self.pushed.send_replace(revision);
                 }
                 _ = probe.tick() => {
@@ -323,12 +331,16 @@ impl LoaderSync {
         Ok(deltas)
     }
 
-    /// Pushes coalesced changes: upserts, then deletes, in batches.
+    /// Pushes coalesced changes: upserts, then deletes, in batches, in an
+    /// `ipcache.push` trace of its own that links to the requests that
+    /// caused them (`causes`): a pod's trace then shows when its addresses
+    /// reached the datapath.
     async fn push(
         &self,
         loader: &mut LoaderServiceClient<DaemonChannel>,
         boot: &BootIdWatch,
         batch: BTreeMap<IpNet, Option<IpcacheEntry>>,
+        causes: &[TraceLink],
     ) -> Result<(), SyncError> {
         let mut upserts = Vec::new();
         let mut deletes = Vec::new();
@@ -338,6 +350,22 @@ impl LoaderSync {
                 None => deletes.push(rivet_proto::net::prefix_to_proto(prefix)),
             }
         }
+        let (upserted, deleted) = (upserts.len(), deletes.len());
+        let span = tracing::info_span!(parent: None, "ipcache.push", upserted, deleted, causes = causes.len());
+        for cause in causes {
+            cause.link_from(&span);
+        }
+        self.push_entries(loader, boot, upserts, deletes).instrument(span).await
+    }
+
+    /// The calls of [`push`](Self::push).
+    async fn push_entries(
+        &self,
+        loader: &mut LoaderServiceClient<DaemonChannel>,
+        boot: &BootIdWatch,
+        upserts: Vec<loader_pb::IpcacheEntry>,
+        deletes: Vec<rivet_proto::net::v1::IpPrefix>,
+    ) -> Result<(), SyncError> {
         let (upserted, deleted) = (upserts.len(), deletes.len());
         for chunk in upserts.chunks(self.batch_size()) {
             let r = loader

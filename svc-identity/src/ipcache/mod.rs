@@ -380,6 +380,7 @@ impl IpCache {
             revision: st.revision,
             prefix,
             entry: after,
+            cause: rivet_common::telemetry::TraceLink::current(),
         });
         self.snapshot_part.changed();
         true
