@@ -214,6 +214,19 @@ impl NodePlan {
         self.state_dir.join(daemon)
     }
 
+    /// Uids that may call every method of daemon `name`: the
+    /// [`accounts`](NodeAccounts::full_access_uids)' ones, and with
+    /// `--kubeconfig` svc-k8s-sync's user on svc-endpoint (it feeds pod
+    /// metadata and policies; without it every feed call was refused).
+    fn full_access_uids(&self, accounts: &NodeAccounts, name: &str) -> Vec<u32> {
+        let mut uids = accounts.full_access_uids(name);
+        let feeder = accounts.of(K8S_SYNC).uid;
+        if name == "svc-endpoint" && self.args.kubeconfig.is_some() && !uids.contains(&feeder) {
+            uids.push(feeder);
+        }
+        uids
+    }
+
     /// The node daemons, in start order, each switching to its user at start
     /// and admitting on its socket only who needs it ([`accounts`](crate::accounts)).
     pub fn specs(&self, accounts: &NodeAccounts) -> Vec<DaemonSpec> {
@@ -233,7 +246,7 @@ impl NodePlan {
                     "--socket-gid".into(),
                     accounts.operator_gid.to_string().into(),
                     "--allowed-uids".into(),
-                    ids(&accounts.full_access_uids(name)).into(),
+                    ids(&self.full_access_uids(accounts, name)).into(),
                     "--read-only-gids".into(),
                     accounts.operator_gid.to_string().into(),
                 ];
@@ -506,6 +519,13 @@ pub(super) mod tests {
             strings(&specs[4].args)[COMMON..],
             ["--k8s-sync-socket", "/tmp/r/sockets/svc-k8s-sync.sock"]
         );
+        // svc-k8s-sync's user may feed svc-endpoint; without Kubernetes only root.
+        let allowed = |specs: &[DaemonSpec], name: &str| {
+            let args = strings(&specs.iter().find(|s| s.name == name).unwrap().args);
+            args[args.iter().position(|a| a == "--allowed-uids").unwrap() + 1].clone()
+        };
+        assert_eq!(allowed(&specs, "svc-endpoint"), "0,999");
+        assert_eq!(allowed(&without.specs(&test_accounts()), "svc-endpoint"), "0");
         assert!(plan(&["--netns", "rn1", "--kubeconfig", ""]).is_err());
     }
 
