@@ -79,13 +79,13 @@ fn k8s_sync_log(node: &TestNode) -> String {
     std::fs::read_to_string(node.record().log_dir.join("svc-k8s-sync.log")).unwrap_or_default()
 }
 
-/// The endpoint of pod `shop/<name>` from `rivet endpoint list`.
+/// The endpoint of pod `default/<name>` from `rivet endpoint list`.
 fn endpoint(node: &TestNode, name: &str) -> Option<serde_json::Value> {
     node.json(&["endpoint", "list"])["endpoints"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|e| e["pod_namespace"] == "shop" && e["pod_name"] == name)
+        .find(|e| e["pod_namespace"] == "default" && e["pod_name"] == name)
         .cloned()
 }
 
@@ -110,22 +110,22 @@ fn node_up_with_a_kubeconfig_takes_labels_and_policy_from_the_api_and_down_leave
         &api,
         &format!(
             "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node_name}\n---\n\
-             apiVersion: v1\nkind: Namespace\nmetadata:\n  name: shop\n  labels:\n    team: shop\n"
+             apiVersion: v1\nkind: Namespace\nmetadata:\n  name: default\n  labels:\n    team: shop\n"
         ),
     );
     for (pod, app) in [("a", "client"), ("b", "server")] {
         kubectl_apply(
             &api,
             &format!(
-                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {pod}\n  namespace: shop\n  labels:\n    app: {app}\n\
+                "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {pod}\n  namespace: default\n  labels:\n    app: {app}\n\
                  spec:\n  nodeName: {node_name}\n  containers:\n  - name: c\n    image: none\n"
             ),
         );
     }
 
     // Pods added without labels: the labels come from their Pod objects.
-    node.ok(&["pod", "add", "a", "--namespace", "shop"]);
-    node.ok(&["pod", "add", "b", "--namespace", "shop"]);
+    node.ok(&["pod", "add", "a"]);
+    node.ok(&["pod", "add", "b"]);
     for (pod, app) in [("a", "client"), ("b", "server")] {
         let label = format!("k8s:app={app}");
         eventually_ok(
@@ -150,7 +150,7 @@ fn node_up_with_a_kubeconfig_takes_labels_and_policy_from_the_api_and_down_leave
     // Each pod's RivetEndpoint carries its endpoint's status.
     let b = endpoint(&node, "b").unwrap();
     eventually("b's RivetEndpoint shows its endpoint", Duration::from_secs(30), || {
-        kubectl_get(&api, &["rivetendpoint", "-n", "shop", "b"]).is_some_and(|o| {
+        kubectl_get(&api, &["rivetendpoint", "-n", "default", "b"]).is_some_and(|o| {
             o["status"]["id"] == b["id"]
                 && o["status"]["identity"] == b["identity"]
                 && o["status"]["node"] == *node_name
@@ -158,17 +158,22 @@ fn node_up_with_a_kubeconfig_takes_labels_and_policy_from_the_api_and_down_leave
         })
     });
 
-    // A NetworkPolicy from the API reaches svc-endpoint as a policy of
-    // origin kubernetes and b's endpoint realises its revision.
+    // A NetworkPolicy from the API is enforced: a reaches b's echo server
+    // before it, not once b realised it.
+    let mut server = node.spawn_in("b", &["busybox", "nc", "-ll", "-p", "8080", "-e", "cat"]);
+    let b4 = node.ipv4("b");
+    eventually("b's echo server answers a", Duration::from_secs(10), || {
+        node.tcp_echo("a", &b4, 8080)
+    });
     kubectl_apply(
         &api,
-        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: server-from-nobody\n  namespace: shop\n\
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: server-from-nobody\n  namespace: default\n\
          spec:\n  podSelector:\n    matchLabels:\n      app: server\n  policyTypes: [Ingress]\n\
          \x20 ingress:\n  - from:\n    - podSelector:\n        matchLabels:\n          app: nobody\n",
     );
     let mut revision = 0;
     eventually("the NetworkPolicy is in svc-endpoint", Duration::from_secs(30), || {
-        let list = node.json(&["policy", "list", "--namespace", "shop"]);
+        let list = node.json(&["policy", "list", "--namespace", "default"]);
         list["policies"].as_array().unwrap().iter().any(|p| {
             let found = p["origin"] == "kubernetes" && p.to_string().contains("server-from-nobody");
             if found {
@@ -183,6 +188,8 @@ fn node_up_with_a_kubeconfig_takes_labels_and_policy_from_the_api_and_down_leave
         })
     });
 
+    assert!(!node.tcp_echo("a", &b4, 8080), "the NetworkPolicy denies a -> b");
+
     // `rivet status` is healthy and shows svc-k8s-sync's watches.
     let status = node.rivet(&["status"]).output().unwrap();
     let text = String::from_utf8_lossy(&status.stdout).to_string();
@@ -192,6 +199,7 @@ fn node_up_with_a_kubeconfig_takes_labels_and_policy_from_the_api_and_down_leave
     assert!(text.contains("caches     synced\n"), "{text}");
 
     node.down_and_check_nothing_left();
+    let _ = server.wait();
     let left = Command::new("pgrep").args(["-f", &kubeconfig]).output().unwrap();
     assert!(left.stdout.is_empty(), "no svc-k8s-sync is left: {:?}", left.stdout);
 }
