@@ -2,7 +2,8 @@
 //!
 //! The benchmarks live in the `rivet-bench` binary, which takes the benchmark name and
 //! prints its `RESULT ...` line itself; this only builds it with the `bench-release`
-//! profile (optimised, with line tables for profiling) and passes the arguments on.
+//! profile (optimised, with line tables for profiling) in one workspace build and runs
+//! that binary with the arguments.
 
 use anyhow::Result;
 
@@ -31,12 +32,10 @@ pub struct Args {
 /// daemons, found next to `rivet-bench`), then runs the chosen benchmark.
 pub fn run(args: &Args) -> Result<()> {
     cmd::run(cmd::cargo().args(["build", "--profile", "bench-release", "--workspace", "--bins"]))?;
-    cmd::run(
-        cmd::cargo()
-            .args(["run", "--profile", "bench-release"])
-            .args(["-p", "rivet-bench", "--bin", "rivet-bench", "--"])
-            .args(bench_args(args)),
-    )
+    // The binary of that workspace build: `cargo run -p rivet-bench` would
+    // resolve features for one package and rebuild much of it (fat LTO).
+    let bench = cmd::target_dir().join("bench-release").join("rivet-bench");
+    cmd::run(std::process::Command::new(bench).args(bench_args(args)))
 }
 
 /// The arguments handed to the `rivet-bench` binary.
