@@ -201,7 +201,7 @@ impl IdentityBackend for KubernetesBackend {
     }
 
     /// One watch that resumes by itself: when the API server ends a watch
-    /// request (its timeout, [`WATCH_TIMEOUT_SECONDS`]), the next starts
+    /// request (its timeout, 290 s), the next starts
     /// from the last version seen (objects and bookmarks), so the allocator
     /// re-lists only after an error, not every few minutes.
     async fn watch_identities(
