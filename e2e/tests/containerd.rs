@@ -632,7 +632,9 @@ async fn a_sandbox_failing_beside_rivet_cni_leaves_nothing() {
     let (mut node, containerd, cri) = doomed_sandbox(FAILING_LOOPBACK, "loopback refused by the test").await;
     let cni_log = std::fs::read_to_string(node.path("state/logs/rivet-cni.log")).unwrap_or_default();
     assert!(
-        cni_log.contains("cni.add") && cni_log.contains("pod=shop/doomed"),
+        cni_log.contains("cni.add")
+            && cni_log.contains(r#"k8s.namespace.name="shop""#)
+            && cni_log.contains(r#"k8s.pod.name="doomed""#),
         "rivet-cni's ADD ran for the sandbox:\n{cni_log}"
     );
     let calls = std::fs::read_to_string(node.cni_bin_dir().join("loopback.calls")).unwrap_or_default();
