@@ -25,7 +25,8 @@ pub use crd::network_policy::{
     DefaultDeny, EgressRule, IngressRule, IpBlock, PolicyPeer, PolicyPort, RivetNetworkPolicy, RivetNetworkPolicySpec,
 };
 pub use crd::node::{
-    Encapsulation, EncapsulationMode, NodeAddress, NodeCondition, RivetNode, RivetNodeSpec, RivetNodeStatus,
+    CONDITION_POD_CIDRS_ALLOCATED, CONDITION_POD_CIDRS_APPLIED, CONDITION_READY, Encapsulation, EncapsulationMode,
+    NodeAddress, NodeCondition, RivetNode, RivetNodeSpec, RivetNodeStatus,
 };
 pub use crd::{API_GROUP, API_VERSION, CrdManifest, crd_manifests, crds};
 pub use policy::policy_from_object;

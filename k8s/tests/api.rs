@@ -104,6 +104,7 @@ async fn the_api_server_keeps_every_field_of_each_kind_and_shows_the_columns() {
             reason: Some("DaemonsReady".into()),
             message: None,
             last_transition_time: Some("2026-11-26T04:00:00Z".into()),
+            last_heartbeat_time: Some("2026-11-26T04:00:10Z".into()),
         }],
     };
     let patch = serde_json::json!({"apiVersion": "rivet.io/v1", "kind": "RivetNode", "status": ready});

@@ -248,18 +248,20 @@ impl NodeReadiness {
         }
         let condition = match not_ready {
             None => NodeCondition {
-                type_: "Ready".into(),
+                type_: rivet_k8s::CONDITION_READY.into(),
                 status: "True".into(),
                 reason: Some("AgentReady".into()),
                 message: Some("watch caches synced and every daemon of the node ready".into()),
                 last_transition_time: None,
+                last_heartbeat_time: None,
             },
             Some(message) => NodeCondition {
-                type_: "Ready".into(),
+                type_: rivet_k8s::CONDITION_READY.into(),
                 status: "False".into(),
                 reason: Some("DaemonNotReady".into()),
                 message: Some(message.into()),
                 last_transition_time: None,
+                last_heartbeat_time: None,
             },
         };
         let status = json!({

@@ -75,10 +75,24 @@ pub enum EncapsulationMode {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub struct RivetNodeStatus {
     /// `Ready` (every daemon ready, caches synced) and others, like a Node's
-    /// conditions.
+    /// conditions. A map keyed by `type` for server-side apply, so each
+    /// writer owns its own conditions: svc-k8s-sync `Ready` and
+    /// `PodCIDRsApplied`, the operator `PodCIDRsAllocated`.
     #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<NodeCondition>,
 }
+
+/// Condition `Ready` (svc-k8s-sync): every daemon of the node ready and the
+/// watch caches synced; its `lastHeartbeatTime` is refreshed while the agent
+/// runs, so a stale one means the agent is gone.
+pub const CONDITION_READY: &str = "Ready";
+/// Condition `PodCIDRsAllocated` (operator): the cluster pool gave the node
+/// its pod CIDRs, or why not (`ClusterPoolExhausted`).
+pub const CONDITION_POD_CIDRS_ALLOCATED: &str = "PodCIDRsAllocated";
+/// Condition `PodCIDRsApplied` (svc-k8s-sync): the node's svc-ipam serves
+/// the pod CIDRs of the spec, or why it refused them.
+pub const CONDITION_POD_CIDRS_APPLIED: &str = "PodCIDRsApplied";
 
 /// One condition, as Kubernetes conditions are written.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
@@ -98,4 +112,7 @@ pub struct NodeCondition {
     /// When the status last changed (RFC 3339).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_transition_time: Option<String>,
+    /// When the writer last confirmed the condition (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_heartbeat_time: Option<String>,
 }

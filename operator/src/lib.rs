@@ -1,0 +1,11 @@
+//! rivet-operator: Rivet's cluster-scope duties (DESIGN.md §9). One
+//! replica at a time leads, elected on a `coordination.k8s.io/v1` Lease;
+//! only the leader runs the duties, and none of them is in the datapath: a
+//! cluster without an operator keeps forwarding.
+//!
+//! - [`term`]: a term of leadership and the [`term::Duty`] trait every duty
+//!   implements; writes are fenced on [`term::Term::ensure`].
+//! - [`kvstore`]: the etcd flags and client shared by the kvstore duties.
+
+pub mod kvstore;
+pub mod term;
