@@ -183,15 +183,21 @@ fn netlink_error(e: NetlinkError) -> CniError {
 }
 
 /// What svc-ipam's refusal means to the runtime (CNI spec error codes):
-/// a full pool or a write that was not made durable clears by itself (11,
-/// try again later); a pool or requested address the netconf names wrongly
+/// a full pool, a write that was not made durable or a node still waiting
+/// for its pod CIDRs clears by itself (11, try again later); a pool or requested address the netconf names wrongly
 /// is a bad network configuration (7); the rest are svc-ipam's refusals (101).
 fn ipam_code(reason: ipampb::ErrorReason) -> u32 {
     use ipampb::ErrorReason as R;
     match reason {
-        R::PoolExhausted | R::StateNotDurable => codes::TRY_AGAIN_LATER,
+        R::PoolExhausted | R::StateNotDurable | R::NoPoolYet => codes::TRY_AGAIN_LATER,
         R::PoolNotFound | R::FamilyNotConfigured | R::AddressNotUsable => codes::INVALID_NETCONF,
-        R::Unspecified | R::AddressHeld | R::OwnerHoldsOther | R::WrongPool => codes::IPAM,
+        // The last two are SetPool's; Allocate never sends them.
+        R::Unspecified
+        | R::AddressHeld
+        | R::OwnerHoldsOther
+        | R::WrongPool
+        | R::PoolChangeStrandsAllocations
+        | R::PoolFixedByFlag => codes::IPAM,
     }
 }
 

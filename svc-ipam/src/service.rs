@@ -160,6 +160,12 @@ impl pb::ipam_server::Ipam for IpamService {
         }
         Ok(Response::new(self.list_response(&listing, &r)))
     }
+
+    #[tracing::instrument(name = "ipam.set_pool", skip_all)]
+    async fn set_pool(&self, _request: Request<pb::SetPoolRequest>) -> Result<Response<pb::SetPoolResponse>, Status> {
+        // The RPC lands with the proto change; its implementation follows.
+        Err(self.fail("SetPool", Status::unimplemented("SetPool is not implemented yet")))
+    }
 }
 
 impl IpamService {
@@ -188,6 +194,7 @@ impl IpamService {
             .filter(|n| r.pool.is_empty() || **n == r.pool)
             .map(|name| pb::Pool {
                 name: name.clone(),
+                source: pb::PoolSource::Flag as i32,
                 ranges: listing
                     .usage
                     .iter()
