@@ -5,7 +5,11 @@
 //!
 //! - [`term`]: a term of leadership and the [`term::Duty`] trait every duty
 //!   implements; writes are fenced on [`term::Term::ensure`].
+//! - [`cluster_pool`]: the `cluster-pool` duty (pod CIDRs per node from
+//!   the cluster pool, RivetNodes for Nodes and their deletion when the
+//!   Node is gone).
 //! - [`kvstore`]: the etcd flags and client shared by the kvstore duties.
 
+pub mod cluster_pool;
 pub mod kvstore;
 pub mod term;
