@@ -6,9 +6,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::net::IpAddr;
 
+use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use crate::pool::{Family, PoolSet};
+use crate::pool::{Family, PoolConfigError, PoolSet, PoolSource, PoolSpec};
 
 /// Who holds an address: one interface of one container.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -46,6 +47,33 @@ impl Allocation {
 /// Why an operation was refused. Each variant names what it refers to.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum AllocError {
+    /// There is no pool at all yet (cluster-pool IPAM before SetPool).
+    #[error("no pool yet: waiting for the node's pod CIDRs (SetPool, from svc-k8s-sync)")]
+    NoPoolYet,
+    /// SetPool: the ranges are invalid or overlap another pool.
+    #[error(transparent)]
+    PoolConfig(#[from] PoolConfigError),
+    /// SetPool: the pool comes from the `--pool` flag.
+    #[error("pool {pool} is set by svc-ipam's --pool flag and cannot be changed by SetPool")]
+    PoolFixedByFlag {
+        /// Pool.
+        pool: String,
+    },
+    /// SetPool: allocated addresses would not be usable in the new ranges.
+    #[error(
+        "pool {pool} keeps its ranges: {count} allocated address(es) would not be usable in {new_cidrs} (e.g. {} of {}); release them first",
+        example.address, example.owner
+    )]
+    PoolChangeStrandsAllocations {
+        /// Pool.
+        pool: String,
+        /// The ranges asked for, comma-separated.
+        new_cidrs: String,
+        /// How many allocations would be stranded.
+        count: usize,
+        /// One of them.
+        example: Box<Allocation>,
+    },
     /// No pool of that name.
     #[error("pool {pool:?} does not exist")]
     UnknownPool {
@@ -143,6 +171,15 @@ pub enum Inconsistency {
         /// Family.
         family: Family,
     },
+    /// A pool set by SetPool before the restart could not be restored (a
+    /// `--pool` flag now defines that name, or its ranges overlap a flag's);
+    /// its allocations are orphaned, kept reserved until released.
+    SetPoolDropped {
+        /// Pool.
+        pool: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl Inconsistency {
@@ -153,6 +190,7 @@ impl Inconsistency {
             Inconsistency::Orphaned { .. } => "orphaned",
             Inconsistency::ReservedAddress { .. } => "reserved_address",
             Inconsistency::OwnerHoldsSeveral { .. } => "owner_holds_several",
+            Inconsistency::SetPoolDropped { .. } => "set_pool_dropped",
         }
     }
 }
@@ -176,6 +214,9 @@ impl fmt::Display for Inconsistency {
             Inconsistency::OwnerHoldsSeveral { owner, pool, family } => {
                 write!(f, "{owner} holds several {family} addresses of pool {pool}; all kept")
             }
+            Inconsistency::SetPoolDropped { pool, reason } => {
+                write!(f, "pool {pool} set by SetPool is not restored: {reason}")
+            }
         }
     }
 }
@@ -188,6 +229,10 @@ pub struct AllocatorState {
     /// Where each range (by CIDR) continues searching, so released addresses
     /// are not reused at once.
     pub cursors: BTreeMap<String, u128>,
+    /// The pools set by SetPool (flag pools come from the command line), so
+    /// a restarted svc-ipam serves them before anyone sets them again.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub set_pools: BTreeMap<String, Vec<IpNet>>,
 }
 
 /// Usage of one range.
@@ -226,9 +271,33 @@ impl Allocator {
         }
     }
 
-    /// Rebuilds an allocator from persisted state, reporting (and resolving)
-    /// every inconsistency. No address ends up with two holders.
-    pub fn from_state(pools: PoolSet, state: AllocatorState) -> (Self, Vec<Inconsistency>) {
+    /// Rebuilds an allocator from persisted state over the `--pool` flags'
+    /// `pools` plus the pools SetPool set, reporting (and resolving) every
+    /// inconsistency. No address ends up with two holders.
+    pub fn from_state(mut pools: PoolSet, state: AllocatorState) -> (Self, Vec<Inconsistency>) {
+        let mut found = Vec::new();
+        for (name, cidrs) in &state.set_pools {
+            let restored = match pools.source(name) {
+                Some(PoolSource::Flag) => Err("svc-ipam's --pool flag defines it now".to_string()),
+                _ => PoolSpec::new(name, cidrs.clone())
+                    .and_then(|spec| pools.with_pool(&spec))
+                    .map_err(|e| e.to_string()),
+            };
+            match restored {
+                Ok(with) => pools = with,
+                Err(reason) => found.push(Inconsistency::SetPoolDropped {
+                    pool: name.clone(),
+                    reason,
+                }),
+            }
+        }
+        let (me, more) = Self::load(pools, state);
+        found.extend(more);
+        (me, found)
+    }
+
+    /// The allocator over `pools` with `state`'s allocations and cursors.
+    fn load(pools: PoolSet, state: AllocatorState) -> (Self, Vec<Inconsistency>) {
         let mut me = Self::new(pools);
         let mut found = Vec::new();
         for (i, range) in me.pools.ranges().iter().enumerate() {
@@ -275,7 +344,62 @@ impl Allocator {
                 .zip(&self.cursors)
                 .map(|(r, c)| (r.cidr.to_string(), *c))
                 .collect(),
+            set_pools: self
+                .pools
+                .names()
+                .iter()
+                .filter(|name| self.pools.source(name) == Some(PoolSource::SetPool))
+                .map(|name| (name.clone(), self.pools.cidrs(name)))
+                .collect(),
         }
+    }
+
+    /// Replaces the ranges of pool `name` (creating it) with `cidrs`, as
+    /// SetPool asks. Returns whether anything changed: the same ranges in
+    /// any order change nothing. Refused, changing nothing, for a `--pool`
+    /// pool, invalid or overlapping ranges, and when an address allocated in
+    /// the pool would not be usable in the new ranges (outside them, or
+    /// their network, gateway or broadcast address). Allocations already
+    /// orphaned (outside the old ranges) stay reserved and do not count.
+    pub fn set_pool(&mut self, spec: &PoolSpec) -> Result<bool, AllocError> {
+        let name = spec.name.as_str();
+        if self.pools.source(name) == Some(PoolSource::Flag) {
+            return Err(AllocError::PoolFixedByFlag { pool: name.into() });
+        }
+        let sorted = |mut v: Vec<IpNet>| {
+            v.sort();
+            v.dedup();
+            v
+        };
+        let pools = self.pools.with_pool(spec)?;
+        if self.pools.has_pool(name) && sorted(self.pools.cidrs(name)) == sorted(spec.cidrs.clone()) {
+            return Ok(false);
+        }
+        let mut stranded = self.by_address.values().filter(|a| {
+            a.pool == name
+                && self.pools.range_of(name, &a.address).is_some()
+                && !pools
+                    .range_of(name, &a.address)
+                    .is_some_and(|r| pools.ranges()[r].is_usable(&a.address))
+        });
+        if let Some(example) = stranded.next() {
+            return Err(AllocError::PoolChangeStrandsAllocations {
+                pool: name.into(),
+                new_cidrs: spec.cidrs.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+                count: 1 + stranded.count(),
+                example: Box::new(example.clone()),
+            });
+        }
+        self.replace_pools(pools);
+        Ok(true)
+    }
+
+    /// Swaps the pool configuration, keeping every allocation (those
+    /// outside every range of their pool stay reserved as orphans) and the
+    /// cursors of ranges that stay.
+    pub fn replace_pools(&mut self, pools: PoolSet) {
+        let state = self.state();
+        *self = Self::load(pools, state).0;
     }
 
     /// The pool configuration.
@@ -301,9 +425,7 @@ impl Allocator {
         family: Family,
         requested: Option<IpAddr>,
     ) -> Result<(Allocation, bool), AllocError> {
-        if !self.pools.has_pool(pool) {
-            return Err(AllocError::UnknownPool { pool: pool.into() });
-        }
+        self.check_pool(pool)?;
         let ranges: Vec<usize> = self.pools.range_indices(pool, family).collect();
         if ranges.is_empty() {
             return Err(AllocError::NoRangeForFamily {
@@ -340,9 +462,7 @@ impl Allocator {
     /// Re-reserves `address` for `owner` (after the owner restarted).
     /// Succeeds when it is free or already the owner's.
     pub fn restore(&mut self, owner: &Owner, pool: &str, address: IpAddr) -> Result<(Allocation, bool), AllocError> {
-        if !self.pools.has_pool(pool) {
-            return Err(AllocError::UnknownPool { pool: pool.into() });
-        }
+        self.check_pool(pool)?;
         if let Some(a) = self.by_address.get(&address) {
             if a.owner != *owner {
                 return Err(AllocError::HeldByOther {
@@ -419,6 +539,16 @@ impl Allocator {
                 allocated: self.counts[i],
             })
             .collect()
+    }
+
+    fn check_pool(&self, pool: &str) -> Result<(), AllocError> {
+        if self.pools.is_empty() {
+            return Err(AllocError::NoPoolYet);
+        }
+        if !self.pools.has_pool(pool) {
+            return Err(AllocError::UnknownPool { pool: pool.into() });
+        }
+        Ok(())
     }
 
     fn check_claimable(&self, owner: &Owner, pool: &str, addr: &IpAddr) -> Result<(), AllocError> {
@@ -653,6 +783,7 @@ mod tests {
                 alloc("removed", "198.18.0.4", "e"), // pool gone, address inside another pool
             ],
             cursors: BTreeMap::new(),
+            set_pools: BTreeMap::new(),
         };
         let (mut a, found) = Allocator::from_state(pools(&["default=198.18.0.0/29"]), state);
         let kinds: Vec<_> = found.iter().map(Inconsistency::kind).collect();
@@ -704,5 +835,161 @@ mod tests {
             b.allocate(&owner("n"), "default", Family::V4, None).unwrap(),
             "a restarted allocator continues where it left off"
         );
+    }
+
+    fn spec(s: &str) -> PoolSpec {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn without_a_pool_allocation_waits_for_one() {
+        let mut a = Allocator::new(PoolSet::default());
+        assert_eq!(
+            a.allocate(&owner("a"), "default", Family::V4, None),
+            Err(AllocError::NoPoolYet)
+        );
+        assert_eq!(
+            a.restore(&owner("a"), "default", ip("198.18.0.9")),
+            Err(AllocError::NoPoolYet)
+        );
+        assert!(a.set_pool(&spec("default=198.18.0.0/24")).unwrap());
+        assert_eq!(
+            a.allocate(&owner("a"), "default", Family::V4, None).unwrap().0.address,
+            ip("198.18.0.2")
+        );
+    }
+
+    #[test]
+    fn set_pool_replaces_ranges_keeping_allocations_inside_them() {
+        let mut a = Allocator::new(PoolSet::default());
+        assert!(a.set_pool(&spec("default=198.18.0.0/29")).unwrap(), "created");
+        let held: BTreeSet<IpAddr> = (0..5)
+            .map(|i| {
+                a.allocate(&owner(&i.to_string()), "default", Family::V4, None)
+                    .unwrap()
+                    .0
+                    .address
+            })
+            .collect();
+        assert!(matches!(
+            a.allocate(&owner("x"), "default", Family::V4, None),
+            Err(AllocError::Exhausted { .. })
+        ));
+        assert!(
+            !a.set_pool(&spec("default=198.18.0.0/29")).unwrap(),
+            "the same ranges change nothing"
+        );
+        // Grown to a /28 (the /29's addresses stay usable) plus IPv6.
+        assert!(a.set_pool(&spec("default=2001:2::/120,198.18.0.0/28")).unwrap());
+        assert!(
+            !a.set_pool(&spec("default=198.18.0.0/28,2001:2::/120")).unwrap(),
+            "the same ranges in another order change nothing"
+        );
+        for i in 0..5 {
+            assert!(held.contains(&a.held(&owner(&i.to_string()), "default", Family::V4).unwrap().address));
+        }
+        let fresh: BTreeSet<IpAddr> = (0..8)
+            .map(|i| {
+                a.allocate(&owner(&format!("n{i}")), "default", Family::V4, None)
+                    .unwrap()
+                    .0
+                    .address
+            })
+            .collect();
+        assert!(fresh.is_disjoint(&held), "held addresses are never handed out again");
+        assert_eq!(fresh.len(), 8, "a /28 has 13 usable addresses, 5 held");
+        assert!(matches!(
+            a.allocate(&owner("x"), "default", Family::V4, None),
+            Err(AllocError::Exhausted { .. })
+        ));
+        assert_eq!(
+            a.allocate(&owner("0"), "default", Family::V6, None).unwrap().0.address,
+            ip("2001:2::2")
+        );
+        assert_eq!(
+            a.state().set_pools["default"].len(),
+            2,
+            "the set pool is part of the state"
+        );
+    }
+
+    #[test]
+    fn set_pool_that_strands_an_allocation_changes_nothing() {
+        let mut a = Allocator::new(PoolSet::default());
+        a.set_pool(&spec("default=198.18.0.0/24")).unwrap();
+        a.allocate(&owner("a"), "default", Family::V4, Some(ip("198.18.0.200")))
+            .unwrap();
+        a.allocate(&owner("b"), "default", Family::V4, Some(ip("198.18.0.129")))
+            .unwrap();
+        a.allocate(&owner("c"), "default", Family::V4, Some(ip("198.18.0.10")))
+            .unwrap();
+        let before = a.state();
+        // .10 falls outside and .129 becomes the new range's gateway.
+        let err = a.set_pool(&spec("default=198.18.0.128/25")).unwrap_err();
+        let AllocError::PoolChangeStrandsAllocations { count, example, .. } = &err else {
+            panic!("{err:?}");
+        };
+        assert_eq!(*count, 2);
+        assert_eq!(
+            example.address,
+            ip("198.18.0.10"),
+            "the lowest stranded address is named"
+        );
+        assert_eq!(
+            err.to_string(),
+            "pool default keeps its ranges: 2 allocated address(es) would not be usable in 198.18.0.128/25 (e.g. 198.18.0.10 of c/eth0); release them first"
+        );
+        assert_eq!(a.state(), before, "a refused change changes nothing");
+        a.release_owner(&owner("c"));
+        a.release_owner(&owner("b"));
+        assert!(
+            a.set_pool(&spec("default=198.18.0.128/25")).unwrap(),
+            "applies once released"
+        );
+        assert_eq!(
+            a.held(&owner("a"), "default", Family::V4).unwrap().address,
+            ip("198.18.0.200")
+        );
+    }
+
+    #[test]
+    fn set_pool_refuses_flag_pools_and_invalid_ranges() {
+        let mut a = Allocator::new(pools(&["default=198.18.0.0/24"]));
+        assert_eq!(
+            a.set_pool(&spec("default=198.18.4.0/24")),
+            Err(AllocError::PoolFixedByFlag { pool: "default".into() })
+        );
+        assert!(matches!(
+            a.set_pool(&spec("other=198.18.0.128/25")),
+            Err(AllocError::PoolConfig(PoolConfigError::Overlap { .. }))
+        ));
+        assert!(matches!(
+            a.set_pool(&spec("other=198.18.4.0/31")),
+            Err(AllocError::PoolConfig(PoolConfigError::TooSmall { .. }))
+        ));
+        assert!(
+            a.set_pool(&spec("other=198.18.4.0/24")).unwrap(),
+            "another name beside a flag pool"
+        );
+    }
+
+    #[test]
+    fn set_pools_come_back_from_state_unless_a_flag_took_them() {
+        let mut a = Allocator::new(PoolSet::default());
+        a.set_pool(&spec("default=198.18.0.0/24,2001:2::/120")).unwrap();
+        a.set_pool(&spec("other=198.18.4.0/24")).unwrap();
+        let (x, _) = a.allocate(&owner("x"), "other", Family::V4, None).unwrap();
+        let (b, found) = Allocator::from_state(PoolSet::default(), a.state());
+        assert!(found.is_empty(), "{found:?}");
+        assert_eq!(b.state(), a.state(), "set pools and allocations are restored");
+        assert_eq!(b.pools().source("default"), Some(PoolSource::SetPool));
+
+        let (c, found) = Allocator::from_state(pools(&["other=198.18.8.0/24"]), a.state());
+        assert_eq!(
+            found.iter().map(Inconsistency::kind).collect::<Vec<_>>(),
+            ["set_pool_dropped", "orphaned"]
+        );
+        assert_eq!(c.pools().cidrs("default"), b.pools().cidrs("default"));
+        assert_eq!(c.orphaned().next().map(|o| o.address), Some(x.address));
     }
 }

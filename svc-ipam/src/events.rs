@@ -10,7 +10,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::allocator::{Allocation, Inconsistency, RangeUsage};
+use ipnet::IpNet;
+
+use crate::allocator::{AllocError, Allocation, Inconsistency, RangeUsage};
 use crate::pool::PoolSet;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -22,6 +24,12 @@ struct PoolLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct KindLabels {
     kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolChangeLabels {
+    pool: String,
+    result: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -39,6 +47,7 @@ pub struct IpamMetrics {
     releases: MetricFamily<PoolLabels, Counter>,
     inconsistencies: MetricFamily<KindLabels, Counter>,
     request_errors: MetricFamily<ErrorLabels, Counter>,
+    pool_changes: MetricFamily<PoolChangeLabels, Counter>,
     state_write: Histogram,
 }
 
@@ -51,6 +60,7 @@ impl Default for IpamMetrics {
             releases: Default::default(),
             inconsistencies: Default::default(),
             request_errors: Default::default(),
+            pool_changes: Default::default(),
             state_write: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
         }
     }
@@ -81,6 +91,11 @@ impl IpamMetrics {
             "request_errors",
             "Failed requests by method and kind",
             self.request_errors.clone(),
+        );
+        r.register(
+            "pool_changes",
+            "SetPool calls that changed a pool (result applied) or were refused (result: strands_allocations, fixed_by_flag, invalid)",
+            self.pool_changes.clone(),
         );
         r.register(
             "state_write_duration_seconds",
@@ -139,6 +154,33 @@ pub fn state_inconsistency(m: &IpamMetrics, i: &Inconsistency) {
 pub fn request_failed(m: &IpamMetrics, method: &'static str, kind: &'static str, message: &str) {
     tracing::warn!(method, kind, "request failed: {message}");
     m.request_errors.get_or_create(&ErrorLabels { method, kind }).inc();
+}
+
+/// SetPool replaced the ranges of `pool` (durable).
+pub fn pool_changed(m: &IpamMetrics, pool: &str, before: &[IpNet], after: &[IpNet]) {
+    tracing::info!(pool, before = ?before, after = ?after, "pool set");
+    m.pool_changes
+        .get_or_create(&PoolChangeLabels {
+            pool: pool.into(),
+            result: "applied",
+        })
+        .inc();
+}
+
+/// SetPool was refused; the pool is unchanged.
+pub fn pool_change_refused(m: &IpamMetrics, pool: &str, why: &AllocError) {
+    let result = match why {
+        AllocError::PoolChangeStrandsAllocations { .. } => "strands_allocations",
+        AllocError::PoolFixedByFlag { .. } => "fixed_by_flag",
+        _ => "invalid",
+    };
+    tracing::warn!(pool, result, "pool change refused: {why}");
+    m.pool_changes
+        .get_or_create(&PoolChangeLabels {
+            pool: pool.into(),
+            result,
+        })
+        .inc();
 }
 
 /// The state file was written.

@@ -1,7 +1,7 @@
 //! svc-ipam: per-node address pools served over gRPC on a Unix socket.
 //!
-//! - [`pool`]: pool configuration (`--pool NAME=CIDR[,CIDR...]`), validated
-//!   at start (size, alignment, overlap);
+//! - [`pool`]: pool configuration (`--pool NAME=CIDR[,CIDR...]`, fixed, or
+//!   SetPool, replaceable), validated together (size, alignment, overlap);
 //! - [`allocator`]: the allocation rules, pure and in memory;
 //! - [`store`]: the allocator made durable (group-committed state file);
 //! - [`service`]: the `rivet.ipam.v1.Ipam` gRPC service;
@@ -13,6 +13,11 @@ pub mod pool;
 pub mod service;
 pub mod store;
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use rivet_common::controller::{Action, Controller, Controllers};
+
 /// The daemon's name: its socket is `<socket-dir>/svc-ipam.sock`.
 pub const DAEMON_NAME: &str = "svc-ipam";
 
@@ -23,6 +28,27 @@ pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
 /// Methods that only read: members of the operator group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods =
     &[(rivet_proto::ipam::v1::ipam_server::SERVICE_NAME, &["List"])];
+
+/// Runs controller `pool`, which fails while svc-ipam has no pool at all
+/// (cluster-pool IPAM before svc-k8s-sync's first SetPool): the daemon is
+/// degraded in GetInfo from the start ("no pool yet: waiting for the
+/// node's pod CIDRs"), so svc-k8s-sync does not mark the node ready before
+/// it can hand out addresses. Done once a pool exists (pools are never
+/// removed).
+pub fn report_missing_pool(controllers: &Controllers, store: Arc<store::IpamStore>) {
+    let controller = Controller::new("pool")
+        .degraded_after(Duration::ZERO)
+        .trigger(store.pool_changed());
+    controllers.reconcile(controller, move || {
+        let store = store.clone();
+        async move {
+            match store.pools().is_empty() {
+                true => Err(allocator::AllocError::NoPoolYet),
+                false => Ok(Action::done()),
+            }
+        }
+    });
+}
 
 #[cfg(test)]
 mod read_only_methods_tests {

@@ -26,7 +26,10 @@ struct Flags {
     common: CommonArgs,
 
     /// An address pool, NAME=CIDR[,CIDR...] (IPv4 and/or IPv6); repeat for
-    /// several pools. In the env var, separate pools with ';'.
+    /// several pools. In the env var, separate pools with ';'. Fixed for the
+    /// process' lifetime. Without any, svc-ipam waits for its pool from
+    /// SetPool (cluster-pool IPAM: svc-k8s-sync sets the node's pod CIDRs),
+    /// degraded until then; a pool set so is kept in the state dir.
     #[arg(long = "pool", env = "RIVET_IPAM_POOL", value_delimiter = ';')]
     pools: Vec<PoolSpec>,
 }
@@ -61,15 +64,21 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let metrics = IpamMetrics::default();
     let mut registry = Registry::with_prefix("rivet");
     metrics.register(&mut registry);
-    let store = IpamStore::open(&flags.common.state_dir.join("ipam"), pools, metrics.clone())?;
+    let store = Arc::new(IpamStore::open(
+        &flags.common.state_dir.join("ipam"),
+        pools,
+        metrics.clone(),
+    )?);
+    let controllers = Controllers::new();
+    svc_ipam::report_missing_pool(&controllers, store.clone());
 
-    let service = IpamService::new(Arc::new(store), identity.boot_id.clone(), metrics);
+    let service = IpamService::new(store, identity.boot_id.clone(), metrics);
     let routes = Routes::new(service.into_server());
     daemon::run(
         &flags.common,
         listener,
         identity,
-        Controllers::new(),
+        controllers,
         routes,
         registry,
         Health::default(),

@@ -1,6 +1,6 @@
-//! Pool configuration: named pools, each with IPv4 and/or IPv6 ranges, parsed
-//! from `--pool NAME=CIDR[,CIDR...]` and checked at start (size, alignment,
-//! overlap).
+//! Pool configuration: named pools, each with IPv4 and/or IPv6 ranges, from
+//! `--pool NAME=CIDR[,CIDR...]` (fixed) or SetPool (replaceable), checked
+//! together (size, alignment, overlap).
 
 use std::fmt;
 use std::net::IpAddr;
@@ -45,8 +45,17 @@ impl fmt::Display for Family {
     }
 }
 
+/// Where a pool's ranges come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PoolSource {
+    /// The `--pool` flag: fixed for the process' lifetime.
+    Flag,
+    /// SetPool (the node's RivetNode via svc-k8s-sync): durable, replaceable.
+    SetPool,
+}
+
 /// Why a pool configuration is refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum PoolConfigError {
     /// Not `NAME=CIDR[,CIDR...]`.
     #[error("pool {spec:?}: expected NAME=CIDR[,CIDR...], e.g. default=198.18.0.0/24,2001:2::/112")]
@@ -106,9 +115,12 @@ pub enum PoolConfigError {
         /// The CIDR it overlaps.
         other: IpNet,
     },
-    /// No pool at all.
-    #[error("no address pool configured; pass --pool NAME=CIDR[,CIDR...]")]
-    Empty,
+    /// A pool without any range.
+    #[error("pool {pool}: no CIDR given")]
+    NoCidr {
+        /// Pool.
+        pool: String,
+    },
 }
 
 /// One `--pool` flag: a name and its CIDRs, not yet validated together.
@@ -135,14 +147,7 @@ impl FromStr for PoolSpec {
             .split_once('=')
             .ok_or_else(|| PoolConfigError::Syntax { spec: s.into() })?;
         let name = name.trim();
-        if name.is_empty()
-            || name.len() > 63
-            || !name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        {
-            return Err(PoolConfigError::Name { name: name.into() });
-        }
+        check_name(name)?;
         let cidrs = cidrs
             .split(',')
             .map(str::trim)
@@ -161,6 +166,34 @@ impl FromStr for PoolSpec {
             name: name.into(),
             cidrs,
         })
+    }
+}
+
+impl PoolSpec {
+    /// A pool named `name` (1-63 lowercase letters, digits and '-') with
+    /// at least one CIDR; the CIDRs are checked by [`PoolSet`].
+    pub fn new(name: &str, cidrs: Vec<IpNet>) -> Result<Self, PoolConfigError> {
+        check_name(name)?;
+        if cidrs.is_empty() {
+            return Err(PoolConfigError::NoCidr { pool: name.into() });
+        }
+        Ok(Self {
+            name: name.into(),
+            cidrs,
+        })
+    }
+}
+
+fn check_name(name: &str) -> Result<(), PoolConfigError> {
+    let valid = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if valid {
+        Ok(())
+    } else {
+        Err(PoolConfigError::Name { name: name.into() })
     }
 }
 
@@ -243,16 +276,19 @@ impl PoolRange {
     }
 }
 
-/// Every pool's ranges, validated together (no overlap anywhere).
-#[derive(Debug, Clone)]
+/// Every pool's ranges, validated together (no overlap anywhere). May be
+/// empty: a node in cluster-pool IPAM waits for its pod CIDRs (SetPool).
+#[derive(Debug, Clone, Default)]
 pub struct PoolSet {
     ranges: Vec<PoolRange>,
     names: Vec<String>,
+    /// Per name (same order): where the pool comes from.
+    sources: Vec<PoolSource>,
 }
 
 impl PoolSet {
-    /// Validates `specs` and returns the pools; refuses empty, duplicate,
-    /// too small, misaligned and overlapping ranges.
+    /// Validates `specs` (the `--pool` flags) and returns the pools;
+    /// refuses duplicate, too small, misaligned and overlapping ranges.
     ///
     /// ```
     /// use svc_ipam::pool::PoolSet;
@@ -261,18 +297,21 @@ impl PoolSet {
     /// assert!(err.to_string().contains("overlaps"));
     /// ```
     pub fn new(specs: &[PoolSpec]) -> Result<Self, PoolConfigError> {
-        if specs.is_empty() {
-            return Err(PoolConfigError::Empty);
-        }
+        Self::build(specs.iter().map(|s| (s, PoolSource::Flag)))
+    }
+
+    fn build<'a>(specs: impl IntoIterator<Item = (&'a PoolSpec, PoolSource)>) -> Result<Self, PoolConfigError> {
+        let mut sources = Vec::new();
         let mut ranges: Vec<PoolRange> = Vec::new();
         let mut names: Vec<String> = Vec::new();
-        for spec in specs {
+        for (spec, source) in specs {
             if names.contains(&spec.name) {
                 return Err(PoolConfigError::DuplicateName {
                     name: spec.name.clone(),
                 });
             }
             names.push(spec.name.clone());
+            sources.push(source);
             for cidr in &spec.cidrs {
                 let range = PoolRange::new(&spec.name, *cidr)?;
                 if let Some(other) = ranges
@@ -289,7 +328,47 @@ impl PoolSet {
                 ranges.push(range);
             }
         }
-        Ok(Self { ranges, names })
+        Ok(Self { ranges, names, sources })
+    }
+
+    /// These pools with `spec` replacing (or adding) its pool, as SetPool
+    /// sets it; validated together like the flags.
+    pub fn with_pool(&self, spec: &PoolSpec) -> Result<Self, PoolConfigError> {
+        let mut specs: Vec<(PoolSpec, PoolSource)> = self
+            .names
+            .iter()
+            .zip(&self.sources)
+            .map(|(name, source)| match name == &spec.name {
+                true => (spec.clone(), PoolSource::SetPool),
+                false => (
+                    PoolSpec {
+                        name: name.clone(),
+                        cidrs: self.cidrs(name),
+                    },
+                    *source,
+                ),
+            })
+            .collect();
+        if !self.has_pool(&spec.name) {
+            specs.push((spec.clone(), PoolSource::SetPool));
+        }
+        Self::build(specs.iter().map(|(s, source)| (s, *source)))
+    }
+
+    /// Where pool `name` comes from; `None` when there is no such pool.
+    pub fn source(&self, name: &str) -> Option<PoolSource> {
+        let i = self.names.iter().position(|n| n == name)?;
+        Some(self.sources[i])
+    }
+
+    /// The CIDRs of pool `name`, in configuration order.
+    pub fn cidrs(&self, name: &str) -> Vec<IpNet> {
+        self.ranges.iter().filter(|r| r.pool == name).map(|r| r.cidr).collect()
+    }
+
+    /// Whether there is no pool at all.
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
     }
 
     /// All ranges in configuration order.
@@ -393,7 +472,18 @@ mod tests {
             "a=198.18.0.0/33".parse::<PoolSpec>(),
             Err(PoolConfigError::Cidr { .. })
         ));
-        assert!(matches!(set(&[]), Err(PoolConfigError::Empty)));
+        assert!(
+            set(&[]).unwrap().is_empty(),
+            "no pool yet is a valid start (cluster-pool IPAM)"
+        );
+        assert!(matches!(
+            PoolSpec::new("a", vec![]),
+            Err(PoolConfigError::NoCidr { .. })
+        ));
+        assert!(matches!(
+            PoolSpec::new("Bad", vec!["198.18.0.0/24".parse().unwrap()]),
+            Err(PoolConfigError::Name { .. })
+        ));
         assert!(matches!(
             set(&["a=198.18.0.0/24", "a=198.18.1.0/24"]),
             Err(PoolConfigError::DuplicateName { .. })
@@ -413,5 +503,30 @@ mod tests {
             set(&["a=198.18.0.0/25", "b=198.18.0.128/25"]).is_ok(),
             "adjacent ranges do not overlap"
         );
+    }
+
+    #[test]
+    fn with_pool_replaces_or_adds_and_checks_against_the_others() {
+        let flags = set(&["extra=198.18.9.0/24"]).unwrap();
+        let spec = |s: &str| s.parse::<PoolSpec>().unwrap();
+        let added = flags.with_pool(&spec("default=198.18.0.0/24,2001:2::/112")).unwrap();
+        assert_eq!(added.names(), ["extra", "default"]);
+        assert_eq!(added.source("extra"), Some(PoolSource::Flag));
+        assert_eq!(added.source("default"), Some(PoolSource::SetPool));
+        let replaced = added.with_pool(&spec("default=198.18.4.0/24")).unwrap();
+        assert_eq!(replaced.cidrs("default"), ["198.18.4.0/24".parse::<IpNet>().unwrap()]);
+        assert_eq!(replaced.cidrs("extra"), flags.cidrs("extra"), "other pools are kept");
+        assert!(matches!(
+            added.with_pool(&spec("default=198.18.9.128/25")),
+            Err(PoolConfigError::Overlap { .. })
+        ));
+        assert!(
+            added.with_pool(&spec("default=198.18.0.128/25")).is_ok(),
+            "a pool's new ranges may overlap its own old ones"
+        );
+        assert!(matches!(
+            added.with_pool(&spec("default=198.18.0.1/24")),
+            Err(PoolConfigError::NotNetwork { .. })
+        ));
     }
 }

@@ -3,14 +3,14 @@
 
 use std::sync::Arc;
 
-use rivet_common::grpc::{BootId, address_field, optional_address_field, status_with_reason};
+use rivet_common::grpc::{BootId, address_field, optional_address_field, prefix_field, status_with_reason};
 use rivet_proto::ipam::v1 as pb;
 use rivet_proto::net;
 use tonic::{Code, Request, Response, Status};
 
 use crate::allocator::{AllocError, Allocation, Owner};
 use crate::events::{self, IpamMetrics};
-use crate::pool::{DEFAULT_POOL, Family};
+use crate::pool::{DEFAULT_POOL, Family, PoolConfigError, PoolSource, PoolSpec};
 use crate::store::{IpamStore, Listing, StoreError};
 
 /// Implements `rivet.ipam.v1.Ipam` over an [`IpamStore`].
@@ -161,10 +161,36 @@ impl pb::ipam_server::Ipam for IpamService {
         Ok(Response::new(self.list_response(&listing, &r)))
     }
 
-    #[tracing::instrument(name = "ipam.set_pool", skip_all)]
-    async fn set_pool(&self, _request: Request<pb::SetPoolRequest>) -> Result<Response<pb::SetPoolResponse>, Status> {
-        // The RPC lands with the proto change; its implementation follows.
-        Err(self.fail("SetPool", Status::unimplemented("SetPool is not implemented yet")))
+    #[tracing::instrument(name = "ipam.set_pool", skip_all, fields(pool = %request.get_ref().name))]
+    async fn set_pool(&self, request: Request<pb::SetPoolRequest>) -> Result<Response<pb::SetPoolResponse>, Status> {
+        let r = request.into_inner();
+        let change = async {
+            let cidrs = r
+                .cidrs
+                .iter()
+                .enumerate()
+                .map(|(i, c)| prefix_field(&format!("cidrs[{i}]"), Some(c)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let spec = PoolSpec::new(&r.name, cidrs).map_err(|e| match e {
+                PoolConfigError::Name { .. } => Status::invalid_argument(format!("name: {e}")),
+                _ => Status::invalid_argument(format!("cidrs: {e}")),
+            })?;
+            self.store
+                .set_pool(&spec)
+                .await
+                .map_err(|e| status(e, Code::FailedPrecondition))
+        }
+        .await
+        .map_err(|s| self.fail("SetPool", s))?;
+        let list = pb::ListRequest {
+            pool: r.name,
+            include_allocations: false,
+        };
+        Ok(Response::new(pb::SetPoolResponse {
+            pool: self.list_response(&change.listing, &list).pools.into_iter().next(),
+            changed: change.changed,
+            boot_id: self.boot_id.to_string(),
+        }))
     }
 }
 
@@ -194,7 +220,11 @@ impl IpamService {
             .filter(|n| r.pool.is_empty() || **n == r.pool)
             .map(|name| pb::Pool {
                 name: name.clone(),
-                source: pb::PoolSource::Flag as i32,
+                source: match pools.source(name) {
+                    Some(PoolSource::Flag) => pb::PoolSource::Flag,
+                    Some(PoolSource::SetPool) => pb::PoolSource::SetPool,
+                    None => pb::PoolSource::Unspecified,
+                } as i32,
                 ranges: listing
                     .usage
                     .iter()
@@ -304,6 +334,12 @@ fn status(e: StoreError, held_by_other: Code) -> Status {
     use pb::ErrorReason as R;
     let (code, reason) = match &e {
         StoreError::Alloc(a) => match a {
+            AllocError::NoPoolYet => (Code::Unavailable, R::NoPoolYet),
+            AllocError::PoolConfig(_) => return Status::invalid_argument(format!("cidrs: {e}")),
+            AllocError::PoolFixedByFlag { .. } => (Code::FailedPrecondition, R::PoolFixedByFlag),
+            AllocError::PoolChangeStrandsAllocations { .. } => {
+                (Code::FailedPrecondition, R::PoolChangeStrandsAllocations)
+            }
             AllocError::UnknownPool { .. } => (Code::NotFound, R::PoolNotFound),
             AllocError::NoRangeForFamily { .. } => (Code::InvalidArgument, R::FamilyNotConfigured),
             AllocError::NotUsable { .. } => (Code::InvalidArgument, R::AddressNotUsable),

@@ -9,11 +9,12 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use rivet_common::controller::Trigger;
 use rivet_common::state_file::{StateFile, StateFileError};
 
 use crate::allocator::{AllocError, Allocation, Allocator, AllocatorState, Owner, RangeUsage};
 use crate::events::{self, IpamMetrics};
-use crate::pool::{Family, PoolSet};
+use crate::pool::{Family, PoolSet, PoolSpec};
 
 /// Kind tag and schema version of the state file.
 const STATE_KIND: &str = "rivet-ipam-allocations";
@@ -73,21 +74,34 @@ struct Inner {
 /// ```
 #[derive(Debug)]
 pub struct IpamStore {
-    /// The configuration, immutable for the process lifetime.
-    pools: PoolSet,
     inner: Mutex<Inner>,
     file: StateFile<AllocatorState>,
     /// Generation known to be on disk.
     persisted: AtomicU64,
     /// Serialises writers; a writer persists every change made so far.
     writer: tokio::sync::Mutex<()>,
+    /// Serialises SetPool calls, so a failed write undoes only its own change.
+    pool_change: tokio::sync::Mutex<()>,
+    /// Fired after every applied pool change.
+    pool_changed: Trigger,
     metrics: IpamMetrics,
+}
+
+/// What SetPool did.
+#[derive(Debug, Clone)]
+pub struct PoolChange {
+    /// False when the pool already had these ranges (nothing written).
+    pub changed: bool,
+    /// The pools and usage after the call.
+    pub listing: Listing,
 }
 
 impl IpamStore {
     /// Opens the store in `dir` (file `allocations.json`), loading and checking
-    /// existing state. A corrupt or foreign file is an error: the daemon must
-    /// not start and hand out addresses pods already hold.
+    /// existing state; `pools` are the `--pool` flags', the pools SetPool set
+    /// before come back from the state. A corrupt or foreign file is an
+    /// error: the daemon must not start and hand out addresses pods already
+    /// hold.
     pub fn open(dir: &Path, pools: PoolSet, metrics: IpamMetrics) -> Result<Self, StoreError> {
         let file = StateFile::new(state_path(dir), STATE_KIND, STATE_VERSION);
         let state = file.load().map_err(StoreError::Load)?;
@@ -100,13 +114,13 @@ impl IpamStore {
         }
         tracing::info!(
             allocations = allocator.allocations().count(),
+            pools = ?allocator.pools().names(),
             inconsistencies = found.len(),
             path = %file.path().display(),
             "allocation state loaded"
         );
         metrics.set_usage(allocator.pools(), &allocator.usage());
         Ok(Self {
-            pools: allocator.pools().clone(),
             inner: Mutex::new(Inner {
                 allocator,
                 // Resolved inconsistencies are written back on the first change.
@@ -115,8 +129,55 @@ impl IpamStore {
             file,
             persisted: AtomicU64::new(0),
             writer: tokio::sync::Mutex::new(()),
+            pool_change: tokio::sync::Mutex::new(()),
+            pool_changed: Trigger::new(),
             metrics,
         })
+    }
+
+    /// Replaces the ranges of pool `spec.name` (creating it), durable on
+    /// return; see [`Allocator::set_pool`] for what is refused. The same
+    /// ranges again write nothing. A change that cannot be made durable is
+    /// undone.
+    pub async fn set_pool(&self, spec: &PoolSpec) -> Result<PoolChange, StoreError> {
+        let _serialised = self.pool_change.lock().await;
+        let (result, generation) = self.change(|a| {
+            let before = a.pools().clone();
+            match a.set_pool(spec) {
+                Ok(changed) => (Ok((changed, before)), changed),
+                Err(e) => (Err(e), false),
+            }
+        });
+        let (changed, before) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                events::pool_change_refused(&self.metrics, &spec.name, &e);
+                return Err(e.into());
+            }
+        };
+        if let Err(e) = self.commit(generation).await {
+            if changed {
+                // No other SetPool ran since (serialised): only this change is undone.
+                self.change(|a| {
+                    a.replace_pools(before);
+                    ((), true)
+                });
+            }
+            return Err(e);
+        }
+        if changed {
+            events::pool_changed(&self.metrics, &spec.name, &before.cidrs(&spec.name), &spec.cidrs);
+            self.pool_changed.trigger();
+        }
+        Ok(PoolChange {
+            changed,
+            listing: self.list(),
+        })
+    }
+
+    /// Fires after every applied pool change (for the readiness controller).
+    pub fn pool_changed(&self) -> &Trigger {
+        &self.pool_changed
     }
 
     /// See [`Allocator::allocate`]. Returns only once the allocation is durable.
@@ -194,9 +255,14 @@ impl IpamStore {
         }
     }
 
-    /// The pool configuration.
-    pub fn pools(&self) -> &PoolSet {
-        &self.pools
+    /// The pool configuration as of now.
+    pub fn pools(&self) -> PoolSet {
+        self.inner
+            .lock()
+            .expect("ipam state lock poisoned")
+            .allocator
+            .pools()
+            .clone()
     }
 
     /// The state file's path.
@@ -367,6 +433,68 @@ mod tests {
         assert!(
             store.list().allocations.is_empty(),
             "an allocation that is not durable must not stay allocated"
+        );
+    }
+
+    fn spec(s: &str) -> PoolSpec {
+        s.parse().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_set_pool_is_durable_and_the_same_ranges_write_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = IpamStore::open(dir.path(), PoolSet::default(), IpamMetrics::default()).unwrap();
+        let change = store
+            .set_pool(&spec("default=198.18.0.0/24,2001:2::/112"))
+            .await
+            .unwrap();
+        assert!(change.changed);
+        let a = store.allocate(&owner("a"), "default", Family::V4, None).await.unwrap();
+        let written = std::fs::metadata(state_path(dir.path())).unwrap().modified().unwrap();
+        let file = std::fs::read(state_path(dir.path())).unwrap();
+        let again = store
+            .set_pool(&spec("default=2001:2::/112,198.18.0.0/24"))
+            .await
+            .unwrap();
+        assert!(!again.changed, "the same ranges change nothing");
+        assert_eq!(
+            std::fs::read(state_path(dir.path())).unwrap(),
+            file,
+            "and write nothing"
+        );
+        assert_eq!(
+            std::fs::metadata(state_path(dir.path())).unwrap().modified().unwrap(),
+            written
+        );
+        drop(store);
+
+        let store = IpamStore::open(dir.path(), PoolSet::default(), IpamMetrics::default()).unwrap();
+        assert_eq!(
+            store.pools().cidrs("default"),
+            [
+                "198.18.0.0/24".parse::<ipnet::IpNet>().unwrap(),
+                "2001:2::/112".parse().unwrap()
+            ],
+            "a reopened store serves the pool set before"
+        );
+        assert_eq!(store.list().allocations, vec![a]);
+    }
+
+    #[tokio::test]
+    async fn a_set_pool_that_cannot_be_made_durable_is_undone() {
+        let dir = tempfile::tempdir().unwrap();
+        let state_dir = dir.path().join("state");
+        let store = IpamStore::open(&state_dir, PoolSet::default(), IpamMetrics::default()).unwrap();
+        store.set_pool(&spec("default=198.18.0.0/24")).await.unwrap();
+        std::fs::remove_dir_all(&state_dir).unwrap();
+        // A regular file where the state directory should be makes every write fail.
+        std::fs::write(&state_dir, b"").unwrap();
+        let err = store.set_pool(&spec("default=198.18.4.0/24")).await.unwrap_err();
+        assert!(matches!(err, StoreError::Persist(_)), "{err}");
+        assert_eq!(
+            store.pools().cidrs("default"),
+            ["198.18.0.0/24".parse::<ipnet::IpNet>().unwrap()],
+            "a change that is not durable is not applied"
         );
     }
 }

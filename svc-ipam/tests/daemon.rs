@@ -1,5 +1,6 @@
 //! svc-ipam as a real process over its Unix socket: durability across
-//! kill -9, concurrency, exhaustion, refused configurations, single instance.
+//! kill -9, concurrency, exhaustion, refused configurations, single
+//! instance, pools set by SetPool.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -10,6 +11,8 @@ use std::time::Duration;
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
+use rivet_proto::daemon::v1::GetInfoRequest;
+use rivet_proto::daemon::v1::daemon_client::DaemonClient;
 use rivet_proto::ipam::v1 as pb;
 use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use tempfile::TempDir;
@@ -244,7 +247,6 @@ fn bad_pool_configurations_are_refused_at_start() {
             vec!["a=198.18.0.0/24", "b=198.18.0.0/25"],
             "overlaps 198.18.0.0/24 of pool a",
         ),
-        (vec![], "no address pool configured"),
     ] {
         let out = command(dir.path(), &pools)
             .run_to_exit(Duration::from_secs(10))
@@ -344,4 +346,232 @@ async fn http_get(port: u16, path: &str) -> String {
     rivet_common::testing::http_get(([127, 0, 0, 1], port).into(), path)
         .await
         .unwrap()
+}
+
+fn set_pool_req(name: &str, cidrs: &[&str]) -> pb::SetPoolRequest {
+    pb::SetPoolRequest {
+        name: name.into(),
+        cidrs: cidrs
+            .iter()
+            .map(|c| rivet_proto::net::prefix_to_proto(c.parse().unwrap()))
+            .collect(),
+    }
+}
+
+async fn degraded(daemon: &DaemonProcess) -> String {
+    let channel = connect_unix(daemon.socket(), &ClientOptions::default()).await.unwrap();
+    DaemonClient::new(channel)
+        .get_info(GetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .degraded
+}
+
+fn reason(status: &tonic::Status) -> Option<pb::ErrorReason> {
+    rivet_common::grpc::error_reason(status)
+}
+
+async fn pool(c: &mut IpamClient<DaemonChannel>, name: &str) -> pb::Pool {
+    let listed = c
+        .list(pb::ListRequest {
+            pool: name.into(),
+            include_allocations: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    listed.pools.into_iter().next().unwrap()
+}
+
+fn cidrs(p: &pb::Pool) -> Vec<String> {
+    p.ranges
+        .iter()
+        .map(|r| rivet_proto::net::format_prefix(r.cidr.as_ref().unwrap()))
+        .collect()
+}
+
+#[tokio::test]
+async fn without_a_pool_svc_ipam_is_degraded_until_set_pool_and_keeps_the_pool_across_kill_9() {
+    let (_dir, mut daemon) = start(&[]).await;
+    let mut c = client(&daemon).await;
+    let waiting = eventually_degraded(&daemon, |d| !d.is_empty()).await;
+    assert!(
+        waiting.contains("no pool yet: waiting for the node's pod CIDRs"),
+        "GetInfo says why: {waiting}"
+    );
+    let err = c.allocate(allocate_req("a", pb::Family::Ipv4)).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert_eq!(reason(&err), Some(pb::ErrorReason::NoPoolYet));
+
+    let set = c
+        .set_pool(set_pool_req("default", &["198.18.0.0/24", "2001:2::/120"]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(set.changed);
+    let set_pool = set.pool.unwrap();
+    assert_eq!(set_pool.source, pb::PoolSource::SetPool as i32);
+    assert_eq!(cidrs(&set_pool), ["198.18.0.0/24", "2001:2::/120"]);
+    assert_eq!(set_pool.ranges[0].available, 253);
+    eventually_degraded(&daemon, str::is_empty).await;
+    let a = c
+        .allocate(allocate_req("a", pb::Family::Ipv4))
+        .await
+        .unwrap()
+        .into_inner()
+        .allocation
+        .unwrap();
+    assert_eq!(address(&a).to_string(), "198.18.0.2");
+    assert_eq!(a.prefix_length, 24);
+
+    daemon.kill9();
+    daemon.restart().await.expect("svc-ipam restarts without flags");
+    let mut c = client(&daemon).await;
+    let restored = pool(&mut c, "default").await;
+    assert_eq!(cidrs(&restored), ["198.18.0.0/24", "2001:2::/120"], "the pool is back");
+    assert_eq!(restored.source, pb::PoolSource::SetPool as i32);
+    assert_eq!(
+        restored.allocations.iter().map(address).collect::<Vec<_>>(),
+        [address(&a)],
+        "and its allocations"
+    );
+    assert_eq!(degraded(&daemon).await, "", "a restored pool is ready at once");
+    let again = c
+        .set_pool(set_pool_req("default", &["2001:2::/120", "198.18.0.0/24"]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.changed, "the same ranges again change nothing");
+}
+
+async fn eventually_degraded(daemon: &DaemonProcess, ok: impl Fn(&str) -> bool) -> String {
+    let started = std::time::Instant::now();
+    loop {
+        let d = degraded(daemon).await;
+        if ok(&d) {
+            return d;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "GetInfo degraded stays {d:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn set_pool_keeps_allocations_inside_and_refuses_a_change_that_strands_one() {
+    let (_dir, daemon) = start(&[]).await;
+    let mut c = client(&daemon).await;
+    c.set_pool(set_pool_req("default", &["198.18.0.0/29"])).await.unwrap();
+    let mut held = BTreeMap::new();
+    for i in 0..5 {
+        let a = c
+            .allocate(allocate_req(&format!("pod-{i}"), pb::Family::Ipv4))
+            .await
+            .unwrap()
+            .into_inner();
+        held.insert(address(&a.allocation.unwrap()), format!("pod-{i}"));
+    }
+    let err = c.allocate(allocate_req("pod-x", pb::Family::Ipv4)).await.unwrap_err();
+    assert_eq!(reason(&err), Some(pb::ErrorReason::PoolExhausted));
+
+    // Moved: every held address (198.18.0.2-6) would be stranded.
+    let before = pool(&mut c, "default").await;
+    let err = c
+        .set_pool(set_pool_req("default", &["198.18.1.0/24"]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert_eq!(reason(&err), Some(pb::ErrorReason::PoolChangeStrandsAllocations));
+    assert!(
+        err.message().contains("5 allocated address(es)") && err.message().contains("198.18.0.2 of pod-0/eth0"),
+        "the refusal says how many and names one: {}",
+        err.message()
+    );
+    assert_eq!(
+        pool(&mut c, "default").await,
+        before,
+        "a refused change changes nothing"
+    );
+
+    // Grown: every held address stays valid and none is handed out again.
+    let grown = c
+        .set_pool(set_pool_req("default", &["198.18.0.0/28"]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(grown.changed);
+    assert_eq!(grown.pool.unwrap().ranges[0].allocated, 5);
+    assert_eq!(
+        allocations(&mut c).await,
+        held,
+        "allocations inside the new ranges stay"
+    );
+    for i in 0..8 {
+        let a = c
+            .allocate(allocate_req(&format!("new-{i}"), pb::Family::Ipv4))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            !held.contains_key(&address(&a.allocation.unwrap())),
+            "a held address is never handed out twice"
+        );
+    }
+    let again = c
+        .allocate(allocate_req("pod-0", pb::Family::Ipv4))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        held.get(&address(&again.allocation.unwrap())).map(String::as_str),
+        Some("pod-0"),
+        "an owner keeps its address across the change"
+    );
+}
+
+#[tokio::test]
+async fn set_pool_refuses_flag_pools_and_invalid_requests_naming_the_field() {
+    let (_dir, daemon) = start(&["default=198.18.0.0/24"]).await;
+    let mut c = client(&daemon).await;
+    let err = c
+        .set_pool(set_pool_req("default", &["198.18.4.0/24"]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert_eq!(reason(&err), Some(pb::ErrorReason::PoolFixedByFlag));
+    assert!(err.message().contains("--pool"), "{}", err.message());
+    let listed = pool(&mut c, "default").await;
+    assert_eq!(cidrs(&listed), ["198.18.0.0/24"]);
+    assert_eq!(listed.source, pb::PoolSource::Flag as i32);
+
+    let mut host_bits = set_pool_req("other", &["198.18.4.0/24"]);
+    host_bits.cidrs[0].address = vec![198, 18, 4, 1];
+    let mut bad_length = set_pool_req("other", &["198.18.4.0/24"]);
+    bad_length.cidrs[0].address = vec![198, 18, 4];
+    for (request, field, text) in [
+        (set_pool_req("Other", &["198.18.4.0/24"]), "name", "lowercase"),
+        (set_pool_req("", &["198.18.4.0/24"]), "name", "lowercase"),
+        (set_pool_req("other", &[]), "cidrs", "no CIDR"),
+        (host_bits, "cidrs[0]", "host bits"),
+        (bad_length, "cidrs[0]", ""),
+        (
+            set_pool_req("other", &["198.18.0.128/25"]),
+            "cidrs",
+            "overlaps 198.18.0.0/24 of pool default",
+        ),
+        (set_pool_req("other", &["198.18.4.0/31"]), "cidrs", "too small"),
+    ] {
+        let err = c.set_pool(request.clone()).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{request:?}: {err:?}");
+        assert!(
+            err.message().starts_with(&format!("{field}: ")) && err.message().contains(text),
+            "{request:?}: the error names {field} and says {text:?}: {}",
+            err.message()
+        );
+    }
+    let listed = c.list(pb::ListRequest::default()).await.unwrap().into_inner();
+    assert_eq!(listed.pools.len(), 1, "nothing refused was created");
 }
