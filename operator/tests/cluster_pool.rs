@@ -8,6 +8,7 @@
 
 use std::time::{Duration, Instant};
 
+use futures::StreamExt as _;
 use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 use kube::ResourceExt as _;
@@ -16,7 +17,7 @@ use kube::runtime::wait::{Condition, await_condition, conditions};
 use prometheus_client::registry::Registry;
 use rivet_common::controller::Controllers;
 use rivet_k8s::{CONDITION_POD_CIDRS_ALLOCATED, CONDITION_READY, NodeCondition, RivetNode};
-use rivet_operator::cluster_pool::allocator::PoolConfig;
+use rivet_operator::cluster_pool::allocator::{Family, PoolConfig};
 use rivet_operator::cluster_pool::{
     ClusterPool, ClusterPoolArgs, NODE_DELETED_AT_ANNOTATION, PoolMetrics, REASON_ALLOCATED, REASON_CONFLICT,
     REASON_EXHAUSTED,
@@ -360,15 +361,20 @@ async fn a_new_term_rebuilds_the_allocation_from_the_api_objects() {
         h.create_node(name).await;
         h.wait_allocated(name).await;
     }
-    // The term ends; its writes stop.
+    // One of the first term's nodes goes: the term marks it (the grace
+    // runs), then ends; its writes stop.
+    h.delete_node("t1-a").await;
+    h.wait_for("t1-a", "annotated as gone", |n: Option<&RivetNode>| {
+        n.is_some_and(|n| n.annotations().contains_key(NODE_DELETED_AT_ANNOTATION))
+    })
+    .await;
     term.end();
     controllers.shutdown().await;
     assert!(term.ensure().is_err());
 
-    // A node joins without a leader, one holds a CIDR outside the pool,
-    // and one of the first term's nodes is gone: its blocks stay held.
+    // A node joins without a leader and one holds a CIDR outside the pool;
+    // t1-a, pending deletion, keeps its blocks held.
     h.create_node("gap").await;
-    h.delete_node("t1-a").await;
     h.create_node("outside").await;
     h.rivet_nodes()
         .patch(
@@ -402,5 +408,37 @@ async fn a_new_term_rebuilds_the_allocation_from_the_api_objects() {
         nets(&["2001:2::300/120"]),
         "IPv6 is not exhausted"
     );
+    controllers.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fifty_nodes_joining_at_once_get_distinct_cidrs_and_the_handle_signals_when_all_have_them() {
+    let h = Harness::start().await;
+    let wide = PoolConfig::new(&nets(&["198.18.0.0/16"]), 24, &nets(&["2001:2::/112"]), 120).unwrap();
+    let duty = ClusterPool::new(h.operator.clone(), wide, GRACE, PoolMetrics::default());
+    let term = Term::begin("test", 0, Instant::now() + Duration::from_secs(3600));
+    let controllers = Controllers::new();
+    let pool = duty.start_term(&term, &controllers);
+    let names: Vec<String> = (0..50).map(|i| format!("join-{i:02}")).collect();
+    futures::stream::iter(names.iter().map(|n| h.create_node(n)))
+        .buffer_unordered(16)
+        .collect::<Vec<()>>()
+        .await;
+    tokio::time::timeout(WAIT, pool.wait_all_allocated(names.len()))
+        .await
+        .unwrap_or_else(|_| panic!("not all allocated within {WAIT:?}: {:?}", pool.view()));
+    // What the handle signalled is what the API holds.
+    let listed = h.rivet_nodes().list(&Default::default()).await.unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for node in &listed.items {
+        let cidrs = pod_cidrs(node);
+        assert_eq!(cidrs.len(), 2, "{}: {cidrs:?}", node.name_any());
+        for cidr in cidrs {
+            assert!(seen.insert(cidr), "{cidr} held twice");
+        }
+    }
+    assert_eq!(listed.items.len(), names.len());
+    assert_eq!(pool.view().usage[&Family::V4], (50, 256 - 50));
+    assert_eq!(pool.view().usage[&Family::V6], (50, 256 - 50));
     controllers.shutdown().await;
 }
