@@ -235,45 +235,15 @@ impl ClusterPool {
         // never from a cache that may predate the last leader's writes.
         let config = watcher::Config::default().list_semantic(ListSemantic::MostRecent);
 
-        let s = shared.clone();
-        let c = config.clone();
-        let metrics = self.metrics.clone();
-        controllers.supervise(Controller::new("cluster-pool-rivetnodes"), move |progress| {
-            let (s, api, c, metrics) = (s.clone(), rivet_api.clone(), c.clone(), metrics.clone());
-            async move {
-                let mut events = watcher::watcher(api, c).default_backoff().boxed();
-                while let Some(event) = events.next().await {
-                    match event {
-                        Ok(event) => {
-                            s.lock().rivet_event(event, &metrics);
-                            s.changed();
-                            progress.ok();
-                        }
-                        Err(e) => metrics.api_failed("watch", "watch", &format!("watching rivetnodes: {e}")),
-                    }
-                }
-                Ok::<(), std::convert::Infallible>(())
-            }
-        });
-        let s = shared.clone();
-        let metrics = self.metrics.clone();
-        controllers.supervise(Controller::new("cluster-pool-nodes"), move |progress| {
-            let (s, api, c, metrics) = (s.clone(), node_api.clone(), config.clone(), metrics.clone());
-            async move {
-                let mut events = watcher::watcher(api, c).default_backoff().boxed();
-                while let Some(event) = events.next().await {
-                    match event {
-                        Ok(event) => {
-                            s.lock().node_event(event);
-                            s.changed();
-                            progress.ok();
-                        }
-                        Err(e) => metrics.api_failed("watch", "watch", &format!("watching nodes: {e}")),
-                    }
-                }
-                Ok::<(), std::convert::Infallible>(())
-            }
-        });
+        let watch = |name, resource: &'static str| Watch {
+            controller: name,
+            resource,
+            config: config.clone(),
+            shared: shared.clone(),
+            metrics: self.metrics.clone(),
+        };
+        watch("cluster-pool-rivetnodes", "rivetnodes").start(controllers, rivet_api, PoolState::rivet_event);
+        watch("cluster-pool-nodes", "nodes").start(controllers, node_api, |state, event, _| state.node_event(event));
         let pass = Arc::new(Pass {
             duty: self.clone(),
             term: term.clone(),
@@ -284,6 +254,47 @@ impl ClusterPool {
             async move { pass.run().await }
         });
         PoolHandle { shared }
+    }
+}
+
+/// One of a term's watchers: feeds the term's state and wakes its pass.
+struct Watch {
+    controller: &'static str,
+    resource: &'static str,
+    config: watcher::Config,
+    shared: Arc<Shared>,
+    metrics: PoolMetrics,
+}
+
+impl Watch {
+    fn start<K>(self, controllers: &Controllers, api: Api<K>, apply: fn(&mut PoolState, Event<K>, &PoolMetrics))
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+    {
+        controllers.supervise(Controller::new(self.controller), move |progress| {
+            let (api, config, shared, metrics) = (
+                api.clone(),
+                self.config.clone(),
+                self.shared.clone(),
+                self.metrics.clone(),
+            );
+            let resource = self.resource;
+            async move {
+                let mut events = watcher::watcher(api, config).default_backoff().boxed();
+                while let Some(event) = events.next().await {
+                    match event {
+                        Ok(event) => {
+                            apply(&mut shared.lock(), event, &metrics);
+                            shared.changed();
+                            progress.ok();
+                        }
+                        // The watcher retries with backoff; the view stays.
+                        Err(e) => metrics.api_failed("watch", "watch", &format!("watching {resource}: {e}")),
+                    }
+                }
+                Ok::<(), std::convert::Infallible>(())
+            }
+        });
     }
 }
 
