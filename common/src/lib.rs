@@ -24,10 +24,13 @@
 //! - [`pin_layout`]: where a node's datapath maps are pinned (aya-free;
 //!   `rivet_datapath::pin` re-exports it);
 //! - [`k8s_name`]: Kubernetes name rules (DNS-1123 labels and subdomains,
-//!   namespace names, label keys and values).
+//!   namespace names, label keys and values);
+//! - [`cluster`]: the node and service records the kvstore holds
+//!   (`nodes/v1`, `services/v1`), written by rivet-operator.
 
 pub mod access;
 pub mod backoff;
+pub mod cluster;
 pub mod config;
 pub mod controller;
 pub mod daemon;

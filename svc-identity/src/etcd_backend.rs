@@ -7,7 +7,10 @@
 //! - `identities/v1/id/<id>` → canonical labels (the master key, no lease);
 //! - `identities/v1/value/<labels>/<node>` → the id in decimal, bound to the
 //!   node's lease;
-//! - `ip/v1/<cluster>/<ip>` → [`IpEntry`] as JSON, bound to the node's lease.
+//! - `ip/v1/<cluster>/<ip>` → [`IpEntry`] as JSON, bound to the node's lease;
+//! - `.heartbeat`, `nodes/v1/<cluster>/<node>`,
+//!   `services/v1/<cluster>/<ns>/<name>`: written by rivet-operator (the
+//!   heartbeat's RFC 3339 time; `rivet_common::cluster` records).
 //!
 //! Labels are used verbatim in value keys (`k8s:app=web,k8s:tier=db`).
 //! They never contain `/` except in a label key's DNS prefix
@@ -199,6 +202,60 @@ impl Layout {
     /// `<prefix>ip/v1/<cluster>/<ip>`.
     pub fn ip_key(&self, ip: &str) -> String {
         format!("{}ip/v1/{}/{ip}", self.prefix, self.cluster)
+    }
+
+    /// `<prefix>.heartbeat`: the time rivet-operator's leader last wrote
+    /// (RFC 3339), see svc-identity's heartbeat watchdog.
+    pub fn heartbeat_key(&self) -> String {
+        format!("{}.heartbeat", self.prefix)
+    }
+
+    /// `<prefix>nodes/v1/<cluster>/`: every node record of the cluster
+    /// (`rivet_common::cluster::NodeRecord`).
+    pub fn node_prefix(&self) -> String {
+        format!("{}nodes/v1/{}/", self.prefix, self.cluster)
+    }
+
+    /// `<prefix>nodes/v1/<cluster>/<node>`.
+    pub fn node_key(&self, node: &str) -> String {
+        format!("{}{node}", self.node_prefix())
+    }
+
+    /// The node of a node key (`None` for any other key).
+    ///
+    /// ```
+    /// use svc_identity::etcd_backend::Layout;
+    /// let layout = Layout::new("rivet/state/", "c1");
+    /// assert_eq!(layout.node_of_key(&layout.node_key("n1")), Some("n1"));
+    /// assert_eq!(layout.node_of_key("rivet/state/nodes/v1/c2/n1"), None);
+    /// ```
+    pub fn node_of_key<'k>(&self, key: &'k str) -> Option<&'k str> {
+        key.strip_prefix(&self.node_prefix())
+            .filter(|node| !node.is_empty() && !node.contains('/'))
+    }
+
+    /// `<prefix>services/v1/<cluster>/`: every service record of the cluster
+    /// (`rivet_common::cluster::ServiceRecord`).
+    pub fn service_prefix(&self) -> String {
+        format!("{}services/v1/{}/", self.prefix, self.cluster)
+    }
+
+    /// `<prefix>services/v1/<cluster>/<namespace>/<name>`.
+    pub fn service_key(&self, namespace: &str, name: &str) -> String {
+        format!("{}{namespace}/{name}", self.service_prefix())
+    }
+
+    /// The namespace and name of a service key (`None` for any other key).
+    ///
+    /// ```
+    /// use svc_identity::etcd_backend::Layout;
+    /// let layout = Layout::new("rivet/state/", "c1");
+    /// assert_eq!(layout.service_of_key(&layout.service_key("shop", "web")), Some(("shop", "web")));
+    /// assert_eq!(layout.service_of_key("rivet/state/services/v1/c1/shop"), None);
+    /// ```
+    pub fn service_of_key<'k>(&self, key: &'k str) -> Option<(&'k str, &'k str)> {
+        let (namespace, name) = key.strip_prefix(&self.service_prefix())?.split_once('/')?;
+        (!namespace.is_empty() && !name.is_empty() && !name.contains('/')).then_some((namespace, name))
     }
 
     /// The id of a master key (canonical decimal only).
