@@ -120,27 +120,39 @@ pub async fn run(
     listener.access_metrics().register(&mut registry);
     controllers.register_metrics(&mut registry);
     if let Some(address) = common.metrics_address {
-        // Bound now: an address in use fails the start. A server that fails
-        // later is bound and started again by its controller.
-        let bound = Arc::new(std::sync::Mutex::new(Some(MetricsServer::bind(address).await?)));
-        let (registry, health) = (Arc::new(registry), health.clone());
-        controllers.supervise(Controller::new("metrics-server"), move |progress| {
-            let (bound, registry, health) = (bound.clone(), registry.clone(), health.clone());
-            async move {
-                let taken = bound.lock().unwrap_or_else(|e| e.into_inner()).take();
-                let server = match taken {
-                    Some(server) => server,
-                    None => MetricsServer::bind(address).await?,
-                };
-                progress.ok();
-                // Until the daemon's shutdown cancels it.
-                server.serve(registry, health, std::future::pending()).await
-            }
-        });
+        serve_metrics(address, &controllers, registry, health.clone()).await?;
     }
     health.set_serving();
     let result = grpc::serve_unix(listener, identity, controllers.clone(), routes, grpc::shutdown_signal()).await;
     health.set_unhealthy("shutting down");
     controllers.shutdown().await;
     Ok(result?)
+}
+
+/// Serves `/metrics` (of `registry`) and `/healthz` (of `health`) on
+/// `address` under the controller `metrics-server` of `controllers`, until
+/// they shut down. The address is bound before this returns: one in use
+/// fails the start; a server that fails later is bound and started again.
+pub async fn serve_metrics(
+    address: std::net::SocketAddr,
+    controllers: &Controllers,
+    registry: Registry,
+    health: Health,
+) -> Result<(), MetricsError> {
+    let bound = Arc::new(std::sync::Mutex::new(Some(MetricsServer::bind(address).await?)));
+    let registry = Arc::new(registry);
+    controllers.supervise(Controller::new("metrics-server"), move |progress| {
+        let (bound, registry, health) = (bound.clone(), registry.clone(), health.clone());
+        async move {
+            let taken = bound.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let server = match taken {
+                Some(server) => server,
+                None => MetricsServer::bind(address).await?,
+            };
+            progress.ok();
+            // Until the daemon's shutdown cancels it.
+            server.serve(registry, health, std::future::pending()).await
+        }
+    });
+    Ok(())
 }

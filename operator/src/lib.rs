@@ -5,6 +5,8 @@
 //!
 //! - [`term`]: a term of leadership and the [`term::Duty`] trait every duty
 //!   implements; writes are fenced on [`term::Term::ensure`].
+//! - [`leader`]: the elector (client-go's algorithm on a Lease) that
+//!   begins and ends terms and starts the duties for each.
 //! - [`cluster_pool`]: the `cluster-pool` duty (pod CIDRs per node from
 //!   the cluster pool, RivetNodes for Nodes and their deletion when the
 //!   Node is gone).
@@ -12,4 +14,5 @@
 
 pub mod cluster_pool;
 pub mod kvstore;
+pub mod leader;
 pub mod term;

@@ -13,6 +13,10 @@
 //!   entries, the svc-gc command;
 //! - [`kube`]: a real kube-apiserver with its own etcd, per-test PKI, RBAC,
 //!   an admin client, Rivet's CRDs and ServiceAccounts bound to deploy/'s RBAC;
+//! - [`operator`]: rivet-operator as a process with its ServiceAccount,
+//!   killed, stopped and restarted by tests, waited on through its Lease;
+//! - [`relay`]: a TCP relay a test cuts (a partition between one client
+//!   and a server);
 //! - [`cni`]: running a CNI plugin the way a container runtime does;
 //! - [`frames`]: raw frames built by hand and sent from an interface;
 //! - [`jaeger`]: a real Jaeger v2 for trace tests, read back through its
@@ -30,5 +34,7 @@ pub mod jaeger;
 pub mod kube;
 pub mod loader;
 pub mod node;
+pub mod operator;
+pub mod relay;
 pub mod tools;
 pub mod wire;

@@ -23,6 +23,7 @@ const UNPRIVILEGED: &[&str] = &[
     "svc-identity",
     "svc-endpoint",
     "svc-k8s-sync",
+    "rivet-operator",
     "rivet-cni",
     "rivet-cli",
 ];
