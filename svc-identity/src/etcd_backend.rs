@@ -33,6 +33,15 @@
 //! the master key, so the answer (`LabelsHeldAs`, `IdTaken`) needs no second
 //! round trip.
 //!
+//! # Garbage collection (the operator's)
+//!
+//! Master keys stay after their last value key is gone; rivet-operator
+//! deletes one that had no value key for two rounds, in a transaction that
+//! compares its mod revision with the one seen in the first round. So that
+//! reuse between the rounds fences it, [`acquire`](EtcdBackend::acquire)
+//! puts the master again whenever it creates a value key (creation and
+//! re-creation write the master anyway).
+//!
 //! # Lease
 //!
 //! [`EtcdBackend::connect`] grants a lease (`lease_ttl`, whole seconds) and a
@@ -907,13 +916,24 @@ impl IdentityBackend for EtcdBackend {
         let id_key = self.layout.id_key(id);
         let value_key = self.layout.value_key(labels, &self.node);
         for _ in 0..MAX_ATTEMPTS {
+            let lease = self.lease_put(&action)?;
+            // A new value key also puts the master again (same labels): its
+            // mod revision moves, so the operator's GC, which deletes a
+            // master only if its mod revision is the one it saw unused a
+            // round earlier, never deletes an identity reused in between
+            // (even one released again before the second round). Rewriting
+            // an existing value key (every reconcile pass) leaves the master
+            // alone: no write and no watch event per pass.
+            let write_value = Txn::new()
+                .when([Compare::create_revision(value_key.clone(), CompareOp::Equal, 0)])
+                .and_then([
+                    TxnOp::put(value_key.clone(), id.to_string(), Some(lease.clone())),
+                    TxnOp::put(id_key.clone(), labels, None),
+                ])
+                .or_else([TxnOp::put(value_key.clone(), id.to_string(), Some(lease))]);
             let txn = Txn::new()
                 .when([Compare::value(id_key.clone(), CompareOp::Equal, labels)])
-                .and_then([TxnOp::put(
-                    value_key.clone(),
-                    id.to_string(),
-                    Some(self.lease_put(&action)?),
-                )])
+                .and_then([TxnOp::txn(write_value)])
                 .or_else([TxnOp::get(id_key.clone(), None)]);
             let resp = self.txn(&action, txn).await?;
             if resp.succeeded() {
@@ -1601,6 +1621,51 @@ mod tests {
         assert_eq!(raw_get(&mut c, &layout.id_key(410)).await, None);
     }
 
+    /// Mod revision of `key`, if it exists.
+    async fn raw_mod_revision(client: &mut Client, key: &str) -> Option<i64> {
+        let resp = client.get(key, None).await.expect("raw get");
+        resp.kvs().first().map(KeyValue::mod_revision)
+    }
+
+    #[tokio::test]
+    async fn etcd_acquire_of_a_new_value_key_moves_the_master_revision() {
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
+        let a = backend(&etcd, "node-a").await;
+        let b = backend(&etcd, "node-b").await;
+        let mut c = raw(&etcd).await;
+        let master = a.layout().id_key(420);
+        assert_eq!(
+            a.create_identity(420, "k8s:app=web").await.unwrap(),
+            CreateOutcome::Created
+        );
+        a.release("k8s:app=web").await.unwrap();
+        let unused = raw_mod_revision(&mut c, &master).await.expect("the master stays");
+
+        // Reused and released again between two GC rounds: the master's
+        // mod revision says so.
+        assert_eq!(b.acquire(420, "k8s:app=web").await.unwrap(), AcquireOutcome::Acquired);
+        let reused = raw_mod_revision(&mut c, &master).await.expect("master");
+        assert!(
+            reused > unused,
+            "a new value key moves the master ({unused} -> {reused})"
+        );
+        assert_eq!(raw_get(&mut c, &master).await.unwrap().0, "k8s:app=web");
+        b.release("k8s:app=web").await.unwrap();
+        assert_eq!(raw_mod_revision(&mut c, &master).await, Some(reused));
+
+        // Rewriting an existing value key (a reconcile pass) leaves it.
+        assert_eq!(b.acquire(420, "k8s:app=web").await.unwrap(), AcquireOutcome::Acquired);
+        let held = raw_mod_revision(&mut c, &master).await.expect("master");
+        assert_eq!(b.acquire(420, "k8s:app=web").await.unwrap(), AcquireOutcome::Acquired);
+        assert_eq!(raw_mod_revision(&mut c, &master).await, Some(held));
+        let value = raw_get(&mut c, &b.layout().value_key("k8s:app=web", "node-b")).await;
+        assert_eq!(value, Some(("420".to_string(), b.lease_id())));
+
+        // Another label set's acquire of the id writes nothing.
+        assert_eq!(b.acquire(420, "k8s:app=db").await.unwrap(), AcquireOutcome::Conflict);
+        assert_eq!(raw_mod_revision(&mut c, &master).await, Some(held));
+    }
+
     #[tokio::test]
     async fn etcd_release_deletes_only_this_nodes_value_key() {
         let etcd = EtcdServer::start_async().await.expect("etcd starts");
@@ -1736,7 +1801,9 @@ mod tests {
         assert_eq!(ids.iter().map(|r| r.id).collect::<Vec<_>>(), [800]);
         let mut watch = a.watch_identities(revision).await.unwrap();
         b.create_identity(801, "k8s:app=b").await.unwrap();
-        a.acquire(801, "k8s:app=b").await.unwrap(); // value keys: no identity event
+        // A new value key puts the master again (the GC's fence): the same
+        // record once more, which the allocator's cache ignores.
+        a.acquire(801, "k8s:app=b").await.unwrap();
         a.create_identity(802, "k8s:app=c").await.unwrap();
         c.delete(a.layout().id_key(800), None).await.unwrap();
         let record = |id, labels: &str| {
@@ -1745,6 +1812,7 @@ mod tests {
                 labels: labels.into(),
             })
         };
+        assert_eq!(next(&mut watch).await, record(801, "k8s:app=b"));
         assert_eq!(next(&mut watch).await, record(801, "k8s:app=b"));
         assert_eq!(next(&mut watch).await, record(802, "k8s:app=c"));
         assert_eq!(next(&mut watch).await, IdentityEvent::Delete { id: 800 });
