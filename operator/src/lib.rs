@@ -11,8 +11,11 @@
 //!   the cluster pool, RivetNodes for Nodes and their deletion when the
 //!   Node is gone).
 //! - [`kvstore`]: the etcd flags and client shared by the kvstore duties.
+//! - [`identity_gc`]: identity garbage collection (etcd keys or
+//!   RivetIdentity objects), two rounds fenced on the version.
 
 pub mod cluster_pool;
+pub mod identity_gc;
 pub mod kvstore;
 pub mod leader;
 pub mod term;

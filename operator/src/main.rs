@@ -14,6 +14,7 @@ use rivet_common::metrics::Health;
 use rivet_common::telemetry::{self, LogFormat, TelemetryOptions};
 use rivet_common::{config, daemon};
 use rivet_k8s::ClusterAccess;
+use rivet_operator::identity_gc::{IdentityGcArgs, IdentityGcDuty, IdentityGcMetrics};
 use rivet_operator::kvstore::KvstoreArgs;
 use rivet_operator::leader::{ElectionMetrics, Elector, LeaderElectionArgs};
 use rivet_operator::term::Duty;
@@ -57,6 +58,9 @@ struct Flags {
 
     #[command(flatten)]
     kvstore: KvstoreArgs,
+
+    #[command(flatten)]
+    identity_gc: IdentityGcArgs,
 }
 
 fn main() -> ExitCode {
@@ -84,6 +88,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let metrics = ElectionMetrics::default();
     let mut registry = Registry::with_prefix("rivet");
     metrics.register(&mut registry);
+    let identity_gc_metrics = IdentityGcMetrics::default();
+    identity_gc_metrics.register(&mut registry);
     controllers.register_metrics(&mut registry);
     let health = Health::default();
     if let Some(address) = flags.metrics_address {
@@ -91,7 +97,12 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     }
 
     // The duties every term starts, one line each.
-    let duties: Vec<Arc<dyn Duty>> = Vec::new();
+    let duties: Vec<Arc<dyn Duty>> = vec![Arc::new(IdentityGcDuty::new(
+        flags.identity_gc,
+        flags.kvstore.clone(),
+        client.clone(),
+        identity_gc_metrics,
+    ))];
 
     tracing::info!(
         identity = election.identity,

@@ -30,9 +30,14 @@
 //! this store never deletes one (svc-identity's RBAC has no `delete`). This
 //! node's references are counted locally by the allocator; `release` does
 //! nothing here. Which identities are in use is what the `RivetEndpoint`
-//! objects say (their `status.identity`); the operator deletes identities no
-//! endpoint uses (operator issue). An identity still held here but deleted
-//! anyway is re-created with the same number by the next reconcile pass
+//! objects say (their `status.identity`); rivet-operator deletes identities
+//! no endpoint uses for two GC rounds. Its first round marks the object
+//! ([`GC_UNUSED_SINCE_ANNOTATION`]) and its second deletes it with a
+//! precondition on the resourceVersion the mark produced: `acquire` of a
+//! marked identity removes the mark (a merge patch), which changes the
+//! resourceVersion, so a reuse between the rounds makes the delete fail and
+//! the identity survives. An identity still held here but deleted anyway is
+//! re-created with the same number by the next reconcile pass
 //! ([`AcquireOutcome::MasterRecreated`]).
 //!
 //! # IP cache
@@ -42,13 +47,13 @@
 //! with Kubernetes the other nodes' pods come from their `RivetEndpoint`
 //! objects (svc-k8s-sync, the multi-node issue).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use futures::stream::{self, BoxStream, StreamExt};
 use rivet_common::labels::Labels;
-use rivet_k8s::kube::api::{Api, ListParams, ObjectMeta, PostParams, WatchEvent, WatchParams};
+use rivet_k8s::kube::api::{Api, ListParams, ObjectMeta, Patch, PatchParams, PostParams, WatchEvent, WatchParams};
 use rivet_k8s::kube::{self, Client, ResourceExt};
 use rivet_k8s::{RivetIdentity, RivetIdentitySpec};
 use sha2::{Digest, Sha256};
@@ -60,6 +65,13 @@ use crate::backend::{
 
 /// The label holding a hash of the identity labels (for lookups by labels).
 pub const LABELS_HASH_LABEL: &str = "rivet.io/labels-hash";
+
+/// The annotation rivet-operator's identity GC marks an unused identity
+/// with (an RFC 3339 time); `acquire` removes it (see the module docs).
+pub const GC_UNUSED_SINCE_ANNOTATION: &str = "rivet.io/gc-unused-since";
+
+/// The field manager of this store's writes.
+const FIELD_MANAGER: &str = "svc-identity";
 
 /// The resource, as errors name it.
 const RESOURCE: &str = "rivetidentities.rivet.io";
@@ -85,10 +97,19 @@ pub struct KubernetesBackend {
     /// needs no request, so a reconcile pass over the held identities costs
     /// the API server nothing while they exist.
     known: Known,
+    /// Identities whose object carries the GC mark, as last seen.
+    marked: Marked,
 }
 
 /// Identity number → canonical labels.
 type Known = Arc<RwLock<BTreeMap<u32, String>>>;
+
+/// Identity numbers whose object carries [`GC_UNUSED_SINCE_ANNOTATION`].
+type Marked = Arc<RwLock<BTreeSet<u32>>>;
+
+fn is_marked(object: &RivetIdentity) -> bool {
+    object.annotations().contains_key(GC_UNUSED_SINCE_ANNOTATION)
+}
 
 impl std::fmt::Debug for KubernetesBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -105,6 +126,7 @@ impl KubernetesBackend {
             watch_requests: Arc::default(),
             reads: Arc::default(),
             known: Known::default(),
+            marked: Marked::default(),
         }
     }
 
@@ -134,13 +156,51 @@ impl KubernetesBackend {
             .get_opt(&id.to_string())
             .await
             .map_err(|e| api_error(e, "get", format!("reading RivetIdentity {id}")))?;
-        let found = object.map(|o| record(&o)).transpose()?;
+        let found = object.as_ref().map(record).transpose()?;
         let mut known = self.known.write().expect("known identities poisoned");
         match &found {
             Some(r) => known.insert(id, r.labels.clone()),
             None => known.remove(&id),
         };
+        self.note_mark(id, object.as_ref().is_some_and(is_marked));
         Ok(found)
+    }
+
+    fn note_mark(&self, id: u32, marked: bool) {
+        let mut set = self.marked.write().expect("marked identities poisoned");
+        if marked {
+            set.insert(id);
+        } else {
+            set.remove(&id);
+        }
+    }
+
+    /// Removes the GC mark of `id` (a merge patch: the resourceVersion
+    /// changes, so the operator's fenced delete fails). `false` when the
+    /// object is gone.
+    async fn unmark(&self, id: u32) -> Result<bool, BackendError> {
+        let patch = serde_json::json!({ "metadata": { "annotations": { GC_UNUSED_SINCE_ANNOTATION: null } } });
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
+        match self
+            .identities
+            .patch(&id.to_string(), &params, &Patch::Merge(&patch))
+            .await
+        {
+            Ok(object) => {
+                self.note_mark(id, is_marked(&object));
+                tracing::info!(id, "removed the GC mark of an identity in use again");
+                Ok(true)
+            }
+            Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+            Err(e) => Err(api_error(
+                e,
+                "patch",
+                format!("removing the GC mark of RivetIdentity {id}"),
+            )),
+        }
     }
 
     /// Creates the object; `Ok(false)` when the name is taken.
@@ -174,6 +234,7 @@ impl IdentityBackend for KubernetesBackend {
 
     async fn list_identities(&self) -> Result<(Vec<IdentityRecord>, Revision), BackendError> {
         let mut records = Vec::new();
+        let mut marked = BTreeSet::new();
         let mut params = ListParams::default().limit(PAGE_SIZE);
         let mut revision = None;
         loop {
@@ -187,7 +248,11 @@ impl IdentityBackend for KubernetesBackend {
                 revision = Some(parse_revision(page.metadata.resource_version.as_deref())?);
             }
             for object in &page.items {
-                records.push(record(object)?);
+                let r = record(object)?;
+                if is_marked(object) {
+                    marked.insert(r.id);
+                }
+                records.push(r);
             }
             match page.metadata.continue_.filter(|c| !c.is_empty()) {
                 Some(token) => params = params.continue_token(&token),
@@ -197,6 +262,7 @@ impl IdentityBackend for KubernetesBackend {
         records.sort();
         *self.known.write().expect("known identities poisoned") =
             records.iter().map(|r| (r.id, r.labels.clone())).collect();
+        *self.marked.write().expect("marked identities poisoned") = marked;
         Ok((records, revision.unwrap_or_default()))
     }
 
@@ -213,6 +279,7 @@ impl IdentityBackend for KubernetesBackend {
             timeout_seconds: self.watch_timeout_seconds,
             requests: self.watch_requests.clone(),
             known: self.known.clone(),
+            marked: self.marked.clone(),
             version: after.to_string(),
             events: None,
             failed: false,
@@ -255,14 +322,23 @@ impl IdentityBackend for KubernetesBackend {
     }
 
     /// Known here with these labels: no request (see `known`). Otherwise
-    /// read, and re-created with the same number when it is gone.
+    /// read, and re-created with the same number when it is gone. A
+    /// marked identity (GC) is unmarked.
     async fn acquire(&self, id: u32, labels: &str) -> Result<AcquireOutcome, BackendError> {
         let known = self.known.read().expect("known identities poisoned").get(&id).cloned();
-        if known.as_deref() == Some(labels) {
-            return Ok(AcquireOutcome::Acquired);
-        }
-        match self.get(id).await? {
-            Some(existing) if existing.labels == labels => return Ok(AcquireOutcome::Acquired),
+        let existing = match known {
+            Some(known) if known == labels => Some(known),
+            _ => self.get(id).await?.map(|r| r.labels),
+        };
+        match existing {
+            Some(existing) if existing == labels => {
+                let marked = self.marked.read().expect("marked identities poisoned").contains(&id);
+                if !marked || self.unmark(id).await? {
+                    return Ok(AcquireOutcome::Acquired);
+                }
+                // Deleted by the GC meanwhile: re-create it below.
+                self.known.write().expect("known identities poisoned").remove(&id);
+            }
             Some(_) => return Ok(AcquireOutcome::Conflict),
             None => {}
         }
@@ -320,6 +396,7 @@ struct ResumingWatch {
     timeout_seconds: u32,
     requests: Arc<AtomicU64>,
     known: Known,
+    marked: Marked,
     /// The last resourceVersion seen: where the next request starts.
     version: String,
     events: Option<BoxStream<'static, Result<WatchEvent<RivetIdentity>, kube::Error>>>,
@@ -382,6 +459,14 @@ impl ResumingWatch {
             } else {
                 record(&object).map(IdentityEvent::Upsert)
             };
+            if let Ok(id) = identity_number(&object) {
+                let mut marked = self.marked.write().expect("marked identities poisoned");
+                if !deleted && is_marked(&object) {
+                    marked.insert(id);
+                } else {
+                    marked.remove(&id);
+                }
+            }
             let mut known = self.known.write().expect("known identities poisoned");
             match &event {
                 Ok(IdentityEvent::Upsert(r)) => {

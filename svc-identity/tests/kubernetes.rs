@@ -353,3 +353,33 @@ async fn acquiring_an_identity_the_watch_knows_sends_no_request_and_a_deleted_on
         .unwrap();
     assert_eq!(object.spec.labels, ["k8s:app=x"]);
 }
+
+/// The identity GC deleted an identity this node still holds (a pod
+/// started between the GC's listing and its delete): the reconcile pass,
+/// level-triggered, re-creates it with the same number and labels.
+#[tokio::test]
+async fn an_identity_held_here_but_deleted_anyway_is_recreated_by_the_reconcile_pass() {
+    let (server, access) = server_with_identity_account().await;
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = spawn(dir.path(), "node-a", &access.kubeconfig).await;
+    let mut c = client(&daemon).await;
+    let id = allocate(&mut c, 7).await.expect("allocation succeeds");
+    let api = Api::<RivetIdentity>::all(server.admin_client());
+    let before = api.get(&id.to_string()).await.unwrap();
+    api.delete(&id.to_string(), &DeleteParams::default()).await.unwrap();
+    // Wait for the re-created object on a watch (a new uid), no sleep.
+    let params = rivet_k8s::kube::api::WatchParams::default()
+        .fields(&format!("metadata.name={id}"))
+        .timeout(30);
+    let mut events = api.watch(&params, "0").await.unwrap().boxed();
+    let recreated = loop {
+        match events.next().await.expect("re-created within 30 s").unwrap() {
+            rivet_k8s::kube::api::WatchEvent::Added(object) if object.metadata.uid != before.metadata.uid => {
+                break object;
+            }
+            _ => {}
+        }
+    };
+    assert_eq!(recreated.spec.labels, before.spec.labels);
+    assert_eq!(allocate(&mut c, 7).await.unwrap(), id, "the same number");
+}
