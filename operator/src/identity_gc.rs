@@ -36,6 +36,14 @@ pub use events::{IdentityGcMetrics, Store};
 /// The identity GC's flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct IdentityGcArgs {
+    /// Where svc-identity keeps the cluster's identities, as its own
+    /// `--identity-store`: `etcd` (master and value keys under
+    /// `--kvstore-prefix`; needs `--etcd-endpoints`) or `kubernetes`
+    /// (RivetIdentity objects). Default: `etcd` when `--etcd-endpoints` is
+    /// set, else `kubernetes`.
+    #[arg(long, env = "RIVET_IDENTITY_STORE", value_enum)]
+    pub identity_store: Option<IdentityStore>,
+
     /// How often a GC round runs (`15m`, `30s`). An identity is deleted
     /// after two rounds without use, so it lives 1-2 intervals unused.
     #[arg(long, env = "RIVET_IDENTITY_GC_INTERVAL", default_value = "15m",
@@ -49,9 +57,36 @@ pub struct IdentityGcArgs {
     pub identity_gc_rate_limit: NonZeroU32,
 }
 
+/// The identity store to collect (`--identity-store`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum IdentityStore {
+    /// svc-identity's `etcd` store.
+    Etcd,
+    /// svc-identity's `kubernetes` store.
+    Kubernetes,
+}
+
+/// A flag combination the identity GC cannot work with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("--identity-store etcd needs --etcd-endpoints (the etcd cluster svc-identity uses)")]
+pub struct NoEtcdEndpoints;
+
+impl IdentityGcArgs {
+    /// The store to collect: `--identity-store`, or its default.
+    pub fn store(&self, kvstore: &KvstoreArgs) -> Result<IdentityStore, NoEtcdEndpoints> {
+        match self.identity_store {
+            Some(IdentityStore::Etcd) if !kvstore.enabled() => Err(NoEtcdEndpoints),
+            Some(store) => Ok(store),
+            None if kvstore.enabled() => Ok(IdentityStore::Etcd),
+            None => Ok(IdentityStore::Kubernetes),
+        }
+    }
+}
+
 impl Default for IdentityGcArgs {
     fn default() -> Self {
         Self {
+            identity_store: None,
             identity_gc_interval: Duration::from_secs(15 * 60),
             identity_gc_rate_limit: NonZeroU32::new(2500).expect("non-zero"),
         }
@@ -131,10 +166,10 @@ impl DeleteRate {
     }
 }
 
-/// The identity GC duty: etcd's keys with `--etcd-endpoints`, otherwise
-/// the RivetIdentity objects.
+/// The identity GC duty over the store of `--identity-store`.
 pub struct IdentityGcDuty {
     args: IdentityGcArgs,
+    store: IdentityStore,
     kvstore: KvstoreArgs,
     client: kube::Client,
     metrics: IdentityGcMetrics,
@@ -143,15 +178,25 @@ pub struct IdentityGcDuty {
 
 impl IdentityGcDuty {
     /// The duty; `client` is the operator's API client (the CRD store).
-    pub fn new(args: IdentityGcArgs, kvstore: KvstoreArgs, client: kube::Client, metrics: IdentityGcMetrics) -> Self {
+    ///
+    /// # Errors
+    /// `--identity-store etcd` without `--etcd-endpoints`.
+    pub fn new(
+        args: IdentityGcArgs,
+        kvstore: KvstoreArgs,
+        client: kube::Client,
+        metrics: IdentityGcMetrics,
+    ) -> Result<Self, NoEtcdEndpoints> {
+        let store = args.store(&kvstore)?;
         let rate = DeleteRate::per_second(args.identity_gc_rate_limit);
-        Self {
+        Ok(Self {
             args,
+            store,
             kvstore,
             client,
             metrics,
             rate,
-        }
+        })
     }
 }
 
@@ -170,14 +215,13 @@ impl Duty for IdentityGcDuty {
     }
 
     fn start(&self, term: &Term, controllers: &Controllers) {
-        let collector = Arc::new(Mutex::new(if self.kvstore.enabled() {
-            Collector::EtcdPending
-        } else {
-            Collector::Crd(Box::new(crd::CrdIdentityGc::new(
+        let collector = Arc::new(Mutex::new(match self.store {
+            IdentityStore::Etcd => Collector::EtcdPending,
+            IdentityStore::Kubernetes => Collector::Crd(Box::new(crd::CrdIdentityGc::new(
                 self.client.clone(),
                 self.rate.clone(),
                 self.metrics.clone(),
-            )))
+            ))),
         }));
         let term = term.clone();
         let kvstore = self.kvstore.clone();
@@ -243,5 +287,38 @@ mod tests {
         let flags = Flags::try_parse_from(["op", "--identity-gc-interval", "90s"]).unwrap();
         assert_eq!(flags.gc.identity_gc_interval, Duration::from_secs(90));
         assert!(Flags::try_parse_from(["op", "--identity-gc-rate-limit", "0"]).is_err());
+    }
+
+    #[test]
+    fn the_store_defaults_to_etcd_with_endpoints_and_etcd_needs_them() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Flags {
+            #[command(flatten)]
+            gc: IdentityGcArgs,
+            #[command(flatten)]
+            kvstore: KvstoreArgs,
+        }
+        let store = |args: &[&str]| {
+            let flags = Flags::try_parse_from(std::iter::once("op").chain(args.iter().copied())).unwrap();
+            flags.gc.store(&flags.kvstore)
+        };
+        assert_eq!(store(&[]), Ok(IdentityStore::Kubernetes));
+        assert_eq!(
+            store(&["--etcd-endpoints", "http://127.0.0.1:2379"]),
+            Ok(IdentityStore::Etcd)
+        );
+        let both = [
+            "--etcd-endpoints",
+            "http://127.0.0.1:2379",
+            "--identity-store",
+            "kubernetes",
+        ];
+        assert_eq!(
+            store(&both),
+            Ok(IdentityStore::Kubernetes),
+            "the mirrors use etcd, identities are CRDs"
+        );
+        assert_eq!(store(&["--identity-store", "etcd"]), Err(NoEtcdEndpoints));
     }
 }

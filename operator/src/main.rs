@@ -73,6 +73,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let boot_id = BootId::random();
     // Checked first: a bad election setting is refused before anything runs.
     let election = flags.election.config(boot_id.as_str())?;
+    flags.identity_gc.store(&flags.kvstore)?;
     let _telemetry = telemetry::init(TelemetryOptions {
         service_name: NAME.into(),
         log_format: flags.log_format,
@@ -102,7 +103,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         flags.kvstore.clone(),
         client.clone(),
         identity_gc_metrics,
-    ))];
+    )?)];
 
     tracing::info!(
         identity = election.identity,

@@ -213,3 +213,29 @@ async fn a_term_that_ended_deletes_nothing() {
     assert!(identity(&cluster, 800).await.is_some());
     assert_eq!(metrics.runs(Store::Kubernetes, "not_leading"), 1);
 }
+
+/// After a failover the new leader starts with no candidates; a mark the
+/// last leader left counts as round one, so the identity goes at the new
+/// leader's second round, not its first.
+#[tokio::test]
+async fn a_new_leader_counts_the_last_leaders_mark_as_round_one() {
+    let cluster = cluster().await;
+    let node = KubernetesBackend::new(cluster.identity.clone());
+    assert_eq!(
+        node.create_identity(900, "k8s:app=web").await.unwrap(),
+        CreateOutcome::Created
+    );
+    let (mut old_leader, _) = new_gc(&cluster);
+    let old_term = term();
+    old_leader.round(&old_term).await.unwrap();
+    old_term.end();
+    assert_eq!(identity(&cluster, 900).await.map(|i| i.1), Some(true));
+
+    let (mut new_leader, _) = new_gc(&cluster);
+    let new_term = Term::begin("test-b", 1, Instant::now() + Duration::from_secs(3600));
+    let first = new_leader.round(&new_term).await.unwrap();
+    assert_eq!((first.deleted, first.candidates), (0, 1), "{first:?}");
+    assert!(identity(&cluster, 900).await.is_some());
+    assert_eq!(new_leader.round(&new_term).await.unwrap().deleted, 1);
+    assert_eq!(identity(&cluster, 900).await, None);
+}

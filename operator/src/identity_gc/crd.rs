@@ -44,6 +44,7 @@ pub const FIELD_MANAGER: &str = "rivet-operator-identity-gc";
 struct Listed {
     resource_version: String,
     marked: bool,
+    labels: String,
 }
 
 /// The identity GC of one term over the RivetIdentity objects.
@@ -122,6 +123,7 @@ impl CrdIdentityGc {
                 Listed {
                     resource_version: object.resource_version().unwrap_or_default(),
                     marked: object.annotations().contains_key(GC_UNUSED_SINCE_ANNOTATION),
+                    labels: object.spec.labels.join(","),
                 },
             );
         }
@@ -167,7 +169,7 @@ impl CrdIdentityGc {
             };
             match self.identities.delete(&id.to_string(), &params).await {
                 Ok(_) => {
-                    events::identity_deleted(&self.metrics, Store::Kubernetes, id, "");
+                    events::identity_deleted(&self.metrics, Store::Kubernetes, id, &listed[&id].labels);
                     report.deleted += 1;
                 }
                 Err(e) if is_conflict_or_gone(&e) => {
