@@ -216,9 +216,12 @@ impl ClusterPool {
     /// # Errors
     /// Invalid pool flags.
     pub fn from_args(client: Client, args: &ClusterPoolArgs, registry: &mut Registry) -> Result<Self, PoolConfigError> {
-        let metrics = PoolMetrics::default();
-        metrics.register(registry);
-        Ok(Self::new(client, args.pool()?, args.grace(), metrics))
+        Ok(Self::new(
+            client,
+            args.pool()?,
+            args.grace(),
+            PoolMetrics::registered(registry),
+        ))
     }
 
     /// Starts the duty for `term` and returns a handle on its state (tests

@@ -14,6 +14,7 @@ use rivet_common::metrics::Health;
 use rivet_common::telemetry::{self, LogFormat, TelemetryOptions};
 use rivet_common::{config, daemon};
 use rivet_k8s::ClusterAccess;
+use rivet_operator::cluster_pool::{ClusterPool, ClusterPoolArgs, PoolMetrics};
 use rivet_operator::identity_gc::{IdentityGcArgs, IdentityGcDuty, IdentityGcMetrics};
 use rivet_operator::kvstore::KvstoreArgs;
 use rivet_operator::leader::{ElectionMetrics, Elector, LeaderElectionArgs};
@@ -61,6 +62,9 @@ struct Flags {
 
     #[command(flatten)]
     identity_gc: IdentityGcArgs,
+
+    #[command(flatten)]
+    cluster_pool: ClusterPoolArgs,
 }
 
 fn main() -> ExitCode {
@@ -74,6 +78,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     // Checked first: a bad election setting is refused before anything runs.
     let election = flags.election.config(boot_id.as_str())?;
     flags.identity_gc.store(&flags.kvstore)?;
+    let pool = flags.cluster_pool.pool()?;
     let _telemetry = telemetry::init(TelemetryOptions {
         service_name: NAME.into(),
         log_format: flags.log_format,
@@ -91,19 +96,29 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     metrics.register(&mut registry);
     let identity_gc_metrics = IdentityGcMetrics::default();
     identity_gc_metrics.register(&mut registry);
+    let cluster_pool_metrics = PoolMetrics::registered(&mut registry);
     controllers.register_metrics(&mut registry);
+
     let health = Health::default();
     if let Some(address) = flags.metrics_address {
         daemon::serve_metrics(address, &controllers, registry, health.clone()).await?;
     }
 
     // The duties every term starts, one line each.
-    let duties: Vec<Arc<dyn Duty>> = vec![Arc::new(IdentityGcDuty::new(
-        flags.identity_gc,
-        flags.kvstore.clone(),
-        client.clone(),
-        identity_gc_metrics,
-    )?)];
+    let duties: Vec<Arc<dyn Duty>> = vec![
+        Arc::new(IdentityGcDuty::new(
+            flags.identity_gc,
+            flags.kvstore.clone(),
+            client.clone(),
+            identity_gc_metrics,
+        )?),
+        Arc::new(ClusterPool::new(
+            client.clone(),
+            pool,
+            flags.cluster_pool.grace(),
+            cluster_pool_metrics,
+        )),
+    ];
 
     tracing::info!(
         identity = election.identity,

@@ -36,6 +36,13 @@ pub struct PoolMetrics {
 }
 
 impl PoolMetrics {
+    /// New metrics, registered in `registry` (see [`PoolMetrics::register`]).
+    pub fn registered(registry: &mut Registry) -> Self {
+        let metrics = Self::default();
+        metrics.register(registry);
+        metrics
+    }
+
     /// Registers every metric under `registry` (the daemon's, prefixed
     /// `rivet`): `rivet_operator_pod_cidrs_*`, `rivet_operator_rivetnodes_*`.
     pub fn register(&self, registry: &mut Registry) {
