@@ -108,3 +108,30 @@ pub enum ClientError {
         source: kube::Error,
     },
 }
+
+/// The HTTP status of an API error, when the server answered.
+pub fn status_code(e: &kube::Error) -> Option<u16> {
+    match e {
+        kube::Error::Api(status) => Some(status.code),
+        _ => None,
+    }
+}
+
+/// A metric label for the kind of an API error, the same in every
+/// component: `forbidden`, `not_found`, `conflict`, `invalid`,
+/// `unavailable` (no answer, or a 5xx) or `other`.
+///
+/// ```
+/// let refused = kube::Error::Api(kube::core::Status::failure("no", "Forbidden").with_code(403).boxed());
+/// assert_eq!(rivet_k8s::error_kind(&refused), "forbidden");
+/// ```
+pub fn error_kind(e: &kube::Error) -> &'static str {
+    match status_code(e) {
+        Some(403) => "forbidden",
+        Some(404) => "not_found",
+        Some(409) => "conflict",
+        Some(422) => "invalid",
+        Some(500..=599) | None => "unavailable",
+        Some(_) => "other",
+    }
+}

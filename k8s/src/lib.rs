@@ -7,7 +7,8 @@
 //!   CustomResourceDefinitions ([`crds`]) are generated into `deploy/crds/`
 //!   by `cargo xtask crds`;
 //! - building a kube client from a kubeconfig or the in-cluster
-//!   ServiceAccount ([`ClusterAccess`]);
+//!   ServiceAccount ([`ClusterAccess`]); API errors' status and metric
+//!   label ([`status_code`], [`error_kind`]);
 //! - turning a policy object read from the API into a `rivet_policy::Policy`
 //!   ([`policy_from_object`]).
 //!
@@ -18,7 +19,7 @@ mod client;
 mod crd;
 mod policy;
 
-pub use client::{ClientError, ClusterAccess};
+pub use client::{ClientError, ClusterAccess, error_kind, status_code};
 pub use crd::endpoint::{RivetEndpoint, RivetEndpointSpec, RivetEndpointState, RivetEndpointStatus};
 pub use crd::identity::{RivetIdentity, RivetIdentitySpec};
 pub use crd::network_policy::{

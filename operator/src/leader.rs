@@ -237,49 +237,6 @@ impl ElectionConfig {
     }
 }
 
-/// What a failed Lease call was, for the `kind` metric label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseErrorKind {
-    /// No answer within the call's time budget.
-    Timeout,
-    /// 409: the Lease changed since it was read (another replica wrote it).
-    Conflict,
-    /// 403: RBAC refuses (deploy/rbac/rivet-operator.yaml grants Leases).
-    Forbidden,
-    /// Another HTTP error status.
-    Api,
-    /// The API server was not reached, or the answer was unreadable.
-    Unavailable,
-}
-
-impl LeaseErrorKind {
-    /// The metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Timeout => "timeout",
-            Self::Conflict => "conflict",
-            Self::Forbidden => "forbidden",
-            Self::Api => "api",
-            Self::Unavailable => "unavailable",
-        }
-    }
-
-    fn of(e: &kube::Error) -> Self {
-        match e {
-            kube::Error::Api(s) if s.code == 409 => Self::Conflict,
-            kube::Error::Api(s) if s.code == 403 => Self::Forbidden,
-            kube::Error::Api(_) => Self::Api,
-            _ => Self::Unavailable,
-        }
-    }
-}
-
-impl std::fmt::Display for LeaseErrorKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
 /// A Lease call that failed.
 #[derive(Debug, thiserror::Error)]
 #[error("{action} Lease {lease} ({kind}): {cause}")]
@@ -288,10 +245,17 @@ pub struct LeaseError {
     pub action: &'static str,
     /// `namespace/name`.
     pub lease: String,
-    /// The kind, as counted.
-    pub kind: LeaseErrorKind,
+    /// The kind, as counted: `timeout` or [`rivet_k8s::error_kind`]'s.
+    pub kind: &'static str,
     /// What went wrong.
     pub cause: LeaseErrorCause,
+}
+
+impl LeaseError {
+    /// 409: the Lease changed since it was read (another replica wrote it).
+    pub fn is_conflict(&self) -> bool {
+        matches!(&self.cause, LeaseErrorCause::Api(e) if rivet_k8s::status_code(e) == Some(409))
+    }
 }
 
 /// The cause of a [`LeaseError`].
@@ -375,7 +339,7 @@ impl ElectionMetrics {
         );
         r.register(
             "lease_renew_errors",
-            "Failed renewals of the Lease while leading, by kind (timeout, conflict, forbidden, api, unavailable)",
+            "Failed renewals of the Lease while leading, by kind (timeout, conflict, forbidden, not_found, invalid, unavailable, other)",
             self.renew_errors.clone(),
         );
         r.register(
@@ -415,17 +379,13 @@ impl ElectionMetrics {
     }
 
     /// Event: a renewal failed (logged by the controller with the error).
-    fn renew_failed(&self, kind: LeaseErrorKind) {
-        self.renew_errors
-            .get_or_create(&KindLabels { kind: kind.as_str() })
-            .inc();
+    fn renew_failed(&self, kind: &'static str) {
+        self.renew_errors.get_or_create(&KindLabels { kind }).inc();
     }
 
     /// Event: an acquisition attempt failed (logged by the controller).
-    fn acquire_failed(&self, kind: LeaseErrorKind) {
-        self.acquire_errors
-            .get_or_create(&KindLabels { kind: kind.as_str() })
-            .inc();
+    fn acquire_failed(&self, kind: &'static str) {
+        self.acquire_errors.get_or_create(&KindLabels { kind }).inc();
     }
 
     /// Event: the Lease was released on shutdown.
@@ -563,8 +523,8 @@ impl Inner {
 
     fn error(&self, action: &'static str, cause: LeaseErrorCause) -> LeaseError {
         let kind = match &cause {
-            LeaseErrorCause::Api(e) => LeaseErrorKind::of(e),
-            LeaseErrorCause::TimedOut(_) => LeaseErrorKind::Timeout,
+            LeaseErrorCause::Api(e) => rivet_k8s::error_kind(e),
+            LeaseErrorCause::TimedOut(_) => "timeout",
         };
         LeaseError {
             action,
@@ -645,7 +605,7 @@ impl Inner {
             }
             Err(e) => {
                 self.metrics.renew_failed(e.kind);
-                if e.kind == LeaseErrorKind::Conflict {
+                if e.is_conflict() {
                     // Someone else wrote it: whose is it now?
                     let now = Instant::now();
                     if now < deadline
@@ -695,7 +655,7 @@ impl Inner {
                     Ok(())
                 }
                 // Another replica created it first: it leads.
-                Err(e) if e.kind == LeaseErrorKind::Conflict => Ok(()),
+                Err(e) if e.is_conflict() => Ok(()),
                 Err(e) => {
                     self.metrics.acquire_failed(e.kind);
                     Err(e)
@@ -742,7 +702,7 @@ impl Inner {
                 Ok(())
             }
             // Another replica wrote it first (renewed or took it).
-            Err(e) if e.kind == LeaseErrorKind::Conflict => Ok(()),
+            Err(e) if e.is_conflict() => Ok(()),
             Err(e) => {
                 self.metrics.acquire_failed(e.kind);
                 Err(e)
@@ -826,7 +786,7 @@ impl Inner {
                     self.metrics.released(&self.config);
                     return Ok(());
                 }
-                Err(e) if e.kind == LeaseErrorKind::Conflict => {
+                Err(e) if e.is_conflict() => {
                     lease = self.call("reading", budget, self.leases.get_opt(name)).await?;
                 }
                 Err(e) => return Err(e),

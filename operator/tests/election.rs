@@ -105,38 +105,64 @@ fn timing_args(lease: u64, renew: u64, retry_ms: u64) -> Vec<String> {
     ]
 }
 
+/// A kube-apiserver, the Lease's history, and two operators with these
+/// timings: `a` leading, `b` started after it and having seen `a` renew
+/// twice since.
+struct LeaderAndStandby {
+    history: LeaseHistory,
+    a: Operator,
+    b: Operator,
+    _server: KubeApiServer,
+}
+
+impl LeaderAndStandby {
+    async fn start(lease_seconds: u64, renew_seconds: u64, retry_ms: u64) -> Self {
+        let server = KubeApiServer::start().await.expect("kube-apiserver");
+        let access = server
+            .service_account_client("rivet-operator")
+            .await
+            .expect("ServiceAccount");
+        let args = timing_args(lease_seconds, renew_seconds, retry_ms);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut history = LeaseHistory::start(server.admin_client());
+        let a = Operator::start(&access, &args).await.expect("operator a");
+        a.wait_leading(WAIT).await.expect("a leads alone");
+        let b = Operator::start(&access, &args).await.expect("operator b");
+        let seen = renewals_by(&history.seen.borrow(), a.identity());
+        history
+            .wait("two renewals by a after b started", |h| {
+                renewals_by(h, a.identity()) >= seen + 2
+            })
+            .await;
+        assert_eq!(a.leader_gauge().await.unwrap(), 1.0, "a leads");
+        assert_eq!(b.leader_gauge().await.unwrap(), 0.0, "b stands by while a renews");
+        Self {
+            history,
+            a,
+            b,
+            _server: server,
+        }
+    }
+
+    /// Waits until b holds the Lease; the history up to then.
+    async fn wait_b_leads(&mut self) -> Vec<Seen> {
+        let b = self.b.identity().to_string();
+        self.history
+            .wait("b to take the Lease", |h| {
+                h.last().is_some_and(|s| s.holder.as_deref() == Some(b.as_str()))
+            })
+            .await
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_kill9_fails_over_within_the_lease_duration_and_not_before() {
-    let server = KubeApiServer::start().await.expect("kube-apiserver");
-    let access = server
-        .service_account_client("rivet-operator")
-        .await
-        .expect("ServiceAccount");
     let (lease, retry) = (Duration::from_secs(6), Duration::from_secs(1));
-    let args = timing_args(6, 4, 1000);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut history = LeaseHistory::start(server.admin_client());
-
-    let mut a = Operator::start(&access, &args).await.expect("operator a");
-    a.wait_leading(WAIT).await.expect("a leads alone");
-    let b = Operator::start(&access, &args).await.expect("operator b");
-    // b has had time to see a's record; a keeps renewing.
-    history
-        .wait("two renewals by a after b started", |h| {
-            renewals_by(h, a.identity()) >= 3
-        })
-        .await;
-    assert_eq!(a.leader_gauge().await.unwrap(), 1.0, "a leads");
-    assert_eq!(b.leader_gauge().await.unwrap(), 0.0, "b stands by while a renews");
-
+    let mut pair = LeaderAndStandby::start(6, 4, 1000).await;
     let killed = Instant::now();
-    a.kill9();
-    let b_id = b.identity().to_string();
-    let seen = history
-        .wait("b to take the Lease", |h| {
-            h.last().is_some_and(|s| s.holder.as_deref() == Some(b_id.as_str()))
-        })
-        .await;
+    pair.a.kill9();
+    let seen = pair.wait_b_leads().await;
+    let (a, b) = (&pair.a, &pair.b);
     let taken = seen.last().unwrap();
     let took = taken.at.duration_since(killed);
     // a renewed at most one retry before the kill; b saw that record at most
@@ -168,33 +194,17 @@ async fn leader_kill9_fails_over_within_the_lease_duration_and_not_before() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_clean_stop_releases_the_lease_for_an_immediate_takeover() {
-    let server = KubeApiServer::start().await.expect("kube-apiserver");
-    let access = server
-        .service_account_client("rivet-operator")
-        .await
-        .expect("ServiceAccount");
     // A long lease: a takeover after it would be obvious.
     let (lease, retry) = (Duration::from_secs(15), Duration::from_secs(1));
-    let args = timing_args(15, 10, 1000);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut history = LeaseHistory::start(server.admin_client());
-
-    let mut a = Operator::start(&access, &args).await.expect("operator a");
-    a.wait_leading(WAIT).await.expect("a leads alone");
-    let b = Operator::start(&access, &args).await.expect("operator b");
-    history
-        .wait("a renewal by a after b started", |h| renewals_by(h, a.identity()) >= 2)
-        .await;
-
+    let mut pair = LeaderAndStandby::start(15, 10, 1000).await;
     let stopped = Instant::now();
-    let status = a.stop().await.expect("a stops on SIGTERM");
-    assert!(status.success(), "a clean stop exits 0: {status}; log:\n{}", a.log());
-    let b_id = b.identity().to_string();
-    let seen = history
-        .wait("b to take the released Lease", |h| {
-            h.last().is_some_and(|s| s.holder.as_deref() == Some(b_id.as_str()))
-        })
-        .await;
+    let status = pair.a.stop().await.expect("a stops on SIGTERM");
+    assert!(
+        status.success(),
+        "a clean stop exits 0: {status}; log:\n{}",
+        pair.a.log()
+    );
+    let seen = pair.wait_b_leads().await;
     let took = seen.last().unwrap().at.duration_since(stopped);
     assert!(
         took <= 2 * retry + SLACK && took < lease,
@@ -210,11 +220,8 @@ async fn leader_clean_stop_releases_the_lease_for_an_immediate_takeover() {
         Some(1),
         "released like client-go's ReleaseOnCancel"
     );
-    assert!(
-        a.log().contains("released the Lease"),
-        "a logs the release: {}",
-        a.log()
-    );
+    let log = pair.a.log();
+    assert!(log.contains("released the Lease"), "a logs the release: {log}");
 }
 
 /// A duty that records when its controller stops.

@@ -42,30 +42,11 @@ impl ApiError {
     }
 }
 
-/// The HTTP status of an API error, when the server answered.
-pub fn status_code(e: &kube::Error) -> Option<u16> {
-    match e {
-        kube::Error::Api(status) => Some(status.code),
-        _ => None,
-    }
-}
+pub use rivet_k8s::{error_kind as kind_label, status_code};
 
 /// Whether the API server refused a call for lack of permission (403).
 pub fn is_forbidden(e: &kube::Error) -> bool {
     status_code(e) == Some(403)
-}
-
-/// A metric label for the kind of an API error.
-pub fn kind_label(e: &kube::Error) -> &'static str {
-    match status_code(e) {
-        Some(403) => "forbidden",
-        Some(404) => "not_found",
-        Some(409) => "conflict",
-        Some(422) => "invalid",
-        Some(500..=599) => "unavailable",
-        Some(_) => "other",
-        None => "unavailable",
-    }
 }
 
 fn describe(e: &kube::Error) -> String {
