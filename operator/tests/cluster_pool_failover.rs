@@ -231,10 +231,6 @@ async fn a_hundred_nodes_join_and_leave_across_a_kill9_failover_and_no_cidr_is_h
         "one CIDR per family"
     );
 
-    assert!(
-        allocated_by_a < NODES / 2,
-        "a was killed in the middle of the first joins ({allocated_by_a} allocated)"
-    );
     let text = http_get(b.metrics_address(), "/metrics").await.unwrap();
     let by_b = metric_sample(&text, "rivet_operator_pod_cidr_allocations_total{family=\"ipv4\"}");
     assert!(
