@@ -23,6 +23,11 @@ struct ErrorLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CallLabels {
     call: &'static str,
 }
@@ -45,6 +50,8 @@ pub struct SyncMetrics {
     call_errors: Family<CallErrorLabels, Counter>,
     replays: Counter,
     node_ready: Gauge,
+    pod_cidrs_applied: Gauge,
+    pod_cidrs_not_applied: Family<ReasonLabels, Counter>,
 }
 
 impl SyncMetrics {
@@ -88,6 +95,31 @@ impl SyncMetrics {
             self.replays.clone(),
         );
         r.register("node_ready", "1 once the node is marked ready", self.node_ready.clone());
+        r.register(
+            "pod_cidrs_applied",
+            "Cluster-pool IPAM: 1 while svc-ipam serves the RivetNode's spec.podCidrs",
+            self.pod_cidrs_applied.clone(),
+        );
+        r.register(
+            "pod_cidrs_not_applied",
+            "Cluster-pool IPAM: changes to not applied, per reason (WaitingForPodCIDRs, PoolChangeStrandsAllocations, ...)",
+            self.pod_cidrs_not_applied.clone(),
+        );
+    }
+
+    /// svc-ipam serves the RivetNode's pod CIDRs now.
+    pub fn pod_cidrs_applied(&self, node: &str, cidrs: &[String]) {
+        self.pod_cidrs_applied.set(1);
+        tracing::info!(node, cidrs = %cidrs.join(","), "pod CIDRs applied: svc-ipam serves the RivetNode's spec.podCidrs");
+    }
+
+    /// The RivetNode's pod CIDRs are not (or no longer) applied, for `reason`.
+    pub fn pod_cidrs_not_applied(&self, node: &str, reason: &str, message: &str) {
+        self.pod_cidrs_applied.set(0);
+        self.pod_cidrs_not_applied
+            .get_or_create(&ReasonLabels { reason: reason.into() })
+            .inc();
+        tracing::warn!(node, reason, "pod CIDRs not applied: {message}");
     }
 
     /// A kind completed a list with `objects` objects.

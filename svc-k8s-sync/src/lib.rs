@@ -17,6 +17,8 @@
 //!   endpoint);
 //! - [`node`]: marking the node ready (RivetNode, Node annotations, the
 //!   not-ready taint);
+//! - [`pod_cidrs`]: cluster-pool IPAM, the node's pod CIDRs from its
+//!   RivetNode to svc-ipam (`--ipam-mode cluster-pool`);
 //! - [`service`]: `PodDirectory.LookupPod` (restore asks whether a pod
 //!   still exists) and `KubernetesSyncService.GetStatus`;
 //! - [`error`]: API failures typed, a 403 naming the verb and resource;
@@ -26,8 +28,8 @@
 //! kind completed its initial list; a sync that takes longer than the
 //! timeout is reported (status, log, metric), not fatal.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rivet_common::controller::{Action, Controller, Controllers, Trigger};
@@ -39,6 +41,7 @@ pub mod error;
 pub mod events;
 pub mod feed;
 pub mod node;
+pub mod pod_cidrs;
 pub mod service;
 pub mod watch;
 
@@ -77,6 +80,9 @@ pub struct SyncState {
     node_ready: AtomicBool,
     endpoint_objects_applied: AtomicU64,
     endpoint_objects_deleted: AtomicU64,
+    /// Cluster-pool IPAM: why svc-ipam does not serve the RivetNode's pod
+    /// CIDRs yet; `None` once it does, and always in node-pool mode.
+    pod_cidrs_pending: Mutex<Option<String>>,
 }
 
 impl SyncState {
@@ -113,6 +119,19 @@ impl SyncState {
     /// Counts one RivetEndpoint deleted.
     pub fn endpoint_object_deleted(&self) {
         self.endpoint_objects_deleted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Why the pod CIDRs are not applied yet (readiness waits while this
+    /// is `Some`).
+    pub fn pod_cidrs_pending(&self) -> Option<String> {
+        self.pod_cidrs_pending.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records whether (and why not) the pod CIDRs are applied; `true`
+    /// when that changed.
+    pub fn set_pod_cidrs_pending(&self, pending: Option<String>) -> bool {
+        let mut current = self.pod_cidrs_pending.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::replace(&mut *current, pending.clone()) != pending
     }
 }
 

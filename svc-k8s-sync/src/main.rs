@@ -19,6 +19,7 @@ use svc_k8s_sync::endpoint_objects::EndpointObjects;
 use svc_k8s_sync::events::SyncMetrics;
 use svc_k8s_sync::feed::{Feed, GrpcFeed};
 use svc_k8s_sync::node::{NodeReadiness, SocketDaemons};
+use svc_k8s_sync::pod_cidrs::{IpamMode, PodCidrs, SocketIpam};
 use svc_k8s_sync::service::SyncService;
 use svc_k8s_sync::{DAEMON_NAME, SyncState};
 
@@ -60,6 +61,21 @@ struct Flags {
     #[arg(long, env = "RIVET_CACHE_SYNC_TIMEOUT_SECONDS", default_value_t = 60.0)]
     cache_sync_timeout_seconds: f64,
 
+    /// Where the node's pod CIDRs come from. `node-pool`: svc-ipam's
+    /// `--pool`s, written into the RivetNode's spec.podCidrs. `cluster-pool`:
+    /// the operator allocates them into spec.podCidrs (svc-k8s-sync applies
+    /// the spec's addresses at start and never podCidrs); svc-k8s-sync hands
+    /// them to svc-ipam (SetPool "default"), reports condition
+    /// PodCIDRsApplied, and marks the node ready only once they are applied.
+    #[arg(long, env = "RIVET_IPAM_MODE", value_enum, default_value_t = IpamMode::NodePool)]
+    ipam_mode: IpamMode,
+
+    /// Cluster-pool IPAM: how often the RivetNode's pod CIDRs are handed to
+    /// svc-ipam again without a change (a restarted svc-ipam that lost its
+    /// state gets them back; the same ranges write nothing), seconds.
+    #[arg(long, env = "RIVET_POD_CIDRS_RESYNC_SECONDS", default_value_t = 10.0)]
+    pod_cidrs_resync_seconds: f64,
+
     /// How often svc-endpoint's boot_id is checked when there is nothing to
     /// send (a restarted svc-endpoint gets the whole state again), seconds.
     #[arg(long, env = "RIVET_FEED_POLL_SECONDS", default_value_t = 2.0)]
@@ -98,6 +114,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let poll = seconds("feed-poll-seconds", flags.feed_poll_seconds)?;
     let listener = daemon::bind_socket(&flags.common, DAEMON_NAME, svc_k8s_sync::READ_ONLY_METHODS)?;
     let ready_period = seconds("node-ready-period-seconds", flags.node_ready_period_seconds)?;
+    let pod_cidrs_resync = seconds("pod-cidrs-resync-seconds", flags.pod_cidrs_resync_seconds)?;
     let client = flags.kubeconfig.client().await?;
 
     let metrics = SyncMetrics::default();
@@ -142,10 +159,27 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         feed_trigger: feed_trigger.clone(),
     }
     .start(&controllers, &flags.common.socket_path("svc-endpoint"));
+    let addresses: Vec<String> = flags.node_address.iter().map(ToString::to_string).collect();
+    if flags.ipam_mode == IpamMode::ClusterPool {
+        PodCidrs {
+            client: client.clone(),
+            node_name: node.clone(),
+            addresses: addresses.clone(),
+            ipam: Arc::new(SocketIpam {
+                socket: flags.common.socket_path("svc-ipam"),
+            }),
+            state: state.clone(),
+            metrics: metrics.clone(),
+            resync: pod_cidrs_resync,
+            ready_trigger: ready_trigger.clone(),
+        }
+        .start(&controllers);
+    }
     NodeReadiness {
         client,
         node_name: node.clone(),
-        addresses: flags.node_address.iter().map(ToString::to_string).collect(),
+        addresses,
+        ipam_mode: flags.ipam_mode,
         daemons: Arc::new(SocketDaemons {
             socket_dir: flags.common.socket_dir.clone(),
             daemons: flags.ready_daemons.clone(),

@@ -2,13 +2,16 @@
 //! synced and every daemon of the node answers GetInfo without being
 //! degraded, svc-k8s-sync
 //! - applies this node's `RivetNode` (spec: addresses from flags, pod CIDRs
-//!   from svc-ipam's pools; status: condition `Ready`),
+//!   from svc-ipam's pools in node-pool IPAM, none in cluster-pool IPAM,
+//!   where the operator writes them and [`crate::pod_cidrs`] applies them;
+//!   status: condition `Ready`),
 //! - annotates the Node (`rivet.io/pod-cidrs`, `rivet.io/node-addresses`),
 //! - removes the taint `node.rivet.io/agent-not-ready:NoSchedule` if present
 //!   (the operator puts it back when the node stops being ready).
 //!
 //! A reconcile controller (`node-ready`): level-triggered, re-checked
-//! periodically; while a daemon is not ready the RivetNode says so
+//! periodically; while a daemon is not ready (or, in cluster-pool IPAM,
+//! svc-ipam does not serve the spec's pod CIDRs) the RivetNode says so
 //! (`Ready=False` with the daemon named) and the taint stays.
 
 use std::collections::BTreeMap;
@@ -32,6 +35,7 @@ use serde_json::json;
 
 use crate::error::ApiError;
 use crate::events::SyncMetrics;
+use crate::pod_cidrs::IpamMode;
 use crate::watch::WatchStatus;
 use crate::{FIELD_MANAGER, SyncState};
 
@@ -59,6 +63,9 @@ pub enum ReadinessError {
     /// svc-ipam's pools could not be read.
     #[error("reading svc-ipam's pools: {0}")]
     Pools(String),
+    /// Cluster-pool IPAM: svc-ipam does not serve the RivetNode's pod CIDRs.
+    #[error("{0}")]
+    PodCidrsNotApplied(String),
     /// An API call failed.
     #[error(transparent)]
     Api(#[from] ApiError),
@@ -157,6 +164,8 @@ pub struct NodeReadiness {
     pub node_name: String,
     /// Its addresses (`--node-address`).
     pub addresses: Vec<String>,
+    /// Where the pod CIDRs come from (and so whether the spec has them).
+    pub ipam_mode: IpamMode,
     /// The node's daemons.
     pub daemons: Arc<dyn NodeDaemons>,
     /// The caches' sync state.
@@ -183,7 +192,14 @@ impl NodeReadiness {
         if !self.status.all_synced() {
             return Ok(Action::await_change());
         }
-        if let Err(e) = self.daemons.check().await {
+        let checked = match self.daemons.check().await {
+            Ok(()) => self
+                .state
+                .pod_cidrs_pending()
+                .map_or(Ok(()), |why| Err(ReadinessError::PodCidrsNotApplied(why))),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = checked {
             // Another daemon not being ready is the node's state, not a
             // failure of this controller: reported, then checked again.
             let was_ready = self.state.node_ready();
@@ -210,22 +226,12 @@ impl NodeReadiness {
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let resource = format!("rivetnodes/{}", self.node_name);
         if let Some(cidrs) = cidrs {
-            let spec = RivetNodeSpec {
-                addresses: self
-                    .addresses
-                    .iter()
-                    .map(|ip| NodeAddress {
-                        type_: "InternalIP".into(),
-                        ip: ip.clone(),
-                    })
-                    .collect(),
-                pod_cidrs: cidrs.to_vec(),
-                ..RivetNodeSpec::default()
-            };
+            // Cluster-pool: the operator owns spec.podCidrs; this manager never sends them.
+            let spec_cidrs = (self.ipam_mode == IpamMode::NodePool).then_some(cidrs);
             let object = json!({
                 "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetNode",
                 "metadata": { "name": self.node_name },
-                "spec": spec,
+                "spec": rivet_node_spec(&self.addresses, spec_cidrs),
             });
             api.patch(&self.node_name, &params, &Patch::Apply(object))
                 .await
@@ -237,10 +243,14 @@ impl NodeReadiness {
             .is_none()
         {
             // The status needs the object; its spec comes once ready.
+            let spec = match self.ipam_mode {
+                IpamMode::NodePool => json!(RivetNodeSpec::default()),
+                IpamMode::ClusterPool => rivet_node_spec(&self.addresses, None),
+            };
             let object = json!({
                 "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetNode",
                 "metadata": { "name": self.node_name },
-                "spec": RivetNodeSpec::default(),
+                "spec": spec,
             });
             api.patch(&self.node_name, &params, &Patch::Apply(object))
                 .await
@@ -312,6 +322,31 @@ impl NodeReadiness {
             .map_err(|e| ApiError::new("patch", resource, e))?;
         Ok(true)
     }
+}
+
+/// The RivetNode spec svc-k8s-sync applies: `addresses` (InternalIP) and
+/// the encapsulation, and `podCidrs` only when given (node-pool IPAM). In
+/// cluster-pool IPAM the field is left out, so svc-k8s-sync's field manager
+/// never owns (and never clears) what the operator allocated.
+pub fn rivet_node_spec(addresses: &[String], pod_cidrs: Option<&[String]>) -> serde_json::Value {
+    let spec = RivetNodeSpec {
+        addresses: addresses
+            .iter()
+            .map(|ip| NodeAddress {
+                type_: "InternalIP".into(),
+                ip: ip.clone(),
+            })
+            .collect(),
+        pod_cidrs: pod_cidrs.unwrap_or_default().to_vec(),
+        ..RivetNodeSpec::default()
+    };
+    let mut value = json!(spec);
+    if pod_cidrs.is_none()
+        && let Some(fields) = value.as_object_mut()
+    {
+        fields.remove("podCidrs");
+    }
+    value
 }
 
 /// Whether `taint` is Rivet's not-ready taint.

@@ -76,6 +76,10 @@ pub struct NodeOptions {
     /// Run svc-endpoint in Kubernetes mode, its pod metadata from
     /// svc-k8s-sync at `<sockets>/svc-k8s-sync.sock` (which the test starts).
     pub k8s_sync: bool,
+    /// Cluster-pool IPAM: svc-ipam starts without `--pool` and waits for
+    /// its pool from SetPool (svc-k8s-sync with `--ipam-mode cluster-pool`,
+    /// which the test starts, or the test itself).
+    pub cluster_pool: bool,
 }
 
 impl NodeOptions {
@@ -124,8 +128,13 @@ impl EndpointNode {
                 None => command,
             }
         };
+        let pool = format!("default={POOL4},{POOL6}");
         let ipam = common("svc-ipam")
-            .args(["--pool", &format!("default={POOL4},{POOL6}")])
+            .args(if options.cluster_pool {
+                Vec::new()
+            } else {
+                vec!["--pool", pool.as_str()]
+            })
             .spawn()
             .await?;
         let identity = common("svc-identity").spawn().await?;

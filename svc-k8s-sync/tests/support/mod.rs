@@ -88,6 +88,23 @@ impl Cluster {
     /// `deploy/rbac/<component>.yaml` and extra flags for svc-k8s-sync;
     /// does not wait for the caches.
     pub async fn start_with(component: &str, sync_args: &[&str]) -> Self {
+        Self::start_node(component, NodeOptions::default(), sync_args).await
+    }
+
+    /// A node in cluster-pool IPAM: svc-ipam without a pool, svc-k8s-sync
+    /// with `--ipam-mode cluster-pool` and `sync_args`; waits for the
+    /// caches like [`start`](Self::start).
+    pub async fn start_cluster_pool(sync_args: &[&str]) -> Self {
+        let mut args = vec!["--ipam-mode", "cluster-pool"];
+        args.extend_from_slice(sync_args);
+        let options = NodeOptions {
+            cluster_pool: true,
+            ..NodeOptions::default()
+        };
+        Self::start_node("svc-k8s-sync", options, &args).await
+    }
+
+    async fn start_node(component: &str, options: NodeOptions, sync_args: &[&str]) -> Self {
         let api = KubeApiServer::start().await.expect("kube-apiserver starts");
         api.apply_crds().await.expect("Rivet's CRDs are established");
         let access = api
@@ -96,7 +113,7 @@ impl Cluster {
             .expect("the ServiceAccount and its RBAC apply");
         let node = EndpointNode::start(NodeOptions {
             k8s_sync: true,
-            ..NodeOptions::default()
+            ..options
         })
         .await
         .expect("the node's daemons start");
