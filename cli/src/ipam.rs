@@ -109,6 +109,9 @@ impl From<&pb::Allocation> for AllocationView {
 pub struct RangeView {
     /// Pool.
     pub pool: String,
+    /// Where the pool comes from: `flag` (svc-ipam's --pool) or `set-pool`
+    /// (the node's RivetNode via svc-k8s-sync, cluster-pool IPAM).
+    pub source: &'static str,
     /// `ipv4` or `ipv6`.
     pub family: &'static str,
     /// CIDR.
@@ -140,6 +143,14 @@ fn family_name(raw: i32) -> &'static str {
     match pb::Family::try_from(raw) {
         Ok(pb::Family::Ipv4) => "ipv4",
         Ok(pb::Family::Ipv6) => "ipv6",
+        _ => "unknown",
+    }
+}
+
+fn source_name(raw: i32) -> &'static str {
+    match pb::PoolSource::try_from(raw) {
+        Ok(pb::PoolSource::Flag) => "flag",
+        Ok(pb::PoolSource::SetPool) => "set-pool",
         _ => "unknown",
     }
 }
@@ -182,6 +193,7 @@ pub async fn run(ctx: &Context, command: IpamCommand) -> Result<(), CliError> {
                     .flat_map(|p| {
                         p.ranges.iter().map(|g| RangeView {
                             pool: p.name.clone(),
+                            source: source_name(p.source),
                             family: family_name(g.family),
                             cidr: g.cidr.as_ref().map_or_else(|| "-".into(), format_prefix),
                             gateway: format_address(&g.gateway),
@@ -199,10 +211,20 @@ pub async fn run(ctx: &Context, command: IpamCommand) -> Result<(), CliError> {
                 orphaned: r.orphaned.iter().map(Into::into).collect(),
             };
             ctx.print(&view, || {
-                let mut t = Table::new(["POOL", "FAMILY", "CIDR", "GATEWAY", "SIZE", "ALLOCATED", "AVAILABLE"]);
+                let mut t = Table::new([
+                    "POOL",
+                    "SOURCE",
+                    "FAMILY",
+                    "CIDR",
+                    "GATEWAY",
+                    "SIZE",
+                    "ALLOCATED",
+                    "AVAILABLE",
+                ]);
                 for g in &view.ranges {
                     t.row([
                         g.pool.clone(),
+                        g.source.to_string(),
                         g.family.to_string(),
                         g.cidr.clone(),
                         g.gateway.clone(),

@@ -182,6 +182,12 @@ pub struct UpArgs {
     /// Default with --netns: default=198.18.0.0/22,2001:2::/64.
     #[arg(long = "pool", value_name = "NAME=CIDR,...")]
     pub pools: Vec<String>,
+    /// Cluster-pool IPAM (`--ipam-mode cluster-pool`): svc-ipam starts
+    /// without a pool and svc-k8s-sync hands it the pod CIDRs the operator
+    /// allocates into this node's RivetNode (needs --kubeconfig). Default
+    /// `node-pool`: svc-ipam's --pool flags.
+    #[arg(long, value_enum, default_value_t = IpamMode::NodePool)]
+    pub ipam_mode: IpamMode,
     /// The pool the CNI plugin allocates from; default: the first pool's name.
     #[arg(long)]
     pub ipam_pool: Option<String>,
@@ -252,6 +258,16 @@ pub struct UpArgs {
     /// Run in the background; return once the node is up.
     #[arg(long)]
     pub detach: bool,
+}
+
+/// Where the node's pod CIDRs come from (`--ipam-mode`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum IpamMode {
+    /// svc-ipam's `--pool` flags.
+    #[default]
+    NodePool,
+    /// The operator's allocation in the node's RivetNode, via svc-k8s-sync.
+    ClusterPool,
 }
 
 /// Runs `rivet node ...`.

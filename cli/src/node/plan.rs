@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::{
     ALL_DAEMONS, CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonSpec,
-    GC, K8S_SYNC, LOADER, NETWORK_NAME, NodePhase, NodeRecord, UpArgs,
+    GC, IpamMode, K8S_SYNC, LOADER, NETWORK_NAME, NodePhase, NodeRecord, UpArgs,
 };
 use crate::accounts::NodeAccounts;
 use crate::{netns, now_unix_nanos};
@@ -78,7 +78,14 @@ impl NodePlan {
         if !name_ok {
             bail!("`{node_name}` is not a usable node name (1 to 64 of A-Z a-z 0-9 - _ ., it names the pin dir)");
         }
-        let pools = if !args.pools.is_empty() {
+        let cluster_pool = args.ipam_mode == IpamMode::ClusterPool;
+        if cluster_pool && args.kubeconfig.is_none() {
+            bail!("--ipam-mode cluster-pool needs --kubeconfig: the pod CIDRs come from the node's RivetNode");
+        }
+        if cluster_pool && !args.pools.is_empty() {
+            bail!("--pool and --ipam-mode cluster-pool exclude each other: svc-ipam's pool comes from the RivetNode");
+        }
+        let pools = if !args.pools.is_empty() || cluster_pool {
             args.pools.clone()
         } else if args.netns.is_some() {
             vec![DEFAULT_NETNS_POOL.to_string()]
@@ -91,7 +98,11 @@ impl NodePlan {
                 _ => bail!("`{p}` is not a pool: give NAME=CIDR[,CIDR...]"),
             }
         }
-        let first_pool = pools[0].split_once('=').map(|(n, _)| n.to_string()).unwrap_or_default();
+        // Cluster-pool: svc-k8s-sync sets pool `default`.
+        let first_pool = pools
+            .first()
+            .and_then(|p| p.split_once('='))
+            .map_or("default".to_string(), |(n, _)| n.to_string());
         let node_addresses = if args.create_netns && args.node_addresses.is_empty() {
             DEFAULT_NODE_ADDRESSES.iter().map(|a| a.to_string()).collect()
         } else {
@@ -221,7 +232,13 @@ impl NodePlan {
     fn full_access_uids(&self, accounts: &NodeAccounts, name: &str) -> Vec<u32> {
         let mut uids = accounts.full_access_uids(name);
         let feeder = accounts.of(K8S_SYNC).uid;
-        if name == "svc-endpoint" && self.args.kubeconfig.is_some() && !uids.contains(&feeder) {
+        let fed = match name {
+            "svc-endpoint" => self.args.kubeconfig.is_some(),
+            // Cluster-pool IPAM: svc-k8s-sync sets svc-ipam's pool (SetPool).
+            "svc-ipam" => self.args.ipam_mode == IpamMode::ClusterPool,
+            _ => false,
+        };
+        if fed && !uids.contains(&feeder) {
             uids.push(feeder);
         }
         uids
@@ -281,6 +298,9 @@ impl NodePlan {
                         for address in &self.node_addresses {
                             let ip = address.split_once('/').map_or(address.as_str(), |(ip, _)| ip);
                             args.extend(["--node-address".into(), ip.into()]);
+                        }
+                        if self.args.ipam_mode == IpamMode::ClusterPool {
+                            args.extend(["--ipam-mode".into(), "cluster-pool".into()]);
                         }
                     }
                     _ => {}
@@ -527,6 +547,49 @@ pub(super) mod tests {
         assert_eq!(allowed(&specs, "svc-endpoint"), "0,999");
         assert_eq!(allowed(&without.specs(&test_accounts()), "svc-endpoint"), "0");
         assert!(plan(&["--netns", "rn1", "--kubeconfig", ""]).is_err());
+    }
+
+    #[test]
+    fn cluster_pool_starts_svc_ipam_without_a_pool_and_svc_k8s_sync_in_that_mode() {
+        let p = plan(&[
+            "--netns",
+            "rn1",
+            "--create-netns",
+            "--kubeconfig",
+            "/etc/rivet/kubeconfig",
+            "--ipam-mode",
+            "cluster-pool",
+        ])
+        .unwrap();
+        assert!(p.pools.is_empty());
+        assert_eq!(p.ipam_pool, "default", "svc-k8s-sync sets pool default");
+        let specs = p.specs(&test_accounts());
+        let args = |name: &str| strings(&specs.iter().find(|s| s.name == name).unwrap().args);
+        let ipam = args("svc-ipam");
+        assert!(!ipam.iter().any(|a| a == "--pool"), "{ipam:?}");
+        assert_eq!(args("svc-k8s-sync")[COMMON + 2 + 4..], ["--ipam-mode", "cluster-pool"]);
+        for (bad, expected) in [
+            (
+                vec!["--netns", "n", "--ipam-mode", "cluster-pool"],
+                "needs --kubeconfig",
+            ),
+            (
+                vec![
+                    "--netns",
+                    "n",
+                    "--kubeconfig",
+                    "k",
+                    "--ipam-mode",
+                    "cluster-pool",
+                    "--pool",
+                    "a=10.0.0.0/24",
+                ],
+                "exclude each other",
+            ),
+        ] {
+            let err = plan(&bad).unwrap_err().to_string();
+            assert!(err.contains(expected), "{bad:?}: {err}");
+        }
     }
 
     #[test]
