@@ -43,26 +43,17 @@ pub const DEFAULT_PAGE_SIZE: i64 = 5000;
 /// Bound of one request.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// One master key as a scan saw it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Master {
-    /// The identity.
-    pub id: u32,
-    /// Its labels (the master's value).
-    pub labels: String,
-    /// The master key's mod revision.
-    pub mod_revision: i64,
-    /// Whether a value key of exactly these labels exists.
-    pub used: bool,
-}
-
 /// What one scan read.
 #[derive(Debug, Clone, Default)]
 pub struct EtcdScan {
     /// The revision every page was read at.
     pub revision: i64,
-    /// Every cluster identity's master key.
-    pub masters: Vec<Master>,
+    /// Every cluster identity's master key: its id, mod revision and
+    /// whether a value key of exactly its labels exists.
+    pub masters: Vec<Seen<i64>>,
+    /// The labels of the unused masters (what a delete needs; only those
+    /// are copied).
+    pub unused_labels: HashMap<u32, String>,
     /// Value keys read.
     pub value_keys: usize,
 }
@@ -175,49 +166,49 @@ impl EtcdIdentityGc {
         }
     }
 
-    /// Reads every master and value key at one revision.
+    /// Reads every value key, then every master key at the same revision.
     pub async fn scan(&self) -> Result<EtcdScan, GcError> {
-        let id_prefix = self.layout.id_prefix();
-        let mut masters = Vec::new();
-        let revision = self
-            .range(&id_prefix, false, 0, |kv| {
-                let Some(id) = std::str::from_utf8(kv.key())
-                    .ok()
-                    .and_then(|key| self.layout.id_of_key(key))
-                else {
-                    return;
-                };
-                let Ok(labels) = std::str::from_utf8(kv.value()) else {
-                    return;
-                };
-                if is_cluster(id) {
-                    masters.push(Master {
-                        id,
-                        labels: labels.to_string(),
-                        mod_revision: kv.mod_revision(),
-                        used: false,
-                    });
-                }
-            })
-            .await?;
         let root = self.layout.value_root();
         let mut used: HashSet<Vec<u8>> = HashSet::new();
         let mut value_keys = 0;
-        self.range(&root, true, revision, |kv| {
-            value_keys += 1;
-            if let Some(labels) = value_key_labels(&root, kv.key())
-                && !used.contains(labels)
-            {
-                used.insert(labels.to_vec());
+        let revision = self
+            .range(&root, true, 0, |kv| {
+                value_keys += 1;
+                if let Some(labels) = value_key_labels(&root, kv.key())
+                    && !used.contains(labels)
+                {
+                    used.insert(labels.to_vec());
+                }
+            })
+            .await?;
+        let mut masters = Vec::new();
+        let mut unused_labels = HashMap::new();
+        self.range(&self.layout.id_prefix(), false, revision, |kv| {
+            let Some(id) = std::str::from_utf8(kv.key())
+                .ok()
+                .and_then(|key| self.layout.id_of_key(key))
+                .filter(|id| is_cluster(*id))
+            else {
+                return;
+            };
+            let in_use = used.contains(kv.value());
+            if !in_use {
+                let Ok(labels) = std::str::from_utf8(kv.value()) else {
+                    return;
+                };
+                unused_labels.insert(id, labels.to_string());
             }
+            masters.push(Seen {
+                id,
+                version: kv.mod_revision(),
+                used: in_use,
+            });
         })
         .await?;
-        for master in &mut masters {
-            master.used = used.contains(master.labels.as_bytes());
-        }
         Ok(EtcdScan {
             revision,
             masters,
+            unused_labels,
             value_keys,
         })
     }
@@ -232,12 +223,7 @@ impl EtcdIdentityGc {
 
     async fn round_inner(&mut self, term: &Term) -> Result<RoundReport, GcError> {
         let scan = self.scan().await?;
-        let labels: HashMap<u32, &str> = scan.masters.iter().map(|m| (m.id, m.labels.as_str())).collect();
-        let plan = self.candidates.round(scan.masters.iter().map(|m| Seen {
-            id: m.id,
-            version: m.mod_revision,
-            used: m.used,
-        }));
+        let plan = self.candidates.round(scan.masters.iter().cloned());
         let mut report = RoundReport {
             scanned: scan.masters.len(),
             in_use: plan.used.len(),
@@ -253,7 +239,7 @@ impl EtcdIdentityGc {
             self.candidates.remember(*id, *version);
         }
         for (id, mod_revision) in plan.delete {
-            let labels = labels[&id];
+            let labels = &scan.unused_labels[&id];
             self.rate.acquire().await;
             term.ensure()?;
             if self.delete(id, labels, mod_revision, scan.revision).await? {
