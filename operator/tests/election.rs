@@ -14,8 +14,8 @@ use kube::api::Api;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
 use rivet_common::controller::{Controller, Controllers};
-use rivet_common::testing::{DaemonCommand, workspace_binary};
-use rivet_operator::leader::{ElectionConfig, ElectionMetrics, Elector};
+use rivet_common::testing::{DaemonCommand, metric_sample, workspace_binary};
+use rivet_operator::leader::{CONTROLLER, ElectionConfig, ElectionMetrics, Elector};
 use rivet_operator::term::{Duty, Term};
 use rivet_testkit::kube::KubeApiServer;
 use rivet_testkit::operator::{LEASE_NAME, LEASE_NAMESPACE, Operator};
@@ -124,6 +124,8 @@ impl LeaderAndStandby {
             .expect("ServiceAccount");
         let args = timing_args(lease_seconds, renew_seconds, retry_ms);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        // The duties run for real, on their CRDs.
+        server.apply_crds().await.expect("CRDs");
         let mut history = LeaseHistory::start(server.admin_client());
         let a = Operator::start(&access, &args).await.expect("operator a");
         a.wait_leading(WAIT).await.expect("a leads alone");
@@ -190,6 +192,18 @@ async fn leader_kill9_fails_over_within_the_lease_duration_and_not_before() {
     );
     assert_eq!(b.leader_gauge().await.unwrap(), 1.0, "b's gauge says it leads");
     assert!(b.log().contains("became leader"), "b logs the event: {}", b.log());
+
+    // a comes back (a new process, a new identity) and stands by.
+    pair.a.restart().await.expect("a restarts");
+    let b_id = pair.b.identity().to_string();
+    let renewals = renewals_by(&pair.history.seen.borrow(), &b_id);
+    pair.history
+        .wait("two renewals by b after a came back", |h| {
+            renewals_by(h, &b_id) >= renewals + 2
+        })
+        .await;
+    assert_eq!(pair.a.leader_gauge().await.unwrap(), 0.0, "the restarted a stands by");
+    assert_eq!(pair.b.leader_gauge().await.unwrap(), 1.0, "b still leads");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -373,6 +387,75 @@ async fn leader_cut_off_stops_writing_before_another_takes_over() {
     drop(a);
     controllers_a.shutdown().await;
     controllers_b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_whose_lease_is_overwritten_ends_its_term_at_the_next_renewal() {
+    let server = KubeApiServer::start().await.expect("kube-apiserver");
+    let access = server
+        .service_account_client("rivet-operator")
+        .await
+        .expect("ServiceAccount");
+    let controllers = Controllers::new();
+    let duty_stopped = Arc::new(Mutex::new(None));
+    let metrics = ElectionMetrics::default();
+    let a = Elector::start(
+        access.client.clone(),
+        election("a"),
+        vec![Arc::new(StopRecorder {
+            stopped: duty_stopped.clone(),
+        })],
+        metrics.clone(),
+        &controllers,
+    );
+    let mut leads = a.leadership();
+    let term = tokio::time::timeout(WAIT, leads.wait_for(Option::is_some))
+        .await
+        .expect("a leads")
+        .unwrap()
+        .clone()
+        .unwrap()
+        .term;
+
+    // Someone else writes the Lease (another replica whose clock ran
+    // fast, an administrator): a's next renewal gets 409 and a steps down.
+    let leases: Api<Lease> = Api::namespaced(server.admin_client(), LEASE_NAMESPACE);
+    let mut lease = leases.get(LEASE_NAME).await.unwrap();
+    let spec = lease.spec.as_mut().unwrap();
+    spec.holder_identity = Some("intruder".into());
+    spec.lease_duration_seconds = Some(3600);
+    leases.replace(LEASE_NAME, &Default::default(), &lease).await.unwrap();
+    tokio::time::timeout(WAIT, leads.wait_for(Option::is_none))
+        .await
+        .expect("a steps down")
+        .unwrap();
+    assert!(term.ensure().is_err(), "the ended term fences writes");
+    assert!(duty_stopped.lock().unwrap().is_some(), "its duties were stopped");
+    let mut registry = prometheus_client::registry::Registry::with_prefix("rivet");
+    metrics.register(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert_eq!(
+        metric_sample(&text, "rivet_operator_leadership_lost_total{reason=\"taken\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(metric_sample(&text, "rivet_operator_leader"), Some(0.0));
+    // The intruder's lease holds: a tries a few more times, in vain.
+    let passes = controllers
+        .status()
+        .iter()
+        .find(|c| c.name == CONTROLLER)
+        .expect("the election controller")
+        .outcomes;
+    tokio::time::timeout(WAIT, controllers.wait_outcomes(CONTROLLER, passes + 3))
+        .await
+        .expect("a keeps trying");
+    let lease = leases.get(LEASE_NAME).await.unwrap();
+    assert_eq!(lease.spec.unwrap().holder_identity.as_deref(), Some("intruder"));
+    assert!(a.leadership().borrow().is_none(), "a stands by");
+    a.shutdown().await.expect("nothing to release");
+    controllers.shutdown().await;
 }
 
 #[test]
