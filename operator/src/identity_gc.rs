@@ -50,9 +50,9 @@ pub struct IdentityGcArgs {
           value_parser = humantime::parse_duration)]
     pub identity_gc_interval: Duration,
 
-    /// Most identity deletions per second (a token bucket with a tenth of
-    /// a second of burst), so a large collection does not flood the store
-    /// and the watches of every node.
+    /// Most identity deletions (and, for RivetIdentities, marks) per second
+    /// (a token bucket with a tenth of a second of burst), so a large
+    /// collection does not flood the store and the watches of every node.
     #[arg(long, env = "RIVET_IDENTITY_GC_RATE_LIMIT", default_value_t = NonZeroU32::new(2500).expect("non-zero"))]
     pub identity_gc_rate_limit: NonZeroU32,
 }

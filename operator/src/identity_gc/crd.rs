@@ -152,6 +152,8 @@ impl CrdIdentityGc {
                 self.candidates.remember(id, version);
                 continue;
             }
+            // Marks are writes every node's watch sees: the same budget.
+            self.rate.acquire().await;
             term.ensure()?;
             if let Some(marked) = self.set_mark(id, &version, true).await? {
                 self.candidates.remember(id, marked);
