@@ -3,7 +3,8 @@
 //! svc-k8s-sync hands them to svc-ipam, reports PodCIDRsApplied and marks
 //! the node ready only then; a change that would strand a pod's address is
 //! refused with svc-ipam's reason and the old pool kept; a svc-ipam that
-//! lost its state gets the pool back.
+//! lost its state gets the pool back. With the real rivet-operator
+//! allocating, a pod gets its address from the CIDR it allocated.
 
 mod support;
 
@@ -13,6 +14,7 @@ use kube::api::{Api, Patch, PatchParams};
 use rivet_k8s::{NodeCondition, RivetNode};
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_testkit::node::{POOL4, POOL6};
+use rivet_testkit::operator::Operator;
 use serde_json::json;
 use support::{CONVERGE, Cluster, eventually};
 
@@ -94,6 +96,19 @@ async fn not_ready_taint(cluster: &Cluster) -> bool {
         .any(|t| t.key == "node.rivet.io/agent-not-ready")
 }
 
+async fn wait_ready_untainted(cluster: &Cluster) {
+    eventually("the node is ready and untainted", CONVERGE, || async {
+        let ready = cluster.sync_status().await.node_ready;
+        let tainted = not_ready_taint(cluster).await;
+        if ready && !tainted {
+            Ok(())
+        } else {
+            Err(format!("ready={ready} tainted={tainted}"))
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn pod_cidrs_written_by_the_operator_reach_svc_ipam_gate_readiness_and_a_stranding_change_is_refused() {
     let mut cluster = Cluster::start_cluster_pool(&["--pod-cidrs-resync-seconds", "0.5"]).await;
@@ -134,16 +149,7 @@ async fn pod_cidrs_written_by_the_operator_reach_svc_ipam_gate_readiness_and_a_s
     let pool = ipam_pool(&cluster).await.expect("svc-ipam serves pool default");
     assert_eq!(pool_cidrs(&pool), [POOL4, POOL6]);
     assert_eq!(pool.source, ipampb::PoolSource::SetPool as i32);
-    eventually("the node is ready and untainted", CONVERGE, || async {
-        let ready = cluster.sync_status().await.node_ready;
-        let tainted = not_ready_taint(&cluster).await;
-        if ready && !tainted {
-            Ok(())
-        } else {
-            Err(format!("ready={ready} tainted={tainted}"))
-        }
-    })
-    .await;
+    wait_ready_untainted(&cluster).await;
     let annotations = Api::<Node>::all(cluster.admin())
         .get(&cluster.node.node.node_name)
         .await
@@ -216,4 +222,56 @@ async fn pod_cidrs_written_by_the_operator_reach_svc_ipam_gate_readiness_and_a_s
     })
     .await;
     assert_eq!(pool_cidrs(&pool), ["198.18.0.0/21", POOL6]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_operator_allocates_the_nodes_pod_cidrs_and_a_pod_gets_its_address_from_them() {
+    let mut cluster = Cluster::start_cluster_pool(&[]).await;
+    let access = cluster
+        .api
+        .service_account_client("rivet-operator")
+        .await
+        .expect("the operator's ServiceAccount");
+    let operator = Operator::start(
+        &access,
+        &[
+            "--cluster-pool-ipv4-cidr",
+            "198.18.0.0/16",
+            "--cluster-pool-ipv4-mask-size",
+            "24",
+            "--cluster-pool-ipv6-cidr",
+            "2001:2::/104",
+        ],
+    )
+    .await
+    .expect("rivet-operator starts");
+    operator.wait_leading(CONVERGE).await.expect("the operator leads");
+
+    wait_applied(&cluster, "True", "PodCIDRsApplied").await;
+    let node = rivet_node(&cluster).await;
+    let allocated = condition(&node, rivet_k8s::CONDITION_POD_CIDRS_ALLOCATED).expect("the operator's condition");
+    assert_eq!(allocated.status, "True", "{allocated:?}");
+    let cidrs: Vec<IpNet> = node.spec.pod_cidrs.iter().map(|c| c.parse().expect("a CIDR")).collect();
+    let v4 = *cidrs.iter().find(|c| c.addr().is_ipv4()).expect("an IPv4 pod CIDR");
+    let v6 = *cidrs.iter().find(|c| c.addr().is_ipv6()).expect("an IPv6 pod CIDR");
+    assert!(
+        v4.prefix_len() == 24 && "198.18.0.0/16".parse::<IpNet>().unwrap().contains(&v4),
+        "{v4}"
+    );
+    assert!(
+        v6.prefix_len() == 120 && "2001:2::/104".parse::<IpNet>().unwrap().contains(&v6),
+        "{v6}"
+    );
+    let served = ipam_pool(&cluster).await.expect("svc-ipam serves the operator's CIDRs");
+    assert_eq!(pool_cidrs(&served), node.spec.pod_cidrs);
+
+    wait_ready_untainted(&cluster).await;
+    cluster.namespace("shop", &[]).await;
+    cluster.pod("shop", "web", &[("app", "web")]).await;
+    let web = cluster.cni_pod("web").ipv4;
+    assert!(
+        v4.contains(&web),
+        "the pod's {web} is inside the operator-allocated {v4}"
+    );
+    drop(operator);
 }
