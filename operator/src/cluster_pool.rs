@@ -562,12 +562,10 @@ impl PoolState {
                 // stay taken until the list shows them or their object is gone.
                 let listed = self.rivet_listing.take().unwrap_or_default();
                 self.allocator = Allocator::new(&self.config);
-                // The list is a quorum read after every accepted write: what
-                // it does not show was removed since. Unanswered writes stay.
-                self.pending.retain(|name, p| {
-                    p.written.clear();
-                    listed.get(name).is_some_and(|v| v.uid == p.uid && !p.seen(v))
-                });
+                // The list may predate a write accepted since it was sent:
+                // pending CIDRs stay until seen or their object is gone.
+                self.pending
+                    .retain(|name, p| listed.get(name).is_some_and(|v| v.uid == p.uid && !p.seen(v)));
                 for (name, view) in &listed {
                     self.allocator.set_held(name, held(view, self.pending.get(name)));
                 }
@@ -610,6 +608,29 @@ impl PoolState {
         }
     }
 
+    /// The API server accepted `written` for `name`: taken until the watch
+    /// shows them.
+    fn accepted(&mut self, name: &str, written: &[IpNet]) {
+        if let Some(p) = self.pending.get_mut(name) {
+            let (accepted, still): (Vec<IpNet>, Vec<IpNet>) = p.unknown.drain(..).partition(|c| written.contains(c));
+            p.unknown = still;
+            p.written.extend(accepted);
+        }
+    }
+
+    /// The write of `reserved` for `name` was never sent or was refused:
+    /// those blocks are free again (older unanswered ones stay taken).
+    fn unreserve(&mut self, name: &str, reserved: &[IpNet]) {
+        if let Some(p) = self.pending.get_mut(name) {
+            p.unknown.retain(|c| !reserved.contains(c));
+            if p.written.is_empty() && p.unknown.is_empty() {
+                self.pending.remove(name);
+            }
+        }
+        let held = self.rivet.get(name).map(|v| held(v, self.pending.get(name)));
+        self.allocator.set_held(name, held.unwrap_or_default());
+    }
+
     /// `freed` is no longer held by its holder: nodes waiting for a block,
     /// and nodes that overlapped it, are planned again.
     fn freed(&mut self, freed: &[IpNet]) {
@@ -648,7 +669,21 @@ struct Plan {
     delete: bool,
     /// The full `spec.podCidrs` to apply (held + new), and the new ones.
     apply_cidrs: Option<(Vec<IpNet>, Vec<IpNet>)>,
+    /// How far the write of `apply_cidrs` got.
+    cidrs: CidrWrite,
     condition: Option<NodeCondition>,
+}
+
+/// How far a plan's pod CIDR write got: what its reserved blocks become.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum CidrWrite {
+    /// Not sent (an earlier write of the plan failed): nothing written.
+    #[default]
+    NotSent,
+    /// Sent without an accepting answer.
+    Sent,
+    /// Accepted by the API server.
+    Written,
 }
 
 /// How one planned node's writes ended.
@@ -881,16 +916,18 @@ impl Pass {
     /// Runs one node's writes in order; each checks the term first.
     async fn execute(&self, mut plan: Plan) -> Outcome {
         let result = self.write(&mut plan).await;
-        let Err(e) = result else {
-            if let Some((written, _)) = &plan.apply_cidrs {
-                let mut state = self.shared.lock();
-                if let Some(p) = state.pending.get_mut(&plan.name) {
-                    let (accepted, still): (Vec<IpNet>, Vec<IpNet>) =
-                        p.unknown.drain(..).partition(|c| written.contains(c));
-                    p.unknown = still;
-                    p.written.extend(accepted);
-                }
+        if let Some((all, new)) = &plan.apply_cidrs {
+            let mut state = self.shared.lock();
+            let refused = result.as_ref().is_err_and(PoolError::refused);
+            match plan.cidrs {
+                CidrWrite::Written => state.accepted(&plan.name, all),
+                CidrWrite::NotSent => state.unreserve(&plan.name, new),
+                CidrWrite::Sent if refused => state.unreserve(&plan.name, new),
+                // No answer: it may have been written; applied again next time.
+                CidrWrite::Sent => {}
             }
+        }
+        let Err(e) = result else {
             return Outcome::Done;
         };
         let verb = match &e {
@@ -898,24 +935,6 @@ impl Pass {
             PoolError::NotLeading(_) => "write",
         };
         self.duty.metrics.api_failed(verb, e.kind_label(), &e.to_string());
-        if let Some((_, new)) = &plan.apply_cidrs
-            && e.refused()
-        {
-            // Refused, so not written: the blocks reserved for this write
-            // are free again (older unanswered ones stay taken).
-            let mut state = self.shared.lock();
-            if let Some(p) = state.pending.get_mut(&plan.name) {
-                p.unknown.retain(|c| !new.contains(c));
-                if p.written.is_empty() && p.unknown.is_empty() {
-                    state.pending.remove(&plan.name);
-                }
-            }
-            let view_cidrs = state
-                .rivet
-                .get(&plan.name)
-                .map(|v| held(v, state.pending.get(&plan.name)));
-            state.allocator.set_held(&plan.name, view_cidrs.unwrap_or_default());
-        }
         match e.status_code() {
             Some(404 | 409) => Outcome::Stale,
             _ => Outcome::Failed(e),
@@ -996,9 +1015,11 @@ impl Pass {
             // node's podCidrs (planned only when no other manager owns them).
             let params = PatchParams::apply(FIELD_MANAGER).force();
             self.term.ensure()?;
+            plan.cidrs = CidrWrite::Sent;
             api.patch(&name, &params, &Patch::Apply(object))
                 .await
                 .map_err(|e| PoolError::api("apply", &name, e))?;
+            plan.cidrs = CidrWrite::Written;
             for cidr in new {
                 metrics.allocated(&name, cidr);
             }
