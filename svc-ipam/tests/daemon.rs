@@ -445,6 +445,16 @@ async fn without_a_pool_svc_ipam_is_degraded_until_set_pool_and_keeps_the_pool_a
     assert!(!again.changed, "the same ranges again change nothing");
 }
 
+/// Allocates an IPv4 address for `container` (interface eth0).
+async fn allocate_v4(c: &mut IpamClient<DaemonChannel>, container: &str) -> IpAddr {
+    let a = c
+        .allocate(allocate_req(container, pb::Family::Ipv4))
+        .await
+        .unwrap()
+        .into_inner();
+    address(&a.allocation.unwrap())
+}
+
 async fn eventually_degraded(daemon: &DaemonProcess, ok: impl Fn(&str) -> bool) -> String {
     let started = std::time::Instant::now();
     loop {
@@ -467,12 +477,7 @@ async fn set_pool_keeps_allocations_inside_and_refuses_a_change_that_strands_one
     c.set_pool(set_pool_req("default", &["198.18.0.0/29"])).await.unwrap();
     let mut held = BTreeMap::new();
     for i in 0..5 {
-        let a = c
-            .allocate(allocate_req(&format!("pod-{i}"), pb::Family::Ipv4))
-            .await
-            .unwrap()
-            .into_inner();
-        held.insert(address(&a.allocation.unwrap()), format!("pod-{i}"));
+        held.insert(allocate_v4(&mut c, &format!("pod-{i}")).await, format!("pod-{i}"));
     }
     let err = c.allocate(allocate_req("pod-x", pb::Family::Ipv4)).await.unwrap_err();
     assert_eq!(reason(&err), Some(pb::ErrorReason::PoolExhausted));
@@ -510,23 +515,11 @@ async fn set_pool_keeps_allocations_inside_and_refuses_a_change_that_strands_one
         "allocations inside the new ranges stay"
     );
     for i in 0..8 {
-        let a = c
-            .allocate(allocate_req(&format!("new-{i}"), pb::Family::Ipv4))
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(
-            !held.contains_key(&address(&a.allocation.unwrap())),
-            "a held address is never handed out twice"
-        );
+        let fresh = allocate_v4(&mut c, &format!("new-{i}")).await;
+        assert!(!held.contains_key(&fresh), "a held address is never handed out twice");
     }
-    let again = c
-        .allocate(allocate_req("pod-0", pb::Family::Ipv4))
-        .await
-        .unwrap()
-        .into_inner();
     assert_eq!(
-        held.get(&address(&again.allocation.unwrap())).map(String::as_str),
+        held.get(&allocate_v4(&mut c, "pod-0").await).map(String::as_str),
         Some("pod-0"),
         "an owner keeps its address across the change"
     );
