@@ -493,8 +493,8 @@ impl Elector {
         &self.inner.config.identity
     }
 
-    /// The current term (`None` while not leading), updated as terms begin
-    /// and end.
+    /// The current term: `Some` from when a term begins (its duties
+    /// started), `None` once it has ended and its duties have stopped.
     pub fn leadership(&self) -> watch::Receiver<Option<Leadership>> {
         self.inner.leadership.subscribe()
     }
@@ -751,11 +751,11 @@ impl Inner {
         };
         leading.term.end();
         self.metrics.lost_leadership(&self.config, &reason);
-        self.leadership.send_replace(None);
         leading.duties.shutdown().await;
         // Dropping the set removes its controllers from the board, so the
         // next term may start them under the same names.
         drop(leading.duties);
+        self.leadership.send_replace(None);
         true
     }
 
