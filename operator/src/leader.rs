@@ -505,10 +505,9 @@ impl Elector {
     pub async fn shutdown(self) -> Result<(), LeaseError> {
         self.election.shutdown().await;
         let was_leading = self.inner.lose(LostReason::Shutdown).await;
-        if was_leading {
-            self.inner.release().await?;
-        }
-        Ok(())
+        // Not leading, the Lease may still name this replica: a takeover
+        // cancelled in flight may have landed. One read tells.
+        self.inner.release(!was_leading).await
     }
 }
 
@@ -759,11 +758,16 @@ impl Inner {
         true
     }
 
-    /// Writes the Lease without a holder, if this replica still holds it.
-    async fn release(&self) -> Result<(), LeaseError> {
+    /// Writes the Lease without a holder if this replica holds it, starting
+    /// from the observed Lease or, with `read_first`, from a fresh read.
+    async fn release(&self, read_first: bool) -> Result<(), LeaseError> {
         let budget = self.config.renew_deadline;
         let name = &self.config.lease_name;
-        let mut lease = self.lock().observed.as_ref().map(|o| o.lease.clone());
+        let mut lease = if read_first {
+            self.call("reading", budget, self.leases.get_opt(name)).await?
+        } else {
+            self.lock().observed.as_ref().map(|o| o.lease.clone())
+        };
         // Twice at most: a renewal cancelled in flight may have landed,
         // making the observed resourceVersion stale.
         for _ in 0..2 {
