@@ -15,7 +15,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher;
 use rivet_common::controller::{Controller, Controllers};
 use rivet_common::testing::{DaemonCommand, metric_sample, workspace_binary};
-use rivet_operator::leader::{CONTROLLER, ElectionConfig, ElectionMetrics, Elector};
+use rivet_operator::leader::{CONTROLLER, ElectionConfig, ElectionMetrics, Elector, Leadership};
 use rivet_operator::term::{Duty, Term};
 use rivet_testkit::kube::KubeApiServer;
 use rivet_testkit::operator::{LEASE_NAME, LEASE_NAMESPACE, Operator};
@@ -279,6 +279,27 @@ fn election(identity: &str) -> ElectionConfig {
     }
 }
 
+/// Elector `a` with a [`StopRecorder`] duty; when that duty stopped.
+fn elector_with_recorder(
+    client: kube::Client,
+    metrics: ElectionMetrics,
+    controllers: &Controllers,
+) -> (Elector, Arc<Mutex<Option<Instant>>>) {
+    let stopped = Arc::new(Mutex::new(None));
+    let duty = StopRecorder {
+        stopped: stopped.clone(),
+    };
+    let elector = Elector::start(client, election("a"), vec![Arc::new(duty)], metrics, controllers);
+    (elector, stopped)
+}
+
+/// Waits until `who` leads; its term.
+async fn next_term(leadership: &mut watch::Receiver<Option<Leadership>>, who: &str) -> Leadership {
+    let leads = tokio::time::timeout(WAIT, leadership.wait_for(Option::is_some)).await;
+    let leads = leads.unwrap_or_else(|_| panic!("{who} did not lead within {WAIT:?}"));
+    leads.expect("the elector is alive").clone().expect("a term")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_cut_off_stops_writing_before_another_takes_over() {
     let server = KubeApiServer::start().await.expect("kube-apiserver");
@@ -296,24 +317,9 @@ async fn leader_cut_off_stops_writing_before_another_takes_over() {
     let client_a = kube::Client::try_from(config).unwrap();
 
     let (controllers_a, controllers_b) = (Controllers::new(), Controllers::new());
-    let duty_stopped = Arc::new(Mutex::new(None));
-    let a = Elector::start(
-        client_a,
-        election("a"),
-        vec![Arc::new(StopRecorder {
-            stopped: duty_stopped.clone(),
-        })],
-        ElectionMetrics::default(),
-        &controllers_a,
-    );
+    let (a, duty_stopped) = elector_with_recorder(client_a, ElectionMetrics::default(), &controllers_a);
     let mut a_leads = a.leadership();
-    let term_a = tokio::time::timeout(WAIT, a_leads.wait_for(Option::is_some))
-        .await
-        .expect("a leads")
-        .unwrap()
-        .clone()
-        .unwrap()
-        .term;
+    let term_a = next_term(&mut a_leads, "a").await.term;
     let b = Elector::start(
         access.client.clone(),
         election("b"),
@@ -350,13 +356,7 @@ async fn leader_cut_off_stops_writing_before_another_takes_over() {
     assert!(b_leads.borrow().is_none(), "b stands by while a renews");
     relay.cut();
 
-    let began_b = tokio::time::timeout(WAIT, b_leads.wait_for(Option::is_some))
-        .await
-        .expect("b takes over")
-        .unwrap()
-        .clone()
-        .unwrap()
-        .began;
+    let began_b = next_term(&mut b_leads, "b").await.began;
     tokio::time::timeout(WAIT, a_leads.wait_for(Option::is_none))
         .await
         .expect("a's term ends")
@@ -397,25 +397,10 @@ async fn leader_whose_lease_is_overwritten_ends_its_term_at_the_next_renewal() {
         .await
         .expect("ServiceAccount");
     let controllers = Controllers::new();
-    let duty_stopped = Arc::new(Mutex::new(None));
     let metrics = ElectionMetrics::default();
-    let a = Elector::start(
-        access.client.clone(),
-        election("a"),
-        vec![Arc::new(StopRecorder {
-            stopped: duty_stopped.clone(),
-        })],
-        metrics.clone(),
-        &controllers,
-    );
+    let (a, duty_stopped) = elector_with_recorder(access.client.clone(), metrics.clone(), &controllers);
     let mut leads = a.leadership();
-    let term = tokio::time::timeout(WAIT, leads.wait_for(Option::is_some))
-        .await
-        .expect("a leads")
-        .unwrap()
-        .clone()
-        .unwrap()
-        .term;
+    let term = next_term(&mut leads, "a").await.term;
 
     // Someone else writes the Lease (another replica whose clock ran
     // fast, an administrator): a's next renewal gets 409 and a steps down.
