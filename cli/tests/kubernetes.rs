@@ -4,7 +4,8 @@
 //! made by `rivet pod add` get their labels from their Pod objects, their
 //! RivetEndpoints are written, a NetworkPolicy from the API is enforced,
 //! `rivet status` shows svc-k8s-sync healthy, and `rivet node down` leaves
-//! nothing behind.
+//! nothing behind; with `--ipam-mode cluster-pool` svc-ipam waits for the
+//! pod CIDRs of the node's RivetNode and a pod gets its address from them.
 //!
 //! Needs root, a bpffs, the workspace binaries (`cargo build --bins`) and
 //! the tools of `cargo xtask install`.
@@ -74,6 +75,21 @@ fn reachable_kubeconfig(kubeconfig: &Path, ca: &Path, dir: &Path) -> String {
     path.display().to_string()
 }
 
+/// A kube-apiserver with Rivet's CRDs, and a kubeconfig of svc-k8s-sync's
+/// ServiceAccount the daemon's user can read (in the returned dir).
+fn api_for_svc_k8s_sync(runtime: &tokio::runtime::Runtime) -> (KubeApiServer, tempfile::TempDir, String) {
+    let api = runtime.block_on(KubeApiServer::start()).expect("kube-apiserver starts");
+    runtime
+        .block_on(api.apply_crds())
+        .expect("Rivet's CRDs are established");
+    let access = runtime
+        .block_on(api.service_account_client("svc-k8s-sync"))
+        .expect("svc-k8s-sync's ServiceAccount and RBAC apply");
+    let kube_dir = reachable_tempdir("rvtk");
+    let kubeconfig = reachable_kubeconfig(&access.kubeconfig, &api.ca_cert(), kube_dir.path());
+    (api, kube_dir, kubeconfig)
+}
+
 /// svc-k8s-sync's log (for failure messages).
 fn k8s_sync_log(node: &TestNode) -> String {
     std::fs::read_to_string(node.record().log_dir.join("svc-k8s-sync.log")).unwrap_or_default()
@@ -92,15 +108,7 @@ fn endpoint(node: &TestNode, name: &str) -> Option<serde_json::Value> {
 #[test]
 fn node_up_with_a_kubeconfig_takes_labels_and_policy_from_the_api_and_down_leaves_nothing() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let api = runtime.block_on(KubeApiServer::start()).expect("kube-apiserver starts");
-    runtime
-        .block_on(api.apply_crds())
-        .expect("Rivet's CRDs are established");
-    let access = runtime
-        .block_on(api.service_account_client("svc-k8s-sync"))
-        .expect("svc-k8s-sync's ServiceAccount and RBAC apply");
-    let kube_dir = reachable_tempdir("rvtk");
-    let kubeconfig = reachable_kubeconfig(&access.kubeconfig, &api.ca_cert(), kube_dir.path());
+    let (api, _kube_dir, kubeconfig) = api_for_svc_k8s_sync(&runtime);
 
     let mut node = TestNode::up_with(&["--kubeconfig", &kubeconfig]);
     let node_name = node.record().node_name;
@@ -202,4 +210,60 @@ fn node_up_with_a_kubeconfig_takes_labels_and_policy_from_the_api_and_down_leave
     let _ = server.wait();
     let left = Command::new("pgrep").args(["-f", &kubeconfig]).output().unwrap();
     assert!(left.stdout.is_empty(), "no svc-k8s-sync is left: {:?}", left.stdout);
+}
+
+#[test]
+fn node_up_in_cluster_pool_mode_takes_its_pod_cidrs_from_the_rivet_node() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (api, _kube_dir, kubeconfig) = api_for_svc_k8s_sync(&runtime);
+
+    let mut node = TestNode::up_with(&["--kubeconfig", &kubeconfig, "--ipam-mode", "cluster-pool"]);
+    let node_name = node.record().node_name;
+    kubectl_apply(
+        &api,
+        &format!(
+            "apiVersion: v1\nkind: Node\nmetadata:\n  name: {node_name}\n---\n\
+             apiVersion: v1\nkind: Pod\nmetadata:\n  name: a\n  namespace: default\n\
+             spec:\n  nodeName: {node_name}\n  containers:\n  - name: c\n    image: none\n"
+        ),
+    );
+    // svc-ipam runs without a pool and says so until the RivetNode has one.
+    eventually_ok("rivet status shows svc-ipam waiting", Duration::from_secs(30), || {
+        let out = node.rivet(&["status"]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        if text.contains("no pool yet: waiting for the node's pod CIDRs") {
+            Ok(())
+        } else {
+            Err(text)
+        }
+    });
+    // The operator's allocation, written as admin.
+    kubectl_apply(
+        &api,
+        &format!(
+            "apiVersion: rivet.io/v1\nkind: RivetNode\nmetadata:\n  name: {node_name}\n\
+             spec:\n  podCidrs: [198.18.12.0/24, \"2001:2:0:12::/120\"]\n"
+        ),
+    );
+    eventually_ok(
+        "rivet ipam list shows the RivetNode's pool",
+        Duration::from_secs(30),
+        || {
+            let ranges = node.json(&["ipam", "list"])["ranges"].clone();
+            let found = ranges
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r["pool"] == "default" && r["cidr"] == "198.18.12.0/24" && r["source"] == "set-pool");
+            if found {
+                Ok(())
+            } else {
+                Err(format!("{ranges}\nsvc-k8s-sync's log:\n{}", k8s_sync_log(&node)))
+            }
+        },
+    );
+    node.ok(&["pod", "add", "a"]);
+    let a = node.ipv4("a");
+    assert!(a.starts_with("198.18.12."), "a's {a} is in the RivetNode's pod CIDR");
+    node.down_and_check_nothing_left();
 }
