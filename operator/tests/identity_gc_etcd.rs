@@ -276,3 +276,36 @@ async fn deletions_honour_the_rate_limit() {
         .unwrap();
     assert_eq!(left.count(), 0);
 }
+
+/// A round that fails midway (here: its term lapses during the deletes)
+/// remembers nothing: the retry, seconds later, must not count it as the
+/// first of two rounds.
+#[tokio::test]
+async fn a_round_that_fails_midway_counts_for_nothing() {
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let mut c = raw(&etcd).await;
+    let layout = Layout::default();
+    for id in 300..320 {
+        c.put(layout.id_key(id), format!("k8s:app=n{id}"), None).await.unwrap();
+    }
+    let (mut gc, _) = new_gc(c.clone(), 10);
+    gc.round(&term()).await.unwrap();
+    // A new unused identity, first seen by the round that fails.
+    c.put(layout.id_key(400), "k8s:app=late", None).await.unwrap();
+    let lapsing = Term::begin("test", 0, Instant::now() + Duration::from_millis(500));
+    assert!(matches!(gc.round(&lapsing).await, Err(GcError::NotLeading(_))));
+    let left = c
+        .get(
+            layout.id_prefix(),
+            Some(GetOptions::new().with_prefix().with_count_only()),
+        )
+        .await
+        .unwrap()
+        .count();
+    assert!((2..21).contains(&left), "some deleted before the lapse: {left} left");
+
+    let retry = gc.round(&term()).await.unwrap();
+    assert_eq!(retry.deleted, 0, "{retry:?}");
+    assert_eq!(master(&mut c, 400).await.as_deref(), Some("k8s:app=late"));
+    assert_eq!(retry.candidates, usize::try_from(left).unwrap());
+}

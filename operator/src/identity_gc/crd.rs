@@ -147,16 +147,20 @@ impl CrdIdentityGc {
                 self.set_mark(*id, version, false).await?;
             }
         }
+        // Remembered only when the round completes (see the etcd store's
+        // round); a mark written by a round that fails counts as round one
+        // of the next.
+        let mut remember = Vec::with_capacity(plan.first_seen.len());
         for (id, version) in plan.first_seen {
             if listed[&id].marked {
-                self.candidates.remember(id, version);
+                remember.push((id, version));
                 continue;
             }
             // Marks are writes every node's watch sees: the same budget.
             self.rate.acquire().await;
             term.ensure()?;
             if let Some(marked) = self.set_mark(id, &version, true).await? {
-                self.candidates.remember(id, marked);
+                remember.push((id, marked));
             }
         }
         for (id, version) in plan.delete {
@@ -185,6 +189,9 @@ impl CrdIdentityGc {
                     });
                 }
             }
+        }
+        for (id, version) in remember {
+            self.candidates.remember(id, version);
         }
         report.candidates = self.candidates.len();
         Ok(report)

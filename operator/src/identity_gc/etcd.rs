@@ -233,11 +233,6 @@ impl EtcdIdentityGc {
         for (id, reason) in &plan.skipped {
             events::candidate_skipped(&self.metrics, Store::Etcd, *id, *reason);
         }
-        // Remembered first: a round cut short by a lost term loses nothing
-        // a successor would need (it starts from scratch anyway).
-        for (id, version) in &plan.first_seen {
-            self.candidates.remember(*id, *version);
-        }
         for (id, mod_revision) in plan.delete {
             let labels = &scan.unused_labels[&id];
             self.rate.acquire().await;
@@ -249,6 +244,12 @@ impl EtcdIdentityGc {
                 events::candidate_skipped(&self.metrics, Store::Etcd, id, SkipReason::Changed);
                 report.skipped += 1;
             }
+        }
+        // Remembered only when the round completes: a round that fails
+        // midway is retried after a backoff of seconds, and what it saw
+        // unused must not count as a round that long before.
+        for (id, version) in plan.first_seen {
+            self.candidates.remember(id, version);
         }
         report.candidates = self.candidates.len();
         Ok(report)
