@@ -156,9 +156,19 @@ pub fn request_failed(m: &IpamMetrics, method: &'static str, kind: &'static str,
     m.request_errors.get_or_create(&ErrorLabels { method, kind }).inc();
 }
 
-/// SetPool replaced the ranges of `pool` (durable).
-pub fn pool_changed(m: &IpamMetrics, pool: &str, before: &[IpNet], after: &[IpNet]) {
+/// SetPool replaced the ranges of `pool` (durable); the usage gauges
+/// start over from `pools` (a family the pool lost has none left).
+pub fn pool_changed(
+    m: &IpamMetrics,
+    pool: &str,
+    before: &[IpNet],
+    after: &[IpNet],
+    (pools, usage): (&PoolSet, &[RangeUsage]),
+) {
     tracing::info!(pool, before = ?before, after = ?after, "pool set");
+    m.allocated.clear();
+    m.available.clear();
+    m.set_usage(pools, usage);
     m.pool_changes
         .get_or_create(&PoolChangeLabels {
             pool: pool.into(),

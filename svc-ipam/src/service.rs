@@ -196,9 +196,10 @@ impl pb::ipam_server::Ipam for IpamService {
 
 impl IpamService {
     fn allocation_proto(&self, a: &Allocation) -> pb::Allocation {
-        let pools = self.store.pools();
-        let range = pools.range_of(&a.pool, &a.address).map(|i| &pools.ranges()[i]);
-        allocation_proto(a, range)
+        self.store.with_pools(|pools| {
+            let range = pools.range_of(&a.pool, &a.address).map(|i| &pools.ranges()[i]);
+            allocation_proto(a, range)
+        })
     }
 
     fn release_response(&self, released: &[Allocation]) -> pb::ReleaseResponse {

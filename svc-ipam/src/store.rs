@@ -165,14 +165,18 @@ impl IpamStore {
             }
             return Err(e);
         }
+        let listing = self.list();
         if changed {
-            events::pool_changed(&self.metrics, &spec.name, &before.cidrs(&spec.name), &spec.cidrs);
+            events::pool_changed(
+                &self.metrics,
+                &spec.name,
+                &before.cidrs(&spec.name),
+                &spec.cidrs,
+                (&listing.pools, &listing.usage),
+            );
             self.pool_changed.trigger();
         }
-        Ok(PoolChange {
-            changed,
-            listing: self.list(),
-        })
+        Ok(PoolChange { changed, listing })
     }
 
     /// Fires after every applied pool change (for the readiness controller).
@@ -257,12 +261,13 @@ impl IpamStore {
 
     /// The pool configuration as of now.
     pub fn pools(&self) -> PoolSet {
-        self.inner
-            .lock()
-            .expect("ipam state lock poisoned")
-            .allocator
-            .pools()
-            .clone()
+        self.with_pools(PoolSet::clone)
+    }
+
+    /// `f` of the pool configuration as of now, without copying it (every
+    /// answer looks up its address's range).
+    pub fn with_pools<R>(&self, f: impl FnOnce(&PoolSet) -> R) -> R {
+        f(self.inner.lock().expect("ipam state lock poisoned").allocator.pools())
     }
 
     /// The state file's path.
@@ -495,6 +500,36 @@ mod tests {
             store.pools().cidrs("default"),
             ["198.18.0.0/24".parse::<ipnet::IpNet>().unwrap()],
             "a change that is not durable is not applied"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_pool_change_starts_the_usage_gauges_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = IpamMetrics::default();
+        let mut registry = prometheus_client::registry::Registry::with_prefix("rivet");
+        metrics.register(&mut registry);
+        let store = IpamStore::open(dir.path(), PoolSet::default(), metrics).unwrap();
+        store
+            .set_pool(&spec("default=198.18.0.0/24,2001:2::/120"))
+            .await
+            .unwrap();
+        store.allocate(&owner("a"), "default", Family::V4, None).await.unwrap();
+        store.set_pool(&spec("default=198.18.0.0/23")).await.unwrap();
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            text.contains(r#"rivet_ipam_addresses_allocated{pool="default",family="ipv4"} 1"#)
+                && text.contains(r#"rivet_ipam_addresses_available{pool="default",family="ipv4"} 508"#),
+            "{text}"
+        );
+        assert!(
+            !text.contains("ipv6"),
+            "a family the pool lost has no gauge left: {text}"
+        );
+        assert!(
+            text.contains(r#"rivet_ipam_pool_changes_total{pool="default",result="applied"} 2"#),
+            "{text}"
         );
     }
 }
