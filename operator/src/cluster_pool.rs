@@ -558,8 +558,7 @@ impl PoolState {
                     .insert(node.name_any(), RivetView::new(&node));
             }
             Event::InitDone => {
-                // A fresh list: rebuild the allocator from it. Pending CIDRs
-                // stay taken until the list shows them or their object is gone.
+                // A fresh list: rebuild the allocator from it.
                 let listed = self.rivet_listing.take().unwrap_or_default();
                 self.allocator = Allocator::new(&self.config);
                 // The list may predate a write accepted since it was sent:
@@ -588,8 +587,9 @@ impl PoolState {
                     self.pending.remove(&name);
                 }
                 let before = self.allocator.held(&name).to_vec();
-                self.allocator.set_held(&name, held(&view, self.pending.get(&name)));
-                let freed: Vec<IpNet> = before.into_iter().filter(|c| !view.cidrs.contains(c)).collect();
+                let now = held(&view, self.pending.get(&name));
+                let freed: Vec<IpNet> = before.into_iter().filter(|c| !now.contains(c)).collect();
+                self.allocator.set_held(&name, now);
                 self.freed(&freed);
                 self.rivet.insert(name.clone(), view);
                 self.dirty.insert(name);
