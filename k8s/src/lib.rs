@@ -27,7 +27,8 @@ pub use crd::network_policy::{
 };
 pub use crd::node::{
     CONDITION_POD_CIDRS_ALLOCATED, CONDITION_POD_CIDRS_APPLIED, CONDITION_READY, Encapsulation, EncapsulationMode,
-    NodeAddress, NodeCondition, RivetNode, RivetNodeSpec, RivetNodeStatus,
+    NOT_READY_TAINT, NodeAddress, NodeCondition, RivetNode, RivetNodeSpec, RivetNodeStatus, format_time,
+    is_not_ready_taint,
 };
 pub use crd::{API_GROUP, API_VERSION, CrdManifest, crd_manifests, crds};
 pub use policy::policy_from_object;

@@ -13,9 +13,12 @@
 //! - [`kvstore`]: the etcd flags and client shared by the kvstore duties.
 //! - [`identity_gc`]: identity garbage collection (etcd keys or
 //!   RivetIdentity objects), two rounds fenced on the version.
+//! - [`stale`]: duty `stale-objects`: RivetEndpoints of gone pods deleted,
+//!   the not-ready taint put back on Nodes whose RivetNode is not ready.
 
 pub mod cluster_pool;
 pub mod identity_gc;
 pub mod kvstore;
 pub mod leader;
+pub mod stale;
 pub mod term;

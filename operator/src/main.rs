@@ -18,6 +18,7 @@ use rivet_operator::cluster_pool::{ClusterPool, ClusterPoolArgs, PoolMetrics};
 use rivet_operator::identity_gc::{IdentityGcArgs, IdentityGcDuty, IdentityGcMetrics};
 use rivet_operator::kvstore::KvstoreArgs;
 use rivet_operator::leader::{ElectionMetrics, Elector, LeaderElectionArgs};
+use rivet_operator::stale::{StaleArgs, StaleMetrics, StaleObjects};
 use rivet_operator::term::Duty;
 
 const NAME: &str = "rivet-operator";
@@ -65,6 +66,9 @@ struct Flags {
 
     #[command(flatten)]
     cluster_pool: ClusterPoolArgs,
+
+    #[command(flatten)]
+    stale: StaleArgs,
 }
 
 fn main() -> ExitCode {
@@ -97,6 +101,8 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let identity_gc_metrics = IdentityGcMetrics::default();
     identity_gc_metrics.register(&mut registry);
     let cluster_pool_metrics = PoolMetrics::registered(&mut registry);
+    let stale_metrics = StaleMetrics::default();
+    stale_metrics.register(registry.sub_registry_with_prefix("operator"));
     controllers.register_metrics(&mut registry);
 
     let health = Health::default();
@@ -118,6 +124,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
             flags.cluster_pool.grace(),
             cluster_pool_metrics,
         )),
+        Arc::new(StaleObjects::new(client.clone(), flags.stale, stale_metrics)),
     ];
 
     tracing::info!(

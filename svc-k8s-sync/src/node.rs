@@ -4,7 +4,8 @@
 //! - applies this node's `RivetNode` (spec: addresses from flags, pod CIDRs
 //!   from svc-ipam's pools in node-pool IPAM, none in cluster-pool IPAM,
 //!   where the operator writes them and [`crate::pod_cidrs`] applies them;
-//!   status: condition `Ready`),
+//!   status: condition `Ready`, its `lastHeartbeatTime` refreshed on every
+//!   pass so the operator can tell a stopped agent from a ready one),
 //! - annotates the Node (`rivet.io/pod-cidrs`, `rivet.io/node-addresses`),
 //! - removes the taint `node.rivet.io/agent-not-ready:NoSchedule` if present
 //!   (the operator puts it back when the node stops being ready).
@@ -22,6 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Taint};
+use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use rivet_common::controller::{Action, Controller, Controllers, Trigger};
@@ -39,8 +41,7 @@ use crate::pod_cidrs::IpamMode;
 use crate::watch::WatchStatus;
 use crate::{FIELD_MANAGER, SyncState};
 
-/// The taint a node carries until Rivet is ready on it.
-pub const NOT_READY_TAINT: &str = "node.rivet.io/agent-not-ready";
+pub use rivet_k8s::{NOT_READY_TAINT, is_not_ready_taint};
 /// Node annotation: the pod CIDRs, comma-separated.
 pub const POD_CIDRS_ANNOTATION: &str = "rivet.io/pod-cidrs";
 /// Node annotation: the node addresses Rivet uses, comma-separated.
@@ -225,7 +226,7 @@ impl NodeReadiness {
         let api: Api<RivetNode> = Api::all(self.client.clone());
         let params = PatchParams::apply(FIELD_MANAGER).force();
         let resource = format!("rivetnodes/{}", self.node_name);
-        if let Some(cidrs) = cidrs {
+        let current = if let Some(cidrs) = cidrs {
             // Cluster-pool: the operator owns spec.podCidrs; this manager never sends them.
             let spec_cidrs = (self.ipam_mode == IpamMode::NodePool).then_some(cidrs);
             let object = json!({
@@ -235,13 +236,14 @@ impl NodeReadiness {
             });
             api.patch(&self.node_name, &params, &Patch::Apply(object))
                 .await
-                .map_err(|e| ApiError::new("apply", resource.clone(), e))?;
-        } else if api
+                .map_err(|e| ApiError::new("apply", resource.clone(), e))?
+        } else if let Some(current) = api
             .get_opt(&self.node_name)
             .await
             .map_err(|e| ApiError::new("get", resource.clone(), e))?
-            .is_none()
         {
+            current
+        } else {
             // The status needs the object; its spec comes once ready.
             let spec = match self.ipam_mode {
                 IpamMode::NodePool => json!(RivetNodeSpec::default()),
@@ -254,26 +256,21 @@ impl NodeReadiness {
             });
             api.patch(&self.node_name, &params, &Patch::Apply(object))
                 .await
-                .map_err(|e| ApiError::new("apply", resource.clone(), e))?;
-        }
-        let condition = match not_ready {
-            None => NodeCondition {
-                type_: rivet_k8s::CONDITION_READY.into(),
-                status: "True".into(),
-                reason: Some("AgentReady".into()),
-                message: Some("watch caches synced and every daemon of the node ready".into()),
-                last_transition_time: None,
-                last_heartbeat_time: None,
-            },
-            Some(message) => NodeCondition {
-                type_: rivet_k8s::CONDITION_READY.into(),
-                status: "False".into(),
-                reason: Some("DaemonNotReady".into()),
-                message: Some(message.into()),
-                last_transition_time: None,
-                last_heartbeat_time: None,
-            },
+                .map_err(|e| ApiError::new("apply", resource.clone(), e))?
         };
+        let (status, reason, message) = match not_ready {
+            None => (
+                "True",
+                "AgentReady",
+                "watch caches synced and every daemon of the node ready",
+            ),
+            Some(message) => ("False", "DaemonNotReady", message),
+        };
+        let previous = current
+            .status
+            .as_ref()
+            .and_then(|s| s.condition(rivet_k8s::CONDITION_READY));
+        let condition = ready_condition(previous, status, reason, message, Timestamp::now());
         let status = json!({
             "apiVersion": crate::RIVET_API_VERSION, "kind": "RivetNode",
             "status": RivetNodeStatus { conditions: vec![condition] },
@@ -349,7 +346,78 @@ pub fn rivet_node_spec(addresses: &[String], pod_cidrs: Option<&[String]>) -> se
     value
 }
 
-/// Whether `taint` is Rivet's not-ready taint.
-pub fn is_not_ready_taint(taint: &Taint) -> bool {
-    taint.key == NOT_READY_TAINT && taint.effect == "NoSchedule"
+/// The `Ready` condition to write at `now`: the heartbeat is `now` on every
+/// pass (the operator taints a node whose heartbeat is older than its
+/// `--node-status-grace`); the transition time is `now` only when the
+/// status differs from `previous` (or `previous` has none), as kubelet
+/// writes a Node's conditions.
+pub fn ready_condition(
+    previous: Option<&NodeCondition>,
+    status: &str,
+    reason: &str,
+    message: &str,
+    now: Timestamp,
+) -> NodeCondition {
+    let now = rivet_k8s::format_time(now);
+    let last_transition_time = match previous {
+        Some(p) if p.status == status && p.last_transition_time.is_some() => p.last_transition_time.clone(),
+        _ => Some(now.clone()),
+    };
+    NodeCondition {
+        type_: rivet_k8s::CONDITION_READY.into(),
+        status: status.into(),
+        reason: Some(reason.into()),
+        message: Some(message.into()),
+        last_transition_time,
+        last_heartbeat_time: Some(now),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(text: &str) -> Timestamp {
+        text.parse().expect("a timestamp")
+    }
+
+    #[test]
+    fn the_heartbeat_moves_on_every_pass_and_the_transition_only_on_a_change() {
+        let first = ready_condition(None, "True", "AgentReady", "ready", at("2026-11-26T06:00:00.4Z"));
+        assert_eq!(first.last_heartbeat_time.as_deref(), Some("2026-11-26T06:00:00Z"));
+        assert_eq!(first.last_transition_time.as_deref(), Some("2026-11-26T06:00:00Z"));
+
+        let same = ready_condition(Some(&first), "True", "AgentReady", "ready", at("2026-11-26T06:00:10Z"));
+        assert_eq!(same.last_heartbeat_time.as_deref(), Some("2026-11-26T06:00:10Z"));
+        assert_eq!(
+            same.last_transition_time.as_deref(),
+            Some("2026-11-26T06:00:00Z"),
+            "no change of status, no transition"
+        );
+
+        let changed = ready_condition(
+            Some(&same),
+            "False",
+            "DaemonNotReady",
+            "svc-ipam",
+            at("2026-11-26T06:00:20Z"),
+        );
+        assert_eq!(changed.last_transition_time.as_deref(), Some("2026-11-26T06:00:20Z"));
+        assert_eq!(changed.last_heartbeat_time.as_deref(), Some("2026-11-26T06:00:20Z"));
+
+        // A condition written before heartbeats existed gets its transition now.
+        let old = NodeCondition {
+            last_transition_time: None,
+            last_heartbeat_time: None,
+            ..changed
+        };
+        let upgraded = ready_condition(
+            Some(&old),
+            "False",
+            "DaemonNotReady",
+            "svc-ipam",
+            at("2026-11-26T06:00:30Z"),
+        );
+        assert_eq!(upgraded.last_transition_time.as_deref(), Some("2026-11-26T06:00:30Z"));
+    }
 }

@@ -428,18 +428,47 @@ async fn the_node_is_marked_ready_once_synced_and_not_ready_while_a_daemon_is_do
         .get(&cluster.node.node.node_name)
         .await
         .expect("the RivetNode");
-    let ready = &rivet_node.status.expect("a status").conditions;
-    assert!(
-        ready.iter().any(|c| c.type_ == "Ready" && c.status == "True"),
-        "{ready:?}"
+    let ready = rivet_node
+        .status
+        .and_then(|s| s.condition("Ready").cloned())
+        .expect("a Ready condition");
+    assert_eq!(ready.status, "True", "{ready:?}");
+    let transition = ready.last_transition_time.clone().expect("a transition time");
+    let heartbeat = ready.last_heartbeat_time.clone().expect("a heartbeat");
+
+    // Each readiness pass (every second here) refreshes the heartbeat; the
+    // transition time stays while the status does.
+    let rivet_nodes = Api::<rivet_k8s::RivetNode>::all(cluster.admin());
+    let name = cluster.node.node.node_name.clone();
+    let ready_condition = || async {
+        rivet_nodes
+            .get(&name)
+            .await
+            .map_err(|e| e.to_string())?
+            .status
+            .and_then(|s| s.condition("Ready").cloned())
+            .ok_or_else(|| "no Ready condition".to_string())
+    };
+    let refreshed = eventually("the Ready heartbeat is refreshed", CONVERGE, || async {
+        let now = ready_condition().await?;
+        if now.last_heartbeat_time.as_deref() > Some(heartbeat.as_str()) {
+            Ok(now)
+        } else {
+            Err(format!("{now:?}"))
+        }
+    })
+    .await;
+    assert_eq!(refreshed.status, "True");
+    assert_eq!(
+        refreshed.last_transition_time.as_deref(),
+        Some(transition.as_str()),
+        "no transition while ready"
     );
 
     // A daemon that stops answering makes the node not ready, named in the
     // RivetNode's condition; its return makes it ready again.
     let mut cluster = cluster;
     cluster.node.identity.terminate().await.expect("svc-identity stops");
-    let rivet_nodes = Api::<rivet_k8s::RivetNode>::all(cluster.admin());
-    let name = cluster.node.node.node_name.clone();
     eventually("the RivetNode says svc-identity is not ready", CONVERGE, || async {
         let conditions = rivet_nodes
             .get(&name)
@@ -449,7 +478,10 @@ async fn the_node_is_marked_ready_once_synced_and_not_ready_while_a_daemon_is_do
             .unwrap_or_default()
             .conditions;
         let not_ready = conditions.iter().any(|c| {
-            c.type_ == "Ready" && c.status == "False" && c.message.as_deref().unwrap_or("").contains("svc-identity")
+            c.type_ == "Ready"
+                && c.status == "False"
+                && c.message.as_deref().unwrap_or("").contains("svc-identity")
+                && c.last_transition_time.as_deref() > Some(transition.as_str())
         });
         if not_ready && !cluster.sync_status().await.node_ready {
             // The node's state, not a failure of svc-k8s-sync.
@@ -573,4 +605,100 @@ async fn a_pod_created_while_svc_k8s_sync_is_down_runs_on_init_until_its_labels_
         later.identity >= 256,
         "a cluster identity once the labels arrived: {later:?}"
     );
+}
+
+/// The Node's taints as `key:effect`, but those the API server's
+/// admission adds (`node.kubernetes.io/not-ready`: no kubelet reports here).
+async fn node_taints(cluster: &Cluster) -> Vec<String> {
+    Api::<Node>::all(cluster.admin())
+        .get(&cluster.node.node.node_name)
+        .await
+        .expect("the Node")
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|t| !t.key.starts_with("node.kubernetes.io/"))
+        .map(|t| format!("{}:{}", t.key, t.effect))
+        .collect()
+}
+
+/// Waits until the Node has the not-ready taint (`tainted`) or not.
+async fn wait_tainted(cluster: &Cluster, what: &str, tainted: bool) {
+    eventually(what, CONVERGE, || async {
+        let taints = node_taints(cluster).await;
+        if taints.contains(&"node.rivet.io/agent-not-ready:NoSchedule".to_string()) == tainted {
+            Ok(())
+        } else {
+            Err(format!("{taints:?}"))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_operator_taints_the_node_while_a_daemon_is_down_or_svc_k8s_sync_is_stopped_and_svc_k8s_sync_untaints_it() {
+    use rivet_operator::stale::{StaleArgs, StaleMetrics, StaleObjects};
+    use rivet_operator::term::{Duty, Term};
+
+    let mut cluster = Cluster::start().await;
+    wait_tainted(&cluster, "svc-k8s-sync removes the registration taint", false).await;
+    let operator = cluster
+        .api
+        .service_account_client("rivet-operator")
+        .await
+        .expect("the operator's RBAC applies")
+        .client;
+    let controllers = rivet_common::controller::Controllers::new();
+    let grace = std::time::Duration::from_secs(5);
+    let args = StaleArgs {
+        endpoint_gc_interval: std::time::Duration::ZERO,
+        node_status_grace: grace,
+        set_node_taints: true,
+    };
+    let term = Term::begin(
+        "test",
+        0,
+        std::time::Instant::now() + std::time::Duration::from_secs(3600),
+    );
+    StaleObjects::new(operator, args, StaleMetrics::default()).start(&term, &controllers);
+
+    // Ready with a heartbeat every second: the duty's passes (one each time
+    // the RivetNode changes) leave the node alone.
+    let passes = |controllers: &rivet_common::controller::Controllers| {
+        controllers
+            .status()
+            .iter()
+            .find(|c| c.name == "node-taint")
+            .map_or(0, |c| c.outcomes)
+    };
+    let seen = passes(&controllers);
+    controllers.wait_outcomes("node-taint", seen + 5).await;
+    assert_eq!(
+        node_taints(&cluster).await,
+        Vec::<String>::new(),
+        "a ready node stays untainted"
+    );
+
+    // A daemon down: Ready=False, the taint goes back; svc-identity back:
+    // svc-k8s-sync takes it off.
+    cluster.node.identity.terminate().await.expect("svc-identity stops");
+    wait_tainted(&cluster, "the operator taints the not-ready node", true).await;
+    cluster.node.identity.restart().await.expect("svc-identity restarts");
+    wait_tainted(&cluster, "svc-k8s-sync untaints the ready node", false).await;
+
+    // svc-k8s-sync stopped: its heartbeat goes stale, the taint goes back
+    // (not before the grace); started again, it takes it off.
+    cluster.sync.terminate().await.expect("svc-k8s-sync stops");
+    let stopped = std::time::Instant::now();
+    wait_tainted(&cluster, "the operator taints the node of a stopped agent", true).await;
+    // Heartbeats are whole seconds and came every second.
+    assert!(
+        stopped.elapsed() + std::time::Duration::from_millis(2100) >= grace,
+        "tainted only once the heartbeat passed the grace: {:?}",
+        stopped.elapsed()
+    );
+    cluster.sync.restart().await.expect("svc-k8s-sync restarts");
+    wait_tainted(&cluster, "the restarted svc-k8s-sync untaints the node", false).await;
+    controllers.shutdown().await;
 }

@@ -3,6 +3,8 @@
 //! the status says whether Rivet is ready there. Written by svc-k8s-sync for
 //! its own node; read by the operator and other nodes (multi-node issues).
 
+use k8s_openapi::api::core::v1::Taint;
+use k8s_openapi::jiff::{self, Timestamp};
 use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -94,6 +96,18 @@ pub const CONDITION_POD_CIDRS_ALLOCATED: &str = "PodCIDRsAllocated";
 /// the pod CIDRs of the spec, or why it refused them.
 pub const CONDITION_POD_CIDRS_APPLIED: &str = "PodCIDRsApplied";
 
+/// The taint (effect `NoSchedule`) a Node carries while Rivet is not ready
+/// on it: svc-k8s-sync removes it once the node is ready, the operator puts
+/// it back when the node's `Ready` condition is not True or its heartbeat
+/// went stale.
+pub const NOT_READY_TAINT: &str = "node.rivet.io/agent-not-ready";
+
+/// Whether `taint` is Rivet's not-ready taint ([`NOT_READY_TAINT`] with
+/// effect `NoSchedule`).
+pub fn is_not_ready_taint(taint: &Taint) -> bool {
+    taint.key == NOT_READY_TAINT && taint.effect == "NoSchedule"
+}
+
 /// One condition, as Kubernetes conditions are written.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -115,4 +129,32 @@ pub struct NodeCondition {
     /// When the writer last confirmed the condition (RFC 3339).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_heartbeat_time: Option<String>,
+}
+
+impl RivetNodeStatus {
+    /// The condition of type `type_`, if written.
+    pub fn condition(&self, type_: &str) -> Option<&NodeCondition> {
+        self.conditions.iter().find(|c| c.type_ == type_)
+    }
+}
+
+impl NodeCondition {
+    /// `lastHeartbeatTime` read back: `None` when absent, an error when it
+    /// is not RFC 3339.
+    pub fn last_heartbeat(&self) -> Option<Result<Timestamp, jiff::Error>> {
+        self.last_heartbeat_time.as_deref().map(str::parse)
+    }
+}
+
+/// `at` as Kubernetes writes times (RFC 3339 in UTC, whole seconds:
+/// `2026-11-26T06:40:00Z`), for conditions' `lastHeartbeatTime` and
+/// `lastTransitionTime`.
+///
+/// ```
+/// use rivet_k8s::k8s_openapi::jiff::Timestamp;
+/// let at: Timestamp = "2026-11-26T06:40:00.75Z".parse().unwrap();
+/// assert_eq!(rivet_k8s::format_time(at), "2026-11-26T06:40:00Z");
+/// ```
+pub fn format_time(at: Timestamp) -> String {
+    jiff::fmt::strtime::format("%Y-%m-%dT%H:%M:%SZ", at).expect("a Timestamp formats with a fixed UTC pattern")
 }
