@@ -1,0 +1,218 @@
+//! Issue 15 §7, "the operator stopped for a minute": a node in cluster-pool
+//! IPAM (its pod CIDRs allocated by the real rivet-operator) with pods and
+//! a NetworkPolicy; the operator is killed with SIGKILL for a minute. The
+//! pods' traffic loses no packet, new pods on the node start and reach
+//! their peers as the policy says, and nothing is tainted or collected.
+//! Started again, the operator leads and its passes leave the live pods'
+//! RivetEndpoints and the ready node alone.
+
+mod support;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::api::{Api, ListParams, PostParams};
+use rivet_common::testing::{http_get, metric_sample};
+use rivet_k8s::RivetEndpoint;
+use rivet_testkit::operator::Operator;
+use serde_json::json;
+use support::{CONVERGE, Cluster, eventually};
+
+/// How long the operator stays down.
+const OUTAGE: Duration = Duration::from_secs(60);
+/// Ping interval (as root).
+const PING_INTERVAL: Duration = Duration::from_millis(5);
+
+/// `ping` from pod `from` to `to` for `OUTAGE` in a thread: (sent, received).
+fn ping_for_the_outage(cluster: &Cluster, from: &str, to: &str) -> std::thread::JoinHandle<(u64, u64)> {
+    let ns = cluster.cni_pod(from).pod.ns.name().to_owned();
+    let dst = cluster.cni_pod(to).ipv4.to_string();
+    let count = (OUTAGE.as_millis() / PING_INTERVAL.as_millis()).to_string();
+    std::thread::spawn(move || {
+        let out = Command::new("ip")
+            .args([
+                "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-i", "0.005", "-W", "1", "-c",
+            ])
+            .args([count.as_str(), dst.as_str()])
+            .env("LC_ALL", "C")
+            .output()
+            .expect("ping runs");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let line = text
+            .lines()
+            .find(|l| l.contains("packets transmitted"))
+            .unwrap_or_else(|| panic!("ping's summary: {text}"));
+        let mut numbers = line
+            .split(',')
+            .map(|p| p.split_whitespace().next().unwrap().parse::<u64>().unwrap());
+        (numbers.next().unwrap(), numbers.next().unwrap())
+    })
+}
+
+async fn not_ready_taint(cluster: &Cluster) -> bool {
+    Api::<Node>::all(cluster.admin())
+        .get(&cluster.node.node.node_name)
+        .await
+        .expect("the Node")
+        .spec
+        .and_then(|s| s.taints)
+        .unwrap_or_default()
+        .iter()
+        .any(|t| t.key == "node.rivet.io/agent-not-ready")
+}
+
+async fn rivet_endpoints(cluster: &Cluster) -> Vec<String> {
+    let mut names: Vec<String> = Api::<RivetEndpoint>::namespaced(cluster.admin(), "shop")
+        .list(&ListParams::default())
+        .await
+        .expect("RivetEndpoints list")
+        .items
+        .into_iter()
+        .filter_map(|e| e.metadata.name)
+        .collect();
+    names.sort();
+    names
+}
+
+/// Passes of the operator's controller `name` (ok and error).
+async fn operator_passes(operator: &Operator, name: &str) -> f64 {
+    let text = http_get(operator.metrics_address(), "/metrics")
+        .await
+        .expect("the operator's /metrics");
+    ["ok", "error"]
+        .iter()
+        .filter_map(|result| {
+            metric_sample(
+                &text,
+                &format!("rivet_controller_reconciles_total{{controller=\"{name}\",result=\"{result}\"}}"),
+            )
+        })
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_operator_stopped_for_a_minute_costs_no_packet_and_new_pods_still_start() {
+    let mut cluster = Cluster::start_cluster_pool(&[]).await;
+    let access = cluster
+        .api
+        .service_account_client("rivet-operator")
+        .await
+        .expect("the operator's ServiceAccount");
+    let mut operator = Operator::start(
+        &access,
+        &[
+            "--cluster-pool-ipv4-cidr",
+            "198.18.0.0/16",
+            "--cluster-pool-ipv4-mask-size",
+            "24",
+            "--cluster-pool-ipv6-cidr",
+            "2001:2::/104",
+            "--endpoint-gc-interval",
+            "1s",
+            "--node-status-grace",
+            "10s",
+        ],
+    )
+    .await
+    .expect("rivet-operator starts");
+    operator.wait_leading(CONVERGE).await.expect("the operator leads");
+    eventually("the node is ready and untainted", CONVERGE, || async {
+        let ready = cluster.sync_status().await.node_ready;
+        let tainted = not_ready_taint(&cluster).await;
+        if ready && !tainted {
+            Ok(())
+        } else {
+            Err(format!("ready={ready} tainted={tainted}"))
+        }
+    })
+    .await;
+
+    cluster.namespace("shop", &[]).await;
+    cluster.pod("shop", "client", &[("app", "client")]).await;
+    cluster.pod("shop", "server", &[("app", "server")]).await;
+    Api::<NetworkPolicy>::namespaced(cluster.admin(), "shop")
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": { "name": "server", "namespace": "shop" },
+                "spec": {
+                    "podSelector": { "matchLabels": { "app": "server" } },
+                    "ingress": [{ "from": [{ "podSelector": { "matchLabels": { "app": "client" } } }] }],
+                },
+            }))
+            .unwrap(),
+        )
+        .await
+        .unwrap();
+    let revision = cluster.wait_policy("NetworkPolicy", "shop", "server", true).await;
+    cluster.wait_realised(revision, &["server"]).await;
+    let _echo = cluster.tcp_server("server", 8080);
+    assert!(cluster.tcp("client", "server", 8080), "client reaches server");
+
+    // The operator dies (SIGKILL: its Lease stays held, no replica leads).
+    operator.kill9();
+    let stopped = Instant::now();
+    let ping = ping_for_the_outage(&cluster, "client", "server");
+
+    // New pods on the node start meanwhile, on the node's pod CIDRs, and
+    // the policy holds for them.
+    cluster.pod("shop", "late-client", &[("app", "client")]).await;
+    cluster.pod("shop", "late-other", &[("app", "other")]).await;
+    let _late_echo = cluster.tcp_server("late-client", 8081);
+    eventually("the new client reaches the server", CONVERGE, || async {
+        if cluster.tcp("late-client", "server", 8080) {
+            Ok(())
+        } else {
+            Err("no answer".to_string())
+        }
+    })
+    .await;
+    assert!(
+        cluster.tcp("client", "late-client", 8081),
+        "an old pod reaches a new one (no policy selects it)"
+    );
+    assert!(
+        !cluster.tcp("late-other", "server", 8080),
+        "the policy denies the new pod it does not allow"
+    );
+
+    let (sent, received) = ping.join().expect("the ping thread");
+    let down_for = stopped.elapsed();
+    assert!(down_for >= OUTAGE, "the operator was down for {down_for:?}");
+    assert_eq!(
+        sent - received,
+        0,
+        "no packet lost while the operator was down ({sent} sent)"
+    );
+    assert!(!not_ready_taint(&cluster).await, "nobody tainted the ready node");
+    let endpoints = ["client", "late-client", "late-other", "server"];
+    eventually("every pod has its RivetEndpoint", CONVERGE, || async {
+        match rivet_endpoints(&cluster).await {
+            names if names == endpoints => Ok(()),
+            names => Err(format!("{names:?}")),
+        }
+    })
+    .await;
+
+    // Started again: a new replica takes over once the dead one's Lease
+    // expired; its endpoint GC and taint passes leave the live pods'
+    // RivetEndpoints and the ready node alone.
+    operator.restart().await.expect("rivet-operator starts again");
+    operator.wait_leading(CONVERGE).await.expect("the operator leads again");
+    eventually("the operator's endpoint GC made two passes", CONVERGE, || async {
+        let passes = operator_passes(&operator, "endpoint-gc").await;
+        if passes >= 2.0 {
+            Ok(())
+        } else {
+            Err(format!("{passes} passes"))
+        }
+    })
+    .await;
+    assert!(operator_passes(&operator, "node-taint").await >= 1.0);
+    assert_eq!(rivet_endpoints(&cluster).await, endpoints);
+    assert!(!not_ready_taint(&cluster).await, "the ready node stays untainted");
+    assert!(cluster.tcp("late-client", "server", 8080));
+}
