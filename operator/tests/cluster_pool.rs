@@ -94,6 +94,14 @@ impl Harness {
         }
     }
 
+    /// Waits until RivetNode `name` carries the node-deleted-at annotation.
+    async fn wait_marked_gone(&self, name: &str) -> RivetNode {
+        self.wait_for(name, "annotated as gone", |n: Option<&RivetNode>| {
+            n.is_some_and(|n| n.annotations().contains_key(NODE_DELETED_AT_ANNOTATION))
+        })
+        .await
+    }
+
     async fn wait_allocated(&self, name: &str) -> RivetNode {
         self.wait_for(name, "PodCIDRsAllocated=True", has_condition("True", REASON_ALLOCATED))
             .await
@@ -188,17 +196,7 @@ async fn a_node_gets_one_cidr_per_family_and_a_gone_nodes_cidr_goes_to_the_next_
     // The Node goes: the RivetNode is annotated, then deleted after the grace.
     let deleted = Instant::now();
     h.delete_node("n1").await;
-    let marked = h
-        .wait_for("n1", "annotated as gone", |n: Option<&RivetNode>| {
-            n.is_some_and(|n| {
-                n.metadata
-                    .annotations
-                    .iter()
-                    .flatten()
-                    .any(|(k, _)| k == NODE_DELETED_AT_ANNOTATION)
-            })
-        })
-        .await;
+    let marked = h.wait_marked_gone("n1").await;
     assert_eq!(pod_cidrs(&marked), n1_cidrs, "its CIDRs stay during the grace");
     h.create_node("n2").await;
     let n2 = h.wait_allocated("n2").await;
@@ -224,10 +222,7 @@ async fn a_node_that_comes_back_within_the_grace_keeps_its_cidrs() {
     h.create_node("back").await;
     let before = pod_cidrs(&h.wait_allocated("back").await);
     h.delete_node("back").await;
-    h.wait_for("back", "annotated as gone", |n: Option<&RivetNode>| {
-        n.is_some_and(|n| n.annotations().contains_key(NODE_DELETED_AT_ANNOTATION))
-    })
-    .await;
+    h.wait_marked_gone("back").await;
     h.create_node("back").await;
     let after = h
         .wait_for("back", "no longer annotated", |n: Option<&RivetNode>| {
@@ -364,10 +359,7 @@ async fn a_new_term_rebuilds_the_allocation_from_the_api_objects() {
     // One of the first term's nodes goes: the term marks it (the grace
     // runs), then ends; its writes stop.
     h.delete_node("t1-a").await;
-    h.wait_for("t1-a", "annotated as gone", |n: Option<&RivetNode>| {
-        n.is_some_and(|n| n.annotations().contains_key(NODE_DELETED_AT_ANNOTATION))
-    })
-    .await;
+    h.wait_marked_gone("t1-a").await;
     term.end();
     controllers.shutdown().await;
     assert!(term.ensure().is_err());
