@@ -21,9 +21,10 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use ipnet::IpNet;
+use k8s_openapi::jiff::Timestamp;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -302,7 +303,7 @@ impl Running {
         }
         let transition = match current {
             Some(c) if c.status == applied.status => c.last_transition_time,
-            _ => Some(humantime::format_rfc3339_seconds(SystemTime::now()).to_string()),
+            _ => Some(rivet_k8s::format_time(Timestamp::now())),
         };
         let condition = NodeCondition {
             type_: rivet_k8s::CONDITION_POD_CIDRS_APPLIED.into(),
