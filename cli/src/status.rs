@@ -219,6 +219,60 @@ pub struct IdentityStatus {
     pub loader_pending: u32,
     /// The push's last error.
     pub loader_error: String,
+    /// rivet-operator's kvstore heartbeat, when the store has one (etcd).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kvstore_heartbeat: Option<HeartbeatView>,
+}
+
+/// rivet-operator's kvstore heartbeat as svc-identity observes it.
+/// Reported only: svc-identity serves from its cache either way, so it
+/// does not make the node degraded.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct HeartbeatView {
+    /// `fresh`, `stale` or `missing`.
+    pub state: String,
+    /// Fresh, or missing for less than the stale threshold.
+    pub healthy: bool,
+    /// Since svc-identity observed the last write, milliseconds.
+    pub observed_age_ms: Option<u64>,
+    /// No write for this long makes it stale, milliseconds.
+    pub stale_threshold_ms: u64,
+}
+
+impl HeartbeatView {
+    /// The view of `r`; `None` when the store has no heartbeat (or the
+    /// daemon predates it).
+    fn from_proto(r: &identity_pb::KvstoreHeartbeat) -> Option<Self> {
+        use identity_pb::KvstoreHeartbeatState as State;
+        let state = match State::try_from(r.state) {
+            Ok(State::Fresh) => "fresh",
+            Ok(State::Stale) => "stale",
+            Ok(State::Missing) => "missing",
+            _ => return None,
+        };
+        Some(Self {
+            state: state.into(),
+            healthy: r.healthy,
+            observed_age_ms: r.observed_age_ms,
+            stale_threshold_ms: r.stale_threshold_ms,
+        })
+    }
+
+    /// The `heartbeat` line of the svc-identity section.
+    fn line(&self) -> String {
+        let millis = |ms: u64| duration(ms.saturating_mul(1_000_000));
+        let threshold = millis(self.stale_threshold_ms);
+        let age = self.observed_age_ms.map_or_else(|| "-".into(), millis);
+        let unhealthy = "kvstore UNHEALTHY, serving from the cache";
+        match (self.state.as_str(), self.healthy) {
+            ("fresh", _) => format!("fresh (last write observed {age} ago, stale after {threshold})"),
+            ("missing", true) => format!("none from rivet-operator yet (unhealthy after {threshold})"),
+            ("missing", false) => {
+                format!("MISSING ({unhealthy}): no heartbeat from rivet-operator for {threshold}")
+            }
+            _ => format!("STALE ({unhealthy}): last write observed {age} ago, stale after {threshold}"),
+        }
+    }
 }
 
 impl From<&identity_pb::GetStatusResponse> for IdentityStatus {
@@ -245,6 +299,7 @@ impl From<&identity_pb::GetStatusResponse> for IdentityStatus {
             loader_last_full_sync_unix_nanos: loader.last_full_sync_unix_nanos,
             loader_pending: loader.pending,
             loader_error: loader.last_error,
+            kvstore_heartbeat: r.kvstore_heartbeat.as_ref().and_then(HeartbeatView::from_proto),
         }
     }
 }
@@ -300,8 +355,11 @@ fn identity_section(s: &IdentityStatus, now: i64) -> String {
     } else {
         format!("svc-loader not connected: {}", short(&s.loader_error))
     };
-    let body = crate::fields([
-        ("store", store),
+    let mut lines = vec![("store", store)];
+    if let Some(heartbeat) = &s.kvstore_heartbeat {
+        lines.push(("heartbeat", heartbeat.line()));
+    }
+    lines.extend([
         (
             "identities",
             format!(
@@ -311,6 +369,7 @@ fn identity_section(s: &IdentityStatus, now: i64) -> String {
         ),
         ("ipcache", format!("{} entries, {loader}", s.ipcache_entries)),
     ]);
+    let body = crate::fields(lines);
     section(IDENTITY_DAEMON, &body)
 }
 
@@ -998,6 +1057,7 @@ mod tests {
                 last_error: String::new(),
             }),
             boot_id: "b".into(),
+            kvstore_heartbeat: None,
         };
         assert_eq!(
             identity_section(&IdentityStatus::from(&r), 700 * S),
@@ -1032,6 +1092,63 @@ mod tests {
                 "kvstore (etcd) unreachable, serving from local state (3 changes of this node not yet published): {error}"
             )]
         );
+    }
+
+    #[test]
+    fn identity_section_shows_the_kvstore_heartbeat_without_degrading_the_node() {
+        let heartbeat = |state: identity_pb::KvstoreHeartbeatState, healthy, age: Option<u64>| {
+            let r = identity_pb::GetStatusResponse {
+                store: Some(identity_pb::StoreStatus {
+                    backend: identity_pb::StoreBackend::Etcd as i32,
+                    connected: true,
+                    ..Default::default()
+                }),
+                kvstore_heartbeat: Some(identity_pb::KvstoreHeartbeat {
+                    state: state as i32,
+                    healthy,
+                    last_written_unix_nanos: 0,
+                    observed_age_ms: age,
+                    stale_threshold_ms: 120_000,
+                }),
+                ..Default::default()
+            };
+            let view = IdentityStatus::from(&r);
+            assert!(
+                view.problems().is_empty(),
+                "reported, not a problem of the node: {view:?}"
+            );
+            let text = identity_section(&view, 700 * S);
+            text.lines()
+                .find_map(|l| l.trim_start().strip_prefix("heartbeat").map(|l| l.trim().to_string()))
+                .unwrap_or_else(|| panic!("no heartbeat line: {text}"))
+        };
+        use identity_pb::KvstoreHeartbeatState as State;
+        assert_eq!(
+            heartbeat(State::Fresh, true, Some(12_000)),
+            "fresh (last write observed 12.0s ago, stale after 2m0s)"
+        );
+        assert_eq!(
+            heartbeat(State::Stale, false, Some(185_000)),
+            "STALE (kvstore UNHEALTHY, serving from the cache): last write observed 3m5s ago, stale after 2m0s"
+        );
+        assert_eq!(
+            heartbeat(State::Missing, true, None),
+            "none from rivet-operator yet (unhealthy after 2m0s)"
+        );
+        assert_eq!(
+            heartbeat(State::Missing, false, None),
+            "MISSING (kvstore UNHEALTHY, serving from the cache): no heartbeat from rivet-operator for 2m0s"
+        );
+        // Not applicable (embedded, kubernetes): no line.
+        let r = identity_pb::GetStatusResponse {
+            kvstore_heartbeat: Some(identity_pb::KvstoreHeartbeat {
+                state: State::NotApplicable as i32,
+                healthy: true,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(!identity_section(&IdentityStatus::from(&r), 700 * S).contains("heartbeat"));
     }
 
     fn daemon(name: &str, health: NodeHealth, problems: &[&str]) -> DaemonStatus {

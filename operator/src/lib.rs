@@ -15,10 +15,16 @@
 //!   RivetIdentity objects), two rounds fenced on the version.
 //! - [`stale`]: duty `stale-objects`: RivetEndpoints of gone pods deleted,
 //!   the not-ready taint put back on Nodes whose RivetNode is not ready.
+//! - [`heartbeat`]: duty `kvstore-heartbeat`, the time at `.heartbeat`.
+//! - [`kvstore_mirror`]: duty `kvstore-mirror`, RivetNodes and shared
+//!   Services into `nodes/v1` and `services/v1`.
 
 pub mod cluster_pool;
+pub mod heartbeat;
 pub mod identity_gc;
 pub mod kvstore;
+pub mod kvstore_mirror;
 pub mod leader;
 pub mod stale;
 pub mod term;
+mod watch_cache;

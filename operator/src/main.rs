@@ -15,8 +15,10 @@ use rivet_common::telemetry::{self, LogFormat, TelemetryOptions};
 use rivet_common::{config, daemon};
 use rivet_k8s::ClusterAccess;
 use rivet_operator::cluster_pool::{ClusterPool, ClusterPoolArgs, PoolMetrics};
+use rivet_operator::heartbeat::{HeartbeatArgs, KvstoreHeartbeat};
 use rivet_operator::identity_gc::{IdentityGcArgs, IdentityGcDuty, IdentityGcMetrics};
 use rivet_operator::kvstore::KvstoreArgs;
+use rivet_operator::kvstore_mirror::{KvstoreMirror, MirrorArgs};
 use rivet_operator::leader::{ElectionMetrics, Elector, LeaderElectionArgs};
 use rivet_operator::stale::{StaleArgs, StaleMetrics, StaleObjects};
 use rivet_operator::term::Duty;
@@ -69,6 +71,12 @@ struct Flags {
 
     #[command(flatten)]
     stale: StaleArgs,
+
+    #[command(flatten)]
+    heartbeat: HeartbeatArgs,
+
+    #[command(flatten)]
+    kvstore_mirror: MirrorArgs,
 }
 
 fn main() -> ExitCode {
@@ -103,6 +111,18 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     let cluster_pool_metrics = PoolMetrics::registered(&mut registry);
     let stale_metrics = StaleMetrics::default();
     stale_metrics.register(registry.sub_registry_with_prefix("operator"));
+    // The kvstore duties (heartbeat, mirrors), with --etcd-endpoints only.
+    let mut kvstore_duties: Vec<Arc<dyn Duty>> = Vec::new();
+    if flags.kvstore.enabled() {
+        let etcd = flags.kvstore.connect().await?;
+        let layout = flags.kvstore.layout();
+        let heartbeat = KvstoreHeartbeat::new(etcd.clone(), &layout, flags.heartbeat.kvstore_heartbeat_interval);
+        heartbeat.register(&mut registry);
+        let resync = flags.kvstore_mirror.kvstore_mirror_resync;
+        let mirror = KvstoreMirror::new(client.clone(), etcd, layout, resync);
+        mirror.register(&mut registry);
+        kvstore_duties.extend([Arc::new(heartbeat) as Arc<dyn Duty>, Arc::new(mirror)]);
+    }
     controllers.register_metrics(&mut registry);
 
     let health = Health::default();
@@ -111,7 +131,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
     }
 
     // The duties every term starts, one line each.
-    let duties: Vec<Arc<dyn Duty>> = vec![
+    let mut duties: Vec<Arc<dyn Duty>> = vec![
         Arc::new(IdentityGcDuty::new(
             flags.identity_gc,
             flags.kvstore.clone(),
@@ -126,6 +146,7 @@ async fn run(flags: Flags) -> anyhow::Result<()> {
         )),
         Arc::new(StaleObjects::new(client.clone(), flags.stale, stale_metrics)),
     ];
+    duties.extend(kvstore_duties);
 
     tracing::info!(
         identity = election.identity,

@@ -593,6 +593,12 @@ impl EtcdBackend {
         &self.layout
     }
 
+    /// The etcd client (cheap to clone; one connection): for the heartbeat
+    /// watchdog, which reads a key outside the identity store.
+    pub fn etcd_client(&self) -> &Client {
+        &self.client
+    }
+
     /// This node's name.
     pub fn node(&self) -> &str {
         &self.node

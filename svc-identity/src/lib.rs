@@ -16,6 +16,8 @@
 //! - [`snapshot`]: the local snapshot served while etcd is unreachable
 //!   (also right after a restart during an outage);
 //! - [`events`]: log lines and metrics of the outage events;
+//! - [`heartbeat`]: the watchdog of rivet-operator's kvstore heartbeat
+//!   (reported, never acted on);
 //! - [`service`]: the `rivet.identity.v1.IdentityService` gRPC service.
 
 pub mod allocator;
@@ -24,6 +26,7 @@ pub mod cidr;
 pub mod embedded_backend;
 pub mod etcd_backend;
 pub mod events;
+pub mod heartbeat;
 pub mod ipcache;
 pub mod ipcache_service;
 pub mod kubernetes_backend;

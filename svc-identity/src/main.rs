@@ -22,6 +22,7 @@ use svc_identity::cidr::CidrIdentities;
 use svc_identity::embedded_backend::EmbeddedBackend;
 use svc_identity::etcd_backend::{EtcdBackend, EtcdOptions};
 use svc_identity::events::{IdentityMetrics, ReconciledKeys};
+use svc_identity::heartbeat::{HeartbeatArgs, HeartbeatWatchdog};
 use svc_identity::ipcache::{IpCache, IpCacheOptions, LoaderSync, LoaderSyncOptions};
 use svc_identity::ipcache_service::IpcacheService;
 use svc_identity::kubernetes_backend::KubernetesBackend;
@@ -86,6 +87,9 @@ struct Flags {
     /// default excludes (pod-template-hash, ...).
     #[arg(long = "label", env = "RIVET_LABELS", value_delimiter = ',')]
     labels: Vec<String>,
+
+    #[command(flatten)]
+    heartbeat: HeartbeatArgs,
 }
 
 /// `--identity-store`.
@@ -157,6 +161,8 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     // Every background loop of the daemon, the etcd lease keeper's too.
     let controllers = Controllers::new();
     let store = flags.store()?;
+    // The operator's heartbeat lives in etcd only.
+    let mut heartbeat = None;
     let (backend, snapshot): (Arc<dyn IdentityBackend>, Option<SnapshotOptions>) = if store == StoreKind::Embedded {
         let path = state_dir.join("store.json");
         let backend = EmbeddedBackend::open(&path, &node).context("opening the embedded identity store")?;
@@ -176,6 +182,9 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         let backend = EtcdBackend::start(options, &controllers)
             .await
             .context("configuring the etcd client")?;
+        let watchdog = HeartbeatWatchdog::new(backend.layout().heartbeat_key(), flags.heartbeat.threshold());
+        watchdog.run(backend.etcd_client().clone(), &controllers);
+        heartbeat = Some(watchdog);
         let snapshot = SnapshotOptions::new(
             state_dir.join(SNAPSHOT_FILE_NAME),
             &node,
@@ -247,8 +256,12 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     }
 
     let cidrs = Arc::new(CidrIdentities::new(ipcache.clone()));
-    let service =
+    let mut service =
         IdentityService::new(allocator, cidrs, identity.boot_id.clone()).with_ipcache(ipcache.clone(), loader_sync);
+    if let Some(watchdog) = heartbeat {
+        watchdog.register(&mut registry);
+        service = service.with_heartbeat(watchdog);
+    }
     let routes = Routes::new(service.into_server())
         .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server());
     let served = daemon::run(

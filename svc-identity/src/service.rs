@@ -15,6 +15,7 @@ use crate::allocator::{AllocError, IdentityAllocator, IdentityChange, IdentityKi
 use crate::backend::BackendError;
 use crate::backend::IdentityRecord;
 use crate::cidr::{CidrError, CidrIdentities};
+use crate::heartbeat::{HeartbeatReport, HeartbeatWatchdog};
 use crate::ipcache::{IpCache, LoaderSync, prefix_text};
 
 /// Identities per snapshot message (keeps messages far below 4 MiB).
@@ -26,6 +27,7 @@ pub struct IdentityService {
     allocator: Arc<IdentityAllocator>,
     cidrs: Arc<CidrIdentities>,
     ipcache: Option<(Arc<IpCache>, Arc<LoaderSync>)>,
+    heartbeat: Option<HeartbeatWatchdog>,
     boot_id: BootId,
 }
 
@@ -38,6 +40,7 @@ impl IdentityService {
             allocator,
             cidrs,
             ipcache: None,
+            heartbeat: None,
             boot_id,
         }
     }
@@ -45,6 +48,13 @@ impl IdentityService {
     /// Reports the IP cache and its push to svc-loader in GetStatus.
     pub fn with_ipcache(mut self, ipcache: Arc<IpCache>, loader: Arc<LoaderSync>) -> Self {
         self.ipcache = Some((ipcache, loader));
+        self
+    }
+
+    /// Reports the kvstore heartbeat in GetStatus (etcd store; without it
+    /// the heartbeat is not applicable).
+    pub fn with_heartbeat(mut self, heartbeat: HeartbeatWatchdog) -> Self {
+        self.heartbeat = Some(heartbeat);
         self
     }
 
@@ -410,6 +420,12 @@ impl pb::identity_service_server::IdentityService for IdentityService {
             ipcache_entries: self.ipcache.as_ref().map_or(0, |(c, _)| c.len() as u32),
             loader: self.ipcache.as_ref().map(|(_, l)| l.status().to_proto()),
             boot_id: self.boot_id.to_string(),
+            kvstore_heartbeat: Some(
+                self.heartbeat
+                    .as_ref()
+                    .map_or_else(HeartbeatReport::not_applicable, HeartbeatWatchdog::report)
+                    .to_proto(),
+            ),
         }))
     }
 }

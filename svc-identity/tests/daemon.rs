@@ -1312,6 +1312,8 @@ async fn a_failing_identity_watch_is_restarted_counted_in_metrics_and_shown_then
         "snapshot-writer",
         "snapshot-changes",
         "etcd-lease-keeper",
+        "kvstore-heartbeat-watch",
+        "kvstore-heartbeat-check",
         "metrics-server",
     ] {
         assert!(names.contains(expected), "{expected} runs as a controller: {names:?}");
