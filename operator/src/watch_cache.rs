@@ -32,6 +32,7 @@ where
     /// The objects.
     pub store: Store<K>,
     synced: Arc<AtomicBool>,
+    synced_triggers: Arc<Mutex<Vec<Trigger>>>,
 }
 
 impl<K: Resource + Clone + 'static> Cache<K>
@@ -43,11 +44,22 @@ where
     pub fn synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
     }
+
+    /// Fires `trigger` when the first list completes (at once if it has).
+    pub fn on_synced(&self, trigger: &Trigger) {
+        self.synced_triggers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(trigger.clone());
+        if self.synced() {
+            trigger.trigger();
+        }
+    }
 }
 
 /// Starts the watch of `api` (every object) as controller `name` under
-/// `controllers`; `changed` fires when the first list completes and after
-/// each later event.
+/// `controllers`; `changed` fires when a list completes and after each
+/// later event; `on_error` hears each watch error (the watcher retries).
 pub(crate) fn watch<K>(
     controllers: &Controllers,
     name: &'static str,
@@ -63,17 +75,13 @@ where
     let cache = Cache {
         store: writer.as_reader(),
         synced: Arc::default(),
+        synced_triggers: Arc::default(),
     };
     let writer = Arc::new(Mutex::new(writer));
-    let synced = cache.synced.clone();
+    let (synced, synced_triggers) = (cache.synced.clone(), cache.synced_triggers.clone());
     controllers.supervise(Controller::new(name), move |progress| {
-        let (api, writer, on_error, changed, synced) = (
-            api.clone(),
-            writer.clone(),
-            on_error.clone(),
-            changed.clone(),
-            synced.clone(),
-        );
+        let (api, writer, on_error, changed) = (api.clone(), writer.clone(), on_error.clone(), changed.clone());
+        let (synced, synced_triggers) = (synced.clone(), synced_triggers.clone());
         async move {
             let mut events = watcher::watcher(api, watcher::Config::default())
                 .default_backoff()
@@ -87,7 +95,10 @@ where
                             .apply_watcher_event(&event);
                         match event {
                             Event::InitDone => {
-                                synced.store(true, Ordering::Release);
+                                if !synced.swap(true, Ordering::AcqRel) {
+                                    let triggers = synced_triggers.lock().unwrap_or_else(|e| e.into_inner());
+                                    triggers.iter().for_each(Trigger::trigger);
+                                }
                                 progress.ok();
                             }
                             Event::Apply(_) | Event::Delete(_) => progress.ok(),
