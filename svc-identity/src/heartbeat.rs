@@ -369,8 +369,11 @@ impl HeartbeatWatchdog {
     /// reporting (`kvstore-heartbeat-check`) on `controllers`.
     pub fn run(&self, client: Client, controllers: &Controllers) {
         let watchdog = self.clone();
+        // Reported, never acted on: a failing heartbeat watch does not make
+        // svc-identity degraded (the identity watch reports etcd itself).
         let watch = Controller::new("kvstore-heartbeat-watch")
-            .backoff(Backoff::new(Duration::from_millis(200), Duration::from_secs(5)));
+            .backoff(Backoff::new(Duration::from_millis(200), Duration::from_secs(5)))
+            .degraded_after(Duration::MAX);
         controllers.supervise(watch, move |progress| {
             let (watchdog, client) = (watchdog.clone(), client.clone());
             async move { watchdog.watch(client, progress).await }
