@@ -156,7 +156,8 @@ mod tests {
         r.daemons[3].restarts = 1;
         r.daemons[3].started_unix_nanos = now_unix_nanos();
         r.daemons[3].last_exit = Some("signal 9 (SIGKILL)".into());
-        r.daemons[3].last_exit_unix_nanos = now_unix_nanos();
+        // 90.5 s ago: "1m30s" holds for the half second the rendering may take.
+        r.daemons[3].last_exit_unix_nanos = now_unix_nanos() - 90_500_000_000;
         let text = describe_node(&r);
         assert!(text.starts_with("node rn1: running for "), "{text}");
         assert!(
@@ -164,11 +165,11 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("svc-endpoint  running  42   1"), "{text}");
-        assert!(text.contains("signal 9 (SIGKILL), 0ms ago"), "{text}");
+        assert!(text.contains("signal 9 (SIGKILL), 1m30s ago"), "{text}");
         let brief = describe_supervision(&r);
         assert!(brief.starts_with("node rn1 (netns rn1, supervisor pid "), "{brief}");
         assert!(
-            brief.contains("  svc-endpoint  running  1         signal 9 (SIGKILL), 0ms ago\n"),
+            brief.contains("  svc-endpoint  running  1         signal 9 (SIGKILL), 1m30s ago\n"),
             "{brief}"
         );
         // node.json round trip.
