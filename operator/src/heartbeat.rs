@@ -19,7 +19,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use rivet_common::controller::{Action, Controller, Controllers};
 
-use crate::kvstore::Layout;
+use crate::kvstore::{Layout, RequestError, request};
 use crate::term::{Duty, NotLeading, Term};
 
 /// Bound of one write.
@@ -58,23 +58,9 @@ pub enum HeartbeatError {
         #[source]
         source: NotLeading,
     },
-    /// etcd refused or failed the write.
-    #[error("writing the kvstore heartbeat {key}: {source}")]
-    Etcd {
-        /// The key.
-        key: String,
-        /// etcd-client's error.
-        #[source]
-        source: etcd_client::Error,
-    },
-    /// etcd did not answer in time.
-    #[error("writing the kvstore heartbeat {key}: no answer from etcd within {timeout:?}")]
-    Timeout {
-        /// The key.
-        key: String,
-        /// The bound.
-        timeout: Duration,
-    },
+    /// The write failed or timed out.
+    #[error(transparent)]
+    Request(#[from] RequestError),
 }
 
 impl HeartbeatError {
@@ -82,8 +68,7 @@ impl HeartbeatError {
     fn kind(&self) -> &'static str {
         match self {
             Self::NotLeading { .. } => "not_leading",
-            Self::Etcd { .. } => "etcd_error",
-            Self::Timeout { .. } => "timeout",
+            Self::Request(e) => e.kind(),
         }
     }
 }
@@ -160,16 +145,8 @@ impl KvstoreHeartbeat {
         })?;
         let now = humantime::format_rfc3339_millis(SystemTime::now()).to_string();
         let mut kv = self.0.client.kv_client();
-        tokio::time::timeout(WRITE_TIMEOUT, kv.put(key.as_str(), now, None))
-            .await
-            .map_err(|_| HeartbeatError::Timeout {
-                key: key.clone(),
-                timeout: WRITE_TIMEOUT,
-            })?
-            .map_err(|source| HeartbeatError::Etcd {
-                key: key.clone(),
-                source,
-            })?;
+        let action = || format!("writing the kvstore heartbeat {key}");
+        request(action, WRITE_TIMEOUT, kv.put(key.as_str(), now, None)).await?;
         Ok(())
     }
 }

@@ -60,3 +60,66 @@ impl KvstoreArgs {
             })
     }
 }
+
+/// Why one etcd request of a duty failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// etcd refused or failed it.
+    #[error("{action}: {source}")]
+    Etcd {
+        /// What was being done, to which key.
+        action: String,
+        /// etcd-client's error.
+        #[source]
+        source: etcd_client::Error,
+    },
+    /// etcd did not answer in time.
+    #[error("{action}: no answer from etcd within {timeout:?}")]
+    Timeout {
+        /// What was being done, to which key.
+        action: String,
+        /// The bound.
+        timeout: Duration,
+    },
+}
+
+impl RequestError {
+    /// The metric label: `etcd_error` or `timeout`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Etcd { .. } => "etcd_error",
+            Self::Timeout { .. } => "timeout",
+        }
+    }
+}
+
+/// Runs one etcd request bounded by `timeout` (the client has no
+/// per-request timeout); `action` names it in the error.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::time::Duration;
+/// use rivet_operator::kvstore::{RequestError, request};
+/// let never = std::future::pending::<Result<(), etcd_client::Error>>();
+/// let e = request(|| "putting k".into(), Duration::from_millis(1), never).await.unwrap_err();
+/// assert!(matches!(e, RequestError::Timeout { .. }));
+/// assert_eq!(e.to_string(), "putting k: no answer from etcd within 1ms");
+/// # }
+/// ```
+pub async fn request<T>(
+    action: impl FnOnce() -> String,
+    timeout: Duration,
+    request: impl Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, RequestError> {
+    match tokio::time::timeout(timeout, request).await {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(source)) => Err(RequestError::Etcd {
+            action: action(),
+            source,
+        }),
+        Err(_) => Err(RequestError::Timeout {
+            action: action(),
+            timeout,
+        }),
+    }
+}

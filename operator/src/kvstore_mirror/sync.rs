@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp};
 
+use crate::kvstore::{RequestError, request};
 use crate::term::{NotLeading, Term};
 
 /// Bound of one etcd request.
@@ -127,21 +128,9 @@ pub enum SyncError {
         #[source]
         source: NotLeading,
     },
-    /// etcd failed a request.
-    #[error("{action}: {source}")]
-    Etcd {
-        /// What was being done.
-        action: String,
-        /// etcd-client's error.
-        #[source]
-        source: etcd_client::Error,
-    },
-    /// etcd did not answer in time.
-    #[error("{action}: no answer from etcd within {REQUEST_TIMEOUT:?}")]
-    Timeout {
-        /// What was being done.
-        action: String,
-    },
+    /// An etcd request failed.
+    #[error(transparent)]
+    Request(#[from] RequestError),
 }
 
 impl SyncError {
@@ -149,32 +138,17 @@ impl SyncError {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::NotLeading { .. } => "not_leading",
-            Self::Etcd { .. } => "etcd_error",
-            Self::Timeout { .. } => "timeout",
+            Self::Request(e) => e.kind(),
         }
-    }
-}
-
-/// Runs one etcd request with the timeout.
-async fn call<T>(
-    action: impl Fn() -> String,
-    request: impl Future<Output = Result<T, etcd_client::Error>>,
-) -> Result<T, SyncError> {
-    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
-        Ok(Ok(t)) => Ok(t),
-        Ok(Err(source)) => Err(SyncError::Etcd {
-            action: action(),
-            source,
-        }),
-        Err(_) => Err(SyncError::Timeout { action: action() }),
     }
 }
 
 /// Every key under `prefix`.
 pub async fn list(client: &Client, prefix: &str) -> Result<BTreeMap<String, Listed>, SyncError> {
     let mut kv = client.kv_client();
-    let resp = call(
+    let resp = request(
         || format!("listing {prefix}"),
+        REQUEST_TIMEOUT,
         kv.get(prefix, Some(GetOptions::new().with_prefix())),
     )
     .await?;
@@ -219,7 +193,7 @@ pub async fn apply(client: &Client, term: &Term, write: &Write) -> Result<Applie
         .when([Compare::mod_revision(key.as_str(), CompareOp::Equal, seen)])
         .and_then([op]);
     let mut kv = client.kv_client();
-    let resp = call(action, kv.txn(txn)).await?;
+    let resp = request(action, REQUEST_TIMEOUT, kv.txn(txn)).await?;
     Ok(if resp.succeeded() {
         Applied::Written
     } else {
