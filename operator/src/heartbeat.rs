@@ -18,6 +18,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use rivet_common::controller::{Action, Controller, Controllers};
+use svc_identity::heartbeat::parse_interval;
 
 use crate::kvstore::{Layout, RequestError, request};
 use crate::term::{Duty, NotLeading, Term};
@@ -35,15 +36,6 @@ pub struct HeartbeatArgs {
     #[arg(long, env = "RIVET_KVSTORE_HEARTBEAT_INTERVAL", default_value = "1m",
           value_parser = parse_interval)]
     pub kvstore_heartbeat_interval: Duration,
-}
-
-/// A positive duration (`1m`, `500ms`).
-fn parse_interval(text: &str) -> Result<Duration, String> {
-    match humantime::parse_duration(text) {
-        Ok(d) if d.is_zero() => Err("must be more than zero".into()),
-        Ok(d) => Ok(d),
-        Err(e) => Err(e.to_string()),
-    }
 }
 
 /// Why a heartbeat was not written.

@@ -62,7 +62,7 @@ pub struct MirrorArgs {
     /// record even without a change (keys edited or deleted by hand are
     /// put back; `5m`, `30s`, ...). Changes are mirrored at once.
     #[arg(long, env = "RIVET_KVSTORE_MIRROR_RESYNC", default_value = "5m",
-          value_parser = humantime::parse_duration)]
+          value_parser = svc_identity::heartbeat::parse_interval)]
     pub kvstore_mirror_resync: Duration,
 }
 

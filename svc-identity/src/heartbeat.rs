@@ -54,7 +54,7 @@ pub struct HeartbeatArgs {
     /// How often rivet-operator writes the kvstore heartbeat (its
     /// `--kvstore-heartbeat-interval`; `30s`, `1m`, ...).
     #[arg(long, env = "RIVET_KVSTORE_HEARTBEAT_INTERVAL", default_value = "1m",
-          value_parser = humantime::parse_duration)]
+          value_parser = parse_interval)]
     pub kvstore_heartbeat_interval: Duration,
 
     /// The heartbeat is stale (the kvstore reported unhealthy, nothing
@@ -62,6 +62,24 @@ pub struct HeartbeatArgs {
     #[arg(long, env = "RIVET_KVSTORE_HEARTBEAT_STALE_MULTIPLE", default_value_t = DEFAULT_STALE_MULTIPLE,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub kvstore_heartbeat_stale_multiple: u32,
+}
+
+/// A positive duration flag (`1m`, `500ms`): `--kvstore-heartbeat-interval`
+/// here and in rivet-operator, which also parses its kvstore flags with it
+/// (zero would make a pass loop without pause).
+///
+/// ```
+/// use std::time::Duration;
+/// use svc_identity::heartbeat::parse_interval;
+/// assert_eq!(parse_interval("1m"), Ok(Duration::from_secs(60)));
+/// assert!(parse_interval("0s").is_err());
+/// ```
+pub fn parse_interval(text: &str) -> Result<Duration, String> {
+    match humantime::parse_duration(text) {
+        Ok(d) if d.is_zero() => Err("must be more than zero".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl HeartbeatArgs {
