@@ -30,6 +30,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use etcd_client::{Client, Compare, CompareOp, GetOptions, KeyValue, Txn, TxnOp};
+use futures::StreamExt as _;
 use rivet_common::identity::is_cluster;
 
 use super::events::{self, IdentityGcMetrics, Store};
@@ -37,6 +38,9 @@ use super::rounds::{Candidates, Seen, SkipReason};
 use super::{DeleteRate, GcError, RoundReport, timed_round};
 use crate::kvstore::Layout;
 use crate::term::Term;
+
+/// Fenced deletions of one round in flight at once.
+const DELETES_IN_FLIGHT: usize = 32;
 
 /// Keys per page of a range read.
 pub const DEFAULT_PAGE_SIZE: i64 = 5000;
@@ -233,18 +237,32 @@ impl EtcdIdentityGc {
         for (id, reason) in &plan.skipped {
             events::candidate_skipped(&self.metrics, Store::Etcd, *id, *reason);
         }
-        for (id, mod_revision) in plan.delete {
-            let labels = &scan.unused_labels[&id];
-            self.rate.acquire().await;
-            term.ensure()?;
-            if self.delete(id, labels, mod_revision, scan.revision).await? {
-                events::identity_deleted(&self.metrics, Store::Etcd, id, labels);
+        // Deletions are independent transactions: several in flight, so the
+        // rate limit and not one round trip per key bounds the round.
+        let this = &*self;
+        let (unused_labels, read_at) = (&scan.unused_labels, scan.revision);
+        let mut outcomes = futures::stream::iter(plan.delete)
+            .map(|(id, mod_revision)| async move {
+                let labels = &unused_labels[&id];
+                this.rate.acquire().await;
+                term.ensure()?;
+                let deleted = this.delete(id, labels, mod_revision, read_at).await?;
+                if deleted {
+                    events::identity_deleted(&this.metrics, Store::Etcd, id, labels);
+                } else {
+                    events::candidate_skipped(&this.metrics, Store::Etcd, id, SkipReason::Changed);
+                }
+                Ok::<_, GcError>(deleted)
+            })
+            .buffer_unordered(DELETES_IN_FLIGHT);
+        while let Some(deleted) = outcomes.next().await {
+            if deleted? {
                 report.deleted += 1;
             } else {
-                events::candidate_skipped(&self.metrics, Store::Etcd, id, SkipReason::Changed);
                 report.skipped += 1;
             }
         }
+        drop(outcomes);
         // Remembered only when the round completes: a round that fails
         // midway is retried after a backoff of seconds, and what it saw
         // unused must not count as a round that long before.
