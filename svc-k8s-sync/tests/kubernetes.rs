@@ -319,26 +319,7 @@ fn ping_in_background(cluster: &Cluster, from: &str, to: &str, count: u32) -> st
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_of_svc_k8s_sync_and_an_api_server_restart_lose_no_packet_and_regenerate_nothing() {
     let mut cluster = Cluster::start().await;
-    cluster.namespace("shop", &[]).await;
-    cluster.pod("shop", "client", &[("app", "client")]).await;
-    cluster.pod("shop", "server", &[("app", "server")]).await;
-    Api::<NetworkPolicy>::namespaced(cluster.admin(), "shop")
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                "metadata": { "name": "server", "namespace": "shop" },
-                "spec": {
-                    "podSelector": { "matchLabels": { "app": "server" } },
-                    "ingress": [{ "from": [{ "podSelector": { "matchLabels": { "app": "client" } } }] }],
-                },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
-    let revision = cluster.wait_policy("NetworkPolicy", "shop", "server", true).await;
-    cluster.wait_realised(revision, &["server"]).await;
+    cluster.shop_with_server_policy().await;
     let regenerations = cluster.regenerations().await;
     let replays_before = cluster.sync_status().await.fed[0].replays;
 

@@ -12,12 +12,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::api::networking::v1::NetworkPolicy;
-use kube::api::{Api, ListParams, PostParams};
+use kube::api::{Api, ListParams};
 use rivet_common::testing::{http_get, metric_sample};
 use rivet_k8s::RivetEndpoint;
 use rivet_testkit::operator::Operator;
-use serde_json::json;
 use support::{CONVERGE, Cluster, eventually};
 
 /// How long the operator stays down.
@@ -129,26 +127,7 @@ async fn the_operator_stopped_for_a_minute_costs_no_packet_and_new_pods_still_st
     })
     .await;
 
-    cluster.namespace("shop", &[]).await;
-    cluster.pod("shop", "client", &[("app", "client")]).await;
-    cluster.pod("shop", "server", &[("app", "server")]).await;
-    Api::<NetworkPolicy>::namespaced(cluster.admin(), "shop")
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                "metadata": { "name": "server", "namespace": "shop" },
-                "spec": {
-                    "podSelector": { "matchLabels": { "app": "server" } },
-                    "ingress": [{ "from": [{ "podSelector": { "matchLabels": { "app": "client" } } }] }],
-                },
-            }))
-            .unwrap(),
-        )
-        .await
-        .unwrap();
-    let revision = cluster.wait_policy("NetworkPolicy", "shop", "server", true).await;
-    cluster.wait_realised(revision, &["server"]).await;
+    cluster.shop_with_server_policy().await;
     let _echo = cluster.tcp_server("server", 8080);
     assert!(cluster.tcp("client", "server", 8080), "client reaches server");
 

@@ -415,6 +415,29 @@ impl Cluster {
         .await
     }
 
+    /// Namespace `shop` with pods `client` and `server` and a NetworkPolicy
+    /// letting only `app=client` into `server`, realised.
+    pub async fn shop_with_server_policy(&mut self) {
+        self.namespace("shop", &[]).await;
+        self.pod("shop", "client", &[("app", "client")]).await;
+        self.pod("shop", "server", &[("app", "server")]).await;
+        let policy = serde_json::from_value(serde_json::json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": { "name": "server", "namespace": "shop" },
+            "spec": {
+                "podSelector": { "matchLabels": { "app": "server" } },
+                "ingress": [{ "from": [{ "podSelector": { "matchLabels": { "app": "client" } } }] }],
+            },
+        }))
+        .expect("the shop policy is a NetworkPolicy");
+        Api::<k8s_openapi::api::networking::v1::NetworkPolicy>::namespaced(self.admin(), "shop")
+            .create(&PostParams::default(), &policy)
+            .await
+            .expect("the API server must accept the shop policy");
+        let revision = self.wait_policy("NetworkPolicy", "shop", "server", true).await;
+        self.wait_realised(revision, &["server"]).await;
+    }
+
     /// Whether pod `from` completes a TCP echo with pod `to` on `port`.
     pub fn tcp(&self, from: &str, to: &str, port: u16) -> bool {
         self.cni_pod(from)
