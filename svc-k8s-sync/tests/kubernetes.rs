@@ -7,8 +7,6 @@
 
 mod support;
 
-use std::process::Command;
-
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
@@ -292,29 +290,6 @@ async fn a_pod_deleted_while_svc_endpoint_is_down_is_dropped_at_restore_and_its_
 }
 
 /// `ping -c <count> -i 0.005` from pod `from` to `to` in a thread.
-fn ping_in_background(cluster: &Cluster, from: &str, to: &str, count: u32) -> std::thread::JoinHandle<(u64, u64)> {
-    let ns = cluster.cni_pod(from).pod.ns.name().to_owned();
-    let dst = cluster.cni_pod(to).ipv4.to_string();
-    std::thread::spawn(move || {
-        let out = Command::new("ip")
-            .args([
-                "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-i", "0.005", "-W", "1", "-c",
-            ])
-            .args([count.to_string().as_str(), dst.as_str()])
-            .env("LC_ALL", "C")
-            .output()
-            .expect("ping runs");
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let line = text
-            .lines()
-            .find(|l| l.contains("packets transmitted"))
-            .unwrap_or_else(|| panic!("ping's summary: {text}"));
-        let mut numbers = line
-            .split(',')
-            .map(|p| p.split_whitespace().next().unwrap().parse::<u64>().unwrap());
-        (numbers.next().unwrap(), numbers.next().unwrap())
-    })
-}
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_of_svc_k8s_sync_and_an_api_server_restart_lose_no_packet_and_regenerate_nothing() {
@@ -325,7 +300,7 @@ async fn kill_9_of_svc_k8s_sync_and_an_api_server_restart_lose_no_packet_and_reg
 
     // kill -9 under traffic: the restarted svc-k8s-sync lists again and
     // replays; svc-endpoint finds nothing changed.
-    let ping = ping_in_background(&cluster, "client", "server", 400);
+    let ping = cluster.ping_in_background("client", "server", 400);
     let old_boot = cluster.sync_status().await.boot_id;
     cluster.sync.kill9();
     cluster.sync.restart().await.expect("svc-k8s-sync restarts");
@@ -346,7 +321,7 @@ async fn kill_9_of_svc_k8s_sync_and_an_api_server_restart_lose_no_packet_and_reg
 
     // kube-apiserver restart under traffic: the watches resume; a change
     // made after it still arrives; nothing is regenerated.
-    let ping = ping_in_background(&cluster, "client", "server", 400);
+    let ping = cluster.ping_in_background("client", "server", 400);
     cluster.api.restart().await.expect("kube-apiserver restarts");
     cluster.namespace("marker", &[("after", "restart")]).await;
     eventually(

@@ -8,7 +8,6 @@
 
 mod support;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Node;
@@ -22,32 +21,6 @@ use support::{CONVERGE, Cluster, eventually};
 const OUTAGE: Duration = Duration::from_secs(60);
 /// Ping interval (as root).
 const PING_INTERVAL: Duration = Duration::from_millis(5);
-
-/// `ping` from pod `from` to `to` for `OUTAGE` in a thread: (sent, received).
-fn ping_for_the_outage(cluster: &Cluster, from: &str, to: &str) -> std::thread::JoinHandle<(u64, u64)> {
-    let ns = cluster.cni_pod(from).pod.ns.name().to_owned();
-    let dst = cluster.cni_pod(to).ipv4.to_string();
-    let count = (OUTAGE.as_millis() / PING_INTERVAL.as_millis()).to_string();
-    std::thread::spawn(move || {
-        let out = Command::new("ip")
-            .args([
-                "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-i", "0.005", "-W", "1", "-c",
-            ])
-            .args([count.as_str(), dst.as_str()])
-            .env("LC_ALL", "C")
-            .output()
-            .expect("ping runs");
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let line = text
-            .lines()
-            .find(|l| l.contains("packets transmitted"))
-            .unwrap_or_else(|| panic!("ping's summary: {text}"));
-        let mut numbers = line
-            .split(',')
-            .map(|p| p.split_whitespace().next().unwrap().parse::<u64>().unwrap());
-        (numbers.next().unwrap(), numbers.next().unwrap())
-    })
-}
 
 async fn not_ready_taint(cluster: &Cluster) -> bool {
     Api::<Node>::all(cluster.admin())
@@ -134,7 +107,11 @@ async fn the_operator_stopped_for_a_minute_costs_no_packet_and_new_pods_still_st
     // The operator dies (SIGKILL: its Lease stays held, no replica leads).
     operator.kill9();
     let stopped = Instant::now();
-    let ping = ping_for_the_outage(&cluster, "client", "server");
+    let ping = cluster.ping_in_background(
+        "client",
+        "server",
+        (OUTAGE.as_millis() / PING_INTERVAL.as_millis()) as u64,
+    );
 
     // New pods on the node start meanwhile, on the node's pod CIDRs, and
     // the policy holds for them.

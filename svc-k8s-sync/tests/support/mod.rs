@@ -438,6 +438,32 @@ impl Cluster {
         self.wait_realised(revision, &["server"]).await;
     }
 
+    /// `count` pings (every 5 ms, as root) from pod `from` to pod `to` in a
+    /// thread: (sent, received).
+    pub fn ping_in_background(&self, from: &str, to: &str, count: u64) -> std::thread::JoinHandle<(u64, u64)> {
+        let ns = self.cni_pod(from).pod.ns.name().to_owned();
+        let dst = self.cni_pod(to).ipv4.to_string();
+        std::thread::spawn(move || {
+            let out = std::process::Command::new("ip")
+                .args([
+                    "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-i", "0.005", "-W", "1", "-c",
+                ])
+                .args([count.to_string().as_str(), dst.as_str()])
+                .env("LC_ALL", "C")
+                .output()
+                .expect("ping runs");
+            let text = String::from_utf8_lossy(&out.stdout).to_string();
+            let line = text
+                .lines()
+                .find(|l| l.contains("packets transmitted"))
+                .unwrap_or_else(|| panic!("ping's summary: {text}"));
+            let mut numbers = line
+                .split(',')
+                .map(|p| p.split_whitespace().next().unwrap().parse::<u64>().unwrap());
+            (numbers.next().unwrap(), numbers.next().unwrap())
+        })
+    }
+
     /// Whether pod `from` completes a TCP echo with pod `to` on `port`.
     pub fn tcp(&self, from: &str, to: &str, port: u16) -> bool {
         self.cni_pod(from)
