@@ -14,7 +14,6 @@ use kube::api::{Api, Patch, PatchParams};
 use rivet_k8s::{NodeCondition, RivetNode};
 use rivet_proto::ipam::v1 as ipampb;
 use rivet_testkit::node::{POOL4, POOL6};
-use rivet_testkit::operator::Operator;
 use serde_json::json;
 use support::{CONVERGE, Cluster, eventually};
 
@@ -84,22 +83,10 @@ fn pool_cidrs(pool: &ipampb::Pool) -> Vec<String> {
         .collect()
 }
 
-async fn not_ready_taint(cluster: &Cluster) -> bool {
-    let node = Api::<Node>::all(cluster.admin())
-        .get(&cluster.node.node.node_name)
-        .await
-        .expect("the Node");
-    node.spec
-        .and_then(|s| s.taints)
-        .unwrap_or_default()
-        .iter()
-        .any(|t| t.key == "node.rivet.io/agent-not-ready")
-}
-
 async fn wait_ready_untainted(cluster: &Cluster) {
     eventually("the node is ready and untainted", CONVERGE, || async {
         let ready = cluster.sync_status().await.node_ready;
-        let tainted = not_ready_taint(cluster).await;
+        let tainted = cluster.not_ready_taint().await;
         if ready && !tainted {
             Ok(())
         } else {
@@ -136,7 +123,7 @@ async fn pod_cidrs_written_by_the_operator_reach_svc_ipam_gate_readiness_and_a_s
     assert!(ipam_pool(&cluster).await.is_none(), "svc-ipam has no pool yet");
     assert!(!cluster.sync_status().await.node_ready, "no pod CIDRs, not ready");
     assert!(
-        not_ready_taint(&cluster).await,
+        cluster.not_ready_taint().await,
         "the taint stays until the pool is applied"
     );
     let ready = condition(&node, rivet_k8s::CONDITION_READY).expect("Ready is written");
@@ -227,25 +214,7 @@ async fn pod_cidrs_written_by_the_operator_reach_svc_ipam_gate_readiness_and_a_s
 #[tokio::test(flavor = "multi_thread")]
 async fn the_operator_allocates_the_nodes_pod_cidrs_and_a_pod_gets_its_address_from_them() {
     let mut cluster = Cluster::start_cluster_pool(&[]).await;
-    let access = cluster
-        .api
-        .service_account_client("rivet-operator")
-        .await
-        .expect("the operator's ServiceAccount");
-    let operator = Operator::start(
-        &access,
-        &[
-            "--cluster-pool-ipv4-cidr",
-            "198.18.0.0/16",
-            "--cluster-pool-ipv4-mask-size",
-            "24",
-            "--cluster-pool-ipv6-cidr",
-            "2001:2::/104",
-        ],
-    )
-    .await
-    .expect("rivet-operator starts");
-    operator.wait_leading(CONVERGE).await.expect("the operator leads");
+    let operator = cluster.start_operator(&[]).await;
 
     wait_applied(&cluster, "True", "PodCIDRsApplied").await;
     let node = rivet_node(&cluster).await;

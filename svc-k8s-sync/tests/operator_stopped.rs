@@ -10,7 +10,6 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, ListParams};
 use rivet_common::testing::{http_get, metric_sample};
 use rivet_k8s::RivetEndpoint;
@@ -21,18 +20,6 @@ use support::{CONVERGE, Cluster, eventually};
 const OUTAGE: Duration = Duration::from_secs(60);
 /// Ping interval (as root).
 const PING_INTERVAL: Duration = Duration::from_millis(5);
-
-async fn not_ready_taint(cluster: &Cluster) -> bool {
-    Api::<Node>::all(cluster.admin())
-        .get(&cluster.node.node.node_name)
-        .await
-        .expect("the Node")
-        .spec
-        .and_then(|s| s.taints)
-        .unwrap_or_default()
-        .iter()
-        .any(|t| t.key == "node.rivet.io/agent-not-ready")
-}
 
 async fn rivet_endpoints(cluster: &Cluster) -> Vec<String> {
     let mut names: Vec<String> = Api::<RivetEndpoint>::namespaced(cluster.admin(), "shop")
@@ -66,32 +53,12 @@ async fn operator_passes(operator: &Operator, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_operator_stopped_for_a_minute_costs_no_packet_and_new_pods_still_start() {
     let mut cluster = Cluster::start_cluster_pool(&[]).await;
-    let access = cluster
-        .api
-        .service_account_client("rivet-operator")
-        .await
-        .expect("the operator's ServiceAccount");
-    let mut operator = Operator::start(
-        &access,
-        &[
-            "--cluster-pool-ipv4-cidr",
-            "198.18.0.0/16",
-            "--cluster-pool-ipv4-mask-size",
-            "24",
-            "--cluster-pool-ipv6-cidr",
-            "2001:2::/104",
-            "--endpoint-gc-interval",
-            "1s",
-            "--node-status-grace",
-            "10s",
-        ],
-    )
-    .await
-    .expect("rivet-operator starts");
-    operator.wait_leading(CONVERGE).await.expect("the operator leads");
+    let mut operator = cluster
+        .start_operator(&["--endpoint-gc-interval", "1s", "--node-status-grace", "10s"])
+        .await;
     eventually("the node is ready and untainted", CONVERGE, || async {
         let ready = cluster.sync_status().await.node_ready;
-        let tainted = not_ready_taint(&cluster).await;
+        let tainted = cluster.not_ready_taint().await;
         if ready && !tainted {
             Ok(())
         } else {
@@ -143,7 +110,7 @@ async fn the_operator_stopped_for_a_minute_costs_no_packet_and_new_pods_still_st
         0,
         "no packet lost while the operator was down ({sent} sent)"
     );
-    assert!(!not_ready_taint(&cluster).await, "nobody tainted the ready node");
+    assert!(!cluster.not_ready_taint().await, "nobody tainted the ready node");
     let endpoints = ["client", "late-client", "late-other", "server"];
     eventually("every pod has its RivetEndpoint", CONVERGE, || async {
         match rivet_endpoints(&cluster).await {
@@ -169,6 +136,6 @@ async fn the_operator_stopped_for_a_minute_costs_no_packet_and_new_pods_still_st
     .await;
     assert!(operator_passes(&operator, "node-taint").await >= 1.0);
     assert_eq!(rivet_endpoints(&cluster).await, endpoints);
-    assert!(!not_ready_taint(&cluster).await, "the ready node stays untainted");
+    assert!(!cluster.not_ready_taint().await, "the ready node stays untainted");
     assert!(cluster.tcp("late-client", "server", 8080));
 }

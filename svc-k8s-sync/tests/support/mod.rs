@@ -464,6 +464,44 @@ impl Cluster {
         })
     }
 
+    /// Whether this node's Node carries Rivet's not-ready taint.
+    pub async fn not_ready_taint(&self) -> bool {
+        Api::<Node>::all(self.admin())
+            .get(&self.node.node.node_name)
+            .await
+            .expect("the Node")
+            .spec
+            .and_then(|s| s.taints)
+            .unwrap_or_default()
+            .iter()
+            .any(|t| t.key == "node.rivet.io/agent-not-ready")
+    }
+
+    /// The real rivet-operator with its own ServiceAccount, allocating from
+    /// 198.18.0.0/16 (/24 per node) and 2001:2::/104, plus `extra` flags;
+    /// returned once it leads.
+    pub async fn start_operator(&self, extra: &[&str]) -> rivet_testkit::operator::Operator {
+        let access = self
+            .api
+            .service_account_client("rivet-operator")
+            .await
+            .expect("the operator's ServiceAccount");
+        let mut args = vec![
+            "--cluster-pool-ipv4-cidr",
+            "198.18.0.0/16",
+            "--cluster-pool-ipv4-mask-size",
+            "24",
+            "--cluster-pool-ipv6-cidr",
+            "2001:2::/104",
+        ];
+        args.extend_from_slice(extra);
+        let operator = rivet_testkit::operator::Operator::start(&access, &args)
+            .await
+            .expect("rivet-operator starts");
+        operator.wait_leading(CONVERGE).await.expect("the operator leads");
+        operator
+    }
+
     /// Whether pod `from` completes a TCP echo with pod `to` on `port`.
     pub fn tcp(&self, from: &str, to: &str, port: u16) -> bool {
         self.cni_pod(from)
