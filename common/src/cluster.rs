@@ -70,6 +70,14 @@ pub struct NodeRecord {
     /// How other nodes reach this node's pods.
     #[serde(default)]
     pub encapsulation: NodeRecordEncapsulation,
+    /// The boot id of the node's svc-identity that wrote the record (empty
+    /// in the operator's mirror): peers see a node restart as a new value.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub boot_id: String,
+    /// The node's health endpoint addresses (reached through the pod
+    /// datapath by other nodes' probes), sorted; empty until it has one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub health_addresses: Vec<IpAddr>,
     /// Who wrote the record.
     pub source: RecordSource,
 }
@@ -216,12 +224,26 @@ mod tests {
                 mode: EncapsulationMode::Vxlan,
                 port: Some(8472),
             },
+            boot_id: String::new(),
+            health_addresses: vec![],
             source: RecordSource::Operator,
         };
         assert_eq!(
             serde_json::to_string(&node).unwrap(),
             r#"{"name":"n1","cluster":"c1","addresses":[{"type":"InternalIP","ip":"198.18.0.1"}],"podCidrs":["198.19.1.0/24","2001:2:0:1::/64"],"encapsulation":{"mode":"vxlan","port":8472},"source":"operator"}"#
         );
+        let own = NodeRecord {
+            boot_id: "b1".into(),
+            health_addresses: vec!["198.18.1.2".parse().unwrap()],
+            source: RecordSource::Node,
+            ..node
+        };
+        let text = serde_json::to_string(&own).unwrap();
+        assert!(
+            text.ends_with(r#""bootId":"b1","healthAddresses":["198.18.1.2"],"source":"node"}"#),
+            "a node's own record carries its boot id and health addresses: {text}"
+        );
+        assert_eq!(serde_json::from_str::<NodeRecord>(&text).unwrap(), own);
         let service = ServiceRecord {
             cluster: "c1".into(),
             namespace: "shop".into(),

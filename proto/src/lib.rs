@@ -226,7 +226,7 @@ mod tests {
         round_trips::<crate::ipam::v1::ErrorReason>(11);
         round_trips::<crate::identity::v1::ErrorReason>(6);
         round_trips::<crate::endpoint::v1::ErrorReason>(17);
-        round_trips::<crate::loader::v1::ErrorReason>(8);
+        round_trips::<crate::loader::v1::ErrorReason>(9);
         round_trips::<crate::gc::v1::ErrorReason>(3);
         round_trips::<crate::k8s::v1::ErrorReason>(2);
     }

@@ -94,6 +94,8 @@ pub fn node_record(node: &RivetNode, cluster: &str) -> (NodeRecord, Vec<Skipped>
             },
             port: node.spec.encapsulation.port,
         },
+        boot_id: String::new(),
+        health_addresses: Vec::new(),
         source: RecordSource::Operator,
     };
     (record, skipped)
