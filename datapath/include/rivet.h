@@ -17,6 +17,7 @@
 #define IDENTITY_ANY 0
 #define IDENTITY_HOST 1
 #define IDENTITY_WORLD 2
+#define IDENTITY_REMOTE_NODE 6 /* other nodes of the cluster */
 
 /* ----------------------------------------------------------------- endpoints */
 /* Key kinds of the endpoints map: one entry per host-side ifindex (a program
@@ -226,6 +227,22 @@ struct datapath_config {
 	struct ct_timeouts ct;
 };
 
+/* ------------------------------------------------------------------ routing */
+/* How pod traffic reaches other nodes (svc-loader's --routing-mode), in the
+ * single entry of the `routing` array, written by the loader at every start.
+ * A map of its own rather than fields of datapath_config: a pinned config
+ * map keeps its value size, so running nodes adopt the new object. */
+#define ROUTING_NONE 0
+#define ROUTING_NATIVE 1
+#define ROUTING_VXLAN 2
+
+struct routing_config {
+	__u32 mode;             /* ROUTING_* */
+	__u32 tunnel_ifindex;   /* rivet_vxlan (vxlan mode), else 0 */
+	__u32 tunnel_mtu;       /* its MTU: larger pod packets go through the stack, which answers "too big" */
+	__u32 underlay_ifindex; /* the interface towards the other nodes, else 0 */
+};
+
 /* ------------------------------------------------------------------ metrics */
 /* Per-CPU array index: reason * 4 + direction. Reason 0 = forwarded. */
 #define REASON_FORWARDED 0
@@ -244,6 +261,9 @@ struct datapath_config {
 #define DROP_REDIRECT_FAILED 13
 #define DROP_EXT_HEADER_CHAIN 14   /* IPv6 extension headers: too many, truncated, out of order */
 #define DROP_FRAGMENT_UNTRACKED 15 /* a non-first fragment whose first was not seen */
+#define DROP_TUNNEL_SOURCE_NOT_NODE 16  /* VXLAN from an outer source that is not a node (ipcache remote-node) */
+#define DROP_TUNNEL_IDENTITY_INVALID 17 /* VXLAN whose VNI is no identity a node may send: 0, host (1) */
+#define DROP_NO_TUNNEL_ENDPOINT 18      /* to the overlay, but the destination has no tunnel endpoint */
 #define REASON_MAX 64
 #define METRICS_ENTRIES (REASON_MAX * 4)
 
@@ -261,6 +281,8 @@ struct metrics_value {
 #define TRACE_TO_CONTAINER 2
 #define TRACE_TO_STACK 3
 #define TRACE_TO_ENDPOINT 4
+#define TRACE_TO_OVERLAY 5
+#define TRACE_FROM_OVERLAY 6
 
 struct event {
 	__u64 timestamp; /* bpf_ktime_get_ns() */

@@ -40,6 +40,10 @@ pub const IDENTITY_HOST: u32 = ReservedIdentity::Host.id();
 /// Everything outside the cluster; also any address missing from the
 /// ipcache ([`ReservedIdentity::World`]).
 pub const IDENTITY_WORLD: u32 = ReservedIdentity::World.id();
+/// The other nodes of the cluster: their underlay addresses in the ipcache,
+/// and the VNI of traffic a node sends from itself
+/// ([`ReservedIdentity::RemoteNode`]).
+pub const IDENTITY_REMOTE_NODE: u32 = ReservedIdentity::RemoteNode.id();
 
 // ------------------------------------------------------------------- endpoints
 
@@ -151,6 +155,15 @@ pub const DROP_EXT_HEADER_CHAIN: u8 = 14;
 /// Drop reason: a non-first fragment whose first fragment was not seen, in
 /// an enforced direction.
 pub const DROP_FRAGMENT_UNTRACKED: u8 = 15;
+/// Drop reason: a VXLAN packet from an outer source address that is not a
+/// node (no ipcache entry of identity remote-node).
+pub const DROP_TUNNEL_SOURCE_NOT_NODE: u8 = 16;
+/// Drop reason: a VXLAN packet whose VNI is no identity a node may send
+/// (0, or host: a node sends its own traffic as remote-node).
+pub const DROP_TUNNEL_IDENTITY_INVALID: u8 = 17;
+/// Drop reason: a packet routed into the tunnel device whose destination
+/// has no tunnel endpoint in the ipcache.
+pub const DROP_NO_TUNNEL_ENDPOINT: u8 = 18;
 /// Number of reasons the metrics map has room for.
 pub const REASON_MAX: u32 = 64;
 /// Entries of the per-CPU metrics array: `reason * 4 + direction`.
@@ -181,6 +194,9 @@ pub const fn reason_name(reason: u8) -> &'static str {
         DROP_REDIRECT_FAILED => "redirect_failed",
         DROP_EXT_HEADER_CHAIN => "ext_header_chain",
         DROP_FRAGMENT_UNTRACKED => "fragment_untracked",
+        DROP_TUNNEL_SOURCE_NOT_NODE => "tunnel_source_not_node",
+        DROP_TUNNEL_IDENTITY_INVALID => "tunnel_identity_invalid",
+        DROP_NO_TUNNEL_ENDPOINT => "no_tunnel_endpoint",
         _ => "unknown",
     }
 }
@@ -202,6 +218,10 @@ pub const TRACE_TO_CONTAINER: u8 = 2;
 pub const TRACE_TO_STACK: u8 = 3;
 /// Trace point: packet redirected to a local endpoint.
 pub const TRACE_TO_ENDPOINT: u8 = 4;
+/// Trace point: packet into the tunnel (vxlan).
+pub const TRACE_TO_OVERLAY: u8 = 5;
+/// Trace point: packet out of the tunnel, to a local endpoint.
+pub const TRACE_FROM_OVERLAY: u8 = 6;
 
 // ------------------------------------------------------------ address helpers
 
@@ -906,6 +926,27 @@ pub struct DatapathConfig {
     pub ct: CtTimeouts,
 }
 
+/// `routing_config.mode`: single node.
+pub const ROUTING_NONE: u32 = 0;
+/// `routing_config.mode`: native routing.
+pub const ROUTING_NATIVE: u32 = 1;
+/// `routing_config.mode`: VXLAN tunnel.
+pub const ROUTING_VXLAN: u32 = 2;
+
+/// `struct routing_config`: the single entry of the routing map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RoutingConfig {
+    /// `ROUTING_*`.
+    pub mode: u32,
+    /// The tunnel device (vxlan mode), else 0.
+    pub tunnel_ifindex: u32,
+    /// The tunnel device's MTU: larger pod packets go through the stack.
+    pub tunnel_mtu: u32,
+    /// The underlay interface, else 0.
+    pub underlay_ifindex: u32,
+}
+
 /// `struct metrics_value`: one per-CPU counter pair.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -1010,6 +1051,7 @@ unsafe impl aya::Pod for CtTimeouts {}
 unsafe impl aya::Pod for FragKey {}
 unsafe impl aya::Pod for FragValue {}
 unsafe impl aya::Pod for DatapathConfig {}
+unsafe impl aya::Pod for RoutingConfig {}
 unsafe impl aya::Pod for MetricsValue {}
 unsafe impl aya::Pod for Event {}
 
@@ -1044,6 +1086,7 @@ mod tests {
         assert_eq!(size_of::<CtEntry>(), 64);
         assert_eq!(size_of::<CtTimeouts>(), 24);
         assert_eq!(size_of::<DatapathConfig>(), 32);
+        assert_eq!(size_of::<RoutingConfig>(), 16);
         assert_eq!(size_of::<MetricsValue>(), 16);
         assert_eq!(size_of::<Event>(), 72);
         // The LPM data must be exactly the bits the prefix lengths count.
@@ -1131,6 +1174,10 @@ mod tests {
             layout!("datapath_config", DatapathConfig, [
                 "event_flags" => event_flags: u32, "policy_revision" => policy_revision: u32, "ct" => ct: CtTimeouts,
             ]),
+            layout!("routing_config", RoutingConfig, [
+                "mode" => mode: u32, "tunnel_ifindex" => tunnel_ifindex: u32,
+                "tunnel_mtu" => tunnel_mtu: u32, "underlay_ifindex" => underlay_ifindex: u32,
+            ]),
             layout!("metrics_value", MetricsValue, ["packets" => packets: u64, "bytes" => bytes: u64]),
             layout!("event", Event, [
                 "timestamp" => timestamp: u64, "type" => kind: u8, "reason" => reason: u8,
@@ -1205,6 +1252,15 @@ mod tests {
             ("DROP_REDIRECT_FAILED", DROP_REDIRECT_FAILED.into()),
             ("DROP_EXT_HEADER_CHAIN", DROP_EXT_HEADER_CHAIN.into()),
             ("DROP_FRAGMENT_UNTRACKED", DROP_FRAGMENT_UNTRACKED.into()),
+            ("DROP_TUNNEL_SOURCE_NOT_NODE", DROP_TUNNEL_SOURCE_NOT_NODE.into()),
+            ("DROP_TUNNEL_IDENTITY_INVALID", DROP_TUNNEL_IDENTITY_INVALID.into()),
+            ("DROP_NO_TUNNEL_ENDPOINT", DROP_NO_TUNNEL_ENDPOINT.into()),
+            ("IDENTITY_REMOTE_NODE", IDENTITY_REMOTE_NODE.into()),
+            ("ROUTING_NONE", ROUTING_NONE.into()),
+            ("ROUTING_NATIVE", ROUTING_NATIVE.into()),
+            ("ROUTING_VXLAN", ROUTING_VXLAN.into()),
+            ("TRACE_TO_OVERLAY", TRACE_TO_OVERLAY.into()),
+            ("TRACE_FROM_OVERLAY", TRACE_FROM_OVERLAY.into()),
             ("REASON_MAX", REASON_MAX.into()),
             ("METRICS_ENTRIES", METRICS_ENTRIES.into()),
             ("EVENT_DROP", EVENT_DROP.into()),

@@ -8,7 +8,7 @@ use std::fmt;
 
 use crate::maps::{
     Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, FragKey, FragValue,
-    IpcacheKey, IpcacheValue, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue,
+    IpcacheKey, IpcacheValue, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue, RoutingConfig,
 };
 
 /// `BPF_MAP_TYPE_HASH`.
@@ -46,8 +46,10 @@ pub const MAP_EVENTS: &str = "events";
 pub const MAP_CONFIG: &str = "config";
 /// First fragments' ports for the later fragments (LRU hash, the datapath's alone).
 pub const MAP_FRAGMENTS: &str = "fragments";
+/// The single-entry routing array (mode, tunnel device).
+pub const MAP_ROUTING: &str = "routing";
 /// Every map of the datapath by name.
-pub const MAP_NAMES: [&str; 10] = [
+pub const MAP_NAMES: [&str; 11] = [
     MAP_ENDPOINTS,
     MAP_IPCACHE,
     MAP_POLICY,
@@ -58,6 +60,7 @@ pub const MAP_NAMES: [&str; 10] = [
     MAP_EVENTS,
     MAP_CONFIG,
     MAP_FRAGMENTS,
+    MAP_ROUTING,
 ];
 
 /// What a map is, as the kernel reports it (or as a process wants it).
@@ -263,8 +266,18 @@ pub const FRAGMENTS: MapDef = MapDef {
     default_max_entries: 16_384,
 };
 
+/// The single-entry routing array.
+pub const ROUTING: MapDef = MapDef {
+    name: MAP_ROUTING,
+    map_type: BPF_MAP_TYPE_ARRAY,
+    key_size: size32::<u32>(),
+    value_size: size32::<RoutingConfig>(),
+    flags: 0,
+    default_max_entries: 1,
+};
+
 /// Every map of the datapath.
-pub const ALL: [MapDef; 10] = [
+pub const ALL: [MapDef; 11] = [
     ENDPOINTS,
     IPCACHE,
     POLICY,
@@ -275,6 +288,7 @@ pub const ALL: [MapDef; 10] = [
     EVENTS,
     CONFIG,
     FRAGMENTS,
+    ROUTING,
 ];
 
 /// The map called `name`, if the datapath has one.

@@ -109,6 +109,13 @@ struct {
 	__type(value, struct datapath_config);
 } config SEC(".maps");
 
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct routing_config);
+} routing SEC(".maps");
+
 #define NSEC_PER_SEC 1000000000ULL
 
 /* From linux/if_arp.h, which drags in libc headers. */
@@ -190,6 +197,12 @@ static __always_inline struct datapath_config *get_config(void)
 {
 	__u32 zero = 0;
 	return bpf_map_lookup_elem(&config, &zero);
+}
+
+static __always_inline struct routing_config *get_routing(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&routing, &zero);
 }
 
 static __always_inline void count(__u8 reason, __u8 dir, __u32 len)
@@ -922,7 +935,7 @@ static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_id
  * its counters, lifetime or TCP state. The peer's identity is looked up
  * only when a verdict is taken (or for a drop). */
 static __always_inline int enforce(const struct pkt *p, const struct endpoint_info *ep, __u8 dir,
-				   const struct endpoint_info *peer_ep, const __u32 *peer_addr,
+				   const struct endpoint_info *peer_ep, const __u32 *peer_addr, __u32 peer_id,
 				   const struct datapath_config *cfg, __u32 *peer_out)
 {
 	__u32 enforce_flag = dir == DIR_EGRESS ? EP_F_ENFORCE_EGRESS : EP_F_ENFORCE_INGRESS;
@@ -953,7 +966,7 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 			 * the other side either way. */
 			__u8 open_dir = reply ? (dir == DIR_EGRESS ? DIR_INGRESS : DIR_EGRESS) : dir;
 
-			peer = peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
+			peer = peer_id ? peer_id : peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
 			*peer_out = peer;
 			e->policy_verdict = judge(ep, open_dir, peer, p->protocol, reply ? p->sport : p->dport, p,
 						  peer_addr);
@@ -961,14 +974,14 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 		}
 		if (e->policy_verdict) {
 			if (!*peer_out)
-				*peer_out = peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
+				*peer_out = peer_id ? peer_id : peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
 			return e->policy_verdict;
 		}
 		if (!p->icmp_error)
 			ct_refresh(e, p, reply, cfg);
 		return 0;
 	}
-	peer = peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
+	peer = peer_id ? peer_id : peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
 	*peer_out = peer;
 	src_id = dir == DIR_EGRESS ? ep->identity : peer;
 	dst_id = dir == DIR_EGRESS ? peer : ep->identity;
@@ -1170,6 +1183,58 @@ static __always_inline void trace(const struct datapath_config *cfg, __u8 point,
 		emit(EVENT_TRACE, point, dir, 0, p, ep, 0, 0);
 }
 
+/* ---------------------------------------------------------------- overlay */
+
+/* The ipcache entry of the address exactly (its longest prefix). */
+static __always_inline struct ipcache_value *ipcache_of(__u8 family, const __u32 *addr)
+{
+	struct ipcache_key k = {};
+
+	k.family = family;
+	if (family == 4) {
+		k.prefixlen = 32 + 32;
+		k.addr[0] = addr[0];
+	} else {
+		k.prefixlen = 32 + 128;
+		__builtin_memcpy(k.addr, addr, 16);
+	}
+	return bpf_map_lookup_elem(&ipcache, &k);
+}
+
+/* Sets the tunnel key: to the node at `endpoint` (IPv4, network order),
+ * the source identity in the VNI (Cilium's scheme). */
+static __always_inline int set_tunnel(struct __sk_buff *skb, __u32 endpoint, __u32 identity)
+{
+	struct bpf_tunnel_key key = {};
+
+	key.remote_ipv4 = bpf_ntohl(endpoint);
+	key.tunnel_id = identity;
+	key.tunnel_ttl = 64;
+	return bpf_skb_set_tunnel_key(skb, &key, sizeof(key), BPF_F_ZERO_CSUM_TX);
+}
+
+/* A pod's packet to another node's pod, vxlan mode: with the tunnel key set
+ * (the pod's identity in the VNI), straight into the tunnel device. A packet
+ * the tunnel cannot carry whole goes to the stack instead, whose route via
+ * the tunnel device has its MTU: the kernel fragments it or answers "too
+ * big" (ICMP fragmentation needed / ICMPv6 packet too big) to the pod, and
+ * to_overlay sets the key of what it forwards. Returns the tc verdict, or
+ * -1 when the destination is not behind the tunnel. */
+static __always_inline int to_tunnel(struct __sk_buff *skb, const struct pkt *p, const struct endpoint_info *ep,
+				     const struct routing_config *rc, const struct datapath_config *cfg)
+{
+	struct ipcache_value *v = ipcache_of(p->family, p->daddr);
+
+	if (!v || !v->tunnel_endpoint)
+		return -1;
+	if (skb->len - ETH_HLEN_ > rc->tunnel_mtu)
+		return TC_ACT_OK;
+	if (set_tunnel(skb, v->tunnel_endpoint, ep->identity) < 0)
+		return drop(DROP_REDIRECT_FAILED, DIR_EGRESS, p, ep, ep->identity, v->identity);
+	trace(cfg, TRACE_TO_OVERLAY, DIR_EGRESS, p, ep);
+	return bpf_redirect(rc->tunnel_ifindex, 0);
+}
+
 SEC("classifier")
 int from_container(struct __sk_buff *skb)
 {
@@ -1217,7 +1282,7 @@ int from_container(struct __sk_buff *skb)
 
 	trace(cfg, TRACE_FROM_CONTAINER, DIR_EGRESS, &p, ep);
 	dst = endpoint_by_addr(&p, p.daddr);
-	r = enforce(&p, ep, DIR_EGRESS, dst, p.daddr, cfg, &peer);
+	r = enforce(&p, ep, DIR_EGRESS, dst, p.daddr, 0, cfg, &peer);
 	if (r)
 		return drop(r, DIR_EGRESS, &p, ep, ep->identity, peer);
 	count(REASON_FORWARDED, DIR_EGRESS, p.len);
@@ -1227,7 +1292,7 @@ int from_container(struct __sk_buff *skb)
 		/* The destination's ingress policy, here, once: the packet then
 		 * enters the pod directly (redirect to the veth peer), skipping
 		 * the host veth's egress hook and a trip through its queue. */
-		r = enforce(&p, dst, DIR_INGRESS, ep, p.saddr, cfg, &src_id);
+		r = enforce(&p, dst, DIR_INGRESS, ep, p.saddr, 0, cfg, &src_id);
 		if (r)
 			return drop(r, DIR_INGRESS, &p, dst, ep->identity, dst->identity);
 		count(REASON_FORWARDED, DIR_INGRESS, p.len);
@@ -1237,6 +1302,14 @@ int from_container(struct __sk_buff *skb)
 		if (r == 0) {
 			trace(cfg, TRACE_TO_ENDPOINT, DIR_EGRESS, &p, dst);
 			return bpf_redirect_peer(dst->ifindex, 0);
+		}
+	} else {
+		struct routing_config *rc = get_routing();
+
+		if (rc && rc->mode == ROUTING_VXLAN && rc->tunnel_ifindex) {
+			r = to_tunnel(skb, &p, ep, rc, cfg);
+			if (r >= 0)
+				return r;
 		}
 	}
 	trace(cfg, TRACE_TO_STACK, DIR_EGRESS, &p, ep);
@@ -1277,11 +1350,114 @@ int to_container(struct __sk_buff *skb)
 	frag_track(&p);
 
 	trace(cfg, TRACE_TO_CONTAINER, DIR_INGRESS, &p, ep);
-	r = enforce(&p, ep, DIR_INGRESS, 0, p.saddr, cfg, &peer);
+	r = enforce(&p, ep, DIR_INGRESS, 0, p.saddr, 0, cfg, &peer);
 	if (r)
 		return drop(r, DIR_INGRESS, &p, ep, peer, ep->identity);
 	count(REASON_FORWARDED, DIR_INGRESS, p.len);
 	return TC_ACT_OK;
+}
+
+/* tc egress of the tunnel device: what the node's stack routes into it
+ * (node-originated traffic to remote pods, pod packets too big for the
+ * tunnel) has no tunnel key yet; it gets the destination's tunnel endpoint
+ * and, in the VNI, the source pod's identity or remote-node (a node never
+ * sends host). A packet that has a key (from_container's) passes as is. */
+SEC("classifier")
+int to_overlay(struct __sk_buff *skb)
+{
+	struct bpf_tunnel_key key = {};
+	struct endpoint_info *src;
+	struct ipcache_value *v;
+	struct pkt p = {};
+
+	if (bpf_skb_get_tunnel_key(skb, &key, sizeof(key), 0) == 0)
+		return TC_ACT_OK;
+	p.len = skb->len;
+	if (skb->protocol == bpf_htons(ETH_P_IP)) {
+		p.family = 4;
+		if (bpf_skb_load_bytes(skb, IP4_OFF + 12, p.saddr, 4) < 0 ||
+		    bpf_skb_load_bytes(skb, IP4_OFF + 16, p.daddr, 4) < 0)
+			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, 0, 0, 0);
+	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
+		p.family = 6;
+		if (bpf_skb_load_bytes(skb, IP6_OFF + 8, p.saddr, 16) < 0 ||
+		    bpf_skb_load_bytes(skb, IP6_OFF + 24, p.daddr, 16) < 0)
+			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, 0, 0, 0);
+		/* The device's own multicast (MLD, router solicitations) has
+		 * nowhere to go: no count, no event. */
+		if (ipv6_is_multicast(p.daddr))
+			return TC_ACT_SHOT;
+	} else {
+		return TC_ACT_SHOT;
+	}
+	v = ipcache_of(p.family, p.daddr);
+	if (!v || !v->tunnel_endpoint)
+		return drop(DROP_NO_TUNNEL_ENDPOINT, DIR_EGRESS, &p, 0, 0, v ? v->identity : IDENTITY_WORLD);
+	src = endpoint_by_addr(&p, p.saddr);
+	if (set_tunnel(skb, v->tunnel_endpoint, src ? src->identity : IDENTITY_REMOTE_NODE) < 0)
+		return drop(DROP_REDIRECT_FAILED, DIR_EGRESS, &p, src, 0, v->identity);
+	return TC_ACT_OK;
+}
+
+/* tc ingress of the tunnel device: decapsulated packets with their tunnel
+ * key. The outer source must be a node (its ipcache identity remote-node,
+ * claimed by the registry), else the VNI is not believed; the VNI is the
+ * source identity, never host (1) or 0. To a local endpoint: its ingress
+ * policy with that identity (not the inner source address's ipcache
+ * entry), conntrack like local flows, then straight into the pod. Anything
+ * else (the node's own addresses) goes to the stack. */
+SEC("classifier")
+int from_overlay(struct __sk_buff *skb)
+{
+	struct datapath_config *cfg = get_config();
+	struct bpf_tunnel_key key = {};
+	struct endpoint_info *dst;
+	struct ipcache_value *node;
+	__u32 outer[4] = {}, identity, peer;
+	struct pkt p = {};
+	int r;
+
+	p.len = skb->len;
+	if (bpf_skb_get_tunnel_key(skb, &key, sizeof(key), 0) < 0)
+		return drop(DROP_TUNNEL_SOURCE_NOT_NODE, DIR_INGRESS, &p, 0, 0, 0);
+	outer[0] = bpf_htonl(key.remote_ipv4);
+	node = ipcache_of(4, outer);
+	if (skb->protocol == bpf_htons(ETH_P_IP))
+		r = parse_ipv4(skb, &p);
+	else if (skb->protocol == bpf_htons(ETH_P_IPV6))
+		r = parse_ipv6(skb, &p);
+	else
+		r = DROP_UNSUPPORTED_L3;
+	identity = key.tunnel_id;
+	if (!node || node->identity != IDENTITY_REMOTE_NODE)
+		return drop(DROP_TUNNEL_SOURCE_NOT_NODE, DIR_INGRESS, &p, 0, identity, 0);
+	if (identity == IDENTITY_ANY || identity == IDENTITY_HOST || identity > 0xffffff)
+		return drop(DROP_TUNNEL_IDENTITY_INVALID, DIR_INGRESS, &p, 0, identity, 0);
+	if (r)
+		return drop(r, DIR_INGRESS, &p, 0, identity, 0);
+
+	dst = endpoint_by_addr(&p, p.daddr);
+	if (!dst) {
+		/* The inner frame is addressed to the sender's device: make it
+		 * the stack's. */
+		bpf_skb_change_type(skb, 0 /* PACKET_HOST */);
+		return TC_ACT_OK;
+	}
+	frag_track(&p);
+	trace(cfg, TRACE_FROM_OVERLAY, DIR_INGRESS, &p, dst);
+	r = enforce(&p, dst, DIR_INGRESS, 0, p.saddr, identity, cfg, &peer);
+	if (r)
+		return drop(r, DIR_INGRESS, &p, dst, identity, dst->identity);
+	count(REASON_FORWARDED, DIR_INGRESS, p.len);
+	r = redirect_local(skb, &p, dst);
+	if (r < 0)
+		return drop(DROP_REDIRECT_FAILED, DIR_INGRESS, &p, dst, identity, dst->identity);
+	if (r > 0) {
+		bpf_skb_change_type(skb, 0 /* PACKET_HOST */);
+		return TC_ACT_OK; /* TTL exhausted: the stack answers */
+	}
+	trace(cfg, TRACE_TO_ENDPOINT, DIR_INGRESS, &p, dst);
+	return bpf_redirect_peer(dst->ifindex, 0);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

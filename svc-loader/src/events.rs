@@ -6,6 +6,7 @@ use std::time::Duration;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
@@ -17,6 +18,11 @@ struct ResultLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct MapLabels {
     map: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteChangeLabels {
+    change: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -33,6 +39,8 @@ pub struct LoaderMetrics {
     removals: Counter,
     request_errors: Family<ErrorLabels, Counter>,
     ct_migrated_entries: Family<MapLabels, Counter>,
+    peer_route_changes: Family<RouteChangeLabels, Counter>,
+    peer_nodes: Gauge,
 }
 
 impl Default for LoaderMetrics {
@@ -43,6 +51,8 @@ impl Default for LoaderMetrics {
             removals: Counter::default(),
             request_errors: Family::default(),
             ct_migrated_entries: Family::default(),
+            peer_route_changes: Family::default(),
+            peer_nodes: Gauge::default(),
         }
     }
 }
@@ -75,6 +85,16 @@ impl LoaderMetrics {
             "ct_migrated_entries",
             "Conntrack entries copied from a map of the first ct_entry layout into the current one, by map",
             self.ct_migrated_entries.clone(),
+        );
+        r.register(
+            "peer_route_changes",
+            "Routes to peer nodes' pod CIDRs by change (added, removed) across ReplaceNodes calls",
+            self.peer_route_changes.clone(),
+        );
+        r.register(
+            "peer_nodes",
+            "Peer nodes held (the last ReplaceNodes)",
+            self.peer_nodes.clone(),
         );
     }
 }
@@ -129,4 +149,32 @@ pub fn ct_migrated(m: &LoaderMetrics, migrated: &crate::datapath::CtMigrated) {
     m.ct_migrated_entries
         .get_or_create(&MapLabels { map: migrated.map })
         .inc_by(migrated.copied);
+}
+
+/// The set of peer nodes was replaced (`ReplaceNodes`).
+pub fn peer_routes_replaced(m: &LoaderMetrics, mode: &str, peers: usize, changes: &crate::routing::RouteChanges) {
+    if changes.added + changes.removed > 0 {
+        tracing::info!(
+            mode,
+            peers,
+            added = changes.added,
+            removed = changes.removed,
+            unchanged = changes.unchanged,
+            "peer routes replaced"
+        );
+    } else {
+        tracing::debug!(
+            mode,
+            peers,
+            unchanged = changes.unchanged,
+            "peer routes already as requested"
+        );
+    }
+    m.peer_route_changes
+        .get_or_create(&RouteChangeLabels { change: "added" })
+        .inc_by(u64::from(changes.added));
+    m.peer_route_changes
+        .get_or_create(&RouteChangeLabels { change: "removed" })
+        .inc_by(u64::from(changes.removed));
+    m.peer_nodes.set(peers as i64);
 }

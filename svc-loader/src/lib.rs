@@ -12,7 +12,10 @@
 //! - [`service`]: the gRPC service; [`monitor`]: the event stream;
 //! - [`events`]: logs and metrics, emitted together;
 //! - [`host_addresses`]: the node's addresses as the host identity;
-//! - [`netdev`]: interface facts in the current network namespace.
+//! - [`netdev`]: interface facts in the current network namespace;
+//! - [`routing`]: the routing mode, peer nodes and their routes
+//!   (`NodeRoutingService`), the tunnel device;
+//! - `rtnl`: one rtnetlink request, for [`tc`] and [`routing`].
 
 pub mod datapath;
 pub mod events;
@@ -22,6 +25,8 @@ pub use rivet_datapath::maps;
 pub mod monitor;
 pub mod netdev;
 pub mod policy_lpm;
+pub mod routing;
+mod rtnl;
 pub mod service;
 pub mod tc;
 pub mod validate;
@@ -41,19 +46,25 @@ pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[
 ];
 
 /// Methods that only read: members of the operator group may call them.
-pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[(
-    rivet_proto::loader::v1::loader_service_server::SERVICE_NAME,
-    &[
-        "GetEndpointPolicy",
-        "ListEndpoints",
-        "ListEndpointInterfaces",
-        "ListIpcache",
-        "GetDatapathStatus",
-        "DumpConntrack",
-        "GetDropCounters",
-        "MonitorEvents",
-    ],
-)];
+pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
+    (
+        rivet_proto::loader::v1::loader_service_server::SERVICE_NAME,
+        &[
+            "GetEndpointPolicy",
+            "ListEndpoints",
+            "ListEndpointInterfaces",
+            "ListIpcache",
+            "GetDatapathStatus",
+            "DumpConntrack",
+            "GetDropCounters",
+            "MonitorEvents",
+        ],
+    ),
+    (
+        rivet_proto::loader::v1::node_routing_service_server::SERVICE_NAME,
+        &["ListNodes"],
+    ),
+];
 
 /// The datapath object compiled by build.rs from `bpf/datapath.c`.
 pub static DATAPATH_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/datapath.o"));

@@ -20,6 +20,7 @@ use svc_loader::datapath::{Datapath, DatapathOptions};
 use svc_loader::events::LoaderMetrics;
 use svc_loader::loader::EndpointDatapath;
 use svc_loader::monitor::EventHub;
+use svc_loader::routing::{self, NodeRouting, RoutingMode};
 use svc_loader::service::LoaderService;
 use tonic::service::Routes;
 
@@ -74,6 +75,20 @@ struct Flags {
     #[arg(long, env = "RIVET_CT_ICMP_TIMEOUT", default_value_t = CtTimeouts::DEFAULT.icmp)]
     ct_icmp_timeout: u32,
 
+    /// How pod traffic reaches other nodes: none (single node), native
+    /// (routes via the peers' underlay addresses) or vxlan (the
+    /// `rivet_vxlan` collect-metadata device; the source identity rides in
+    /// the VNI). One choice for the whole cluster.
+    #[arg(long, env = "RIVET_ROUTING_MODE", value_enum, default_value = "none")]
+    routing_mode: RoutingMode,
+    /// The interface towards the other nodes (native and vxlan; it must
+    /// exist in the loader's namespace).
+    #[arg(long, env = "RIVET_UNDERLAY_INTERFACE", required_if_eq_any = [("routing_mode", "native"), ("routing_mode", "vxlan")])]
+    underlay_interface: Option<String>,
+    /// UDP port of the VXLAN tunnel.
+    #[arg(long, env = "RIVET_TUNNEL_PORT", default_value_t = routing::DEFAULT_TUNNEL_PORT)]
+    tunnel_port: u16,
+
     /// How often the node's addresses are re-published as the host identity.
     #[arg(long, env = "RIVET_HOST_ADDRESS_SYNC_SECONDS", default_value_t = 10)]
     host_address_sync_seconds: u64,
@@ -121,9 +136,34 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         icmp: flags.ct_icmp_timeout,
         other: flags.ct_udp_timeout,
     };
+    let (routing_setup, tunnel) = routing::setup(
+        flags.routing_mode,
+        flags.underlay_interface.as_deref(),
+        flags.tunnel_port,
+    )
+    .context("setting up the routing mode")?;
+    if let Some(tunnel) = tunnel {
+        tracing::info!(
+            device = routing::TUNNEL_INTERFACE,
+            ifindex = tunnel.ifindex,
+            mtu = tunnel.mtu,
+            created = tunnel.created,
+            port = flags.tunnel_port,
+            "tunnel device ready"
+        );
+    }
     let pin_dir = options.pin_dir.clone();
     let mut datapath =
         Datapath::open(options).with_context(|| format!("opening the datapath in {}", pin_dir.display()))?;
+    let routing_config = routing::datapath_config(&routing_setup, tunnel.map(|t| t.mtu));
+    datapath
+        .write_routing(routing_config)
+        .context("writing the routing config")?;
+    if let Some(tunnel) = tunnel {
+        datapath
+            .attach_overlay(tunnel.ifindex)
+            .context("attaching the overlay programs to the tunnel device")?;
+    }
     let report = datapath.adoption().clone();
     tracing::info!(
         pin_dir = %pin_dir.display(),
@@ -153,8 +193,15 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     for migrated in &ct_migrations {
         svc_loader::events::ct_migrated(&metrics, migrated);
     }
-    let service = LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics);
-    let routes = Routes::new(service.into_server());
+    let node_routing = Arc::new(NodeRouting::new(
+        routing_setup.clone(),
+        Box::new(routing::netlink::NetlinkRoutes),
+    ));
+    let routing_service =
+        routing::service::NodeRoutingService::new(node_routing, identity.boot_id.clone(), metrics.clone());
+    let service =
+        LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics).with_tunnel(tunnel.map(|t| t.ifindex));
+    let routes = Routes::new(service.into_server()).add_service(routing_service.into_server());
     daemon::run(
         &flags.common,
         listener,

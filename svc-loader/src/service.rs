@@ -12,7 +12,7 @@ use rivet_proto::net::{IpPrefix, address_bytes};
 use tokio::sync::broadcast;
 use tonic::{Code, Request, Response, Status, Streaming};
 
-use crate::datapath::AttachState;
+use crate::datapath::{AttachState, PROG_FROM_OVERLAY, PROG_TO_OVERLAY};
 use crate::events::{self, LoaderMetrics};
 use crate::loader::{EndpointDatapath, LoaderError};
 use crate::monitor::EventHub;
@@ -26,6 +26,8 @@ pub struct LoaderService {
     metrics: LoaderMetrics,
     events: Arc<EventHub>,
     boot_id: BootId,
+    /// The tunnel device (vxlan mode), whose overlay programs the status lists.
+    tunnel_ifindex: Option<u32>,
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::MonitorEvent, Status>> + Send>>;
@@ -43,7 +45,14 @@ impl LoaderService {
             metrics,
             events,
             boot_id,
+            tunnel_ifindex: None,
         }
+    }
+
+    /// Reports the overlay programs' attachments on tunnel device `ifindex`.
+    pub fn with_tunnel(mut self, ifindex: Option<u32>) -> Self {
+        self.tunnel_ifindex = ifindex;
+        self
     }
 
     /// The tonic server.
@@ -610,15 +619,35 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         &self,
         _request: Request<pb::GetDatapathStatusRequest>,
     ) -> Result<Response<pb::GetDatapathStatusResponse>, Status> {
-        let (pin_dir, ids, endpoints, maps) = self
-            .blocking(|dp| {
+        let tunnel = self.tunnel_ifindex;
+        let (pin_dir, ids, endpoints, maps, overlay) = self
+            .blocking(move |dp| {
                 let endpoints = dp.list()?.endpoints.len();
                 let d = dp.datapath();
+                let (from_overlay, to_overlay) = d.overlay_program_ids();
+                // (program, id, attached to the tunnel device)
+                let overlay = match tunnel {
+                    Some(ifindex) => {
+                        let a = d.overlay_attachment(ifindex).map_err(|source| LoaderError::Datapath {
+                            action: "listing the overlay filters on the tunnel device".to_owned(),
+                            source: Box::new(source),
+                        })?;
+                        [
+                            (PROG_FROM_OVERLAY, from_overlay, a.ingress_prog_id == Some(from_overlay)),
+                            (PROG_TO_OVERLAY, to_overlay, a.egress_prog_id == Some(to_overlay)),
+                        ]
+                    }
+                    None => [
+                        (PROG_FROM_OVERLAY, from_overlay, false),
+                        (PROG_TO_OVERLAY, to_overlay, false),
+                    ],
+                };
                 Ok((
                     d.pin_dir().display().to_string(),
                     d.program_ids(),
                     endpoints,
                     d.map_status(),
+                    overlay,
                 ))
             })
             .await?;
@@ -649,7 +678,15 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                     tag: String::new(),
                     attachments: endpoints as u32,
                 },
-            ],
+            ]
+            .into_iter()
+            .chain(overlay.map(|(name, program_id, attached)| pb::ProgramStatus {
+                name: name.into(),
+                program_id,
+                tag: String::new(),
+                attachments: u32::from(attached),
+            }))
+            .collect(),
             pin_dir,
             object_sha256: crate::object_sha256(),
             kernel_release: std::fs::read_to_string("/proc/sys/kernel/osrelease")

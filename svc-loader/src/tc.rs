@@ -17,12 +17,11 @@
 use std::io;
 use std::os::fd::{AsRawFd as _, BorrowedFd};
 
-use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
-};
+use netlink_packet_core::{NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL};
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_packet_route::tc::{TcAttribute, TcBpfFlags, TcFilterBpfOption, TcHandle, TcMessage, TcOption};
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+use crate::rtnl::request;
 
 /// Priority of Rivet's filter on each hook (the first filter to run).
 pub const FILTER_PRIORITY: u16 = 1;
@@ -191,47 +190,4 @@ fn filter_message(ifindex: u32, direction: Direction, attributes: Vec<TcAttribut
 
 fn index(ifindex: u32) -> io::Result<i32> {
     i32::try_from(ifindex).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "ifindex out of range"))
-}
-
-/// Sends one request and collects the replies until the ACK (or the end of
-/// a dump); a NACK becomes its errno.
-fn request(message: RouteNetlinkMessage, flags: u16) -> io::Result<Vec<RouteNetlinkMessage>> {
-    let mut socket = Socket::new(NETLINK_ROUTE)?;
-    socket.bind_auto()?;
-    socket.connect(&SocketAddr::new(0, 0))?;
-    let dump = flags & NLM_F_DUMP == NLM_F_DUMP;
-    let mut header = NetlinkHeader::default();
-    header.flags = NLM_F_REQUEST | flags | if dump { 0 } else { NLM_F_ACK };
-    header.sequence_number = 1;
-    let mut packet = NetlinkMessage::new(header, NetlinkPayload::from(message));
-    packet.finalize();
-    let mut buf = vec![0u8; packet.buffer_len()];
-    packet.serialize(&mut buf);
-    socket.send(&buf, 0)?;
-
-    let mut replies = Vec::new();
-    loop {
-        let (receive, _) = socket.recv_from_full()?;
-        let mut offset = 0;
-        while offset < receive.len() {
-            let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&receive[offset..])
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("parsing a netlink reply: {e}")))?;
-            let length = reply.header.length as usize;
-            if length == 0 {
-                break;
-            }
-            offset += length;
-            match reply.payload {
-                NetlinkPayload::Done(_) => return Ok(replies),
-                NetlinkPayload::Error(e) => {
-                    return match e.code {
-                        None => Ok(replies),
-                        Some(code) => Err(io::Error::from_raw_os_error(-code.get())),
-                    };
-                }
-                NetlinkPayload::InnerMessage(inner) => replies.push(inner),
-                _ => {}
-            }
-        }
-    }
 }

@@ -9,6 +9,7 @@ use rivet_proto::loader::v1 as pb;
 use rivet_proto::net::IpPrefix;
 
 use crate::policy_lpm::PolicyRule;
+use crate::routing::{MAX_PEERS, MAX_POD_CIDRS, PeerNode, RoutingMode};
 use rivet_datapath::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
 
 /// Most policy entries one endpoint may have (Cilium's per-endpoint map size).
@@ -290,6 +291,122 @@ fn policy_prefixes(p: &pb::EndpointPolicy) -> Result<Vec<PolicyPrefix>, InvalidF
         });
     }
     Ok(out)
+}
+
+/// The peers of a `ReplaceNodes`, checked whole for routing `mode`: at most
+/// [`MAX_PEERS`], each named by a unique DNS-1123 subdomain, with an
+/// underlay address of 4 and/or 16 bytes (unicast; in vxlan mode the IPv4
+/// one is required: tunnel endpoints are IPv4), at most
+/// [`MAX_POD_CIDRS`] canonical, non-default pod CIDRs that overlap no other
+/// peer's; in native mode an IPv6 pod CIDR needs an IPv6 underlay address.
+pub fn peer_nodes(field: &str, nodes: &[pb::PeerNode], mode: RoutingMode) -> Result<Vec<PeerNode>, InvalidField> {
+    if nodes.len() > MAX_PEERS {
+        return Err(invalid(
+            field,
+            format!("{} nodes exceed the limit of {MAX_PEERS}", nodes.len()),
+        ));
+    }
+    let mut names = std::collections::HashMap::new();
+    let mut cidrs: Vec<(ipnet::IpNet, String)> = Vec::new();
+    let mut peers = Vec::with_capacity(nodes.len());
+    for (i, n) in nodes.iter().enumerate() {
+        let f = format!("{field}[{i}]");
+        rivet_common::k8s_name::check_dns_subdomain(&n.name)
+            .map_err(|e| invalid(format!("{f}.name"), e.to_string()))?;
+        if let Some(first) = names.insert(n.name.as_str(), i) {
+            return Err(invalid(
+                format!("{f}.name"),
+                format!("{:?} is also {field}[{first}]", n.name),
+            ));
+        }
+        let underlay_ipv4 = match underlay(&format!("{f}.underlay_ipv4"), &n.underlay_ipv4, 4)? {
+            Some(IpAddr::V4(a)) => Some(a),
+            _ => None,
+        };
+        let underlay_ipv6 = match underlay(&format!("{f}.underlay_ipv6"), &n.underlay_ipv6, 16)? {
+            Some(IpAddr::V6(a)) => Some(a),
+            _ => None,
+        };
+        if underlay_ipv4.is_none() && underlay_ipv6.is_none() {
+            return Err(invalid(
+                format!("{f}.underlay_ipv4"),
+                "a node needs an underlay address",
+            ));
+        }
+        if mode == RoutingMode::Vxlan && underlay_ipv4.is_none() {
+            return Err(invalid(
+                format!("{f}.underlay_ipv4"),
+                "required in vxlan mode (tunnel endpoints are IPv4)",
+            ));
+        }
+        if n.pod_cidrs.len() > MAX_POD_CIDRS {
+            return Err(invalid(
+                format!("{f}.pod_cidrs"),
+                format!("{} CIDRs exceed the limit of {MAX_POD_CIDRS}", n.pod_cidrs.len()),
+            ));
+        }
+        let mut pod_cidrs = Vec::with_capacity(n.pod_cidrs.len());
+        for (j, c) in n.pod_cidrs.iter().enumerate() {
+            let cf = format!("{f}.pod_cidrs[{j}]");
+            let (addr, len) = prefix(&cf, Some(c))?;
+            let net = ipnet::IpNet::new(addr, len).expect("a checked prefix");
+            if len == 0 {
+                return Err(invalid(
+                    format!("{cf}.prefix_length"),
+                    "a default route is not a pod CIDR",
+                ));
+            }
+            if mode == RoutingMode::Native && net.addr().is_ipv6() && underlay_ipv6.is_none() {
+                return Err(invalid(
+                    cf,
+                    "an IPv6 pod CIDR needs the node's underlay_ipv6 in native routing (no IPv6 route via an IPv4 next hop)",
+                ));
+            }
+            cidrs.push((net, cf));
+            pod_cidrs.push(net);
+        }
+        peers.push(PeerNode {
+            name: n.name.clone(),
+            underlay_ipv4,
+            underlay_ipv6,
+            pod_cidrs,
+        });
+    }
+    // Sorted by network address, a CIDR overlaps an earlier one exactly
+    // when it starts before the farthest end seen so far (per family).
+    cidrs.sort_by_key(|(net, _)| (net.addr().is_ipv6(), net.network(), net.prefix_len()));
+    let mut widest: Option<&(ipnet::IpNet, String)> = None;
+    for c in &cidrs {
+        if let Some(w) = widest
+            && w.0.addr().is_ipv6() == c.0.addr().is_ipv6()
+            && c.0.network() <= w.0.broadcast()
+        {
+            return Err(invalid(&c.1, format!("{} overlaps {} ({})", c.0, w.0, w.1)));
+        }
+        if widest.is_none_or(|w| w.0.addr().is_ipv6() != c.0.addr().is_ipv6() || c.0.broadcast() > w.0.broadcast()) {
+            widest = Some(c);
+        }
+    }
+    Ok(peers)
+}
+
+/// An optional underlay address of `len` bytes: unicast, not loopback or
+/// unspecified.
+fn underlay(field: &str, raw: &[u8], len: usize) -> Result<Option<IpAddr>, InvalidField> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    if raw.len() != len {
+        return Err(invalid(
+            field,
+            format!("must be empty or {len} bytes, got {}", raw.len()),
+        ));
+    }
+    let a = rivet_proto::net::address_from_bytes(raw).map_err(|e| invalid(field, e.to_string()))?;
+    if a.is_unspecified() || a.is_loopback() || a.is_multicast() || a == IpAddr::V4(Ipv4Addr::BROADCAST) {
+        return Err(invalid(field, format!("{a} is not a unicast address")));
+    }
+    Ok(Some(a))
 }
 
 #[cfg(test)]

@@ -8,10 +8,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::pin_layout;
-use rivet_common::testing::netns::{PodSpec, TestNode, TestPod};
+use rivet_common::testing::netns::{NetNs, PodSpec, TestNode, TestPod};
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
+use rivet_proto::loader::v1::node_routing_service_client::NodeRoutingServiceClient;
 
 /// Endpoint map entries of a test loader: 512 single-address or 341
 /// dual-stack endpoints.
@@ -71,11 +72,128 @@ pub fn pod_spec(name: &str, n: u8) -> PodSpec {
     .gateways(Ipv4Addr::new(198, 18, 0, 1), Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 1))
 }
 
+/// Name of a node's underlay interface (the veth to the underlay bridge).
+pub const UNDERLAY_IFNAME: &str = "ul0";
+
+/// The underlay of simulated nodes: a namespace holding the bridge `ul`;
+/// node `i` joins it with veth `ul0` (`198.19.254.<i>/24`,
+/// `2001:2:0:fe::<i>/64`, MTU 1500), the cluster's conventions. Dropping it
+/// deletes the namespace, and with it every node's link to it.
+#[derive(Debug)]
+pub struct Underlay {
+    /// The namespace of the bridge.
+    pub ns: NetNs,
+}
+
+impl Underlay {
+    /// A new underlay namespace with its bridge up.
+    pub fn new() -> std::io::Result<Self> {
+        let ns = NetNs::new("rvu").map_err(std::io::Error::other)?;
+        ns.ip(&["link", "add", "ul", "type", "bridge"])
+            .map_err(std::io::Error::other)?;
+        ns.ip(&["link", "set", "ul", "up"]).map_err(std::io::Error::other)?;
+        Ok(Self { ns })
+    }
+
+    /// Node `index`'s underlay IPv4 address.
+    pub fn ipv4(index: u8) -> Ipv4Addr {
+        Ipv4Addr::new(198, 19, 254, index)
+    }
+
+    /// Node `index`'s underlay IPv6 address.
+    pub fn ipv6(index: u8) -> Ipv6Addr {
+        Ipv6Addr::new(0x2001, 2, 0, 0xfe, 0, 0, 0, u16::from(index))
+    }
+
+    /// Connects `node` as node `index` (1..=253): veth `ul0` in it, `n<index>`
+    /// on the bridge, addresses and both ends up.
+    pub fn join(&self, node: &NetNs, index: u8) -> std::io::Result<()> {
+        let port = format!("n{index}");
+        let run = |ns: &NetNs, args: &[&str]| ns.ip(args).map(drop).map_err(std::io::Error::other);
+        run(
+            node,
+            &[
+                "link",
+                "add",
+                UNDERLAY_IFNAME,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &port,
+                "netns",
+                self.ns.name(),
+            ],
+        )?;
+        run(&self.ns, &["link", "set", &port, "master", "ul", "up"])?;
+        run(
+            node,
+            &[
+                "addr",
+                "add",
+                &format!("{}/24", Self::ipv4(index)),
+                "dev",
+                UNDERLAY_IFNAME,
+            ],
+        )?;
+        run(
+            node,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{}/64", Self::ipv6(index)),
+                "dev",
+                UNDERLAY_IFNAME,
+                "nodad",
+            ],
+        )?;
+        run(node, &["link", "set", UNDERLAY_IFNAME, "mtu", "1500", "up"])
+    }
+}
+
+/// Pod `n` (1-based) of cluster node `index`: `198.18.<index>.(n+1)/24` and
+/// `2001:2:0:<index>::(n+1)/64`, gateways .1 and ::1 (the node's pod CIDRs
+/// `198.18.<index>.0/24` and `2001:2:0:<index>::/64`, the cluster's
+/// conventions).
+pub fn cluster_pod_spec(name: &str, index: u8, n: u8) -> PodSpec {
+    let v6 = |host: u16| Ipv6Addr::new(0x2001, 2, 0, u16::from(index), 0, 0, 0, host);
+    PodSpec::new(
+        name,
+        (Ipv4Addr::new(198, 18, index, n + 1), 24),
+        (v6(u16::from(n) + 1), 64),
+    )
+    .gateways(Ipv4Addr::new(198, 18, index, 1), v6(1))
+}
+
 impl LoaderNode {
     /// Creates the node with `pods` and starts `loader_bin` inside it with
     /// small maps and `extra_args`.
     pub async fn start(loader_bin: &Path, pods: &[&str], extra_args: &[&str]) -> std::io::Result<Self> {
         Self::start_with_env(loader_bin, pods, extra_args, DEFAULT_ENDPOINTS_MAX, |_| Ok(Vec::new())).await
+    }
+
+    /// Node `index` of a cluster on `underlay`: pods addressed from the
+    /// node's pod CIDRs ([`cluster_pod_spec`]), joined to the underlay
+    /// ([`Underlay::join`]) before `loader_bin` starts with `extra_args`
+    /// (e.g. `--routing-mode vxlan --underlay-interface ul0`).
+    pub async fn start_on_underlay(
+        loader_bin: &Path,
+        underlay: &Underlay,
+        index: u8,
+        pods: &[&str],
+        extra_args: &[&str],
+    ) -> std::io::Result<Self> {
+        let specs = pods
+            .iter()
+            .enumerate()
+            .map(|(i, name)| cluster_pod_spec(name, index, i as u8 + 1))
+            .collect();
+        Self::start_with_pods(loader_bin, specs, extra_args, DEFAULT_ENDPOINTS_MAX, |node| {
+            underlay.join(&node.ns, index)?;
+            Ok(Vec::new())
+        })
+        .await
     }
 
     /// [`start`](Self::start) with room for `endpoints_max` endpoint map
@@ -90,10 +208,24 @@ impl LoaderNode {
         endpoints_max: u32,
         env: impl FnOnce(&TestNode) -> std::io::Result<Vec<(String, String)>>,
     ) -> std::io::Result<Self> {
+        let specs = pods
+            .iter()
+            .enumerate()
+            .map(|(i, name)| pod_spec(name, i as u8 + 1))
+            .collect();
+        Self::start_with_pods(loader_bin, specs, extra_args, endpoints_max, env).await
+    }
+
+    async fn start_with_pods(
+        loader_bin: &Path,
+        pods: Vec<PodSpec>,
+        extra_args: &[&str],
+        endpoints_max: u32,
+        env: impl FnOnce(&TestNode) -> std::io::Result<Vec<(String, String)>>,
+    ) -> std::io::Result<Self> {
         let mut node = TestNode::with_host_prefix(HOST_PREFIX).map_err(std::io::Error::other)?;
-        for (i, name) in pods.iter().enumerate() {
-            node.add_pod(pod_spec(name, i as u8 + 1))
-                .map_err(std::io::Error::other)?;
+        for spec in pods {
+            node.add_pod(spec).map_err(std::io::Error::other)?;
         }
         let node_name = format!("t{}-{}", std::process::id(), NODES.fetch_add(1, Ordering::Relaxed));
         let pins = PinDir::of_node(&node_name);
@@ -134,6 +266,15 @@ impl LoaderNode {
     /// A client of the loader.
     pub async fn client(&self) -> LoaderServiceClient<DaemonChannel> {
         LoaderServiceClient::new(
+            connect_unix(self.loader.socket(), &ClientOptions::default())
+                .await
+                .expect("connect to svc-loader"),
+        )
+    }
+
+    /// A client of the loader's NodeRoutingService.
+    pub async fn routing_client(&self) -> NodeRoutingServiceClient<DaemonChannel> {
+        NodeRoutingServiceClient::new(
             connect_unix(self.loader.socket(), &ClientOptions::default())
                 .await
                 .expect("connect to svc-loader"),

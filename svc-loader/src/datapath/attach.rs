@@ -432,8 +432,16 @@ pub(crate) fn interfaces() -> Result<BTreeMap<u32, String>, DatapathError> {
     netdev::interfaces().map_err(|error| DatapathError::Interfaces { error })
 }
 
+#[cfg(test)]
 pub(super) fn classifier(ebpf: &mut Ebpf, hook: Hook) -> Result<&mut SchedClassifier, DatapathError> {
-    let program = hook.program();
+    classifier_named(ebpf, hook.program())
+}
+
+/// The object's `sched_cls` program `program`.
+pub(super) fn classifier_named<'a>(
+    ebpf: &'a mut Ebpf,
+    program: &'static str,
+) -> Result<&'a mut SchedClassifier, DatapathError> {
     ebpf.program_mut(program)
         .ok_or(ObjectError::MissingProgram(program))?
         .try_into()

@@ -52,6 +52,7 @@ mod ct_migration;
 mod error;
 mod legacy;
 mod options;
+mod overlay;
 mod pins;
 mod typed_maps;
 
@@ -69,7 +70,9 @@ use rivet_datapath::spec::{MAP_CONFIG, MAP_EVENTS, MAP_METRICS, MapSpec};
 
 use crate::DATAPATH_OBJECT;
 
+#[cfg(test)]
 use attach::classifier;
+use attach::classifier_named;
 pub(crate) use attach::interfaces;
 pub use attach::{
     AdoptReport, AttachOutcome, AttachState, Attachment, DetachOutcome, Hook, LinkChange, PROG_FROM_CONTAINER,
@@ -80,6 +83,8 @@ pub use error::{DatapathError, ObjectError, OptionsError};
 use error::{io_err, map_err};
 pub use legacy::LEGACY_LINKS_DIR;
 pub use options::DatapathOptions;
+use overlay::OverlayPrograms;
+pub use overlay::{OverlayAttachment, PROG_FROM_OVERLAY, PROG_TO_OVERLAY};
 use pins::{check_bpffs, check_map_pin, expected_specs};
 use typed_maps::take_map;
 pub use typed_maps::{DatapathMaps, SharedMap};
@@ -102,6 +107,8 @@ pub struct Datapath {
     ebpf: Ebpf,
     /// The programs' fds, `from_container` then `to_container`, for attaching.
     program_fds: [ProgramFd; 2],
+    /// The tunnel device's programs (attached in vxlan mode only).
+    overlay: OverlayPrograms,
     maps: DatapathMaps,
     events: Option<RingBuf<MapData>>,
     program_ids: ProgramIds,
@@ -189,8 +196,12 @@ impl Datapath {
             migration.copy()?;
         }
 
-        let (from_container_fd, from_container) = load_program(&mut ebpf, Hook::Ingress)?;
-        let (to_container_fd, to_container) = load_program(&mut ebpf, Hook::Egress)?;
+        let (from_container_fd, from_container) = load_program(&mut ebpf, Hook::Ingress.program())?;
+        let (to_container_fd, to_container) = load_program(&mut ebpf, Hook::Egress.program())?;
+        let overlay = OverlayPrograms {
+            from_overlay: load_program(&mut ebpf, PROG_FROM_OVERLAY)?,
+            to_overlay: load_program(&mut ebpf, PROG_TO_OVERLAY)?,
+        };
         let maps = DatapathMaps::take(&mut ebpf)?;
         let events = take_map(&mut ebpf, MAP_EVENTS)?;
 
@@ -198,6 +209,7 @@ impl Datapath {
             opts,
             ebpf,
             program_fds: [from_container_fd, to_container_fd],
+            overlay,
             maps,
             events: Some(events),
             program_ids: ProgramIds {
@@ -387,10 +399,9 @@ fn next_policy_revision(current: u32) -> u32 {
     next.max(1)
 }
 
-/// Loads (verifies) `hook`'s program: its fd, for attaching, and its kernel id.
-fn load_program(ebpf: &mut Ebpf, hook: Hook) -> Result<(ProgramFd, u32), DatapathError> {
-    let prog = classifier(ebpf, hook)?;
-    let program = hook.program();
+/// Loads (verifies) `program`: its fd, for attaching, and its kernel id.
+fn load_program(ebpf: &mut Ebpf, program: &'static str) -> Result<(ProgramFd, u32), DatapathError> {
+    let prog = classifier_named(ebpf, program)?;
     prog.load().map_err(|error| DatapathError::Program {
         what: "loading (verifying)",
         program,

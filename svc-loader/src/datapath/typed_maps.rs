@@ -7,12 +7,13 @@ use aya::Ebpf;
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use rivet_datapath::maps::{
     Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKeyData, EpPrefixValue, FragKey,
-    FragValue, IpcacheKeyData, IpcacheValue, MetricsValue, PolicyKeyData, PolicyValue,
+    FragValue, IpcacheKeyData, IpcacheValue, MetricsValue, PolicyKeyData, PolicyValue, RoutingConfig,
 };
 
 use super::error::{DatapathError, ObjectError, map_err};
 use rivet_datapath::spec::{
     MAP_CONFIG, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_FRAGMENTS, MAP_IPCACHE, MAP_METRICS, MAP_POLICY,
+    MAP_ROUTING,
 };
 
 /// One map of the datapath, shared by the loader's threads. aya's writes
@@ -53,6 +54,8 @@ pub struct DatapathMaps {
     pub config: SharedMap<Array<MapData, DatapathConfig>>,
     /// First fragments' ports (an LRU hash the datapath writes; for inspection and tests).
     pub fragments: SharedMap<HashMap<MapData, FragKey, FragValue>>,
+    /// The routing mode and tunnel device (index 0).
+    pub routing: SharedMap<Array<MapData, RoutingConfig>>,
 }
 
 impl fmt::Debug for DatapathMaps {
@@ -89,6 +92,7 @@ impl DatapathMaps {
             metrics: take_shared(ebpf, MAP_METRICS)?,
             config: take_shared(ebpf, MAP_CONFIG)?,
             fragments: take_shared(ebpf, MAP_FRAGMENTS)?,
+            routing: take_shared(ebpf, MAP_ROUTING)?,
         })
     }
 }

@@ -1,0 +1,149 @@
+use std::sync::Mutex;
+
+use super::*;
+
+/// A route table in memory, counting requests.
+#[derive(Default)]
+struct FakeRoutes {
+    routes: Mutex<BTreeSet<PeerRoute>>,
+    requests: Mutex<Vec<String>>,
+}
+
+impl RouteTable for std::sync::Arc<FakeRoutes> {
+    fn owned_routes(&self) -> io::Result<Vec<PeerRoute>> {
+        Ok(self.routes.lock().unwrap().iter().copied().collect())
+    }
+    fn replace(&self, route: &PeerRoute) -> io::Result<()> {
+        self.requests
+            .lock()
+            .unwrap()
+            .push(format!("replace {}", describe(route)));
+        let mut routes = self.routes.lock().unwrap();
+        routes.retain(|r| r.destination != route.destination);
+        routes.insert(*route);
+        Ok(())
+    }
+    fn delete(&self, route: &PeerRoute) -> io::Result<()> {
+        self.requests
+            .lock()
+            .unwrap()
+            .push(format!("delete {}", describe(route)));
+        self.routes.lock().unwrap().remove(route);
+        Ok(())
+    }
+}
+
+fn peer(n: u8, v6: bool) -> PeerNode {
+    PeerNode {
+        name: format!("n{n}"),
+        underlay_ipv4: Some(Ipv4Addr::new(198, 19, 254, n)),
+        underlay_ipv6: v6.then(|| Ipv6Addr::new(0x2001, 2, 0, 0xfe, 0, 0, 0, u16::from(n))),
+        pod_cidrs: vec![
+            format!("198.18.{n}.0/24").parse().unwrap(),
+            format!("2001:2:0:{n}::/64").parse().unwrap(),
+        ],
+    }
+}
+
+fn routing(mode: RoutingMode) -> (NodeRouting, std::sync::Arc<FakeRoutes>) {
+    let fake = std::sync::Arc::new(FakeRoutes::default());
+    let setup = RoutingSetup {
+        mode,
+        underlay: Some(("ul0".into(), 2)),
+        tunnel_ifindex: (mode == RoutingMode::Vxlan).then_some(9),
+        tunnel_port: DEFAULT_TUNNEL_PORT,
+    };
+    (NodeRouting::new(setup, Box::new(fake.clone())), fake)
+}
+
+#[test]
+fn native_routes_go_via_the_peer_underlay_address_of_the_cidr_family() {
+    let (r, fake) = routing(RoutingMode::Native);
+    let changes = r.replace_nodes(vec![peer(2, true), peer(3, true)]).unwrap();
+    assert_eq!(
+        changes,
+        RouteChanges {
+            added: 4,
+            removed: 0,
+            unchanged: 0
+        }
+    );
+    let routes: Vec<String> = fake.routes.lock().unwrap().iter().map(describe).collect();
+    assert_eq!(
+        routes,
+        [
+            "198.18.2.0/24 via 198.19.254.2 ifindex 2",
+            "198.18.3.0/24 via 198.19.254.3 ifindex 2",
+            "2001:2:0:2::/64 via 2001:2:0:fe::2 ifindex 2",
+            "2001:2:0:3::/64 via 2001:2:0:fe::3 ifindex 2",
+        ]
+    );
+}
+
+#[test]
+fn a_resync_removes_exactly_the_routes_of_a_peer_that_left_and_rewrites_nothing_else() {
+    let (r, fake) = routing(RoutingMode::Vxlan);
+    r.replace_nodes(vec![peer(2, true), peer(3, true)]).unwrap();
+    fake.requests.lock().unwrap().clear();
+    let changes = r.replace_nodes(vec![peer(3, true)]).unwrap();
+    assert_eq!(
+        changes,
+        RouteChanges {
+            added: 0,
+            removed: 2,
+            unchanged: 2
+        }
+    );
+    assert_eq!(
+        *fake.requests.lock().unwrap(),
+        ["delete 198.18.2.0/24 ifindex 9", "delete 2001:2:0:2::/64 ifindex 9"]
+    );
+    assert_eq!(r.status().unwrap().peers, vec![peer(3, true)]);
+    assert_eq!(r.status().unwrap().routes, 2);
+}
+
+#[test]
+fn a_changed_next_hop_is_replaced_in_place() {
+    let (r, fake) = routing(RoutingMode::Native);
+    r.replace_nodes(vec![peer(2, true)]).unwrap();
+    fake.requests.lock().unwrap().clear();
+    let mut moved = peer(2, true);
+    moved.underlay_ipv4 = Some(Ipv4Addr::new(198, 19, 254, 9));
+    let changes = r.replace_nodes(vec![moved]).unwrap();
+    assert_eq!((changes.added, changes.removed, changes.unchanged), (1, 0, 1));
+    assert_eq!(
+        *fake.requests.lock().unwrap(),
+        ["replace 198.18.2.0/24 via 198.19.254.9 ifindex 2"]
+    );
+}
+
+#[test]
+fn an_ipv4_cidr_of_a_peer_with_only_ipv6_underlay_goes_via_inet6() {
+    let (r, _) = routing(RoutingMode::Native);
+    let mut v6_only = peer(4, true);
+    v6_only.underlay_ipv4 = None;
+    let routes = r.desired_routes(&[v6_only]).unwrap();
+    assert_eq!(
+        routes[&"198.18.4.0/24".parse::<IpNet>().unwrap()].gateway,
+        Some("2001:2:0:fe::4".parse().unwrap())
+    );
+}
+
+#[test]
+fn mode_none_holds_no_peers() {
+    let fake = std::sync::Arc::new(FakeRoutes::default());
+    let r = NodeRouting::new(
+        RoutingSetup {
+            mode: RoutingMode::None,
+            underlay: None,
+            tunnel_ifindex: None,
+            tunnel_port: DEFAULT_TUNNEL_PORT,
+        },
+        Box::new(fake.clone()),
+    );
+    assert!(matches!(
+        r.replace_nodes(vec![peer(2, true)]),
+        Err(RoutingError::Disabled)
+    ));
+    assert!(fake.requests.lock().unwrap().is_empty());
+}
