@@ -264,3 +264,332 @@ async fn the_vxlan_device_is_created_with_the_tunnel_mtu_and_adopted_by_a_restar
     let r = replace(&n1, vec![peer(2)]).await;
     assert_eq!((r.routes_added, r.routes_removed, r.routes_unchanged), (0, 0, 2));
 }
+
+const C: u32 = 1003;
+const REMOTE_NODE: u32 = 6;
+
+fn ipcache_entry(address: IpAddr, identity: u32, tunnel: Option<std::net::Ipv4Addr>) -> pb::IpcacheEntry {
+    pb::IpcacheEntry {
+        prefix: Some(IpPrefix {
+            address: address_bytes(address),
+            prefix_length: if address.is_ipv4() { 32 } else { 128 },
+        }),
+        identity,
+        tunnel_endpoint: tunnel.map(|a| address_bytes(IpAddr::V4(a))).unwrap_or_default(),
+    }
+}
+
+async fn upsert_ipcache(node: &LoaderNode, entries: Vec<pb::IpcacheEntry>) {
+    node.client()
+        .await
+        .upsert_ipcache(pb::UpsertIpcacheRequest { entries })
+        .await
+        .expect("UpsertIpcache succeeds");
+}
+
+/// What svc-identity's registry and ipcache publish on node `local` about
+/// node `peer` and its pod `p<peer>` of `identity`: the peer's underlay
+/// addresses as remote-node, the pod's addresses with the peer's tunnel
+/// endpoint; and the peer in ReplaceNodes.
+async fn learn_peer(local: &LoaderNode, peer_node: &LoaderNode, peer_index: u8, identity: u32) {
+    let tunnel = Some(Underlay::ipv4(peer_index));
+    let mut entries = vec![
+        ipcache_entry(IpAddr::V4(Underlay::ipv4(peer_index)), REMOTE_NODE, None),
+        ipcache_entry(IpAddr::V6(Underlay::ipv6(peer_index)), REMOTE_NODE, None),
+    ];
+    for a in addrs(peer_node, &format!("p{peer_index}")) {
+        entries.push(ipcache_entry(a, identity, tunnel));
+    }
+    upsert_ipcache(local, entries).await;
+    replace(local, vec![peer(peer_index)]).await;
+}
+
+/// p2's policy: ingress from `identities` (ICMP, ICMPv6, TCP and UDP, any port).
+fn ingress_from(revision: u64, identities: &[u32]) -> pb::EndpointPolicy {
+    use rivet_testkit::loader::entry;
+    let entries = identities
+        .iter()
+        .map(|id| entry(pb::Direction::Ingress, *id, pb::Protocol::Any, 0, 0, pb::Verdict::Allow))
+        .collect();
+    policy(revision, true, false, entries)
+}
+
+/// Nodes 1 and 2 in `mode`, p1 (identity A, unrestricted) and p2 (identity
+/// B, ingress from A only), each knowing the other.
+async fn two_nodes(underlay: &Underlay, mode: &str) -> (LoaderNode, LoaderNode) {
+    let n1 = node(underlay, 1, mode, A, open()).await;
+    let n2 = node(underlay, 2, mode, B, ingress_from(1, &[A])).await;
+    learn_peer(&n1, &n2, 2, B).await;
+    learn_peer(&n2, &n1, 1, A).await;
+    (n1, n2)
+}
+
+/// `ping` from node namespace `ns` with source `src`: replies received of 3.
+fn node_pings(ns: &rivet_common::testing::netns::NetNs, src: IpAddr, dst: IpAddr) -> u32 {
+    let out = ns
+        .command("ping")
+        .args([
+            "-n",
+            "-q",
+            "-c",
+            "3",
+            "-i",
+            "0.05",
+            "-W",
+            "2",
+            "-I",
+            &src.to_string(),
+            &dst.to_string(),
+        ])
+        .output()
+        .expect("ping runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split(", ")
+        .find_map(|part| part.strip_suffix(" received").and_then(|n| n.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("ping output: {text}"))
+}
+
+#[tokio::test]
+async fn vxlan_carries_pod_traffic_and_node_b_enforces_the_identity_in_the_vni() {
+    let underlay = Underlay::new().unwrap();
+    let (n1, n2) = two_nodes(&underlay, "vxlan").await;
+
+    for dst in addrs(&n2, "p2") {
+        assert_eq!(pings(&n1, "p1", dst), 3, "p1 → {dst} through the tunnel");
+    }
+    for dst in addrs(&n1, "p1") {
+        assert_eq!(pings(&n2, "p2", dst), 3, "p2 → {dst} through the tunnel");
+    }
+    let server = n2.pod("p2").tcp_server(0).unwrap();
+    for dst in addrs(&n2, "p2") {
+        assert!(
+            n1.pod("p1")
+                .tcp_echo(SocketAddr::new(dst, server.port()), Duration::from_secs(3))
+                .unwrap(),
+            "TCP p1 → {dst} through the tunnel"
+        );
+    }
+    let (tx_before, _) = (n1.node.ns.link_packets("rivet_vxlan").unwrap(), ());
+    assert!(tx_before.1 > 0, "node 1 sent through rivet_vxlan: {tx_before:?}");
+
+    // p1 gets identity C on node 1; node 2's ipcache still says A for its
+    // address. Node 2 believes the VNI: p2 (ingress from A only) refuses.
+    let denied_before = n2.drops(pb::DropReason::PolicyDefaultDeny).await;
+    n1.client()
+        .await
+        .apply_endpoint(n1.endpoint("p1", 1, C, open()))
+        .await
+        .unwrap();
+    for dst in addrs(&n2, "p2") {
+        assert_eq!(
+            pings(&n1, "p1", dst),
+            0,
+            "p1 as C → {dst}: denied by the VNI's identity"
+        );
+    }
+    assert!(
+        n2.drops_reaching(
+            pb::DropReason::PolicyDefaultDeny,
+            denied_before + 6,
+            Duration::from_secs(5)
+        )
+        .await
+            >= denied_before + 6
+    );
+    // And allowing C on p2 lets it in again.
+    n2.client()
+        .await
+        .apply_endpoint(n2.endpoint("p2", 2, B, ingress_from(2, &[A, C])))
+        .await
+        .unwrap();
+    for dst in addrs(&n2, "p2") {
+        assert_eq!(pings(&n1, "p1", dst), 3, "p1 as C → {dst}, C allowed");
+    }
+
+    let status = n1
+        .client()
+        .await
+        .get_datapath_status(pb::GetDatapathStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let overlay: Vec<(&str, u32)> = status
+        .programs
+        .iter()
+        .filter(|p| p.name.ends_with("overlay"))
+        .map(|p| (p.name.as_str(), p.attachments))
+        .collect();
+    assert_eq!(overlay, [("from_overlay", 1), ("to_overlay", 1)]);
+}
+
+#[tokio::test]
+async fn node_originated_traffic_to_a_remote_pod_arrives_as_remote_node() {
+    let underlay = Underlay::new().unwrap();
+    let (n1, n2) = two_nodes(&underlay, "vxlan").await;
+    let sources = [IpAddr::V4(Underlay::ipv4(1)), IpAddr::V6(Underlay::ipv6(1))];
+    let targets = addrs(&n2, "p2");
+    // p2 lets A in, not remote-node.
+    for (src, dst) in sources.iter().zip(&targets) {
+        assert_eq!(
+            node_pings(&n1.node.ns, *src, *dst),
+            0,
+            "node 1 → {dst} before remote-node is allowed"
+        );
+    }
+    assert!(n2.drops(pb::DropReason::PolicyDefaultDeny).await >= 6);
+    n2.client()
+        .await
+        .apply_endpoint(n2.endpoint("p2", 2, B, ingress_from(2, &[A, REMOTE_NODE])))
+        .await
+        .unwrap();
+    for (src, dst) in sources.iter().zip(&targets) {
+        assert_eq!(
+            node_pings(&n1.node.ns, *src, *dst),
+            3,
+            "node 1 ({src}) → {dst} as remote-node"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_packet_too_big_for_the_tunnel_gets_frag_needed_and_tcp_finds_the_path_mtu() {
+    let underlay = Underlay::new().unwrap();
+    let (n1, n2) = two_nodes(&underlay, "vxlan").await;
+    let [v4, v6] = addrs(&n2, "p2")[..] else { panic!() };
+    // 1472 + 28 = 1500 bytes of IPv4, 1452 + 48 = 1500 of IPv6: over 1450.
+    for (dst, size) in [(v4, "1472"), (v6, "1452")] {
+        let out = n1
+            .pod("p1")
+            .ns
+            .command("ping")
+            .args([
+                "-n",
+                "-c",
+                "2",
+                "-i",
+                "0.2",
+                "-W",
+                "1",
+                "-M",
+                "do",
+                "-s",
+                size,
+                &dst.to_string(),
+            ])
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains("mtu = 1450") || text.contains("mtu=1450") || text.contains("mtu: 1450"),
+            "{dst}: too big gets the tunnel MTU:\n{text}"
+        );
+    }
+    // Fits: passes.
+    assert_eq!(
+        n1.pod("p1")
+            .ping(v4, 2, Duration::from_millis(50), Duration::from_secs(2))
+            .unwrap()
+            .received,
+        2
+    );
+    // TCP between 1500-MTU pods: 1 MB each way through the 1450 tunnel.
+    let server = n2.pod("p2").tcp_server(0).unwrap();
+    for dst in [v4, v6] {
+        let mut stream = n1
+            .pod("p1")
+            .tcp_stream(SocketAddr::new(dst, server.port()), Duration::from_secs(3))
+            .unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let sent: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+        let writer = {
+            let mut w = stream.try_clone().unwrap();
+            let data = sent.clone();
+            std::thread::spawn(move || std::io::Write::write_all(&mut w, &data))
+        };
+        let mut back = vec![0u8; sent.len()];
+        std::io::Read::read_exact(&mut stream, &mut back).expect("the echo comes back whole");
+        writer.join().unwrap().unwrap();
+        assert!(back == sent, "TCP to {dst}: echo differs");
+    }
+}
+
+#[tokio::test]
+async fn vxlan_from_a_non_node_or_with_vni_host_is_dropped_by_node_b() {
+    let underlay = Underlay::new().unwrap();
+    let (_n1, n2) = two_nodes(&underlay, "vxlan").await;
+    // A third namespace on the underlay with its own kernel VXLAN device:
+    // UDP to p2 with the VNI its route says.
+    let rogue = rivet_common::testing::netns::NetNs::new("rvr").unwrap();
+    underlay.join(&rogue, 9).unwrap();
+    let run = |args: &[&str]| rogue.ip(args).unwrap();
+    run(&["link", "add", "vx", "type", "vxlan", "external", "dstport", "8472"]);
+    run(&["link", "set", "vx", "arp", "off", "up"]);
+    run(&["addr", "add", "198.18.9.1/32", "dev", "vx"]);
+    let p2 = n2.pod("p2").ipv4().unwrap();
+    let server = n2.pod("p2").udp_server(0).unwrap();
+    let socket = rogue.udp_socket("198.18.9.1:0".parse().unwrap()).unwrap();
+    let send_with_vni = |vni: u32| {
+        rogue
+            .ip(&[
+                "route",
+                "replace",
+                &format!("{p2}/32"),
+                "encap",
+                "ip",
+                "id",
+                &vni.to_string(),
+                "dst",
+                &Underlay::ipv4(2).to_string(),
+                "dev",
+                "vx",
+            ])
+            .unwrap();
+        for _ in 0..3 {
+            socket.send_to(b"vni", SocketAddr::new(p2, server.port())).unwrap();
+        }
+    };
+
+    // Not a node: even the allowed identity A is not believed.
+    send_with_vni(A);
+    assert!(
+        n2.drops_reaching(pb::DropReason::TunnelSourceNotNode, 3, Duration::from_secs(5))
+            .await
+            >= 3
+    );
+    // Now 198.19.254.9 is a node (the registry claimed it as remote-node).
+    upsert_ipcache(
+        &n2,
+        vec![ipcache_entry(IpAddr::V4(Underlay::ipv4(9)), REMOTE_NODE, None)],
+    )
+    .await;
+    send_with_vni(1); // host: no node sends it
+    assert!(
+        n2.drops_reaching(pb::DropReason::TunnelIdentityInvalid, 3, Duration::from_secs(5))
+            .await
+            >= 3
+    );
+    send_with_vni(0);
+    assert!(
+        n2.drops_reaching(pb::DropReason::TunnelIdentityInvalid, 6, Duration::from_secs(5))
+            .await
+            >= 6
+    );
+    let denied = n2.drops(pb::DropReason::PolicyDefaultDeny).await;
+    send_with_vni(C); // a node's VNI is believed: C is not allowed into p2
+    assert!(
+        n2.drops_reaching(pb::DropReason::PolicyDefaultDeny, denied + 3, Duration::from_secs(5))
+            .await
+            >= denied + 3
+    );
+    assert_eq!(server.datagrams(), 0, "nothing reached p2 so far");
+    send_with_vni(A); // and A is
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while server.datagrams() < 3 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(server.datagrams(), 3, "A's datagrams from a node reach p2");
+}
