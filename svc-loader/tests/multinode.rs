@@ -593,3 +593,81 @@ async fn vxlan_from_a_non_node_or_with_vni_host_is_dropped_by_node_b() {
     }
     assert_eq!(server.datagrams(), 3, "A's datagrams from a node reach p2");
 }
+
+/// Packets pod `pod` has received on its eth0.
+fn received(node: &LoaderNode, pod: &str) -> u64 {
+    node.pod(pod).ns.link_packets("eth0").expect("eth0 counters").0
+}
+
+/// Waits until pod `pod` has received at least `count` packets, at most 10 s.
+async fn wait_received(node: &LoaderNode, pod: &str, count: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while received(node, pod) < count && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(received(node, pod) >= count, "{pod} received {count} packets");
+}
+
+#[tokio::test]
+async fn kill_9_of_either_loader_loses_no_packet_across_the_tunnel_and_the_restart_adopts_it() {
+    let underlay = Underlay::new().unwrap();
+    let (mut n1, mut n2) = two_nodes(&underlay, "vxlan").await;
+    let tunnel = n1.node.ns.ifindex("rivet_vxlan").unwrap();
+    let dst = n2.pod("p2").ipv4().unwrap();
+    // Batches of 2000 pings at up to 5 per millisecond, back to back, while
+    // each loader dies and restarts: every batch must come back whole.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pinger = {
+        let ns_path = n1.pod("p1").ns.name().to_owned();
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let ns = rivet_common::testing::netns::NetNs::existing(&ns_path).unwrap();
+            let mut batches = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let out = ns
+                    .command("ping")
+                    .args(["-n", "-q", "-i", "0.0002", "-W", "1", "-c", "2000", &dst.to_string()])
+                    .output()
+                    .unwrap();
+                batches.push(String::from_utf8_lossy(&out.stdout).into_owned());
+            }
+            batches
+        })
+    };
+    let before = received(&n2, "p2");
+    wait_received(&n2, "p2", before + 1000).await;
+    for index in [1, 2] {
+        let node = if index == 1 { &mut n1 } else { &mut n2 };
+        node.loader.kill9();
+        // The datapath keeps forwarding with the loader dead.
+        let at_kill = received(&n2, "p2");
+        wait_received(&n2, "p2", at_kill + 1000).await;
+        let node = if index == 1 { &mut n1 } else { &mut n2 };
+        node.loader.restart().await.expect("the loader restarts on its pins");
+        let restarted = received(&n2, "p2");
+        wait_received(&n2, "p2", restarted + 1000).await;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let batches = pinger.join().unwrap();
+    assert!(batches.len() >= 2, "{batches:?}");
+    for text in &batches {
+        assert!(
+            text.contains("2000 packets transmitted, 2000 received"),
+            "no ping may be lost while a loader is down or restarting:\n{text}"
+        );
+    }
+    assert_eq!(n1.node.ns.ifindex("rivet_vxlan").unwrap(), tunnel, "adopted, not recreated");
+    assert_eq!(rivet_routes(&n1).len(), 2);
+    let status = n1
+        .client()
+        .await
+        .get_datapath_status(pb::GetDatapathStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        status.programs.iter().filter(|p| p.name.ends_with("overlay")).all(|p| p.attachments == 1),
+        "the restarted loader's overlay programs run on rivet_vxlan: {:?}",
+        status.programs
+    );
+}
