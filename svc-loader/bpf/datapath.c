@@ -10,6 +10,18 @@
  *                   redirect, hands everything else to the node's stack.
  *   to_container    tc egress of the host-side veth: packets entering the pod.
  *                   Applies the pod's ingress policy through conntrack.
+ *   from_overlay    tc ingress of rivet_vxlan (vxlan mode): decapsulated
+ *                   packets; the outer source must be a node, the VNI is the
+ *                   source identity; local pods get their ingress policy
+ *                   with it and the packet by redirect.
+ *   to_overlay      tc egress of rivet_vxlan: sets the tunnel key of what the
+ *                   stack routes into it (VNI: the source pod's identity or
+ *                   remote-node).
+ *
+ * Multi-node (the `routing` map): in vxlan mode from_container sends a pod's
+ * packet to a remote pod (ipcache entry with a tunnel endpoint) straight into
+ * rivet_vxlan with its tunnel key; native mode leaves remote traffic to the
+ * node's stack and its routes via the peers.
  *
  * Link plumbing: only IPv6 neighbour discovery and MLD messages sent the way
  * their RFCs require (see icmp6_link_plumbing) pass without policy; every
@@ -1311,6 +1323,9 @@ int from_container(struct __sk_buff *skb)
 			if (r >= 0)
 				return r;
 		}
+		/* Native mode: the stack routes it via the peer (measured against a
+		 * FIB lookup + bpf_redirect_neigh here: the stack was faster, see
+		 * svc-loader's README). */
 	}
 	trace(cfg, TRACE_TO_STACK, DIR_EGRESS, &p, ep);
 	return TC_ACT_OK;

@@ -656,7 +656,11 @@ async fn kill_9_of_either_loader_loses_no_packet_across_the_tunnel_and_the_resta
             "no ping may be lost while a loader is down or restarting:\n{text}"
         );
     }
-    assert_eq!(n1.node.ns.ifindex("rivet_vxlan").unwrap(), tunnel, "adopted, not recreated");
+    assert_eq!(
+        n1.node.ns.ifindex("rivet_vxlan").unwrap(),
+        tunnel,
+        "adopted, not recreated"
+    );
     assert_eq!(rivet_routes(&n1).len(), 2);
     let status = n1
         .client()
@@ -666,7 +670,11 @@ async fn kill_9_of_either_loader_loses_no_packet_across_the_tunnel_and_the_resta
         .unwrap()
         .into_inner();
     assert!(
-        status.programs.iter().filter(|p| p.name.ends_with("overlay")).all(|p| p.attachments == 1),
+        status
+            .programs
+            .iter()
+            .filter(|p| p.name.ends_with("overlay"))
+            .all(|p| p.attachments == 1),
         "the restarted loader's overlay programs run on rivet_vxlan: {:?}",
         status.programs
     );
