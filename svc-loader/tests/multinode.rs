@@ -227,8 +227,8 @@ async fn the_vxlan_device_is_created_with_the_tunnel_mtu_and_adopted_by_a_restar
     assert_eq!(
         rivet_routes(&n1),
         [
-            "198.18.2.0/24 dev rivet_vxlan scope link",
-            "2001:2:0:2::/64 dev rivet_vxlan metric 1024 pref medium"
+            "198.18.2.0/24 dev rivet_vxlan scope link src 198.19.254.1",
+            "2001:2:0:2::/64 dev rivet_vxlan src 2001:2:0:fe::1 metric 1024 pref medium"
         ]
     );
 
@@ -324,8 +324,14 @@ async fn two_nodes(underlay: &Underlay, mode: &str) -> (LoaderNode, LoaderNode) 
     (n1, n2)
 }
 
-/// `ping` from node namespace `ns` with source `src`: replies received of 3.
+/// `ping` from node namespace `ns` (the route's preferred source, `src`, is
+/// the node's underlay address): replies received of 3.
 fn node_pings(ns: &rivet_common::testing::netns::NetNs, src: IpAddr, dst: IpAddr) -> u32 {
+    let route = ns.ip(&["route", "get", &dst.to_string()]).expect("ip route get runs");
+    assert!(
+        route.contains(&format!("src {src}")),
+        "node traffic to {dst} leaves from {src}: {route}"
+    );
     let out = ns
         .command("ping")
         .args([
@@ -678,4 +684,49 @@ async fn kill_9_of_either_loader_loses_no_packet_across_the_tunnel_and_the_resta
         "the restarted loader's overlay programs run on rivet_vxlan: {:?}",
         status.programs
     );
+}
+
+#[tokio::test]
+async fn a_pod_spoofing_its_source_is_dropped_by_its_own_node_before_the_tunnel() {
+    let underlay = Underlay::new().unwrap();
+    let (n1, n2) = two_nodes(&underlay, "vxlan").await;
+    let p1 = n1.pod("p1");
+    // Another pod's address (p2's neighbour on node 2) as p1's second address.
+    p1.ns.ip(&["addr", "add", "198.18.2.77/32", "dev", "eth0"]).unwrap();
+    let dst = n2.pod("p2").ipv4().unwrap();
+    let sent_before = n1.node.ns.link_packets("rivet_vxlan").unwrap().1;
+    let out = p1
+        .ns
+        .command("ping")
+        .args([
+            "-n",
+            "-q",
+            "-c",
+            "3",
+            "-i",
+            "0.05",
+            "-W",
+            "1",
+            "-I",
+            "198.18.2.77",
+            &dst.to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(" 0 received"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        n1.drops_reaching(pb::DropReason::InvalidSourceAddress, 3, Duration::from_secs(5))
+            .await
+            >= 3
+    );
+    assert_eq!(
+        n1.node.ns.link_packets("rivet_vxlan").unwrap().1,
+        sent_before,
+        "nothing spoofed entered the tunnel"
+    );
+    assert_eq!(pings(&n1, "p1", dst), 3, "p1's own address still passes");
 }

@@ -95,6 +95,10 @@ pub struct PeerRoute {
     pub gateway: Option<IpAddr>,
     /// Output interface.
     pub ifindex: u32,
+    /// Preferred source of node-originated traffic (vxlan: the node's
+    /// underlay address of the family, so replies come back over the
+    /// underlay to an address the peers know).
+    pub source: Option<IpAddr>,
 }
 
 /// The interfaces of the node's routing mode, resolved at start.
@@ -108,6 +112,9 @@ pub struct RoutingSetup {
     pub tunnel_ifindex: Option<u32>,
     /// UDP port of the tunnel.
     pub tunnel_port: u16,
+    /// The underlay's first global addresses at start: the preferred
+    /// sources of the routes through the tunnel.
+    pub underlay_addresses: (Option<Ipv4Addr>, Option<Ipv6Addr>),
 }
 
 /// The routes Rivet owns in the namespace: [`netlink::NetlinkRoutes`] in
@@ -175,6 +182,7 @@ pub fn setup(
         underlay: None,
         tunnel_ifindex: None,
         tunnel_port,
+        underlay_addresses: (None, None),
     };
     if mode == RoutingMode::None {
         return Ok((setup, None));
@@ -190,6 +198,10 @@ pub fn setup(
     if mode != RoutingMode::Vxlan {
         return Ok((setup, None));
     }
+    setup.underlay_addresses = netlink::global_addresses(ifindex).map_err(|source| SetupError::Interface {
+        name: name.to_owned(),
+        source,
+    })?;
     let underlay_mtu = netlink::link_facts(ifindex)
         .map_err(|source| SetupError::Interface {
             name: name.to_owned(),
@@ -295,6 +307,10 @@ impl NodeRouting {
                         destination: *cidr,
                         gateway: None,
                         ifindex: tunnel,
+                        source: match cidr {
+                            IpNet::V4(_) => self.setup.underlay_addresses.0.map(IpAddr::V4),
+                            IpNet::V6(_) => self.setup.underlay_addresses.1.map(IpAddr::V6),
+                        },
                     },
                     (RoutingMode::Native, _) => {
                         let gateway = match cidr {
@@ -311,6 +327,7 @@ impl NodeRouting {
                             destination: *cidr,
                             gateway: Some(gateway),
                             ifindex: *underlay,
+                            source: None,
                         }
                     }
                     _ => return Err(RoutingError::Disabled),
@@ -369,10 +386,14 @@ impl NodeRouting {
 
 /// A route as `ip route` would show it.
 pub fn describe(route: &PeerRoute) -> String {
-    match route.gateway {
+    let mut text = match route.gateway {
         Some(gw) => format!("{} via {gw} ifindex {}", route.destination, route.ifindex),
         None => format!("{} ifindex {}", route.destination, route.ifindex),
+    };
+    if let Some(source) = route.source {
+        text.push_str(&format!(" src {source}"));
     }
+    text
 }
 
 #[cfg(test)]

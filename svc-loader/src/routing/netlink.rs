@@ -2,10 +2,11 @@
 //! network namespace (the loader runs in the node's).
 
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use ipnet::IpNet;
 use netlink_packet_core::{NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REPLACE};
+use netlink_packet_route::address::{AddressAttribute, AddressMessage, AddressScope};
 use netlink_packet_route::link::{InfoData, InfoKind, InfoVxlan, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteHeader, RouteMessage, RouteProtocol, RouteScope, RouteType, RouteVia,
@@ -85,6 +86,9 @@ fn route_message(route: &PeerRoute) -> RouteMessage {
         (_, Some(IpAddr::V6(gw))) => msg.attributes.push(RouteAttribute::Via(RouteVia::Inet6(gw))),
         (_, Some(IpAddr::V4(gw))) => msg.attributes.push(RouteAttribute::Via(RouteVia::Inet(gw))),
     }
+    if let Some(source) = route.source {
+        msg.attributes.push(RouteAttribute::PrefSource(route_address(source)));
+    }
     msg.attributes.push(RouteAttribute::Oif(route.ifindex));
     msg
 }
@@ -95,7 +99,7 @@ fn owned_route(msg: &RouteMessage) -> Option<PeerRoute> {
         return None;
     }
     let mut table = u32::from(msg.header.table);
-    let (mut destination, mut gateway, mut ifindex) = (None, None, None);
+    let (mut destination, mut gateway, mut ifindex, mut source) = (None, None, None, None);
     for attribute in &msg.attributes {
         match attribute {
             RouteAttribute::Table(t) => table = *t,
@@ -108,6 +112,8 @@ fn owned_route(msg: &RouteMessage) -> Option<PeerRoute> {
                 gateway = Some(IpAddr::V6(*a))
             }
             RouteAttribute::Oif(i) => ifindex = Some(*i),
+            RouteAttribute::PrefSource(RouteAddress::Inet(a)) => source = Some(IpAddr::V4(*a)),
+            RouteAttribute::PrefSource(RouteAddress::Inet6(a)) => source = Some(IpAddr::V6(*a)),
             _ => {}
         }
     }
@@ -119,7 +125,29 @@ fn owned_route(msg: &RouteMessage) -> Option<PeerRoute> {
         destination,
         gateway,
         ifindex: ifindex?,
+        source,
     })
+}
+
+/// The first global IPv4 and IPv6 addresses of interface `ifindex`.
+pub fn global_addresses(ifindex: u32) -> io::Result<(Option<Ipv4Addr>, Option<Ipv6Addr>)> {
+    let (mut v4, mut v6) = (None, None);
+    for reply in request(RouteNetlinkMessage::GetAddress(AddressMessage::default()), NLM_F_DUMP)? {
+        let RouteNetlinkMessage::NewAddress(msg) = reply else {
+            continue;
+        };
+        if msg.header.index != ifindex || msg.header.scope != AddressScope::Universe {
+            continue;
+        }
+        for attribute in &msg.attributes {
+            match attribute {
+                AddressAttribute::Address(IpAddr::V4(a)) if v4.is_none() => v4 = Some(*a),
+                AddressAttribute::Address(IpAddr::V6(a)) if v6.is_none() => v6 = Some(*a),
+                _ => {}
+            }
+        }
+    }
+    Ok((v4, v6))
 }
 
 /// What the kernel says about one interface.

@@ -52,6 +52,7 @@ fn routing(mode: RoutingMode) -> (NodeRouting, std::sync::Arc<FakeRoutes>) {
         underlay: Some(("ul0".into(), 2)),
         tunnel_ifindex: (mode == RoutingMode::Vxlan).then_some(9),
         tunnel_port: DEFAULT_TUNNEL_PORT,
+        underlay_addresses: (Some(Ipv4Addr::new(198, 19, 254, 1)), None),
     };
     (NodeRouting::new(setup, Box::new(fake.clone())), fake)
 }
@@ -96,7 +97,10 @@ fn a_resync_removes_exactly_the_routes_of_a_peer_that_left_and_rewrites_nothing_
     );
     assert_eq!(
         *fake.requests.lock().unwrap(),
-        ["delete 198.18.2.0/24 ifindex 9", "delete 2001:2:0:2::/64 ifindex 9"]
+        [
+            "delete 198.18.2.0/24 ifindex 9 src 198.19.254.1",
+            "delete 2001:2:0:2::/64 ifindex 9"
+        ]
     );
     assert_eq!(r.status().unwrap().peers, vec![peer(3, true)]);
     assert_eq!(r.status().unwrap().routes, 2);
@@ -138,6 +142,7 @@ fn mode_none_holds_no_peers() {
             underlay: None,
             tunnel_ifindex: None,
             tunnel_port: DEFAULT_TUNNEL_PORT,
+            underlay_addresses: (None, None),
         },
         Box::new(fake.clone()),
     );
