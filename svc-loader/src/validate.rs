@@ -413,6 +413,62 @@ fn underlay(field: &str, raw: &[u8], len: usize) -> Result<Option<IpAddr>, Inval
 mod tests {
     use super::*;
 
+    fn peer(name: &str, v4: &[u8], v6: &[u8], cidrs: &[(&[u8], u32)]) -> pb::PeerNode {
+        pb::PeerNode {
+            name: name.into(),
+            underlay_ipv4: v4.to_vec(),
+            underlay_ipv6: v6.to_vec(),
+            pod_cidrs: cidrs
+                .iter()
+                .map(|(a, l)| IpPrefix {
+                    address: a.to_vec(),
+                    prefix_length: *l,
+                })
+                .collect(),
+        }
+    }
+
+    const V6_NET: [u8; 16] = [0x20, 0x01, 0, 2, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0];
+    const V6_NODE: [u8; 16] = [0x20, 0x01, 0, 2, 0, 0, 0, 0xfe, 0, 0, 0, 0, 0, 0, 0, 3];
+
+    #[test]
+    fn peer_nodes_refuse_what_the_mode_cannot_route_and_overlaps() {
+        let v4_only = [peer("n3", &[198, 19, 254, 3], &[], &[(&V6_NET, 64)])];
+        let err = peer_nodes("nodes", &v4_only, RoutingMode::Native).unwrap_err();
+        assert_eq!(err.field, "nodes[0].pod_cidrs[0]", "{err}");
+        // vxlan carries IPv6 pods over the IPv4 underlay.
+        assert!(peer_nodes("nodes", &v4_only, RoutingMode::Vxlan).is_ok());
+        let v6_only = [peer("n3", &[], &V6_NODE, &[(&[198, 18, 3, 0], 24)])];
+        assert_eq!(
+            peer_nodes("nodes", &v6_only, RoutingMode::Vxlan).unwrap_err().field,
+            "nodes[0].underlay_ipv4"
+        );
+        // RFC 5549: an IPv4 CIDR via an IPv6 next hop.
+        assert!(peer_nodes("nodes", &v6_only, RoutingMode::Native).is_ok());
+        let nested = [
+            peer("a", &[198, 19, 254, 3], &[], &[(&[198, 18, 0, 0], 16)]),
+            peer("b", &[198, 19, 254, 4], &[], &[(&[198, 18, 200, 0], 24)]),
+        ];
+        let err = peer_nodes("nodes", &nested, RoutingMode::Vxlan).unwrap_err();
+        assert_eq!(err.field, "nodes[1].pod_cidrs[0]", "{err}");
+        assert!(
+            err.reason.contains("overlaps 198.18.0.0/16 (nodes[0].pod_cidrs[0])"),
+            "{err}"
+        );
+        let default_route = [peer("a", &[198, 19, 254, 3], &[], &[(&[0, 0, 0, 0], 0)])];
+        assert_eq!(
+            peer_nodes("nodes", &default_route, RoutingMode::Vxlan)
+                .unwrap_err()
+                .field,
+            "nodes[0].pod_cidrs[0].prefix_length"
+        );
+        let loopback = [peer("a", &[127, 0, 0, 1], &[], &[])];
+        assert_eq!(
+            peer_nodes("nodes", &loopback, RoutingMode::Vxlan).unwrap_err().field,
+            "nodes[0].underlay_ipv4"
+        );
+    }
+
     fn request() -> pb::ApplyEndpointRequest {
         pb::ApplyEndpointRequest {
             endpoint_id: 7,

@@ -95,6 +95,44 @@ fn addrs(node: &LoaderNode, pod: &str) -> Vec<IpAddr> {
     node.pod(pod).addrs()
 }
 
+/// p1 on node 1 pings p2 on node 2 and talks TCP to it, both families.
+fn p1_reaches_p2(n1: &LoaderNode, n2: &LoaderNode, mode: &str) {
+    let server = n2.pod("p2").tcp_server(0).unwrap();
+    for dst in addrs(n2, "p2") {
+        assert_eq!(pings(n1, "p1", dst), 3, "p1 → {dst} across nodes ({mode})");
+        assert!(
+            n1.pod("p1")
+                .tcp_echo(SocketAddr::new(dst, server.port()), Duration::from_secs(3))
+                .unwrap(),
+            "TCP p1 → {dst} ({mode})"
+        );
+    }
+}
+
+async fn list_nodes(node: &LoaderNode) -> pb::ListNodesResponse {
+    node.routing_client()
+        .await
+        .list_nodes(pb::ListNodesRequest {})
+        .await
+        .expect("ListNodes succeeds")
+        .into_inner()
+}
+
+/// The overlay programs in GetDatapathStatus: (name, attachments).
+async fn overlay_programs(node: &LoaderNode) -> Vec<(String, u32)> {
+    node.client()
+        .await
+        .get_datapath_status(pb::GetDatapathStatusRequest {})
+        .await
+        .expect("GetDatapathStatus succeeds")
+        .into_inner()
+        .programs
+        .into_iter()
+        .filter(|p| p.name.ends_with("overlay"))
+        .map(|p| (p.name, p.attachments))
+        .collect()
+}
+
 #[tokio::test]
 async fn native_routing_reaches_pods_across_nodes_and_replace_nodes_owns_only_its_routes() {
     let underlay = Underlay::new().unwrap();
@@ -122,26 +160,9 @@ async fn native_routing_reaches_pods_across_nodes_and_replace_nodes_owns_only_it
         (0, 0, 2)
     );
 
-    for dst in addrs(&n2, "p2") {
-        assert_eq!(pings(&n1, "p1", dst), 3, "p1 → {dst} across nodes (native)");
-    }
-    let server = n2.pod("p2").tcp_server(8080).unwrap();
-    for dst in addrs(&n2, "p2") {
-        assert!(
-            n1.pod("p1")
-                .tcp_echo(SocketAddr::new(dst, server.port()), Duration::from_secs(3))
-                .unwrap(),
-            "TCP p1 → {dst}"
-        );
-    }
+    p1_reaches_p2(&n1, &n2, "native");
 
-    let listed = n1
-        .routing_client()
-        .await
-        .list_nodes(pb::ListNodesRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = list_nodes(&n1).await;
     assert_eq!(listed.routing_mode, pb::RoutingMode::Native as i32);
     assert_eq!(listed.underlay_interface, UNDERLAY_IFNAME);
     assert_eq!((listed.routes, listed.nodes.len()), (2, 1));
@@ -197,6 +218,20 @@ async fn bad_replace_nodes_input_is_refused_naming_the_field_and_changes_nothing
     }
     assert_eq!(rivet_routes(&n1), before, "nothing changed");
 
+    // A routing mode needs an underlay that exists.
+    let err = LoaderNode::start(
+        BIN.as_ref(),
+        &[],
+        &["--routing-mode", "native", "--underlay-interface", "nosuch0"],
+    )
+    .await
+    .expect_err("no underlay, no start");
+    assert!(
+        err.to_string()
+            .contains("the underlay interface nosuch0 does not exist in the loader's network namespace"),
+        "{err}"
+    );
+
     // A loader without a routing mode holds no peers.
     let single = LoaderNode::start(BIN.as_ref(), &[], &[]).await.unwrap();
     let err = single
@@ -244,13 +279,7 @@ async fn the_vxlan_device_is_created_with_the_tunnel_mtu_and_adopted_by_a_restar
         2,
         "routes stay until the peers are pushed again"
     );
-    let listed = n1
-        .routing_client()
-        .await
-        .list_nodes(pb::ListNodesRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = list_nodes(&n1).await;
     assert_eq!(
         (
             listed.routing_mode,
@@ -324,35 +353,31 @@ async fn two_nodes(underlay: &Underlay, mode: &str) -> (LoaderNode, LoaderNode) 
     (n1, n2)
 }
 
-/// `ping` from node namespace `ns` (the route's preferred source, `src`, is
-/// the node's underlay address): replies received of 3.
+/// 3 pings from namespace `ns` to `dst` (from `source` if given): how many
+/// came back.
+fn pings_from(ns: &rivet_common::testing::netns::NetNs, source: Option<IpAddr>, dst: IpAddr) -> u32 {
+    let mut command = ns.command("ping");
+    command.args(["-n", "-q", "-c", "3", "-i", "0.05", "-W", "1"]);
+    if let Some(source) = source {
+        command.args(["-I", &source.to_string()]);
+    }
+    let out = command.arg(dst.to_string()).output().expect("ping runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split(", ")
+        .find_map(|part| part.strip_suffix(" received").and_then(|n| n.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("ping output: {text}"))
+}
+
+/// Pings from node namespace `ns` with the kernel's choice of source, after
+/// checking that its route's preferred source is `src` (the node's
+/// underlay address): replies received of 3.
 fn node_pings(ns: &rivet_common::testing::netns::NetNs, src: IpAddr, dst: IpAddr) -> u32 {
     let route = ns.ip(&["route", "get", &dst.to_string()]).expect("ip route get runs");
     assert!(
         route.contains(&format!("src {src}")),
         "node traffic to {dst} leaves from {src}: {route}"
     );
-    let out = ns
-        .command("ping")
-        .args([
-            "-n",
-            "-q",
-            "-c",
-            "3",
-            "-i",
-            "0.05",
-            "-W",
-            "2",
-            "-I",
-            &src.to_string(),
-            &dst.to_string(),
-        ])
-        .output()
-        .expect("ping runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.split(", ")
-        .find_map(|part| part.strip_suffix(" received").and_then(|n| n.trim().parse().ok()))
-        .unwrap_or_else(|| panic!("ping output: {text}"))
+    pings_from(ns, None, dst)
 }
 
 #[tokio::test]
@@ -360,23 +385,12 @@ async fn vxlan_carries_pod_traffic_and_node_b_enforces_the_identity_in_the_vni()
     let underlay = Underlay::new().unwrap();
     let (n1, n2) = two_nodes(&underlay, "vxlan").await;
 
-    for dst in addrs(&n2, "p2") {
-        assert_eq!(pings(&n1, "p1", dst), 3, "p1 → {dst} through the tunnel");
-    }
+    p1_reaches_p2(&n1, &n2, "vxlan");
     for dst in addrs(&n1, "p1") {
         assert_eq!(pings(&n2, "p2", dst), 3, "p2 → {dst} through the tunnel");
     }
-    let server = n2.pod("p2").tcp_server(0).unwrap();
-    for dst in addrs(&n2, "p2") {
-        assert!(
-            n1.pod("p1")
-                .tcp_echo(SocketAddr::new(dst, server.port()), Duration::from_secs(3))
-                .unwrap(),
-            "TCP p1 → {dst} through the tunnel"
-        );
-    }
-    let (tx_before, _) = (n1.node.ns.link_packets("rivet_vxlan").unwrap(), ());
-    assert!(tx_before.1 > 0, "node 1 sent through rivet_vxlan: {tx_before:?}");
+    let (_, sent) = n1.node.ns.link_packets("rivet_vxlan").unwrap();
+    assert!(sent > 0, "node 1 sent through rivet_vxlan");
 
     // p1 gets identity C on node 1; node 2's ipcache still says A for its
     // address. Node 2 believes the VNI: p2 (ingress from A only) refuses.
@@ -412,20 +426,10 @@ async fn vxlan_carries_pod_traffic_and_node_b_enforces_the_identity_in_the_vni()
         assert_eq!(pings(&n1, "p1", dst), 3, "p1 as C → {dst}, C allowed");
     }
 
-    let status = n1
-        .client()
-        .await
-        .get_datapath_status(pb::GetDatapathStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    let overlay: Vec<(&str, u32)> = status
-        .programs
-        .iter()
-        .filter(|p| p.name.ends_with("overlay"))
-        .map(|p| (p.name.as_str(), p.attachments))
-        .collect();
-    assert_eq!(overlay, [("from_overlay", 1), ("to_overlay", 1)]);
+    assert_eq!(
+        overlay_programs(&n1).await,
+        [("from_overlay".to_owned(), 1), ("to_overlay".to_owned(), 1)]
+    );
 }
 
 #[tokio::test]
@@ -668,21 +672,10 @@ async fn kill_9_of_either_loader_loses_no_packet_across_the_tunnel_and_the_resta
         "adopted, not recreated"
     );
     assert_eq!(rivet_routes(&n1).len(), 2);
-    let status = n1
-        .client()
-        .await
-        .get_datapath_status(pb::GetDatapathStatusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(
-        status
-            .programs
-            .iter()
-            .filter(|p| p.name.ends_with("overlay"))
-            .all(|p| p.attachments == 1),
-        "the restarted loader's overlay programs run on rivet_vxlan: {:?}",
-        status.programs
+    assert_eq!(
+        overlay_programs(&n1).await,
+        [("from_overlay".to_owned(), 1), ("to_overlay".to_owned(), 1)],
+        "the restarted loader's overlay programs run on rivet_vxlan"
     );
 }
 
@@ -695,29 +688,7 @@ async fn a_pod_spoofing_its_source_is_dropped_by_its_own_node_before_the_tunnel(
     p1.ns.ip(&["addr", "add", "198.18.2.77/32", "dev", "eth0"]).unwrap();
     let dst = n2.pod("p2").ipv4().unwrap();
     let sent_before = n1.node.ns.link_packets("rivet_vxlan").unwrap().1;
-    let out = p1
-        .ns
-        .command("ping")
-        .args([
-            "-n",
-            "-q",
-            "-c",
-            "3",
-            "-i",
-            "0.05",
-            "-W",
-            "1",
-            "-I",
-            "198.18.2.77",
-            &dst.to_string(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains(" 0 received"),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    assert_eq!(pings_from(&p1.ns, Some("198.18.2.77".parse().unwrap()), dst), 0);
     assert!(
         n1.drops_reaching(pb::DropReason::InvalidSourceAddress, 3, Duration::from_secs(5))
             .await
