@@ -19,8 +19,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -38,6 +37,7 @@ use rivet_proto::ipam::v1::ipam_client::IpamClient;
 use rivet_proto::loader::v1 as ldpb;
 use rivet_proto::net::IpPrefix;
 use rivet_testkit::node::{EndpointNode, NodeOptions};
+use rivet_testkit::traffic::Pinger;
 use tonic::Code;
 
 /// Label sets the pods are spread over (several pods share each identity).
@@ -48,13 +48,8 @@ const LABEL_SETS: [&[&str]; 4] = [
     &["k8s:app=cache"],
 ];
 
-/// Echo requests per `ping` run of a [`Pinger`]. `-i 0.0002` is below
-/// iputils' 1 ms resolution and becomes 0: each request leaves as soon as
-/// the previous reply is back (150 000-200 000 per second here), so a
-/// request is in flight nearly all the time and any window in which the
-/// datapath drops pod traffic for more than a few microseconds loses one.
-/// 20 000 take 0.1-0.2 s.
-const PING_BATCH: u32 = 20_000;
+/// How long the flood ping may take to complete its runs.
+const PING_RUNS_WITHIN: Duration = Duration::from_secs(10);
 
 /// How long a condition may take to hold.
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -82,117 +77,6 @@ where
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
         }
     }
-}
-
-// ------------------------------------------------------------ flood ping --
-
-/// What the pings of a [`Pinger`] saw.
-#[derive(Debug, Default, Clone, Copy)]
-struct PingTotals {
-    transmitted: u64,
-    received: u64,
-    elapsed: Duration,
-}
-
-impl PingTotals {
-    fn lost(&self) -> u64 {
-        self.transmitted - self.received
-    }
-}
-
-/// A flood ping (`ping -i 0.0002`, see [`PING_BATCH`]) from one pod to
-/// another in a background thread, as back-to-back `ping -c` runs so it can
-/// be stopped without counting in-flight requests as lost. Stops on drop.
-struct Pinger {
-    stop: Arc<AtomicBool>,
-    batches: Arc<AtomicU64>,
-    thread: Option<std::thread::JoinHandle<Result<PingTotals, String>>>,
-}
-
-impl Pinger {
-    fn start(node: &EndpointNode, from: &str, to: &str) -> Self {
-        let ns = node.pod(from).ns.name().to_owned();
-        let dst = node.ipv4(to).to_string();
-        let stop = Arc::new(AtomicBool::new(false));
-        let batches = Arc::new(AtomicU64::new(0));
-        let thread = {
-            let (stop, batches) = (stop.clone(), batches.clone());
-            std::thread::spawn(move || {
-                let started = Instant::now();
-                let mut totals = PingTotals::default();
-                while !stop.load(Ordering::SeqCst) {
-                    let count = PING_BATCH.to_string();
-                    let args = [
-                        "netns", "exec", &ns, "ping", "-4", "-n", "-q", "-i", "0.0002", "-W", "1", "-c",
-                    ];
-                    let out = Command::new("ip")
-                        .args(args)
-                        .args([count.as_str(), dst.as_str()])
-                        .env("LC_ALL", "C")
-                        .output()
-                        .map_err(|e| format!("running ping: {e}"))?;
-                    let text = String::from_utf8_lossy(&out.stdout);
-                    let (sent, received) = parse_ping(&text).ok_or_else(|| {
-                        format!("unexpected ping output: {text}{}", String::from_utf8_lossy(&out.stderr))
-                    })?;
-                    totals.transmitted += sent;
-                    totals.received += received;
-                    batches.fetch_add(1, Ordering::SeqCst);
-                }
-                totals.elapsed = started.elapsed();
-                Ok(totals)
-            })
-        };
-        Self {
-            stop,
-            batches,
-            thread: Some(thread),
-        }
-    }
-
-    /// Waits until `n` more ping runs completed (so traffic covered what
-    /// happened before this call), or the ping failed ([`stop`](Self::stop)
-    /// says why).
-    async fn wait_batches(&self, n: u64) {
-        let target = self.batches.load(Ordering::SeqCst) + n;
-        let failed = || self.thread.as_ref().is_some_and(|t| t.is_finished());
-        eventually("the flood ping completes its runs", Duration::from_secs(10), || async {
-            if failed() || self.batches.load(Ordering::SeqCst) >= target {
-                Ok(())
-            } else {
-                Err(format!("{} of {target} runs", self.batches.load(Ordering::SeqCst)))
-            }
-        })
-        .await;
-    }
-
-    fn stop(mut self) -> PingTotals {
-        self.stop.store(true, Ordering::SeqCst);
-        let totals = self
-            .thread
-            .take()
-            .expect("stopped once")
-            .join()
-            .expect("the ping thread does not panic")
-            .unwrap_or_else(|e| panic!("the flood ping failed: {e}"));
-        assert!(totals.transmitted > 0, "the flood ping sent nothing");
-        totals
-    }
-}
-
-impl Drop for Pinger {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-    }
-}
-
-/// `N packets transmitted, M received` of ping's summary.
-fn parse_ping(text: &str) -> Option<(u64, u64)> {
-    let line = text.lines().find(|l| l.contains("packets transmitted"))?;
-    let mut numbers = line
-        .split(',')
-        .map(|part| part.split_whitespace().next()?.parse::<u64>().ok());
-    Some((numbers.next()??, numbers.next()??))
 }
 
 // ------------------------------------------------------------ the node view --
@@ -571,8 +455,8 @@ async fn kill_9_of_svc_endpoint_restores_50_endpoints_under_traffic_and_cleans_t
         .clone();
 
     // Traffic between two pods from before the kill until after restore.
-    let pinger = Pinger::start(&node, "p00", "p01");
-    pinger.wait_batches(1).await;
+    let pinger = Pinger::start(node.pod("p00").ns.name(), node.ipv4("p01"));
+    tokio::task::block_in_place(|| pinger.wait_runs(1, PING_RUNS_WITHIN));
 
     node.endpoint_daemon().kill9();
     // The victim's pod goes away while svc-endpoint is down (its namespace
@@ -607,7 +491,7 @@ async fn kill_9_of_svc_endpoint_restores_50_endpoints_under_traffic_and_cleans_t
     let restored_in = restart.elapsed();
     let restore = endpoint_status(&node).await.restore.expect("restore status");
     // The traffic must also have run after everything restore did.
-    pinger.wait_batches(2).await;
+    tokio::task::block_in_place(|| pinger.wait_runs(2, PING_RUNS_WITHIN));
     let ping = pinger.stop();
 
     assert_eq!(restore.found, 50, "restore finds the 50 state dirs: {restore:?}");
@@ -912,8 +796,8 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
     let mut report = Vec::new();
     let mut killed_at = BTreeMap::new();
     for name in ["svc-identity", "svc-ipam", "svc-loader"] {
-        let pinger = Pinger::start(&node, "p00", "p01");
-        pinger.wait_batches(1).await;
+        let pinger = Pinger::start(node.pod("p00").ns.name(), node.ipv4("p01"));
+        tokio::task::block_in_place(|| pinger.wait_runs(1, PING_RUNS_WITHIN));
         let unavailable_before = stats.lock().unwrap().unavailable;
         let kill = SystemTime::now();
         killed_at.insert(name, kill);
@@ -1052,7 +936,7 @@ async fn kill_9_of_each_dependency_under_load_resyncs_and_loses_and_leaks_nothin
             )
             .await;
         }
-        pinger.wait_batches(1).await;
+        tokio::task::block_in_place(|| pinger.wait_runs(1, PING_RUNS_WITHIN));
         let ping = pinger.stop();
         assert_eq!(
             ping.lost(),

@@ -13,10 +13,16 @@
 //!   entries, the svc-gc command;
 //! - [`kube`]: a real kube-apiserver with its own etcd, per-test PKI, RBAC,
 //!   an admin client, Rivet's CRDs and ServiceAccounts bound to deploy/'s RBAC;
+//! - [`monitor`]: the drops of `rivet monitor -o json`;
+//! - [`policy_matrix`]: the NetworkPolicy reachability table (3 namespaces
+//!   × 3 pods, a policy per case, the expected matrix) and its runner, on
+//!   one node or spread over a cluster's nodes;
 //! - [`operator`]: rivet-operator as a process with its ServiceAccount,
 //!   killed, stopped and restarted by tests, waited on through its Lease;
 //! - [`relay`]: a TCP relay a test cuts (a partition between one client
 //!   and a server);
+//! - [`traffic`]: a flood ping counted in runs (no packet lost across a
+//!   restart);
 //! - [`cni`]: running a CNI plugin the way a container runtime does;
 //! - [`frames`]: raw frames built by hand and sent from an interface;
 //! - [`jaeger`]: a real Jaeger v2 for trace tests, read back through its
@@ -33,8 +39,11 @@ pub mod gc;
 pub mod jaeger;
 pub mod kube;
 pub mod loader;
+pub mod monitor;
 pub mod node;
 pub mod operator;
+pub mod policy_matrix;
 pub mod relay;
 pub mod tools;
+pub mod traffic;
 pub mod wire;
