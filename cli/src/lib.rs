@@ -1,10 +1,12 @@
 //! `rivet`, the command line of a Rivet node: daemon status and inspection
 //! and debugging commands per daemon, `rivet node up|down` (the single-node
-//! launcher and supervisor) and `rivet pod` (test pods through the real CNI
-//! plugin). Every command prints a table by default and JSON with `-o json`.
+//! launcher and supervisor), `rivet cluster up|down` (a multi-node cluster
+//! of node namespaces on one machine) and `rivet pod` (test pods through the
+//! real CNI plugin). Every command prints a table by default and JSON with `-o json`.
 
 pub mod accounts;
 pub mod bpf;
+pub mod cluster;
 pub mod endpoint;
 pub mod gc;
 pub mod identity;

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use rivet_cli::node::NodeRecord;
-use rivet_cli::{Context, Output, bpf, endpoint, identity, ipam, namespace, node, pod, policy, status};
+use rivet_cli::{Context, Output, bpf, cluster, endpoint, identity, ipam, namespace, node, pod, policy, status};
 
 /// Default `--state-dir` (the daemons' default too).
 const DEFAULT_STATE_DIR: &str = "/var/run/rivet";
@@ -25,6 +25,10 @@ struct Cli {
     /// The node's state dir: the daemons' state, node.json and the pod records.
     #[arg(long, global = true, env = "RIVET_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
     state_dir: PathBuf,
+    /// Act on this node of a cluster of `rivet cluster up` (its state dir
+    /// under `<state-dir>/clusters/`), e.g. `rivet --node rivet-n2 pod add web`.
+    #[arg(long, global = true, env = "RIVET_NODE", value_name = "NODE")]
+    node: Option<String>,
     /// Output format.
     #[arg(short, long, global = true, value_enum, default_value_t = Output::Table)]
     output: Output,
@@ -96,11 +100,27 @@ enum Command {
     /// Test pods created and deleted through the node's CNI plugin.
     #[command(subcommand)]
     Pod(pod::PodCommand),
+    /// A multi-node cluster on this machine: etcd, an underlay bridge, node
+    /// namespaces each running `rivet node up`.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
 }
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    // `--node`: the state dir of that node of a cluster.
+    if let Some(node) = &cli.node
+        && !matches!(cli.command, Command::Cluster(_))
+    {
+        match cluster::find_node_dir(&cli.state_dir, node) {
+            Ok(dir) => cli.state_dir = dir,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
     // The node recorded in the state dir says where its sockets are.
     let recorded = NodeRecord::load(&cli.state_dir).ok().flatten();
     let socket_dir = match (cli.socket_dir, &recorded) {
@@ -134,6 +154,9 @@ async fn main() -> ExitCode {
             .await
             .map_err(|e| anyhow::anyhow!("{e:#}")),
         Command::Pod(c) => pod::run(&ctx, &cli.state_dir, c)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e:#}")),
+        Command::Cluster(c) => cluster::run(&ctx, &cli.state_dir, c)
             .await
             .map_err(|e| anyhow::anyhow!("{e:#}")),
         Command::Ipam(c) => ipam::run(&ctx, c).await.map(|()| true).map_err(Into::into),

@@ -13,7 +13,7 @@ use crate::{CliError, Context, age, now_unix_nanos};
 const DAEMON: &str = "svc-endpoint";
 
 /// `rivet namespace ...`
-#[derive(Debug, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 pub enum NamespaceCommand {
     /// Replace a namespace's labels; its pods are re-identified. With
     /// `--clear` svc-endpoint forgets the namespace.
@@ -29,7 +29,7 @@ pub enum NamespaceCommand {
 
 /// The new labels of `rivet namespace label` and `rivet endpoint label`:
 /// the complete set, or `--clear`.
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 pub struct NewLabels {
     /// The complete new set, `key=value` each (`k8s:key=value` accepted).
     #[arg(

@@ -19,7 +19,7 @@ const DAEMON: &str = "svc-endpoint";
 pub const NETWORK_POLICY: &str = "NetworkPolicy";
 
 /// `rivet policy ...`
-#[derive(Debug, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 pub enum PolicyCommand {
     /// Apply policy documents: YAML (several separated by `---` or `...`
     /// lines) or JSON (an object, or an array of them), split as

@@ -7,6 +7,10 @@
 //! - [`node`]: a whole node as real processes ([`node::EndpointNode`]:
 //!   svc-loader in a node namespace, svc-identity, svc-ipam, svc-endpoint)
 //!   and pods wired to it;
+//! - [`cluster`]: a multi-node cluster made by the real `rivet cluster up`
+//!   (etcd, an underlay bridge, node namespaces each running `rivet node
+//!   up`), pods on any node, node stop/crash/restart, waiting for
+//!   convergence;
 //! - [`loader`]: a node namespace with pods and svc-loader only
 //!   ([`loader::LoaderNode`]), and policy entries for it;
 //! - [`gc`]: the datapath's maps pinned for svc-gc, synthetic conntrack
@@ -33,6 +37,7 @@
 //! Namespaces, processes and pins come from `rivet_common::testing` and are
 //! removed on drop, also on panic.
 
+pub mod cluster;
 pub mod cni;
 pub mod frames;
 pub mod gc;

@@ -80,7 +80,19 @@ pub use down::supervisor_alive;
 pub use plan::{CompanionPlugin, NodePlan};
 pub use record::{DaemonPhase, DaemonStatus, NodePhase, NodeRecord};
 pub use render::{describe_node, describe_supervision};
-pub use supervisor::{DaemonSpec, NodeSupervisor, RestartDecision, RestartPolicy, RestartTracker, StatusObserver};
+pub use supervisor::{
+    DaemonSpec, NodeSupervisor, RestartDecision, RestartPolicy, RestartTracker, StatusObserver, log_tail,
+};
+
+/// The sysctls of a node namespace (`--create-netns`, and the nodes of
+/// `rivet cluster up`): forwarding on; DAD off, since host veths need a
+/// usable link-local address at once.
+pub const NODE_NETNS_SYSCTLS: &[(&str, &str)] = &[
+    ("net.ipv4.ip_forward", "1"),
+    ("net.ipv6.conf.all.forwarding", "1"),
+    ("net.ipv6.conf.all.accept_dad", "0"),
+    ("net.ipv6.conf.default.accept_dad", "0"),
+];
 
 /// The node daemons in start order (stopped in reverse). svc-gc comes last:
 /// it sweeps svc-loader's pinned conntrack maps and asks svc-endpoint which

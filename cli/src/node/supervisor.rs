@@ -547,7 +547,7 @@ pub(super) fn describe_exit(status: std::process::ExitStatus) -> String {
 }
 
 /// The last `n` lines of a log file, indented, for messages.
-pub(super) fn log_tail(path: &Path, n: usize) -> String {
+pub fn log_tail(path: &Path, n: usize) -> String {
     match std::fs::read_to_string(path) {
         Ok(text) => {
             let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();

@@ -250,16 +250,7 @@ fn give_daemons_their_dirs(plan: &NodePlan, accounts: &NodeAccounts) -> Result<(
 fn configure_node_netns(plan: &NodePlan) -> Result<()> {
     let ns = plan.netns.as_deref().expect("a node namespace");
     let path = netns::path(ns);
-    netns::sysctls(
-        &path,
-        &[
-            ("net.ipv4.ip_forward", "1"),
-            ("net.ipv6.conf.all.forwarding", "1"),
-            // Host veths need a usable link-local address at once.
-            ("net.ipv6.conf.all.accept_dad", "0"),
-            ("net.ipv6.conf.default.accept_dad", "0"),
-        ],
-    )?;
+    netns::sysctls(&path, super::NODE_NETNS_SYSCTLS)?;
     for address in &plan.node_addresses {
         if address.contains(':') {
             netns::ip(ns, &["-6", "addr", "add", address, "dev", "lo", "nodad"])?;
