@@ -641,3 +641,33 @@ fn a_first_layout_conntrack_pin_of_another_shape_is_refused_not_migrated() {
         "the pin is left alone"
     );
 }
+
+/// A pin directory of a loader from before the `routing` map (multi-node)
+/// is adopted as it is, and the new map created beside the others: a
+/// running single-node node upgrades in place.
+#[test]
+fn a_pin_dir_without_the_routing_map_is_adopted_and_the_map_created() {
+    use rivet_datapath::maps::{ROUTING_VXLAN, RoutingConfig};
+    use rivet_datapath::spec::MAP_ROUTING;
+
+    let dir = PinDir::new("routing");
+    drop(Datapath::open(dir.opts()).unwrap());
+    std::fs::remove_file(dir.0.join(MAP_ROUTING)).unwrap();
+
+    let dp = Datapath::open(dir.opts()).expect("an older pin directory is adopted");
+    let status = dp.map_status();
+    let reused = |name: &str| status.iter().find(|m| m.name == name).map(|m| m.reused);
+    assert_eq!(reused(MAP_ROUTING), Some(false), "created now");
+    assert_eq!(reused(spec::MAP_CONFIG), Some(true));
+    assert_eq!(reused(MAP_CT4), Some(true));
+    assert_eq!(dp.maps().routing.lock().get(&0, 0).unwrap(), RoutingConfig::default());
+    let vxlan = RoutingConfig {
+        mode: ROUTING_VXLAN,
+        tunnel_ifindex: 7,
+        tunnel_mtu: 1450,
+        underlay_ifindex: 2,
+    };
+    dp.write_routing(vxlan).unwrap();
+    assert_eq!(dp.maps().routing.lock().get(&0, 0).unwrap(), vxlan);
+    assert!(dir.0.join(MAP_ROUTING).exists(), "pinned");
+}
