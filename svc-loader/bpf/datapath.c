@@ -1236,10 +1236,13 @@ static __always_inline int to_tunnel(struct __sk_buff *skb, const struct pkt *p,
 				     const struct routing_config *rc, const struct datapath_config *cfg)
 {
 	struct ipcache_value *v = ipcache_of(p->family, p->daddr);
+	__u32 mtu = 0;
 
 	if (!v || !v->tunnel_endpoint)
 		return -1;
-	if (skb->len - ETH_HLEN_ > rc->tunnel_mtu)
+	/* Against the device's MTU, per segment for a GSO packet (a TCP
+	 * burst of one skb is many packets of the right size on the wire). */
+	if (bpf_check_mtu(skb, rc->tunnel_ifindex, &mtu, 0, BPF_MTU_CHK_SEGS) != BPF_MTU_CHK_RET_SUCCESS)
 		return TC_ACT_OK;
 	if (set_tunnel(skb, v->tunnel_endpoint, ep->identity) < 0)
 		return drop(DROP_REDIRECT_FAILED, DIR_EGRESS, p, ep, ep->identity, v->identity);
