@@ -9,6 +9,7 @@ pub mod bpf;
 pub mod cluster;
 pub mod endpoint;
 pub mod gc;
+pub mod health;
 pub mod identity;
 pub mod ipam;
 pub mod namespace;
@@ -27,12 +28,13 @@ use rivet_common::grpc::{self, ClientOptions, DaemonChannel};
 use serde::Serialize;
 
 /// Every node daemon, in start order; `rivet status` probes each.
-pub const DAEMONS: [&str; 6] = [
+pub const DAEMONS: [&str; 7] = [
     "svc-ipam",
     "svc-identity",
     "svc-loader",
     "svc-endpoint",
     "svc-gc",
+    "svc-health",
     "svc-k8s-sync",
 ];
 

@@ -79,6 +79,9 @@ enum Command {
     /// Conntrack garbage collection: passes, interval, totals (svc-gc).
     #[command(subcommand)]
     Gc(rivet_cli::gc::GcCommand),
+    /// Connectivity to every peer node: ICMP and HTTP to its underlay addresses, HTTP to its health
+    /// endpoint through the pod datapath, with latencies and the last failure (svc-health).
+    Health(rivet_cli::health::HealthArgs),
     /// Stream drop (and optionally policy-verdict and trace) events live.
     ///
     /// `rivet monitor: listening` on stderr says the subscription is in
@@ -165,6 +168,7 @@ async fn main() -> ExitCode {
         Command::Namespace(c) => namespace::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Bpf(c) => bpf::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Gc(c) => rivet_cli::gc::run(&ctx, c).await.map(|()| true).map_err(Into::into),
+        Command::Health(a) => rivet_cli::health::run(&ctx, a).await.map(|()| true).map_err(Into::into),
         Command::Identity(c) => identity::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Ipcache(c) => identity::run_ipcache(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Monitor {

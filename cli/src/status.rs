@@ -2,7 +2,8 @@
 //! svc-identity reports about its store, identities and IP cache, and what
 //! svc-endpoint reports about restore, endpoints, policy and its links to the
 //! other daemons, what svc-k8s-sync reports about its watches, the node's
-//! readiness and the daemons it feeds; every daemon's controllers (its supervised background
+//! readiness and the daemons it feeds, svc-health's one-line summary of the
+//! connectivity to the peer nodes; every daemon's controllers (its supervised background
 //! loops: state, restarts, last success, last error); and the node's health
 //! with every problem in full, which is also the exit status
 //! ([`NodeHealth::exit_code`]). A daemon with a controller failing for
@@ -14,6 +15,8 @@ use rivet_proto::daemon::v1 as daemon_pb;
 use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use rivet_proto::endpoint::v1 as endpoint_pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
+use rivet_proto::health::v1 as health_pb;
+use rivet_proto::health::v1::health_service_client::HealthServiceClient;
 use rivet_proto::identity::v1 as identity_pb;
 use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use rivet_proto::k8s::v1 as k8s_pb;
@@ -28,6 +31,7 @@ use crate::{Context, DAEMONS, age, connect, duration, now_unix_nanos, truncate};
 const ENDPOINT_DAEMON: &str = "svc-endpoint";
 const IDENTITY_DAEMON: &str = "svc-identity";
 const K8S_SYNC_DAEMON: &str = "svc-k8s-sync";
+const HEALTH_DAEMON: &str = crate::health::DAEMON;
 
 /// Characters of a boot id shown for a dependency.
 const SHORT_BOOT_ID: usize = 8;
@@ -105,6 +109,11 @@ pub struct DaemonStatus {
     /// svc-k8s-sync's detailed status, when it answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub k8s_sync_status: Option<K8sSyncStatus>,
+    /// svc-health's connectivity matrix, when it answered. Unreachable peers
+    /// do not change this node's health: they are the peers' problem or the
+    /// network's, and `rivet health` says which.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_status: Option<crate::health::HealthView>,
 }
 
 /// One supervised background loop of a daemon (`rivet_common::controller`).
@@ -850,6 +859,9 @@ pub async fn run(ctx: &Context) -> anyhow::Result<NodeHealth> {
             if let Some(sync) = &s.k8s_sync_status {
                 out.push_str(&k8s_sync_section(sync, now));
             }
+            if let Some(health) = &s.health_status {
+                out.push_str(&section(HEALTH_DAEMON, &format!("{}\n", health.summary_line())));
+            }
         }
         out.push_str(&controllers_section(&all));
         out.push_str(&health_section(&all));
@@ -875,6 +887,7 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
         endpoint_status: None,
         identity_status: None,
         k8s_sync_status: None,
+        health_status: None,
     };
     if !path.exists() {
         return status;
@@ -915,6 +928,14 @@ async fn probe(ctx: &Context, daemon: &str) -> DaemonStatus {
                         }
                         status.identity_status = Some(identity);
                     }
+                    Err(s) => status.error = status_error(s),
+                }
+            } else if daemon == HEALTH_DAEMON {
+                match HealthServiceClient::new(channel)
+                    .get_health(health_pb::GetHealthRequest::default())
+                    .await
+                {
+                    Ok(r) => status.health_status = Some(crate::health::HealthView::from(&r.into_inner())),
                     Err(s) => status.error = status_error(s),
                 }
             } else if daemon == K8S_SYNC_DAEMON {
@@ -1167,6 +1188,7 @@ mod tests {
             endpoint_status: None,
             identity_status: None,
             k8s_sync_status: None,
+            health_status: None,
         }
     }
 

@@ -31,14 +31,15 @@ fn check_started(node: &TestNode) {
         assert_eq!(d.phase, DaemonPhase::Running, "{d:?}");
         assert!(alive(d.pid.unwrap()), "{d:?}");
     }
-    // The datapath daemons (svc-loader, svc-gc) run inside the node namespace, the others do not.
+    // The datapath daemons (svc-loader, svc-gc) and svc-health run inside the node namespace, the
+    // others do not.
     let in_ns = Command::new("ip")
         .args(["netns", "pids", &node.netns])
         .output()
         .unwrap();
     let in_ns = String::from_utf8_lossy(&in_ns.stdout).to_string();
     let endpoint = record.daemon("svc-endpoint").unwrap().pid.unwrap();
-    for daemon in ["svc-loader", "svc-gc"] {
+    for daemon in ["svc-loader", "svc-gc", "svc-health"] {
         let pid = record.daemon(daemon).unwrap().pid.unwrap();
         assert!(
             in_ns.split_whitespace().any(|p| p == pid.to_string()),
@@ -56,6 +57,29 @@ fn check_started(node: &TestNode) {
         lo.contains("198.19.0.1/32") && lo.contains("2001:2:0:ffff::1/128"),
         "{lo}"
     );
+    // svc-health's group (the daemon user's) may open ICMP echo sockets, in the node namespace only.
+    let range = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &node.netns,
+            "sysctl",
+            "-n",
+            "net.ipv4.ping_group_range",
+        ])
+        .output()
+        .unwrap();
+    let gid = installed_user("rivet").gid;
+    assert_eq!(
+        String::from_utf8_lossy(&range.stdout)
+            .split_whitespace()
+            .collect::<Vec<_>>(),
+        [gid.to_string(), gid.to_string()]
+    );
+    // svc-health answers (a node alone has no peer to probe).
+    let health = node.ok(&["health", "-o", "json"]);
+    let health: serde_json::Value = serde_json::from_str(&health).unwrap();
+    assert_eq!(health["peers"], 0, "{health}");
     // The CNI files.
     let conflist: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&record.conflist).unwrap()).unwrap();
@@ -278,6 +302,7 @@ fn daemons_run_with_only_their_privileges_and_sockets_admit_only_who_needs_them(
         ("svc-endpoint", &daemon_user, 0),
         ("svc-loader", &datapath_user, loader_caps),
         ("svc-gc", &datapath_user, 0),
+        ("svc-health", &daemon_user, 0),
     ] {
         let pid = record.daemon(daemon).unwrap().pid.unwrap();
         let creds = ProcCredentials::of(&pid.to_string());
@@ -395,6 +420,7 @@ fn daemons_run_with_only_their_privileges_and_sockets_admit_only_who_needs_them(
         &["identity", "list"],
         &["bpf", "endpoint", "list"],
         &["gc", "status"],
+        &["health"],
     ] {
         let out = as_uid(nobody, &[operator_gid], read);
         assert!(

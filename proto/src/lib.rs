@@ -59,6 +59,14 @@ pub mod gc {
     }
 }
 
+/// svc-health: connectivity between nodes (`rivet.health.v1`).
+pub mod health {
+    /// Version 1.
+    pub mod v1 {
+        tonic::include_proto!("rivet.health.v1");
+    }
+}
+
 /// svc-k8s-sync: pod lookups and watch status (`rivet.k8s.v1`).
 pub mod k8s {
     /// Version 1.
@@ -127,6 +135,7 @@ error_reason!(
     loader::v1::ErrorReason => "loader.rivet.io",
     gc::v1::ErrorReason => "gc.rivet.io",
     k8s::v1::ErrorReason => "k8s.rivet.io",
+    health::v1::ErrorReason => "health.rivet.io",
 );
 
 /// A message that carries the `boot_id` of the server that produced it.
@@ -195,6 +204,7 @@ has_boot_id!(
     loader::v1::MonitorEvent,
     gc::v1::RunNowResponse,
     gc::v1::StatusResponse,
+    health::v1::GetHealthResponse,
 );
 
 #[cfg(test)]
@@ -229,6 +239,7 @@ mod tests {
         round_trips::<crate::loader::v1::ErrorReason>(9);
         round_trips::<crate::gc::v1::ErrorReason>(3);
         round_trips::<crate::k8s::v1::ErrorReason>(2);
+        round_trips::<crate::health::v1::ErrorReason>(2);
     }
 
     /// A message of one text field, as a client built before the bytes
@@ -293,6 +304,8 @@ mod tests {
             <crate::endpoint::v1::ErrorReason as ErrorReason>::DOMAIN,
             <crate::loader::v1::ErrorReason as ErrorReason>::DOMAIN,
             <crate::gc::v1::ErrorReason as ErrorReason>::DOMAIN,
+            <crate::k8s::v1::ErrorReason as ErrorReason>::DOMAIN,
+            <crate::health::v1::ErrorReason as ErrorReason>::DOMAIN,
         ];
         let unique: std::collections::BTreeSet<_> = domains.iter().collect();
         assert_eq!(unique.len(), domains.len());

@@ -385,7 +385,7 @@ impl Demo {
             &format!(
                 "Everything lives in a temp dir, D={d}, and in network namespaces the demo creates.\n\
                  `rivet node up` starts svc-ipam, svc-identity, svc-loader (inside the node's namespace),\n\
-                 svc-endpoint and svc-gc, each once the previous one answers, supervises them and\n\
+                 svc-endpoint, svc-gc and svc-health, each once the previous one answers, supervises them and\n\
                  installs rivet-cni with its conflist. Each daemon runs as its own user with only the\n\
                  capabilities it needs: svc-loader keeps three, the others none (USER, CAPABILITIES)."
             ),

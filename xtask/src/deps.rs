@@ -22,6 +22,7 @@ const UNPRIVILEGED: &[&str] = &[
     "svc-ipam",
     "svc-identity",
     "svc-endpoint",
+    "svc-health",
     "svc-k8s-sync",
     "rivet-operator",
     "rivet-cni",

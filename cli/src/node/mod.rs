@@ -94,23 +94,32 @@ pub const NODE_NETNS_SYSCTLS: &[(&str, &str)] = &[
     ("net.ipv6.conf.default.accept_dad", "0"),
 ];
 
-/// The node daemons in start order (stopped in reverse). svc-gc comes last:
-/// it sweeps svc-loader's pinned conntrack maps and asks svc-endpoint which
-/// endpoints exist.
-pub const NODE_DAEMONS: [&str; 5] = ["svc-ipam", "svc-identity", "svc-loader", "svc-endpoint", "svc-gc"];
+/// The node daemons in start order (stopped in reverse). svc-gc comes after
+/// svc-endpoint: it sweeps svc-loader's pinned conntrack maps and asks
+/// svc-endpoint which endpoints exist. svc-health comes last: it probes the
+/// peers svc-identity lists.
+pub const NODE_DAEMONS: [&str; 6] = [
+    "svc-ipam",
+    "svc-identity",
+    "svc-loader",
+    "svc-endpoint",
+    "svc-gc",
+    HEALTH,
+];
 
 /// The Kubernetes watcher, started before svc-endpoint when `rivet node up`
 /// is given `--kubeconfig` (svc-endpoint then runs in Kubernetes mode).
 pub const K8S_SYNC: &str = "svc-k8s-sync";
 
 /// Every daemon a node may run, for cleaning up sockets.
-pub const ALL_DAEMONS: [&str; 6] = [
+pub const ALL_DAEMONS: [&str; 7] = [
     "svc-ipam",
     "svc-identity",
     "svc-loader",
     K8S_SYNC,
     "svc-endpoint",
     "svc-gc",
+    HEALTH,
 ];
 
 /// The privileged datapath daemon that creates the pins.
@@ -118,6 +127,10 @@ const LOADER: &str = "svc-loader";
 
 /// The conntrack garbage collector, the other datapath daemon.
 const GC: &str = "svc-gc";
+
+/// The prober between nodes: in the node's namespace (its probes leave
+/// from there, and peers probe its `/hello` there), unprivileged.
+const HEALTH: &str = "svc-health";
 
 /// The CNI plugin binary.
 pub const CNI_BINARY: &str = "rivet-cni";

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::{
     ALL_DAEMONS, CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonSpec,
-    GC, IpamMode, K8S_SYNC, LOADER, NETWORK_NAME, NodePhase, NodeRecord, UpArgs,
+    GC, HEALTH, IpamMode, K8S_SYNC, LOADER, NETWORK_NAME, NodePhase, NodeRecord, UpArgs,
 };
 use crate::accounts::NodeAccounts;
 use crate::{netns, now_unix_nanos};
@@ -287,6 +287,12 @@ impl NodePlan {
                         ]);
                     }
                     GC => args.extend(["--bpffs".into(), self.args.bpffs.clone().into()]),
+                    HEALTH => {
+                        for address in &self.node_addresses {
+                            let ip = address.split_once('/').map_or(address.as_str(), |(ip, _)| ip);
+                            args.extend(["--node-address".into(), ip.into()]);
+                        }
+                    }
                     "svc-endpoint" if self.args.kubeconfig.is_some() => {
                         args.extend(["--k8s-sync-socket".into(), self.socket(K8S_SYNC).into()]);
                     }
@@ -316,8 +322,9 @@ impl NodePlan {
                     name: name.to_string(),
                     program: self.bin_dir.join(name),
                     args,
-                    // The datapath daemons live in the node's namespace (DESIGN.md §8).
-                    netns: if matches!(name, LOADER | GC) {
+                    // The datapath daemons live in the node's namespace (DESIGN.md §8), and so
+                    // does svc-health (its probes leave from there).
+                    netns: if matches!(name, LOADER | GC | HEALTH) {
                         self.netns_path()
                     } else {
                         None
@@ -517,7 +524,8 @@ pub(super) mod tests {
                 "svc-loader",
                 "svc-k8s-sync",
                 "svc-endpoint",
-                "svc-gc"
+                "svc-gc",
+                "svc-health"
             ]
         );
         assert_eq!(
@@ -661,7 +669,22 @@ pub(super) mod tests {
             ["nsenter", "--net=/run/netns/rn1", "--", "/opt/rivet/bin/svc-gc"]
         );
         assert_eq!(strings(&gc.args)[COMMON..], ["--bpffs", "/sys/fs/bpf"]);
-        assert_eq!(specs.iter().filter(|s| s.netns.is_some()).count(), 2);
+        // svc-health too: its probes leave from the node's namespace, and it serves /hello on the
+        // node's addresses there; it runs as the daemon user, reached read-only by the others.
+        let health = &specs[5];
+        assert_eq!(
+            strings(&health.command_line())[..4],
+            ["nsenter", "--net=/run/netns/rn1", "--", "/opt/rivet/bin/svc-health"]
+        );
+        assert_eq!(
+            strings(&health.args)[COMMON..],
+            ["--node-address", "198.19.0.1", "--node-address", "2001:2:0:ffff::1"]
+        );
+        assert_eq!(
+            (strings(&health.args)[7].as_str(), strings(&health.args)[11].as_str()),
+            ("rivet", "0")
+        );
+        assert_eq!(specs.iter().filter(|s| s.netns.is_some()).count(), 3);
         assert_eq!(strings(&specs[3].args)[COMMON..], ["--dependency-poll-ms=200"]);
         assert_eq!(specs[3].socket, Path::new("/tmp/r/sockets/svc-endpoint.sock"));
         assert_eq!(specs[3].log, Path::new("/tmp/r/state/logs/svc-endpoint.log"));

@@ -123,6 +123,7 @@ pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result
             bail!("network namespace `{ns}` does not exist (add --create-netns to create it)");
         }
         give_daemons_their_dirs(&plan, &accounts)?;
+        allow_health_echo(&plan, &accounts)?;
         supervisor.start(&cancel).await?;
         // Recorded before the copy: node down removes whatever was started.
         let copied: Vec<PathBuf> = companions
@@ -259,6 +260,19 @@ fn configure_node_netns(plan: &NodePlan) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Lets svc-health's group open unprivileged ICMP echo sockets in the
+/// node's namespace (`net.ipv4.ping_group_range`, which also governs ICMPv6
+/// echo sockets), so it probes peers with no capability. Only in the node's
+/// own namespace: a node in the host namespace keeps the machine's setting
+/// (and svc-health's ICMP probes fail there unless it allows the group).
+fn allow_health_echo(plan: &NodePlan, accounts: &NodeAccounts) -> Result<()> {
+    let Some(path) = plan.netns_path() else {
+        return Ok(());
+    };
+    let gid = accounts.of(super::HEALTH).gid;
+    netns::sysctls(&path, &[("net.ipv4.ping_group_range", &format!("{gid} {gid}"))])
 }
 
 /// Copies rivet-cni and the companion plugins to copy into the CNI bin dir,

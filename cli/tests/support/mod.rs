@@ -15,12 +15,13 @@ use std::time::{Duration, Instant};
 use rivet_cli::node::{DaemonPhase, NodeRecord};
 
 /// Every binary `rivet node up` starts or installs.
-const BINARIES: [&str; 6] = [
+const BINARIES: [&str; 7] = [
     "svc-ipam",
     "svc-identity",
     "svc-loader",
     "svc-endpoint",
     "svc-gc",
+    "svc-health",
     "rivet-cni",
 ];
 
