@@ -239,7 +239,7 @@ struct datapath_config {
 struct routing_config {
 	__u32 mode;             /* ROUTING_* */
 	__u32 tunnel_ifindex;   /* rivet_vxlan (vxlan mode), else 0 */
-	__u32 tunnel_mtu;       /* its MTU: larger pod packets go through the stack, which answers "too big" */
+	__u32 tunnel_mtu;       /* its MTU at start, for inspection (the datapath asks bpf_check_mtu) */
 	__u32 underlay_ifindex; /* the interface towards the other nodes, else 0 */
 };
 

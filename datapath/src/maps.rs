@@ -941,7 +941,8 @@ pub struct RoutingConfig {
     pub mode: u32,
     /// The tunnel device (vxlan mode), else 0.
     pub tunnel_ifindex: u32,
-    /// The tunnel device's MTU: larger pod packets go through the stack.
+    /// The tunnel device's MTU at start, for inspection (the datapath
+    /// checks packets with `bpf_check_mtu` against the device).
     pub tunnel_mtu: u32,
     /// The underlay interface, else 0.
     pub underlay_ifindex: u32,
