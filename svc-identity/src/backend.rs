@@ -248,3 +248,42 @@ pub trait IdentityBackend: Send + Sync + 'static {
     /// caller hears every replacement. The embedded store never completes it.
     async fn lease_renewed(&self, seen: &mut u64);
 }
+
+/// A change of a node record key (`nodes/v1/<cluster>/<node>`), undecoded:
+/// the registry decodes and counts bad records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeKeyEvent {
+    /// The node's key was written.
+    Put {
+        /// The node (the key's last segment).
+        node: String,
+        /// The stored value (JSON of a `rivet_common::cluster::NodeRecord`).
+        value: Vec<u8>,
+    },
+    /// The node's key was deleted (a clean stop, an expired lease, the
+    /// operator's mirror).
+    Delete {
+        /// The node.
+        node: String,
+    },
+}
+
+/// The node records of the cluster in the store (the etcd store only: the
+/// embedded store is one node, the Kubernetes store's nodes are RivetNodes).
+#[tonic::async_trait]
+pub trait NodeStore: Send + Sync + 'static {
+    /// Writes this node's record (JSON) under its key, bound to the node
+    /// lease (the lease of its value keys and IP entries).
+    async fn put_node(&self, value: Vec<u8>) -> Result<(), BackendError>;
+
+    /// Every node key of the cluster as (node, value), with the listing's
+    /// revision.
+    async fn list_nodes(&self) -> Result<(Vec<(String, Vec<u8>)>, Revision), BackendError>;
+
+    /// Node key changes after `after` (exclusive); ends or errs like
+    /// [`IdentityBackend::watch_identities`].
+    async fn watch_nodes(
+        &self,
+        after: Revision,
+    ) -> Result<BoxStream<'static, Result<NodeKeyEvent, BackendError>>, BackendError>;
+}

@@ -94,7 +94,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::backend::{
     AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord, IpEntry, IpEvent,
-    Revision,
+    NodeKeyEvent, NodeStore, Revision,
 };
 
 /// Default key prefix.
@@ -1109,6 +1109,52 @@ impl IdentityBackend for EtcdBackend {
                 std::future::pending::<()>().await;
             }
         }
+    }
+}
+
+/// A node key's node and its raw value (decoded by the registry).
+fn node_key_value(layout: &Layout, key: &[u8], value: &[u8]) -> Result<(String, Vec<u8>), BackendError> {
+    let text = std::str::from_utf8(key).map_err(|_| corrupt(key, "the key is not UTF-8"))?;
+    let node = layout
+        .node_of_key(text)
+        .ok_or_else(|| corrupt(key, format!("not a node key {}<node>", layout.node_prefix())))?;
+    Ok((node.to_string(), value.to_vec()))
+}
+
+#[tonic::async_trait]
+impl NodeStore for EtcdBackend {
+    async fn put_node(&self, value: Vec<u8>) -> Result<(), BackendError> {
+        let key = self.layout.node_key(&self.node);
+        let action = format!("publishing this node's record {key}");
+        let mut kv = self.client.kv_client();
+        self.call(&action, kv.put(key.clone(), value, Some(self.lease_put(&action)?)))
+            .await?;
+        Ok(())
+    }
+
+    async fn list_nodes(&self) -> Result<(Vec<(String, Vec<u8>)>, Revision), BackendError> {
+        self.list_decoded(
+            "listing the node records",
+            "node record",
+            self.layout.node_prefix(),
+            node_key_value,
+        )
+        .await
+    }
+
+    async fn watch_nodes(
+        &self,
+        after: Revision,
+    ) -> Result<BoxStream<'static, Result<NodeKeyEvent, BackendError>>, BackendError> {
+        let layout = self.layout.clone();
+        self.watch_prefix("the node records", self.layout.node_prefix(), after, move |kind, kv| {
+            let (node, value) = skip_corrupt("node record", node_key_value(&layout, kv.key(), kv.value()))?;
+            Some(match kind {
+                EventType::Put => NodeKeyEvent::Put { node, value },
+                EventType::Delete => NodeKeyEvent::Delete { node },
+            })
+        })
+        .await
     }
 }
 

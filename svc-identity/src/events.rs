@@ -16,7 +16,13 @@
 //! - `rivet_identity_snapshot_writes_total{outcome}`,
 //!   `rivet_identity_snapshot_write_duration_seconds`,
 //!   `rivet_identity_snapshot_loads_total{outcome}`: the local snapshot
-//!   served while etcd is away ([`crate::snapshot`]).
+//!   served while etcd is away ([`crate::snapshot`]);
+//! - `rivet_identity_nodes`: the nodes of the cluster this node knows,
+//!   itself included ([`crate::registry`]);
+//! - `rivet_identity_node_changes_total{change}`: other nodes that
+//!   `joined`, `left`, were `updated` or `restarted` (a new boot id);
+//! - `rivet_identity_node_records_invalid_total{reason}`: records under
+//!   `nodes/v1` skipped (`undecodable`, `name_mismatch`, `other_cluster`).
 
 use std::time::Duration;
 
@@ -123,6 +129,19 @@ pub struct IdentityMetrics {
     snapshot_writes: MetricFamily<OutcomeLabels, Counter>,
     snapshot_write_duration: Histogram,
     snapshot_loads: MetricFamily<OutcomeLabels, Counter>,
+    nodes: Gauge,
+    node_changes: MetricFamily<ChangeLabels, Counter>,
+    node_records_invalid: MetricFamily<ReasonLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChangeLabels {
+    change: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: &'static str,
 }
 
 impl Default for IdentityMetrics {
@@ -134,6 +153,9 @@ impl Default for IdentityMetrics {
             snapshot_writes: MetricFamily::default(),
             snapshot_write_duration: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             snapshot_loads: MetricFamily::default(),
+            nodes: Gauge::default(),
+            node_changes: MetricFamily::default(),
+            node_records_invalid: MetricFamily::default(),
         }
     }
 }
@@ -177,6 +199,21 @@ impl IdentityMetrics {
             "snapshot_loads",
             "Loads of the local snapshot at start, by outcome",
             self.snapshot_loads.clone(),
+        );
+        r.register(
+            "nodes",
+            "Nodes of the cluster this node knows (itself included)",
+            self.nodes.clone(),
+        );
+        r.register(
+            "node_changes",
+            "Other nodes of the cluster that joined, left, were updated or restarted, as seen here",
+            self.node_changes.clone(),
+        );
+        r.register(
+            "node_records_invalid",
+            "Node records of the store skipped because they are unusable, by reason",
+            self.node_records_invalid.clone(),
         );
         r.register_collector(Box::new(PendingWrites(Box::new(pending_writes))));
     }
@@ -321,4 +358,59 @@ pub fn snapshot_unusable(m: &IdentityMetrics, reason: &dyn std::fmt::Display) {
     m.snapshot_loads
         .get_or_create(&OutcomeLabels { outcome: "unusable" })
         .inc();
+}
+
+/// How another node changed, as this node's registry saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NodeChange {
+    /// A node appeared.
+    Joined,
+    /// A node's record went (a clean stop, an expired lease).
+    Left,
+    /// A node's record changed (addresses, pod CIDRs, health addresses).
+    Updated,
+    /// A node's record carries a new boot id (its svc-identity restarted).
+    Restarted,
+}
+
+impl NodeChange {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Joined => "joined",
+            Self::Left => "left",
+            Self::Updated => "updated",
+            Self::Restarted => "restarted",
+        }
+    }
+}
+
+/// Another node joined, left, changed or restarted; `known` nodes now
+/// (this one included).
+pub fn node_changed(m: &IdentityMetrics, change: NodeChange, node: &str, boot_id: &str, known: usize) {
+    tracing::info!(
+        node,
+        change = change.as_str(),
+        boot_id,
+        known,
+        "cluster node {}",
+        change.as_str()
+    );
+    m.node_changes
+        .get_or_create(&ChangeLabels {
+            change: change.as_str(),
+        })
+        .inc();
+    m.nodes.set(i64::try_from(known).unwrap_or(i64::MAX));
+}
+
+/// The nodes this node knows (itself included), without a change of another
+/// node (the first count).
+pub fn nodes_known(m: &IdentityMetrics, known: usize) {
+    m.nodes.set(i64::try_from(known).unwrap_or(i64::MAX));
+}
+
+/// A record under `nodes/v1` cannot be used and was skipped.
+pub fn node_record_invalid(m: &IdentityMetrics, node: &str, reason: &'static str, detail: &dyn std::fmt::Display) {
+    tracing::warn!(node, reason, %detail, "skipping an unusable node record of the store");
+    m.node_records_invalid.get_or_create(&ReasonLabels { reason }).inc();
 }

@@ -18,6 +18,10 @@
 //! - [`events`]: log lines and metrics of the outage events;
 //! - [`heartbeat`]: the watchdog of rivet-operator's kvstore heartbeat
 //!   (reported, never acted on);
+//! - [`registry`]: the node registry (this node's record in the store, the
+//!   other nodes' from it, their addresses as remote-node, the peers for
+//!   svc-loader) and [`node_service`], its `NodeService`;
+//! - `store_watch`: the list-then-watch loop of the store's followers;
 //! - [`service`]: the `rivet.identity.v1.IdentityService` gRPC service.
 
 pub mod allocator;
@@ -30,9 +34,12 @@ pub mod heartbeat;
 pub mod ipcache;
 pub mod ipcache_service;
 pub mod kubernetes_backend;
+pub mod node_service;
 mod reconcile;
+pub mod registry;
 pub mod service;
 pub mod snapshot;
+mod store_watch;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-identity.sock`.
 pub const DAEMON_NAME: &str = "svc-identity";
@@ -56,6 +63,10 @@ pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
     (
         rivet_proto::identity::v1::ipcache_service_server::SERVICE_NAME,
         &["ListIpcache", "WatchIpcache"],
+    ),
+    (
+        rivet_proto::identity::v1::node_service_server::SERVICE_NAME,
+        &["ListNodes"],
     ),
 ];
 

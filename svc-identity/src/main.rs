@@ -1,12 +1,15 @@
 //! svc-identity: flags and wiring; the logic lives in the library.
 
+use std::net::IpAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use ipnet::IpNet;
 use prometheus_client::registry::Registry;
+use rivet_common::cluster::EncapsulationMode;
 use rivet_common::config::{self, CommonArgs};
 use rivet_common::controller::Controllers;
 use rivet_common::daemon;
@@ -17,7 +20,7 @@ use rivet_common::metrics::Health;
 use rivet_common::privileges::Dropped;
 use rivet_k8s::ClusterAccess;
 use svc_identity::allocator::{AllocatorOptions, IdentityAllocator};
-use svc_identity::backend::IdentityBackend;
+use svc_identity::backend::{IdentityBackend, NodeStore};
 use svc_identity::cidr::CidrIdentities;
 use svc_identity::embedded_backend::EmbeddedBackend;
 use svc_identity::etcd_backend::{EtcdBackend, EtcdOptions};
@@ -26,6 +29,8 @@ use svc_identity::heartbeat::{HeartbeatArgs, HeartbeatWatchdog};
 use svc_identity::ipcache::{IpCache, IpCacheOptions, LoaderSync, LoaderSyncOptions};
 use svc_identity::ipcache_service::IpcacheService;
 use svc_identity::kubernetes_backend::KubernetesBackend;
+use svc_identity::node_service::NodeService;
+use svc_identity::registry::{DEFAULT_TUNNEL_PORT, NodeRegistry, RegistryOptions};
 use svc_identity::service::IdentityService;
 use svc_identity::snapshot::{self, SNAPSHOT_FILE_NAME, SnapshotOptions, SnapshotWriter};
 use tonic::service::Routes;
@@ -90,6 +95,38 @@ struct Flags {
 
     #[command(flatten)]
     heartbeat: HeartbeatArgs,
+
+    /// How pod traffic crosses nodes, the same on every node of the
+    /// cluster: `none` (a single node), `native` (pod CIDRs routed via the
+    /// nodes' underlay addresses) or `vxlan`. With a mode, the peer nodes
+    /// are pushed to svc-loader (its `--routing-mode` must match). Needs the
+    /// etcd store (nodes meet there).
+    #[arg(long, env = "RIVET_ROUTING_MODE", value_enum, default_value_t = RoutingFlag::None)]
+    routing_mode: RoutingFlag,
+
+    /// This node's underlay address (repeatable, comma-separated): published
+    /// in its node record; the IPv4 one is the tunnel endpoint other nodes
+    /// use for this node's pods.
+    #[arg(long = "node-address", env = "RIVET_NODE_ADDRESSES", value_delimiter = ',')]
+    node_addresses: Vec<IpAddr>,
+
+    /// A prefix this node's pods get addresses from (repeatable,
+    /// comma-separated): published in its node record; peers route it here.
+    #[arg(long = "pod-cidr", env = "RIVET_POD_CIDRS", value_delimiter = ',', value_parser = pod_cidr)]
+    pod_cidrs: Vec<IpNet>,
+
+    /// The VXLAN UDP port of the cluster (published with `--routing-mode
+    /// vxlan`).
+    #[arg(long, env = "RIVET_TUNNEL_PORT", default_value_t = DEFAULT_TUNNEL_PORT)]
+    tunnel_port: u16,
+}
+
+/// `--routing-mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RoutingFlag {
+    None,
+    Native,
+    Vxlan,
 }
 
 /// `--identity-store`.
@@ -101,6 +138,28 @@ enum StoreKind {
 }
 
 impl Flags {
+    /// The routing mode, checked against the store and addresses it needs.
+    fn routing(&self, store: StoreKind) -> anyhow::Result<Option<EncapsulationMode>> {
+        let mode = match self.routing_mode {
+            RoutingFlag::None => return Ok(None),
+            RoutingFlag::Native => EncapsulationMode::Direct,
+            RoutingFlag::Vxlan => EncapsulationMode::Vxlan,
+        };
+        if store != StoreKind::Etcd {
+            anyhow::bail!("--routing-mode needs the etcd store (--etcd-endpoints): nodes find each other there");
+        }
+        if self.node_addresses.is_empty() {
+            anyhow::bail!("--routing-mode needs this node's underlay address (--node-address)");
+        }
+        if mode == EncapsulationMode::Vxlan && !self.node_addresses.iter().any(IpAddr::is_ipv4) {
+            anyhow::bail!("--routing-mode vxlan needs an IPv4 --node-address (tunnel endpoints are IPv4)");
+        }
+        if self.pod_cidrs.is_empty() {
+            anyhow::bail!("--routing-mode needs this node's pod CIDRs (--pod-cidr)");
+        }
+        Ok(Some(mode))
+    }
+
     /// The store to use, checked against the flags it needs.
     fn store(&self) -> anyhow::Result<StoreKind> {
         let kind = self.identity_store.unwrap_or(if self.etcd_endpoints.is_empty() {
@@ -161,8 +220,11 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     // Every background loop of the daemon, the etcd lease keeper's too.
     let controllers = Controllers::new();
     let store = flags.store()?;
+    let routing = flags.routing(store)?;
     // The operator's heartbeat lives in etcd only.
     let mut heartbeat = None;
+    // Node records live in etcd only (else the registry lists this node).
+    let mut node_store: Option<Arc<dyn NodeStore>> = None;
     let (backend, snapshot): (Arc<dyn IdentityBackend>, Option<SnapshotOptions>) = if store == StoreKind::Embedded {
         let path = state_dir.join("store.json");
         let backend = EmbeddedBackend::open(&path, &node).context("opening the embedded identity store")?;
@@ -191,7 +253,9 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
             backend.layout().prefix(),
             &flags.cluster_name,
         );
-        (Arc::new(backend), Some(snapshot))
+        let backend = Arc::new(backend);
+        node_store = Some(backend.clone());
+        (backend, Some(snapshot))
     };
     tracing::info!(backend = backend.kind(), node = %node, "identity store configured");
 
@@ -200,6 +264,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         backend.clone(),
         IpCacheOptions {
             restore_grace,
+            host_ip: flags.node_addresses.iter().copied().find(IpAddr::is_ipv4),
             metrics: metrics.clone(),
             ..IpCacheOptions::new(node.clone())
         },
@@ -234,20 +299,38 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         None => None,
     };
     ipcache.run(&controllers);
-    // Every entry reaches this node's datapath (retrying until svc-loader is up).
+    let registry = NodeRegistry::new(
+        RegistryOptions {
+            routing,
+            node_addresses: flags.node_addresses.clone(),
+            pod_cidrs: flags.pod_cidrs.clone(),
+            tunnel_port: flags.tunnel_port,
+            metrics: metrics.clone(),
+            ..RegistryOptions::new(node.clone(), flags.cluster_name.clone(), identity.boot_id.to_string())
+        },
+        node_store,
+        backend.clone(),
+        ipcache.clone(),
+    );
+    registry.run(&controllers);
+    // Every entry reaches this node's datapath (retrying until svc-loader
+    // is up), and with a routing mode the peer nodes too.
     let loader_sync = LoaderSync::new(
         ipcache.clone(),
-        LoaderSyncOptions::new(flags.common.socket_path("svc-loader")),
+        LoaderSyncOptions {
+            peers: routing.is_some().then(|| registry.peer_nodes()),
+            ..LoaderSyncOptions::new(flags.common.socket_path("svc-loader"))
+        },
     );
     loader_sync.run(&controllers);
     allocator.run(&controllers);
     if let Some(writer) = &snapshot_writer {
         writer.run(&controllers);
     }
-    let mut registry = Registry::with_prefix("rivet");
+    let mut metrics_registry = Registry::with_prefix("rivet");
     {
         let (allocator, ipcache) = (allocator.clone(), ipcache.clone());
-        metrics.register(&mut registry, move || {
+        metrics.register(&mut metrics_registry, move || {
             vec![
                 (ReconciledKeys::ValueKeys, allocator.pending_writes()),
                 (ReconciledKeys::IpEntries, ipcache.pending_writes()),
@@ -259,18 +342,19 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let mut service =
         IdentityService::new(allocator, cidrs, identity.boot_id.clone()).with_ipcache(ipcache.clone(), loader_sync);
     if let Some(watchdog) = heartbeat {
-        watchdog.register(&mut registry);
+        watchdog.register(&mut metrics_registry);
         service = service.with_heartbeat(watchdog);
     }
     let routes = Routes::new(service.into_server())
-        .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server());
+        .add_service(IpcacheService::new(ipcache, identity.boot_id.clone()).into_server())
+        .add_service(NodeService::new(registry).into_server());
     let served = daemon::run(
         &flags.common,
         listener,
         identity,
         controllers,
         routes,
-        registry,
+        metrics_registry,
         Health::default(),
     )
     .await;
@@ -291,4 +375,13 @@ fn max_cluster_identity(text: &str) -> Result<u32, String> {
     let max = text.parse().map_err(|e| format!("{text:?}: {e}"))?;
     identity::check_max_cluster_identity(max).map_err(|e| e.to_string())?;
     Ok(max)
+}
+
+/// `--pod-cidr`: a prefix without host bits.
+fn pod_cidr(text: &str) -> Result<IpNet, String> {
+    let net: IpNet = text.parse().map_err(|e| format!("{text:?}: {e}"))?;
+    if net.trunc() != net {
+        return Err(format!("{text} has host bits set (the prefix is {})", net.trunc()));
+    }
+    Ok(net)
 }

@@ -555,7 +555,7 @@ async fn etcd_outage_serves_known_sets_and_ip_changes_locally_and_reconciles_whe
     let keys = raw_keys(&endpoint, "rivet/state/").await;
     let of_a: BTreeSet<&str> = keys
         .keys()
-        .filter(|k| k.ends_with("/node-a"))
+        .filter(|k| k.contains("/value/") && k.ends_with("/node-a"))
         .map(String::as_str)
         .collect();
     let value = |i: usize| format!("rivet/state/identities/v1/value/{}/node-a", labels(i).join(","));
@@ -1204,13 +1204,14 @@ async fn a_node_restarted_during_an_etcd_outage_serves_its_snapshot_and_converge
         .filter(|(k, _)| k.ends_with("/node-a") || a_pods.contains(k))
         .map(|(k, l)| (k.clone(), *l))
         .collect();
-    let expected: BTreeMap<String, i64> = [value(1), value(3), a_pods[0].clone(), a_pods[2].clone()]
+    let record = "rivet/state/nodes/v1/default/node-a".to_string();
+    let expected: BTreeMap<String, i64> = [value(1), value(3), a_pods[0].clone(), a_pods[2].clone(), record]
         .into_iter()
         .map(|k| (k, lease))
         .collect();
     assert_eq!(
         of_a, expected,
-        "node-a's keys: the sets and pods it has, all on its new lease (set 2's value key and .2 \
+        "node-a's keys: the sets and pods it has and its node record, all on its new lease (set 2's value key and .2 \
          went at once, before the restore grace; the first run's lease held {old_lease_keys:?})"
     );
     let masters = leases.keys().filter(|k| k.contains("/id/")).count();

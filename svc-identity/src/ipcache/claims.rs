@@ -15,6 +15,9 @@ pub enum IpcacheSource {
     Reserved,
     /// An endpoint of this node; published to the store.
     LocalEndpoint,
+    /// Another node's underlay address → remote-node, from the node
+    /// registry. Server-owned.
+    Node,
     /// Another node's entry learned from the store. Server-owned.
     KvStore,
     /// From the Kubernetes API (svc-k8s-sync); node-local.
@@ -25,9 +28,10 @@ pub enum IpcacheSource {
 
 impl IpcacheSource {
     /// Every source, by precedence.
-    pub const ALL: [IpcacheSource; 5] = [
+    pub const ALL: [IpcacheSource; 6] = [
         Self::Reserved,
         Self::LocalEndpoint,
+        Self::Node,
         Self::KvStore,
         Self::Kubernetes,
         Self::Cidr,
@@ -39,6 +43,7 @@ impl IpcacheSource {
             pb::IpcacheSource::Unspecified => None,
             pb::IpcacheSource::Reserved => Some(Self::Reserved),
             pb::IpcacheSource::LocalEndpoint => Some(Self::LocalEndpoint),
+            pb::IpcacheSource::Node => Some(Self::Node),
             pb::IpcacheSource::Kvstore => Some(Self::KvStore),
             pb::IpcacheSource::Kubernetes => Some(Self::Kubernetes),
             pb::IpcacheSource::Cidr => Some(Self::Cidr),
@@ -50,6 +55,7 @@ impl IpcacheSource {
         match self {
             Self::Reserved => pb::IpcacheSource::Reserved,
             Self::LocalEndpoint => pb::IpcacheSource::LocalEndpoint,
+            Self::Node => pb::IpcacheSource::Node,
             Self::KvStore => pb::IpcacheSource::Kvstore,
             Self::Kubernetes => pb::IpcacheSource::Kubernetes,
             Self::Cidr => pb::IpcacheSource::Cidr,
@@ -61,6 +67,7 @@ impl IpcacheSource {
         match self {
             Self::Reserved => "RESERVED",
             Self::LocalEndpoint => "LOCAL_ENDPOINT",
+            Self::Node => "NODE",
             Self::KvStore => "KVSTORE",
             Self::Kubernetes => "KUBERNETES",
             Self::Cidr => "CIDR",
@@ -70,7 +77,7 @@ impl IpcacheSource {
     /// Only the server itself may claim with it (never a caller, not even
     /// in-process).
     pub(super) fn server_only(self) -> bool {
-        matches!(self, Self::Reserved | Self::KvStore)
+        matches!(self, Self::Reserved | Self::Node | Self::KvStore)
     }
 }
 

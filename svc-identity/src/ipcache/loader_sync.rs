@@ -6,6 +6,14 @@
 //! ([`IpCache::restore`], [`crate::snapshot`]), before its first full sync:
 //! replacing the loader's ipcache with a view lacking the other nodes'
 //! entries would cut the traffic to them, while waiting only delays changes.
+//!
+//! With a routing mode (multi-node), the same session pushes the complete set
+//! of peer nodes from the registry ([`LoaderSyncOptions::peers`]) with
+//! `NodeRoutingService.ReplaceNodes`: after every full sync (so again on
+//! each new loader boot id) and whenever the set changes, never before the
+//! registry's first listing (an empty set would remove the loader's routes).
+//! A loader without a routing mode answers ROUTING_DISABLED: logged, and not
+//! asked again until the set changes or the loader restarts.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -23,11 +31,13 @@ use rivet_proto::daemon::v1::{GetInfoRequest, daemon_client::DaemonClient};
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::loader::v1 as loader_pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
+use rivet_proto::loader::v1::node_routing_service_client::NodeRoutingServiceClient;
 use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use super::{IpCache, IpcacheDelta, IpcacheEntry, IpcacheSource};
+use crate::registry::PeerNodes;
 
 /// Most entries svc-loader takes in one ipcache call.
 pub const LOADER_MAX_BATCH: usize = 4096;
@@ -46,6 +56,10 @@ pub struct LoaderSyncOptions {
     pub probe_interval: Duration,
     /// Entries per call (at most [`LOADER_MAX_BATCH`]).
     pub batch_size: usize,
+    /// The peer nodes to push (`None` inside: not listed yet); `None`: a
+    /// single node, nothing pushed
+    /// ([`NodeRegistry::peer_nodes`](crate::registry::NodeRegistry::peer_nodes)).
+    pub peers: Option<watch::Receiver<Option<PeerNodes>>>,
 }
 
 impl LoaderSyncOptions {
@@ -57,6 +71,7 @@ impl LoaderSyncOptions {
             retry: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
             probe_interval: Duration::from_secs(1),
             batch_size: LOADER_MAX_BATCH,
+            peers: None,
         }
     }
 }
@@ -221,11 +236,14 @@ impl LoaderSync {
     async fn session(&self, progress: &Progress) -> Result<(), SyncError> {
         let channel = connect_unix(&self.opts.socket, &self.opts.client).await?;
         let mut loader = LoaderServiceClient::new(channel.clone());
+        let mut routing = NodeRoutingServiceClient::new(channel.clone());
         let mut daemon = DaemonClient::new(channel);
         let restarted = Arc::new(AtomicBool::new(false));
         let flag = restarted.clone();
         let boot = BootIdWatch::new("svc-loader", move |_| flag.store(true, Ordering::SeqCst));
+        let mut peers = self.opts.peers.clone();
         let mut deltas = self.full_sync(&mut loader, &boot, &restarted).await?;
+        self.push_peers(&mut routing, &boot, peers.as_mut()).await?;
         progress.ok();
         let mut probe = tokio::time::interval(self.opts.probe_interval);
         probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -233,9 +251,13 @@ impl LoaderSync {
         loop {
             if restarted.load(Ordering::SeqCst) {
                 deltas = self.full_sync(&mut loader, &boot, &restarted).await?;
+                self.push_peers(&mut routing, &boot, peers.as_mut()).await?;
                 continue;
             }
             tokio::select! {
+                () = peers_changed(peers.as_mut()) => {
+                    self.push_peers(&mut routing, &boot, peers.as_mut()).await?;
+                }
                 first = deltas.recv() => {
                     let mut batch: BTreeMap<IpNet, Option<IpcacheEntry>> = BTreeMap::new();
                     let mut causes: Vec<TraceLink> = Vec::new();
@@ -269,6 +291,7 @@ impl LoaderSync {
                     }
                     if lagged {
                         deltas = self.full_sync(&mut loader, &boot, &restarted).await?;
+                        self.push_peers(&mut routing, &boot, peers.as_mut()).await?;
                         continue;
                     }
                     self.push(&mut loader, &boot, batch, &causes).await?;
@@ -282,6 +305,51 @@ impl LoaderSync {
                         .into_inner();
                     boot.observe_message(&info);
                 }
+            }
+        }
+    }
+
+    /// Replaces the loader's peer nodes with the registry's set (once it is
+    /// listed; nothing for a single node).
+    async fn push_peers(
+        &self,
+        routing: &mut NodeRoutingServiceClient<DaemonChannel>,
+        boot: &BootIdWatch,
+        peers: Option<&mut watch::Receiver<Option<PeerNodes>>>,
+    ) -> Result<(), SyncError> {
+        let Some(nodes) = peers.and_then(|p| p.borrow_and_update().clone()) else {
+            return Ok(());
+        };
+        let request = loader_pb::ReplaceNodesRequest {
+            nodes: nodes.as_ref().clone(),
+        };
+        match routing.replace_nodes(request).await {
+            Ok(response) => {
+                let response = response.into_inner();
+                boot.observe(&response.boot_id);
+                tracing::info!(
+                    peers = nodes.len(),
+                    routes_added = response.routes_added,
+                    routes_removed = response.routes_removed,
+                    routes_unchanged = response.routes_unchanged,
+                    loader_boot_id = %response.boot_id,
+                    "peer nodes pushed to svc-loader"
+                );
+                Ok(())
+            }
+            Err(status) => {
+                let error: rivet_common::grpc::RpcError<loader_pb::ErrorReason> = status.into();
+                if error.reason() == Some(loader_pb::ErrorReason::RoutingDisabled) {
+                    tracing::warn!(
+                        peers = nodes.len(),
+                        "svc-loader runs without a routing mode (--routing-mode none) while svc-identity has one: peer nodes not pushed"
+                    );
+                    return Ok(());
+                }
+                Err(SyncError::Call {
+                    action: "replacing svc-loader's peer nodes",
+                    source: error,
+                })
             }
         }
     }
@@ -394,4 +462,15 @@ impl LoaderSync {
     fn batch_size(&self) -> usize {
         self.opts.batch_size.clamp(1, LOADER_MAX_BATCH)
     }
+}
+
+/// Completes when the peer set changed; never without one (or once its
+/// registry is gone).
+async fn peers_changed(peers: Option<&mut watch::Receiver<Option<PeerNodes>>>) {
+    if let Some(rx) = peers
+        && rx.changed().await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
 }

@@ -5,7 +5,7 @@
 //!
 //! Every prefix may be claimed by several [`IpcacheSource`]s at once; the
 //! *effective* entry is the claim of the highest precedence (RESERVED >
-//! LOCAL_ENDPOINT > KVSTORE > KUBERNETES > CIDR). Withdrawing a claim makes
+//! LOCAL_ENDPOINT > NODE > KVSTORE > KUBERNETES > CIDR). Withdrawing a claim makes
 //! the next one effective. Who feeds which claims:
 //!
 //! - RESERVED: server-owned, fixed: `0.0.0.0/0` and `::/0` → world (2). The
@@ -20,6 +20,9 @@
 //!   at once and the entry is published when the store is back. The
 //!   store's watch echoes them back; entries of this node in the store
 //!   never become KVSTORE claims.
+//! - NODE: server-owned, other nodes' underlay addresses → remote-node,
+//!   from the node registry ([`IpCache::replace_node_claims`]); above
+//!   KVSTORE so that no pod entry of the store shadows a node address.
 //! - KVSTORE: server-owned, the store entries of OTHER nodes, kept by list +
 //!   watch; every (re-)listing (after a watch error, a compaction, etcd
 //!   restart) replaces the KVSTORE claims wholesale.
@@ -518,6 +521,54 @@ impl IpCache {
             self.publish(generation).await;
         }
         Ok(deleted)
+    }
+
+    /// Replaces the NODE claims with `addresses` (each peer node's underlay
+    /// address → remote-node, named by its node), effective at once; claims
+    /// of addresses no longer given are withdrawn. Returns how many
+    /// prefixes' effective entries changed.
+    pub fn replace_node_claims(&self, addresses: &BTreeMap<IpAddr, String>) -> usize {
+        let wanted: BTreeMap<IpNet, IpcacheEntry> = addresses
+            .iter()
+            .map(|(ip, node)| {
+                let prefix = IpNet::from(*ip);
+                let mut entry = IpcacheEntry::new(prefix, ReservedIdentity::RemoteNode.id(), IpcacheSource::Node);
+                entry.node_name.clone_from(node);
+                (prefix, entry)
+            })
+            .collect();
+        let mut st = self.lock();
+        let gone: Vec<IpNet> = st
+            .claims
+            .iter()
+            .filter(|(p, c)| c.contains_key(&IpcacheSource::Node) && !wanted.contains_key(p))
+            .map(|(p, _)| *p)
+            .collect();
+        let mut changed = 0;
+        for prefix in gone {
+            changed += usize::from(self.update(&mut st, prefix, |c| {
+                c.remove(&IpcacheSource::Node);
+            }));
+        }
+        for (prefix, entry) in wanted {
+            changed += usize::from(self.update(&mut st, prefix, |c| {
+                c.insert(IpcacheSource::Node, entry);
+            }));
+        }
+        changed
+    }
+
+    /// The addresses of this node's endpoints with the reserved `health`
+    /// identity (its health endpoint), sorted.
+    pub fn local_health_addresses(&self) -> Vec<IpAddr> {
+        let health = ReservedIdentity::Health.id();
+        self.lock()
+            .claims
+            .values()
+            .filter_map(|c| c.get(&IpcacheSource::LocalEndpoint))
+            .filter(|e| e.identity == health && e.prefix.prefix_len() == e.prefix.max_prefix_len())
+            .map(|e| e.prefix.addr())
+            .collect()
     }
 
     /// The effective entry of a prefix.

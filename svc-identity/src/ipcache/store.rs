@@ -41,13 +41,10 @@ use super::{IpCache, IpcacheEntry, IpcacheSource, State, parse_prefix, store_ip}
 
 use crate::backend::{BackendError, IpEntry, IpEvent};
 use crate::events::{self, KeyAction, StoreKey};
+use crate::store_watch;
 
 /// Store writes in flight at once for one batch.
 const STORE_CONCURRENCY: usize = 16;
-
-/// A watch that ran this long before failing worked: the re-listing after
-/// it starts with the shortest delay.
-const WATCH_WORKED_AFTER: Duration = Duration::from_secs(10);
 
 /// How far the reconcile passes got.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -190,32 +187,18 @@ impl IpCache {
     }
 
     async fn list_and_watch(&self, progress: &Progress) -> Result<(), BackendError> {
-        let (entries, revision) = self.backend.list_ips().await?;
-        self.snapshot_part.set_store_revision(revision);
-        self.apply_listing(entries);
-        self.watch_failed.store(false, Ordering::Release);
-        // Listed, but only a watch that works for a while starts the
-        // backoff over (a watch refused at once must not re-list in a loop).
-        progress.healthy();
-        let mut stream = self.backend.watch_ips(revision).await?;
-        let started = Instant::now();
-        while let Some(event) = stream.next().await {
-            let event = match event {
-                Ok(event) => event,
-                Err(e) => {
-                    if started.elapsed() > WATCH_WORKED_AFTER {
-                        progress.ok();
-                    }
-                    return Err(e);
-                }
-            };
-            self.apply_event(event);
-            progress.ok();
-        }
-        if started.elapsed() > WATCH_WORKED_AFTER {
-            progress.ok();
-        }
-        Ok(())
+        store_watch::list_then_watch(
+            progress,
+            self.backend.list_ips(),
+            |revision| self.backend.watch_ips(revision),
+            |entries, revision| {
+                self.snapshot_part.set_store_revision(revision);
+                self.apply_listing(entries);
+                self.watch_failed.store(false, Ordering::Release);
+            },
+            |event| self.apply_event(event),
+        )
+        .await
     }
 
     fn apply_listing(&self, entries: Vec<IpEntry>) {

@@ -1,0 +1,371 @@
+//! The node registry as real processes: three svc-identity nodes on one
+//! real etcd find each other (`NodeService.ListNodes`), claim each other's
+//! underlay addresses as remote-node, and drop a node that stops cleanly
+//! (at once) or crashes (after its lease TTL); a restarted node's record
+//! replaces the old one; unusable records are skipped and counted.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::testing::etcd::EtcdServer;
+use rivet_common::testing::{DaemonCommand, DaemonProcess};
+use rivet_proto::identity::v1 as pb;
+use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
+use rivet_proto::identity::v1::node_service_client::NodeServiceClient;
+
+const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
+
+/// Node `i` (1-based) of the simulated cluster's conventions.
+struct TestNode {
+    name: String,
+    ttl_seconds: u32,
+    metrics: Option<SocketAddr>,
+}
+
+impl TestNode {
+    fn new(i: u8, ttl_seconds: u32) -> Self {
+        Self {
+            name: format!("node-{i}"),
+            ttl_seconds,
+            metrics: None,
+        }
+    }
+
+    fn index(&self) -> u8 {
+        self.name.trim_start_matches("node-").parse().unwrap()
+    }
+
+    fn underlay(&self) -> (IpAddr, IpAddr) {
+        let i = self.index();
+        (
+            format!("198.19.254.{i}").parse().unwrap(),
+            format!("2001:2:0:fe::{i}").parse().unwrap(),
+        )
+    }
+
+    fn command(&self, dir: &Path, etcd: &str) -> DaemonCommand {
+        let sockets = dir.join(&self.name).join("sockets");
+        let i = self.index();
+        let (v4, v6) = self.underlay();
+        let mut cmd = DaemonCommand::new(BIN, sockets.join("svc-identity.sock"))
+            .args(["--socket-dir".as_ref(), sockets.as_os_str()])
+            .args(["--state-dir".as_ref(), dir.join(&self.name).join("state").as_os_str()])
+            .args(["--node-name", &self.name, "--etcd-endpoints", etcd])
+            .args(["--lease-ttl-seconds", &self.ttl_seconds.to_string()])
+            .args(["--routing-mode", "vxlan", "--tunnel-port", "8472"])
+            .args(["--node-address", &v4.to_string(), "--node-address", &v6.to_string()])
+            .args([
+                "--pod-cidr",
+                &format!("198.18.{i}.0/24"),
+                "--pod-cidr",
+                &format!("2001:2:0:{i}::/64"),
+            ])
+            .log_to(dir.join(format!("{}.log", self.name)));
+        if let Some(address) = self.metrics {
+            cmd = cmd.args(["--metrics-address", &address.to_string()]);
+        }
+        cmd
+    }
+
+    async fn spawn(&self, dir: &Path, etcd: &EtcdServer) -> DaemonProcess {
+        self.command(dir, &etcd.endpoint())
+            .spawn()
+            .await
+            .expect("svc-identity starts")
+    }
+}
+
+async fn channel(d: &DaemonProcess) -> DaemonChannel {
+    connect_unix(d.socket(), &ClientOptions::default()).await.unwrap()
+}
+
+async fn list_nodes(d: &DaemonProcess) -> pb::ListNodesResponse {
+    NodeServiceClient::new(channel(d).await)
+        .list_nodes(pb::ListNodesRequest {})
+        .await
+        .expect("ListNodes")
+        .into_inner()
+}
+
+/// Polls `d`'s ListNodes until `pred` holds (15 s); the listing.
+async fn nodes_until(
+    d: &DaemonProcess,
+    what: &str,
+    pred: impl Fn(&BTreeMap<String, pb::Node>) -> bool,
+) -> BTreeMap<String, pb::Node> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let listing = list_nodes(d).await;
+        let nodes: BTreeMap<String, pb::Node> = listing.nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
+        if listing.listed && pred(&nodes) {
+            return nodes;
+        }
+        assert!(Instant::now() < deadline, "{what}: {nodes:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls `d`'s ipcache until `pred` holds for its NODE claims (address →
+/// (identity, node)).
+async fn node_claims_until(d: &DaemonProcess, what: &str, pred: impl Fn(&BTreeMap<String, (u32, String)>) -> bool) {
+    let mut client = IpcacheServiceClient::new(channel(d).await);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let entries = client
+            .list_ipcache(pb::ListIpcacheRequest {
+                source: pb::IpcacheSource::Node as i32,
+                page_size: 1000,
+                ..Default::default()
+            })
+            .await
+            .expect("ListIpcache")
+            .into_inner()
+            .entries;
+        let claims: BTreeMap<String, (u32, String)> = entries
+            .into_iter()
+            .map(|e| {
+                let p = e.prefix.unwrap();
+                let ip = rivet_proto::net::address_from_bytes(&p.address).unwrap();
+                (format!("{ip}/{}", p.prefix_length), (e.identity, e.node_name))
+            })
+            .collect();
+        if pred(&claims) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {claims:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn ip(bytes: &[u8]) -> IpAddr {
+    rivet_proto::net::address_from_bytes(bytes).unwrap()
+}
+
+#[tokio::test]
+async fn three_nodes_see_each_other_and_drop_a_stopped_or_crashed_node() {
+    const LONG_TTL: u32 = 30;
+    const SHORT_TTL: u32 = 2;
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let (n1, n2, n3) = (
+        TestNode::new(1, SHORT_TTL),
+        TestNode::new(2, LONG_TTL),
+        TestNode::new(3, SHORT_TTL),
+    );
+    let a = n1.spawn(dir.path(), &etcd).await;
+    let mut b = n2.spawn(dir.path(), &etcd).await;
+    let mut c = n3.spawn(dir.path(), &etcd).await;
+
+    let nodes = nodes_until(&a, "node-1 sees all three nodes", |n| n.len() == 3).await;
+    let listing = list_nodes(&a).await;
+    assert_eq!(listing.nodes[0].name, "node-1", "this node first");
+    assert!(listing.nodes[0].local && !listing.nodes[1].local);
+    assert_eq!(listing.cluster, "default");
+    for (node, process) in [(&n1, &a), (&n2, &b), (&n3, &c)] {
+        let record = &nodes[&node.name];
+        let (v4, v6) = node.underlay();
+        let i = node.index();
+        assert_eq!(
+            record.addresses.iter().map(|a| ip(a)).collect::<Vec<_>>(),
+            vec![v4, v6],
+            "{}: underlay addresses, IPv4 first",
+            node.name
+        );
+        let cidrs: Vec<String> = record
+            .pod_cidrs
+            .iter()
+            .map(|p| format!("{}/{}", ip(&p.address), p.prefix_length))
+            .collect();
+        assert_eq!(cidrs, vec![format!("198.18.{i}.0/24"), format!("2001:2:0:{i}::/64")]);
+        assert_eq!(record.routing_mode, pb::RoutingMode::Vxlan as i32);
+        assert_eq!(record.tunnel_port, 8472);
+        assert_eq!(
+            record.boot_id,
+            process.info().boot_id,
+            "{}: the writer's boot id",
+            node.name
+        );
+        assert_eq!(record.source, pb::NodeSource::Node as i32);
+    }
+    node_claims_until(&a, "node-1 claims its peers' addresses as remote-node", |c| {
+        c.len() == 4
+            && c["198.19.254.2/32"] == (6, "node-2".into())
+            && c["2001:2:0:fe::3/128"] == (6, "node-3".into())
+            && !c.contains_key("198.19.254.1/32")
+    })
+    .await;
+
+    // A clean stop: node-2's key goes with its revoked lease (TTL 30 s).
+    let stopped = Instant::now();
+    assert!(b.terminate().await.unwrap().success(), "node-2 stops cleanly");
+    nodes_until(&a, "node-1 drops the stopped node-2", |n| !n.contains_key("node-2")).await;
+    let took = stopped.elapsed();
+    assert!(
+        took < Duration::from_secs(u64::from(LONG_TTL) / 3),
+        "node-2 left {took:?} after SIGTERM: at once, not after its TTL"
+    );
+    node_claims_until(&a, "node-2's addresses are withdrawn", |c| {
+        c.len() == 2 && !c.contains_key("198.19.254.2/32")
+    })
+    .await;
+
+    // A crash: node-3's record stays until its lease (TTL 2 s) expires.
+    let old_boot = c.info().boot_id.clone();
+    c.kill9();
+    let killed = Instant::now();
+    nodes_until(&a, "node-1 drops the crashed node-3 after its TTL", |n| {
+        !n.contains_key("node-3")
+    })
+    .await;
+    let took = killed.elapsed();
+    assert!(
+        took >= Duration::from_millis(900),
+        "node-3's record went {took:?} after kill -9: only its lease expiry removes it"
+    );
+    node_claims_until(&a, "node-3's addresses are withdrawn", |c| c.is_empty()).await;
+
+    // A restart: the new record (new boot id) replaces the old at once.
+    let mut c = n3.spawn(dir.path(), &etcd).await;
+    let new_boot = c.info().boot_id.clone();
+    assert_ne!(new_boot, old_boot);
+    nodes_until(&a, "node-1 sees node-3 again with its new boot id", |n| {
+        n.get("node-3").is_some_and(|r| r.boot_id == new_boot)
+    })
+    .await;
+    c.kill9();
+    let killed = Instant::now();
+    let nodes = nodes_until(&a, "a restarted-then-killed node-3 expires too", |n| {
+        !n.contains_key("node-3")
+    })
+    .await;
+    assert!(killed.elapsed() >= Duration::from_millis(900));
+    assert_eq!(nodes.keys().collect::<Vec<_>>(), vec!["node-1"]);
+}
+
+#[tokio::test]
+async fn a_restarted_node_replaces_its_record_before_the_old_lease_expires() {
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let (n1, n2) = (TestNode::new(1, 2), TestNode::new(2, 4));
+    let a = n1.spawn(dir.path(), &etcd).await;
+    let mut b = n2.spawn(dir.path(), &etcd).await;
+    let old_boot = b.info().boot_id.clone();
+    nodes_until(&a, "node-1 sees node-2", |n| {
+        n.get("node-2").is_some_and(|r| r.boot_id == old_boot)
+    })
+    .await;
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let key = "rivet/state/nodes/v1/default/node-2";
+    let old_lease = client.get(key, None).await.unwrap().kvs()[0].lease();
+    b.kill9();
+    let b = n2.spawn(dir.path(), &etcd).await;
+    let new_boot = b.info().boot_id.clone();
+    nodes_until(&a, "node-2's new record replaces the old", |n| {
+        n.get("node-2").is_some_and(|r| r.boot_id == new_boot)
+    })
+    .await;
+    let new_lease = client.get(key, None).await.unwrap().kvs()[0].lease();
+    assert_ne!(new_lease, old_lease, "the record moved to the new process's lease");
+    // The old lease expiring (TTL 4 s) takes nothing: the key is on the new
+    // one. Wait for etcd to drop the old lease, then look again.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while client.lease_time_to_live(old_lease, None).await.unwrap().ttl() > 0 {
+        assert!(Instant::now() < deadline, "lease {old_lease} never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let nodes = nodes_until(&a, "node-2 stays", |_| true).await;
+    assert_eq!(nodes["node-2"].boot_id, new_boot, "{nodes:#?}");
+}
+
+#[tokio::test]
+async fn unusable_records_are_skipped_and_counted_and_operator_records_are_peers() {
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let mut n1 = TestNode::new(1, 2);
+    let metrics = SocketAddr::from(([127, 0, 0, 1], rivet_common::testing::free_local_port()));
+    n1.metrics = Some(metrics);
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let prefix = "rivet/state/nodes/v1/default/";
+    // Before the node starts (its listing) and after (its watch).
+    client.put(format!("{prefix}garbage"), "{not json", None).await.unwrap();
+    let a = n1.spawn(dir.path(), &etcd).await;
+    let liar = r#"{"name":"someone-else","cluster":"default","source":"node"}"#;
+    client.put(format!("{prefix}liar"), liar, None).await.unwrap();
+    let mirrored = r#"{"name":"op-node","cluster":"default","addresses":[{"type":"InternalIP","ip":"198.19.254.9"}],"podCidrs":["198.18.9.0/24"],"encapsulation":{"mode":"direct"},"source":"operator"}"#;
+    client.put(format!("{prefix}op-node"), mirrored, None).await.unwrap();
+    let nodes = nodes_until(&a, "node-1 lists the operator's record", |n| n.contains_key("op-node")).await;
+    assert_eq!(nodes.len(), 2, "the unusable records are not nodes: {nodes:#?}");
+    let op = &nodes["op-node"];
+    assert_eq!(op.source, pb::NodeSource::Operator as i32);
+    assert_eq!(op.routing_mode, pb::RoutingMode::Native as i32);
+    assert!(op.boot_id.is_empty());
+    node_claims_until(&a, "the mirrored node's address is remote-node", |c| {
+        c.get("198.19.254.9/32") == Some(&(6, "op-node".into()))
+    })
+    .await;
+    // A known node whose key is overwritten by garbage is gone.
+    client.put(format!("{prefix}op-node"), "[]", None).await.unwrap();
+    nodes_until(&a, "node-1 drops the node whose record became unusable", |n| {
+        !n.contains_key("op-node")
+    })
+    .await;
+    node_claims_until(&a, "its address is withdrawn", |c| c.is_empty()).await;
+    let text = rivet_common::testing::http_get(metrics, "/metrics").await.unwrap();
+    let sample = |series: &str| rivet_common::testing::metric_sample(&text, series).unwrap_or(0.0);
+    assert_eq!(
+        sample(r#"rivet_identity_node_records_invalid_total{reason="undecodable"}"#),
+        2.0,
+        "{text}"
+    );
+    assert_eq!(
+        sample(r#"rivet_identity_node_records_invalid_total{reason="name_mismatch"}"#),
+        1.0
+    );
+    assert_eq!(sample(r#"rivet_identity_node_changes_total{change="joined"}"#), 1.0);
+    assert_eq!(sample(r#"rivet_identity_node_changes_total{change="left"}"#), 1.0);
+    assert_eq!(sample("rivet_identity_nodes"), 1.0);
+}
+
+#[tokio::test]
+async fn routing_needs_etcd_an_underlay_address_and_pod_cidrs() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let sockets = dir.path().join("sockets");
+        DaemonCommand::new(BIN, sockets.join("svc-identity.sock"))
+            .args(["--socket-dir".as_ref(), sockets.as_os_str()])
+            .args(["--state-dir".as_ref(), dir.path().join("state").as_os_str()])
+            .args(["--node-name", "node-1"])
+            .args(extra)
+            .run_to_exit(Duration::from_secs(10))
+            .expect("svc-identity exits")
+    };
+    let refused = |extra: &[&str], message: &str| {
+        let out = run(extra);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{extra:?} is refused");
+        assert!(stderr.contains(message), "{extra:?}: {stderr}");
+    };
+    refused(&["--routing-mode", "native"], "--routing-mode needs the etcd store");
+    let etcd = ["--etcd-endpoints", "http://127.0.0.1:9"];
+    refused(&[&etcd[..], &["--routing-mode", "native"]].concat(), "--node-address");
+    refused(
+        &[
+            &etcd[..],
+            &["--routing-mode", "vxlan", "--node-address", "2001:2:0:fe::1"],
+        ]
+        .concat(),
+        "needs an IPv4 --node-address",
+    );
+    refused(
+        &[
+            &etcd[..],
+            &["--routing-mode", "native", "--node-address", "198.19.254.1"],
+        ]
+        .concat(),
+        "--pod-cidr",
+    );
+    refused(&["--pod-cidr", "198.18.1.1/24"], "host bits");
+}
