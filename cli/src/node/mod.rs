@@ -1,4 +1,4 @@
-//! `rivet node up|down|status`: the single-node launcher.
+//! `rivet node up|down|status|list`: the node launcher.
 //!
 //! `rivet node up` starts every node daemon as its own process, in
 //! dependency order — svc-ipam, svc-identity, svc-loader, svc-endpoint, svc-gc —
@@ -38,6 +38,20 @@
 //! inside it via `nsenter --net` (not `ip netns exec`, which remounts /sys
 //! and hides the bpffs). Pools default to 198.18.0.0/22 and 2001:2::/64 there.
 //!
+//! A node of a cluster (multi-node, DESIGN.md §9): `--routing native|vxlan`
+//! with `--underlay-interface NAME` (an interface already in the node's
+//! namespace: give `--netns` of an existing namespace) and
+//! `--etcd-endpoints` (nodes meet there; `--cluster-name` names the
+//! cluster). `node up` reads the interface's global addresses and MTU
+//! before it starts anything, turns forwarding on in the node's namespace,
+//! and passes svc-loader `--routing-mode`, `--underlay-interface` and
+//! `--tunnel-port`, and svc-identity `--routing-mode`, `--tunnel-port`, the
+//! interface's addresses as `--node-address` and the pools' CIDRs as
+//! `--pod-cidr`. With vxlan the pod MTU is the interface's minus 50 unless
+//! `--mtu` says otherwise. Cluster-pool IPAM is refused with `--routing`
+//! (svc-identity publishes the pools of `--pool`). `rivet node list` shows
+//! the cluster as svc-identity's registry sees it.
+//!
 //! `<state-dir>/node.json` describes the running node — its namespace,
 //! directories, CNI files and the pid of every process — for `rivet pod`,
 //! `rivet status` (which finds the socket dir there) and `rivet node down`.
@@ -56,7 +70,7 @@
 //! does the cleanup itself from node.json.
 //!
 //! Modules: `plan` (every path, flag and file of a node, from the
-//! arguments), `supervisor` (start, readiness, restart with backoff, stop),
+//! arguments), `list` (`rivet node list`), `supervisor` (start, readiness, restart with backoff, stop),
 //! `record` (node.json), `up`, `down` (and the teardown both share), and
 //! `render` (`rivet node status`, the supervision part of `rivet status`).
 
@@ -70,6 +84,7 @@ use crate::Context;
 use crate::accounts;
 
 mod down;
+mod list;
 mod plan;
 mod record;
 mod render;
@@ -77,7 +92,7 @@ mod supervisor;
 mod up;
 
 pub use down::supervisor_alive;
-pub use plan::{CompanionPlugin, NodePlan};
+pub use plan::{CompanionPlugin, NodePlan, Underlay};
 pub use record::{DaemonPhase, DaemonStatus, NodePhase, NodeRecord};
 pub use render::{describe_node, describe_supervision};
 pub use supervisor::{
@@ -183,6 +198,10 @@ pub enum NodeCommand {
     /// The node of node.json: namespace, directories and each daemon's pid,
     /// state and restarts.
     Status,
+    /// The cluster's nodes as this node sees them (svc-identity's registry):
+    /// name, underlay addresses, pod CIDRs, routing, health endpoint, boot
+    /// id and who wrote the record; this node is marked `*`.
+    List,
 }
 
 /// `rivet node up`.
@@ -240,9 +259,30 @@ pub struct UpArgs {
     /// Prefix of the pods' host-side veth names (CNI and svc-loader).
     #[arg(long, default_value = "lxc")]
     pub host_interface_prefix: String,
-    /// MTU of pod interfaces.
-    #[arg(long, default_value_t = 1500)]
-    pub mtu: u32,
+    /// MTU of pod interfaces; default 1500, or with `--routing vxlan` the
+    /// underlay interface's MTU minus the 50 bytes of VXLAN encapsulation.
+    #[arg(long)]
+    pub mtu: Option<u32>,
+    /// How pod traffic crosses nodes (multi-node; the same on every node of
+    /// the cluster): `native` (pod CIDRs routed via the nodes' underlay
+    /// addresses) or `vxlan` (a tunnel; the source identity rides in the
+    /// VNI). Needs --etcd-endpoints (nodes meet there) and
+    /// --underlay-interface. Without it the node is alone.
+    #[arg(long, value_enum, requires = "underlay_interface")]
+    pub routing: Option<RoutingMode>,
+    /// The node's interface to the other nodes (in its namespace, existing
+    /// before `node up`): its global addresses are the node's underlay
+    /// addresses (svc-identity's --node-address), svc-loader routes and
+    /// tunnels over it, and its MTU sets the vxlan pod MTU.
+    #[arg(long, value_name = "NAME", requires = "routing")]
+    pub underlay_interface: Option<String>,
+    /// UDP port of the VXLAN tunnel (`--routing vxlan`; Cilium's 8472).
+    #[arg(long, default_value_t = DEFAULT_TUNNEL_PORT)]
+    pub tunnel_port: u16,
+    /// The cluster this node belongs to (svc-identity's `--cluster-name`:
+    /// node records and IP cache keys are per cluster); default `default`.
+    #[arg(long)]
+    pub cluster_name: Option<String>,
     /// Deadline of each CNI call (the conflist's timeoutSeconds).
     #[arg(long, default_value_t = 30)]
     pub cni_timeout_seconds: u64,
@@ -285,6 +325,33 @@ pub struct UpArgs {
     pub detach: bool,
 }
 
+/// The VXLAN UDP port unless `--tunnel-port` says otherwise.
+pub const DEFAULT_TUNNEL_PORT: u16 = 8472;
+
+/// Bytes VXLAN adds to a packet on an IPv4 underlay (outer IPv4, UDP,
+/// VXLAN and inner Ethernet headers): the pod MTU is the underlay's minus
+/// this.
+pub const VXLAN_OVERHEAD: u32 = 50;
+
+/// How pod traffic crosses nodes (`--routing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoutingMode {
+    /// Pod CIDRs routed via the peers' underlay addresses.
+    Native,
+    /// A collect-metadata VXLAN device.
+    Vxlan,
+}
+
+impl RoutingMode {
+    /// The daemons' `--routing-mode` value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Native => "native",
+            Self::Vxlan => "vxlan",
+        }
+    }
+}
+
 /// Where the node's pod CIDRs come from (`--ipam-mode`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum IpamMode {
@@ -300,6 +367,7 @@ pub async fn run(ctx: &Context, state_dir: &Path, command: NodeCommand) -> Resul
     match command {
         NodeCommand::Up(args) => up::up(ctx, state_dir, &args).await,
         NodeCommand::Down { timeout_seconds } => down::down(state_dir, Duration::from_secs(timeout_seconds)).await,
+        NodeCommand::List => list::list(ctx).await.map(|()| true).map_err(Into::into),
         NodeCommand::Status => {
             let record = NodeRecord::load(state_dir)?.ok_or_else(|| no_node(state_dir))?;
             ctx.print(&record, || describe_node(&record));

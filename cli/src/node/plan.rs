@@ -9,13 +9,71 @@ use serde_json::{Value, json};
 
 use super::{
     ALL_DAEMONS, CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonSpec,
-    GC, HEALTH, IpamMode, K8S_SYNC, LOADER, NETWORK_NAME, NodePhase, NodeRecord, UpArgs,
+    GC, HEALTH, IpamMode, K8S_SYNC, LOADER, NETWORK_NAME, NodePhase, NodeRecord, RoutingMode, UpArgs, VXLAN_OVERHEAD,
 };
 use crate::accounts::NodeAccounts;
 use crate::{netns, now_unix_nanos};
 
 /// Longest Unix socket path (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
+
+/// Pod MTU without `--mtu` and without VXLAN.
+const DEFAULT_MTU: u32 = 1500;
+
+/// The node's underlay interface as `node up` found it (`--underlay-interface`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Underlay {
+    /// Its name in the node's namespace.
+    pub interface: String,
+    /// Its global addresses, IPv4 first.
+    pub addresses: Vec<std::net::IpAddr>,
+    /// Its MTU.
+    pub mtu: u32,
+}
+
+impl Underlay {
+    /// From `ip -j addr show dev <interface>`: the global addresses
+    /// (link-local ones are no node address) and the MTU.
+    ///
+    /// ```
+    /// let json = r#"[{"ifname":"ul0","mtu":1500,"addr_info":[
+    ///     {"family":"inet6","local":"2001:2:0:fe::1","prefixlen":64,"scope":"global"},
+    ///     {"family":"inet6","local":"fe80::1","prefixlen":64,"scope":"link"},
+    ///     {"family":"inet","local":"198.19.254.1","prefixlen":24,"scope":"global"}]}]"#;
+    /// let u = rivet_cli::node::Underlay::from_ip_json("ul0", json).unwrap();
+    /// assert_eq!(u.addresses, ["198.19.254.1".parse::<std::net::IpAddr>().unwrap(), "2001:2:0:fe::1".parse().unwrap()]);
+    /// assert_eq!(u.mtu, 1500);
+    /// ```
+    pub fn from_ip_json(interface: &str, json: &str) -> Result<Self> {
+        let links: Value = serde_json::from_str(json)
+            .map_err(|e| anyhow::anyhow!("reading `ip -j addr show dev {interface}`: {e}"))?;
+        let Some(link) = links.as_array().and_then(|l| l.first()) else {
+            bail!("the underlay interface {interface} does not exist");
+        };
+        let mtu = link["mtu"]
+            .as_u64()
+            .and_then(|m| u32::try_from(m).ok())
+            .ok_or_else(|| anyhow::anyhow!("the underlay interface {interface} reports no MTU"))?;
+        let mut addresses: Vec<std::net::IpAddr> = link["addr_info"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|a| a["scope"] == "global")
+            .filter_map(|a| a["local"].as_str()?.parse().ok())
+            .collect();
+        addresses.sort_by_key(|ip| (ip.is_ipv6(), *ip));
+        if addresses.is_empty() {
+            bail!(
+                "the underlay interface {interface} has no global address: give it the node's underlay address first"
+            );
+        }
+        Ok(Self {
+            interface: interface.to_string(),
+            addresses,
+            mtu,
+        })
+    }
+}
 
 /// A plugin installed beside rivet-cni ([`COMPANION_PLUGINS`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,6 +112,8 @@ pub struct NodePlan {
     pub log_dir: PathBuf,
     /// `<bpffs>/rivet/<node>`.
     pub pin_dir: PathBuf,
+    /// The underlay interface, once read ([`with_underlay`](Self::with_underlay)).
+    pub underlay: Option<Underlay>,
     /// Arguments of `rivet node up`.
     pub args: UpArgs,
 }
@@ -126,6 +186,31 @@ impl NodePlan {
             }
             seen.insert(daemon);
         }
+        if args.routing.is_some() {
+            if args.etcd_endpoints.is_none() {
+                bail!("--routing needs --etcd-endpoints: the nodes of a cluster find each other in etcd");
+            }
+            if cluster_pool {
+                bail!(
+                    "--routing with --ipam-mode cluster-pool is not supported yet: svc-identity publishes the \
+                     pod CIDRs of --pool (node-pool)"
+                );
+            }
+        }
+        if args.underlay_interface.is_some() && args.create_netns {
+            bail!(
+                "--underlay-interface is read when `node up` starts: create the node's namespace with the \
+                 interface in it first, then give --netns without --create-netns"
+            );
+        }
+        if let Some(name) = &args.underlay_interface {
+            let ok = !name.is_empty()
+                && name.len() <= 15
+                && name.bytes().all(|b| b.is_ascii_graphic() && b != b'/' && b != b':');
+            if !ok {
+                bail!("`{name}` is not an interface name (1 to 15 printable characters, no / or :)");
+            }
+        }
         if args.host_interface_prefix.is_empty() || args.host_interface_prefix.len() > 10 {
             bail!("--host-interface-prefix must be 1 to 10 characters (interface names are at most 15)");
         }
@@ -141,6 +226,7 @@ impl NodePlan {
             socket_dir: socket_dir.to_path_buf(),
             log_dir: args.log_dir.clone().unwrap_or_else(|| state_dir.join("logs")),
             pin_dir: pin_layout::pin_dir(&args.bpffs, &node_name)?,
+            underlay: None,
             args: args.clone(),
         };
         if args.kubeconfig.as_deref() == Some("") {
@@ -157,6 +243,50 @@ impl NodePlan {
             }
         }
         Ok(plan)
+    }
+
+    /// The plan with the underlay interface `node up` read; refuses a vxlan
+    /// node without an IPv4 underlay address (tunnel endpoints are IPv4)
+    /// and an MTU too small for the encapsulation.
+    pub fn with_underlay(mut self, underlay: Underlay) -> Result<Self> {
+        if self.args.routing == Some(RoutingMode::Vxlan) {
+            if !underlay.addresses.iter().any(std::net::IpAddr::is_ipv4) {
+                bail!(
+                    "--routing vxlan needs an IPv4 address on {}: tunnel endpoints are IPv4",
+                    underlay.interface
+                );
+            }
+            if underlay.mtu < 1280 + VXLAN_OVERHEAD && self.args.mtu.is_none() {
+                bail!(
+                    "{}'s MTU {} leaves pods less than IPv6's 1280 under VXLAN",
+                    underlay.interface,
+                    underlay.mtu
+                );
+            }
+        }
+        self.underlay = Some(underlay);
+        Ok(self)
+    }
+
+    /// The pods' MTU: `--mtu`, else the underlay's minus the VXLAN
+    /// overhead with `--routing vxlan`, else 1500.
+    pub fn mtu(&self) -> u32 {
+        match (self.args.mtu, self.args.routing, &self.underlay) {
+            (Some(mtu), _, _) => mtu,
+            (None, Some(RoutingMode::Vxlan), Some(u)) => u.mtu - VXLAN_OVERHEAD,
+            _ => DEFAULT_MTU,
+        }
+    }
+
+    /// Every CIDR of the svc-ipam pools (the node's pod CIDRs).
+    fn pod_cidrs(&self) -> Vec<&str> {
+        self.pools
+            .iter()
+            .filter_map(|p| p.split_once('='))
+            .flat_map(|(_, cidrs)| cidrs.split(','))
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .collect()
     }
 
     /// The daemons this node runs, in start order: [`NODE_DAEMONS`](super::NODE_DAEMONS), and
@@ -277,6 +407,19 @@ impl NodePlan {
                         if let Some(etcd) = &self.args.etcd_endpoints {
                             args.extend(["--etcd-endpoints".into(), etcd.into()]);
                         }
+                        if let Some(cluster) = &self.args.cluster_name {
+                            args.extend(["--cluster-name".into(), cluster.into()]);
+                        }
+                        if let Some(routing) = self.args.routing {
+                            args.extend(["--routing-mode".into(), routing.as_str().into()]);
+                            args.extend(["--tunnel-port".into(), self.args.tunnel_port.to_string().into()]);
+                            for ip in self.underlay.iter().flat_map(|u| &u.addresses) {
+                                args.extend(["--node-address".into(), ip.to_string().into()]);
+                            }
+                            for cidr in self.pod_cidrs() {
+                                args.extend(["--pod-cidr".into(), cidr.into()]);
+                            }
+                        }
                     }
                     LOADER => {
                         args.extend([
@@ -285,6 +428,16 @@ impl NodePlan {
                             "--endpoint-interface-prefix".into(),
                             self.args.host_interface_prefix.clone().into(),
                         ]);
+                        if let (Some(routing), Some(interface)) = (self.args.routing, &self.args.underlay_interface) {
+                            args.extend([
+                                "--routing-mode".into(),
+                                routing.as_str().into(),
+                                "--underlay-interface".into(),
+                                interface.into(),
+                                "--tunnel-port".into(),
+                                self.args.tunnel_port.to_string().into(),
+                            ]);
+                        }
                     }
                     GC => args.extend(["--bpffs".into(), self.args.bpffs.clone().into()]),
                     HEALTH => {
@@ -346,7 +499,7 @@ impl NodePlan {
                 "socketDir": self.socket_dir,
                 "ipamPool": self.ipam_pool,
                 "hostInterfacePrefix": self.args.host_interface_prefix,
-                "mtu": self.args.mtu,
+                "mtu": self.mtu(),
                 "logFile": self.log_dir.join("rivet-cni.log"),
                 "timeoutSeconds": self.args.cni_timeout_seconds,
             }],
@@ -597,6 +750,154 @@ pub(super) mod tests {
         ] {
             let err = plan(&bad).unwrap_err().to_string();
             assert!(err.contains(expected), "{bad:?}: {err}");
+        }
+    }
+
+    fn underlay(addresses: &[&str], mtu: u32) -> Underlay {
+        Underlay {
+            interface: "ul0".into(),
+            addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
+            mtu,
+        }
+    }
+
+    #[test]
+    fn routing_passes_the_mode_underlay_and_pod_cidrs_to_svc_identity_and_svc_loader() {
+        let routed = |routing: &str, extra: &[&str]| {
+            let mut a = vec![
+                "--netns",
+                "c1-n1",
+                "--etcd-endpoints",
+                "http://127.0.0.1:2379",
+                "--pool",
+                "default=198.18.1.0/24,2001:2:0:1::/64",
+                "--routing",
+                routing,
+                "--underlay-interface",
+                "ul0",
+                "--cluster-name",
+                "c1",
+            ];
+            a.extend(extra);
+            plan(&a).unwrap()
+        };
+        let p = routed("vxlan", &[])
+            .with_underlay(underlay(&["198.19.254.1", "2001:2:0:fe::1"], 1500))
+            .unwrap();
+        let specs = p.specs(&test_accounts());
+        let args = |name: &str| strings(&specs.iter().find(|s| s.name == name).unwrap().args)[COMMON..].to_vec();
+        assert_eq!(
+            args("svc-identity"),
+            [
+                "--etcd-endpoints",
+                "http://127.0.0.1:2379",
+                "--cluster-name",
+                "c1",
+                "--routing-mode",
+                "vxlan",
+                "--tunnel-port",
+                "8472",
+                "--node-address",
+                "198.19.254.1",
+                "--node-address",
+                "2001:2:0:fe::1",
+                "--pod-cidr",
+                "198.18.1.0/24",
+                "--pod-cidr",
+                "2001:2:0:1::/64",
+            ]
+        );
+        assert_eq!(
+            args("svc-loader")[4..],
+            [
+                "--routing-mode",
+                "vxlan",
+                "--underlay-interface",
+                "ul0",
+                "--tunnel-port",
+                "8472"
+            ]
+        );
+        assert_eq!(
+            p.conflist()["plugins"][0]["mtu"],
+            1450,
+            "vxlan: the underlay's MTU - 50"
+        );
+        let given = routed("vxlan", &["--mtu", "1400"]).with_underlay(underlay(&["198.19.254.1"], 1500));
+        assert_eq!(given.unwrap().mtu(), 1400, "--mtu wins");
+        let native = routed("native", &[]).with_underlay(underlay(&["2001:2:0:fe::1"], 9000));
+        assert_eq!(native.unwrap().mtu(), 1500, "native routing adds no header");
+        let err = routed("vxlan", &[])
+            .with_underlay(underlay(&["2001:2:0:fe::1"], 1500))
+            .unwrap_err();
+        assert!(err.to_string().contains("needs an IPv4 address on ul0"), "{err}");
+        // Without --routing nothing of it reaches the daemons.
+        let alone = plan(&["--netns", "rn1"]).unwrap();
+        let specs = alone.specs(&test_accounts());
+        assert!(
+            specs
+                .iter()
+                .all(|s| !strings(&s.args).iter().any(|a| a == "--routing-mode"))
+        );
+        assert_eq!(alone.mtu(), 1500);
+
+        for (bad, expected) in [
+            (
+                vec!["--netns", "n", "--routing", "native", "--underlay-interface", "ul0"],
+                "needs --etcd-endpoints",
+            ),
+            (
+                vec![
+                    "--netns",
+                    "n",
+                    "--create-netns",
+                    "--etcd-endpoints",
+                    "e",
+                    "--routing",
+                    "native",
+                    "--underlay-interface",
+                    "ul0",
+                ],
+                "without --create-netns",
+            ),
+            (
+                vec![
+                    "--netns",
+                    "n",
+                    "--etcd-endpoints",
+                    "e",
+                    "--routing",
+                    "native",
+                    "--underlay-interface",
+                    "a/b",
+                ],
+                "not an interface name",
+            ),
+            (
+                vec![
+                    "--netns",
+                    "n",
+                    "--etcd-endpoints",
+                    "e",
+                    "--routing",
+                    "native",
+                    "--underlay-interface",
+                    "ul0",
+                    "--kubeconfig",
+                    "k",
+                    "--ipam-mode",
+                    "cluster-pool",
+                ],
+                "not supported yet",
+            ),
+        ] {
+            let err = plan(&bad).unwrap_err().to_string();
+            assert!(err.contains(expected), "{bad:?}: {err}");
+        }
+        // clap: each of --routing and --underlay-interface needs the other.
+        for lone in [&["--routing", "native"][..], &["--underlay-interface", "ul0"][..]] {
+            let parsed = Cli::try_parse_from(std::iter::once("up").chain(lone.iter().copied()));
+            assert!(parsed.is_err(), "{lone:?} alone is refused");
         }
     }
 

@@ -19,7 +19,7 @@ use super::down::{after_daemons_stop, before_daemons_stop};
 use super::supervisor::{answering_pid, describe_exit, log_tail, stopped};
 use super::{
     CNI_BINARY, CompanionPlugin, DaemonStatus, LOADER, NODE_FILE, NodePhase, NodePlan, NodeRecord, NodeSupervisor,
-    RestartPolicy, StatusObserver, UpArgs, describe_node, supervisor_alive,
+    RestartPolicy, StatusObserver, Underlay, UpArgs, describe_node, supervisor_alive,
 };
 use crate::accounts::{self, NodeAccounts};
 use crate::{Context, netns};
@@ -38,6 +38,13 @@ fn own_dir() -> Result<PathBuf> {
 
 pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result<bool> {
     let plan = NodePlan::new(&ctx.socket_dir, state_dir, args, &own_dir()?)?;
+    let plan = match &args.underlay_interface {
+        Some(interface) => {
+            let underlay = read_underlay(plan.netns.as_deref(), interface)?;
+            plan.with_underlay(underlay)?
+        }
+        None => plan,
+    };
     if args.detach && std::env::var_os(DETACHED_ENV).is_none() {
         return detach(ctx, &plan).await;
     }
@@ -121,6 +128,9 @@ pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result
             && !netns::exists(ns)
         {
             bail!("network namespace `{ns}` does not exist (add --create-netns to create it)");
+        } else if let (Some(ns), Some(_)) = (&plan.netns, plan.args.routing) {
+            // A node of a cluster forwards between its pods and the underlay.
+            netns::sysctls(&netns::path(ns), super::NODE_NETNS_SYSCTLS)?;
         }
         give_daemons_their_dirs(&plan, &accounts)?;
         allow_health_echo(&plan, &accounts)?;
@@ -244,6 +254,18 @@ fn give_daemons_their_dirs(plan: &NodePlan, accounts: &NodeAccounts) -> Result<(
         std::fs::create_dir_all(bpf_root).with_context(|| format!("creating {}", bpf_root.display()))?;
     }
     accounts::give_private_dir(&plan.pin_dir, &accounts.datapath)
+}
+
+/// The underlay interface's global addresses and MTU (`ip -j addr show`),
+/// inside the node's namespace when it has one.
+fn read_underlay(ns: Option<&str>, interface: &str) -> Result<Underlay> {
+    let args = ["-j", "addr", "show", "dev", interface];
+    let json = match ns {
+        Some(ns) => netns::ip(ns, &args),
+        None => netns::run(std::process::Command::new("ip").args(args)),
+    }
+    .with_context(|| format!("reading the underlay interface {interface}"))?;
+    Underlay::from_ip_json(interface, &json)
 }
 
 /// Forwarding on, DAD off, the node addresses on `lo`: only inside the
