@@ -738,3 +738,30 @@ async fn a_pod_spoofing_its_source_is_dropped_by_its_own_node_before_the_tunnel(
     );
     assert_eq!(pings(&n1, "p1", dst), 3, "p1's own address still passes");
 }
+
+#[tokio::test]
+async fn native_receive_judges_a_remote_pod_by_its_ipcache_identity() {
+    let underlay = Underlay::new().unwrap();
+    let (n1, n2) = two_nodes(&underlay, "native").await;
+    // p2 lets A in: node 2's ipcache says p1's addresses are A.
+    p1_reaches_p2(&n1, &n2, "native");
+    // The sending node publishes p1 as C now: node 2 refuses it.
+    let denied = n2.drops(pb::DropReason::PolicyDefaultDeny).await;
+    let tunnel = Some(Underlay::ipv4(1));
+    upsert_ipcache(
+        &n2,
+        addrs(&n1, "p1")
+            .into_iter()
+            .map(|a| ipcache_entry(a, C, tunnel))
+            .collect(),
+    )
+    .await;
+    for dst in addrs(&n2, "p2") {
+        assert_eq!(pings(&n1, "p1", dst), 0, "p1 as C → {dst}");
+    }
+    assert!(
+        n2.drops_reaching(pb::DropReason::PolicyDefaultDeny, denied + 6, Duration::from_secs(5))
+            .await
+            >= denied + 6
+    );
+}
