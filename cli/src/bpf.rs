@@ -5,6 +5,7 @@ use std::net::IpAddr;
 use clap::Subcommand;
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
+use rivet_proto::loader::v1::node_routing_service_client::NodeRoutingServiceClient;
 use rivet_proto::net::{self, format_address};
 use serde::Serialize;
 
@@ -27,6 +28,12 @@ pub enum BpfCommand {
     Ct(CtCommand),
     /// Forwarded and dropped packets by reason and direction.
     Metrics,
+    /// The datapath's IP cache: prefix, security identity and the node to
+    /// tunnel to (remote pods and nodes of a cluster).
+    Ipcache,
+    /// The peer nodes svc-loader routes to, its routing mode and interfaces
+    /// (multi-node; NodeRoutingService).
+    Nodes,
 }
 
 /// `rivet bpf endpoint ...`
@@ -216,10 +223,142 @@ impl PolicyView {
 }
 
 /// Runs one `rivet bpf` command.
+/// Every entry of the datapath's IP cache (ListIpcache, page by page), by prefix.
+pub async fn list_ipcache<T>(client: &mut LoaderServiceClient<T>) -> Result<Vec<pb::IpcacheEntry>, tonic::Status>
+where
+    T: tonic::client::GrpcService<tonic::body::Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    const PAGE: u32 = 10_000;
+    let mut entries = Vec::new();
+    let mut start_after = None;
+    loop {
+        let page = client
+            .list_ipcache(pb::ListIpcacheRequest {
+                page_size: PAGE,
+                start_after: start_after.take(),
+            })
+            .await?
+            .into_inner();
+        let full = page.entries.len() == PAGE as usize;
+        start_after = page.entries.last().and_then(|e| e.prefix.clone());
+        entries.extend(page.entries);
+        if !full || start_after.is_none() {
+            return Ok(entries);
+        }
+    }
+}
+
+/// One row of `rivet bpf ipcache`.
+#[derive(Debug, Serialize)]
+struct IpcacheView {
+    prefix: String,
+    identity: u32,
+    /// Empty: local, or reached without a tunnel.
+    tunnel_endpoint: String,
+}
+
+/// `rivet bpf nodes`.
+#[derive(Debug, Serialize)]
+struct NodesView {
+    routing_mode: String,
+    underlay_interface: String,
+    tunnel_interface: String,
+    tunnel_port: u32,
+    routes: u32,
+    nodes: Vec<PeerView>,
+}
+
+/// One peer of `rivet bpf nodes`.
+#[derive(Debug, Serialize)]
+struct PeerView {
+    name: String,
+    underlay: Vec<String>,
+    pod_cidrs: Vec<String>,
+}
+
 pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
-    let mut client = LoaderServiceClient::new(ctx.connect(DAEMON).await?);
+    let channel = ctx.connect(DAEMON).await?;
+    let mut client = LoaderServiceClient::new(channel.clone());
     let rpc = |s| CliError::rpc(DAEMON, s);
     match command {
+        BpfCommand::Ipcache => {
+            let view: Vec<IpcacheView> = list_ipcache(&mut client)
+                .await
+                .map_err(rpc)?
+                .iter()
+                .map(|e| IpcacheView {
+                    prefix: e.prefix.as_ref().map(net::format_prefix).unwrap_or_default(),
+                    identity: e.identity,
+                    tunnel_endpoint: if e.tunnel_endpoint.is_empty() {
+                        String::new()
+                    } else {
+                        format_address(&e.tunnel_endpoint)
+                    },
+                })
+                .collect();
+            ctx.print(&view, || {
+                let mut t = Table::new(["PREFIX", "IDENTITY", "TUNNEL ENDPOINT"]);
+                for e in &view {
+                    let tunnel = if e.tunnel_endpoint.is_empty() {
+                        "-"
+                    } else {
+                        e.tunnel_endpoint.as_str()
+                    };
+                    t.row([e.prefix.clone(), e.identity.to_string(), tunnel.to_string()]);
+                }
+                t.render()
+            });
+        }
+        BpfCommand::Nodes => {
+            let r = NodeRoutingServiceClient::new(channel)
+                .list_nodes(pb::ListNodesRequest {})
+                .await
+                .map_err(rpc)?
+                .into_inner();
+            let view = NodesView {
+                routing_mode: name::<pb::RoutingMode>(r.routing_mode, "routing-mode-"),
+                underlay_interface: r.underlay_interface,
+                tunnel_interface: r.tunnel_interface,
+                tunnel_port: r.tunnel_port,
+                routes: r.routes,
+                nodes: r
+                    .nodes
+                    .iter()
+                    .map(|n| PeerView {
+                        name: n.name.clone(),
+                        underlay: [&n.underlay_ipv4, &n.underlay_ipv6]
+                            .into_iter()
+                            .filter(|a| !a.is_empty())
+                            .map(|a| format_address(a))
+                            .collect(),
+                        pod_cidrs: n.pod_cidrs.iter().map(net::format_prefix).collect(),
+                    })
+                    .collect(),
+            };
+            ctx.print(&view, || {
+                let tunnel = if view.tunnel_interface.is_empty() {
+                    "-".to_string()
+                } else {
+                    format!("{} (UDP {})", view.tunnel_interface, view.tunnel_port)
+                };
+                let mut out = crate::fields([
+                    ("ROUTING", view.routing_mode.clone()),
+                    ("UNDERLAY", view.underlay_interface.clone()),
+                    ("TUNNEL", tunnel),
+                    ("ROUTES", view.routes.to_string()),
+                ]);
+                let mut t = Table::new(["NODE", "UNDERLAY", "POD CIDRS"]);
+                for n in &view.nodes {
+                    t.row([n.name.clone(), n.underlay.join(","), n.pod_cidrs.join(",")]);
+                }
+                out.push('\n');
+                out.push_str(&t.render());
+                out
+            });
+        }
         BpfCommand::Endpoint(EndpointCommand::List) => {
             let r = client
                 .list_endpoints(pb::ListEndpointsRequest {})

@@ -115,6 +115,19 @@ async fn a_cluster_comes_up_on_its_address_plan_and_down_removes_it_even_after_a
     let listed = cluster.node(2).json(&["pod", "list"]);
     assert_eq!(listed.as_array().unwrap().len(), 1, "{listed:#}");
     assert_eq!(listed[0]["name"], "c");
+    // The node's datapath ipcache holds its pods (`rivet --node .. bpf ipcache`).
+    let ipcache = cluster.node(1).json(&["bpf", "ipcache"]);
+    for addr in [format!("{}/32", a.ipv4), format!("{}/128", a.ipv6)] {
+        let entry = ipcache
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["prefix"] == addr.as_str());
+        assert!(
+            entry.is_some_and(|e| e["identity"].as_u64().unwrap() >= 256),
+            "{addr} with a's identity in {ipcache:#}"
+        );
+    }
     // Pods on one node talk (cross-node traffic is the multinode suite's).
     let _server = b.netns.tcp_echo_server(&[b.socket_v4(80), b.socket_v6(80)]).unwrap();
     for to in [b.socket_v4(80), b.socket_v6(80)] {

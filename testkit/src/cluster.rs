@@ -246,25 +246,7 @@ impl ClusterNode {
 
     /// Every entry of the node's datapath ipcache (svc-loader ListIpcache, all pages).
     pub async fn datapath_ipcache(&self) -> Result<Vec<ldpb::IpcacheEntry>, tonic::Status> {
-        let mut loader = self.loader().await;
-        let mut entries = Vec::new();
-        let mut start_after = None;
-        loop {
-            let page = loader
-                .list_ipcache(ldpb::ListIpcacheRequest {
-                    page_size: 10_000,
-                    start_after: start_after.clone(),
-                })
-                .await?
-                .into_inner();
-            let last = page.entries.last().and_then(|e| e.prefix.clone());
-            let full = page.entries.len() == 10_000;
-            entries.extend(page.entries);
-            match last {
-                Some(prefix) if full => start_after = Some(prefix),
-                _ => return Ok(entries),
-            }
-        }
+        rivet_cli::bpf::list_ipcache(&mut self.loader().await).await
     }
 
     /// The peers the node's svc-loader holds (NodeRoutingService.ListNodes).
