@@ -459,6 +459,16 @@ async fn node_originated_traffic_to_a_remote_pod_arrives_as_remote_node() {
             "node 1 ({src}) → {dst} as remote-node"
         );
     }
+    // An address of the peer's pod CIDR that is in no ipcache entry (a pod
+    // not published yet): the route leads into the tunnel, but there is no
+    // endpoint to send it to.
+    let unknown: IpAddr = "198.18.2.99".parse().unwrap();
+    assert_eq!(node_pings(&n1.node.ns, sources[0], unknown), 0);
+    assert!(
+        n1.drops_reaching(pb::DropReason::NoTunnelEndpoint, 3, Duration::from_secs(5))
+            .await
+            >= 3
+    );
 }
 
 #[tokio::test]
