@@ -22,7 +22,8 @@
 //! - `rivet_identity_node_changes_total{change}`: other nodes that
 //!   `joined`, `left`, were `updated` or `restarted` (a new boot id);
 //! - `rivet_identity_node_records_invalid_total{reason}`: records under
-//!   `nodes/v1` skipped (`undecodable`, `name_mismatch`, `other_cluster`).
+//!   `nodes/v1` skipped (`undecodable`, `name_mismatch`, `other_cluster`),
+//!   and peers left out of svc-loader's set (`unroutable`).
 
 use std::time::Duration;
 
@@ -413,4 +414,17 @@ pub fn nodes_known(m: &IdentityMetrics, known: usize) {
 pub fn node_record_invalid(m: &IdentityMetrics, node: &str, reason: &'static str, detail: &dyn std::fmt::Display) {
     tracing::warn!(node, reason, %detail, "skipping an unusable node record of the store");
     m.node_records_invalid.get_or_create(&ReasonLabels { reason }).inc();
+}
+
+/// A peer is left out of the set pushed to svc-loader (which would refuse
+/// the whole set for it); it stays a node (remote-node).
+pub fn node_unroutable(m: &IdentityMetrics, node: &str, reason: &str) {
+    tracing::warn!(
+        node,
+        reason,
+        "peer node left out of svc-loader's routes: it cannot be routed"
+    );
+    m.node_records_invalid
+        .get_or_create(&ReasonLabels { reason: "unroutable" })
+        .inc();
 }

@@ -401,8 +401,12 @@ impl NodeRegistry {
             .values()
             .flat_map(|r| r.addresses.iter().map(|a| (a.ip, r.name.clone())))
             .collect();
-        let peers: Vec<loader_pb::PeerNode> = st.peers.values().filter_map(peer_node).collect();
+        let mode = self.opts.routing.unwrap_or_default();
+        let (peers, skipped) = routable_peers(st.peers.values(), mode, &self.opts.pod_cidrs);
         drop(st);
+        for (node, reason) in &skipped {
+            events::node_unroutable(m, node, reason);
+        }
         self.ipcache.replace_node_claims(&addresses);
         self.peers.send_if_modified(|current| {
             if current.as_deref() == Some(&peers) {
@@ -467,33 +471,144 @@ pub fn node_proto(record: &NodeRecord) -> pb::Node {
     }
 }
 
-/// A peer as svc-loader takes it: its first underlay address of each
-/// family and its pod CIDRs (at most 8); `None` for a node without any
-/// underlay address (nothing to route through).
-pub fn peer_node(record: &NodeRecord) -> Option<loader_pb::PeerNode> {
+/// Most pod CIDRs svc-loader takes per peer.
+const MAX_PEER_POD_CIDRS: usize = 8;
+
+/// The peers as svc-loader's `ReplaceNodes` takes them (it refuses the
+/// whole set for one bad node, so each is checked here by its rules,
+/// `loader.proto` `PeerNode`): the first unicast underlay address of each
+/// family, an IPv4 one in vxlan mode, at most 8 canonical pod CIDRs that
+/// are no default route, IPv6 ones only with an IPv6 address in native
+/// mode, and none overlapping `own` (this node's pod CIDRs) or an earlier
+/// peer's (by name). The others are returned with why they cannot be
+/// routed (they stay nodes: their addresses are still remote-node).
+pub fn routable_peers<'r>(
+    records: impl IntoIterator<Item = &'r NodeRecord>,
+    mode: EncapsulationMode,
+    own: &[IpNet],
+) -> (Vec<loader_pb::PeerNode>, Vec<(String, String)>) {
+    let mut taken: Vec<(IpNet, String)> = own.iter().map(|c| (*c, "this node".to_string())).collect();
+    let (mut peers, mut skipped) = (Vec::new(), Vec::new());
+    for record in records {
+        match routable_peer(record, mode, &taken) {
+            Ok(peer) => {
+                taken.extend(record.pod_cidrs.iter().map(|c| (*c, record.name.clone())));
+                peers.push(peer);
+            }
+            Err(reason) => skipped.push((record.name.clone(), reason)),
+        }
+    }
+    (peers, skipped)
+}
+
+fn routable_peer(
+    record: &NodeRecord,
+    mode: EncapsulationMode,
+    taken: &[(IpNet, String)],
+) -> Result<loader_pb::PeerNode, String> {
+    rivet_common::k8s_name::check_dns_subdomain(&record.name).map_err(|e| format!("its name: {e}"))?;
+    let unicast = |ip: &IpAddr| {
+        !(ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() || *ip == IpAddr::from([255, 255, 255, 255]))
+    };
     let first = |v6: bool| {
         record
             .addresses
             .iter()
             .map(|a| a.ip)
-            .filter(|ip| ip.is_ipv6() == v6)
+            .filter(|ip| ip.is_ipv6() == v6 && unicast(ip))
             .min()
-            .map(net::address_bytes)
-            .unwrap_or_default()
     };
     let (v4, v6) = (first(false), first(true));
-    if v4.is_empty() && v6.is_empty() {
-        return None;
+    if v4.is_none() && v6.is_none() {
+        return Err("no unicast underlay address".into());
     }
-    Some(loader_pb::PeerNode {
+    if mode == EncapsulationMode::Vxlan && v4.is_none() {
+        return Err("no IPv4 underlay address (vxlan tunnel endpoints are IPv4)".into());
+    }
+    if record.pod_cidrs.len() > MAX_PEER_POD_CIDRS {
+        return Err(format!(
+            "{} pod CIDRs (at most {MAX_PEER_POD_CIDRS})",
+            record.pod_cidrs.len()
+        ));
+    }
+    for cidr in &record.pod_cidrs {
+        if cidr.prefix_len() == 0 || cidr.trunc() != *cidr {
+            return Err(format!("pod CIDR {cidr} is a default route or has host bits set"));
+        }
+        if mode == EncapsulationMode::Direct && cidr.addr().is_ipv6() && v6.is_none() {
+            return Err(format!(
+                "IPv6 pod CIDR {cidr} without an IPv6 underlay address (native routing)"
+            ));
+        }
+        if let Some((other, owner)) = taken.iter().find(|(t, _)| t.contains(cidr) || cidr.contains(t)) {
+            return Err(format!("pod CIDR {cidr} overlaps {other} of {owner}"));
+        }
+    }
+    Ok(loader_pb::PeerNode {
         name: record.name.clone(),
-        underlay_ipv4: v4,
-        underlay_ipv6: v6,
-        pod_cidrs: record
-            .pod_cidrs
-            .iter()
-            .take(8)
-            .map(|p| net::prefix_to_proto(*p))
-            .collect(),
+        underlay_ipv4: v4.map(net::address_bytes).unwrap_or_default(),
+        underlay_ipv6: v6.map(net::address_bytes).unwrap_or_default(),
+        pod_cidrs: record.pod_cidrs.iter().map(|p| net::prefix_to_proto(*p)).collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(name: &str, addresses: &[&str], cidrs: &[&str]) -> NodeRecord {
+        NodeRecord {
+            name: name.into(),
+            cluster: "c".into(),
+            addresses: addresses
+                .iter()
+                .map(|a| NodeRecordAddress {
+                    type_: "InternalIP".into(),
+                    ip: a.parse().unwrap(),
+                })
+                .collect(),
+            pod_cidrs: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+            encapsulation: NodeRecordEncapsulation::default(),
+            boot_id: String::new(),
+            health_addresses: vec![],
+            source: RecordSource::Node,
+        }
+    }
+
+    /// svc-loader refuses the whole set for one bad peer: the registry
+    /// leaves out what it would refuse, and says why.
+    #[test]
+    fn peers_svc_loader_would_refuse_are_left_out_with_the_reason() {
+        let own: Vec<IpNet> = vec!["198.18.1.0/24".parse().unwrap()];
+        let records = [
+            record(
+                "n2",
+                &["198.19.254.2", "2001:2:0:fe::2"],
+                &["198.18.2.0/24", "2001:2:0:2::/64"],
+            ),
+            record("n3", &["2001:2:0:fe::3"], &["198.18.3.0/24"]),
+            record("n4", &["198.19.254.4"], &["198.18.2.128/25"]),
+            record("n5", &["127.0.0.1"], &[]),
+            record("n6", &["198.19.254.6"], &["198.18.0.0/16"]),
+            record("n7", &["198.19.254.7"], &["2001:2:0:7::/64"]),
+            record("Bad_Name", &["198.19.254.8"], &[]),
+        ];
+        let (peers, skipped) = routable_peers(&records, EncapsulationMode::Vxlan, &own);
+        let names: Vec<&str> = peers.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["n2", "n7"], "{skipped:?}");
+        assert_eq!(peers[0].underlay_ipv4, vec![198, 19, 254, 2]);
+        assert_eq!(peers[0].pod_cidrs.len(), 2);
+        let why: BTreeMap<&str, &str> = skipped.iter().map(|(n, r)| (n.as_str(), r.as_str())).collect();
+        assert!(why["n3"].contains("no IPv4 underlay address"), "{why:?}");
+        assert!(why["n4"].contains("overlaps 198.18.2.0/24 of n2"), "{why:?}");
+        assert!(why["n5"].contains("no unicast underlay address"), "{why:?}");
+        assert!(why["n6"].contains("overlaps 198.18.1.0/24 of this node"), "{why:?}");
+        assert!(why["Bad_Name"].contains("its name"), "{why:?}");
+        // Native routing: IPv4 over IPv6 is fine, IPv6 over IPv4 is not.
+        let (peers, skipped) = routable_peers(&records[1..2], EncapsulationMode::Direct, &own);
+        assert_eq!((peers.len(), skipped.len()), (1, 0));
+        let (peers, skipped) = routable_peers(&records[5..6], EncapsulationMode::Direct, &own);
+        assert_eq!(peers.len(), 0);
+        assert!(skipped[0].1.contains("without an IPv6 underlay address"), "{skipped:?}");
+    }
 }

@@ -15,6 +15,8 @@ use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_proto::identity::v1::node_service_client::NodeServiceClient;
+use rivet_proto::loader::v1 as loader_pb;
+use rivet_testkit::loader::{LoaderNode, UNDERLAY_IFNAME, Underlay};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
 
@@ -47,7 +49,11 @@ impl TestNode {
     }
 
     fn command(&self, dir: &Path, etcd: &str) -> DaemonCommand {
-        let sockets = dir.join(&self.name).join("sockets");
+        self.command_in(&dir.join(&self.name).join("sockets"), dir, etcd)
+    }
+
+    /// The command with its socket in `sockets` (svc-loader's, to push to it).
+    fn command_in(&self, sockets: &Path, dir: &Path, etcd: &str) -> DaemonCommand {
         let i = self.index();
         let (v4, v6) = self.underlay();
         let mut cmd = DaemonCommand::new(BIN, sockets.join("svc-identity.sock"))
@@ -368,4 +374,150 @@ async fn routing_needs_etcd_an_underlay_address_and_pod_cidrs() {
         "--pod-cidr",
     );
     refused(&["--pod-cidr", "198.18.1.1/24"], "host bits");
+}
+
+/// svc-loader's peers: name → (underlay IPv4, pod CIDRs).
+async fn loader_peers(loader: &LoaderNode) -> BTreeMap<String, (String, Vec<String>)> {
+    let r = loader
+        .routing_client()
+        .await
+        .list_nodes(loader_pb::ListNodesRequest {})
+        .await
+        .expect("svc-loader lists its peers")
+        .into_inner();
+    r.nodes
+        .into_iter()
+        .map(|n| {
+            let cidrs = n.pod_cidrs.iter().map(rivet_proto::net::format_prefix).collect();
+            (n.name, (rivet_proto::net::format_address(&n.underlay_ipv4), cidrs))
+        })
+        .collect()
+}
+
+async fn loader_peers_until(
+    loader: &LoaderNode,
+    what: &str,
+    pred: impl Fn(&BTreeMap<String, (String, Vec<String>)>) -> bool,
+) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let peers = loader_peers(loader).await;
+        if pred(&peers) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {peers:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// svc-loader's ipcache entry of `address` (identity, tunnel endpoint).
+async fn loader_entry(loader: &LoaderNode, address: &str) -> Option<(u32, String)> {
+    let r = loader
+        .client()
+        .await
+        .list_ipcache(loader_pb::ListIpcacheRequest {
+            page_size: 10000,
+            start_after: None,
+        })
+        .await
+        .expect("svc-loader lists its ipcache")
+        .into_inner();
+    r.entries.into_iter().find_map(|e| {
+        let p = e.prefix?;
+        (rivet_proto::net::format_address(&p.address) == address).then(|| {
+            let tunnel = if e.tunnel_endpoint.is_empty() {
+                String::new()
+            } else {
+                rivet_proto::net::format_address(&e.tunnel_endpoint)
+            };
+            (e.identity, tunnel)
+        })
+    })
+}
+
+async fn loader_entry_until(loader: &LoaderNode, address: &str, want: Option<(u32, &str)>) {
+    let want = want.map(|(id, t)| (id, t.to_string()));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let got = loader_entry(loader, address).await;
+        if got == want {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "svc-loader's entry of {address}: {got:?}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The registry feeds a real svc-loader in vxlan mode: the peers (a node
+/// it cannot route left out, the others still pushed), their underlay
+/// addresses as remote-node, their pods with the peer as tunnel endpoint
+/// (`--node-address` is the publishing node's host IP), and a stopped peer
+/// removed.
+#[tokio::test]
+async fn peers_reach_svc_loader_as_routes_and_remote_node_entries() {
+    let underlay = Underlay::new().expect("the underlay namespace");
+    let loader = LoaderNode::start_on_underlay(
+        &rivet_common::testing::workspace_binary("svc-loader"),
+        &underlay,
+        1,
+        &[],
+        &["--routing-mode", "vxlan", "--underlay-interface", UNDERLAY_IFNAME],
+    )
+    .await
+    .expect("svc-loader starts in vxlan mode");
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let (n1, n2, n3) = (TestNode::new(1, 2), TestNode::new(2, 30), TestNode::new(3, 2));
+    let _a = n1
+        .command_in(&loader.dir.path().join("sockets"), dir.path(), &etcd.endpoint())
+        .spawn()
+        .await
+        .expect("node-1's svc-identity starts beside svc-loader");
+    let mut b = n2.spawn(dir.path(), &etcd).await;
+    let _c = n3.spawn(dir.path(), &etcd).await;
+    // A mirrored node with only an IPv6 address: no vxlan peer.
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let v6_only = r#"{"name":"v6-only","cluster":"default","addresses":[{"type":"InternalIP","ip":"2001:2:0:fe::9"}],"podCidrs":["198.18.9.0/24"],"source":"operator"}"#;
+    client
+        .put("rivet/state/nodes/v1/default/v6-only", v6_only, None)
+        .await
+        .unwrap();
+
+    loader_peers_until(&loader, "svc-loader holds node-2 and node-3", |p| {
+        p.len() == 2
+            && p.get("node-2")
+                == Some(&(
+                    "198.19.254.2".into(),
+                    vec!["198.18.2.0/24".into(), "2001:2:0:2::/64".into()],
+                ))
+            && p.get("node-3").is_some_and(|(v4, _)| v4 == "198.19.254.3")
+    })
+    .await;
+    loader_entry_until(&loader, "198.19.254.2", Some((6, ""))).await;
+    loader_entry_until(&loader, "2001:2:0:fe::9", Some((6, ""))).await;
+
+    // node-2's pod: node-2 is its tunnel endpoint (its --node-address).
+    let mut ib = IpcacheServiceClient::new(channel(&b).await);
+    ib.upsert_ip(pb::UpsertIpRequest {
+        entries: vec![pb::IpcacheEntry {
+            prefix: Some(rivet_testkit::wire::prefix("198.18.2.7")),
+            identity: 4242,
+            source: pb::IpcacheSource::LocalEndpoint as i32,
+            ..Default::default()
+        }],
+    })
+    .await
+    .expect("node-2 publishes its pod");
+    loader_entry_until(&loader, "198.18.2.7", Some((4242, "198.19.254.2"))).await;
+
+    assert!(b.terminate().await.unwrap().success());
+    loader_peers_until(&loader, "node-2's routes go when it stops", |p| {
+        p.len() == 1 && p.contains_key("node-3")
+    })
+    .await;
+    loader_entry_until(&loader, "198.19.254.2", None).await;
+    loader_entry_until(&loader, "198.18.2.7", None).await;
 }

@@ -346,6 +346,17 @@ impl LoaderSync {
                     );
                     return Ok(());
                 }
+                // A refused set must not stop the ipcache push: kept until
+                // the set changes (the registry leaves out what the loader
+                // refuses, so this is a disagreement on the rules).
+                if error.code() == tonic::Code::InvalidArgument {
+                    tracing::warn!(
+                        peers = nodes.len(),
+                        error = error.message(),
+                        "svc-loader refused the peer node set; its routes stay as they were"
+                    );
+                    return Ok(());
+                }
                 Err(SyncError::Call {
                     action: "replacing svc-loader's peer nodes",
                     source: error,
