@@ -130,6 +130,18 @@ fn node_up_pods_through_rivet_cni_restart_and_down_leave_nothing() {
     let mut node = TestNode::up();
     check_started(&node);
 
+    // `rivet node list`: a node alone (embedded store) lists itself, marked.
+    let list = node.json(&["node", "list"]);
+    assert_eq!((&list["cluster"], &list["listed"]), (&"default".into(), &true.into()), "{list}");
+    let nodes = list["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 1, "{list}");
+    assert_eq!(nodes[0]["name"], node.netns.as_str(), "{list}");
+    assert_eq!(nodes[0]["local"], true, "{list}");
+    assert_eq!(nodes[0]["routing"], "none", "{list}");
+    assert_eq!(nodes[0]["source"], "node", "{list}");
+    let table = node.ok(&["node", "list"]);
+    assert!(table.contains(&format!("{} *", node.netns)), "{table}");
+
     node.ok(&["pod", "add", "a", "--label", "app=a"]);
     node.ok(&["pod", "add", "b", "--label", "app=b", "--namespace", "default"]);
     let pods = node.json(&["pod", "list"]);
