@@ -561,7 +561,7 @@ async fn replays(client: &mut KubernetesSyncServiceClient<DaemonChannel>) -> any
 }
 
 /// utime + stime of `pid`, seconds.
-fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+pub(crate) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };

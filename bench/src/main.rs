@@ -8,6 +8,7 @@ mod gc;
 mod identity;
 mod ipam;
 mod k8s;
+mod multinode_scale;
 mod operator;
 mod report;
 mod verdict;
@@ -49,6 +50,9 @@ enum Bench {
     /// rivet-operator: 1000 nodes joining until all hold pod CIDRs vs the API's own create rate; identity GC
     /// rounds over 100,000 identities on etcd vs a raw range scan of the same keys.
     Operator(operator::OperatorArgs),
+    /// 50 simulated nodes x 200 pods published in etcd until a real node's pinned ipcache holds them all:
+    /// convergence time, the node daemons' RSS and CPU, one more pod's p50/p99 until it is in the map.
+    MultinodeScale(multinode_scale::ScaleArgs),
 }
 
 #[tokio::main]
@@ -98,6 +102,11 @@ async fn main() -> anyhow::Result<()> {
                  round 1 (marking) vs a raw paged range scan of the same keys, round 2 (deletes/s) (ratio = round 1 / \
                  raw scan, goal <= 2)"
             );
+            println!(
+                "multinode-scale  50 simulated nodes x 200 pods in etcd (a lease each, svc-identity's store code) until \
+                 a real node's pinned ipcache holds all 10,000 with identity and tunnel endpoint; RSS and CPU of \
+                 svc-identity and svc-loader; one more pod etcd put -> map p50/p99 (ratio = converge / publish)"
+            );
             return Ok(());
         }
     };
@@ -111,6 +120,7 @@ async fn main() -> anyhow::Result<()> {
         Bench::Cni(args) => cni::run(&args).await?,
         Bench::K8s(args) => k8s::run(&args).await?,
         Bench::Operator(args) => operator::run(&args).await?,
+        Bench::MultinodeScale(args) => multinode_scale::run(&args).await?,
     };
     result.publish(&report::target_dir()?)?;
     Ok(())

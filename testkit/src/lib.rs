@@ -23,6 +23,9 @@
 //!   one node or spread over a cluster's nodes;
 //! - [`operator`]: rivet-operator as a process with its ServiceAccount,
 //!   killed, stopped and restarted by tests, waited on through its Lease;
+//! - [`scale`]: the load generator of the scale tests and benchmark
+//!   (simulated nodes publishing pods in etcd, each on its own lease) and a
+//!   node whose pinned ipcache is read directly;
 //! - [`relay`]: a TCP relay a test cuts (a partition between one client
 //!   and a server);
 //! - [`traffic`]: a flood ping counted in runs (no packet lost across a
@@ -49,6 +52,7 @@ pub mod node;
 pub mod operator;
 pub mod policy_matrix;
 pub mod relay;
+pub mod scale;
 pub mod tools;
 pub mod traffic;
 pub mod wire;
