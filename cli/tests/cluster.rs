@@ -105,6 +105,19 @@ async fn a_cluster_comes_up_on_its_address_plan_and_down_removes_it_even_after_a
     let bridge_ports = cluster_ip(&record.plan.underlay_netns, &["-o", "link", "show", "master", "ul"]);
     assert_eq!(bridge_ports.lines().count(), 3, "{bridge_ports}");
 
+    // Every node runs in the cluster's routing mode over ul0, its peers in
+    // its loader (`rivet --node .. bpf nodes`) once the registry met them.
+    for node in cluster.nodes() {
+        support::eventually(
+            &format!("{} routes to both peers", node.name),
+            Duration::from_secs(30),
+            || node.json(&["bpf", "nodes"])["nodes"].as_array().unwrap().len() == 2,
+        );
+        let nodes = node.json(&["bpf", "nodes"]);
+        assert_eq!(nodes["routing_mode"], "native", "{nodes:#}");
+        assert_eq!(nodes["underlay_interface"], "ul0", "{nodes:#}");
+    }
+
     // Pods go to the node asked for, with that node's pool (its own CNI).
     let a = cluster.add_pod(1, "default", "a", &["app=a"]).await;
     let b = cluster.add_pod(1, "default", "b", &["app=b"]).await;

@@ -12,8 +12,9 @@
 //!   off) with veth `ul0` (MTU 1500, 198.19.254.`i`/24 and
 //!   2001:2:0:fe::`i`/64) whose peer `n<i>` is a port of the bridge, and
 //!   `rivet node up --detach` in it: node name `<C>-n<i>`, pool
-//!   `default=198.18.<i>.0/24,2001:2:0:<i>::/64`, the shared etcd, the
-//!   pod MTU of the routing mode (1450 with VXLAN), and its own state,
+//!   `default=198.18.<i>.0/24,2001:2:0:<i>::/64`, the shared etcd,
+//!   `--routing <mode> --underlay-interface ul0 --cluster-name <C>` (so
+//!   the pod MTU is 1450 with VXLAN), and its own state,
 //!   socket, log and CNI dirs under `<cluster-dir>/<node>/` (several nodes
 //!   on one machine never share a conflist or a socket).
 //!
@@ -54,8 +55,7 @@ mod up;
 
 pub use etcd::EtcdRecord;
 pub use plan::{
-    BRIDGE, ClusterPlan, MAX_NAME, MAX_NODES, NodePlan, POOL, Routing, UNDERLAY_INTERFACE, UNDERLAY_MTU,
-    VXLAN_OVERHEAD, check_name,
+    BRIDGE, ClusterPlan, MAX_NAME, MAX_NODES, NodePlan, POOL, Routing, UNDERLAY_INTERFACE, UNDERLAY_MTU, check_name,
 };
 pub use up::{ClusterStatus, NodeStatus, cluster_status};
 

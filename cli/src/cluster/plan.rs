@@ -30,41 +30,12 @@ pub const UNDERLAY_INTERFACE: &str = "ul0";
 /// MTU of the underlay links.
 pub const UNDERLAY_MTU: u32 = 1500;
 
-/// Bytes VXLAN adds in front of a pod's packet (outer IPv4 20, UDP 8,
-/// VXLAN 8, inner Ethernet 14).
-pub const VXLAN_OVERHEAD: u32 = 50;
-
 /// The IPAM pool of every node.
 pub const POOL: &str = "default";
 
-/// How pod traffic crosses nodes: one choice for the whole cluster.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Routing {
-    /// Peer pod CIDRs routed via the peers' underlay addresses.
-    #[default]
-    Native,
-    /// A collect-metadata VXLAN device per node; the source identity in the VNI.
-    Vxlan,
-}
-
-impl Routing {
-    /// As `rivet node up --routing` takes it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Native => "native",
-            Self::Vxlan => "vxlan",
-        }
-    }
-
-    /// MTU of the pods' interfaces: the underlay's, less the encapsulation.
-    pub fn pod_mtu(self) -> u32 {
-        match self {
-            Self::Native => UNDERLAY_MTU,
-            Self::Vxlan => UNDERLAY_MTU - VXLAN_OVERHEAD,
-        }
-    }
-}
+/// How pod traffic crosses nodes: one choice for the whole cluster (`rivet
+/// node up --routing`'s).
+pub use crate::node::RoutingMode as Routing;
 
 /// One node of the plan.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -209,11 +180,5 @@ mod tests {
             assert!(check_name(bad).is_err(), "{bad:?} is refused");
         }
         assert!(check_name("rt-123x4").is_ok());
-    }
-
-    #[test]
-    fn vxlan_pods_get_the_underlay_mtu_less_the_encapsulation() {
-        assert_eq!(Routing::Native.pod_mtu(), 1500);
-        assert_eq!(Routing::Vxlan.pod_mtu(), 1450);
     }
 }

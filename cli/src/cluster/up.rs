@@ -8,8 +8,8 @@ use anyhow::{Context as _, Result, bail};
 use serde::Serialize;
 
 use super::{
-    ClusterPhase, ClusterRecord, NODE_DOWN_TIMEOUT, NodePlan, Routing, UpArgs, cluster_dir, etcd, plan::ClusterPlan,
-    topology,
+    ClusterPhase, ClusterRecord, NODE_DOWN_TIMEOUT, NodePlan, Routing, UNDERLAY_INTERFACE, UpArgs, cluster_dir, etcd,
+    plan::ClusterPlan, topology,
 };
 use crate::node::{DaemonPhase, DaemonStatus, NodePhase, NodeRecord, supervisor_alive};
 use crate::table::Table;
@@ -98,7 +98,7 @@ async fn build(record: &mut ClusterRecord, args: &UpArgs, etcd_binary: &Path) ->
         record.store()
     })?;
     eprintln!("rivet cluster: etcd {} (pid {})", etcd.endpoint, etcd.pid);
-    record.node_up_args = node_up_args(&etcd.endpoint, record.plan.routing, args);
+    record.node_up_args = node_up_args(&etcd.endpoint, &record.plan, args);
     record.store()?;
 
     let plan = record.plan.clone();
@@ -136,13 +136,18 @@ async fn build(record: &mut ClusterRecord, args: &UpArgs, etcd_binary: &Path) ->
     Ok(())
 }
 
-/// The flags every node's `rivet node up` gets after its own.
-fn node_up_args(etcd_endpoint: &str, routing: Routing, args: &UpArgs) -> Vec<String> {
+/// The flags every node's `rivet node up` gets after its own: the
+/// cluster's etcd, routing mode and name, and `ul0` as the underlay.
+fn node_up_args(etcd_endpoint: &str, plan: &ClusterPlan, args: &UpArgs) -> Vec<String> {
     let mut out = vec![
         "--etcd-endpoints".to_string(),
         etcd_endpoint.to_string(),
-        "--mtu".into(),
-        routing.pod_mtu().to_string(),
+        "--routing".into(),
+        plan.routing.as_str().into(),
+        "--underlay-interface".into(),
+        UNDERLAY_INTERFACE.into(),
+        "--cluster-name".into(),
+        plan.name.clone(),
         "--stop-grace-seconds".into(),
         args.stop_grace_seconds.to_string(),
     ];

@@ -333,10 +333,13 @@ pub const DEFAULT_TUNNEL_PORT: u16 = 8472;
 /// this.
 pub const VXLAN_OVERHEAD: u32 = 50;
 
-/// How pod traffic crosses nodes (`--routing`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// How pod traffic crosses nodes (`--routing`; also `rivet cluster up
+/// --routing` and its cluster.json).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum RoutingMode {
     /// Pod CIDRs routed via the peers' underlay addresses.
+    #[default]
     Native,
     /// A collect-metadata VXLAN device.
     Vxlan,
