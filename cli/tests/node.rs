@@ -132,7 +132,11 @@ fn node_up_pods_through_rivet_cni_restart_and_down_leave_nothing() {
 
     // `rivet node list`: a node alone (embedded store) lists itself, marked.
     let list = node.json(&["node", "list"]);
-    assert_eq!((&list["cluster"], &list["listed"]), (&"default".into(), &true.into()), "{list}");
+    assert_eq!(
+        (&list["cluster"], &list["listed"]),
+        (&"default".into(), &true.into()),
+        "{list}"
+    );
     let nodes = list["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 1, "{list}");
     assert_eq!(nodes[0]["name"], node.netns.as_str(), "{list}");
