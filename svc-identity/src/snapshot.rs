@@ -124,6 +124,11 @@ pub struct IpcacheSnapshot {
     pub local: Vec<IpEntry>,
     /// This node's entries as the store held them.
     pub published: Vec<IpEntry>,
+    /// Other nodes' underlay addresses (NODE claims → remote-node) with
+    /// their node, so that a restart during an outage keeps accepting the
+    /// peers' tunnel traffic (absent in older snapshots).
+    #[serde(default)]
+    pub nodes: Vec<(std::net::IpAddr, String)>,
 }
 
 /// The whole snapshot of one node.

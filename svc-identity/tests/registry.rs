@@ -13,6 +13,7 @@ use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::etcd::EtcdServer;
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::identity::v1 as pb;
+use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
 use rivet_proto::identity::v1::node_service_client::NodeServiceClient;
 use rivet_proto::loader::v1 as loader_pb;
@@ -520,4 +521,71 @@ async fn peers_reach_svc_loader_as_routes_and_remote_node_entries() {
     .await;
     loader_entry_until(&loader, "198.19.254.2", None).await;
     loader_entry_until(&loader, "198.18.2.7", None).await;
+}
+
+/// svc-identity killed and restarted while etcd is down keeps the peers'
+/// addresses remote-node in svc-loader (from its local snapshot): its
+/// full push must not drop them, or the loader would drop the peers'
+/// tunnel traffic until etcd is back.
+#[tokio::test]
+async fn a_restart_during_an_etcd_outage_keeps_the_peers_remote_node_in_svc_loader() {
+    let underlay = Underlay::new().expect("the underlay namespace");
+    let loader = LoaderNode::start_on_underlay(
+        &rivet_common::testing::workspace_binary("svc-loader"),
+        &underlay,
+        1,
+        &[],
+        &["--routing-mode", "vxlan", "--underlay-interface", UNDERLAY_IFNAME],
+    )
+    .await
+    .expect("svc-loader starts in vxlan mode");
+    let mut etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let (n1, n2) = (TestNode::new(1, 30), TestNode::new(2, 30));
+    let sockets = loader.dir.path().join("sockets");
+    let mut a = n1
+        .command_in(&sockets, dir.path(), &etcd.endpoint())
+        .spawn()
+        .await
+        .expect("node-1's svc-identity starts beside svc-loader");
+    let _b = n2.spawn(dir.path(), &etcd).await;
+    loader_entry_until(&loader, "198.19.254.2", Some((6, ""))).await;
+    let snapshot = dir.path().join("node-1/state/identity/etcd-snapshot.json");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !std::fs::read_to_string(&snapshot).is_ok_and(|s| s.contains("198.19.254.2")) {
+        assert!(Instant::now() < deadline, "the snapshot never held node-2's address");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    etcd.stop();
+    a.kill9();
+    let a = n1
+        .command_in(&sockets, dir.path(), &etcd.endpoint())
+        .spawn()
+        .await
+        .expect("node-1's svc-identity restarts without etcd");
+    let mut identity = IdentityServiceClient::new(channel(&a).await);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let status = identity
+            .get_status(pb::GetStatusRequest {})
+            .await
+            .expect("GetStatus")
+            .into_inner();
+        if status.loader.as_ref().is_some_and(|l| l.connected) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restarted svc-identity never pushed to svc-loader: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        loader_entry(&loader, "198.19.254.2").await,
+        Some((6, String::new())),
+        "node-2's address stays remote-node after the full push"
+    );
+    let listing = list_nodes(&a).await;
+    assert!(!listing.listed, "etcd is down: the registry has not listed");
 }

@@ -6,6 +6,9 @@
 //! ([`IpCache::restore`], [`crate::snapshot`]), before its first full sync:
 //! replacing the loader's ipcache with a view lacking the other nodes'
 //! entries would cut the traffic to them, while waiting only delays changes.
+//! With a routing mode it also waits for the node registry's first listing
+//! (the peers' addresses as remote-node), unless the view came from the
+//! snapshot, which holds them.
 //!
 //! With a routing mode (multi-node), the same session pushes the complete set
 //! of peer nodes from the registry ([`LoaderSyncOptions::peers`]) with
@@ -222,6 +225,13 @@ impl LoaderSync {
     /// controller starts the next one.
     async fn sync(self: Arc<Self>, progress: Progress) -> Result<(), SyncError> {
         self.ipcache.wait_ready().await;
+        // Nor before the peers' addresses are remote-node: a view without
+        // them would make the loader drop their tunnel traffic.
+        if let Some(peers) = &self.opts.peers
+            && !self.ipcache.restored_from_snapshot()
+        {
+            let _ = peers.clone().wait_for(Option::is_some).await;
+        }
         let result = self.session(&progress).await;
         if let Err(error) = &result {
             let mut status = self.lock();

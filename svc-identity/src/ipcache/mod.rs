@@ -180,6 +180,8 @@ pub struct IpCache {
     ready: watch::Sender<bool>,
     /// Listing or watching the store failed last (cleared by a listing).
     watch_failed: AtomicBool,
+    /// Served from the local snapshot since start (NODE claims included).
+    from_snapshot: AtomicBool,
     /// Progress of the reconcile passes (the publish loop is their only
     /// runner, so passes never overlap).
     progress: watch::Sender<PublishProgress>,
@@ -221,6 +223,7 @@ impl IpCache {
             changes,
             ready,
             watch_failed: AtomicBool::new(false),
+            from_snapshot: AtomicBool::new(false),
             progress: watch::channel(PublishProgress::default()).0,
             reconcile: Trigger::new(),
             snapshot_part: SnapshotPart::default(),
@@ -253,6 +256,12 @@ impl IpCache {
             remote,
             local: self.desired(&st).into_values().collect(),
             published: st.own_in_store.values().cloned().collect(),
+            nodes: st
+                .claims
+                .values()
+                .filter_map(|c| c.get(&IpcacheSource::Node))
+                .map(|e| (e.prefix.addr(), e.node_name.clone()))
+                .collect(),
         }
     }
 
@@ -294,6 +303,15 @@ impl IpCache {
             st.restore_deadline = Some(Instant::now() + self.opts.restore_grace);
             st.local_generation += 1;
         }
+        // The node registry replaces them at its first listing.
+        for (ip, node) in &snapshot.nodes {
+            let prefix = IpNet::from(*ip);
+            let mut entry = IpcacheEntry::new(prefix, ReservedIdentity::RemoteNode.id(), IpcacheSource::Node);
+            entry.node_name.clone_from(node);
+            self.update(&mut st, prefix, |c| {
+                c.insert(IpcacheSource::Node, entry);
+            });
+        }
         for e in snapshot.published.iter().filter(|e| e.node == me) {
             if let Some(prefix) = parse(e) {
                 if !local.contains(&prefix) {
@@ -305,6 +323,7 @@ impl IpCache {
         tracing::info!(
             remote = snapshot.remote.len(),
             local = local.len(),
+            nodes = snapshot.nodes.len(),
             withdrawals = st.restored_withdrawals.len(),
             revision = snapshot.store_revision,
             "IP cache restored from the local snapshot; served until the store is listed"
@@ -313,6 +332,7 @@ impl IpCache {
         self.snapshot_part.set_store_revision(snapshot.store_revision);
         // Not listed yet: changes do not wait for a store that may be away.
         self.watch_failed.store(true, Ordering::Release);
+        self.from_snapshot.store(true, Ordering::Release);
         self.ready.send_replace(true);
     }
 
@@ -352,6 +372,12 @@ impl IpCache {
     pub async fn wait_ready(&self) {
         let mut rx = self.ready.subscribe();
         let _ = rx.wait_for(|r| *r).await;
+    }
+
+    /// Whether the view was restored from the local snapshot at start (its
+    /// NODE claims are there before the node registry lists).
+    pub fn restored_from_snapshot(&self) -> bool {
+        self.from_snapshot.load(Ordering::Acquire)
     }
 
     /// Whether the first listing of the store completed.
