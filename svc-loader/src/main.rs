@@ -86,7 +86,8 @@ struct Flags {
     #[arg(long, env = "RIVET_UNDERLAY_INTERFACE", required_if_eq_any = [("routing_mode", "native"), ("routing_mode", "vxlan")])]
     underlay_interface: Option<String>,
     /// UDP port of the VXLAN tunnel.
-    #[arg(long, env = "RIVET_TUNNEL_PORT", default_value_t = routing::DEFAULT_TUNNEL_PORT)]
+    #[arg(long, env = "RIVET_TUNNEL_PORT", default_value_t = routing::DEFAULT_TUNNEL_PORT,
+          value_parser = clap::value_parser!(u16).range(1..))]
     tunnel_port: u16,
 
     /// How often the node's addresses are re-published as the host identity.

@@ -185,6 +185,12 @@ pub fn setup(
         underlay_addresses: (None, None),
     };
     if mode == RoutingMode::None {
+        if let Some(name) = underlay_interface {
+            tracing::warn!(
+                underlay = name,
+                "--underlay-interface is ignored with --routing-mode none (single node)"
+            );
+        }
         return Ok((setup, None));
     }
     let name = underlay_interface.ok_or(SetupError::NoUnderlay { mode: mode.as_str() })?;
