@@ -377,6 +377,19 @@ async fn routing_needs_etcd_an_underlay_address_and_pod_cidrs() {
     refused(&["--pod-cidr", "198.18.1.1/24"], "host bits");
 }
 
+/// svc-loader of node 1 on `underlay`, in vxlan mode.
+async fn vxlan_loader(underlay: &Underlay) -> LoaderNode {
+    LoaderNode::start_on_underlay(
+        &rivet_common::testing::workspace_binary("svc-loader"),
+        underlay,
+        1,
+        &[],
+        &["--routing-mode", "vxlan", "--underlay-interface", UNDERLAY_IFNAME],
+    )
+    .await
+    .expect("svc-loader starts in vxlan mode")
+}
+
 /// svc-loader's peers: name → (underlay IPv4, pod CIDRs).
 async fn loader_peers(loader: &LoaderNode) -> BTreeMap<String, (String, Vec<String>)> {
     let r = loader
@@ -460,15 +473,7 @@ async fn loader_entry_until(loader: &LoaderNode, address: &str, want: Option<(u3
 #[tokio::test]
 async fn peers_reach_svc_loader_as_routes_and_remote_node_entries() {
     let underlay = Underlay::new().expect("the underlay namespace");
-    let loader = LoaderNode::start_on_underlay(
-        &rivet_common::testing::workspace_binary("svc-loader"),
-        &underlay,
-        1,
-        &[],
-        &["--routing-mode", "vxlan", "--underlay-interface", UNDERLAY_IFNAME],
-    )
-    .await
-    .expect("svc-loader starts in vxlan mode");
+    let loader = vxlan_loader(&underlay).await;
     let etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
     let (n1, n2, n3) = (TestNode::new(1, 2), TestNode::new(2, 30), TestNode::new(3, 2));
@@ -530,15 +535,7 @@ async fn peers_reach_svc_loader_as_routes_and_remote_node_entries() {
 #[tokio::test]
 async fn a_restart_during_an_etcd_outage_keeps_the_peers_remote_node_in_svc_loader() {
     let underlay = Underlay::new().expect("the underlay namespace");
-    let loader = LoaderNode::start_on_underlay(
-        &rivet_common::testing::workspace_binary("svc-loader"),
-        &underlay,
-        1,
-        &[],
-        &["--routing-mode", "vxlan", "--underlay-interface", UNDERLAY_IFNAME],
-    )
-    .await
-    .expect("svc-loader starts in vxlan mode");
+    let loader = vxlan_loader(&underlay).await;
     let mut etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
     let (n1, n2) = (TestNode::new(1, 30), TestNode::new(2, 30));

@@ -558,6 +558,14 @@ pub(super) mod tests {
             .up
     }
 
+    /// Each of `cases` (flags, part of the error) is refused with that error.
+    fn assert_refused(cases: &[(Vec<&str>, &str)]) {
+        for (bad, expected) in cases {
+            let err = plan(bad).unwrap_err().to_string();
+            assert!(err.contains(expected), "{bad:?}: {err}");
+        }
+    }
+
     pub(in crate::node) fn plan(extra: &[&str]) -> Result<NodePlan> {
         NodePlan::new(
             Path::new("/tmp/r/sockets"),
@@ -612,7 +620,7 @@ pub(super) mod tests {
         let p = plan(&["--pool", "a=10.0.0.0/24", "--pool", "b=fd00::/64", "--node-name", "h1"]).unwrap();
         assert_eq!(p.ipam_pool, "a");
         assert!(p.netns_path().is_none());
-        for (bad, expected) in [
+        assert_refused(&[
             (vec!["--netns", "a/b"], "network namespace name"),
             (vec!["--netns", "n", "--pool", "nocidr"], "is not a pool"),
             (
@@ -629,10 +637,7 @@ pub(super) mod tests {
                 vec!["--netns", "n", "--host-interface-prefix", "toolongprefix"],
                 "1 to 10",
             ),
-        ] {
-            let err = plan(&bad).unwrap_err().to_string();
-            assert!(err.contains(expected), "{bad:?}: {err}");
-        }
+        ]);
         // --create-netns and --node-address need their companions.
         assert!(Cli::try_parse_from(["up", "--create-netns"]).is_err());
         assert!(Cli::try_parse_from(["up", "--netns", "n", "--node-address", "1.2.3.4/32"]).is_err());
@@ -729,7 +734,7 @@ pub(super) mod tests {
         let ipam = args("svc-ipam");
         assert!(!ipam.iter().any(|a| a == "--pool"), "{ipam:?}");
         assert_eq!(args("svc-k8s-sync")[COMMON + 2 + 4..], ["--ipam-mode", "cluster-pool"]);
-        for (bad, expected) in [
+        assert_refused(&[
             (
                 vec!["--netns", "n", "--ipam-mode", "cluster-pool"],
                 "needs --kubeconfig",
@@ -747,10 +752,7 @@ pub(super) mod tests {
                 ],
                 "exclude each other",
             ),
-        ] {
-            let err = plan(&bad).unwrap_err().to_string();
-            assert!(err.contains(expected), "{bad:?}: {err}");
-        }
+        ]);
     }
 
     fn underlay(addresses: &[&str], mtu: u32) -> Underlay {
@@ -841,7 +843,7 @@ pub(super) mod tests {
         );
         assert_eq!(alone.mtu(), 1500);
 
-        for (bad, expected) in [
+        assert_refused(&[
             (
                 vec!["--netns", "n", "--routing", "native", "--underlay-interface", "ul0"],
                 "needs --etcd-endpoints",
@@ -890,10 +892,7 @@ pub(super) mod tests {
                 ],
                 "not supported yet",
             ),
-        ] {
-            let err = plan(&bad).unwrap_err().to_string();
-            assert!(err.contains(expected), "{bad:?}: {err}");
-        }
+        ]);
         // clap: each of --routing and --underlay-interface needs the other.
         for lone in [&["--routing", "native"][..], &["--underlay-interface", "ul0"][..]] {
             let parsed = Cli::try_parse_from(std::iter::once("up").chain(lone.iter().copied()));
