@@ -204,7 +204,7 @@ impl Summary {
 }
 
 /// The median (the mean of the middle two for an even count).
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     if n % 2 == 1 {
@@ -247,7 +247,7 @@ impl Drop for BusyThreads {
 }
 
 /// Bits per second received by an iperf3 server in `server` from `client`.
-fn iperf(client: &NetNs, server: &NetNs, dst: IpAddr, seconds: u32) -> anyhow::Result<f64> {
+pub(crate) fn iperf(client: &NetNs, server: &NetNs, dst: IpAddr, seconds: u32) -> anyhow::Result<f64> {
     let mut srv = server
         .command("iperf3")
         .args(["-s", "-1", "-p", "5201", "--forceflush"])

@@ -8,6 +8,7 @@ mod gc;
 mod identity;
 mod ipam;
 mod k8s;
+mod multinode;
 mod multinode_scale;
 mod operator;
 mod report;
@@ -50,6 +51,9 @@ enum Bench {
     /// rivet-operator: 1000 nodes joining until all hold pod CIDRs vs the API's own create rate; identity GC
     /// rounds over 100,000 identities on etcd vs a raw range scan of the same keys.
     Operator(operator::OperatorArgs),
+    /// Cross-node pod-to-pod TCP (iperf3, 1-byte request/response): Rivet native vs kernel routing, Rivet vxlan
+    /// vs kernel VXLAN with static FDB, in the same topology; node-to-node latency; then the multinode-scale figures.
+    Multinode(multinode::MultinodeArgs),
     /// 50 simulated nodes x 200 pods published in etcd until a real node's pinned ipcache holds them all:
     /// convergence time, the node daemons' RSS and CPU, one more pod's p50/p99 until it is in the map.
     MultinodeScale(multinode_scale::ScaleArgs),
@@ -103,6 +107,12 @@ async fn main() -> anyhow::Result<()> {
                  raw scan, goal <= 2)"
             );
             println!(
+                "multinode  cross-node pod-to-pod iperf3 and 1-byte TCP request/response: Rivet native vs kernel \
+                 routing, Rivet vxlan vs kernel VXLAN with static FDB entries, interleaved rounds; Rivet vxlan RR p50 \
+                 / node-to-node RR p50; then the multinode-scale figures (ratio = the lower throughput ratio, goal \
+                 >= 0.95)"
+            );
+            println!(
                 "multinode-scale  50 simulated nodes x 200 pods in etcd (a lease each, svc-identity's store code) until \
                  a real node's pinned ipcache holds all 10,000 with identity and tunnel endpoint; RSS and CPU of \
                  svc-identity and svc-loader; one more pod etcd put -> map p50/p99 (ratio = converge / publish)"
@@ -120,6 +130,7 @@ async fn main() -> anyhow::Result<()> {
         Bench::Cni(args) => cni::run(&args).await?,
         Bench::K8s(args) => k8s::run(&args).await?,
         Bench::Operator(args) => operator::run(&args).await?,
+        Bench::Multinode(args) => multinode::run(&args).await?,
         Bench::MultinodeScale(args) => multinode_scale::run(&args).await?,
     };
     result.publish(&report::target_dir()?)?;
