@@ -172,6 +172,11 @@ async fn a_cluster_comes_up_on_its_address_plan_and_down_removes_it_even_after_a
     cluster.stop_node(3).await;
     assert_eq!(cluster.node(3).state, NodeState::Stopped);
     assert_eq!(node_states(&cluster), ["running", "running", "stopped"]);
+    let stopped_is_fine = cluster
+        .rivet(&["cluster", "status", "--name", &cluster.name])
+        .status()
+        .unwrap();
+    assert!(stopped_is_fine.success(), "a stopped node leaves the cluster healthy");
     assert!(cluster.node(3).record().is_none());
     cluster.start_node(3).await;
     assert_eq!(node_states(&cluster), ["running"; 3]);
@@ -181,6 +186,15 @@ async fn a_cluster_comes_up_on_its_address_plan_and_down_removes_it_even_after_a
     let pids = cluster_pids(&cluster);
     cluster.crash_node(2).await;
     assert_eq!(node_states(&cluster), ["running", "crashed", "running"]);
+    let crashed = cluster
+        .rivet(&["cluster", "status", "--name", &cluster.name])
+        .output()
+        .unwrap();
+    assert_eq!(
+        crashed.status.code(),
+        Some(1),
+        "a crashed node is a problem: {crashed:?}"
+    );
     let etcd = record.etcd.as_ref().unwrap().pid;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(etcd as i32),

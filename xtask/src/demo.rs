@@ -82,6 +82,15 @@ spec:
 
 /// Builds the binaries and runs the demo.
 pub fn run() -> Result<()> {
+    let bin_dir = build_binaries()?;
+    let tmp = TempDir::create("rivet-demo")?;
+    let demo = Demo::new(bin_dir.join("rivet"), tmp.path().to_path_buf(), free_netns_name())?;
+    let logs = demo.dir.join("state/logs");
+    guarded(demo, tmp, &logs, Demo::run)
+}
+
+/// `cargo build --workspace --bins`; the dir of the binaries, each checked.
+pub(crate) fn build_binaries() -> Result<PathBuf> {
     cmd::run(cmd::cargo().args(["build", "--workspace", "--bins"]))?;
     let bin_dir = cmd::target_dir().join("debug");
     for (name, crate_dir) in [
@@ -94,9 +103,12 @@ pub fn run() -> Result<()> {
     ] {
         built_binary(&bin_dir, name, crate_dir)?;
     }
-    let tmp = TempDir::create("rivet-demo")?;
-    let demo = Demo::new(bin_dir.join("rivet"), tmp.path().to_path_buf(), free_netns_name())?;
+    Ok(bin_dir)
+}
 
+/// Runs `body` with the teardown guaranteed: on Ctrl-C or SIGTERM (a
+/// signal thread), on failure (the logs under `logs` are kept) and at the end.
+pub(crate) fn guarded(demo: Demo, tmp: TempDir, logs: &Path, body: impl FnOnce(&Demo) -> Result<()>) -> Result<()> {
     // Ctrl-C or SIGTERM: tear the node down, then exit. The signals are blocked in
     // this thread (and so in every thread spawned later) and taken by one thread.
     let teardown = Arc::new(Mutex::new(Some(demo.teardown_command())));
@@ -107,7 +119,7 @@ pub fn run() -> Result<()> {
         std::thread::spawn(move || {
             if let Ok(signal) = signals.wait() {
                 INTERRUPTED.store(true, Ordering::SeqCst);
-                eprintln!("\n# {signal:?}: tearing the node down");
+                eprintln!("\n# {signal:?}: tearing down");
                 if let Some(mut down) = teardown.lock().unwrap_or_else(|e| e.into_inner()).take() {
                     let _ = down.status();
                 }
@@ -117,19 +129,16 @@ pub fn run() -> Result<()> {
         });
     }
 
-    let result = demo.run();
+    let result = body(&demo);
     park_if_interrupted();
-    // Whatever happened: the node goes (unless the signal thread took it already).
+    // Whatever happened: everything goes (unless the signal thread took it already).
     let down = teardown.lock().unwrap_or_else(|e| e.into_inner()).take();
     if let Err(e) = result {
         if let Some(mut down) = down {
-            eprintln!("\n# The demo failed; tearing the node down");
+            eprintln!("\n# The demo failed; tearing down");
             let _ = down.stdout(Stdio::null()).status();
         }
-        eprintln!(
-            "# Kept for a look: the logs in {}",
-            demo.dir.join("state/logs").display()
-        );
+        eprintln!("# Kept for a look: the logs in {}", logs.display());
         tmp.keep();
         return Err(e);
     }
@@ -140,7 +149,7 @@ pub fn run() -> Result<()> {
 
 /// The path of a binary `cargo build --workspace --bins` should have produced, or an
 /// error saying which crate was expected to provide it.
-fn built_binary(bin_dir: &Path, name: &str, crate_dir: &str) -> Result<PathBuf> {
+pub(crate) fn built_binary(bin_dir: &Path, name: &str, crate_dir: &str) -> Result<PathBuf> {
     let path = bin_dir.join(name);
     if !path.is_file() {
         bail!(
@@ -168,11 +177,11 @@ fn free_netns_name() -> String {
 }
 
 /// Set by the signal thread: it tears the node down and ends the process.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// Once interrupted, the main thread starts nothing new: it waits for the signal
 /// thread to finish the teardown and exit.
-fn park_if_interrupted() {
+pub(crate) fn park_if_interrupted() {
     while INTERRUPTED.load(Ordering::SeqCst) {
         sleep(Duration::from_secs(1));
     }
@@ -180,7 +189,7 @@ fn park_if_interrupted() {
 
 /// Blocks SIGINT and SIGTERM in this thread (inherited by threads spawned later; child
 /// processes start with an empty mask); the set to wait on.
-fn block_signals() -> Result<SigSet> {
+pub(crate) fn block_signals() -> Result<SigSet> {
     let mut set = SigSet::empty();
     set.add(Signal::SIGINT);
     set.add(Signal::SIGTERM);
@@ -189,11 +198,15 @@ fn block_signals() -> Result<SigSet> {
 }
 
 /// One demo run.
-struct Demo {
+pub(crate) struct Demo {
     rivet: PathBuf,
     /// The temp dir, shown as `$D`.
-    dir: PathBuf,
+    pub(crate) dir: PathBuf,
     netns: String,
+    /// The environment of every `rivet` (the `export` line shown at the start).
+    env: Vec<(&'static str, PathBuf)>,
+    /// `rivet <args>` that tears everything down.
+    teardown: Vec<String>,
 }
 
 impl Demo {
@@ -206,18 +219,37 @@ impl Demo {
                 socket.display()
             );
         }
-        Ok(Self { rivet, dir, netns })
+        let env = vec![
+            ("RIVET_STATE_DIR", dir.join("state")),
+            ("RIVET_SOCKET_DIR", dir.join("sockets")),
+        ];
+        Ok(Self {
+            rivet,
+            dir,
+            netns,
+            env,
+            teardown: vec!["node".into(), "down".into()],
+        })
+    }
+
+    /// A demo of a cluster in `dir` (its state dir): `rivet cluster down
+    /// --name <cluster>` tears it down.
+    pub(crate) fn of_cluster(rivet: PathBuf, dir: PathBuf, cluster: &str) -> Self {
+        Self {
+            rivet,
+            env: vec![("RIVET_STATE_DIR", dir.clone())],
+            dir,
+            netns: String::new(),
+            teardown: ["cluster", "down", "--name", cluster].map(String::from).to_vec(),
+        }
     }
 
     /// `rivet <args>` with the demo's state and socket dirs in the environment (as the
     /// `export` line shown at the start).
-    fn rivet(&self, args: &[&str]) -> Command {
+    pub(crate) fn rivet(&self, args: &[&str]) -> Command {
         use std::os::unix::process::CommandExt;
         let mut command = Command::new(&self.rivet);
-        command
-            .args(args)
-            .env("RIVET_STATE_DIR", self.dir.join("state"))
-            .env("RIVET_SOCKET_DIR", self.dir.join("sockets"));
+        command.args(args).envs(self.env.iter().map(|(k, v)| (*k, v)));
         // The signal mask is inherited across exec: the signals this process
         // blocked (for its signal thread) must reach the commands it runs.
         // SAFETY: sigprocmask is async-signal-safe and touches only the new process.
@@ -232,13 +264,14 @@ impl Demo {
         command
     }
 
-    /// `rivet node down`, for the teardown guards.
-    fn teardown_command(&self) -> Command {
-        self.rivet(&["node", "down"])
+    /// `rivet node down` (`rivet cluster down`), for the teardown guards.
+    pub(crate) fn teardown_command(&self) -> Command {
+        let args: Vec<&str> = self.teardown.iter().map(String::as_str).collect();
+        self.rivet(&args)
     }
 
     /// A command line as a user would type it: `rivet` by name, the temp dir as `$D`.
-    fn shown(&self, command: &Command) -> String {
+    pub(crate) fn shown(&self, command: &Command) -> String {
         let dir = self.dir.display().to_string();
         let program = Path::new(command.get_program());
         let mut words = vec![
@@ -256,7 +289,7 @@ impl Demo {
     }
 
     /// Shows `$ <command>`, runs it, shows its output; fails if it fails.
-    fn show(&self, command: &mut Command) -> Result<Output> {
+    pub(crate) fn show(&self, command: &mut Command) -> Result<Output> {
         let output = self.show_allowing_failure(command, None)?;
         if !output.status.success() {
             bail!("`{}` failed ({})", self.shown(command), output.status);
@@ -266,7 +299,7 @@ impl Demo {
 
     /// Shows `$ [echo <stdin> | ]<command>`, runs it, shows its output and, if it
     /// failed, its exit status.
-    fn show_allowing_failure(&self, command: &mut Command, stdin: Option<&str>) -> Result<Output> {
+    pub(crate) fn show_allowing_failure(&self, command: &mut Command, stdin: Option<&str>) -> Result<Output> {
         park_if_interrupted();
         match stdin {
             Some(text) => println!("$ echo {} | {}", text.trim_end(), self.shown(command)),
@@ -294,7 +327,7 @@ impl Demo {
 
     /// Starts `command` in the background, shown with a trailing `&`; its output goes
     /// to `log`.
-    fn background(&self, command: &mut Command, log: &Path) -> Result<Background> {
+    pub(crate) fn background(&self, command: &mut Command, log: &Path) -> Result<Background> {
         park_if_interrupted();
         println!("$ {} &", self.shown(command));
         let out = File::create(log).with_context(|| format!("creating {}", log.display()))?;
@@ -308,7 +341,7 @@ impl Demo {
     }
 
     /// `rivet <args> -o json`, parsed.
-    fn json(&self, args: &[&str]) -> Result<Value> {
+    pub(crate) fn json(&self, args: &[&str]) -> Result<Value> {
         let mut command = self.rivet(args);
         command.args(["-o", "json"]);
         let output = command
@@ -592,7 +625,7 @@ impl Demo {
 }
 
 /// A step's heading and its explanation.
-fn heading(title: &str, text: &str) {
+pub(crate) fn heading(title: &str, text: &str) {
     println!();
     println!("== {title}");
     for line in text.lines() {
@@ -601,13 +634,13 @@ fn heading(title: &str, text: &str) {
 }
 
 /// A background command, killed and reaped when dropped.
-struct Background {
+pub(crate) struct Background {
     child: Child,
 }
 
 impl Background {
     /// SIGTERM, then reap it.
-    fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
             if let Ok(pid) = i32::try_from(self.child.id()) {
                 let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
@@ -638,14 +671,14 @@ impl Drop for Background {
 
 /// A fresh directory under the system temp dir, removed with everything in it when
 /// dropped.
-struct TempDir {
+pub(crate) struct TempDir {
     path: PathBuf,
 }
 
 impl TempDir {
     /// Creates `<tmp>/<prefix>.<pid>.<n>` with the first free `n`; short, so socket
     /// paths inside stay well under the kernel's limit.
-    fn create(prefix: &str) -> Result<Self> {
+    pub(crate) fn create(prefix: &str) -> Result<Self> {
         let base = std::env::temp_dir();
         for n in 0..100 {
             let path = base.join(format!("{prefix}.{}.{n}", std::process::id()));
@@ -660,12 +693,12 @@ impl TempDir {
         bail!("could not find a free temp dir name under {}", base.display())
     }
 
-    fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
     /// Leaves the directory in place (for the logs of a failed run).
-    fn keep(self) {
+    pub(crate) fn keep(self) {
         std::mem::forget(self);
     }
 }

@@ -9,6 +9,7 @@
 mod bench;
 mod cmd;
 mod demo;
+mod demo_cluster;
 mod deps;
 mod install;
 mod test;
@@ -46,8 +47,18 @@ enum Command {
     },
     /// Build the binaries and run the demo: one node (`rivet node up`), three pods
     /// through rivet-cni, a NetworkPolicy allowing and denying traffic, a daemon
-    /// killed and restarted with no packet lost, and a clean teardown.
-    Demo,
+    /// killed and restarted with no packet lost, and a clean teardown. With
+    /// `--cluster`: three nodes (`rivet cluster up`), pods on each, traffic and a
+    /// policy across nodes, `rivet node list` and `rivet health`, a node leaving.
+    Demo {
+        /// The multi-node demo instead.
+        #[arg(long)]
+        cluster: bool,
+        /// Routing of the cluster demo: `native` or `vxlan`.
+        #[arg(long, default_value = "vxlan", requires = "cluster",
+              value_parser = clap::builder::PossibleValuesParser::new(["native", "vxlan"]))]
+        routing: String,
+    },
     /// Run one benchmark of the `rivet-bench` crate with the bench-release profile.
     Bench(bench::Args),
     /// Check that no daemon, the CLI or the CNI plugin links a crate it must not
@@ -81,9 +92,13 @@ fn run(command: Command) -> Result<()> {
             install::run()?;
             test::run(&cargo_test_args)
         }
-        Command::Demo => {
+        Command::Demo { cluster, routing } => {
             install::run()?;
-            demo::run()
+            if cluster {
+                demo_cluster::run(&routing)
+            } else {
+                demo::run()
+            }
         }
         Command::Bench(args) => {
             install::run()?;

@@ -83,7 +83,9 @@ pub enum ClusterCommand {
         #[arg(long, default_value = DEFAULT_NAME)]
         name: String,
     },
-    /// The cluster's etcd and nodes with their daemons.
+    /// The cluster's etcd and nodes with their daemons. Exit status 1 when
+    /// etcd is not healthy, a node crashed or a running node's daemon is
+    /// not running (a node stopped with `stop-node` is fine).
     Status {
         /// Cluster name.
         #[arg(long, default_value = DEFAULT_NAME)]

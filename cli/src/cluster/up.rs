@@ -364,13 +364,15 @@ pub struct ClusterStatus {
 }
 
 impl ClusterStatus {
-    /// etcd is healthy and every node runs with all its daemons.
+    /// etcd is healthy, no node crashed and every node that runs runs all
+    /// its daemons (a node stopped with `stop-node` is no problem).
     pub fn healthy(&self) -> bool {
         self.etcd.as_ref().is_some_and(|e| e.healthy)
-            && self
-                .nodes
-                .iter()
-                .all(|n| n.state == "running" && n.daemons.iter().all(|d| d.phase == DaemonPhase::Running))
+            && self.nodes.iter().all(|n| match n.state.as_str() {
+                "stopped" => true,
+                "running" => n.daemons.iter().all(|d| d.phase == DaemonPhase::Running),
+                _ => false,
+            })
     }
 
     /// As printed.
