@@ -125,8 +125,8 @@ fn ip(ns: &NetNs, words: &str) -> anyhow::Result<()> {
 }
 
 impl KernelCluster {
-    /// Builds the underlay, the two nodes with a pod each (198.18.<i>.2 on
-    /// node i, its gateway 198.18.<i>.1 as a static neighbour) and `mode`'s
+    /// Builds the underlay, the two nodes with a pod each (`198.18.<i>.2` on
+    /// node i, its gateway `198.18.<i>.1` as a static neighbour) and `mode`'s
     /// forwarding.
     pub fn start(mode: KernelMode) -> anyhow::Result<Self> {
         let underlay = NetNs::new("rbul")?;
