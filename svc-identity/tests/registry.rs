@@ -586,3 +586,50 @@ async fn a_restart_during_an_etcd_outage_keeps_the_peers_remote_node_in_svc_load
     let listing = list_nodes(&a).await;
     assert!(!listing.listed, "etcd is down: the registry has not listed");
 }
+
+/// A node's record carries the addresses of its endpoints with the
+/// reserved `health` identity, kept current: another node sees the health
+/// endpoint appear and go.
+#[tokio::test]
+async fn the_health_endpoint_addresses_follow_the_local_health_claims() {
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let (n1, n2) = (TestNode::new(1, 2), TestNode::new(2, 2));
+    let a = n1.spawn(dir.path(), &etcd).await;
+    let b = n2.spawn(dir.path(), &etcd).await;
+    let mut ia = IpcacheServiceClient::new(channel(&a).await);
+    let claim = |address: &str, identity: u32| pb::IpcacheEntry {
+        prefix: Some(rivet_testkit::wire::prefix(address)),
+        identity,
+        source: pb::IpcacheSource::LocalEndpoint as i32,
+        ..Default::default()
+    };
+    ia.upsert_ip(pb::UpsertIpRequest {
+        entries: vec![
+            claim("198.18.1.2", 4),
+            claim("2001:2:0:1::2", 4),
+            claim("198.18.1.3", 4242),
+        ],
+    })
+    .await
+    .expect("node-1 claims its health endpoint and a pod");
+    let health = |n: &BTreeMap<String, pb::Node>| -> Option<Vec<IpAddr>> {
+        n.get("node-1")
+            .map(|r| r.health_addresses.iter().map(|a| ip(a)).collect())
+    };
+    let want: Vec<IpAddr> = vec!["198.18.1.2".parse().unwrap(), "2001:2:0:1::2".parse().unwrap()];
+    nodes_until(&b, "node-2 sees node-1's health endpoint (not its pod)", |n| {
+        health(n).as_ref() == Some(&want)
+    })
+    .await;
+    ia.delete_ip(pb::DeleteIpRequest {
+        prefixes: vec![rivet_testkit::wire::prefix("2001:2:0:1::2")],
+        source: pb::IpcacheSource::LocalEndpoint as i32,
+    })
+    .await
+    .unwrap();
+    nodes_until(&b, "node-2 sees node-1's health endpoint lose its IPv6 address", |n| {
+        health(n).as_ref() == Some(&want[..1].to_vec())
+    })
+    .await;
+}
