@@ -1041,3 +1041,84 @@ fn an_ingress_rule_with_a_named_port_allows_exactly_that_port() {
         let _ = server.wait();
     }
 }
+
+/// GET /hello on `address:4240` from a thread in namespace `ns`: true on a 200.
+fn hello_from(ns: &str, address: &str) -> bool {
+    let ns = rivet_common::testing::netns::NetNs::existing(ns).unwrap();
+    let target: std::net::SocketAddr = format!("{address}:4240").parse().unwrap();
+    ns.in_ns(move || {
+        use std::io::{Read as _, Write as _};
+        let Ok(mut stream) = std::net::TcpStream::connect_timeout(&target, Duration::from_secs(2)) else {
+            return false;
+        };
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+        let request = format!("GET /hello HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n");
+        if stream.write_all(request.as_bytes()).is_err() {
+            return false;
+        }
+        let mut response = String::new();
+        let _ = stream.read_to_string(&mut response);
+        response.starts_with("HTTP/1.1 200")
+    })
+    .unwrap()
+}
+
+#[test]
+fn the_health_endpoint_is_reserved_health_outside_pod_policy_survives_restarts_and_goes_with_the_node() {
+    let mut node = TestNode::up_with(&["--health-endpoint"]);
+    let record = node.record();
+    let ns = record
+        .health_netns
+        .clone()
+        .expect("node.json records the health endpoint's namespace");
+    assert_eq!(ns, format!("hlth-{}", record.node_name));
+    let health_endpoint = || {
+        let endpoints = node.json(&["endpoint", "list"]);
+        let list = endpoints["endpoints"].as_array().unwrap().clone();
+        assert_eq!(list.len(), 1, "only the health endpoint: {endpoints}");
+        list[0].clone()
+    };
+    let endpoint = health_endpoint();
+    assert_eq!(endpoint["identity"], 4, "the reserved health identity: {endpoint}");
+    assert_eq!(endpoint["identity_labels"], serde_json::json!(["reserved:health"]));
+    assert_eq!(endpoint["state"], "ready");
+    let address = endpoint["addresses"][0]["address"].as_str().unwrap().to_string();
+
+    // svc-health serves /hello in it: reached from the node through the datapath.
+    assert!(
+        hello_from(&node.netns, &address),
+        "/hello on the health endpoint {address}"
+    );
+    // A policy that denies every pod's ingress does not select it.
+    let policy = node.path("deny-all.yaml");
+    std::fs::write(
+        &policy,
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: deny, namespace: default}\n\
+         spec: {podSelector: {}, policyTypes: [Ingress, Egress]}\n",
+    )
+    .unwrap();
+    node.ok(&["policy", "apply", "-f", policy.to_str().unwrap()]);
+    assert_eq!(health_endpoint()["ingress_enforced"], false);
+    assert!(
+        hello_from(&node.netns, &address),
+        "a pod policy does not cut the health endpoint off"
+    );
+
+    // kill -9 of svc-health and svc-endpoint: the endpoint stays, with its identity, and answers again.
+    for daemon in ["svc-health", "svc-endpoint"] {
+        node.kill9_and_wait_for_restart(daemon);
+        eventually(
+            &format!("/hello after {daemon} restarted"),
+            Duration::from_secs(30),
+            || hello_from(&node.netns, &address),
+        );
+    }
+    let after = health_endpoint();
+    assert_eq!(
+        (after["id"].clone(), after["identity"].clone()),
+        (endpoint["id"].clone(), 4.into())
+    );
+
+    node.down_and_check_nothing_left();
+    assert!(!netns_list().contains(&ns), "the health endpoint's namespace is gone");
+}

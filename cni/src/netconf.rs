@@ -43,6 +43,7 @@ pub const RIVET_KEYS: &[&str] = &[
     "logFile",
     "logLevel",
     "timeoutSeconds",
+    "endpointKind",
 ];
 
 /// Keys of the spec and its conventions that rivet-cni reads or tolerates.
@@ -173,6 +174,20 @@ pub struct NetConf {
     /// GC's valid attachments (`cni.dev/valid-attachments`, or the older
     /// `cni.dev/attachments`); `None` when absent.
     pub valid_attachments: Option<Vec<Attachment>>,
+    /// `endpointKind`: `pod` (the default) or `health`, the node's health
+    /// endpoint, which `rivet node up` creates with a netconf of its own
+    /// (svc-endpoint accepts it from root only, with no labels).
+    pub endpoint_kind: EndpointKind,
+}
+
+/// What the interface is for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum EndpointKind {
+    /// A pod.
+    #[default]
+    Pod,
+    /// The node's health endpoint (the reserved `health` identity).
+    Health,
 }
 
 /// Where to log, read leniently from a netconf that may not parse, so that
@@ -335,6 +350,21 @@ impl NetConf {
         let requested_ips = if runtime.ips.is_empty() { args.ips } else { runtime.ips };
         let named_ports = merge_named_ports(args.named_ports, runtime.named_ports)?;
         let valid_attachments = parse_attachments(&map)?;
+        let endpoint_kind = match optional_string(&map, "endpointKind")?.as_deref() {
+            None | Some("pod") => EndpointKind::Pod,
+            Some("health") => EndpointKind::Health,
+            Some(other) => {
+                return Err(CniError::netconf(format!(
+                    "endpointKind={other:?}: must be pod or health"
+                )));
+            }
+        };
+        if endpoint_kind == EndpointKind::Health && (!labels.is_empty() || !named_ports.is_empty()) {
+            return Err(CniError::netconf(
+                "endpointKind=health: the health endpoint takes no labels or container ports (its identity is \
+                 reserved:health)",
+            ));
+        }
 
         Ok(Self {
             cni_version,
@@ -354,6 +384,7 @@ impl NetConf {
             named_ports,
             dns,
             valid_attachments,
+            endpoint_kind,
         })
     }
 
@@ -735,6 +766,21 @@ mod tests {
         assert!(c.labels.is_empty() && c.requested_ips.is_empty());
         assert_eq!(c.valid_attachments, None);
         assert_eq!(c.ipam_socket(), PathBuf::from("/var/run/rivet/sockets/svc-ipam.sock"));
+    }
+
+    #[test]
+    fn the_health_endpoint_kind_takes_no_labels() {
+        assert_eq!(parse(base()).unwrap().endpoint_kind, EndpointKind::Pod);
+        assert_eq!(
+            parse(with("endpointKind", json!("health"))).unwrap().endpoint_kind,
+            EndpointKind::Health
+        );
+        assert_eq!(code(with("endpointKind", json!("router"))), codes::INVALID_NETCONF);
+        let mut labelled = with("endpointKind", json!("health"));
+        labelled["args"] = json!({"cni": {"labels": [{"key": "app", "value": "web"}]}});
+        let e = parse(labelled).unwrap_err();
+        assert_eq!(e.code, codes::INVALID_NETCONF);
+        assert!(e.msg.contains("endpointKind=health"), "{}", e.msg);
     }
 
     #[test]

@@ -32,7 +32,7 @@ use crate::api::{
 use crate::env::{CniEnv, Command};
 use crate::error::{CniError, codes};
 use crate::naming::host_ifname;
-use crate::netconf::{Attachment, NetConf};
+use crate::netconf::{Attachment, EndpointKind, NetConf};
 use crate::result::{CniResult, Interface, IpConfig, Route};
 use crate::version::CniVersion;
 
@@ -485,6 +485,7 @@ async fn add_steps(
         labels: conf.labels.clone(),
         r#async: false,
         named_ports: named_ports(conf),
+        kind: endpoint_kind(conf).into(),
     };
     undo.endpoint = true;
     let endpoint = create_endpoint(deps, request, deadline).await?;
@@ -530,6 +531,14 @@ async fn add_steps(
         dns: conf.dns.clone(),
     };
     Ok(result.render(conf.cni_version))
+}
+
+/// The netconf's endpoint kind on the wire.
+fn endpoint_kind(conf: &NetConf) -> eppb::EndpointKind {
+    match conf.endpoint_kind {
+        EndpointKind::Pod => eppb::EndpointKind::Pod,
+        EndpointKind::Health => eppb::EndpointKind::Health,
+    }
 }
 
 /// The netconf's named container ports as svc-endpoint takes them.
@@ -868,6 +877,7 @@ async fn add_chained(
         labels: conf.labels.clone(),
         r#async: false,
         named_ports: named_ports(conf),
+        kind: endpoint_kind(conf).into(),
     };
     match create_endpoint(deps, request, deadline).await {
         Ok(endpoint) => {

@@ -176,6 +176,33 @@ pub struct EndpointSpec {
     /// holds the reserved `init` identity until they arrive.
     #[serde(default)]
     pub labels_pending: bool,
+    /// A pod, or the node's health endpoint (state dirs written before
+    /// there was a kind are pods').
+    #[serde(default)]
+    pub kind: EndpointKind,
+}
+
+/// What an endpoint is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EndpointKind {
+    /// A pod.
+    #[default]
+    Pod,
+    /// The node's health endpoint (svc-health's): the reserved `health`
+    /// identity whatever its labels. Created by root only (rivet-cni run by
+    /// `rivet node up`).
+    Health,
+}
+
+impl EndpointKind {
+    /// On the wire.
+    pub fn to_proto(self) -> pb::EndpointKind {
+        match self {
+            Self::Pod => pb::EndpointKind::Pod,
+            Self::Health => pb::EndpointKind::Health,
+        }
+    }
 }
 
 impl EndpointSpec {
@@ -196,6 +223,7 @@ impl EndpointSpec {
             && self.mac == other.mac
             && self.pod_namespace == other.pod_namespace
             && self.pod_name == other.pod_name
+            && self.kind == other.kind
     }
 
     /// Whether it is the pod `namespace/name`.
@@ -344,6 +372,7 @@ pub fn to_proto(spec: &EndpointSpec, status: &EndpointStatus, include_history: b
         pod_name: spec.pod_name.clone(),
         pod_uid: spec.pod_uid.clone(),
         labels: spec.labels.iter().map(ToString::to_string).collect(),
+        kind: spec.kind.to_proto().into(),
         identity_labels: status.identity_labels.iter().map(ToString::to_string).collect(),
         identity: status.identity,
         state: status.state.to_proto().into(),

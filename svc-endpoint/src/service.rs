@@ -6,13 +6,14 @@ use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
+use rivet_common::access::PeerAccess;
 use rivet_common::grpc::{BootId, address_field, mac_field};
 use rivet_common::k8s_name::{self, NameError};
 use rivet_common::labels::{LabelSource, Labels};
 use rivet_proto::endpoint::v1 as pb;
 use tonic::{Request, Response, Status};
 
-use crate::endpoint::{self, EndpointAddress, EndpointSpec, EndpointState, unix_nanos};
+use crate::endpoint::{self, EndpointAddress, EndpointKind, EndpointSpec, EndpointState, unix_nanos};
 use crate::manager::{
     DEFAULT_NAMESPACE, EndpointEvent, EndpointManager, EndpointSelector, KubernetesReplay, ManagerError, NewEndpoint,
     PodMetadata, PodName, parse_namespace_label,
@@ -211,7 +212,43 @@ pub fn validate_create(r: &pb::CreateEndpointRequest) -> Result<EndpointSpec, St
         named_ports: parse_named_ports("named_ports", &r.named_ports)?,
         created: SystemTime::UNIX_EPOCH,
         labels_pending: false,
+        kind: endpoint_kind(r)?,
     })
+}
+
+/// The kind a create asks for; a health endpoint carries nothing of a pod.
+fn endpoint_kind(r: &pb::CreateEndpointRequest) -> Result<EndpointKind, Status> {
+    match pb::EndpointKind::try_from(r.kind) {
+        Ok(pb::EndpointKind::Unspecified | pb::EndpointKind::Pod) => Ok(EndpointKind::Pod),
+        Ok(pb::EndpointKind::Health) => {
+            if !r.labels.is_empty() || !r.named_ports.is_empty() || !r.pod_name.is_empty() {
+                return Err(invalid(
+                    "kind",
+                    "a health endpoint has no labels, named ports or pod name (its identity is reserved:health)",
+                ));
+            }
+            Ok(EndpointKind::Health)
+        }
+        Err(_) => Err(invalid("kind", format!("unknown value {}", r.kind))),
+    }
+}
+
+/// Only root creates the node's health endpoint (rivet-cni, run by `rivet
+/// node up`): the reserved `health` identity is allowed by no pod policy, so
+/// no other client of this socket may give it to an interface.
+fn check_health_caller<T>(request: &Request<T>, kind: EndpointKind) -> Result<(), Status> {
+    if kind != EndpointKind::Health {
+        return Ok(());
+    }
+    match request.extensions().get::<PeerAccess>() {
+        // No peer credentials: an in-process server (tests), not a socket peer.
+        None => Ok(()),
+        Some(p) if p.peer.uid == 0 => Ok(()),
+        Some(p) => Err(Status::permission_denied(format!(
+            "kind: only root (rivet-cni run by `rivet node up`) creates the health endpoint; uid {} may not",
+            p.peer.uid
+        ))),
+    }
 }
 
 /// Validates an endpoint reference.
@@ -338,8 +375,9 @@ impl pb::endpoint_service_server::EndpointService for EndpointApi {
         request: Request<pb::CreateEndpointRequest>,
     ) -> Result<Response<pb::CreateEndpointResponse>, Status> {
         let deadline = deadline(&request);
+        let spec = validate_create(request.get_ref())?;
+        check_health_caller(&request, spec.kind)?;
         let r = request.into_inner();
-        let spec = validate_create(&r)?;
         let (view, created) = self
             .manager
             .create(NewEndpoint { spec, sync: !r.r#async }, deadline)
@@ -967,6 +1005,22 @@ mod tests {
             // A client must not give a pod a reserved identity or a CIDR's.
             ("labels", Box::new(|r| r.labels = vec!["reserved:host".into()])),
             ("labels", Box::new(|r| r.labels = vec!["cidr:198.18.0.0/15".into()])),
+            // A health endpoint is no pod: its identity is reserved, whatever it would carry.
+            (
+                "kind",
+                Box::new(|r| {
+                    r.kind = pb::EndpointKind::Health.into();
+                    r.labels = vec!["k8s:app=web".into()];
+                }),
+            ),
+            (
+                "kind",
+                Box::new(|r| {
+                    r.kind = pb::EndpointKind::Health.into();
+                    r.pod_name = "web".into();
+                }),
+            ),
+            ("kind", Box::new(|r| r.kind = 9)),
             (
                 "named_ports[0].name",
                 Box::new(|r| {
@@ -999,6 +1053,37 @@ mod tests {
                 e.message()
             );
         }
+    }
+
+    #[test]
+    fn only_root_creates_the_health_endpoint() {
+        use rivet_common::access::{Access, Peer};
+        let mut r = create();
+        r.labels.clear();
+        r.pod_name.clear();
+        r.named_ports.clear();
+        r.kind = pb::EndpointKind::Health.into();
+        let spec = validate_create(&r).unwrap();
+        assert_eq!(spec.kind, EndpointKind::Health);
+        let from = |uid| {
+            let mut request = Request::new(r.clone());
+            request.extensions_mut().insert(PeerAccess {
+                peer: Peer {
+                    uid,
+                    gid: uid,
+                    pid: None,
+                    groups: vec![],
+                },
+                access: Access::Full,
+            });
+            request
+        };
+        check_health_caller(&from(0), spec.kind).unwrap();
+        let refused = check_health_caller(&from(999), spec.kind).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert!(refused.message().contains("uid 999"), "{}", refused.message());
+        // A pod from the same caller is fine.
+        check_health_caller(&from(999), EndpointKind::Pod).unwrap();
     }
 
     #[test]

@@ -316,6 +316,7 @@ mod tests {
                 named_ports: Vec::new(),
                 created: SystemTime::UNIX_EPOCH,
                 labels_pending: false,
+                kind: Default::default(),
             },
             identity,
             identity_labels: Labels::new(),

@@ -150,6 +150,8 @@ fn node_up_args(etcd_endpoint: &str, plan: &ClusterPlan, args: &UpArgs) -> Vec<S
         plan.name.clone(),
         "--stop-grace-seconds".into(),
         args.stop_grace_seconds.to_string(),
+        // svc-health's probes through the pod datapath start and end there.
+        "--health-endpoint".into(),
     ];
     for d in &args.daemon_args {
         out.extend(["--daemon-arg".to_string(), d.clone()]);

@@ -119,6 +119,24 @@ async fn stop_pid(pid: u32, grace: Duration) {
 /// the test pods are deleted while the daemons can still answer DEL.
 pub(super) async fn before_daemons_stop(record: &NodeRecord) -> Vec<String> {
     let mut messages = Vec::new();
+    // While the conflist and the daemons are there: DEL needs both.
+    if let Some(ns) = record.health_netns.clone() {
+        let record = record.clone();
+        match tokio::task::spawn_blocking(move || {
+            super::health::detach(
+                &ns,
+                &record.conflist,
+                &record.cni_bin_dir,
+                record.netns_path.clone(),
+                &record.log_dir,
+            )
+        })
+        .await
+        {
+            Ok(m) => messages.extend(m),
+            Err(e) => messages.push(format!("deleting the health endpoint: {e}")),
+        }
+    }
     remove_file(&record.conflist, &mut messages);
     let state_dir = record.state_dir.clone();
     match tokio::task::spawn_blocking(move || pod::delete_all(&state_dir, Duration::from_secs(60))).await {

@@ -84,6 +84,7 @@ use crate::Context;
 use crate::accounts;
 
 mod down;
+mod health;
 mod list;
 mod plan;
 mod record;
@@ -92,6 +93,7 @@ mod supervisor;
 mod up;
 
 pub use down::supervisor_alive;
+pub use health::health_netns;
 pub use plan::{CompanionPlugin, NodePlan, Underlay};
 pub use record::{DaemonPhase, DaemonStatus, NodePhase, NodeRecord};
 pub use render::{describe_node, describe_supervision};
@@ -323,6 +325,11 @@ pub struct UpArgs {
     /// Run in the background; return once the node is up.
     #[arg(long)]
     pub detach: bool,
+    /// Give the node a health endpoint (namespace `hlth-<node>`, wired by rivet-cni with the reserved
+    /// `health` identity): the other nodes' svc-health probe it through the pod datapath, and this
+    /// node's svc-health probes theirs from it. `rivet cluster up` gives every node one.
+    #[arg(long)]
+    pub health_endpoint: bool,
 }
 
 /// The VXLAN UDP port unless `--tunnel-port` says otherwise.

@@ -114,6 +114,8 @@ pub struct NodePlan {
     pub pin_dir: PathBuf,
     /// The underlay interface, once read ([`with_underlay`](Self::with_underlay)).
     pub underlay: Option<Underlay>,
+    /// The health endpoint's namespace (`--health-endpoint`).
+    pub health_netns: Option<String>,
     /// Arguments of `rivet node up`.
     pub args: UpArgs,
 }
@@ -227,6 +229,11 @@ impl NodePlan {
             log_dir: args.log_dir.clone().unwrap_or_else(|| state_dir.join("logs")),
             pin_dir: pin_layout::pin_dir(&args.bpffs, &node_name)?,
             underlay: None,
+            health_netns: if args.health_endpoint {
+                Some(super::health_netns(&node_name)?)
+            } else {
+                None
+            },
             args: args.clone(),
         };
         if args.kubeconfig.as_deref() == Some("") {
@@ -441,9 +448,25 @@ impl NodePlan {
                     }
                     GC => args.extend(["--bpffs".into(), self.args.bpffs.clone().into()]),
                     HEALTH => {
-                        for address in &self.node_addresses {
-                            let ip = address.split_once('/').map_or(address.as_str(), |(ip, _)| ip);
+                        // Where peers probe /hello: the underlay's addresses in a cluster, else the node's.
+                        let mut addresses: Vec<String> = self
+                            .underlay
+                            .iter()
+                            .flat_map(|u| &u.addresses)
+                            .map(ToString::to_string)
+                            .collect();
+                        if addresses.is_empty() {
+                            addresses = self
+                                .node_addresses
+                                .iter()
+                                .map(|a| a.split_once('/').map_or(a.as_str(), |(ip, _)| ip).to_string())
+                                .collect();
+                        }
+                        for ip in addresses {
                             args.extend(["--node-address".into(), ip.into()]);
+                        }
+                        if let Some(ns) = &self.health_netns {
+                            args.extend(["--health-netns".into(), netns::path(ns).into()]);
                         }
                     }
                     "svc-endpoint" if self.args.kubeconfig.is_some() => {
@@ -532,6 +555,7 @@ impl NodePlan {
             conflist: self.conflist_path(),
             cni_binary: self.cni_binary_path(),
             cni_plugins: Vec::new(),
+            health_netns: None,
             stop_grace_seconds: self.args.stop_grace_seconds,
             daemons: specs.iter().map(DaemonSpec::pending_status).collect(),
         }

@@ -121,6 +121,10 @@ pub struct NodeRecord {
     /// and removes when it stops; one that was there already is not listed.
     #[serde(default)]
     pub cni_plugins: Vec<PathBuf>,
+    /// The health endpoint's namespace (`--health-endpoint`), recorded
+    /// before it is made; `node down` deletes the endpoint and the namespace.
+    #[serde(default)]
+    pub health_netns: Option<String>,
     /// SIGTERM → SIGKILL grace of each daemon, seconds.
     pub stop_grace_seconds: u64,
     /// The daemons, in start order.

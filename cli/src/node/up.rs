@@ -16,6 +16,7 @@ use rivet_common::state_file::write_atomic;
 use tokio::sync::watch;
 
 use super::down::{after_daemons_stop, before_daemons_stop};
+use super::health;
 use super::supervisor::{answering_pid, describe_exit, log_tail, stopped};
 use super::{
     CNI_BINARY, CompanionPlugin, DaemonStatus, LOADER, NODE_FILE, NodePhase, NodePlan, NodeRecord, NodeSupervisor,
@@ -134,6 +135,11 @@ pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result
         }
         give_daemons_their_dirs(&plan, &accounts)?;
         allow_health_echo(&plan, &accounts)?;
+        if let Some(ns) = &plan.health_netns {
+            // Recorded first: node down removes it even if this fails halfway.
+            save(&|r| r.health_netns = Some(ns.clone()));
+            health::create_namespace(ns)?;
+        }
         supervisor.start(&cancel).await?;
         // Recorded before the copy: node down removes whatever was started.
         let copied: Vec<PathBuf> = companions
@@ -143,6 +149,20 @@ pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result
             .collect();
         save(&|r| r.cni_plugins = copied.clone());
         install_cni(&plan, &companions)?;
+        if let Some(ns) = &plan.health_netns {
+            let (name, plan) = (ns.clone(), plan.clone());
+            tokio::task::spawn_blocking(move || {
+                health::attach(
+                    &name,
+                    &plan.conflist_path(),
+                    &plan.args.cni_bin_dir,
+                    plan.netns_path(),
+                    &plan.log_dir,
+                )
+            })
+            .await??;
+            eprintln!("rivet node: created the health endpoint in {ns}");
+        }
         anyhow::Ok(())
     }
     .await;

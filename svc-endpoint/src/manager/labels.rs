@@ -8,7 +8,7 @@ use rivet_common::labels::{Label, LabelSource, Labels, ReservedIdentity};
 use tonic::Status;
 
 use super::{EndpointManager, EndpointSelector, EndpointView, ManagerError, State, store};
-use crate::endpoint::{EndpointSpec, EndpointState};
+use crate::endpoint::{EndpointKind, EndpointSpec, EndpointState};
 
 /// The namespace of endpoints created without one.
 pub const DEFAULT_NAMESPACE: &str = "default";
@@ -29,6 +29,10 @@ pub struct NamespaceLabels {
 impl State {
     /// The full label set an endpoint's identity is allocated for.
     pub(super) fn identity_request_labels(&self, spec: &EndpointSpec) -> Result<Labels, Status> {
+        if spec.kind == EndpointKind::Health {
+            // Not a pod: no pod or namespace selector may select it.
+            return Ok(ReservedIdentity::Health.labels());
+        }
         if spec.labels_pending {
             // Kubernetes mode, the pod's labels not known yet.
             return Ok(ReservedIdentity::Init.labels());
