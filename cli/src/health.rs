@@ -207,7 +207,7 @@ impl HealthView {
             "node {} ({}), round {} finished {} ago, interval {}, timeout {}\n{}\n",
             if self.node.is_empty() { "-" } else { &self.node },
             if self.node_addresses.is_empty() {
-                "no /hello server".to_string()
+                "/hello on every address".to_string()
             } else {
                 self.node_addresses.join(", ")
             },

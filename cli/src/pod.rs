@@ -1122,7 +1122,8 @@ async fn list_views(ctx: &Context, pods: Vec<PodRecord>) -> Vec<PodView> {
 }
 
 /// Every pod record as a row, its endpoint's state when it has one; then a
-/// row per endpoint that belongs to no record.
+/// row per endpoint that belongs to no record (the node's health endpoint
+/// is no pod: `rivet endpoint list` shows it).
 fn join_pods_and_endpoints(
     pods: Vec<PodRecord>,
     endpoints: &Result<Vec<endpoint_pb::Endpoint>, String>,
@@ -1133,6 +1134,7 @@ fn join_pods_and_endpoints(
         .iter()
         .flatten()
         .filter(|e| !pods.iter().any(|pod| of_record(e, pod)))
+        .filter(|e| e.kind != endpoint_pb::EndpointKind::Health as i32)
         .map(runtime_pod_view)
         .collect();
     let mut views: Vec<PodView> = pods
@@ -1285,6 +1287,26 @@ mod tests {
             let err = format!("{:#}", NetworkConfigList::parse(text).unwrap_err());
             assert!(err.contains(expected), "{text}: {err}");
         }
+    }
+
+    #[test]
+    fn the_health_endpoint_is_no_pod() {
+        let endpoint = |id: u32, kind: endpoint_pb::EndpointKind| endpoint_pb::Endpoint {
+            id,
+            container_id: format!("c{id}"),
+            interface: "eth0".into(),
+            kind: kind.into(),
+            ..Default::default()
+        };
+        let views = join_pods_and_endpoints(
+            Vec::new(),
+            &Ok(vec![
+                endpoint(1, endpoint_pb::EndpointKind::Health),
+                endpoint(2, endpoint_pb::EndpointKind::Pod),
+            ]),
+        );
+        let ids: Vec<Option<u32>> = views.iter().map(|v| v.endpoint_id).collect();
+        assert_eq!(ids, [Some(2)]);
     }
 
     #[test]
