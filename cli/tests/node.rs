@@ -1104,6 +1104,9 @@ fn the_health_endpoint_is_reserved_health_outside_pod_policy_survives_restarts_a
         "a pod policy does not cut the health endpoint off"
     );
 
+    // svc-health and its socket helper (in the health endpoint's namespace): two processes.
+    let health_processes = || processes_with_arg(&format!("/run/netns/{ns}"));
+    assert_eq!(health_processes().len(), 2, "svc-health and its helper");
     // kill -9 of svc-health and svc-endpoint: the endpoint stays, with its identity, and answers again.
     for daemon in ["svc-health", "svc-endpoint"] {
         node.kill9_and_wait_for_restart(daemon);
@@ -1113,6 +1116,10 @@ fn the_health_endpoint_is_reserved_health_outside_pod_policy_survives_restarts_a
             || hello_from(&node.netns, &address),
         );
     }
+    // The killed daemon's helper died with it (even though both switched to the rivet user).
+    eventually("one svc-health and one helper", Duration::from_secs(10), || {
+        health_processes().len() == 2
+    });
     let after = health_endpoint();
     assert_eq!(
         (after["id"].clone(), after["identity"].clone()),
@@ -1121,4 +1128,17 @@ fn the_health_endpoint_is_reserved_health_outside_pod_policy_survives_restarts_a
 
     node.down_and_check_nothing_left();
     assert!(!netns_list().contains(&ns), "the health endpoint's namespace is gone");
+    assert_eq!(health_processes(), Vec::<u32>::new(), "no svc-health process is left");
+}
+
+/// Pids of the processes with an argument containing `text`.
+fn processes_with_arg(text: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.split(|b| *b == 0).any(|a| String::from_utf8_lossy(a).contains(text)))
+        })
+        .collect()
 }

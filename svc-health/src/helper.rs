@@ -99,6 +99,7 @@ impl ForkedNamespaceSockets {
             what: "making the helper's socket pair",
             source,
         })?;
+        let parent = nix::unistd::getpid();
         // SAFETY: called while the process has one thread (main, before the
         // runtime starts), so the child inherits no lock held by another
         // thread; the child only makes system calls and small allocations.
@@ -108,7 +109,7 @@ impl ForkedNamespaceSockets {
         })? {
             nix::unistd::ForkResult::Child => {
                 drop_fd(ours);
-                let code = serve(&namespace, theirs, drop);
+                let code = serve(&namespace, theirs, parent, drop);
                 std::process::exit(code);
             }
             nix::unistd::ForkResult::Parent { .. } => {}
@@ -138,7 +139,12 @@ fn drop_fd<T>(value: T) {
 }
 
 /// The child: enter, drop, answer requests until the daemon is gone.
-fn serve(namespace: &std::fs::File, channel: UnixDatagram, drop: impl FnOnce() -> Result<(), String>) -> i32 {
+fn serve(
+    namespace: &std::fs::File,
+    channel: UnixDatagram,
+    parent: nix::unistd::Pid,
+    drop: impl FnOnce() -> Result<(), String>,
+) -> i32 {
     let report = |result: Result<(), String>| {
         let message = match &result {
             Ok(()) => vec![0u8],
@@ -147,14 +153,23 @@ fn serve(namespace: &std::fs::File, channel: UnixDatagram, drop: impl FnOnce() -
         let _ = channel.send(&message);
         result.is_ok()
     };
-    // Die with the daemon: nothing else would end this process.
-    let started = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
-        .map_err(|e| format!("PR_SET_PDEATHSIG: {e}"))
+    // Die with the daemon: nothing else would end this process. Set after
+    // the drop (a change of user clears it) and checked against a daemon
+    // that died before it was set.
+    let started = nix::sched::setns(namespace, nix::sched::CloneFlags::CLONE_NEWNET)
+        .map_err(|e| format!("setns(CLONE_NEWNET): {e} (needs CAP_SYS_ADMIN at start)"))
+        .and_then(|()| drop())
         .and_then(|()| {
-            nix::sched::setns(namespace, nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(|e| format!("setns(CLONE_NEWNET): {e} (needs CAP_SYS_ADMIN at start)"))
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                .map_err(|e| format!("PR_SET_PDEATHSIG: {e}"))
         })
-        .and_then(|()| drop());
+        .and_then(|()| {
+            if nix::unistd::getppid() == parent {
+                Ok(())
+            } else {
+                Err("the daemon ended before the helper started".to_string())
+            }
+        });
     if !report(started) {
         return 1;
     }
