@@ -15,6 +15,9 @@
 //! - one more pod: `--samples` times (sequentially, spread over the nodes),
 //!   the time from the start of the etcd put until the entry is in the
 //!   pinned map (polled every 100 µs): p50 and p99, ms;
+//! - `join_converge_s`: then a second real node starts on the populated
+//!   etcd: time from its start until its pinned ipcache holds every entry
+//!   (the listing path, where the first node learnt them by watch);
 //! - `entry_bytes`: key + value bytes of one IP entry in etcd (what every
 //!   node's watch receives per remote pod).
 //!
@@ -24,12 +27,14 @@
 use std::time::{Duration, Instant};
 
 use rivet_common::testing::etcd::EtcdServer;
-use rivet_testkit::scale::{EtcdNode, IpcacheReader, MAX_PODS_PER_NODE, ScaleSpec, SimulatedCluster};
+use rivet_testkit::scale::{EtcdNode, ExpectedEntry, IpcacheReader, MAX_PODS_PER_NODE, ScaleSpec, SimulatedCluster};
 
 use crate::report::{BenchResult, load_average, ms, percentile, sibling_binary};
 
 /// How long convergence may take before the benchmark gives up.
 const CONVERGE_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a node joining the populated cluster may take to hold it all.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long one more pod may take.
 const SAMPLE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -129,10 +134,11 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
         crate::k8s::cpu_seconds(loader_pid)?,
     );
     let mut latencies = Vec::with_capacity(args.samples as usize);
+    let mut all = cluster.expected().to_vec();
     for s in 0..args.samples {
-        latencies.push(ms(
-            one_more_pod(&cluster, &ipcache, s % args.nodes, s / args.nodes).await?
-        ));
+        let (entry, took) = one_more_pod(&cluster, &ipcache, s % args.nodes, s / args.nodes).await?;
+        latencies.push(ms(took));
+        all.push(entry);
     }
     let identity_cpu_per_pod = (crate::k8s::cpu_seconds(identity_pid)? - identity_cpu1) / f64::from(args.samples);
     let loader_cpu_per_pod = (crate::k8s::cpu_seconds(loader_pid)? - loader_cpu1) / f64::from(args.samples);
@@ -144,6 +150,33 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
         identity_cpu_per_pod * 1e3,
         loader_cpu_per_pod * 1e3
     );
+
+    // A node joining the cluster now learns it all from one listing.
+    let started = Instant::now();
+    let joiner = EtcdNode::start(&bin_dir, &etcd.endpoint(), &cluster.spec().cluster, ipcache_max, &[]).await?;
+    let joined = joiner
+        .ipcache()?
+        .wait_for(&all, Duration::from_millis(5), JOIN_TIMEOUT)
+        .await?;
+    let join_s = match joined {
+        Ok(_) => started.elapsed().as_secs_f64(),
+        Err(missing) => {
+            let log = joiner.identity.log();
+            let tail = &log[log.len().saturating_sub(3000)..];
+            anyhow::bail!(
+                "a node joining the cluster of {} entries lacks {} after {JOIN_TIMEOUT:?}; its svc-identity log ends:\n{tail}",
+                all.len(),
+                missing.len()
+            )
+        }
+    };
+    let joiner_rss = crate::endpoint::rss_mib(crate::endpoint::pid(joiner.identity.pid())?, "svc-identity")?;
+    println!(
+        "a node joining now: its ipcache holds all {} entries {join_s:.2} s after its daemons started (svc-identity VmRSS {joiner_rss:.1} MiB)",
+        all.len()
+    );
+    drop(joiner);
+
     let entry_bytes = cluster.entry_bytes() as f64 / f64::from(total);
     let per_entry = |after: f64, before: f64| (after - before) * 1024.0 * 1024.0 / f64::from(total);
     cluster.withdraw().await;
@@ -177,6 +210,8 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
             ("identity_cpu_per_pod_ms".into(), identity_cpu_per_pod * 1e3),
             ("loader_cpu_per_pod_ms".into(), loader_cpu_per_pod * 1e3),
             ("entry_bytes".into(), entry_bytes),
+            ("join_converge_s".into(), join_s),
+            ("join_identity_rss_mib".into(), joiner_rss),
             ("load_average_1m_before".into(), load_before),
             ("load_average_1m_after".into(), load_average()?),
         ],
@@ -184,14 +219,15 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
     })
 }
 
-/// Publishes pod `extra` beyond the spec's on simulated node `node` and
-/// returns the time from the start of the put until the pinned map holds it.
+/// Publishes pod `extra` beyond the spec's on simulated node `node`;
+/// returns it and the time from the start of the put until the pinned map
+/// holds it.
 async fn one_more_pod(
     cluster: &SimulatedCluster,
     ipcache: &IpcacheReader,
     node: u32,
     extra: u32,
-) -> anyhow::Result<Duration> {
+) -> anyhow::Result<(ExpectedEntry, Duration)> {
     let started = Instant::now();
     let entry = cluster.add_pod(node, extra).await?;
     // A blocking poll every 100 µs: tokio's timer is 1 ms coarse.
@@ -204,5 +240,6 @@ async fn one_more_pod(
         }
         Ok::<_, rivet_testkit::scale::ScaleError>(None)
     })?;
-    seen.ok_or_else(|| anyhow::anyhow!("{entry:?} not in the ipcache after {SAMPLE_TIMEOUT:?}"))
+    let took = seen.ok_or_else(|| anyhow::anyhow!("{entry:?} not in the ipcache after {SAMPLE_TIMEOUT:?}"))?;
+    Ok((entry, took))
 }
