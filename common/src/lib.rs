@@ -34,6 +34,7 @@ pub mod cluster;
 pub mod config;
 pub mod controller;
 pub mod daemon;
+pub mod etcd_probe;
 pub mod grpc;
 pub mod h2_authority;
 pub mod identity;

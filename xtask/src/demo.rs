@@ -340,6 +340,17 @@ impl Demo {
         Ok(Background { child })
     }
 
+    /// A TCP echo server (`busybox nc -ll -e cat`) in pod `pod` on `port`,
+    /// in the background (`rivet <node_args> pod exec ...`).
+    pub(crate) fn echo_server(&self, node_args: &[&str], pod: &str, port: u16) -> Result<Background> {
+        let port = port.to_string();
+        let mut args = node_args.to_vec();
+        args.extend([
+            "pod", "exec", pod, "--", "busybox", "nc", "-ll", "-p", &port, "-e", "cat",
+        ]);
+        self.background(&mut self.rivet(&args), &self.dir.join(format!("{pod}-server.log")))
+    }
+
     /// `rivet <args> -o json`, parsed.
     pub(crate) fn json(&self, args: &[&str]) -> Result<Value> {
         let mut command = self.rivet(args);
@@ -469,23 +480,7 @@ impl Demo {
         );
         let mut servers = Vec::new();
         for (pod, port) in [("backend", BACKEND_PORT), ("db", DB_PORT)] {
-            servers.push(
-                self.background(
-                    self.rivet(&[
-                        "pod",
-                        "exec",
-                        pod,
-                        "--",
-                        "busybox",
-                        "nc",
-                        "-ll",
-                        "-p",
-                        &port.to_string(),
-                    ])
-                    .args(["-e", "cat"]),
-                    &self.dir.join(format!("{pod}-server.log")),
-                )?,
-            );
+            servers.push(self.echo_server(&[], pod, port)?);
         }
         sleep(Duration::from_millis(500));
         let echo = self.show_allowing_failure(

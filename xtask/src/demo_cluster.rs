@@ -153,6 +153,14 @@ impl ClusterDemo<'_> {
         }
     }
 
+    /// `rivet cluster policy apply -f <file> --wait`: on every node.
+    fn apply(&self, file: &Path) -> Result<()> {
+        let file = file.display().to_string();
+        let args = ["cluster", "policy", "--name", self.name, "apply", "-f", &file, "--wait"];
+        self.demo.show(&mut self.demo.rivet(&args))?;
+        Ok(())
+    }
+
     /// `echo hello | nc -w 2 <to> <port>` from frontend; whether the hello came back.
     fn hello(&self, to: &str, port: u16) -> Result<bool> {
         let out = self.demo.show_allowing_failure(
@@ -208,26 +216,7 @@ impl ClusterDemo<'_> {
         );
         let mut servers = Vec::new();
         for (i, pod, port) in [(2, "backend", BACKEND_PORT), (3, "db", DB_PORT)] {
-            servers.push(
-                self.demo.background(
-                    self.on(
-                        i,
-                        &[
-                            "pod",
-                            "exec",
-                            pod,
-                            "--",
-                            "busybox",
-                            "nc",
-                            "-ll",
-                            "-p",
-                            &port.to_string(),
-                        ],
-                    )
-                    .args(["-e", "cat"]),
-                    &self.demo.dir.join(format!("{pod}-server.log")),
-                )?,
-            );
+            servers.push(self.demo.echo_server(&["--node", &self.node(i)], pod, port)?);
         }
         for to in [&backend4, &backend6, &db4, &db6] {
             self.demo.show(&mut self.on(
@@ -255,31 +244,13 @@ impl ClusterDemo<'_> {
         fs::write(&allow, ALLOW)?;
         println!("$ cat $D/deny.yaml");
         print!("{DENY}");
-        self.demo.show(&mut self.demo.rivet(&[
-            "cluster",
-            "policy",
-            "--name",
-            self.name,
-            "apply",
-            "-f",
-            &deny.display().to_string(),
-            "--wait",
-        ]))?;
+        self.apply(&deny)?;
         if self.hello(&db4, DB_PORT)? {
             bail!("db answered frontend although the policy denies it");
         }
         println!("$ cat $D/allow.yaml");
         print!("{ALLOW}");
-        self.demo.show(&mut self.demo.rivet(&[
-            "cluster",
-            "policy",
-            "--name",
-            self.name,
-            "apply",
-            "-f",
-            &allow.display().to_string(),
-            "--wait",
-        ]))?;
+        self.apply(&allow)?;
         if !self.hello(&db4, DB_PORT)? {
             bail!("db did not answer frontend although a policy allows it");
         }

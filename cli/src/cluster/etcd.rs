@@ -4,8 +4,7 @@
 //! outlives `rivet cluster up`; stopped by `rivet cluster down`.
 
 use std::fs::OpenOptions;
-use std::io::{Read as _, Write as _};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -162,14 +161,5 @@ fn free_port_pair() -> Result<(u16, u16)> {
 
 /// One `GET /health`: true only for a 200 with `"health":"true"`.
 pub fn healthy(addr: SocketAddr) -> bool {
-    let probe = || -> std::io::Result<String> {
-        let mut stream = TcpStream::connect_timeout(&addr, PROBE_TIMEOUT)?;
-        stream.set_read_timeout(Some(PROBE_TIMEOUT))?;
-        stream.set_write_timeout(Some(PROBE_TIMEOUT))?;
-        stream.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        Ok(response)
-    };
-    probe().is_ok_and(|r| r.starts_with("HTTP/1.1 200") && r.contains(r#""health":"true""#))
+    rivet_common::etcd_probe::healthy(addr, PROBE_TIMEOUT)
 }

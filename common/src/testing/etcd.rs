@@ -23,8 +23,8 @@
 //! ```
 
 use std::fs::OpenOptions;
-use std::io::{Read as _, Write as _};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::io::Write as _;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -397,24 +397,16 @@ fn unsupported_arch() -> Option<&'static str> {
     }
 }
 
-/// `GET /health` over a plain HTTP/1.1 connection; true only for a 200 with
-/// `"health":"true"` (etcd says false without a leader or with an alarm).
+/// `GET /health`: true only for a 200 with `"health":"true"`.
 fn health_probe(addr: SocketAddr) -> bool {
-    let probe = || -> std::io::Result<String> {
-        let mut stream = TcpStream::connect_timeout(&addr, PROBE_TIMEOUT)?;
-        stream.set_read_timeout(Some(PROBE_TIMEOUT))?;
-        stream.set_write_timeout(Some(PROBE_TIMEOUT))?;
-        stream.write_all(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        Ok(response)
-    };
-    probe().is_ok_and(|r| r.starts_with("HTTP/1.1 200") && r.contains(r#""health":"true""#))
+    crate::etcd_probe::healthy(addr, PROBE_TIMEOUT)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read as _;
+    use std::net::TcpStream;
 
     /// Standard base64 with padding (etcd's JSON gateway encodes bytes so).
     fn b64(bytes: &[u8]) -> String {
