@@ -41,6 +41,13 @@ pub struct LoaderMetrics {
     ct_migrated_entries: Family<MapLabels, Counter>,
     peer_route_changes: Family<RouteChangeLabels, Counter>,
     peer_nodes: Gauge,
+    peer_routes_restored: Counter,
+    peer_route_resync_errors: Family<KindLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
 }
 
 impl Default for LoaderMetrics {
@@ -53,6 +60,8 @@ impl Default for LoaderMetrics {
             ct_migrated_entries: Family::default(),
             peer_route_changes: Family::default(),
             peer_nodes: Gauge::default(),
+            peer_routes_restored: Counter::default(),
+            peer_route_resync_errors: Family::default(),
         }
     }
 }
@@ -95,6 +104,16 @@ impl LoaderMetrics {
             "peer_nodes",
             "Peer nodes held (the last ReplaceNodes)",
             self.peer_nodes.clone(),
+        );
+        r.register(
+            "peer_routes_restored",
+            "Routes to peer nodes' pod CIDRs put back by a resync (removed with a device that went down, or deleted by someone)",
+            self.peer_routes_restored.clone(),
+        );
+        r.register(
+            "peer_route_resync_errors",
+            "Failed resyncs of the routes to peer nodes by kind (list, add, delete)",
+            self.peer_route_resync_errors.clone(),
         );
     }
 }
@@ -160,6 +179,7 @@ pub fn peer_routes_replaced(m: &LoaderMetrics, mode: &str, peers: usize, changes
             added = changes.added,
             removed = changes.removed,
             unchanged = changes.unchanged,
+            deferred = changes.deferred,
             "peer routes replaced"
         );
     } else {
@@ -177,4 +197,36 @@ pub fn peer_routes_replaced(m: &LoaderMetrics, mode: &str, peers: usize, changes
         .get_or_create(&RouteChangeLabels { change: "removed" })
         .inc_by(u64::from(changes.removed));
     m.peer_nodes.set(peers as i64);
+}
+
+/// A resync pass realised the held peers' routes again; logs only when it
+/// changed something.
+pub fn peer_routes_resynced(m: &LoaderMetrics, mode: &str, changes: &crate::routing::RouteChanges) {
+    if changes.added + changes.removed > 0 {
+        tracing::info!(
+            mode,
+            restored = changes.added,
+            removed = changes.removed,
+            unchanged = changes.unchanged,
+            deferred = changes.deferred,
+            "peer routes restored"
+        );
+    } else if changes.deferred > 0 {
+        tracing::debug!(
+            mode,
+            deferred = changes.deferred,
+            "peer routes wait for their device to come up"
+        );
+    }
+    m.peer_routes_restored.inc_by(u64::from(changes.added));
+    m.peer_route_changes
+        .get_or_create(&RouteChangeLabels { change: "removed" })
+        .inc_by(u64::from(changes.removed));
+}
+
+/// A resync pass of the peers' routes failed.
+pub fn peer_routes_resync_failed(m: &LoaderMetrics, mode: &str, error: &crate::routing::RoutingError) {
+    let kind = error.kind();
+    tracing::warn!(mode, kind, "resyncing the routes to peer nodes failed: {error}");
+    m.peer_route_resync_errors.get_or_create(&KindLabels { kind }).inc();
 }

@@ -90,6 +90,12 @@ struct Flags {
           value_parser = clap::value_parser!(u16).range(1..))]
     tunnel_port: u16,
 
+    /// How often the routes to peer nodes are realised again besides on
+    /// every link or route change (the backstop for a missed notification).
+    #[arg(long, env = "RIVET_ROUTE_RESYNC_SECONDS", default_value_t = routing::resync::DEFAULT_RESYNC_INTERVAL.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..))]
+    route_resync_seconds: u64,
+
     /// How often the node's addresses are re-published as the host identity.
     #[arg(long, env = "RIVET_HOST_ADDRESS_SYNC_SECONDS", default_value_t = 10)]
     host_address_sync_seconds: u64,
@@ -198,6 +204,12 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         routing_setup.clone(),
         Box::new(routing::netlink::NetlinkRoutes),
     ));
+    routing::resync::start(
+        node_routing.clone(),
+        Duration::from_secs(flags.route_resync_seconds),
+        metrics.clone(),
+        &controllers,
+    );
     let routing_service =
         routing::service::NodeRoutingService::new(node_routing, identity.boot_id.clone(), metrics.clone());
     let service =

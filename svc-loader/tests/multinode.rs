@@ -775,3 +775,89 @@ async fn native_receive_judges_a_remote_pod_by_its_ipcache_identity() {
             >= denied + 6
     );
 }
+
+/// Polls `ip route show proto 77` in `node` until it has `count` lines
+/// (the loader's resync is what changes it), for at most 10 s.
+async fn wait_routes(node: &LoaderNode, count: usize, what: &str) -> Vec<String> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let routes = rivet_routes(node);
+        if routes.len() == count {
+            return routes;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what}: {count} routes of proto 77 within 10 s, have {routes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls until p1 on `n1` gets an echo reply from `dst` (after a link comes
+/// up: IPv6 duplicate address detection and neighbour discovery first).
+fn wait_ping(n1: &LoaderNode, dst: IpAddr) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while n1
+        .pod("p1")
+        .ping(dst, 1, Duration::from_millis(50), Duration::from_secs(1))
+        .expect("ping runs")
+        .received
+        == 0
+    {
+        assert!(std::time::Instant::now() < deadline, "p1 → {dst} within 10 s");
+    }
+}
+
+#[tokio::test]
+async fn native_routes_taken_by_the_underlay_going_down_or_deleted_come_back() {
+    let underlay = Underlay::new().unwrap();
+    // A long backstop: the rtnetlink notifications are what must bring them.
+    let args = [&mode_args("native")[..], &["--route-resync-seconds", "3600"]].concat();
+    let n1 = LoaderNode::start_on_underlay(BIN.as_ref(), &underlay, 1, &["p1"], &args)
+        .await
+        .expect("node 1 starts");
+    n1.client()
+        .await
+        .apply_endpoint(n1.endpoint("p1", 1, A, open()))
+        .await
+        .expect("the endpoint applies");
+    let n2 = node(&underlay, 2, "native", B, open()).await;
+    replace(&n1, vec![peer(2)]).await;
+    replace(&n2, vec![peer(1)]).await;
+    let before = rivet_routes(&n1);
+    assert_eq!(before.len(), 2, "{before:?}");
+    p1_reaches_p2(&n1, &n2, "native");
+
+    // The partition: the kernel removes the routes with the link (IPv6
+    // addresses kept, as in svc-health's partition test).
+    let ns = &n1.node.ns;
+    ns.sysctl("net.ipv6.conf.ul0.keep_addr_on_down", "1").unwrap();
+    ns.ip(&["link", "set", UNDERLAY_IFNAME, "down"]).unwrap();
+    wait_routes(&n1, 0, "underlay down").await;
+    ns.ip(&["link", "set", UNDERLAY_IFNAME, "up"]).unwrap();
+    assert_eq!(wait_routes(&n1, 2, "underlay up again").await, before);
+    for dst in addrs(&n2, "p2") {
+        wait_ping(&n1, dst);
+    }
+    p1_reaches_p2(&n1, &n2, "native, after the partition");
+
+    // Someone deletes one of ours.
+    ns.ip(&["route", "del", "198.18.2.0/24", "proto", "77"]).unwrap();
+    assert_eq!(wait_routes(&n1, 2, "after ip route del").await, before);
+    let listed = list_nodes(&n1).await;
+    assert_eq!((listed.routes, listed.nodes.len()), (2, 1));
+}
+
+#[tokio::test]
+async fn vxlan_routes_come_back_when_the_tunnel_device_goes_down_and_up() {
+    let underlay = Underlay::new().unwrap();
+    let n1 = node(&underlay, 1, "vxlan", A, open()).await;
+    replace(&n1, vec![peer(2)]).await;
+    let before = rivet_routes(&n1);
+    assert_eq!(before.len(), 2, "{before:?}");
+    let ns = &n1.node.ns;
+    ns.ip(&["link", "set", "rivet_vxlan", "down"]).unwrap();
+    wait_routes(&n1, 0, "rivet_vxlan down").await;
+    ns.ip(&["link", "set", "rivet_vxlan", "up"]).unwrap();
+    assert_eq!(wait_routes(&n1, 2, "rivet_vxlan up again").await, before);
+}

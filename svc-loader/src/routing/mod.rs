@@ -18,8 +18,15 @@
 //! namespace is touched. Peers are held in memory only; a restarted loader
 //! keeps the routes in place until svc-identity pushes the set again (it
 //! does when the loader's boot id changes).
+//!
+//! The kernel deletes a route whose device goes down, and anyone may delete
+//! one of ours: [`resync`] realises the held peers' routes again on every
+//! link or route change (rtnetlink notifications) and periodically
+//! ([`NodeRouting::resync`]). A route that cannot be added while its device
+//! is down is deferred, not an error: the link coming up brings a pass.
 
 pub mod netlink;
+pub mod resync;
 pub mod service;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -149,6 +156,30 @@ pub enum RoutingError {
     List(#[source] io::Error),
 }
 
+impl RoutingError {
+    /// The error's kind, for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Disabled => "disabled",
+            Self::Route { action, .. } if *action == ADDING => "add",
+            Self::Route { .. } => "delete",
+            Self::List(_) => "list",
+        }
+    }
+}
+
+const ADDING: &str = "adding a route to a peer's pod CIDR";
+const DELETING: &str = "deleting the route to a pod CIDR no peer has";
+
+/// Whether adding a route failed only because its device (or the way to
+/// its gateway) is down: the link coming up brings another pass.
+fn device_down(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::ENETDOWN | libc::ENETUNREACH | libc::EHOSTUNREACH)
+    )
+}
+
 /// What a [`NodeRouting::replace_nodes`] changed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RouteChanges {
@@ -158,6 +189,9 @@ pub struct RouteChanges {
     pub removed: u32,
     /// Routes already as wanted.
     pub unchanged: u32,
+    /// Routes that could not be added because their device is down
+    /// (ENETDOWN, ENETUNREACH): added by a later pass.
+    pub deferred: u32,
 }
 
 /// What [`NodeRouting::status`] reports.
@@ -268,8 +302,10 @@ pub enum SetupError {
 pub struct NodeRouting {
     setup: RoutingSetup,
     routes: Box<dyn RouteTable>,
-    /// Held for a whole replace: calls realise one after the other.
-    peers: Mutex<Vec<PeerNode>>,
+    /// Held for a whole replace or resync: passes realise one after the
+    /// other. None until the first `ReplaceNodes` (a restarted loader keeps
+    /// the routes it finds until then).
+    peers: Mutex<Option<Vec<PeerNode>>>,
 }
 
 impl std::fmt::Debug for NodeRouting {
@@ -286,11 +322,11 @@ impl NodeRouting {
         Self {
             setup,
             routes,
-            peers: Mutex::new(Vec::new()),
+            peers: Mutex::new(None),
         }
     }
 
-    fn held(&self) -> MutexGuard<'_, Vec<PeerNode>> {
+    fn held(&self) -> MutexGuard<'_, Option<Vec<PeerNode>>> {
         // A panic while holding it leaves the last set, not broken data.
         self.peers.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -346,11 +382,31 @@ impl NodeRouting {
 
     /// Replaces the set of peers and realises their routes: adds (or
     /// replaces) the missing ones first, then deletes the routes of ours
-    /// to destinations no peer has. Idempotent.
+    /// to destinations no peer has. Idempotent. A route whose device is
+    /// down is deferred ([`RouteChanges::deferred`]) to a [`resync`](Self::resync).
     pub fn replace_nodes(&self, mut peers: Vec<PeerNode>) -> Result<RouteChanges, RoutingError> {
         peers.sort_by(|a, b| a.name.cmp(&b.name));
         let desired = self.desired_routes(&peers)?;
         let mut held = self.held();
+        let changes = self.realise(&desired)?;
+        *held = Some(peers);
+        Ok(changes)
+    }
+
+    /// Realises the held peers' routes again (routes the kernel removed
+    /// with a device that went down, or someone deleted). None before the
+    /// first [`replace_nodes`](Self::replace_nodes): nothing is held yet.
+    pub fn resync(&self) -> Result<Option<RouteChanges>, RoutingError> {
+        let held = self.held();
+        let Some(peers) = held.as_ref() else {
+            return Ok(None);
+        };
+        let desired = self.desired_routes(peers)?;
+        self.realise(&desired).map(Some)
+    }
+
+    /// Makes the routes of ours equal to `desired`; the caller holds the lock.
+    fn realise(&self, desired: &BTreeMap<IpNet, PeerRoute>) -> Result<RouteChanges, RoutingError> {
         let existing: BTreeSet<PeerRoute> = self
             .routes
             .owned_routes()
@@ -363,28 +419,35 @@ impl NodeRouting {
                 changes.unchanged += 1;
                 continue;
             }
-            self.routes.replace(route).map_err(|source| RoutingError::Route {
-                action: "adding a route to a peer's pod CIDR",
-                route: describe(route),
-                source,
-            })?;
-            changes.added += 1;
+            match self.routes.replace(route) {
+                Ok(()) => changes.added += 1,
+                Err(e) if device_down(&e) => {
+                    tracing::debug!(route = %describe(route), error = %e, "route deferred until its device is up");
+                    changes.deferred += 1;
+                }
+                Err(source) => {
+                    return Err(RoutingError::Route {
+                        action: ADDING,
+                        route: describe(route),
+                        source,
+                    });
+                }
+            }
         }
         for route in existing.iter().filter(|r| !desired.contains_key(&r.destination)) {
             self.routes.delete(route).map_err(|source| RoutingError::Route {
-                action: "deleting the route to a pod CIDR no peer has",
+                action: DELETING,
                 route: describe(route),
                 source,
             })?;
             changes.removed += 1;
         }
-        *held = peers;
         Ok(changes)
     }
 
     /// The peers held and the routes of ours in the namespace.
     pub fn status(&self) -> Result<RoutingStatus, RoutingError> {
-        let peers = self.held().clone();
+        let peers = self.held().clone().unwrap_or_default();
         let routes = self.routes.owned_routes().map_err(RoutingError::List)?.len() as u32;
         Ok(RoutingStatus { peers, routes })
     }

@@ -66,7 +66,8 @@ fn native_routes_go_via_the_peer_underlay_address_of_the_cidr_family() {
         RouteChanges {
             added: 4,
             removed: 0,
-            unchanged: 0
+            unchanged: 0,
+            deferred: 0
         }
     );
     let routes: Vec<String> = fake.routes.lock().unwrap().iter().map(describe).collect();
@@ -92,7 +93,8 @@ fn a_resync_removes_exactly_the_routes_of_a_peer_that_left_and_rewrites_nothing_
         RouteChanges {
             added: 0,
             removed: 2,
-            unchanged: 2
+            unchanged: 2,
+            deferred: 0
         }
     );
     assert_eq!(
@@ -151,4 +153,64 @@ fn mode_none_holds_no_peers() {
         Err(RoutingError::Disabled)
     ));
     assert!(fake.requests.lock().unwrap().is_empty());
+}
+
+/// A route table whose every add fails with `errno` (a device that is down).
+struct DownRoutes(std::sync::Arc<FakeRoutes>, i32);
+
+impl RouteTable for DownRoutes {
+    fn owned_routes(&self) -> io::Result<Vec<PeerRoute>> {
+        self.0.owned_routes()
+    }
+    fn replace(&self, _route: &PeerRoute) -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(self.1))
+    }
+    fn delete(&self, route: &PeerRoute) -> io::Result<()> {
+        self.0.delete(route)
+    }
+}
+
+#[test]
+fn resync_restores_the_held_peers_routes_and_holds_nothing_before_the_first_push() {
+    let (routing, fake) = routing(RoutingMode::Native);
+    let stale = PeerRoute {
+        destination: "198.18.7.0/24".parse().unwrap(),
+        gateway: Some(IpAddr::V4(Ipv4Addr::new(198, 19, 254, 7))),
+        ifindex: 2,
+        source: None,
+    };
+    fake.routes.lock().unwrap().insert(stale);
+    assert_eq!(
+        routing.resync().unwrap(),
+        None,
+        "nothing held: a restarted loader keeps its routes"
+    );
+    assert_eq!(fake.routes.lock().unwrap().len(), 1);
+
+    routing.replace_nodes(vec![peer(2, true)]).unwrap();
+    fake.routes.lock().unwrap().clear();
+    let changes = routing.resync().unwrap().unwrap();
+    assert_eq!((changes.added, changes.removed, changes.unchanged), (2, 0, 0));
+    let again = routing.resync().unwrap().unwrap();
+    assert_eq!((again.added, again.unchanged), (0, 2));
+}
+
+#[test]
+fn a_route_whose_device_is_down_is_deferred_and_any_other_failure_is_an_error() {
+    for (errno, deferred) in [(libc::ENETDOWN, true), (libc::ENETUNREACH, true), (libc::EPERM, false)] {
+        let fake = std::sync::Arc::new(FakeRoutes::default());
+        let (template, _) = routing(RoutingMode::Native);
+        let routing = NodeRouting::new(template.setup().clone(), Box::new(DownRoutes(fake, errno)));
+        match routing.replace_nodes(vec![peer(2, true)]) {
+            Ok(changes) => {
+                assert!(deferred, "errno {errno} is an error");
+                assert_eq!((changes.added, changes.deferred), (0, 2));
+                assert_eq!(routing.status().unwrap().peers.len(), 1, "the peers are held");
+            }
+            Err(e) => {
+                assert!(!deferred, "errno {errno} defers: {e}");
+                assert_eq!(e.kind(), "add");
+            }
+        }
+    }
 }
