@@ -100,6 +100,11 @@ async fn a_partitioned_node_shows_within_two_intervals_and_its_recovery_too_vxla
     partition(Routing::Vxlan).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_node_shows_within_two_intervals_and_its_recovery_too_native() {
+    partition(Routing::Native).await;
+}
+
 async fn partition(routing: Routing) {
     let cluster = Cluster::start(ClusterOptions {
         routing,
