@@ -115,6 +115,10 @@ const HTTP2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// The lease id before one was granted (etcd never grants 0).
 const NO_LEASE: i64 = 0;
 
+/// Keys per request when listing a prefix: ~200 KB of IP entries, far
+/// under etcd-client's 4 MiB answer limit.
+const LIST_PAGE_SIZE: i64 = 1000;
+
 /// The key layout of DESIGN.md §4 under a prefix, shared by both backends
 /// (the embedded store uses the default prefix, so its keys can be copied to
 /// etcd as they are).
@@ -460,6 +464,25 @@ fn is_lease_not_found(err: &etcd_client::Error) -> bool {
     matches!(err, etcd_client::Error::GRpcStatus(s) if s.code() == tonic::Code::NotFound && s.message().contains("lease not found"))
 }
 
+/// The end of the range of keys starting with `prefix` (etcd's
+/// `range_end` of a prefix read).
+///
+/// ```
+/// use svc_identity::etcd_backend::prefix_end;
+/// assert_eq!(prefix_end("a/"), b"a0");
+/// assert_eq!(prefix_end("a\u{7f}"), b"a\x80");
+/// ```
+pub fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0] // every key
+}
+
 fn header_revision(action: &str, header: Option<&etcd_client::ResponseHeader>) -> Result<Revision, BackendError> {
     header.map(|h| h.revision()).ok_or_else(|| BackendError::Unavailable {
         action: action.to_string(),
@@ -782,13 +805,37 @@ impl EtcdBackend {
         prefix: String,
         decode: Decoder<T>,
     ) -> Result<(Vec<T>, Revision), BackendError> {
-        let mut resp = self.get(action, prefix, GetOptions::new().with_prefix()).await?;
-        let revision = header_revision(action, resp.header())?;
-        let mut items: Vec<T> = resp
-            .take_kvs()
-            .iter()
-            .filter_map(|kv| skip_corrupt(what, decode(&self.layout, kv.key(), kv.value())))
-            .collect();
+        // Page by page at the first page's revision: one unpaged answer over
+        // etcd-client's 4 MiB decoding limit (~22,000 IP entries) would make
+        // every (re-)listing of a large cluster fail.
+        let end = prefix_end(&prefix);
+        let mut from = prefix.into_bytes();
+        let mut revision = 0;
+        let mut items: Vec<T> = Vec::new();
+        loop {
+            let options = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(LIST_PAGE_SIZE)
+                .with_revision(revision);
+            let mut kv = self.client.kv_client();
+            let mut resp = self.call(action, kv.get(from.clone(), Some(options))).await?;
+            if revision == 0 {
+                revision = header_revision(action, resp.header())?;
+            }
+            let more = resp.more();
+            let kvs = resp.take_kvs();
+            items.extend(
+                kvs.iter()
+                    .filter_map(|kv| skip_corrupt(what, decode(&self.layout, kv.key(), kv.value()))),
+            );
+            match kvs.last() {
+                Some(last) if more => {
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => break,
+            }
+        }
         items.sort();
         Ok((items, revision))
     }
@@ -1909,6 +1956,35 @@ mod tests {
         a.upsert_ip(&ip_entry("198.18.0.5", 801)).await.unwrap();
         assert_eq!(next(&mut watch).await, with_node("198.18.0.5", 801, "node-a"));
         assert_eq!(a.list_ips().await.unwrap().0.len(), 3);
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn etcd_listing_a_prefix_larger_than_a_page_returns_every_entry_at_one_revision() {
+        let etcd = EtcdServer::start_async().await.expect("etcd starts");
+        let a = backend(&etcd, "node-a").await;
+        let count = 2 * LIST_PAGE_SIZE as usize + 500;
+        let puts = (0..count).map(|i| {
+            let a = &a;
+            async move {
+                let ip = format!("198.18.{}.{}", i / 250, i % 250 + 1);
+                a.upsert_ip(&ip_entry(&ip, 900)).await.expect("etcd takes the entry");
+            }
+        });
+        futures::stream::iter(puts)
+            .buffer_unordered(32)
+            .collect::<Vec<()>>()
+            .await;
+        let mut c = raw(&etcd).await;
+        let now = c.get("x", None).await.unwrap().header().unwrap().revision();
+        let (entries, revision) = a.list_ips().await.expect("a listing over several pages succeeds");
+        assert_eq!(
+            entries.len(),
+            count,
+            "a listing must return every entry, not only the first page"
+        );
+        assert_eq!(revision, now, "the listing is at the revision of its first page");
+        let ips: std::collections::BTreeSet<_> = entries.iter().map(|e| e.ip.clone()).collect();
+        assert_eq!(ips.len(), count, "no entry listed twice across page boundaries");
     }
 
     #[tokio::test]

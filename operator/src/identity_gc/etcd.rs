@@ -32,6 +32,7 @@ use std::time::Duration;
 use etcd_client::{Client, Compare, CompareOp, GetOptions, KeyValue, Txn, TxnOp};
 use futures::StreamExt as _;
 use rivet_common::identity::is_cluster;
+use svc_identity::etcd_backend::prefix_end;
 
 use super::events::{self, IdentityGcMetrics, Store};
 use super::rounds::{Candidates, Seen, SkipReason};
@@ -70,18 +71,6 @@ pub struct EtcdIdentityGc {
     rate: DeleteRate,
     metrics: IdentityGcMetrics,
     page_size: i64,
-}
-
-/// The end of the range of keys starting with `prefix`.
-fn prefix_end(prefix: &str) -> Vec<u8> {
-    let mut end = prefix.as_bytes().to_vec();
-    while let Some(last) = end.pop() {
-        if last < 0xff {
-            end.push(last + 1);
-            return end;
-        }
-    }
-    vec![0] // every key
 }
 
 /// The labels of a value key: everything between the root and the last `/`.
@@ -309,11 +298,5 @@ mod tests {
         assert_eq!(labels("rivet/state/identities/v1/value/k8s:app=web/"), None);
         assert_eq!(labels("rivet/state/identities/v1/value/n1"), None);
         assert_eq!(labels("rivet/state/identities/v1/id/300"), None);
-    }
-
-    #[test]
-    fn prefix_ends_bound_exactly_the_prefix() {
-        assert_eq!(prefix_end("a/"), b"a0");
-        assert_eq!(prefix_end("a\u{7f}"), b"a\x80");
     }
 }
