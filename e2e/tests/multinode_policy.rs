@@ -12,9 +12,9 @@
 //! the node that drops it (the source's for egress, the destination's for
 //! ingress — over VXLAN decided on the identity in the VNI).
 //!
-//! Three cases still differ from one node ([`KNOWN_GAPS`]: egress to a
-//! named port of a pod on another node); they run too and must fail, only
-//! by denying, until the gap is closed.
+//! Egress rules naming a port resolve against the named ports of pods on
+//! other nodes too: they travel with the ipcache (`ip/v1`) and svc-endpoint
+//! watches it.
 //!
 //! `RIVET_MATRIX_CASE=<part of a case name>` runs only those cases.
 //!
@@ -26,29 +26,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rivet_testkit::cluster::{Cluster, ClusterOptions, Routing};
-use rivet_testkit::policy_matrix::{KnownGap, Matrix, MatrixNodes};
-
-/// Where the answers across nodes still differ from one node's: an egress
-/// rule's named port is resolved from the ports the destination pods
-/// declare, and a node knows only its own pods' (svc-endpoint's selector
-/// cache; `ip/v1` carries no named ports), so egress to a named port of a
-/// pod on another node is denied. Each must still fail, and only by denying.
-const NAMED_PORTS_OF_REMOTE_PODS: &str =
-    "named ports of pods on other nodes are unknown to the client's node (ip/v1 carries none)";
-const KNOWN_GAPS: &[KnownGap] = &[
-    KnownGap {
-        case: "egress to a named port, resolved per destination",
-        why: NAMED_PORTS_OF_REMOTE_PODS,
-    },
-    KnownGap {
-        case: "egress to a named port for any peer, resolved per destination",
-        why: NAMED_PORTS_OF_REMOTE_PODS,
-    },
-    KnownGap {
-        case: "egress to a named port with ipBlock peers",
-        why: NAMED_PORTS_OF_REMOTE_PODS,
-    },
-];
+use rivet_testkit::policy_matrix::{Matrix, MatrixNodes};
 
 /// How long every node may take to hold the pods just added.
 const PODS_KNOWN_WITHIN: Duration = Duration::from_secs(30);
@@ -152,7 +130,7 @@ fn table_over_three_nodes(routing: Routing) {
         "{routing:?}: 3 nodes, 9 pods, servers and monitors up in {:.1?}",
         started.elapsed()
     );
-    matrix.run_table_with_known_gaps(KNOWN_GAPS);
+    matrix.run_table();
     // The monitors and the servers go before the cluster.
     drop(matrix);
     runtime.block_on(cluster.down());

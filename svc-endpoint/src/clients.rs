@@ -52,6 +52,8 @@ pub trait IdentityApi: Send + Sync + 'static {
         &self,
         request: identity::ReleaseCidrIdentitiesRequest,
     ) -> BoxFuture<'_, ApiResult<identity::ReleaseCidrIdentitiesResponse>>;
+    /// IpcacheService.WatchIpcache: snapshot then deltas of every entry.
+    fn watch_ipcache(&self) -> BoxFuture<'_, ApiResult<BoxStream<'static, ApiResult<identity::WatchIpcacheResponse>>>>;
     /// IpcacheService.UpsertIp.
     fn upsert_ip(&self, request: identity::UpsertIpRequest) -> BoxFuture<'_, ApiResult<identity::UpsertIpResponse>>;
     /// IpcacheService.DeleteIp.
@@ -181,6 +183,18 @@ impl IdentityApi for GrpcIdentity {
         request: identity::ReleaseCidrIdentitiesRequest,
     ) -> BoxFuture<'_, ApiResult<identity::ReleaseCidrIdentitiesResponse>> {
         unary!(self.identities(), release_cidr_identities, request)
+    }
+    fn watch_ipcache(&self) -> BoxFuture<'_, ApiResult<BoxStream<'static, ApiResult<identity::WatchIpcacheResponse>>>> {
+        let mut client = self.ipcache();
+        async move {
+            let stream = client
+                .watch_ipcache(identity::WatchIpcacheRequest { sources: Vec::new() })
+                .await
+                .map_err(connection_lost_is_unavailable)?
+                .into_inner();
+            Ok(stream.boxed())
+        }
+        .boxed()
     }
     fn upsert_ip(&self, request: identity::UpsertIpRequest) -> BoxFuture<'_, ApiResult<identity::UpsertIpResponse>> {
         unary!(self.ipcache(), upsert_ip, request)

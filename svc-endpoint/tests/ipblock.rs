@@ -148,3 +148,98 @@ async fn an_egress_ipblock_naming_a_port_reaches_each_pod_on_its_own_number() {
     .await;
     assert!(reaches("web-0", 8080), "web-0 is still reached on its own number");
 }
+
+/// Issue 16: a pod on another node (an ipcache entry svc-endpoint did not
+/// make) declares named ports; egress rules naming them resolve against it,
+/// by address (an ipBlock) and by identity (a podSelector), as for a local
+/// pod, and go when its entry goes.
+#[tokio::test(flavor = "multi_thread")]
+async fn another_nodes_pod_resolves_named_ports_of_egress_rules_until_it_goes() {
+    use rivet_common::grpc::{ClientOptions, connect_unix};
+    use rivet_proto::identity::v1 as idpb;
+    use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
+
+    let mut node = EndpointNode::start(NodeOptions::default())
+        .await
+        .expect("the node's daemons start");
+    let client = node.add_pod("client", &["k8s:app=client"]).await;
+    node.apply_policy(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: clients-out, namespace: default}\n\
+         spec:\n  podSelector: {matchLabels: {app: client}}\n  policyTypes: [Egress]\n  egress:\n  \
+         - to: [{ipBlock: {cidr: 198.18.200.0/24}}]\n    ports: [{port: http}]\n  \
+         - to: [{podSelector: {matchLabels: {app: client}}}]\n    ports: [{port: metrics}]\n",
+    )
+    .await;
+    let remote = "198.18.200.7".parse().unwrap();
+    let remote_host = rivet_proto::net::host_prefix(remote);
+    // What the client's datapath policy resolves the two names to: the
+    // remote host prefix and the ports of address and identity entries.
+    let resolved = async |node: &EndpointNode| {
+        let held = node.datapath_policy(client.id).await;
+        let prefix = held.prefixes.iter().any(|p| p.prefix.as_ref() == Some(&remote_host));
+        let ports = |kind: ldpb::PeerKind| -> Vec<u32> {
+            held.entries
+                .iter()
+                .filter_map(|e| e.entry.as_ref())
+                .filter(|e| e.peer_kind == kind as i32 && e.direction == ldpb::Direction::Egress as i32)
+                .map(|e| e.port)
+                .collect()
+        };
+        (prefix, ports(ldpb::PeerKind::Address), ports(ldpb::PeerKind::Identity))
+    };
+    let (prefix, by_address, by_identity) = resolved(&node).await;
+    assert!(
+        !prefix && !by_address.contains(&9090) && !by_identity.contains(&9100),
+        "nothing names http or metrics yet: {prefix} {by_address:?} {by_identity:?}"
+    );
+
+    let mut ipcache = IpcacheServiceClient::new(
+        connect_unix(node.identity.socket(), &ClientOptions::default())
+            .await
+            .expect("svc-identity's socket"),
+    );
+    let port = |name: &str, port| idpb::NamedPort {
+        name: name.into(),
+        protocol: "TCP".into(),
+        port,
+    };
+    ipcache
+        .upsert_ip(idpb::UpsertIpRequest {
+            entries: vec![idpb::IpcacheEntry {
+                prefix: Some(remote_host.clone()),
+                identity: client.identity,
+                host_ip: rivet_proto::net::address_bytes("198.19.254.2".parse().unwrap()),
+                source: idpb::IpcacheSource::Kubernetes as i32,
+                named_ports: vec![port("http", 9090), port("metrics", 9100)],
+                ..Default::default()
+            }],
+        })
+        .await
+        .expect("another node's pod enters the ipcache");
+    until(
+        Duration::from_secs(10),
+        "the remote pod's named ports resolve",
+        async || match resolved(&node).await {
+            (true, a, i) if a.contains(&9090) && i.contains(&9100) => Ok(()),
+            other => Err(format!("resolved (prefix, by address, by identity): {other:?}")),
+        },
+    )
+    .await;
+
+    ipcache
+        .delete_ip(idpb::DeleteIpRequest {
+            prefixes: vec![remote_host.clone()],
+            source: idpb::IpcacheSource::Kubernetes as i32,
+        })
+        .await
+        .expect("the remote pod leaves the ipcache");
+    until(
+        Duration::from_secs(10),
+        "the remote pod's named ports are withdrawn",
+        async || match resolved(&node).await {
+            (false, a, i) if !a.contains(&9090) && !i.contains(&9100) => Ok(()),
+            other => Err(format!("resolved (prefix, by address, by identity): {other:?}")),
+        },
+    )
+    .await;
+}

@@ -81,6 +81,22 @@ pub struct IpEntry {
     pub pod: Option<String>,
     /// The node that published it.
     pub node: String,
+    /// The named container ports of the pod at this address (egress rules
+    /// naming a port resolve against them on every node). Absent when empty:
+    /// older readers ignore it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub named_ports: Vec<IpNamedPort>,
+}
+
+/// A named container port of the pod at an [`IpEntry`]'s address.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct IpNamedPort {
+    /// The port's name (an IANA service name).
+    pub name: String,
+    /// `TCP`, `UDP` or `SCTP`.
+    pub protocol: String,
+    /// The port number (1..65535).
+    pub port: u16,
 }
 
 /// A change of the IP cache in the store.

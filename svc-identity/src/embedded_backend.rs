@@ -728,6 +728,7 @@ mod tests {
             namespace: Some("default".into()),
             pod: Some(format!("pod-{identity}")),
             node: NODE.into(),
+            named_ports: Vec::new(),
         }
     }
 
@@ -850,6 +851,7 @@ mod tests {
             .unwrap();
         let entry = IpEntry {
             node: "someone-else".into(),
+            named_ports: Vec::new(),
             ..ip_entry("198.18.0.0/24", 500)
         };
         store.upsert_ip(&entry).await.unwrap();
@@ -928,6 +930,7 @@ mod tests {
         // Another node's entry is not this node's to withdraw.
         let foreign = IpEntry {
             node: "node-b".into(),
+            named_ports: Vec::new(),
             ..ip_entry("198.18.0.2", 802)
         };
         let key = store.layout().ip_key("198.18.0.2");

@@ -1503,6 +1503,7 @@ mod tests {
             namespace: Some("default".into()),
             pod: Some(format!("pod-{identity}")),
             node: String::new(),
+            named_ports: Vec::new(),
         }
     }
 
@@ -1808,6 +1809,7 @@ mod tests {
         assert_eq!(a.create_identity(600, labels).await.unwrap(), CreateOutcome::Created);
         let entry = IpEntry {
             node: "someone-else".into(),
+            named_ports: Vec::new(),
             ..ip_entry("198.18.0.0/24", 600)
         };
         a.upsert_ip(&entry).await.unwrap();
@@ -1815,6 +1817,7 @@ mod tests {
         let lease = a.lease_id();
         let expected_entry = IpEntry {
             node: "node-a".into(),
+            named_ports: Vec::new(),
             ..entry
         };
         let ip_json = serde_json::to_string(&expected_entry).unwrap();
@@ -1935,6 +1938,7 @@ mod tests {
         let with_node = |ip: &str, id, node: &str| {
             IpEvent::Upsert(IpEntry {
                 node: node.into(),
+                named_ports: Vec::new(),
                 ..ip_entry(ip, id)
             })
         };

@@ -18,6 +18,7 @@ use rivet_proto::net;
 use tokio::sync::broadcast;
 use tonic::{Request, Response, Status};
 
+use crate::backend::IpNamedPort;
 use crate::ipcache::{IpCache, IpcacheDelta, IpcacheEntry, IpcacheSource, prefix_text};
 
 /// Most entries of one UpsertIp or DeleteIp.
@@ -89,6 +90,43 @@ fn bounded(field: &str, raw: &str, max: usize) -> Result<String, Status> {
     Ok(raw.to_string())
 }
 
+/// Most named ports one entry may carry.
+const MAX_NAMED_PORTS: usize = 256;
+
+/// Validates an entry's named ports: IANA service names, TCP/UDP/SCTP,
+/// 1..65535, at most [`MAX_NAMED_PORTS`] (svc-endpoint's bound on an
+/// endpoint's).
+fn named_ports(field: &str, raw: &[pb::NamedPort]) -> Result<Vec<IpNamedPort>, Status> {
+    if raw.len() > MAX_NAMED_PORTS {
+        return Err(invalid(
+            field,
+            format!("{} named ports exceed the limit of {MAX_NAMED_PORTS}", raw.len()),
+        ));
+    }
+    let mut out: Vec<IpNamedPort> = Vec::with_capacity(raw.len());
+    for (i, p) in raw.iter().enumerate() {
+        rivet_common::named_port::check_port_name(&p.name).map_err(|e| invalid(format!("{field}[{i}].name"), e))?;
+        let protocol = p.protocol.clone();
+        if !matches!(protocol.as_str(), "TCP" | "UDP" | "SCTP") {
+            return Err(invalid(
+                format!("{field}[{i}].protocol"),
+                format!("{:?} is not TCP, UDP or SCTP", p.protocol),
+            ));
+        }
+        let port = u16::try_from(p.port)
+            .ok()
+            .filter(|port| *port != 0)
+            .ok_or_else(|| invalid(format!("{field}[{i}].port"), format!("{} is not in 1..65535", p.port)))?;
+        out.push(IpNamedPort {
+            name: p.name.clone(),
+            protocol,
+            port,
+        });
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// Validates a whole UpsertIp batch.
 fn entries(raw: &[pb::IpcacheEntry]) -> Result<Vec<IpcacheEntry>, Status> {
     if raw.len() > MAX_BATCH {
@@ -121,6 +159,7 @@ fn entries(raw: &[pb::IpcacheEntry]) -> Result<Vec<IpcacheEntry>, Status> {
             pod_name: bounded(&f("pod_name"), &e.pod_name, MAX_POD_NAME)?,
             source,
             node_name: String::new(),
+            named_ports: named_ports(&f("named_ports"), &e.named_ports)?,
         });
     }
     Ok(out)

@@ -712,6 +712,8 @@ async fn keys_that_vanish_from_etcd_are_recreated_with_the_same_id() {
     );
 }
 
+/// Named ports travel with the address (other nodes' egress rules naming a
+/// port resolve against them).
 #[tokio::test]
 async fn an_ip_published_on_one_node_reaches_the_other() {
     use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
@@ -735,11 +737,54 @@ async fn an_ip_published_on_one_node_reaches_the_other() {
             pod_namespace: "default".into(),
             pod_name: "web-0".into(),
             source: pb::IpcacheSource::LocalEndpoint as i32,
-            node_name: String::new(),
+            named_ports: vec![named_port("http", "TCP", 8080), named_port("dns", "UDP", 5353)],
+            ..Default::default()
         }],
     })
     .await
     .expect("node-a publishes its pod's address");
+    for (port, field) in [
+        (named_port("8080", "TCP", 80), "entries[0].named_ports[0].name"),
+        (named_port("-web", "TCP", 80), "entries[0].named_ports[0].name"),
+        (named_port("http", "ICMP", 80), "entries[0].named_ports[0].protocol"),
+        (named_port("http", "tcp", 80), "entries[0].named_ports[0].protocol"),
+        (named_port("http", "TCP", 0), "entries[0].named_ports[0].port"),
+        (named_port("http", "TCP", 65536), "entries[0].named_ports[0].port"),
+    ] {
+        let err = ia
+            .upsert_ip(pb::UpsertIpRequest {
+                entries: vec![pb::IpcacheEntry {
+                    prefix: Some(wire::prefix("198.18.5.10")),
+                    identity: 4242,
+                    source: pb::IpcacheSource::LocalEndpoint as i32,
+                    named_ports: vec![port.clone()],
+                    ..Default::default()
+                }],
+            })
+            .await
+            .expect_err("a bad named port is refused");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{port:?}: {err:?}");
+        assert!(err.message().starts_with(field), "{port:?}: {}", err.message());
+    }
+    let too_many = ia
+        .upsert_ip(pb::UpsertIpRequest {
+            entries: vec![pb::IpcacheEntry {
+                prefix: Some(wire::prefix("198.18.5.10")),
+                identity: 4242,
+                source: pb::IpcacheSource::LocalEndpoint as i32,
+                named_ports: (0..257)
+                    .map(|i| named_port(&format!("p{i}"), "TCP", 1000 + i))
+                    .collect(),
+                ..Default::default()
+            }],
+        })
+        .await
+        .expect_err("257 named ports are refused");
+    assert!(
+        too_many.message().starts_with("entries[0].named_ports:"),
+        "{}",
+        too_many.message()
+    );
     let seen = tokio::time::timeout(Duration::from_secs(5), async {
         loop {
             let m = watch.message().await.unwrap().expect("the stream stays open");
@@ -757,6 +802,32 @@ async fn an_ip_published_on_one_node_reaches_the_other() {
         "learned through the store"
     );
     assert_eq!(seen.node_name, "node-a");
+    assert_eq!(
+        seen.named_ports,
+        vec![named_port("dns", "UDP", 5353), named_port("http", "TCP", 8080)],
+        "the pod's named ports came through etcd"
+    );
+    let listed = ib
+        .list_ipcache(pb::ListIpcacheRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let listed = listed
+        .entries
+        .iter()
+        .find(|e| e.prefix == Some(wire::prefix("198.18.5.9")))
+        .expect("node-b lists node-a's address");
+    assert_eq!(listed.named_ports, seen.named_ports, "ListIpcache has them too");
+    assert!(
+        !ia.list_ipcache(pb::ListIpcacheRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .entries
+            .iter()
+            .any(|e| e.prefix == Some(wire::prefix("198.18.5.10"))),
+        "a refused entry is not in the cache"
+    );
     ia.delete_ip(pb::DeleteIpRequest {
         prefixes: vec![wire::prefix("198.18.5.9")],
         source: pb::IpcacheSource::LocalEndpoint as i32,
@@ -1397,4 +1468,12 @@ fn a_max_identity_in_the_cidr_range_is_refused() {
         "{stderr}"
     );
     assert!(!dir.path().join("sockets").exists(), "nothing was started");
+}
+
+fn named_port(name: &str, protocol: &str, port: u32) -> pb::NamedPort {
+    pb::NamedPort {
+        name: name.into(),
+        protocol: protocol.into(),
+        port,
+    }
 }

@@ -240,15 +240,6 @@ pub enum Step {
     Repeat(usize, &'static [Step]),
 }
 
-/// A case of the table known to give other answers on some nodes than on
-/// one, and why (see [`Matrix::run_table_with_known_gaps`]).
-pub struct KnownGap {
-    /// The case's name, exactly.
-    pub case: &'static str,
-    /// Why its answers differ (what is missing).
-    pub why: &'static str,
-}
-
 /// A row of the table: a name and its steps (policies, relabels, matrices).
 pub struct Case {
     /// What the case shows (`RIVET_MATRIX_CASE` matches part of it).
@@ -591,20 +582,6 @@ impl<'n> Matrix<'n> {
     /// of [`CASES`] whose name contains `RIVET_MATRIX_CASE` (all without
     /// it), one after another; each leaves the nodes as it found them.
     pub fn run_table(&self) {
-        self.run_table_with_known_gaps(&[]);
-    }
-
-    /// [`run_table`](Self::run_table), where each case of `gaps` must still
-    /// fail, and only by denying what one node allows (never allowing what
-    /// it denies): a gap that closes fails the run, so the list only shrinks.
-    pub fn run_table_with_known_gaps(&self, gaps: &[KnownGap]) {
-        for gap in gaps {
-            assert!(
-                CASES.iter().any(|c| c.name == gap.case),
-                "known gap {:?} names no case of the table",
-                gap.case
-            );
-        }
         self.expect(
             "no policy",
             &Expect {
@@ -617,39 +594,8 @@ impl<'n> Matrix<'n> {
         );
         let only = std::env::var("RIVET_MATRIX_CASE").unwrap_or_default();
         for case in CASES.iter().filter(|c| c.name.contains(&only)) {
-            match gaps.iter().find(|g| g.case == case.name) {
-                None => self.run(case),
-                Some(gap) => self.run_known_gap(case, gap),
-            }
+            self.run(case);
         }
-    }
-
-    /// Runs `case`, which must fail as `gap` says; then back to the start.
-    fn run_known_gap(&self, case: &Case, gap: &KnownGap) {
-        let mut relabelled = Relabelled::default();
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.run_steps(case.name, case.steps, &mut relabelled, &mut false)
-        }));
-        let Err(panic) = outcome else {
-            panic!(
-                "case {:?} gives the one-node answers now: take it out of the known gaps ({})",
-                case.name, gap.why
-            );
-        };
-        let message = panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_default();
-        assert!(
-            message.contains("expected allowed, observed denied")
-                && !message.contains("expected denied, observed allowed"),
-            "case {:?} (a known gap: {}) must fail only by denying what one node allows:\n{message}",
-            case.name,
-            gap.why
-        );
-        eprintln!("case {:?}: the known gap is still there ({})", case.name, gap.why);
-        self.reset(case.name, &relabelled);
     }
 
     fn pods(&self) -> std::sync::RwLockReadGuard<'_, Vec<Pod>> {

@@ -342,6 +342,7 @@ impl SimulatedCluster {
             namespace: Some(NAMESPACE.to_string()),
             pod: Some(format!("pod-{i}-{}", u32::from(j) - 1)),
             node: node.name.clone(),
+            named_ports: Vec::new(),
         };
         node.backend
             .upsert_ip(&entry)

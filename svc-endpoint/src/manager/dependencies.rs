@@ -2,6 +2,8 @@
 //! selector cache, boot-id probes, and the replay of desired state into
 //! one that restarted.
 
+use std::collections::BTreeMap;
+use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
@@ -10,8 +12,46 @@ use rivet_common::controller::{Action, Progress};
 use rivet_common::labels::Labels;
 use tonic::Status;
 
-use super::EndpointManager;
+use super::{EndpointManager, RemoteNamedPorts};
 use crate::events;
+use rivet_policy::{NamedPort, Protocol};
+use rivet_proto::identity::v1 as idpb;
+
+/// What an ipcache entry says of another node's pod's named ports: `None`
+/// for an entry that is no host address; `Some((address, None))` for one
+/// that holds none of another node's (so whatever was held goes).
+/// Local endpoints' own entries are left to the endpoints themselves.
+fn remote_named_ports(entry: &idpb::IpcacheEntry) -> Option<(IpAddr, Option<RemoteNamedPorts>)> {
+    let net = rivet_proto::net::prefix_from_proto(entry.prefix.as_ref()?).ok()?;
+    if net.prefix_len() != net.max_prefix_len() {
+        return None;
+    }
+    let local = entry.source == idpb::IpcacheSource::LocalEndpoint as i32;
+    let ports: Vec<NamedPort> = entry
+        .named_ports
+        .iter()
+        .filter_map(|p| {
+            let protocol = match p.protocol.as_str() {
+                "TCP" => Protocol::Tcp,
+                "UDP" => Protocol::Udp,
+                "SCTP" => Protocol::Sctp,
+                _ => return None,
+            };
+            let port = u16::try_from(p.port).ok().filter(|p| *p != 0)?;
+            Some(NamedPort::new(p.name.clone(), protocol, port))
+        })
+        .collect();
+    let remote = (!local && !ports.is_empty()).then_some(RemoteNamedPorts {
+        identity: entry.identity,
+        ports,
+    });
+    Some((net.addr(), remote))
+}
+
+/// The identities and addresses whose named ports `entries` may change.
+fn touched<'a>(entries: impl Iterator<Item = (&'a IpAddr, &'a RemoteNamedPorts)>) -> (Vec<u32>, Vec<IpAddr>) {
+    entries.map(|(address, remote)| (remote.identity, *address)).unzip()
+}
 
 /// svc-endpoint's view of a dependency.
 #[derive(Debug, Clone, Default)]
@@ -41,6 +81,12 @@ pub(super) enum DependencyError {
     /// The identity watch broke.
     #[error("svc-identity's identity watch broke: {}", .0.message())]
     WatchBroken(#[source] Status),
+    /// svc-identity did not open the ipcache watch.
+    #[error("opening svc-identity's ipcache watch: {}", .0.message())]
+    IpcacheWatchOpen(#[source] Status),
+    /// The ipcache watch broke.
+    #[error("svc-identity's ipcache watch broke: {}", .0.message())]
+    IpcacheWatchBroken(#[source] Status),
     /// A restarted svc-ipam did not take an endpoint's addresses back.
     #[error("re-reserving the addresses of endpoint {id} in the restarted svc-ipam: {}", source.message())]
     ReserveAddresses {
@@ -138,6 +184,65 @@ impl EndpointManager {
             }
             if changed {
                 self.queue_changed_policies(&mut state, "identities changed");
+            }
+        }
+        Ok(())
+    }
+
+    /// `ipcache-watch`: keeps the named ports of other nodes' pods (their
+    /// ipcache entries) in the selector cache, so that egress rules naming
+    /// a port resolve against them as on one node; regenerates the
+    /// endpoints whose policies that changes. A snapshot (every new stream,
+    /// so also after either daemon restarted) replaces what was held;
+    /// returns when the stream breaks or ends.
+    pub(super) async fn watch_ipcache(&self, progress: Progress) -> Result<(), DependencyError> {
+        let mut stream = self
+            .inner
+            .deps
+            .identity
+            .watch_ipcache()
+            .await
+            .map_err(DependencyError::IpcacheWatchOpen)?;
+        let mut snapshot: BTreeMap<IpAddr, RemoteNamedPorts> = BTreeMap::new();
+        while let Some(message) = stream.next().await {
+            let message = message.map_err(DependencyError::IpcacheWatchBroken)?;
+            progress.ok();
+            if message.snapshot {
+                snapshot.extend(message.upserted.iter().filter_map(|e| {
+                    let (address, remote) = remote_named_ports(e)?;
+                    Some((address, remote?))
+                }));
+                if !message.snapshot_complete {
+                    continue;
+                }
+                let mut state = self.state();
+                let held = std::mem::replace(&mut state.remote_named_ports, std::mem::take(&mut snapshot));
+                let (identities, addresses) = touched(held.iter().chain(state.remote_named_ports.iter()));
+                if held != state.remote_named_ports {
+                    self.named_ports_changed(&mut state, identities, addresses, "remote named ports resynced");
+                }
+                continue;
+            }
+            let mut state = self.state();
+            let mut changes: Vec<(IpAddr, Option<RemoteNamedPorts>)> =
+                message.upserted.iter().filter_map(remote_named_ports).collect();
+            changes.extend(message.deleted.iter().filter_map(|p| {
+                let net = rivet_proto::net::prefix_from_proto(p).ok()?;
+                (net.prefix_len() == net.max_prefix_len()).then(|| (net.addr(), None))
+            }));
+            let mut touched_entries: Vec<(IpAddr, RemoteNamedPorts)> = Vec::new();
+            for (address, remote) in changes {
+                let old = match remote.clone() {
+                    Some(remote) => state.remote_named_ports.insert(address, remote),
+                    None => state.remote_named_ports.remove(&address),
+                };
+                if old != remote {
+                    touched_entries.extend(old.into_iter().chain(remote).map(|r| (address, r)));
+                }
+            }
+            if !touched_entries.is_empty() {
+                let (identities, addresses) = touched(touched_entries.iter().map(|(a, r)| (a, r)));
+                self.named_ports_changed(&mut state, identities, addresses, "remote named ports changed");
             }
         }
         Ok(())

@@ -222,11 +222,23 @@ struct State {
     repository: PolicyRepository,
     selectors: SelectorCache,
     cidr_identities: BTreeMap<IpNet, u32>,
+    /// Other nodes' pods with named ports, by address, from svc-identity's
+    /// ipcache (`ipcache-watch`): egress rules naming a port resolve
+    /// against them as against local endpoints'.
+    remote_named_ports: BTreeMap<IpAddr, RemoteNamedPorts>,
     /// CIDR identities no policy wants any more whose release svc-identity
     /// has not confirmed yet.
     cidr_releases: BTreeSet<IpNet>,
     /// Tells WatchEndpoints readers that endpoints changed.
     changes: ChangeFeed,
+}
+
+/// Another node's pod as the ipcache describes it: its identity and the
+/// named ports it declares.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RemoteNamedPorts {
+    identity: u32,
+    ports: Vec<rivet_policy::NamedPort>,
 }
 
 /// A revision counter of endpoint changes and a watch of it: every change
@@ -454,7 +466,8 @@ impl EndpointManager {
     /// Starts restore and the background loops as `controllers` (each
     /// restarted when it panics or ends, counted and shown in `rivet
     /// status`): `endpoint-restore` (once), `endpoint-workers` (supervises
-    /// every endpoint's worker), `identity-watch`, `dependency-probe`,
+    /// every endpoint's worker), `identity-watch`, `ipcache-watch`,
+    /// `dependency-probe`,
     /// `cidr-identities` and, unless disabled, `interface-check`. Returns at
     /// once; restore progress is in [`restore_progress`](Self::restore_progress).
     pub fn start(&self, controllers: &Controllers) {
@@ -474,6 +487,11 @@ impl EndpointManager {
         controllers.supervise(controller("identity-watch"), move |progress| {
             let this = this.clone();
             async move { this.watch_identities(progress).await }
+        });
+        let this = self.clone();
+        controllers.supervise(controller("ipcache-watch"), move |progress| {
+            let this = this.clone();
+            async move { this.watch_ipcache(progress).await }
         });
         let this = self.clone();
         controllers.reconcile(controller("dependency-probe"), move || {

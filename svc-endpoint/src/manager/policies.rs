@@ -127,8 +127,9 @@ pub struct PolicyUpdate {
 
 impl State {
     /// Sets the named ports of each of `identities` and `addresses` in the
-    /// selector cache to the union of those of the endpoints holding it, in
-    /// one pass over the endpoints (endpoints of one identity share one peer
+    /// selector cache to the union of those of the endpoints holding it and
+    /// of other nodes' pods holding it (the ipcache), in one pass over the
+    /// endpoints (endpoints of one identity share one peer
     /// entry in other endpoints' policies; egress ipBlocks naming a port
     /// resolve per address). Returns whether the ports of an address
     /// changed: the CIDR identities of the host prefixes they need
@@ -154,6 +155,14 @@ impl State {
                 if let Some(held) = by_address.get_mut(&address.address) {
                     held.extend_from_slice(ports);
                 }
+            }
+        }
+        for (address, remote) in &self.remote_named_ports {
+            if let Some(held) = by_identity.get_mut(&remote.identity) {
+                held.extend_from_slice(&remote.ports);
+            }
+            if let Some(held) = by_address.get_mut(address) {
+                held.extend_from_slice(&remote.ports);
             }
         }
         for (identity, ports) in by_identity {

@@ -251,6 +251,17 @@ impl EndpointManager {
                         pod_name: spec.pod_name.clone(),
                         source: idpb::IpcacheSource::LocalEndpoint.into(),
                         node_name: String::new(),
+                        // Other nodes resolve egress rules naming these ports
+                        // from the ipcache (their watch of it).
+                        named_ports: spec
+                            .named_ports
+                            .iter()
+                            .map(|p| idpb::NamedPort {
+                                name: p.name.clone(),
+                                protocol: crate::endpoint::protocol_name(p.protocol).to_string(),
+                                port: u32::from(p.port),
+                            })
+                            .collect(),
                     })
                     .collect(),
             })

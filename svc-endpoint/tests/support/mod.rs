@@ -230,6 +230,9 @@ impl IdentityApi for FaultyIdentity {
     fn watch(&self) -> BoxFuture<'_, ApiResult<BoxStream<'static, ApiResult<idpb::WatchIdentitiesResponse>>>> {
         self.inner.watch()
     }
+    fn watch_ipcache(&self) -> BoxFuture<'_, ApiResult<BoxStream<'static, ApiResult<idpb::WatchIpcacheResponse>>>> {
+        self.inner.watch_ipcache()
+    }
     fn allocate_cidrs(
         &self,
         request: idpb::AllocateCidrIdentitiesRequest,

@@ -8,6 +8,8 @@ use ipnet::IpNet;
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::net;
 
+use crate::backend::IpNamedPort;
+
 /// Who claims a prefix. The order is the precedence: a smaller variant wins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum IpcacheSource {
@@ -105,6 +107,8 @@ pub struct IpcacheEntry {
     pub source: IpcacheSource,
     /// The node that published it (set by the cache for local claims).
     pub node_name: String,
+    /// The pod's named container ports (validated by the gRPC handler).
+    pub named_ports: Vec<IpNamedPort>,
 }
 
 impl IpcacheEntry {
@@ -118,6 +122,7 @@ impl IpcacheEntry {
             pod_name: String::new(),
             source,
             node_name: String::new(),
+            named_ports: Vec::new(),
         }
     }
 
@@ -131,6 +136,15 @@ impl IpcacheEntry {
             pod_name: self.pod_name.clone(),
             source: self.source.to_proto() as i32,
             node_name: self.node_name.clone(),
+            named_ports: self
+                .named_ports
+                .iter()
+                .map(|p| pb::NamedPort {
+                    name: p.name.clone(),
+                    protocol: p.protocol.clone(),
+                    port: u32::from(p.port),
+                })
+                .collect(),
         }
     }
 }

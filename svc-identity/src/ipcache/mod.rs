@@ -424,6 +424,7 @@ impl IpCache {
             namespace: (!e.pod_namespace.is_empty()).then(|| e.pod_namespace.clone()),
             pod: (!e.pod_name.is_empty()).then(|| e.pod_name.clone()),
             node: node.to_string(),
+            named_ports: e.named_ports.clone(),
         }
     }
 
@@ -444,6 +445,7 @@ impl IpCache {
             pod_name: e.pod.clone().unwrap_or_default(),
             source,
             node_name: e.node.clone(),
+            named_ports: e.named_ports.clone(),
         }
     }
 
