@@ -243,6 +243,101 @@ struct routing_config {
 	__u32 underlay_ifindex; /* the interface towards the other nodes, else 0 */
 };
 
+/* ----------------------------------------------------------------- services */
+/* Load balancing (kube-proxy replacement). svc-loader writes every map here
+ * but the flow maps, which the datapath writes and svc-gc expires. A service
+ * as the loader holds it is one port of one family: frontends (ClusterIP,
+ * NodePort) that share one backend set. Write order (loader): backends, then
+ * the Maglev table, then the frontend (its backend_count last); removal in
+ * the reverse order, so a lookup never finds a table without backends. */
+#define LB_MAGLEV_SIZE 1021 /* slots per Maglev table (a prime; Maglev wants M >> backends) */
+
+#define SVC_SCOPE_INTERNAL 0 /* from pods and the node itself: every active backend */
+#define SVC_SCOPE_EXTERNAL 1 /* a NodePort reached from outside the node with
+			      * externalTrafficPolicy Local: this node's backends only */
+
+#define SVC_F_CLUSTER_IP (1 << 0) /* the frontend is a ClusterIP (or another VIP) */
+#define SVC_F_NODE_PORT (1 << 1)  /* the frontend is a NodePort: addr 0 = any address of this node */
+#define SVC_F_AFFINITY (1 << 2)   /* sessionAffinity ClientIP, for affinity_timeout seconds */
+#define SVC_F_LOCAL (1 << 3)      /* externalTrafficPolicy Local (NodePort) */
+
+struct lb_frontend_key {
+	__u32 addr[4]; /* the VIP (IPv4 in addr[0]); NodePort: all zero */
+	__u16 port;    /* network order */
+	__u8 protocol; /* IPPROTO_TCP / UDP / SCTP */
+	__u8 family;   /* 4 or 6 */
+	__u8 scope;    /* SVC_SCOPE_* */
+	__u8 pad[3];
+};
+
+struct lb_frontend {
+	__u32 service_id;       /* the service: rev NAT entry, affinity key (client's svc-endpoint chooses it) */
+	__u32 table_id;         /* its Maglev table in lb_maglev (the loader chooses it) */
+	__u16 backend_count;    /* active backends in the table; 0: the service rejects new flows */
+	__u16 flags;            /* SVC_F_* */
+	__u32 affinity_timeout; /* seconds (SVC_F_AFFINITY) */
+};
+
+#define LB_BACKEND_ACTIVE 0      /* takes new flows */
+#define LB_BACKEND_TERMINATING 1 /* keeps its flows, gets no new ones (not in any table) */
+
+/* lb_backends: backend_id (u32, the loader's) -> lb_backend. */
+struct lb_backend {
+	__u32 addr[4]; /* IPv4 in addr[0] */
+	__u16 port;    /* network order */
+	__u8 family;   /* 4 or 6 */
+	__u8 state;    /* LB_BACKEND_* */
+};
+
+/* lb_maglev: table_id -> the backend id of every slot (0: none). A new flow
+ * takes slot hash(5-tuple) % LB_MAGLEV_SIZE, so every node picks the same
+ * backend for a flow and a backend change moves ~1/N of the flows. */
+struct lb_maglev_table {
+	__u32 backend_ids[LB_MAGLEV_SIZE];
+};
+
+/* lb_rev_nat: service_id -> the frontend replies come from. */
+struct lb_rev_nat {
+	__u32 addr[4]; /* IPv4 in addr[0] */
+	__u16 port;    /* network order */
+	__u8 family;
+	__u8 pad;
+};
+
+/* lb_affinity (LRU): the backend a client got, for SVC_F_AFFINITY. */
+struct lb_affinity_key {
+	__u32 client[4]; /* IPv4 in client[0] */
+	__u32 service_id;
+	__u8 family;
+	__u8 pad[3];
+};
+
+struct lb_affinity {
+	__u64 last_used; /* bpf_ktime_get_ns(); stale after affinity_timeout seconds */
+	__u32 backend_id;
+	__u32 pad;
+};
+
+/* lb4_flows / lb6_flows (LRU): one translated connection, two entries keyed
+ * like conntrack (ct4_key / ct6_key) with `direction` one of LB_FLOW_*:
+ * FORWARD by the client's tuple to the VIP (-> the backend chosen), REVERSE
+ * by the translated tuple client -> backend (-> the VIP replies come from).
+ * Refreshed with the connection; svc-gc removes expired entries. */
+#define LB_FLOW_FORWARD 3
+#define LB_FLOW_REVERSE 4
+
+struct lb_flow {
+	__u64 expires;     /* bpf_ktime_get_ns() deadline */
+	__u32 addr[4];     /* FORWARD: the backend's address; REVERSE: the VIP */
+	__u16 port;        /* network order: the backend's port / the VIP's */
+	__u8 family;
+	__u8 flags;
+	__u32 backend_id;
+	__u32 service_id;
+	__u32 lifetime;    /* seconds applied when `expires` was written (as ct_entry) */
+	__u32 pad;
+};
+
 /* ------------------------------------------------------------------ metrics */
 /* Per-CPU array index: reason * 4 + direction. Reason 0 = forwarded. */
 #define REASON_FORWARDED 0
@@ -264,6 +359,7 @@ struct routing_config {
 #define DROP_TUNNEL_SOURCE_NOT_NODE 16  /* VXLAN from an outer source that is not a node (ipcache remote-node) */
 #define DROP_TUNNEL_IDENTITY_INVALID 17 /* VXLAN whose VNI is no identity a node may send: 0, host (1) */
 #define DROP_NO_TUNNEL_ENDPOINT 18      /* to the overlay, but the destination has no tunnel endpoint */
+#define DROP_NO_SERVICE_BACKEND 19      /* a service with no active backend: rejected (TCP RST / ICMP unreachable) */
 #define REASON_MAX 64
 #define METRICS_ENTRIES (REASON_MAX * 4)
 
