@@ -890,6 +890,13 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
                         }
                     }
                 }
+                Some(Item::ServiceDocument(_)) => {
+                    // The service catalog takes these (issue 17, owner catalog).
+                    reject(
+                        format!("item {items}"),
+                        &Status::unimplemented("service documents are not replayed yet"),
+                    );
+                }
                 Some(Item::End(true)) => ended = true,
                 Some(Item::End(false)) | None => {
                     reject(format!("item {items}"), &invalid("item", "empty"));
@@ -918,6 +925,8 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
             affected_endpoints: count(outcome.affected_endpoints),
             rejected,
             boot_id: self.boot_id(),
+            service_objects: 0,
+            service_objects_removed: 0,
         }))
     }
 }
