@@ -1,7 +1,7 @@
 //! The watch caches of every kind svc-k8s-sync watches, started together.
 //! Pods are this node's only (field selector `spec.nodeName`); the other
-//! kinds are cluster-wide. Services and EndpointSlices are only kept (for
-//! the services issue); Nodes for node readiness and, later, multi-node.
+//! kinds are cluster-wide. Services and EndpointSlices feed svc-endpoint's
+//! service catalog; Nodes are kept for node readiness.
 
 use std::sync::Arc;
 
@@ -172,6 +172,13 @@ impl Caches {
                 out.policies.insert(key, document);
             }
         }
+        let services = self.services.state();
+        let slices = self.endpoint_slices.state();
+        let documents = services
+            .iter()
+            .filter_map(|s| desired::service_document(s))
+            .chain(slices.iter().filter_map(|s| desired::endpoint_slice_document(s)));
+        out.service_objects.extend(documents);
         out
     }
 

@@ -1,11 +1,12 @@
 //! What Kubernetes says svc-endpoint should know, computed from the watch
 //! caches with no I/O: each pod's metadata, each namespace's labels, each
-//! policy's document. A feed pass compares it with what was last sent
+//! policy's document, each Service's and EndpointSlice's document. A feed pass compares it with what was last sent
 //! ([`Desired::changes_from`]) or sends it whole (a replay).
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::DynamicObject;
 use rivet_common::labels::{Label, LabelSource};
@@ -18,6 +19,14 @@ pub type PodKey = (String, String);
 /// A policy by kind, namespace and name (the repository's key).
 pub type PolicyKey = (String, String, String);
 
+/// A Service or EndpointSlice by kind, namespace and name (the catalog's
+/// key; Services sort before EndpointSlices).
+pub type ServiceObjectKey = (pb::ServiceObjectKind, String, String);
+
+/// The label that ties an EndpointSlice to its Service; slices without it
+/// are not managed for a Service and are not fed.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
 /// The whole state svc-endpoint gets from Kubernetes.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Desired {
@@ -27,6 +36,8 @@ pub struct Desired {
     pub namespaces: BTreeMap<String, Vec<String>>,
     /// NetworkPolicies and RivetNetworkPolicies as JSON documents.
     pub policies: BTreeMap<PolicyKey, String>,
+    /// Services and the EndpointSlices managed for them, as JSON documents.
+    pub service_objects: BTreeMap<ServiceObjectKey, String>,
 }
 
 /// One call that brings svc-endpoint from one state to another.
@@ -42,13 +53,20 @@ pub enum Change {
     UpsertPolicy(PolicyKey, String),
     /// DeletePolicy with origin KUBERNETES.
     DeletePolicy(PolicyKey),
+    /// ApplyServiceObject with origin KUBERNETES.
+    ApplyServiceObject(ServiceObjectKey, String),
+    /// DeleteServiceObject with origin KUBERNETES.
+    DeleteServiceObject(ServiceObjectKey),
 }
 
 impl Desired {
     /// The calls that turn `sent` (what svc-endpoint was last told) into
     /// `self`: namespaces first (a pod's identity needs its namespace's
     /// labels), then pods, then policies; deletions after upserts of the
-    /// same kind.
+    /// same kind. Then service objects: Services that went are deleted
+    /// first (a new Service may take a deleted one's clusterIP), then
+    /// Services applied, then EndpointSlices applied, then slices that went
+    /// deleted (a replaced slice's backends never all vanish at once).
     pub fn changes_from(&self, sent: &Desired) -> Vec<Change> {
         let mut changes = Vec::new();
         for (name, labels) in &self.namespaces {
@@ -75,6 +93,28 @@ impl Desired {
         for key in sent.policies.keys().filter(|k| !self.policies.contains_key(*k)) {
             changes.push(Change::DeletePolicy(key.clone()));
         }
+        let is_service = |key: &&ServiceObjectKey| key.0 == pb::ServiceObjectKind::Service;
+        let gone = sent
+            .service_objects
+            .keys()
+            .filter(|k| !self.service_objects.contains_key(*k));
+        changes.extend(
+            gone.clone()
+                .filter(is_service)
+                .cloned()
+                .map(Change::DeleteServiceObject),
+        );
+        // Sorted by kind: Services before EndpointSlices.
+        for (key, document) in &self.service_objects {
+            if sent.service_objects.get(key) != Some(document) {
+                changes.push(Change::ApplyServiceObject(key.clone(), document.clone()));
+            }
+        }
+        changes.extend(
+            gone.filter(|k| !is_service(k))
+                .cloned()
+                .map(Change::DeleteServiceObject),
+        );
         changes
     }
 
@@ -99,11 +139,17 @@ impl Desired {
             Change::DeletePolicy(key) => {
                 self.policies.remove(key);
             }
+            Change::ApplyServiceObject(key, document) => {
+                self.service_objects.insert(key.clone(), document.clone());
+            }
+            Change::DeleteServiceObject(key) => {
+                self.service_objects.remove(key);
+            }
         }
     }
 
     /// The whole state as one ReplayKubernetes stream: namespaces, pods,
-    /// policies, then `end`.
+    /// policies, Services, EndpointSlices, then `end`.
     pub fn replay_items(&self) -> Vec<pb::ReplayKubernetesRequest> {
         use pb::replay_kubernetes_request::Item;
         let namespaces = self.namespaces.iter().map(|(name, labels)| {
@@ -114,9 +160,11 @@ impl Desired {
         });
         let pods = self.pods.values().cloned().map(Item::Pod);
         let policies = self.policies.values().cloned().map(Item::PolicyDocument);
+        let service_objects = self.service_objects.values().cloned().map(Item::ServiceDocument);
         namespaces
             .chain(pods)
             .chain(policies)
+            .chain(service_objects)
             .chain(std::iter::once(Item::End(true)))
             .map(|item| pb::ReplayKubernetesRequest { item: Some(item) })
             .collect()
@@ -206,6 +254,43 @@ pub fn rivet_policy_document(policy: &DynamicObject) -> Option<(PolicyKey, Strin
         "spec": policy.data.get("spec").cloned().unwrap_or_else(|| json!({})),
     });
     Some((("RivetNetworkPolicy".into(), namespace, name), document.to_string()))
+}
+
+/// A Service as the document svc-endpoint's catalog parses: apiVersion,
+/// kind, name, namespace, labels and spec (no status, no resourceVersion:
+/// a status or metadata write is no change of the document).
+pub fn service_document(service: &Service) -> Option<(ServiceObjectKey, String)> {
+    let namespace = service.metadata.namespace.clone()?;
+    let name = service.metadata.name.clone()?;
+    let document = json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": { "namespace": namespace, "name": name, "labels": service.metadata.labels },
+        "spec": service.spec,
+    });
+    Some(((pb::ServiceObjectKind::Service, namespace, name), document.to_string()))
+}
+
+/// An EndpointSlice managed for a Service (label
+/// `kubernetes.io/service-name`) as the document the catalog parses, with
+/// its endpoints' conditions; `None` for a slice of no Service.
+pub fn endpoint_slice_document(slice: &EndpointSlice) -> Option<(ServiceObjectKey, String)> {
+    let namespace = slice.metadata.namespace.clone()?;
+    let name = slice.metadata.name.clone()?;
+    let labels = slice.metadata.labels.as_ref()?;
+    labels.get(SERVICE_NAME_LABEL).filter(|s| !s.is_empty())?;
+    let document = json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": { "namespace": namespace, "name": name, "labels": labels },
+        "addressType": slice.address_type,
+        "endpoints": slice.endpoints,
+        "ports": slice.ports,
+    });
+    Some((
+        (pb::ServiceObjectKind::EndpointSlice, namespace, name),
+        document.to_string(),
+    ))
 }
 
 #[cfg(test)]
@@ -312,6 +397,107 @@ mod tests {
         let value: serde_json::Value = serde_json::from_str(&first).unwrap();
         assert_eq!(value["spec"]["podSelector"]["matchLabels"]["app"], "web");
         assert_eq!(value["metadata"], json!({"namespace": "shop", "name": "deny"}));
+    }
+
+    #[test]
+    fn service_documents_keep_spec_and_labels_and_ignore_status_and_resource_version() {
+        let mut service: Service = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": "shop", "name": "web", "resourceVersion": "3", "uid": "u",
+                         "labels": {"team": "a"}},
+            "spec": {"clusterIP": "198.19.128.10", "selector": {"app": "web"},
+                     "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
+                     "sessionAffinity": "ClientIP"},
+            "status": {"loadBalancer": {}}
+        }))
+        .unwrap();
+        let (key, first) = service_document(&service).unwrap();
+        assert_eq!(key, (pb::ServiceObjectKind::Service, "shop".into(), "web".into()));
+        service.metadata.resource_version = Some("4".into());
+        service.status = None;
+        assert_eq!(service_document(&service).unwrap().1, first);
+        let value: serde_json::Value = serde_json::from_str(&first).unwrap();
+        assert_eq!(value["kind"], "Service");
+        assert_eq!(
+            value["metadata"],
+            json!({"namespace": "shop", "name": "web", "labels": {"team": "a"}})
+        );
+        assert_eq!(value["spec"]["ports"][0]["targetPort"], 8080);
+        assert_eq!(value["spec"]["sessionAffinity"], "ClientIP");
+        assert!(value.get("status").is_none());
+    }
+
+    #[test]
+    fn endpoint_slices_carry_conditions_and_only_those_of_a_service_are_fed() {
+        let mut slice: EndpointSlice = serde_json::from_value(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": "shop", "name": "web-abc", "resourceVersion": "9",
+                         "labels": {"kubernetes.io/service-name": "web",
+                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+            "addressType": "IPv4",
+            "endpoints": [
+                {"addresses": ["198.18.0.10"], "nodeName": "node-1",
+                 "conditions": {"ready": false, "serving": true, "terminating": true},
+                 "targetRef": {"kind": "Pod", "namespace": "shop", "name": "web-1"}}
+            ],
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}]
+        }))
+        .unwrap();
+        let (key, document) = endpoint_slice_document(&slice).unwrap();
+        assert_eq!(
+            key,
+            (pb::ServiceObjectKind::EndpointSlice, "shop".into(), "web-abc".into())
+        );
+        let value: serde_json::Value = serde_json::from_str(&document).unwrap();
+        assert_eq!(value["addressType"], "IPv4");
+        assert_eq!(value["metadata"]["labels"][SERVICE_NAME_LABEL], "web");
+        assert_eq!(
+            value["endpoints"][0]["conditions"],
+            json!({"ready": false, "serving": true, "terminating": true})
+        );
+        assert_eq!(value["endpoints"][0]["targetRef"]["name"], "web-1");
+        assert_eq!(value["ports"][0]["port"], 8080);
+        assert!(value["metadata"].get("resourceVersion").is_none());
+
+        slice.metadata.labels.as_mut().unwrap().remove(SERVICE_NAME_LABEL);
+        assert_eq!(endpoint_slice_document(&slice), None, "a slice of no Service");
+    }
+
+    #[test]
+    fn service_changes_delete_services_first_and_slices_last() {
+        let key = |kind, name: &str| (kind, "shop".to_string(), name.to_string());
+        let (service, slice) = (pb::ServiceObjectKind::Service, pb::ServiceObjectKind::EndpointSlice);
+        let mut sent = Desired::default();
+        sent.service_objects.insert(key(service, "old"), "old".into());
+        sent.service_objects.insert(key(slice, "old-1"), "old-1".into());
+        sent.service_objects.insert(key(service, "web"), "web v1".into());
+        let mut desired = Desired::default();
+        desired.service_objects.insert(key(slice, "new-1"), "new-1".into());
+        desired.service_objects.insert(key(service, "new"), "new".into());
+        desired.service_objects.insert(key(service, "web"), "web v1".into());
+        let changes = desired.changes_from(&sent);
+        assert_eq!(
+            changes,
+            vec![
+                Change::DeleteServiceObject(key(service, "old")),
+                Change::ApplyServiceObject(key(service, "new"), "new".into()),
+                Change::ApplyServiceObject(key(slice, "new-1"), "new-1".into()),
+                Change::DeleteServiceObject(key(slice, "old-1")),
+            ]
+        );
+        for change in &changes {
+            sent.apply(change);
+        }
+        assert_eq!(sent, desired);
+        let items = desired.replay_items();
+        let documents: Vec<_> = items
+            .iter()
+            .filter_map(|i| match &i.item {
+                Some(pb::replay_kubernetes_request::Item::ServiceDocument(d)) => Some(d.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(documents, ["new", "web v1", "new-1"], "Services, then slices");
     }
 
     #[test]

@@ -184,6 +184,8 @@ impl SyncMetrics {
             pods_forgotten = response.pods_forgotten,
             namespaces_forgotten = response.namespaces_forgotten,
             policies_removed = response.policies_removed,
+            service_objects = response.service_objects,
+            service_objects_removed = response.service_objects_removed,
             affected_endpoints = response.affected_endpoints,
             rejected = response.rejected.len(),
             "replayed the Kubernetes state to svc-endpoint"

@@ -1,7 +1,8 @@
 //! Feeding svc-endpoint (DESIGN.md §1, level-triggered): a reconcile
 //! controller that compares what the watch caches say ([`Desired`]) with
 //! what svc-endpoint was last told and sends the difference as single calls
-//! (SetPodMetadata, SetNamespaceLabels, UpsertPolicy, ...). It sends the
+//! (SetPodMetadata, SetNamespaceLabels, UpsertPolicy, ApplyServiceObject,
+//! ...). It sends the
 //! whole state as one ReplayKubernetes stream instead the first time, after
 //! a re-list of any watched kind, and whenever svc-endpoint's `boot_id`
 //! changed (it restarted and remembers nothing), so svc-endpoint forgets
@@ -23,6 +24,7 @@ use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use rivet_proto::endpoint::v1::namespace_service_client::NamespaceServiceClient;
 use rivet_proto::endpoint::v1::pod_metadata_service_client::PodMetadataServiceClient;
 use rivet_proto::endpoint::v1::policy_service_client::PolicyServiceClient;
+use rivet_proto::endpoint::v1::service_catalog_service_client::ServiceCatalogServiceClient;
 
 use crate::desired::{Change, Desired};
 use crate::events::SyncMetrics;
@@ -47,12 +49,24 @@ impl FeedError {
         }
     }
 
-    /// svc-endpoint refused this one item for good (an invalid document, a
-    /// policy source the node does not accept): retrying it would not help.
+    /// svc-endpoint refused this one item (an invalid document, a policy
+    /// source the node does not accept, a key held by another origin, a
+    /// call it does not serve): retrying it at once would not help.
     pub fn is_rejection(&self) -> bool {
-        self.source.code() == tonic::Code::InvalidArgument
-            || self.source.is(pb::ErrorReason::PolicyOriginDisabled)
+        matches!(
+            self.source.code(),
+            tonic::Code::InvalidArgument | tonic::Code::Unimplemented
+        ) || self.source.is(pb::ErrorReason::PolicyOriginDisabled)
             || self.source.is(pb::ErrorReason::PolicyOriginConflict)
+            || self.source.is(pb::ErrorReason::ServiceOriginConflict)
+            || self.is_retried_on_poll()
+    }
+
+    /// A rejection that may pass once other objects change (a clusterIP
+    /// still held by a Service deleted in the API but not yet here): it is
+    /// not recorded as sent, so every poll tries it again.
+    pub fn is_retried_on_poll(&self) -> bool {
+        self.source.is(pb::ErrorReason::ClusterIpUnavailable)
     }
 
     fn label(&self) -> &'static str {
@@ -146,6 +160,34 @@ impl EndpointFeed for GrpcFeed {
                     .await
                     .map(|r| r.into_inner().boot_id)
                     .map_err(|s| FeedError::new("DeletePolicy", s)),
+                Change::ApplyServiceObject(_, document) => {
+                    let mut client = ServiceCatalogServiceClient::new(channel.clone());
+                    client
+                        .apply_service_object(pb::ApplyServiceObjectRequest {
+                            document: document.clone(),
+                            origin: pb::ServiceOrigin::Kubernetes.into(),
+                            wait: false,
+                        })
+                        .await
+                        .map_err(|s| FeedError::new("ApplyServiceObject", s))?;
+                    boot_id_of(channel).await
+                }
+                Change::DeleteServiceObject((kind, namespace, name)) => {
+                    let mut client = ServiceCatalogServiceClient::new(channel.clone());
+                    client
+                        .delete_service_object(pb::DeleteServiceObjectRequest {
+                            key: Some(pb::ServiceObjectKey {
+                                kind: (*kind).into(),
+                                namespace: namespace.clone(),
+                                name: name.clone(),
+                            }),
+                            origin: pb::ServiceOrigin::Kubernetes.into(),
+                            wait: false,
+                        })
+                        .await
+                        .map_err(|s| FeedError::new("DeleteServiceObject", s))?;
+                    boot_id_of(channel).await
+                }
             }
         })
     }
@@ -161,14 +203,17 @@ impl EndpointFeed for GrpcFeed {
     }
 
     fn boot_id(&self) -> CallFuture<'_, String> {
-        Box::pin(async move {
-            EndpointServiceClient::new(self.channel.clone())
-                .get_status(pb::GetStatusRequest {})
-                .await
-                .map(|r| r.into_inner().boot_id)
-                .map_err(|s| FeedError::new("GetStatus", s))
-        })
+        Box::pin(boot_id_of(self.channel.clone()))
     }
+}
+
+/// svc-endpoint's boot_id by GetStatus (the catalog's answers carry none).
+async fn boot_id_of(channel: DaemonChannel) -> Result<String, FeedError> {
+    EndpointServiceClient::new(channel)
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .map(|r| r.into_inner().boot_id)
+        .map_err(|s| FeedError::new("GetStatus", s))
 }
 
 /// What the feed did, for GetStatus.
@@ -330,9 +375,13 @@ impl Feed {
                 }
                 Err(e) if e.is_rejection() => {
                     // Kept as sent: it is retried when the object changes,
-                    // not in a loop.
+                    // not in a loop (or on the next poll, see
+                    // `is_retried_on_poll`).
                     self.metrics.call_failed(e.call, e.label(), &e.to_string());
                     rejections.push(e.to_string());
+                    if e.is_retried_on_poll() {
+                        continue;
+                    }
                     sent.boot_id.clone()
                 }
                 Err(e) => return Err(e),
@@ -369,6 +418,8 @@ fn call_name(change: &Change) -> &'static str {
         Change::SetNamespace(..) => "SetNamespaceLabels",
         Change::UpsertPolicy(..) => "UpsertPolicy",
         Change::DeletePolicy(_) => "DeletePolicy",
+        Change::ApplyServiceObject(..) => "ApplyServiceObject",
+        Change::DeleteServiceObject(_) => "DeleteServiceObject",
     }
 }
 
@@ -384,6 +435,7 @@ mod tests {
         calls: Mutex<Vec<String>>,
         boot_id: Mutex<String>,
         refuse_upserts: std::sync::atomic::AtomicBool,
+        cluster_ip_taken: std::sync::atomic::AtomicBool,
     }
 
     impl Recorder {
@@ -404,6 +456,18 @@ mod tests {
                     return Err(FeedError::new(
                         "UpsertPolicy",
                         tonic::Status::invalid_argument("spec: bad"),
+                    ));
+                }
+                if matches!(change, Change::ApplyServiceObject(..))
+                    && self.cluster_ip_taken.load(std::sync::atomic::Ordering::SeqCst)
+                {
+                    return Err(FeedError::new(
+                        "ApplyServiceObject",
+                        rivet_common::grpc::status_with_reason(
+                            tonic::Code::AlreadyExists,
+                            "clusterIP 198.19.128.10 belongs to shop/old",
+                            pb::ErrorReason::ClusterIpUnavailable,
+                        ),
                     ));
                 }
                 self.calls.lock().unwrap().push(call_name(change).to_string());
@@ -555,5 +619,37 @@ mod tests {
         f.desired.lock().unwrap().policies.insert(key, "{\"good\":1}".into());
         f.feed.pass().await.unwrap();
         assert_eq!(f.recorder.take(), ["UpsertPolicy"]);
+    }
+
+    #[tokio::test]
+    async fn a_cluster_ip_conflict_is_retried_on_the_next_poll_not_kept_as_sent() {
+        let f = fixture();
+        f.status.update("Pod", |s| s.synced = true);
+        f.feed.pass().await.unwrap();
+        f.recorder.take();
+        f.recorder
+            .cluster_ip_taken
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let key = (pb::ServiceObjectKind::Service, "shop".to_string(), "web".to_string());
+        f.desired
+            .lock()
+            .unwrap()
+            .service_objects
+            .insert(key, "{\"kind\":\"Service\"}".into());
+        f.feed.pass().await.unwrap();
+        assert!(
+            f.feed.report().last_error.contains("belongs to shop/old"),
+            "{:?}",
+            f.feed.report()
+        );
+        assert!(f.recorder.take().is_empty());
+        f.recorder
+            .cluster_ip_taken
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        f.feed.pass().await.unwrap();
+        assert_eq!(f.recorder.take(), ["ApplyServiceObject"], "tried again");
+        assert_eq!(f.feed.report().last_error, "");
+        f.feed.pass().await.unwrap();
+        assert!(f.recorder.take().is_empty(), "then kept as sent");
     }
 }
