@@ -24,20 +24,17 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rivet_common::testing::netns::{NetNs, veth_pair};
 use rivet_testkit::cluster::{Cluster, ClusterOptions, ClusterPod, Routing};
-use rivet_testkit::monitor::{DropEvent, DropMonitor};
+use rivet_testkit::monitor::NodeDrops;
 use rivet_testkit::traffic::Pinger;
 
 /// How long a datagram that passes may take to arrive (a loaded machine).
 const ARRIVES_WITHIN: Duration = Duration::from_secs(5);
 /// How long a datagram that must not arrive is waited for.
 const NOT_SEEN_WITHIN: Duration = Duration::from_secs(1);
-/// How long `rivet monitor` may take to show a drop.
-const DROP_SHOWN_WITHIN: Duration = Duration::from_secs(10);
 /// How long a flood ping may take to complete a run (a restart under way).
 const PING_RUN_WITHIN: Duration = Duration::from_secs(30);
 /// The rogue namespace's underlay address: on the underlay subnet, no node's.
@@ -45,57 +42,9 @@ const ROGUE_UNDERLAY: Ipv4Addr = Ipv4Addr::new(198, 19, 254, 200);
 /// Pod MTU in VXLAN mode: the underlay's 1500 − 50.
 const VXLAN_POD_MTU: u32 = 1450;
 
-/// `rivet monitor -o json` of one node, its drops collected.
-struct NodeDrops {
-    drops: Arc<Mutex<Vec<DropEvent>>>,
-    _monitor: DropMonitor,
-}
-
-impl NodeDrops {
-    fn start(cluster: &Cluster, node: usize) -> Self {
-        let drops = Arc::new(Mutex::new(Vec::new()));
-        let monitor = DropMonitor::start(cluster.node(node).rivet(&["monitor", "-o", "json"]), &drops);
-        Self {
-            drops,
-            _monitor: monitor,
-        }
-    }
-
-    /// Drops from `source` to `destination` seen so far.
-    fn of(&self, source: IpAddr, destination: SocketAddr) -> Vec<DropEvent> {
-        self.drops
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|d| d.source == source && d.destination == destination)
-            .cloned()
-            .collect()
-    }
-
-    /// Drops of packets from or to any of `addrs` seen so far.
-    fn involving(&self, addrs: &[IpAddr]) -> Vec<DropEvent> {
-        self.drops
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|d| addrs.contains(&d.source) || addrs.contains(&d.destination.ip()))
-            .cloned()
-            .collect()
-    }
-
-    /// Waits until a drop from `source` to `destination` with `reason` shows up.
-    fn wait_for(&self, what: &str, reason: &str, source: IpAddr, destination: SocketAddr) {
-        let started = Instant::now();
-        while !self.of(source, destination).iter().any(|d| d.reason == reason) {
-            assert!(
-                started.elapsed() < DROP_SHOWN_WITHIN,
-                "{what}: no {reason} drop of {source} -> {destination} in rivet monitor within \
-                 {DROP_SHOWN_WITHIN:?}; drops of it: {:?}",
-                self.of(source, destination)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
+/// `rivet monitor -o json` of node `node`, its drops collected.
+fn node_drops(cluster: &Cluster, node: usize) -> NodeDrops {
+    NodeDrops::start(cluster.node(node).rivet(&["monitor", "-o", "json"]))
 }
 
 /// What `socket` receives within `within`, datagram by datagram.
@@ -151,8 +100,8 @@ async fn spoofed_source_is_dropped_by_the_sending_node(cluster: &mut Cluster) {
     let receiver = cluster.add_pod(2, "spoof", "receiver", &["app=receiver"]).await;
     let victim = cluster.add_pod(3, "spoof", "victim", &["app=victim"]).await;
     cluster.wait_converged().await;
-    let drops_a = NodeDrops::start(cluster, 1);
-    let drops_b = NodeDrops::start(cluster, 2);
+    let drops_a = node_drops(cluster, 1);
+    let drops_b = node_drops(cluster, 2);
     for (own, spoofed, to, prefix_len) in [
         (
             IpAddr::from(sender.ipv4),
@@ -250,7 +199,7 @@ spec:
         );
     }
 
-    let drops_b = NodeDrops::start(cluster, 2);
+    let drops_b = node_drops(cluster, 2);
     let rogue = NetNs::new("rvtrogue").expect("the rogue namespace");
     let underlay = NetNs::existing(&cluster.record().plan.underlay_netns).expect("the underlay namespace");
     let port = format!("rg{:x}", std::process::id());
@@ -353,7 +302,7 @@ async fn kill9_of_each_daemon_of_a_node_under_traffic_loses_nothing(cluster: &mu
     );
     // What the datapaths drop of the two pods' traffic, to name a loss's cause.
     let pod_addrs = [a.addrs(), b.addrs()].concat();
-    let mut monitors = vec![(1, NodeDrops::start(cluster, 1)), (2, NodeDrops::start(cluster, 2))];
+    let mut monitors = vec![(1, node_drops(cluster, 1)), (2, node_drops(cluster, 2))];
     let mut report = Vec::new();
     let mut lost = false;
     for daemon in &daemons {
@@ -378,7 +327,7 @@ async fn kill9_of_each_daemon_of_a_node_under_traffic_loses_nothing(cluster: &mu
         }
         if daemon == "svc-loader" {
             // Its restart ended node 1's monitor stream.
-            monitors.push((1, NodeDrops::start(cluster, 1)));
+            monitors.push((1, node_drops(cluster, 1)));
         }
     }
     for (node, monitor) in &monitors {

@@ -40,6 +40,7 @@ use rivet_cli::pod::PodRecord;
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::netns::NetNs;
 use rivet_proto::loader::v1 as ldpb;
+use rivet_proto::loader::v1::load_balancer_service_client::LoadBalancerServiceClient;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 use rivet_proto::loader::v1::node_routing_service_client::NodeRoutingServiceClient;
 
@@ -237,6 +238,22 @@ impl ClusterNode {
     /// A client of the node's svc-loader.
     pub async fn loader(&self) -> LoaderServiceClient<DaemonChannel> {
         LoaderServiceClient::new(self.channel("svc-loader").await)
+    }
+
+    /// A client of the node's svc-loader LoadBalancerService.
+    pub async fn load_balancer(&self) -> LoadBalancerServiceClient<DaemonChannel> {
+        LoadBalancerServiceClient::new(self.channel("svc-loader").await)
+    }
+
+    /// The services the node's datapath holds (svc-loader
+    /// LoadBalancerService.ListServices).
+    pub async fn datapath_services(&self) -> Result<ldpb::ListServicesResponse, tonic::Status> {
+        Ok(self
+            .load_balancer()
+            .await
+            .list_services(ldpb::ListServicesRequest {})
+            .await?
+            .into_inner())
     }
 
     /// A client of the node's svc-loader NodeRoutingService.
@@ -575,6 +592,58 @@ impl Cluster {
         self.cluster_command(&["policy", "delete", key, "--wait"]).await;
     }
 
+    /// Applies Service and EndpointSlice documents (multi-document YAML)
+    /// on every node (`rivet cluster service apply -f`): a Service without
+    /// clusterIP gets the first node's allocation on every node.
+    pub async fn apply_service(&self, yaml: &str) {
+        let file = tempfile::NamedTempFile::new_in(self.state_dir.path()).expect("a temp file for the service");
+        std::fs::write(file.path(), yaml).expect("writing the service");
+        let path = file.path().display().to_string();
+        self.cluster_command(&["service", "apply", "-f", &path]).await;
+    }
+
+    /// Waits until every running node's datapath holds the services of
+    /// `cluster_ip` (one per port and family) and `ok` holds for each node's
+    /// list of them; [`CONVERGE_TIMEOUT`] at most. Returns the lists, by node.
+    pub async fn wait_datapath_services(
+        &self,
+        cluster_ip: IpAddr,
+        ok: impl Fn(&[ldpb::LbServiceStatus]) -> bool,
+    ) -> Vec<Vec<ldpb::LbServiceStatus>> {
+        let deadline = Instant::now() + CONVERGE_TIMEOUT;
+        loop {
+            let mut all = Vec::new();
+            let mut missing = Vec::new();
+            for node in self.nodes.iter().filter(|n| n.state == NodeState::Running) {
+                let services: Vec<ldpb::LbServiceStatus> = match node.datapath_services().await {
+                    Ok(listed) => listed
+                        .services
+                        .into_iter()
+                        .filter(|s| s.service.as_ref().is_some_and(|s| serves(s, cluster_ip)))
+                        .collect(),
+                    Err(e) => {
+                        missing.push(format!("{}: {e}", node.name));
+                        continue;
+                    }
+                };
+                if !ok(&services) {
+                    missing.push(format!("{}: {services:?}", node.name));
+                }
+                all.push(services);
+            }
+            if missing.is_empty() {
+                return all;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the nodes' datapaths did not hold the services of {cluster_ip} as wanted within \
+                 {CONVERGE_TIMEOUT:?}:\n  {}",
+                missing.join("\n  ")
+            );
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
     /// Sets namespace `namespace`'s labels (`key=value`) on every node.
     pub async fn label_namespace(&self, namespace: &str, labels: &[&str]) {
         let mut args = vec!["namespace", "label", namespace];
@@ -765,6 +834,18 @@ impl Cluster {
         let out = self.rivet(&["cluster", "down", "--name", &self.name]);
         checked(out).await.unwrap_or_else(|e| panic!("{e}"));
     }
+}
+
+/// Whether `service` has a ClusterIP frontend at `address`.
+fn serves(service: &ldpb::LbService, address: IpAddr) -> bool {
+    let bytes = match address {
+        IpAddr::V4(v4) => v4.octets().to_vec(),
+        IpAddr::V6(v6) => v6.octets().to_vec(),
+    };
+    service
+        .frontends
+        .iter()
+        .any(|f| f.kind == ldpb::FrontendKind::ClusterIp as i32 && f.address == bytes)
 }
 
 /// Whether `pid` runs (a zombie does not).

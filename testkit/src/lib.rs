@@ -30,6 +30,9 @@
 //!   and a server);
 //! - [`traffic`]: a flood ping counted in runs (no packet lost across a
 //!   restart);
+//! - [`service`]: service traffic attributed to its backend (a server
+//!   answering with its pod's name, new and held connections, a counted
+//!   UDP stream);
 //! - [`cni`]: running a CNI plugin the way a container runtime does;
 //! - [`frames`]: raw frames built by hand and sent from an interface;
 //! - [`jaeger`]: a real Jaeger v2 for trace tests, read back through its
@@ -53,6 +56,7 @@ pub mod operator;
 pub mod policy_matrix;
 pub mod relay;
 pub mod scale;
+pub mod service;
 pub mod tools;
 pub mod traffic;
 pub mod wire;

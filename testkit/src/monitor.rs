@@ -7,7 +7,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// How long [`NodeDrops::wait_for`] waits for a drop to show.
+pub const DROP_SHOWN_WITHIN: Duration = Duration::from_secs(10);
 
 /// A drop `rivet monitor -o json` printed.
 #[derive(Debug, Clone)]
@@ -113,6 +116,68 @@ impl Drop for DropMonitor {
         let _ = self.child.wait();
         for reader in self.readers.drain(..) {
             let _ = reader.join();
+        }
+    }
+}
+
+/// The drops of one node's `rivet monitor -o json`, collected while it
+/// runs (it ends with the node's svc-loader: start another after a restart).
+pub struct NodeDrops {
+    drops: Arc<Mutex<Vec<DropEvent>>>,
+    _monitor: DropMonitor,
+}
+
+impl NodeDrops {
+    /// Starts `monitor` (`rivet [--node N] monitor -o json`); returns once
+    /// it is subscribed.
+    pub fn start(monitor: Command) -> Self {
+        let drops = Arc::new(Mutex::new(Vec::new()));
+        let monitor = DropMonitor::start(monitor, &drops);
+        Self {
+            drops,
+            _monitor: monitor,
+        }
+    }
+
+    /// Every drop seen so far.
+    pub fn all(&self) -> Vec<DropEvent> {
+        self.drops.lock().unwrap().clone()
+    }
+
+    /// Drops from `source` to `destination` seen so far.
+    pub fn of(&self, source: IpAddr, destination: SocketAddr) -> Vec<DropEvent> {
+        self.drops
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|d| d.source == source && d.destination == destination)
+            .cloned()
+            .collect()
+    }
+
+    /// Drops of packets from or to any of `addrs` seen so far.
+    pub fn involving(&self, addrs: &[IpAddr]) -> Vec<DropEvent> {
+        self.drops
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|d| addrs.contains(&d.source) || addrs.contains(&d.destination.ip()))
+            .cloned()
+            .collect()
+    }
+
+    /// Waits until a drop from `source` to `destination` with `reason`
+    /// shows up; panics naming `what` after [`DROP_SHOWN_WITHIN`].
+    pub fn wait_for(&self, what: &str, reason: &str, source: IpAddr, destination: SocketAddr) {
+        let started = Instant::now();
+        while !self.of(source, destination).iter().any(|d| d.reason == reason) {
+            assert!(
+                started.elapsed() < DROP_SHOWN_WITHIN,
+                "{what}: no {reason} drop of {source} -> {destination} in rivet monitor within \
+                 {DROP_SHOWN_WITHIN:?}; drops of it: {:?}",
+                self.of(source, destination)
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 }
