@@ -336,6 +336,7 @@ struct lb_flow {
 	__u32 service_id;
 	__u32 lifetime;    /* seconds applied when `expires` was written (as ct_entry) */
 	__u32 pad;
+	__u32 pad2;        /* explicit: the struct is 8-aligned (no implicit padding) */
 };
 
 /* ------------------------------------------------------------------ metrics */

@@ -22,7 +22,7 @@
 
 pub mod legacy;
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddrV4, SocketAddrV6};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
 use aya::maps::lpm_trie::Key as LpmKey;
 use rivet_common::labels::ReservedIdentity;
@@ -164,6 +164,9 @@ pub const DROP_TUNNEL_IDENTITY_INVALID: u8 = 17;
 /// Drop reason: a packet routed into the tunnel device whose destination
 /// has no tunnel endpoint in the ipcache.
 pub const DROP_NO_TUNNEL_ENDPOINT: u8 = 18;
+/// Drop reason: a new flow to a service with no active backend, rejected
+/// at once (TCP RST / ICMP destination unreachable to the client).
+pub const DROP_NO_SERVICE_BACKEND: u8 = 19;
 /// Number of reasons the metrics map has room for.
 pub const REASON_MAX: u32 = 64;
 /// Entries of the per-CPU metrics array: `reason * 4 + direction`.
@@ -197,6 +200,7 @@ pub const fn reason_name(reason: u8) -> &'static str {
         DROP_TUNNEL_SOURCE_NOT_NODE => "tunnel_source_not_node",
         DROP_TUNNEL_IDENTITY_INVALID => "tunnel_identity_invalid",
         DROP_NO_TUNNEL_ENDPOINT => "no_tunnel_endpoint",
+        DROP_NO_SERVICE_BACKEND => "no_service_backend",
         _ => "unknown",
     }
 }
@@ -948,6 +952,280 @@ pub struct RoutingConfig {
     pub underlay_ifindex: u32,
 }
 
+// -------------------------------------------------------------------- services
+
+/// Slots of a Maglev table (a prime; Maglev wants it much larger than the
+/// number of backends).
+pub const LB_MAGLEV_SIZE: usize = 1021;
+
+/// Frontend scope: from pods and the node itself (every active backend).
+pub const SVC_SCOPE_INTERNAL: u8 = 0;
+/// Frontend scope: a NodePort reached from outside the node with
+/// externalTrafficPolicy Local (this node's backends only).
+pub const SVC_SCOPE_EXTERNAL: u8 = 1;
+
+/// Frontend flag: a ClusterIP (or another VIP).
+pub const SVC_F_CLUSTER_IP: u16 = 1 << 0;
+/// Frontend flag: a NodePort (address all zero = any address of this node).
+pub const SVC_F_NODE_PORT: u16 = 1 << 1;
+/// Frontend flag: sessionAffinity ClientIP for `affinity_timeout` seconds.
+pub const SVC_F_AFFINITY: u16 = 1 << 2;
+/// Frontend flag: externalTrafficPolicy Local (NodePort).
+pub const SVC_F_LOCAL: u16 = 1 << 3;
+
+/// Backend state: takes new flows.
+pub const LB_BACKEND_ACTIVE: u8 = 0;
+/// Backend state: keeps its flows, gets no new ones (in no Maglev table).
+pub const LB_BACKEND_TERMINATING: u8 = 1;
+
+/// `lb4_flows` / `lb6_flows` key direction: the client's tuple to the VIP.
+pub const LB_FLOW_FORWARD: u8 = 3;
+/// `lb4_flows` / `lb6_flows` key direction: the translated tuple client → backend.
+pub const LB_FLOW_REVERSE: u8 = 4;
+
+/// An address stored as `[u32; 4]` (network order, IPv4 in `[0]`) with
+/// its family; `None` for an unknown family.
+fn socket_from_raw(family: u8, raw: [u32; 4], port: u16) -> Option<SocketAddr> {
+    ip_from_raw(family, raw).map(|ip| SocketAddr::new(ip, u16::from_be(port)))
+}
+
+/// `struct lb_frontend_key`: one frontend of a service (`lb_frontends`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LbFrontendKey {
+    /// The VIP (network order; IPv4 in `addr[0]`); NodePort: all zero.
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    /// `IPPROTO_TCP` / `UDP` / `SCTP`.
+    pub protocol: u8,
+    /// 4 or 6.
+    pub family: u8,
+    /// `SVC_SCOPE_*`.
+    pub scope: u8,
+    /// Zero.
+    pub pad: [u8; 3],
+}
+
+impl LbFrontendKey {
+    /// The key of a VIP frontend (ClusterIP) with a host-order port.
+    pub fn vip(addr: SocketAddr, protocol: u8, scope: u8) -> Self {
+        let (family, raw) = ip_to_raw(addr.ip());
+        Self {
+            addr: raw,
+            port: addr.port().to_be(),
+            protocol,
+            family,
+            scope,
+            pad: [0; 3],
+        }
+    }
+
+    /// The key of a NodePort frontend (any address of the node) of `family`
+    /// (4 or 6) with a host-order port.
+    pub fn node_port(family: u8, port: u16, protocol: u8, scope: u8) -> Self {
+        Self {
+            addr: [0; 4],
+            port: port.to_be(),
+            protocol,
+            family,
+            scope,
+            pad: [0; 3],
+        }
+    }
+
+    /// The address; `None` for a NodePort key (all zero) or an unknown family.
+    pub fn ip(&self) -> Option<IpAddr> {
+        if self.addr == [0; 4] {
+            return None;
+        }
+        ip_from_raw(self.family, self.addr)
+    }
+
+    /// The port in host order.
+    pub fn port(&self) -> u16 {
+        u16::from_be(self.port)
+    }
+}
+
+/// `struct lb_frontend`: what a frontend leads to (`lb_frontends` value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LbFrontend {
+    /// The service (rev NAT entry, affinity key), chosen by svc-endpoint.
+    pub service_id: u32,
+    /// Its Maglev table in `lb_maglev` (the loader's).
+    pub table_id: u32,
+    /// Active backends in the table; 0: new flows are rejected.
+    pub backend_count: u16,
+    /// `SVC_F_*`.
+    pub flags: u16,
+    /// Seconds (with `SVC_F_AFFINITY`).
+    pub affinity_timeout: u32,
+}
+
+/// `struct lb_backend`: one backend (`lb_backends`, keyed by the loader's
+/// backend id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LbBackend {
+    /// Network order; IPv4 in `addr[0]`.
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    /// 4 or 6.
+    pub family: u8,
+    /// `LB_BACKEND_*`.
+    pub state: u8,
+}
+
+impl LbBackend {
+    /// A backend at `addr` (host-order port) in `state`.
+    pub fn new(addr: SocketAddr, state: u8) -> Self {
+        let (family, raw) = ip_to_raw(addr.ip());
+        Self {
+            addr: raw,
+            port: addr.port().to_be(),
+            family,
+            state,
+        }
+    }
+
+    /// Address and host-order port; `None` for an unknown family.
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        socket_from_raw(self.family, self.addr, self.port)
+    }
+}
+
+/// `struct lb_maglev_table`: the backend id of every slot (0: none).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LbMaglevTable {
+    /// `LB_MAGLEV_SIZE` slots.
+    pub backend_ids: [u32; LB_MAGLEV_SIZE],
+}
+
+impl Default for LbMaglevTable {
+    /// Every slot empty.
+    fn default() -> Self {
+        Self {
+            backend_ids: [0; LB_MAGLEV_SIZE],
+        }
+    }
+}
+
+/// `struct lb_rev_nat`: the frontend replies of a service come from
+/// (`lb_rev_nat`, keyed by service id).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LbRevNat {
+    /// Network order; IPv4 in `addr[0]`.
+    pub addr: [u32; 4],
+    /// Network order.
+    pub port: u16,
+    /// 4 or 6.
+    pub family: u8,
+    /// Zero.
+    pub pad: u8,
+}
+
+impl LbRevNat {
+    /// The frontend `addr` (host-order port).
+    pub fn new(addr: SocketAddr) -> Self {
+        let (family, raw) = ip_to_raw(addr.ip());
+        Self {
+            addr: raw,
+            port: addr.port().to_be(),
+            family,
+            pad: 0,
+        }
+    }
+
+    /// Address and host-order port; `None` for an unknown family.
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        socket_from_raw(self.family, self.addr, self.port)
+    }
+}
+
+/// `struct lb_affinity_key`: a client of a service with session affinity.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LbAffinityKey {
+    /// Network order; IPv4 in `client[0]`.
+    pub client: [u32; 4],
+    /// The service.
+    pub service_id: u32,
+    /// 4 or 6.
+    pub family: u8,
+    /// Zero.
+    pub pad: [u8; 3],
+}
+
+impl LbAffinityKey {
+    /// The key of `client` for `service_id`.
+    pub fn new(client: IpAddr, service_id: u32) -> Self {
+        let (family, raw) = ip_to_raw(client);
+        Self {
+            client: raw,
+            service_id,
+            family,
+            pad: [0; 3],
+        }
+    }
+
+    /// The client; `None` for an unknown family.
+    pub fn client_ip(&self) -> Option<IpAddr> {
+        ip_from_raw(self.family, self.client)
+    }
+}
+
+/// `struct lb_affinity`: the backend a client got.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LbAffinity {
+    /// `bpf_ktime_get_ns()` of the last use (CLOCK_MONOTONIC nanoseconds).
+    pub last_used: u64,
+    /// The backend.
+    pub backend_id: u32,
+    /// Zero.
+    pub pad: u32,
+}
+
+/// `struct lb_flow`: one direction of a translated connection (`lb4_flows`
+/// / `lb6_flows`, keyed by [`Ct4Key`] / [`Ct6Key`] with `direction`
+/// [`LB_FLOW_FORWARD`] or [`LB_FLOW_REVERSE`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LbFlow {
+    /// `bpf_ktime_get_ns()` deadline.
+    pub expires: u64,
+    /// FORWARD: the backend's address; REVERSE: the VIP (network order).
+    pub addr: [u32; 4],
+    /// Network order: the backend's port / the VIP's.
+    pub port: u16,
+    /// 4 or 6.
+    pub family: u8,
+    /// Zero (reserved for the datapath).
+    pub flags: u8,
+    /// The backend chosen.
+    pub backend_id: u32,
+    /// The service.
+    pub service_id: u32,
+    /// Seconds applied when `expires` was written (as `ct_entry`).
+    pub lifetime: u32,
+    /// Zero.
+    pub pad: u32,
+    /// Zero (the struct is 8-aligned: no implicit trailing padding).
+    pub pad2: u32,
+}
+
+impl LbFlow {
+    /// Address and host-order port it translates to; `None` for an unknown family.
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        socket_from_raw(self.family, self.addr, self.port)
+    }
+}
+
 /// `struct metrics_value`: one per-CPU counter pair.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -1055,6 +1333,14 @@ unsafe impl aya::Pod for DatapathConfig {}
 unsafe impl aya::Pod for RoutingConfig {}
 unsafe impl aya::Pod for MetricsValue {}
 unsafe impl aya::Pod for Event {}
+unsafe impl aya::Pod for LbFrontendKey {}
+unsafe impl aya::Pod for LbFrontend {}
+unsafe impl aya::Pod for LbBackend {}
+unsafe impl aya::Pod for LbMaglevTable {}
+unsafe impl aya::Pod for LbRevNat {}
+unsafe impl aya::Pod for LbAffinityKey {}
+unsafe impl aya::Pod for LbAffinity {}
+unsafe impl aya::Pod for LbFlow {}
 
 #[cfg(test)]
 mod tests {
@@ -1090,6 +1376,14 @@ mod tests {
         assert_eq!(size_of::<RoutingConfig>(), 16);
         assert_eq!(size_of::<MetricsValue>(), 16);
         assert_eq!(size_of::<Event>(), 72);
+        assert_eq!(size_of::<LbFrontendKey>(), 24);
+        assert_eq!(size_of::<LbFrontend>(), 16);
+        assert_eq!(size_of::<LbBackend>(), 20);
+        assert_eq!(size_of::<LbMaglevTable>(), 4 * LB_MAGLEV_SIZE);
+        assert_eq!(size_of::<LbRevNat>(), 20);
+        assert_eq!(size_of::<LbAffinityKey>(), 24);
+        assert_eq!(size_of::<LbAffinity>(), 16);
+        assert_eq!(size_of::<LbFlow>(), 48);
         // The LPM data must be exactly the bits the prefix lengths count.
         assert_eq!(size_of::<PolicyKeyData>() * 8, POLICY_PREFIX_FULL_BITS as usize);
         assert_eq!(offset_of!(PolicyKeyData, dport) * 8, POLICY_PREFIX_FIXED_BITS as usize);
@@ -1188,6 +1482,35 @@ mod tests {
                 "saddr" => saddr: [u32; 4], "daddr" => daddr: [u32; 4], "sport" => sport: u16, "dport" => dport: u16,
                 "length" => length: u32,
             ]),
+            layout!("lb_frontend_key", LbFrontendKey, [
+                "addr" => addr: [u32; 4], "port" => port: u16, "protocol" => protocol: u8,
+                "family" => family: u8, "scope" => scope: u8, "pad" => pad: [u8; 3],
+            ]),
+            layout!("lb_frontend", LbFrontend, [
+                "service_id" => service_id: u32, "table_id" => table_id: u32,
+                "backend_count" => backend_count: u16, "flags" => flags: u16,
+                "affinity_timeout" => affinity_timeout: u32,
+            ]),
+            layout!("lb_backend", LbBackend, [
+                "addr" => addr: [u32; 4], "port" => port: u16, "family" => family: u8, "state" => state: u8,
+            ]),
+            layout!("lb_maglev_table", LbMaglevTable, ["backend_ids" => backend_ids: [u32; LB_MAGLEV_SIZE]]),
+            layout!("lb_rev_nat", LbRevNat, [
+                "addr" => addr: [u32; 4], "port" => port: u16, "family" => family: u8, "pad" => pad: u8,
+            ]),
+            layout!("lb_affinity_key", LbAffinityKey, [
+                "client" => client: [u32; 4], "service_id" => service_id: u32, "family" => family: u8,
+                "pad" => pad: [u8; 3],
+            ]),
+            layout!("lb_affinity", LbAffinity, [
+                "last_used" => last_used: u64, "backend_id" => backend_id: u32, "pad" => pad: u32,
+            ]),
+            layout!("lb_flow", LbFlow, [
+                "expires" => expires: u64, "addr" => addr: [u32; 4], "port" => port: u16,
+                "family" => family: u8, "flags" => flags: u8, "backend_id" => backend_id: u32,
+                "service_id" => service_id: u32, "lifetime" => lifetime: u32, "pad" => pad: u32,
+                "pad2" => pad2: u32,
+            ]),
         ]
     }
 
@@ -1256,6 +1579,18 @@ mod tests {
             ("DROP_TUNNEL_SOURCE_NOT_NODE", DROP_TUNNEL_SOURCE_NOT_NODE.into()),
             ("DROP_TUNNEL_IDENTITY_INVALID", DROP_TUNNEL_IDENTITY_INVALID.into()),
             ("DROP_NO_TUNNEL_ENDPOINT", DROP_NO_TUNNEL_ENDPOINT.into()),
+            ("DROP_NO_SERVICE_BACKEND", DROP_NO_SERVICE_BACKEND.into()),
+            ("LB_MAGLEV_SIZE", LB_MAGLEV_SIZE as u64),
+            ("SVC_SCOPE_INTERNAL", SVC_SCOPE_INTERNAL.into()),
+            ("SVC_SCOPE_EXTERNAL", SVC_SCOPE_EXTERNAL.into()),
+            ("SVC_F_CLUSTER_IP", SVC_F_CLUSTER_IP.into()),
+            ("SVC_F_NODE_PORT", SVC_F_NODE_PORT.into()),
+            ("SVC_F_AFFINITY", SVC_F_AFFINITY.into()),
+            ("SVC_F_LOCAL", SVC_F_LOCAL.into()),
+            ("LB_BACKEND_ACTIVE", LB_BACKEND_ACTIVE.into()),
+            ("LB_BACKEND_TERMINATING", LB_BACKEND_TERMINATING.into()),
+            ("LB_FLOW_FORWARD", LB_FLOW_FORWARD.into()),
+            ("LB_FLOW_REVERSE", LB_FLOW_REVERSE.into()),
             ("IDENTITY_REMOTE_NODE", IDENTITY_REMOTE_NODE.into()),
             ("ROUTING_NONE", ROUTING_NONE.into()),
             ("ROUTING_NATIVE", ROUTING_NATIVE.into()),
@@ -1437,6 +1772,40 @@ mod tests {
         bad = key;
         bad.data.family = 5;
         assert_eq!(bad.prefix(), None, "unknown family");
+    }
+
+    #[test]
+    fn service_entries_store_network_order_and_read_back() {
+        let vip: SocketAddr = "198.19.128.10:80".parse().unwrap();
+        let key = LbFrontendKey::vip(vip, 6, SVC_SCOPE_INTERNAL);
+        assert_eq!(key.addr[0].to_ne_bytes(), [198, 19, 128, 10]);
+        assert_eq!(key.port.to_ne_bytes(), [0, 80]);
+        assert_eq!(
+            (key.family, key.protocol, key.ip(), key.port()),
+            (4, 6, Some(vip.ip()), 80)
+        );
+        let np = LbFrontendKey::node_port(6, 30080, 17, SVC_SCOPE_EXTERNAL);
+        assert_eq!((np.addr, np.family, np.ip(), np.port()), ([0; 4], 6, None, 30080));
+
+        let backend: SocketAddr = "[2001:2::5]:8080".parse().unwrap();
+        let b = LbBackend::new(backend, LB_BACKEND_TERMINATING);
+        assert_eq!(b.addr[0].to_ne_bytes(), [0x20, 0x01, 0, 2]);
+        assert_eq!(
+            (b.family, b.state, b.socket_addr()),
+            (6, LB_BACKEND_TERMINATING, Some(backend))
+        );
+        assert_eq!(LbRevNat::new(vip).socket_addr(), Some(vip));
+        let affinity = LbAffinityKey::new(backend.ip(), 7);
+        assert_eq!((affinity.client_ip(), affinity.service_id), (Some(backend.ip()), 7));
+        let flow = LbFlow {
+            addr: b.addr,
+            port: b.port,
+            family: 6,
+            ..LbFlow::default()
+        };
+        assert_eq!(flow.socket_addr(), Some(backend));
+        assert_eq!(LbMaglevTable::default().backend_ids, [0; LB_MAGLEV_SIZE]);
+        assert_eq!(reason_name(DROP_NO_SERVICE_BACKEND), "no_service_backend");
     }
 
     #[test]

@@ -8,7 +8,8 @@ use std::fmt;
 
 use crate::maps::{
     Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, FragKey, FragValue,
-    IpcacheKey, IpcacheValue, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue, RoutingConfig,
+    IpcacheKey, IpcacheValue, LbAffinity, LbAffinityKey, LbBackend, LbFlow, LbFrontend, LbFrontendKey, LbMaglevTable,
+    LbRevNat, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue, RoutingConfig,
 };
 
 /// `BPF_MAP_TYPE_HASH`.
@@ -48,8 +49,22 @@ pub const MAP_CONFIG: &str = "config";
 pub const MAP_FRAGMENTS: &str = "fragments";
 /// The single-entry routing array (mode, tunnel device).
 pub const MAP_ROUTING: &str = "routing";
+/// Service frontends (VIP / NodePort, port, protocol → service).
+pub const MAP_LB_FRONTENDS: &str = "lb_frontends";
+/// Service backends by the loader's backend id.
+pub const MAP_LB_BACKENDS: &str = "lb_backends";
+/// Maglev tables by the loader's table id.
+pub const MAP_LB_MAGLEV: &str = "lb_maglev";
+/// Reverse NAT: service id → the frontend replies come from.
+pub const MAP_LB_REV_NAT: &str = "lb_rev_nat";
+/// Session affinity: (client, service) → backend (LRU hash).
+pub const MAP_LB_AFFINITY: &str = "lb_affinity";
+/// Translated IPv4 flows (LRU hash, the datapath writes, svc-gc expires).
+pub const MAP_LB4_FLOWS: &str = "lb4_flows";
+/// Translated IPv6 flows.
+pub const MAP_LB6_FLOWS: &str = "lb6_flows";
 /// Every map of the datapath by name.
-pub const MAP_NAMES: [&str; 11] = [
+pub const MAP_NAMES: [&str; 18] = [
     MAP_ENDPOINTS,
     MAP_IPCACHE,
     MAP_POLICY,
@@ -61,6 +76,13 @@ pub const MAP_NAMES: [&str; 11] = [
     MAP_CONFIG,
     MAP_FRAGMENTS,
     MAP_ROUTING,
+    MAP_LB_FRONTENDS,
+    MAP_LB_BACKENDS,
+    MAP_LB_MAGLEV,
+    MAP_LB_REV_NAT,
+    MAP_LB_AFFINITY,
+    MAP_LB4_FLOWS,
+    MAP_LB6_FLOWS,
 ];
 
 /// What a map is, as the kernel reports it (or as a process wants it).
@@ -276,8 +298,84 @@ pub const ROUTING: MapDef = MapDef {
     default_max_entries: 1,
 };
 
+/// Service frontends: 64Ki (a frontend per service port and family, two
+/// with a NodePort).
+pub const LB_FRONTENDS: MapDef = MapDef {
+    name: MAP_LB_FRONTENDS,
+    map_type: BPF_MAP_TYPE_HASH,
+    key_size: size32::<LbFrontendKey>(),
+    value_size: size32::<LbFrontend>(),
+    flags: 0,
+    default_max_entries: 65_536,
+};
+
+/// Service backends: 64Ki distinct (address, port).
+pub const LB_BACKENDS: MapDef = MapDef {
+    name: MAP_LB_BACKENDS,
+    map_type: BPF_MAP_TYPE_HASH,
+    key_size: size32::<u32>(),
+    value_size: size32::<LbBackend>(),
+    flags: 0,
+    default_max_entries: 65_536,
+};
+
+/// Maglev tables (4 KiB each): allocated on use, so the 64Ki of room
+/// costs nothing until services exist.
+pub const LB_MAGLEV: MapDef = MapDef {
+    name: MAP_LB_MAGLEV,
+    map_type: BPF_MAP_TYPE_HASH,
+    key_size: size32::<u32>(),
+    value_size: size32::<LbMaglevTable>(),
+    flags: BPF_F_NO_PREALLOC,
+    default_max_entries: 65_536,
+};
+
+/// Reverse NAT entries, one per service.
+pub const LB_REV_NAT: MapDef = MapDef {
+    name: MAP_LB_REV_NAT,
+    map_type: BPF_MAP_TYPE_HASH,
+    key_size: size32::<u32>(),
+    value_size: size32::<LbRevNat>(),
+    flags: 0,
+    default_max_entries: 65_536,
+};
+
+/// Session affinity entries (an LRU hash: the oldest client goes first).
+pub const LB_AFFINITY: MapDef = MapDef {
+    name: MAP_LB_AFFINITY,
+    map_type: BPF_MAP_TYPE_LRU_HASH,
+    key_size: size32::<LbAffinityKey>(),
+    value_size: size32::<LbAffinity>(),
+    flags: 0,
+    default_max_entries: 65_536,
+};
+
+/// Translated flows per family: two entries per connection, 128Ki
+/// connections to services.
+const LB_FLOWS_DEFAULT_MAX_ENTRIES: u32 = 262_144;
+
+/// Translated IPv4 flows.
+pub const LB4_FLOWS: MapDef = MapDef {
+    name: MAP_LB4_FLOWS,
+    map_type: BPF_MAP_TYPE_LRU_HASH,
+    key_size: size32::<Ct4Key>(),
+    value_size: size32::<LbFlow>(),
+    flags: 0,
+    default_max_entries: LB_FLOWS_DEFAULT_MAX_ENTRIES,
+};
+
+/// Translated IPv6 flows.
+pub const LB6_FLOWS: MapDef = MapDef {
+    name: MAP_LB6_FLOWS,
+    map_type: BPF_MAP_TYPE_LRU_HASH,
+    key_size: size32::<Ct6Key>(),
+    value_size: size32::<LbFlow>(),
+    flags: 0,
+    default_max_entries: LB_FLOWS_DEFAULT_MAX_ENTRIES,
+};
+
 /// Every map of the datapath.
-pub const ALL: [MapDef; 11] = [
+pub const ALL: [MapDef; 18] = [
     ENDPOINTS,
     IPCACHE,
     POLICY,
@@ -289,6 +387,13 @@ pub const ALL: [MapDef; 11] = [
     CONFIG,
     FRAGMENTS,
     ROUTING,
+    LB_FRONTENDS,
+    LB_BACKENDS,
+    LB_MAGLEV,
+    LB_REV_NAT,
+    LB_AFFINITY,
+    LB4_FLOWS,
+    LB6_FLOWS,
 ];
 
 /// The map called `name`, if the datapath has one.

@@ -202,6 +202,10 @@ has_boot_id!(
     loader::v1::DumpConntrackResponse,
     loader::v1::GetDropCountersResponse,
     loader::v1::MonitorEvent,
+    loader::v1::UpsertServiceResponse,
+    loader::v1::DeleteServiceResponse,
+    loader::v1::ReplaceServicesResponse,
+    loader::v1::ListServicesResponse,
     gc::v1::RunNowResponse,
     gc::v1::StatusResponse,
     health::v1::GetHealthResponse,
@@ -235,8 +239,8 @@ mod tests {
     fn every_reason_enum_round_trips() {
         round_trips::<crate::ipam::v1::ErrorReason>(11);
         round_trips::<crate::identity::v1::ErrorReason>(6);
-        round_trips::<crate::endpoint::v1::ErrorReason>(17);
-        round_trips::<crate::loader::v1::ErrorReason>(9);
+        round_trips::<crate::endpoint::v1::ErrorReason>(21);
+        round_trips::<crate::loader::v1::ErrorReason>(10);
         round_trips::<crate::gc::v1::ErrorReason>(3);
         round_trips::<crate::k8s::v1::ErrorReason>(2);
         round_trips::<crate::health::v1::ErrorReason>(2);

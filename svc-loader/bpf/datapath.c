@@ -128,6 +128,59 @@ struct {
 	__type(value, struct routing_config);
 } routing SEC(".maps");
 
+/* Services (rivet.h "services"; sizes: rivet_datapath::spec). svc-loader
+ * writes all but the flow maps; the datapath writes lb4/lb6_flows and
+ * lb_affinity, svc-gc expires them. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct lb_frontend_key);
+	__type(value, struct lb_frontend);
+} lb_frontends SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, struct lb_backend);
+} lb_backends SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct lb_maglev_table);
+} lb_maglev SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, __u32);
+	__type(value, struct lb_rev_nat);
+} lb_rev_nat SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct lb_affinity_key);
+	__type(value, struct lb_affinity);
+} lb_affinity SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 262144);
+	__type(key, struct ct4_key);
+	__type(value, struct lb_flow);
+} lb4_flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 262144);
+	__type(key, struct ct6_key);
+	__type(value, struct lb_flow);
+} lb6_flows SEC(".maps");
+
 #define NSEC_PER_SEC 1000000000ULL
 
 /* From linux/if_arp.h, which drags in libc headers. */

@@ -55,6 +55,10 @@ struct Flags {
     /// Entries of each conntrack map (ct4, ct6): 512Ki TCP + 256Ki other by default.
     #[arg(long, env = "RIVET_CT_MAX", default_value_t = spec::CT4.default_max_entries)]
     ct_max: u32,
+    /// Entries of each translated-flow map (lb4_flows, lb6_flows): two per
+    /// connection to a service.
+    #[arg(long, env = "RIVET_LB_FLOWS_MAX", default_value_t = spec::LB4_FLOWS.default_max_entries)]
+    lb_flows_max: u32,
     /// Size of the event ring buffer in bytes.
     #[arg(long, env = "RIVET_EVENTS_BYTES", default_value_t = spec::EVENTS.default_max_entries)]
     events_bytes: u32,
@@ -134,6 +138,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     options.ep_prefixes_max = flags.ep_prefixes_max;
     options.ct4_max = flags.ct_max;
     options.ct6_max = flags.ct_max;
+    options.lb_flows_max = flags.lb_flows_max;
     options.events_bytes = flags.events_bytes;
     options.ct_timeouts = CtTimeouts {
         tcp_syn: flags.ct_tcp_syn_timeout,

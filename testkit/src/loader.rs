@@ -247,7 +247,14 @@ impl LoaderNode {
             .args(["--socket-dir".as_ref(), sockets.as_os_str()])
             .args(["--state-dir".as_ref(), dir.path().join("state").as_os_str()])
             .args(["--node-name", &node_name, "--endpoint-interface-prefix", HOST_PREFIX])
-            .args(["--ct-max", "65536", "--endpoints-max", &endpoints_max])
+            .args([
+                "--ct-max",
+                "65536",
+                "--lb-flows-max",
+                "65536",
+                "--endpoints-max",
+                &endpoints_max,
+            ])
             .args(["--ipcache-max", &ipcache_max, "--policy-max", "65536"])
             .args(["--events-bytes", "262144", "--host-address-sync-seconds", "1"])
             .args(extra_args)

@@ -4,7 +4,8 @@ use std::path::{Path, PathBuf};
 
 use rivet_datapath::maps::CtTimeouts;
 use rivet_datapath::spec::{
-    self, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_IPCACHE, MAP_POLICY,
+    self, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_IPCACHE, MAP_LB4_FLOWS, MAP_LB6_FLOWS,
+    MAP_POLICY,
 };
 
 use super::error::{DatapathError, OptionsError};
@@ -27,6 +28,8 @@ pub struct DatapathOptions {
     pub ct4_max: u32,
     /// max_entries of `ct6`.
     pub ct6_max: u32,
+    /// max_entries of `lb4_flows` and of `lb6_flows` (two per connection to a service).
+    pub lb_flows_max: u32,
     /// Size of the `events` ring buffer in bytes (rounded up to a power-of-two
     /// number of pages, as the kernel requires).
     pub events_bytes: u32,
@@ -48,6 +51,7 @@ impl DatapathOptions {
             ep_prefixes_max: spec::EP_PREFIXES.default_max_entries,
             ct4_max: spec::CT4.default_max_entries,
             ct6_max: spec::CT6.default_max_entries,
+            lb_flows_max: spec::LB4_FLOWS.default_max_entries,
             events_bytes: spec::EVENTS.default_max_entries,
             ct_timeouts: CtTimeouts::DEFAULT,
             event_flags: 0,
@@ -74,7 +78,7 @@ impl DatapathOptions {
         page * pages.next_power_of_two()
     }
 
-    pub(super) fn max_entries(&self) -> [(&'static str, u32); 7] {
+    pub(super) fn max_entries(&self) -> [(&'static str, u32); 9] {
         [
             (MAP_ENDPOINTS, self.endpoints_max),
             (MAP_IPCACHE, self.ipcache_max),
@@ -82,6 +86,8 @@ impl DatapathOptions {
             (MAP_EP_PREFIXES, self.ep_prefixes_max),
             (MAP_CT4, self.ct4_max),
             (MAP_CT6, self.ct6_max),
+            (MAP_LB4_FLOWS, self.lb_flows_max),
+            (MAP_LB6_FLOWS, self.lb_flows_max),
             (MAP_EVENTS, self.events_bytes),
         ]
     }

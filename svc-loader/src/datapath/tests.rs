@@ -59,6 +59,7 @@ pub(crate) fn test_opts(pin_dir: &Path) -> DatapathOptions {
         policy_max: 4096,
         ct4_max: 4096,
         ct6_max: 2048,
+        lb_flows_max: 2048,
         events_bytes: 64 * 1024,
         ct_timeouts: CtTimeouts {
             tcp_syn: 5,

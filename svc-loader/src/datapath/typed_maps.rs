@@ -7,13 +7,15 @@ use aya::Ebpf;
 use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use rivet_datapath::maps::{
     Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKeyData, EpPrefixValue, FragKey,
-    FragValue, IpcacheKeyData, IpcacheValue, MetricsValue, PolicyKeyData, PolicyValue, RoutingConfig,
+    FragValue, IpcacheKeyData, IpcacheValue, LbAffinity, LbAffinityKey, LbBackend, LbFlow, LbFrontend, LbFrontendKey,
+    LbMaglevTable, LbRevNat, MetricsValue, PolicyKeyData, PolicyValue, RoutingConfig,
 };
 
 use super::error::{DatapathError, ObjectError, map_err};
 use rivet_datapath::spec::{
-    MAP_CONFIG, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_FRAGMENTS, MAP_IPCACHE, MAP_METRICS, MAP_POLICY,
-    MAP_ROUTING,
+    MAP_CONFIG, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_FRAGMENTS, MAP_IPCACHE, MAP_LB_AFFINITY,
+    MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB4_FLOWS, MAP_LB6_FLOWS, MAP_METRICS,
+    MAP_POLICY, MAP_ROUTING,
 };
 
 /// One map of the datapath, shared by the loader's threads. aya's writes
@@ -56,6 +58,20 @@ pub struct DatapathMaps {
     pub fragments: SharedMap<HashMap<MapData, FragKey, FragValue>>,
     /// The routing mode and tunnel device (index 0).
     pub routing: SharedMap<Array<MapData, RoutingConfig>>,
+    /// Service frontends.
+    pub lb_frontends: SharedMap<HashMap<MapData, LbFrontendKey, LbFrontend>>,
+    /// Service backends by backend id.
+    pub lb_backends: SharedMap<HashMap<MapData, u32, LbBackend>>,
+    /// Maglev tables by table id.
+    pub lb_maglev: SharedMap<HashMap<MapData, u32, LbMaglevTable>>,
+    /// Reverse NAT by service id.
+    pub lb_rev_nat: SharedMap<HashMap<MapData, u32, LbRevNat>>,
+    /// Session affinity (an LRU hash the datapath writes).
+    pub lb_affinity: SharedMap<HashMap<MapData, LbAffinityKey, LbAffinity>>,
+    /// Translated IPv4 flows (an LRU hash the datapath writes).
+    pub lb4_flows: SharedMap<HashMap<MapData, Ct4Key, LbFlow>>,
+    /// Translated IPv6 flows.
+    pub lb6_flows: SharedMap<HashMap<MapData, Ct6Key, LbFlow>>,
 }
 
 impl fmt::Debug for DatapathMaps {
@@ -93,6 +109,13 @@ impl DatapathMaps {
             config: take_shared(ebpf, MAP_CONFIG)?,
             fragments: take_shared(ebpf, MAP_FRAGMENTS)?,
             routing: take_shared(ebpf, MAP_ROUTING)?,
+            lb_frontends: take_shared(ebpf, MAP_LB_FRONTENDS)?,
+            lb_backends: take_shared(ebpf, MAP_LB_BACKENDS)?,
+            lb_maglev: take_shared(ebpf, MAP_LB_MAGLEV)?,
+            lb_rev_nat: take_shared(ebpf, MAP_LB_REV_NAT)?,
+            lb_affinity: take_shared(ebpf, MAP_LB_AFFINITY)?,
+            lb4_flows: take_shared(ebpf, MAP_LB4_FLOWS)?,
+            lb6_flows: take_shared(ebpf, MAP_LB6_FLOWS)?,
         })
     }
 }
