@@ -8,10 +8,12 @@ mod gc;
 mod identity;
 mod ipam;
 mod k8s;
+mod kube_proxy;
 mod multinode;
 mod multinode_scale;
 mod operator;
 mod report;
+mod services;
 mod verdict;
 
 use clap::{Parser, Subcommand};
@@ -57,6 +59,9 @@ enum Bench {
     /// 50 simulated nodes x 200 pods published in etcd until a real node's pinned ipcache holds them all:
     /// convergence time, the node daemons' RSS and CPU, one more pod's p50/p99 until it is in the map.
     MultinodeScale(multinode_scale::ScaleArgs),
+    /// ClusterIP load balancing vs kube-proxy's iptables rules in the same topology: new connections/s and
+    /// connect p50/p99 at 1, 1,000, 10,000 services, ClusterIP vs pod IP throughput, programming latency.
+    Services(services::ServicesArgs),
 }
 
 #[tokio::main]
@@ -117,6 +122,12 @@ async fn main() -> anyhow::Result<()> {
                  a real node's pinned ipcache holds all 10,000 with identity and tunnel endpoint; RSS and CPU of \
                  svc-identity and svc-loader; one more pod etcd put -> map p50/p99 (ratio = converge / publish)"
             );
+            println!(
+                "services  new TCP connections/s and connect p50/p99 pod -> ClusterIP with 1, 1,000, 10,000 services \
+                 through Rivet vs kube-proxy's iptables rules (iptables-restore, same topology); ClusterIP vs pod IP \
+                 throughput; a 100-backend service and a backend change programmed, p50/p99 (ratio = Rivet / iptables \
+                 conn/s at the largest count, goal >= 2)"
+            );
             return Ok(());
         }
     };
@@ -132,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
         Bench::Operator(args) => operator::run(&args).await?,
         Bench::Multinode(args) => multinode::run(&args).await?,
         Bench::MultinodeScale(args) => multinode_scale::run(&args).await?,
+        Bench::Services(args) => services::run(&args).await?,
     };
     result.publish(&report::target_dir()?)?;
     Ok(())

@@ -21,6 +21,8 @@ use crate::cmd;
 /// - protobuf-compiler, libprotobuf-dev: a `protoc` and the well-known types it imports
 ///   (`google/protobuf/descriptor.proto`, only a Recommends of protoc) for etcd-client's
 ///   build script (our own protos are compiled without one);
+/// - iptables: kube-proxy's iptables rules (nf_tables backend, as Debian ships it),
+///   the peer of the `services` benchmark, loaded into namespaces it owns;
 /// - containernetworking-plugins: the reference CNI plugins (bridge, host-local, ptp)
 ///   rivet-cni is compared with and chained after;
 /// - containerd, runc, busybox-static: a real container runtime calling rivet-cni
@@ -37,6 +39,7 @@ pub const PACKAGES: &[&str] = &[
     "iproute2",
     "iputils-ping",
     "iperf3",
+    "iptables",
     "protobuf-compiler",
     "libprotobuf-dev",
     "containernetworking-plugins",

@@ -1,0 +1,746 @@
+//! `services` (issue 17 §4): Rivet's eBPF load balancing against kube-proxy's
+//! iptables mode ([`crate::kube_proxy`]) in the same topology and the same run.
+//!
+//! Topology, twice: a node namespace with a client pod (`198.18.0.2`) and
+//! backend pods `b1..b3` (`198.18.0.3-5`), each on its veth. Rivet's node is
+//! testkit's [`LoaderNode`] (the real svc-loader, the pods as its endpoints,
+//! no policy); the peer's is a plain [`TestNode`] whose node namespace holds
+//! kube-proxy's rules (no BPF). Service `i` has ClusterIP
+//! `198.18.128.0 + i` (port 80; past 32,768 services the port counts up)
+//! and `--backends` backends on port 8080; one more service,
+//! `198.18.127.1:5201` → b1, carries the throughput runs. Rivet's services go
+//! in through svc-loader's LoadBalancerService (ReplaceServices for the
+//! bulk, UpsertService for single changes), the path svc-endpoint's catalog
+//! pushes through; the peer's through `iptables-restore` (a full sync) and
+//! `iptables-restore --noflush` (kube-proxy's partial sync).
+//!
+//! Figures, each against the peer in the same run:
+//! - **connections**: at each of `--counts` services installed, new TCP
+//!   connections per second and connect() latency p50/p99 from the client
+//!   pod to `--targets` ClusterIPs spread evenly over the installed
+//!   services (a service's position in kube-proxy's `KUBE-SERVICES` is its
+//!   map order: the spread measures the average one). Each connection
+//!   binds a source port of its own sequence (no 4-tuple repeats within a
+//!   count, so every SYN is a new flow on both sides), connects and closes
+//!   with a reset (no TIME_WAIT). `--rounds` rounds per count, the sides
+//!   back to back with the order flipping; ratio = median of per-round
+//!   connections/s ratios. Every backend must have accepted connections in
+//!   every run (the translation works on both sides);
+//! - **throughput**: one iperf3 stream through the ClusterIP vs to the
+//!   backend's pod IP on the same side (goal ≥ 0.95 for Rivet), interleaved
+//!   `--throughput-rounds` times;
+//! - **programming**: with the largest count installed, a new service with
+//!   `--change-backends` backends (UpsertService until it returns: the
+//!   loader answers once the maps hold it) and one backend of such a service
+//!   replaced, `--samples` times each, p50/p99 (goal p99 < 1 s), against
+//!   kube-proxy's partial sync of the same change (`iptables-restore
+//!   --noflush` of `KUBE-SERVICES` and the service's chains).
+//!
+//! ratio = Rivet / iptables connections/s at the largest count (goal ≥ 2
+//! at 10,000).
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use ipnet::IpNet;
+use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::testing::netns::{NetNs, TcpServerGuard, TestNode};
+use rivet_proto::loader::v1 as pb;
+use rivet_proto::loader::v1::load_balancer_service_client::LoadBalancerServiceClient;
+use rivet_testkit::loader::{LoaderNode, pod_spec, policy};
+
+use crate::datapath::{iperf, median};
+use crate::kube_proxy::{self, ServicePort};
+use crate::report::{BenchResult, load_average, ms, percentile, sibling_binary};
+
+/// The pods of each side: the client, then the backends.
+const PODS: [&str; 4] = ["client", "b1", "b2", "b3"];
+/// The backends' port.
+const BACKEND_PORT: u16 = 8080;
+/// The services' port (the first 32,768 services).
+const SERVICE_PORT: u16 = 80;
+/// ClusterIPs: `198.18.128.0/17`, service `i` at offset `i % 32768`.
+const VIP_BASE: Ipv4Addr = Ipv4Addr::new(198, 18, 128, 0);
+const VIPS: u32 = 1 << 15;
+/// The throughput service: this ClusterIP and port → b1 on the same port.
+const IPERF_VIP: Ipv4Addr = Ipv4Addr::new(198, 18, 127, 1);
+const IPERF_PORT: u16 = 5201;
+/// Its service id at the loader (the others are `1 + i`).
+const IPERF_SERVICE_ID: u32 = 1_000_000;
+/// The changed services of the programming figures: ids from here.
+const CHANGE_SERVICE_ID: u32 = 2_000_000;
+/// Their ClusterIPs (`198.18.126.0/24`) and backends (`198.18.64.0/18`,
+/// addresses only: nothing connects to them).
+const CHANGE_VIP_BASE: Ipv4Addr = Ipv4Addr::new(198, 18, 126, 0);
+const CHANGE_BACKEND_BASE: Ipv4Addr = Ipv4Addr::new(198, 18, 64, 0);
+/// The pods' cluster CIDR (kube-proxy masquerades what comes from outside).
+const CLUSTER_CIDR: &str = "198.18.0.0/16";
+/// Services per ReplaceServices message (the proto's advice).
+const REPLACE_CHUNK: usize = 1000;
+/// How long one connect() may take before the run fails.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Source ports each connection sequence binds: 20000..=60999.
+const SOURCE_PORT_BASE: u16 = 20000;
+const SOURCE_PORTS: u64 = 41000;
+
+/// Options of the services benchmark.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServicesArgs {
+    /// Services installed for the connection figures, in order (the last is
+    /// the headline and the programming figures' background).
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 1000, 10000])]
+    counts: Vec<u32>,
+    /// Backends per service.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=3))]
+    backends: u32,
+    /// Services the client connects to, spread evenly over those installed.
+    #[arg(long, default_value_t = 16)]
+    targets: u32,
+    /// Seconds per connection run.
+    #[arg(long, default_value_t = 3)]
+    seconds: u32,
+    /// Connection rounds per count (each side once per round, order flipping).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Concurrent connecting threads in the client pod.
+    #[arg(long, default_value_t = 1)]
+    clients: u32,
+    /// Seconds per iperf3 run.
+    #[arg(long, default_value_t = 5)]
+    iperf_seconds: u32,
+    /// Throughput rounds (ClusterIP and pod IP once each per round, order
+    /// flipping).
+    #[arg(long, default_value_t = 5)]
+    throughput_rounds: usize,
+    /// Backends of the service the programming figures install and change.
+    #[arg(long, default_value_t = 100)]
+    change_backends: u32,
+    /// Samples per programming figure and side.
+    #[arg(long, default_value_t = 30)]
+    samples: u32,
+    /// Leave out the throughput figures.
+    #[arg(long)]
+    skip_throughput: bool,
+}
+
+/// One service of the benchmark, as both sides install it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Service {
+    id: u32,
+    name: String,
+    frontend: SocketAddr,
+    backends: Vec<SocketAddr>,
+}
+
+impl Service {
+    fn kube_proxy(&self) -> ServicePort {
+        ServicePort {
+            name: self.name.clone(),
+            frontend: self.frontend,
+            endpoints: self.backends.clone(),
+        }
+    }
+
+    fn loader(&self) -> pb::LbService {
+        pb::LbService {
+            service_id: self.id,
+            family: pb::Family::Ipv4 as i32,
+            protocol: pb::Protocol::Tcp as i32,
+            frontends: vec![pb::LbFrontend {
+                kind: pb::FrontendKind::ClusterIp as i32,
+                address: rivet_proto::net::address_bytes(self.frontend.ip()),
+                port: self.frontend.port().into(),
+            }],
+            backends: self
+                .backends
+                .iter()
+                .map(|b| pb::LbBackend {
+                    address: rivet_proto::net::address_bytes(b.ip()),
+                    port: b.port().into(),
+                    state: pb::BackendState::Active as i32,
+                    node_local: true,
+                })
+                .collect(),
+            affinity_timeout_seconds: 0,
+            external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
+        }
+    }
+}
+
+/// Pod `n` (1-based, as [`pod_spec`] numbers them) address.
+fn pod_ip(n: u8) -> Ipv4Addr {
+    Ipv4Addr::new(198, 18, 0, n + 1)
+}
+
+fn offset(base: Ipv4Addr, by: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(base) + by)
+}
+
+/// Service `i` of the connection figures: backends b1.. on [`BACKEND_PORT`].
+fn service(i: u32, backends: u32) -> Service {
+    Service {
+        id: 1 + i,
+        name: format!("bench/s{i}:http"),
+        frontend: SocketAddr::new(
+            offset(VIP_BASE, i % VIPS).into(),
+            SERVICE_PORT + u16::try_from(i / VIPS).expect("fewer than 2^31 services"),
+        ),
+        backends: (0..backends)
+            .map(|b| SocketAddr::new(pod_ip(2 + b as u8).into(), BACKEND_PORT))
+            .collect(),
+    }
+}
+
+/// The throughput service.
+fn iperf_service() -> Service {
+    Service {
+        id: IPERF_SERVICE_ID,
+        name: "bench/iperf:iperf".into(),
+        frontend: SocketAddr::new(IPERF_VIP.into(), IPERF_PORT),
+        backends: vec![SocketAddr::new(pod_ip(2).into(), IPERF_PORT)],
+    }
+}
+
+/// `count` services and the throughput service.
+fn service_set(count: u32, backends: u32) -> Vec<Service> {
+    (0..count)
+        .map(|i| service(i, backends))
+        .chain(std::iter::once(iperf_service()))
+        .collect()
+}
+
+/// Indices of `targets` services spread evenly over `count` (the middle of
+/// each of `targets` equal slices), without repeats.
+fn spread(count: u32, targets: u32) -> Vec<u32> {
+    let targets = targets.clamp(1, count.max(1));
+    let mut picked: Vec<u32> = (0..targets)
+        .map(|k| ((2 * u64::from(k) + 1) * u64::from(count) / (2 * u64::from(targets))) as u32)
+        .collect();
+    picked.dedup();
+    picked
+}
+
+/// Change sample `k`'s service: `backends` backends from `first` on.
+fn change_service(k: u32, first: u32, backends: u32) -> Service {
+    Service {
+        id: CHANGE_SERVICE_ID + k,
+        name: format!("bench/change{k}:http"),
+        frontend: SocketAddr::new(offset(CHANGE_VIP_BASE, k % 256).into(), SERVICE_PORT),
+        backends: (first..first + backends)
+            .map(|b| SocketAddr::new(offset(CHANGE_BACKEND_BASE, b).into(), BACKEND_PORT))
+            .collect(),
+    }
+}
+
+/// One side of the comparison: its node, its backends' servers and the
+/// connection sequence it continues.
+struct Side {
+    name: &'static str,
+    servers: Vec<TcpServerGuard>,
+    next_connection: Arc<AtomicU64>,
+}
+
+impl Side {
+    fn new(name: &'static str, node: &TestNode, backends: u32) -> anyhow::Result<Self> {
+        let servers = PODS[1..=backends as usize]
+            .iter()
+            .map(|b| node.pod(b).tcp_server(BACKEND_PORT))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            name,
+            servers,
+            next_connection: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    fn accepted(&self) -> Vec<u64> {
+        self.servers.iter().map(TcpServerGuard::connections).collect()
+    }
+}
+
+/// What one connection run measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct ConnectRun {
+    per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+/// `clients` threads in `client` connecting to `targets` round-robin for
+/// `duration`, each connection from source port `sequence`'s next (so no
+/// 4-tuple repeats within `SOURCE_PORTS` × targets connections), closed
+/// with a reset. Fails on any failed connect().
+fn connect_run(
+    client: &NetNs,
+    client_ip: Ipv4Addr,
+    targets: &[SocketAddr],
+    duration: Duration,
+    clients: u32,
+    sequence: &Arc<AtomicU64>,
+) -> anyhow::Result<ConnectRun> {
+    let started = Instant::now();
+    let deadline = started + duration;
+    let threads = (0..clients)
+        .map(|_| {
+            let targets = targets.to_vec();
+            let sequence = Arc::clone(sequence);
+            client.spawn_in(move || -> anyhow::Result<Vec<f64>> {
+                let mut latencies_us = Vec::with_capacity(100_000);
+                while Instant::now() < deadline {
+                    let k = sequence.fetch_add(1, Ordering::Relaxed);
+                    let n = targets.len() as u64;
+                    let target = targets[(k % n) as usize];
+                    let port = SOURCE_PORT_BASE + ((k / n) % SOURCE_PORTS) as u16;
+                    latencies_us.push(connect_once(SocketAddr::new(client_ip.into(), port), target)?);
+                }
+                Ok(latencies_us)
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut latencies_us = Vec::new();
+    for thread in threads {
+        let joined = thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("a connecting thread panicked"))?;
+        latencies_us.extend(joined?);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    Ok(ConnectRun {
+        per_s: latencies_us.len() as f64 / elapsed,
+        p50_us: percentile(&mut latencies_us, 0.50),
+        p99_us: percentile(&mut latencies_us, 0.99),
+    })
+}
+
+/// One connection `from` → `to`: µs spent in connect(); closed with a reset.
+fn connect_once(from: SocketAddr, to: SocketAddr) -> anyhow::Result<f64> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(to), Type::STREAM, Some(Protocol::TCP))?;
+    // Linux bounds a blocking connect() by SO_SNDTIMEO: a lost SYN fails
+    // the run instead of waiting out the retries.
+    socket.set_write_timeout(Some(CONNECT_TIMEOUT))?;
+    socket.set_linger(Some(Duration::ZERO))?;
+    socket.set_reuse_address(true)?;
+    socket
+        .bind(&from.into())
+        .map_err(|e| anyhow::anyhow!("binding {from}: {e}"))?;
+    let t = Instant::now();
+    socket
+        .connect(&to.into())
+        .map_err(|e| anyhow::anyhow!("connecting {from} -> {to}: {e}"))?;
+    Ok(t.elapsed().as_secs_f64() * 1e6)
+}
+
+/// The Rivet side: svc-loader in a node namespace with the pods as its
+/// endpoints (no policy), and its LoadBalancerService.
+struct Rivet {
+    node: LoaderNode,
+    lb: LoadBalancerServiceClient<DaemonChannel>,
+}
+
+impl Rivet {
+    async fn start() -> anyhow::Result<Self> {
+        let node = LoaderNode::start(&sibling_binary("svc-loader")?, &PODS, &[]).await?;
+        let mut client = node.client().await;
+        for (i, pod) in PODS.iter().enumerate() {
+            let id = i as u32 + 1;
+            client
+                .apply_endpoint(node.endpoint(pod, id, 1000 + id, policy(1, false, false, Vec::new())))
+                .await?;
+        }
+        let lb = LoadBalancerServiceClient::new(connect_unix(node.loader.socket(), &ClientOptions::default()).await?);
+        Ok(Self { node, lb })
+    }
+
+    /// Replaces the loader's services with `services`; the wall time.
+    async fn replace(&mut self, services: &[Service]) -> anyhow::Result<Duration> {
+        let chunks: Vec<pb::ReplaceServicesRequest> = services
+            .chunks(REPLACE_CHUNK)
+            .map(|chunk| pb::ReplaceServicesRequest {
+                services: chunk.iter().map(Service::loader).collect(),
+            })
+            .collect();
+        let started = Instant::now();
+        self.lb.replace_services(futures::stream::iter(chunks)).await?;
+        Ok(started.elapsed())
+    }
+
+    /// UpsertService of `service`; the wall time.
+    async fn upsert(&mut self, service: &Service) -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        self.lb
+            .upsert_service(pb::UpsertServiceRequest {
+                service: Some(service.loader()),
+            })
+            .await?;
+        Ok(started.elapsed())
+    }
+
+    async fn delete(&mut self, id: u32) -> anyhow::Result<()> {
+        self.lb
+            .delete_service(pb::DeleteServiceRequest { service_id: id })
+            .await?;
+        Ok(())
+    }
+}
+
+/// The peer: the same pods on a plain node whose namespace holds
+/// kube-proxy's rules.
+struct Peer {
+    node: TestNode,
+    cidr: IpNet,
+}
+
+impl Peer {
+    fn start() -> anyhow::Result<Self> {
+        let mut node = TestNode::with_host_prefix("rbsv")?;
+        for (i, pod) in PODS.iter().enumerate() {
+            node.add_pod(pod_spec(pod, i as u8 + 1).static_gateway_neighbor(true))?;
+        }
+        Ok(Self {
+            node,
+            cidr: CLUSTER_CIDR.parse()?,
+        })
+    }
+
+    /// A full sync of `services`; the wall time of `iptables-restore`.
+    fn replace(&self, services: &[Service]) -> anyhow::Result<Duration> {
+        let ports: Vec<ServicePort> = services.iter().map(Service::kube_proxy).collect();
+        let input = kube_proxy::restore_input(self.cidr, &ports);
+        let started = Instant::now();
+        kube_proxy::restore(&self.node.ns, true, &input)?;
+        Ok(started.elapsed())
+    }
+}
+
+/// A count's connection rounds summarised.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct CountFigures {
+    count: u32,
+    rivet: ConnectRun,
+    peer: ConnectRun,
+    ratio: f64,
+    rivet_install: Duration,
+    peer_install: Duration,
+}
+
+fn summarise(runs: &[ConnectRun]) -> ConnectRun {
+    let of = |f: fn(&ConnectRun) -> f64| median(runs.iter().map(f).collect());
+    ConnectRun {
+        per_s: of(|r| r.per_s),
+        p50_us: of(|r| r.p50_us),
+        p99_us: of(|r| r.p99_us),
+    }
+}
+
+/// One connection run of `side`, checking that every backend took some.
+fn side_run(side: &Side, node: &TestNode, targets: &[SocketAddr], args: &ServicesArgs) -> anyhow::Result<ConnectRun> {
+    let before = side.accepted();
+    let client_ip = pod_ip(1);
+    let run = connect_run(
+        &node.pod("client").ns,
+        client_ip,
+        targets,
+        Duration::from_secs(args.seconds.into()),
+        args.clients,
+        &side.next_connection,
+    )?;
+    let after = side.accepted();
+    anyhow::ensure!(
+        before.iter().zip(&after).all(|(b, a)| a > b),
+        "{}: a backend accepted no connection in the run (accepted before {before:?}, after {after:?})",
+        side.name
+    );
+    Ok(run)
+}
+
+/// Programming figures of one side: p50 and p99 ms of each kind.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Programming {
+    new_p50_ms: f64,
+    new_p99_ms: f64,
+    change_p50_ms: f64,
+    change_p99_ms: f64,
+}
+
+impl Programming {
+    fn of(mut new: Vec<f64>, mut change: Vec<f64>) -> Self {
+        Self {
+            new_p50_ms: percentile(&mut new, 0.50),
+            new_p99_ms: percentile(&mut new, 0.99),
+            change_p50_ms: percentile(&mut change, 0.50),
+            change_p99_ms: percentile(&mut change, 0.99),
+        }
+    }
+}
+
+/// Rivet's programming: `samples` new services of `backends` backends
+/// (each deleted after), then `samples` changes of one backend of one such
+/// service.
+async fn rivet_programming(rivet: &mut Rivet, args: &ServicesArgs) -> anyhow::Result<Programming> {
+    let mut new = Vec::new();
+    for k in 0..args.samples {
+        let service = change_service(k, 0, args.change_backends);
+        new.push(ms(rivet.upsert(&service).await?));
+        rivet.delete(service.id).await?;
+    }
+    let mut change = Vec::new();
+    rivet.upsert(&change_service(0, 0, args.change_backends)).await?;
+    for k in 1..=args.samples {
+        // Backend `k - 1` leaves, backend `k - 1 + n` joins.
+        let service = change_service(0, k, args.change_backends);
+        change.push(ms(rivet.upsert(&service).await?));
+    }
+    rivet.delete(CHANGE_SERVICE_ID).await?;
+    Ok(Programming::of(new, change))
+}
+
+/// The peer's programming: kube-proxy's partial sync of the same changes
+/// with `installed` in its tables.
+fn peer_programming(peer: &Peer, installed: &[Service], args: &ServicesArgs) -> anyhow::Result<Programming> {
+    let mut ports: Vec<ServicePort> = installed.iter().map(Service::kube_proxy).collect();
+    let mut new = Vec::new();
+    for k in 0..args.samples {
+        let added = change_service(k, 0, args.change_backends).kube_proxy();
+        ports.push(added.clone());
+        let input = kube_proxy::partial_sync_input(peer.cidr, &ports, &added, &[]);
+        let started = Instant::now();
+        kube_proxy::restore_noflush(&peer.node.ns, true, &input)?;
+        new.push(ms(started.elapsed()));
+        ports.pop();
+    }
+    // Back to `installed` (the added chains go with a full sync).
+    peer.replace(installed)?;
+    let mut change = Vec::new();
+    let first = change_service(0, 0, args.change_backends).kube_proxy();
+    ports.push(first.clone());
+    let mut previous = first;
+    kube_proxy::restore(&peer.node.ns, true, &kube_proxy::restore_input(peer.cidr, &ports))?;
+    for k in 1..=args.samples {
+        let changed = change_service(0, k, args.change_backends).kube_proxy();
+        *ports.last_mut().expect("pushed above") = changed.clone();
+        let input = kube_proxy::partial_sync_input(peer.cidr, &ports, &changed, &previous.endpoints);
+        let started = Instant::now();
+        kube_proxy::restore_noflush(&peer.node.ns, true, &input)?;
+        change.push(ms(started.elapsed()));
+        previous = changed;
+    }
+    peer.replace(installed)?;
+    Ok(Programming::of(new, change))
+}
+
+/// Throughput through the ClusterIP and to the pod IP on one side.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Throughput {
+    vip_gbit_per_s: f64,
+    pod_gbit_per_s: f64,
+    ratio: f64,
+}
+
+fn throughput(node: &TestNode, args: &ServicesArgs) -> anyhow::Result<Throughput> {
+    let (client, server) = (&node.pod("client").ns, &node.pod("b1").ns);
+    let (vip, pod) = (IpAddr::V4(IPERF_VIP), IpAddr::V4(pod_ip(2)));
+    let mut rounds = Vec::with_capacity(args.throughput_rounds);
+    for round in 0..args.throughput_rounds {
+        let (v, p) = if round % 2 == 0 {
+            let v = iperf(client, server, vip, args.iperf_seconds)?;
+            (v, iperf(client, server, pod, args.iperf_seconds)?)
+        } else {
+            let p = iperf(client, server, pod, args.iperf_seconds)?;
+            (iperf(client, server, vip, args.iperf_seconds)?, p)
+        };
+        rounds.push((v, p));
+    }
+    Ok(Throughput {
+        vip_gbit_per_s: median(rounds.iter().map(|r| r.0 / 1e9).collect()),
+        pod_gbit_per_s: median(rounds.iter().map(|r| r.1 / 1e9).collect()),
+        ratio: median(rounds.iter().map(|r| r.0 / r.1).collect()),
+    })
+}
+
+/// Runs the benchmark.
+pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
+    anyhow::ensure!(
+        !args.counts.is_empty() && args.rounds > 0 && args.seconds > 0 && args.clients > 0 && args.samples > 0,
+        "--counts, --rounds, --seconds, --clients and --samples must be non-empty / > 0"
+    );
+    anyhow::ensure!(
+        args.counts.iter().all(|&c| c > 0 && c <= 60 * VIPS),
+        "--counts must be 1..={}",
+        60 * VIPS
+    );
+    let load_before = load_average()?;
+    let mut rivet = Rivet::start().await?;
+    let peer = Peer::start()?;
+    let rivet_side = Side::new("rivet", &rivet.node.node, args.backends)?;
+    let peer_side = Side::new("iptables", &peer.node, args.backends)?;
+    let mut metrics = Vec::new();
+
+    let mut figures = Vec::new();
+    let mut installed = Vec::new();
+    for &count in &args.counts {
+        installed = service_set(count, args.backends);
+        let rivet_install = rivet.replace(&installed).await?;
+        let peer_install = peer.replace(&installed)?;
+        let targets: Vec<SocketAddr> = spread(count, args.targets)
+            .into_iter()
+            .map(|i| installed[i as usize].frontend)
+            .collect();
+        // Fresh source ports for every count: the same sequence on both sides.
+        rivet_side.next_connection.store(0, Ordering::Relaxed);
+        peer_side.next_connection.store(0, Ordering::Relaxed);
+        let rounds = tokio::task::block_in_place(|| -> anyhow::Result<Vec<(ConnectRun, ConnectRun)>> {
+            let mut rounds = Vec::with_capacity(args.rounds);
+            for round in 0..args.rounds {
+                let ours = || side_run(&rivet_side, &rivet.node.node, &targets, args);
+                let theirs = || side_run(&peer_side, &peer.node, &targets, args);
+                let (r, p) = if round % 2 == 0 {
+                    let r = ours()?;
+                    (r, theirs()?)
+                } else {
+                    let p = theirs()?;
+                    (ours()?, p)
+                };
+                println!(
+                    "{count} services, round {round}: rivet {:.0} conn/s (p50 {:.1} us, p99 {:.1} us); iptables {:.0} \
+                     conn/s (p50 {:.1} us, p99 {:.1} us)",
+                    r.per_s, r.p50_us, r.p99_us, p.per_s, p.p50_us, p.p99_us
+                );
+                rounds.push((r, p));
+            }
+            Ok(rounds)
+        })?;
+        let ours: Vec<ConnectRun> = rounds.iter().map(|r| r.0).collect();
+        let theirs: Vec<ConnectRun> = rounds.iter().map(|r| r.1).collect();
+        figures.push(CountFigures {
+            count,
+            rivet: summarise(&ours),
+            peer: summarise(&theirs),
+            ratio: median(rounds.iter().map(|(r, p)| r.per_s / p.per_s).collect()),
+            rivet_install,
+            peer_install,
+        });
+    }
+
+    println!(
+        "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>6} | {:>11} {:>11}",
+        "services", "rivet c/s", "p50 us", "p99 us", "iptab c/s", "p50 us", "p99 us", "ratio", "rivet ms", "restore ms"
+    );
+    for f in &figures {
+        println!(
+            "{:>8} | {:>10.0} {:>8.1} {:>8.1} | {:>10.0} {:>8.1} {:>8.1} | {:>6.2} | {:>11.1} {:>11.1}",
+            f.count,
+            f.rivet.per_s,
+            f.rivet.p50_us,
+            f.rivet.p99_us,
+            f.peer.per_s,
+            f.peer.p50_us,
+            f.peer.p99_us,
+            f.ratio,
+            ms(f.rivet_install),
+            ms(f.peer_install)
+        );
+        let n = f.count;
+        metrics.push((format!("rivet_{n}_conn_per_s"), f.rivet.per_s));
+        metrics.push((format!("rivet_{n}_connect_p50_us"), f.rivet.p50_us));
+        metrics.push((format!("rivet_{n}_connect_p99_us"), f.rivet.p99_us));
+        metrics.push((format!("iptables_{n}_conn_per_s"), f.peer.per_s));
+        metrics.push((format!("iptables_{n}_connect_p50_us"), f.peer.p50_us));
+        metrics.push((format!("iptables_{n}_connect_p99_us"), f.peer.p99_us));
+        metrics.push((format!("conn_ratio_{n}"), f.ratio));
+        metrics.push((format!("rivet_{n}_install_ms"), ms(f.rivet_install)));
+        metrics.push((format!("iptables_{n}_restore_ms"), ms(f.peer_install)));
+    }
+    let (first, last) = (figures[0], figures[figures.len() - 1]);
+    let flatness = last.rivet.per_s / first.rivet.per_s;
+    metrics.push(("rivet_conn_per_s_last_over_first".into(), flatness));
+    println!(
+        "rivet conn/s at {} services = {flatness:.2}x at {} (flat: ~1); at {}: {:.2}x iptables (goal >= 2)",
+        last.count, first.count, last.count, last.ratio
+    );
+
+    if !args.skip_throughput {
+        let (r, p) = tokio::task::block_in_place(|| -> anyhow::Result<_> {
+            Ok((throughput(&rivet.node.node, args)?, throughput(&peer.node, args)?))
+        })?;
+        println!(
+            "throughput: rivet ClusterIP {:.2} Gbit/s vs pod IP {:.2} = {:.3}x (goal >= 0.95); iptables ClusterIP \
+             {:.2} vs pod IP {:.2} = {:.3}x",
+            r.vip_gbit_per_s, r.pod_gbit_per_s, r.ratio, p.vip_gbit_per_s, p.pod_gbit_per_s, p.ratio
+        );
+        metrics.push(("rivet_clusterip_gbit_per_s".into(), r.vip_gbit_per_s));
+        metrics.push(("rivet_pod_ip_gbit_per_s".into(), r.pod_gbit_per_s));
+        metrics.push(("rivet_clusterip_over_pod_ip".into(), r.ratio));
+        metrics.push(("iptables_clusterip_gbit_per_s".into(), p.vip_gbit_per_s));
+        metrics.push(("iptables_pod_ip_gbit_per_s".into(), p.pod_gbit_per_s));
+        metrics.push(("iptables_clusterip_over_pod_ip".into(), p.ratio));
+    }
+
+    let ours = rivet_programming(&mut rivet, args).await?;
+    let theirs = tokio::task::block_in_place(|| peer_programming(&peer, &installed, args))?;
+    println!(
+        "programming with {} services: a service of {} backends: rivet p50 {:.2} ms p99 {:.2} ms, iptables p50 {:.1} \
+         ms p99 {:.1} ms; one backend changed: rivet p50 {:.2} ms p99 {:.2} ms, iptables p50 {:.1} ms p99 {:.1} ms \
+         (goal p99 < 1000 ms)",
+        last.count,
+        args.change_backends,
+        ours.new_p50_ms,
+        ours.new_p99_ms,
+        theirs.new_p50_ms,
+        theirs.new_p99_ms,
+        ours.change_p50_ms,
+        ours.change_p99_ms,
+        theirs.change_p50_ms,
+        theirs.change_p99_ms
+    );
+    for (side, p) in [("rivet", ours), ("iptables", theirs)] {
+        metrics.push((format!("{side}_new_service_p50_ms"), p.new_p50_ms));
+        metrics.push((format!("{side}_new_service_p99_ms"), p.new_p99_ms));
+        metrics.push((format!("{side}_backend_change_p50_ms"), p.change_p50_ms));
+        metrics.push((format!("{side}_backend_change_p99_ms"), p.change_p99_ms));
+    }
+    metrics.push(("load_average_1m_before".into(), load_before));
+    metrics.push(("load_average_1m_after".into(), load_average()?));
+    Ok(BenchResult {
+        name: "services".into(),
+        metrics,
+        ratio: last.ratio,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_spread_over_the_installed_services() {
+        assert_eq!(spread(1, 16), [0]);
+        assert_eq!(spread(10_000, 4), [1250, 3750, 6250, 8750]);
+        assert_eq!(spread(3, 16), [0, 1, 2]);
+    }
+
+    #[test]
+    fn service_addresses_stay_unique_past_the_vip_range() {
+        let a = service(5, 3);
+        let b = service(5 + VIPS, 3);
+        assert_eq!(a.frontend.ip(), b.frontend.ip());
+        assert_ne!(a.frontend, b.frontend);
+        assert_eq!(a.frontend, "198.18.128.5:80".parse().unwrap());
+        assert_eq!(a.backends[2], "198.18.0.5:8080".parse().unwrap());
+        let set = service_set(3, 2);
+        assert_eq!(set.len(), 4);
+        assert_eq!(set[3], iperf_service());
+    }
+
+    #[test]
+    fn a_change_replaces_one_backend() {
+        let before = change_service(0, 0, 100);
+        let after = change_service(0, 1, 100);
+        let gone: Vec<_> = before.backends.iter().filter(|b| !after.backends.contains(b)).collect();
+        let new: Vec<_> = after.backends.iter().filter(|b| !before.backends.contains(b)).collect();
+        assert_eq!((gone.len(), new.len()), (1, 1));
+        assert_eq!(before.frontend, after.frontend);
+    }
+}
