@@ -53,11 +53,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use std::os::fd::{AsFd as _, OwnedFd};
+use std::os::fd::AsFd as _;
 use std::path::Path;
 
-use aya::programs::SchedClassifier;
-use aya::programs::tc::TcAttachType;
+use aya::programs::ProgramFd;
 use ipnet::IpNet;
 use rivet_bpf_sys as sys;
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
@@ -124,10 +123,12 @@ pub struct ServicesArgs {
     #[arg(long, default_value_t = 16)]
     targets: u32,
     /// Seconds per connection run.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 2)]
     seconds: u32,
-    /// Connection rounds per count (each side once per round, order flipping).
-    #[arg(long, default_value_t = 3)]
+    /// Connection rounds per count (each side once per round, order
+    /// flipping): short runs back to back, so that the machine's load
+    /// weighs on both sides alike.
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// Concurrent connecting threads in the client pod.
     #[arg(long, default_value_t = 1)]
@@ -385,7 +386,7 @@ fn lookup_cost(node: &TestNode, targets: &[SocketAddr], samples: u32, first_port
     let direct = SocketAddr::new(pod_ip(2).into(), BACKEND_PORT);
     // The test run resolves `ifindex` in the calling thread's namespace.
     node.ns.in_ns(move || -> anyhow::Result<(f64, f64)> {
-        let program = from_container_on(&ifname)?;
+        let program = from_container_on(ifindex)?;
         let (mut via_service, mut via_pod) = (Vec::new(), Vec::new());
         for k in 0..samples {
             let port = first_port + 2 * u16::try_from(k)?;
@@ -412,17 +413,26 @@ fn lookup_cost(node: &TestNode, targets: &[SocketAddr], samples: u32, first_port
     })?
 }
 
-/// The `from_container` program attached (tcx ingress) to `ifname` in the
-/// calling thread's namespace.
-fn from_container_on(ifname: &str) -> anyhow::Result<OwnedFd> {
-    let (_, programs) = SchedClassifier::query_tcx(ifname, TcAttachType::Ingress)
-        .map_err(|e| anyhow::anyhow!("querying the tcx ingress programs of {ifname}: {e}"))?;
-    let info = programs
+/// The `from_container` program the loader attached (its `cls_bpf` filter on
+/// clsact ingress, named `rivet-<node>-from_container`) to `ifindex` in the calling thread's namespace.
+fn from_container_on(ifindex: u32) -> anyhow::Result<ProgramFd> {
+    let filters = svc_loader::tc::bpf_filters(ifindex, svc_loader::tc::Direction::Ingress)
+        .map_err(|e| anyhow::anyhow!("listing the tc ingress filters of ifindex {ifindex}: {e}"))?;
+    let filter = filters
         .iter()
-        .find(|p| p.name_as_str() == Some(FROM_CONTAINER))
-        .ok_or_else(|| anyhow::anyhow!("no {FROM_CONTAINER} attached to {ifname}"))?;
-    let fd = info.fd()?;
-    Ok(fd.as_fd().try_clone_to_owned()?)
+        .find(|f| {
+            f.priority == svc_loader::tc::FILTER_PRIORITY
+                && f.handle == svc_loader::tc::FILTER_HANDLE
+                && f.name.ends_with(FROM_CONTAINER)
+        })
+        .ok_or_else(|| anyhow::anyhow!("no {FROM_CONTAINER} filter on ifindex {ifindex}: {filters:?}"))?;
+    for program in aya::programs::loaded_programs() {
+        let program = program?;
+        if program.id() == filter.prog_id {
+            return Ok(program.fd()?);
+        }
+    }
+    anyhow::bail!("program {} of the {FROM_CONTAINER} filter is gone", filter.prog_id)
 }
 
 /// Whether the pinned `lb_frontends` under `pins` holds `service`'s
