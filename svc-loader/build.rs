@@ -11,7 +11,7 @@ fn main() {
     let include = PathBuf::from(
         std::env::var("DEP_RIVET_DATAPATH_INCLUDE").expect("rivet-datapath's build script exports its include dir"),
     );
-    println!("cargo:rerun-if-changed=bpf/datapath.c");
+    println!("cargo:rerun-if-changed=bpf");
     println!("cargo:rerun-if-changed={}", include.join("rivet.h").display());
     println!("cargo:rerun-if-env-changed=CLANG");
     let clang = std::env::var("CLANG").unwrap_or_else(|_| "clang".into());

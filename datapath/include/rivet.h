@@ -339,6 +339,15 @@ struct lb_flow {
 	__u32 pad2;        /* explicit: the struct is 8-aligned (no implicit padding) */
 };
 
+/* NodePort SNAT (externalTrafficPolicy Cluster, a backend on another node:
+ * svc-loader/bpf/nodeport.h): two more kinds of lb4_flows / lb6_flows
+ * entries with the lb_flow value. SNAT_OUT by the translated tuple client ->
+ * backend (-> the node address and SNAT port the flow leaves with); SNAT_IN
+ * by the reply's tuple backend -> node address:SNAT port (-> the client's
+ * address and port). */
+#define LB_FLOW_SNAT_OUT 5
+#define LB_FLOW_SNAT_IN 6
+
 /* ------------------------------------------------------------------ metrics */
 /* Per-CPU array index: reason * 4 + direction. Reason 0 = forwarded. */
 #define REASON_FORWARDED 0

@@ -982,6 +982,12 @@ pub const LB_BACKEND_TERMINATING: u8 = 1;
 pub const LB_FLOW_FORWARD: u8 = 3;
 /// `lb4_flows` / `lb6_flows` key direction: the translated tuple client → backend.
 pub const LB_FLOW_REVERSE: u8 = 4;
+/// `lb4_flows` / `lb6_flows` key direction (NodePort SNAT): the translated
+/// tuple client → backend, to the node address and SNAT port it leaves with.
+pub const LB_FLOW_SNAT_OUT: u8 = 5;
+/// `lb4_flows` / `lb6_flows` key direction (NodePort SNAT): the reply's
+/// tuple backend → node address:SNAT port, to the client's address and port.
+pub const LB_FLOW_SNAT_IN: u8 = 6;
 
 /// An address stored as `[u32; 4]` (network order, IPv4 in `[0]`) with
 /// its family; `None` for an unknown family.
@@ -1193,7 +1199,8 @@ pub struct LbAffinity {
 
 /// `struct lb_flow`: one direction of a translated connection (`lb4_flows`
 /// / `lb6_flows`, keyed by [`Ct4Key`] / [`Ct6Key`] with `direction`
-/// [`LB_FLOW_FORWARD`] or [`LB_FLOW_REVERSE`]).
+/// [`LB_FLOW_FORWARD`] or [`LB_FLOW_REVERSE`], or for NodePort's SNAT
+/// [`LB_FLOW_SNAT_OUT`] or [`LB_FLOW_SNAT_IN`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct LbFlow {
@@ -1591,6 +1598,8 @@ mod tests {
             ("LB_BACKEND_TERMINATING", LB_BACKEND_TERMINATING.into()),
             ("LB_FLOW_FORWARD", LB_FLOW_FORWARD.into()),
             ("LB_FLOW_REVERSE", LB_FLOW_REVERSE.into()),
+            ("LB_FLOW_SNAT_OUT", LB_FLOW_SNAT_OUT.into()),
+            ("LB_FLOW_SNAT_IN", LB_FLOW_SNAT_IN.into()),
             ("IDENTITY_REMOTE_NODE", IDENTITY_REMOTE_NODE.into()),
             ("ROUTING_NONE", ROUTING_NONE.into()),
             ("ROUTING_NATIVE", ROUTING_NATIVE.into()),

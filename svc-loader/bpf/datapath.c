@@ -1303,6 +1303,9 @@ static __always_inline int to_tunnel(struct __sk_buff *skb, const struct pkt *p,
 	return bpf_redirect(rc->tunnel_ifindex, 0);
 }
 
+/* NodePort: from_netdev / to_netdev, and the lookups from_container uses. */
+#include "nodeport.h"
+
 SEC("classifier")
 int from_container(struct __sk_buff *skb)
 {

@@ -89,6 +89,16 @@ struct Flags {
     /// exist in the loader's namespace).
     #[arg(long, env = "RIVET_UNDERLAY_INTERFACE", required_if_eq_any = [("routing_mode", "native"), ("routing_mode", "vxlan")])]
     underlay_interface: Option<String>,
+    /// An external interface serving NodePort services besides the underlay
+    /// (repeatable; with --routing-mode none the only ones). It must exist
+    /// in the loader's namespace. Without any, NodePort frontends are held
+    /// but reached only from pods and the node itself.
+    #[arg(
+        long = "nodeport-interface",
+        env = "RIVET_NODEPORT_INTERFACES",
+        value_delimiter = ','
+    )]
+    nodeport_interfaces: Vec<String>,
     /// UDP port of the VXLAN tunnel.
     #[arg(long, env = "RIVET_TUNNEL_PORT", default_value_t = routing::DEFAULT_TUNNEL_PORT,
           value_parser = clap::value_parser!(u16).range(1..))]
@@ -176,6 +186,16 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
             .attach_overlay(tunnel.ifindex)
             .context("attaching the overlay programs to the tunnel device")?;
     }
+    let external = routing::nodeport_interfaces(&routing_setup, &flags.nodeport_interfaces)
+        .context("resolving the NodePort interfaces")?;
+    let served = datapath
+        .serve_nodeport(&external.iter().map(|(_, ifindex)| *ifindex).collect::<Vec<_>>())
+        .context("attaching the NodePort programs to the external interfaces")?;
+    tracing::info!(
+        interfaces = ?external.iter().map(|(name, _)| name.as_str()).collect::<Vec<_>>(),
+        detached = served.detached.len(),
+        "NodePort programs on the external interfaces"
+    );
     let report = datapath.adoption().clone();
     tracing::info!(
         pin_dir = %pin_dir.display(),
@@ -217,8 +237,9 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     );
     let routing_service =
         routing::service::NodeRoutingService::new(node_routing, identity.boot_id.clone(), metrics.clone());
-    let service =
-        LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics).with_tunnel(tunnel.map(|t| t.ifindex));
+    let service = LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics)
+        .with_tunnel(tunnel.map(|t| t.ifindex))
+        .with_nodeport_interfaces(served.attached);
     let routes = Routes::new(service.into_server()).add_service(routing_service.into_server());
     daemon::run(
         &flags.common,

@@ -12,7 +12,7 @@ use rivet_proto::net::{IpPrefix, address_bytes};
 use tokio::sync::broadcast;
 use tonic::{Code, Request, Response, Status, Streaming};
 
-use crate::datapath::{AttachState, PROG_FROM_OVERLAY, PROG_TO_OVERLAY};
+use crate::datapath::{AttachState, PROG_FROM_NETDEV, PROG_FROM_OVERLAY, PROG_TO_NETDEV, PROG_TO_OVERLAY};
 use crate::events::{self, LoaderMetrics};
 use crate::loader::{EndpointDatapath, LoaderError};
 use crate::monitor::EventHub;
@@ -28,6 +28,8 @@ pub struct LoaderService {
     boot_id: BootId,
     /// The tunnel device (vxlan mode), whose overlay programs the status lists.
     tunnel_ifindex: Option<u32>,
+    /// The external interfaces, whose NodePort programs the status lists.
+    nodeport_ifindexes: Vec<u32>,
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::MonitorEvent, Status>> + Send>>;
@@ -46,12 +48,20 @@ impl LoaderService {
             events,
             boot_id,
             tunnel_ifindex: None,
+            nodeport_ifindexes: Vec::new(),
         }
     }
 
     /// Reports the overlay programs' attachments on tunnel device `ifindex`.
     pub fn with_tunnel(mut self, ifindex: Option<u32>) -> Self {
         self.tunnel_ifindex = ifindex;
+        self
+    }
+
+    /// Reports the NodePort programs' attachments on the external
+    /// interfaces `ifindexes`.
+    pub fn with_nodeport_interfaces(mut self, ifindexes: Vec<u32>) -> Self {
+        self.nodeport_ifindexes = ifindexes;
         self
     }
 
@@ -620,7 +630,8 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         _request: Request<pb::GetDatapathStatusRequest>,
     ) -> Result<Response<pb::GetDatapathStatusResponse>, Status> {
         let tunnel = self.tunnel_ifindex;
-        let (pin_dir, ids, endpoints, maps, overlay) = self
+        let external = self.nodeport_ifindexes.clone();
+        let (pin_dir, ids, endpoints, maps, overlay, nodeport) = self
             .blocking(move |dp| {
                 let endpoints = dp.list()?.endpoints.len();
                 let d = dp.datapath();
@@ -642,12 +653,24 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                         (PROG_TO_OVERLAY, to_overlay, false),
                     ],
                 };
+                // (program, id, external interfaces running it)
+                let (from_netdev, to_netdev) = d.nodeport_program_ids();
+                let mut nodeport = [(PROG_FROM_NETDEV, from_netdev, 0), (PROG_TO_NETDEV, to_netdev, 0)];
+                for ifindex in external {
+                    let (ingress, egress) = d.nodeport_attachment(ifindex).map_err(|source| LoaderError::Datapath {
+                        action: "listing the NodePort filters on an external interface".to_owned(),
+                        source: Box::new(source),
+                    })?;
+                    nodeport[0].2 += u32::from(ingress == Some(from_netdev));
+                    nodeport[1].2 += u32::from(egress == Some(to_netdev));
+                }
                 Ok((
                     d.pin_dir().display().to_string(),
                     d.program_ids(),
                     endpoints,
                     d.map_status(),
                     overlay,
+                    nodeport,
                 ))
             })
             .await?;
@@ -685,6 +708,12 @@ impl pb::loader_service_server::LoaderService for LoaderService {
                 program_id,
                 tag: String::new(),
                 attachments: u32::from(attached),
+            }))
+            .chain(nodeport.map(|(name, program_id, attachments)| pb::ProgramStatus {
+                name: name.into(),
+                program_id,
+                tag: String::new(),
+                attachments,
             }))
             .collect(),
             pin_dir,

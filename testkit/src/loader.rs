@@ -152,6 +152,75 @@ impl Underlay {
     }
 }
 
+/// A host outside the cluster on the underlay (a NodePort client): its own
+/// namespace, joined to the bridge by veth `eth0`. Dropping it deletes the
+/// namespace and with it the link.
+#[derive(Debug)]
+pub struct ExternalClient {
+    /// Its namespace.
+    pub ns: NetNs,
+}
+
+impl ExternalClient {
+    /// Its IPv4 address on the underlay.
+    pub const IPV4: Ipv4Addr = Ipv4Addr::new(198, 19, 254, 200);
+    /// Its IPv6 address on the underlay.
+    pub const IPV6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0xfe, 0, 0, 0, 0x200);
+
+    /// Its addresses, IPv4 first.
+    pub fn addrs(&self) -> [IpAddr; 2] {
+        [IpAddr::V4(Self::IPV4), IpAddr::V6(Self::IPV6)]
+    }
+}
+
+impl Underlay {
+    /// A client host on the underlay bridge ([`ExternalClient::IPV4`]/24,
+    /// [`ExternalClient::IPV6`]/64): reaches the nodes' underlay
+    /// addresses, nothing else (no routes to pods).
+    pub fn add_external_client(&self) -> std::io::Result<ExternalClient> {
+        let ns = NetNs::new("rvx").map_err(std::io::Error::other)?;
+        let port = format!("x{}", CLIENTS.fetch_add(1, Ordering::Relaxed));
+        let run = |ns: &NetNs, args: &[&str]| ns.ip(args).map(drop).map_err(std::io::Error::other);
+        run(
+            &ns,
+            &[
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &port,
+                "netns",
+                self.ns.name(),
+            ],
+        )?;
+        run(&self.ns, &["link", "set", &port, "master", "ul", "up"])?;
+        run(
+            &ns,
+            &["addr", "add", &format!("{}/24", ExternalClient::IPV4), "dev", "eth0"],
+        )?;
+        run(
+            &ns,
+            &[
+                "-6",
+                "addr",
+                "add",
+                &format!("{}/64", ExternalClient::IPV6),
+                "dev",
+                "eth0",
+                "nodad",
+            ],
+        )?;
+        run(&ns, &["link", "set", "eth0", "up"])?;
+        run(&ns, &["link", "set", "lo", "up"])?;
+        Ok(ExternalClient { ns })
+    }
+}
+
+static CLIENTS: AtomicU32 = AtomicU32::new(0);
+
 /// Pod `n` (1-based) of cluster node `index`: `198.18.<index>.(n+1)/24` and
 /// `2001:2:0:<index>::(n+1)/64`, gateways .1 and ::1 (the node's pod CIDRs
 /// `198.18.<index>.0/24` and `2001:2:0:<index>::/64`, the cluster's

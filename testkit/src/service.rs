@@ -6,7 +6,9 @@
 //! lost" across a restart).
 //!
 //! The protocol: over TCP, every chunk the client writes is answered with
-//! `<name>\n`; over UDP, every datagram with `<name> <the datagram>`.
+//! `<name>\n` ([`NameServer::start_reporting_peer`]: `<name> <the client's
+//! address as the server saw it>\n`, for NAT tests); over UDP, every
+//! datagram with `<name> <the datagram>`.
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, UdpSocket};
@@ -31,6 +33,18 @@ pub struct NameServer {
 impl NameServer {
     /// Serves `name` on TCP and UDP at each of `addrs` (bound in `netns`).
     pub fn start(netns: &NetNs, name: &str, addrs: &[SocketAddr]) -> Result<Self, NetnsError> {
+        Self::serve(netns, name, addrs, false)
+    }
+
+    /// [`start`](Self::start), but TCP answers name the client's address as
+    /// the server saw it too: `<name> <address>` (split with
+    /// [`name_and_peer`]), so a test sees whether a NAT kept or replaced
+    /// the client's source.
+    pub fn start_reporting_peer(netns: &NetNs, name: &str, addrs: &[SocketAddr]) -> Result<Self, NetnsError> {
+        Self::serve(netns, name, addrs, true)
+    }
+
+    fn serve(netns: &NetNs, name: &str, addrs: &[SocketAddr], report_peer: bool) -> Result<Self, NetnsError> {
         let bind_addrs = addrs.to_vec();
         let bound = netns.in_ns(move || -> std::io::Result<_> {
             let mut sockets = Vec::new();
@@ -60,7 +74,7 @@ impl NameServer {
                     for (tcp, udp) in sockets {
                         let tcp = tokio::net::TcpListener::from_std(tcp).expect("a tokio TCP listener");
                         let udp = tokio::net::UdpSocket::from_std(udp).expect("a tokio UDP socket");
-                        tokio::spawn(serve_tcp(tcp, name.clone()));
+                        tokio::spawn(serve_tcp(tcp, name.clone(), report_peer));
                         tokio::spawn(serve_udp(udp, name.clone()));
                     }
                     let _ = stopped.await;
@@ -88,10 +102,14 @@ impl Drop for NameServer {
     }
 }
 
-async fn serve_tcp(listener: tokio::net::TcpListener, name: String) {
+async fn serve_tcp(listener: tokio::net::TcpListener, name: String, report_peer: bool) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    while let Ok((mut stream, _)) = listener.accept().await {
-        let answer = format!("{name}\n");
+    while let Ok((mut stream, peer)) = listener.accept().await {
+        let answer = if report_peer {
+            format!("{name} {}\n", peer.ip().to_canonical())
+        } else {
+            format!("{name}\n")
+        };
         tokio::spawn(async move {
             let mut buf = [0u8; 512];
             while let Ok(n) = stream.read(&mut buf).await {
@@ -129,6 +147,13 @@ fn ask(stream: &mut TcpStream) -> std::io::Result<String> {
             _ => answer.push(byte[0]),
         }
     }
+}
+
+/// An answer of a [`NameServer::start_reporting_peer`] server: the name
+/// and the client address it saw (`None` when the answer has none).
+pub fn name_and_peer(answer: &str) -> Option<(&str, std::net::IpAddr)> {
+    let (name, peer) = answer.split_once(' ')?;
+    Some((name, peer.parse().ok()?))
 }
 
 /// One new TCP connection from `netns` to `dst`: the name of the server that

@@ -281,6 +281,11 @@ pub struct UpArgs {
     /// UDP port of the VXLAN tunnel (`--routing vxlan`; Cilium's 8472).
     #[arg(long, default_value_t = DEFAULT_TUNNEL_PORT)]
     pub tunnel_port: u16,
+    /// An interface of the node (in its namespace) where NodePort services
+    /// are served to the outside, besides the underlay of --routing
+    /// (repeatable; svc-loader's --nodeport-interface).
+    #[arg(long = "nodeport-interface", value_name = "NAME")]
+    pub nodeport_interfaces: Vec<String>,
     /// The cluster this node belongs to (svc-identity's `--cluster-name`:
     /// node records and IP cache keys are per cluster); default `default`.
     #[arg(long)]

@@ -445,6 +445,9 @@ impl NodePlan {
                                 self.args.tunnel_port.to_string().into(),
                             ]);
                         }
+                        for interface in &self.args.nodeport_interfaces {
+                            args.extend(["--nodeport-interface".into(), interface.into()]);
+                        }
                     }
                     GC => args.extend(["--bpffs".into(), self.args.bpffs.clone().into()]),
                     HEALTH => {

@@ -411,8 +411,7 @@ impl Datapath {
     /// so a loader adopts and deletes only its own node's filters (the pin
     /// directory's last component is the node).
     fn filter_name(&self, hook: Hook) -> String {
-        let node = self.opts.pin_dir.file_name().unwrap_or_default().to_string_lossy();
-        format!("rivet-{node}-{}", hook.program())
+        self.program_filter_name(hook.program())
     }
 
     /// Our filter on `hook` of `ifindex`, if any.

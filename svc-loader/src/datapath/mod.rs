@@ -51,6 +51,7 @@ mod attach;
 mod ct_migration;
 mod error;
 mod legacy;
+mod nodeport;
 mod options;
 mod overlay;
 mod pins;
@@ -82,6 +83,8 @@ pub use ct_migration::{CtMigrated, MIGRATING_PIN_SUFFIX};
 pub use error::{DatapathError, ObjectError, OptionsError};
 use error::{io_err, map_err};
 pub use legacy::LEGACY_LINKS_DIR;
+use nodeport::NodePortPrograms;
+pub use nodeport::{NodePortServed, PROG_FROM_NETDEV, PROG_TO_NETDEV};
 pub use options::DatapathOptions;
 use overlay::OverlayPrograms;
 pub use overlay::{OverlayAttachment, PROG_FROM_OVERLAY, PROG_TO_OVERLAY};
@@ -109,6 +112,8 @@ pub struct Datapath {
     program_fds: [ProgramFd; 2],
     /// The tunnel device's programs (attached in vxlan mode only).
     overlay: OverlayPrograms,
+    /// The external interfaces' programs (NodePort).
+    nodeport: NodePortPrograms,
     maps: DatapathMaps,
     events: Option<RingBuf<MapData>>,
     program_ids: ProgramIds,
@@ -202,6 +207,10 @@ impl Datapath {
             from_overlay: load_program(&mut ebpf, PROG_FROM_OVERLAY)?,
             to_overlay: load_program(&mut ebpf, PROG_TO_OVERLAY)?,
         };
+        let nodeport = NodePortPrograms {
+            from_netdev: load_program(&mut ebpf, PROG_FROM_NETDEV)?,
+            to_netdev: load_program(&mut ebpf, PROG_TO_NETDEV)?,
+        };
         let maps = DatapathMaps::take(&mut ebpf)?;
         let events = take_map(&mut ebpf, MAP_EVENTS)?;
 
@@ -210,6 +219,7 @@ impl Datapath {
             ebpf,
             program_fds: [from_container_fd, to_container_fd],
             overlay,
+            nodeport,
             maps,
             events: Some(events),
             program_ids: ProgramIds {

@@ -60,7 +60,7 @@ impl Datapath {
             (tc::Direction::Ingress, PROG_FROM_OVERLAY, &self.overlay.from_overlay),
             (tc::Direction::Egress, PROG_TO_OVERLAY, &self.overlay.to_overlay),
         ] {
-            tc::attach_bpf(ifindex, direction, fd.as_fd(), &self.overlay_filter_name(program), true)
+            tc::attach_bpf(ifindex, direction, fd.as_fd(), &self.program_filter_name(program), true)
                 .map_err(|e| tc_err(&format!("attaching {program}"), e))?;
         }
         Ok(())
@@ -74,7 +74,7 @@ impl Datapath {
     /// Our overlay filters on the tunnel device `ifindex`.
     pub fn overlay_attachment(&self, ifindex: u32) -> Result<OverlayAttachment, DatapathError> {
         let ours = |direction, program| -> Result<Option<u32>, DatapathError> {
-            let name = self.overlay_filter_name(program);
+            let name = self.program_filter_name(program);
             Ok(tc::bpf_filters(ifindex, direction)
                 .map_err(|error| DatapathError::Tc {
                     what: format!("listing the filters of {program} on the tunnel device"),
@@ -92,7 +92,10 @@ impl Datapath {
         })
     }
 
-    fn overlay_filter_name(&self, program: &str) -> String {
+    /// The name of this node's filter running `program`:
+    /// `rivet-<node>-<program>` (the pin directory's last component is the
+    /// node), for the endpoint, overlay and NodePort filters alike.
+    pub(super) fn program_filter_name(&self, program: &str) -> String {
         let node = self.opts.pin_dir.file_name().unwrap_or_default().to_string_lossy();
         format!("rivet-{node}-{program}")
     }

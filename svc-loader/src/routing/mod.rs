@@ -288,6 +288,12 @@ pub enum SetupError {
         /// Its name.
         name: String,
     },
+    /// A `--nodeport-interface` does not exist in the loader's namespace.
+    #[error("the NodePort interface {name} (--nodeport-interface) does not exist in the loader's network namespace")]
+    NodePortInterfaceMissing {
+        /// Its name.
+        name: String,
+    },
     /// Querying or creating an interface failed.
     #[error("setting up interface {name}: {source}")]
     Interface {
@@ -296,6 +302,29 @@ pub enum SetupError {
         /// The error.
         source: io::Error,
     },
+}
+
+/// The node's external interfaces, where NodePort services are served
+/// (`from_netdev` / `to_netdev`): the underlay of a routing mode, then
+/// every `nodeport_interfaces` name (the operator's `--nodeport-interface`
+/// flags), each once, as (name, ifindex). Each must exist.
+pub fn nodeport_interfaces(
+    setup: &RoutingSetup,
+    nodeport_interfaces: &[String],
+) -> Result<Vec<(String, u32)>, SetupError> {
+    let mut found: Vec<(String, u32)> = setup.underlay.iter().cloned().collect();
+    for name in nodeport_interfaces {
+        let ifindex = crate::netdev::name_to_ifindex(name)
+            .map_err(|source| SetupError::Interface {
+                name: name.clone(),
+                source,
+            })?
+            .ok_or_else(|| SetupError::NodePortInterfaceMissing { name: name.clone() })?;
+        if !found.iter().any(|(_, i)| *i == ifindex) {
+            found.push((name.clone(), ifindex));
+        }
+    }
+    Ok(found)
 }
 
 /// The peers of this node and their routes.
