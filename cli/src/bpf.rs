@@ -629,6 +629,7 @@ pub fn print_event(ctx: &Context, e: &pb::MonitorEvent) {
     };
     match ctx.output {
         crate::Output::Json => println!("{}", serde_json::to_string(&line).expect("serialisable")),
+        crate::Output::Yaml => print!("---\n{}", serde_norway::to_string(&line).expect("serialisable")),
         crate::Output::Table => {
             let what = match line.r#type.as_str() {
                 "drop" => format!("DROP ({})", line.reason),

@@ -17,6 +17,7 @@ pub mod netns;
 pub mod node;
 pub mod pod;
 pub mod policy;
+pub mod service;
 pub mod status;
 pub mod table;
 
@@ -45,6 +46,8 @@ pub enum Output {
     Table,
     /// JSON for scripts.
     Json,
+    /// YAML (the JSON form as YAML).
+    Yaml,
 }
 
 /// What every command needs: where the sockets are and how to print.
@@ -164,6 +167,10 @@ impl Context {
             Output::Json => println!(
                 "{}",
                 serde_json::to_string_pretty(value).expect("CLI output is always serialisable")
+            ),
+            Output::Yaml => print!(
+                "{}",
+                serde_norway::to_string(value).expect("CLI output is always serialisable")
             ),
             Output::Table => print!("{}", table()),
         }

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use rivet_cli::node::NodeRecord;
-use rivet_cli::{Context, Output, bpf, cluster, endpoint, identity, ipam, namespace, node, pod, policy, status};
+use rivet_cli::{
+    Context, Output, bpf, cluster, endpoint, identity, ipam, namespace, node, pod, policy, service, status,
+};
 
 /// Default `--state-dir` (the daemons' default too).
 const DEFAULT_STATE_DIR: &str = "/var/run/rivet";
@@ -70,6 +72,9 @@ enum Command {
     /// Network policies (svc-endpoint).
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
+    /// Services and EndpointSlices without Kubernetes (svc-endpoint's service catalog).
+    #[command(subcommand)]
+    Service(service::ServiceCommand),
     /// Namespace labels (svc-endpoint).
     #[command(subcommand)]
     Namespace(namespace::NamespaceCommand),
@@ -165,6 +170,7 @@ async fn main() -> ExitCode {
         Command::Ipam(c) => ipam::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Endpoint(c) => endpoint::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Policy(c) => policy::run(&ctx, c).await.map_err(Into::into),
+        Command::Service(c) => service::run(&ctx, c).await.map_err(Into::into),
         Command::Namespace(c) => namespace::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Bpf(c) => bpf::run(&ctx, c).await.map(|()| true).map_err(Into::into),
         Command::Gc(c) => rivet_cli::gc::run(&ctx, c).await.map(|()| true).map_err(Into::into),

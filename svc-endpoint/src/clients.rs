@@ -1,5 +1,5 @@
 //! The daemons svc-endpoint drives, behind small traits: [`IdentityApi`]
-//! (svc-identity), [`IpamApi`] (svc-ipam), [`LoaderApi`] (svc-loader) and,
+//! (svc-identity), [`IpamApi`] (svc-ipam), [`LoaderApi`] and [`LoadBalancerApi`] (svc-loader) and,
 //! in Kubernetes mode, [`PodDirectoryApi`] (svc-k8s-sync).
 //! The gRPC implementations ([`GrpcIdentity`], [`GrpcIpam`], [`GrpcLoader`])
 //! connect lazily over the node's Unix sockets, so svc-endpoint starts and
@@ -276,6 +276,78 @@ impl LoaderApi for GrpcLoader {
             list_endpoint_interfaces,
             loader::ListEndpointInterfacesRequest {}
         )
+    }
+}
+
+/// svc-loader's LoadBalancerService as the service catalog uses it.
+pub trait LoadBalancerApi: Send + Sync + 'static {
+    /// The server's boot id (GetInfo).
+    fn boot_id(&self) -> BoxFuture<'_, ApiResult<String>>;
+    /// UpsertService.
+    fn upsert_service(&self, service: loader::LbService) -> BoxFuture<'_, ApiResult<loader::UpsertServiceResponse>>;
+    /// DeleteService.
+    fn delete_service(&self, service_id: u32) -> BoxFuture<'_, ApiResult<loader::DeleteServiceResponse>>;
+    /// ReplaceServices: the whole set, sent in chunks of
+    /// [`REPLACE_CHUNK`] services.
+    fn replace_services(
+        &self,
+        services: Vec<loader::LbService>,
+    ) -> BoxFuture<'_, ApiResult<loader::ReplaceServicesResponse>>;
+    /// ListServices.
+    fn list_services(&self) -> BoxFuture<'_, ApiResult<loader::ListServicesResponse>>;
+}
+
+/// Services per ReplaceServices message (loader.proto's bound).
+pub const REPLACE_CHUNK: usize = 1000;
+
+impl GrpcLoader {
+    fn load_balancer(&self) -> loader::load_balancer_service_client::LoadBalancerServiceClient<DaemonChannel> {
+        loader::load_balancer_service_client::LoadBalancerServiceClient::new(self.channel.clone())
+    }
+}
+
+impl LoadBalancerApi for GrpcLoader {
+    fn boot_id(&self) -> BoxFuture<'_, ApiResult<String>> {
+        boot_id(&self.channel)
+    }
+    fn upsert_service(&self, service: loader::LbService) -> BoxFuture<'_, ApiResult<loader::UpsertServiceResponse>> {
+        unary!(
+            self.load_balancer(),
+            upsert_service,
+            loader::UpsertServiceRequest { service: Some(service) }
+        )
+    }
+    fn delete_service(&self, service_id: u32) -> BoxFuture<'_, ApiResult<loader::DeleteServiceResponse>> {
+        unary!(
+            self.load_balancer(),
+            delete_service,
+            loader::DeleteServiceRequest { service_id }
+        )
+    }
+    fn replace_services(
+        &self,
+        services: Vec<loader::LbService>,
+    ) -> BoxFuture<'_, ApiResult<loader::ReplaceServicesResponse>> {
+        let mut client = self.load_balancer();
+        async move {
+            let mut chunks: Vec<loader::ReplaceServicesRequest> = services
+                .chunks(REPLACE_CHUNK)
+                .map(|c| loader::ReplaceServicesRequest { services: c.to_vec() })
+                .collect();
+            // An empty set is one empty message: the loader then holds none.
+            if chunks.is_empty() {
+                chunks.push(loader::ReplaceServicesRequest::default());
+            }
+            client
+                .replace_services(futures::stream::iter(chunks))
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(connection_lost_is_unavailable)
+        }
+        .boxed()
+    }
+    fn list_services(&self) -> BoxFuture<'_, ApiResult<loader::ListServicesResponse>> {
+        unary!(self.load_balancer(), list_services, loader::ListServicesRequest {})
     }
 }
 

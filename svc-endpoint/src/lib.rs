@@ -9,9 +9,14 @@
 //!   concern: create, removal, queue, worker, regeneration, restore, ...);
 //! - [`state_dir`]: `<state-dir>/endpoints/<id>/`, crash-safe;
 //! - [`clients`]: the other daemons behind small traits;
-//! - [`service`]: the `rivet.endpoint.v1` gRPC services;
+//! - [`catalog`]: the service catalog (Services, EndpointSlices, cluster
+//!   IPs, backends, the push to svc-loader's LoadBalancerService);
+//! - [`service`]: the `rivet.endpoint.v1` gRPC services but the catalog's,
+//!   which [`catalog_api`] serves;
 //! - [`policy_dir`]: the watched `--policy-dir`.
 
+pub mod catalog;
+pub mod catalog_api;
 pub mod clients;
 pub mod endpoint;
 pub mod events;
@@ -40,6 +45,10 @@ pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
     (
         rivet_proto::endpoint::v1::namespace_service_server::SERVICE_NAME,
         &["ListNamespaces"],
+    ),
+    (
+        rivet_proto::endpoint::v1::service_catalog_service_server::SERVICE_NAME,
+        &["ListServices", "GetService"],
     ),
 ];
 

@@ -12,6 +12,8 @@ use rivet_common::daemon;
 use rivet_common::grpc::{ClientOptions, DaemonIdentity};
 use rivet_common::metrics::Health;
 use rivet_common::privileges::Dropped;
+use svc_endpoint::catalog::{CatalogMetrics, CatalogOptions, ServiceCatalog};
+use svc_endpoint::catalog_api::ServiceCatalogApi;
 use svc_endpoint::clients::{GrpcIdentity, GrpcIpam, GrpcLoader, GrpcPodDirectory, PodDirectoryApi};
 use svc_endpoint::events::EndpointMetrics;
 use svc_endpoint::manager::{Dependencies, EndpointManager, ManagerOptions, PolicySources};
@@ -71,6 +73,12 @@ struct Flags {
     /// kubernetes. Default: api,directory; all three in Kubernetes mode.
     #[arg(long, env = "RIVET_POLICY_SOURCES", value_parser = PolicySources::parse)]
     policy_sources: Option<PolicySources>,
+
+    /// Where Services' cluster IPs are allocated from, at most one CIDR per
+    /// family (repeat the flag or separate with commas). A clusterIP that a
+    /// Service applied through the API asks for must be in one of them.
+    #[arg(long = "service-cidr", env = "RIVET_SERVICE_CIDR", value_delimiter = ',')]
+    service_cidrs: Vec<ipnet::IpNet>,
 }
 
 fn main() -> ExitCode {
@@ -106,10 +114,11 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         request_timeout: Duration::from_secs(flags.call_timeout_seconds.max(1)),
         ..ClientOptions::default()
     };
+    let loader = Arc::new(GrpcLoader::new(&flags.common.socket_path("svc-loader"), &client));
     let deps = Dependencies {
         identity: Arc::new(GrpcIdentity::new(&flags.common.socket_path("svc-identity"), &client)),
         ipam: Arc::new(GrpcIpam::new(&flags.common.socket_path("svc-ipam"), &client)),
-        loader: Arc::new(GrpcLoader::new(&flags.common.socket_path("svc-loader"), &client)),
+        loader: loader.clone(),
         pods: flags
             .k8s_sync_socket
             .as_deref()
@@ -133,8 +142,24 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let mut registry = Registry::with_prefix("rivet");
     metrics.register(&mut registry);
     let manager = EndpointManager::new(options, deps, metrics)?;
+    let catalog_metrics = CatalogMetrics::default();
+    catalog_metrics.register(&mut registry);
+    let catalog = ServiceCatalog::new(
+        CatalogOptions {
+            loader_poll: Duration::from_millis(flags.dependency_poll_ms.max(100)),
+            ..CatalogOptions::new(
+                flags.common.state_dir.clone(),
+                flags.service_cidrs.clone(),
+                flags.common.node_name(),
+            )
+        },
+        loader,
+        Arc::new(manager.clone()),
+        catalog_metrics,
+    )?;
     let controllers = Controllers::new();
     manager.start(&controllers);
+    catalog.start(&controllers);
     if let Some(dir) = flags.policy_dir.clone() {
         PolicyDirectory::new(
             dir,
@@ -144,9 +169,11 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         .start(&controllers);
     }
 
-    let (endpoints, policies, namespaces, pod_metadata) =
-        EndpointApi::new(manager, identity.boot_id.clone()).into_servers();
+    let (endpoints, policies, namespaces, pod_metadata) = EndpointApi::new(manager, identity.boot_id.clone())
+        .with_catalog(catalog.clone())
+        .into_servers();
     let routes = Routes::new(endpoints)
+        .add_service(ServiceCatalogApi::new(catalog).into_server())
         .add_service(policies)
         .add_service(namespaces)
         .add_service(pod_metadata);

@@ -13,6 +13,7 @@ use rivet_common::labels::{LabelSource, Labels};
 use rivet_proto::endpoint::v1 as pb;
 use tonic::{Request, Response, Status};
 
+use crate::catalog::ServiceCatalog;
 use crate::endpoint::{self, EndpointAddress, EndpointKind, EndpointSpec, EndpointState, unix_nanos};
 use crate::manager::{
     DEFAULT_NAMESPACE, EndpointEvent, EndpointManager, EndpointSelector, KubernetesReplay, ManagerError, NewEndpoint,
@@ -28,12 +29,25 @@ pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(30);
 pub struct EndpointApi {
     manager: EndpointManager,
     boot_id: BootId,
+    /// Takes the service documents of a Kubernetes replay.
+    catalog: Option<ServiceCatalog>,
 }
 
 impl EndpointApi {
     /// The API over `manager`.
     pub fn new(manager: EndpointManager, boot_id: BootId) -> Self {
-        Self { manager, boot_id }
+        Self {
+            manager,
+            boot_id,
+            catalog: None,
+        }
+    }
+
+    /// With the service catalog that takes the service documents of a
+    /// Kubernetes replay (without one they are refused).
+    pub fn with_catalog(mut self, catalog: ServiceCatalog) -> Self {
+        self.catalog = Some(catalog);
+        self
     }
 
     /// The tonic servers: (endpoints, policies, namespaces, pod metadata).
@@ -839,6 +853,8 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
         };
         let mut ended = false;
         let mut items = 0usize;
+        let mut service_documents: Vec<(String, String)> = Vec::new();
+        let mut rejected_services = false;
         while let Some(request) = stream.message().await? {
             items += 1;
             if ended {
@@ -890,12 +906,18 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
                         }
                     }
                 }
-                Some(Item::ServiceDocument(_)) => {
-                    // The service catalog takes these (issue 17, owner catalog).
-                    reject(
-                        format!("item {items}"),
-                        &Status::unimplemented("service documents are not replayed yet"),
-                    );
+                Some(Item::ServiceDocument(document)) => {
+                    match crate::catalog_api::document("service_document", &document) {
+                        Ok(()) if self.catalog.is_some() => service_documents.push((format!("item {items}"), document)),
+                        Ok(()) => reject(
+                            format!("item {items}"),
+                            &Status::unimplemented("this svc-endpoint has no service catalog"),
+                        ),
+                        Err(e) => {
+                            reject(format!("item {items}"), &e);
+                            rejected_services = true;
+                        }
+                    }
                 }
                 Some(Item::End(true)) => ended = true,
                 Some(Item::End(false)) | None => {
@@ -915,6 +937,27 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
             item: format!("policy {key}"),
             error: error.clone(),
         }));
+        let mut services = crate::catalog::ServiceReplay::default();
+        if let Some(catalog) = &self.catalog {
+            if rejected_services {
+                // An unreadable item may have named something held: apply, forget nothing.
+                for (item, document) in service_documents {
+                    match catalog
+                        .apply(&document, crate::catalog::Origin::Kubernetes, false, Duration::ZERO)
+                        .await
+                    {
+                        Ok(_) => services.applied += 1,
+                        Err(e) => services.rejected.push((item, e.to_string())),
+                    }
+                }
+            } else {
+                services = catalog.replay_kubernetes(service_documents).await?;
+            }
+        }
+        rejected.extend(services.rejected.iter().map(|(item, error)| pb::ReplayItemError {
+            item: item.clone(),
+            error: error.clone(),
+        }));
         Ok(Response::new(pb::ReplayKubernetesResponse {
             pods: count(pods),
             namespaces: count(namespaces),
@@ -925,8 +968,8 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
             affected_endpoints: count(outcome.affected_endpoints),
             rejected,
             boot_id: self.boot_id(),
-            service_objects: 0,
-            service_objects_removed: 0,
+            service_objects: count(services.applied),
+            service_objects_removed: count(services.removed),
         }))
     }
 }

@@ -153,6 +153,12 @@ pub struct UpArgs {
     /// Time between SIGTERM and SIGKILL when stopping a daemon, seconds.
     #[arg(long, default_value_t = 10)]
     pub stop_grace_seconds: u64,
+    /// Every node's --service-cidr (the same on all, so a Service's given
+    /// clusterIP is valid everywhere); repeat for both families.
+    #[arg(long = "service-cidr", value_name = "CIDR",
+          default_values_t = [crate::node::DEFAULT_SERVICE_CIDR4.parse::<ipnet::IpNet>().expect("a CIDR"),
+                              crate::node::DEFAULT_SERVICE_CIDR6.parse::<ipnet::IpNet>().expect("a CIDR")])]
+    pub service_cidrs: Vec<ipnet::IpNet>,
 }
 
 /// Lifecycle of a cluster.

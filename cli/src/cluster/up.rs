@@ -153,6 +153,9 @@ fn node_up_args(etcd_endpoint: &str, plan: &ClusterPlan, args: &UpArgs) -> Vec<S
         // svc-health's probes through the pod datapath start and end there.
         "--health-endpoint".into(),
     ];
+    for cidr in &args.service_cidrs {
+        out.extend(["--service-cidr".to_string(), cidr.to_string()]);
+    }
     for d in &args.daemon_args {
         out.extend(["--daemon-arg".to_string(), d.clone()]);
     }

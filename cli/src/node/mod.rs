@@ -335,7 +335,19 @@ pub struct UpArgs {
     /// node's svc-health probes theirs from it. `rivet cluster up` gives every node one.
     #[arg(long)]
     pub health_endpoint: bool,
+    /// Where Services' cluster IPs come from (svc-endpoint's
+    /// --service-cidr), at most one CIDR per family; repeat for both.
+    #[arg(long = "service-cidr", value_name = "CIDR",
+          default_values_t = [DEFAULT_SERVICE_CIDR4.parse::<ipnet::IpNet>().expect("a CIDR"),
+                              DEFAULT_SERVICE_CIDR6.parse::<ipnet::IpNet>().expect("a CIDR")])]
+    pub service_cidrs: Vec<ipnet::IpNet>,
 }
+
+/// The IPv4 service CIDR of `rivet node up` and `rivet cluster up`.
+pub const DEFAULT_SERVICE_CIDR4: &str = "198.19.128.0/20";
+
+/// The IPv6 service CIDR of `rivet node up` and `rivet cluster up`.
+pub const DEFAULT_SERVICE_CIDR6: &str = "2001:2:0:ff::/112";
 
 /// The VXLAN UDP port unless `--tunnel-port` says otherwise.
 pub const DEFAULT_TUNNEL_PORT: u16 = 8472;

@@ -472,8 +472,13 @@ impl NodePlan {
                             args.extend(["--health-netns".into(), netns::path(ns).into()]);
                         }
                     }
-                    "svc-endpoint" if self.args.kubeconfig.is_some() => {
-                        args.extend(["--k8s-sync-socket".into(), self.socket(K8S_SYNC).into()]);
+                    "svc-endpoint" => {
+                        if self.args.kubeconfig.is_some() {
+                            args.extend(["--k8s-sync-socket".into(), self.socket(K8S_SYNC).into()]);
+                        }
+                        for cidr in &self.args.service_cidrs {
+                            args.extend(["--service-cidr".into(), cidr.to_string().into()]);
+                        }
                     }
                     K8S_SYNC => {
                         args.extend([
@@ -730,7 +735,14 @@ pub(super) mod tests {
         );
         assert_eq!(
             strings(&specs[4].args)[COMMON..],
-            ["--k8s-sync-socket", "/tmp/r/sockets/svc-k8s-sync.sock"]
+            [
+                "--k8s-sync-socket",
+                "/tmp/r/sockets/svc-k8s-sync.sock",
+                "--service-cidr",
+                "198.19.128.0/20",
+                "--service-cidr",
+                "2001:2:0:ff::/112"
+            ]
         );
         // svc-k8s-sync's user may feed svc-endpoint; without Kubernetes only root.
         let allowed = |specs: &[DaemonSpec], name: &str| {
@@ -1012,7 +1024,17 @@ pub(super) mod tests {
             ("rivet", "0")
         );
         assert_eq!(specs.iter().filter(|s| s.netns.is_some()).count(), 3);
-        assert_eq!(strings(&specs[3].args)[COMMON..], ["--dependency-poll-ms=200"]);
+        // The service CIDRs of every node by default, then --daemon-arg.
+        assert_eq!(
+            strings(&specs[3].args)[COMMON..],
+            [
+                "--service-cidr",
+                "198.19.128.0/20",
+                "--service-cidr",
+                "2001:2:0:ff::/112",
+                "--dependency-poll-ms=200"
+            ]
+        );
         assert_eq!(specs[3].socket, Path::new("/tmp/r/sockets/svc-endpoint.sock"));
         assert_eq!(specs[3].log, Path::new("/tmp/r/state/logs/svc-endpoint.log"));
         assert_eq!(strings(&specs[3].command_line())[0], "/opt/rivet/bin/svc-endpoint");

@@ -12,6 +12,7 @@ use rivet_common::controller::{Action, Progress};
 use rivet_common::labels::Labels;
 use tonic::Status;
 
+use super::service_pods::{RemotePod, remote_pod};
 use super::{EndpointManager, RemoteNamedPorts};
 use crate::events;
 use rivet_policy::{NamedPort, Protocol};
@@ -170,6 +171,7 @@ impl EndpointManager {
                 let mut state = self.state();
                 state.selectors.replace_identities(std::mem::take(&mut snapshot));
                 self.queue_changed_policies(&mut state, "identities resynced");
+                state.pods_changed();
                 drop(state);
                 self.inner.identities_synced.send_replace(true);
                 continue;
@@ -184,6 +186,7 @@ impl EndpointManager {
             }
             if changed {
                 self.queue_changed_policies(&mut state, "identities changed");
+                state.pods_changed();
             }
         }
         Ok(())
@@ -204,6 +207,7 @@ impl EndpointManager {
             .await
             .map_err(DependencyError::IpcacheWatchOpen)?;
         let mut snapshot: BTreeMap<IpAddr, RemoteNamedPorts> = BTreeMap::new();
+        let mut pods_snapshot: BTreeMap<IpAddr, RemotePod> = BTreeMap::new();
         while let Some(message) = stream.next().await {
             let message = message.map_err(DependencyError::IpcacheWatchBroken)?;
             progress.ok();
@@ -212,10 +216,20 @@ impl EndpointManager {
                     let (address, remote) = remote_named_ports(e)?;
                     Some((address, remote?))
                 }));
+                pods_snapshot.extend(message.upserted.iter().filter_map(|e| {
+                    let (address, pod) = remote_pod(e)?;
+                    Some((address, pod?))
+                }));
                 if !message.snapshot_complete {
                     continue;
                 }
                 let mut state = self.state();
+                let pods = std::mem::take(&mut pods_snapshot);
+                if state.remote_pods != pods {
+                    state.remote_pods = pods;
+                    state.pods_changed();
+                }
+                self.inner.ipcache_synced.send_replace(true);
                 let held = std::mem::replace(&mut state.remote_named_ports, std::mem::take(&mut snapshot));
                 let (identities, addresses) = touched(held.iter().chain(state.remote_named_ports.iter()));
                 if held != state.remote_named_ports {
@@ -224,6 +238,26 @@ impl EndpointManager {
                 continue;
             }
             let mut state = self.state();
+            let pod_changes: Vec<(IpAddr, Option<RemotePod>)> = message
+                .upserted
+                .iter()
+                .filter_map(remote_pod)
+                .chain(message.deleted.iter().filter_map(|p| {
+                    let net = rivet_proto::net::prefix_from_proto(p).ok()?;
+                    (net.prefix_len() == net.max_prefix_len()).then(|| (net.addr(), None))
+                }))
+                .collect();
+            let mut pods_changed = false;
+            for (address, pod) in pod_changes {
+                let old = match pod.clone() {
+                    Some(pod) => state.remote_pods.insert(address, pod),
+                    None => state.remote_pods.remove(&address),
+                };
+                pods_changed |= old != pod;
+            }
+            if pods_changed {
+                state.pods_changed();
+            }
             let mut changes: Vec<(IpAddr, Option<RemoteNamedPorts>)> =
                 message.upserted.iter().filter_map(remote_named_ports).collect();
             changes.extend(message.deleted.iter().filter_map(|p| {

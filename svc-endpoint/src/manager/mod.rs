@@ -44,6 +44,7 @@ mod queue;
 mod regeneration;
 mod removal;
 mod restore;
+mod service_pods;
 mod worker;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -226,6 +227,9 @@ struct State {
     /// ipcache (`ipcache-watch`): egress rules naming a port resolve
     /// against them as against local endpoints'.
     remote_named_ports: BTreeMap<IpAddr, RemoteNamedPorts>,
+    /// Other nodes' pods by address, from the same ipcache watch (the
+    /// service catalog's selectors take them as backends).
+    remote_pods: BTreeMap<IpAddr, service_pods::RemotePod>,
     /// CIDR identities no policy wants any more whose release svc-identity
     /// has not confirmed yet.
     cidr_releases: BTreeSet<IpNet>,
@@ -338,6 +342,9 @@ struct Inner {
     /// Set once the selector cache holds svc-identity's first complete
     /// snapshot: resolving policy before that would leave out peers.
     identities_synced: watch::Sender<bool>,
+    /// Set once `ipcache-watch` holds svc-identity's first complete
+    /// snapshot (the service catalog waits for it: other nodes' pods).
+    ipcache_synced: watch::Sender<bool>,
     /// One per [`Dependency`], in the order of [`Dependency::ALL`].
     dependencies: Mutex<[DependencyStatus; Dependency::ALL.len()]>,
     policy_dir: Mutex<PolicyDirStatus>,
@@ -442,6 +449,7 @@ impl EndpointManager {
             ids_known: watch::channel(false).0,
             restore_done: watch::channel(false).0,
             identities_synced: watch::channel(false).0,
+            ipcache_synced: watch::channel(false).0,
             dependencies: Mutex::new(Dependency::ALL.map(|dependency| DependencyStatus {
                 name: dependency.name(),
                 ..Default::default()

@@ -1,0 +1,284 @@
+//! `service-push`: svc-loader holds what the catalog resolves, level-
+//! triggered. Each pass computes the complete desired set of loader
+//! services and asks svc-loader for its boot id: a boot id other than the
+//! one the last replay went to (the first pass after svc-endpoint started,
+//! or svc-loader restarted) gets the whole set with ReplaceServices (an
+//! identical set changes nothing in the maps: the loader keeps backend ids
+//! and tables); otherwise only what differs from what was last pushed goes
+//! out as UpsertService / DeleteService. A service svc-loader refuses
+//! (FRONTEND_HELD, MAP_FULL, INVALID_ARGUMENT) does not hold up the others:
+//! it is remembered with the reason (`rivet service get`, `wait`) and tried
+//! again every pass. Runs on every change and every `loader_poll`.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rivet_common::controller::{Action, Progress};
+use rivet_proto::loader::v1 as lb;
+use tonic::{Code, Status};
+
+use super::document::ObjectKey;
+use super::{CatalogError, ServiceCatalog, events};
+
+/// What svc-loader holds as far as the catalog knows.
+#[derive(Debug, Default)]
+pub(super) struct Pushed {
+    /// The boot id the last ReplaceServices went to; `None`: replace next.
+    boot_id: Option<String>,
+    /// Every service svc-loader holds, by id, as last pushed.
+    services: BTreeMap<u32, lb::LbService>,
+    /// Services svc-loader refused, with its message.
+    refused: BTreeMap<u32, String>,
+}
+
+impl Pushed {
+    /// Whether svc-loader holds `service` as it is.
+    pub(super) fn holds(&self, service: &lb::LbService) -> bool {
+        self.services.get(&service.service_id) == Some(service)
+    }
+}
+
+/// Why a pass failed as a whole (retried after a backoff).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum PushError {
+    /// svc-loader did not answer.
+    #[error("{call} on svc-loader: {}", .status.message())]
+    Loader {
+        /// The call.
+        call: &'static str,
+        /// Its status.
+        #[source]
+        status: Status,
+    },
+    /// svc-loader restarted during the pass: the next pass replays.
+    #[error("svc-loader restarted during a push (boot id {seen}); replaying the whole set")]
+    LoaderRestarted {
+        /// The boot id an answer carried.
+        seen: String,
+    },
+    /// The pod feed ended (svc-endpoint is stopping).
+    #[error("the pod change feed closed")]
+    InputsClosed,
+}
+
+/// Whether svc-loader refused this one service (others may pass).
+fn refused(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::InvalidArgument | Code::AlreadyExists | Code::ResourceExhausted | Code::FailedPrecondition
+    )
+}
+
+impl ServiceCatalog {
+    pub(super) fn pushed(&self) -> std::sync::MutexGuard<'_, Pushed> {
+        self.inner.push.lock().expect("service push lock poisoned")
+    }
+
+    /// `service-inputs`: wakes `service-push` whenever the pods may have
+    /// changed; returns when the feed closes.
+    pub(super) async fn watch_inputs(&self, progress: Progress) -> Result<(), PushError> {
+        let mut changes = self.inner.pods.changes();
+        progress.ok();
+        loop {
+            changes.changed().await.map_err(|_| PushError::InputsClosed)?;
+            self.inner.push_wake.trigger();
+        }
+    }
+
+    /// One pass of `service-push`.
+    pub(super) async fn push_pass(&self) -> Result<Action, PushError> {
+        let poll = Action::requeue(self.inner.options.loader_poll);
+        let pods = self.inner.pods.pods().map(|p| self.with_node_name(p));
+        let (generation, desired) = {
+            let state = self.state();
+            if pods.is_none() && state.needs_pods() {
+                // A restart must not push selector Services without their pods.
+                return Ok(poll);
+            }
+            let pods = pods.unwrap_or_default();
+            let desired: BTreeMap<u32, lb::LbService> = state
+                .services
+                .values()
+                .flat_map(|s| self.resolve(&state, s, &pods).entries)
+                .map(|e| (e.service.service_id, e.service))
+                .collect();
+            (state.generation, desired)
+        };
+        let started = Instant::now();
+        let loader = &self.inner.loader;
+        let result = async {
+            let boot_id = loader.boot_id().await.map_err(|status| PushError::Loader {
+                call: "GetInfo",
+                status,
+            })?;
+            let replay = self.pushed().boot_id.as_deref() != Some(boot_id.as_str());
+            if replay {
+                match loader.replace_services(desired.values().cloned().collect()).await {
+                    Ok(response) => {
+                        let mut pushed = self.pushed();
+                        pushed.boot_id = Some(response.boot_id.clone());
+                        pushed.services = desired.clone();
+                        pushed.refused.clear();
+                        return Ok((true, desired.len(), 0, response.boot_id));
+                    }
+                    // One service svc-loader refuses must not hold up the
+                    // others: learn what it holds and go one by one.
+                    Err(status) if refused(&status) => {
+                        tracing::warn!(
+                            "svc-loader refused the whole service set ({}); pushing service by service",
+                            status.message()
+                        );
+                        let held = loader.list_services().await.map_err(|status| PushError::Loader {
+                            call: "ListServices",
+                            status,
+                        })?;
+                        let mut pushed = self.pushed();
+                        pushed.boot_id = Some(held.boot_id.clone());
+                        pushed.services = held
+                            .services
+                            .into_iter()
+                            .filter_map(|s| s.service)
+                            .map(|s| (s.service_id, s))
+                            .collect();
+                    }
+                    Err(status) => {
+                        return Err(PushError::Loader {
+                            call: "ReplaceServices",
+                            status,
+                        });
+                    }
+                }
+            }
+            let boot_id = self.pushed().boot_id.clone().unwrap_or(boot_id);
+            let (mut upserted, mut deleted) = (0, 0);
+            let changed: Vec<&lb::LbService> = {
+                let pushed = self.pushed();
+                desired.values().filter(|s| !pushed.holds(s)).collect()
+            };
+            for service in changed {
+                match loader.upsert_service(service.clone()).await {
+                    Ok(response) => {
+                        if response.boot_id != boot_id {
+                            self.pushed().boot_id = None;
+                            return Err(PushError::LoaderRestarted { seen: response.boot_id });
+                        }
+                        let mut pushed = self.pushed();
+                        pushed.services.insert(service.service_id, service.clone());
+                        pushed.refused.remove(&service.service_id);
+                        upserted += 1;
+                    }
+                    Err(status) if refused(&status) => {
+                        let mut pushed = self.pushed();
+                        // What it held before is gone or stale either way.
+                        pushed.services.remove(&service.service_id);
+                        let message = status.message().to_string();
+                        if pushed.refused.get(&service.service_id) != Some(&message) {
+                            events::loader_refused(&self.inner.metrics, service.service_id, &message);
+                        }
+                        pushed.refused.insert(service.service_id, message);
+                    }
+                    Err(status) => {
+                        return Err(PushError::Loader {
+                            call: "UpsertService",
+                            status,
+                        });
+                    }
+                }
+            }
+            let gone: Vec<u32> = {
+                let pushed = self.pushed();
+                pushed
+                    .services
+                    .keys()
+                    .filter(|id| !desired.contains_key(id))
+                    .copied()
+                    .collect()
+            };
+            for id in gone {
+                let response = loader.delete_service(id).await.map_err(|status| PushError::Loader {
+                    call: "DeleteService",
+                    status,
+                })?;
+                if response.boot_id != boot_id {
+                    self.pushed().boot_id = None;
+                    return Err(PushError::LoaderRestarted { seen: response.boot_id });
+                }
+                self.pushed().services.remove(&id);
+                deleted += 1;
+            }
+            // Refused services that are no longer wanted are forgotten.
+            self.pushed().refused.retain(|id, _| desired.contains_key(id));
+            Ok((false, upserted, deleted, boot_id))
+        }
+        .await;
+        match result {
+            Ok((replaced, upserted, deleted, boot_id)) => {
+                let held = self.pushed().services.len();
+                events::loader_pushed(
+                    &self.inner.metrics,
+                    replaced,
+                    upserted,
+                    deleted,
+                    held,
+                    &boot_id,
+                    started.elapsed(),
+                );
+                self.inner.realised.send_if_modified(|realised| {
+                    let newer = generation > *realised;
+                    *realised = (*realised).max(generation);
+                    newer
+                });
+                Ok(poll)
+            }
+            Err(e) => {
+                events::push_failed(&self.inner.metrics, &e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits until a pass realised `generation`; then fails if svc-loader
+    /// refused one of the object's Service's loader services.
+    pub(super) async fn wait_realised(
+        &self,
+        key: &ObjectKey,
+        generation: u64,
+        deadline: Duration,
+    ) -> Result<(), CatalogError> {
+        let mut realised = self.inner.realised.subscribe();
+        let reached = tokio::time::timeout(deadline, realised.wait_for(|r| *r >= generation)).await;
+        if !matches!(reached, Ok(Ok(_))) {
+            return Err(CatalogError::NotRealisedInTime {
+                key: key.clone(),
+                deadline,
+            });
+        }
+        let service = match key.kind {
+            super::document::ObjectKind::Service => key.name.clone(),
+            super::document::ObjectKind::EndpointSlice => self
+                .state()
+                .slices
+                .get(&(key.namespace.clone(), key.name.clone()))
+                .map(|s| s.def.service.clone())
+                .unwrap_or_default(),
+        };
+        let ids: Vec<u32> = self
+            .state()
+            .services
+            .get(&(key.namespace.clone(), service))
+            .map(|s| s.ids.values().copied().collect())
+            .unwrap_or_default();
+        let pushed = self.pushed();
+        if let Some((service_id, message)) = ids
+            .iter()
+            .find_map(|id| pushed.refused.get(id).map(|m| (*id, m.clone())))
+        {
+            return Err(CatalogError::RefusedByLoader {
+                key: key.clone(),
+                service_id,
+                message,
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,418 @@
+//! The catalog in-process: a recording loader and a pod list stand in for
+//! svc-loader and the endpoint manager (the real ones are in
+//! `tests/services.rs`).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use rivet_common::controller::Controllers;
+use rivet_policy::{NamedPort, Protocol};
+use rivet_proto::loader::v1 as lb;
+use tokio::sync::watch;
+use tonic::Status;
+
+use super::backends::PodInfo;
+use super::document::ObjectKind;
+use super::*;
+use crate::clients::{ApiResult, LoadBalancerApi};
+
+/// svc-loader's LoadBalancerService as a map, with a boot id and a call log.
+#[derive(Default)]
+struct RecordingLoader {
+    boot_id: Mutex<String>,
+    services: Mutex<BTreeMap<u32, lb::LbService>>,
+    calls: Mutex<Vec<String>>,
+    /// Service ids UpsertService refuses (FRONTEND_HELD).
+    refuse: Mutex<Vec<u32>>,
+}
+
+impl RecordingLoader {
+    fn new() -> Arc<Self> {
+        let loader = Self::default();
+        *loader.boot_id.lock().unwrap() = "boot-1".into();
+        Arc::new(loader)
+    }
+
+    fn calls(&self) -> Vec<String> {
+        std::mem::take(&mut self.calls.lock().unwrap())
+    }
+
+    fn held(&self) -> BTreeMap<u32, lb::LbService> {
+        self.services.lock().unwrap().clone()
+    }
+
+    fn restart(&self) {
+        *self.boot_id.lock().unwrap() = "boot-2".into();
+    }
+}
+
+impl LoadBalancerApi for RecordingLoader {
+    fn boot_id(&self) -> BoxFuture<'_, ApiResult<String>> {
+        let id = self.boot_id.lock().unwrap().clone();
+        async move { Ok(id) }.boxed()
+    }
+    fn upsert_service(&self, service: lb::LbService) -> BoxFuture<'_, ApiResult<lb::UpsertServiceResponse>> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("upsert {}", service.service_id));
+        let result = if self.refuse.lock().unwrap().contains(&service.service_id) {
+            Err(Status::already_exists("frontend held by service 99"))
+        } else {
+            self.services.lock().unwrap().insert(service.service_id, service);
+            Ok(lb::UpsertServiceResponse {
+                changed: true,
+                boot_id: self.boot_id.lock().unwrap().clone(),
+            })
+        };
+        async move { result }.boxed()
+    }
+    fn delete_service(&self, service_id: u32) -> BoxFuture<'_, ApiResult<lb::DeleteServiceResponse>> {
+        self.calls.lock().unwrap().push(format!("delete {service_id}"));
+        let existed = self.services.lock().unwrap().remove(&service_id).is_some();
+        let boot_id = self.boot_id.lock().unwrap().clone();
+        async move { Ok(lb::DeleteServiceResponse { existed, boot_id }) }.boxed()
+    }
+    fn replace_services(&self, services: Vec<lb::LbService>) -> BoxFuture<'_, ApiResult<lb::ReplaceServicesResponse>> {
+        self.calls.lock().unwrap().push(format!("replace {}", services.len()));
+        *self.services.lock().unwrap() = services.into_iter().map(|s| (s.service_id, s)).collect();
+        let boot_id = self.boot_id.lock().unwrap().clone();
+        async move {
+            Ok(lb::ReplaceServicesResponse {
+                upserted: 0,
+                deleted: 0,
+                boot_id,
+            })
+        }
+        .boxed()
+    }
+    fn list_services(&self) -> BoxFuture<'_, ApiResult<lb::ListServicesResponse>> {
+        let services = self
+            .held()
+            .into_values()
+            .map(|s| lb::LbServiceStatus {
+                service: Some(s),
+                ..Default::default()
+            })
+            .collect();
+        let boot_id = self.boot_id.lock().unwrap().clone();
+        async move {
+            Ok(lb::ListServicesResponse {
+                services,
+                boot_id,
+                ..Default::default()
+            })
+        }
+        .boxed()
+    }
+}
+
+/// A settable pod list.
+struct Pods {
+    pods: Mutex<Option<Vec<PodInfo>>>,
+    changes: watch::Sender<u64>,
+}
+
+impl Pods {
+    fn new(pods: Option<Vec<PodInfo>>) -> Arc<Self> {
+        Arc::new(Self {
+            pods: Mutex::new(pods),
+            changes: watch::channel(0).0,
+        })
+    }
+
+    fn set(&self, pods: Vec<PodInfo>) {
+        *self.pods.lock().unwrap() = Some(pods);
+        self.changes.send_modify(|n| *n += 1);
+    }
+}
+
+impl PodSource for Pods {
+    fn pods(&self) -> Option<Vec<PodInfo>> {
+        self.pods.lock().unwrap().clone()
+    }
+    fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+}
+
+fn pod(name: &str, address: &str) -> PodInfo {
+    PodInfo {
+        namespace: "shop".into(),
+        name: name.into(),
+        labels: BTreeMap::from([("app".into(), "web".into())]),
+        addresses: vec![address.parse().unwrap()],
+        named_ports: vec![NamedPort::new("http", Protocol::Tcp, 8080)],
+        node_name: String::new(),
+        local: true,
+        terminating: false,
+    }
+}
+
+const WEB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop}\nspec:\n  ipFamilyPolicy: PreferDualStack\n  selector: {app: web}\n  ports: [{name: http, port: 80, targetPort: http}]\n";
+
+const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: shop\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nports: [{name: http, port: 9090}]\nendpoints: [{addresses: [198.18.0.50]}]\n";
+
+fn catalog(dir: &std::path::Path, loader: Arc<RecordingLoader>, pods: Arc<Pods>) -> ServiceCatalog {
+    let options = CatalogOptions {
+        loader_poll: Duration::from_millis(20),
+        ..CatalogOptions::new(
+            dir,
+            vec!["198.19.128.0/20".parse().unwrap(), "2001:2:0:ff::/112".parse().unwrap()],
+            "n1",
+        )
+    };
+    ServiceCatalog::new(options, loader, pods, CatalogMetrics::default()).unwrap()
+}
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn backends(service: &lb::LbService) -> Vec<String> {
+    service
+        .backends
+        .iter()
+        .map(|b| format!("{}:{}", rivet_proto::net::format_address(&b.address), b.port))
+        .collect()
+}
+
+#[tokio::test]
+async fn apply_allocates_pushes_and_survives_a_restart_with_nothing_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let pods = Pods::new(Some(vec![pod("web-1", "198.18.0.5"), pod("web-2", "2001:2::6")]));
+    let controllers = Controllers::new();
+    let c = catalog(dir.path(), loader.clone(), pods.clone());
+    c.start(&controllers);
+
+    let applied = c.apply(WEB, Origin::Api, true, WAIT).await.unwrap();
+    assert!(applied.changed);
+    assert_eq!(
+        applied.cluster_ips,
+        [
+            "198.19.128.1".parse::<IpAddr>().unwrap(),
+            "2001:2:0:ff::1".parse().unwrap()
+        ]
+    );
+    let held = loader.held();
+    assert_eq!(held.len(), 2, "one loader service per family: {held:?}");
+    let by_family: BTreeMap<i32, Vec<String>> = held.values().map(|s| (s.family, backends(s))).collect();
+    assert_eq!(by_family[&(lb::Family::Ipv4 as i32)], ["198.18.0.5:8080"]);
+    assert_eq!(by_family[&(lb::Family::Ipv6 as i32)], ["2001:2::6:8080"]);
+
+    // The same document again changes nothing, keeps the IPs.
+    let again = c.apply(WEB, Origin::Api, true, WAIT).await.unwrap();
+    assert!(!again.changed);
+    assert_eq!(again.cluster_ips, applied.cluster_ips);
+
+    // An API EndpointSlice takes over from the selector: one upsert, IPv4 only.
+    loader.calls();
+    c.apply(SLICE, Origin::Api, true, WAIT).await.unwrap();
+    let v4 = loader
+        .held()
+        .into_values()
+        .find(|s| s.family == lb::Family::Ipv4 as i32)
+        .unwrap();
+    assert_eq!(backends(&v4), ["198.18.0.50:9090"]);
+    let calls = loader.calls();
+    assert!(calls.iter().all(|c| c.starts_with("upsert")), "{calls:?}");
+    let ids_before: Vec<u32> = loader.held().keys().copied().collect();
+    controllers.shutdown().await;
+    drop(c);
+
+    // A new catalog over the same dir (svc-endpoint restarted): same IPs and
+    // ids, one replace of an identical set into the same loader.
+    let controllers = Controllers::new();
+    let held_before = loader.held();
+    let c = catalog(dir.path(), loader.clone(), pods.clone());
+    c.start(&controllers);
+    let view = c.list("shop");
+    assert_eq!(view[0].cluster_ips, ["198.19.128.1", "2001:2:0:ff::1"]);
+    let reapplied = c.apply(WEB, Origin::Api, true, WAIT).await.unwrap();
+    assert!(!reapplied.changed, "restored as stored");
+    assert_eq!(loader.held(), held_before, "the loader holds exactly what it held");
+    assert_eq!(loader.held().keys().copied().collect::<Vec<_>>(), ids_before);
+    let calls = loader.calls();
+    assert_eq!(calls, ["replace 2"], "{calls:?}");
+
+    // svc-loader restarted: the whole set again.
+    loader.restart();
+    c.delete(
+        &ObjectKey {
+            kind: ObjectKind::EndpointSlice,
+            namespace: "shop".into(),
+            name: "web-1".into(),
+        },
+        Origin::Api,
+        true,
+        WAIT,
+    )
+    .await
+    .unwrap();
+    let calls = loader.calls();
+    assert!(calls.contains(&"replace 2".to_string()), "{calls:?}");
+    controllers.shutdown().await;
+}
+
+#[tokio::test]
+async fn pods_joining_and_leaving_move_the_backends() {
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let pods = Pods::new(Some(vec![pod("web-1", "198.18.0.5")]));
+    let controllers = Controllers::new();
+    let c = catalog(dir.path(), loader.clone(), pods.clone());
+    c.start(&controllers);
+    let web = WEB.replace("ipFamilyPolicy: PreferDualStack", "ipFamilyPolicy: SingleStack");
+    c.apply(&web, Origin::Api, true, WAIT).await.unwrap();
+    let held = || loader.held().into_values().next().unwrap();
+    assert_eq!(backends(&held()), ["198.18.0.5:8080"]);
+
+    let mut leaving = pod("web-1", "198.18.0.5");
+    leaving.terminating = true;
+    pods.set(vec![leaving, pod("web-2", "198.18.0.6")]);
+    let realised = async {
+        loop {
+            let s = held();
+            if backends(&s) == ["198.18.0.5:8080", "198.18.0.6:8080"]
+                && s.backends[0].state == lb::BackendState::Terminating as i32
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    tokio::time::timeout(WAIT, realised)
+        .await
+        .expect("the new pod is a backend, the old one terminating");
+    pods.set(vec![pod("web-2", "198.18.0.6")]);
+    tokio::time::timeout(WAIT, async {
+        while backends(&held()) != ["198.18.0.6:8080"] {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the deleted pod leaves");
+    controllers.shutdown().await;
+}
+
+#[tokio::test]
+async fn selector_services_wait_for_the_pods_after_a_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let pods = Pods::new(None);
+    let controllers = Controllers::new();
+    let c = catalog(dir.path(), loader.clone(), pods.clone());
+    c.start(&controllers);
+    c.apply(WEB, Origin::Api, false, WAIT).await.unwrap();
+    let err = c
+        .apply(WEB, Origin::Api, true, Duration::from_millis(300))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CatalogError::NotRealisedInTime { .. }), "{err}");
+    let calls = loader.calls();
+    assert!(
+        loader.held().is_empty() && calls.iter().all(|c| c == "replace 0"),
+        "nothing pushed without the pods: {calls:?}"
+    );
+    pods.set(vec![pod("web-1", "198.18.0.5")]);
+    c.apply(WEB, Origin::Api, true, WAIT).await.unwrap();
+    assert_eq!(loader.held().len(), 2);
+    controllers.shutdown().await;
+}
+
+#[tokio::test]
+async fn conflicts_are_refused_with_their_reason() {
+    use rivet_proto::endpoint::v1::ErrorReason as R;
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let controllers = Controllers::new();
+    let c = catalog(dir.path(), loader.clone(), Pods::new(Some(Vec::new())));
+    c.start(&controllers);
+    let reason = |e: CatalogError| rivet_common::grpc::error_reason::<R>(&Status::from(e));
+
+    let given = WEB
+        .replace("spec:\n", "spec:\n  clusterIPs: [198.19.128.77]\n")
+        .replace("PreferDualStack", "SingleStack");
+    c.apply(&given, Origin::Api, false, WAIT).await.unwrap();
+    // Another Service asking for the same address.
+    let other = given.replace("name: web,", "name: other,");
+    let err = c.apply(&other, Origin::Api, false, WAIT).await.unwrap_err();
+    assert!(err.to_string().contains("belongs to Service shop/web"), "{err}");
+    assert_eq!(reason(err), Some(R::ClusterIpUnavailable));
+    // Outside the service CIDR.
+    let outside = other.replace("198.19.128.77", "198.18.5.5");
+    let err = c.apply(&outside, Origin::Api, false, WAIT).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("spec.clusterIP: 198.18.5.5 is not in a --service-cidr"),
+        "{err}"
+    );
+    assert_eq!(reason(err), Some(R::ServiceInvalid));
+    // The key is the API's.
+    let err = c.apply(&given, Origin::Kubernetes, false, WAIT).await.unwrap_err();
+    assert_eq!(reason(err), Some(R::ServiceOriginConflict));
+    // Node ports: a taken one is refused, absent ones are allocated and kept.
+    let np = "apiVersion: v1\nkind: Service\nmetadata: {name: np}\nspec:\n  type: NodePort\n  ports: [{port: 80}]\n";
+    c.apply(np, Origin::Api, false, WAIT).await.unwrap();
+    let (view, _) = c.get("default", "np").unwrap();
+    assert_eq!(view.ports[0].node_port, 30_000);
+    c.apply(np, Origin::Api, false, WAIT).await.unwrap();
+    assert_eq!(c.get("default", "np").unwrap().0.ports[0].node_port, 30_000);
+    let taken = np
+        .replace("name: np", "name: np2")
+        .replace("{port: 80}", "{port: 80, nodePort: 30000}");
+    let err = c.apply(&taken, Origin::Api, false, WAIT).await.unwrap_err();
+    assert!(
+        err.to_string().contains("30000/TCP belongs to Service default/np"),
+        "{err}"
+    );
+
+    // svc-loader refusing one service: the waiter hears it, others pass.
+    let (view, _) = c.get("shop", "web").unwrap();
+    loader.refuse.lock().unwrap().push(view.load_balancer[0].service_id);
+    let changed = given.replace("port: 80,", "port: 81,");
+    let err = c.apply(&changed, Origin::Api, true, WAIT).await.unwrap_err();
+    assert_eq!(reason(err), Some(R::ServiceRefusedByLoader));
+    assert!(!c.get("shop", "web").unwrap().0.load_balancer[0].realised);
+    assert!(c.get("default", "np").unwrap().0.load_balancer[0].realised);
+    controllers.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_kubernetes_replay_replaces_the_kubernetes_set_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let controllers = Controllers::new();
+    let c = catalog(dir.path(), loader.clone(), Pods::new(Some(Vec::new())));
+    c.start(&controllers);
+    let k8s = |name: &str, ip: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n"
+        )
+    };
+    // The API server's addresses need not be in this node's CIDR.
+    c.apply(&k8s("a", "10.96.0.10"), Origin::Kubernetes, false, WAIT)
+        .await
+        .unwrap();
+    c.apply(&k8s("b", "10.96.0.11"), Origin::Kubernetes, false, WAIT)
+        .await
+        .unwrap();
+    c.apply(WEB, Origin::Api, false, WAIT).await.unwrap();
+    let outcome = c
+        .replay_kubernetes(vec![("item 1".into(), k8s("a", "10.96.0.10"))])
+        .await
+        .unwrap();
+    assert_eq!((outcome.applied, outcome.removed), (1, 1));
+    let names: Vec<String> = c.list("").into_iter().map(|s| s.name).collect();
+    assert_eq!(names, ["a", "web"]);
+    // An invalid item forgets nothing.
+    let outcome = c
+        .replay_kubernetes(vec![("item 1".into(), "kind: Service".into())])
+        .await
+        .unwrap();
+    assert_eq!((outcome.removed, outcome.rejected.len()), (0, 1));
+    assert_eq!(c.list("").len(), 2);
+    controllers.shutdown().await;
+}
