@@ -239,7 +239,7 @@ mod tests {
     fn every_reason_enum_round_trips() {
         round_trips::<crate::ipam::v1::ErrorReason>(11);
         round_trips::<crate::identity::v1::ErrorReason>(6);
-        round_trips::<crate::endpoint::v1::ErrorReason>(21);
+        round_trips::<crate::endpoint::v1::ErrorReason>(22);
         round_trips::<crate::loader::v1::ErrorReason>(10);
         round_trips::<crate::gc::v1::ErrorReason>(3);
         round_trips::<crate::k8s::v1::ErrorReason>(2);
