@@ -17,6 +17,8 @@
  *   to_overlay      tc egress of rivet_vxlan: sets the tunnel key of what the
  *                   stack routes into it (VNI: the source pod's identity or
  *                   remote-node).
+ *   from_netdev,    tc ingress / egress of the node's external interfaces:
+ *   to_netdev       NodePort services (nodeport.h).
  *
  * Multi-node (the `routing` map): in vxlan mode from_container sends a pod's
  * packet to a remote pod (ipcache entry with a tunnel endpoint) straight into
