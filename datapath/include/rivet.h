@@ -318,6 +318,33 @@ struct lb_affinity {
 	__u32 pad;
 };
 
+/* lb_services: service_id -> the loader's record of the service (svc-loader
+ * alone reads and writes it; the datapath never looks at it): its tables
+ * and every backend with its state in this service, terminating and
+ * node-local ones included, which the Maglev tables do not hold, so a
+ * restarted loader rebuilds its index from the pins alone. */
+#define LB_SERVICE_MAX_BACKENDS 1024
+
+#define LB_SVC_BACKEND_TERMINATING (1 << 0) /* in this service: no new flows */
+#define LB_SVC_BACKEND_NODE_LOCAL (1 << 1)  /* a pod on this node (externalTrafficPolicy Local) */
+
+struct lb_service_backend {
+	__u32 backend_id;
+	__u32 flags; /* LB_SVC_BACKEND_* */
+};
+
+struct lb_service {
+	__u32 table_id;          /* the internal Maglev table */
+	__u32 external_table_id; /* the NodePort Local table, else 0 */
+	__u32 affinity_timeout;  /* seconds, 0 = none */
+	__u16 backend_count;     /* entries of backends[] in use */
+	__u8 family;
+	__u8 protocol;
+	__u32 flags;             /* SVC_F_LOCAL when externalTrafficPolicy is Local */
+	__u32 pad;
+	struct lb_service_backend backends[LB_SERVICE_MAX_BACKENDS];
+};
+
 /* lb4_flows / lb6_flows (LRU): one translated connection, two entries keyed
  * like conntrack (ct4_key / ct6_key) with `direction` one of LB_FLOW_*:
  * FORWARD by the client's tuple to the VIP (-> the backend chosen), REVERSE

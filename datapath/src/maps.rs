@@ -1153,6 +1153,74 @@ impl LbRevNat {
     }
 }
 
+/// Backends a service may have in its [`LbService`] record.
+pub const LB_SERVICE_MAX_BACKENDS: usize = 1024;
+/// [`LbServiceBackend::flags`]: terminating in this service (no new flows).
+pub const LB_SVC_BACKEND_TERMINATING: u32 = 1 << 0;
+/// [`LbServiceBackend::flags`]: a pod on this node (externalTrafficPolicy Local).
+pub const LB_SVC_BACKEND_NODE_LOCAL: u32 = 1 << 1;
+
+/// `struct lb_service_backend`: one backend of a service's record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LbServiceBackend {
+    /// The `lb_backends` key.
+    pub backend_id: u32,
+    /// `LB_SVC_BACKEND_*`.
+    pub flags: u32,
+}
+
+/// `struct lb_service`: svc-loader's record of one service (`lb_services`,
+/// keyed by service id), which the datapath never reads: what the other
+/// maps do not say (terminating and node-local backends), so a restarted
+/// loader rebuilds its index from the pins alone.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LbService {
+    /// The internal Maglev table.
+    pub table_id: u32,
+    /// The NodePort Local table, else 0.
+    pub external_table_id: u32,
+    /// Seconds, 0 = no affinity.
+    pub affinity_timeout: u32,
+    /// Entries of `backends` in use.
+    pub backend_count: u16,
+    /// 4 or 6.
+    pub family: u8,
+    /// `IPPROTO_*`.
+    pub protocol: u8,
+    /// `SVC_F_LOCAL` when externalTrafficPolicy is Local.
+    pub flags: u32,
+    /// Zero.
+    pub pad: u32,
+    /// The backends, `backend_count` of them first.
+    pub backends: [LbServiceBackend; LB_SERVICE_MAX_BACKENDS],
+}
+
+impl Default for LbService {
+    /// No tables, no backends.
+    fn default() -> Self {
+        Self {
+            table_id: 0,
+            external_table_id: 0,
+            affinity_timeout: 0,
+            backend_count: 0,
+            family: 0,
+            protocol: 0,
+            flags: 0,
+            pad: 0,
+            backends: [LbServiceBackend::default(); LB_SERVICE_MAX_BACKENDS],
+        }
+    }
+}
+
+impl LbService {
+    /// The backends in use (at most `LB_SERVICE_MAX_BACKENDS`).
+    pub fn backends(&self) -> &[LbServiceBackend] {
+        &self.backends[..usize::from(self.backend_count).min(LB_SERVICE_MAX_BACKENDS)]
+    }
+}
+
 /// `struct lb_affinity_key`: a client of a service with session affinity.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -1345,6 +1413,8 @@ unsafe impl aya::Pod for LbFrontend {}
 unsafe impl aya::Pod for LbBackend {}
 unsafe impl aya::Pod for LbMaglevTable {}
 unsafe impl aya::Pod for LbRevNat {}
+unsafe impl aya::Pod for LbServiceBackend {}
+unsafe impl aya::Pod for LbService {}
 unsafe impl aya::Pod for LbAffinityKey {}
 unsafe impl aya::Pod for LbAffinity {}
 unsafe impl aya::Pod for LbFlow {}
@@ -1391,6 +1461,8 @@ mod tests {
         assert_eq!(size_of::<LbAffinityKey>(), 24);
         assert_eq!(size_of::<LbAffinity>(), 16);
         assert_eq!(size_of::<LbFlow>(), 48);
+        assert_eq!(size_of::<LbServiceBackend>(), 8);
+        assert_eq!(size_of::<LbService>(), 24 + 8 * LB_SERVICE_MAX_BACKENDS);
         // The LPM data must be exactly the bits the prefix lengths count.
         assert_eq!(size_of::<PolicyKeyData>() * 8, POLICY_PREFIX_FULL_BITS as usize);
         assert_eq!(offset_of!(PolicyKeyData, dport) * 8, POLICY_PREFIX_FIXED_BITS as usize);
@@ -1505,6 +1577,13 @@ mod tests {
             layout!("lb_rev_nat", LbRevNat, [
                 "addr" => addr: [u32; 4], "port" => port: u16, "family" => family: u8, "pad" => pad: u8,
             ]),
+            layout!("lb_service_backend", LbServiceBackend, ["backend_id" => backend_id: u32, "flags" => flags: u32]),
+            layout!("lb_service", LbService, [
+                "table_id" => table_id: u32, "external_table_id" => external_table_id: u32,
+                "affinity_timeout" => affinity_timeout: u32, "backend_count" => backend_count: u16,
+                "family" => family: u8, "protocol" => protocol: u8, "flags" => flags: u32, "pad" => pad: u32,
+                "backends" => backends: [LbServiceBackend; LB_SERVICE_MAX_BACKENDS],
+            ]),
             layout!("lb_affinity_key", LbAffinityKey, [
                 "client" => client: [u32; 4], "service_id" => service_id: u32, "family" => family: u8,
                 "pad" => pad: [u8; 3],
@@ -1597,6 +1676,9 @@ mod tests {
             ("LB_BACKEND_ACTIVE", LB_BACKEND_ACTIVE.into()),
             ("LB_BACKEND_TERMINATING", LB_BACKEND_TERMINATING.into()),
             ("LB_FLOW_FORWARD", LB_FLOW_FORWARD.into()),
+            ("LB_SERVICE_MAX_BACKENDS", LB_SERVICE_MAX_BACKENDS as u64),
+            ("LB_SVC_BACKEND_TERMINATING", LB_SVC_BACKEND_TERMINATING.into()),
+            ("LB_SVC_BACKEND_NODE_LOCAL", LB_SVC_BACKEND_NODE_LOCAL.into()),
             ("LB_FLOW_REVERSE", LB_FLOW_REVERSE.into()),
             ("LB_FLOW_SNAT_OUT", LB_FLOW_SNAT_OUT.into()),
             ("LB_FLOW_SNAT_IN", LB_FLOW_SNAT_IN.into()),

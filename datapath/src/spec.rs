@@ -9,7 +9,7 @@ use std::fmt;
 use crate::maps::{
     Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, FragKey, FragValue,
     IpcacheKey, IpcacheValue, LbAffinity, LbAffinityKey, LbBackend, LbFlow, LbFrontend, LbFrontendKey, LbMaglevTable,
-    LbRevNat, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue, RoutingConfig,
+    LbRevNat, LbService, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue, RoutingConfig,
 };
 
 /// `BPF_MAP_TYPE_HASH`.
@@ -57,6 +57,8 @@ pub const MAP_LB_BACKENDS: &str = "lb_backends";
 pub const MAP_LB_MAGLEV: &str = "lb_maglev";
 /// Reverse NAT: service id → the frontend replies come from.
 pub const MAP_LB_REV_NAT: &str = "lb_rev_nat";
+/// svc-loader's record of each service (read by no program).
+pub const MAP_LB_SERVICES: &str = "lb_services";
 /// Session affinity: (client, service) → backend (LRU hash).
 pub const MAP_LB_AFFINITY: &str = "lb_affinity";
 /// Translated IPv4 flows (LRU hash, the datapath writes, svc-gc expires).
@@ -64,7 +66,7 @@ pub const MAP_LB4_FLOWS: &str = "lb4_flows";
 /// Translated IPv6 flows.
 pub const MAP_LB6_FLOWS: &str = "lb6_flows";
 /// Every map of the datapath by name.
-pub const MAP_NAMES: [&str; 18] = [
+pub const MAP_NAMES: [&str; 19] = [
     MAP_ENDPOINTS,
     MAP_IPCACHE,
     MAP_POLICY,
@@ -80,6 +82,7 @@ pub const MAP_NAMES: [&str; 18] = [
     MAP_LB_BACKENDS,
     MAP_LB_MAGLEV,
     MAP_LB_REV_NAT,
+    MAP_LB_SERVICES,
     MAP_LB_AFFINITY,
     MAP_LB4_FLOWS,
     MAP_LB6_FLOWS,
@@ -340,6 +343,16 @@ pub const LB_REV_NAT: MapDef = MapDef {
     default_max_entries: 65_536,
 };
 
+/// svc-loader's service records (8 KiB each): allocated on use.
+pub const LB_SERVICES: MapDef = MapDef {
+    name: MAP_LB_SERVICES,
+    map_type: BPF_MAP_TYPE_HASH,
+    key_size: size32::<u32>(),
+    value_size: size32::<LbService>(),
+    flags: BPF_F_NO_PREALLOC,
+    default_max_entries: 65_536,
+};
+
 /// Session affinity entries (an LRU hash: the oldest client goes first).
 pub const LB_AFFINITY: MapDef = MapDef {
     name: MAP_LB_AFFINITY,
@@ -375,7 +388,7 @@ pub const LB6_FLOWS: MapDef = MapDef {
 };
 
 /// Every map of the datapath.
-pub const ALL: [MapDef; 18] = [
+pub const ALL: [MapDef; 19] = [
     ENDPOINTS,
     IPCACHE,
     POLICY,
@@ -391,6 +404,7 @@ pub const ALL: [MapDef; 18] = [
     LB_BACKENDS,
     LB_MAGLEV,
     LB_REV_NAT,
+    LB_SERVICES,
     LB_AFFINITY,
     LB4_FLOWS,
     LB6_FLOWS,

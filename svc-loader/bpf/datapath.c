@@ -162,6 +162,15 @@ struct {
 	__type(value, struct lb_rev_nat);
 } lb_rev_nat SEC(".maps");
 
+/* svc-loader's own record of each service (restored from on restart). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct lb_service);
+} lb_services SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 65536);

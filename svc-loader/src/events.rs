@@ -43,6 +43,15 @@ pub struct LoaderMetrics {
     peer_nodes: Gauge,
     peer_routes_restored: Counter,
     peer_route_resync_errors: Family<KindLabels, Counter>,
+    lb_service_changes: Family<ChangeLabels, Counter>,
+    lb_change_duration: Histogram,
+    lb_restored_services: Counter,
+    lb_restore_orphans: Counter,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ChangeLabels {
+    change: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -62,6 +71,10 @@ impl Default for LoaderMetrics {
             peer_nodes: Gauge::default(),
             peer_routes_restored: Counter::default(),
             peer_route_resync_errors: Family::default(),
+            lb_service_changes: Family::default(),
+            lb_change_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
+            lb_restored_services: Counter::default(),
+            lb_restore_orphans: Counter::default(),
         }
     }
 }
@@ -114,6 +127,26 @@ impl LoaderMetrics {
             "peer_route_resync_errors",
             "Failed resyncs of the routes to peer nodes by kind (list, add, delete)",
             self.peer_route_resync_errors.clone(),
+        );
+        r.register(
+            "lb_service_changes",
+            "Load-balancer services by change (upserted, unchanged, deleted, absent) across UpsertService, DeleteService and ReplaceServices",
+            self.lb_service_changes.clone(),
+        );
+        r.register(
+            "lb_change_duration_seconds",
+            "Time to realise an UpsertService or a whole ReplaceServices in the service maps",
+            self.lb_change_duration.clone(),
+        );
+        r.register(
+            "lb_restored_services",
+            "Services whose index the loader rebuilt from the pinned maps at start",
+            self.lb_restored_services.clone(),
+        );
+        r.register(
+            "lb_restore_orphan_entries",
+            "Service map entries no service referenced at start (left by a crash between two writes), removed",
+            self.lb_restore_orphans.clone(),
         );
     }
 }
@@ -229,4 +262,62 @@ pub fn peer_routes_resync_failed(m: &LoaderMetrics, mode: &str, error: &crate::r
     let kind = error.kind();
     tracing::warn!(mode, kind, "resyncing the routes to peer nodes failed: {error}");
     m.peer_route_resync_errors.get_or_create(&KindLabels { kind }).inc();
+}
+
+fn lb_change(m: &LoaderMetrics, change: &'static str, n: u64) {
+    m.lb_service_changes.get_or_create(&ChangeLabels { change }).inc_by(n);
+}
+
+/// A service was upserted (`UpsertService`).
+pub fn service_upserted(m: &LoaderMetrics, service_id: u32, backends: usize, changed: bool, took: Duration) {
+    if changed {
+        tracing::info!(
+            service_id,
+            backends,
+            took_ms = took.as_secs_f64() * 1e3,
+            "service upserted"
+        );
+    } else {
+        tracing::debug!(service_id, "service already as requested");
+    }
+    lb_change(m, if changed { "upserted" } else { "unchanged" }, 1);
+    m.lb_change_duration.observe(took.as_secs_f64());
+}
+
+/// A service was deleted (`DeleteService`).
+pub fn service_deleted(m: &LoaderMetrics, service_id: u32, existed: bool) {
+    if existed {
+        tracing::info!(service_id, "service deleted");
+    } else {
+        tracing::debug!(service_id, "service to delete was not there");
+    }
+    lb_change(m, if existed { "deleted" } else { "absent" }, 1);
+}
+
+/// The whole set of services was replaced (`ReplaceServices`).
+pub fn services_replaced(m: &LoaderMetrics, services: usize, report: &crate::lb::ReplaceReport, took: Duration) {
+    tracing::info!(
+        services,
+        upserted = report.upserted,
+        deleted = report.deleted,
+        unchanged = report.unchanged,
+        took_ms = took.as_secs_f64() * 1e3,
+        "services replaced"
+    );
+    lb_change(m, "upserted", u64::from(report.upserted));
+    lb_change(m, "deleted", u64::from(report.deleted));
+    lb_change(m, "unchanged", u64::from(report.unchanged));
+    m.lb_change_duration.observe(took.as_secs_f64());
+}
+
+/// The service index was rebuilt from the pinned maps at start.
+pub fn services_restored(m: &LoaderMetrics, report: &crate::lb::RestoreReport) {
+    tracing::info!(
+        services = report.services,
+        incomplete = report.incomplete,
+        orphans_removed = report.orphans_removed,
+        "service index restored from the maps"
+    );
+    m.lb_restored_services.inc_by(report.services as u64);
+    m.lb_restore_orphans.inc_by(report.orphans_removed as u64);
 }

@@ -13,6 +13,8 @@
 //! - [`events`]: logs and metrics, emitted together;
 //! - [`host_addresses`]: the node's addresses as the host identity;
 //! - [`netdev`]: interface facts in the current network namespace;
+//! - [`lb`]: load balancing, the service maps and their index
+//!   (`LoadBalancerService`), Maglev tables;
 //! - [`routing`]: the routing mode, peer nodes and their routes
 //!   (`NodeRoutingService`), the tunnel device;
 //! - `rtnl`: one rtnetlink request, for [`tc`] and [`routing`].
@@ -20,6 +22,7 @@
 pub mod datapath;
 pub mod events;
 pub mod host_addresses;
+pub mod lb;
 pub mod loader;
 pub use rivet_datapath::maps;
 pub mod monitor;
@@ -63,6 +66,10 @@ pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
     (
         rivet_proto::loader::v1::node_routing_service_server::SERVICE_NAME,
         &["ListNodes"],
+    ),
+    (
+        rivet_proto::loader::v1::load_balancer_service_server::SERVICE_NAME,
+        &["ListServices"],
     ),
 ];
 

@@ -18,6 +18,8 @@ use rivet_datapath::maps::CtTimeouts;
 use rivet_datapath::{pin, spec};
 use svc_loader::datapath::{Datapath, DatapathOptions};
 use svc_loader::events::LoaderMetrics;
+use svc_loader::lb::service::LoadBalancerService;
+use svc_loader::lb::{LbCapacity, LoadBalancer, PinnedServiceMaps};
 use svc_loader::loader::EndpointDatapath;
 use svc_loader::monitor::EventHub;
 use svc_loader::routing::{self, NodeRouting, RoutingMode};
@@ -237,10 +239,25 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     );
     let routing_service =
         routing::service::NodeRoutingService::new(node_routing, identity.boot_id.clone(), metrics.clone());
+    let lb_sizes = endpoints
+        .datapath()
+        .map_status()
+        .into_iter()
+        .map(|m| (m.name, m.spec.max_entries))
+        .collect();
+    let (lb, restored) = LoadBalancer::restore(
+        Box::new(PinnedServiceMaps(endpoints.clone())),
+        LbCapacity::from_sizes(&lb_sizes),
+    )
+    .context("restoring the service index from the pinned maps")?;
+    svc_loader::events::services_restored(&metrics, &restored);
+    let lb_service = LoadBalancerService::new(Arc::new(lb), identity.boot_id.clone(), metrics.clone());
     let service = LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics)
         .with_tunnel(tunnel.map(|t| t.ifindex))
         .with_nodeport_interfaces(served.attached);
-    let routes = Routes::new(service.into_server()).add_service(routing_service.into_server());
+    let routes = Routes::new(service.into_server())
+        .add_service(routing_service.into_server())
+        .add_service(lb_service.into_server());
     daemon::run(
         &flags.common,
         listener,

@@ -11,6 +11,7 @@ use rivet_common::pin_layout;
 use rivet_common::testing::netns::{NetNs, PodSpec, TestNode, TestPod};
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::loader::v1 as pb;
+use rivet_proto::loader::v1::load_balancer_service_client::LoadBalancerServiceClient;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 use rivet_proto::loader::v1::node_routing_service_client::NodeRoutingServiceClient;
 
@@ -351,6 +352,15 @@ impl LoaderNode {
     /// A client of the loader's NodeRoutingService.
     pub async fn routing_client(&self) -> NodeRoutingServiceClient<DaemonChannel> {
         NodeRoutingServiceClient::new(
+            connect_unix(self.loader.socket(), &ClientOptions::default())
+                .await
+                .expect("connect to svc-loader"),
+        )
+    }
+
+    /// A client of the loader's LoadBalancerService.
+    pub async fn lb_client(&self) -> LoadBalancerServiceClient<DaemonChannel> {
+        LoadBalancerServiceClient::new(
             connect_unix(self.loader.socket(), &ClientOptions::default())
                 .await
                 .expect("connect to svc-loader"),
