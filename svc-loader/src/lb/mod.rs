@@ -504,9 +504,9 @@ impl LoadBalancer {
                 .frontends
                 .iter()
                 .filter(|(key, value)| value.service_id == id && key.scope == SVC_SCOPE_INTERNAL)
-                .filter_map(|(key, _)| match key.ip() {
-                    Some(ip) => Some(Frontend::ClusterIp(SocketAddr::new(ip, key.port()))),
-                    None => Some(Frontend::NodePort(key.port())),
+                .map(|(key, _)| match key.ip() {
+                    Some(ip) => Frontend::ClusterIp(SocketAddr::new(ip, key.port())),
+                    None => Frontend::NodePort(key.port()),
                 })
                 .collect();
             frontends.sort_unstable();
