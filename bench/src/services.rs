@@ -34,7 +34,16 @@
 //!   loader answers once the maps hold it) and one backend of such a service
 //!   replaced, `--samples` times each, p50/p99 (goal p99 < 1 s), against
 //!   kube-proxy's partial sync of the same change (`iptables-restore
-//!   --noflush` of `KUBE-SERVICES` and the service's chains).
+//!   --noflush` of `KUBE-SERVICES` and the service's chains). After each
+//!   UpsertService the pinned `lb_frontends` and `lb_backends` are read: the
+//!   frontend with its backend count and every backend must be there;
+//! - **lookup cost**: at each count, and at each of `--lookup-counts`
+//!   (100,000) installed on Rivet alone, the kernel's ns per run of the
+//!   `from_container` the loader attached to the client's veth
+//!   (`BPF_PROG_TEST_RUN` on its real maps) for `--lookup-samples` SYNs of
+//!   new flows to the ClusterIPs, interleaved with as many to b1's pod IP
+//!   (the same path without a service); medians (flat: the same at every
+//!   count); and the service maps' kernel memory (fdinfo `memlock`).
 //!
 //! ratio = Rivet / iptables connections/s at the largest count (goal ≥ 2
 //! at 10,000).
@@ -44,11 +53,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use std::os::fd::AsFd as _;
+use std::path::Path;
+
+use aya::programs::ProgramFd;
 use ipnet::IpNet;
+use rivet_bpf_sys as sys;
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::netns::{NetNs, TcpServerGuard, TestNode};
+use rivet_datapath::maps::{LB_BACKEND_ACTIVE, LbBackend, LbFrontend, LbFrontendKey, SVC_SCOPE_INTERNAL};
+use rivet_datapath::spec::{MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT};
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::load_balancer_service_client::LoadBalancerServiceClient;
+use rivet_testkit::frames::{self, ETH_P_IP, TCP_SYN, proto};
 use rivet_testkit::loader::{LoaderNode, pod_spec, policy};
 
 use crate::datapath::{iperf, median};
@@ -85,6 +102,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const SOURCE_PORT_BASE: u16 = 20000;
 const SOURCE_PORTS: u64 = 41000;
 
+/// `TC_ACT_REDIRECT`: from_container's verdict on a SYN to a local pod.
+const TC_ACT_REDIRECT: u32 = 7;
+/// The program on the host veth's tc ingress (tcx) of an endpoint.
+const FROM_CONTAINER: &str = "from_container";
+/// First source port of the lookup frames (below the connections' ports).
+const LOOKUP_PORT_BASE: u16 = 1024;
+
 /// Options of the services benchmark.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServicesArgs {
@@ -99,10 +123,12 @@ pub struct ServicesArgs {
     #[arg(long, default_value_t = 16)]
     targets: u32,
     /// Seconds per connection run.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 2)]
     seconds: u32,
-    /// Connection rounds per count (each side once per round, order flipping).
-    #[arg(long, default_value_t = 3)]
+    /// Connection rounds per count (each side once per round, order
+    /// flipping): short runs back to back, so that the machine's load
+    /// weighs on both sides alike.
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// Concurrent connecting threads in the client pod.
     #[arg(long, default_value_t = 1)]
@@ -120,6 +146,13 @@ pub struct ServicesArgs {
     /// Samples per programming figure and side.
     #[arg(long, default_value_t = 30)]
     samples: u32,
+    /// Services installed (Rivet only) for more lookup-cost figures after
+    /// the connection counts.
+    #[arg(long, value_delimiter = ',', default_values_t = [100000])]
+    lookup_counts: Vec<u32>,
+    /// SYNs per lookup-cost figure (each a new flow).
+    #[arg(long, default_value_t = 2000)]
+    lookup_samples: u32,
     /// Leave out the throughput figures.
     #[arg(long)]
     skip_throughput: bool,
@@ -333,6 +366,111 @@ fn connect_once(from: SocketAddr, to: SocketAddr) -> anyhow::Result<f64> {
     Ok(t.elapsed().as_secs_f64() * 1e6)
 }
 
+/// The kernel's ns per run of Rivet's `from_container` on the client's
+/// veth (the program the loader attached, on its real maps, by
+/// `BPF_PROG_TEST_RUN`): a SYN of a new flow to a ClusterIP (`targets`
+/// round-robin: the flow map missed, the frontend, table and backend
+/// looked up, the flow entries and conntrack created) and, call by call in
+/// between, a SYN of a new flow straight to b1's pod IP (the same path
+/// without the service). Each call's verdict must be the redirect to the
+/// backend. Source ports from `first_port`, two per sample; medians.
+fn lookup_cost(node: &TestNode, targets: &[SocketAddr], samples: u32, first_port: u16) -> anyhow::Result<(f64, f64)> {
+    let client = node.pod("client");
+    let (ifname, ifindex, pod_mac, host_mac) = (
+        client.host_ifname.clone(),
+        client.host_ifindex,
+        client.pod_mac,
+        client.host_mac,
+    );
+    let targets = targets.to_vec();
+    let direct = SocketAddr::new(pod_ip(2).into(), BACKEND_PORT);
+    // The test run resolves `ifindex` in the calling thread's namespace.
+    node.ns.in_ns(move || -> anyhow::Result<(f64, f64)> {
+        let program = from_container_on(ifindex)?;
+        let (mut via_service, mut via_pod) = (Vec::new(), Vec::new());
+        for k in 0..samples {
+            let port = first_port + 2 * u16::try_from(k)?;
+            for (to, sport, out) in [
+                (targets[k as usize % targets.len()], port, &mut via_service),
+                (direct, port + 1, &mut via_pod),
+            ] {
+                let segment = frames::tcp(pod_ip(1).into(), to.ip(), sport, to.port(), TCP_SYN);
+                let IpAddr::V4(dst) = to.ip() else {
+                    anyhow::bail!("{to} is not IPv4");
+                };
+                let packet = frames::ipv4(pod_ip(1), dst, proto::TCP, 64, 1, None, &segment);
+                let frame = frames::ethernet(host_mac, pod_mac, ETH_P_IP, &packet);
+                let run = sys::test_run_classifier_repeat(program.as_fd(), &frame, ifindex, 1)?;
+                anyhow::ensure!(
+                    run.retval == TC_ACT_REDIRECT,
+                    "{FROM_CONTAINER} on {ifname} returned {} for a SYN to {to}, not the redirect to the backend",
+                    run.retval
+                );
+                out.push(f64::from(run.duration_ns));
+            }
+        }
+        Ok((median(via_service), median(via_pod)))
+    })?
+}
+
+/// The `from_container` program the loader attached (its `cls_bpf` filter on
+/// clsact ingress, named `rivet-<node>-from_container`) to `ifindex` in the calling thread's namespace.
+fn from_container_on(ifindex: u32) -> anyhow::Result<ProgramFd> {
+    let filters = svc_loader::tc::bpf_filters(ifindex, svc_loader::tc::Direction::Ingress)
+        .map_err(|e| anyhow::anyhow!("listing the tc ingress filters of ifindex {ifindex}: {e}"))?;
+    let filter = filters
+        .iter()
+        .find(|f| {
+            f.priority == svc_loader::tc::FILTER_PRIORITY
+                && f.handle == svc_loader::tc::FILTER_HANDLE
+                && f.name.ends_with(FROM_CONTAINER)
+        })
+        .ok_or_else(|| anyhow::anyhow!("no {FROM_CONTAINER} filter on ifindex {ifindex}: {filters:?}"))?;
+    for program in aya::programs::loaded_programs() {
+        let program = program?;
+        if program.id() == filter.prog_id {
+            return Ok(program.fd()?);
+        }
+    }
+    anyhow::bail!("program {} of the {FROM_CONTAINER} filter is gone", filter.prog_id)
+}
+
+/// The service maps' kernel memory under `pins` (their fdinfo `memlock`:
+/// the preallocated ones in full, the others as filled now), bytes.
+fn service_maps_memory(pins: &Path) -> anyhow::Result<u64> {
+    [MAP_LB_FRONTENDS, MAP_LB_BACKENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT]
+        .iter()
+        .map(|map| Ok(rivet_testkit::scale::pinned_map_memory(&pins.join(map))?))
+        .sum()
+}
+
+/// Whether the pinned `lb_frontends` under `pins` holds `service`'s
+/// ClusterIP with its backend count, and `lb_backends` each of its backends.
+fn programmed(pins: &Path, service: &Service) -> anyhow::Result<bool> {
+    let frontends = sys::obj_get(&pins.join(MAP_LB_FRONTENDS))?;
+    let key = LbFrontendKey::vip(service.frontend, proto::TCP, SVC_SCOPE_INTERNAL);
+    let Some(frontend) = sys::lookup::<_, LbFrontend>(frontends.as_fd(), &key)? else {
+        return Ok(false);
+    };
+    if usize::from(frontend.backend_count) != service.backends.len() {
+        return Ok(false);
+    }
+    let backends = sys::obj_get(&pins.join(MAP_LB_BACKENDS))?;
+    let mut missing: Vec<LbBackend> = service
+        .backends
+        .iter()
+        .map(|b| LbBackend::new(*b, LB_BACKEND_ACTIVE))
+        .collect();
+    let mut key: Option<u32> = None;
+    while let Some(id) = sys::next_key(backends.as_fd(), key.as_ref())? {
+        if let Some(backend) = sys::lookup::<_, LbBackend>(backends.as_fd(), &id)? {
+            missing.retain(|m| (m.addr, m.port, m.family) != (backend.addr, backend.port, backend.family));
+        }
+        key = Some(id);
+    }
+    Ok(missing.is_empty())
+}
+
 /// The Rivet side: svc-loader in a node namespace with the pods as its
 /// endpoints (no policy), and its LoadBalancerService.
 struct Rivet {
@@ -424,6 +562,11 @@ struct CountFigures {
     ratio: f64,
     rivet_install: Duration,
     peer_install: Duration,
+    /// from_container ns per SYN to a ClusterIP, and to a pod IP.
+    lookup_ns: f64,
+    lookup_pod_ns: f64,
+    /// The service maps' kernel memory, bytes.
+    maps_memory: u64,
 }
 
 fn summarise(runs: &[ConnectRun]) -> ConnectRun {
@@ -481,9 +624,19 @@ impl Programming {
 /// service.
 async fn rivet_programming(rivet: &mut Rivet, args: &ServicesArgs) -> anyhow::Result<Programming> {
     let mut new = Vec::new();
+    let pins = rivet.node.pins.0.clone();
+    let check = |service: &Service| -> anyhow::Result<()> {
+        anyhow::ensure!(
+            programmed(&pins, service)?,
+            "UpsertService of {} returned before the pinned maps held its frontend and backends",
+            service.name
+        );
+        Ok(())
+    };
     for k in 0..args.samples {
         let service = change_service(k, 0, args.change_backends);
         new.push(ms(rivet.upsert(&service).await?));
+        check(&service)?;
         rivet.delete(service.id).await?;
     }
     let mut change = Vec::new();
@@ -492,6 +645,7 @@ async fn rivet_programming(rivet: &mut Rivet, args: &ServicesArgs) -> anyhow::Re
         // Backend `k - 1` leaves, backend `k - 1 + n` joins.
         let service = change_service(0, k, args.change_backends);
         change.push(ms(rivet.upsert(&service).await?));
+        check(&service)?;
     }
     rivet.delete(CHANGE_SERVICE_ID).await?;
     Ok(Programming::of(new, change))
@@ -560,6 +714,14 @@ fn throughput(node: &TestNode, args: &ServicesArgs) -> anyhow::Result<Throughput
     })
 }
 
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// The first source port of lookup step `step`'s frames: every step's
+/// flows are new.
+fn lookup_ports(step: u16, args: &ServicesArgs) -> u16 {
+    LOOKUP_PORT_BASE + step * 2 * args.lookup_samples as u16
+}
+
 /// Runs the benchmark.
 pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
     anyhow::ensure!(
@@ -570,6 +732,13 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         args.counts.iter().all(|&c| c > 0 && c <= 60 * VIPS),
         "--counts must be 1..={}",
         60 * VIPS
+    );
+    let steps = args.counts.len() + args.lookup_counts.len();
+    anyhow::ensure!(
+        u64::from(LOOKUP_PORT_BASE) + 2 * steps as u64 * u64::from(args.lookup_samples) <= u64::from(SOURCE_PORT_BASE),
+        "--lookup-samples {} for {steps} counts needs more source ports than the {} below the connections' ones",
+        args.lookup_samples,
+        SOURCE_PORT_BASE - LOOKUP_PORT_BASE
     );
     let load_before = load_average()?;
     let mut rivet = Rivet::start().await?;
@@ -583,6 +752,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
     for &count in &args.counts {
         installed = service_set(count, args.backends);
         let rivet_install = rivet.replace(&installed).await?;
+        let maps_memory = service_maps_memory(&rivet.node.pins.0)?;
         let peer_install = peer.replace(&installed)?;
         let targets: Vec<SocketAddr> = spread(count, args.targets)
             .into_iter()
@@ -612,6 +782,15 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
             }
             Ok(rounds)
         })?;
+        let step = u16::try_from(figures.len())?;
+        let (lookup_ns, lookup_pod_ns) = tokio::task::block_in_place(|| {
+            lookup_cost(
+                &rivet.node.node,
+                &targets,
+                args.lookup_samples,
+                lookup_ports(step, args),
+            )
+        })?;
         let ours: Vec<ConnectRun> = rounds.iter().map(|r| r.0).collect();
         let theirs: Vec<ConnectRun> = rounds.iter().map(|r| r.1).collect();
         figures.push(CountFigures {
@@ -621,16 +800,31 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
             ratio: median(rounds.iter().map(|(r, p)| r.per_s / p.per_s).collect()),
             rivet_install,
             peer_install,
+            lookup_ns,
+            lookup_pod_ns,
+            maps_memory,
         });
     }
 
     println!(
-        "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>6} | {:>11} {:>11}",
-        "services", "rivet c/s", "p50 us", "p99 us", "iptab c/s", "p50 us", "p99 us", "ratio", "rivet ms", "restore ms"
+        "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>6} | {:>11} {:>11} | {:>9} {:>9} {:>9}",
+        "services",
+        "rivet c/s",
+        "p50 us",
+        "p99 us",
+        "iptab c/s",
+        "p50 us",
+        "p99 us",
+        "ratio",
+        "rivet ms",
+        "restore ms",
+        "lookup ns",
+        "pod ns",
+        "maps MiB"
     );
     for f in &figures {
         println!(
-            "{:>8} | {:>10.0} {:>8.1} {:>8.1} | {:>10.0} {:>8.1} {:>8.1} | {:>6.2} | {:>11.1} {:>11.1}",
+            "{:>8} | {:>10.0} {:>8.1} {:>8.1} | {:>10.0} {:>8.1} {:>8.1} | {:>6.2} | {:>11.1} {:>11.1} | {:>9.0} {:>9.0} {:>9.1}",
             f.count,
             f.rivet.per_s,
             f.rivet.p50_us,
@@ -640,7 +834,10 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
             f.peer.p99_us,
             f.ratio,
             ms(f.rivet_install),
-            ms(f.peer_install)
+            ms(f.peer_install),
+            f.lookup_ns,
+            f.lookup_pod_ns,
+            f.maps_memory as f64 / MIB
         );
         let n = f.count;
         metrics.push((format!("rivet_{n}_conn_per_s"), f.rivet.per_s));
@@ -652,6 +849,9 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         metrics.push((format!("conn_ratio_{n}"), f.ratio));
         metrics.push((format!("rivet_{n}_install_ms"), ms(f.rivet_install)));
         metrics.push((format!("iptables_{n}_restore_ms"), ms(f.peer_install)));
+        metrics.push((format!("rivet_{n}_lookup_ns"), f.lookup_ns));
+        metrics.push((format!("rivet_{n}_pod_ip_syn_ns"), f.lookup_pod_ns));
+        metrics.push((format!("rivet_{n}_maps_mib"), f.maps_memory as f64 / MIB));
     }
     let (first, last) = (figures[0], figures[figures.len() - 1]);
     let flatness = last.rivet.per_s / first.rivet.per_s;
@@ -701,6 +901,44 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         metrics.push((format!("{side}_backend_change_p50_ms"), p.change_p50_ms));
         metrics.push((format!("{side}_backend_change_p99_ms"), p.change_p99_ms));
     }
+    drop(peer_side);
+    drop(peer);
+    let mut lookups = vec![(first.count, first.lookup_ns)];
+    for (i, &count) in args.lookup_counts.iter().enumerate() {
+        let set = service_set(count, args.backends);
+        let install = rivet.replace(&set).await?;
+        let memory = service_maps_memory(&rivet.node.pins.0)? as f64 / MIB;
+        let targets: Vec<SocketAddr> = spread(count, args.targets)
+            .into_iter()
+            .map(|i| set[i as usize].frontend)
+            .collect();
+        let step = u16::try_from(args.counts.len() + i)?;
+        let (ns, pod_ns) = tokio::task::block_in_place(|| {
+            lookup_cost(
+                &rivet.node.node,
+                &targets,
+                args.lookup_samples,
+                lookup_ports(step, args),
+            )
+        })?;
+        println!(
+            "{count} services (Rivet only): installed in {:.0} ms, service maps {memory:.1} MiB; from_container \
+             {ns:.0} ns per SYN to a ClusterIP, {pod_ns:.0} ns to a pod IP",
+            ms(install)
+        );
+        metrics.push((format!("rivet_{count}_maps_mib"), memory));
+        metrics.push((format!("rivet_{count}_install_ms"), ms(install)));
+        metrics.push((format!("rivet_{count}_lookup_ns"), ns));
+        metrics.push((format!("rivet_{count}_pod_ip_syn_ns"), pod_ns));
+        lookups.push((count, ns));
+    }
+    let (most, most_ns) = lookups.iter().copied().max_by_key(|l| l.0).expect("one count at least");
+    let lookup_flatness = most_ns / first.lookup_ns;
+    println!(
+        "lookup cost at {most} services = {lookup_flatness:.2}x at {} (flat: ~1)",
+        first.count
+    );
+    metrics.push(("rivet_lookup_ns_most_over_first".into(), lookup_flatness));
     metrics.push(("load_average_1m_before".into(), load_before));
     metrics.push(("load_average_1m_after".into(), load_average()?));
     Ok(BenchResult {

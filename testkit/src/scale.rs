@@ -436,6 +436,21 @@ async fn publish_node_record(node: &SimulatedNode, spec: &ScaleSpec, i: u32) -> 
     Ok(())
 }
 
+/// The kernel's account of the memory of the map pinned at `pin`
+/// (`memlock` in its fdinfo: for a map without preallocation, what its
+/// entries take now).
+pub fn pinned_map_memory(pin: &Path) -> std::io::Result<u64> {
+    let fd = rivet_bpf_sys::obj_get(pin)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("opening the pin {}: {e}", pin.display())))?;
+    let fdinfo = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+    let text = std::fs::read_to_string(&fdinfo)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("reading {fdinfo} ({}): {e}", pin.display())))?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("memlock:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no memlock line in {fdinfo} ({})", pin.display())))
+}
+
 /// The ipcache pinned by a running svc-loader, read directly (the
 /// datapath's own lookups).
 pub struct IpcacheReader {
@@ -474,13 +489,7 @@ impl IpcacheReader {
             pins: self.pins.clone(),
             detail,
         };
-        let fd = rivet_bpf_sys::obj_get(&self.pin).map_err(|e| err(format!("opening the pin: {e}")))?;
-        let fdinfo = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
-        let text = std::fs::read_to_string(&fdinfo).map_err(|e| err(format!("reading {fdinfo}: {e}")))?;
-        text.lines()
-            .find_map(|l| l.strip_prefix("memlock:"))
-            .and_then(|v| v.trim().parse().ok())
-            .ok_or_else(|| err(format!("no memlock line in {fdinfo}")))
+        pinned_map_memory(&self.pin).map_err(|e| err(e.to_string()))
     }
 
     /// What the datapath finds for `ip` (longest prefix match), if anything.
