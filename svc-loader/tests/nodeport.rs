@@ -4,16 +4,17 @@
 //! bridge. externalTrafficPolicy Cluster reaches both nodes' backends
 //! (the other node's SNATed to the node's address), Local only the node's
 //! own with the client's address kept, and a node without a local backend
-//! rejects with a RST and drop reason 19. IPv4 and IPv6.
+//! rejects with a RST and drop reason 19. IPv4 and IPv6; TCP, and UDP for
+//! Cluster.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::net::{IpPrefix, address_bytes};
 use rivet_testkit::loader::{ExternalClient, LoaderNode, UNDERLAY_IFNAME, Underlay, policy};
-use rivet_testkit::service::{NameServer, ask_name, ask_names, name_and_peer};
+use rivet_testkit::service::{NameServer, ask_name, ask_name_udp, ask_names, name_and_peer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-loader");
 const REMOTE_NODE: u32 = 6;
@@ -174,6 +175,18 @@ async fn nodeport_from_outside(mode: &str) {
             );
         }
 
+        // UDP, Cluster via node 1: both backends answer (each datagram from
+        // a new socket, so a new flow).
+        let dst = SocketAddr::new(node_addr(1, family), CLUSTER_NODE_PORT);
+        let names: BTreeSet<String> = (0..CONNECTIONS)
+            .map(|_| ask_name_udp(&client.ns, dst, TIMEOUT).unwrap_or_else(|e| panic!("UDP to NodePort {dst}: {e}")))
+            .collect();
+        assert_eq!(
+            names.iter().map(String::as_str).collect::<Vec<_>>(),
+            ["b1", "b2"],
+            "UDP Cluster via node 1 ({mode}, {dst})"
+        );
+
         // Local via node 1: only b1, which sees the client.
         let dst = SocketAddr::new(node_addr(1, family), LOCAL_NODE_PORT);
         let by_backend = answers(&client, dst);
@@ -214,7 +227,8 @@ async fn nodeport_from_outside_vxlan() {
 /// maps as svc-loader's LoadBalancerService lays them out (it is not on
 /// main yet; the tests move to UpsertService when it is): per family a
 /// Cluster service on NodePort 30080 over b1 and b2, and a Local one on
-/// 30081 over b1 only, whose EXTERNAL table on node 2 is empty.
+/// 30081 over b1 only, whose EXTERNAL table on node 2 is empty; and a
+/// Cluster UDP service on 30080 over both.
 mod raw {
     use super::*;
     use aya::maps::{HashMap, MapData};
@@ -234,9 +248,13 @@ mod raw {
     }
 
     fn fe_key(family: u8, port: u16, scope: u8) -> [u8; 24] {
+        fe_key_of(family, port, 6, scope)
+    }
+
+    fn fe_key_of(family: u8, port: u16, protocol: u8, scope: u8) -> [u8; 24] {
         let mut k = [0u8; 24];
         k[16..18].copy_from_slice(&port.to_be_bytes());
-        k[18] = 6;
+        k[18] = protocol;
         k[19] = family;
         k[20] = scope;
         k
@@ -283,6 +301,13 @@ mod raw {
             tables.insert(t + 2, table(&local), 0).unwrap(); // Local, external
             frontends
                 .insert(fe_key(fam, CLUSTER_NODE_PORT, 0), fe(1 + family as u32, t, 2, 2), 0)
+                .unwrap();
+            frontends
+                .insert(
+                    fe_key_of(fam, CLUSTER_NODE_PORT, 17, 0),
+                    fe(5 + family as u32, t, 2, 2),
+                    0,
+                )
                 .unwrap();
             frontends
                 .insert(
