@@ -112,6 +112,100 @@ async fn learn_peer(local: &LoaderNode, peer: &LoaderNode, peer_index: u8) {
         .expect("ReplaceNodes succeeds");
 }
 
+/// A service of one family and `protocol`: a ClusterIP on port 80 and
+/// NodePort `node_port`, backends (address, local to this node) on
+/// BACKEND_PORT.
+fn service(
+    id: u32,
+    protocol: pb::Protocol,
+    cluster_ip: IpAddr,
+    node_port: u16,
+    backends: &[(IpAddr, bool)],
+    policy: pb::TrafficPolicy,
+) -> pb::LbService {
+    pb::LbService {
+        service_id: id,
+        family: if cluster_ip.is_ipv4() {
+            pb::Family::Ipv4
+        } else {
+            pb::Family::Ipv6
+        } as i32,
+        protocol: protocol as i32,
+        frontends: vec![
+            pb::LbFrontend {
+                kind: pb::FrontendKind::ClusterIp as i32,
+                address: address_bytes(cluster_ip),
+                port: 80,
+            },
+            pb::LbFrontend {
+                kind: pb::FrontendKind::NodePort as i32,
+                address: Vec::new(),
+                port: u32::from(node_port),
+            },
+        ],
+        backends: backends
+            .iter()
+            .map(|(addr, node_local)| pb::LbBackend {
+                address: address_bytes(*addr),
+                port: u32::from(BACKEND_PORT),
+                state: pb::BackendState::Active as i32,
+                node_local: *node_local,
+            })
+            .collect(),
+        affinity_timeout_seconds: 0,
+        external_traffic_policy: policy as i32,
+    }
+}
+
+/// The services every node holds (UpsertService), `b1`/`b2` local as they
+/// are on node `index`: per family a Cluster service on TCP and one on UDP
+/// (NodePort 30080) over both backends, and a Local one (TCP 30081) over
+/// b1 only (node 2's external frontend of it has no backend).
+async fn upsert_services(node: &LoaderNode, index: u8, b1: &[IpAddr], b2: &[IpAddr]) {
+    let cluster_ips: [IpAddr; 4] = [
+        "198.19.128.10".parse().unwrap(),
+        "2001:2:0:ff::10".parse().unwrap(),
+        "198.19.128.11".parse().unwrap(),
+        "2001:2:0:ff::11".parse().unwrap(),
+    ];
+    let mut client = node.lb_client().await;
+    for family in 0..2 {
+        let both = [(b1[family], index == 1), (b2[family], index == 2)];
+        let services = [
+            service(
+                1 + family as u32,
+                pb::Protocol::Tcp,
+                cluster_ips[family],
+                CLUSTER_NODE_PORT,
+                &both,
+                pb::TrafficPolicy::Cluster,
+            ),
+            service(
+                5 + family as u32,
+                pb::Protocol::Udp,
+                cluster_ips[family],
+                CLUSTER_NODE_PORT,
+                &both,
+                pb::TrafficPolicy::Cluster,
+            ),
+            service(
+                3 + family as u32,
+                pb::Protocol::Tcp,
+                cluster_ips[2 + family],
+                LOCAL_NODE_PORT,
+                &both[..1],
+                pb::TrafficPolicy::Local,
+            ),
+        ];
+        for service in services {
+            client
+                .upsert_service(pb::UpsertServiceRequest { service: Some(service) })
+                .await
+                .expect("UpsertService succeeds");
+        }
+    }
+}
+
 /// The address of node `index` on the underlay in `family` (0: IPv4, 1: IPv6).
 fn node_addr(index: u8, family: usize) -> IpAddr {
     if family == 0 {
@@ -135,8 +229,8 @@ async fn nodeport_from_outside(mode: &str) {
         NameServer::start_reporting_peer(&n1.pod("b1").ns, "b1", &sockets(&b1)).unwrap(),
         NameServer::start_reporting_peer(&n2.pod("b2").ns, "b2", &sockets(&b2)).unwrap(),
     ];
-    raw::upsert_services(&n1, 1, &b1, &b2).await;
-    raw::upsert_services(&n2, 2, &b1, &b2).await;
+    upsert_services(&n1, 1, &b1, &b2).await;
+    upsert_services(&n2, 2, &b1, &b2).await;
     let client = underlay.add_external_client().unwrap();
     let status = n1
         .client()
@@ -221,108 +315,4 @@ async fn nodeport_from_outside_native() {
 #[tokio::test]
 async fn nodeport_from_outside_vxlan() {
     nodeport_from_outside("vxlan").await;
-}
-
-/// The services every node holds, written straight into the node's pinned
-/// maps as svc-loader's LoadBalancerService lays them out (it is not on
-/// main yet; the tests move to UpsertService when it is): per family a
-/// Cluster service on NodePort 30080 over b1 and b2, and a Local one on
-/// 30081 over b1 only, whose EXTERNAL table on node 2 is empty; and a
-/// Cluster UDP service on 30080 over both.
-mod raw {
-    use super::*;
-    use aya::maps::{HashMap, MapData};
-
-    fn map<K: aya::Pod, V: aya::Pod>(node: &LoaderNode, name: &str) -> HashMap<MapData, K, V> {
-        let data = MapData::from_pin(node.pins.0.join(name)).unwrap();
-        HashMap::try_from(aya::maps::Map::HashMap(data)).unwrap()
-    }
-
-    fn addr16(a: IpAddr) -> [u8; 16] {
-        let mut out = [0u8; 16];
-        match a {
-            IpAddr::V4(v4) => out[..4].copy_from_slice(&v4.octets()),
-            IpAddr::V6(v6) => out = v6.octets(),
-        }
-        out
-    }
-
-    fn fe_key(family: u8, port: u16, scope: u8) -> [u8; 24] {
-        fe_key_of(family, port, 6, scope)
-    }
-
-    fn fe_key_of(family: u8, port: u16, protocol: u8, scope: u8) -> [u8; 24] {
-        let mut k = [0u8; 24];
-        k[16..18].copy_from_slice(&port.to_be_bytes());
-        k[18] = protocol;
-        k[19] = family;
-        k[20] = scope;
-        k
-    }
-
-    fn fe(service: u32, table: u32, count: u16, flags: u16) -> [u8; 16] {
-        let mut v = [0u8; 16];
-        v[0..4].copy_from_slice(&service.to_ne_bytes());
-        v[4..8].copy_from_slice(&table.to_ne_bytes());
-        v[8..10].copy_from_slice(&count.to_ne_bytes());
-        v[10..12].copy_from_slice(&flags.to_ne_bytes());
-        v
-    }
-
-    fn table(ids: &[u32]) -> [u32; 1021] {
-        let mut t = [0u32; 1021];
-        if !ids.is_empty() {
-            for (i, slot) in t.iter_mut().enumerate() {
-                *slot = ids[i % ids.len()];
-            }
-        }
-        t
-    }
-
-    pub async fn upsert_services(node: &LoaderNode, index: u8, b1: &[IpAddr], b2: &[IpAddr]) {
-        let mut backends: HashMap<MapData, u32, [u8; 20]> = map(node, "lb_backends");
-        let mut tables: HashMap<MapData, u32, [u32; 1021]> = map(node, "lb_maglev");
-        let mut frontends: HashMap<MapData, [u8; 24], [u8; 16]> = map(node, "lb_frontends");
-        for family in 0..2usize {
-            let fam = if family == 0 { 4 } else { 6 };
-            let id1 = 1 + 2 * family as u32;
-            let id2 = id1 + 1;
-            for (id, a) in [(id1, b1[family]), (id2, b2[family])] {
-                let mut v = [0u8; 20];
-                v[..16].copy_from_slice(&addr16(a));
-                v[16..18].copy_from_slice(&BACKEND_PORT.to_be_bytes());
-                v[18] = fam;
-                backends.insert(id, v, 0).unwrap();
-            }
-            let local = if index == 1 { vec![id1] } else { vec![] };
-            let t = 10 * (family as u32 + 1);
-            tables.insert(t, table(&[id1, id2]), 0).unwrap(); // Cluster
-            tables.insert(t + 1, table(&[id1]), 0).unwrap(); // Local, internal
-            tables.insert(t + 2, table(&local), 0).unwrap(); // Local, external
-            frontends
-                .insert(fe_key(fam, CLUSTER_NODE_PORT, 0), fe(1 + family as u32, t, 2, 2), 0)
-                .unwrap();
-            frontends
-                .insert(
-                    fe_key_of(fam, CLUSTER_NODE_PORT, 17, 0),
-                    fe(5 + family as u32, t, 2, 2),
-                    0,
-                )
-                .unwrap();
-            frontends
-                .insert(
-                    fe_key(fam, LOCAL_NODE_PORT, 0),
-                    fe(3 + family as u32, t + 1, 1, 2 | 8),
-                    0,
-                )
-                .unwrap();
-            frontends
-                .insert(
-                    fe_key(fam, LOCAL_NODE_PORT, 1),
-                    fe(3 + family as u32, t + 2, local.len() as u16, 2 | 8),
-                    0,
-                )
-                .unwrap();
-        }
-    }
 }
