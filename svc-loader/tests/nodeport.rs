@@ -14,7 +14,7 @@ use std::time::Duration;
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::net::{IpPrefix, address_bytes};
 use rivet_testkit::loader::{ExternalClient, LoaderNode, UNDERLAY_IFNAME, Underlay, policy};
-use rivet_testkit::service::{NameServer, ask_name, ask_name_udp, ask_names, name_and_peer};
+use rivet_testkit::service::{HeldConnection, NameServer, ask_name, ask_name_udp, ask_names, name_and_peer};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-loader");
 const REMOTE_NODE: u32 = 6;
@@ -215,37 +215,69 @@ fn node_addr(index: u8, family: usize) -> IpAddr {
     }
 }
 
-async fn nodeport_from_outside(mode: &str) {
-    let underlay = Underlay::new().unwrap();
-    let n1 = node(&underlay, 1, mode).await;
-    let n2 = node(&underlay, 2, mode).await;
-    learn_peer(&n1, &n2, 2).await;
-    learn_peer(&n2, &n1, 1).await;
-    let b1 = n1.pod("b1").addrs();
-    let b2 = n2.pod("b2").addrs();
-    let sockets =
-        |addrs: &[IpAddr]| -> Vec<SocketAddr> { addrs.iter().map(|a| SocketAddr::new(*a, BACKEND_PORT)).collect() };
-    let _servers = [
-        NameServer::start_reporting_peer(&n1.pod("b1").ns, "b1", &sockets(&b1)).unwrap(),
-        NameServer::start_reporting_peer(&n2.pod("b2").ns, "b2", &sockets(&b2)).unwrap(),
-    ];
-    upsert_services(&n1, 1, &b1, &b2).await;
-    upsert_services(&n2, 2, &b1, &b2).await;
-    let client = underlay.add_external_client().unwrap();
-    let status = n1
-        .client()
+/// Two nodes in `mode` with their backends serving, the services on both,
+/// and the client on the underlay. Fields drop in order: the client and
+/// servers first, then the nodes, the underlay last.
+struct Setup {
+    client: ExternalClient,
+    _servers: [NameServer; 2],
+    n2: LoaderNode,
+    n1: LoaderNode,
+    _underlay: Underlay,
+}
+
+impl Setup {
+    async fn start(mode: &str) -> Self {
+        let underlay = Underlay::new().unwrap();
+        let n1 = node(&underlay, 1, mode).await;
+        let n2 = node(&underlay, 2, mode).await;
+        learn_peer(&n1, &n2, 2).await;
+        learn_peer(&n2, &n1, 1).await;
+        let b1 = n1.pod("b1").addrs();
+        let b2 = n2.pod("b2").addrs();
+        let sockets =
+            |addrs: &[IpAddr]| -> Vec<SocketAddr> { addrs.iter().map(|a| SocketAddr::new(*a, BACKEND_PORT)).collect() };
+        let servers = [
+            NameServer::start_reporting_peer(&n1.pod("b1").ns, "b1", &sockets(&b1)).unwrap(),
+            NameServer::start_reporting_peer(&n2.pod("b2").ns, "b2", &sockets(&b2)).unwrap(),
+        ];
+        upsert_services(&n1, 1, &b1, &b2).await;
+        upsert_services(&n2, 2, &b1, &b2).await;
+        let client = underlay.add_external_client().unwrap();
+        Self {
+            client,
+            _servers: servers,
+            n2,
+            n1,
+            _underlay: underlay,
+        }
+    }
+}
+
+/// The NodePort programs in `node`'s GetDatapathStatus: (name, program
+/// id, external interfaces running it).
+async fn netdev_programs(node: &LoaderNode) -> Vec<(String, u32, u32)> {
+    node.client()
         .await
         .get_datapath_status(pb::GetDatapathStatusRequest {})
         .await
-        .unwrap()
-        .into_inner();
-    let attached: Vec<(&str, u32)> = status
+        .expect("GetDatapathStatus answers")
+        .into_inner()
         .programs
-        .iter()
+        .into_iter()
         .filter(|p| p.name.ends_with("_netdev"))
-        .map(|p| (p.name.as_str(), p.attachments))
-        .collect();
-    assert_eq!(attached, [("from_netdev", 1), ("to_netdev", 1)], "ul0 serves NodePort");
+        .map(|p| (p.name, p.program_id, p.attachments))
+        .collect()
+}
+
+async fn nodeport_from_outside(mode: &str) {
+    let Setup { n1, n2, client, .. } = &Setup::start(mode).await;
+    let attached: Vec<(String, u32)> = netdev_programs(n1).await.into_iter().map(|(n, _, a)| (n, a)).collect();
+    assert_eq!(
+        attached,
+        [("from_netdev".to_owned(), 1), ("to_netdev".to_owned(), 1)],
+        "ul0 serves NodePort"
+    );
 
     for family in 0..2 {
         let client_addr = client.addrs()[family];
@@ -253,7 +285,7 @@ async fn nodeport_from_outside(mode: &str) {
         // sees the client, the other node's sees the node (SNAT).
         for (via, local, remote) in [(1, "b1", "b2"), (2, "b2", "b1")] {
             let dst = SocketAddr::new(node_addr(via, family), CLUSTER_NODE_PORT);
-            let by_backend = answers(&client, dst);
+            let by_backend = answers(client, dst);
             assert_eq!(
                 by_backend.keys().map(String::as_str).collect::<Vec<_>>(),
                 ["b1", "b2"],
@@ -283,7 +315,7 @@ async fn nodeport_from_outside(mode: &str) {
 
         // Local via node 1: only b1, which sees the client.
         let dst = SocketAddr::new(node_addr(1, family), LOCAL_NODE_PORT);
-        let by_backend = answers(&client, dst);
+        let by_backend = answers(client, dst);
         assert_eq!(
             by_backend.keys().map(String::as_str).collect::<Vec<_>>(),
             ["b1"],
@@ -315,4 +347,65 @@ async fn nodeport_from_outside_native() {
 #[tokio::test]
 async fn nodeport_from_outside_vxlan() {
     nodeport_from_outside("vxlan").await;
+}
+
+/// kill -9 of node 1's loader: the NodePort filters keep translating while
+/// it is dead (connections held open through both backends, the SNATed one
+/// included, keep answering; new ones are served), and the restarted
+/// loader's programs take over the filters in place with the flows in the
+/// pinned maps.
+#[tokio::test]
+async fn nodeport_survives_a_loader_kill_9_and_the_restart_adopts_the_filters() {
+    let mut setup = Setup::start("native").await;
+    let dst = SocketAddr::new(node_addr(1, 0), CLUSTER_NODE_PORT);
+    // One held connection to each backend (b2's is SNATed by node 1).
+    let mut held: BTreeMap<String, HeldConnection> = BTreeMap::new();
+    for _ in 0..CONNECTIONS {
+        let conn = HeldConnection::open(&setup.client.ns, dst, TIMEOUT).expect("a connection to the NodePort");
+        let (name, _) = name_and_peer(&conn.first).expect("a name and a peer");
+        held.entry(name.to_owned()).or_insert(conn);
+        if held.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(held.len(), 2, "connections to both backends: {:?}", held.keys());
+    let before = netdev_programs(&setup.n1).await;
+
+    setup.n1.loader.kill9();
+    let by_backend = answers(&setup.client, dst);
+    assert_eq!(
+        by_backend.len(),
+        2,
+        "new connections with the loader dead: {by_backend:?}"
+    );
+    for (name, conn) in &mut held {
+        let again = conn
+            .ask()
+            .unwrap_or_else(|e| panic!("the held connection to {name}, loader dead: {e}"));
+        assert_eq!(name_and_peer(&again).map(|(n, _)| n), Some(name.as_str()));
+    }
+
+    setup
+        .n1
+        .loader
+        .restart()
+        .await
+        .expect("the loader restarts on its pins");
+    for (name, conn) in &mut held {
+        let again = conn
+            .ask()
+            .unwrap_or_else(|e| panic!("the held connection to {name}, after the restart: {e}"));
+        assert_eq!(name_and_peer(&again).map(|(n, _)| n), Some(name.as_str()));
+    }
+    let after = netdev_programs(&setup.n1).await;
+    assert_eq!(
+        after.iter().map(|(_, _, a)| *a).collect::<Vec<_>>(),
+        [1, 1],
+        "{after:?}"
+    );
+    for ((name, old, _), (_, new, _)) in before.iter().zip(&after) {
+        assert_ne!(old, new, "{name}: the restarted loader's own program runs on ul0");
+    }
+    let by_backend = answers(&setup.client, dst);
+    assert_eq!(by_backend.len(), 2, "new connections after the restart: {by_backend:?}");
 }
