@@ -61,6 +61,11 @@ struct Flags {
     /// connection to a service.
     #[arg(long, env = "RIVET_LB_FLOWS_MAX", default_value_t = spec::LB4_FLOWS.default_max_entries)]
     lb_flows_max: u32,
+    /// Services the node can hold: entries of lb_services, lb_rev_nat,
+    /// lb_maglev and lb_frontends (a Maglev table takes 4 KiB and a
+    /// service record 8 KiB of kernel memory, allocated as used).
+    #[arg(long, env = "RIVET_LB_SERVICES_MAX", default_value_t = spec::LB_SERVICES.default_max_entries)]
+    lb_services_max: u32,
     /// Size of the event ring buffer in bytes.
     #[arg(long, env = "RIVET_EVENTS_BYTES", default_value_t = spec::EVENTS.default_max_entries)]
     events_bytes: u32,
@@ -151,6 +156,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     options.ct4_max = flags.ct_max;
     options.ct6_max = flags.ct_max;
     options.lb_flows_max = flags.lb_flows_max;
+    options.lb_services_max = flags.lb_services_max;
     options.events_bytes = flags.events_bytes;
     options.ct_timeouts = CtTimeouts {
         tcp_syn: flags.ct_tcp_syn_timeout,

@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 
 use rivet_datapath::maps::CtTimeouts;
 use rivet_datapath::spec::{
-    self, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_IPCACHE, MAP_LB4_FLOWS, MAP_LB6_FLOWS,
-    MAP_POLICY,
+    self, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_IPCACHE, MAP_LB_FRONTENDS, MAP_LB_MAGLEV,
+    MAP_LB_REV_NAT, MAP_LB_SERVICES, MAP_LB4_FLOWS, MAP_LB6_FLOWS, MAP_POLICY,
 };
 
 use super::error::{DatapathError, OptionsError};
@@ -30,6 +30,9 @@ pub struct DatapathOptions {
     pub ct6_max: u32,
     /// max_entries of `lb4_flows` and of `lb6_flows` (two per connection to a service).
     pub lb_flows_max: u32,
+    /// max_entries of the per-service maps: `lb_services`, `lb_rev_nat`,
+    /// `lb_maglev` and `lb_frontends` (the services a node can hold).
+    pub lb_services_max: u32,
     /// Size of the `events` ring buffer in bytes (rounded up to a power-of-two
     /// number of pages, as the kernel requires).
     pub events_bytes: u32,
@@ -52,6 +55,7 @@ impl DatapathOptions {
             ct4_max: spec::CT4.default_max_entries,
             ct6_max: spec::CT6.default_max_entries,
             lb_flows_max: spec::LB4_FLOWS.default_max_entries,
+            lb_services_max: spec::LB_SERVICES.default_max_entries,
             events_bytes: spec::EVENTS.default_max_entries,
             ct_timeouts: CtTimeouts::DEFAULT,
             event_flags: 0,
@@ -78,7 +82,7 @@ impl DatapathOptions {
         page * pages.next_power_of_two()
     }
 
-    pub(super) fn max_entries(&self) -> [(&'static str, u32); 9] {
+    pub(super) fn max_entries(&self) -> [(&'static str, u32); 13] {
         [
             (MAP_ENDPOINTS, self.endpoints_max),
             (MAP_IPCACHE, self.ipcache_max),
@@ -88,6 +92,10 @@ impl DatapathOptions {
             (MAP_CT6, self.ct6_max),
             (MAP_LB4_FLOWS, self.lb_flows_max),
             (MAP_LB6_FLOWS, self.lb_flows_max),
+            (MAP_LB_SERVICES, self.lb_services_max),
+            (MAP_LB_REV_NAT, self.lb_services_max),
+            (MAP_LB_MAGLEV, self.lb_services_max),
+            (MAP_LB_FRONTENDS, self.lb_services_max),
             (MAP_EVENTS, self.events_bytes),
         ]
     }

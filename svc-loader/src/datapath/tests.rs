@@ -16,7 +16,10 @@ use rivet_datapath::maps::{
 
 use rivet_datapath::maps::legacy::CT_ENTRY_V1_SIZE;
 use rivet_datapath::pin::{DEFAULT_BPFFS, open_pinned_map};
-use rivet_datapath::spec::{self, MAP_CT4, MAP_CT6, MAP_NAMES};
+use rivet_datapath::spec::{
+    self, MAP_CT4, MAP_CT6, MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES,
+    MAP_NAMES,
+};
 
 use super::options::page_size;
 use super::pins::BPF_FS_MAGIC;
@@ -162,6 +165,29 @@ fn options_defaults_and_validation() {
     let err = Datapath::open(DatapathOptions::new(tmp.path().join("pins"))).unwrap_err();
     assert!(matches!(err, DatapathError::NotBpffs { .. }), "{err}");
     assert!(err.to_string().contains("mount -t bpf"), "{err}");
+}
+
+/// `lb_services_max` sizes the per-service maps (the services a node can
+/// hold); the backends' map keeps its own size.
+#[test]
+fn the_per_service_maps_take_lb_services_max() {
+    let dir = PinDir::new("lbsize");
+    drop(
+        Datapath::open(DatapathOptions {
+            lb_services_max: 100,
+            ..dir.opts()
+        })
+        .unwrap(),
+    );
+    let max_entries = |map: &str| {
+        sys::map_info(sys::obj_get(&dir.0.join(map)).unwrap().as_fd())
+            .unwrap()
+            .max_entries
+    };
+    for map in [MAP_LB_SERVICES, MAP_LB_REV_NAT, MAP_LB_MAGLEV, MAP_LB_FRONTENDS] {
+        assert_eq!(max_entries(map), 100, "{map}");
+    }
+    assert_eq!(max_entries(MAP_LB_BACKENDS), spec::LB_BACKENDS.default_max_entries);
 }
 
 #[test]
