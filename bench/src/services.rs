@@ -62,7 +62,7 @@ use rivet_bpf_sys as sys;
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::netns::{NetNs, TcpServerGuard, TestNode};
 use rivet_datapath::maps::{LB_BACKEND_ACTIVE, LbBackend, LbFrontend, LbFrontendKey, SVC_SCOPE_INTERNAL};
-use rivet_datapath::spec::{MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT};
+use rivet_datapath::spec::{MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES};
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::load_balancer_service_client::LoadBalancerServiceClient;
 use rivet_testkit::frames::{self, ETH_P_IP, TCP_SYN, proto};
@@ -438,10 +438,16 @@ fn from_container_on(ifindex: u32) -> anyhow::Result<ProgramFd> {
 /// The service maps' kernel memory under `pins` (their fdinfo `memlock`:
 /// the preallocated ones in full, the others as filled now), bytes.
 fn service_maps_memory(pins: &Path) -> anyhow::Result<u64> {
-    [MAP_LB_FRONTENDS, MAP_LB_BACKENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT]
-        .iter()
-        .map(|map| Ok(rivet_testkit::scale::pinned_map_memory(&pins.join(map))?))
-        .sum()
+    [
+        MAP_LB_FRONTENDS,
+        MAP_LB_BACKENDS,
+        MAP_LB_MAGLEV,
+        MAP_LB_REV_NAT,
+        MAP_LB_SERVICES,
+    ]
+    .iter()
+    .map(|map| Ok(rivet_testkit::scale::pinned_map_memory(&pins.join(map))?))
+    .sum()
 }
 
 /// Whether the pinned `lb_frontends` under `pins` holds `service`'s
@@ -479,8 +485,11 @@ struct Rivet {
 }
 
 impl Rivet {
-    async fn start() -> anyhow::Result<Self> {
-        let node = LoaderNode::start(&sibling_binary("svc-loader")?, &PODS, &[]).await?;
+    /// svc-loader with room for `services` services (and the benchmark's
+    /// own few more).
+    async fn start(services: u32) -> anyhow::Result<Self> {
+        let room = (services + 1024).to_string();
+        let node = LoaderNode::start(&sibling_binary("svc-loader")?, &PODS, &["--lb-services-max", &room]).await?;
         let mut client = node.client().await;
         for (i, pod) in PODS.iter().enumerate() {
             let id = i as u32 + 1;
@@ -729,8 +738,11 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         "--counts, --rounds, --seconds, --clients and --samples must be non-empty / > 0"
     );
     anyhow::ensure!(
-        args.counts.iter().all(|&c| c > 0 && c <= 60 * VIPS),
-        "--counts must be 1..={}",
+        args.counts
+            .iter()
+            .chain(&args.lookup_counts)
+            .all(|&c| c > 0 && c <= 60 * VIPS),
+        "--counts and --lookup-counts must be 1..={}",
         60 * VIPS
     );
     let steps = args.counts.len() + args.lookup_counts.len();
@@ -741,7 +753,14 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         SOURCE_PORT_BASE - LOOKUP_PORT_BASE
     );
     let load_before = load_average()?;
-    let mut rivet = Rivet::start().await?;
+    let most = args
+        .counts
+        .iter()
+        .chain(&args.lookup_counts)
+        .copied()
+        .max()
+        .unwrap_or(0);
+    let mut rivet = Rivet::start(most).await?;
     let peer = Peer::start()?;
     let rivet_side = Side::new("rivet", &rivet.node.node, args.backends)?;
     let peer_side = Side::new("iptables", &peer.node, args.backends)?;
