@@ -1,4 +1,4 @@
-//! `rivet cluster up|down|status|start-node|stop-node|policy|namespace`: a
+//! `rivet cluster up|down|status|start-node|stop-node|policy|service|namespace`: a
 //! multi-node cluster simulated on one machine (DESIGN.md §8, issue 16 §5),
 //! for demos, tests and benchmarks. Nothing touches the machine's real
 //! interfaces.
@@ -30,7 +30,9 @@
 //! looked up in the clusters of `--state-dir`). Without Kubernetes,
 //! policies and namespace labels live in each node's svc-endpoint, so
 //! `rivet cluster policy apply -f FILE` (and `delete`, `list`) and
-//! `rivet cluster namespace label ...` run the same command on every node.
+//! `rivet cluster namespace label ...` run the same command on every node;
+//! so does `rivet cluster service ...`, whose `apply` gives every node the
+//! first node's clusterIPs and node ports for a Service that names none.
 //!
 //! `rivet cluster stop-node NODE` stops one node cleanly (it leaves the
 //! cluster at once; its namespace and underlay link stay) and
@@ -46,7 +48,7 @@ use rivet_common::state_file::StateFile;
 use serde::{Deserialize, Serialize};
 
 use crate::node::{NodePhase, NodeRecord};
-use crate::{Context, namespace, policy};
+use crate::{Context, namespace, policy, service};
 
 mod etcd;
 mod plan;
@@ -116,6 +118,18 @@ pub enum ClusterCommand {
         name: String,
         #[command(subcommand)]
         command: policy::PolicyCommand,
+    },
+    /// `rivet service ...` on every node, in order (Services are per node
+    /// without Kubernetes). `apply` applies on the first node, then the
+    /// Services as that node stored them (with its clusterIPs and node
+    /// ports) and the other documents as given on every other node, so a
+    /// Service has the same addresses everywhere.
+    Service {
+        /// Cluster name.
+        #[arg(long, default_value = DEFAULT_NAME)]
+        name: String,
+        #[command(subcommand)]
+        command: service::ServiceCommand,
     },
     /// `rivet namespace ...` on every node, in order.
     Namespace {
@@ -344,6 +358,10 @@ pub async fn run(ctx: &Context, state_dir: &Path, command: ClusterCommand) -> Re
             let _ = std::fs::remove_file(&stdin_copy);
             Ok(ok)
         }
+        ClusterCommand::Service { name, command } => {
+            let cluster = ClusterRecord::find(state_dir, &name)?;
+            apply_service_everywhere(ctx, &cluster, command).await
+        }
         ClusterCommand::Namespace { name, command } => {
             let cluster = ClusterRecord::find(state_dir, &name)?;
             for node in &cluster.plan.nodes {
@@ -358,6 +376,74 @@ pub async fn run(ctx: &Context, state_dir: &Path, command: ClusterCommand) -> Re
             Ok(true)
         }
     }
+}
+
+/// `rivet cluster service ...`: `apply` on the first node, then what it
+/// stored on the others; every other command on each node in turn.
+async fn apply_service_everywhere(
+    ctx: &Context,
+    cluster: &ClusterRecord,
+    command: service::ServiceCommand,
+) -> Result<bool> {
+    let heading = |node: &str| {
+        if ctx.output == crate::Output::Table {
+            println!("node {node}:");
+        }
+    };
+    let service::ServiceCommand::Apply { file, wait } = command else {
+        let mut ok = true;
+        for node in &cluster.plan.nodes {
+            let node_ctx = node_context(ctx, cluster, &node.name)?;
+            heading(&node.name);
+            ok &= service::run(&node_ctx, command.clone())
+                .await
+                .map_err(|e| anyhow!(e).context(format!("node {}", node.name)))?;
+        }
+        return Ok(ok);
+    };
+    // Read once: standard input cannot be read per node.
+    let documents = service::read_documents(&file)?;
+    let Some((first, others)) = cluster.plan.nodes.split_first() else {
+        bail!("cluster {} has no node", cluster.plan.name);
+    };
+    let first_ctx = node_context(ctx, cluster, &first.name)?;
+    heading(&first.name);
+    let view = service::apply(&first_ctx, documents.clone(), wait)
+        .await
+        .map_err(|e| anyhow!(e).context(format!("node {}", first.name)))?;
+    if !service::print_apply(ctx, &view) {
+        return Ok(false);
+    }
+    // The Services as the first node stored them (its allocations), the
+    // slices as given.
+    let mut stored = Vec::new();
+    for applied in view.applied.iter().filter(|a| a.kind == "Service") {
+        let name: service::ServiceName = applied.name.parse().map_err(|e: String| anyhow!(e))?;
+        let documents = service::stored_documents(&first_ctx, &name)
+            .await
+            .map_err(|e| anyhow!(e).context(format!("reading {} back from node {}", applied.name, first.name)))?;
+        let service_document = documents
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow!("node {} returned no document for {}", first.name, applied.name))?;
+        stored.push(rivet_policy::documents::Document {
+            number: applied.document,
+            location: rivet_policy::documents::Location::Item(applied.document),
+            text: service_document,
+        });
+    }
+    let stored_numbers: Vec<usize> = stored.iter().map(|d| d.number).collect();
+    stored.extend(documents.into_iter().filter(|d| !stored_numbers.contains(&d.number)));
+    let mut ok = true;
+    for node in others {
+        let node_ctx = node_context(ctx, cluster, &node.name)?;
+        heading(&node.name);
+        let view = service::apply(&node_ctx, stored.clone(), wait)
+            .await
+            .map_err(|e| anyhow!(e).context(format!("node {}", node.name)))?;
+        ok &= service::print_apply(ctx, &view);
+    }
+    Ok(ok)
 }
 
 /// `ctx` pointed at the sockets of node `name`, which must be running.
