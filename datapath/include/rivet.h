@@ -148,6 +148,10 @@ struct ct6_key {
 #define CT_F_SEEN_REPLY (1 << 0)
 #define CT_F_CLOSING_FWD (1 << 1)
 #define CT_F_CLOSING_REV (1 << 2)
+/* The connection was translated by a service (its tuple is the backend's):
+ * its replies look up their reverse NAT in lb4_flows / lb6_flows. Ordinary
+ * connections never pay for that lookup. */
+#define CT_F_SERVICE (1 << 3)
 
 struct ct_entry {
 	__u64 expires;     /* bpf_ktime_get_ns() deadline */
@@ -352,6 +356,13 @@ struct lb_service {
  * Refreshed with the connection; svc-gc removes expired entries. */
 #define LB_FLOW_FORWARD 3
 #define LB_FLOW_REVERSE 4
+
+/* lb_flow.flags */
+/* Hairpin: the client is its own backend. The forward packet's source was
+ * rewritten to the VIP too (a pod drops packets from its own address), so
+ * the REVERSE entry is keyed by VIP:client port -> backend, and a reply
+ * gets the VIP as source and the client's address back as destination. */
+#define LB_FLOW_F_HAIRPIN (1 << 0)
 
 struct lb_flow {
 	__u64 expires;     /* bpf_ktime_get_ns() deadline */

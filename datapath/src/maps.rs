@@ -110,6 +110,9 @@ pub const CT_F_SEEN_REPLY: u8 = 1 << 0;
 pub const CT_F_CLOSING_FWD: u8 = 1 << 1;
 /// Conntrack entry flag: the replying side is closing.
 pub const CT_F_CLOSING_REV: u8 = 1 << 2;
+/// Conntrack entry flag: the connection was translated by a service (its
+/// tuple is the backend's); its replies are reverse-NATed.
+pub const CT_F_SERVICE: u8 = 1 << 3;
 
 // ---------------------------------------------------------------------- config
 
@@ -988,6 +991,9 @@ pub const LB_FLOW_SNAT_OUT: u8 = 5;
 /// `lb4_flows` / `lb6_flows` key direction (NodePort SNAT): the reply's
 /// tuple backend → node address:SNAT port, to the client's address and port.
 pub const LB_FLOW_SNAT_IN: u8 = 6;
+/// `LbFlow::flags`: hairpin, the client is its own backend (the forward
+/// packet's source became the VIP too; the REVERSE key is VIP → backend).
+pub const LB_FLOW_F_HAIRPIN: u8 = 1 << 0;
 
 /// An address stored as `[u32; 4]` (network order, IPv4 in `[0]`) with
 /// its family; `None` for an unknown family.
@@ -1644,6 +1650,7 @@ mod tests {
             ("CT_F_SEEN_REPLY", CT_F_SEEN_REPLY.into()),
             ("CT_F_CLOSING_FWD", CT_F_CLOSING_FWD.into()),
             ("CT_F_CLOSING_REV", CT_F_CLOSING_REV.into()),
+            ("CT_F_SERVICE", CT_F_SERVICE.into()),
             ("CONFIG_EVENT_VERDICTS", CONFIG_EVENT_VERDICTS.into()),
             ("CONFIG_EVENT_TRACE", CONFIG_EVENT_TRACE.into()),
             ("REASON_FORWARDED", REASON_FORWARDED.into()),
@@ -1682,6 +1689,7 @@ mod tests {
             ("LB_FLOW_REVERSE", LB_FLOW_REVERSE.into()),
             ("LB_FLOW_SNAT_OUT", LB_FLOW_SNAT_OUT.into()),
             ("LB_FLOW_SNAT_IN", LB_FLOW_SNAT_IN.into()),
+            ("LB_FLOW_F_HAIRPIN", LB_FLOW_F_HAIRPIN.into()),
             ("IDENTITY_REMOTE_NODE", IDENTITY_REMOTE_NODE.into()),
             ("ROUTING_NONE", ROUTING_NONE.into()),
             ("ROUTING_NATIVE", ROUTING_NATIVE.into()),

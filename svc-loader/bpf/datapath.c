@@ -263,7 +263,14 @@ struct pkt {
 	__u8 icmp_type;    /* ICMP / ICMPv6 type and code (of the outer message) */
 	__u8 icmp_code;
 	__u8 hop_limit;    /* IPv6 hop limit */
-	__u8 pad;
+	/* Services: `svc` is set once the packet was translated to a backend
+	 * (its conntrack entries get CT_F_SERVICE); enforce() sets `rev_nat`
+	 * when the packet is a reply on a translated connection. Written
+	 * without branching, so the verifier's states do not split on them;
+	 * bits of one byte, since the programs' stack is nearly full. */
+	__u8 svc : 1;
+	__u8 rev_nat : 1;
+	__u8 pad : 6;
 	__u32 frag_id;     /* IPv4 identification / IPv6 Fragment header identification */
 	__u32 l4_off;
 	__u32 len;
@@ -972,6 +979,8 @@ static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_id
 {
 	struct ct_entry e = {};
 
+	e.flags = (p->svc & 1) * CT_F_SERVICE;
+
 	if (p->protocol == IPPROTO_TCP) {
 		e.tcp_state = CT_TCP_SYN;
 		if (p->tcp_flags & TCP_FLAG_RST)
@@ -1010,7 +1019,7 @@ static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_id
  * cached deny drops the connection's packets (both ways) without touching
  * its counters, lifetime or TCP state. The peer's identity is looked up
  * only when a verdict is taken (or for a drop). */
-static __always_inline int enforce(const struct pkt *p, const struct endpoint_info *ep, __u8 dir,
+static __always_inline int enforce(struct pkt *p, const struct endpoint_info *ep, __u8 dir,
 				   const struct endpoint_info *peer_ep, const __u32 *peer_addr, __u32 peer_id,
 				   const struct datapath_config *cfg, __u32 *peer_out)
 {
@@ -1018,9 +1027,10 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 	__u32 revision, peer, src_id, dst_id;
 	struct ct_entry *e;
 	int reply, reason;
-	__u8 proto;
+	__u8 proto, flags;
 
 	*peer_out = 0;
+	p->rev_nat = 0;
 	if (p->fragment)
 		return (ep->flags & enforce_flag) ? DROP_FRAGMENT_UNTRACKED : 0;
 	/* Read before any policy lookup: a verdict taken while the loader
@@ -1055,6 +1065,12 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 		}
 		if (!p->icmp_error)
 			ct_refresh(e, p, reply, cfg);
+		/* A connection translated after its entry was made (a service
+		 * frontend added under it) is a service connection from now on. */
+		flags = e->flags | (p->svc & 1) * CT_F_SERVICE;
+		if (flags != e->flags)
+			e->flags = flags;
+		p->rev_nat = ((flags & CT_F_SERVICE) >> 3) & reply;
 		return 0;
 	}
 	peer = peer_id ? peer_id : peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
@@ -1076,6 +1092,32 @@ static __always_inline int enforce(const struct pkt *p, const struct endpoint_in
 	return 0;
 }
 
+/* enforce() out of line, one function per way the programs call it: each
+ * program's frame and the frames of the functions it calls share 512 bytes
+ * of stack, and enforce's locals kept inline left too little for the
+ * service functions. */
+static __noinline int enforce_egress(struct pkt *p, const struct endpoint_info *ep, const struct endpoint_info *dst,
+				     const struct datapath_config *cfg, __u32 *peer_out)
+{
+	return enforce(p, ep, DIR_EGRESS, dst, p->daddr, 0, cfg, peer_out);
+}
+
+/* Ingress of `dst` from the local endpoint `src`. */
+static __noinline int enforce_ingress_local(struct pkt *p, const struct endpoint_info *dst,
+					    const struct endpoint_info *src, const struct datapath_config *cfg,
+					    __u32 *peer_out)
+{
+	return enforce(p, dst, DIR_INGRESS, src, p->saddr, 0, cfg, peer_out);
+}
+
+/* Ingress of `ep` from the packet's source, of identity `peer_id` (0: look
+ * it up). */
+static __noinline int enforce_ingress(struct pkt *p, const struct endpoint_info *ep, __u32 peer_id,
+				      const struct datapath_config *cfg, __u32 *peer_out)
+{
+	return enforce(p, ep, DIR_INGRESS, 0, p->saddr, peer_id, cfg, peer_out);
+}
+
 /* --------------------------------------------------- ARP and neighbours */
 
 struct arp_eth {
@@ -1095,7 +1137,7 @@ struct arp_eth {
 
 /* Answers the pod's ARP requests (its gateway, or any address it believes
  * on-link) with the host-side veth MAC, so no proxy-ARP sysctl is needed. */
-static __always_inline int arp_respond(struct __sk_buff *skb, const struct endpoint_info *ep)
+static __noinline int arp_respond(struct __sk_buff *skb, const struct endpoint_info *ep)
 {
 	struct arp_eth a;
 	__u8 tmp[4];
@@ -1151,7 +1193,7 @@ static __always_inline __u16 csum_fold(__u32 s)
  * behind the IPv6 header) for anything but its own address with a
  * neighbour advertisement carrying the host-side veth MAC, delivered into
  * the pod directly (bpf_redirect_peer). */
-static __always_inline int nd_respond(struct __sk_buff *skb, const struct endpoint_info *ep, const struct pkt *p)
+static __noinline int nd_respond(struct __sk_buff *skb, const struct endpoint_info *ep, const struct pkt *p)
 {
 	struct ipv6hdr ip;
 	struct nd_msg nd = {};
@@ -1314,6 +1356,723 @@ static __always_inline int to_tunnel(struct __sk_buff *skb, const struct pkt *p,
 	return bpf_redirect(rc->tunnel_ifindex, 0);
 }
 
+/* --------------------------------------------------------------- services */
+/*
+ * ClusterIP load balancing (kube-proxy replacement), per packet, in
+ * from_container:
+ *
+ * - A pod's packet to a frontend (lb_frontends, SVC_SCOPE_INTERNAL: VIP,
+ *   port, protocol) is DNATed to a backend before policy, so the client's
+ *   egress policy and the backend's ingress policy judge the backend's
+ *   address and identity (Cilium's semantics); conntrack holds the
+ *   translated tuple, with CT_F_SERVICE.
+ * - The backend: the connection's FORWARD flow entry while that backend
+ *   exists (TERMINATING too: open connections keep it; a fresh TCP SYN on
+ *   a reused port to a terminating backend chooses again); else, with
+ *   session affinity, the client's fresh lb_affinity entry if its backend
+ *   is ACTIVE; else the Maglev table's slot hash(5-tuple) % LB_MAGLEV_SIZE
+ *   (affinity: hash of the client address only). The hash is jhash over
+ *   the tuple, the same on every node, so every node picks the same
+ *   backend for a flow. A new choice records the FORWARD entry (client
+ *   tuple -> backend) and the REVERSE entry (translated tuple -> VIP).
+ * - No active backend: the packet is answered in BPF and dropped, counted
+ *   and emitted as DROP_NO_SERVICE_BACKEND: TCP gets a RST, anything else
+ *   ICMP / ICMPv6 port unreachable, straight into the pod, so connect()
+ *   fails at once with ECONNREFUSED.
+ * - Replies (a conntrack reply on a CT_F_SERVICE entry) get their source
+ *   back from the REVERSE entry before they enter the client: in
+ *   from_container (backend on this node), to_container (through the
+ *   stack: native routing, node-local backends) and from_overlay (vxlan).
+ *   ICMP errors about a translated connection are translated too (outer
+ *   source, quoted destination address and port).
+ * - Hairpin (a pod reaching itself through its service): the source is
+ *   rewritten to the VIP as well (the pod's stack drops a packet from its
+ *   own address arriving on eth0), keeping the client port, so the reply
+ *   goes back to the VIP and is caught by from_container (LB_FLOW_F_HAIRPIN).
+ *   The VIP rather than a dedicated loopback address: no address to
+ *   reserve, and the tuple stays unique per VIP.
+ * - Flow entries follow their connection's conntrack deadline (written at
+ *   most once a second, like conntrack); svc-gc removes expired ones.
+ *
+ * TCP and UDP only (SCTP's CRC32c checksum is not patched incrementally).
+ * NodePort frontends are the nodeport section's.
+ */
+
+#define JHASH_INITVAL 0xdeadbeef
+
+static __always_inline __u32 rol32(__u32 word, unsigned int shift)
+{
+	return (word << shift) | (word >> ((-shift) & 31));
+}
+
+/* The kernel's jhash_3words (Bob Jenkins' lookup3 final mix). */
+static __always_inline __u32 lb_jhash3(__u32 a, __u32 b, __u32 c, __u32 initval)
+{
+	initval += JHASH_INITVAL + (3 << 2);
+	a += initval;
+	b += initval;
+	c += initval;
+	c ^= b;
+	c -= rol32(b, 14);
+	a ^= c;
+	a -= rol32(c, 11);
+	b ^= a;
+	b -= rol32(a, 25);
+	c ^= b;
+	c -= rol32(b, 16);
+	a ^= c;
+	a -= rol32(c, 4);
+	b ^= a;
+	b -= rol32(a, 14);
+	c ^= b;
+	c -= rol32(b, 24);
+	return c;
+}
+
+static __always_inline __u32 lb_fold(__u8 family, const __u32 *addr)
+{
+	return family == 4 ? addr[0] : addr[0] ^ addr[1] ^ addr[2] ^ addr[3];
+}
+
+static __always_inline int lb_addr_equal(__u8 family, const __u32 *a, const __u32 *b)
+{
+	return family == 4 ? a[0] == b[0] : ipv6_equal(a, b);
+}
+
+/* The frontend the packet is addressed to in `scope`, or NULL. */
+static __always_inline struct lb_frontend *lb_frontend_of(const struct pkt *p, __u8 scope)
+{
+	struct lb_frontend_key k = {};
+
+	if (p->protocol != IPPROTO_TCP && p->protocol != IPPROTO_UDP)
+		return 0;
+	if (p->family == 4)
+		k.addr[0] = p->daddr[0];
+	else
+		__builtin_memcpy(k.addr, p->daddr, 16);
+	k.port = p->dport;
+	k.protocol = p->protocol;
+	k.family = p->family;
+	k.scope = scope;
+	return bpf_map_lookup_elem(&lb_frontends, &k);
+}
+
+/* The flow entry of `dir` (LB_FLOW_*) keyed by the packet's tuple, or by
+ * its reverse (`reverse`: the tuple the packet is a reply of). */
+static __always_inline struct lb_flow *lb_flow_get(const struct pkt *p, int reverse, __u8 dir)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_key_of(&k, p, DIR_EGRESS, reverse);
+		k.direction = dir;
+		return bpf_map_lookup_elem(&lb4_flows, &k);
+	} else {
+		struct ct6_key k;
+		ct6_key_of(&k, p, DIR_EGRESS, reverse);
+		k.direction = dir;
+		return bpf_map_lookup_elem(&lb6_flows, &k);
+	}
+}
+
+static __always_inline int lb_flow_put(const struct pkt *p, __u8 dir, const struct lb_flow *f)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		ct4_key_of(&k, p, DIR_EGRESS, 0);
+		k.direction = dir;
+		return bpf_map_update_elem(&lb4_flows, &k, f, BPF_ANY);
+	} else {
+		struct ct6_key k;
+		ct6_key_of(&k, p, DIR_EGRESS, 0);
+		k.direction = dir;
+		return bpf_map_update_elem(&lb6_flows, &k, f, BPF_ANY);
+	}
+}
+
+/* Moves a flow entry's deadline to its connection's (conntrack entry
+ * `e`'s), at most once a second. Returns whether it wrote. */
+static __always_inline int lb_flow_touch(struct lb_flow *f, const struct ct_entry *e)
+{
+	if (!f || !e || e->expires <= f->expires + NSEC_PER_SEC)
+		return 0;
+	f->expires = e->expires;
+	f->lifetime = e->lifetime;
+	return 1;
+}
+
+/* An active backend of `fe` for a new flow, its id in `*id`; NULL when the
+ * service has none. */
+static __always_inline struct lb_backend *lb_select(const struct pkt *p, const struct lb_frontend *fe, __u64 now,
+						    __u32 *id)
+{
+	struct lb_maglev_table *table;
+	struct lb_backend *be;
+	__u32 slot = 0, hash;
+	__u32 table_id = fe->table_id;
+
+	if (!fe->backend_count)
+		return 0;
+	if (fe->flags & SVC_F_AFFINITY) {
+		struct lb_affinity_key ak = {};
+		struct lb_affinity *a;
+
+		__builtin_memcpy(ak.client, p->saddr, 16);
+		ak.service_id = fe->service_id;
+		ak.family = p->family;
+		a = bpf_map_lookup_elem(&lb_affinity, &ak);
+		if (a && now - a->last_used < (__u64)fe->affinity_timeout * NSEC_PER_SEC) {
+			__u32 aid = a->backend_id;
+
+			be = bpf_map_lookup_elem(&lb_backends, &aid);
+			if (be && be->state == LB_BACKEND_ACTIVE && be->family == p->family) {
+				*id = aid;
+				return be;
+			}
+		}
+		hash = lb_jhash3(lb_fold(p->family, p->saddr), 0, 0, 0);
+	} else {
+		hash = lb_jhash3(lb_fold(p->family, p->saddr), lb_fold(p->family, p->daddr),
+				 ((__u32)p->sport << 16) | p->dport, p->protocol);
+	}
+	table = bpf_map_lookup_elem(&lb_maglev, &table_id);
+	if (!table)
+		return 0;
+	/* One backend fills every slot. */
+	if (fe->backend_count > 1)
+		slot = hash % LB_MAGLEV_SIZE;
+	/* Opaque to the compiler, so the bound the verifier needs stays. */
+	asm volatile("" : "+r"(slot));
+	if (slot >= LB_MAGLEV_SIZE)
+		return 0;
+	*id = table->backend_ids[slot];
+	if (!*id)
+		return 0;
+	be = bpf_map_lookup_elem(&lb_backends, id);
+	if (!be || be->state != LB_BACKEND_ACTIVE || be->family != p->family)
+		return 0;
+	return be;
+}
+
+/* Offset of the L4 checksum from the L4 header (TCP, UDP). */
+static __always_inline __u32 lb_l4_csum_off(__u8 protocol)
+{
+	return protocol == IPPROTO_TCP ? 16 : 6;
+}
+
+/* Where the L4 header is, read from the packet rather than from `p`: the
+ * services functions read only the fields of `p` the whole program reads
+ * anyway (reading its parse-time fields here would keep them live to the
+ * end and defeat the verifier's pruning). 1 with `*l4_off`; 0 for a later
+ * fragment (no L4 header); -1 for an IPv6 packet whose next header is not
+ * `nexthdr` (extension headers: not translated). */
+static __always_inline int l4_locate(struct __sk_buff *skb, __u8 family, __u8 nexthdr, __u32 *l4_off)
+{
+	if (family == 4) {
+		__u8 vihl;
+		__u16 frag;
+
+		if (bpf_skb_load_bytes(skb, IP4_OFF, &vihl, 1) < 0 || bpf_skb_load_bytes(skb, IP4_OFF + 6, &frag, 2) < 0)
+			return -1;
+		*l4_off = IP4_OFF + (vihl & 0xf) * 4;
+		return (bpf_ntohs(frag) & 0x1fff) == 0;
+	} else {
+		__u8 nh;
+
+		if (bpf_skb_load_bytes(skb, IP6_OFF + 6, &nh, 1) < 0 || nh != nexthdr)
+			return -1;
+		*l4_off = IP6_OFF + sizeof(struct ipv6hdr);
+		return 1;
+	}
+}
+
+/* Rewrites the packet's destination (`dst`) or source address to `addr`
+ * and, when it has an L4 header at `l4_off` (`has_l4`: not a later
+ * fragment), its port to `port`, patching the IPv4 header checksum and the L4 checksum (pseudo
+ * header included); `p` follows. Returns 0, or -1 if the packet could not
+ * be written. */
+static __always_inline int lb_rewrite(struct __sk_buff *skb, struct pkt *p, __u32 l4_off, int has_l4, int dst,
+					  const __u32 *addr, __u16 port)
+{
+	__u32 csum_off = l4_off + lb_l4_csum_off(p->protocol);
+	__u64 mangled = p->protocol == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0;
+	__u32 *cur = dst ? p->daddr : p->saddr;
+	__u16 *cur_port = dst ? &p->dport : &p->sport;
+
+	if (p->family == 4) {
+		__u32 old = cur[0], new = addr[0];
+		__u32 off = IP4_OFF + (dst ? 16 : 12);
+
+		if (old != new) {
+			if (has_l4 && bpf_l4_csum_replace(skb, csum_off, old, new, BPF_F_PSEUDO_HDR | mangled | 4) < 0)
+				return -1;
+			if (bpf_l3_csum_replace(skb, IP4_OFF + 10, old, new, 4) < 0 ||
+			    bpf_skb_store_bytes(skb, off, &new, 4, 0) < 0)
+				return -1;
+			cur[0] = new;
+		}
+	} else if (!ipv6_equal(cur, addr)) {
+		__s64 diff = bpf_csum_diff(cur, 16, (__u32 *)addr, 16, 0);
+
+		if (diff < 0)
+			return -1;
+		if (has_l4 && bpf_l4_csum_replace(skb, csum_off, 0, (__u32)diff, BPF_F_PSEUDO_HDR | mangled) < 0)
+			return -1;
+		if (bpf_skb_store_bytes(skb, IP6_OFF + (dst ? 24 : 8), addr, 16, 0) < 0)
+			return -1;
+		__builtin_memcpy(cur, addr, 16);
+	}
+	if (has_l4 && *cur_port != port) {
+		__u16 old_port = *cur_port;
+
+		if (bpf_l4_csum_replace(skb, csum_off, old_port, port, mangled | 2) < 0 ||
+		    bpf_skb_store_bytes(skb, l4_off + (dst ? 2 : 0), &port, 2, 0) < 0)
+			return -1;
+		*cur_port = port;
+	}
+	return 0;
+}
+
+/* A translated packet's flow entries (`p`: its translated tuple; `fwd`:
+ * its FORWARD entry, last refreshed over a second ago) follow its
+ * connection's conntrack entry (the client's egress entry), as it stood
+ * before this packet. */
+static __always_inline void lb_forward_touch(struct pkt *p, struct lb_flow *fwd)
+{
+	struct ct_entry *e = ct_find(p, DIR_EGRESS, 0);
+
+	if (lb_flow_touch(fwd, e))
+		lb_flow_touch(lb_flow_get(p, 0, LB_FLOW_REVERSE), e);
+}
+
+/* The translation of a pod's packet to a frontend. Returns 0 (not to a
+ * service, or translated: then `p->svc` is set and `p` holds the backend's
+ * tuple), DROP_NO_SERVICE_BACKEND (the caller rejects it), another
+ * drop reason, or -1 (the packet could not be rewritten). A function of its
+ * own: the verifier walks it once per call rather than once per path of
+ * its caller. */
+__noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
+{
+	const struct datapath_config *cfg = get_config();
+	struct lb_frontend *fe;
+	struct lb_flow *f;
+	struct lb_backend *be = 0;
+	__u32 vip[4], backend_addr[4], id = 0;
+	__u16 backend_port, vip_port;
+	__u64 now;
+	__u32 l4_off;
+	int hairpin, has_l4;
+
+	if (!p || p->icmp_error || p->fragment)
+		return 0;
+	fe = lb_frontend_of(p, SVC_SCOPE_INTERNAL);
+	if (!fe)
+		return 0;
+	has_l4 = l4_locate(skb, p->family, p->protocol, &l4_off);
+	if (has_l4 < 0)
+		return 0;
+	now = bpf_ktime_get_ns();
+	f = lb_flow_get(p, 0, LB_FLOW_FORWARD);
+	if (f) {
+		__u32 fid = f->backend_id;
+
+		be = bpf_map_lookup_elem(&lb_backends, &fid);
+		if (!be || be->family != p->family || be->port != f->port || !lb_addr_equal(p->family, be->addr, f->addr))
+			f = 0; /* its backend is gone (or the id was reused) */
+		else if (be->state != LB_BACKEND_ACTIVE && p->protocol == IPPROTO_TCP &&
+			 (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN)
+			f = 0; /* a new connection on a reused port: not to a terminating backend */
+	}
+	if (f) {
+		__builtin_memcpy(backend_addr, f->addr, 16);
+		backend_port = f->port;
+	} else {
+		struct lb_flow nf = {};
+
+		/* A hairpinned connection's reply whose client port happens to
+		 * be the frontend's port is a reply, not a new flow. */
+		if (lb_flow_get(p, 1, LB_FLOW_REVERSE))
+			return 0;
+		be = lb_select(p, fe, now, &id);
+		if (!be)
+			return DROP_NO_SERVICE_BACKEND;
+		__builtin_memcpy(backend_addr, be->addr, 16);
+		backend_port = be->port;
+		nf.lifetime = ct_lifetime(cfg, p->protocol, p->protocol == IPPROTO_TCP ? CT_TCP_SYN : 0);
+		nf.expires = now + (__u64)nf.lifetime * NSEC_PER_SEC;
+		__builtin_memcpy(nf.addr, backend_addr, 16);
+		nf.port = backend_port;
+		nf.family = p->family;
+		nf.backend_id = id;
+		nf.service_id = fe->service_id;
+		if (lb_flow_put(p, LB_FLOW_FORWARD, &nf) < 0)
+			return DROP_CT_MAP_FULL;
+		if (fe->flags & SVC_F_AFFINITY) {
+			struct lb_affinity_key ak = {};
+			struct lb_affinity av = {.last_used = now, .backend_id = id};
+
+			__builtin_memcpy(ak.client, p->saddr, 16);
+			ak.service_id = fe->service_id;
+			ak.family = p->family;
+			bpf_map_update_elem(&lb_affinity, &ak, &av, BPF_ANY);
+		}
+	}
+	__builtin_memcpy(vip, p->daddr, 16);
+	vip_port = p->dport;
+	hairpin = lb_addr_equal(p->family, backend_addr, p->saddr);
+	if (lb_rewrite(skb, p, l4_off, has_l4, 1, backend_addr, backend_port) < 0)
+		return -1;
+	if (hairpin && lb_rewrite(skb, p, l4_off, has_l4, 0, vip, p->sport) < 0)
+		return -1;
+	if (!f) {
+		/* Keyed by the translated tuple, which `p` now holds. */
+		struct lb_flow rf = {};
+
+		rf.lifetime = ct_lifetime(cfg, p->protocol, p->protocol == IPPROTO_TCP ? CT_TCP_SYN : 0);
+		rf.expires = now + (__u64)rf.lifetime * NSEC_PER_SEC;
+		__builtin_memcpy(rf.addr, vip, 16);
+		rf.port = vip_port;
+		rf.family = p->family;
+		rf.flags = hairpin ? LB_FLOW_F_HAIRPIN : 0;
+		rf.backend_id = id;
+		rf.service_id = fe->service_id;
+		if (lb_flow_put(p, LB_FLOW_REVERSE, &rf) < 0)
+			return DROP_CT_MAP_FULL;
+	} else if (f->expires + NSEC_PER_SEC < now + (__u64)f->lifetime * NSEC_PER_SEC) {
+		/* Last refreshed over a second ago. */
+		lb_forward_touch(p, f);
+	}
+	p->svc = 1;
+	return 0;
+}
+
+/* An ICMP error about a translated connection, travelling to its client:
+ * the outer source (the backend, or a router on the way) becomes the VIP
+ * when it is the backend, and the quoted packet's destination address and
+ * port become the VIP's, so the client's stack finds its socket. The
+ * quoted packet's own L4 checksum is left alone (the stacks do not check
+ * it). IPv4: the quoted header's checksum is patched with its address, so
+ * the ICMP checksum only changes with the port. */
+static __always_inline int lb_reverse_icmp(struct __sk_buff *skb, struct pkt *p, __u32 l4_off,
+					   const struct lb_flow *rev)
+{
+	__u32 icmp_csum = l4_off + 2;
+	__u32 inner = l4_off + 8;
+	__u16 old_port = p->sport, new_port = rev->port;
+	__u32 outer[4];
+
+	if (p->family == 4) {
+		__u32 old = p->saddr[0], new = rev->addr[0];
+		__u8 ihl;
+
+		if (bpf_skb_load_bytes(skb, IP4_OFF + 12, outer, 4) < 0)
+			return -1;
+		if (outer[0] == old &&
+		    (bpf_l3_csum_replace(skb, IP4_OFF + 10, old, new, 4) < 0 ||
+		     bpf_skb_store_bytes(skb, IP4_OFF + 12, &new, 4, 0) < 0))
+			return -1;
+		if (bpf_skb_load_bytes(skb, inner, &ihl, 1) < 0)
+			return -1;
+		if (bpf_l3_csum_replace(skb, inner + 10, old, new, 4) < 0 ||
+		    bpf_skb_store_bytes(skb, inner + 16, &new, 4, 0) < 0)
+			return -1;
+		if (old_port != new_port) {
+			__u32 port_off = inner + (ihl & 0xf) * 4 + 2;
+
+			if (bpf_l4_csum_replace(skb, icmp_csum, old_port, new_port, 2) < 0 ||
+			    bpf_skb_store_bytes(skb, port_off, &new_port, 2, 0) < 0)
+				return -1;
+		}
+		p->saddr[0] = new;
+	} else {
+		__s64 diff = bpf_csum_diff(p->saddr, 16, (__u32 *)rev->addr, 16, 0);
+
+		if (diff < 0)
+			return -1;
+		if (bpf_skb_load_bytes(skb, IP6_OFF + 8, outer, 16) < 0)
+			return -1;
+		if (ipv6_equal(outer, p->saddr) &&
+		    (bpf_l4_csum_replace(skb, icmp_csum, 0, (__u32)diff, BPF_F_PSEUDO_HDR) < 0 ||
+		     bpf_skb_store_bytes(skb, IP6_OFF + 8, rev->addr, 16, 0) < 0))
+			return -1;
+		if (bpf_l4_csum_replace(skb, icmp_csum, 0, (__u32)diff, 0) < 0 ||
+		    bpf_skb_store_bytes(skb, inner + 24, rev->addr, 16, 0) < 0)
+			return -1;
+		if (old_port != new_port &&
+		    (bpf_l4_csum_replace(skb, icmp_csum, old_port, new_port, 2) < 0 ||
+		     bpf_skb_store_bytes(skb, inner + 40 + 2, &new_port, 2, 0) < 0))
+			return -1;
+		__builtin_memcpy(p->saddr, rev->addr, 16);
+	}
+	p->sport = new_port;
+	return 0;
+}
+
+/* Reverse NAT of a reply on a translated connection (`p->rev_nat` from
+ * enforce), by its REVERSE entry: the source becomes the frontend again; a
+ * hairpinned reply also gets its client's address back as destination
+ * (`hairpin`: the caller delivers it as one; a REVERSE entry that
+ * disagrees is an error). Both flow entries follow the connection.
+ * Returns 0 (also when there is no entry), or -1 if the packet could not
+ * be rewritten. */
+static __noinline int lb_reverse(struct __sk_buff *skb, struct pkt *p, int hairpin)
+{
+	struct ct_entry *e = 0;
+	struct lb_flow *rev;
+	__u32 l4_off;
+	int has_l4;
+
+	if (!p)
+		return -1;
+	rev = lb_flow_get(p, 1, LB_FLOW_REVERSE);
+	if (!rev)
+		return hairpin ? -1 : 0;
+	if (!!(rev->flags & LB_FLOW_F_HAIRPIN) != !!hairpin)
+		return -1;
+	if (rev->expires + NSEC_PER_SEC < bpf_ktime_get_ns() + (__u64)rev->lifetime * NSEC_PER_SEC)
+		e = ct_find(p, DIR_INGRESS, 1);
+	has_l4 = l4_locate(skb, p->family, p->icmp_error && p->family == 6 ? IPPROTO_ICMPV6 : p->protocol, &l4_off);
+	if (has_l4 < 0)
+		return hairpin ? -1 : 0;
+	if (p->icmp_error)
+		return hairpin || !has_l4 ? -1 : lb_reverse_icmp(skb, p, l4_off, rev);
+	/* Hairpinned: the client is the sender itself. */
+	if (hairpin && lb_rewrite(skb, p, l4_off, has_l4, 1, p->saddr, p->dport) < 0)
+		return -1;
+	if (lb_rewrite(skb, p, l4_off, has_l4, 0, rev->addr, rev->port) < 0)
+		return -1;
+	/* Last refreshed over a second ago: both entries follow the client's
+	 * conntrack entry (its egress one; the FORWARD entry is keyed by the
+	 * reverse of the reply, now VIP -> client). */
+	if (e && lb_flow_touch(rev, e))
+		lb_flow_touch(lb_flow_get(p, 1, LB_FLOW_FORWARD), e);
+	return 0;
+}
+
+/* ---------------------------------------------------------- service reject */
+
+struct tcp_min {
+	__u16 sport;
+	__u16 dport;
+	__u32 seq;
+	__u32 ack;
+	__u8 doff;  /* data offset in the high nibble */
+	__u8 flags;
+	__u16 window;
+	__u16 csum;
+	__u16 urg;
+};
+
+struct lb_pseudo4 {
+	__u32 saddr;
+	__u32 daddr;
+	__u8 zero;
+	__u8 protocol;
+	__u16 len;
+};
+
+struct rst4 {
+	struct lb_pseudo4 ph; /* checksummed, not sent */
+	struct iphdr ip;
+	struct tcp_min tcp;
+};
+
+struct rst6 {
+	struct pseudo6 ph;
+	struct ipv6hdr ip;
+	struct tcp_min tcp;
+};
+
+struct unreach4 {
+	struct iphdr ip;
+	__u8 type;
+	__u8 code;
+	__u16 csum;
+	__u32 unused;
+	__u8 quote[28]; /* the offending IP header (without options) and 8 bytes of L4 */
+};
+
+struct unreach6 {
+	struct pseudo6 ph;
+	struct ipv6hdr ip;
+	__u8 type;
+	__u8 code;
+	__u16 csum;
+	__u32 unused;
+	__u8 quote[48]; /* the offending IPv6 header and 8 bytes of what follows */
+};
+
+#define ICMP_PORT_UNREACH 3
+#define ICMPV6_PORT_UNREACH 4
+
+/* The RST answering TCP segment `in` (RFC 9293 3.10.7.1: the segment's
+ * ACK as sequence number if it has one, else an ACK of what it occupies). */
+static __always_inline void rst_of(struct tcp_min *out, const struct tcp_min *in, __u32 payload)
+{
+	__u32 seg_len = payload;
+
+	__builtin_memset(out, 0, sizeof(*out));
+	out->sport = in->dport;
+	out->dport = in->sport;
+	out->doff = 5 << 4;
+	if (in->flags & TCP_FLAG_ACK) {
+		out->seq = in->ack;
+		out->flags = TCP_FLAG_RST;
+	} else {
+		if (in->flags & TCP_FLAG_SYN)
+			seg_len += 1;
+		if (in->flags & TCP_FLAG_FIN)
+			seg_len += 1;
+		out->ack = bpf_htonl(bpf_ntohl(in->seq) + seg_len);
+		out->flags = TCP_FLAG_RST | TCP_FLAG_ACK;
+	}
+}
+
+static __always_inline void ip4_header(struct iphdr *ip, __u32 saddr, __u32 daddr, __u8 protocol, __u16 tot_len)
+{
+	__s64 s;
+
+	__builtin_memset(ip, 0, sizeof(*ip));
+	ip->version = 4;
+	ip->ihl = 5;
+	ip->tot_len = bpf_htons(tot_len);
+	ip->ttl = 64;
+	ip->protocol = protocol;
+	ip->saddr = saddr;
+	ip->daddr = daddr;
+	s = bpf_csum_diff(0, 0, (__be32 *)ip, sizeof(*ip), 0);
+	ip->check = s < 0 ? 0 : csum_fold((__u32)s);
+}
+
+static __always_inline void ip6_header(struct ipv6hdr *ip, const __u32 *saddr, const __u32 *daddr, __u8 nexthdr,
+				       __u16 payload_len)
+{
+	__builtin_memset(ip, 0, sizeof(*ip));
+	ip->version = 6;
+	ip->payload_len = bpf_htons(payload_len);
+	ip->nexthdr = nexthdr;
+	ip->hop_limit = 64;
+	__builtin_memcpy(&ip->saddr, saddr, 16);
+	__builtin_memcpy(&ip->daddr, daddr, 16);
+}
+
+/* Makes the packet `len` bytes of frame, the Ethernet addresses swapped
+ * (back to whoever sent it), and writes `len - ETH_HLEN_` bytes of `data`
+ * behind them. */
+static __always_inline int reply_frame(struct __sk_buff *skb, const void *data, __u32 len)
+{
+	__u8 eth[12], swapped[12];
+
+	if (bpf_skb_load_bytes(skb, 0, eth, 12) < 0)
+		return -1;
+	__builtin_memcpy(swapped, &eth[6], 6);
+	__builtin_memcpy(&swapped[6], eth, 6);
+	if (bpf_skb_change_tail(skb, len, 0) < 0)
+		return -1;
+	if (bpf_skb_store_bytes(skb, 0, swapped, 12, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, ETH_HLEN_, data, len - ETH_HLEN_, 0) < 0)
+		return -1;
+	return 0;
+}
+
+/* Turns a packet to a service without active backends into the answer
+ * its sender gets: a TCP RST, or ICMP / ICMPv6 port unreachable, from the
+ * frontend's address, ready to be sent back where it came from. Returns
+ * 0, or -1 when the packet cannot be answered (then it is just dropped). */
+static __noinline int lb_reject(struct __sk_buff *skb, const struct pkt *p)
+{
+	__u32 l4_off;
+	__s64 s;
+
+	if (l4_locate(skb, p->family, p->protocol, &l4_off) < 0)
+		return -1;
+	if (p->family == 4) {
+		if (p->protocol == IPPROTO_TCP) {
+			struct rst4 r = {};
+			struct tcp_min in;
+			struct iphdr ip;
+			__u32 payload;
+
+			if (bpf_skb_load_bytes(skb, IP4_OFF, &ip, sizeof(ip)) < 0 ||
+			    bpf_skb_load_bytes(skb, l4_off, &in, sizeof(in)) < 0)
+				return -1;
+			payload = bpf_ntohs(ip.tot_len) - (ip.ihl & 0xf) * 4 - ((in.doff >> 4) & 0xf) * 4;
+			rst_of(&r.tcp, &in, payload & 0xffff);
+			r.ph.saddr = p->daddr[0];
+			r.ph.daddr = p->saddr[0];
+			r.ph.protocol = IPPROTO_TCP;
+			r.ph.len = bpf_htons(sizeof(r.tcp));
+			s = bpf_csum_diff(0, 0, (__be32 *)&r.ph, sizeof(r.ph), 0);
+			if (s < 0)
+				return -1;
+			s = bpf_csum_diff(0, 0, (__be32 *)&r.tcp, sizeof(r.tcp), (__u32)s);
+			if (s < 0)
+				return -1;
+			r.tcp.csum = csum_fold((__u32)s);
+			ip4_header(&r.ip, p->daddr[0], p->saddr[0], IPPROTO_TCP, sizeof(r.ip) + sizeof(r.tcp));
+			return reply_frame(skb, &r.ip, ETH_HLEN_ + sizeof(r.ip) + sizeof(r.tcp));
+		} else {
+			struct unreach4 u = {};
+
+			if (bpf_skb_load_bytes(skb, IP4_OFF, u.quote, sizeof(u.quote)) < 0)
+				return -1;
+			u.type = ICMP_DEST_UNREACH;
+			u.code = ICMP_PORT_UNREACH;
+			s = bpf_csum_diff(0, 0, (__be32 *)&u.type, sizeof(u) - sizeof(u.ip), 0);
+			if (s < 0)
+				return -1;
+			u.csum = csum_fold((__u32)s);
+			ip4_header(&u.ip, p->daddr[0], p->saddr[0], IPPROTO_ICMP, sizeof(u));
+			return reply_frame(skb, &u, ETH_HLEN_ + sizeof(u));
+		}
+	}
+	if (p->protocol == IPPROTO_TCP) {
+		struct rst6 r = {};
+		struct tcp_min in;
+		__u16 payload_len;
+		__u32 payload;
+
+		if (bpf_skb_load_bytes(skb, IP6_OFF + 4, &payload_len, 2) < 0 ||
+		    bpf_skb_load_bytes(skb, l4_off, &in, sizeof(in)) < 0)
+			return -1;
+		payload = bpf_ntohs(payload_len) - ((in.doff >> 4) & 0xf) * 4;
+		rst_of(&r.tcp, &in, payload & 0xffff);
+		__builtin_memcpy(r.ph.saddr, p->daddr, 16);
+		__builtin_memcpy(r.ph.daddr, p->saddr, 16);
+		r.ph.len = bpf_htonl(sizeof(r.tcp));
+		r.ph.nexthdr = bpf_htonl(IPPROTO_TCP);
+		s = bpf_csum_diff(0, 0, (__be32 *)&r.ph, sizeof(r.ph), 0);
+		if (s < 0)
+			return -1;
+		s = bpf_csum_diff(0, 0, (__be32 *)&r.tcp, sizeof(r.tcp), (__u32)s);
+		if (s < 0)
+			return -1;
+		r.tcp.csum = csum_fold((__u32)s);
+		ip6_header(&r.ip, p->daddr, p->saddr, IPPROTO_TCP, sizeof(r.tcp));
+		return reply_frame(skb, &r.ip, ETH_HLEN_ + sizeof(r.ip) + sizeof(r.tcp));
+	} else {
+		struct unreach6 u = {};
+		__u32 icmp_len = sizeof(u) - sizeof(u.ph) - sizeof(u.ip);
+
+		if (bpf_skb_load_bytes(skb, IP6_OFF, u.quote, sizeof(u.quote)) < 0)
+			return -1;
+		u.type = ICMPV6_DEST_UNREACH;
+		u.code = ICMPV6_PORT_UNREACH;
+		__builtin_memcpy(u.ph.saddr, p->daddr, 16);
+		__builtin_memcpy(u.ph.daddr, p->saddr, 16);
+		u.ph.len = bpf_htonl(icmp_len);
+		u.ph.nexthdr = bpf_htonl(IPPROTO_ICMPV6);
+		s = bpf_csum_diff(0, 0, (__be32 *)&u.ph, sizeof(u.ph), 0);
+		if (s < 0)
+			return -1;
+		s = bpf_csum_diff(0, 0, (__be32 *)&u.type, icmp_len, (__u32)s);
+		if (s < 0)
+			return -1;
+		u.csum = csum_fold((__u32)s);
+		ip6_header(&u.ip, p->daddr, p->saddr, IPPROTO_ICMPV6, icmp_len);
+		return reply_frame(skb, &u.ip, ETH_HLEN_ + sizeof(u.ip) + icmp_len);
+	}
+}
+
 /* NodePort: from_netdev / to_netdev, and the lookups from_container uses. */
 #include "nodeport.h"
 
@@ -1323,6 +2082,7 @@ int from_container(struct __sk_buff *skb)
 	struct datapath_config *cfg = get_config();
 	struct endpoint_info *ep, *dst;
 	struct pkt p = {};
+	int hairpin;
 	__u32 peer;
 	int r;
 
@@ -1363,21 +2123,43 @@ int from_container(struct __sk_buff *skb)
 	frag_track(&p);
 
 	trace(cfg, TRACE_FROM_CONTAINER, DIR_EGRESS, &p, ep);
+	/* To a service: translated to a backend before policy (see services). */
+	r = lb_forward(skb, &p);
+	if (r == DROP_NO_SERVICE_BACKEND) {
+		count(r, DIR_EGRESS, p.len);
+		emit(EVENT_DROP, r, DIR_EGRESS, 0, &p, ep, ep->identity, 0);
+		if (lb_reject(skb, &p) < 0)
+			return TC_ACT_SHOT;
+		return bpf_redirect_peer(skb->ifindex, 0);
+	}
+	if (r)
+		return drop(r < 0 ? DROP_INVALID_PACKET : r, DIR_EGRESS, &p, ep, ep->identity, 0);
 	dst = endpoint_by_addr(&p, p.daddr);
-	r = enforce(&p, ep, DIR_EGRESS, dst, p.daddr, 0, cfg, &peer);
+	r = enforce_egress(&p, ep, dst, cfg, &peer);
 	if (r)
 		return drop(r, DIR_EGRESS, &p, ep, ep->identity, peer);
 	count(REASON_FORWARDED, DIR_EGRESS, p.len);
+	/* A reply on a translated connection from a backend here goes to a
+	 * client here; to no endpoint, it is a hairpinned reply to the VIP,
+	 * which goes back into the pod itself. */
+	hairpin = 0;
+	if (!dst && p.rev_nat) {
+		hairpin = 1;
+		dst = ep;
+	}
 
 	if (dst) {
 		__u32 src_id;
 		/* The destination's ingress policy, here, once: the packet then
 		 * enters the pod directly (redirect to the veth peer), skipping
 		 * the host veth's egress hook and a trip through its queue. */
-		r = enforce(&p, dst, DIR_INGRESS, ep, p.saddr, 0, cfg, &src_id);
+		r = enforce_ingress_local(&p, dst, ep, cfg, &src_id);
 		if (r)
 			return drop(r, DIR_INGRESS, &p, dst, ep->identity, dst->identity);
 		count(REASON_FORWARDED, DIR_INGRESS, p.len);
+		/* A reply from a backend to its client on this node. */
+		if (p.rev_nat && lb_reverse(skb, &p, hairpin) < 0)
+			return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, dst, ep->identity, dst->identity);
 		r = redirect_local(skb, &p, dst);
 		if (r < 0)
 			return drop(DROP_REDIRECT_FAILED, DIR_EGRESS, &p, ep, ep->identity, peer);
@@ -1435,10 +2217,14 @@ int to_container(struct __sk_buff *skb)
 	frag_track(&p);
 
 	trace(cfg, TRACE_TO_CONTAINER, DIR_INGRESS, &p, ep);
-	r = enforce(&p, ep, DIR_INGRESS, 0, p.saddr, 0, cfg, &peer);
+	r = enforce_ingress(&p, ep, 0, cfg, &peer);
 	if (r)
 		return drop(r, DIR_INGRESS, &p, ep, peer, ep->identity);
 	count(REASON_FORWARDED, DIR_INGRESS, p.len);
+	/* A reply from a backend the stack routed here (another node in
+	 * native routing, the node itself). */
+	if (p.rev_nat && lb_reverse(skb, &p, 0) < 0)
+		return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, ep, peer, ep->identity);
 	return TC_ACT_OK;
 }
 
@@ -1484,6 +2270,20 @@ int to_overlay(struct __sk_buff *skb)
 	return TC_ACT_OK;
 }
 
+/* The outer source (IPv4, network order) and the VNI of a
+ * decapsulated packet. Out of line: from_overlay's frame and those of the
+ * functions it calls share 512 bytes of stack. */
+static __noinline int tunnel_source(struct __sk_buff *skb, __u32 *outer, __u32 *vni)
+{
+	struct bpf_tunnel_key key = {};
+
+	if (bpf_skb_get_tunnel_key(skb, &key, sizeof(key), 0) < 0)
+		return -1;
+	*outer = bpf_htonl(key.remote_ipv4);
+	*vni = key.tunnel_id;
+	return 0;
+}
+
 /* tc ingress of the tunnel device: decapsulated packets with their tunnel
  * key. The outer source must be a node (its ipcache identity remote-node,
  * claimed by the registry), else the VNI is not believed; the VNI is the
@@ -1495,25 +2295,22 @@ SEC("classifier")
 int from_overlay(struct __sk_buff *skb)
 {
 	struct datapath_config *cfg = get_config();
-	struct bpf_tunnel_key key = {};
 	struct endpoint_info *dst;
 	struct ipcache_value *node;
-	__u32 outer[4] = {}, identity, peer;
+	__u32 outer = 0, identity, peer;
 	struct pkt p = {};
 	int r;
 
 	p.len = skb->len;
-	if (bpf_skb_get_tunnel_key(skb, &key, sizeof(key), 0) < 0)
+	if (tunnel_source(skb, &outer, &identity) < 0)
 		return drop(DROP_TUNNEL_SOURCE_NOT_NODE, DIR_INGRESS, &p, 0, 0, 0);
-	outer[0] = bpf_htonl(key.remote_ipv4);
-	node = ipcache_of(4, outer);
+	node = ipcache_of(4, &outer); /* IPv4: reads addr[0] only */
 	if (skb->protocol == bpf_htons(ETH_P_IP))
 		r = parse_ipv4(skb, &p);
 	else if (skb->protocol == bpf_htons(ETH_P_IPV6))
 		r = parse_ipv6(skb, &p);
 	else
 		r = DROP_UNSUPPORTED_L3;
-	identity = key.tunnel_id;
 	if (!node || node->identity != IDENTITY_REMOTE_NODE)
 		return drop(DROP_TUNNEL_SOURCE_NOT_NODE, DIR_INGRESS, &p, 0, identity, 0);
 	if (identity == IDENTITY_ANY || identity == IDENTITY_HOST || identity > 0xffffff)
@@ -1530,10 +2327,13 @@ int from_overlay(struct __sk_buff *skb)
 	}
 	frag_track(&p);
 	trace(cfg, TRACE_FROM_OVERLAY, DIR_INGRESS, &p, dst);
-	r = enforce(&p, dst, DIR_INGRESS, 0, p.saddr, identity, cfg, &peer);
+	r = enforce_ingress(&p, dst, identity, cfg, &peer);
 	if (r)
 		return drop(r, DIR_INGRESS, &p, dst, identity, dst->identity);
 	count(REASON_FORWARDED, DIR_INGRESS, p.len);
+	/* A reply from a backend on another node (vxlan). */
+	if (p.rev_nat && lb_reverse(skb, &p, 0) < 0)
+		return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, dst, identity, dst->identity);
 	r = redirect_local(skb, &p, dst);
 	if (r < 0)
 		return drop(DROP_REDIRECT_FAILED, DIR_INGRESS, &p, dst, identity, dst->identity);

@@ -525,7 +525,7 @@ static __always_inline int nodeport_to_remote(struct __sk_buff *skb, const struc
 
 /* Into local backend `dst`: its ingress policy on the (translated) packet,
  * then straight into the pod. */
-static __always_inline int nodeport_to_local(struct __sk_buff *skb, const struct pkt *p, const struct endpoint_info *dst,
+static __always_inline int nodeport_to_local(struct __sk_buff *skb, struct pkt *p, const struct endpoint_info *dst,
 					     const struct datapath_config *cfg)
 {
 	__u32 peer;
