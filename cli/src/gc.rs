@@ -31,6 +31,8 @@ pub struct DeletedView {
     pub orphaned_endpoint: u64,
     /// NAT entry whose connection is gone.
     pub nat_without_connection: u64,
+    /// Session affinity entry of a service that is gone.
+    pub service_gone: u64,
 }
 
 impl From<Option<&pb::DeletedCounts>> for DeletedView {
@@ -40,6 +42,7 @@ impl From<Option<&pb::DeletedCounts>> for DeletedView {
             expired: d.expired,
             orphaned_endpoint: d.orphaned_endpoint,
             nat_without_connection: d.nat_without_connection,
+            service_gone: d.service_gone,
         }
     }
 }
@@ -222,11 +225,12 @@ fn status_view(s: &pb::StatusResponse) -> StatusView {
 
 fn deleted_text(d: &DeletedView) -> String {
     format!(
-        "{} (expired {}, orphaned {}, nat {})",
-        d.expired + d.orphaned_endpoint + d.nat_without_connection,
+        "{} (expired {}, orphaned {}, nat {}, service gone {})",
+        d.expired + d.orphaned_endpoint + d.nat_without_connection + d.service_gone,
         d.expired,
         d.orphaned_endpoint,
-        d.nat_without_connection
+        d.nat_without_connection,
+        d.service_gone
     )
 }
 
@@ -385,6 +389,7 @@ mod tests {
                         expired: 90,
                         orphaned_endpoint: 10,
                         nat_without_connection: 0,
+                        service_gone: 0,
                     }),
                     spared_refreshed: 2,
                     remaining: 900,
@@ -398,6 +403,7 @@ mod tests {
                     expired: 90,
                     orphaned_endpoint: 10,
                     nat_without_connection: 0,
+                    service_gone: 0,
                 }),
                 delete_ratio: 0.1,
                 orphan_check: pb::OrphanCheck::SkippedRestoring.into(),
@@ -432,7 +438,7 @@ mod tests {
         assert!(text.contains("established 21600s"), "{text}");
         assert!(text.contains("PASS          3 (run-now)"), "{text}");
         assert!(
-            text.contains("DELETED       100 (expired 90, orphaned 10, nat 0)"),
+            text.contains("DELETED       100 (expired 90, orphaned 10, nat 0, service gone 0)"),
             "{text}"
         );
         assert!(

@@ -34,8 +34,8 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use rivet_datapath::maps::{
-    CT_TCP_CLOSING, CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, CtTimeouts, DIR_EGRESS, DIR_INGRESS, ipv4_from_raw,
-    ipv6_from_raw,
+    CT_TCP_CLOSING, CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, CtTimeouts, DIR_EGRESS, DIR_INGRESS, LbAffinity,
+    LbAffinityKey, LbFlow, LbFrontend, SVC_F_AFFINITY, ipv4_from_raw, ipv6_from_raw,
 };
 
 /// The datapath refreshes an entry's `expires` at most once a second: its
@@ -148,6 +148,8 @@ pub enum Reason {
     OrphanedEndpoint,
     /// A NAT entry whose connection is gone (no NAT map yet).
     NatWithoutConnection,
+    /// A session affinity entry of a service that no longer exists.
+    ServiceGone,
 }
 
 /// The endpoints of the node as one pass sees them.
@@ -187,6 +189,57 @@ impl CtRules {
         let local = key.local_addr()?;
         let idle_since_list = last.is_some_and(|at| at < endpoints.listed_at);
         (idle_since_list && !endpoints.addrs.contains(&local)).then_some(Reason::OrphanedEndpoint)
+    }
+}
+
+/// Translated flows (`lb4_flows` / `lb6_flows`: the datapath's FORWARD,
+/// REVERSE and NodePort SNAT entries): expired once their `expires`
+/// deadline passed, plus [`REFRESH_GRANULARITY`].
+pub fn flow_verdict(flow: &LbFlow, now: u64) -> Option<Reason> {
+    let slack = REFRESH_GRANULARITY.as_nanos() as u64;
+    (now >= flow.expires.saturating_add(slack)).then_some(Reason::Expired)
+}
+
+/// Which `lb_affinity` entries go: those unused for longer than their
+/// service's timeout (0 for a service without `SVC_F_AFFINITY` any more),
+/// and those of services that no longer exist (no frontend) unused since
+/// the frontends were read (a service created after the read keeps its
+/// entries).
+#[derive(Clone, Debug, Default)]
+pub struct AffinityRules {
+    /// Service id → affinity timeout in seconds (the longest of its
+    /// frontends; 0 without affinity).
+    pub timeouts: std::collections::HashMap<u32, u32>,
+    /// Kernel monotonic time at which the frontends were read.
+    pub read_at: u64,
+}
+
+impl AffinityRules {
+    /// The rules from the frontends read at `read_at`.
+    pub fn from_frontends<'a>(frontends: impl IntoIterator<Item = &'a LbFrontend>, read_at: u64) -> Self {
+        let mut timeouts = std::collections::HashMap::new();
+        for fe in frontends {
+            let t = timeouts.entry(fe.service_id).or_insert(0);
+            if fe.flags & SVC_F_AFFINITY != 0 {
+                *t = fe.affinity_timeout.max(*t);
+            }
+        }
+        Self { timeouts, read_at }
+    }
+
+    /// Whether `entry` goes, and why.
+    pub fn verdict(&self, key: &LbAffinityKey, entry: &LbAffinity, now: u64) -> Option<Reason> {
+        let slack = REFRESH_GRANULARITY.as_nanos() as u64;
+        match self.timeouts.get(&key.service_id) {
+            None => (entry.last_used < self.read_at).then_some(Reason::ServiceGone),
+            Some(seconds) => {
+                let deadline = entry
+                    .last_used
+                    .saturating_add(u64::from(*seconds) * 1_000_000_000)
+                    .saturating_add(slack);
+                (now >= deadline).then_some(Reason::Expired)
+            }
+        }
     }
 }
 

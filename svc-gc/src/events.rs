@@ -92,7 +92,7 @@ impl GcMetrics {
         );
         r.register(
             "entries_deleted",
-            "Entries deleted, per map and reason (expired, orphaned_endpoint, nat_without_connection)",
+            "Entries deleted, per map and reason (expired, orphaned_endpoint, nat_without_connection, service_gone)",
             self.deleted.clone(),
         );
         r.register(
@@ -172,6 +172,7 @@ pub fn pass_completed(m: &GcMetrics, pass: &PassReport, interval: Duration) {
             ("expired", map.deleted.expired),
             ("orphaned_endpoint", map.deleted.orphaned_endpoint),
             ("nat_without_connection", map.deleted.nat_without_connection),
+            ("service_gone", map.deleted.service_gone),
         ] {
             m.deleted
                 .get_or_create(&ReasonLabels {

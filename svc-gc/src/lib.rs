@@ -1,7 +1,8 @@
-//! svc-gc: conntrack (and, once the datapath has one, NAT) garbage collection
-//! as its own privileged daemon, so its CPU and privileges are its own and it
-//! restarts alone. It opens the node's pinned `ct4` and `ct6` maps by path,
-//! read-write, and needs no other BPF object (CAP_BPF only).
+//! svc-gc: conntrack and service translation garbage collection as its own
+//! daemon, so its CPU and privileges are its own and it restarts alone. It
+//! opens the node's pinned `ct4`, `ct6`, `lb4_flows`, `lb6_flows` and
+//! `lb_affinity` maps (and reads `lb_frontends`) by path, read-write, and
+//! needs no other BPF object.
 //!
 //! - [`classify`]: which entries go and why (expired per protocol and TCP
 //!   state against the kernel's monotonic clock; orphaned endpoints);

@@ -19,22 +19,21 @@
 //! again and a new entry is created). No refresh made before the re-check is
 //! ever lost.
 //!
-//! # Where a NAT map slots in
+//! # The service maps
 //!
-//! The datapath has no NAT map yet, so a pass sweeps `ct4` and `ct6` only and
-//! `nat_without_connection` stays 0. A NAT map becomes another [`Slot`] in
-//! [`GcMaps`] with its own key and value types, swept after the conntrack
-//! maps by a `sweep` whose verdict looks the entry's connection up in `ct4` /
-//! `ct6` ([`Reason::NatWithoutConnection`]); the re-check and batch delete
-//! are the same.
+//! After `ct4` and `ct6`, a pass sweeps the service maps that are pinned
+//! ([`ServiceSlots`]): `lb4_flows` / `lb6_flows` by their deadline
+//! ([`flow_verdict`]) and `lb_affinity` by its service's timeout read from
+//! `lb_frontends` at the start of its sweep ([`AffinityRules`]); the
+//! re-check and batch delete are the same ([`sweep`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rivet_datapath::maps::{Ct4Key, Ct6Key, CtEntry};
+use rivet_datapath::maps::{Ct4Key, Ct6Key, CtEntry, LbAffinity, LbAffinityKey, LbFlow, LbFrontend, LbFrontendKey};
 use rivet_datapath::spec::{self, MapDef};
 
-use crate::classify::{CtKey, CtRules, Reason};
+use crate::classify::{AffinityRules, CtKey, CtRules, Reason, flow_verdict};
 use crate::clock::Clock;
 use crate::map::{BatchMode, CHUNK, EntryMap, MapError, PinnedMap};
 
@@ -101,12 +100,14 @@ pub struct DeletedCounts {
     pub orphaned_endpoint: u64,
     /// NAT entry whose connection is gone.
     pub nat_without_connection: u64,
+    /// Affinity entry of a service that is gone.
+    pub service_gone: u64,
 }
 
 impl DeletedCounts {
     /// All reasons together.
     pub fn total(&self) -> u64 {
-        self.expired + self.orphaned_endpoint + self.nat_without_connection
+        self.expired + self.orphaned_endpoint + self.nat_without_connection + self.service_gone
     }
 
     /// Counts one more for `reason`.
@@ -115,6 +116,7 @@ impl DeletedCounts {
             Reason::Expired => self.expired += 1,
             Reason::OrphanedEndpoint => self.orphaned_endpoint += 1,
             Reason::NatWithoutConnection => self.nat_without_connection += 1,
+            Reason::ServiceGone => self.service_gone += 1,
         }
     }
 
@@ -123,6 +125,7 @@ impl DeletedCounts {
         self.expired += other.expired;
         self.orphaned_endpoint += other.orphaned_endpoint;
         self.nat_without_connection += other.nat_without_connection;
+        self.service_gone += other.service_gone;
     }
 }
 
@@ -198,20 +201,22 @@ pub enum PassError {
     },
 }
 
+/// A map handle of a pass.
+pub type MapHandle<K, V> = Box<dyn EntryMap<Key = K, Value = V>>;
 /// A conntrack map handle.
-pub type CtMap<K> = Box<dyn EntryMap<Key = K, Value = CtEntry>>;
-/// Opens (again) a conntrack map.
-pub type Opener<K> = Box<dyn FnMut() -> Result<CtMap<K>, MapError> + Send>;
+pub type CtMap<K> = MapHandle<K, CtEntry>;
+/// Opens (again) a map.
+pub type Opener<K, V = CtEntry> = Box<dyn FnMut() -> Result<MapHandle<K, V>, MapError> + Send>;
 
 /// One map of the node: opened on first use, reopened when its pin names
 /// another map (a loader that recreated it) or after an error.
-pub struct Slot<K> {
+pub struct Slot<K, V = CtEntry> {
     name: String,
-    opener: Opener<K>,
-    map: Option<CtMap<K>>,
+    opener: Opener<K, V>,
+    map: Option<MapHandle<K, V>>,
 }
 
-impl<K> std::fmt::Debug for Slot<K> {
+impl<K, V> std::fmt::Debug for Slot<K, V> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Slot")
             .field("name", &self.name)
@@ -220,9 +225,9 @@ impl<K> std::fmt::Debug for Slot<K> {
     }
 }
 
-impl<K: CtKey + 'static> Slot<K> {
+impl<K: aya::Pod + PartialEq + Send + 'static, V: aya::Pod + PartialEq + Send + 'static> Slot<K, V> {
     /// A slot that opens its map with `opener`.
-    pub fn new(name: &str, opener: Opener<K>) -> Self {
+    pub fn new(name: &str, opener: Opener<K, V>) -> Self {
         Self {
             name: name.to_owned(),
             opener,
@@ -235,7 +240,7 @@ impl<K: CtKey + 'static> Slot<K> {
         let dir = pin_dir.to_owned();
         Self::new(
             def.name,
-            Box::new(move || PinnedMap::<K, CtEntry>::open(&dir, def, mode).map(|m| Box::new(m) as CtMap<K>)),
+            Box::new(move || PinnedMap::<K, V>::open(&dir, def, mode).map(|m| Box::new(m) as MapHandle<K, V>)),
         )
     }
 
@@ -245,7 +250,7 @@ impl<K: CtKey + 'static> Slot<K> {
     }
 
     /// The open map, opening or reopening it as needed.
-    pub fn get(&mut self) -> Result<&mut CtMap<K>, MapError> {
+    pub fn get(&mut self) -> Result<&mut MapHandle<K, V>, MapError> {
         if self.map.as_ref().is_some_and(|m| !m.is_current()) {
             tracing::info!(map = %self.name, "the pin now names another map (or is gone): reopening");
             self.map = None;
@@ -264,6 +269,50 @@ impl<K: CtKey + 'static> Slot<K> {
     }
 }
 
+/// The service maps a pass sweeps after conntrack: the translated flows
+/// (expired past their deadline) and session affinity (unused past their
+/// service's timeout, or of a service that is gone, judged by
+/// `lb_frontends`, which is only read).
+#[derive(Debug)]
+pub struct ServiceSlots {
+    /// IPv4 translated flows.
+    pub lb4_flows: Slot<Ct4Key, LbFlow>,
+    /// IPv6 translated flows.
+    pub lb6_flows: Slot<Ct6Key, LbFlow>,
+    /// Session affinity.
+    pub lb_affinity: Slot<LbAffinityKey, LbAffinity>,
+    /// The frontends (read for the services' affinity timeouts).
+    pub lb_frontends: Slot<LbFrontendKey, LbFrontend>,
+    /// Where the pins are: a map not pinned there (a datapath without
+    /// services) is left out of the pass instead of failing it.
+    pub pin_dir: Option<std::path::PathBuf>,
+}
+
+impl ServiceSlots {
+    /// The node's pinned service maps in `pin_dir`.
+    pub fn pinned(pin_dir: &std::path::Path, mode: BatchMode) -> Self {
+        Self {
+            lb4_flows: Slot::pinned(pin_dir, &spec::LB4_FLOWS, mode),
+            lb6_flows: Slot::pinned(pin_dir, &spec::LB6_FLOWS, mode),
+            lb_affinity: Slot::pinned(pin_dir, &spec::LB_AFFINITY, mode),
+            lb_frontends: Slot::pinned(pin_dir, &spec::LB_FRONTENDS, mode),
+            pin_dir: Some(pin_dir.to_owned()),
+        }
+    }
+
+    fn present(&self, name: &str) -> bool {
+        self.pin_dir.as_ref().is_none_or(|dir| dir.join(name).exists())
+    }
+
+    /// Map names in sweep order (the frontends are read, not swept).
+    pub fn names(&self) -> Vec<String> {
+        [&self.lb4_flows.name, &self.lb6_flows.name, &self.lb_affinity.name]
+            .into_iter()
+            .cloned()
+            .collect()
+    }
+}
+
 /// The maps a pass sweeps.
 #[derive(Debug)]
 pub struct GcMaps {
@@ -271,6 +320,8 @@ pub struct GcMaps {
     pub ct4: Slot<Ct4Key>,
     /// IPv6 conntrack.
     pub ct6: Slot<Ct6Key>,
+    /// The service maps, if swept.
+    pub services: Option<ServiceSlots>,
 }
 
 impl GcMaps {
@@ -279,12 +330,15 @@ impl GcMaps {
         Self {
             ct4: Slot::pinned(pin_dir, &spec::CT4, mode),
             ct6: Slot::pinned(pin_dir, &spec::CT6, mode),
+            services: Some(ServiceSlots::pinned(pin_dir, mode)),
         }
     }
 
     /// Map names in sweep order.
     pub fn names(&self) -> Vec<String> {
-        vec![self.ct4.name().to_owned(), self.ct6.name().to_owned()]
+        let mut names = vec![self.ct4.name().to_owned(), self.ct6.name().to_owned()];
+        names.extend(self.services.iter().flat_map(ServiceSlots::names));
+        names
     }
 }
 
@@ -294,6 +348,20 @@ pub fn sweep_ct<K: CtKey>(
     rules: &CtRules,
     clock: &dyn Clock,
 ) -> MapReport {
+    sweep(map, |k, v, now| rules.verdict(k, v, now), clock)
+}
+
+/// Sweeps one map with `verdict` (see the module docs: the re-check of
+/// every candidate before its batch delete is the same for every map).
+pub fn sweep<K, V>(
+    map: &mut dyn EntryMap<Key = K, Value = V>,
+    verdict: impl Fn(&K, &V, u64) -> Option<Reason>,
+    clock: &dyn Clock,
+) -> MapReport
+where
+    K: aya::Pod + PartialEq + Send,
+    V: aya::Pod + PartialEq + Send,
+{
     let started = Instant::now();
     let mut report = MapReport {
         map: map.name().to_owned(),
@@ -301,7 +369,7 @@ pub fn sweep_ct<K: CtKey>(
         ..MapReport::default()
     };
     let mut keys: Vec<K> = Vec::with_capacity(CHUNK);
-    let mut values: Vec<CtEntry> = Vec::with_capacity(CHUNK);
+    let mut values: Vec<V> = Vec::with_capacity(CHUNK);
     let mut candidates: Vec<(usize, Reason)> = Vec::new();
     let mut confirmed: Vec<K> = Vec::with_capacity(DELETE_GROUP);
     let mut reasons: Vec<Reason> = Vec::with_capacity(DELETE_GROUP);
@@ -317,7 +385,7 @@ pub fn sweep_ct<K: CtKey>(
                 keys.iter()
                     .zip(&values)
                     .enumerate()
-                    .filter_map(|(i, (k, v))| rules.verdict(k, v, now).map(|r| (i, r))),
+                    .filter_map(|(i, (k, v))| verdict(k, v, now).map(|r| (i, r))),
             );
             for group in candidates.chunks(DELETE_GROUP) {
                 confirmed.clear();
@@ -373,14 +441,18 @@ pub struct PassPlan {
 }
 
 /// Sweeps one map; the error is why it could not be opened.
-fn sweep_slot<K: CtKey + 'static>(
-    slot: &mut Slot<K>,
-    rules: &CtRules,
+fn sweep_slot<K, V>(
+    slot: &mut Slot<K, V>,
+    verdict: impl Fn(&K, &V, u64) -> Option<Reason>,
     clock: &dyn Clock,
-) -> (MapReport, Option<MapError>) {
+) -> (MapReport, Option<MapError>)
+where
+    K: aya::Pod + PartialEq + Send + 'static,
+    V: aya::Pod + PartialEq + Send + 'static,
+{
     match slot.get() {
         Ok(map) => {
-            let report = sweep_ct(map.as_mut(), rules, clock);
+            let report = sweep(map.as_mut(), verdict, clock);
             if report.error.is_some() {
                 // Start from a fresh handle next time.
                 slot.close();
@@ -403,15 +475,19 @@ pub fn run_pass(maps: &mut GcMaps, plan: &PassPlan, clock: &dyn Clock) -> Result
     let started = Instant::now();
     let started_unix_nanos = clock.unix_nanos();
     let started_monotonic = clock.monotonic_nanos();
-    let (ct4, closed4) = sweep_slot(&mut maps.ct4, &plan.rules, clock);
-    let (ct6, closed6) = sweep_slot(&mut maps.ct6, &plan.rules, clock);
+    let rules = &plan.rules;
+    let (ct4, closed4) = sweep_slot(&mut maps.ct4, |k, v, now| rules.verdict(k, v, now), clock);
+    let (ct6, closed6) = sweep_slot(&mut maps.ct6, |k, v, now| rules.verdict(k, v, now), clock);
     if let (Some(ct4), Some(ct6)) = (closed4, closed6) {
         return Err(PassError::Unavailable {
             ct4: Arc::new(ct4),
             ct6: Arc::new(ct6),
         });
     }
-    let reports = vec![ct4, ct6];
+    let mut reports = vec![ct4, ct6];
+    if let Some(services) = &mut maps.services {
+        reports.extend(sweep_services(services, clock));
+    }
     let scanned = reports.iter().map(|m| m.scanned).sum::<u64>();
     let mut deleted = DeletedCounts::default();
     for m in &reports {
@@ -434,4 +510,53 @@ pub fn run_pass(maps: &mut GcMaps, plan: &PassPlan, clock: &dyn Clock) -> Result
         delete_ratio,
         orphan_check: plan.orphan_check,
     })
+}
+
+/// Sweeps the service maps that are pinned: the flows, then affinity with
+/// the services' timeouts read from `lb_frontends` first (affinity is not
+/// swept when they cannot be read: a service's entries would look orphaned).
+fn sweep_services(slots: &mut ServiceSlots, clock: &dyn Clock) -> Vec<MapReport> {
+    let mut reports = Vec::new();
+    if slots.present(&slots.lb4_flows.name) {
+        reports.push(sweep_slot(&mut slots.lb4_flows, |_, v, now| flow_verdict(v, now), clock).0);
+    }
+    if slots.present(&slots.lb6_flows.name) {
+        reports.push(sweep_slot(&mut slots.lb6_flows, |_, v, now| flow_verdict(v, now), clock).0);
+    }
+    if !slots.present(&slots.lb_affinity.name) {
+        return reports;
+    }
+    let read_at = clock.monotonic_nanos();
+    let rules = match read_all(&mut slots.lb_frontends) {
+        Ok(frontends) => AffinityRules::from_frontends(&frontends, read_at),
+        Err(e) => {
+            slots.lb_frontends.close();
+            reports.push(MapReport {
+                map: slots.lb_affinity.name().to_owned(),
+                error: Some(format!("not swept: reading the services' timeouts: {e}")),
+                ..MapReport::default()
+            });
+            return reports;
+        }
+    };
+    reports.push(sweep_slot(&mut slots.lb_affinity, |k, v, now| rules.verdict(k, v, now), clock).0);
+    reports
+}
+
+/// Every value of a slot's map.
+fn read_all<K, V>(slot: &mut Slot<K, V>) -> Result<Vec<V>, MapError>
+where
+    K: aya::Pod + PartialEq + Send + 'static,
+    V: aya::Pod + PartialEq + Send + 'static,
+{
+    let map = slot.get()?;
+    let (mut keys, mut values, mut all) = (Vec::new(), Vec::new(), Vec::new());
+    map.begin_scan();
+    loop {
+        let more = map.next_chunk(&mut keys, &mut values)?;
+        all.append(&mut values);
+        if !more {
+            return Ok(all);
+        }
+    }
 }

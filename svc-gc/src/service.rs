@@ -47,6 +47,7 @@ fn deleted_proto(d: &DeletedCounts) -> pb::DeletedCounts {
         expired: d.expired,
         orphaned_endpoint: d.orphaned_endpoint,
         nat_without_connection: d.nat_without_connection,
+        service_gone: d.service_gone,
     }
 }
 

@@ -371,6 +371,7 @@ fn sweep(mode: BatchMode) {
     let mut gc = GcMaps {
         ct4: slot(&maps, &spec::CT4, mode, r4.clone()),
         ct6: slot(&maps, &spec::CT6, mode, r6.clone()),
+        services: None,
     };
     let plan = PassPlan {
         number: 1,
@@ -524,7 +525,7 @@ async fn without_maps_run_now_is_unavailable_until_they_are_pinned() {
     assert_eq!(status.passes, 0);
     assert_eq!(
         status.totals.iter().map(|t| t.0.as_str()).collect::<Vec<_>>(),
-        ["ct4", "ct6"]
+        ["ct4", "ct6", "lb4_flows", "lb6_flows", "lb_affinity"]
     );
 
     // svc-loader pins the maps: the retry is the initial pass.
@@ -651,4 +652,129 @@ fn entries_expire_as_the_clock_moves_on() {
     clock.advance(70 * SECOND as i64);
     assert_eq!(pass(4), 1, "the TCP connection, 102 s idle");
     assert!(ct4.dump().unwrap().is_empty());
+}
+
+/// The service maps: translated flows past their deadline go, live ones
+/// stay; affinity entries unused past their service's timeout go, and those
+/// of a service with no frontend any more, unless used after the frontends
+/// were read.
+#[test]
+fn a_pass_expires_service_flows_and_stale_affinity() {
+    use rivet_datapath::maps::{
+        LB_FLOW_FORWARD, LB_FLOW_REVERSE, LbAffinity, LbAffinityKey, LbFlow, LbFrontend, LbFrontendKey, SVC_F_AFFINITY,
+        SVC_F_CLUSTER_IP, SVC_SCOPE_INTERNAL,
+    };
+    let maps = TestMaps::create("lb", 1024, 1024)
+        .unwrap()
+        .with_service_maps(1024)
+        .unwrap();
+    let dir = maps.pin_dir().to_owned();
+    let clock = KernelClock::new();
+    let now = clock.monotonic_nanos();
+    let flow = |expires: u64| LbFlow {
+        expires,
+        lifetime: 60,
+        service_id: 1,
+        ..LbFlow::default()
+    };
+    let c4 = |port: u16, direction: u8| {
+        Ct4Key::new(
+            SocketAddrV4::new("198.18.0.2".parse().unwrap(), port),
+            "198.19.128.1:80".parse().unwrap(),
+            TCP,
+            direction,
+        )
+    };
+    let c6 = |port: u16| {
+        Ct6Key::new(
+            SocketAddrV6::new("2001:2::2".parse().unwrap(), port, 0, 0),
+            "[2001:2:0:ff::1]:80".parse().unwrap(),
+            UDP,
+            LB_FLOW_FORWARD,
+        )
+    };
+    let mut lb4: PinnedMap<Ct4Key, LbFlow> = PinnedMap::open(&dir, &spec::LB4_FLOWS, BatchMode::Auto).unwrap();
+    let mut lb6: PinnedMap<Ct6Key, LbFlow> = PinnedMap::open(&dir, &spec::LB6_FLOWS, BatchMode::Auto).unwrap();
+    let live4 = [
+        (c4(1000, LB_FLOW_FORWARD), flow(now + 30 * SECOND)),
+        (c4(1000, LB_FLOW_REVERSE), flow(now + 30 * SECOND)),
+    ];
+    let dead4 = [
+        (c4(2000, LB_FLOW_FORWARD), flow(now - 5 * SECOND)),
+        (c4(2000, LB_FLOW_REVERSE), flow(now - 5 * SECOND)),
+    ];
+    // Within the second of slack: kept.
+    let slack4 = [(c4(3000, LB_FLOW_FORWARD), flow(now - SECOND / 2))];
+    for (k, v) in live4.iter().chain(&dead4).chain(&slack4) {
+        lb4.insert_all(&[*k], &[*v]).unwrap();
+    }
+    lb6.insert_all(&[c6(1), c6(2)], &[flow(now + 30 * SECOND), flow(now - 10 * SECOND)])
+        .unwrap();
+
+    // Service 1 has affinity for 10 s; service 2 has frontends without
+    // affinity; service 3 is gone.
+    let mut frontends: PinnedMap<LbFrontendKey, LbFrontend> =
+        PinnedMap::open(&dir, &spec::LB_FRONTENDS, BatchMode::Auto).unwrap();
+    let fe = |id: u32, flags: u16, timeout: u32| LbFrontend {
+        service_id: id,
+        table_id: id,
+        backend_count: 1,
+        flags,
+        affinity_timeout: timeout,
+    };
+    frontends
+        .insert_all(
+            &[
+                LbFrontendKey::vip("198.19.128.1:80".parse().unwrap(), TCP, SVC_SCOPE_INTERNAL),
+                LbFrontendKey::vip("198.19.128.2:80".parse().unwrap(), TCP, SVC_SCOPE_INTERNAL),
+            ],
+            &[fe(1, SVC_F_CLUSTER_IP | SVC_F_AFFINITY, 10), fe(2, SVC_F_CLUSTER_IP, 0)],
+        )
+        .unwrap();
+    let mut affinity: PinnedMap<LbAffinityKey, LbAffinity> =
+        PinnedMap::open(&dir, &spec::LB_AFFINITY, BatchMode::Auto).unwrap();
+    let client = |n: u8| IpAddr::from([198, 18, 0, n]);
+    let used = |at: u64| LbAffinity {
+        last_used: at,
+        backend_id: 5,
+        pad: 0,
+    };
+    let fresh = (LbAffinityKey::new(client(2), 1), used(now - 5 * SECOND));
+    let stale = (LbAffinityKey::new(client(3), 1), used(now - 20 * SECOND));
+    let no_affinity = (LbAffinityKey::new(client(4), 2), used(now - SECOND));
+    let gone = (LbAffinityKey::new(client(5), 3), used(now - SECOND));
+    let new_service = (LbAffinityKey::new(client(6), 4), used(now + 3600 * SECOND));
+    for (k, v) in [fresh, stale, no_affinity, gone, new_service] {
+        affinity.insert_all(&[k], &[v]).unwrap();
+    }
+
+    let mut gc = maps.gc_maps(BatchMode::Auto);
+    assert_eq!(gc.names(), ["ct4", "ct6", "lb4_flows", "lb6_flows", "lb_affinity"]);
+    let plan = PassPlan {
+        number: 1,
+        trigger: Trigger::RunNow,
+        rules: CtRules {
+            timeouts: timeouts(),
+            endpoints: None,
+        },
+        orphan_check: OrphanCheck::SkippedListEmpty,
+    };
+    let report = run_pass(&mut gc, &plan, &clock).unwrap();
+    let by_map: BTreeMap<&str, &MapReport> = report.maps.iter().map(|m| (m.map.as_str(), m)).collect();
+    assert_eq!(by_map["lb4_flows"].deleted.expired, 2, "{report:?}");
+    assert_eq!(by_map["lb4_flows"].remaining, 3);
+    assert_eq!(by_map["lb6_flows"].deleted.expired, 1);
+    let aff = by_map["lb_affinity"];
+    assert_eq!(aff.error, None);
+    assert_eq!((aff.deleted.expired, aff.deleted.service_gone), (2, 1), "{aff:?}");
+
+    let left4: HashSet<Ct4Key> = lb4.dump().unwrap().into_iter().map(|(k, _)| k).collect();
+    let want4: HashSet<Ct4Key> = live4.iter().chain(&slack4).map(|(k, _)| *k).collect();
+    assert_eq!(left4, want4);
+    assert_eq!(
+        lb6.dump().unwrap().into_iter().map(|(k, _)| k).collect::<Vec<_>>(),
+        [c6(1)]
+    );
+    let left: HashSet<LbAffinityKey> = affinity.dump().unwrap().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(left, HashSet::from([fresh.0, new_service.0]));
 }

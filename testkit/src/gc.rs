@@ -66,6 +66,20 @@ impl TestMaps {
         Ok(())
     }
 
+    /// Also creates the service maps svc-gc sweeps or reads (`lb4_flows`,
+    /// `lb6_flows`, `lb_affinity`, `lb_frontends`), with `max_entries` each.
+    pub fn with_service_maps(self, max_entries: u32) -> std::io::Result<Self> {
+        for def in [
+            &spec::LB4_FLOWS,
+            &spec::LB6_FLOWS,
+            &spec::LB_AFFINITY,
+            &spec::LB_FRONTENDS,
+        ] {
+            create_pinned_map(&self.pin_dir, def, max_entries).map_err(std::io::Error::other)?;
+        }
+        Ok(self)
+    }
+
     /// Replaces every map by a new, empty one under the same pins (what an
     /// operator removing the pins and restarting svc-loader does).
     pub fn recreate(&self) -> std::io::Result<()> {
