@@ -5,7 +5,9 @@
 //! plus the per-element commands of their fallback path — and
 //! `BPF_PROG_TEST_RUN` for running a classifier on a frame in tests, and
 //! `BPF_MAP_CREATE` / `BPF_OBJ_PIN` for maps made outside an object (tests
-//! that build the pins of an earlier loader).
+//! that build the pins of an earlier loader), and the link commands of
+//! svc-loader's cgroup attachments (`BPF_LINK_CREATE` on a cgroup,
+//! `BPF_LINK_UPDATE`, link info with its cgroup id).
 //!
 //! Every function takes keys and values as `aya::Pod` slices; their sizes must
 //! be the map's key and value sizes (the callers check that once at open).
@@ -28,6 +30,8 @@ const BPF_OBJ_GET_INFO_BY_FD: u32 = 15;
 const BPF_MAP_LOOKUP_BATCH: u32 = 24;
 const BPF_MAP_UPDATE_BATCH: u32 = 26;
 const BPF_MAP_DELETE_BATCH: u32 = 27;
+const BPF_LINK_CREATE: u32 = 28;
+const BPF_LINK_UPDATE: u32 = 29;
 
 /// `ENOTSUPP` (kernel-internal, 524): what old kernels answer for batch
 /// commands a map type lacks.
@@ -273,6 +277,107 @@ pub fn map_info(fd: BorrowedFd<'_>) -> io::Result<MapInfo> {
         value_size: info.value_size,
         max_entries: info.max_entries,
         map_flags: info.map_flags,
+    })
+}
+
+#[repr(C)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+}
+
+#[repr(C)]
+struct LinkUpdateAttr {
+    link_fd: u32,
+    new_prog_fd: u32,
+    flags: u32,
+    old_prog_fd: u32,
+}
+
+/// The head of `struct bpf_link_info` with its cgroup member (the union
+/// starts at offset 16: it holds `__u64`s).
+#[repr(C)]
+#[derive(Default)]
+struct RawLinkInfo {
+    link_type: u32,
+    id: u32,
+    prog_id: u32,
+    pad: u32,
+    cgroup_id: u64,
+    attach_type: u32,
+    pad2: u32,
+}
+
+/// `BPF_LINK_TYPE_CGROUP`.
+pub const BPF_LINK_TYPE_CGROUP: u32 = 3;
+
+/// What the kernel says about a link; `cgroup_id` and `attach_type` only
+/// for [`BPF_LINK_TYPE_CGROUP`] links (`cgroup_id` 0 once the cgroup is gone).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkInfo {
+    /// `BPF_LINK_TYPE_*`.
+    pub link_type: u32,
+    /// The link's id.
+    pub id: u32,
+    /// The id of the program it runs.
+    pub prog_id: u32,
+    /// The cgroup's id (its cgroup2 directory's inode number).
+    pub cgroup_id: u64,
+    /// `BPF_CGROUP_*` attach type.
+    pub attach_type: u32,
+}
+
+/// `BPF_LINK_CREATE` of program `prog` on the cgroup directory `cgroup`
+/// (an fd of the directory) at `attach_type`: the new link's fd. The
+/// attachment lasts while the link has an fd or a pin.
+pub fn link_create_cgroup(prog: BorrowedFd<'_>, cgroup: BorrowedFd<'_>, attach_type: u32) -> io::Result<OwnedFd> {
+    let mut attr = LinkCreateAttr {
+        prog_fd: fd_u32(prog),
+        target_fd: fd_u32(cgroup),
+        attach_type,
+        flags: 0,
+    };
+    let fd = bpf(BPF_LINK_CREATE, &mut attr)?;
+    // SAFETY: BPF_LINK_CREATE returned a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `BPF_LINK_UPDATE`: `link` runs `prog` from now on (atomically).
+pub fn link_update(link: BorrowedFd<'_>, prog: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = LinkUpdateAttr {
+        link_fd: fd_u32(link),
+        new_prog_fd: fd_u32(prog),
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    bpf(BPF_LINK_UPDATE, &mut attr).map(drop)
+}
+
+/// `BPF_OBJ_GET_INFO_BY_FD` for a link.
+pub fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
+    let mut info = RawLinkInfo::default();
+    let mut attr = InfoAttr {
+        bpf_fd: fd_u32(fd),
+        info_len: size_of::<RawLinkInfo>() as u32,
+        info: std::ptr::from_mut(&mut info) as u64,
+    };
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    Ok(LinkInfo {
+        link_type: info.link_type,
+        id: info.id,
+        prog_id: info.prog_id,
+        cgroup_id: if info.link_type == BPF_LINK_TYPE_CGROUP {
+            info.cgroup_id
+        } else {
+            0
+        },
+        attach_type: if info.link_type == BPF_LINK_TYPE_CGROUP {
+            info.attach_type
+        } else {
+            0
+        },
     })
 }
 

@@ -386,6 +386,29 @@ struct lb_flow {
 #define LB_FLOW_SNAT_OUT 5
 #define LB_FLOW_SNAT_IN 6
 
+/* ------------------------------------------------------- socket load balancing */
+/* Socket-level load balancing (cgroup connect4/6, sendmsg4/6, recvmsg4/6,
+ * getpeername4/6 in svc-loader's --socket-lb-cgroup): a socket's destination
+ * VIP is replaced by a backend once, at connect (or per datagram at sendmsg),
+ * and lb_sock_rev (LRU) remembers it, so that getpeername and the source of
+ * received datagrams show the VIP again. Keyed by the socket's cookie
+ * (bpf_get_socket_cookie) and the backend it was sent to. */
+struct lb_sock_rev_key {
+	__u64 cookie;  /* the socket */
+	__u32 addr[4]; /* the backend's address (IPv4 in addr[0]) */
+	__u16 port;    /* the backend's port, network order */
+	__u8 family;   /* 4 or 6 */
+	__u8 pad[5];
+};
+
+struct lb_sock_rev {
+	__u32 addr[4];    /* the VIP (IPv4 in addr[0]) */
+	__u16 port;       /* the VIP's port, network order */
+	__u8 family;      /* 4 or 6 */
+	__u8 pad;
+	__u32 service_id; /* the frontend's service */
+};
+
 /* ------------------------------------------------------------------ metrics */
 /* Per-CPU array index: reason * 4 + direction. Reason 0 = forwarded. */
 #define REASON_FORWARDED 0

@@ -19,13 +19,16 @@
 //! the aya key with `to_lpm` / `from_lpm`.
 //!
 //! [`legacy`]: the layouts of earlier ABIs that svc-loader migrates on upgrade.
+//! [`LbSockRevKey`] / [`LbSockRev`]: socket-level load balancing's `lb_sock_rev`.
 
 pub mod legacy;
+mod socket_lb;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
 use aya::maps::lpm_trie::Key as LpmKey;
 use rivet_common::labels::ReservedIdentity;
+pub use socket_lb::{LbSockRev, LbSockRevKey};
 
 // ------------------------------------------------------------------ identities
 
@@ -1455,6 +1458,8 @@ mod tests {
         assert_eq!(size_of::<Ct6Key>(), 40);
         assert_eq!(size_of::<CtEntry>(), 64);
         assert_eq!(size_of::<CtTimeouts>(), 24);
+        assert_eq!(size_of::<LbSockRevKey>(), 32);
+        assert_eq!(size_of::<LbSockRev>(), 24);
         assert_eq!(size_of::<DatapathConfig>(), 32);
         assert_eq!(size_of::<RoutingConfig>(), 16);
         assert_eq!(size_of::<MetricsValue>(), 16);
@@ -1546,6 +1551,14 @@ mod tests {
             layout!("frag_value", FragValue, [
                 "expires" => expires: u64, "sport" => sport: u16, "dport" => dport: u16,
                 "protocol" => protocol: u8, "pad" => pad: [u8; 3],
+            ]),
+            layout!("lb_sock_rev_key", LbSockRevKey, [
+                "cookie" => cookie: u64, "addr" => addr: [u32; 4], "port" => port: u16,
+                "family" => family: u8, "pad" => pad: [u8; 5],
+            ]),
+            layout!("lb_sock_rev", LbSockRev, [
+                "addr" => addr: [u32; 4], "port" => port: u16, "family" => family: u8, "pad" => pad: u8,
+                "service_id" => service_id: u32,
             ]),
             layout!("ct_timeouts", CtTimeouts, [
                 "tcp_syn" => tcp_syn: u32, "tcp_established" => tcp_established: u32,

@@ -9,7 +9,7 @@ use std::fmt;
 use crate::maps::{
     Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, FragKey, FragValue,
     IpcacheKey, IpcacheValue, LbAffinity, LbAffinityKey, LbBackend, LbFlow, LbFrontend, LbFrontendKey, LbMaglevTable,
-    LbRevNat, LbService, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue, RoutingConfig,
+    LbRevNat, LbService, LbSockRev, LbSockRevKey, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue, RoutingConfig,
 };
 
 /// `BPF_MAP_TYPE_HASH`.
@@ -65,8 +65,10 @@ pub const MAP_LB_AFFINITY: &str = "lb_affinity";
 pub const MAP_LB4_FLOWS: &str = "lb4_flows";
 /// Translated IPv6 flows.
 pub const MAP_LB6_FLOWS: &str = "lb6_flows";
+/// What the socket-level load balancer translated each socket to (LRU hash).
+pub const MAP_LB_SOCK_REV: &str = "lb_sock_rev";
 /// Every map of the datapath by name.
-pub const MAP_NAMES: [&str; 19] = [
+pub const MAP_NAMES: [&str; 20] = [
     MAP_ENDPOINTS,
     MAP_IPCACHE,
     MAP_POLICY,
@@ -86,6 +88,7 @@ pub const MAP_NAMES: [&str; 19] = [
     MAP_LB_AFFINITY,
     MAP_LB4_FLOWS,
     MAP_LB6_FLOWS,
+    MAP_LB_SOCK_REV,
 ];
 
 /// What a map is, as the kernel reports it (or as a process wants it).
@@ -387,8 +390,20 @@ pub const LB6_FLOWS: MapDef = MapDef {
     default_max_entries: LB_FLOWS_DEFAULT_MAX_ENTRIES,
 };
 
+/// Socket-level load balancing: (socket cookie, backend) → the VIP it
+/// stands for, one entry per translated socket and backend (an LRU hash:
+/// entries of closed sockets age out; 64Ki live translated sockets).
+pub const LB_SOCK_REV: MapDef = MapDef {
+    name: MAP_LB_SOCK_REV,
+    map_type: BPF_MAP_TYPE_LRU_HASH,
+    key_size: size32::<LbSockRevKey>(),
+    value_size: size32::<LbSockRev>(),
+    flags: 0,
+    default_max_entries: 65_536,
+};
+
 /// Every map of the datapath.
-pub const ALL: [MapDef; 19] = [
+pub const ALL: [MapDef; 20] = [
     ENDPOINTS,
     IPCACHE,
     POLICY,
@@ -408,6 +423,7 @@ pub const ALL: [MapDef; 19] = [
     LB_AFFINITY,
     LB4_FLOWS,
     LB6_FLOWS,
+    LB_SOCK_REV,
 ];
 
 /// The map called `name`, if the datapath has one.

@@ -2345,4 +2345,264 @@ int from_overlay(struct __sk_buff *skb)
 	return bpf_redirect_peer(dst->ifindex, 0);
 }
 
+/* ---------------------------------------------------- socket load balancing */
+/*
+ * cgroup sock_addr programs, attached by svc-loader to --socket-lb-cgroup
+ * (a cgroup v2 directory; the sockets of every process in it and below,
+ * whatever their network namespace):
+ *
+ *   sock_connect4/6      connect(): a VIP of an internal frontend becomes a
+ *                        backend once, for the socket's life (TCP and
+ *                        connected UDP): no per-packet NAT, no lb flows.
+ *   sock_sendmsg4/6      sendto()/sendmsg() with an address on an unconnected
+ *                        UDP socket: the same, per datagram.
+ *   sock_recvmsg4/6      recvmsg() of UDP: a datagram from a backend this
+ *                        socket sent to shows the VIP as its source.
+ *   sock_getpeername4/6  getpeername(): the VIP, not the backend.
+ *
+ * The backend: the frontend's Maglev slot of a hash of the socket cookie
+ * (one socket, one backend; sockets spread like flows), active backends only
+ * (terminating ones are in no table). What the socket was translated to is
+ * kept in lb_sock_rev by (cookie, backend). A frontend with no active
+ * backend fails connect()/sendmsg() with ECONNREFUSED at once, counted and
+ * emitted as DROP_NO_SERVICE_BACKEND. Left to the per-packet path (the hooks
+ * pass them untouched): sessionAffinity ClientIP frontends (the client's
+ * address is not known before the socket is bound), NodePorts, and IPv4
+ * addresses mapped into IPv6 sockets.
+ */
+#define ECONNREFUSED_ 111
+#define SOCK_RESULT_PASS 1
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct lb_sock_rev_key);
+	__type(value, struct lb_sock_rev);
+} lb_sock_rev SEC(".maps");
+
+/* The slot of a socket in a Maglev table (murmur3's 64-bit finaliser: the
+ * cookies are sequential, the slots must not be). */
+static __always_inline __u32 sock_slot(__u64 cookie)
+{
+	cookie ^= cookie >> 33;
+	cookie *= 0xff51afd7ed558ccdULL;
+	cookie ^= cookie >> 33;
+	cookie *= 0xc4ceb9fe1a85ec53ULL;
+	cookie ^= cookie >> 33;
+	return (__u32)(cookie % LB_MAGLEV_SIZE);
+}
+
+/* Rejects a new socket flow to a frontend with no active backend. */
+static __always_inline int sock_no_backend(const struct lb_frontend_key *k)
+{
+	struct pkt p = {};
+
+	p.family = k->family;
+	p.protocol = k->protocol;
+	__builtin_memcpy(p.daddr, k->addr, 16);
+	p.dport = k->port;
+	count(DROP_NO_SERVICE_BACKEND, DIR_EGRESS, 0);
+	emit(EVENT_DROP, DROP_NO_SERVICE_BACKEND, DIR_EGRESS, 0, &p, 0, 0, 0);
+	bpf_set_retval(-ECONNREFUSED_);
+	return 0;
+}
+
+/* Chooses the backend of a socket to frontend `k` and records the reverse
+ * translation. Returns 1 with `*out` set, 0 to leave the socket alone, or
+ * -1 when the frontend has no active backend. */
+static __always_inline int sock_translate(void *ctx, const struct lb_frontend_key *k, struct lb_backend *out)
+{
+	struct lb_frontend *fe;
+	struct lb_maglev_table *table;
+	struct lb_backend *be;
+	struct lb_sock_rev_key rk = {};
+	struct lb_sock_rev rev = {};
+	__u64 cookie;
+	__u32 slot, id;
+
+	fe = bpf_map_lookup_elem(&lb_frontends, k);
+	if (!fe || (fe->flags & (SVC_F_NODE_PORT | SVC_F_AFFINITY)))
+		return 0;
+	if (fe->backend_count == 0)
+		return -1;
+	table = bpf_map_lookup_elem(&lb_maglev, &fe->table_id);
+	if (!table)
+		return -1;
+	cookie = bpf_get_socket_cookie(ctx);
+	slot = sock_slot(cookie);
+	/* The compiler knows the bound; the verifier must see it checked. */
+	asm volatile("" : "+r"(slot));
+	if (slot >= LB_MAGLEV_SIZE)
+		return -1;
+	id = table->backend_ids[slot];
+	if (!id)
+		return -1;
+	be = bpf_map_lookup_elem(&lb_backends, &id);
+	if (!be || be->family != k->family || be->state != LB_BACKEND_ACTIVE)
+		return -1;
+	__builtin_memcpy(out, be, sizeof(*out));
+
+	rk.cookie = cookie;
+	__builtin_memcpy(rk.addr, be->addr, 16);
+	rk.port = be->port;
+	rk.family = k->family;
+	__builtin_memcpy(rev.addr, k->addr, 16);
+	rev.port = k->port;
+	rev.family = k->family;
+	rev.service_id = fe->service_id;
+	/* Best effort: without it getpeername/recvmsg show the backend. */
+	bpf_map_update_elem(&lb_sock_rev, &rk, &rev, BPF_ANY);
+	return 1;
+}
+
+static __always_inline int sock_proto_ok(__u32 protocol)
+{
+	return protocol == IPPROTO_TCP || protocol == IPPROTO_UDP;
+}
+
+static __always_inline int sock4_forward(struct bpf_sock_addr *ctx)
+{
+	struct lb_frontend_key k = {};
+	struct lb_backend be;
+	int r;
+
+	if (!sock_proto_ok(ctx->protocol))
+		return SOCK_RESULT_PASS;
+	k.addr[0] = ctx->user_ip4;
+	k.port = (__u16)ctx->user_port;
+	k.protocol = ctx->protocol;
+	k.family = 4;
+	k.scope = SVC_SCOPE_INTERNAL;
+	r = sock_translate(ctx, &k, &be);
+	if (r < 0)
+		return sock_no_backend(&k);
+	if (r > 0) {
+		ctx->user_ip4 = be.addr[0];
+		ctx->user_port = (__u32)be.port;
+	}
+	return SOCK_RESULT_PASS;
+}
+
+static __always_inline int sock6_forward(struct bpf_sock_addr *ctx)
+{
+	struct lb_frontend_key k = {};
+	struct lb_backend be;
+	int r;
+
+	if (!sock_proto_ok(ctx->protocol))
+		return SOCK_RESULT_PASS;
+	k.addr[0] = ctx->user_ip6[0];
+	k.addr[1] = ctx->user_ip6[1];
+	k.addr[2] = ctx->user_ip6[2];
+	k.addr[3] = ctx->user_ip6[3];
+	k.port = (__u16)ctx->user_port;
+	k.protocol = ctx->protocol;
+	k.family = 6;
+	k.scope = SVC_SCOPE_INTERNAL;
+	r = sock_translate(ctx, &k, &be);
+	if (r < 0)
+		return sock_no_backend(&k);
+	if (r > 0) {
+		ctx->user_ip6[0] = be.addr[0];
+		ctx->user_ip6[1] = be.addr[1];
+		ctx->user_ip6[2] = be.addr[2];
+		ctx->user_ip6[3] = be.addr[3];
+		ctx->user_port = (__u32)be.port;
+	}
+	return SOCK_RESULT_PASS;
+}
+
+/* The VIP a socket's peer `addr`:`port` (a backend) stands for, if any. */
+static __always_inline struct lb_sock_rev *sock_rev(void *ctx, __u8 family, const __u32 *addr, __u16 port)
+{
+	struct lb_sock_rev_key rk = {};
+
+	rk.cookie = bpf_get_socket_cookie(ctx);
+	__builtin_memcpy(rk.addr, addr, 16);
+	rk.port = port;
+	rk.family = family;
+	return bpf_map_lookup_elem(&lb_sock_rev, &rk);
+}
+
+static __always_inline int sock4_reverse(struct bpf_sock_addr *ctx)
+{
+	__u32 addr[4] = {ctx->user_ip4, 0, 0, 0};
+	struct lb_sock_rev *rev;
+
+	if (!sock_proto_ok(ctx->protocol))
+		return SOCK_RESULT_PASS;
+	rev = sock_rev(ctx, 4, addr, (__u16)ctx->user_port);
+	if (rev) {
+		ctx->user_ip4 = rev->addr[0];
+		ctx->user_port = (__u32)rev->port;
+	}
+	return SOCK_RESULT_PASS;
+}
+
+static __always_inline int sock6_reverse(struct bpf_sock_addr *ctx)
+{
+	__u32 addr[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
+	struct lb_sock_rev *rev;
+
+	if (!sock_proto_ok(ctx->protocol))
+		return SOCK_RESULT_PASS;
+	rev = sock_rev(ctx, 6, addr, (__u16)ctx->user_port);
+	if (rev) {
+		ctx->user_ip6[0] = rev->addr[0];
+		ctx->user_ip6[1] = rev->addr[1];
+		ctx->user_ip6[2] = rev->addr[2];
+		ctx->user_ip6[3] = rev->addr[3];
+		ctx->user_port = (__u32)rev->port;
+	}
+	return SOCK_RESULT_PASS;
+}
+
+SEC("cgroup/connect4")
+int sock_connect4(struct bpf_sock_addr *ctx)
+{
+	return sock4_forward(ctx);
+}
+
+SEC("cgroup/connect6")
+int sock_connect6(struct bpf_sock_addr *ctx)
+{
+	return sock6_forward(ctx);
+}
+
+SEC("cgroup/sendmsg4")
+int sock_sendmsg4(struct bpf_sock_addr *ctx)
+{
+	return sock4_forward(ctx);
+}
+
+SEC("cgroup/sendmsg6")
+int sock_sendmsg6(struct bpf_sock_addr *ctx)
+{
+	return sock6_forward(ctx);
+}
+
+SEC("cgroup/recvmsg4")
+int sock_recvmsg4(struct bpf_sock_addr *ctx)
+{
+	return sock4_reverse(ctx);
+}
+
+SEC("cgroup/recvmsg6")
+int sock_recvmsg6(struct bpf_sock_addr *ctx)
+{
+	return sock6_reverse(ctx);
+}
+
+SEC("cgroup/getpeername4")
+int sock_getpeername4(struct bpf_sock_addr *ctx)
+{
+	return sock4_reverse(ctx);
+}
+
+SEC("cgroup/getpeername6")
+int sock_getpeername6(struct bpf_sock_addr *ctx)
+{
+	return sock6_reverse(ctx);
+}
+
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

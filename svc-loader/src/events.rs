@@ -47,6 +47,7 @@ pub struct LoaderMetrics {
     lb_change_duration: Histogram,
     lb_restored_services: Counter,
     lb_restore_orphans: Counter,
+    socket_lb_links: Gauge,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -75,6 +76,7 @@ impl Default for LoaderMetrics {
             lb_change_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             lb_restored_services: Counter::default(),
             lb_restore_orphans: Counter::default(),
+            socket_lb_links: Gauge::default(),
         }
     }
 }
@@ -148,6 +150,11 @@ impl LoaderMetrics {
             "Service map entries no service referenced at start (left by a crash between two writes), removed",
             self.lb_restore_orphans.clone(),
         );
+        r.register(
+            "socket_lb_links",
+            "Cgroup programs of socket-level load balancing attached (0: off)",
+            self.socket_lb_links.clone(),
+        );
     }
 }
 
@@ -201,6 +208,29 @@ pub fn ct_migrated(m: &LoaderMetrics, migrated: &crate::datapath::CtMigrated) {
     m.ct_migrated_entries
         .get_or_create(&MapLabels { map: migrated.map })
         .inc_by(migrated.copied);
+}
+
+/// Socket-level load balancing is attached to its cgroup (at start).
+pub fn socket_lb_enabled(m: &LoaderMetrics, report: &crate::datapath::SocketLbReport) {
+    tracing::info!(
+        cgroup = %report.cgroup.display(),
+        cgroup_id = report.cgroup_id,
+        attached = report.attached.len(),
+        adopted = report.adopted.len(),
+        moved = report.moved.len(),
+        "socket load balancing attached"
+    );
+    let links = report.attached.len() + report.adopted.len() + report.moved.len();
+    m.socket_lb_links.set(links as i64);
+}
+
+/// Socket-level load balancing is off (no `--socket-lb-cgroup`); `removed`
+/// links of an earlier start were detached.
+pub fn socket_lb_disabled(m: &LoaderMetrics, removed: usize) {
+    if removed > 0 {
+        tracing::info!(removed, "socket load balancing detached (no --socket-lb-cgroup)");
+    }
+    m.socket_lb_links.set(0);
 }
 
 /// The set of peer nodes was replaced (`ReplaceNodes`).

@@ -117,6 +117,14 @@ struct Flags {
           value_parser = clap::value_parser!(u64).range(1..))]
     route_resync_seconds: u64,
 
+    /// Socket-level load balancing: attach the cgroup connect/sendmsg/
+    /// recvmsg/getpeername programs to this cgroup v2 directory (the
+    /// sockets of every process in it and below translate a ClusterIP to a
+    /// backend once, at connect). Absent: off, and links left by an
+    /// earlier start are detached.
+    #[arg(long, env = "RIVET_SOCKET_LB_CGROUP")]
+    socket_lb_cgroup: Option<PathBuf>,
+
     /// How often the node's addresses are re-published as the host identity.
     #[arg(long, env = "RIVET_HOST_ADDRESS_SYNC_SECONDS", default_value_t = 10)]
     host_address_sync_seconds: u64,
@@ -204,6 +212,14 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         detached = served.detached.len(),
         "NodePort programs on the external interfaces"
     );
+    let socket_lb = match &flags.socket_lb_cgroup {
+        Some(cgroup) => Ok(datapath
+            .enable_socket_lb(cgroup)
+            .with_context(|| format!("attaching socket load balancing to {}", cgroup.display()))?),
+        None => Err(datapath
+            .disable_socket_lb()
+            .context("detaching socket load balancing")?),
+    };
     let report = datapath.adoption().clone();
     tracing::info!(
         pin_dir = %pin_dir.display(),
@@ -230,6 +246,10 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let metrics = LoaderMetrics::default();
     let mut registry = Registry::with_prefix("rivet");
     metrics.register(&mut registry);
+    match &socket_lb {
+        Ok(report) => svc_loader::events::socket_lb_enabled(&metrics, report),
+        Err(removed) => svc_loader::events::socket_lb_disabled(&metrics, *removed),
+    }
     for migrated in &ct_migrations {
         svc_loader::events::ct_migrated(&metrics, migrated);
     }

@@ -20,3 +20,22 @@ fn both_programs_pass_the_verifier() {
         }
     }
 }
+
+#[test]
+fn the_socket_lb_programs_pass_the_verifier() {
+    let mut bpf = aya::EbpfLoader::new()
+        .map_max_entries("ct4", 1024)
+        .map_max_entries("ct6", 1024)
+        .load(svc_loader::DATAPATH_OBJECT)
+        .expect("the datapath object loads (needs CAP_BPF)");
+    for program in svc_loader::datapath::SOCKET_LB_PROGRAMS {
+        let prog: &mut aya::programs::CgroupSockAddr = bpf
+            .program_mut(program.name)
+            .unwrap_or_else(|| panic!("{} is in the object", program.name))
+            .try_into()
+            .expect("a cgroup sock_addr program");
+        if let Err(e) = prog.load() {
+            panic!("{} must pass the verifier: {e:#?}", program.name);
+        }
+    }
+}

@@ -7,6 +7,9 @@
 //! - [`node`]: a whole node as real processes ([`node::EndpointNode`]:
 //!   svc-loader in a node namespace, svc-identity, svc-ipam, svc-endpoint)
 //!   and pods wired to it;
+//! - [`cgroup`]: a cgroup v2 directory of the test's (socket-level load
+//!   balancing), processes started in it, and the socket probe (what
+//!   connect, getpeername and recvfrom see from inside);
 //! - [`cluster`]: a multi-node cluster made by the real `rivet cluster up`
 //!   (etcd, an underlay bridge, node namespaces each running `rivet node
 //!   up`), pods on any node, node stop/crash/restart, waiting for
@@ -43,6 +46,7 @@
 //! Namespaces, processes and pins come from `rivet_common::testing` and are
 //! removed on drop, also on panic.
 
+pub mod cgroup;
 pub mod cluster;
 pub mod cni;
 pub mod frames;

@@ -278,6 +278,15 @@ pub struct UpArgs {
     /// tunnels over it, and its MTU sets the vxlan pod MTU.
     #[arg(long, value_name = "NAME", requires = "routing")]
     pub underlay_interface: Option<String>,
+    /// Socket-level load balancing: svc-loader attaches its cgroup
+    /// connect/sendmsg/recvmsg/getpeername programs to this cgroup v2
+    /// directory (on a real node the pods' cgroup, e.g. kubepods), so the
+    /// sockets of its processes reach a ClusterIP's backend directly. Off
+    /// by default: simulated nodes share the machine's cgroups, so one
+    /// node's programs would translate other nodes' sockets (svc-loader's
+    /// README has the measurement).
+    #[arg(long, value_name = "DIR")]
+    pub socket_lb_cgroup: Option<PathBuf>,
     /// UDP port of the VXLAN tunnel (`--routing vxlan`; Cilium's 8472).
     #[arg(long, default_value_t = DEFAULT_TUNNEL_PORT)]
     pub tunnel_port: u16,

@@ -448,6 +448,9 @@ impl NodePlan {
                         for interface in &self.args.nodeport_interfaces {
                             args.extend(["--nodeport-interface".into(), interface.into()]);
                         }
+                        if let Some(cgroup) = &self.args.socket_lb_cgroup {
+                            args.extend(["--socket-lb-cgroup".into(), cgroup.clone().into()]);
+                        }
                     }
                     GC => args.extend(["--bpffs".into(), self.args.bpffs.clone().into()]),
                     HEALTH => {
@@ -800,6 +803,24 @@ pub(super) mod tests {
             addresses: addresses.iter().map(|a| a.parse().unwrap()).collect(),
             mtu,
         }
+    }
+
+    #[test]
+    fn the_socket_lb_cgroup_reaches_svc_loader_only_when_given() {
+        let socket_lb = plan(&["--netns", "rn1", "--socket-lb-cgroup", "/sys/fs/cgroup/kubepods"]).unwrap();
+        let specs = socket_lb.specs(&test_accounts());
+        let loader = strings(&specs.iter().find(|s| s.name == "svc-loader").unwrap().args);
+        assert!(
+            loader.ends_with(&["--socket-lb-cgroup".to_owned(), "/sys/fs/cgroup/kubepods".to_owned()]),
+            "{loader:?}"
+        );
+        let off = plan(&["--netns", "rn1"]).unwrap();
+        assert!(
+            off.specs(&test_accounts())
+                .iter()
+                .all(|s| !strings(&s.args).iter().any(|a| a == "--socket-lb-cgroup")),
+            "off by default"
+        );
     }
 
     #[test]

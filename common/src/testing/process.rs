@@ -217,6 +217,13 @@ impl DaemonProcess {
         self.wait_ready().await
     }
 
+    /// [`restart`](Self::restart) with its arguments changed by `edit`
+    /// first (a flag added, changed or removed), kept for later restarts.
+    pub async fn restart_with_args(&mut self, edit: impl FnOnce(&mut Vec<OsString>)) -> std::io::Result<()> {
+        edit(&mut self.command.args);
+        self.restart().await
+    }
+
     async fn wait_ready(&mut self) -> std::io::Result<()> {
         let started = Instant::now();
         let deadline = self.command.ready_timeout;

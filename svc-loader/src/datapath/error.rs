@@ -224,6 +224,18 @@ pub enum DatapathError {
         /// The kernel's answer.
         error: io::Error,
     },
+    /// The socket LB's cgroup (`--socket-lb-cgroup`) is not a cgroup v2 directory.
+    #[error(
+        "{} cannot take the socket load balancer: {reason}; give a directory of the cgroup v2 \
+         hierarchy (e.g. /sys/fs/cgroup or, on a hybrid host, /sys/fs/cgroup/unified)",
+        path.display()
+    )]
+    NotCgroup2 {
+        /// The path given.
+        path: PathBuf,
+        /// Why not.
+        reason: String,
+    },
     /// A tc request (qdisc or filter) for an interface failed.
     #[error("{what} (ifindex {ifindex}): {error}")]
     Tc {

@@ -45,7 +45,8 @@
 //! them), `attach` (tc filters: attach, detach, adopt,
 //! list), `legacy` (moving TCX link pins of earlier loaders to filters),
 //! `ct_migration` (conntrack maps of the first `ct_entry` layout),
-//! `typed_maps` (the shared typed map handles).
+//! `typed_maps` (the shared typed map handles), `socket_lb` (the cgroup
+//! programs of socket-level load balancing and their pinned links).
 
 mod attach;
 mod ct_migration;
@@ -55,6 +56,7 @@ mod nodeport;
 mod options;
 mod overlay;
 mod pins;
+mod socket_lb;
 mod typed_maps;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -89,6 +91,7 @@ pub use options::DatapathOptions;
 use overlay::OverlayPrograms;
 pub use overlay::{OverlayAttachment, PROG_FROM_OVERLAY, PROG_TO_OVERLAY};
 use pins::{check_bpffs, check_map_pin, expected_specs};
+pub use socket_lb::{SOCKET_LB_LINKS_DIR, SOCKET_LB_PROGRAMS, SocketLbLink, SocketLbProgram, SocketLbReport};
 use typed_maps::take_map;
 pub use typed_maps::{DatapathMaps, SharedMap};
 
@@ -104,9 +107,9 @@ pub use typed_maps::{DatapathMaps, SharedMap};
 /// own short lock ([`SharedMap`]).
 pub struct Datapath {
     opts: DatapathOptions,
-    /// aya's record of the two loaded programs (the maps are taken out into
-    /// `maps`); attaching uses `program_fds`, so only tests read it.
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// aya's record of the loaded programs (the maps are taken out into
+    /// `maps`); tc attachments use `program_fds`; the socket LB loads its
+    /// cgroup programs from it when enabled.
     ebpf: Ebpf,
     /// The programs' fds, `from_container` then `to_container`, for attaching.
     program_fds: [ProgramFd; 2],

@@ -1,0 +1,393 @@
+//! Socket-level load balancing: the cgroup programs attached to a cgroup v2
+//! directory of the test's (`--socket-lb-cgroup`), a client process started
+//! inside it in a pod's namespace, and backends in other pods.
+
+use std::ffi::OsString;
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd as _;
+use std::os::unix::fs::MetadataExt as _;
+use std::path::Path;
+use std::time::Duration;
+
+use rivet_bpf_sys as sys;
+use rivet_datapath::maps::{
+    Ct4Key, Ct6Key, LB_BACKEND_ACTIVE, LbBackend, LbFrontend, LbFrontendKey, LbMaglevTable, LbSockRev, LbSockRevKey,
+    SVC_F_CLUSTER_IP, SVC_SCOPE_INTERNAL,
+};
+use rivet_datapath::spec::{
+    MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_SOCK_REV, MAP_LB4_FLOWS, MAP_LB6_FLOWS,
+};
+use rivet_proto::loader::v1 as pb;
+use rivet_testkit::cgroup::{Probe, ProbeReport, TestCgroup, run_probe};
+use rivet_testkit::loader::{LoaderNode, policy};
+use rivet_testkit::service::NameServer;
+use svc_loader::datapath::{SOCKET_LB_LINKS_DIR, SOCKET_LB_PROGRAMS};
+
+const BIN: &str = env!("CARGO_BIN_EXE_svc-loader");
+const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+/// The backends' port (TCP and UDP: [`NameServer`]).
+const BACKEND_PORT: u16 = 8080;
+/// The services' ports.
+const TCP_PORT: u16 = 80;
+const UDP_PORT: u16 = 53;
+
+fn cgroup() -> TestCgroup {
+    TestCgroup::new().expect("a cgroup v2 directory for the test (root, cgroup2 mounted)")
+}
+
+/// Every socket LB link pinned under `pin_dir`, by program: (link id,
+/// program id, cgroup id, attach type).
+fn links(pin_dir: &Path) -> Vec<(&'static str, sys::LinkInfo)> {
+    SOCKET_LB_PROGRAMS
+        .iter()
+        .filter_map(|program| {
+            let fd = sys::obj_get(&pin_dir.join(SOCKET_LB_LINKS_DIR).join(program.name)).ok()?;
+            Some((program.name, sys::link_info(fd.as_fd()).expect("link info")))
+        })
+        .collect()
+}
+
+fn cgroup_id(cgroup: &TestCgroup) -> u64 {
+    std::fs::metadata(cgroup.path()).expect("cgroup dir").ino()
+}
+
+fn socket_lb_flag(args: &mut Vec<OsString>, cgroup: Option<&TestCgroup>) {
+    if let Some(i) = args.iter().position(|a| a == "--socket-lb-cgroup") {
+        args.drain(i..i + 2);
+    }
+    if let Some(cgroup) = cgroup {
+        args.push("--socket-lb-cgroup".into());
+        args.push(cgroup.path().into());
+    }
+}
+
+/// The links are pinned on the cgroup asked for, survive a kill -9 and are
+/// adopted (same links, the new loader's programs), move when the flag
+/// names another cgroup, and go when the flag is removed.
+#[tokio::test]
+async fn links_are_pinned_adopted_moved_and_detached_with_the_flag() {
+    let first = cgroup();
+    let second = cgroup();
+    let mut node = LoaderNode::start(
+        BIN.as_ref(),
+        &[],
+        &["--socket-lb-cgroup", first.path().to_str().unwrap()],
+    )
+    .await
+    .expect("a test node with socket LB starts");
+
+    let attached = links(&node.pins.0);
+    assert_eq!(attached.len(), SOCKET_LB_PROGRAMS.len(), "one pinned link per program");
+    for ((name, info), program) in attached.iter().zip(SOCKET_LB_PROGRAMS) {
+        assert_eq!(*name, program.name);
+        assert_eq!(info.link_type, sys::BPF_LINK_TYPE_CGROUP, "{name}");
+        assert_eq!(info.cgroup_id, cgroup_id(&first), "{name} is on the flag's cgroup");
+        assert_eq!(info.attach_type, program.attach_type, "{name}");
+    }
+
+    node.loader.kill9();
+    assert_eq!(links(&node.pins.0), attached, "the links stay while the loader is down");
+    node.loader.restart().await.expect("the loader restarts");
+    let adopted = links(&node.pins.0);
+    for ((name, before), (_, after)) in attached.iter().zip(&adopted) {
+        assert_eq!(after.id, before.id, "{name}: the same link is adopted");
+        assert_ne!(
+            after.prog_id, before.prog_id,
+            "{name}: it runs the new loader's program"
+        );
+        assert_eq!(after.cgroup_id, before.cgroup_id, "{name}");
+    }
+    assert!(
+        node.loader.log().contains("socket load balancing attached"),
+        "the start is logged"
+    );
+
+    node.loader
+        .restart_with_args(|args| socket_lb_flag(args, Some(&second)))
+        .await
+        .expect("the loader restarts with another cgroup");
+    let moved = links(&node.pins.0);
+    assert_eq!(moved.len(), SOCKET_LB_PROGRAMS.len());
+    for ((name, before), (_, after)) in adopted.iter().zip(&moved) {
+        assert_ne!(after.id, before.id, "{name}: a new link");
+        assert_eq!(after.cgroup_id, cgroup_id(&second), "{name} moved to the new cgroup");
+    }
+    let link_dir = node.pins.0.join(SOCKET_LB_LINKS_DIR);
+    assert_eq!(
+        std::fs::read_dir(&link_dir).unwrap().count(),
+        SOCKET_LB_PROGRAMS.len(),
+        "no staged pin is left"
+    );
+
+    node.loader
+        .restart_with_args(|args| socket_lb_flag(args, None))
+        .await
+        .expect("the loader restarts without the flag");
+    assert!(!link_dir.exists(), "the link pins are gone without the flag");
+    assert!(links(&node.pins.0).is_empty());
+}
+
+// ------------------------------------------------------------------ services
+
+/// The ClusterIPs of the tests (the service CIDRs of `rivet node up`).
+fn vip(family: pb::Family) -> IpAddr {
+    match family {
+        pb::Family::Ipv6 => "2001:2:0:ff::10".parse().unwrap(),
+        _ => "198.19.128.10".parse().unwrap(),
+    }
+}
+
+fn service(
+    service_id: u32,
+    family: pb::Family,
+    protocol: pb::Protocol,
+    port: u16,
+    backends: &[IpAddr],
+) -> pb::LbService {
+    pb::LbService {
+        service_id,
+        family: family as i32,
+        protocol: protocol as i32,
+        frontends: vec![pb::LbFrontend {
+            kind: pb::FrontendKind::ClusterIp as i32,
+            address: rivet_proto::net::address_bytes(vip(family)),
+            port: port.into(),
+        }],
+        backends: backends
+            .iter()
+            .map(|addr| pb::LbBackend {
+                address: rivet_proto::net::address_bytes(*addr),
+                port: BACKEND_PORT.into(),
+                state: pb::BackendState::Active as i32,
+                node_local: true,
+            })
+            .collect(),
+        affinity_timeout_seconds: 0,
+        external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
+    }
+}
+
+/// A node with a client pod and two backend pods (`b1`, `b2`) answering
+/// with their names on [`BACKEND_PORT`], every pod an unrestricted endpoint.
+struct ServiceNode {
+    node: LoaderNode,
+    _backends: Vec<NameServer>,
+}
+
+impl ServiceNode {
+    async fn start(cgroup: &TestCgroup) -> Self {
+        let node = LoaderNode::start(
+            BIN.as_ref(),
+            &["client", "b1", "b2"],
+            &["--socket-lb-cgroup", cgroup.path().to_str().unwrap()],
+        )
+        .await
+        .expect("a test node with socket LB starts");
+        let mut client = node.client().await;
+        for (id, pod) in [(1, "client"), (2, "b1"), (3, "b2")] {
+            client
+                .apply_endpoint(node.endpoint(pod, id, 1000 + id, policy(1, false, false, vec![])))
+                .await
+                .expect("the endpoint is applied");
+        }
+        let backends = ["b1", "b2"]
+            .iter()
+            .map(|pod| {
+                let addrs: Vec<SocketAddr> = node
+                    .pod(pod)
+                    .addrs()
+                    .into_iter()
+                    .map(|ip| SocketAddr::new(ip, BACKEND_PORT))
+                    .collect();
+                NameServer::start(&node.pod(pod).ns, pod, &addrs).expect("the backend serves")
+            })
+            .collect();
+        Self {
+            node,
+            _backends: backends,
+        }
+    }
+
+    fn backend_addr(&self, pod: &str, family: pb::Family) -> IpAddr {
+        let p = self.node.pod(pod);
+        match family {
+            pb::Family::Ipv6 => p.ipv6().unwrap(),
+            _ => p.ipv4().unwrap(),
+        }
+    }
+
+    /// Both backends of `family`.
+    fn backends(&self, family: pb::Family) -> Vec<IpAddr> {
+        ["b1", "b2"].iter().map(|pod| self.backend_addr(pod, family)).collect()
+    }
+
+    /// Programs `service` into the pinned maps the way svc-loader does
+    /// (backends, then the table, then the frontend), so these tests need
+    /// only the datapath: backend ids `service_id * 100 + n`, table id =
+    /// service id, the backends spread over the slots in turn.
+    fn upsert(&self, service: pb::LbService) {
+        let open = |map: &str| self.pin(map);
+        let mut ids = Vec::new();
+        for (n, backend) in service.backends.iter().enumerate() {
+            let id = service.service_id * 100 + n as u32 + 1;
+            let addr = SocketAddr::new(address(&backend.address), backend.port as u16);
+            sys::update(
+                open(MAP_LB_BACKENDS).as_fd(),
+                &id,
+                &LbBackend::new(addr, LB_BACKEND_ACTIVE),
+                0,
+            )
+            .expect("write lb_backends");
+            ids.push(id);
+        }
+        let mut table = LbMaglevTable::default();
+        if !ids.is_empty() {
+            for (slot, id) in table.backend_ids.iter_mut().zip(ids.iter().cycle()) {
+                *slot = *id;
+            }
+        }
+        sys::update(open(MAP_LB_MAGLEV).as_fd(), &service.service_id, &table, 0).expect("write lb_maglev");
+        for frontend in &service.frontends {
+            let vip = SocketAddr::new(address(&frontend.address), frontend.port as u16);
+            let key = LbFrontendKey::vip(vip, service.protocol as u8, SVC_SCOPE_INTERNAL);
+            let value = LbFrontend {
+                service_id: service.service_id,
+                table_id: service.service_id,
+                backend_count: ids.len() as u16,
+                flags: SVC_F_CLUSTER_IP,
+                affinity_timeout: 0,
+            };
+            sys::update(open(MAP_LB_FRONTENDS).as_fd(), &key, &value, 0).expect("write lb_frontends");
+        }
+    }
+
+    fn probe(&self, cgroup: Option<&TestCgroup>, probe: Probe, target: SocketAddr) -> ProbeReport {
+        run_probe(&self.node.pod("client").ns, cgroup, probe, target, PROBE_TIMEOUT).expect("the socket probe runs")
+    }
+
+    fn pin(&self, map: &str) -> std::os::fd::OwnedFd {
+        sys::obj_get(&self.node.pins.0.join(map)).unwrap_or_else(|e| panic!("open the pinned {map}: {e}"))
+    }
+
+    /// Entries in lb4_flows and lb6_flows: translated per packet.
+    fn per_packet_flows(&self) -> usize {
+        let count4 = count_keys::<Ct4Key>(&self.pin(MAP_LB4_FLOWS));
+        let count6 = count_keys::<Ct6Key>(&self.pin(MAP_LB6_FLOWS));
+        count4 + count6
+    }
+
+    /// What lb_sock_rev holds for socket `cookie` sent to `backend`.
+    fn sock_rev(&self, cookie: u64, backend: SocketAddr) -> Option<LbSockRev> {
+        sys::lookup(self.pin(MAP_LB_SOCK_REV).as_fd(), &LbSockRevKey::new(cookie, backend)).expect("lookup")
+    }
+}
+
+fn address(raw: &[u8]) -> IpAddr {
+    rivet_proto::net::address_from_bytes(raw).expect("a test address")
+}
+
+fn count_keys<K: aya::Pod>(map: &std::os::fd::OwnedFd) -> usize {
+    let mut count = 0;
+    let mut key: Option<K> = None;
+    while let Some(next) = sys::next_key::<K>(map.as_fd(), key.as_ref()).expect("walk the map") {
+        count += 1;
+        key = Some(next);
+    }
+    count
+}
+
+const FAMILIES: [pb::Family; 2] = [pb::Family::Ipv4, pb::Family::Ipv6];
+
+/// TCP from a process of the cgroup reaches a backend through the
+/// ClusterIP, translated once at connect: getpeername shows the VIP,
+/// lb_sock_rev holds the translation, and the per-packet path created no
+/// flow. Unconnected UDP: the reply's source is the VIP.
+#[tokio::test]
+async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
+    let cgroup = cgroup();
+    let node = ServiceNode::start(&cgroup).await;
+    for (i, family) in FAMILIES.into_iter().enumerate() {
+        let id = 10 * (i as u32 + 1);
+        node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &node.backends(family)));
+        node.upsert(service(
+            id + 1,
+            family,
+            pb::Protocol::Udp,
+            UDP_PORT,
+            &node.backends(family),
+        ));
+    }
+
+    for family in FAMILIES {
+        let frontend = SocketAddr::new(vip(family), TCP_PORT);
+        let tcp = node.probe(Some(&cgroup), Probe::Tcp, frontend);
+        assert_eq!(tcp.error(), None, "{family:?}: {tcp:?}");
+        assert_eq!(
+            tcp.addr("peer"),
+            Some(frontend),
+            "{family:?}: getpeername shows the VIP"
+        );
+        let name = tcp.get("reply").expect("a backend answered").to_owned();
+        assert!(["b1", "b2"].contains(&name.as_str()), "{family:?}: answered by {name}");
+        let backend = SocketAddr::new(node.backend_addr(&name, family), BACKEND_PORT);
+        let cookie = tcp.number("cookie").expect("the socket's cookie") as u64;
+        let rev = node
+            .sock_rev(cookie, backend)
+            .unwrap_or_else(|| panic!("{family:?}: lb_sock_rev holds the socket's backend {backend}"));
+        assert_eq!(rev.frontend(), Some(frontend), "{family:?}");
+
+        let frontend = SocketAddr::new(vip(family), UDP_PORT);
+        let udp = node.probe(Some(&cgroup), Probe::Udp, frontend);
+        assert_eq!(udp.error(), None, "{family:?}: {udp:?}");
+        assert_eq!(
+            udp.addr("from"),
+            Some(frontend),
+            "{family:?}: recvfrom shows the VIP as the reply's source"
+        );
+        let reply = udp.get("reply").expect("a backend answered");
+        assert!(
+            reply == "b1 hello" || reply == "b2 hello",
+            "{family:?}: answered {reply:?}"
+        );
+    }
+    assert_eq!(
+        node.per_packet_flows(),
+        0,
+        "translated at the socket: no per-packet flow entry"
+    );
+    for family in FAMILIES {
+        let direct = SocketAddr::new(node.backend_addr("b1", family), BACKEND_PORT);
+        let tcp = node.probe(Some(&cgroup), Probe::Tcp, direct);
+        assert_eq!(
+            tcp.addr("peer"),
+            Some(direct),
+            "{family:?}: a pod address is left alone"
+        );
+        assert_eq!(tcp.get("reply"), Some("b1"), "{family:?}");
+    }
+}
+
+/// A ClusterIP with no backend: connect() and sendto() fail with
+/// ECONNREFUSED at once, no packet sent, each counted as no-service-backend.
+#[tokio::test]
+async fn a_cluster_ip_without_backends_refuses_at_connect_and_counts_the_drop() {
+    let cgroup = cgroup();
+    let node = ServiceNode::start(&cgroup).await;
+    for (i, family) in FAMILIES.into_iter().enumerate() {
+        let id = 10 * (i as u32 + 1);
+        node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &[]));
+        node.upsert(service(id + 1, family, pb::Protocol::Udp, UDP_PORT, &[]));
+    }
+    let before = node.node.drops(pb::DropReason::NoServiceBackend).await;
+    for family in FAMILIES {
+        let tcp = node.probe(Some(&cgroup), Probe::Tcp, SocketAddr::new(vip(family), TCP_PORT));
+        assert_eq!(tcp.error(), Some("ECONNREFUSED"), "{family:?}: {tcp:?}");
+        let udp = node.probe(Some(&cgroup), Probe::Udp, SocketAddr::new(vip(family), UDP_PORT));
+        assert_eq!(udp.error(), Some("ECONNREFUSED"), "{family:?}: {udp:?}");
+    }
+    assert_eq!(
+        node.node.drops(pb::DropReason::NoServiceBackend).await - before,
+        4,
+        "each refused connect/sendto is counted once"
+    );
+}
