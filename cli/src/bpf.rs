@@ -1,9 +1,13 @@
 //! `rivet bpf ...` and `rivet monitor`: what svc-loader's datapath holds.
 
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use clap::Subcommand;
+use rivet_proto::endpoint::v1 as endpoint_pb;
+use rivet_proto::endpoint::v1::service_catalog_service_client::ServiceCatalogServiceClient;
 use rivet_proto::loader::v1 as pb;
+use rivet_proto::loader::v1::load_balancer_service_client::LoadBalancerServiceClient;
 use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 use rivet_proto::loader::v1::node_routing_service_client::NodeRoutingServiceClient;
 use rivet_proto::net::{self, format_address};
@@ -34,6 +38,18 @@ pub enum BpfCommand {
     /// The peer nodes svc-loader routes to, its routing mode and interfaces
     /// (multi-node; NodeRoutingService).
     Nodes,
+    /// The service maps: frontends, backends with their state and Maglev
+    /// slots, flags and affinity (LoadBalancerService).
+    #[command(subcommand)]
+    Service(ServiceMapCommand),
+}
+
+/// `rivet bpf service ...`
+#[derive(Debug, Subcommand)]
+pub enum ServiceMapCommand {
+    /// List the services svc-loader holds, with their names from
+    /// svc-endpoint's service catalog when it answers (else ids only).
+    List,
 }
 
 /// `rivet bpf endpoint ...`
@@ -279,11 +295,202 @@ struct PeerView {
     pod_cidrs: Vec<String>,
 }
 
+/// `rivet bpf service list`.
+#[derive(Debug, Serialize, PartialEq)]
+struct ServiceMapView {
+    services: Vec<LbServiceView>,
+    /// Entries of lb4_flows + lb6_flows.
+    flow_entries: u64,
+    /// Entries of lb_affinity.
+    affinity_entries: u64,
+    /// Whether names came from svc-endpoint's catalog.
+    names_known: bool,
+}
+
+/// One service of `rivet bpf service list`.
+#[derive(Debug, Serialize, PartialEq)]
+struct LbServiceView {
+    service_id: u32,
+    /// `namespace/name:port (family)` from the catalog; empty when unknown.
+    name: String,
+    protocol: String,
+    frontends: Vec<String>,
+    /// `affinity=<s>s`, `local`.
+    flags: Vec<String>,
+    table_id: u32,
+    external_table_id: u32,
+    backends: Vec<LbBackendView>,
+}
+
+/// One backend of a service.
+#[derive(Debug, Serialize, PartialEq)]
+struct LbBackendView {
+    backend_id: u32,
+    address: String,
+    state: String,
+    node_local: bool,
+    maglev_slots: u32,
+}
+
+/// Service ids → `namespace/name:port (family)` from the catalog's view.
+fn catalog_names(services: &[endpoint_pb::ServiceView]) -> BTreeMap<u32, String> {
+    let mut names = BTreeMap::new();
+    for s in services {
+        for lb in &s.load_balancer {
+            names.insert(
+                lb.service_id,
+                format!("{}/{}:{} ({})", s.namespace, s.name, lb.service_port, lb.family),
+            );
+        }
+    }
+    names
+}
+
+fn socket_text(address: &[u8], port: u32) -> String {
+    match net::address_from_bytes(address) {
+        Ok(IpAddr::V6(v6)) => format!("[{v6}]:{port}"),
+        Ok(v4) => format!("{v4}:{port}"),
+        Err(_) => format!("?:{port}"),
+    }
+}
+
+fn service_map_view(r: &pb::ListServicesResponse, names: Option<&BTreeMap<u32, String>>) -> ServiceMapView {
+    let services = r
+        .services
+        .iter()
+        .filter_map(|status| {
+            let s = status.service.as_ref()?;
+            let mut flags = Vec::new();
+            if s.affinity_timeout_seconds > 0 {
+                flags.push(format!("affinity={}s", s.affinity_timeout_seconds));
+            }
+            if s.external_traffic_policy == pb::TrafficPolicy::Local as i32 {
+                flags.push("local".to_owned());
+            }
+            Some(LbServiceView {
+                service_id: s.service_id,
+                name: names.and_then(|n| n.get(&s.service_id).cloned()).unwrap_or_default(),
+                protocol: name::<pb::Protocol>(s.protocol, "protocol-"),
+                frontends: s
+                    .frontends
+                    .iter()
+                    .map(|f| match pb::FrontendKind::try_from(f.kind) {
+                        Ok(pb::FrontendKind::NodePort) => format!("nodeport:{}", f.port),
+                        _ => socket_text(&f.address, f.port),
+                    })
+                    .collect(),
+                flags,
+                table_id: status.table_id,
+                external_table_id: status.external_table_id,
+                backends: status
+                    .backends
+                    .iter()
+                    .filter_map(|b| {
+                        let backend = b.backend.as_ref()?;
+                        Some(LbBackendView {
+                            backend_id: b.backend_id,
+                            address: socket_text(&backend.address, backend.port),
+                            state: name::<pb::BackendState>(backend.state, "backend-state-"),
+                            node_local: backend.node_local,
+                            maglev_slots: b.maglev_slots,
+                        })
+                    })
+                    .collect(),
+            })
+        })
+        .collect();
+    ServiceMapView {
+        services,
+        flow_entries: r.flow_entries,
+        affinity_entries: r.affinity_entries,
+        names_known: names.is_some(),
+    }
+}
+
+fn service_map_text(view: &ServiceMapView) -> String {
+    let mut t = Table::new([
+        "ID",
+        "NAME",
+        "PROTO",
+        "FRONTENDS",
+        "FLAGS",
+        "BACKEND",
+        "BACKEND ID",
+        "STATE",
+        "SLOTS",
+    ]);
+    let dash = |s: String| if s.is_empty() { "-".to_owned() } else { s };
+    for s in &view.services {
+        let service_cells = [
+            s.service_id.to_string(),
+            dash(s.name.clone()),
+            s.protocol.clone(),
+            s.frontends.join(","),
+            dash(s.flags.join(",")),
+        ];
+        if s.backends.is_empty() {
+            let mut row: Vec<String> = service_cells.to_vec();
+            row.extend(["(none: rejects)".to_owned(), "-".into(), "-".into(), "0".into()]);
+            t.row(row);
+        }
+        for (i, b) in s.backends.iter().enumerate() {
+            let mut row: Vec<String> = if i == 0 {
+                service_cells.to_vec()
+            } else {
+                vec![String::new(); service_cells.len()]
+            };
+            let state = if b.node_local {
+                format!("{} (node-local)", b.state)
+            } else {
+                b.state.clone()
+            };
+            row.extend([
+                b.address.clone(),
+                b.backend_id.to_string(),
+                state,
+                b.maglev_slots.to_string(),
+            ]);
+            t.row(row);
+        }
+    }
+    let mut out = t.render();
+    out.push_str(&format!(
+        "\n{} services, {} flow entries, {} affinity entries{}\n",
+        view.services.len(),
+        view.flow_entries,
+        view.affinity_entries,
+        if view.names_known {
+            ""
+        } else {
+            " (names unknown: svc-endpoint did not answer)"
+        }
+    ));
+    out
+}
+
 pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
     let channel = ctx.connect(DAEMON).await?;
     let mut client = LoaderServiceClient::new(channel.clone());
     let rpc = |s| CliError::rpc(DAEMON, s);
     match command {
+        BpfCommand::Service(ServiceMapCommand::List) => {
+            let r = LoadBalancerServiceClient::new(channel)
+                .list_services(pb::ListServicesRequest {})
+                .await
+                .map_err(rpc)?
+                .into_inner();
+            // Names are a courtesy: the maps are shown without them.
+            let names = match ctx.connect("svc-endpoint").await {
+                Ok(channel) => ServiceCatalogServiceClient::new(channel)
+                    .list_services(endpoint_pb::ListServicesRequest::default())
+                    .await
+                    .ok()
+                    .map(|r| catalog_names(&r.into_inner().services)),
+                Err(_) => None,
+            };
+            let view = service_map_view(&r, names.as_ref());
+            ctx.print(&view, || service_map_text(&view));
+        }
         BpfCommand::Ipcache => {
             let view: Vec<IpcacheView> = list_ipcache(&mut client)
                 .await
@@ -704,5 +911,112 @@ mod tests {
         let json = serde_json::to_value(&view).unwrap();
         assert_eq!(json["prefixes"][0]["prefix"], "198.18.0.0/15");
         assert_eq!(json["prefixes"][0]["direction"], "egress");
+    }
+
+    #[test]
+    fn service_list_shows_backends_with_state_and_slots_and_catalog_names() {
+        let backend = |addr: [u8; 4], state: pb::BackendState, id, slots| pb::LbBackendStatus {
+            backend: Some(pb::LbBackend {
+                address: addr.to_vec(),
+                port: 8080,
+                state: state as i32,
+                node_local: id == 1,
+            }),
+            backend_id: id,
+            maglev_slots: slots,
+        };
+        let r = pb::ListServicesResponse {
+            services: vec![
+                pb::LbServiceStatus {
+                    service: Some(pb::LbService {
+                        service_id: 7,
+                        family: pb::Family::Ipv4 as i32,
+                        protocol: pb::Protocol::Tcp as i32,
+                        frontends: vec![
+                            pb::LbFrontend {
+                                kind: pb::FrontendKind::ClusterIp as i32,
+                                address: vec![198, 19, 128, 10],
+                                port: 80,
+                            },
+                            pb::LbFrontend {
+                                kind: pb::FrontendKind::NodePort as i32,
+                                address: vec![],
+                                port: 30080,
+                            },
+                        ],
+                        backends: vec![],
+                        affinity_timeout_seconds: 30,
+                        external_traffic_policy: pb::TrafficPolicy::Local as i32,
+                    }),
+                    table_id: 3,
+                    external_table_id: 4,
+                    backends: vec![
+                        backend([198, 18, 0, 2], pb::BackendState::Active, 1, 1021),
+                        backend([198, 18, 0, 3], pb::BackendState::Terminating, 2, 0),
+                    ],
+                },
+                pb::LbServiceStatus {
+                    service: Some(pb::LbService {
+                        service_id: 8,
+                        family: pb::Family::Ipv6 as i32,
+                        protocol: pb::Protocol::Udp as i32,
+                        frontends: vec![pb::LbFrontend {
+                            kind: pb::FrontendKind::ClusterIp as i32,
+                            address: "2001:2:0:ff::a"
+                                .parse::<std::net::Ipv6Addr>()
+                                .unwrap()
+                                .octets()
+                                .to_vec(),
+                            port: 53,
+                        }],
+                        ..Default::default()
+                    }),
+                    table_id: 5,
+                    ..Default::default()
+                },
+            ],
+            flow_entries: 4,
+            affinity_entries: 1,
+            boot_id: "b".into(),
+        };
+        let names = catalog_names(&[endpoint_pb::ServiceView {
+            namespace: "default".into(),
+            name: "web".into(),
+            load_balancer: vec![endpoint_pb::LoadBalancerEntry {
+                service_port: "http".into(),
+                family: "IPv4".into(),
+                service_id: 7,
+                realised: true,
+            }],
+            ..Default::default()
+        }]);
+        let view = service_map_view(&r, Some(&names));
+        let text = service_map_text(&view);
+        assert!(
+            text.contains("7   default/web:http (IPv4)  tcp    198.19.128.10:80,nodeport:30080  affinity=30s,local  198.18.0.2:8080  1           active (node-local)  1021"),
+            "{text}"
+        );
+        assert!(
+            text.contains("198.18.0.3:8080  2           terminating          0"),
+            "{text}"
+        );
+        assert!(
+            text.contains("8   -                        udp    [2001:2:0:ff::a]:53"),
+            "{text}"
+        );
+        assert!(text.contains("(none: rejects)"), "{text}");
+        assert!(
+            text.contains("2 services, 4 flow entries, 1 affinity entries\n"),
+            "{text}"
+        );
+        let json = serde_json::to_value(&view).unwrap();
+        assert_eq!(json["services"][0]["backends"][1]["state"], "terminating");
+        assert_eq!(json["services"][0]["external_table_id"], 4);
+
+        let anonymous = service_map_text(&service_map_view(&r, None));
+        assert!(
+            anonymous.contains("(names unknown: svc-endpoint did not answer)"),
+            "{anonymous}"
+        );
     }
 }
