@@ -1644,6 +1644,10 @@ static __always_inline void lb_forward_touch(struct pkt *p, struct lb_flow *fwd)
 		lb_flow_touch(lb_flow_get(p, 0, LB_FLOW_REVERSE), e);
 }
 
+/* A NodePort frontend the pod reaches at an address of this node
+ * (nodeport.h: every backend, whatever the external traffic policy). */
+static __always_inline struct lb_frontend *nodeport_of_this_node(struct __sk_buff *skb, const struct pkt *p);
+
 /* The translation of a pod's packet to a frontend. Returns 0 (not to a
  * service, or translated: then `p->svc` is set and `p` holds the backend's
  * tuple), DROP_NO_SERVICE_BACKEND (the caller rejects it), another
@@ -1665,6 +1669,8 @@ __noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
 	if (!p || p->icmp_error || p->fragment)
 		return 0;
 	fe = lb_frontend_of(p, SVC_SCOPE_INTERNAL);
+	if (!fe)
+		fe = nodeport_of_this_node(skb, p);
 	if (!fe)
 		return 0;
 	has_l4 = l4_locate(skb, p->family, p->protocol, &l4_off);

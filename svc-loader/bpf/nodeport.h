@@ -2,8 +2,12 @@
 /*
  * NodePort: services reached from outside the node at one of the node's
  * addresses and a NODE_PORT frontend's port (kube-proxy's NodePort,
- * externalTrafficPolicy Cluster and Local). Included at the end of
- * datapath.c: it uses its parsing, conntrack, policy and forwarding.
+ * externalTrafficPolicy Cluster and Local). Included by datapath.c before
+ * from_container: it uses its parsing, policy and forwarding and the
+ * services section's functions (lb_select, lb_rewrite, lb_flow_get/put,
+ * lb_reject), and from_container's lb_forward uses nodeport_of_this_node
+ * (a pod reaching a NodePort of its own node: every backend, translated
+ * like a ClusterIP).
  *
  *   from_netdev  tc ingress of each external interface svc-loader serves
  *                (--underlay-interface with a routing mode, else every
@@ -16,7 +20,9 @@
  * it is local) is translated to a backend chosen like a ClusterIP's. The
  * INTERNAL frontend says which service it is; with SVC_F_LOCAL
  * (externalTrafficPolicy Local) the EXTERNAL frontend of that port, whose
- * table holds only this node's backends, chooses instead.
+ * table holds only this node's backends, chooses instead. Backend: the
+ * Maglev slot of lb_select (ClientIP affinity hashes the client alone; no
+ * lb_affinity entry is written here).
  *
  * - Local, or Cluster with a backend on this node: DNAT only. The client
  *   address is kept; the backend's ingress policy judges the client's
@@ -38,16 +44,21 @@
  *   address: remote-node. A reply (backend -> node address : SNAT port)
  *   enters from_netdev, takes SNAT_IN back to the client, REVERSE back to
  *   the NodePort, and goes out to the client by the FIB.
- * - No active backend (Local: none on this node): TCP gets a RST, other
- *   protocols are dropped; DROP_NO_SERVICE_BACKEND either way.
+ * - No active backend (Local: none on this node): lb_reject's TCP RST or
+ *   ICMP / ICMPv6 port unreachable back out of the interface;
+ *   DROP_NO_SERVICE_BACKEND counted and emitted.
  *
  * The flow entries live in lb4_flows / lb6_flows beside ClusterIP's
  * (svc-gc expires them all): FORWARD (client -> node:NodePort => backend),
  * REVERSE (client -> backend => node:NodePort), and for SNAT SNAT_OUT
  * (client -> backend => node:SNAT port) and SNAT_IN (backend -> node:SNAT
  * port => client). An existing flow keeps its backend while the backend
- * exists (even terminating). Fragments and ICMP errors are not translated
- * here (they pass to the stack); TCP and UDP only.
+ * is the same (even terminating, but not for a new TCP connection).
+ * Fragments and ICMP errors are not translated here (they pass to the
+ * stack); TCP and UDP only. from_netdev's steps (nodeport_reply,
+ * nodeport_ingress, nodeport_snat) are global functions: verified once
+ * each, with frames of their own (from_netdev's and lb_reject's or
+ * enforce's must fit 512 bytes together).
  */
 
 /* Ports the SNAT of NodePort traffic takes (Linux's default ephemeral range
@@ -55,6 +66,13 @@
 #define NODEPORT_SNAT_MIN 61000
 #define NODEPORT_SNAT_MAX 65535
 #define NODEPORT_SNAT_RETRIES 32
+
+/* What nodeport_ingress decided, besides 0 (not ours: to the stack) and
+ * drop reasons (DROP_NO_SERVICE_BACKEND: reject). */
+#define NODEPORT_TO_LOCAL 100  /* translated, to the local backend at its daddr */
+#define NODEPORT_TO_REMOTE 101 /* translated, to another node's backend */
+#define NODEPORT_TO_CLIENT 102 /* a SNATed flow's reply, back to its client */
+#define NODEPORT_SNAT 103      /* translated, to another node's backend after SNAT */
 
 #define AF_INET_ 2
 #define AF_INET6_ 10
@@ -124,69 +142,13 @@ static __always_inline int to_this_node(struct __sk_buff *skb, const struct pkt 
 	return v && v->identity == IDENTITY_HOST;
 }
 
-/* --------------------------------------------------------------- rewriting */
-
-/* Offset of the L4 checksum, and the flags its updates need. */
-static __always_inline int l4_csum_off(const struct pkt *p, __u32 *off, __u64 *flags)
+static __always_inline struct lb_frontend *nodeport_of_this_node(struct __sk_buff *skb, const struct pkt *p)
 {
-	if (p->protocol == IPPROTO_TCP) {
-		*off = p->l4_off + 16;
-		*flags = 0;
-		return 0;
-	}
-	if (p->protocol == IPPROTO_UDP) {
-		*off = p->l4_off + 6;
-		/* IPv4 UDP may carry no checksum (0): left so. */
-		*flags = p->family == 4 ? BPF_F_MARK_MANGLED_0 : 0;
-		return 0;
-	}
-	return -1;
-}
+	struct lb_frontend *fe;
+	int kind;
 
-/* Rewrites the packet's source (`src`) or destination address and port,
- * fixing the IPv4 header checksum and the L4 checksum (pseudo header
- * included), and `p` with it. */
-static __always_inline int nat_rewrite(struct __sk_buff *skb, struct pkt *p, int src, const __u32 *addr, __u16 port)
-{
-	__u32 csum_off;
-	__u64 flags;
-	__u16 old_port = src ? p->sport : p->dport;
-	__u32 port_off = p->l4_off + (src ? 0 : 2);
-
-	if (l4_csum_off(p, &csum_off, &flags) < 0)
-		return -1;
-	if (p->family == 4) {
-		__u32 old = src ? p->saddr[0] : p->daddr[0];
-		__u32 addr_off = IP4_OFF + (src ? 12 : 16);
-
-		if (bpf_l3_csum_replace(skb, IP4_OFF + 10, old, addr[0], 4) < 0 ||
-		    bpf_l4_csum_replace(skb, csum_off, old, addr[0], flags | BPF_F_PSEUDO_HDR | 4) < 0 ||
-		    bpf_skb_store_bytes(skb, addr_off, addr, 4, 0) < 0)
-			return -1;
-		if (src)
-			p->saddr[0] = addr[0];
-		else
-			p->daddr[0] = addr[0];
-	} else {
-		__u32 *cur = src ? p->saddr : p->daddr;
-		__u32 addr_off = IP6_OFF + (src ? 8 : 24);
-		__s64 diff = bpf_csum_diff(cur, 16, (__u32 *)addr, 16, 0);
-
-		if (diff < 0 || bpf_l4_csum_replace(skb, csum_off, 0, (__u32)diff, flags | BPF_F_PSEUDO_HDR) < 0 ||
-		    bpf_skb_store_bytes(skb, addr_off, addr, 16, 0) < 0)
-			return -1;
-		__builtin_memcpy(cur, addr, 16);
-	}
-	if (old_port != port) {
-		if (bpf_l4_csum_replace(skb, csum_off, old_port, port, flags | 2) < 0 ||
-		    bpf_skb_store_bytes(skb, port_off, &port, 2, 0) < 0)
-			return -1;
-		if (src)
-			p->sport = port;
-		else
-			p->dport = port;
-	}
-	return 0;
+	fe = nodeport_frontend(p, 0, &kind);
+	return fe && to_this_node(skb, p) ? fe : 0;
 }
 
 /* ------------------------------------------------------------ flow entries */
@@ -291,186 +253,17 @@ static __always_inline void flow_touch(struct lb_flow *f, const struct pkt *p, c
 	}
 }
 
-/* ------------------------------------------------------- backend selection */
-
-/* The Maglev slot of a new flow: a hash of its 5-tuple, the same on every
- * node. */
-static __always_inline __u32 nodeport_flow_hash(const struct pkt *p)
-{
-	__u32 h = p->family == 4 ? p->saddr[0] : p->saddr[0] ^ p->saddr[1] ^ p->saddr[2] ^ p->saddr[3];
-
-	h ^= (__u32)p->sport << 16 | p->dport;
-	h ^= p->protocol;
-	/* murmur3's finaliser: every input bit moves the slot. */
-	h ^= h >> 16;
-	h *= 0x85ebca6b;
-	h ^= h >> 13;
-	h *= 0xc2b2ae35;
-	h ^= h >> 16;
-	return h;
-}
-
-/* A backend for a new flow of frontend `fe`: its Maglev slot's, if active.
- * Returns the backend id, or 0 (none). */
-static __always_inline __u32 nodeport_select(const struct lb_frontend *fe, const struct pkt *p, struct lb_backend **be)
-{
-	struct lb_maglev_table *t;
-	__u32 slot, id;
-
-	if (!fe->backend_count)
-		return 0;
-	t = bpf_map_lookup_elem(&lb_maglev, &fe->table_id);
-	if (!t)
-		return 0;
-	slot = nodeport_flow_hash(p) % LB_MAGLEV_SIZE;
-	/* The verifier does not bound a remainder: say it again, opaquely. */
-	asm volatile("" : "+r"(slot));
-	if (slot >= LB_MAGLEV_SIZE)
-		return 0;
-	id = t->backend_ids[slot];
-	if (!id)
-		return 0;
-	*be = bpf_map_lookup_elem(&lb_backends, &id);
-	if (!*be || (*be)->state != LB_BACKEND_ACTIVE || (*be)->family != p->family)
-		return 0;
-	return id;
-}
-
 /* ------------------------------------------------------------------ reject */
 
-struct tcp_rst {
-	__u16 sport;
-	__u16 dport;
-	__u32 seq;
-	__u32 ack;
-	__u8 doff;
-	__u8 flags;
-	__u16 window;
-	__u16 csum;
-	__u16 urg;
-};
-
-struct pseudo4 {
-	__u32 saddr;
-	__u32 daddr;
-	__u8 zero;
-	__u8 protocol;
-	__u16 len;
-};
-
-/* Turns a TCP packet (no IPv6 extension headers) into the RST that answers
- * it, addressed back to its sender through the interface it came in by:
- * `ack` of its ACK, else RST|ACK of its sequence space (RFC 9293 3.10.7.1).
- * Returns 0, or -1 when it cannot (the caller drops). */
-static __always_inline int tcp_reset_in_place(struct __sk_buff *skb, const struct pkt *p)
-{
-	struct tcp_rst in, out = {};
-	__u8 macs[12], tmp[6];
-	__u32 l3_len, payload;
-	__s64 sum;
-
-	if (p->protocol != IPPROTO_TCP || (p->tcp_flags & TCP_FLAG_RST))
-		return -1;
-	if (bpf_skb_load_bytes(skb, p->l4_off, &in, sizeof(in)) < 0 || bpf_skb_load_bytes(skb, 0, macs, 12) < 0)
-		return -1;
-	if (p->family == 4) {
-		struct iphdr ip;
-
-		if (bpf_skb_load_bytes(skb, IP4_OFF, &ip, sizeof(ip)) < 0 || p->l4_off != IP4_OFF + sizeof(ip))
-			return -1;
-		l3_len = bpf_ntohs(ip.tot_len);
-	} else {
-		struct ipv6hdr ip;
-
-		if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0 || p->l4_off != IP6_OFF + sizeof(ip))
-			return -1;
-		l3_len = bpf_ntohs(ip.payload_len) + sizeof(ip);
-	}
-	payload = l3_len - (p->l4_off - ETH_HLEN_) - ((in.doff >> 4) & 0xf) * 4;
-	if (payload > 0xffff)
-		return -1;
-	out.sport = p->dport;
-	out.dport = p->sport;
-	out.doff = 5 << 4;
-	if (p->tcp_flags & TCP_FLAG_ACK) {
-		out.seq = in.ack;
-		out.flags = TCP_FLAG_RST;
-	} else {
-		out.ack = bpf_htonl(bpf_ntohl(in.seq) + payload + !!(p->tcp_flags & TCP_FLAG_SYN) +
-				    !!(p->tcp_flags & TCP_FLAG_FIN));
-		out.flags = TCP_FLAG_RST | TCP_FLAG_ACK;
-	}
-	if (bpf_skb_change_tail(skb, p->l4_off + sizeof(out), 0) < 0)
-		return -1;
-	__builtin_memcpy(tmp, macs, 6);
-	__builtin_memcpy(macs, &macs[6], 6);
-	__builtin_memcpy(&macs[6], tmp, 6);
-	if (bpf_skb_store_bytes(skb, 0, macs, 12, 0) < 0)
-		return -1;
-	if (p->family == 4) {
-		struct iphdr ip;
-		struct pseudo4 ph = {};
-
-		if (bpf_skb_load_bytes(skb, IP4_OFF, &ip, sizeof(ip)) < 0)
-			return -1;
-		ip.saddr = p->daddr[0];
-		ip.daddr = p->saddr[0];
-		ip.tot_len = bpf_htons(sizeof(ip) + sizeof(out));
-		ip.ttl = 64;
-		ip.frag_off = bpf_htons(0x4000); /* DF */
-		ip.check = 0;
-		sum = bpf_csum_diff(0, 0, (__u32 *)&ip, sizeof(ip), 0);
-		if (sum < 0)
-			return -1;
-		ip.check = csum_fold((__u32)sum);
-		ph.saddr = ip.saddr;
-		ph.daddr = ip.daddr;
-		ph.protocol = IPPROTO_TCP;
-		ph.len = bpf_htons(sizeof(out));
-		sum = bpf_csum_diff(0, 0, (__u32 *)&ph, sizeof(ph), 0);
-		if (sum < 0)
-			return -1;
-		sum = bpf_csum_diff(0, 0, (__u32 *)&out, sizeof(out), (__u32)sum);
-		if (sum < 0)
-			return -1;
-		out.csum = csum_fold((__u32)sum);
-		if (bpf_skb_store_bytes(skb, IP4_OFF, &ip, sizeof(ip), 0) < 0)
-			return -1;
-	} else {
-		struct ipv6hdr ip;
-		struct pseudo6 ph = {};
-
-		if (bpf_skb_load_bytes(skb, IP6_OFF, &ip, sizeof(ip)) < 0)
-			return -1;
-		__builtin_memcpy(&ip.saddr, p->daddr, 16);
-		__builtin_memcpy(&ip.daddr, p->saddr, 16);
-		ip.payload_len = bpf_htons(sizeof(out));
-		ip.hop_limit = 64;
-		__builtin_memcpy(ph.saddr, p->daddr, 16);
-		__builtin_memcpy(ph.daddr, p->saddr, 16);
-		ph.len = bpf_htonl(sizeof(out));
-		ph.nexthdr = bpf_htonl(IPPROTO_TCP);
-		sum = bpf_csum_diff(0, 0, (__u32 *)&ph, sizeof(ph), 0);
-		if (sum < 0)
-			return -1;
-		sum = bpf_csum_diff(0, 0, (__u32 *)&out, sizeof(out), (__u32)sum);
-		if (sum < 0)
-			return -1;
-		out.csum = csum_fold((__u32)sum);
-		if (bpf_skb_store_bytes(skb, IP6_OFF, &ip, sizeof(ip), 0) < 0)
-			return -1;
-	}
-	return bpf_skb_store_bytes(skb, p->l4_off, &out, sizeof(out), 0) < 0 ? -1 : 0;
-}
-
 /* A new flow to a NodePort with no backend to take it: counted and
- * emitted as DROP_NO_SERVICE_BACKEND; TCP gets a RST back out of the
- * interface, the rest is dropped. */
+ * emitted as DROP_NO_SERVICE_BACKEND, answered like a ClusterIP's (TCP
+ * RST, ICMP / ICMPv6 port unreachable: lb_reject) back out of the
+ * interface it came in by. */
 static __always_inline int nodeport_reject(struct __sk_buff *skb, const struct pkt *p)
 {
 	count(DROP_NO_SERVICE_BACKEND, DIR_INGRESS, p->len);
 	emit(EVENT_DROP, DROP_NO_SERVICE_BACKEND, DIR_INGRESS, 0, p, 0, identity_of(p, p->saddr), IDENTITY_HOST);
-	if (tcp_reset_in_place(skb, p) < 0)
+	if (lb_reject(skb, p) < 0)
 		return TC_ACT_SHOT;
 	return bpf_redirect(skb->ifindex, 0);
 }
@@ -481,7 +274,7 @@ static __always_inline int nodeport_reject(struct __sk_buff *skb, const struct p
  * tc ingress of an external interface: the neighbour subsystem fills in
  * the MACs. The stack cannot take it (its source may be this node's own
  * address: a martian on input). */
-static __always_inline int fib_forward(struct __sk_buff *skb, const struct pkt *p)
+static __noinline int fib_forward(struct __sk_buff *skb, const struct pkt *p)
 {
 	struct bpf_fib_lookup fib = {};
 	long r;
@@ -507,7 +300,7 @@ static __always_inline int fib_forward(struct __sk_buff *skb, const struct pkt *
 
 /* To a backend on another node: vxlan by the tunnel (remote-node in the
  * VNI: the source is this node), else by the FIB. */
-static __always_inline int nodeport_to_remote(struct __sk_buff *skb, const struct pkt *p)
+static __noinline int nodeport_to_remote(struct __sk_buff *skb, const struct pkt *p)
 {
 	struct routing_config *rc = get_routing();
 
@@ -529,7 +322,7 @@ static __always_inline int nodeport_to_local(struct __sk_buff *skb, struct pkt *
 					     const struct datapath_config *cfg)
 {
 	__u32 peer;
-	int r = enforce(p, dst, DIR_INGRESS, 0, p->saddr, 0, cfg, &peer);
+	int r = enforce_ingress(p, dst, 0, cfg, &peer);
 
 	if (r)
 		return drop(r, DIR_INGRESS, p, dst, peer, dst->identity);
@@ -579,49 +372,148 @@ static __always_inline __u16 snat_claim(const struct pkt *p, const __u32 *node, 
 	return 0;
 }
 
-/* A reply of a SNATed NodePort flow (backend -> node:SNAT port), back to
- * the client from the NodePort. Returns the tc verdict, or -1 when the
- * packet is no such reply. */
-static __always_inline int snat_reply(struct __sk_buff *skb, struct pkt *p, const struct datapath_config *cfg)
+/* A reply of a SNATed NodePort flow (backend -> node:SNAT port), turned
+ * back into the NodePort's answer to the client. Returns NODEPORT_TO_CLIENT,
+ * a drop reason, or 0 when the packet is no such reply. (Each of
+ * from_netdev's steps is a global function: the verifier walks it once,
+ * and its frame is not from_netdev's, which lb_reject's and enforce's
+ * need.) */
+__noinline int nodeport_reply(struct __sk_buff *skb, struct pkt *p)
 {
-	__u32 client[4] = {}, node[4] = {};
+	const struct datapath_config *cfg = get_config();
+	__u32 client[4] = {};
 	struct lb_flow *in, *rev;
-	__u16 client_port, port = bpf_ntohs(p->dport);
+	__u16 client_port, port;
 
+	if (!p)
+		return 0;
+	port = bpf_ntohs(p->dport);
 	if (port < NODEPORT_SNAT_MIN)
-		return -1;
+		return 0;
 	in = flow_get(p, p->saddr, p->sport, p->daddr, p->dport, LB_FLOW_SNAT_IN);
 	if (!in)
-		return -1;
+		return 0;
 	flow_touch(in, p, cfg);
 	__builtin_memcpy(client, in->addr, 16);
-	__builtin_memcpy(node, p->daddr, 16);
 	client_port = in->port;
 	/* The flow's REVERSE entry: client -> backend => node:NodePort. */
 	rev = flow_get(p, client, client_port, p->saddr, p->sport, LB_FLOW_REVERSE);
 	if (!rev)
-		return drop(DROP_CT_INVALID, DIR_INGRESS, p, 0, 0, 0);
+		return DROP_CT_INVALID;
 	flow_touch(rev, p, cfg);
-	if (nat_rewrite(skb, p, 0, client, client_port) < 0 || nat_rewrite(skb, p, 1, rev->addr, rev->port) < 0)
-		return drop(DROP_INVALID_PACKET, DIR_INGRESS, p, 0, 0, 0);
-	count(REASON_FORWARDED, DIR_EGRESS, p->len);
-	return fib_forward(skb, p);
+	if (lb_rewrite(skb, p, p->l4_off, 1, 1, client, client_port) < 0 ||
+	    lb_rewrite(skb, p, p->l4_off, 1, 0, rev->addr, rev->port) < 0)
+		return DROP_INVALID_PACKET;
+	return NODEPORT_TO_CLIENT;
 }
 
 /* --------------------------------------------------------------- programs */
+
+/* The translation of a packet entering the node by an external interface
+ * to a NodePort (see the top of this file): DNATs `p` and the packet,
+ * returns NODEPORT_TO_LOCAL, NODEPORT_TO_REMOTE, NODEPORT_SNAT (Cluster,
+ * another node's backend), 0 (not a NodePort of this node) or a drop
+ * reason. */
+__noinline int nodeport_ingress(struct __sk_buff *skb, struct pkt *p)
+{
+	const struct datapath_config *cfg = get_config();
+	struct lb_frontend *fe;
+	struct lb_backend *be;
+	struct lb_flow *fwd, flow;
+	__u32 node[4] = {}, backend[4] = {}, backend_id = 0;
+	__u16 node_port, backend_port;
+	int kind;
+
+	if (!p)
+		return 0;
+	fe = nodeport_frontend(p, 1, &kind);
+	if (kind == NODEPORT_NONE || !to_this_node(skb, p))
+		return 0;
+
+	__builtin_memcpy(node, p->daddr, 16);
+	node_port = p->dport;
+	/* An existing flow keeps its backend while it is the same backend
+	 * (its id not reused), even terminating, but for a new connection. */
+	fwd = lb_flow_get(p, 0, LB_FLOW_FORWARD);
+	if (fwd) {
+		backend_id = fwd->backend_id;
+		be = bpf_map_lookup_elem(&lb_backends, &backend_id);
+		if (!be || be->family != p->family || be->port != fwd->port ||
+		    !lb_addr_equal(p->family, be->addr, fwd->addr) ||
+		    (be->state != LB_BACKEND_ACTIVE && p->protocol == IPPROTO_TCP &&
+		     (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN))
+			fwd = 0;
+		else
+			flow_touch(fwd, p, cfg);
+	}
+	if (!fwd) {
+		if (!fe)
+			return DROP_NO_SERVICE_BACKEND;
+		/* Affinity (ClientIP) hashes the client alone: a client keeps its
+		 * backend while the table does (no lb_affinity entry here). */
+		be = lb_select(p, fe, bpf_ktime_get_ns(), &backend_id);
+		if (!be)
+			return DROP_NO_SERVICE_BACKEND;
+		flow_value(&flow, p, cfg, be->addr, be->port, backend_id, fe->service_id);
+		if (lb_flow_put(p, LB_FLOW_FORWARD, &flow) < 0)
+			return DROP_CT_MAP_FULL;
+	}
+	__builtin_memcpy(backend, be->addr, 16);
+	backend_port = be->port;
+	if (lb_rewrite(skb, p, p->l4_off, 1, 1, backend, backend_port) < 0)
+		return DROP_INVALID_PACKET;
+	if (!fwd) {
+		/* Keyed by the translated tuple, which `p` now holds. */
+		flow_value(&flow, p, cfg, node, node_port, backend_id, fe->service_id);
+		if (lb_flow_put(p, LB_FLOW_REVERSE, &flow) < 0)
+			return DROP_CT_MAP_FULL;
+	}
+	if (endpoint_by_addr(p, p->daddr))
+		return NODEPORT_TO_LOCAL;
+	/* Another node's backend; Local (whose table holds this node's only)
+	 * never SNATs. */
+	return kind == NODEPORT_CLUSTER ? NODEPORT_SNAT : NODEPORT_TO_REMOTE;
+}
+
+/* SNAT of a translated NodePort flow `p` (client -> another node's
+ * backend) to the node address the client reached (its REVERSE entry's)
+ * and the flow's SNAT port, claimed at its first packet. Returns
+ * NODEPORT_TO_REMOTE or a drop reason. */
+__noinline int nodeport_snat(struct __sk_buff *skb, struct pkt *p)
+{
+	const struct datapath_config *cfg = get_config();
+	struct lb_flow *out, *rev;
+	__u32 snat_addr[4] = {};
+	__u16 snat_port;
+
+	if (!p)
+		return DROP_INVALID_PACKET;
+	out = flow_get(p, p->saddr, p->sport, p->daddr, p->dport, LB_FLOW_SNAT_OUT);
+	if (out) {
+		flow_touch(out, p, cfg);
+		__builtin_memcpy(snat_addr, out->addr, 16);
+		snat_port = out->port;
+	} else {
+		rev = lb_flow_get(p, 0, LB_FLOW_REVERSE);
+		if (!rev)
+			return DROP_CT_INVALID;
+		__builtin_memcpy(snat_addr, rev->addr, 16);
+		snat_port = snat_claim(p, snat_addr, rev->backend_id, rev->service_id, cfg);
+		if (!snat_port)
+			return DROP_CT_MAP_FULL;
+	}
+	if (lb_rewrite(skb, p, p->l4_off, 1, 0, snat_addr, snat_port) < 0)
+		return DROP_INVALID_PACKET;
+	return NODEPORT_TO_REMOTE;
+}
 
 SEC("classifier")
 int from_netdev(struct __sk_buff *skb)
 {
 	struct datapath_config *cfg = get_config();
-	struct lb_frontend *fe;
-	struct lb_backend *be = 0;
 	struct endpoint_info *dst;
-	struct lb_flow *fwd, flow;
-	__u32 node[4] = {}, backend[4] = {}, backend_id = 0;
-	__u16 node_port, backend_port;
 	struct pkt p = {};
-	int kind, r;
+	int r;
 
 	p.len = skb->len;
 	if (skb->protocol == bpf_htons(ETH_P_IP))
@@ -634,69 +526,30 @@ int from_netdev(struct __sk_buff *skb)
 	if (r || p.in_fragment || p.icmp_error || (p.protocol != IPPROTO_TCP && p.protocol != IPPROTO_UDP))
 		return TC_ACT_OK;
 
-	r = snat_reply(skb, &p, cfg);
-	if (r >= 0)
-		return r;
-	fe = nodeport_frontend(&p, 1, &kind);
-	if (kind == NODEPORT_NONE || !to_this_node(skb, &p))
+	r = nodeport_reply(skb, &p);
+	if (!r)
+		r = nodeport_ingress(skb, &p);
+	if (r == NODEPORT_SNAT)
+		r = nodeport_snat(skb, &p);
+	switch (r) {
+	case 0:
 		return TC_ACT_OK;
-
-	__builtin_memcpy(node, p.daddr, 16);
-	node_port = p.dport;
-	/* An existing flow keeps its backend while it exists. */
-	fwd = flow_get(&p, p.saddr, p.sport, p.daddr, p.dport, LB_FLOW_FORWARD);
-	if (fwd) {
-		be = bpf_map_lookup_elem(&lb_backends, &fwd->backend_id);
-		if (be && be->family == p.family) {
-			backend_id = fwd->backend_id;
-			flow_touch(fwd, &p, cfg);
-		}
-	}
-	if (!backend_id) {
-		if (!fe)
-			return nodeport_reject(skb, &p);
-		backend_id = nodeport_select(fe, &p, &be);
-		if (!backend_id || !be)
-			return nodeport_reject(skb, &p);
-		flow_value(&flow, &p, cfg, be->addr, be->port, backend_id, fe->service_id);
-		if (flow_put(&p, p.saddr, p.sport, p.daddr, p.dport, LB_FLOW_FORWARD, &flow, BPF_ANY) < 0)
-			return drop(DROP_CT_MAP_FULL, DIR_INGRESS, &p, 0, 0, 0);
-		flow_value(&flow, &p, cfg, node, node_port, backend_id, fe->service_id);
-		if (flow_put(&p, p.saddr, p.sport, be->addr, be->port, LB_FLOW_REVERSE, &flow, BPF_ANY) < 0)
-			return drop(DROP_CT_MAP_FULL, DIR_INGRESS, &p, 0, 0, 0);
-	}
-	if (!be)
-		return TC_ACT_SHOT;
-	__builtin_memcpy(backend, be->addr, 16);
-	backend_port = be->port;
-	if (nat_rewrite(skb, &p, 0, backend, backend_port) < 0)
-		return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, 0, 0, 0);
-
-	dst = endpoint_by_addr(&p, p.daddr);
-	if (dst)
+	case DROP_NO_SERVICE_BACKEND:
+		return nodeport_reject(skb, &p);
+	case NODEPORT_TO_LOCAL:
+		dst = endpoint_by_addr(&p, p.daddr);
+		if (!dst)
+			return drop(DROP_UNKNOWN_ENDPOINT, DIR_INGRESS, &p, 0, 0, 0);
 		return nodeport_to_local(skb, &p, dst, cfg);
-	/* Another node's backend; Local (whose table holds this node's only)
-	 * never SNATs. */
-	if (kind == NODEPORT_CLUSTER) {
-		struct lb_flow *out = flow_get(&p, p.saddr, p.sport, p.daddr, p.dport, LB_FLOW_SNAT_OUT);
-		__u32 snat_addr[4] = {};
-		__u16 snat_port;
-
-		if (out) {
-			flow_touch(out, &p, cfg);
-			__builtin_memcpy(snat_addr, out->addr, 16);
-			snat_port = out->port;
-		} else {
-			__builtin_memcpy(snat_addr, node, 16);
-			snat_port = snat_claim(&p, node, backend_id, fe ? fe->service_id : 0, cfg);
-			if (!snat_port)
-				return drop(DROP_CT_MAP_FULL, DIR_INGRESS, &p, 0, 0, 0);
-		}
-		if (nat_rewrite(skb, &p, 1, snat_addr, snat_port) < 0)
-			return drop(DROP_INVALID_PACKET, DIR_INGRESS, &p, 0, 0, 0);
+	case NODEPORT_TO_REMOTE:
+		count(REASON_FORWARDED, DIR_EGRESS, p.len);
+		return nodeport_to_remote(skb, &p);
+	case NODEPORT_TO_CLIENT:
+		count(REASON_FORWARDED, DIR_EGRESS, p.len);
+		return fib_forward(skb, &p);
+	default:
+		return drop(r, DIR_INGRESS, &p, 0, 0, 0);
 	}
-	count(REASON_FORWARDED, DIR_EGRESS, p.len);
-	return nodeport_to_remote(skb, &p);
 }
 
 /* Replies of NodePort flows into a backend on this node leave by the stack
@@ -722,11 +575,11 @@ int to_netdev(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	if (!endpoint_by_addr(&p, p.saddr))
 		return TC_ACT_OK;
-	rev = flow_get(&p, p.daddr, p.dport, p.saddr, p.sport, LB_FLOW_REVERSE);
+	rev = lb_flow_get(&p, 1, LB_FLOW_REVERSE);
 	if (!rev)
 		return TC_ACT_OK;
 	flow_touch(rev, &p, cfg);
-	if (nat_rewrite(skb, &p, 1, rev->addr, rev->port) < 0)
+	if (lb_rewrite(skb, &p, p.l4_off, 1, 0, rev->addr, rev->port) < 0)
 		return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, 0, 0, 0);
 	return TC_ACT_OK;
 }
