@@ -290,12 +290,20 @@ struct State {
     slices_of: BTreeMap<Name, BTreeSet<String>>,
     /// Bumped by every stored change.
     generation: u64,
+    /// Each Service's loader services as last resolved by `service-push`.
+    resolved: BTreeMap<Name, Vec<rivet_proto::loader::v1::LbService>>,
+    /// The pods `resolved` was computed with (other pods: resolve all again).
+    resolved_pods: Option<Vec<PodInfo>>,
+    /// Services whose objects changed since they were resolved.
+    dirty: BTreeSet<Name>,
 }
 
 impl State {
     fn insert_slice(&mut self, slice: StoredSlice) {
         let name = (slice.def.namespace.clone(), slice.def.name.clone());
         self.remove_slice(&name);
+        self.dirty
+            .insert((slice.def.namespace.clone(), slice.def.service.clone()));
         self.slices_of
             .entry((slice.def.namespace.clone(), slice.def.service.clone()))
             .or_default()
@@ -306,6 +314,7 @@ impl State {
     fn remove_slice(&mut self, name: &Name) -> Option<StoredSlice> {
         let old = self.slices.remove(name)?;
         let owner = (old.def.namespace.clone(), old.def.service.clone());
+        self.dirty.insert(owner.clone());
         if let Some(set) = self.slices_of.get_mut(&owner) {
             set.remove(&old.def.name);
             if set.is_empty() {
@@ -529,6 +538,7 @@ impl ServiceCatalog {
                     let cluster_ips = stored.cluster_ips().to_vec();
                     let mut state = self.state();
                     if changed {
+                        state.dirty.insert(name.clone());
                         state.services.insert(name, stored);
                         state.generation += 1;
                         self.inner.metrics.set_services(state.services.len());
@@ -599,6 +609,7 @@ impl ServiceCatalog {
             match key.kind {
                 ObjectKind::Service => {
                     state.services.remove(&name);
+                    state.dirty.insert(name);
                     self.inner.metrics.set_services(state.services.len());
                 }
                 ObjectKind::EndpointSlice => {

@@ -90,17 +90,39 @@ impl ServiceCatalog {
         let poll = Action::requeue(self.inner.options.loader_poll);
         let pods = self.inner.pods.pods().map(|p| self.with_node_name(p));
         let (generation, desired) = {
-            let state = self.state();
+            let mut state = self.state();
             if pods.is_none() && state.needs_pods() {
                 // A restart must not push selector Services without their pods.
                 return Ok(poll);
             }
             let pods = pods.unwrap_or_default();
+            // Only Services whose objects changed are resolved again, all of
+            // them when the pods changed.
+            if state.resolved_pods.as_ref() != Some(&pods) {
+                let all: Vec<_> = state.services.keys().cloned().collect();
+                state.dirty.extend(all);
+                state.resolved_pods = Some(pods.clone());
+            }
+            let dirty = std::mem::take(&mut state.dirty);
+            let mut fresh = Vec::with_capacity(dirty.len());
+            for name in dirty {
+                let entries = state.services.get(&name).map(|s| {
+                    let entries = self.resolve(&state, s, &pods).entries;
+                    entries.into_iter().map(|e| e.service).collect::<Vec<_>>()
+                });
+                fresh.push((name, entries));
+            }
+            for (name, entries) in fresh {
+                match entries {
+                    Some(entries) => state.resolved.insert(name, entries),
+                    None => state.resolved.remove(&name),
+                };
+            }
             let desired: BTreeMap<u32, lb::LbService> = state
-                .services
+                .resolved
                 .values()
-                .flat_map(|s| self.resolve(&state, s, &pods).entries)
-                .map(|e| (e.service.service_id, e.service))
+                .flatten()
+                .map(|s| (s.service_id, s.clone()))
                 .collect();
             (state.generation, desired)
         };
