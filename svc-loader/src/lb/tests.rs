@@ -443,6 +443,26 @@ fn pb_service() -> pb::LbService {
     }
 }
 
+/// A node sized past the maps' default 65,536 services (`--lb-services-max`)
+/// takes a set that large: the stream's own bound is far above it.
+#[test]
+fn a_set_past_the_default_map_size_is_valid() {
+    let set: Vec<pb::LbService> = (0..70_000u32)
+        .map(|i| pb::LbService {
+            service_id: i + 1,
+            frontends: vec![pb::LbFrontend {
+                kind: pb::FrontendKind::ClusterIp as i32,
+                address: (u32::from(std::net::Ipv4Addr::new(198, 18, 0, 0)) + i)
+                    .to_be_bytes()
+                    .to_vec(),
+                port: 80,
+            }],
+            ..pb_service()
+        })
+        .collect();
+    assert_eq!(validate::service_set(&set).unwrap().len(), 70_000);
+}
+
 #[test]
 fn a_good_service_converts_and_round_trips() {
     let s = validate::service("service", &pb_service()).unwrap();

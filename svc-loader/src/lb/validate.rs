@@ -14,8 +14,10 @@ pub const MAX_BACKENDS: usize = 1000;
 pub const MAX_FRONTENDS: usize = 64;
 /// Longest session affinity timeout (Kubernetes' limit: one day).
 pub const MAX_AFFINITY_TIMEOUT: u32 = 86_400;
-/// Most services in one `ReplaceServices` (the frontends map's default size).
-pub const MAX_SERVICES: usize = 65_536;
+/// Most services in one `ReplaceServices`: a bound on what one stream may
+/// make the loader hold in memory. The maps' size (`--lb-services-max`) is
+/// the node's real limit, refused as MAP_FULL.
+pub const MAX_SERVICES: usize = 1 << 20;
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> InvalidField {
     InvalidField {
