@@ -170,8 +170,8 @@ fn service(
 
 /// The services every node holds (UpsertService), `b1`/`b2` local as they
 /// are on node `index`: per family a Cluster service on TCP and one on UDP
-/// (NodePort 30080) over both backends, and a Local one (TCP 30081) over
-/// b1 only (node 2's external frontend of it has no backend).
+/// (NodePort 30080) over both backends, and Local ones (TCP and UDP 30081)
+/// over b1 only (node 2's external frontends of them have no backend).
 async fn upsert_services(node: &LoaderNode, index: u8, b1: &[IpAddr], b2: &[IpAddr]) {
     let cluster_ips: [IpAddr; 4] = [
         "198.19.128.10".parse().unwrap(),
@@ -202,6 +202,14 @@ async fn upsert_services(node: &LoaderNode, index: u8, b1: &[IpAddr], b2: &[IpAd
             service(
                 3 + family as u32,
                 pb::Protocol::Tcp,
+                cluster_ips[2 + family],
+                LOCAL_NODE_PORT,
+                &both[..1],
+                pb::TrafficPolicy::Local,
+            ),
+            service(
+                7 + family as u32,
+                pb::Protocol::Udp,
                 cluster_ips[2 + family],
                 LOCAL_NODE_PORT,
                 &both[..1],
@@ -346,6 +354,18 @@ async fn nodeport_from_outside(mode: &str) {
                 .await
                 > before,
             "node 2 counts the rejected SYN as no-service-backend ({mode}, {dst})"
+        );
+        // UDP too: ICMP port unreachable, counted the same.
+        let before = n2.drops(pb::DropReason::NoServiceBackend).await;
+        match ask_name_udp(&client.ns, dst, TIMEOUT) {
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+            other => panic!("UDP Local via node 2 ({mode}, {dst}) gets port unreachable: {other:?}"),
+        }
+        assert!(
+            n2.drops_reaching(pb::DropReason::NoServiceBackend, before + 1, Duration::from_secs(5))
+                .await
+                > before,
+            "node 2 counts the rejected datagram as no-service-backend ({mode}, {dst})"
         );
 
         // From pod c1 to its own node's NodePort (translated in
