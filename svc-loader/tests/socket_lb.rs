@@ -10,13 +10,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use rivet_bpf_sys as sys;
-use rivet_datapath::maps::{
-    Ct4Key, Ct6Key, LB_BACKEND_ACTIVE, LbBackend, LbFrontend, LbFrontendKey, LbMaglevTable, LbSockRev, LbSockRevKey,
-    SVC_F_CLUSTER_IP, SVC_SCOPE_INTERNAL,
-};
-use rivet_datapath::spec::{
-    MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_SOCK_REV, MAP_LB4_FLOWS, MAP_LB6_FLOWS,
-};
+use rivet_datapath::maps::{Ct4Key, Ct6Key, LbSockRev, LbSockRevKey};
+use rivet_datapath::spec::{MAP_LB_SOCK_REV, MAP_LB4_FLOWS, MAP_LB6_FLOWS};
 use rivet_proto::loader::v1 as pb;
 use rivet_testkit::cgroup::{Probe, ProbeReport, TestCgroup, run_probe};
 use rivet_testkit::loader::{LoaderNode, policy};
@@ -221,44 +216,14 @@ impl ServiceNode {
         ["b1", "b2"].iter().map(|pod| self.backend_addr(pod, family)).collect()
     }
 
-    /// Programs `service` into the pinned maps the way svc-loader does
-    /// (backends, then the table, then the frontend), so these tests need
-    /// only the datapath: backend ids `service_id * 100 + n`, table id =
-    /// service id, the backends spread over the slots in turn.
-    fn upsert(&self, service: pb::LbService) {
-        let open = |map: &str| self.pin(map);
-        let mut ids = Vec::new();
-        for (n, backend) in service.backends.iter().enumerate() {
-            let id = service.service_id * 100 + n as u32 + 1;
-            let addr = SocketAddr::new(address(&backend.address), backend.port as u16);
-            sys::update(
-                open(MAP_LB_BACKENDS).as_fd(),
-                &id,
-                &LbBackend::new(addr, LB_BACKEND_ACTIVE),
-                0,
-            )
-            .expect("write lb_backends");
-            ids.push(id);
-        }
-        let mut table = LbMaglevTable::default();
-        if !ids.is_empty() {
-            for (slot, id) in table.backend_ids.iter_mut().zip(ids.iter().cycle()) {
-                *slot = *id;
-            }
-        }
-        sys::update(open(MAP_LB_MAGLEV).as_fd(), &service.service_id, &table, 0).expect("write lb_maglev");
-        for frontend in &service.frontends {
-            let vip = SocketAddr::new(address(&frontend.address), frontend.port as u16);
-            let key = LbFrontendKey::vip(vip, service.protocol as u8, SVC_SCOPE_INTERNAL);
-            let value = LbFrontend {
-                service_id: service.service_id,
-                table_id: service.service_id,
-                backend_count: ids.len() as u16,
-                flags: SVC_F_CLUSTER_IP,
-                affinity_timeout: 0,
-            };
-            sys::update(open(MAP_LB_FRONTENDS).as_fd(), &key, &value, 0).expect("write lb_frontends");
-        }
+    /// Programs `service` through svc-loader's UpsertService.
+    async fn upsert(&self, service: pb::LbService) {
+        self.node
+            .lb_client()
+            .await
+            .upsert_service(pb::UpsertServiceRequest { service: Some(service) })
+            .await
+            .expect("the service is accepted");
     }
 
     fn probe(&self, cgroup: Option<&TestCgroup>, probe: Probe, target: SocketAddr) -> ProbeReport {
@@ -280,10 +245,6 @@ impl ServiceNode {
     fn sock_rev(&self, cookie: u64, backend: SocketAddr) -> Option<LbSockRev> {
         sys::lookup(self.pin(MAP_LB_SOCK_REV).as_fd(), &LbSockRevKey::new(cookie, backend)).expect("lookup")
     }
-}
-
-fn address(raw: &[u8]) -> IpAddr {
-    rivet_proto::net::address_from_bytes(raw).expect("a test address")
 }
 
 fn count_keys<K: aya::Pod>(map: &std::os::fd::OwnedFd) -> usize {
@@ -308,14 +269,16 @@ async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
     let node = ServiceNode::start(&cgroup).await;
     for (i, family) in FAMILIES.into_iter().enumerate() {
         let id = 10 * (i as u32 + 1);
-        node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &node.backends(family)));
+        node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &node.backends(family)))
+            .await;
         node.upsert(service(
             id + 1,
             family,
             pb::Protocol::Udp,
             UDP_PORT,
             &node.backends(family),
-        ));
+        ))
+        .await;
     }
 
     for family in FAMILIES {
@@ -375,8 +338,9 @@ async fn a_cluster_ip_without_backends_refuses_at_connect_and_counts_the_drop() 
     let node = ServiceNode::start(&cgroup).await;
     for (i, family) in FAMILIES.into_iter().enumerate() {
         let id = 10 * (i as u32 + 1);
-        node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &[]));
-        node.upsert(service(id + 1, family, pb::Protocol::Udp, UDP_PORT, &[]));
+        node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &[])).await;
+        node.upsert(service(id + 1, family, pb::Protocol::Udp, UDP_PORT, &[]))
+            .await;
     }
     let before = node.node.drops(pb::DropReason::NoServiceBackend).await;
     for family in FAMILIES {
@@ -389,5 +353,36 @@ async fn a_cluster_ip_without_backends_refuses_at_connect_and_counts_the_drop() 
         node.node.drops(pb::DropReason::NoServiceBackend).await - before,
         4,
         "each refused connect/sendto is counted once"
+    );
+}
+
+/// A process outside the cgroup reaches the same ClusterIP through the
+/// per-packet path (translated in from_container: flow entries), with
+/// getpeername showing the VIP there too.
+#[tokio::test]
+async fn sockets_outside_the_cgroup_take_the_per_packet_path() {
+    let cgroup = cgroup();
+    let node = ServiceNode::start(&cgroup).await;
+    for (i, family) in FAMILIES.into_iter().enumerate() {
+        node.upsert(service(
+            10 * (i as u32 + 1),
+            family,
+            pb::Protocol::Tcp,
+            TCP_PORT,
+            &node.backends(family),
+        ))
+        .await;
+    }
+    for family in FAMILIES {
+        let frontend = SocketAddr::new(vip(family), TCP_PORT);
+        let tcp = node.probe(None, Probe::Tcp, frontend);
+        assert_eq!(tcp.error(), None, "{family:?}: {tcp:?}");
+        assert_eq!(tcp.addr("peer"), Some(frontend), "{family:?}");
+        let name = tcp.get("reply").expect("a backend answered");
+        assert!(["b1", "b2"].contains(&name), "{family:?}: answered by {name}");
+    }
+    assert!(
+        node.per_packet_flows() >= 4,
+        "the connections from outside the cgroup were translated per packet (two entries each)"
     );
 }

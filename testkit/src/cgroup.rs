@@ -147,7 +147,9 @@ try:
         print("connects", n)
         print("seconds", total)
         print("p50_us", lat[n // 2] * 1e6)
+        print("p90_us", lat[min(n - 1, n * 90 // 100)] * 1e6)
         print("p99_us", lat[min(n - 1, n * 99 // 100)] * 1e6)
+        print("over_100ms", sum(1 for x in lat if x > 0.1))
 except OSError as e:
     print("error", errno.errorcode.get(e.errno, str(e.errno)))
 "#;
@@ -187,7 +189,9 @@ pub enum Probe {
     Tcp,
     /// One datagram with sendto, the reply with recvfrom (its source).
     Udp,
-    /// `n` sequential connects (closed with RST), timed.
+    /// `n` sequential connects (closed with RST), timed: `seconds`,
+    /// `p50_us`, `p90_us`, `p99_us` and `over_100ms` (connects that waited
+    /// for a SYN retransmission).
     Connects(u32),
 }
 
