@@ -289,6 +289,22 @@ async fn netdev_programs(node: &LoaderNode) -> Vec<(String, u32, u32)> {
         .collect()
 }
 
+/// `ask` is refused (ECONNREFUSED: a RST or port unreachable) and `node`
+/// counts it as no-service-backend.
+async fn assert_rejected(node: &LoaderNode, what: &str, ask: impl FnOnce() -> std::io::Result<String>) {
+    let before = node.drops(pb::DropReason::NoServiceBackend).await;
+    match ask() {
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+        other => panic!("{what} is refused: {other:?}"),
+    }
+    assert!(
+        node.drops_reaching(pb::DropReason::NoServiceBackend, before + 1, Duration::from_secs(5))
+            .await
+            > before,
+        "{what}: counted as no-service-backend"
+    );
+}
+
 async fn nodeport_from_outside(mode: &str) {
     let Setup { n1, n2, client, .. } = &Setup::start(mode).await;
     let attached: Vec<(String, u32)> = netdev_programs(n1).await.into_iter().map(|(n, _, a)| (n, a)).collect();
@@ -342,31 +358,17 @@ async fn nodeport_from_outside(mode: &str) {
         );
         assert!(by_backend["b1"].iter().all(|p| *p == client_addr), "{by_backend:?}");
 
-        // Local via node 2, which has no backend of it: refused at once.
-        let before = n2.drops(pb::DropReason::NoServiceBackend).await;
+        // Local via node 2, which has no backend of it: refused at once, TCP
+        // by a RST, UDP by ICMP port unreachable.
         let dst = SocketAddr::new(node_addr(2, family), LOCAL_NODE_PORT);
-        match ask_name(&client.ns, dst, TIMEOUT) {
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
-            other => panic!("Local via node 2 ({mode}, {dst}) is refused with a RST: {other:?}"),
-        }
-        assert!(
-            n2.drops_reaching(pb::DropReason::NoServiceBackend, before + 1, Duration::from_secs(5))
-                .await
-                > before,
-            "node 2 counts the rejected SYN as no-service-backend ({mode}, {dst})"
-        );
-        // UDP too: ICMP port unreachable, counted the same.
-        let before = n2.drops(pb::DropReason::NoServiceBackend).await;
-        match ask_name_udp(&client.ns, dst, TIMEOUT) {
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
-            other => panic!("UDP Local via node 2 ({mode}, {dst}) gets port unreachable: {other:?}"),
-        }
-        assert!(
-            n2.drops_reaching(pb::DropReason::NoServiceBackend, before + 1, Duration::from_secs(5))
-                .await
-                > before,
-            "node 2 counts the rejected datagram as no-service-backend ({mode}, {dst})"
-        );
+        assert_rejected(n2, &format!("TCP Local via node 2 ({mode}, {dst})"), || {
+            ask_name(&client.ns, dst, TIMEOUT)
+        })
+        .await;
+        assert_rejected(n2, &format!("UDP Local via node 2 ({mode}, {dst})"), || {
+            ask_name_udp(&client.ns, dst, TIMEOUT)
+        })
+        .await;
 
         // From pod c1 to its own node's NodePort (translated in
         // from_container): every backend, each seeing the pod's address.
