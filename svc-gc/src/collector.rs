@@ -398,6 +398,11 @@ impl Inner {
             if let Ok(m) = maps.ct6.get() {
                 out.push((m.name().to_owned(), m.estimate_len(), m.max_entries()));
             }
+            if let Some(services) = &mut maps.services {
+                for (name, estimate, max) in services.flow_fills() {
+                    out.push((name, estimate, max));
+                }
+            }
             out
         })
         .await

@@ -304,6 +304,27 @@ impl ServiceSlots {
         self.pin_dir.as_ref().is_none_or(|dir| dir.join(name).exists())
     }
 
+    /// The estimated fill of the flow maps that are pinned (name, entries,
+    /// max_entries), for the collector's map-pressure check.
+    pub fn flow_fills(&mut self) -> Vec<(String, Result<u64, MapError>, u32)> {
+        fn fill<K, V>(slot: &mut Slot<K, V>) -> Option<(String, Result<u64, MapError>, u32)>
+        where
+            K: aya::Pod + PartialEq + Send + 'static,
+            V: aya::Pod + PartialEq + Send + 'static,
+        {
+            let m = slot.get().ok()?;
+            Some((m.name().to_owned(), m.estimate_len(), m.max_entries()))
+        }
+        let mut out = Vec::new();
+        if self.present(&self.lb4_flows.name) {
+            out.extend(fill(&mut self.lb4_flows));
+        }
+        if self.present(&self.lb6_flows.name) {
+            out.extend(fill(&mut self.lb6_flows));
+        }
+        out
+    }
+
     /// Map names in sweep order (the frontends are read, not swept).
     pub fn names(&self) -> Vec<String> {
         [&self.lb4_flows.name, &self.lb6_flows.name, &self.lb_affinity.name]

@@ -202,3 +202,53 @@ async fn map_pressure_starts_a_pass_early() {
     );
     controllers.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_full_service_flow_map_starts_a_pass_early() {
+    use rivet_datapath::maps::{Ct4Key, LB_FLOW_FORWARD, LbFlow};
+    use rivet_datapath::spec;
+    use svc_gc::map::PinnedMap;
+
+    let maps = TestMaps::create("lbpressure", 1024, 1024)
+        .unwrap()
+        .with_service_maps(64)
+        .unwrap();
+    let opts = CollectorOptions {
+        bounds: IntervalBounds {
+            min: Duration::from_millis(300),
+            max: Duration::from_secs(3600),
+        },
+        pressure_threshold: 0.8,
+        pressure_check: Duration::from_millis(100),
+        ..options(Duration::from_secs(3600))
+    };
+    let gc = collector(&maps, opts);
+    let controllers = rivet_common::controller::Controllers::new();
+    gc.start(&controllers);
+    let initial = wait_for(&gc, "the initial pass", |s| s.passes >= 1).await;
+    let checked = wait_for(&gc, "three fill checks", |s| s.fill_checks >= initial.fill_checks + 3).await;
+    assert_eq!(checked.passes, 1, "no pressure while empty");
+
+    // 60 live flows in a map of 64: a map-pressure pass.
+    let mut lb4: PinnedMap<Ct4Key, LbFlow> =
+        PinnedMap::open(maps.pin_dir(), &spec::LB4_FLOWS, BatchMode::Auto).unwrap();
+    let live = KernelClock::new().monotonic_nanos() + 3_600_000_000_000;
+    let keys: Vec<Ct4Key> = (0..60)
+        .map(|i| {
+            let mut k = synthetic_key(i);
+            k.direction = LB_FLOW_FORWARD;
+            k
+        })
+        .collect();
+    let values = vec![
+        LbFlow {
+            expires: live,
+            ..LbFlow::default()
+        };
+        keys.len()
+    ];
+    lb4.insert_all(&keys, &values).unwrap();
+    let pressed = wait_for(&gc, "a map-pressure pass", |s| s.passes >= 2).await;
+    assert_eq!(pressed.last_pass.unwrap().trigger, Trigger::MapPressure);
+    controllers.shutdown().await;
+}
