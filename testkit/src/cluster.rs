@@ -593,13 +593,14 @@ impl Cluster {
     }
 
     /// Applies Service and EndpointSlice documents (multi-document YAML)
-    /// on every node (`rivet cluster service apply -f`): a Service without
-    /// clusterIP gets the first node's allocation on every node.
+    /// on every node and waits until each node's svc-loader holds them
+    /// (`rivet cluster service apply -f <file> --wait`: the first node
+    /// allocates what the documents leave open, the others get its result).
     pub async fn apply_service(&self, yaml: &str) {
         let file = tempfile::NamedTempFile::new_in(self.state_dir.path()).expect("a temp file for the service");
         std::fs::write(file.path(), yaml).expect("writing the service");
         let path = file.path().display().to_string();
-        self.cluster_command(&["service", "apply", "-f", &path]).await;
+        self.cluster_command(&["service", "apply", "-f", &path, "--wait"]).await;
     }
 
     /// Waits until every running node's datapath holds the services of
