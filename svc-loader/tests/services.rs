@@ -1,7 +1,7 @@
 //! ClusterIP load balancing in the real datapath: a node namespace with pod
-//! namespaces, svc-loader inside it, services programmed into its maps, and
-//! real TCP and UDP traffic from a client pod to a service address, IPv4
-//! and IPv6.
+//! namespaces, svc-loader inside it, services programmed through its
+//! LoadBalancerService, and real TCP and UDP traffic from a client pod to a
+//! service address, IPv4 and IPv6.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -117,7 +117,16 @@ impl ServiceNode {
             affinity_timeout_seconds,
             external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
         };
-        self.lb.upsert(&service);
+        self.apply(service).await;
+    }
+
+    async fn apply(&self, service: pb::LbService) {
+        self.node
+            .lb_client()
+            .await
+            .upsert_service(pb::UpsertServiceRequest { service: Some(service) })
+            .await
+            .expect("the loader takes the service");
     }
 
     fn client_ns(&self) -> &rivet_common::testing::netns::NetNs {
@@ -272,7 +281,7 @@ async fn a_service_without_backends_rejects_at_once_with_its_drop_reason() {
 
 #[tokio::test]
 async fn icmp_errors_from_a_backend_reach_the_client_from_the_vip() {
-    let mut t = ServiceNode::start(&["client", "b1"]).await;
+    let t = ServiceNode::start(&["client", "b1"]).await;
     for (i, vip) in vips(50).into_iter().enumerate() {
         // Nothing listens on the target port of this service: b1's stack
         // answers ICMP port unreachable about the translated datagram.
@@ -298,7 +307,7 @@ async fn icmp_errors_from_a_backend_reach_the_client_from_the_vip() {
             affinity_timeout_seconds: 0,
             external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
         };
-        t.lb.upsert(&service);
+        t.apply(service.clone()).await;
         let target = SocketAddr::new(vip, SERVICE_PORT);
         let err = ask_name_udp(t.client_ns(), target, Duration::from_secs(3))
             .expect_err("the backend's port unreachable reaches the client");
@@ -310,7 +319,7 @@ async fn icmp_errors_from_a_backend_reach_the_client_from_the_vip() {
         // TCP: the backend's RST, reverse-NATed, refuses the connection.
         service.protocol = Protocol::Tcp as i32;
         service.service_id += 100;
-        t.lb.upsert(&service);
+        t.apply(service).await;
         let err = ask_name(t.client_ns(), target, Duration::from_secs(3)).expect_err("the backend's RST");
         assert_eq!(
             err.kind(),
