@@ -2466,7 +2466,38 @@ static __always_inline int sock_proto_ok(__u32 protocol)
 	return protocol == IPPROTO_TCP || protocol == IPPROTO_UDP;
 }
 
-static __always_inline int sock4_forward(struct bpf_sock_addr *ctx)
+/* The socket address of a hook of `family` (a constant in each program:
+ * the verifier allows only that family's fields). */
+static __always_inline void sock_addr_load(const struct bpf_sock_addr *ctx, __u8 family, __u32 *addr)
+{
+	if (family == 4) {
+		addr[0] = ctx->user_ip4;
+		addr[1] = 0;
+		addr[2] = 0;
+		addr[3] = 0;
+	} else {
+		addr[0] = ctx->user_ip6[0];
+		addr[1] = ctx->user_ip6[1];
+		addr[2] = ctx->user_ip6[2];
+		addr[3] = ctx->user_ip6[3];
+	}
+}
+
+static __always_inline void sock_addr_store(struct bpf_sock_addr *ctx, __u8 family, const __u32 *addr, __u16 port)
+{
+	if (family == 4) {
+		ctx->user_ip4 = addr[0];
+	} else {
+		ctx->user_ip6[0] = addr[0];
+		ctx->user_ip6[1] = addr[1];
+		ctx->user_ip6[2] = addr[2];
+		ctx->user_ip6[3] = addr[3];
+	}
+	ctx->user_port = (__u32)port;
+}
+
+/* connect / sendmsg: a VIP becomes a backend. */
+static __always_inline int sock_forward(struct bpf_sock_addr *ctx, __u8 family)
 {
 	struct lb_frontend_key k = {};
 	struct lb_backend be;
@@ -2474,141 +2505,83 @@ static __always_inline int sock4_forward(struct bpf_sock_addr *ctx)
 
 	if (!sock_proto_ok(ctx->protocol))
 		return SOCK_RESULT_PASS;
-	k.addr[0] = ctx->user_ip4;
+	sock_addr_load(ctx, family, k.addr);
 	k.port = (__u16)ctx->user_port;
 	k.protocol = ctx->protocol;
-	k.family = 4;
+	k.family = family;
 	k.scope = SVC_SCOPE_INTERNAL;
 	r = sock_translate(ctx, &k, &be);
 	if (r < 0)
 		return sock_no_backend(&k);
-	if (r > 0) {
-		ctx->user_ip4 = be.addr[0];
-		ctx->user_port = (__u32)be.port;
-	}
+	if (r > 0)
+		sock_addr_store(ctx, family, be.addr, be.port);
 	return SOCK_RESULT_PASS;
 }
 
-static __always_inline int sock6_forward(struct bpf_sock_addr *ctx)
-{
-	struct lb_frontend_key k = {};
-	struct lb_backend be;
-	int r;
-
-	if (!sock_proto_ok(ctx->protocol))
-		return SOCK_RESULT_PASS;
-	k.addr[0] = ctx->user_ip6[0];
-	k.addr[1] = ctx->user_ip6[1];
-	k.addr[2] = ctx->user_ip6[2];
-	k.addr[3] = ctx->user_ip6[3];
-	k.port = (__u16)ctx->user_port;
-	k.protocol = ctx->protocol;
-	k.family = 6;
-	k.scope = SVC_SCOPE_INTERNAL;
-	r = sock_translate(ctx, &k, &be);
-	if (r < 0)
-		return sock_no_backend(&k);
-	if (r > 0) {
-		ctx->user_ip6[0] = be.addr[0];
-		ctx->user_ip6[1] = be.addr[1];
-		ctx->user_ip6[2] = be.addr[2];
-		ctx->user_ip6[3] = be.addr[3];
-		ctx->user_port = (__u32)be.port;
-	}
-	return SOCK_RESULT_PASS;
-}
-
-/* The VIP a socket's peer `addr`:`port` (a backend) stands for, if any. */
-static __always_inline struct lb_sock_rev *sock_rev(void *ctx, __u8 family, const __u32 *addr, __u16 port)
+/* recvmsg / getpeername: a backend this socket was sent to shows its VIP. */
+static __always_inline int sock_reverse(struct bpf_sock_addr *ctx, __u8 family)
 {
 	struct lb_sock_rev_key rk = {};
+	struct lb_sock_rev *rev;
 
+	if (!sock_proto_ok(ctx->protocol))
+		return SOCK_RESULT_PASS;
 	rk.cookie = bpf_get_socket_cookie(ctx);
-	__builtin_memcpy(rk.addr, addr, 16);
-	rk.port = port;
+	sock_addr_load(ctx, family, rk.addr);
+	rk.port = (__u16)ctx->user_port;
 	rk.family = family;
-	return bpf_map_lookup_elem(&lb_sock_rev, &rk);
-}
-
-static __always_inline int sock4_reverse(struct bpf_sock_addr *ctx)
-{
-	__u32 addr[4] = {ctx->user_ip4, 0, 0, 0};
-	struct lb_sock_rev *rev;
-
-	if (!sock_proto_ok(ctx->protocol))
-		return SOCK_RESULT_PASS;
-	rev = sock_rev(ctx, 4, addr, (__u16)ctx->user_port);
-	if (rev) {
-		ctx->user_ip4 = rev->addr[0];
-		ctx->user_port = (__u32)rev->port;
-	}
-	return SOCK_RESULT_PASS;
-}
-
-static __always_inline int sock6_reverse(struct bpf_sock_addr *ctx)
-{
-	__u32 addr[4] = {ctx->user_ip6[0], ctx->user_ip6[1], ctx->user_ip6[2], ctx->user_ip6[3]};
-	struct lb_sock_rev *rev;
-
-	if (!sock_proto_ok(ctx->protocol))
-		return SOCK_RESULT_PASS;
-	rev = sock_rev(ctx, 6, addr, (__u16)ctx->user_port);
-	if (rev) {
-		ctx->user_ip6[0] = rev->addr[0];
-		ctx->user_ip6[1] = rev->addr[1];
-		ctx->user_ip6[2] = rev->addr[2];
-		ctx->user_ip6[3] = rev->addr[3];
-		ctx->user_port = (__u32)rev->port;
-	}
+	rev = bpf_map_lookup_elem(&lb_sock_rev, &rk);
+	if (rev)
+		sock_addr_store(ctx, family, rev->addr, rev->port);
 	return SOCK_RESULT_PASS;
 }
 
 SEC("cgroup/connect4")
 int sock_connect4(struct bpf_sock_addr *ctx)
 {
-	return sock4_forward(ctx);
+	return sock_forward(ctx, 4);
 }
 
 SEC("cgroup/connect6")
 int sock_connect6(struct bpf_sock_addr *ctx)
 {
-	return sock6_forward(ctx);
+	return sock_forward(ctx, 6);
 }
 
 SEC("cgroup/sendmsg4")
 int sock_sendmsg4(struct bpf_sock_addr *ctx)
 {
-	return sock4_forward(ctx);
+	return sock_forward(ctx, 4);
 }
 
 SEC("cgroup/sendmsg6")
 int sock_sendmsg6(struct bpf_sock_addr *ctx)
 {
-	return sock6_forward(ctx);
+	return sock_forward(ctx, 6);
 }
 
 SEC("cgroup/recvmsg4")
 int sock_recvmsg4(struct bpf_sock_addr *ctx)
 {
-	return sock4_reverse(ctx);
+	return sock_reverse(ctx, 4);
 }
 
 SEC("cgroup/recvmsg6")
 int sock_recvmsg6(struct bpf_sock_addr *ctx)
 {
-	return sock6_reverse(ctx);
+	return sock_reverse(ctx, 6);
 }
 
 SEC("cgroup/getpeername4")
 int sock_getpeername4(struct bpf_sock_addr *ctx)
 {
-	return sock4_reverse(ctx);
+	return sock_reverse(ctx, 4);
 }
 
 SEC("cgroup/getpeername6")
 int sock_getpeername6(struct bpf_sock_addr *ctx)
 {
-	return sock6_reverse(ctx);
+	return sock_reverse(ctx, 6);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

@@ -1,14 +1,19 @@
 //! The embedded datapath passes the kernel verifier on this kernel.
 
-use aya::programs::SchedClassifier;
+use aya::Ebpf;
+use aya::programs::{CgroupSockAddr, SchedClassifier};
 
-#[test]
-fn both_programs_pass_the_verifier() {
-    let mut bpf = aya::EbpfLoader::new()
+fn object() -> Ebpf {
+    aya::EbpfLoader::new()
         .map_max_entries("ct4", 1024)
         .map_max_entries("ct6", 1024)
         .load(svc_loader::DATAPATH_OBJECT)
-        .expect("the datapath object loads (needs CAP_BPF)");
+        .expect("the datapath object loads (needs CAP_BPF)")
+}
+
+#[test]
+fn both_programs_pass_the_verifier() {
+    let mut bpf = object();
     for name in ["from_container", "to_container"] {
         let program: &mut SchedClassifier = bpf
             .program_mut(name)
@@ -23,13 +28,9 @@ fn both_programs_pass_the_verifier() {
 
 #[test]
 fn the_socket_lb_programs_pass_the_verifier() {
-    let mut bpf = aya::EbpfLoader::new()
-        .map_max_entries("ct4", 1024)
-        .map_max_entries("ct6", 1024)
-        .load(svc_loader::DATAPATH_OBJECT)
-        .expect("the datapath object loads (needs CAP_BPF)");
+    let mut bpf = object();
     for program in svc_loader::datapath::SOCKET_LB_PROGRAMS {
-        let prog: &mut aya::programs::CgroupSockAddr = bpf
+        let prog: &mut CgroupSockAddr = bpf
             .program_mut(program.name)
             .unwrap_or_else(|| panic!("{} is in the object", program.name))
             .try_into()
