@@ -861,3 +861,70 @@ async fn vxlan_routes_come_back_when_the_tunnel_device_goes_down_and_up() {
     ns.ip(&["link", "set", "rivet_vxlan", "up"]).unwrap();
     assert_eq!(wait_routes(&n1, 2, "rivet_vxlan up again").await, before);
 }
+
+/// A ClusterIP on node 1 whose backend, p2, is on node 2: TCP and UDP from
+/// p1 reach it, and the replies, back through the stack (native) or the
+/// tunnel (vxlan), come from the VIP (reverse NAT on node 1's to_container
+/// or from_overlay). IPv4 and IPv6.
+async fn cluster_ip_to_a_backend_on_another_node(mode: &str) {
+    use rivet_testkit::service::{NameServer, ask_name, ask_name_udp};
+    let underlay = Underlay::new().unwrap();
+    let (n1, n2) = two_nodes(&underlay, mode).await;
+    let p2 = n2.pod("p2");
+    let targets: Vec<SocketAddr> = addrs(&n2, "p2").into_iter().map(|a| SocketAddr::new(a, 8080)).collect();
+    let _server = NameServer::start(&p2.ns, "p2", &targets).expect("p2 serves its name");
+    let vips: [IpAddr; 2] = ["198.19.128.90".parse().unwrap(), "2001:2:0:ff::90".parse().unwrap()];
+    let mut lb = n1.lb_client().await;
+    for (i, (vip, target)) in vips.into_iter().zip(&targets).enumerate() {
+        assert_eq!(vip.is_ipv4(), target.is_ipv4());
+        for (protocol, id) in [(pb::Protocol::Tcp, 90 + i as u32), (pb::Protocol::Udp, 190 + i as u32)] {
+            let service = pb::LbService {
+                service_id: id,
+                family: if vip.is_ipv4() {
+                    pb::Family::Ipv4
+                } else {
+                    pb::Family::Ipv6
+                } as i32,
+                protocol: protocol as i32,
+                frontends: vec![pb::LbFrontend {
+                    kind: pb::FrontendKind::ClusterIp as i32,
+                    address: address_bytes(vip),
+                    port: 80,
+                }],
+                backends: vec![pb::LbBackend {
+                    address: address_bytes(target.ip()),
+                    port: 8080,
+                    state: pb::BackendState::Active as i32,
+                    node_local: false,
+                }],
+                affinity_timeout_seconds: 0,
+                external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
+            };
+            lb.upsert_service(pb::UpsertServiceRequest { service: Some(service) })
+                .await
+                .expect("node 1's loader takes the service");
+        }
+        let service = SocketAddr::new(vip, 80);
+        let p1 = &n1.pod("p1").ns;
+        // ask_name checks the socket's peer is the VIP.
+        assert_eq!(
+            ask_name(p1, service, Duration::from_secs(3)).unwrap_or_else(|e| panic!("{mode}: TCP to {service}: {e}")),
+            "p2"
+        );
+        assert_eq!(
+            ask_name_udp(p1, service, Duration::from_secs(3))
+                .unwrap_or_else(|e| panic!("{mode}: UDP to {service}: {e}")),
+            "p2"
+        );
+    }
+}
+
+#[tokio::test]
+async fn cluster_ip_to_a_backend_on_another_node_native() {
+    cluster_ip_to_a_backend_on_another_node("native").await;
+}
+
+#[tokio::test]
+async fn cluster_ip_to_a_backend_on_another_node_vxlan() {
+    cluster_ip_to_a_backend_on_another_node("vxlan").await;
+}
