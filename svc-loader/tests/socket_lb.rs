@@ -262,11 +262,13 @@ const FAMILIES: [pb::Family; 2] = [pb::Family::Ipv4, pb::Family::Ipv6];
 /// TCP from a process of the cgroup reaches a backend through the
 /// ClusterIP, translated once at connect: getpeername shows the VIP,
 /// lb_sock_rev holds the translation, and the per-packet path created no
-/// flow. Unconnected UDP: the reply's source is the VIP.
+/// flow. Unconnected UDP: the reply's source is the VIP. A pod address is
+/// left alone; the translation goes on while the loader is down (kill -9)
+/// and after its restart.
 #[tokio::test]
 async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
     let cgroup = cgroup();
-    let node = ServiceNode::start(&cgroup).await;
+    let mut node = ServiceNode::start(&cgroup).await;
     for (i, family) in FAMILIES.into_iter().enumerate() {
         let id = 10 * (i as u32 + 1);
         node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &node.backends(family)))
@@ -328,6 +330,23 @@ async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
         );
         assert_eq!(tcp.get("reply"), Some("b1"), "{family:?}");
     }
+
+    // The pinned links keep translating while the loader is down, and
+    // after its restart (adopted, services restored from the pins).
+    let frontend = SocketAddr::new(vip(pb::Family::Ipv4), TCP_PORT);
+    node.node.loader.kill9();
+    let down = node.probe(Some(&cgroup), Probe::Tcp, frontend);
+    assert_eq!(down.addr("peer"), Some(frontend), "loader down: {down:?}");
+    assert!(down.get("reply").is_some(), "loader down: {down:?}");
+    node.node.loader.restart().await.expect("the loader restarts");
+    let again = node.probe(Some(&cgroup), Probe::Tcp, frontend);
+    assert_eq!(again.addr("peer"), Some(frontend), "after the restart: {again:?}");
+    assert!(again.get("reply").is_some(), "after the restart: {again:?}");
+    assert_eq!(
+        node.per_packet_flows(),
+        0,
+        "still translated at the socket: no per-packet flow entry"
+    );
 }
 
 /// A ClusterIP with no backend: connect() and sendto() fail with
