@@ -349,6 +349,34 @@ async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
     );
 }
 
+/// The node's own sockets (a process of the cgroup in the node's
+/// namespace) reach the ClusterIP's backends too, translated at connect:
+/// the node has no per-packet path of its own to a ClusterIP.
+#[tokio::test]
+async fn the_nodes_own_sockets_are_translated_at_connect() {
+    let cgroup = cgroup();
+    let node = ServiceNode::start(&cgroup).await;
+    for (i, family) in FAMILIES.into_iter().enumerate() {
+        node.upsert(service(
+            10 * (i as u32 + 1),
+            family,
+            pb::Protocol::Tcp,
+            TCP_PORT,
+            &node.backends(family),
+        ))
+        .await;
+    }
+    for family in FAMILIES {
+        let frontend = SocketAddr::new(vip(family), TCP_PORT);
+        let tcp = run_probe(&node.node.node.ns, Some(&cgroup), Probe::Tcp, frontend, PROBE_TIMEOUT)
+            .expect("the socket probe runs");
+        assert_eq!(tcp.error(), None, "{family:?}: {tcp:?}");
+        assert_eq!(tcp.addr("peer"), Some(frontend), "{family:?}");
+        let name = tcp.get("reply").expect("a backend answered");
+        assert!(["b1", "b2"].contains(&name), "{family:?}: answered by {name}");
+    }
+}
+
 /// A ClusterIP with no backend: connect() and sendto() fail with
 /// ECONNREFUSED at once, no packet sent, each counted as no-service-backend.
 #[tokio::test]
