@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::net::{IpPrefix, address_bytes};
-use rivet_testkit::loader::{LoaderNode, UNDERLAY_IFNAME, Underlay, policy};
+use rivet_testkit::loader::{LoaderNode, UNDERLAY_IFNAME, Underlay, cluster_ip_service, policy};
 use tonic::Code;
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-loader");
@@ -878,28 +878,8 @@ async fn cluster_ip_to_a_backend_on_another_node(mode: &str) {
     for (i, (vip, target)) in vips.into_iter().zip(&targets).enumerate() {
         assert_eq!(vip.is_ipv4(), target.is_ipv4());
         for (protocol, id) in [(pb::Protocol::Tcp, 90 + i as u32), (pb::Protocol::Udp, 190 + i as u32)] {
-            let service = pb::LbService {
-                service_id: id,
-                family: if vip.is_ipv4() {
-                    pb::Family::Ipv4
-                } else {
-                    pb::Family::Ipv6
-                } as i32,
-                protocol: protocol as i32,
-                frontends: vec![pb::LbFrontend {
-                    kind: pb::FrontendKind::ClusterIp as i32,
-                    address: address_bytes(vip),
-                    port: 80,
-                }],
-                backends: vec![pb::LbBackend {
-                    address: address_bytes(target.ip()),
-                    port: 8080,
-                    state: pb::BackendState::Active as i32,
-                    node_local: false,
-                }],
-                affinity_timeout_seconds: 0,
-                external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
-            };
+            let backend = [(*target, pb::BackendState::Active)];
+            let service = cluster_ip_service(id, SocketAddr::new(vip, 80), protocol, &backend);
             lb.upsert_service(pb::UpsertServiceRequest { service: Some(service) })
                 .await
                 .expect("node 1's loader takes the service");

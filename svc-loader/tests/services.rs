@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use rivet_datapath::maps::{LbAffinity, LbAffinityKey, LbBackend};
 use rivet_proto::loader::v1 as pb;
-use rivet_testkit::loader::{LoaderNode, entry, policy};
+use rivet_testkit::loader::{LoaderNode, cluster_ip_service, entry, policy};
 use rivet_testkit::service::{HeldConnection, NameServer, ask_name, ask_name_udp, ask_names};
 
 mod lb_maps;
@@ -92,31 +92,12 @@ impl ServiceNode {
         backends: &[(&str, pb::BackendState)],
         affinity_timeout_seconds: u32,
     ) {
-        let service = pb::LbService {
-            service_id: id,
-            family: if vip.is_ipv4() {
-                pb::Family::Ipv4
-            } else {
-                pb::Family::Ipv6
-            } as i32,
-            protocol: protocol as i32,
-            frontends: vec![pb::LbFrontend {
-                kind: pb::FrontendKind::ClusterIp as i32,
-                address: rivet_proto::net::address_bytes(vip),
-                port: u32::from(SERVICE_PORT),
-            }],
-            backends: backends
-                .iter()
-                .map(|(pod, state)| pb::LbBackend {
-                    address: rivet_proto::net::address_bytes(addr_of(&self.node, pod, vip)),
-                    port: u32::from(TARGET_PORT),
-                    state: *state as i32,
-                    node_local: true,
-                })
-                .collect(),
-            affinity_timeout_seconds,
-            external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
-        };
+        let backends: Vec<(SocketAddr, pb::BackendState)> = backends
+            .iter()
+            .map(|(pod, state)| (SocketAddr::new(addr_of(&self.node, pod, vip), TARGET_PORT), *state))
+            .collect();
+        let mut service = cluster_ip_service(id, SocketAddr::new(vip, SERVICE_PORT), protocol, &backends);
+        service.affinity_timeout_seconds = affinity_timeout_seconds;
         self.apply(service).await;
     }
 
@@ -285,28 +266,13 @@ async fn icmp_errors_from_a_backend_reach_the_client_from_the_vip() {
     for (i, vip) in vips(50).into_iter().enumerate() {
         // Nothing listens on the target port of this service: b1's stack
         // answers ICMP port unreachable about the translated datagram.
-        let mut service = pb::LbService {
-            service_id: 50 + i as u32,
-            family: if vip.is_ipv4() {
-                pb::Family::Ipv4
-            } else {
-                pb::Family::Ipv6
-            } as i32,
-            protocol: Protocol::Udp as i32,
-            frontends: vec![pb::LbFrontend {
-                kind: pb::FrontendKind::ClusterIp as i32,
-                address: rivet_proto::net::address_bytes(vip),
-                port: u32::from(SERVICE_PORT),
-            }],
-            backends: vec![pb::LbBackend {
-                address: rivet_proto::net::address_bytes(addr_of(&t.node, "b1", vip)),
-                port: 9999,
-                state: ACTIVE as i32,
-                node_local: true,
-            }],
-            affinity_timeout_seconds: 0,
-            external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
-        };
+        let closed = SocketAddr::new(addr_of(&t.node, "b1", vip), 9999);
+        let mut service = cluster_ip_service(
+            50 + i as u32,
+            SocketAddr::new(vip, SERVICE_PORT),
+            Protocol::Udp,
+            &[(closed, ACTIVE)],
+        );
         t.apply(service.clone()).await;
         let target = SocketAddr::new(vip, SERVICE_PORT);
         let err = ask_name_udp(t.client_ns(), target, Duration::from_secs(3))

@@ -485,3 +485,39 @@ pub fn policy(revision: u64, ingress: bool, egress: bool, entries: Vec<pb::Polic
         prefixes: Vec::new(),
     }
 }
+
+/// A ClusterIP service for LoadBalancerService: `vip` (address and port)
+/// over `protocol`, `backends` (address and target port, state; on this
+/// node), no affinity (set `affinity_timeout_seconds` to add it).
+pub fn cluster_ip_service(
+    service_id: u32,
+    vip: std::net::SocketAddr,
+    protocol: pb::Protocol,
+    backends: &[(std::net::SocketAddr, pb::BackendState)],
+) -> pb::LbService {
+    pb::LbService {
+        service_id,
+        family: if vip.is_ipv4() {
+            pb::Family::Ipv4
+        } else {
+            pb::Family::Ipv6
+        } as i32,
+        protocol: protocol as i32,
+        frontends: vec![pb::LbFrontend {
+            kind: pb::FrontendKind::ClusterIp as i32,
+            address: rivet_proto::net::address_bytes(vip.ip()),
+            port: u32::from(vip.port()),
+        }],
+        backends: backends
+            .iter()
+            .map(|(addr, state)| pb::LbBackend {
+                address: rivet_proto::net::address_bytes(addr.ip()),
+                port: u32::from(addr.port()),
+                state: *state as i32,
+                node_local: true,
+            })
+            .collect(),
+        affinity_timeout_seconds: 0,
+        external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
+    }
+}
