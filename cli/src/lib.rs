@@ -177,6 +177,22 @@ impl Context {
     }
 }
 
+/// The first line of an `apply` that stopped at document `number`: for an
+/// invalid document the daemon's message (it names the field path and the
+/// reason), otherwise the code too.
+///
+/// ```
+/// let line = rivet_cli::document_failure(2, "line 14", true, "InvalidArgument", "spec.ports: required");
+/// assert_eq!(line, "error: document 2 (line 14) is invalid: spec.ports: required\n");
+/// ```
+pub fn document_failure(number: usize, location: &str, invalid: bool, code: &str, message: &str) -> String {
+    if invalid {
+        format!("error: document {number} ({location}) is invalid: {message}\n")
+    } else {
+        format!("error: document {number} ({location}): {code}: {message}\n")
+    }
+}
+
 /// How much longer than the deadline a [`Context::connect_with_deadline`]
 /// channel waits for the answer.
 const DEADLINE_GRACE: Duration = Duration::from_secs(1);

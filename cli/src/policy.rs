@@ -249,18 +249,7 @@ fn no_selection_warning(key: &PolicyKey) -> String {
 
 /// Why `rivet policy apply` stopped and what that leaves applied.
 fn failure_text(view: &ApplyView, f: &FailureView) -> String {
-    let mut out = if f.invalid() {
-        // The message names the field path and the reason.
-        format!(
-            "error: document {} ({}) is invalid: {}\n",
-            f.document, f.location, f.message
-        )
-    } else {
-        format!(
-            "error: document {} ({}): {}: {}\n",
-            f.document, f.location, f.code, f.message
-        )
-    };
+    let mut out = crate::document_failure(f.document, &f.location, f.invalid(), &f.code, &f.message);
     out.push_str(match f.applied {
         "no" => "It was not applied.",
         "yes" => "It is applied, but not every affected endpoint realised it in time.",

@@ -217,17 +217,13 @@ fn apply_text(view: &ApplyView) -> String {
 }
 
 fn failure_text(view: &ApplyView, f: &FailureView) -> String {
-    let mut out = if f.code == "InvalidArgument" {
-        format!(
-            "error: document {} ({}) is invalid: {}\n",
-            f.document, f.location, f.message
-        )
-    } else {
-        format!(
-            "error: document {} ({}): {}: {}\n",
-            f.document, f.location, f.code, f.message
-        )
-    };
+    let mut out = crate::document_failure(
+        f.document,
+        &f.location,
+        f.code == "InvalidArgument",
+        &f.code,
+        &f.message,
+    );
     out.push_str(match f.applied {
         "no" => "It was not applied.",
         "yes" => "It is stored, but svc-loader does not hold its result (see `rivet service get`).",
@@ -586,9 +582,8 @@ pub async fn apply(ctx: &Context, documents: Vec<Document>, wait: bool) -> Resul
     Ok(view)
 }
 
-/// The stored documents of Service `name` on the node of `ctx`: the
-/// Service (with its allocations) first.
-pub async fn stored_documents(ctx: &Context, name: &ServiceName) -> Result<Vec<String>, CliError> {
+/// GetService of `name` on the node of `ctx`.
+async fn get_service(ctx: &Context, name: &ServiceName) -> Result<pb::GetServiceResponse, CliError> {
     let mut client = ServiceCatalogServiceClient::new(ctx.connect_with_deadline(DAEMON).await?);
     let r = client
         .get_service(ctx.request(pb::GetServiceRequest {
@@ -597,7 +592,13 @@ pub async fn stored_documents(ctx: &Context, name: &ServiceName) -> Result<Vec<S
         }))
         .await
         .map_err(|s| CliError::rpc(DAEMON, s))?;
-    Ok(r.into_inner().documents)
+    Ok(r.into_inner())
+}
+
+/// The stored documents of Service `name` on the node of `ctx`: the
+/// Service (with its allocations) first.
+pub async fn stored_documents(ctx: &Context, name: &ServiceName) -> Result<Vec<String>, CliError> {
+    Ok(get_service(ctx, name).await?.documents)
 }
 
 /// Prints an apply's outcome; whether everything was applied.
@@ -633,15 +634,7 @@ pub async fn run(ctx: &Context, command: ServiceCommand) -> Result<bool, CliErro
             Ok(true)
         }
         ServiceCommand::Get { name } => {
-            let mut client = ServiceCatalogServiceClient::new(ctx.connect_with_deadline(DAEMON).await?);
-            let r = client
-                .get_service(ctx.request(pb::GetServiceRequest {
-                    namespace: name.namespace.clone(),
-                    name: name.name.clone(),
-                }))
-                .await
-                .map_err(rpc)?
-                .into_inner();
+            let r = get_service(ctx, &name).await?;
             let mut view: ServiceView = r.service.unwrap_or_default().into();
             view.documents = Some(
                 r.documents
@@ -710,6 +703,38 @@ mod tests {
         assert_eq!("shop/web".parse::<ServiceName>().unwrap().namespace, "shop");
         assert!("a/b/c".parse::<ServiceName>().is_err());
         assert!("/web".parse::<ServiceName>().is_err());
+    }
+
+    #[test]
+    fn a_refused_document_says_what_is_applied_and_what_was_not_sent() {
+        use rivet_proto::endpoint::v1::ErrorReason as R;
+        let docs = split_documents("kind: Service\n---\nkind: Service\n---\nkind: EndpointSlice\n").unwrap();
+        let status = rivet_common::grpc::status_with_reason(
+            tonic::Code::InvalidArgument,
+            "spec.ports[0].port: must be 1..=65535, found 0",
+            R::ServiceInvalid,
+        );
+        let failure = FailureView::new(&docs[1], &status);
+        assert_eq!(failure.applied, "no");
+        let view = ApplyView {
+            documents: 3,
+            applied: vec![AppliedView {
+                document: 1,
+                location: "line 1".into(),
+                kind: "Service".into(),
+                name: "default/a".into(),
+                changed: true,
+                cluster_ips: Vec::new(),
+            }],
+            failed: Some(failure.clone()),
+        };
+        assert_eq!(
+            failure_text(&view, &failure),
+            "error: document 2 (line 3) is invalid: spec.ports[0].port: must be 1..=65535, found 0\n\
+             It was not applied. The 1 document(s) applied before it stay applied. 1 document(s) after it were not sent.\n"
+        );
+        let late = rivet_common::grpc::status_with_reason(tonic::Code::DeadlineExceeded, "late", R::NotRealisedInTime);
+        assert_eq!(FailureView::new(&docs[1], &late).applied, "yes");
     }
 
     #[test]

@@ -53,6 +53,20 @@ async fn catalog(node: &EndpointNode) -> ServiceCatalogServiceClient<DaemonChann
     ServiceCatalogServiceClient::new(channel)
 }
 
+/// ApplyServiceObject of `document` (origin API, no wait).
+async fn apply(node: &EndpointNode, document: &str) -> pb::ApplyServiceObjectResponse {
+    catalog(node)
+        .await
+        .apply_service_object(pb::ApplyServiceObjectRequest {
+            document: document.into(),
+            origin: pb::ServiceOrigin::Api as i32,
+            wait: false,
+        })
+        .await
+        .unwrap_or_else(|e| panic!("applying {document}: {e}"))
+        .into_inner()
+}
+
 async fn get(node: &EndpointNode, name: &str) -> pb::ServiceView {
     catalog(node)
         .await
@@ -176,16 +190,7 @@ async fn a_selector_service_follows_its_pods_and_keeps_its_addresses_and_ids_acr
     let web1 = node.add_pod_with_ports("web-1", &["k8s:app=web"], http_port()).await;
     node.add_pod_with_ports("db-1", &["k8s:app=db"], http_port()).await;
 
-    let applied = catalog(&node)
-        .await
-        .apply_service_object(pb::ApplyServiceObjectRequest {
-            document: WEB.into(),
-            origin: pb::ServiceOrigin::Api as i32,
-            wait: false,
-        })
-        .await
-        .expect("the Service applies")
-        .into_inner();
+    let applied = apply(&node, WEB).await;
     assert_eq!(applied.cluster_ips, ["198.19.128.1", "2001:2:0:ff::1"]);
 
     // web-1 on both families, at its named port; db-1 is not selected.
@@ -247,16 +252,7 @@ async fn a_selector_service_follows_its_pods_and_keeps_its_addresses_and_ids_acr
     );
 
     // The same document again changes nothing.
-    let again = catalog(&node)
-        .await
-        .apply_service_object(pb::ApplyServiceObjectRequest {
-            document: WEB.into(),
-            origin: pb::ServiceOrigin::Api as i32,
-            wait: false,
-        })
-        .await
-        .expect("the Service applies again")
-        .into_inner();
+    let again = apply(&node, WEB).await;
     assert!(!again.changed, "restored exactly as stored");
     assert_eq!(again.cluster_ips, applied.cluster_ips);
 }

@@ -314,6 +314,20 @@ mod tests {
         }
     }
 
+    /// WEB's id of port http over IPv4.
+    fn web_ids() -> BTreeMap<(String, Family), u32> {
+        BTreeMap::from([(("http".to_string(), Family::IPv4), 7)])
+    }
+
+    /// `def` applied through the API with `ids`.
+    fn api<'a>(def: &'a ServiceDef, ids: &'a BTreeMap<(String, Family), u32>) -> ResolvedService<'a> {
+        ResolvedService {
+            def,
+            origin: Origin::Api,
+            ids,
+        }
+    }
+
     fn backends(r: &Resolution) -> Vec<(String, u32, i32, bool)> {
         r.entries[0]
             .service
@@ -333,12 +347,8 @@ mod tests {
     #[test]
     fn a_selector_takes_matching_pods_of_its_namespace_through_their_named_port() {
         let def = service(WEB);
-        let ids = BTreeMap::from([(("http".to_string(), Family::IPv4), 7)]);
-        let svc = ResolvedService {
-            def: &def,
-            origin: Origin::Api,
-            ids: &ids,
-        };
+        let ids = web_ids();
+        let svc = api(&def, &ids);
         let mut other_ns = pod("web-9", "web", "198.18.0.9", true);
         other_ns.namespace = "default".into();
         let mut no_port = pod("web-3", "web", "198.18.0.3", true);
@@ -369,12 +379,8 @@ mod tests {
     #[test]
     fn api_slices_win_over_the_selector_and_conditions_set_states() {
         let def = service(WEB);
-        let ids = BTreeMap::from([(("http".to_string(), Family::IPv4), 7)]);
-        let svc = ResolvedService {
-            def: &def,
-            origin: Origin::Api,
-            ids: &ids,
-        };
+        let ids = web_ids();
+        let svc = api(&def, &ids);
         let s = slice(
             r#"{"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
   "metadata": {"name": "web-1", "namespace": "shop", "labels": {"kubernetes.io/service-name": "web"}},
@@ -411,11 +417,7 @@ mod tests {
         let mut def = service(WEB);
         def.cluster_ips = ClusterIps::Headless;
         let ids = BTreeMap::new();
-        let svc = ResolvedService {
-            def: &def,
-            origin: Origin::Api,
-            ids: &ids,
-        };
+        let svc = api(&def, &ids);
         let r = resolve(
             &svc,
             &[],
