@@ -19,6 +19,7 @@ use rivet_common::grpc::{DaemonChannel, connect_unix, error_reason};
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::namespace_service_client::NamespaceServiceClient;
 use rivet_proto::endpoint::v1::pod_metadata_service_client::PodMetadataServiceClient;
+use rivet_proto::endpoint::v1::service_catalog_service_client::ServiceCatalogServiceClient;
 use rivet_proto::endpoint::v1::watch_endpoints_response::Event;
 use rivet_proto::k8s::v1 as k8spb;
 use rivet_testkit::node::{EndpointNode, NodeOptions};
@@ -570,6 +571,7 @@ enum Item {
     Pod(&'static str, &'static [&'static str]),
     Namespace(&'static str, &'static [&'static str]),
     Policy(String),
+    Service(String),
     End,
 }
 
@@ -585,6 +587,7 @@ async fn replay(node: &EndpointNode, items: Vec<Item>) -> Result<pb::ReplayKuber
                     labels: labels.iter().map(ToString::to_string).collect(),
                 }),
                 Item::Policy(document) => I::PolicyDocument(document),
+                Item::Service(document) => I::ServiceDocument(document),
                 Item::End => I::End(true),
             }),
         })
@@ -594,6 +597,92 @@ async fn replay(node: &EndpointNode, items: Vec<Item>) -> Result<pb::ReplayKuber
         .replay_kubernetes(futures::stream::iter(requests))
         .await
         .map(Response::into_inner)
+}
+
+/// A Service as the API server has it (its own clusterIP), one port.
+fn k8s_service(name: &str, cluster_ip: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {cluster_ip}, ports: [{{name: http, port: 80}}]}}\n"
+    )
+}
+
+/// The names of the Services svc-endpoint's catalog holds.
+async fn catalog_services(node: &EndpointNode) -> Vec<String> {
+    ServiceCatalogServiceClient::new(channel(node).await)
+        .list_services(pb::ListServicesRequest::default())
+        .await
+        .expect("ListServices")
+        .into_inner()
+        .services
+        .into_iter()
+        .map(|s| s.name)
+        .collect()
+}
+
+/// The replayed Services and EndpointSlices replace the KUBERNETES ones
+/// (those of the API stay); a refused document forgets nothing; the
+/// replayed Service reaches svc-loader with its slice's backends.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_replaces_the_kubernetes_services() {
+    let directory = Directory::serve(true);
+    let node = k8s_node(&directory, &["--service-cidr", "198.19.128.0/20"]).await;
+    let mut catalog = ServiceCatalogServiceClient::new(channel(&node).await);
+    for (document, origin) in [
+        (k8s_service("old", "10.96.0.10"), pb::ServiceOrigin::Kubernetes),
+        (k8s_service("mine", "198.19.128.7"), pb::ServiceOrigin::Api),
+    ] {
+        catalog
+            .apply_service_object(pb::ApplyServiceObjectRequest {
+                document,
+                origin: origin as i32,
+                wait: false,
+            })
+            .await
+            .expect("the Service applies");
+    }
+    let slice = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: new-a\n  labels: {kubernetes.io/service-name: new}\naddressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints: [{addresses: [198.18.3.3], nodeName: elsewhere}]\n";
+    let answer = replay(
+        &node,
+        vec![
+            Item::Service(slice.into()),
+            Item::Service(k8s_service("new", "10.96.0.11")),
+            Item::End,
+        ],
+    )
+    .await
+    .expect("the replay");
+    assert!(answer.rejected.is_empty(), "{:?}", answer.rejected);
+    assert_eq!((answer.service_objects, answer.service_objects_removed), (2, 1));
+    assert_eq!(catalog_services(&node).await, ["mine", "new"]);
+
+    // svc-loader gets the replayed Service with its slice's backend.
+    eventually(EVENT_WAIT, "svc-loader holds Service new", async || {
+        let view = catalog
+            .get_service(pb::GetServiceRequest {
+                namespace: "default".into(),
+                name: "new".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .service
+            .unwrap();
+        view.load_balancer.len() == 1 && view.load_balancer[0].realised && view.backends.len() == 1
+    })
+    .await;
+
+    // An unreadable document is reported and nothing is forgotten.
+    let answer = replay(&node, vec![Item::Service("kind: Service\n".into()), Item::End])
+        .await
+        .expect("the replay");
+    assert_eq!(answer.rejected.len(), 1, "{:?}", answer.rejected);
+    assert!(
+        answer.rejected[0].error.starts_with("apiVersion: "),
+        "{:?}",
+        answer.rejected
+    );
+    assert_eq!(answer.service_objects_removed, 0);
+    assert_eq!(catalog_services(&node).await, ["mine", "new"]);
 }
 
 async fn namespaces(node: &EndpointNode) -> Vec<(String, Vec<String>)> {
