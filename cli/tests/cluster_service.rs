@@ -76,6 +76,27 @@ async fn cluster_service_apply_gives_every_node_the_same_addresses_and_the_whole
         assert_eq!(backends(&by_node[1]), want(false), "node 2 for {vip}");
     }
 
+    // `rivet bpf service list` on node 1: svc-loader's services named from
+    // the catalog, both pods as backends sharing the Maglev slots.
+    let listed: serde_json::Value =
+        serde_json::from_str(&cluster.node(1).ok(&["bpf", "service", "list", "-o", "json"])).expect("JSON");
+    let services = listed["services"].as_array().expect("a list of services");
+    let names: BTreeSet<&str> = services.iter().filter_map(|s| s["name"].as_str()).collect();
+    assert_eq!(
+        names,
+        BTreeSet::from(["default/web:http (IPv4)", "default/web:http (IPv6)"]),
+        "{listed}"
+    );
+    for s in services {
+        let slots: u64 = s["backends"]
+            .as_array()
+            .expect("backends")
+            .iter()
+            .map(|b| b["maglev_slots"].as_u64().expect("slots"))
+            .sum();
+        assert_eq!(slots, 1021, "every slot names one of the backends: {s}");
+    }
+
     // Through the ClusterIP, from a pod on node 2, to the pods of both nodes.
     let _servers = [
         NameServer::start(&web1.netns, "web-1", &[web1.socket_v4(8080), web1.socket_v6(8080)]).unwrap(),
