@@ -15,7 +15,7 @@ use rivet_common::testing::netns::NetNs;
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::net::{IpPrefix, address_bytes};
 use rivet_testkit::loader::{ExternalClient, LoaderNode, UNDERLAY_IFNAME, Underlay, policy};
-use rivet_testkit::service::{HeldConnection, NameServer, ask_name, ask_name_udp, ask_names, name_and_peer};
+use rivet_testkit::service::{HeldConnection, NameServer, ask_name, ask_name_udp, name_and_peer, peers_by_server};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-loader");
 const REMOTE_NODE: u32 = 6;
@@ -27,15 +27,9 @@ const CONNECTIONS: usize = 30;
 const TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Who answered `CONNECTIONS` new connections from `ns` to `dst`, with
-/// the client address each backend saw.
+/// the client address each saw.
 fn answers(ns: &NetNs, dst: SocketAddr) -> BTreeMap<String, Vec<IpAddr>> {
-    let mut by_backend: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
-    for answer in ask_names(ns, dst, CONNECTIONS, TIMEOUT) {
-        let answer = answer.unwrap_or_else(|e| panic!("asking NodePort {dst}: {e}"));
-        let (name, peer) = name_and_peer(&answer).unwrap_or_else(|| panic!("answer from {dst}: {answer:?}"));
-        by_backend.entry(name.to_owned()).or_default().push(peer);
-    }
-    by_backend
+    peers_by_server(ns, dst, CONNECTIONS, TIMEOUT)
 }
 
 fn ipcache_entry(address: IpAddr, identity: u32, tunnel: Option<std::net::Ipv4Addr>) -> pb::IpcacheEntry {

@@ -565,6 +565,15 @@ impl Cluster {
         }
     }
 
+    /// A client host outside the cluster on its underlay bridge (a
+    /// NodePort client, [`crate::loader::ExternalClient::on_bridge`]);
+    /// dropping it removes it.
+    pub fn add_external_client(&self) -> crate::loader::ExternalClient {
+        let underlay = NetNs::existing(&self.record.plan.underlay_netns).expect("the underlay namespace exists");
+        crate::loader::ExternalClient::on_bridge(&underlay, rivet_cli::cluster::BRIDGE)
+            .expect("a client on the underlay bridge")
+    }
+
     /// `rivet --node <node> pod del`: CNI DEL, then its namespace.
     pub async fn delete_pod(&mut self, pod: ClusterPod) {
         let cmd = self

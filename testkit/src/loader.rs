@@ -174,11 +174,11 @@ impl ExternalClient {
     }
 }
 
-impl Underlay {
-    /// A client host on the underlay bridge ([`ExternalClient::IPV4`]/24,
-    /// [`ExternalClient::IPV6`]/64): reaches the nodes' underlay
-    /// addresses, nothing else (no routes to pods).
-    pub fn add_external_client(&self) -> std::io::Result<ExternalClient> {
+impl ExternalClient {
+    /// A client host on bridge `bridge` of namespace `bridge_ns`
+    /// ([`Self::IPV4`]/24, [`Self::IPV6`]/64): reaches the nodes' underlay
+    /// addresses on it, nothing else (no routes to pods).
+    pub fn on_bridge(bridge_ns: &NetNs, bridge: &str) -> std::io::Result<Self> {
         let ns = NetNs::new("rvx").map_err(std::io::Error::other)?;
         let port = format!("x{}", CLIENTS.fetch_add(1, Ordering::Relaxed));
         let run = |ns: &NetNs, args: &[&str]| ns.ip(args).map(drop).map_err(std::io::Error::other);
@@ -194,21 +194,18 @@ impl Underlay {
                 "name",
                 &port,
                 "netns",
-                self.ns.name(),
+                bridge_ns.name(),
             ],
         )?;
-        run(&self.ns, &["link", "set", &port, "master", "ul", "up"])?;
-        run(
-            &ns,
-            &["addr", "add", &format!("{}/24", ExternalClient::IPV4), "dev", "eth0"],
-        )?;
+        run(bridge_ns, &["link", "set", &port, "master", bridge, "up"])?;
+        run(&ns, &["addr", "add", &format!("{}/24", Self::IPV4), "dev", "eth0"])?;
         run(
             &ns,
             &[
                 "-6",
                 "addr",
                 "add",
-                &format!("{}/64", ExternalClient::IPV6),
+                &format!("{}/64", Self::IPV6),
                 "dev",
                 "eth0",
                 "nodad",
@@ -216,7 +213,14 @@ impl Underlay {
         )?;
         run(&ns, &["link", "set", "eth0", "up"])?;
         run(&ns, &["link", "set", "lo", "up"])?;
-        Ok(ExternalClient { ns })
+        Ok(Self { ns })
+    }
+}
+
+impl Underlay {
+    /// A client host on the underlay bridge ([`ExternalClient::on_bridge`]).
+    pub fn add_external_client(&self) -> std::io::Result<ExternalClient> {
+        ExternalClient::on_bridge(&self.ns, "ul")
     }
 }
 

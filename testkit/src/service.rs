@@ -156,6 +156,25 @@ pub fn name_and_peer(answer: &str) -> Option<(&str, std::net::IpAddr)> {
     Some((name, peer.parse().ok()?))
 }
 
+/// `count` new connections from `netns` to `dst` ([`ask_names`]) to
+/// [`NameServer::start_reporting_peer`] servers, by the server that
+/// answered, with the client address each saw; panics on a failed
+/// connection or an answer without an address.
+pub fn peers_by_server(
+    netns: &NetNs,
+    dst: SocketAddr,
+    count: usize,
+    timeout: Duration,
+) -> std::collections::BTreeMap<String, Vec<std::net::IpAddr>> {
+    let mut by_server: std::collections::BTreeMap<String, Vec<std::net::IpAddr>> = Default::default();
+    for answer in ask_names(netns, dst, count, timeout) {
+        let answer = answer.unwrap_or_else(|e| panic!("asking {dst}: {e}"));
+        let (name, peer) = name_and_peer(&answer).unwrap_or_else(|| panic!("answer from {dst}: {answer:?}"));
+        by_server.entry(name.to_owned()).or_default().push(peer);
+    }
+    by_server
+}
+
 /// One new TCP connection from `netns` to `dst`: the name of the server that
 /// answered, checked to come from `dst` itself (a reply not translated back
 /// to a service address would never complete the handshake). A refusal is
