@@ -8,9 +8,12 @@
 //! 4. frontend → backend:8080 answers (a `busybox nc` echo);
 //! 5. frontend → db:5432 does not, and `rivet monitor` says why; `rivet endpoint
 //!    list`, `rivet status`;
-//! 6. `kill -9` of svc-endpoint while frontend pings backend: the supervisor restarts
+//! 6. a Service in front of two pods web-1 and web-2 (`rivet service apply`):
+//!    frontend's requests to its ClusterIP are answered by each backend; `rivet
+//!    service list`, `rivet bpf service list`;
+//! 7. `kill -9` of svc-endpoint while frontend pings backend: the supervisor restarts
 //!    it, and the ping loses nothing;
-//! 7. `rivet node down`: nothing is left.
+//! 8. `rivet node down`: nothing is left.
 //!
 //! Nothing touches the machine's own interfaces, routes or sysctls: the node lives in a
 //! network namespace it creates, the pods in namespaces of their own, every file in a
@@ -46,6 +49,30 @@ const RESTART_TIMEOUT: Duration = Duration::from_secs(30);
 const PINGS: u32 = 60;
 /// Longest Unix socket path (`sun_path` is 108 bytes with the NUL).
 const MAX_SOCKET_PATH: usize = 107;
+
+/// The Service's ClusterIP (in `rivet node up`'s default service CIDR).
+const SERVICE_IP: &str = "198.19.128.10";
+/// The Service's port.
+const SERVICE_PORT: u16 = 80;
+/// The port web-1 and web-2 serve on.
+const WEB_PORT: u16 = 8080;
+/// How many requests frontend sends to the ClusterIP.
+const SERVICE_REQUESTS: usize = 6;
+/// How long the Service may take to be programmed.
+const SERVICE_READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The Service of the demo: its backends are the pods labelled app=web.
+const SERVICE: &str = "\
+# A ClusterIP in front of the pods labelled app=web: port 80 -> their 8080.
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: default}
+spec:
+  clusterIP: 198.19.128.10
+  selector: {app: web}
+  ports:
+  - {name: http, protocol: TCP, port: 80, targetPort: 8080}
+";
 
 /// The policy of the demo.
 const POLICY: &str = "\
@@ -393,6 +420,81 @@ impl Demo {
             .with_context(|| format!("pod {name} has no endpoint in `rivet pod list`"))
     }
 
+    /// Step 6: a Service in front of web-1 and web-2, each answering with
+    /// its name; frontend's requests to the ClusterIP reach both.
+    fn service(&self) -> Result<()> {
+        heading(
+            "6. A Service in front of two pods",
+            "web-1 and web-2 (app=web) answer every connection with their name. The Service\n\
+             selects them; svc-endpoint resolves it to its backends and svc-loader programs the BPF\n\
+             service maps: a pod's connection to the ClusterIP is translated to a backend (Maglev)\n\
+             in the datapath, before policy, and the replies come back from the ClusterIP.",
+        );
+        let mut servers = Vec::new();
+        for pod in ["web-1", "web-2"] {
+            self.show(&mut self.rivet(&["pod", "add", pod, "--label", "app=web"]))?;
+            let port = WEB_PORT.to_string();
+            servers.push(self.background(
+                &mut self.rivet(&[
+                    "pod", "exec", pod, "--", "busybox", "nc", "-ll", "-p", &port, "-e", "busybox", "echo", pod,
+                ]),
+                &self.dir.join(format!("{pod}-server.log")),
+            )?);
+        }
+        let file = self.dir.join("service.yaml");
+        fs::write(&file, SERVICE)?;
+        println!("$ cat $D/service.yaml");
+        print!("{SERVICE}");
+        self.show(&mut self.rivet(&["service", "apply", "-f", &file.display().to_string()]))?;
+        self.show(&mut self.rivet(&["service", "list"]))?;
+        // Programmed once a request is answered (not shown).
+        let started = Instant::now();
+        while self.ask_service(false)?.is_none() {
+            if started.elapsed() > SERVICE_READY_TIMEOUT {
+                bail!(
+                    "{SERVICE_IP}:{SERVICE_PORT} answered nothing within {}s",
+                    SERVICE_READY_TIMEOUT.as_secs()
+                );
+            }
+            sleep(Duration::from_millis(200));
+        }
+        let mut answered = std::collections::BTreeSet::new();
+        for _ in 0..SERVICE_REQUESTS {
+            if let Some(name) = self.ask_service(true)? {
+                answered.insert(name);
+            }
+        }
+        if answered.len() != 2 {
+            bail!("frontend's requests to the ClusterIP were answered by {answered:?}, not by web-1 and web-2");
+        }
+        self.show(&mut self.rivet(&["bpf", "service", "list"]))?;
+        drop(servers);
+        Ok(())
+    }
+
+    /// One request from frontend to the ClusterIP (each a new connection,
+    /// from a new source port); the backend's name, if one answered.
+    fn ask_service(&self, shown: bool) -> Result<Option<String>> {
+        let mut command = self.rivet(&["pod", "exec", "frontend", "--", "busybox", "nc", "-w", "2", SERVICE_IP]);
+        command.arg(SERVICE_PORT.to_string());
+        let output = if shown {
+            self.show_allowing_failure(&mut command, Some("hello\n"))?
+        } else {
+            let mut child = command
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .with_context(|| format!("could not run {}", self.shown(&command)))?;
+            if let Some(mut stdin) = child.stdin.take() {
+                let _ = stdin.write_all(b"hello\n");
+            }
+            child.wait_with_output()?
+        };
+        let name = String::from_utf8_lossy(&output.stdout).trim().to_string();
+        Ok(Some(name).filter(|n| n.starts_with("web-")))
+    }
+
     /// svc-endpoint's restore phase, from `rivet status`.
     fn endpoint_restore_phase(&self) -> Result<String> {
         let status = self.json(&["status"])?;
@@ -529,8 +631,10 @@ impl Demo {
         self.show(&mut self.rivet(&["endpoint", "list"]))?;
         self.show(&mut self.rivet(&["status"]))?;
 
+        self.service()?;
+
         heading(
-            "6. kill -9 svc-endpoint while frontend pings backend",
+            "7. kill -9 svc-endpoint while frontend pings backend",
             "The supervisor restarts it; the datapath never waits for the control plane, so no\n\
              ping is lost.",
         );
@@ -590,7 +694,7 @@ impl Demo {
         }
 
         heading(
-            "7. Teardown",
+            "8. Teardown",
             "The supervisor deletes the pods (CNI DEL), stops the daemons in reverse order and\n\
              removes what it created: the namespace, the pins, the sockets, the CNI files.",
         );
@@ -757,6 +861,12 @@ mod tests {
             .to_string();
         assert!(err.contains("`svc-ipam` binary"), "{err}");
         assert!(err.contains("svc-ipam/ crate"), "{err}");
+    }
+
+    #[test]
+    fn the_service_is_the_one_the_demo_asks() {
+        assert!(SERVICE.contains(&format!("clusterIP: {SERVICE_IP}")));
+        assert!(SERVICE.contains(&format!("port: {SERVICE_PORT}, targetPort: {WEB_PORT}")));
     }
 
     #[test]
