@@ -19,8 +19,8 @@
 //!   and a `no-service-backend` drop in `rivet monitor`;
 //! - kill -9 of svc-loader and of svc-endpoint under service traffic (a
 //!   UDP stream through the ClusterIP per family, a held TCP connection): no
-//!   datagram lost, the loader's services, ids and tables unchanged, and
-//!   its restored index serves the next change.
+//!   datagram lost, the loader's services, ids and tables and `rivet bpf
+//!   service list` unchanged, and its restored index serves the next change.
 //!
 //! Needs root, a bpffs at /sys/fs/bpf, the rivet users and etcd 3.6
 //! (`cargo xtask install`) and the workspace binaries (`cargo build
@@ -564,6 +564,14 @@ async fn kill9_of_svc_loader_and_svc_endpoint_under_service_traffic_loses_nothin
         .await;
     wait_backends(&cluster, vips, &pods, &[]).await;
     let before = loader_services(&cluster, 1).await;
+    // What `rivet bpf service list` shows of the maps (not the flow and
+    // affinity counts, which the traffic moves).
+    let bpf_services = || cluster.node(1).json(&["bpf", "service", "list"])["services"].clone();
+    let bpf_before = bpf_services();
+    assert!(
+        bpf_before.as_array().is_some_and(|s| s.len() == 4),
+        "rivet bpf service list shows the service's 2 ports x 2 families: {bpf_before}"
+    );
     let mut held: Vec<HeldConnection> = vips
         .iter()
         .flat_map(|vip| hold(&client, SocketAddr::new(*vip, SERVICE_PORT), 10))
@@ -607,6 +615,7 @@ async fn kill9_of_svc_loader_and_svc_endpoint_under_service_traffic_loses_nothin
         "no datagram lost and one backend per flow across kill -9 of svc-loader and svc-endpoint:\n{}",
         report.join("\n")
     );
+    assert_eq!(bpf_services(), bpf_before, "`rivet bpf service list` is unchanged");
     for connection in &mut held {
         let now = connection.ask().expect("a held connection after both restarts");
         assert_eq!(now, connection.first, "a held connection keeps its backend");
