@@ -248,6 +248,18 @@ impl Drop for BusyThreads {
 
 /// Bits per second received by an iperf3 server in `server` from `client`.
 pub(crate) fn iperf(client: &NetNs, server: &NetNs, dst: IpAddr, seconds: u32) -> anyhow::Result<f64> {
+    iperf_with(client, server, dst, seconds, |_| Ok(()))
+}
+
+/// [`iperf`] with the client's command set up by `prepare` first (e.g. made
+/// to join a cgroup).
+pub(crate) fn iperf_with(
+    client: &NetNs,
+    server: &NetNs,
+    dst: IpAddr,
+    seconds: u32,
+    prepare: impl FnOnce(&mut std::process::Command) -> std::io::Result<()>,
+) -> anyhow::Result<f64> {
     let mut srv = server
         .command("iperf3")
         .args(["-s", "-1", "-p", "5201", "--forceflush"])
@@ -264,10 +276,9 @@ pub(crate) fn iperf(client: &NetNs, server: &NetNs, dst: IpAddr, seconds: u32) -
         anyhow::bail!("iperf3 -s in {} exited before listening", server.name());
     }
     let drain = std::thread::spawn(move || lines.for_each(drop));
-    let out = client
-        .command("iperf3")
-        .args(["-c", &dst.to_string(), "-p", "5201", "-J", "-t", &seconds.to_string()])
-        .output();
+    let mut command = client.command("iperf3");
+    command.args(["-c", &dst.to_string(), "-p", "5201", "-J", "-t", &seconds.to_string()]);
+    let out = prepare(&mut command).and_then(|()| command.output());
     if out.as_ref().map_or(true, |o| !o.status.success()) {
         let _ = srv.kill();
     }

@@ -20,9 +20,9 @@
 //!   pod to `--targets` ClusterIPs spread evenly over the installed
 //!   services (a service's position in kube-proxy's `KUBE-SERVICES` is its
 //!   map order: the spread measures the average one). Each connection
-//!   binds a source port of its own sequence (no 4-tuple repeats within a
-//!   count, so every SYN is a new flow on both sides), connects and closes
-//!   with a reset (no TIME_WAIT). `--rounds` rounds per count, the sides
+//!   binds the next source port of its ClusterIP's share of 41,000 (a
+//!   4-tuple comes back only every 41,000 connections; a port never serves
+//!   two ClusterIPs), connects and closes with a reset (no TIME_WAIT). `--rounds` rounds per count, the sides
 //!   back to back with the order flipping; ratio = median of per-round
 //!   connections/s ratios. Every backend must have accepted connections in
 //!   every run (the translation works on both sides);
@@ -60,15 +60,18 @@ use aya::programs::ProgramFd;
 use ipnet::IpNet;
 use rivet_bpf_sys as sys;
 use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
-use rivet_common::testing::netns::{NetNs, TcpServerGuard, TestNode};
+use rivet_common::testing::netns::{NetNs, TestNode};
 use rivet_datapath::maps::{LB_BACKEND_ACTIVE, LbBackend, LbFrontend, LbFrontendKey, SVC_SCOPE_INTERNAL};
-use rivet_datapath::spec::{MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES};
+use rivet_datapath::spec::{
+    CT4, LB4_FLOWS, MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES,
+};
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::load_balancer_service_client::LoadBalancerServiceClient;
+use rivet_testkit::cgroup::TestCgroup;
 use rivet_testkit::frames::{self, ETH_P_IP, TCP_SYN, proto};
-use rivet_testkit::loader::{LoaderNode, pod_spec, policy};
+use rivet_testkit::loader::{LoaderNode, cluster_ip_service, pod_spec, policy};
 
-use crate::datapath::{iperf, median};
+use crate::datapath::{iperf, iperf_with, median};
 use crate::kube_proxy::{self, ServicePort};
 use crate::report::{BenchResult, load_average, ms, percentile, sibling_binary};
 
@@ -177,28 +180,8 @@ impl Service {
     }
 
     fn loader(&self) -> pb::LbService {
-        pb::LbService {
-            service_id: self.id,
-            family: pb::Family::Ipv4 as i32,
-            protocol: pb::Protocol::Tcp as i32,
-            frontends: vec![pb::LbFrontend {
-                kind: pb::FrontendKind::ClusterIp as i32,
-                address: rivet_proto::net::address_bytes(self.frontend.ip()),
-                port: self.frontend.port().into(),
-            }],
-            backends: self
-                .backends
-                .iter()
-                .map(|b| pb::LbBackend {
-                    address: rivet_proto::net::address_bytes(b.ip()),
-                    port: b.port().into(),
-                    state: pb::BackendState::Active as i32,
-                    node_local: true,
-                })
-                .collect(),
-            affinity_timeout_seconds: 0,
-            external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
-        }
+        let backends: Vec<_> = self.backends.iter().map(|b| (*b, pb::BackendState::Active)).collect();
+        cluster_ip_service(self.id, self.frontend, pb::Protocol::Tcp, &backends)
     }
 }
 
@@ -267,29 +250,114 @@ fn change_service(k: u32, first: u32, backends: u32) -> Service {
     }
 }
 
-/// One side of the comparison: its node, its backends' servers and the
+/// A backend's listener that accepts and closes, on a thread of its own,
+/// with a deep accept queue: the connection figures measure the path, not
+/// how fast a server drains its queue (an overflowing queue drops the
+/// handshake's last ACK and costs the client a 1 s SYN retransmission).
+struct AcceptSink {
+    listener: socket2::Socket,
+    accepted: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The accept queue of each backend (the namespace's `net.core.somaxconn`
+/// is raised to it).
+const ACCEPT_BACKLOG: i32 = 4096;
+
+impl AcceptSink {
+    fn start(ns: &NetNs, addr: SocketAddr) -> anyhow::Result<Self> {
+        use socket2::{Domain, Protocol, Socket, Type};
+        ns.sysctl("net.core.somaxconn", &ACCEPT_BACKLOG.to_string())?;
+        let listener = ns.in_ns(move || -> std::io::Result<Socket> {
+            let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+            socket.set_reuse_address(true)?;
+            socket.bind(&addr.into())?;
+            socket.listen(ACCEPT_BACKLOG)?;
+            Ok(socket)
+        })?;
+        let listener = listener.map_err(|e| anyhow::anyhow!("listening on {addr} in {}: {e}", ns.name()))?;
+        let accepted = Arc::new(AtomicU64::new(0));
+        let thread = {
+            let listener = listener.try_clone()?;
+            let accepted = Arc::clone(&accepted);
+            std::thread::Builder::new().name("accept-sink".into()).spawn(move || {
+                // Ends when `Drop` shuts the listener down (EINVAL).
+                while listener.accept().is_ok() {
+                    accepted.fetch_add(1, Ordering::Relaxed);
+                }
+            })?
+        };
+        Ok(Self {
+            listener,
+            accepted,
+            thread: Some(thread),
+        })
+    }
+
+    fn accepted(&self) -> u64 {
+        self.accepted.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for AcceptSink {
+    fn drop(&mut self) {
+        // A listening socket shut down for reading wakes its accept().
+        let _ = self.listener.shutdown(std::net::Shutdown::Read);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// `TcpExt` counters of the namespace `ns` (`/proc/net/netstat` read from
+/// inside it) named in `names`, in that order.
+fn tcp_ext_counters(ns: &NetNs, names: &[&str]) -> anyhow::Result<Vec<u64>> {
+    let text = ns.run(&["cat", "/proc/net/netstat"])?;
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (Some(header), Some(values)) = (lines.next(), lines.next()) else {
+        anyhow::bail!("no TcpExt counters in {}'s /proc/net/netstat", ns.name());
+    };
+    let counters: std::collections::HashMap<&str, u64> = header
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .filter_map(|(k, v)| Some((k, v.parse().ok()?)))
+        .collect();
+    names
+        .iter()
+        .map(|name| {
+            counters
+                .get(name)
+                .copied()
+                .ok_or_else(|| anyhow::anyhow!("no TcpExt {name} in {}", ns.name()))
+        })
+        .collect()
+}
+
+/// One side of the comparison: its backends' accept sinks and the
 /// connection sequence it continues.
 struct Side {
     name: &'static str,
-    servers: Vec<TcpServerGuard>,
+    sinks: Vec<AcceptSink>,
     next_connection: Arc<AtomicU64>,
 }
 
 impl Side {
     fn new(name: &'static str, node: &TestNode, backends: u32) -> anyhow::Result<Self> {
-        let servers = PODS[1..=backends as usize]
-            .iter()
-            .map(|b| node.pod(b).tcp_server(BACKEND_PORT))
+        let sinks = (0..backends)
+            .map(|b| {
+                let pod = node.pod(PODS[1 + b as usize]);
+                AcceptSink::start(&pod.ns, SocketAddr::new(pod_ip(2 + b as u8).into(), BACKEND_PORT))
+            })
             .collect::<Result<_, _>>()?;
         Ok(Self {
             name,
-            servers,
+            sinks,
             next_connection: Arc::new(AtomicU64::new(0)),
         })
     }
 
     fn accepted(&self) -> Vec<u64> {
-        self.servers.iter().map(TcpServerGuard::connections).collect()
+        self.sinks.iter().map(AcceptSink::accepted).collect()
     }
 }
 
@@ -299,12 +367,23 @@ struct ConnectRun {
     per_s: f64,
     p50_us: f64,
     p99_us: f64,
+    /// SYNs the client sent again (each a connect() that waited ~1 s).
+    syn_retransmits: u64,
+    /// Handshakes the backends' full accept queues dropped.
+    listen_overflows: u64,
 }
 
 /// `clients` threads in `client` connecting to `targets` round-robin for
-/// `duration`, each connection from source port `sequence`'s next (so no
-/// 4-tuple repeats within `SOURCE_PORTS` × targets connections), closed
+/// `duration`, connection `k` of `sequence` from the next port of its
+/// target's share of [`SOURCE_PORTS`] (a source port reaches one ClusterIP
+/// only; a 4-tuple comes back every `SOURCE_PORTS` connections), closed
 /// with a reset. Fails on any failed connect().
+///
+/// One port for several ClusterIPs in a row made Rivet's clients resend a
+/// SYN now and then (1 s each; the kernel's NAT avoids the clash of two
+/// services' flows that reach one backend from one client port by
+/// choosing another port, Rivet's datapath does not): a correctness
+/// matter for the datapath, kept out of this rate measurement.
 fn connect_run(
     client: &NetNs,
     client_ip: Ipv4Addr,
@@ -324,8 +403,12 @@ fn connect_run(
                 while Instant::now() < deadline {
                     let k = sequence.fetch_add(1, Ordering::Relaxed);
                     let n = targets.len() as u64;
-                    let target = targets[(k % n) as usize];
-                    let port = SOURCE_PORT_BASE + ((k / n) % SOURCE_PORTS) as u16;
+                    // Target `k % n` from its own share of the ports: a
+                    // source port only ever reaches one ClusterIP.
+                    let share = SOURCE_PORTS / n;
+                    let (target, turn) = (k % n, k / n);
+                    let port = SOURCE_PORT_BASE + (target * share + turn % share) as u16;
+                    let target = targets[target as usize];
                     latencies_us.push(connect_once(SocketAddr::new(client_ip.into(), port), target)?);
                 }
                 Ok(latencies_us)
@@ -344,6 +427,8 @@ fn connect_run(
         per_s: latencies_us.len() as f64 / elapsed,
         p50_us: percentile(&mut latencies_us, 0.50),
         p99_us: percentile(&mut latencies_us, 0.99),
+        syn_retransmits: 0,
+        listen_overflows: 0,
     })
 }
 
@@ -482,6 +567,10 @@ fn programmed(pins: &Path, service: &Service) -> anyhow::Result<bool> {
 struct Rivet {
     node: LoaderNode,
     lb: LoadBalancerServiceClient<DaemonChannel>,
+    /// The cgroup svc-loader attached socket-level load balancing to
+    /// (`--socket-lb-cgroup`); only the socket-LB throughput runs join it.
+    /// Declared after `node`: removed once the loader is gone.
+    socket_lb: TestCgroup,
 }
 
 impl Rivet {
@@ -489,7 +578,33 @@ impl Rivet {
     /// own few more).
     async fn start(services: u32) -> anyhow::Result<Self> {
         let room = (services + 1024).to_string();
-        let node = LoaderNode::start(&sibling_binary("svc-loader")?, &PODS, &["--lb-services-max", &room]).await?;
+        let socket_lb = TestCgroup::new().map_err(|e| anyhow::anyhow!("a cgroup v2 directory for socket LB: {e}"))?;
+        let cgroup = socket_lb
+            .path()
+            .to_str()
+            .ok_or_else(|| anyhow::anyhow!("a cgroup path that is not UTF-8"))?;
+        // Conntrack and flow maps of a real node's size (the test node's
+        // 65,536 fill within seconds of new connections, and a full LRU map
+        // evicts flows mid-handshake).
+        let (ct_max, flows_max) = (
+            CT4.default_max_entries.to_string(),
+            LB4_FLOWS.default_max_entries.to_string(),
+        );
+        let node = LoaderNode::start(
+            &sibling_binary("svc-loader")?,
+            &PODS,
+            &[
+                "--lb-services-max",
+                &room,
+                "--socket-lb-cgroup",
+                cgroup,
+                "--ct-max",
+                &ct_max,
+                "--lb-flows-max",
+                &flows_max,
+            ],
+        )
+        .await?;
         let mut client = node.client().await;
         for (i, pod) in PODS.iter().enumerate() {
             let id = i as u32 + 1;
@@ -497,8 +612,13 @@ impl Rivet {
                 .apply_endpoint(node.endpoint(pod, id, 1000 + id, policy(1, false, false, Vec::new())))
                 .await?;
         }
-        let lb = LoadBalancerServiceClient::new(connect_unix(node.loader.socket(), &ClientOptions::default()).await?);
-        Ok(Self { node, lb })
+        // A bulk ReplaceServices of 100,000 services outlasts the default deadline.
+        let options = ClientOptions {
+            request_timeout: Duration::from_secs(600),
+            ..ClientOptions::default()
+        };
+        let lb = LoadBalancerServiceClient::new(connect_unix(node.loader.socket(), &options).await?);
+        Ok(Self { node, lb, socket_lb })
     }
 
     /// Replaces the loader's services with `services`; the wall time.
@@ -578,21 +698,34 @@ struct CountFigures {
     maps_memory: u64,
 }
 
+/// Medians of the rounds' figures; the retransmissions and overflows of
+/// all of them.
 fn summarise(runs: &[ConnectRun]) -> ConnectRun {
     let of = |f: fn(&ConnectRun) -> f64| median(runs.iter().map(f).collect());
     ConnectRun {
         per_s: of(|r| r.per_s),
         p50_us: of(|r| r.p50_us),
         p99_us: of(|r| r.p99_us),
+        syn_retransmits: runs.iter().map(|r| r.syn_retransmits).sum(),
+        listen_overflows: runs.iter().map(|r| r.listen_overflows).sum(),
     }
 }
 
 /// One connection run of `side`, checking that every backend took some.
 fn side_run(side: &Side, node: &TestNode, targets: &[SocketAddr], args: &ServicesArgs) -> anyhow::Result<ConnectRun> {
+    let client = &node.pod("client").ns;
+    let backends: Vec<&NetNs> = (0..side.sinks.len()).map(|b| &node.pod(PODS[1 + b]).ns).collect();
+    let overflows = || -> anyhow::Result<u64> {
+        backends
+            .iter()
+            .map(|ns| Ok(tcp_ext_counters(ns, &["ListenOverflows"])?[0]))
+            .sum()
+    };
+    let (retransmits_before, overflows_before) = (tcp_ext_counters(client, &["TCPSynRetrans"])?[0], overflows()?);
     let before = side.accepted();
     let client_ip = pod_ip(1);
-    let run = connect_run(
-        &node.pod("client").ns,
+    let mut run = connect_run(
+        client,
         client_ip,
         targets,
         Duration::from_secs(args.seconds.into()),
@@ -605,6 +738,8 @@ fn side_run(side: &Side, node: &TestNode, targets: &[SocketAddr], args: &Service
         "{}: a backend accepted no connection in the run (accepted before {before:?}, after {after:?})",
         side.name
     );
+    run.syn_retransmits = tcp_ext_counters(client, &["TCPSynRetrans"])?[0] - retransmits_before;
+    run.listen_overflows = overflows()? - overflows_before;
     Ok(run)
 }
 
@@ -694,32 +829,48 @@ fn peer_programming(peer: &Peer, installed: &[Service], args: &ServicesArgs) -> 
     Ok(Programming::of(new, change))
 }
 
-/// Throughput through the ClusterIP and to the pod IP on one side.
+/// Throughput through the ClusterIP and to the pod IP on one side, and
+/// (Rivet) through the ClusterIP from a client in the socket-LB cgroup.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Throughput {
     vip_gbit_per_s: f64,
     pod_gbit_per_s: f64,
     ratio: f64,
+    socket_lb_gbit_per_s: Option<f64>,
+    socket_lb_ratio: Option<f64>,
 }
 
-fn throughput(node: &TestNode, args: &ServicesArgs) -> anyhow::Result<Throughput> {
+/// `--throughput-rounds` rounds of iperf3 client → b1: to the ClusterIP, to
+/// b1's pod IP and, with `socket_lb`, to the ClusterIP from an iperf3 that
+/// joined that cgroup (translated at connect); the order rotates every
+/// round. Ratios are medians of per-round ratios to the pod IP.
+fn throughput(node: &TestNode, socket_lb: Option<&TestCgroup>, args: &ServicesArgs) -> anyhow::Result<Throughput> {
     let (client, server) = (&node.pod("client").ns, &node.pod("b1").ns);
     let (vip, pod) = (IpAddr::V4(IPERF_VIP), IpAddr::V4(pod_ip(2)));
-    let mut rounds = Vec::with_capacity(args.throughput_rounds);
+    let kinds = if socket_lb.is_some() { 3 } else { 2 };
+    let mut rounds: Vec<[f64; 3]> = Vec::with_capacity(args.throughput_rounds);
     for round in 0..args.throughput_rounds {
-        let (v, p) = if round % 2 == 0 {
-            let v = iperf(client, server, vip, args.iperf_seconds)?;
-            (v, iperf(client, server, pod, args.iperf_seconds)?)
-        } else {
-            let p = iperf(client, server, pod, args.iperf_seconds)?;
-            (iperf(client, server, vip, args.iperf_seconds)?, p)
-        };
-        rounds.push((v, p));
+        let mut bps = [f64::NAN; 3];
+        for i in 0..kinds {
+            let kind = (round + i) % kinds;
+            bps[kind] = match (kind, socket_lb) {
+                (0, _) => iperf(client, server, vip, args.iperf_seconds)?,
+                (1, _) => iperf(client, server, pod, args.iperf_seconds)?,
+                (_, Some(cgroup)) => iperf_with(client, server, vip, args.iperf_seconds, |command| {
+                    cgroup.join_on_exec(command)
+                })?,
+                (_, None) => unreachable!("two kinds without socket LB"),
+            };
+        }
+        rounds.push(bps);
     }
+    let of = |f: &dyn Fn(&[f64; 3]) -> f64| median(rounds.iter().map(f).collect());
     Ok(Throughput {
-        vip_gbit_per_s: median(rounds.iter().map(|r| r.0 / 1e9).collect()),
-        pod_gbit_per_s: median(rounds.iter().map(|r| r.1 / 1e9).collect()),
-        ratio: median(rounds.iter().map(|r| r.0 / r.1).collect()),
+        vip_gbit_per_s: of(&|r| r[0] / 1e9),
+        pod_gbit_per_s: of(&|r| r[1] / 1e9),
+        ratio: of(&|r| r[0] / r[1]),
+        socket_lb_gbit_per_s: socket_lb.map(|_| of(&|r| r[2] / 1e9)),
+        socket_lb_ratio: socket_lb.map(|_| of(&|r| r[2] / r[1])),
     })
 }
 
@@ -793,9 +944,9 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
                     (ours()?, p)
                 };
                 println!(
-                    "{count} services, round {round}: rivet {:.0} conn/s (p50 {:.1} us, p99 {:.1} us); iptables {:.0} \
-                     conn/s (p50 {:.1} us, p99 {:.1} us)",
-                    r.per_s, r.p50_us, r.p99_us, p.per_s, p.p50_us, p.p99_us
+                    "{count} services, round {round}: rivet {:.0} conn/s (p50 {:.1} us, p99 {:.1} us, {} SYN \
+                     retransmits); iptables {:.0} conn/s (p50 {:.1} us, p99 {:.1} us, {} SYN retransmits)",
+                    r.per_s, r.p50_us, r.p99_us, r.syn_retransmits, p.per_s, p.p50_us, p.p99_us, p.syn_retransmits
                 );
                 rounds.push((r, p));
             }
@@ -866,6 +1017,15 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         metrics.push((format!("iptables_{n}_connect_p50_us"), f.peer.p50_us));
         metrics.push((format!("iptables_{n}_connect_p99_us"), f.peer.p99_us));
         metrics.push((format!("conn_ratio_{n}"), f.ratio));
+        metrics.push((format!("rivet_{n}_syn_retransmits"), f.rivet.syn_retransmits as f64));
+        metrics.push((format!("iptables_{n}_syn_retransmits"), f.peer.syn_retransmits as f64));
+        let overflows = f.rivet.listen_overflows + f.peer.listen_overflows;
+        if overflows > 0 {
+            println!(
+                "note: at {n} services the backends' accept queues overflowed {overflows} times (a starved \
+                 accept thread: those connections waited for a SYN retransmission)"
+            );
+        }
         metrics.push((format!("rivet_{n}_install_ms"), ms(f.rivet_install)));
         metrics.push((format!("iptables_{n}_restore_ms"), ms(f.peer_install)));
         metrics.push((format!("rivet_{n}_lookup_ns"), f.lookup_ns));
@@ -882,7 +1042,10 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
 
     if !args.skip_throughput {
         let (r, p) = tokio::task::block_in_place(|| -> anyhow::Result<_> {
-            Ok((throughput(&rivet.node.node, args)?, throughput(&peer.node, args)?))
+            Ok((
+                throughput(&rivet.node.node, Some(&rivet.socket_lb), args)?,
+                throughput(&peer.node, None, args)?,
+            ))
         })?;
         println!(
             "throughput: rivet ClusterIP {:.2} Gbit/s vs pod IP {:.2} = {:.3}x (goal >= 0.95); iptables ClusterIP \
@@ -892,6 +1055,11 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         metrics.push(("rivet_clusterip_gbit_per_s".into(), r.vip_gbit_per_s));
         metrics.push(("rivet_pod_ip_gbit_per_s".into(), r.pod_gbit_per_s));
         metrics.push(("rivet_clusterip_over_pod_ip".into(), r.ratio));
+        if let (Some(gbit), Some(ratio)) = (r.socket_lb_gbit_per_s, r.socket_lb_ratio) {
+            println!("throughput with socket LB: rivet ClusterIP {gbit:.2} Gbit/s = {ratio:.3}x pod IP (goal >= 1.0)");
+            metrics.push(("rivet_socket_lb_gbit_per_s".into(), gbit));
+            metrics.push(("rivet_socket_lb_over_pod_ip".into(), ratio));
+        }
         metrics.push(("iptables_clusterip_gbit_per_s".into(), p.vip_gbit_per_s));
         metrics.push(("iptables_pod_ip_gbit_per_s".into(), p.pod_gbit_per_s));
         metrics.push(("iptables_clusterip_over_pod_ip".into(), p.ratio));

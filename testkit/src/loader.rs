@@ -240,9 +240,22 @@ pub fn cluster_pod_spec(name: &str, index: u8, n: u8) -> PodSpec {
     .gateways(Ipv4Addr::new(198, 18, index, 1), v6(1))
 }
 
+/// `--ct-max 65536 --lb-flows-max 65536` (test nodes' small conntrack and
+/// translated-flow maps), leaving out each flag `extra_args` sets itself
+/// (svc-loader refuses a flag given twice): a benchmark opening new
+/// connections by the hundred thousand sizes them like a real node.
+pub fn small_flow_maps<'a>(extra_args: &[&str]) -> Vec<&'a str> {
+    [("--ct-max", "65536"), ("--lb-flows-max", "65536")]
+        .into_iter()
+        .filter(|(flag, _)| !extra_args.contains(flag))
+        .flat_map(|(flag, size)| [flag, size])
+        .collect()
+}
+
 impl LoaderNode {
     /// Creates the node with `pods` and starts `loader_bin` inside it with
-    /// small maps and `extra_args`.
+    /// small maps and `extra_args` (which may size the flow maps itself:
+    /// [`small_flow_maps`]).
     pub async fn start(loader_bin: &Path, pods: &[&str], extra_args: &[&str]) -> std::io::Result<Self> {
         Self::start_with_env(loader_bin, pods, extra_args, DEFAULT_ENDPOINTS_MAX, |_| Ok(Vec::new())).await
     }
@@ -321,14 +334,8 @@ impl LoaderNode {
             .args(["--socket-dir".as_ref(), sockets.as_os_str()])
             .args(["--state-dir".as_ref(), dir.path().join("state").as_os_str()])
             .args(["--node-name", &node_name, "--endpoint-interface-prefix", HOST_PREFIX])
-            .args([
-                "--ct-max",
-                "65536",
-                "--lb-flows-max",
-                "65536",
-                "--endpoints-max",
-                &endpoints_max,
-            ])
+            .args(small_flow_maps(extra_args))
+            .args(["--endpoints-max", &endpoints_max])
             .args(["--ipcache-max", &ipcache_max, "--policy-max", "65536"])
             .args(["--events-bytes", "262144", "--host-address-sync-seconds", "1"])
             .args(extra_args)
@@ -523,5 +530,20 @@ pub fn cluster_ip_service(
             .collect(),
         affinity_timeout_seconds: 0,
         external_traffic_policy: pb::TrafficPolicy::Cluster as i32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flow_map_sizes_given_by_the_caller_replace_the_small_ones() {
+        assert_eq!(
+            small_flow_maps(&["--routing-mode", "vxlan"]),
+            ["--ct-max", "65536", "--lb-flows-max", "65536"]
+        );
+        assert_eq!(small_flow_maps(&["--ct-max", "524288"]), ["--lb-flows-max", "65536"]);
+        assert!(small_flow_maps(&["--lb-flows-max", "1", "--ct-max", "2"]).is_empty());
     }
 }
