@@ -146,6 +146,18 @@ async fn services_and_endpoint_slices_made_in_the_api_reach_the_catalog_change_g
         "the slice's port: {:?}",
         web.backends
     );
+    let listed = std::process::Command::new(rivet_common::testing::workspace_binary("rivet"))
+        .arg("--socket-dir")
+        .arg(cluster.node.sockets())
+        .args(["service", "list"])
+        .output()
+        .expect("rivet service list runs");
+    let text = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        listed.status.success() && text.contains("web") && text.contains("198.19.255.10"),
+        "`rivet service list` on the node shows shop/web: {text}{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
 
     // A condition changed in the API (the pod behind .201 is terminating
     // and still serving): the backend is terminating on the node.
