@@ -882,6 +882,26 @@ fn lookup_ports(step: u16, args: &ServicesArgs) -> u16 {
     LOOKUP_PORT_BASE + step * 2 * args.lookup_samples as u16
 }
 
+/// The ClusterIPs the client connects to: `--targets` of the first `count`
+/// services of `set`, spread evenly.
+fn targets_of(set: &[Service], count: u32, args: &ServicesArgs) -> Vec<SocketAddr> {
+    spread(count, args.targets)
+        .into_iter()
+        .map(|i| set[i as usize].frontend)
+        .collect()
+}
+
+/// Lookup step `step`'s [`lookup_cost`] on `node` (its own source ports).
+fn lookup_step(
+    node: &TestNode,
+    targets: &[SocketAddr],
+    step: usize,
+    args: &ServicesArgs,
+) -> anyhow::Result<(f64, f64)> {
+    let first_port = lookup_ports(u16::try_from(step)?, args);
+    tokio::task::block_in_place(|| lookup_cost(node, targets, args.lookup_samples, first_port))
+}
+
 /// Runs the benchmark.
 pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
     anyhow::ensure!(
@@ -924,10 +944,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         let rivet_install = rivet.replace(&installed).await?;
         let maps_memory = service_maps_memory(&rivet.node.pins.0)?;
         let peer_install = peer.replace(&installed)?;
-        let targets: Vec<SocketAddr> = spread(count, args.targets)
-            .into_iter()
-            .map(|i| installed[i as usize].frontend)
-            .collect();
+        let targets = targets_of(&installed, count, args);
         // Fresh source ports for every count: the same sequence on both sides.
         rivet_side.next_connection.store(0, Ordering::Relaxed);
         peer_side.next_connection.store(0, Ordering::Relaxed);
@@ -952,15 +969,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
             }
             Ok(rounds)
         })?;
-        let step = u16::try_from(figures.len())?;
-        let (lookup_ns, lookup_pod_ns) = tokio::task::block_in_place(|| {
-            lookup_cost(
-                &rivet.node.node,
-                &targets,
-                args.lookup_samples,
-                lookup_ports(step, args),
-            )
-        })?;
+        let (lookup_ns, lookup_pod_ns) = lookup_step(&rivet.node.node, &targets, figures.len(), args)?;
         let ours: Vec<ConnectRun> = rounds.iter().map(|r| r.0).collect();
         let theirs: Vec<ConnectRun> = rounds.iter().map(|r| r.1).collect();
         figures.push(CountFigures {
@@ -1095,19 +1104,8 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         let set = service_set(count, args.backends);
         let install = rivet.replace(&set).await?;
         let memory = service_maps_memory(&rivet.node.pins.0)? as f64 / MIB;
-        let targets: Vec<SocketAddr> = spread(count, args.targets)
-            .into_iter()
-            .map(|i| set[i as usize].frontend)
-            .collect();
-        let step = u16::try_from(args.counts.len() + i)?;
-        let (ns, pod_ns) = tokio::task::block_in_place(|| {
-            lookup_cost(
-                &rivet.node.node,
-                &targets,
-                args.lookup_samples,
-                lookup_ports(step, args),
-            )
-        })?;
+        let targets = targets_of(&set, count, args);
+        let (ns, pod_ns) = lookup_step(&rivet.node.node, &targets, args.counts.len() + i, args)?;
         println!(
             "{count} services (Rivet only): installed in {:.0} ms, service maps {memory:.1} MiB; from_container \
              {ns:.0} ns per SYN to a ClusterIP, {pod_ns:.0} ns to a pod IP",
