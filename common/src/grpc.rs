@@ -970,6 +970,7 @@ mod tests {
                 "rivet.endpoint.v1.NamespaceService",
                 "rivet.endpoint.v1.PodMetadataService",
                 "rivet.endpoint.v1.PolicyService",
+                "rivet.endpoint.v1.ServiceCatalogService",
             ]
         );
         assert_eq!(
