@@ -561,6 +561,20 @@ async fn svc_identity_killed_during_an_etcd_outage_restarts_from_its_snapshot_an
     // etcd is back: node a converges.
     let _etcd = etcd.restart_async().await.expect("etcd restarts");
     wait_reconciled(&a);
+    // Healthy with nothing pending says web-2's keys are written; the keys
+    // that were already in etcd move to the new lease with the value-key
+    // pass. Two more successful passes: the second started after the first
+    // had seen the new lease.
+    let succeeded = "rivet_identity_reconcile_passes_total{keys=\"value_keys\",outcome=\"succeeded\"}";
+    let before = identity_metric(metrics, succeeded).await;
+    let started = Instant::now();
+    while identity_metric(metrics, succeeded).await < before + 2.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "svc-identity runs a value-key pass every 2 s once etcd is back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let (sent, received, summary) = pinger.stop();
     assert!(
         sent >= 5 && received == sent,
