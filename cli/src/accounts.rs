@@ -9,8 +9,8 @@
 //!   0700 directory: on this kernel opening a pin is only a file permission
 //!   check, so a daemon running as the same uid as the pins could open every
 //!   map. That is why the two users differ.
-//! - the sockets are `0660 <daemon's user>:<operator group>`; the members of
-//!   the operator group (`--operator-group`, default `rivet-operator`) may
+//! - the sockets are `0660 <daemon's user>:<reader group>`; the members of
+//!   the reader group (`--reader-group`, default `rivet-readers`) may
 //!   make read-only calls. Both daemon users are members too: they connect to
 //!   each other's sockets.
 //!
@@ -37,7 +37,7 @@ pub const DEFAULT_DAEMON_USER: &str = "rivet";
 /// Default user of svc-loader and svc-gc.
 pub const DEFAULT_DATAPATH_USER: &str = "rivet-datapath";
 /// Default group whose members may make read-only calls.
-pub const DEFAULT_OPERATOR_GROUP: &str = "rivet-operator";
+pub const DEFAULT_READER_GROUP: &str = "rivet-readers";
 
 /// The daemons that run as the datapath user.
 const DATAPATH_DAEMONS: [&str; 2] = ["svc-loader", "svc-gc"];
@@ -64,16 +64,16 @@ pub struct NodeAccounts {
     pub daemon: Account,
     /// User of svc-loader and svc-gc.
     pub datapath: Account,
-    /// The operator group's name.
-    pub operator_group: String,
+    /// The reader group's name.
+    pub reader_group: String,
     /// Its gid: the sockets' group, read-only access.
-    pub operator_gid: u32,
+    pub reader_gid: u32,
 }
 
 impl NodeAccounts {
     /// Resolves the users and the group, and checks the memberships the
     /// layout needs.
-    pub fn resolve(daemon_user: &str, datapath_user: &str, operator_group: &str) -> Result<Self> {
+    pub fn resolve(daemon_user: &str, datapath_user: &str, reader_group: &str) -> Result<Self> {
         let user = |name: &str, flag: &str| {
             resolve_user(name).map_err(|e| match e {
                 PrivilegeError::NoSuchUser { .. } => anyhow::anyhow!(
@@ -86,10 +86,10 @@ impl NodeAccounts {
         };
         let daemon = user(daemon_user, "--daemon-user")?;
         let datapath = user(datapath_user, "--datapath-user")?;
-        let operator_gid = resolve_group(operator_group).map_err(|e| match e {
+        let reader_gid = resolve_group(reader_group).map_err(|e| match e {
             PrivilegeError::NoSuchGroup { .. } => anyhow::anyhow!(
-                "group `{operator_group}` does not exist: run `cargo xtask install`, create it by hand \
-                 (README, \"Users and groups\"), or name another with --operator-group"
+                "group `{reader_group}` does not exist: run `cargo xtask install`, create it by hand \
+                 (README, \"Users and groups\"), or name another with --reader-group"
             ),
             e => anyhow::Error::from(e),
         })?;
@@ -102,10 +102,10 @@ impl NodeAccounts {
             );
         }
         for account in [&daemon, &datapath] {
-            if account.uid != 0 && !account.groups.contains(&operator_gid) {
+            if account.uid != 0 && !account.groups.contains(&reader_gid) {
                 bail!(
-                    "user {} is not a member of group {operator_group}: the daemons set that group on their \
-                     sockets and connect to each other's (`usermod -a -G {operator_group} {}`; \
+                    "user {} is not a member of group {reader_group}: the daemons set that group on their \
+                     sockets and connect to each other's (`usermod -a -G {reader_group} {}`; \
                      `cargo xtask install` does it)",
                     account.name,
                     account.name
@@ -127,8 +127,8 @@ impl NodeAccounts {
         Ok(Self {
             daemon,
             datapath,
-            operator_group: operator_group.to_string(),
-            operator_gid,
+            reader_group: reader_group.to_string(),
+            reader_gid,
         })
     }
 
@@ -144,7 +144,7 @@ impl NodeAccounts {
     /// Uids that may call every method of daemon `name`: root (rivet-cni,
     /// the CLI run as root), plus the daemon user where svc-endpoint or
     /// svc-identity drive it. svc-gc's one call (svc-endpoint's
-    /// ListEndpoints) is read-only: it has it as a member of the operator group.
+    /// ListEndpoints) is read-only: it has it as a member of the reader group.
     pub fn full_access_uids(&self, name: &str) -> Vec<u32> {
         let mut uids = vec![0];
         if matches!(name, "svc-ipam" | "svc-identity" | "svc-loader") && self.daemon.uid != 0 {

@@ -305,7 +305,7 @@ fn program_by_id(id: u32) -> Result<(), i32> {
 fn daemons_run_with_only_their_privileges_and_sockets_admit_only_who_needs_them() {
     let daemon_user = installed_user("rivet");
     let datapath_user = installed_user("rivet-datapath");
-    let operator_gid = resolve_group("rivet-operator").expect("rivet-operator exists: run `cargo xtask install`");
+    let reader_gid = resolve_group("rivet-readers").expect("rivet-readers exists: run `cargo xtask install`");
     let mut node = TestNode::up();
     node.ok(&["pod", "add", "a", "--label", "app=a"]);
     let record = node.record();
@@ -411,7 +411,7 @@ fn daemons_run_with_only_their_privileges_and_sockets_admit_only_who_needs_them(
     );
     assert_eq!(filters(), before, "the datapath stays attached");
 
-    // Sockets: members of rivet-operator may read, not change; others may not connect.
+    // Sockets: members of rivet-readers may read, not change; others may not connect.
     let as_uid = |(uid, gid): (u32, u32), groups: &[u32], args: &[&str]| {
         let mut cmd = Command::new("setpriv");
         cmd.args(["--reuid", &uid.to_string(), "--regid", &gid.to_string()]);
@@ -438,7 +438,7 @@ fn daemons_run_with_only_their_privileges_and_sockets_admit_only_who_needs_them(
         &["gc", "status"],
         &["health"],
     ] {
-        let out = as_uid(nobody, &[operator_gid], read);
+        let out = as_uid(nobody, &[reader_gid], read);
         assert!(
             out.status.success(),
             "an operator may run `rivet {}`: {}",
@@ -457,13 +457,13 @@ fn daemons_run_with_only_their_privileges_and_sockets_admit_only_who_needs_them(
     for ((uid, gid), groups, args, method) in [
         (
             nobody,
-            vec![operator_gid],
+            vec![reader_gid],
             vec!["policy", "apply", "-f", policy.to_str().unwrap()],
             "rivet.endpoint.v1.PolicyService/UpsertPolicy",
         ),
         (
             nobody,
-            vec![operator_gid],
+            vec![reader_gid],
             vec!["gc", "run"],
             "rivet.gc.v1.GcService/RunNow",
         ),

@@ -6,7 +6,7 @@
 //!
 //! - a uid in `full_uids` may call every method (root, and the daemons that
 //!   drive this one: svc-endpoint calling svc-ipam, ...);
-//! - otherwise a peer in one of `read_only_gids` (the operator group) may call
+//! - otherwise a peer in one of `read_only_gids` (the reader group) may call
 //!   the daemon's read-only methods — its own list plus [`ALWAYS_READ_ONLY`];
 //! - anyone else is refused every call.
 //!

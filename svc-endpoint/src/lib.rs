@@ -32,7 +32,7 @@ pub const DAEMON_NAME: &str = "svc-endpoint";
 /// writes its state dir; the kernel work is svc-loader's).
 pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
 
-/// Methods that only read: members of the operator group may call them.
+/// Methods that only read: members of the reader group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
     (
         rivet_proto::endpoint::v1::endpoint_service_server::SERVICE_NAME,

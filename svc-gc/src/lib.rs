@@ -37,7 +37,7 @@ pub const DAEMON_NAME: &str = "svc-gc";
 /// need no capability: svc-gc runs as the user that owns svc-loader's pins.
 pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
 
-/// Methods that only read: members of the operator group may call them.
+/// Methods that only read: members of the reader group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods =
     &[(rivet_proto::gc::v1::gc_service_server::SERVICE_NAME, &["Status"])];
 

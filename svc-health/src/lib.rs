@@ -33,7 +33,7 @@ pub const DAEMON_NAME: &str = "svc-health";
 /// 4240 is not a privileged port.
 pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
 
-/// Methods that only read: members of the operator group may call them.
+/// Methods that only read: members of the reader group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[(
     rivet_proto::health::v1::health_service_server::SERVICE_NAME,
     &["GetHealth"],

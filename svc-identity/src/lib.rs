@@ -48,7 +48,7 @@ pub const DAEMON_NAME: &str = "svc-identity";
 /// dir or etcd on the network; it calls svc-loader over its socket).
 pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
 
-/// Methods that only read: members of the operator group may call them.
+/// Methods that only read: members of the reader group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
     (
         rivet_proto::identity::v1::identity_service_server::SERVICE_NAME,

@@ -25,7 +25,7 @@ pub const DAEMON_NAME: &str = "svc-ipam";
 /// and serves its socket).
 pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[];
 
-/// Methods that only read: members of the operator group may call them.
+/// Methods that only read: members of the reader group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods =
     &[(rivet_proto::ipam::v1::ipam_server::SERVICE_NAME, &["List"])];
 

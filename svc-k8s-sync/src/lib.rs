@@ -63,7 +63,7 @@ pub const RIVET_API_VERSION: &str = "rivet.io/v1";
 /// The field manager of svc-k8s-sync's server-side applies.
 pub const FIELD_MANAGER: &str = "svc-k8s-sync";
 
-/// Methods that only read: members of the operator group may call them.
+/// Methods that only read: members of the reader group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
     (rivet_proto::k8s::v1::pod_directory_server::SERVICE_NAME, &["LookupPod"]),
     (

@@ -48,7 +48,7 @@ pub const CAPABILITIES: &[rivet_common::privileges::Capability] = &[
     rivet_common::privileges::Capability::CAP_PERFMON,
 ];
 
-/// Methods that only read: members of the operator group may call them.
+/// Methods that only read: members of the reader group may call them.
 pub const READ_ONLY_METHODS: rivet_common::access::ReadOnlyMethods = &[
     (
         rivet_proto::loader::v1::loader_service_server::SERVICE_NAME,

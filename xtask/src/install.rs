@@ -65,11 +65,11 @@ pub const GRPCIO_REFLECTION_VERSION: &str = "1.85.1";
 const BPFFS: &str = "/sys/fs/bpf";
 
 /// The group whose members may make read-only calls on the daemon sockets.
-pub const OPERATOR_GROUP: &str = "rivet-operator";
+pub const READER_GROUP: &str = "rivet-readers";
 
 /// The system users the node daemons run as (`rivet node up --daemon-user`,
 /// `--datapath-user`), as (name, primary group, what runs as it). Both are
-/// members of [`OPERATOR_GROUP`] (the sockets' group), and the datapath user's
+/// members of [`READER_GROUP`] (the sockets' group), and the datapath user's
 /// primary group is the daemon user's (the socket dir's group).
 pub const USERS: [(&str, &str, &str); 2] = [
     (
@@ -203,13 +203,13 @@ fn mount_bpffs() -> Result<()> {
     cmd::run_keeping_stderr(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))
 }
 
-/// Creates [`OPERATOR_GROUP`] and the [`USERS`] (system accounts: no home, no
+/// Creates [`READER_GROUP`] and the [`USERS`] (system accounts: no home, no
 /// login shell) that do not exist, and adds missing group memberships.
 fn create_users() -> Result<()> {
     let mut changed = Vec::new();
-    if !exists("group", OPERATOR_GROUP)? {
-        cmd::run_keeping_stderr(Command::new("groupadd").args(["--system", OPERATOR_GROUP]))?;
-        changed.push(format!("group {OPERATOR_GROUP}"));
+    if !exists("group", READER_GROUP)? {
+        cmd::run_keeping_stderr(Command::new("groupadd").args(["--system", READER_GROUP]))?;
+        changed.push(format!("group {READER_GROUP}"));
     }
     for (user, primary, comment) in USERS {
         if !exists("passwd", user)? {
@@ -221,11 +221,11 @@ fn create_users() -> Result<()> {
             } else {
                 useradd.args(["--gid", primary]);
             }
-            cmd::run_keeping_stderr(useradd.args(["--groups", OPERATOR_GROUP, user]))?;
+            cmd::run_keeping_stderr(useradd.args(["--groups", READER_GROUP, user]))?;
             changed.push(format!("user {user}"));
-        } else if !groups_of(user)?.iter().any(|g| g == OPERATOR_GROUP) {
-            cmd::run_keeping_stderr(Command::new("usermod").args(["--append", "--groups", OPERATOR_GROUP, user]))?;
-            changed.push(format!("{user} in {OPERATOR_GROUP}"));
+        } else if !groups_of(user)?.iter().any(|g| g == READER_GROUP) {
+            cmd::run_keeping_stderr(Command::new("usermod").args(["--append", "--groups", READER_GROUP, user]))?;
+            changed.push(format!("{user} in {READER_GROUP}"));
         }
     }
     if changed.is_empty() {

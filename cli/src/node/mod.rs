@@ -27,7 +27,7 @@
 //! and svc-gc to `--datapath-user` (svc-loader keeping CAP_BPF,
 //! CAP_NET_ADMIN and CAP_PERFMON), and each socket admits full calls only
 //! from root and the daemons that drive it, read-only calls from
-//! `--operator-group` ([`crate::accounts`]). Before starting them, `node up`
+//! `--reader-group` ([`crate::accounts`]). Before starting them, `node up`
 //! gives each daemon `<state-dir>/<daemon>/` and the datapath user the pin dir.
 //!
 //! For demos and tests the node can live in a network namespace
@@ -328,8 +328,8 @@ pub struct UpArgs {
     pub datapath_user: String,
     /// Group of the daemon sockets: its members may make read-only calls
     /// (`rivet status`, `... list`, `rivet monitor`); changes need root.
-    #[arg(long, value_name = "GROUP", default_value = accounts::DEFAULT_OPERATOR_GROUP)]
-    pub operator_group: String,
+    #[arg(long, value_name = "GROUP", default_value = accounts::DEFAULT_READER_GROUP)]
+    pub reader_group: String,
     /// How long a daemon may take to answer on its socket, seconds.
     #[arg(long, default_value_t = 30)]
     pub ready_timeout_seconds: u64,

@@ -398,11 +398,11 @@ impl NodePlan {
                     "--user".into(),
                     accounts.of(name).name.clone().into(),
                     "--socket-gid".into(),
-                    accounts.operator_gid.to_string().into(),
+                    accounts.reader_gid.to_string().into(),
                     "--allowed-uids".into(),
                     ids(&self.full_access_uids(accounts, name)).into(),
                     "--read-only-gids".into(),
-                    accounts.operator_gid.to_string().into(),
+                    accounts.reader_gid.to_string().into(),
                 ];
                 match name {
                     "svc-ipam" => {
@@ -623,8 +623,8 @@ pub(super) mod tests {
         NodeAccounts {
             daemon: account("rivet", 999, 994),
             datapath: account("rivet-datapath", 998, 994),
-            operator_group: "rivet-operator".into(),
-            operator_gid: 995,
+            reader_group: "rivet-readers".into(),
+            reader_gid: 995,
         }
     }
 
