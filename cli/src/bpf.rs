@@ -49,7 +49,12 @@ pub enum BpfCommand {
 pub enum ServiceMapCommand {
     /// List the services svc-loader holds, with their names from
     /// svc-endpoint's service catalog when it answers (else ids only).
-    List,
+    List {
+        /// Also count the flow and affinity entries (walks lb4_flows,
+        /// lb6_flows and lb_affinity: slow with many connections).
+        #[arg(long)]
+        counts: bool,
+    },
 }
 
 /// `rivet bpf endpoint ...`
@@ -299,10 +304,12 @@ struct PeerView {
 #[derive(Debug, Serialize, PartialEq)]
 struct ServiceMapView {
     services: Vec<LbServiceView>,
-    /// Entries of lb4_flows + lb6_flows.
-    flow_entries: u64,
-    /// Entries of lb_affinity.
-    affinity_entries: u64,
+    /// Entries of lb4_flows + lb6_flows (`--counts`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    flow_entries: Option<u64>,
+    /// Entries of lb_affinity (`--counts`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    affinity_entries: Option<u64>,
     /// Whether names came from svc-endpoint's catalog.
     names_known: bool,
 }
@@ -401,8 +408,8 @@ fn service_map_view(r: &pb::ListServicesResponse, names: Option<&BTreeMap<u32, S
         .collect();
     ServiceMapView {
         services,
-        flow_entries: r.flow_entries,
-        affinity_entries: r.affinity_entries,
+        flow_entries: r.entries_counted.then_some(r.flow_entries),
+        affinity_entries: r.entries_counted.then_some(r.affinity_entries),
         names_known: names.is_some(),
     }
 }
@@ -454,11 +461,13 @@ fn service_map_text(view: &ServiceMapView) -> String {
         }
     }
     let mut out = t.render();
+    let counts = match (view.flow_entries, view.affinity_entries) {
+        (Some(flows), Some(affinity)) => format!(", {flows} flow entries, {affinity} affinity entries"),
+        _ => String::new(),
+    };
     out.push_str(&format!(
-        "\n{} services, {} flow entries, {} affinity entries{}\n",
+        "\n{} services{counts}{}\n",
         view.services.len(),
-        view.flow_entries,
-        view.affinity_entries,
         if view.names_known {
             ""
         } else {
@@ -473,9 +482,9 @@ pub async fn run(ctx: &Context, command: BpfCommand) -> Result<(), CliError> {
     let mut client = LoaderServiceClient::new(channel.clone());
     let rpc = |s| CliError::rpc(DAEMON, s);
     match command {
-        BpfCommand::Service(ServiceMapCommand::List) => {
+        BpfCommand::Service(ServiceMapCommand::List { counts }) => {
             let r = LoadBalancerServiceClient::new(channel)
-                .list_services(pb::ListServicesRequest {})
+                .list_services(pb::ListServicesRequest { count_entries: counts })
                 .await
                 .map_err(rpc)?
                 .into_inner();
@@ -978,6 +987,7 @@ mod tests {
             flow_entries: 4,
             affinity_entries: 1,
             boot_id: "b".into(),
+            entries_counted: true,
         };
         let names = catalog_names(&[endpoint_pb::ServiceView {
             namespace: "default".into(),
@@ -1013,10 +1023,25 @@ mod tests {
         assert_eq!(json["services"][0]["backends"][1]["state"], "terminating");
         assert_eq!(json["services"][0]["external_table_id"], 4);
 
+        assert_eq!(json["flow_entries"], 4);
+
         let anonymous = service_map_text(&service_map_view(&r, None));
         assert!(
             anonymous.contains("(names unknown: svc-endpoint did not answer)"),
             "{anonymous}"
         );
+
+        // Without --counts the maps were not walked: no counts shown.
+        let uncounted = pb::ListServicesResponse {
+            entries_counted: false,
+            flow_entries: 0,
+            affinity_entries: 0,
+            ..r
+        };
+        let view = service_map_view(&uncounted, Some(&names));
+        let text = service_map_text(&view);
+        assert!(text.contains("\n2 services\n"), "{text}");
+        assert!(!text.contains("flow entries"), "{text}");
+        assert!(serde_json::to_value(&view).unwrap().get("flow_entries").is_none());
     }
 }

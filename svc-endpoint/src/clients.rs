@@ -347,7 +347,11 @@ impl LoadBalancerApi for GrpcLoader {
         .boxed()
     }
     fn list_services(&self) -> BoxFuture<'_, ApiResult<loader::ListServicesResponse>> {
-        unary!(self.load_balancer(), list_services, loader::ListServicesRequest {})
+        unary!(
+            self.load_balancer(),
+            list_services,
+            loader::ListServicesRequest::default()
+        )
     }
 }
 

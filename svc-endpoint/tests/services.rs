@@ -88,7 +88,7 @@ async fn loader_services(node: &EndpointNode) -> Vec<lb::LbServiceStatus> {
         .await
         .unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()));
     let mut services = LoadBalancerServiceClient::new(channel)
-        .list_services(lb::ListServicesRequest {})
+        .list_services(lb::ListServicesRequest::default())
         .await
         .expect("svc-loader lists its services")
         .into_inner()

@@ -154,7 +154,11 @@ async fn upsert_replace_and_delete_read_back_from_the_pinned_maps() {
     assert_eq!(maps.rev_nat[&7].socket_addr(), Some("198.19.128.7:80".parse().unwrap()));
 
     // Listed with its slots; an identical upsert changes nothing.
-    let listed = lb.list_services(pb::ListServicesRequest {}).await.unwrap().into_inner();
+    let listed = lb
+        .list_services(pb::ListServicesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert_eq!(listed.services.len(), 1);
     let slots: u32 = listed.services[0].backends.iter().map(|b| b.maglev_slots).sum();
     assert_eq!(slots, 1021);
@@ -281,7 +285,7 @@ async fn kill_9_restores_the_index_from_the_pins_and_a_replay_changes_nothing() 
     let listed_before = node
         .lb_client()
         .await
-        .list_services(pb::ListServicesRequest {})
+        .list_services(pb::ListServicesRequest::default())
         .await
         .unwrap()
         .into_inner();
@@ -291,7 +295,11 @@ async fn kill_9_restores_the_index_from_the_pins_and_a_replay_changes_nothing() 
     node.loader.restart().await.expect("the loader restarts on its pins");
 
     let mut lb = node.lb_client().await;
-    let listed_after = lb.list_services(pb::ListServicesRequest {}).await.unwrap().into_inner();
+    let listed_after = lb
+        .list_services(pb::ListServicesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
     assert_ne!(listed_after.boot_id, listed_before.boot_id);
     assert_eq!(listed_after.services, listed_before.services, "the index is restored");
     let report = replace(&node, the_set()).await;

@@ -251,7 +251,7 @@ impl ClusterNode {
         Ok(self
             .load_balancer()
             .await
-            .list_services(ldpb::ListServicesRequest {})
+            .list_services(ldpb::ListServicesRequest::default())
             .await?
             .into_inner())
     }

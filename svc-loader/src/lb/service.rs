@@ -204,19 +204,25 @@ impl pb::load_balancer_service_server::LoadBalancerService for LoadBalancerServi
 
     async fn list_services(
         &self,
-        _request: Request<pb::ListServicesRequest>,
+        request: Request<pb::ListServicesRequest>,
     ) -> Result<Response<pb::ListServicesResponse>, Status> {
         const METHOD: &str = "ListServices";
+        let count_entries = request.into_inner().count_entries;
         let lb = self.lb.clone();
-        let (services, counts) = tokio::task::spawn_blocking(move || (lb.list(), lb.dynamic_entries()))
-            .await
-            .map_err(|e| Status::internal(format!("load balancer task failed: {e}")))?;
-        let (flow_entries, affinity_entries) =
-            counts.map_err(|e| self.fail(METHOD, Status::internal(e.to_string())))?;
+        // Counting walks both flow maps and lb_affinity: only when asked.
+        let (services, counts) =
+            tokio::task::spawn_blocking(move || (lb.list(), count_entries.then(|| lb.dynamic_entries())))
+                .await
+                .map_err(|e| Status::internal(format!("load balancer task failed: {e}")))?;
+        let (flow_entries, affinity_entries) = counts
+            .transpose()
+            .map_err(|e| self.fail(METHOD, Status::internal(e.to_string())))?
+            .unwrap_or_default();
         Ok(Response::new(pb::ListServicesResponse {
             services: services.iter().map(status_proto).collect(),
             flow_entries,
             affinity_entries,
+            entries_counted: count_entries,
             boot_id: self.boot_id.to_string(),
         }))
     }

@@ -17,6 +17,8 @@ use super::*;
 struct FakeMaps {
     state: Arc<Mutex<LbSnapshot>>,
     log: Arc<Mutex<Vec<(&'static str, bool)>>>,
+    /// Walks of the flow and affinity maps (`dynamic_entries` calls).
+    walks: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl ServiceMaps for FakeMaps {
@@ -39,7 +41,8 @@ impl ServiceMaps for FakeMaps {
     }
 
     fn dynamic_entries(&self) -> Result<(u64, u64), LbMapError> {
-        Ok((0, 0))
+        self.walks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok((6, 2))
     }
 }
 
@@ -413,6 +416,40 @@ fn a_full_map_is_refused_before_anything_is_written() {
     assert!(err.is_map_full(), "{err}");
     assert!(err.to_string().contains("lb_backends"), "{err}");
     assert_eq!(maps.take_log(), []);
+}
+
+/// ListServices walks the flow and affinity maps only when the request
+/// asks for their counts (they hold up to hundreds of thousands of entries).
+#[tokio::test]
+async fn list_services_counts_flow_entries_only_when_asked() {
+    use pb::load_balancer_service_server::LoadBalancerService as _;
+    use std::sync::atomic::Ordering;
+
+    let maps = FakeMaps::default();
+    let lb = Arc::new(lb(&maps));
+    lb.upsert(&service(1, "198.19.128.1:80", &["198.18.0.2:80"])).unwrap();
+    let grpc = service::LoadBalancerService::new(
+        lb,
+        rivet_common::grpc::BootId::random(),
+        crate::events::LoaderMetrics::default(),
+    );
+    let list = |count_entries| grpc.list_services(tonic::Request::new(pb::ListServicesRequest { count_entries }));
+
+    let plain = list(false).await.unwrap().into_inner();
+    assert_eq!(plain.services.len(), 1);
+    assert_eq!(
+        maps.walks.load(Ordering::SeqCst),
+        0,
+        "a plain list walked the flow maps"
+    );
+    assert!(!plain.entries_counted);
+    assert_eq!((plain.flow_entries, plain.affinity_entries), (0, 0));
+
+    let counted = list(true).await.unwrap().into_inner();
+    assert_eq!(maps.walks.load(Ordering::SeqCst), 1);
+    assert!(counted.entries_counted);
+    assert_eq!((counted.flow_entries, counted.affinity_entries), (6, 2));
+    assert_eq!(counted.services, plain.services);
 }
 
 fn pb_service() -> pb::LbService {
