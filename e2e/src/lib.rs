@@ -5,8 +5,8 @@
 //!
 //! - [`containerd`]: the [`Containerd`](containerd::Containerd) guard (config,
 //!   start inside a node network namespace, teardown that leaves nothing);
-//! - [`image`]: OCI image archives built from the host's static busybox (the
-//!   pause image and a tools image), imported with `ctr`;
+//! - [`image`]: the pause and busybox images (`rivet-oci`, from the host's
+//!   static busybox), imported with `ctr`;
 //! - [`cri`]: a small CRI client (pod sandboxes, containers, `ExecSync`);
 //! - [`node`]: a Rivet node made by `rivet node up` whose CNI directories
 //!   containerd reads;
@@ -54,12 +54,6 @@ pub enum Missing {
         /// The `PATH` searched.
         path: String,
     },
-    /// The static busybox the images are built from.
-    #[error("{} not found: the e2e images are built from a static busybox (Debian package busybox-static)", path.display())]
-    Busybox {
-        /// Where it was looked for.
-        path: std::path::PathBuf,
-    },
 }
 
 /// Everything that can go wrong while running pods.
@@ -68,6 +62,10 @@ pub enum Error {
     /// Something this machine must provide is missing (a binary, root).
     #[error("the containerd e2e harness cannot run: {0}")]
     Missing(#[from] Missing),
+    /// Building or writing the test images failed (a missing static busybox
+    /// included).
+    #[error("the e2e images: {0}")]
+    Image(#[from] rivet_oci::Error),
     /// A command ran and failed.
     #[error("`{cmd}` failed ({status}): {stderr}")]
     Command {

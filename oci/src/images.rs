@@ -1,0 +1,81 @@
+//! The three archives Rivet ships, written side by side:
+//! `<out>/rivet-<tag>.oci.tar`, `<out>/pause-<tag>.oci.tar` and
+//! `<out>/busybox-<tag>.oci.tar`, one image each, named
+//! `docker.io/rivet/<image>:<tag>`. `cargo xtask image` writes them from
+//! the release binaries; tests and the cluster fixture from the dev ones.
+//!
+//! ```no_run
+//! # fn t() -> rivet_oci::Result<()> {
+//! let written = rivet_oci::images::write_images(&rivet_oci::images::ImageSet {
+//!     bin_dir: "target/debug".into(),
+//!     busybox: rivet_oci::busybox::HOST_BUSYBOX.into(),
+//!     out_dir: "target/images".into(),
+//!     tag: "dev".into(),
+//! })?;
+//! println!("{}", written.rivet.path.display());
+//! # Ok(()) }
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use crate::archive::{ArchiveSummary, OciArchive};
+use crate::{Result, busybox, io_context, reference, rivet};
+
+/// What to build and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageSet {
+    /// Where the Rivet binaries are (`target/release`, `target/debug`).
+    pub bin_dir: PathBuf,
+    /// The static busybox of the pause and busybox images.
+    pub busybox: PathBuf,
+    /// Where the archives go (created if missing).
+    pub out_dir: PathBuf,
+    /// Every image's tag.
+    pub tag: String,
+}
+
+/// The archives written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrittenImages {
+    /// `rivet`: every binary ([`rivet::rivet_image`]).
+    pub rivet: ArchiveSummary,
+    /// `pause` ([`busybox::pause_image`]).
+    pub pause: ArchiveSummary,
+    /// `busybox` ([`busybox::busybox_image`]).
+    pub busybox: ArchiveSummary,
+}
+
+impl WrittenImages {
+    /// The three, rivet first.
+    pub fn all(&self) -> [&ArchiveSummary; 3] {
+        [&self.rivet, &self.pause, &self.busybox]
+    }
+}
+
+/// `<out_dir>/<image>-<tag>.oci.tar`.
+pub fn archive_path(out_dir: &Path, image: &str, tag: &str) -> PathBuf {
+    out_dir.join(format!("{image}-{tag}.oci.tar"))
+}
+
+/// Builds and writes the three archives of `set`.
+pub fn write_images(set: &ImageSet) -> Result<WrittenImages> {
+    std::fs::create_dir_all(&set.out_dir).map_err(io_context(format!("creating {}", set.out_dir.display())))?;
+    let write_one = |name: &str, image| {
+        let mut archive = OciArchive::new();
+        archive.add(image);
+        archive.write(&archive_path(&set.out_dir, name, &set.tag))
+    };
+    let layer = rivet::rivet_layer(&set.bin_dir)?;
+    let rivet = write_one(
+        rivet::IMAGE,
+        rivet::rivet_image(&reference(rivet::IMAGE, &set.tag), &layer),
+    )?;
+    drop(layer);
+    let layer = busybox::busybox_layer(&set.busybox)?;
+    let pause = write_one("pause", busybox::pause_image(&reference("pause", &set.tag), &layer))?;
+    let busybox = write_one(
+        "busybox",
+        busybox::busybox_image(&reference("busybox", &set.tag), &layer),
+    )?;
+    Ok(WrittenImages { rivet, pause, busybox })
+}

@@ -1,0 +1,124 @@
+//! OCI images without a registry and without a container daemon.
+//!
+//! - [`layer`]: a [`LayerBuilder`] collects files (with modes), directories
+//!   and symlinks and writes one deterministic layer (uid/gid 0, mtime 0,
+//!   sorted entries, gzip without a timestamp): the same inputs always give
+//!   the same digests;
+//! - [`archive`]: an [`OciArchive`] of one or more [`Image`]s written as an
+//!   OCI image-layout tar (`oci-layout`, `index.json`, `blobs/sha256/…`)
+//!   that `ctr -n k8s.io images import` reads; images sharing a layer store
+//!   it once;
+//! - [`busybox`]: the pause and busybox images, from the host's static
+//!   busybox;
+//! - [`rivet`]: the Rivet image, every daemon, the CNI plugin, the operator
+//!   and the CLI with only the shared libraries they load;
+//! - [`images`]: the three archives Rivet ships (rivet, pause, busybox),
+//!   tagged alike.
+//!
+//! ```no_run
+//! # fn t() -> rivet_oci::Result<()> {
+//! use rivet_oci::{OciArchive, busybox};
+//! let layer = busybox::busybox_layer(busybox::HOST_BUSYBOX.as_ref())?;
+//! let mut archive = OciArchive::new();
+//! archive.add(busybox::pause_image(busybox::PAUSE_IMAGE, &layer));
+//! archive.add(busybox::busybox_image(busybox::BUSYBOX_IMAGE, &layer));
+//! let written = archive.write("/tmp/images.tar".as_ref())?;
+//! println!("{} bytes", written.archive_bytes);
+//! # Ok(()) }
+//! ```
+
+pub mod archive;
+pub mod busybox;
+pub mod images;
+pub mod layer;
+pub mod rivet;
+
+use std::path::PathBuf;
+use std::process::ExitStatus;
+
+pub use archive::{ArchiveSummary, Image, ImageConfig, ImageSummary, OciArchive};
+pub use layer::{Compression, Layer, LayerBuilder};
+
+/// The repository every Rivet image is named under (`<REPOSITORY>/<name>:<tag>`).
+pub const REPOSITORY: &str = "docker.io/rivet";
+
+/// The full reference of image `name` with `tag`, e.g.
+/// `docker.io/rivet/rivet:1a2b3c4`.
+///
+/// ```
+/// assert_eq!(rivet_oci::reference("pause", "e2e"), "docker.io/rivet/pause:e2e");
+/// ```
+pub fn reference(name: &str, tag: &str) -> String {
+    format!("{REPOSITORY}/{name}:{tag}")
+}
+
+/// Everything that can go wrong while building or writing images.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The static busybox the pause and busybox images are built from.
+    #[error("{} not found: the pause and busybox images are built from a static busybox (Debian package busybox-static)", path.display())]
+    MissingBusybox {
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+    /// A binary of the Rivet image is not built.
+    #[error("{} not found: build the workspace binaries first (`cargo build --bins`, or `--profile release`)", path.display())]
+    MissingBinary {
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+    /// A path inside a layer is not a plain relative path.
+    #[error("layer entry `{path}`: {reason}")]
+    BadPath {
+        /// The path given.
+        path: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// An I/O error, with what was being done.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A command (ldd, strip) ran and failed.
+    #[error("`{cmd}` failed ({status}): {stderr}")]
+    Command {
+        /// The command line.
+        cmd: String,
+        /// Its exit status.
+        status: ExitStatus,
+        /// Its stderr, trimmed.
+        stderr: String,
+    },
+    /// `ldd` could not resolve a library a binary needs.
+    #[error("{}: ldd cannot resolve `{library}` ({line})", binary.display())]
+    UnresolvedLibrary {
+        /// The binary.
+        binary: PathBuf,
+        /// The library's name.
+        library: String,
+        /// ldd's line about it.
+        line: String,
+    },
+    /// The OCI types refused a value (a bad digest, a missing field).
+    #[error("building the image {what} of `{image}`: {source}")]
+    Spec {
+        /// Manifest, config, descriptor, index.
+        what: &'static str,
+        /// The image's reference.
+        image: String,
+        /// The error.
+        source: oci_spec::OciSpecError,
+    },
+}
+
+/// This crate's result.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn io_context(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let context = context.into();
+    move |source| Error::Io { context, source }
+}
