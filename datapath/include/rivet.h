@@ -152,6 +152,10 @@ struct ct6_key {
  * its replies look up their reverse NAT in lb4_flows / lb6_flows. Ordinary
  * connections never pay for that lookup. */
 #define CT_F_SERVICE (1 << 3)
+/* The connection was translated by a NodePort (svc-loader's nodeport.h)
+ * into a backend on this node: the backend's replies get the node address
+ * and NodePort back as source in its from_container, before they leave. */
+#define CT_F_NODEPORT (1 << 4)
 
 struct ct_entry {
 	__u64 expires;     /* bpf_ktime_get_ns() deadline */

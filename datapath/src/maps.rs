@@ -116,6 +116,10 @@ pub const CT_F_CLOSING_REV: u8 = 1 << 2;
 /// Conntrack entry flag: the connection was translated by a service (its
 /// tuple is the backend's); its replies are reverse-NATed.
 pub const CT_F_SERVICE: u8 = 1 << 3;
+/// Conntrack entry flag: the connection was translated by a NodePort into
+/// a backend on this node; the backend's replies are reverse-translated
+/// as they leave it.
+pub const CT_F_NODEPORT: u8 = 1 << 4;
 
 // ---------------------------------------------------------------------- config
 
@@ -1664,6 +1668,7 @@ mod tests {
             ("CT_F_CLOSING_FWD", CT_F_CLOSING_FWD.into()),
             ("CT_F_CLOSING_REV", CT_F_CLOSING_REV.into()),
             ("CT_F_SERVICE", CT_F_SERVICE.into()),
+            ("CT_F_NODEPORT", CT_F_NODEPORT.into()),
             ("CONFIG_EVENT_VERDICTS", CONFIG_EVENT_VERDICTS.into()),
             ("CONFIG_EVENT_TRACE", CONFIG_EVENT_TRACE.into()),
             ("REASON_FORWARDED", REASON_FORWARDED.into()),

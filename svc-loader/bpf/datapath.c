@@ -265,12 +265,16 @@ struct pkt {
 	__u8 hop_limit;    /* IPv6 hop limit */
 	/* Services: `svc` is set once the packet was translated to a backend
 	 * (its conntrack entries get CT_F_SERVICE); enforce() sets `rev_nat`
-	 * when the packet is a reply on a translated connection. Written
-	 * without branching, so the verifier's states do not split on them;
-	 * bits of one byte, since the programs' stack is nearly full. */
+	 * when the packet is a reply on a translated connection. `nodeport`
+	 * and `rev_nodeport` the same for a NodePort's translation into a
+	 * backend on this node (CT_F_NODEPORT). Written without branching, so
+	 * the verifier's states do not split on them; bits of one byte, since
+	 * the programs' stack is nearly full. */
 	__u8 svc : 1;
 	__u8 rev_nat : 1;
-	__u8 pad : 6;
+	__u8 nodeport : 1;
+	__u8 rev_nodeport : 1;
+	__u8 pad : 4;
 	__u32 frag_id;     /* IPv4 identification / IPv6 Fragment header identification */
 	__u32 l4_off;
 	__u32 len;
@@ -979,7 +983,7 @@ static __always_inline int ct_create(const struct pkt *p, __u8 dir, __u32 src_id
 {
 	struct ct_entry e = {};
 
-	e.flags = (p->svc & 1) * CT_F_SERVICE;
+	e.flags = (p->svc & 1) * CT_F_SERVICE | (p->nodeport & 1) * CT_F_NODEPORT;
 
 	if (p->protocol == IPPROTO_TCP) {
 		e.tcp_state = CT_TCP_SYN;
@@ -1031,6 +1035,7 @@ static __always_inline int enforce(struct pkt *p, const struct endpoint_info *ep
 
 	*peer_out = 0;
 	p->rev_nat = 0;
+	p->rev_nodeport = 0;
 	if (p->fragment)
 		return (ep->flags & enforce_flag) ? DROP_FRAGMENT_UNTRACKED : 0;
 	/* Read before any policy lookup: a verdict taken while the loader
@@ -1066,11 +1071,13 @@ static __always_inline int enforce(struct pkt *p, const struct endpoint_info *ep
 		if (!p->icmp_error)
 			ct_refresh(e, p, reply, cfg);
 		/* A connection translated after its entry was made (a service
-		 * frontend added under it) is a service connection from now on. */
-		flags = e->flags | (p->svc & 1) * CT_F_SERVICE;
+		 * frontend added under it, an entry of a datapath without
+		 * CT_F_NODEPORT) is a translated connection from now on. */
+		flags = e->flags | (p->svc & 1) * CT_F_SERVICE | (p->nodeport & 1) * CT_F_NODEPORT;
 		if (flags != e->flags)
 			e->flags = flags;
 		p->rev_nat = ((flags & CT_F_SERVICE) >> 3) & reply;
+		p->rev_nodeport = ((flags & CT_F_NODEPORT) >> 4) & reply;
 		return 0;
 	}
 	peer = peer_id ? peer_id : peer_ep ? peer_ep->identity : identity_of(p, peer_addr);
@@ -2176,6 +2183,13 @@ int from_container(struct __sk_buff *skb)
 	} else {
 		struct routing_config *rc = get_routing();
 
+		/* A reply of a NodePort flow into this backend: the node's answer
+		 * to the client from here (nodeport.h). */
+		if (p.rev_nodeport) {
+			r = nodeport_backend_reply(skb, &p);
+			if (r >= 0)
+				return r;
+		}
 		if (rc && rc->mode == ROUTING_VXLAN && rc->tunnel_ifindex) {
 			r = to_tunnel(skb, &p, ep, rc, cfg);
 			if (r >= 0)

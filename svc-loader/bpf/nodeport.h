@@ -27,9 +27,14 @@
  * - Local, or Cluster with a backend on this node: DNAT only. The client
  *   address is kept; the backend's ingress policy judges the client's
  *   identity (its ipcache entry, else world); the packet enters the pod
- *   straight away (as from_overlay does). Replies leave the pod through
- *   the stack and this interface, where to_netdev gives them the node
- *   address and the NodePort back as source (the REVERSE flow entry).
+ *   straight away (as from_overlay does). Its conntrack entry carries
+ *   CT_F_NODEPORT, so the backend's replies get the node address and the
+ *   NodePort back as source (the REVERSE flow entry) in the backend's
+ *   from_container, before they leave (nodeport_backend_reply): by the
+ *   tunnel to a client behind it (a pod of another node, vxlan; such a
+ *   reply never passes this interface), else by the FIB. to_netdev does
+ *   the same for replies that pass it untranslated (entries of a datapath
+ *   from before the flag, until the client's next packet sets it).
  * - Cluster with a backend on another node: DNAT, then SNAT to the node
  *   address the client reached and a port from [NODEPORT_SNAT_MIN,
  *   NODEPORT_SNAT_MAX] (above Linux's default ephemeral range, so no
@@ -407,6 +412,69 @@ __noinline int nodeport_reply(struct __sk_buff *skb, struct pkt *p)
 	return NODEPORT_TO_CLIENT;
 }
 
+/* ----------------------------------------------------- local backends' replies */
+
+/* A reply of a NodePort flow DNATed into a backend on this node (the
+ * packet's tuple is backend -> client): the node address and NodePort the
+ * client reached go back as its source, by the flow's REVERSE entry.
+ * Returns 1 (translated), 0 (no such flow) or -1 (not written). */
+static __always_inline int nodeport_reverse(struct __sk_buff *skb, struct pkt *p, const struct datapath_config *cfg)
+{
+	struct lb_flow *rev = lb_flow_get(p, 1, LB_FLOW_REVERSE);
+
+	if (!rev)
+		return 0;
+	flow_touch(rev, p, cfg);
+	if (lb_rewrite(skb, p, p->l4_off, 1, 0, rev->addr, rev->port) < 0)
+		return -1;
+	return 1;
+}
+
+/* A reply leaving a backend on this node, on a connection a NodePort
+ * translated into it (`p->rev_nodeport`: its conntrack entry carries
+ * CT_F_NODEPORT, set by from_netdev's enforce). Translated here, in the
+ * backend's from_container, whatever way it then takes: a client behind the
+ * tunnel (a pod of another node, vxlan) gets it by the tunnel, which never
+ * passes to_netdev; any other by the FIB (the stack would drop a packet
+ * with its own address as source as a martian). Only connections with the
+ * flag pay for the REVERSE lookup. Returns the tc verdict, or -1 to take
+ * the ordinary way untranslated: ICMP errors and fragments (as from_netdev
+ * and to_netdev, not translated), no REVERSE entry (expired), or a packet
+ * too big for the tunnel (the stack answers the backend "too big" for its
+ * own tuple, so its path MTU shrinks). */
+__noinline int nodeport_backend_reply(struct __sk_buff *skb, struct pkt *p)
+{
+	const struct datapath_config *cfg = get_config();
+	struct routing_config *rc = get_routing();
+	struct ipcache_value *v = 0;
+	__u32 mtu = 0;
+	int r;
+
+	if (!p || p->icmp_error || p->in_fragment ||
+	    (p->protocol != IPPROTO_TCP && p->protocol != IPPROTO_UDP))
+		return -1;
+	if (rc && rc->mode == ROUTING_VXLAN && rc->tunnel_ifindex) {
+		v = ipcache_of(p->family, p->daddr);
+		if (v && !v->tunnel_endpoint)
+			v = 0;
+		if (v && bpf_check_mtu(skb, rc->tunnel_ifindex, &mtu, 0, BPF_MTU_CHK_SEGS) != BPF_MTU_CHK_RET_SUCCESS)
+			return -1;
+	}
+	r = nodeport_reverse(skb, p, cfg);
+	if (r == 0)
+		return -1;
+	if (r < 0)
+		return drop(DROP_INVALID_PACKET, DIR_EGRESS, p, 0, 0, 0);
+	if (v && rc) {
+		/* From this node's address now: remote-node in the VNI, as
+		 * nodeport_to_remote's. */
+		if (set_tunnel(skb, v->tunnel_endpoint, IDENTITY_REMOTE_NODE) < 0)
+			return drop(DROP_REDIRECT_FAILED, DIR_EGRESS, p, 0, IDENTITY_REMOTE_NODE, v->identity);
+		return bpf_redirect(rc->tunnel_ifindex, 0);
+	}
+	return fib_forward(skb, p);
+}
+
 /* --------------------------------------------------------------- programs */
 
 /* The translation of a packet entering the node by an external interface
@@ -537,6 +605,9 @@ int from_netdev(struct __sk_buff *skb)
 	case DROP_NO_SERVICE_BACKEND:
 		return nodeport_reject(skb, &p);
 	case NODEPORT_TO_LOCAL:
+		/* Its conntrack entry gets CT_F_NODEPORT: the backend's replies
+		 * are translated back as they leave it (nodeport_backend_reply). */
+		p.nodeport = 1;
 		dst = endpoint_by_addr(&p, p.daddr);
 		if (!dst)
 			return drop(DROP_UNKNOWN_ENDPOINT, DIR_INGRESS, &p, 0, 0, 0);
@@ -552,15 +623,15 @@ int from_netdev(struct __sk_buff *skb)
 	}
 }
 
-/* Replies of NodePort flows into a backend on this node leave by the stack
- * and this interface: the node address and NodePort the client reached go
- * back as their source (the REVERSE entry). Only packets from a local pod
- * can be such replies. */
+/* Replies of NodePort flows into a backend on this node that leave by the
+ * stack and this interface untranslated (their conntrack entry is from a
+ * datapath without CT_F_NODEPORT and saw no packet of the client since)
+ * get the node address and NodePort the client reached back as their source
+ * (the REVERSE entry). Only packets from a local pod can be such replies. */
 SEC("classifier")
 int to_netdev(struct __sk_buff *skb)
 {
 	struct datapath_config *cfg = get_config();
-	struct lb_flow *rev;
 	struct pkt p = {};
 	int r;
 
@@ -575,11 +646,7 @@ int to_netdev(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	if (!endpoint_by_addr(&p, p.saddr))
 		return TC_ACT_OK;
-	rev = lb_flow_get(&p, 1, LB_FLOW_REVERSE);
-	if (!rev)
-		return TC_ACT_OK;
-	flow_touch(rev, &p, cfg);
-	if (lb_rewrite(skb, &p, p.l4_off, 1, 0, rev->addr, rev->port) < 0)
+	if (nodeport_reverse(skb, &p, cfg) < 0)
 		return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, 0, 0, 0);
 	return TC_ACT_OK;
 }
