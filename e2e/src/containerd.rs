@@ -83,6 +83,13 @@ pub struct ContainerdConfig {
     /// Network namespace (path) containerd, and so every CNI plugin it
     /// runs, lives in; `None`: the caller's.
     pub netns: Option<PathBuf>,
+    /// Mount namespace (path of its nsfs file) containerd lives in; `None`:
+    /// the caller's. Needs [`netns`](Self::netns).
+    pub mount_ns: Option<PathBuf>,
+    /// Whether start waits for NetworkReady too (a CNI config present);
+    /// `false` for a node whose network plugin is installed later, by a
+    /// pod (kubelet runs hostNetwork pods before the network is ready).
+    pub require_network_ready: bool,
     /// CNI `bin_dir` (plugin binaries).
     pub cni_bin_dir: PathBuf,
     /// CNI `conf_dir` (the first `.conflist` / `.conf` by name is used).
@@ -104,6 +111,8 @@ impl ContainerdConfig {
     pub fn new(cni_bin_dir: impl Into<PathBuf>, cni_conf_dir: impl Into<PathBuf>) -> Self {
         Self {
             netns: None,
+            mount_ns: None,
+            require_network_ready: true,
             cni_bin_dir: cni_bin_dir.into(),
             cni_conf_dir: cni_conf_dir.into(),
             sandbox_image: PAUSE_IMAGE.to_owned(),
@@ -116,6 +125,20 @@ impl ContainerdConfig {
     /// Runs containerd in network namespace `path` (e.g. `/run/netns/<node>`).
     pub fn netns(mut self, path: impl Into<PathBuf>) -> Self {
         self.netns = Some(path.into());
+        self
+    }
+
+    /// Runs containerd in the mount namespace at `path` as well (a node
+    /// with its own /etc/cni, /opt/cni, /run: the Kubernetes cluster's
+    /// workers).
+    pub fn mount_ns(mut self, path: impl Into<PathBuf>) -> Self {
+        self.mount_ns = Some(path.into());
+        self
+    }
+
+    /// Start does not wait for NetworkReady.
+    pub fn network_later(mut self) -> Self {
+        self.require_network_ready = false;
         self
     }
 
@@ -243,7 +266,11 @@ impl Containerd {
         let mut command = match &containerd.config.netns {
             Some(netns) => {
                 let mut command = Command::new("nsenter");
-                command.arg(format!("--net={}", netns.display())).arg("containerd");
+                command.arg(format!("--net={}", netns.display()));
+                if let Some(mount_ns) = &containerd.config.mount_ns {
+                    command.arg(format!("--mount={}", mount_ns.display()));
+                }
+                command.arg("containerd");
                 command
             }
             None => Command::new("containerd"),
@@ -288,7 +315,7 @@ impl Containerd {
         let conditions = cri.status().await.map_err(|e| e.to_string())?;
         let not_ready: Vec<String> = conditions
             .iter()
-            .filter(|c| !c.status)
+            .filter(|c| !c.status && (self.config.require_network_ready || c.r#type != "NetworkReady"))
             .map(|c| format!("{} ({}: {})", c.r#type, c.reason, c.message))
             .collect();
         if conditions.is_empty() || !not_ready.is_empty() {

@@ -8,6 +8,8 @@
 //! - [`image`]: the pause and busybox images (`rivet-oci`, from the host's
 //!   static busybox), imported with `ctr`;
 //! - [`cri`]: a small CRI client (pod sandboxes, containers, `ExecSync`);
+//! - [`kube_cluster`]: a real Kubernetes cluster (control plane + kubelet
+//!   workers, each with its own containerd) in network namespaces;
 //! - [`node`]: a Rivet node made by `rivet node up` whose CNI directories
 //!   containerd reads;
 //! - [`runtime::v1`]: the generated CRI API (`runtime.v1`, client side).
@@ -22,6 +24,7 @@
 pub mod containerd;
 pub mod cri;
 pub mod image;
+pub mod kube_cluster;
 pub mod node;
 
 use std::path::PathBuf;

@@ -7,6 +7,7 @@
 //! needs so a fresh Debian 12 machine with only the Rust toolchain is enough.
 
 mod bench;
+mod cluster;
 mod cmd;
 mod demo;
 mod demo_cluster;
@@ -59,6 +60,10 @@ enum Command {
               value_parser = clap::builder::PossibleValuesParser::new(["native", "vxlan"]))]
         routing: String,
     },
+    /// A real Kubernetes cluster on this machine: `up` (control plane + kubelet workers
+    /// in network namespaces, prints the kubeconfig), `down` (removes everything),
+    /// `status`.
+    Cluster(cluster::ClusterArgs),
     /// Run one benchmark of the `rivet-bench` crate with the bench-release profile.
     Bench(bench::Args),
     /// Check that no daemon, the CLI or the CNI plugin links a crate it must not
@@ -103,6 +108,10 @@ fn run(command: Command) -> Result<()> {
         Command::Bench(args) => {
             install::run()?;
             bench::run(&args)
+        }
+        Command::Cluster(args) => {
+            install::run()?;
+            cluster::run(&args)
         }
         Command::Deps => deps::run(),
         Command::Crds => {

@@ -1,0 +1,196 @@
+//! The real Kubernetes cluster fixture (issue 18 §3): control plane and two
+//! kubelet + containerd workers in network namespaces, with the reference
+//! bridge + host-local CNI standing in for Rivet.
+//!
+//! - `two_kubelet_workers_run_pods_and_leave_nothing`: both Nodes register
+//!   as `system:node:<name>` and are Ready; a busybox pod on each node is
+//!   Running with an address of its node's pod CIDR; `kubectl exec` works
+//!   (the API server reaches each kubelet's serving port) and one pod pings
+//!   the other across nodes; a hostNetwork pod lands in its worker's
+//!   network namespace and sees the worker's mount namespace (its
+//!   `/etc/cni/net.d`). Dropping the cluster leaves no namespace, process,
+//!   mount, cgroup or dir.
+//!
+//! Needs root, containerd, runc, /usr/lib/cni, busybox-static and the
+//! Kubernetes tools (`cargo xtask install`); a missing one fails the test.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, PostParams};
+use rivet_common::testing::netns::list_netns;
+use rivet_e2e::image::BUSYBOX_IMAGE;
+use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, node_ready};
+
+const POD_TIMEOUT: Duration = Duration::from_secs(90);
+
+fn busybox_pod(name: &str, node: &str, host_network: bool) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": {
+            "nodeName": node,
+            "hostNetwork": host_network,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "main",
+                "image": BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sleep", "3600"]
+            }]
+        }
+    }))
+    .expect("a valid pod")
+}
+
+async fn wait_running(pods: &Api<Pod>, name: &str) -> Pod {
+    let started = Instant::now();
+    loop {
+        let pod = pods.get(name).await.expect("reading the pod");
+        let status = pod.status.clone().unwrap_or_default();
+        if status.phase.as_deref() == Some("Running") && status.pod_ip.is_some() {
+            return pod;
+        }
+        assert!(
+            started.elapsed() < POD_TIMEOUT,
+            "pod {name} not Running with an address within {POD_TIMEOUT:?}: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn kubectl_exec(cluster: &KubeCluster, pod: &str, command: &[&str]) -> String {
+    let out = cluster
+        .kubectl()
+        .unwrap()
+        .args(["exec", pod, "--"])
+        .args(command)
+        .output()
+        .expect("running kubectl");
+    assert!(
+        out.status.success(),
+        "kubectl exec {pod} -- {command:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Mount points whose path contains `text`.
+fn mounts_containing(text: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(text))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Processes whose command line contains `text`.
+fn processes_containing(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) {
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            if cmdline.contains(text) {
+                found.push(format!("{}: {cmdline}", entry.file_name().to_string_lossy()));
+            }
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_kubelet_workers_run_pods_and_leave_nothing() {
+    let host_kubelet_dir = std::path::Path::new("/var/lib/kubelet");
+    let host_had_kubelet_dir = host_kubelet_dir.exists();
+    let cluster = KubeCluster::start(KubeClusterOptions::default()).await.unwrap();
+    println!(
+        "cluster {} up in {:.1} s (control plane, 2 workers Ready)",
+        cluster.name(),
+        cluster.started_in().as_secs_f64()
+    );
+    let name = cluster.name().to_owned();
+    let dir = cluster.dir().to_path_buf();
+    let namespaces: Vec<String> = std::iter::once(cluster.control_plane_netns().name().to_owned())
+        .chain(cluster.workers().iter().map(|w| w.netns.name().to_owned()))
+        .collect();
+
+    let nodes: Api<Node> = Api::all(cluster.admin_client());
+    for worker in cluster.workers() {
+        let node = nodes.get(&worker.name).await.unwrap();
+        assert!(node_ready(&node), "{} Ready", worker.name);
+        let addresses = node.status.and_then(|s| s.addresses).unwrap_or_default();
+        assert!(
+            addresses
+                .iter()
+                .any(|a| a.type_ == "InternalIP" && a.address == worker.address.to_string()),
+            "{}: node IP {} in {addresses:?}",
+            worker.name,
+            worker.address
+        );
+    }
+
+    let pods: Api<Pod> = Api::namespaced(cluster.admin_client(), "default");
+    let mut ips = Vec::new();
+    for worker in cluster.workers() {
+        let pod_name = format!("bb-{}", worker.index);
+        pods.create(&PostParams::default(), &busybox_pod(&pod_name, &worker.name, false))
+            .await
+            .unwrap();
+        let pod = wait_running(&pods, &pod_name).await;
+        let ip: std::net::Ipv4Addr = pod.status.unwrap().pod_ip.unwrap().parse().unwrap();
+        let cidr: ipnet::Ipv4Net = worker.pod_cidr.parse().unwrap();
+        assert!(cidr.contains(&ip), "pod {pod_name} address {ip} in {cidr}");
+        ips.push(ip);
+    }
+    // kubectl exec: the API server in the control-plane namespace reaches
+    // each kubelet's serving port over the underlay.
+    let hostname = kubectl_exec(&cluster, "bb-1", &["hostname"]);
+    assert_eq!(hostname.trim(), "bb-1");
+    let ping = kubectl_exec(&cluster, "bb-1", &["ping", "-c", "2", "-W", "2", &ips[1].to_string()]);
+    assert!(ping.contains("2 packets received"), "bb-1 pings bb-2 across nodes: {ping}");
+
+    // A hostNetwork pod is in its worker's network namespace.
+    let worker = &cluster.workers()[1];
+    pods.create(&PostParams::default(), &busybox_pod("host", &worker.name, true))
+        .await
+        .unwrap();
+    wait_running(&pods, "host").await;
+    let addresses = kubectl_exec(&cluster, "host", &["ip", "-o", "addr", "show", "ul0"]);
+    assert!(
+        addresses.contains(&format!("{}/24", worker.address)),
+        "the hostNetwork pod sees worker 2's ul0: {addresses}"
+    );
+    // And the worker's files are its own: the bridge conflist is in the
+    // worker's /etc/cni/net.d, not the host's.
+    assert!(worker.host_path("/etc/cni/net.d/10-bridge.conflist").exists());
+    assert!(!std::path::Path::new("/etc/cni/net.d/10-bridge.conflist").exists());
+    assert!(worker.host_path("/var/lib/kubelet/device-plugins/kubelet.sock").exists());
+    assert!(
+        host_had_kubelet_dir || !host_kubelet_dir.exists(),
+        "a kubelet wrote into the host's /var/lib/kubelet"
+    );
+
+    drop(cluster);
+    let left: Vec<String> = list_netns()
+        .unwrap()
+        .into_iter()
+        .filter(|ns| namespaces.contains(ns))
+        .collect();
+    assert!(left.is_empty(), "namespaces left: {left:?}");
+    assert!(!dir.exists(), "{} left", dir.display());
+    let mounts = mounts_containing(&dir.display().to_string());
+    assert!(mounts.is_empty(), "mounts left: {mounts:?}");
+    let processes = processes_containing(&dir.display().to_string());
+    assert!(processes.is_empty(), "processes left: {processes:?}");
+    let cgroups: Vec<String> = std::fs::read_dir("/sys/fs/cgroup")
+        .unwrap()
+        .flatten()
+        .map(|h| h.path().join(&name))
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(cgroups.is_empty(), "cgroups left: {cgroups:?}");
+}

@@ -1,0 +1,74 @@
+//! `cargo xtask cluster up|down|status`: a real Kubernetes cluster on this machine
+//! (control plane and kubelet workers in network namespaces; `rivet_e2e::kube_cluster`).
+//!
+//! The fixture lives in rivet-e2e, which tests share; its `rivet-kube-cluster` binary
+//! keeps the cluster running in a background supervisor. This builds that binary (a
+//! debug build, like the tests use) and hands it the command.
+
+use std::process::Command;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+
+use crate::cmd;
+
+/// `cargo xtask cluster ...`.
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    #[command(subcommand)]
+    command: ClusterCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum ClusterCommand {
+    /// Start etcd, kube-apiserver, kube-controller-manager and kube-scheduler in a
+    /// control-plane namespace and the workers (containerd + kubelet each, in their own
+    /// network and mount namespaces); prints the admin kubeconfig and the start time.
+    Up {
+        /// Number of workers.
+        #[arg(long, default_value_t = 2)]
+        workers: u16,
+        /// The workers' pod network until Rivet is installed: `bridge` (reference
+        /// bridge + host-local, nodes Ready) or `none` (for `kubectl apply -k deploy/`).
+        #[arg(long, default_value = "bridge",
+              value_parser = clap::builder::PossibleValuesParser::new(["bridge", "none"]))]
+        cni: String,
+    },
+    /// Stop the cluster and remove everything it made.
+    Down,
+    /// Whether a cluster runs, and its kubeconfig.
+    Status,
+}
+
+/// Builds `rivet-kube-cluster` and runs it with the command.
+pub fn run(args: &ClusterArgs) -> Result<()> {
+    cmd::run(cmd::cargo().args(["build", "-p", "rivet-e2e", "--bin", "rivet-kube-cluster"]))?;
+    let binary = cmd::target_dir().join("debug").join("rivet-kube-cluster");
+    cmd::run(Command::new(binary).args(binary_args(&args.command)))
+}
+
+/// The arguments of `rivet-kube-cluster`.
+fn binary_args(command: &ClusterCommand) -> Vec<String> {
+    match command {
+        ClusterCommand::Up { workers, cni } => {
+            vec!["up".into(), "--workers".into(), workers.to_string(), "--cni".into(), cni.clone()]
+        }
+        ClusterCommand::Down => vec!["down".into()],
+        ClusterCommand::Status => vec!["status".into()],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn up_passes_workers_and_cni() {
+        let args = binary_args(&ClusterCommand::Up {
+            workers: 3,
+            cni: "none".into(),
+        });
+        assert_eq!(args, ["up", "--workers", "3", "--cni", "none"]);
+        assert_eq!(binary_args(&ClusterCommand::Down), ["down"]);
+    }
+}
