@@ -150,7 +150,10 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
     let hostname = kubectl_exec(&cluster, "bb-1", &["hostname"]);
     assert_eq!(hostname.trim(), "bb-1");
     let ping = kubectl_exec(&cluster, "bb-1", &["ping", "-c", "2", "-W", "2", &ips[1].to_string()]);
-    assert!(ping.contains("2 packets received"), "bb-1 pings bb-2 across nodes: {ping}");
+    assert!(
+        ping.contains("2 packets received"),
+        "bb-1 pings bb-2 across nodes: {ping}"
+    );
 
     // A hostNetwork pod is in its worker's network namespace.
     let worker = &cluster.workers()[1];
@@ -167,7 +170,11 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
     // worker's /etc/cni/net.d, not the host's.
     assert!(worker.host_path("/etc/cni/net.d/10-bridge.conflist").exists());
     assert!(!std::path::Path::new("/etc/cni/net.d/10-bridge.conflist").exists());
-    assert!(worker.host_path("/var/lib/kubelet/device-plugins/kubelet.sock").exists());
+    assert!(
+        worker
+            .host_path("/var/lib/kubelet/device-plugins/kubelet.sock")
+            .exists()
+    );
     assert!(
         host_had_kubelet_dir || !host_kubelet_dir.exists(),
         "a kubelet wrote into the host's /var/lib/kubelet"

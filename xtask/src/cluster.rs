@@ -51,7 +51,13 @@ pub fn run(args: &ClusterArgs) -> Result<()> {
 fn binary_args(command: &ClusterCommand) -> Vec<String> {
     match command {
         ClusterCommand::Up { workers, cni } => {
-            vec!["up".into(), "--workers".into(), workers.to_string(), "--cni".into(), cni.clone()]
+            vec![
+                "up".into(),
+                "--workers".into(),
+                workers.to_string(),
+                "--cni".into(),
+                cni.clone(),
+            ]
         }
         ClusterCommand::Down => vec!["down".into()],
         ClusterCommand::Status => vec!["status".into()],

@@ -197,7 +197,10 @@ fn down(state_dir: &Path) -> Result<()> {
 }
 
 fn status(state_dir: &Path) -> Result<()> {
-    match (running_supervisor(state_dir), std::fs::read_to_string(ready_file(state_dir))) {
+    match (
+        running_supervisor(state_dir),
+        std::fs::read_to_string(ready_file(state_dir)),
+    ) {
         (Some(pid), Ok(ready)) => print!("running (supervisor pid {pid})\n{ready}"),
         (Some(pid), Err(_)) => println!("starting (supervisor pid {pid})"),
         (None, _) => println!("no cluster runs ({})", state_dir.display()),
@@ -218,8 +221,8 @@ fn serve(state_dir: &Path, args: &UpArgs) -> Result<()> {
         dir: Some(state_dir.join("cluster")),
     };
     runtime.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .context("handling SIGTERM")?;
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("handling SIGTERM")?;
         let cluster = tokio::select! {
             cluster = KubeCluster::start(options) => cluster?,
             _ = term.recv() => bail!("stopped (SIGTERM) while starting"),

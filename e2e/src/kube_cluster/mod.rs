@@ -302,7 +302,12 @@ impl Worker {
     /// upper dir); a path the worker shares with the host is itself.
     pub fn host_path(&self, path: &str) -> PathBuf {
         let relative = path.trim_start_matches('/');
-        for (inside, host) in [("opt", "opt"), ("run", "run"), ("var/log", "log"), ("var/lib/cni", "var-lib-cni")] {
+        for (inside, host) in [
+            ("opt", "opt"),
+            ("run", "run"),
+            ("var/log", "log"),
+            ("var/lib/cni", "var-lib-cni"),
+        ] {
             if let Some(rest) = relative.strip_prefix(inside)
                 && (rest.is_empty() || rest.starts_with('/'))
             {
@@ -354,7 +359,10 @@ impl Worker {
         if std::mem::take(&mut self.mount_ns_mounted)
             && let Err(e) = nix::mount::umount2(&self.mount_ns(), nix::mount::MntFlags::MNT_DETACH)
         {
-            eprintln!("rivet kube cluster teardown: releasing {}: {e}", self.mount_ns().display());
+            eprintln!(
+                "rivet kube cluster teardown: releasing {}: {e}",
+                self.mount_ns().display()
+            );
         }
         // The top of the root (`/<cluster>`) goes with the cluster.
         for dir in dirs {
@@ -484,7 +492,9 @@ impl KubeCluster {
 
     /// The control-plane namespace (etcd, kube-apiserver, the controllers).
     pub fn control_plane_netns(&self) -> &NetNs {
-        self.control_plane_ns.as_ref().expect("the control plane runs while the cluster does")
+        self.control_plane_ns
+            .as_ref()
+            .expect("the control plane runs while the cluster does")
     }
 
     /// The URL the workers (and pods) reach kube-apiserver at.
@@ -544,7 +554,11 @@ impl KubeCluster {
                         Err(e) => missing.push(format!("{name}: {e}")),
                     }
                 }
-                if missing.is_empty() { Ok(()) } else { Err(missing.join(", ")) }
+                if missing.is_empty() {
+                    Ok(())
+                } else {
+                    Err(missing.join(", "))
+                }
             }
         })
         .await
@@ -645,7 +659,11 @@ impl KubeCluster {
         let socket = containerd.socket();
         worker.containerd = Some(containerd);
 
-        let client = pki.client(&format!("kubelet-{name}"), &format!("system:node:{name}"), &["system:nodes"])?;
+        let client = pki.client(
+            &format!("kubelet-{name}"),
+            &format!("system:node:{name}"),
+            &["system:nodes"],
+        )?;
         let serving = pki.server(
             &format!("kubelet-{name}-serving"),
             &name,
@@ -842,9 +860,11 @@ impl ControlPlaneParts {
             ]
             .map(String::from),
         )?;
-        let kubelet_client = pki.client("apiserver-kubelet-client", "kube-apiserver-kubelet-client", &[
-            "system:masters",
-        ])?;
+        let kubelet_client = pki.client(
+            "apiserver-kubelet-client",
+            "kube-apiserver-kubelet-client",
+            &["system:masters"],
+        )?;
         let issuer = "https://kubernetes.default.svc.cluster.local";
         cluster.control_plane.push(Daemon::spawn(
             "kube-apiserver",
@@ -880,7 +900,9 @@ impl ControlPlaneParts {
             .wait("waiting for kube-apiserver's /readyz", CONTROL_PLANE_TIMEOUT, || {
                 let admin = admin.clone();
                 async move {
-                    let request = http::Request::get("/readyz").body(Vec::new()).map_err(|e| e.to_string())?;
+                    let request = http::Request::get("/readyz")
+                        .body(Vec::new())
+                        .map_err(|e| e.to_string())?;
                     admin.request_text(request).await.map(drop).map_err(|e| e.to_string())
                 }
             })
@@ -896,7 +918,8 @@ impl ControlPlaneParts {
                 &kubeconfig(&local, &pki.ca(), user, &cert),
             )?;
         }
-        let component_kubeconfig = |component: &str| dir.join(format!("pki/{component}.kubeconfig")).display().to_string();
+        let component_kubeconfig =
+            |component: &str| dir.join(format!("pki/{component}.kubeconfig")).display().to_string();
         let kcm = component_kubeconfig("kube-controller-manager");
         cluster.control_plane.push(Daemon::spawn(
             "kube-controller-manager",
@@ -1000,8 +1023,7 @@ fn link_reference_plugins(bin: &Path) -> Result<(), KubeClusterError> {
     let entries = std::fs::read_dir(source).map_err(io_err(format!("listing {}", source.display())))?;
     for entry in entries.flatten() {
         let target = bin.join(entry.file_name());
-        std::os::unix::fs::symlink(entry.path(), &target)
-            .map_err(io_err(format!("linking {}", target.display())))?;
+        std::os::unix::fs::symlink(entry.path(), &target).map_err(io_err(format!("linking {}", target.display())))?;
     }
     Ok(())
 }
@@ -1164,9 +1186,7 @@ fn cgroup_mounts(types: &[&str]) -> Vec<PathBuf> {
         .filter_map(|line| {
             let (before, after) = line.split_once(" - ")?;
             let point = before.split(' ').nth(4)?;
-            types
-                .contains(&after.split(' ').next()?)
-                .then(|| PathBuf::from(point))
+            types.contains(&after.split(' ').next()?).then(|| PathBuf::from(point))
         })
         .collect();
     dirs.sort();
@@ -1195,8 +1215,8 @@ fn create_cgroup_root(root: &str) -> Result<(), KubeClusterError> {
             for file in ["cpuset.cpus", "cpuset.mems"] {
                 let parent = dir.parent().map(|p| p.join(file));
                 if let Some(parent) = parent.filter(|p| p.exists()) {
-                    let value = std::fs::read_to_string(&parent)
-                        .map_err(io_err(format!("reading {}", parent.display())))?;
+                    let value =
+                        std::fs::read_to_string(&parent).map_err(io_err(format!("reading {}", parent.display())))?;
                     std::fs::write(dir.join(file), value.trim())
                         .map_err(io_err(format!("writing {}", dir.join(file).display())))?;
                 }
@@ -1235,7 +1255,10 @@ fn remove_cgroup_tree(dir: &Path) {
             match std::fs::remove_dir(dir) {
                 Ok(()) => return,
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
-                Err(e) if e.raw_os_error() == Some(nix::errno::Errno::EBUSY as i32) && started.elapsed() < Duration::from_secs(5) => {
+                Err(e)
+                    if e.raw_os_error() == Some(nix::errno::Errno::EBUSY as i32)
+                        && started.elapsed() < Duration::from_secs(5) =>
+                {
                     std::thread::sleep(Duration::from_millis(50));
                 }
                 Err(e) => {

@@ -44,7 +44,9 @@ impl Pki {
         let ca_key = KeyPair::generate().map_err(cert_err("the CA key"))?;
         let mut params = CertificateParams::new(Vec::<String>::new()).map_err(cert_err("the CA"))?;
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, "rivet-kube-cluster-ca");
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "rivet-kube-cluster-ca");
         params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,
             KeyUsagePurpose::CrlSign,
@@ -144,17 +146,22 @@ mod tests {
     fn leaf_certificates_carry_their_groups_and_names() {
         let dir = tempfile::tempdir().unwrap();
         let pki = Pki::create(dir.path()).unwrap();
-        let node = pki
-            .client("kubelet-n1", "system:node:n1", &["system:nodes"])
-            .unwrap();
+        let node = pki.client("kubelet-n1", "system:node:n1", &["system:nodes"]).unwrap();
         let pem = std::fs::read_to_string(&node.cert).unwrap();
         assert!(pem.starts_with("-----BEGIN CERTIFICATE-----"), "{pem}");
         let serving = pki
-            .server("apiserver", "kube-apiserver", &["127.0.0.1".into(), "kubernetes".into()])
+            .server(
+                "apiserver",
+                "kube-apiserver",
+                &["127.0.0.1".into(), "kubernetes".into()],
+            )
             .unwrap();
         assert!(serving.key.exists());
         let config = kubeconfig("https://198.19.254.254:6443", &pki.ca(), "system:node:n1", &node);
         assert!(config.contains("server: https://198.19.254.254:6443"), "{config}");
-        assert!(config.contains(&format!("client-key: {}", node.key.display())), "{config}");
+        assert!(
+            config.contains(&format!("client-key: {}", node.key.display())),
+            "{config}"
+        );
     }
 }

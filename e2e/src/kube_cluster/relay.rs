@@ -71,6 +71,8 @@ async fn relay(mut client: TcpStream, netns: String, target: SocketAddr) {
     if server.set_nonblocking(true).is_err() {
         return;
     }
-    let Ok(mut server) = TcpStream::from_std(server) else { return };
+    let Ok(mut server) = TcpStream::from_std(server) else {
+        return;
+    };
     let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
 }
