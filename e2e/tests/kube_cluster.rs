@@ -10,6 +10,12 @@
 //!   network namespace and sees the worker's mount namespace (its
 //!   `/etc/cni/net.d`). Dropping the cluster leaves no namespace, process,
 //!   mount, cgroup or dir.
+//! - `a_cni_installed_later_inside_a_worker_makes_it_ready`: with no CNI
+//!   config the Nodes register NotReady (containerd starts without
+//!   NetworkReady, as it must for Rivet's DaemonSet to install its plugin);
+//!   a conflist written into one worker's `/etc/cni/net.d` from inside its
+//!   mount namespace (as a DaemonSet's init container writes it) makes that
+//!   Node Ready while the other stays NotReady.
 //!
 //! Needs root, containerd, runc, /usr/lib/cni, busybox-static and the
 //! Kubernetes tools (`cargo xtask install`); a missing one fails the test.
@@ -20,7 +26,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
 use rivet_common::testing::netns::list_netns;
 use rivet_e2e::image::BUSYBOX_IMAGE;
-use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, node_ready};
+use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, WorkerCni, node_ready};
 
 const POD_TIMEOUT: Duration = Duration::from_secs(90);
 
@@ -200,4 +206,74 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
         .map(|p| p.display().to_string())
         .collect();
     assert!(cgroups.is_empty(), "cgroups left: {cgroups:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cni_installed_later_inside_a_worker_makes_it_ready() {
+    let cluster = KubeCluster::start(KubeClusterOptions {
+        cni: WorkerCni::None,
+        ..KubeClusterOptions::default()
+    })
+    .await
+    .unwrap();
+    let nodes: Api<Node> = Api::all(cluster.admin_client());
+    for worker in cluster.workers() {
+        let node = nodes.get(&worker.name).await.unwrap();
+        assert!(!node_ready(&node), "{} is NotReady without a CNI config", worker.name);
+    }
+    // The conflist goes in through the worker's mount namespace, where
+    // containerd watches /etc/cni/net.d (an overlay: the host's /etc is
+    // untouched).
+    let [first, second] = cluster.workers() else {
+        panic!("two workers")
+    };
+    let conflist = serde_json::json!({
+        "cniVersion": "1.0.0",
+        "name": "later",
+        "plugins": [{
+            "type": "bridge",
+            "bridge": "cni0",
+            "isGateway": true,
+            "ipam": { "type": "host-local", "ranges": [[{ "subnet": first.pod_cidr }]] }
+        }]
+    });
+    let status = first
+        .command("sh")
+        .args(["-c", "cat > /etc/cni/net.d/10-later.conflist"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write as _;
+            child
+                .stdin
+                .take()
+                .expect("piped")
+                .write_all(conflist.to_string().as_bytes())?;
+            child.wait()
+        })
+        .unwrap();
+    assert!(status.success(), "writing the conflist inside {}", first.name);
+    assert!(first.host_path("/etc/cni/net.d/10-later.conflist").exists());
+    assert!(!second.host_path("/etc/cni/net.d/10-later.conflist").exists());
+
+    let started = Instant::now();
+    loop {
+        let node = nodes.get(&first.name).await.unwrap();
+        if node_ready(&node) {
+            break;
+        }
+        assert!(
+            started.elapsed() < POD_TIMEOUT,
+            "{} not Ready within {POD_TIMEOUT:?} after its CNI config appeared: {:?}",
+            first.name,
+            node.status.and_then(|s| s.conditions)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let other = nodes.get(&second.name).await.unwrap();
+    assert!(
+        !node_ready(&other),
+        "{} has no CNI config and stays NotReady",
+        second.name
+    );
 }

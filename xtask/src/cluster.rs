@@ -33,6 +33,10 @@ enum ClusterCommand {
         #[arg(long, default_value = "bridge",
               value_parser = clap::builder::PossibleValuesParser::new(["bridge", "none"]))]
         cni: String,
+        /// An OCI archive to import into every worker (repeatable), e.g. the Rivet
+        /// image `cargo xtask image` wrote.
+        #[arg(long = "image", value_name = "ARCHIVE")]
+        images: Vec<std::path::PathBuf>,
     },
     /// Stop the cluster and remove everything it made.
     Down,
@@ -50,14 +54,21 @@ pub fn run(args: &ClusterArgs) -> Result<()> {
 /// The arguments of `rivet-kube-cluster`.
 fn binary_args(command: &ClusterCommand) -> Vec<String> {
     match command {
-        ClusterCommand::Up { workers, cni } => {
-            vec![
+        ClusterCommand::Up { workers, cni, images } => {
+            let mut args = vec![
                 "up".into(),
                 "--workers".into(),
                 workers.to_string(),
                 "--cni".into(),
                 cni.clone(),
-            ]
+            ];
+            for image in images {
+                // The binary runs from the workspace root: absolute paths.
+                let image = std::path::absolute(image).unwrap_or_else(|_| image.clone());
+                args.push("--image".into());
+                args.push(image.display().to_string());
+            }
+            args
         }
         ClusterCommand::Down => vec!["down".into()],
         ClusterCommand::Status => vec!["status".into()],
@@ -73,8 +84,12 @@ mod tests {
         let args = binary_args(&ClusterCommand::Up {
             workers: 3,
             cni: "none".into(),
+            images: vec!["/tmp/rivet.tar".into()],
         });
-        assert_eq!(args, ["up", "--workers", "3", "--cni", "none"]);
+        assert_eq!(
+            args,
+            ["up", "--workers", "3", "--cni", "none", "--image", "/tmp/rivet.tar"]
+        );
         assert_eq!(binary_args(&ClusterCommand::Down), ["down"]);
     }
 }

@@ -61,6 +61,10 @@ struct UpArgs {
     /// The workers' pod network until Rivet's DaemonSet installs its own.
     #[arg(long, value_enum, default_value_t = CniArg::Bridge)]
     cni: CniArg,
+    /// An OCI archive to import into every worker (repeatable), e.g. the
+    /// Rivet image of `cargo xtask image`.
+    #[arg(long = "image", value_name = "ARCHIVE")]
+    images: Vec<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -111,6 +115,12 @@ fn running_supervisor(state_dir: &Path) -> Option<i32> {
     (cmdline.contains("rivet-kube-cluster") && cmdline.contains("serve")).then_some(pid)
 }
 
+/// `path` made absolute against the current dir (the supervisor runs
+/// elsewhere).
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
 fn up(state_dir: &Path, args: &UpArgs) -> Result<()> {
     if let Some(pid) = running_supervisor(state_dir) {
         bail!(
@@ -136,6 +146,11 @@ fn up(state_dir: &Path, args: &UpArgs) -> Result<()> {
         .arg(state_dir)
         .args(["serve", "--workers", &args.workers.to_string(), "--cni"])
         .arg(args.cni.to_possible_value().expect("no skipped values").get_name())
+        .args(
+            args.images
+                .iter()
+                .flat_map(|image| [PathBuf::from("--image"), absolute(image)]),
+        )
         .stdin(Stdio::null())
         .stdout(log.try_clone().context("duplicating the log file")?)
         .stderr(log);
@@ -219,6 +234,7 @@ fn serve(state_dir: &Path, args: &UpArgs) -> Result<()> {
             CniArg::None => WorkerCni::None,
         },
         dir: Some(state_dir.join("cluster")),
+        images: args.images.clone(),
     };
     runtime.block_on(async {
         let mut term =

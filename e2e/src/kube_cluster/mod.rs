@@ -251,6 +251,9 @@ pub struct KubeClusterOptions {
     /// Where the cluster's files go; `None`: a new temp dir (removed on
     /// drop). A given dir is created and removed on drop as well.
     pub dir: Option<PathBuf>,
+    /// More OCI archives imported into every worker's containerd (e.g. the
+    /// Rivet image of `cargo xtask image`), beside pause and busybox.
+    pub images: Vec<PathBuf>,
 }
 
 impl Default for KubeClusterOptions {
@@ -259,6 +262,7 @@ impl Default for KubeClusterOptions {
             workers: 2,
             cni: WorkerCni::Bridge,
             dir: None,
+            images: Vec::new(),
         }
     }
 }
@@ -480,6 +484,26 @@ impl KubeCluster {
         Ok(command)
     }
 
+    /// Imports an OCI archive into every worker's containerd (a new image
+    /// tag for a rolling update) and waits until each CRI sees `names`.
+    ///
+    /// # Errors
+    /// `ctr images import` fails, or an image of `names` does not show.
+    pub async fn import_images(&self, archive: &Path, names: &[&str]) -> Result<(), KubeClusterError> {
+        for worker in &self.workers {
+            if let Some(containerd) = &worker.containerd {
+                containerd
+                    .import_images(archive, names)
+                    .await
+                    .map_err(|source| KubeClusterError::Containerd {
+                        worker: worker.name.clone(),
+                        source: Box::new(source),
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
     /// The workers.
     pub fn workers(&self) -> &[Worker] {
         &self.workers
@@ -656,6 +680,9 @@ impl KubeCluster {
         };
         let containerd = Containerd::start(config).await.map_err(containerd_err)?;
         containerd.import_e2e_images().await.map_err(containerd_err)?;
+        for archive in &options.images {
+            containerd.import_images(archive, &[]).await.map_err(containerd_err)?;
+        }
         let socket = containerd.socket();
         worker.containerd = Some(containerd);
 
