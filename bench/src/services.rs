@@ -64,6 +64,7 @@ use rivet_common::testing::netns::{NetNs, TestNode};
 use rivet_datapath::maps::{LB_BACKEND_ACTIVE, LbBackend, LbFrontend, LbFrontendKey, SVC_SCOPE_INTERNAL};
 use rivet_datapath::spec::{
     CT4, LB4_FLOWS, MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES,
+    MAP_LB_SVC_BACKENDS,
 };
 use rivet_proto::loader::v1 as pb;
 use rivet_proto::loader::v1::load_balancer_service_client::LoadBalancerServiceClient;
@@ -529,6 +530,7 @@ fn service_maps_memory(pins: &Path) -> anyhow::Result<u64> {
         MAP_LB_MAGLEV,
         MAP_LB_REV_NAT,
         MAP_LB_SERVICES,
+        MAP_LB_SVC_BACKENDS,
     ]
     .iter()
     .map(|map| Ok(rivet_testkit::scale::pinned_map_memory(&pins.join(map))?))

@@ -327,30 +327,36 @@ struct lb_affinity {
 };
 
 /* lb_services: service_id -> the loader's record of the service (svc-loader
- * alone reads and writes it; the datapath never looks at it): its tables
- * and every backend with its state in this service, terminating and
- * node-local ones included, which the Maglev tables do not hold, so a
- * restarted loader rebuilds its index from the pins alone. */
-#define LB_SERVICE_MAX_BACKENDS 1024
-
+ * alone reads and writes it and lb_svc_backends; the datapath never looks
+ * at them): its tables, and in lb_svc_backends every backend with its
+ * state in this service, terminating and node-local ones included, which
+ * the Maglev tables do not hold, so a restarted loader rebuilds its index
+ * from the pins alone. A service costs its record and one lb_svc_backends
+ * entry per backend (a record with 1,024 backend slots inline, 8 KiB, was
+ * the layout before: rivet-datapath's maps::legacy::LbServiceV1). */
 #define LB_SVC_BACKEND_TERMINATING (1 << 0) /* in this service: no new flows */
 #define LB_SVC_BACKEND_NODE_LOCAL (1 << 1)  /* a pod on this node (externalTrafficPolicy Local) */
-
-struct lb_service_backend {
-	__u32 backend_id;
-	__u32 flags; /* LB_SVC_BACKEND_* */
-};
 
 struct lb_service {
 	__u32 table_id;          /* the internal Maglev table */
 	__u32 external_table_id; /* the NodePort Local table, else 0 */
 	__u32 affinity_timeout;  /* seconds, 0 = none */
-	__u16 backend_count;     /* entries of backends[] in use */
+	__u16 backend_count;     /* its lb_svc_backends entries: indexes 0..backend_count-1 */
 	__u8 family;
 	__u8 protocol;
 	__u32 flags;             /* SVC_F_LOCAL when externalTrafficPolicy is Local */
 	__u32 pad;
-	struct lb_service_backend backends[LB_SERVICE_MAX_BACKENDS];
+};
+
+/* lb_svc_backends: (service_id, index) -> one backend of the service. */
+struct lb_svc_backend_key {
+	__u32 service_id;
+	__u32 index; /* 0..lb_service.backend_count-1, the service's backends by address */
+};
+
+struct lb_service_backend {
+	__u32 backend_id;
+	__u32 flags; /* LB_SVC_BACKEND_* */
 };
 
 /* lb4_flows / lb6_flows (LRU): one translated connection, two entries keyed

@@ -1166,14 +1166,23 @@ impl LbRevNat {
     }
 }
 
-/// Backends a service may have in its [`LbService`] record.
-pub const LB_SERVICE_MAX_BACKENDS: usize = 1024;
 /// [`LbServiceBackend::flags`]: terminating in this service (no new flows).
 pub const LB_SVC_BACKEND_TERMINATING: u32 = 1 << 0;
 /// [`LbServiceBackend::flags`]: a pod on this node (externalTrafficPolicy Local).
 pub const LB_SVC_BACKEND_NODE_LOCAL: u32 = 1 << 1;
 
-/// `struct lb_service_backend`: one backend of a service's record.
+/// `struct lb_svc_backend_key`: one backend of a service (`lb_svc_backends`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LbSvcBackendKey {
+    /// The service.
+    pub service_id: u32,
+    /// `0..backend_count` of its [`LbService`] record, by backend address.
+    pub index: u32,
+}
+
+/// `struct lb_service_backend`: one backend of a service and its state in
+/// it (`lb_svc_backends`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct LbServiceBackend {
@@ -1184,11 +1193,12 @@ pub struct LbServiceBackend {
 }
 
 /// `struct lb_service`: svc-loader's record of one service (`lb_services`,
-/// keyed by service id), which the datapath never reads: what the other
-/// maps do not say (terminating and node-local backends), so a restarted
-/// loader rebuilds its index from the pins alone.
+/// keyed by service id), which the datapath never reads: with its
+/// backends in `lb_svc_backends`, what the other maps do not say
+/// (terminating and node-local backends), so a restarted loader rebuilds
+/// its index from the pins alone.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct LbService {
     /// The internal Maglev table.
     pub table_id: u32,
@@ -1196,7 +1206,7 @@ pub struct LbService {
     pub external_table_id: u32,
     /// Seconds, 0 = no affinity.
     pub affinity_timeout: u32,
-    /// Entries of `backends` in use.
+    /// Its `lb_svc_backends` entries (indexes `0..backend_count`).
     pub backend_count: u16,
     /// 4 or 6.
     pub family: u8,
@@ -1206,32 +1216,6 @@ pub struct LbService {
     pub flags: u32,
     /// Zero.
     pub pad: u32,
-    /// The backends, `backend_count` of them first.
-    pub backends: [LbServiceBackend; LB_SERVICE_MAX_BACKENDS],
-}
-
-impl Default for LbService {
-    /// No tables, no backends.
-    fn default() -> Self {
-        Self {
-            table_id: 0,
-            external_table_id: 0,
-            affinity_timeout: 0,
-            backend_count: 0,
-            family: 0,
-            protocol: 0,
-            flags: 0,
-            pad: 0,
-            backends: [LbServiceBackend::default(); LB_SERVICE_MAX_BACKENDS],
-        }
-    }
-}
-
-impl LbService {
-    /// The backends in use (at most `LB_SERVICE_MAX_BACKENDS`).
-    pub fn backends(&self) -> &[LbServiceBackend] {
-        &self.backends[..usize::from(self.backend_count).min(LB_SERVICE_MAX_BACKENDS)]
-    }
 }
 
 /// `struct lb_affinity_key`: a client of a service with session affinity.
@@ -1427,6 +1411,7 @@ unsafe impl aya::Pod for LbBackend {}
 unsafe impl aya::Pod for LbMaglevTable {}
 unsafe impl aya::Pod for LbRevNat {}
 unsafe impl aya::Pod for LbServiceBackend {}
+unsafe impl aya::Pod for LbSvcBackendKey {}
 unsafe impl aya::Pod for LbService {}
 unsafe impl aya::Pod for LbAffinityKey {}
 unsafe impl aya::Pod for LbAffinity {}
@@ -1477,7 +1462,8 @@ mod tests {
         assert_eq!(size_of::<LbAffinity>(), 16);
         assert_eq!(size_of::<LbFlow>(), 48);
         assert_eq!(size_of::<LbServiceBackend>(), 8);
-        assert_eq!(size_of::<LbService>(), 24 + 8 * LB_SERVICE_MAX_BACKENDS);
+        assert_eq!(size_of::<LbSvcBackendKey>(), 8);
+        assert_eq!(size_of::<LbService>(), 24);
         // The LPM data must be exactly the bits the prefix lengths count.
         assert_eq!(size_of::<PolicyKeyData>() * 8, POLICY_PREFIX_FULL_BITS as usize);
         assert_eq!(offset_of!(PolicyKeyData, dport) * 8, POLICY_PREFIX_FIXED_BITS as usize);
@@ -1601,11 +1587,11 @@ mod tests {
                 "addr" => addr: [u32; 4], "port" => port: u16, "family" => family: u8, "pad" => pad: u8,
             ]),
             layout!("lb_service_backend", LbServiceBackend, ["backend_id" => backend_id: u32, "flags" => flags: u32]),
+            layout!("lb_svc_backend_key", LbSvcBackendKey, ["service_id" => service_id: u32, "index" => index: u32]),
             layout!("lb_service", LbService, [
                 "table_id" => table_id: u32, "external_table_id" => external_table_id: u32,
                 "affinity_timeout" => affinity_timeout: u32, "backend_count" => backend_count: u16,
                 "family" => family: u8, "protocol" => protocol: u8, "flags" => flags: u32, "pad" => pad: u32,
-                "backends" => backends: [LbServiceBackend; LB_SERVICE_MAX_BACKENDS],
             ]),
             layout!("lb_affinity_key", LbAffinityKey, [
                 "client" => client: [u32; 4], "service_id" => service_id: u32, "family" => family: u8,
@@ -1701,7 +1687,6 @@ mod tests {
             ("LB_BACKEND_ACTIVE", LB_BACKEND_ACTIVE.into()),
             ("LB_BACKEND_TERMINATING", LB_BACKEND_TERMINATING.into()),
             ("LB_FLOW_FORWARD", LB_FLOW_FORWARD.into()),
-            ("LB_SERVICE_MAX_BACKENDS", LB_SERVICE_MAX_BACKENDS as u64),
             ("LB_SVC_BACKEND_TERMINATING", LB_SVC_BACKEND_TERMINATING.into()),
             ("LB_SVC_BACKEND_NODE_LOCAL", LB_SVC_BACKEND_NODE_LOCAL.into()),
             ("LB_FLOW_REVERSE", LB_FLOW_REVERSE.into()),

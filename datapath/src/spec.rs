@@ -9,7 +9,8 @@ use std::fmt;
 use crate::maps::{
     Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKey, EpPrefixValue, FragKey, FragValue,
     IpcacheKey, IpcacheValue, LbAffinity, LbAffinityKey, LbBackend, LbFlow, LbFrontend, LbFrontendKey, LbMaglevTable,
-    LbRevNat, LbService, LbSockRev, LbSockRevKey, METRICS_ENTRIES, MetricsValue, PolicyKey, PolicyValue, RoutingConfig,
+    LbRevNat, LbService, LbServiceBackend, LbSockRev, LbSockRevKey, LbSvcBackendKey, METRICS_ENTRIES, MetricsValue,
+    PolicyKey, PolicyValue, RoutingConfig,
 };
 
 /// `BPF_MAP_TYPE_HASH`.
@@ -59,6 +60,8 @@ pub const MAP_LB_MAGLEV: &str = "lb_maglev";
 pub const MAP_LB_REV_NAT: &str = "lb_rev_nat";
 /// svc-loader's record of each service (read by no program).
 pub const MAP_LB_SERVICES: &str = "lb_services";
+/// svc-loader's list of each service's backends (read by no program).
+pub const MAP_LB_SVC_BACKENDS: &str = "lb_svc_backends";
 /// Session affinity: (client, service) → backend (LRU hash).
 pub const MAP_LB_AFFINITY: &str = "lb_affinity";
 /// Translated IPv4 flows (LRU hash, the datapath writes, svc-gc expires).
@@ -68,7 +71,7 @@ pub const MAP_LB6_FLOWS: &str = "lb6_flows";
 /// What the socket-level load balancer translated each socket to (LRU hash).
 pub const MAP_LB_SOCK_REV: &str = "lb_sock_rev";
 /// Every map of the datapath by name.
-pub const MAP_NAMES: [&str; 20] = [
+pub const MAP_NAMES: [&str; 21] = [
     MAP_ENDPOINTS,
     MAP_IPCACHE,
     MAP_POLICY,
@@ -85,6 +88,7 @@ pub const MAP_NAMES: [&str; 20] = [
     MAP_LB_MAGLEV,
     MAP_LB_REV_NAT,
     MAP_LB_SERVICES,
+    MAP_LB_SVC_BACKENDS,
     MAP_LB_AFFINITY,
     MAP_LB4_FLOWS,
     MAP_LB6_FLOWS,
@@ -346,7 +350,7 @@ pub const LB_REV_NAT: MapDef = MapDef {
     default_max_entries: 65_536,
 };
 
-/// svc-loader's service records (8 KiB each): allocated on use.
+/// svc-loader's service records (24 B each): allocated on use.
 pub const LB_SERVICES: MapDef = MapDef {
     name: MAP_LB_SERVICES,
     map_type: BPF_MAP_TYPE_HASH,
@@ -354,6 +358,22 @@ pub const LB_SERVICES: MapDef = MapDef {
     value_size: size32::<LbService>(),
     flags: BPF_F_NO_PREALLOC,
     default_max_entries: 65_536,
+};
+
+/// Backends per service a node holds, on average, at the default size of
+/// `lb_svc_backends` (svc-loader sizes it as this many per service it
+/// can hold).
+pub const LB_SVC_BACKENDS_PER_SERVICE: u32 = 4;
+
+/// svc-loader's list of each service's backends, one entry per backend of
+/// each service (8 B + 8 B): allocated on use.
+pub const LB_SVC_BACKENDS: MapDef = MapDef {
+    name: MAP_LB_SVC_BACKENDS,
+    map_type: BPF_MAP_TYPE_HASH,
+    key_size: size32::<LbSvcBackendKey>(),
+    value_size: size32::<LbServiceBackend>(),
+    flags: BPF_F_NO_PREALLOC,
+    default_max_entries: LB_SERVICES.default_max_entries * LB_SVC_BACKENDS_PER_SERVICE,
 };
 
 /// Session affinity entries (an LRU hash: the oldest client goes first).
@@ -403,7 +423,7 @@ pub const LB_SOCK_REV: MapDef = MapDef {
 };
 
 /// Every map of the datapath.
-pub const ALL: [MapDef; 20] = [
+pub const ALL: [MapDef; 21] = [
     ENDPOINTS,
     IPCACHE,
     POLICY,
@@ -420,6 +440,7 @@ pub const ALL: [MapDef; 20] = [
     LB_MAGLEV,
     LB_REV_NAT,
     LB_SERVICES,
+    LB_SVC_BACKENDS,
     LB_AFFINITY,
     LB4_FLOWS,
     LB6_FLOWS,

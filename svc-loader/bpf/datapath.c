@@ -162,7 +162,8 @@ struct {
 	__type(value, struct lb_rev_nat);
 } lb_rev_nat SEC(".maps");
 
-/* svc-loader's own record of each service (restored from on restart). */
+/* svc-loader's own record of each service and its backends (restored
+ * from on restart; no program reads them). */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);
@@ -170,6 +171,14 @@ struct {
 	__type(key, __u32);
 	__type(value, struct lb_service);
 } lb_services SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 262144);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct lb_svc_backend_key);
+	__type(value, struct lb_service_backend);
+} lb_svc_backends SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);

@@ -346,6 +346,7 @@ pub fn services_restored(m: &LoaderMetrics, report: &crate::lb::RestoreReport) {
         services = report.services,
         incomplete = report.incomplete,
         orphans_removed = report.orphans_removed,
+        services_converted = report.converted,
         "service index restored from the maps"
     );
     m.lb_restored_services.inc_by(report.services as u64);

@@ -62,8 +62,10 @@ struct Flags {
     #[arg(long, env = "RIVET_LB_FLOWS_MAX", default_value_t = spec::LB4_FLOWS.default_max_entries)]
     lb_flows_max: u32,
     /// Services the node can hold: entries of lb_services, lb_rev_nat,
-    /// lb_maglev and lb_frontends (a Maglev table takes 4 KiB and a
-    /// service record 8 KiB of kernel memory, allocated as used).
+    /// lb_maglev and lb_frontends, and 4 backends per service on average
+    /// in lb_svc_backends (a Maglev table takes 4 KiB, a service record
+    /// 24 B and a backend of a service 16 B of kernel memory, allocated as
+    /// used).
     #[arg(long, env = "RIVET_LB_SERVICES_MAX", default_value_t = spec::LB_SERVICES.default_max_entries)]
     lb_services_max: u32,
     /// Size of the event ring buffer in bytes.

@@ -11,7 +11,7 @@ use aya::maps::{HashMap, MapData};
 use rivet_common::grpc::error_reason;
 use rivet_datapath::maps::{
     LB_BACKEND_ACTIVE, LB_BACKEND_TERMINATING, LbBackend, LbFrontend, LbFrontendKey, LbMaglevTable, LbRevNat,
-    LbService, SVC_F_AFFINITY, SVC_F_CLUSTER_IP, SVC_SCOPE_INTERNAL,
+    LbService, LbServiceBackend, LbSvcBackendKey, SVC_F_AFFINITY, SVC_F_CLUSTER_IP, SVC_SCOPE_INTERNAL,
 };
 use rivet_datapath::{open_pinned_map, spec};
 use rivet_proto::loader::v1 as pb;
@@ -27,7 +27,8 @@ struct Maps {
     backends: BTreeMap<u32, LbBackend>,
     tables: BTreeMap<u32, Box<LbMaglevTable>>,
     rev_nat: BTreeMap<u32, LbRevNat>,
-    services: BTreeMap<u32, Box<LbService>>,
+    services: BTreeMap<u32, LbService>,
+    service_backends: BTreeMap<LbSvcBackendKey, LbServiceBackend>,
 }
 
 fn dump<K: aya::Pod + Ord, V: aya::Pod>(pins: &Path, def: &'static spec::MapDef) -> BTreeMap<K, V> {
@@ -48,10 +49,8 @@ fn read_maps(node: &LoaderNode) -> Maps {
             .map(|(k, v)| (k, Box::new(v)))
             .collect(),
         rev_nat: dump(pins, &spec::LB_REV_NAT),
-        services: dump::<u32, LbService>(pins, &spec::LB_SERVICES)
-            .into_iter()
-            .map(|(k, v)| (k, Box::new(v)))
-            .collect(),
+        services: dump(pins, &spec::LB_SERVICES),
+        service_backends: dump(pins, &spec::LB_SVC_BACKENDS),
     }
 }
 
@@ -211,7 +210,8 @@ async fn upsert_replace_and_delete_read_back_from_the_pinned_maps() {
             && empty.backends.is_empty()
             && empty.tables.is_empty()
             && empty.rev_nat.is_empty()
-            && empty.services.is_empty(),
+            && empty.services.is_empty()
+            && empty.service_backends.is_empty(),
         "{empty:?}"
     );
 }
@@ -309,4 +309,111 @@ async fn kill_9_restores_the_index_from_the_pins_and_a_replay_changes_nothing() 
         "the replay finds every service as it was"
     );
     assert_eq!(read_maps(&node), before, "the maps are byte-identical");
+}
+
+/// An upgrade from a loader whose service records held 1,024 backend
+/// slots inline (`lb_services` of 8,216-byte values, no `lb_svc_backends`):
+/// the new loader sets the old pin aside, converts every record, removes
+/// it, and restores the same index from the same maps.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upgrade_converts_first_layout_service_records() {
+    use rivet_datapath::maps::legacy::{LB_SERVICE_V1_MAX_BACKENDS, LB_SERVICES_V1, LbServiceV1};
+
+    let mut node = LoaderNode::start(BIN.as_ref(), &[], &[])
+        .await
+        .expect("a test node starts");
+    replace(&node, the_set()).await;
+    let listed_before = node
+        .lb_client()
+        .await
+        .list_services(pb::ListServicesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let before = read_maps(&node);
+    node.loader.kill9();
+
+    // The pins as the older loader left them.
+    let pins = node.pins.0.clone();
+    for map in [spec::MAP_LB_SERVICES, spec::MAP_LB_SVC_BACKENDS] {
+        std::fs::remove_file(pins.join(map)).unwrap();
+    }
+    let mut old: HashMap<MapData, u32, LbServiceV1> =
+        rivet_datapath::pin::create_pinned_map(&pins, &LB_SERVICES_V1, 1024)
+            .expect("a first-layout lb_services")
+            .try_into()
+            .unwrap();
+    for (id, record) in &before.services {
+        let mut v1 = LbServiceV1 {
+            record: *record,
+            backends: [LbServiceBackend::default(); LB_SERVICE_V1_MAX_BACKENDS],
+        };
+        for (slot, (_, entry)) in v1.backends.iter_mut().zip(before.service_backends.range(
+            LbSvcBackendKey {
+                service_id: *id,
+                index: 0,
+            }..,
+        )) {
+            *slot = *entry;
+        }
+        old.insert(id, v1, 0).unwrap();
+    }
+    drop(old);
+
+    node.loader
+        .restart()
+        .await
+        .expect("the loader restarts on the old pins");
+    assert!(
+        !pins.join(svc_loader::datapath::LB_SERVICES_V1_PIN).exists(),
+        "the old records are removed once converted"
+    );
+    let listed_after = node
+        .lb_client()
+        .await
+        .list_services(pb::ListServicesRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed_after.services, listed_before.services, "the index is restored");
+    assert_eq!(read_maps(&node), before, "the maps say what they said");
+    let report = replace(&node, the_set()).await;
+    assert_eq!((report.upserted, report.deleted), (0, 0), "a replay changes nothing");
+}
+
+/// The kernel memory of the maps a service's state lives in besides its
+/// frontends (lb_services, lb_svc_backends, lb_maglev: allocated as used)
+/// is about its Maglev table (4 KiB) and a small record: before, every
+/// record held 1,024 backend slots (8 KiB).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_service_costs_about_its_maglev_table() {
+    const SERVICES: u32 = 200;
+    let node = LoaderNode::start(BIN.as_ref(), &[], &[])
+        .await
+        .expect("a test node starts");
+    let memory = || -> u64 {
+        ["lb_services", "lb_svc_backends", "lb_maglev"]
+            .iter()
+            .map(|map| node.pins.0.join(map))
+            .filter(|pin| pin.exists())
+            .map(|pin| rivet_testkit::scale::pinned_map_memory(&pin).expect("memlock of the map"))
+            .sum()
+    };
+    let empty = memory();
+    let set: Vec<pb::LbService> = (0..SERVICES)
+        .map(|i| {
+            let vip = format!("198.19.{}.{}:80", 128 + i / 250, 1 + i % 250);
+            let backends = (0..3)
+                .map(|b| backend(&format!("198.18.{b}.{}:8080", 1 + i % 250), pb::BackendState::Active))
+                .collect();
+            service(i + 1, &vip, backends)
+        })
+        .collect();
+    replace(&node, set).await;
+    let per_service = (memory() - empty) / u64::from(SERVICES);
+    println!("{per_service} bytes per service of 3 backends in lb_services, lb_svc_backends and lb_maglev");
+    assert!(
+        (4084..5 * 1024).contains(&per_service),
+        "{per_service} bytes per service"
+    );
 }

@@ -1,7 +1,8 @@
 //! Previous ABIs of the datapath's maps, kept so that a loader can migrate
 //! the pinned maps an older loader left (an upgrade keeps every connection).
 
-use super::CtEntry;
+use super::{CtEntry, LbService, LbServiceBackend};
+use crate::spec::{self, MapDef};
 
 /// `struct ct_entry` of the first ABI (svc-loader before the cached policy
 /// verdict, 56 bytes): [`CtEntry`] without `policy_revision`,
@@ -68,8 +69,44 @@ impl From<CtEntryV1> for CtEntry {
     }
 }
 
+/// Backend slots of an [`LbServiceV1`] record.
+pub const LB_SERVICE_V1_MAX_BACKENDS: usize = 1024;
+
+/// `struct lb_service` before the backends moved to `lb_svc_backends`
+/// (8,216 bytes, 1,024 backend slots inline, ~8 KiB per service whatever
+/// its backends): [`LbService`]'s fields, then the slots. svc-loader
+/// converts a pinned `lb_services` of this value size on upgrade.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LbServiceV1 {
+    /// The record, as [`LbService`] (whose `backend_count` counts `backends`).
+    pub record: LbService,
+    /// The backends, `record.backend_count` of them first.
+    pub backends: [LbServiceBackend; LB_SERVICE_V1_MAX_BACKENDS],
+}
+
+/// The value size of `lb_services` in the first services ABI.
+pub const LB_SERVICE_V1_SIZE: u32 = size_of::<LbServiceV1>() as u32;
+
+/// `lb_services` in the first services ABI (pinned by loaders before
+/// `lb_svc_backends`): the current definition with [`LbServiceV1`] values.
+pub const LB_SERVICES_V1: MapDef = MapDef {
+    value_size: LB_SERVICE_V1_SIZE,
+    ..spec::LB_SERVICES
+};
+
+impl LbServiceV1 {
+    /// The backends in use.
+    pub fn backends(&self) -> &[LbServiceBackend] {
+        &self.backends[..usize::from(self.record.backend_count).min(LB_SERVICE_V1_MAX_BACKENDS)]
+    }
+}
+
 // SAFETY: #[repr(C)], integers only, no implicit padding (checked below).
 unsafe impl aya::Pod for CtEntryV1 {}
+// SAFETY: #[repr(C)] of two Pod types whose sizes are multiples of 4 (no
+// padding; the size is checked below).
+unsafe impl aya::Pod for LbServiceV1 {}
 
 #[cfg(test)]
 mod tests {
@@ -107,6 +144,13 @@ mod tests {
             size_of::<CtEntryV1>(),
             "no implicit padding"
         );
+    }
+
+    /// The first services ABI's record: the current one, then 1,024 slots.
+    #[test]
+    fn lb_service_v1_is_the_current_record_and_its_slots() {
+        assert_eq!(LB_SERVICE_V1_SIZE, 24 + 8 * 1024);
+        assert_eq!(offset_of!(LbServiceV1, backends), size_of::<LbService>());
     }
 
     #[test]

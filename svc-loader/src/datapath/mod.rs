@@ -18,7 +18,9 @@
 //! loader restarts, and replacing one is an operator's decision. The one
 //! exception is an upgrade: `ct4`/`ct6` pinned by a loader of the first
 //! `ct_entry` layout are migrated to the current one with every entry
-//! (`ct_migration`; [`Datapath::ct_migrations`]).
+//! (`ct_migration`; [`Datapath::ct_migrations`]); and `lb_services` of the
+//! first layout (8 KiB records) is moved aside to [`LB_SERVICES_V1_PIN`]
+//! for the load balancer to convert (`lb_services_v1`).
 //!
 //! # Attachments outlive the loader
 //!
@@ -51,6 +53,7 @@
 mod attach;
 mod ct_migration;
 mod error;
+mod lb_services_v1;
 mod legacy;
 mod nodeport;
 mod options;
@@ -84,6 +87,7 @@ pub use attach::{
 pub use ct_migration::{CtMigrated, MIGRATING_PIN_SUFFIX};
 pub use error::{DatapathError, ObjectError, OptionsError};
 use error::{io_err, map_err};
+pub use lb_services_v1::LB_SERVICES_V1_PIN;
 pub use legacy::LEGACY_LINKS_DIR;
 use nodeport::NodePortPrograms;
 pub use nodeport::{NodePortServed, PROG_FROM_NETDEV, PROG_TO_NETDEV};
@@ -159,6 +163,9 @@ impl Datapath {
         std::fs::create_dir_all(&opts.pin_dir).map_err(io_err("creating the pin directory", &opts.pin_dir))?;
 
         let specs = expected_specs(&opts)?;
+        // Service records of the first layout: converted by the load
+        // balancer's restore, from beside the new map.
+        lb_services_v1::set_aside(&opts.pin_dir)?;
         let mut reused_maps = BTreeSet::new();
         let mut migrations = Vec::new();
         for (name, spec) in &specs {

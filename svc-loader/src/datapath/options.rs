@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use rivet_datapath::maps::CtTimeouts;
 use rivet_datapath::spec::{
     self, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_EVENTS, MAP_IPCACHE, MAP_LB_FRONTENDS, MAP_LB_MAGLEV,
-    MAP_LB_REV_NAT, MAP_LB_SERVICES, MAP_LB4_FLOWS, MAP_LB6_FLOWS, MAP_POLICY,
+    MAP_LB_REV_NAT, MAP_LB_SERVICES, MAP_LB_SVC_BACKENDS, MAP_LB4_FLOWS, MAP_LB6_FLOWS, MAP_POLICY,
 };
 
 use super::error::{DatapathError, OptionsError};
@@ -31,7 +31,8 @@ pub struct DatapathOptions {
     /// max_entries of `lb4_flows` and of `lb6_flows` (two per connection to a service).
     pub lb_flows_max: u32,
     /// max_entries of the per-service maps: `lb_services`, `lb_rev_nat`,
-    /// `lb_maglev` and `lb_frontends` (the services a node can hold).
+    /// `lb_maglev` and `lb_frontends` (the services a node can hold);
+    /// `lb_svc_backends` gets [`spec::LB_SVC_BACKENDS_PER_SERVICE`] times it.
     pub lb_services_max: u32,
     /// Size of the `events` ring buffer in bytes (rounded up to a power-of-two
     /// number of pages, as the kernel requires).
@@ -82,7 +83,7 @@ impl DatapathOptions {
         page * pages.next_power_of_two()
     }
 
-    pub(super) fn max_entries(&self) -> [(&'static str, u32); 13] {
+    pub(super) fn max_entries(&self) -> [(&'static str, u32); 14] {
         [
             (MAP_ENDPOINTS, self.endpoints_max),
             (MAP_IPCACHE, self.ipcache_max),
@@ -93,6 +94,10 @@ impl DatapathOptions {
             (MAP_LB4_FLOWS, self.lb_flows_max),
             (MAP_LB6_FLOWS, self.lb_flows_max),
             (MAP_LB_SERVICES, self.lb_services_max),
+            (
+                MAP_LB_SVC_BACKENDS,
+                self.lb_services_max.saturating_mul(spec::LB_SVC_BACKENDS_PER_SERVICE),
+            ),
             (MAP_LB_REV_NAT, self.lb_services_max),
             (MAP_LB_MAGLEV, self.lb_services_max),
             (MAP_LB_FRONTENDS, self.lb_services_max),

@@ -188,6 +188,10 @@ fn the_per_service_maps_take_lb_services_max() {
         assert_eq!(max_entries(map), 100, "{map}");
     }
     assert_eq!(max_entries(MAP_LB_BACKENDS), spec::LB_BACKENDS.default_max_entries);
+    assert_eq!(
+        max_entries(spec::MAP_LB_SVC_BACKENDS),
+        100 * spec::LB_SVC_BACKENDS_PER_SERVICE
+    );
 }
 
 #[test]

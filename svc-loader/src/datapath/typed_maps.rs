@@ -8,14 +8,15 @@ use aya::maps::{Array, HashMap, LpmTrie, Map, MapData, MapError, PerCpuArray};
 use rivet_datapath::maps::{
     Ct4Key, Ct6Key, CtEntry, DatapathConfig, EndpointInfo, EndpointKey, EpPrefixKeyData, EpPrefixValue, FragKey,
     FragValue, IpcacheKeyData, IpcacheValue, LbAffinity, LbAffinityKey, LbBackend, LbFlow, LbFrontend, LbFrontendKey,
-    LbMaglevTable, LbRevNat, LbService, MetricsValue, PolicyKeyData, PolicyValue, RoutingConfig,
+    LbMaglevTable, LbRevNat, LbService, LbServiceBackend, LbSvcBackendKey, MetricsValue, PolicyKeyData, PolicyValue,
+    RoutingConfig,
 };
 
 use super::error::{DatapathError, ObjectError, map_err};
 use rivet_datapath::spec::{
     MAP_CONFIG, MAP_CT4, MAP_CT6, MAP_ENDPOINTS, MAP_EP_PREFIXES, MAP_FRAGMENTS, MAP_IPCACHE, MAP_LB_AFFINITY,
-    MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES, MAP_LB4_FLOWS, MAP_LB6_FLOWS,
-    MAP_METRICS, MAP_POLICY, MAP_ROUTING,
+    MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES, MAP_LB_SVC_BACKENDS,
+    MAP_LB4_FLOWS, MAP_LB6_FLOWS, MAP_METRICS, MAP_POLICY, MAP_ROUTING,
 };
 
 /// One map of the datapath, shared by the loader's threads. aya's writes
@@ -68,6 +69,8 @@ pub struct DatapathMaps {
     pub lb_rev_nat: SharedMap<HashMap<MapData, u32, LbRevNat>>,
     /// svc-loader's service records by service id.
     pub lb_services: SharedMap<HashMap<MapData, u32, LbService>>,
+    /// svc-loader's lists of each service's backends.
+    pub lb_svc_backends: SharedMap<HashMap<MapData, LbSvcBackendKey, LbServiceBackend>>,
     /// Session affinity (an LRU hash the datapath writes).
     pub lb_affinity: SharedMap<HashMap<MapData, LbAffinityKey, LbAffinity>>,
     /// Translated IPv4 flows (an LRU hash the datapath writes).
@@ -116,6 +119,7 @@ impl DatapathMaps {
             lb_maglev: take_shared(ebpf, MAP_LB_MAGLEV)?,
             lb_rev_nat: take_shared(ebpf, MAP_LB_REV_NAT)?,
             lb_services: take_shared(ebpf, MAP_LB_SERVICES)?,
+            lb_svc_backends: take_shared(ebpf, MAP_LB_SVC_BACKENDS)?,
             lb_affinity: take_shared(ebpf, MAP_LB_AFFINITY)?,
             lb4_flows: take_shared(ebpf, MAP_LB4_FLOWS)?,
             lb6_flows: take_shared(ebpf, MAP_LB6_FLOWS)?,

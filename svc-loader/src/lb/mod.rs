@@ -10,8 +10,10 @@
 //! ([`maglev`]), and writes, in this order, so that the datapath never
 //! finds a frontend whose table or backends are missing:
 //!
-//! 1. the service's record (`lb_services`: tables and every backend with
-//!    its state, which the Maglev tables alone do not hold);
+//! 1. the service's backends with their state in it (`lb_svc_backends`,
+//!    which the Maglev tables alone do not say), then its record
+//!    (`lb_services`: tables, flags, how many backends), then the
+//!    backend entries past its count;
 //! 2. new backends and backends whose state changed (`lb_backends`);
 //! 3. the Maglev tables (`lb_maglev`, replaced whole in one update);
 //! 4. the reverse NAT entry (`lb_rev_nat`);
@@ -47,10 +49,12 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rivet_datapath::maps::{
     LB_BACKEND_ACTIVE, LB_BACKEND_TERMINATING, LB_SVC_BACKEND_NODE_LOCAL, LB_SVC_BACKEND_TERMINATING, LbBackend,
-    LbFrontend, LbFrontendKey, LbMaglevTable, LbRevNat, LbService, LbServiceBackend, SVC_F_AFFINITY, SVC_F_CLUSTER_IP,
-    SVC_F_LOCAL, SVC_F_NODE_PORT, SVC_SCOPE_EXTERNAL, SVC_SCOPE_INTERNAL,
+    LbFrontend, LbFrontendKey, LbMaglevTable, LbRevNat, LbService, LbServiceBackend, LbSvcBackendKey, SVC_F_AFFINITY,
+    SVC_F_CLUSTER_IP, SVC_F_LOCAL, SVC_F_NODE_PORT, SVC_SCOPE_EXTERNAL, SVC_SCOPE_INTERNAL,
 };
-use rivet_datapath::spec::{MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES};
+use rivet_datapath::spec::{
+    MAP_LB_BACKENDS, MAP_LB_FRONTENDS, MAP_LB_MAGLEV, MAP_LB_REV_NAT, MAP_LB_SERVICES, MAP_LB_SVC_BACKENDS,
+};
 
 pub use maps::{LbMapError, LbSnapshot, LbWrite, PinnedServiceMaps, ServiceMaps};
 
@@ -221,19 +225,22 @@ pub struct LbCapacity {
     pub backends: u32,
     /// `lb_maglev`.
     pub tables: u32,
+    /// `lb_svc_backends` (backends of all services together).
+    pub service_backends: u32,
 }
 
 impl LbCapacity {
     /// The sizes of `maps` (map name → max_entries), the ABI's defaults for
     /// a missing one.
     pub fn from_sizes(sizes: &BTreeMap<String, u32>) -> Self {
-        use rivet_datapath::spec::{LB_BACKENDS, LB_FRONTENDS, LB_MAGLEV, LB_REV_NAT, LB_SERVICES};
+        use rivet_datapath::spec::{LB_BACKENDS, LB_FRONTENDS, LB_MAGLEV, LB_REV_NAT, LB_SERVICES, LB_SVC_BACKENDS};
         let size = |def: &rivet_datapath::spec::MapDef| sizes.get(def.name).copied().unwrap_or(def.default_max_entries);
         Self {
             services: size(&LB_SERVICES).min(size(&LB_REV_NAT)),
             frontends: size(&LB_FRONTENDS),
             backends: size(&LB_BACKENDS),
             tables: size(&LB_MAGLEV),
+            service_backends: size(&LB_SVC_BACKENDS),
         }
     }
 }
@@ -241,7 +248,9 @@ impl LbCapacity {
 /// What a service is in the maps: every entry it owns.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Rendered {
-    record: Box<LbService>,
+    record: LbService,
+    /// `lb_svc_backends` entries by index.
+    backends: Vec<LbServiceBackend>,
     tables: BTreeMap<u32, Box<LbMaglevTable>>,
     rev_nat: LbRevNat,
     frontends: BTreeMap<LbFrontendKey, LbFrontend>,
@@ -259,6 +268,8 @@ struct Realised {
     /// The maps hold exactly `rendered` (false after a restore found
     /// something missing or different: the next upsert rewrites it).
     complete: bool,
+    /// `lb_svc_backends` indexes `0..list_len` may hold entries of it.
+    list_len: usize,
 }
 
 /// One entry of `lb_backends` and the services using it.
@@ -329,6 +340,8 @@ pub struct RestoreReport {
     pub incomplete: usize,
     /// Entries no service references, removed.
     pub orphans_removed: usize,
+    /// Services converted from records of the first layout (an upgrade).
+    pub converted: usize,
 }
 
 /// What [`LoadBalancer::replace`] did.
@@ -373,17 +386,20 @@ impl fmt::Debug for LoadBalancer {
 }
 
 fn render(service: &Service, table_id: u32, external_table_id: u32, ids: &BTreeMap<SocketAddr, u32>) -> Rendered {
-    let mut record = Box::<LbService>::default();
-    record.table_id = table_id;
-    record.external_table_id = external_table_id;
-    record.affinity_timeout = service.affinity_timeout;
-    record.backend_count = service.backends.len() as u16;
-    record.family = service.family;
-    record.protocol = service.protocol;
-    record.flags = if service.local { u32::from(SVC_F_LOCAL) } else { 0 };
+    let record = LbService {
+        table_id,
+        external_table_id,
+        affinity_timeout: service.affinity_timeout,
+        backend_count: service.backends.len() as u16,
+        family: service.family,
+        protocol: service.protocol,
+        flags: if service.local { u32::from(SVC_F_LOCAL) } else { 0 },
+        pad: 0,
+    };
+    let mut backends = Vec::with_capacity(service.backends.len());
     let mut active = Vec::new();
     let mut local_active = Vec::new();
-    for (slot, backend) in record.backends.iter_mut().zip(&service.backends) {
+    for backend in &service.backends {
         let id = ids[&backend.addr];
         let mut flags = 0;
         if backend.terminating {
@@ -397,7 +413,7 @@ fn render(service: &Service, table_id: u32, external_table_id: u32, ids: &BTreeM
         if backend.node_local {
             flags |= LB_SVC_BACKEND_NODE_LOCAL;
         }
-        *slot = LbServiceBackend { backend_id: id, flags };
+        backends.push(LbServiceBackend { backend_id: id, flags });
     }
     let mut tables = BTreeMap::new();
     tables.insert(table_id, Box::new(maglev::table(&active)));
@@ -440,6 +456,7 @@ fn render(service: &Service, table_id: u32, external_table_id: u32, ids: &BTreeM
     };
     Rendered {
         record,
+        backends,
         tables,
         rev_nat,
         frontends,
@@ -458,11 +475,32 @@ impl LoadBalancer {
             capacity,
             index: Mutex::new(Index::default()),
         };
+        let converted = lb.convert_legacy()?;
         let report = {
             let mut index = lb.lock();
             lb.rebuild(&mut index)?
         };
-        Ok((lb, report))
+        Ok((lb, RestoreReport { converted, ..report }))
+    }
+
+    /// Converts service records of the first layout (backends inline) an
+    /// older loader left into `lb_svc_backends` and `lb_services`, then
+    /// removes them. Redone whole if interrupted: the same writes.
+    fn convert_legacy(&self) -> Result<usize, LbError> {
+        let legacy = self.maps.legacy_services().map_err(LbError::Restore)?;
+        for (&id, old) in &legacy {
+            for (index, backend) in (0u32..).zip(old.backends()) {
+                let key = LbSvcBackendKey { service_id: id, index };
+                self.maps
+                    .write(LbWrite::ServiceBackend(key, Some(backend)))
+                    .map_err(LbError::Restore)?;
+            }
+            self.maps
+                .write(LbWrite::Service(id, Some(&old.record)))
+                .map_err(LbError::Restore)?;
+        }
+        self.maps.remove_legacy_services().map_err(LbError::Restore)?;
+        Ok(legacy.len())
     }
 
     fn lock(&self) -> MutexGuard<'_, Index> {
@@ -484,7 +522,17 @@ impl LoadBalancer {
             let mut complete = true;
             let mut backends = Vec::new();
             let mut backend_ids = BTreeMap::new();
-            for entry in record.backends() {
+            let mut entries = Vec::new();
+            for index in 0..u32::from(record.backend_count) {
+                match snapshot
+                    .service_backends
+                    .get(&LbSvcBackendKey { service_id: id, index })
+                {
+                    Some(entry) => entries.push(entry),
+                    None => complete = false, // counted in the record, not yet written
+                }
+            }
+            for entry in entries {
                 let Some(addr) = snapshot.backends.get(&entry.backend_id).and_then(|b| b.socket_addr()) else {
                     complete = false; // written in the record, not yet in lb_backends
                     continue;
@@ -525,7 +573,7 @@ impl LoadBalancer {
                 0
             };
             let rendered = render(&service, record.table_id, external_table_id, &backend_ids);
-            complete &= *rendered.record == **record
+            complete &= rendered.record == *record
                 && rendered
                     .tables
                     .iter()
@@ -571,13 +619,15 @@ impl LoadBalancer {
                     backend_ids,
                     rendered,
                     complete,
+                    list_len: usize::from(record.backend_count),
                 },
             );
         }
         index.next_backend_id = index.backend_addrs.keys().next_back().map_or(1, |id| id + 1);
         index.next_table_id = index.tables.iter().next_back().map_or(1, |id| id + 1);
 
-        // Orphans, in removal order: frontends, reverse NAT, tables, backends.
+        // Orphans, in removal order: frontends, reverse NAT, tables,
+        // backend lists past their record's count, backends.
         let mut orphans = 0;
         for key in snapshot
             .frontends
@@ -595,6 +645,17 @@ impl LoadBalancer {
         }
         for id in snapshot.tables.keys().filter(|id| !index.tables.contains(id)) {
             self.maps.write(LbWrite::Table(*id, None)).map_err(LbError::Restore)?;
+            orphans += 1;
+        }
+        for key in snapshot.service_backends.keys().filter(|k| {
+            snapshot
+                .services
+                .get(&k.service_id)
+                .is_none_or(|r| k.index >= u32::from(r.backend_count))
+        }) {
+            self.maps
+                .write(LbWrite::ServiceBackend(*key, None))
+                .map_err(LbError::Restore)?;
             orphans += 1;
         }
         for id in snapshot
@@ -673,6 +734,17 @@ impl LoadBalancer {
             index.backends.len() + new_backends,
             self.capacity.backends,
         )?;
+        let memberships: usize = index
+            .services
+            .values()
+            .filter(|r| r.service.id != service.id)
+            .map(|r| r.service.backends.len())
+            .sum();
+        check(
+            MAP_LB_SVC_BACKENDS,
+            memberships + service.backends.len(),
+            self.capacity.service_backends,
+        )?;
         let new_tables = usize::from(old.is_none())
             + usize::from(service.has_external_table() && old.is_none_or(|o| o.external_table_id == 0));
         check(MAP_LB_MAGLEV, index.tables.len() + new_tables, self.capacity.tables)
@@ -735,9 +807,24 @@ impl LoadBalancer {
         // Anything the maps may not hold is written again.
         let previous = old.as_ref().filter(|o| o.complete).map(|o| &o.rendered);
 
-        // 1. The record.
+        // 1. The backend list, the record, the list's entries past it.
+        for (index, entry) in (0u32..).zip(&rendered.backends) {
+            if previous.is_none_or(|p| p.backends.get(index as usize) != Some(entry)) {
+                let key = LbSvcBackendKey { service_id: id, index };
+                self.write(id, LbWrite::ServiceBackend(key, Some(entry)))?;
+            }
+        }
         if previous.is_none_or(|p| p.record != rendered.record) {
             self.write(id, LbWrite::Service(id, Some(&rendered.record)))?;
+        }
+        if let Some(old) = &old {
+            for index in rendered.backends.len()..old.list_len {
+                let key = LbSvcBackendKey {
+                    service_id: id,
+                    index: index as u32,
+                };
+                self.write(id, LbWrite::ServiceBackend(key, None))?;
+            }
         }
         // 2. Backends: this service's use of each, and their entries.
         for backend in &service.backends {
@@ -792,6 +879,7 @@ impl LoadBalancer {
                 service: service.clone(),
                 table_id,
                 external_table_id,
+                list_len: rendered.backends.len(),
                 backend_ids,
                 rendered,
                 complete: true,
@@ -849,6 +937,13 @@ impl LoadBalancer {
             }
         }
         self.write(id, LbWrite::Service(id, None))?;
+        for index in 0..old.list_len {
+            let key = LbSvcBackendKey {
+                service_id: id,
+                index: index as u32,
+            };
+            self.write(id, LbWrite::ServiceBackend(key, None))?;
+        }
         for addr in old.backend_ids.keys() {
             self.release_backend(index, id, *addr)?;
         }

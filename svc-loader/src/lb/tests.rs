@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use rivet_datapath::maps::legacy::LbServiceV1;
 use rivet_datapath::maps::{
     LB_BACKEND_ACTIVE, LB_BACKEND_TERMINATING, LB_MAGLEV_SIZE, LbFrontendKey, SVC_F_AFFINITY, SVC_F_CLUSTER_IP,
     SVC_F_LOCAL, SVC_F_NODE_PORT, SVC_SCOPE_EXTERNAL, SVC_SCOPE_INTERNAL,
@@ -16,6 +17,8 @@ use super::*;
 #[derive(Clone, Default)]
 struct FakeMaps {
     state: Arc<Mutex<LbSnapshot>>,
+    /// Records of the first layout an older loader left.
+    legacy: Arc<Mutex<BTreeMap<u32, Box<LbServiceV1>>>>,
     log: Arc<Mutex<Vec<(&'static str, bool)>>>,
     /// Walks of the flow and affinity maps (`dynamic_entries` calls).
     walks: Arc<std::sync::atomic::AtomicUsize>,
@@ -26,6 +29,7 @@ impl ServiceMaps for FakeMaps {
         let put = !matches!(
             write,
             LbWrite::Service(_, None)
+                | LbWrite::ServiceBackend(_, None)
                 | LbWrite::Backend(_, None)
                 | LbWrite::Table(_, None)
                 | LbWrite::RevNat(_, None)
@@ -38,6 +42,15 @@ impl ServiceMaps for FakeMaps {
 
     fn snapshot(&self) -> Result<LbSnapshot, LbMapError> {
         Ok(self.state.lock().unwrap().clone())
+    }
+
+    fn legacy_services(&self) -> Result<BTreeMap<u32, Box<LbServiceV1>>, LbMapError> {
+        Ok(self.legacy.lock().unwrap().clone())
+    }
+
+    fn remove_legacy_services(&self) -> Result<(), LbMapError> {
+        self.legacy.lock().unwrap().clear();
+        Ok(())
     }
 
     fn dynamic_entries(&self) -> Result<(u64, u64), LbMapError> {
@@ -61,6 +74,7 @@ const CAPACITY: LbCapacity = LbCapacity {
     frontends: 64,
     backends: 64,
     tables: 64,
+    service_backends: 256,
 };
 
 fn lb(maps: &FakeMaps) -> LoadBalancer {
@@ -106,7 +120,7 @@ fn vip_key(vip: &str) -> LbFrontendKey {
 }
 
 #[test]
-fn an_upsert_writes_record_backends_table_rev_nat_then_frontend() {
+fn an_upsert_writes_backend_list_record_backends_table_rev_nat_then_frontend() {
     let maps = FakeMaps::default();
     let lb = lb(&maps);
     let s = service(7, "198.19.128.10:80", &["198.18.0.2:8080", "198.18.0.3:8080"]);
@@ -115,6 +129,8 @@ fn an_upsert_writes_record_backends_table_rev_nat_then_frontend() {
     assert_eq!(
         order,
         [
+            "lb_svc_backends",
+            "lb_svc_backends",
             "lb_services",
             "lb_backends",
             "lb_backends",
@@ -133,7 +149,14 @@ fn an_upsert_writes_record_backends_table_rev_nat_then_frontend() {
     ];
     assert!(table.backend_ids.iter().all(|id| ids.contains(id)));
     assert_eq!(snap.rev_nat[&7].socket_addr(), Some(addr("198.19.128.10:80")));
-    assert_eq!(snap.services[&7].backends().len(), 2);
+    assert_eq!(snap.services[&7].backend_count, 2);
+    assert_eq!(
+        snap.service_backends
+            .keys()
+            .map(|k| (k.service_id, k.index))
+            .collect::<Vec<_>>(),
+        [(7, 0), (7, 1)]
+    );
 
     // The same again: nothing written.
     assert!(!lb.upsert(&s).unwrap());
@@ -153,6 +176,7 @@ fn removing_a_backend_keeps_the_others_ids_and_deletes_it_last() {
         maps.take_log(),
         [
             ("lb_services", true),
+            ("lb_svc_backends", false),
             ("lb_maglev", true),
             ("lb_frontends", true),
             ("lb_backends", false)
@@ -228,6 +252,7 @@ fn delete_runs_in_reverse_order() {
             ("lb_rev_nat", false),
             ("lb_maglev", false),
             ("lb_services", false),
+            ("lb_svc_backends", false),
             ("lb_backends", false)
         ]
     );
@@ -340,7 +365,8 @@ fn restore_rebuilds_the_index_and_an_identical_replay_writes_nothing() {
         RestoreReport {
             services: 2,
             incomplete: 0,
-            orphans_removed: 0
+            orphans_removed: 0,
+            converted: 0,
         }
     );
     assert_eq!(second.list(), listed);
@@ -376,14 +402,81 @@ fn restore_removes_orphans_and_rewrites_a_half_written_service() {
         state
             .frontends
             .insert(vip_key("198.19.128.77:80"), rivet_datapath::maps::LbFrontend::default());
+        // A backend list entry past its record's count, one of no record.
+        for (service_id, index) in [(1, 2), (9, 0)] {
+            state
+                .service_backends
+                .insert(LbSvcBackendKey { service_id, index }, LbServiceBackend::default());
+        }
     }
     let (lb, report) = LoadBalancer::restore(Box::new(maps.clone()), CAPACITY).unwrap();
-    assert_eq!((report.services, report.incomplete, report.orphans_removed), (1, 1, 3));
+    assert_eq!((report.services, report.incomplete, report.orphans_removed), (1, 1, 5));
     assert!(lb.upsert(&s).unwrap(), "the identical service is written again");
     let after = maps.snapshot_now();
     assert_eq!(after.frontends, complete.frontends);
     assert_eq!(after.backends.len(), 2);
     assert_eq!(after.tables.len(), 1);
+    assert_eq!(after.service_backends, complete.service_backends);
+}
+
+/// A service costs a 24-byte record and one 8-byte entry per backend
+/// besides its Maglev table, not 1,024 inline slots (8 KiB) whatever its
+/// backends.
+#[test]
+fn a_service_record_is_sized_by_its_backends() {
+    let maps = FakeMaps::default();
+    lb(&maps)
+        .upsert(&service(1, "198.19.128.1:80", &["198.18.0.2:80", "198.18.0.3:80"]))
+        .unwrap();
+    let snap = maps.snapshot_now();
+    let record = size_of_val(&snap.services[&1]);
+    let list: usize = snap
+        .service_backends
+        .iter()
+        .map(|(k, v)| size_of_val(k) + size_of_val(v))
+        .sum();
+    assert_eq!((record, list), (24, 2 * 16));
+}
+
+/// Records of the first layout (backends inline) an older loader left are
+/// converted at restore into the same service, then removed; the restored
+/// index equals the one the old records describe and a replay writes
+/// nothing.
+#[test]
+fn restore_converts_first_layout_records_and_a_replay_writes_nothing() {
+    let maps = FakeMaps::default();
+    let mut s = service(1, "198.19.128.1:80", &["198.18.0.2:80", "198.18.0.3:80"]);
+    s.backends[1].terminating = true;
+    let first = lb(&maps);
+    first.upsert(&s).unwrap();
+    let listed = first.list();
+    drop(first);
+    let current = maps.snapshot_now();
+    {
+        // What an older loader pinned: the record with its backends inline,
+        // no lb_svc_backends.
+        let mut state = maps.state.lock().unwrap();
+        let record = state.services.remove(&1).unwrap();
+        let mut old = Box::new(LbServiceV1 {
+            record,
+            backends: [LbServiceBackend::default(); rivet_datapath::maps::legacy::LB_SERVICE_V1_MAX_BACKENDS],
+        });
+        for (slot, entry) in old.backends.iter_mut().zip(state.service_backends.values()) {
+            *slot = *entry;
+        }
+        state.service_backends.clear();
+        maps.legacy.lock().unwrap().insert(1, old);
+    }
+    maps.take_log();
+
+    let (second, report) = LoadBalancer::restore(Box::new(maps.clone()), CAPACITY).unwrap();
+    assert_eq!((report.converted, report.services, report.incomplete), (1, 1, 0));
+    assert!(maps.legacy.lock().unwrap().is_empty(), "the old records are removed");
+    assert_eq!(maps.snapshot_now(), current);
+    assert_eq!(second.list(), listed);
+    maps.take_log();
+    assert!(!second.upsert(&s).unwrap());
+    assert_eq!(maps.take_log(), [], "a replay writes nothing");
 }
 
 fn backend_id_in(snap: &LbSnapshot, a: &str) -> u32 {
@@ -415,6 +508,25 @@ fn a_full_map_is_refused_before_anything_is_written() {
         .unwrap_err();
     assert!(err.is_map_full(), "{err}");
     assert!(err.to_string().contains("lb_backends"), "{err}");
+    assert_eq!(maps.take_log(), []);
+
+    // The services' backend lists have a room of their own.
+    let lb = LoadBalancer::restore(
+        Box::new(maps.clone()),
+        LbCapacity {
+            service_backends: 3,
+            ..CAPACITY
+        },
+    )
+    .unwrap()
+    .0;
+    let err = lb
+        .upsert(&service(2, "198.19.128.2:80", &["198.18.0.2:80", "198.18.0.3:80"]))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("lb_svc_backends would need 4 entries"),
+        "{err}"
+    );
     assert_eq!(maps.take_log(), []);
 }
 
