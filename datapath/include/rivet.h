@@ -373,6 +373,11 @@ struct lb_service_backend {
  * the REVERSE entry is keyed by VIP:client port -> backend, and a reply
  * gets the VIP as source and the client's address back as destination. */
 #define LB_FLOW_F_HAIRPIN (1 << 0)
+/* The client's port was remapped (svc-loader's lb_port_remap: its
+ * translated tuple was another flow's), on the FORWARD and REVERSE entries:
+ * the port it leaves with is in an SNAT_OUT entry by the client's tuple, its
+ * own in an SNAT_IN entry by the reply's tuple (backend -> client:port). */
+#define LB_FLOW_F_PORT_MAPPED (1 << 1)
 
 struct lb_flow {
 	__u64 expires;     /* bpf_ktime_get_ns() deadline */
@@ -392,7 +397,10 @@ struct lb_flow {
  * entries with the lb_flow value. SNAT_OUT by the translated tuple client ->
  * backend (-> the node address and SNAT port the flow leaves with); SNAT_IN
  * by the reply's tuple backend -> node address:SNAT port (-> the client's
- * address and port). */
+ * address and port). A ClusterIP flow with LB_FLOW_F_PORT_MAPPED has them
+ * too: SNAT_OUT by the client's tuple client -> VIP (-> the client and the
+ * port it leaves with), SNAT_IN by the reply's tuple backend -> client:that
+ * port (-> the client and its own port). */
 #define LB_FLOW_SNAT_OUT 5
 #define LB_FLOW_SNAT_IN 6
 

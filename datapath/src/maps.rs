@@ -994,13 +994,22 @@ pub const LB_FLOW_FORWARD: u8 = 3;
 pub const LB_FLOW_REVERSE: u8 = 4;
 /// `lb4_flows` / `lb6_flows` key direction (NodePort SNAT): the translated
 /// tuple client → backend, to the node address and SNAT port it leaves with.
+/// (A ClusterIP flow with [`LB_FLOW_F_PORT_MAPPED`]: the client's tuple
+/// client → VIP, to the port it leaves with.)
 pub const LB_FLOW_SNAT_OUT: u8 = 5;
 /// `lb4_flows` / `lb6_flows` key direction (NodePort SNAT): the reply's
 /// tuple backend → node address:SNAT port, to the client's address and port.
+/// (A ClusterIP flow with [`LB_FLOW_F_PORT_MAPPED`]: backend → client:the
+/// remapped port, to the client's own port.)
 pub const LB_FLOW_SNAT_IN: u8 = 6;
 /// `LbFlow::flags`: hairpin, the client is its own backend (the forward
 /// packet's source became the VIP too; the REVERSE key is VIP → backend).
 pub const LB_FLOW_F_HAIRPIN: u8 = 1 << 0;
+/// Flow flag (FORWARD and REVERSE entries): the client's port was remapped
+/// (its translated tuple was another flow's); the port it leaves with is in
+/// an [`LB_FLOW_SNAT_OUT`] entry keyed by the client's tuple, its own in an
+/// [`LB_FLOW_SNAT_IN`] entry keyed by the reply's tuple.
+pub const LB_FLOW_F_PORT_MAPPED: u8 = 1 << 1;
 
 /// An address stored as `[u32; 4]` (network order, IPv4 in `[0]`) with
 /// its family; `None` for an unknown family.
@@ -1693,6 +1702,7 @@ mod tests {
             ("LB_FLOW_SNAT_OUT", LB_FLOW_SNAT_OUT.into()),
             ("LB_FLOW_SNAT_IN", LB_FLOW_SNAT_IN.into()),
             ("LB_FLOW_F_HAIRPIN", LB_FLOW_F_HAIRPIN.into()),
+            ("LB_FLOW_F_PORT_MAPPED", LB_FLOW_F_PORT_MAPPED.into()),
             ("IDENTITY_REMOTE_NODE", IDENTITY_REMOTE_NODE.into()),
             ("ROUTING_NONE", ROUTING_NONE.into()),
             ("ROUTING_NATIVE", ROUTING_NATIVE.into()),

@@ -1407,6 +1407,10 @@ static __always_inline int to_tunnel(struct __sk_buff *skb, const struct pkt *p,
  *   goes back to the VIP and is caught by from_container (LB_FLOW_F_HAIRPIN).
  *   The VIP rather than a dedicated loopback address: no address to
  *   reserve, and the tuple stays unique per VIP.
+ * - A new flow whose translated tuple another flow holds (one client port
+ *   to two VIPs sharing a backend) leaves with another client port, as the
+ *   kernel's NAT does (lb_port_remap; SNAT_OUT / SNAT_IN entries, undone on
+ *   the reply by lb_port_unmap).
  * - Flow entries follow their connection's conntrack deadline (written at
  *   most once a second, like conntrack); svc-gc removes expired ones.
  *
@@ -1415,6 +1419,14 @@ static __always_inline int to_tunnel(struct __sk_buff *skb, const struct pkt *p,
  */
 
 #define JHASH_INITVAL 0xdeadbeef
+
+/* Ports the datapath's own NATs give flows: a ClusterIP client's remapped
+ * port (lb_port_remap, LB_REMAP_TRIES tries per new flow) and NodePort's
+ * SNAT (nodeport.h). Above Linux's default ephemeral range (it ends at
+ * 60999): no socket's automatic port is one of them. */
+#define LB_NAT_PORT_MIN 61000
+#define LB_NAT_PORT_MAX 65535
+#define LB_REMAP_TRIES 16
 
 static __always_inline __u32 rol32(__u32 word, unsigned int shift)
 {
@@ -1502,6 +1514,61 @@ static __always_inline int lb_flow_put(const struct pkt *p, __u8 dir, const stru
 		ct6_key_of(&k, p, DIR_EGRESS, 0);
 		k.direction = dir;
 		return bpf_map_update_elem(&lb6_flows, &k, f, BPF_ANY);
+	}
+}
+
+/* The flow map key of the tuple (saddr, sport) -> (daddr, dport) of `p`'s
+ * protocol with `direction` (LB_FLOW_*); a flow map is keyed like
+ * conntrack. */
+static __always_inline void flow4_key(struct ct4_key *k, const __u32 *saddr, __u16 sport, const __u32 *daddr,
+				      __u16 dport, __u8 protocol, __u8 direction)
+{
+	k->saddr = saddr[0];
+	k->daddr = daddr[0];
+	k->sport = sport;
+	k->dport = dport;
+	k->protocol = protocol;
+	k->direction = direction;
+	k->pad = 0;
+}
+
+static __always_inline void flow6_key(struct ct6_key *k, const __u32 *saddr, __u16 sport, const __u32 *daddr,
+				      __u16 dport, __u8 protocol, __u8 direction)
+{
+	__builtin_memcpy(k->saddr, saddr, 16);
+	__builtin_memcpy(k->daddr, daddr, 16);
+	k->sport = sport;
+	k->dport = dport;
+	k->protocol = protocol;
+	k->direction = direction;
+	k->pad = 0;
+}
+
+static __always_inline struct lb_flow *flow_get(const struct pkt *p, const __u32 *saddr, __u16 sport,
+						const __u32 *daddr, __u16 dport, __u8 direction)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		flow4_key(&k, saddr, sport, daddr, dport, p->protocol, direction);
+		return bpf_map_lookup_elem(&lb4_flows, &k);
+	} else {
+		struct ct6_key k;
+		flow6_key(&k, saddr, sport, daddr, dport, p->protocol, direction);
+		return bpf_map_lookup_elem(&lb6_flows, &k);
+	}
+}
+
+static __always_inline int flow_put(const struct pkt *p, const __u32 *saddr, __u16 sport, const __u32 *daddr,
+				    __u16 dport, __u8 direction, const struct lb_flow *v, __u64 flags)
+{
+	if (p->family == 4) {
+		struct ct4_key k;
+		flow4_key(&k, saddr, sport, daddr, dport, p->protocol, direction);
+		return bpf_map_update_elem(&lb4_flows, &k, v, flags);
+	} else {
+		struct ct6_key k;
+		flow6_key(&k, saddr, sport, daddr, dport, p->protocol, direction);
+		return bpf_map_update_elem(&lb6_flows, &k, v, flags);
 	}
 }
 
@@ -1649,15 +1716,72 @@ static __always_inline int lb_rewrite(struct __sk_buff *skb, struct pkt *p, __u3
 }
 
 /* A translated packet's flow entries (`p`: its translated tuple; `fwd`:
- * its FORWARD entry, last refreshed over a second ago) follow its
- * connection's conntrack entry (the client's egress entry), as it stood
- * before this packet. */
-static __always_inline void lb_forward_touch(struct pkt *p, struct lb_flow *fwd)
+ * its FORWARD entry, last refreshed over a second ago; `out`: its SNAT_OUT
+ * entry when its client port was remapped) follow its connection's
+ * conntrack entry (the client's egress entry), as it stood before this
+ * packet. */
+static __always_inline void lb_forward_touch(struct pkt *p, struct lb_flow *fwd, struct lb_flow *out)
 {
 	struct ct_entry *e = ct_find(p, DIR_EGRESS, 0);
 
-	if (lb_flow_touch(fwd, e))
-		lb_flow_touch(lb_flow_get(p, 0, LB_FLOW_REVERSE), e);
+	if (!lb_flow_touch(fwd, e))
+		return;
+	lb_flow_touch(lb_flow_get(p, 0, LB_FLOW_REVERSE), e);
+	if (out && lb_flow_touch(out, e))
+		lb_flow_touch(lb_flow_get(p, 1, LB_FLOW_SNAT_IN), e);
+}
+
+/* Whether REVERSE entry `rev` is of a flow to `vip`:`vip_port`. */
+static __always_inline int lb_flow_to(const struct pkt *p, const struct lb_flow *rev, const __u32 *vip, __u16 vip_port)
+{
+	return rev->port == vip_port && lb_addr_equal(p->family, rev->addr, vip);
+}
+
+/* The client port new flow `p` (client -> VIP, not yet translated) leaves
+ * with towards backend:port. Its own, unless the translated tuple (client
+ * -> backend) is held by another live flow: one client port reaching two
+ * VIPs that share a backend is one tuple after DNAT, and the second SYN
+ * would meet the first connection. Then, as the kernel's NAT does, another
+ * one: the first of LB_REMAP_TRIES ports from a hash of the flow's tuple
+ * in [LB_NAT_PORT_MIN, LB_NAT_PORT_MAX] (above Linux's default ephemeral
+ * range, so the pod's own automatic ports never meet them) whose
+ * translated tuple is free, expired, or this flow's own from before (its
+ * SNAT_OUT entry lost: the same port again). Returns the port (network
+ * order), 0 when every try is held. */
+static __always_inline __u16 lb_port_remap(const struct pkt *p, const __u32 *backend, __u16 backend_port,
+					   const __u32 *vip, __u16 vip_port, __u64 now)
+{
+	const __u32 range = LB_NAT_PORT_MAX - LB_NAT_PORT_MIN + 1;
+	__u32 start = lb_jhash3(lb_fold(p->family, p->saddr), lb_fold(p->family, vip),
+				((__u32)p->sport << 16) | vip_port, p->protocol);
+	int i;
+
+	/* Try -1 is the client's own port; one lookup in the loop keeps the
+	 * caller's frame small. */
+	for (i = -1; i < LB_REMAP_TRIES; i++) {
+		__u16 port = i < 0 ? p->sport : bpf_htons(LB_NAT_PORT_MIN + (start + i) % range);
+		struct lb_flow *held = flow_get(p, p->saddr, port, backend, backend_port, LB_FLOW_REVERSE);
+
+		if (!held || held->expires < now ||
+		    ((i < 0 || (held->flags & LB_FLOW_F_PORT_MAPPED)) && lb_flow_to(p, held, vip, vip_port)))
+			return port;
+	}
+	return 0;
+}
+
+/* A reply on a flow whose client port lb_forward remapped (`p`: backend
+ * -> client:remapped port): the client's own port back as destination
+ * (its SNAT_IN entry), the entry following conntrack entry `e` (NULL: not
+ * due). Returns 0, or -1 (no entry, or not written). */
+static __always_inline int lb_port_unmap(struct __sk_buff *skb, struct pkt *p, __u32 l4_off, int has_l4,
+					 const struct ct_entry *e)
+{
+	struct lb_flow *in = lb_flow_get(p, 0, LB_FLOW_SNAT_IN);
+
+	if (!in)
+		return -1;
+	lb_flow_touch(in, e);
+	return lb_rewrite(skb, p, l4_off, has_l4, 1, p->daddr, in->port);
 }
 
 /* A NodePort frontend the pod reaches at an address of this node
@@ -1674,10 +1798,12 @@ __noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
 {
 	const struct datapath_config *cfg = get_config();
 	struct lb_frontend *fe;
-	struct lb_flow *f;
+	struct lb_flow *f, *out = 0;
 	struct lb_backend *be = 0;
-	__u32 vip[4], backend_addr[4], id = 0;
-	__u16 backend_port, vip_port;
+	struct lb_flow v;
+	const __u32 *backend_addr;
+	__u32 vip[4], id = 0;
+	__u16 backend_port, vip_port, client_port, port;
 	__u64 now;
 	__u32 l4_off;
 	int hairpin, has_l4;
@@ -1693,6 +1819,10 @@ __noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
 	if (has_l4 < 0)
 		return 0;
 	now = bpf_ktime_get_ns();
+	__builtin_memcpy(vip, p->daddr, 16);
+	vip_port = p->dport;
+	client_port = p->sport;
+	port = client_port;
 	f = lb_flow_get(p, 0, LB_FLOW_FORWARD);
 	if (f) {
 		__u32 fid = f->backend_id;
@@ -1704,12 +1834,21 @@ __noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
 			 (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN)
 			f = 0; /* a new connection on a reused port: not to a terminating backend */
 	}
+	/* Its client port remapped: the port is in its SNAT_OUT entry (lost:
+	 * chosen again, the same one). */
+	if (f && (f->flags & LB_FLOW_F_PORT_MAPPED)) {
+		out = lb_flow_get(p, 0, LB_FLOW_SNAT_OUT);
+		if (out)
+			port = out->port;
+		else
+			f = 0;
+	}
+	/* The backend's address is read from its map entry (stack is short
+	 * here: from_container's frame and this one share 512 bytes). */
 	if (f) {
-		__builtin_memcpy(backend_addr, f->addr, 16);
+		backend_addr = f->addr;
 		backend_port = f->port;
 	} else {
-		struct lb_flow nf = {};
-
 		/* A hairpinned connection's reply whose client port happens to
 		 * be the frontend's port is a reply, not a new flow. */
 		if (lb_flow_get(p, 1, LB_FLOW_REVERSE))
@@ -1717,17 +1856,32 @@ __noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
 		be = lb_select(p, fe, now, &id);
 		if (!be)
 			return DROP_NO_SERVICE_BACKEND;
-		__builtin_memcpy(backend_addr, be->addr, 16);
+		backend_addr = be->addr;
 		backend_port = be->port;
-		nf.lifetime = ct_lifetime(cfg, p->protocol, p->protocol == IPPROTO_TCP ? CT_TCP_SYN : 0);
-		nf.expires = now + (__u64)nf.lifetime * NSEC_PER_SEC;
-		__builtin_memcpy(nf.addr, backend_addr, 16);
-		nf.port = backend_port;
-		nf.family = p->family;
-		nf.backend_id = id;
-		nf.service_id = fe->service_id;
-		if (lb_flow_put(p, LB_FLOW_FORWARD, &nf) < 0)
+		/* Hairpin keeps its port: the VIP as source makes its tuple unique. */
+		if (!lb_addr_equal(p->family, backend_addr, p->saddr)) {
+			port = lb_port_remap(p, backend_addr, backend_port, vip, vip_port, now);
+			if (!port)
+				return DROP_CT_MAP_FULL;
+		}
+		__builtin_memset(&v, 0, sizeof(v));
+		v.lifetime = ct_lifetime(cfg, p->protocol, p->protocol == IPPROTO_TCP ? CT_TCP_SYN : 0);
+		v.expires = now + (__u64)v.lifetime * NSEC_PER_SEC;
+		__builtin_memcpy(v.addr, backend_addr, 16);
+		v.port = backend_port;
+		v.family = p->family;
+		v.flags = port != client_port ? LB_FLOW_F_PORT_MAPPED : 0;
+		v.backend_id = id;
+		v.service_id = fe->service_id;
+		if (lb_flow_put(p, LB_FLOW_FORWARD, &v) < 0)
 			return DROP_CT_MAP_FULL;
+		if (port != client_port) {
+			/* SNAT_OUT: by the client's tuple, the port it leaves with. */
+			__builtin_memcpy(v.addr, p->saddr, 16);
+			v.port = port;
+			if (lb_flow_put(p, LB_FLOW_SNAT_OUT, &v) < 0)
+				return DROP_CT_MAP_FULL;
+		}
 		if (fe->flags & SVC_F_AFFINITY) {
 			struct lb_affinity_key ak = {};
 			struct lb_affinity av = {.last_used = now, .backend_id = id};
@@ -1738,30 +1892,30 @@ __noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
 			bpf_map_update_elem(&lb_affinity, &ak, &av, BPF_ANY);
 		}
 	}
-	__builtin_memcpy(vip, p->daddr, 16);
-	vip_port = p->dport;
 	hairpin = lb_addr_equal(p->family, backend_addr, p->saddr);
 	if (lb_rewrite(skb, p, l4_off, has_l4, 1, backend_addr, backend_port) < 0)
 		return -1;
-	if (hairpin && lb_rewrite(skb, p, l4_off, has_l4, 0, vip, p->sport) < 0)
+	/* Hairpin: the VIP as source; a remapped flow: its port. */
+	if ((hairpin || port != client_port) && lb_rewrite(skb, p, l4_off, has_l4, 0, hairpin ? vip : p->saddr, port) < 0)
 		return -1;
 	if (!f) {
 		/* Keyed by the translated tuple, which `p` now holds. */
-		struct lb_flow rf = {};
-
-		rf.lifetime = ct_lifetime(cfg, p->protocol, p->protocol == IPPROTO_TCP ? CT_TCP_SYN : 0);
-		rf.expires = now + (__u64)rf.lifetime * NSEC_PER_SEC;
-		__builtin_memcpy(rf.addr, vip, 16);
-		rf.port = vip_port;
-		rf.family = p->family;
-		rf.flags = hairpin ? LB_FLOW_F_HAIRPIN : 0;
-		rf.backend_id = id;
-		rf.service_id = fe->service_id;
-		if (lb_flow_put(p, LB_FLOW_REVERSE, &rf) < 0)
+		__builtin_memcpy(v.addr, vip, 16);
+		v.port = vip_port;
+		v.flags = hairpin ? LB_FLOW_F_HAIRPIN : port != client_port ? LB_FLOW_F_PORT_MAPPED : 0;
+		if (lb_flow_put(p, LB_FLOW_REVERSE, &v) < 0)
 			return DROP_CT_MAP_FULL;
+		if (port != client_port) {
+			/* SNAT_IN: by the reply's tuple, the client's own port. */
+			__builtin_memcpy(v.addr, p->saddr, 16);
+			v.port = client_port;
+			v.flags = 0;
+			if (flow_put(p, p->daddr, p->dport, p->saddr, p->sport, LB_FLOW_SNAT_IN, &v, BPF_ANY) < 0)
+				return DROP_CT_MAP_FULL;
+		}
 	} else if (f->expires + NSEC_PER_SEC < now + (__u64)f->lifetime * NSEC_PER_SEC) {
 		/* Last refreshed over a second ago. */
-		lb_forward_touch(p, f);
+		lb_forward_touch(p, f, out);
 	}
 	p->svc = 1;
 	return 0;
@@ -1859,6 +2013,9 @@ static __noinline int lb_reverse(struct __sk_buff *skb, struct pkt *p, int hairp
 		return hairpin || !has_l4 ? -1 : lb_reverse_icmp(skb, p, l4_off, rev);
 	/* Hairpinned: the client is the sender itself. */
 	if (hairpin && lb_rewrite(skb, p, l4_off, has_l4, 1, p->saddr, p->dport) < 0)
+		return -1;
+	/* Its client port remapped by lb_forward: the client's own back. */
+	if ((rev->flags & LB_FLOW_F_PORT_MAPPED) && lb_port_unmap(skb, p, l4_off, has_l4, e) < 0)
 		return -1;
 	if (lb_rewrite(skb, p, l4_off, has_l4, 0, rev->addr, rev->port) < 0)
 		return -1;

@@ -66,10 +66,10 @@
  * enforce's must fit 512 bytes together).
  */
 
-/* Ports the SNAT of NodePort traffic takes (Linux's default ephemeral range
- * ends at 60999) and how many it tries per new flow. */
-#define NODEPORT_SNAT_MIN 61000
-#define NODEPORT_SNAT_MAX 65535
+/* Ports the SNAT of NodePort traffic takes (the services section's NAT
+ * range) and how many it tries per new flow. */
+#define NODEPORT_SNAT_MIN LB_NAT_PORT_MIN
+#define NODEPORT_SNAT_MAX LB_NAT_PORT_MAX
 #define NODEPORT_SNAT_RETRIES 32
 
 /* What nodeport_ingress decided, besides 0 (not ours: to the stack) and
@@ -157,61 +157,6 @@ static __always_inline struct lb_frontend *nodeport_of_this_node(struct __sk_buf
 }
 
 /* ------------------------------------------------------------ flow entries */
-
-/* The flow map key of the tuple (saddr, sport) -> (daddr, dport) of `p`'s
- * protocol with `direction` (LB_FLOW_*); a flow map is keyed like
- * conntrack. */
-static __always_inline void flow4_key(struct ct4_key *k, const __u32 *saddr, __u16 sport, const __u32 *daddr,
-				      __u16 dport, __u8 protocol, __u8 direction)
-{
-	k->saddr = saddr[0];
-	k->daddr = daddr[0];
-	k->sport = sport;
-	k->dport = dport;
-	k->protocol = protocol;
-	k->direction = direction;
-	k->pad = 0;
-}
-
-static __always_inline void flow6_key(struct ct6_key *k, const __u32 *saddr, __u16 sport, const __u32 *daddr,
-				      __u16 dport, __u8 protocol, __u8 direction)
-{
-	__builtin_memcpy(k->saddr, saddr, 16);
-	__builtin_memcpy(k->daddr, daddr, 16);
-	k->sport = sport;
-	k->dport = dport;
-	k->protocol = protocol;
-	k->direction = direction;
-	k->pad = 0;
-}
-
-static __always_inline struct lb_flow *flow_get(const struct pkt *p, const __u32 *saddr, __u16 sport,
-						const __u32 *daddr, __u16 dport, __u8 direction)
-{
-	if (p->family == 4) {
-		struct ct4_key k;
-		flow4_key(&k, saddr, sport, daddr, dport, p->protocol, direction);
-		return bpf_map_lookup_elem(&lb4_flows, &k);
-	} else {
-		struct ct6_key k;
-		flow6_key(&k, saddr, sport, daddr, dport, p->protocol, direction);
-		return bpf_map_lookup_elem(&lb6_flows, &k);
-	}
-}
-
-static __always_inline int flow_put(const struct pkt *p, const __u32 *saddr, __u16 sport, const __u32 *daddr,
-				    __u16 dport, __u8 direction, const struct lb_flow *v, __u64 flags)
-{
-	if (p->family == 4) {
-		struct ct4_key k;
-		flow4_key(&k, saddr, sport, daddr, dport, p->protocol, direction);
-		return bpf_map_update_elem(&lb4_flows, &k, v, flags);
-	} else {
-		struct ct6_key k;
-		flow6_key(&k, saddr, sport, daddr, dport, p->protocol, direction);
-		return bpf_map_update_elem(&lb6_flows, &k, v, flags);
-	}
-}
 
 /* The lifetime a flow entry gets from a packet of it: conntrack's for the
  * connection's state as far as this packet tells it. */

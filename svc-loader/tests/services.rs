@@ -182,6 +182,40 @@ async fn a_pod_reaches_itself_through_its_service() {
     }
 }
 
+/// One client port reaching two ClusterIPs that share their backend: after
+/// DNAT both connections would be one tuple (client:port → backend), and
+/// the second SYN would meet the first connection. The second one leaves
+/// with another client port (lb_port_remap, as the kernel's NAT): both are
+/// established at once, each answered, from its own VIP, the first
+/// undisturbed by the second.
+#[tokio::test]
+async fn one_client_port_reaches_two_services_sharing_a_backend() {
+    let mut t = ServiceNode::start(&["client", "b1"]).await;
+    for (i, (vip1, vip2)) in vips(30).into_iter().zip(vips(31)).enumerate() {
+        let id = 30 + i as u32;
+        t.upsert(id, vip1, Protocol::Tcp, &[("b1", ACTIVE)]).await;
+        t.upsert(id + 100, vip2, Protocol::Tcp, &[("b1", ACTIVE)]).await;
+        let local = SocketAddr::new(addr_of(&t.node, "client", vip1), 40000 + i as u16);
+        let mut held = Vec::new();
+        for vip in [vip1, vip2] {
+            let service = SocketAddr::new(vip, SERVICE_PORT);
+            let conn = HeldConnection::open_from(t.client_ns(), local, service, TIMEOUT)
+                .unwrap_or_else(|e| panic!("a connection from {local} to {service}: {e}"));
+            assert_eq!(conn.first, "b1");
+            assert_eq!(conn.peer_addr().unwrap(), service, "the socket's peer is the VIP");
+            held.push((service, conn));
+        }
+        for round in 0..3 {
+            for (service, conn) in &mut held {
+                let answer = conn
+                    .ask()
+                    .unwrap_or_else(|e| panic!("{local} → {service}, round {round}: {e}"));
+                assert_eq!(answer, "b1", "{local} → {service}");
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn the_backends_ingress_policy_judges_the_client_on_the_service_path() {
     let mut t = ServiceNode::start(&["client", "b1"]).await;

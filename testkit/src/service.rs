@@ -270,6 +270,35 @@ impl HeldConnection {
         Ok(Self { stream, first })
     }
 
+    /// [`open`](Self::open) from local address `local` (bound before the
+    /// connect, with `SO_REUSEADDR`, so several connections to different
+    /// destinations can share one client port).
+    pub fn open_from(netns: &NetNs, local: SocketAddr, dst: SocketAddr, timeout: Duration) -> std::io::Result<Self> {
+        let connected = netns.in_ns(move || -> std::io::Result<TcpStream> {
+            let socket = socket2::Socket::new(
+                socket2::Domain::for_address(dst),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )?;
+            socket.set_reuse_address(true)?;
+            socket.bind(&local.into())?;
+            socket.connect_timeout(&dst.into(), timeout)?;
+            Ok(socket.into())
+        });
+        let mut stream = connected
+            .map_err(std::io::Error::other)?
+            .map_err(|e| std::io::Error::new(e.kind(), format!("connecting {local} to {dst}: {e}")))?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        let first = ask(&mut stream)?;
+        Ok(Self { stream, first })
+    }
+
+    /// The connection's peer address, as its socket sees it.
+    pub fn peer_addr(&self) -> std::io::Result<SocketAddr> {
+        self.stream.peer_addr()
+    }
+
     /// Asks again on the same connection.
     pub fn ask(&mut self) -> std::io::Result<String> {
         ask(&mut self.stream)
