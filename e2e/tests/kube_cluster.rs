@@ -119,6 +119,15 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
     );
     let name = cluster.name().to_owned();
     let dir = cluster.dir().to_path_buf();
+    // containerd's own dirs (root, state, sockets) are beside the cluster's.
+    let containerd_dirs: Vec<String> = cluster
+        .workers()
+        .iter()
+        .map(|w| {
+            let socket = w.containerd_socket().expect("containerd runs");
+            socket.parent().unwrap().display().to_string()
+        })
+        .collect();
     let namespaces: Vec<String> = std::iter::once(cluster.control_plane_netns().name().to_owned())
         .chain(cluster.workers().iter().map(|w| w.netns.name().to_owned()))
         .collect();
@@ -135,6 +144,14 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
             "{}: node IP {} in {addresses:?}",
             worker.name,
             worker.address
+        );
+        assert!(
+            addresses
+                .iter()
+                .any(|a| a.type_ == "InternalIP" && a.address == worker.address_v6.to_string()),
+            "{}: IPv6 node IP {} in {addresses:?}",
+            worker.name,
+            worker.address_v6
         );
     }
 
@@ -193,11 +210,13 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
         .filter(|ns| namespaces.contains(ns))
         .collect();
     assert!(left.is_empty(), "namespaces left: {left:?}");
-    assert!(!dir.exists(), "{} left", dir.display());
-    let mounts = mounts_containing(&dir.display().to_string());
-    assert!(mounts.is_empty(), "mounts left: {mounts:?}");
-    let processes = processes_containing(&dir.display().to_string());
-    assert!(processes.is_empty(), "processes left: {processes:?}");
+    for owned in std::iter::once(dir.display().to_string()).chain(containerd_dirs) {
+        let processes = processes_containing(&owned);
+        assert!(processes.is_empty(), "processes of {owned} left: {processes:?}");
+        assert!(!std::path::Path::new(&owned).exists(), "{owned} left");
+        let mounts = mounts_containing(&owned);
+        assert!(mounts.is_empty(), "mounts left: {mounts:?}");
+    }
     let cgroups: Vec<String> = std::fs::read_dir("/sys/fs/cgroup")
         .unwrap()
         .flatten()

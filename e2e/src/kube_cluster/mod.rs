@@ -55,6 +55,12 @@
 //!   into the machine's sysctls; instead the worker's mount namespace binds
 //!   files holding those values over them in `/proc/sys`, and
 //!   `protectKernelDefaults: true` makes the kubelet fail rather than write.
+//! - Node IPs are both underlay addresses (`--node-ip=198.19.254.<i>,2001:2:0:fe::<i>`).
+//! - **No kube-proxy**: Services are Rivet's job (issue 17). Until Rivet's
+//!   datapath serves the `kubernetes` Service (198.19.255.1:443), a pod that
+//!   needs the API before that (svc-k8s-sync) is given the real address,
+//!   [`CONTROL_PLANE_V4`]:[`API_SERVER_PORT`] (`KUBERNETES_SERVICE_HOST` /
+//!   `_PORT`), reachable from every worker over the underlay.
 //! - The API server's serving certificate names 127.0.0.1, the control
 //!   plane's underlay address and the first Service IP; the kubelets'
 //!   serving certificates name their node IP, and the API server verifies
@@ -274,9 +280,9 @@ pub struct Worker {
     pub index: usize,
     /// Its Node name.
     pub name: String,
-    /// Its node IP (on `ul0`).
+    /// Its IPv4 node IP (on `ul0`).
     pub address: Ipv4Addr,
-    /// Its IPv6 underlay address.
+    /// Its IPv6 node IP (on `ul0`).
     pub address_v6: Ipv6Addr,
     /// The reference bridge's pod CIDR on it (198.18.`i`.0/24).
     pub pod_cidr: String,
@@ -694,7 +700,7 @@ impl KubeCluster {
         let serving = pki.server(
             &format!("kubelet-{name}-serving"),
             &name,
-            &[worker.address.to_string(), name.clone()],
+            &[worker.address.to_string(), worker.address_v6.to_string(), name.clone()],
         )?;
         let kubeconfig_path = dir.join("kubelet.kubeconfig");
         write_file(
@@ -730,7 +736,7 @@ impl KubeCluster {
                 format!("--kubeconfig={}", kubeconfig_path.display()),
                 "--root-dir=/var/lib/kubelet".into(),
                 format!("--hostname-override={name}"),
-                format!("--node-ip={}", worker.address),
+                format!("--node-ip={},{}", worker.address, worker.address_v6),
             ],
             worker.kubelet_log(),
         )?;
