@@ -16,6 +16,10 @@
 //!   a conflist written into one worker's `/etc/cni/net.d` from inside its
 //!   mount namespace (as a DaemonSet's init container writes it) makes that
 //!   Node Ready while the other stays NotReady.
+//! - `down_after_a_killed_supervisor_removes_everything`: `rivet-kube-cluster
+//!   up` (what `cargo xtask cluster up` runs), its supervisor SIGKILLed with
+//!   the cluster running a pod, then `down`: the sweep from the cluster's
+//!   record leaves no process, namespace, cgroup or dir.
 //!
 //! Needs root, containerd, runc, /usr/lib/cni, busybox-static and the
 //! Kubernetes tools (`cargo xtask install`); a missing one fails the test.
@@ -105,6 +109,32 @@ fn processes_containing(text: &str) -> Vec<String> {
         }
     }
     found
+}
+
+/// No namespace of `namespaces`, no process, mount or file under the
+/// cluster's `dir` or a containerd dir, no cgroup of the cluster `name`.
+fn assert_nothing_left(name: &str, namespaces: &[String], dir: &std::path::Path, containerd_dirs: &[String]) {
+    let left: Vec<String> = list_netns()
+        .unwrap()
+        .into_iter()
+        .filter(|ns| namespaces.contains(ns))
+        .collect();
+    assert!(left.is_empty(), "namespaces left: {left:?}");
+    for owned in std::iter::once(dir.display().to_string()).chain(containerd_dirs.iter().cloned()) {
+        let processes = processes_containing(&owned);
+        assert!(processes.is_empty(), "processes of {owned} left: {processes:?}");
+        assert!(!std::path::Path::new(&owned).exists(), "{owned} left");
+        let mounts = mounts_containing(&owned);
+        assert!(mounts.is_empty(), "mounts of {owned} left: {mounts:?}");
+    }
+    let cgroups: Vec<String> = std::fs::read_dir("/sys/fs/cgroup")
+        .unwrap()
+        .flatten()
+        .map(|h| h.path().join(name))
+        .filter(|p| p.exists())
+        .map(|p| p.display().to_string())
+        .collect();
+    assert!(cgroups.is_empty(), "cgroups left: {cgroups:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,27 +234,7 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
     );
 
     drop(cluster);
-    let left: Vec<String> = list_netns()
-        .unwrap()
-        .into_iter()
-        .filter(|ns| namespaces.contains(ns))
-        .collect();
-    assert!(left.is_empty(), "namespaces left: {left:?}");
-    for owned in std::iter::once(dir.display().to_string()).chain(containerd_dirs) {
-        let processes = processes_containing(&owned);
-        assert!(processes.is_empty(), "processes of {owned} left: {processes:?}");
-        assert!(!std::path::Path::new(&owned).exists(), "{owned} left");
-        let mounts = mounts_containing(&owned);
-        assert!(mounts.is_empty(), "mounts left: {mounts:?}");
-    }
-    let cgroups: Vec<String> = std::fs::read_dir("/sys/fs/cgroup")
-        .unwrap()
-        .flatten()
-        .map(|h| h.path().join(&name))
-        .filter(|p| p.exists())
-        .map(|p| p.display().to_string())
-        .collect();
-    assert!(cgroups.is_empty(), "cgroups left: {cgroups:?}");
+    assert_nothing_left(&name, &namespaces, &dir, &containerd_dirs);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -295,4 +305,106 @@ async fn a_cni_installed_later_inside_a_worker_makes_it_ready() {
         "{} has no CNI config and stays NotReady",
         second.name
     );
+}
+
+/// `rivet-kube-cluster --state-dir <dir>`; `down` on drop, so a failing test
+/// leaves nothing either.
+struct CliCluster {
+    state: tempfile::TempDir,
+}
+
+impl CliCluster {
+    fn command(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(env!("CARGO_BIN_EXE_rivet-kube-cluster"))
+            .arg("--state-dir")
+            .arg(self.state.path())
+            .args(args)
+            .output()
+            .expect("running rivet-kube-cluster")
+    }
+}
+
+impl Drop for CliCluster {
+    fn drop(&mut self) {
+        let _ = self.command(&["down"]);
+    }
+}
+
+fn text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn down_after_a_killed_supervisor_removes_everything() {
+    let cluster = CliCluster {
+        state: tempfile::Builder::new().prefix("rivet-kc-cli-").tempdir().unwrap(),
+    };
+    let up = cluster.command(&["up"]);
+    assert!(up.status.success(), "up: {}", text(&up));
+    let ready = text(&up);
+    assert!(ready.contains("kubeconfig: "), "{ready}");
+    let dir = cluster.state.path().join("cluster");
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("record.json")).unwrap()).unwrap();
+    let strings = |key: &str| -> Vec<String> {
+        let values = record[key].as_array().unwrap_or_else(|| panic!("{key} in {record}"));
+        values.iter().map(|v| v.as_str().unwrap().to_owned()).collect()
+    };
+    let namespaces = strings("namespaces");
+    assert_eq!(namespaces.len(), 4, "2 workers, control plane, underlay: {record}");
+    let containerd_dirs = strings("containerd_dirs");
+    assert_eq!(containerd_dirs.len(), 2, "{record}");
+    let name = record["name"].as_str().unwrap().to_owned();
+
+    // A pod runs (shim, pause and busybox processes in the kubelet's cgroups).
+    let kubeconfig = dir.join("pki/admin.kubeconfig");
+    let kubectl = rivet_tools::tool_path(rivet_tools::Tool::Kubectl).unwrap();
+    let run = std::process::Command::new(&kubectl)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args([
+            "run",
+            "sleeper",
+            "--image",
+            BUSYBOX_IMAGE,
+            "--image-pull-policy=Never",
+            "--restart=Never",
+            "--",
+            "/bin/sleep",
+            "3600",
+        ])
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "kubectl run: {}", text(&run));
+    let wait = std::process::Command::new(&kubectl)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args(["wait", "--for=condition=Ready", "pod/sleeper", "--timeout=90s"])
+        .output()
+        .unwrap();
+    assert!(wait.status.success(), "kubectl wait: {}", text(&wait));
+    assert!(
+        !processes_containing(&containerd_dirs[0]).is_empty() || !processes_containing(&containerd_dirs[1]).is_empty()
+    );
+
+    let pid: i32 = std::fs::read_to_string(cluster.state.path().join("supervisor.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The daemons outlive their supervisor: that is what down must clean.
+    assert!(!processes_containing(&dir.display().to_string()).is_empty());
+
+    let down = cluster.command(&["down"]);
+    assert!(down.status.success(), "down: {}", text(&down));
+    assert_nothing_left(&name, &namespaces, &dir, &containerd_dirs);
+    assert!(!cluster.state.path().exists(), "down removes the state dir");
 }

@@ -7,7 +7,9 @@
 //! (`serve`, in its own process group) that holds the guard until SIGTERM; `up`
 //! returns once the supervisor says the cluster is ready, printing the
 //! kubeconfig and the start time. `down` sends SIGTERM and waits until the
-//! supervisor has removed everything and exited.
+//! supervisor has removed everything and exited; when the supervisor was
+//! killed, `down` removes what the cluster's record lists
+//! ([`kube_cluster::sweep`]).
 //!
 //! Files, under the state dir (`--state-dir`, default
 //! `$TMPDIR/rivet-kube-cluster`): `supervisor.pid`, `supervisor.log`,
@@ -22,7 +24,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, MAX_WORKERS, WorkerCni};
+use rivet_e2e::kube_cluster::{self, KubeCluster, KubeClusterOptions, MAX_WORKERS, WorkerCni};
 
 /// How long `up` waits for the supervisor to report the cluster ready.
 const UP_TIMEOUT: Duration = Duration::from_secs(300);
@@ -130,8 +132,7 @@ fn up(state_dir: &Path, args: &UpArgs) -> Result<()> {
     }
     if state_dir.join("cluster").exists() {
         bail!(
-            "{} holds a cluster whose supervisor is gone (killed?): remove what it left by hand \
-             (namespaces kcul-/kccp-/kcw-*, cgroups /sys/fs/cgroup/*/kc*) and the dir",
+            "{} holds a cluster whose supervisor is gone (killed?): `down` removes what it left",
             state_dir.display()
         );
     }
@@ -181,13 +182,19 @@ fn up(state_dir: &Path, args: &UpArgs) -> Result<()> {
 
 fn down(state_dir: &Path) -> Result<()> {
     let Some(pid) = running_supervisor(state_dir) else {
-        if state_dir.join("cluster").exists() {
-            bail!(
-                "no supervisor runs but {} is there (it was killed?): remove what it left by hand",
-                state_dir.join("cluster").display()
+        let cluster = state_dir.join("cluster");
+        if cluster.exists() {
+            println!(
+                "no supervisor runs (it was killed?): removing what {} records",
+                cluster.display()
             );
+            let problems = kube_cluster::sweep(&cluster);
+            if !problems.is_empty() {
+                bail!("the sweep left:\n{}", problems.join("\n"));
+            }
+        } else {
+            println!("no cluster runs ({})", state_dir.display());
         }
-        println!("no cluster runs ({})", state_dir.display());
         let _ = std::fs::remove_dir_all(state_dir);
         return Ok(());
     };

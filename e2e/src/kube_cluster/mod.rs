@@ -138,6 +138,9 @@ const KUBELET_SYSCTLS: &[(&str, &str)] = &[
     ("kernel/keys/root_maxbytes", "25000000"),
 ];
 
+/// The file in the cluster dir that lists what [`sweep`] removes.
+pub const RECORD_FILE: &str = "record.json";
+
 static CLUSTERS: AtomicU32 = AtomicU32::new(0);
 
 /// What went wrong with the cluster; every message says what was being done.
@@ -634,6 +637,7 @@ impl KubeCluster {
         // so it joins the cluster first.
         let position = self.workers.len();
         self.workers.push(worker);
+        self.record()?;
         let result = self.prepare_worker(pki, position, options).await;
         let worker = self.workers.remove(position);
         result.map(|()| worker)
@@ -691,6 +695,8 @@ impl KubeCluster {
         }
         let socket = containerd.socket();
         worker.containerd = Some(containerd);
+        self.record()?;
+        let worker = &mut self.workers[position];
 
         let client = pki.client(
             &format!("kubelet-{name}"),
@@ -758,6 +764,32 @@ impl KubeCluster {
         Ok(())
     }
 
+    /// Writes [`RECORD_FILE`]: what [`sweep`] removes when this process dies
+    /// without dropping the cluster.
+    fn record(&self) -> Result<(), KubeClusterError> {
+        let namespaces: Vec<&str> = self
+            .workers
+            .iter()
+            .map(|w| w.netns.name())
+            .chain(self.control_plane_ns.as_ref().map(NetNs::name))
+            .chain(self.underlay.as_ref().map(NetNs::name))
+            .collect();
+        let containerd_dirs: Vec<PathBuf> = self
+            .workers
+            .iter()
+            .filter_map(|w| w.containerd.as_ref().map(|c| c.dir().to_path_buf()))
+            .collect();
+        let mount_namespaces: Vec<PathBuf> = self.workers.iter().map(Worker::mount_ns).collect();
+        let record = serde_json::json!({
+            "name": self.name,
+            "namespaces": namespaces,
+            "containerd_dirs": containerd_dirs,
+            "mount_namespaces": mount_namespaces,
+            "cgroup_top": format!("/{}", self.name),
+        });
+        write_file(&self.dir.join(RECORD_FILE), &record.to_string())
+    }
+
     /// Polls `check` until it is Ok, checking every daemon is alive.
     async fn wait<F, Fut>(&mut self, what: &str, timeout: Duration, mut check: F) -> Result<(), KubeClusterError>
     where
@@ -803,6 +835,120 @@ impl Drop for KubeCluster {
             eprintln!("rivet kube cluster teardown: removing {}: {e}", self.dir.display());
         }
     }
+}
+
+/// Removes, without the [`KubeCluster`] guard, everything the cluster in
+/// `dir` made, from its [`RECORD_FILE`]: for a cluster whose process was
+/// killed (`rivet-kube-cluster down` after a SIGKILLed supervisor). Kills
+/// every process that names the cluster's or a containerd's dir (daemons,
+/// containerd, shims) and every process in its cgroups, deletes runc's
+/// containers, releases the workers' mount namespaces, removes the cgroups,
+/// the network namespaces and the dirs. Returns what it could not remove.
+pub fn sweep(dir: &Path) -> Vec<String> {
+    let mut problems = Vec::new();
+    let record: serde_json::Value = match std::fs::read_to_string(dir.join(RECORD_FILE)) {
+        Ok(text) => serde_json::from_str(&text).unwrap_or_default(),
+        Err(e) => {
+            problems.push(format!("reading {}: {e}", dir.join(RECORD_FILE).display()));
+            serde_json::Value::Null
+        }
+    };
+    let strings = |key: &str| -> Vec<String> {
+        record[key]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+            .unwrap_or_default()
+    };
+    let containerd_dirs: Vec<PathBuf> = strings("containerd_dirs").into_iter().map(PathBuf::from).collect();
+    let mut owned: Vec<PathBuf> = vec![dir.to_path_buf()];
+    owned.extend(containerd_dirs.iter().cloned());
+    for pid in processes_naming(&owned) {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    let cgroups = record["cgroup_top"].as_str().map(cgroup_dirs).unwrap_or_default();
+    for cgroup in &cgroups {
+        for pid in cgroup_pids(cgroup) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+    for containerd in &containerd_dirs {
+        let root = containerd.join("runc").join(crate::containerd::CRI_NAMESPACE);
+        for container in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            let _ = Command::new("runc")
+                .arg("--root")
+                .arg(&root)
+                .args(["delete", "--force"])
+                .arg(container.file_name())
+                .output();
+        }
+    }
+    for mnt in strings("mount_namespaces") {
+        let _ = nix::mount::umount2(Path::new(&mnt), nix::mount::MntFlags::MNT_DETACH);
+    }
+    // Mounts a killed containerd left in the host's view (none expected:
+    // its mounts live in the worker's mount namespace).
+    for owned_dir in &owned {
+        for mount in mounts_under(owned_dir) {
+            let _ = nix::mount::umount2(&mount, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    for cgroup in cgroups {
+        remove_cgroup_tree(&cgroup);
+        if cgroup.exists() {
+            problems.push(format!("cgroup {} is still there", cgroup.display()));
+        }
+    }
+    for namespace in strings("namespaces") {
+        let out = Command::new("ip").args(["netns", "delete", &namespace]).output();
+        if let Ok(out) = out
+            && !out.status.success()
+            && !String::from_utf8_lossy(&out.stderr).contains("No such file")
+        {
+            problems.push(format!(
+                "deleting namespace {namespace}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+    }
+    for owned_dir in owned {
+        if let Err(e) = std::fs::remove_dir_all(&owned_dir)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            problems.push(format!("removing {}: {e}", owned_dir.display()));
+        }
+    }
+    problems
+}
+
+/// Pids of processes whose command line names a path under one of `dirs`.
+fn processes_naming(dirs: &[PathBuf]) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if pid != me && dirs.iter().any(|d| cmdline.contains(&*d.to_string_lossy())) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Mount points at or below `dir` in this process's mount namespace.
+fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut mounts: Vec<PathBuf> = text
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4).map(PathBuf::from))
+        .filter(|point| point.starts_with(dir))
+        .collect();
+    mounts.sort_by_key(|m| std::cmp::Reverse(m.as_os_str().len()));
+    mounts
 }
 
 /// The control plane being started: on failure, what was made is removed
@@ -854,6 +1000,7 @@ impl ControlPlaneParts {
             underlay: Some(underlay),
             started_in: Duration::ZERO,
         };
+        cluster.record()?;
         let ns_arg = vec![format!("--net={}", cluster.control_plane_netns().path().display())];
         let log = |name: &str| dir.join(format!("{name}.log"));
         let etcd_url = "http://127.0.0.1:2379";
@@ -898,6 +1045,9 @@ impl ControlPlaneParts {
             "kube-apiserver-kubelet-client",
             &["system:masters"],
         )?;
+        // The aggregation layer's front proxy, as kubeadm sets it up; only
+        // this certificate's name may assert users in request headers.
+        let front_proxy = pki.client("front-proxy-client", "front-proxy-client", &[])?;
         let issuer = "https://kubernetes.default.svc.cluster.local";
         cluster.control_plane.push(Daemon::spawn(
             "kube-apiserver",
@@ -923,6 +1073,13 @@ impl ControlPlaneParts {
                 format!("--kubelet-client-key={}", kubelet_client.key.display()),
                 format!("--kubelet-certificate-authority={}", pki.ca().display()),
                 "--kubelet-preferred-address-types=InternalIP".into(),
+                format!("--requestheader-client-ca-file={}", pki.ca().display()),
+                "--requestheader-allowed-names=front-proxy-client".into(),
+                "--requestheader-username-headers=X-Remote-User".into(),
+                "--requestheader-group-headers=X-Remote-Group".into(),
+                "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
+                format!("--proxy-client-cert-file={}", front_proxy.cert.display()),
+                format!("--proxy-client-key-file={}", front_proxy.key.display()),
                 "--enable-priority-and-fairness=false".into(),
                 "--profiling=false".into(),
             ],
