@@ -2716,52 +2716,22 @@ static __always_inline int sock_reverse(struct bpf_sock_addr *ctx, __u8 family)
 	return SOCK_RESULT_PASS;
 }
 
-SEC("cgroup/connect4")
-int sock_connect4(struct bpf_sock_addr *ctx)
-{
-	return sock_forward(ctx, 4);
-}
+/* The eight programs: a hook of one family (a constant in each program:
+ * the verifier allows only that family's fields of the context). */
+#define SOCK_LB_PROGRAM(name, section, step, family)                                                        \
+	SEC(section)                                                                                        \
+	int name(struct bpf_sock_addr *ctx)                                                                 \
+	{                                                                                                   \
+		return step(ctx, family);                                                                   \
+	}
 
-SEC("cgroup/connect6")
-int sock_connect6(struct bpf_sock_addr *ctx)
-{
-	return sock_forward(ctx, 6);
-}
-
-SEC("cgroup/sendmsg4")
-int sock_sendmsg4(struct bpf_sock_addr *ctx)
-{
-	return sock_forward(ctx, 4);
-}
-
-SEC("cgroup/sendmsg6")
-int sock_sendmsg6(struct bpf_sock_addr *ctx)
-{
-	return sock_forward(ctx, 6);
-}
-
-SEC("cgroup/recvmsg4")
-int sock_recvmsg4(struct bpf_sock_addr *ctx)
-{
-	return sock_reverse(ctx, 4);
-}
-
-SEC("cgroup/recvmsg6")
-int sock_recvmsg6(struct bpf_sock_addr *ctx)
-{
-	return sock_reverse(ctx, 6);
-}
-
-SEC("cgroup/getpeername4")
-int sock_getpeername4(struct bpf_sock_addr *ctx)
-{
-	return sock_reverse(ctx, 4);
-}
-
-SEC("cgroup/getpeername6")
-int sock_getpeername6(struct bpf_sock_addr *ctx)
-{
-	return sock_reverse(ctx, 6);
-}
+SOCK_LB_PROGRAM(sock_connect4, "cgroup/connect4", sock_forward, 4)
+SOCK_LB_PROGRAM(sock_connect6, "cgroup/connect6", sock_forward, 6)
+SOCK_LB_PROGRAM(sock_sendmsg4, "cgroup/sendmsg4", sock_forward, 4)
+SOCK_LB_PROGRAM(sock_sendmsg6, "cgroup/sendmsg6", sock_forward, 6)
+SOCK_LB_PROGRAM(sock_recvmsg4, "cgroup/recvmsg4", sock_reverse, 4)
+SOCK_LB_PROGRAM(sock_recvmsg6, "cgroup/recvmsg6", sock_reverse, 6)
+SOCK_LB_PROGRAM(sock_getpeername4, "cgroup/getpeername4", sock_reverse, 4)
+SOCK_LB_PROGRAM(sock_getpeername6, "cgroup/getpeername6", sock_reverse, 6)
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

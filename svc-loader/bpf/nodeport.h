@@ -115,6 +115,26 @@ static __always_inline struct lb_frontend *nodeport_frontend(const struct pkt *p
 	return bpf_map_lookup_elem(&lb_frontends, &k);
 }
 
+/* The FIB's answer for the packet's tuple arriving on the packet's
+ * interface, its result in `*fib`. */
+static __always_inline long fib_lookup_of(struct __sk_buff *skb, const struct pkt *p, struct bpf_fib_lookup *fib)
+{
+	fib->ifindex = skb->ifindex;
+	fib->l4_protocol = p->protocol;
+	fib->sport = p->sport;
+	fib->dport = p->dport;
+	if (p->family == 4) {
+		fib->family = AF_INET_;
+		fib->ipv4_src = p->saddr[0];
+		fib->ipv4_dst = p->daddr[0];
+	} else {
+		fib->family = AF_INET6_;
+		__builtin_memcpy(fib->ipv6_src, p->saddr, 16);
+		__builtin_memcpy(fib->ipv6_dst, p->daddr, 16);
+	}
+	return bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
+}
+
 /* Whether the packet's destination is an address of this node: the FIB's
  * answer for it arriving on this interface (local routes are "not
  * forwarded"); with forwarding off on the interface, the ipcache's host
@@ -123,22 +143,8 @@ static __always_inline int to_this_node(struct __sk_buff *skb, const struct pkt 
 {
 	struct bpf_fib_lookup fib = {};
 	struct ipcache_value *v;
-	long r;
+	long r = fib_lookup_of(skb, p, &fib);
 
-	fib.ifindex = skb->ifindex;
-	fib.l4_protocol = p->protocol;
-	fib.sport = p->sport;
-	fib.dport = p->dport;
-	if (p->family == 4) {
-		fib.family = AF_INET_;
-		fib.ipv4_src = p->saddr[0];
-		fib.ipv4_dst = p->daddr[0];
-	} else {
-		fib.family = AF_INET6_;
-		__builtin_memcpy(fib.ipv6_src, p->saddr, 16);
-		__builtin_memcpy(fib.ipv6_dst, p->daddr, 16);
-	}
-	r = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	if (r == BPF_FIB_LKUP_RET_NOT_FWDED)
 		return 1;
 	if (r != BPF_FIB_LKUP_RET_FWD_DISABLED)
@@ -227,29 +233,16 @@ static __always_inline int nodeport_reject(struct __sk_buff *skb, const struct p
 static __noinline int fib_forward(struct __sk_buff *skb, const struct pkt *p)
 {
 	struct bpf_fib_lookup fib = {};
-	long r;
+	long r = fib_lookup_of(skb, p, &fib);
 
-	fib.ifindex = skb->ifindex;
-	fib.l4_protocol = p->protocol;
-	fib.sport = p->sport;
-	fib.dport = p->dport;
-	if (p->family == 4) {
-		fib.family = AF_INET_;
-		fib.ipv4_src = p->saddr[0];
-		fib.ipv4_dst = p->daddr[0];
-	} else {
-		fib.family = AF_INET6_;
-		__builtin_memcpy(fib.ipv6_src, p->saddr, 16);
-		__builtin_memcpy(fib.ipv6_dst, p->daddr, 16);
-	}
-	r = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	if (r != BPF_FIB_LKUP_RET_SUCCESS && r != BPF_FIB_LKUP_RET_NO_NEIGH && r != BPF_FIB_LKUP_RET_FRAG_NEEDED)
 		return drop(DROP_NO_ROUTE, DIR_EGRESS, p, 0, 0, 0);
 	return bpf_redirect_neigh(fib.ifindex, 0, 0, 0);
 }
 
-/* To a backend on another node: vxlan by the tunnel (remote-node in the
- * VNI: the source is this node), else by the FIB. */
+/* From this node's address to another node's pod (a backend, or a client
+ * of a reply): vxlan by the tunnel (remote-node in the VNI: the source is
+ * this node), else by the FIB. */
 static __noinline int nodeport_to_remote(struct __sk_buff *skb, const struct pkt *p)
 {
 	struct routing_config *rc = get_routing();
@@ -398,11 +391,11 @@ __noinline int nodeport_backend_reply(struct __sk_buff *skb, struct pkt *p)
 	if (!p || p->icmp_error || p->in_fragment ||
 	    (p->protocol != IPPROTO_TCP && p->protocol != IPPROTO_UDP))
 		return -1;
+	/* Behind the tunnel: it must fit the tunnel before it is translated. */
 	if (rc && rc->mode == ROUTING_VXLAN && rc->tunnel_ifindex) {
 		v = ipcache_of(p->family, p->daddr);
-		if (v && !v->tunnel_endpoint)
-			v = 0;
-		if (v && bpf_check_mtu(skb, rc->tunnel_ifindex, &mtu, 0, BPF_MTU_CHK_SEGS) != BPF_MTU_CHK_RET_SUCCESS)
+		if (v && v->tunnel_endpoint &&
+		    bpf_check_mtu(skb, rc->tunnel_ifindex, &mtu, 0, BPF_MTU_CHK_SEGS) != BPF_MTU_CHK_RET_SUCCESS)
 			return -1;
 	}
 	r = nodeport_reverse(skb, p, cfg);
@@ -410,14 +403,9 @@ __noinline int nodeport_backend_reply(struct __sk_buff *skb, struct pkt *p)
 		return -1;
 	if (r < 0)
 		return drop(DROP_INVALID_PACKET, DIR_EGRESS, p, 0, 0, 0);
-	if (v && rc) {
-		/* From this node's address now: remote-node in the VNI, as
-		 * nodeport_to_remote's. */
-		if (set_tunnel(skb, v->tunnel_endpoint, IDENTITY_REMOTE_NODE) < 0)
-			return drop(DROP_REDIRECT_FAILED, DIR_EGRESS, p, 0, IDENTITY_REMOTE_NODE, v->identity);
-		return bpf_redirect(rc->tunnel_ifindex, 0);
-	}
-	return fib_forward(skb, p);
+	/* From this node's address now: as a SNATed flow's packet (remote-node
+	 * in the VNI). */
+	return nodeport_to_remote(skb, p);
 }
 
 /* --------------------------------------------------------------- programs */
@@ -520,6 +508,24 @@ __noinline int nodeport_snat(struct __sk_buff *skb, struct pkt *p)
 	return NODEPORT_TO_REMOTE;
 }
 
+/* Parses a packet of an external interface into `p`: 1 for the TCP and
+ * UDP packets NodePort translates, 0 for everything else (not ours to
+ * judge: the stack sees what it sees without us), fragments and ICMP
+ * errors included. */
+static __always_inline int netdev_parse(struct __sk_buff *skb, struct pkt *p)
+{
+	int r;
+
+	p->len = skb->len;
+	if (skb->protocol == bpf_htons(ETH_P_IP))
+		r = parse_ipv4(skb, p);
+	else if (skb->protocol == bpf_htons(ETH_P_IPV6))
+		r = parse_ipv6(skb, p);
+	else
+		return 0;
+	return !r && !p->in_fragment && !p->icmp_error && (p->protocol == IPPROTO_TCP || p->protocol == IPPROTO_UDP);
+}
+
 SEC("classifier")
 int from_netdev(struct __sk_buff *skb)
 {
@@ -528,17 +534,8 @@ int from_netdev(struct __sk_buff *skb)
 	struct pkt p = {};
 	int r;
 
-	p.len = skb->len;
-	if (skb->protocol == bpf_htons(ETH_P_IP))
-		r = parse_ipv4(skb, &p);
-	else if (skb->protocol == bpf_htons(ETH_P_IPV6))
-		r = parse_ipv6(skb, &p);
-	else
+	if (!netdev_parse(skb, &p))
 		return TC_ACT_OK;
-	/* Not ours to judge: the stack sees what it sees without us. */
-	if (r || p.in_fragment || p.icmp_error || (p.protocol != IPPROTO_TCP && p.protocol != IPPROTO_UDP))
-		return TC_ACT_OK;
-
 	r = nodeport_reply(skb, &p);
 	if (!r)
 		r = nodeport_ingress(skb, &p);
@@ -578,18 +575,8 @@ int to_netdev(struct __sk_buff *skb)
 {
 	struct datapath_config *cfg = get_config();
 	struct pkt p = {};
-	int r;
 
-	p.len = skb->len;
-	if (skb->protocol == bpf_htons(ETH_P_IP))
-		r = parse_ipv4(skb, &p);
-	else if (skb->protocol == bpf_htons(ETH_P_IPV6))
-		r = parse_ipv6(skb, &p);
-	else
-		return TC_ACT_OK;
-	if (r || p.in_fragment || p.icmp_error || (p.protocol != IPPROTO_TCP && p.protocol != IPPROTO_UDP))
-		return TC_ACT_OK;
-	if (!endpoint_by_addr(&p, p.saddr))
+	if (!netdev_parse(skb, &p) || !endpoint_by_addr(&p, p.saddr))
 		return TC_ACT_OK;
 	if (nodeport_reverse(skb, &p, cfg) < 0)
 		return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, 0, 0, 0);
