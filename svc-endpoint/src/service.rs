@@ -849,12 +849,13 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
             rejected.push(pb::ReplayItemError {
                 item,
                 error: error.message().to_string(),
+                reason: rivet_common::grpc::error_reason::<pb::ErrorReason>(error).unwrap_or_default() as i32,
+                service_object: None,
             })
         };
         let mut ended = false;
         let mut items = 0usize;
         let mut service_documents: Vec<(String, String)> = Vec::new();
-        let mut rejected_services = false;
         while let Some(request) = stream.message().await? {
             items += 1;
             if ended {
@@ -914,8 +915,12 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
                             &Status::unimplemented("this svc-endpoint has no service catalog"),
                         ),
                         Err(e) => {
+                            let e = rivet_common::grpc::status_with_reason(
+                                e.code(),
+                                e.message(),
+                                pb::ErrorReason::ServiceInvalid,
+                            );
                             reject(format!("item {items}"), &e);
-                            rejected_services = true;
                         }
                     }
                 }
@@ -936,27 +941,19 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
         rejected.extend(outcome.rejected.iter().map(|(key, error)| pb::ReplayItemError {
             item: format!("policy {key}"),
             error: error.clone(),
+            // The manager keeps policies' refusals as text.
+            reason: pb::ErrorReason::Unspecified as i32,
+            service_object: None,
         }));
         let mut services = crate::catalog::ServiceReplay::default();
         if let Some(catalog) = &self.catalog {
-            if rejected_services {
-                // An unreadable item may have named something held: apply, forget nothing.
-                for (item, document) in service_documents {
-                    match catalog
-                        .apply(&document, crate::catalog::Origin::Kubernetes, false, Duration::ZERO)
-                        .await
-                    {
-                        Ok(_) => services.applied += 1,
-                        Err(e) => services.rejected.push((item, e.to_string())),
-                    }
-                }
-            } else {
-                services = catalog.replay_kubernetes(service_documents).await?;
-            }
+            services = catalog.replay_kubernetes(service_documents).await?;
         }
-        rejected.extend(services.rejected.iter().map(|(item, error)| pb::ReplayItemError {
-            item: item.clone(),
-            error: error.clone(),
+        rejected.extend(services.rejected.iter().map(|r| pb::ReplayItemError {
+            item: r.item.clone(),
+            error: r.message.clone(),
+            reason: r.reason as i32,
+            service_object: r.key.as_ref().map(crate::catalog_api::object_key),
         }));
         Ok(Response::new(pb::ReplayKubernetesResponse {
             pods: count(pods),

@@ -620,7 +620,7 @@ async fn catalog_services(node: &EndpointNode) -> Vec<String> {
 }
 
 /// The replayed Services and EndpointSlices replace the KUBERNETES ones
-/// (those of the API stay); a refused document forgets nothing; the
+/// (those of the API stay), also when a document is refused; the
 /// replayed Service reaches svc-loader with its slice's backends.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replay_replaces_the_kubernetes_services() {
@@ -671,17 +671,26 @@ async fn a_replay_replaces_the_kubernetes_services() {
     })
     .await;
 
-    // An unreadable document is reported and nothing is forgotten.
-    let answer = replay(&node, vec![Item::Service("kind: Service\n".into()), Item::End])
-        .await
-        .expect("the replay");
+    // A refused document holds nothing back: the slice no document names
+    // goes; the refusal is typed.
+    let answer = replay(
+        &node,
+        vec![
+            Item::Service("kind: Service\n".into()),
+            Item::Service(k8s_service("new", "10.96.0.11")),
+            Item::End,
+        ],
+    )
+    .await
+    .expect("the replay");
     assert_eq!(answer.rejected.len(), 1, "{:?}", answer.rejected);
     assert!(
         answer.rejected[0].error.starts_with("apiVersion: "),
         "{:?}",
         answer.rejected
     );
-    assert_eq!(answer.service_objects_removed, 0);
+    assert_eq!(answer.rejected[0].reason(), pb::ErrorReason::ServiceInvalid);
+    assert_eq!((answer.service_objects, answer.service_objects_removed), (1, 1));
     assert_eq!(catalog_services(&node).await, ["mine", "new"]);
 }
 

@@ -118,6 +118,23 @@ impl Desired {
         changes
     }
 
+    /// This as sent by a replay that refused `rejected`: the service
+    /// objects refused for a reason that may pass once other objects change
+    /// (CLUSTER_IP_UNAVAILABLE, as `FeedError::is_retried_on_poll`) are
+    /// left out, so the next pass sends them again; other refusals are kept
+    /// as sent (tried again when the object changes).
+    pub fn without_retried_refusals(mut self, rejected: &[pb::ReplayItemError]) -> Self {
+        for item in rejected {
+            if item.reason() == pb::ErrorReason::ClusterIpUnavailable
+                && let Some(key) = &item.service_object
+            {
+                self.service_objects
+                    .remove(&(key.kind(), key.namespace.clone(), key.name.clone()));
+            }
+        }
+        self
+    }
+
     /// Records that `change` was applied to this (the sent state).
     pub fn apply(&mut self, change: &Change) {
         match change {

@@ -354,7 +354,7 @@ impl Feed {
                 r.last_error = rejected;
             });
             *sent = Sent {
-                state: Some(desired),
+                state: Some(desired.without_retried_refusals(&response.rejected)),
                 relists,
                 boot_id: response.boot_id,
             };
@@ -427,6 +427,7 @@ fn call_name(change: &Change) -> &'static str {
 mod tests {
     use super::*;
     use crate::desired::pod_metadata;
+    use pb::replay_kubernetes_request::Item;
 
     /// svc-endpoint as the feed sees it: records calls, answers with a
     /// boot_id the test sets, refuses what the test says.
@@ -477,8 +478,26 @@ mod tests {
         fn replay(&self, items: Vec<pb::ReplayKubernetesRequest>) -> CallFuture<'_, pb::ReplayKubernetesResponse> {
             Box::pin(async move {
                 self.calls.lock().unwrap().push(format!("Replay({})", items.len()));
+                let taken = self.cluster_ip_taken.load(std::sync::atomic::Ordering::SeqCst);
+                // Refuses every service document as its catalog would.
+                let rejected = items
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, item)| taken && matches!(item.item, Some(Item::ServiceDocument(_))))
+                    .map(|(i, _)| pb::ReplayItemError {
+                        item: format!("item {}", i + 1),
+                        error: "clusterIP 198.19.128.10 belongs to shop/old".into(),
+                        reason: pb::ErrorReason::ClusterIpUnavailable as i32,
+                        service_object: Some(pb::ServiceObjectKey {
+                            kind: pb::ServiceObjectKind::Service as i32,
+                            namespace: "shop".into(),
+                            name: "web".into(),
+                        }),
+                    })
+                    .collect();
                 Ok(pb::ReplayKubernetesResponse {
                     boot_id: self.boot(),
+                    rejected,
                     ..Default::default()
                 })
             })
@@ -649,6 +668,39 @@ mod tests {
         f.feed.pass().await.unwrap();
         assert_eq!(f.recorder.take(), ["ApplyServiceObject"], "tried again");
         assert_eq!(f.feed.report().last_error, "");
+        f.feed.pass().await.unwrap();
+        assert!(f.recorder.take().is_empty(), "then kept as sent");
+    }
+
+    #[tokio::test]
+    async fn a_cluster_ip_conflict_in_a_replay_is_retried_on_the_next_poll() {
+        let f = fixture();
+        f.recorder
+            .cluster_ip_taken
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let key = (pb::ServiceObjectKind::Service, "shop".to_string(), "web".to_string());
+        f.desired
+            .lock()
+            .unwrap()
+            .service_objects
+            .insert(key, "{\"kind\":\"Service\"}".into());
+        f.status.update("Pod", |s| s.synced = true);
+        f.feed.pass().await.unwrap();
+        assert_eq!(f.recorder.take(), ["Replay(2)"]);
+        assert!(
+            f.feed.report().last_error.contains("belongs to shop/old"),
+            "{:?}",
+            f.feed.report()
+        );
+        f.recorder
+            .cluster_ip_taken
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        f.feed.pass().await.unwrap();
+        assert_eq!(
+            f.recorder.take(),
+            ["ApplyServiceObject"],
+            "tried again, not kept as sent"
+        );
         f.feed.pass().await.unwrap();
         assert!(f.recorder.take().is_empty(), "then kept as sent");
     }

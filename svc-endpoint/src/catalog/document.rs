@@ -334,6 +334,33 @@ impl ServiceObject {
         }
     }
 
+    /// The key a document names (its kind, `metadata.namespace` or
+    /// `default`, `metadata.name`) even when it does not parse as a whole;
+    /// `None` when it names no Service or EndpointSlice.
+    pub fn key_of(text: &str) -> Option<ObjectKey> {
+        if text.len() > MAX_DOCUMENT_BYTES {
+            return None;
+        }
+        let value = load(text).ok()?;
+        let kind = match value.get("kind")?.as_str()? {
+            "Service" => ObjectKind::Service,
+            "EndpointSlice" => ObjectKind::EndpointSlice,
+            _ => return None,
+        };
+        let metadata = value.get("metadata")?;
+        let name = metadata.get("name")?.as_str().filter(|n| !n.is_empty())?;
+        let namespace = metadata
+            .get("namespace")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+            .unwrap_or("default");
+        Some(ObjectKey {
+            kind,
+            namespace: namespace.into(),
+            name: name.into(),
+        })
+    }
+
     /// Reads and validates one document (YAML or JSON).
     ///
     /// ```

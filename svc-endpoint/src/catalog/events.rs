@@ -43,6 +43,7 @@ pub struct CatalogMetrics {
     object_changes: MetricFamily<ChangeLabels, Counter>,
     loader_calls: MetricFamily<CallLabels, Counter>,
     errors: MetricFamily<ErrorLabels, Counter>,
+    loader_polls: Counter,
     push_seconds: Histogram,
 }
 
@@ -54,6 +55,7 @@ impl Default for CatalogMetrics {
             object_changes: MetricFamily::default(),
             loader_calls: MetricFamily::default(),
             errors: MetricFamily::default(),
+            loader_polls: Counter::default(),
             push_seconds: Histogram::new(exponential_buckets(0.0001, 4.0, 10)),
         }
     }
@@ -81,6 +83,11 @@ impl CatalogMetrics {
         );
         r.register("errors", "Service catalog errors by kind", self.errors.clone());
         r.register(
+            "loader_polls",
+            "GetInfo calls to svc-loader for its boot id (made only when no push answered for --dependency-poll-ms)",
+            self.loader_polls.clone(),
+        );
+        r.register(
             "push_duration_seconds",
             "Time of one push pass that changed svc-loader's services",
             self.push_seconds.clone(),
@@ -90,6 +97,11 @@ impl CatalogMetrics {
     /// Calls of one kind so far (tests).
     pub fn loader_calls(&self, call: &'static str) -> u64 {
         self.loader_calls.get_or_create(&CallLabels { call }).get()
+    }
+
+    /// GetInfo polls of svc-loader's boot id so far.
+    pub fn loader_polls(&self) -> u64 {
+        self.loader_polls.get()
     }
 
     pub(super) fn set_services(&self, services: usize) {
@@ -174,6 +186,13 @@ pub(super) fn loader_pushed(
         .get_or_create(&CallLabels { call: "delete" })
         .inc_by(deleted as u64);
     m.push_seconds.observe(took.as_secs_f64());
+}
+
+/// The catalog was idle for `loader_poll`: svc-loader's boot id is asked
+/// for (GetInfo).
+pub(super) fn loader_polled(m: &CatalogMetrics) {
+    tracing::trace!("no svc-loader answer for a poll interval; asking its boot id");
+    m.loader_polls.inc();
 }
 
 /// svc-loader refused one service (logged when the reason changes).

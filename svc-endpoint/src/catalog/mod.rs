@@ -217,11 +217,12 @@ pub enum CatalogError {
     },
 }
 
-impl From<CatalogError> for Status {
-    fn from(e: CatalogError) -> Self {
-        use rivet_proto::endpoint::v1::ErrorReason as R;
-        let message = e.to_string();
-        let (code, reason) = match &e {
+impl CatalogError {
+    /// The gRPC code and `ErrorReason` this error is answered with; `None`
+    /// for svc-endpoint's own failures (answered INTERNAL).
+    pub fn reason(&self) -> Option<(Code, pb::ErrorReason)> {
+        use pb::ErrorReason as R;
+        Some(match self {
             CatalogError::Invalid(_) => (Code::InvalidArgument, R::ServiceInvalid),
             CatalogError::OriginConflict { .. } => (Code::FailedPrecondition, R::ServiceOriginConflict),
             CatalogError::NoClusterIp { .. } => (Code::ResourceExhausted, R::ClusterIpUnavailable),
@@ -232,9 +233,18 @@ impl From<CatalogError> for Status {
             CatalogError::NoServiceId
             | CatalogError::Storage { .. }
             | CatalogError::Remove { .. }
-            | CatalogError::StorageTask { .. } => return Status::internal(message),
-        };
-        rivet_common::grpc::status_with_reason(code, message, reason)
+            | CatalogError::StorageTask { .. } => return None,
+        })
+    }
+}
+
+impl From<CatalogError> for Status {
+    fn from(e: CatalogError) -> Self {
+        let message = e.to_string();
+        match e.reason() {
+            Some((code, reason)) => rivet_common::grpc::status_with_reason(code, message, reason),
+            None => Status::internal(message),
+        }
     }
 }
 
@@ -370,8 +380,21 @@ pub struct ServiceReplay {
     pub applied: usize,
     /// KUBERNETES objects removed because the replay did not name them.
     pub removed: usize,
-    /// Documents refused: (what, why).
-    pub rejected: Vec<(String, String)>,
+    /// Documents refused.
+    pub rejected: Vec<RefusedDocument>,
+}
+
+/// A replayed document the catalog refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefusedDocument {
+    /// Which item of the replay (`item 3`).
+    pub item: String,
+    /// The object it names, when its kind and name read.
+    pub key: Option<ObjectKey>,
+    /// Why, typed (`SERVICE_INVALID`, `CLUSTER_IP_UNAVAILABLE`, ...).
+    pub reason: pb::ErrorReason,
+    /// Why, for the operator.
+    pub message: String,
 }
 
 struct Inner {
@@ -583,6 +606,11 @@ impl ServiceCatalog {
     }
 
     /// Removes one object and realises the change; whether it existed.
+    /// Deleting a Service of origin API also deletes the API's
+    /// EndpointSlices labelled for it (`kubernetes.io/service-name`), as
+    /// Kubernetes' garbage collector does through their ownerReferences;
+    /// for KUBERNETES Services the API server does that and the feed
+    /// relays it.
     pub async fn delete(
         &self,
         key: &ObjectKey,
@@ -590,7 +618,7 @@ impl ServiceCatalog {
         wait: bool,
         deadline: Duration,
     ) -> Result<bool, CatalogError> {
-        let generation = {
+        let (generation, owned) = {
             let _writes = self.inner.writes.lock().await;
             match self.state().origin_of(key) {
                 None => return Ok(false),
@@ -603,9 +631,30 @@ impl ServiceCatalog {
                 }
                 Some(_) => {}
             }
+            let name = (key.namespace.clone(), key.name.clone());
+            let owned: Vec<ObjectKey> = match (key.kind, origin) {
+                (ObjectKind::Service, Origin::Api) => {
+                    let state = self.state();
+                    state
+                        .slices_of
+                        .get(&name)
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|slice| state.slices.get(&(key.namespace.clone(), slice.clone())))
+                        .filter(|s| s.origin == Origin::Api)
+                        .map(|s| s.def.key())
+                        .collect()
+                }
+                _ => Vec::new(),
+            };
+            // The slices first: a failure leaves the Service, still deletable.
+            for slice in &owned {
+                self.unpersist(slice).await?;
+                self.state()
+                    .remove_slice(&(slice.namespace.clone(), slice.name.clone()));
+            }
             self.unpersist(key).await?;
             let mut state = self.state();
-            let name = (key.namespace.clone(), key.name.clone());
             match key.kind {
                 ObjectKind::Service => {
                     state.services.remove(&name);
@@ -617,9 +666,12 @@ impl ServiceCatalog {
                 }
             }
             state.generation += 1;
-            state.generation
+            (state.generation, owned)
         };
         events::object_deleted(&self.inner.metrics, key, origin, "deleted");
+        for slice in &owned {
+            events::object_deleted(&self.inner.metrics, slice, origin, "its Service was deleted");
+        }
         self.inner.push_wake.trigger();
         if wait {
             self.wait_realised(key, generation, deadline).await?;
@@ -627,46 +679,57 @@ impl ServiceCatalog {
         Ok(true)
     }
 
-    /// A Kubernetes replay: applies every document (origin KUBERNETES),
-    /// then removes the KUBERNETES objects it did not name — unless a
-    /// document was refused (it may have named something held).
+    /// A Kubernetes replay: every document is applied (origin KUBERNETES)
+    /// or refused with its reason, and the KUBERNETES objects that no
+    /// document names are removed whatever was refused. A refused document
+    /// that still names its object (kind and name read) keeps the one held,
+    /// as a refused apply does; one that names nothing holds nothing back.
+    /// Stale Services go before the documents apply (a new Service may take
+    /// a stale one's clusterIP or node port), stale EndpointSlices after
+    /// (a replaced slice's backends never all vanish at once).
     pub async fn replay_kubernetes(&self, documents: Vec<(String, String)>) -> Result<ServiceReplay, CatalogError> {
         let mut outcome = ServiceReplay::default();
-        let mut named = BTreeSet::new();
-        for (item, document) in documents {
-            match self.apply(&document, Origin::Kubernetes, false, Duration::ZERO).await {
-                Ok(applied) => {
-                    named.insert(applied.key);
-                    outcome.applied += 1;
-                }
-                Err(
-                    e @ (CatalogError::Invalid(_)
-                    | CatalogError::OriginConflict { .. }
-                    | CatalogError::NoClusterIp { .. }
-                    | CatalogError::ClusterIpTaken { .. }),
-                ) => outcome.rejected.push((item, e.to_string())),
-                Err(e) => return Err(e),
+        let keys: Vec<Option<ObjectKey>> = documents.iter().map(|(_, d)| ServiceObject::key_of(d)).collect();
+        let named: BTreeSet<&ObjectKey> = keys.iter().flatten().collect();
+        let (stale_services, stale_slices): (Vec<ObjectKey>, Vec<ObjectKey>) = {
+            let state = self.state();
+            let services = state
+                .services
+                .values()
+                .filter(|s| s.origin == Origin::Kubernetes)
+                .map(|s| s.def.key());
+            let slices = state
+                .slices
+                .values()
+                .filter(|s| s.origin == Origin::Kubernetes)
+                .map(|s| s.def.key());
+            services
+                .chain(slices)
+                .filter(|k| !named.contains(k))
+                .partition(|k| k.kind == ObjectKind::Service)
+        };
+        for key in &stale_services {
+            if self.delete(key, Origin::Kubernetes, false, Duration::ZERO).await? {
+                outcome.removed += 1;
             }
         }
-        if outcome.rejected.is_empty() {
-            let stale: Vec<ObjectKey> = {
-                let state = self.state();
-                let services = state
-                    .services
-                    .values()
-                    .filter(|s| s.origin == Origin::Kubernetes)
-                    .map(|s| s.def.key());
-                let slices = state
-                    .slices
-                    .values()
-                    .filter(|s| s.origin == Origin::Kubernetes)
-                    .map(|s| s.def.key());
-                services.chain(slices).filter(|k| !named.contains(k)).collect()
-            };
-            for key in stale {
-                if self.delete(&key, Origin::Kubernetes, false, Duration::ZERO).await? {
-                    outcome.removed += 1;
-                }
+        for ((item, document), key) in documents.into_iter().zip(keys) {
+            match self.apply(&document, Origin::Kubernetes, false, Duration::ZERO).await {
+                Ok(_) => outcome.applied += 1,
+                Err(e) => match e.reason() {
+                    Some((_, reason)) => outcome.rejected.push(RefusedDocument {
+                        item,
+                        key,
+                        reason,
+                        message: e.to_string(),
+                    }),
+                    None => return Err(e),
+                },
+            }
+        }
+        for key in &stale_slices {
+            if self.delete(key, Origin::Kubernetes, false, Duration::ZERO).await? {
+                outcome.removed += 1;
             }
         }
         Ok(outcome)

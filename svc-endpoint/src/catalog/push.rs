@@ -1,14 +1,20 @@
 //! `service-push`: svc-loader holds what the catalog resolves, level-
 //! triggered. Each pass computes the complete desired set of loader
-//! services and asks svc-loader for its boot id: a boot id other than the
-//! one the last replay went to (the first pass after svc-endpoint started,
-//! or svc-loader restarted) gets the whole set with ReplaceServices (an
-//! identical set changes nothing in the maps: the loader keeps backend ids
-//! and tables); otherwise only what differs from what was last pushed goes
-//! out as UpsertService / DeleteService. A service svc-loader refuses
-//! (FRONTEND_HELD, MAP_FULL, INVALID_ARGUMENT) does not hold up the others:
-//! it is remembered with the reason (`rivet service get`, `wait`) and tried
-//! again every pass. Runs on every change and every `loader_poll`.
+//! services. svc-loader's boot id comes with every answer
+//! (ReplaceServices, UpsertService, DeleteService, ListServices); a pass
+//! asks GetInfo only when no answer carried it for `loader_poll` (the
+//! catalog was idle), so a busy catalog costs no extra call and an idle
+//! one still notices a restart within `loader_poll`. A boot id other than
+//! the one the last replay went to (the first pass after svc-endpoint
+//! started, or svc-loader restarted) gets the whole set with
+//! ReplaceServices (an identical set changes nothing in the maps: the
+//! loader keeps backend ids and tables); otherwise only what differs from
+//! what was last pushed goes out as UpsertService / DeleteService, and an
+//! answer from a new boot id ends the pass so that the next one replays.
+//! A service svc-loader refuses (FRONTEND_HELD, MAP_FULL,
+//! INVALID_ARGUMENT) does not hold up the others: it is remembered with
+//! the reason (`rivet service get`, `wait`) and tried again every pass.
+//! Runs on every change and every `loader_poll`.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -25,6 +31,8 @@ use super::{CatalogError, ServiceCatalog, events};
 pub(super) struct Pushed {
     /// The boot id the last ReplaceServices went to; `None`: replace next.
     boot_id: Option<String>,
+    /// When an answer last carried svc-loader's boot id.
+    answered: Option<Instant>,
     /// Every service svc-loader holds, by id, as last pushed.
     services: BTreeMap<u32, lb::LbService>,
     /// Services svc-loader refused, with its message.
@@ -35,6 +43,17 @@ impl Pushed {
     /// Whether svc-loader holds `service` as it is.
     pub(super) fn holds(&self, service: &lb::LbService) -> bool {
         self.services.get(&service.service_id) == Some(service)
+    }
+
+    /// Records an answer from svc-loader: false when it came from another
+    /// boot than the last replay went to (the next pass replays).
+    fn answered_by(&mut self, boot_id: &str) -> bool {
+        if self.boot_id.as_deref() != Some(boot_id) {
+            self.boot_id = None;
+            return false;
+        }
+        self.answered = Some(Instant::now());
+        true
     }
 }
 
@@ -87,13 +106,12 @@ impl ServiceCatalog {
 
     /// One pass of `service-push`.
     pub(super) async fn push_pass(&self) -> Result<Action, PushError> {
-        let poll = Action::requeue(self.inner.options.loader_poll);
         let pods = self.inner.pods.pods().map(|p| self.with_node_name(p));
         let (generation, desired) = {
             let mut state = self.state();
             if pods.is_none() && state.needs_pods() {
                 // A restart must not push selector Services without their pods.
-                return Ok(poll);
+                return Ok(Action::requeue(self.inner.options.loader_poll));
             }
             let pods = pods.unwrap_or_default();
             // Only Services whose objects changed are resolved again, all of
@@ -128,17 +146,32 @@ impl ServiceCatalog {
         };
         let started = Instant::now();
         let loader = &self.inner.loader;
+        let loader_poll = self.inner.options.loader_poll;
         let result = async {
-            let boot_id = loader.boot_id().await.map_err(|status| PushError::Loader {
-                call: "GetInfo",
-                status,
-            })?;
-            let replay = self.pushed().boot_id.as_deref() != Some(boot_id.as_str());
+            let (known, silent_for) = {
+                let pushed = self.pushed();
+                let silent_for = pushed.answered.map_or(Duration::MAX, |t| t.elapsed());
+                (pushed.boot_id.clone(), silent_for)
+            };
+            // Answers carry the boot id: ask only after a quiet `loader_poll`.
+            let replay = match known {
+                None => true,
+                Some(_) if silent_for < loader_poll => false,
+                Some(_) => {
+                    events::loader_polled(&self.inner.metrics);
+                    let boot_id = loader.boot_id().await.map_err(|status| PushError::Loader {
+                        call: "GetInfo",
+                        status,
+                    })?;
+                    !self.pushed().answered_by(&boot_id)
+                }
+            };
             if replay {
                 match loader.replace_services(desired.values().cloned().collect()).await {
                     Ok(response) => {
                         let mut pushed = self.pushed();
                         pushed.boot_id = Some(response.boot_id.clone());
+                        pushed.answered = Some(Instant::now());
                         pushed.services = desired.clone();
                         pushed.refused.clear();
                         return Ok((true, desired.len(), 0, response.boot_id));
@@ -156,6 +189,7 @@ impl ServiceCatalog {
                         })?;
                         let mut pushed = self.pushed();
                         pushed.boot_id = Some(held.boot_id.clone());
+                        pushed.answered = Some(Instant::now());
                         pushed.services = held
                             .services
                             .into_iter()
@@ -171,7 +205,7 @@ impl ServiceCatalog {
                     }
                 }
             }
-            let boot_id = self.pushed().boot_id.clone().unwrap_or(boot_id);
+            let boot_id = self.pushed().boot_id.clone().unwrap_or_default();
             let (mut upserted, mut deleted) = (0, 0);
             let changed: Vec<&lb::LbService> = {
                 let pushed = self.pushed();
@@ -180,11 +214,10 @@ impl ServiceCatalog {
             for service in changed {
                 match loader.upsert_service(service.clone()).await {
                     Ok(response) => {
-                        if response.boot_id != boot_id {
-                            self.pushed().boot_id = None;
+                        let mut pushed = self.pushed();
+                        if !pushed.answered_by(&response.boot_id) {
                             return Err(PushError::LoaderRestarted { seen: response.boot_id });
                         }
-                        let mut pushed = self.pushed();
                         pushed.services.insert(service.service_id, service.clone());
                         pushed.refused.remove(&service.service_id);
                         upserted += 1;
@@ -221,11 +254,11 @@ impl ServiceCatalog {
                     call: "DeleteService",
                     status,
                 })?;
-                if response.boot_id != boot_id {
-                    self.pushed().boot_id = None;
+                let mut pushed = self.pushed();
+                if !pushed.answered_by(&response.boot_id) {
                     return Err(PushError::LoaderRestarted { seen: response.boot_id });
                 }
-                self.pushed().services.remove(&id);
+                pushed.services.remove(&id);
                 deleted += 1;
             }
             // Refused services that are no longer wanted are forgotten.
@@ -250,7 +283,11 @@ impl ServiceCatalog {
                     *realised = (*realised).max(generation);
                     newer
                 });
-                Ok(poll)
+                // Next check of the boot id: `loader_poll` after the last answer.
+                let silent_for = self.pushed().answered.map_or(Duration::ZERO, |t| t.elapsed());
+                Ok(Action::requeue(
+                    loader_poll.saturating_sub(silent_for).max(Duration::from_millis(1)),
+                ))
             }
             Err(e) => {
                 events::push_failed(&self.inner.metrics, &e.to_string());

@@ -2,7 +2,7 @@
 //! svc-loader and the endpoint manager (the real ones are in
 //! `tests/services.rs`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -27,6 +27,8 @@ struct RecordingLoader {
     calls: Mutex<Vec<String>>,
     /// Service ids UpsertService refuses (FRONTEND_HELD).
     refuse: Mutex<Vec<u32>>,
+    /// GetInfo calls.
+    info_calls: std::sync::atomic::AtomicUsize,
 }
 
 impl RecordingLoader {
@@ -51,6 +53,7 @@ impl RecordingLoader {
 
 impl LoadBalancerApi for RecordingLoader {
     fn boot_id(&self) -> BoxFuture<'_, ApiResult<String>> {
+        self.info_calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let id = self.boot_id.lock().unwrap().clone();
         async move { Ok(id) }.boxed()
     }
@@ -157,8 +160,17 @@ const WEB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespac
 const SLICE: &str = "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: shop\n  labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nports: [{name: http, port: 9090}]\nendpoints: [{addresses: [198.18.0.50]}]\n";
 
 fn catalog(dir: &std::path::Path, loader: Arc<RecordingLoader>, pods: Arc<Pods>) -> ServiceCatalog {
+    catalog_polling(dir, loader, pods, Duration::from_millis(20))
+}
+
+fn catalog_polling(
+    dir: &std::path::Path,
+    loader: Arc<RecordingLoader>,
+    pods: Arc<Pods>,
+    loader_poll: Duration,
+) -> ServiceCatalog {
     let options = CatalogOptions {
-        loader_poll: Duration::from_millis(20),
+        loader_poll,
         ..CatalogOptions::new(
             dir,
             vec!["198.19.128.0/20".parse().unwrap(), "2001:2:0:ff::/112".parse().unwrap()],
@@ -407,12 +419,163 @@ async fn a_kubernetes_replay_replaces_the_kubernetes_set_only() {
     assert_eq!((outcome.applied, outcome.removed), (1, 1));
     let names: Vec<String> = c.list("").into_iter().map(|s| s.name).collect();
     assert_eq!(names, ["a", "web"]);
-    // An invalid item forgets nothing.
+    controllers.shutdown().await;
+}
+
+/// Refused documents do not hold back the clean-up: what no document
+/// names goes, a refused document that names its object keeps the one
+/// held, and a new Service may take a stale one's clusterIP.
+#[tokio::test]
+async fn a_kubernetes_replay_removes_stale_objects_whatever_it_refused() {
+    use rivet_proto::endpoint::v1::ErrorReason as R;
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let controllers = Controllers::new();
+    let c = catalog(dir.path(), loader.clone(), Pods::new(Some(Vec::new())));
+    c.start(&controllers);
+    let k8s = |name: &str, ip: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n"
+        )
+    };
+    let slice = |service: &str| {
+        SLICE
+            .replace("web-1", &format!("{service}-1"))
+            .replace("service-name: web", &format!("service-name: {service}"))
+            .replace("namespace: shop", "namespace: default")
+    };
+    for document in [
+        k8s("a", "10.96.0.10"),
+        k8s("b", "10.96.0.11"),
+        k8s("d", "10.96.0.12"),
+        slice("d"),
+    ] {
+        c.apply(&document, Origin::Kubernetes, false, WAIT).await.unwrap();
+    }
+    c.apply(WEB, Origin::Api, false, WAIT).await.unwrap();
+
     let outcome = c
-        .replay_kubernetes(vec![("item 1".into(), "kind: Service".into())])
+        .replay_kubernetes(vec![
+            ("item 1".into(), k8s("a", "10.96.0.10")),
+            ("item 2".into(), "kind: Service\n".into()),
+            (
+                "item 3".into(),
+                k8s("b", "10.96.0.11").replace("spec: {", "spec: {type: ExternalName, "),
+            ),
+            ("item 4".into(), k8s("c", "10.96.0.12")),
+        ])
         .await
         .unwrap();
-    assert_eq!((outcome.removed, outcome.rejected.len()), (0, 1));
-    assert_eq!(c.list("").len(), 2);
+    let rejected: Vec<(&str, Option<String>, R)> = outcome
+        .rejected
+        .iter()
+        .map(|r| (r.item.as_str(), r.key.as_ref().map(ToString::to_string), r.reason))
+        .collect();
+    assert_eq!(
+        rejected,
+        [
+            ("item 2", None, R::ServiceInvalid),
+            ("item 3", Some("Service default/b".to_string()), R::ServiceInvalid)
+        ],
+        "{:?}",
+        outcome.rejected
+    );
+    assert!(
+        outcome.rejected[1].message.starts_with("spec.type: ExternalName"),
+        "{:?}",
+        outcome.rejected
+    );
+    // d and its slice were stale; c took d's clusterIP; b stays as held.
+    assert_eq!((outcome.applied, outcome.removed), (2, 2));
+    let names: Vec<String> = c.list("").into_iter().map(|s| s.name).collect();
+    assert_eq!(names, ["a", "b", "c", "web"]);
+    assert_eq!(c.get("default", "c").unwrap().0.cluster_ips, ["10.96.0.12"]);
+    assert_eq!(c.get("default", "b").unwrap().0.r#type, "ClusterIP");
+    let stored = std::fs::read_dir(dir.path().join("services")).unwrap().count();
+    assert_eq!(stored, 4, "the stale objects' files are gone");
+    controllers.shutdown().await;
+}
+
+/// Deleting an API Service deletes the API's EndpointSlices labelled for
+/// it (Kubernetes' garbage collection through ownerReferences), not other
+/// Services' slices.
+#[tokio::test]
+async fn deleting_a_service_deletes_its_endpoint_slices() {
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let controllers = Controllers::new();
+    let c = catalog(dir.path(), loader.clone(), Pods::new(Some(Vec::new())));
+    c.start(&controllers);
+    let other = WEB.replace("name: web,", "name: other,");
+    let other_slice = SLICE
+        .replace("web-1", "other-1")
+        .replace("service-name: web", "service-name: other");
+    for document in [WEB, SLICE, &SLICE.replace("web-1", "web-2"), &other, &other_slice] {
+        c.apply(document, Origin::Api, false, WAIT).await.unwrap();
+    }
+    let key = |kind, name: &str| ObjectKey {
+        kind,
+        namespace: "shop".into(),
+        name: name.into(),
+    };
+    assert!(
+        c.delete(&key(ObjectKind::Service, "web"), Origin::Api, true, WAIT)
+            .await
+            .unwrap()
+    );
+    let (_, documents) = c.get("shop", "other").unwrap();
+    assert_eq!(documents.len(), 2, "other keeps its slice");
+    let stored: BTreeSet<String> = std::fs::read_dir(dir.path().join("services"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(stored.len(), 2, "web's slices are gone from the state dir: {stored:?}");
+    // Applied again, web has no slice: its backends come from its selector.
+    c.apply(WEB, Origin::Api, false, WAIT).await.unwrap();
+    let (_, documents) = c.get("shop", "web").unwrap();
+    assert_eq!(documents.len(), 1, "{documents:?}");
+    assert!(
+        !c.delete(&key(ObjectKind::EndpointSlice, "web-1"), Origin::Api, false, WAIT)
+            .await
+            .unwrap()
+    );
+    controllers.shutdown().await;
+}
+
+/// Pushes learn svc-loader's boot id from their answers: a burst of
+/// changes asks no GetInfo; an idle catalog still polls and replays the
+/// whole set into a restarted loader.
+#[tokio::test]
+async fn pushes_learn_the_boot_id_from_answers_and_only_an_idle_catalog_polls() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let controllers = Controllers::new();
+    let poll = Duration::from_secs(5);
+    let c = catalog_polling(dir.path(), loader.clone(), Pods::new(Some(Vec::new())), poll);
+    c.start(&controllers);
+    let service = |port: u16| {
+        format!("apiVersion: v1\nkind: Service\nmetadata: {{name: s{port}}}\nspec: {{ports: [{{port: {port}}}]}}\n")
+    };
+    for port in 1..=30 {
+        c.apply(&service(port), Origin::Api, true, WAIT).await.unwrap();
+    }
+    assert_eq!(loader.held().len(), 30);
+    // Before: one GetInfo per pass, 30 or more (one if the burst outlasted a poll).
+    let polls = loader.info_calls.load(SeqCst);
+    assert!(polls <= 1, "30 pushes asked GetInfo {polls} times");
+    assert_eq!(c.metrics().loader_polls(), polls as u64);
+
+    // Idle: GetInfo every `loader_poll`; a restarted loader gets the whole set.
+    loader.calls();
+    loader.restart();
+    tokio::time::timeout(poll * 3, async {
+        while !loader.calls().contains(&"replace 30".to_string()) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("an idle catalog notices the restart and replays");
+    assert!(c.metrics().loader_polls() >= 1);
     controllers.shutdown().await;
 }
