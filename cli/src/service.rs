@@ -3,6 +3,7 @@
 //! Kubernetes). The CLI is an API client: what it applies has origin `api`.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::str::FromStr;
 
 use clap::{Subcommand, ValueEnum};
@@ -46,7 +47,8 @@ pub enum ServiceCommand {
         /// `namespace/name`, or `name` in namespace `default`.
         name: ServiceName,
     },
-    /// Delete one Service (its EndpointSlices stay until deleted) or, with
+    /// Delete one Service (with the EndpointSlices `rivet service apply`
+    /// labelled for it, as Kubernetes' garbage collector would) or, with
     /// `--kind endpointslice`, one EndpointSlice.
     Delete {
         /// `namespace/name`, or `name` in namespace `default`.
@@ -394,10 +396,28 @@ impl ServiceView {
             .join(",")
     }
 
-    /// `2/3` (active of all backends).
+    /// `2/3`: active of all backends, of the families the Service serves
+    /// (its cluster IPs' families; every family without one): the pods of
+    /// a single-stack Service have addresses of both.
     fn backends_text(&self) -> String {
-        let active = self.backends.iter().filter(|b| b.ready && !b.terminating).count();
-        format!("{active}/{}", self.backends.len())
+        let families: Vec<bool> = self
+            .cluster_ips
+            .iter()
+            .filter_map(|ip| ip.parse::<IpAddr>().ok())
+            .map(|ip| ip.is_ipv4())
+            .collect();
+        let served: Vec<&BackendView> = self
+            .backends
+            .iter()
+            .filter(|b| {
+                families.is_empty()
+                    || b.address
+                        .parse::<IpAddr>()
+                        .is_ok_and(|a| families.contains(&a.is_ipv4()))
+            })
+            .collect();
+        let active = served.iter().filter(|b| b.ready && !b.terminating).count();
+        format!("{active}/{}", served.len())
     }
 
     fn realised_text(&self) -> &'static str {
@@ -690,6 +710,52 @@ pub async fn run(ctx: &Context, command: ServiceCommand) -> Result<bool, CliErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn service(cluster_ips: &[&str], backends: &[(&str, bool)]) -> ServiceView {
+        ServiceView::from(pb::ServiceView {
+            namespace: "default".into(),
+            name: "web".into(),
+            r#type: "ClusterIP".into(),
+            cluster_ips: cluster_ips.iter().map(ToString::to_string).collect(),
+            backends: backends
+                .iter()
+                .map(|(address, ready)| pb::ServiceBackendView {
+                    address: address.to_string(),
+                    port: 8080,
+                    ready: *ready,
+                    serving: true,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn backends_count_the_families_the_service_serves() {
+        // Two dual-stack pods, one of them not ready.
+        let pods = [
+            ("198.18.0.5", true),
+            ("2001:2::5", true),
+            ("198.18.0.6", false),
+            ("2001:2::6", false),
+        ];
+        let column = |s: &ServiceView| {
+            let table = list_table(std::slice::from_ref(s));
+            let header = table.lines().next().unwrap();
+            let row = table.lines().nth(1).unwrap();
+            let at = header.find("BACKENDS").unwrap();
+            row[at..].split_whitespace().next().unwrap().to_string()
+        };
+        assert_eq!(column(&service(&["198.19.128.10"], &pods)), "1/2", "IPv4 single-stack");
+        assert_eq!(column(&service(&["2001:2:0:ff::a"], &pods)), "1/2", "IPv6 single-stack");
+        assert_eq!(
+            column(&service(&["198.19.128.10", "2001:2:0:ff::a"], &pods)),
+            "2/4",
+            "dual-stack"
+        );
+        assert_eq!(column(&service(&["None"], &pods)), "2/4", "headless: every family");
+    }
 
     #[test]
     fn names_default_to_the_default_namespace() {
