@@ -50,18 +50,6 @@ fn name(
     check(value).map_err(|e| invalid(field, format!("{value:?} {e}")))
 }
 
-/// `key` as the proto's.
-pub fn object_key(key: &ObjectKey) -> pb::ServiceObjectKey {
-    pb::ServiceObjectKey {
-        kind: match key.kind {
-            ObjectKind::Service => pb::ServiceObjectKind::Service,
-            ObjectKind::EndpointSlice => pb::ServiceObjectKind::EndpointSlice,
-        } as i32,
-        namespace: key.namespace.clone(),
-        name: key.name.clone(),
-    }
-}
-
 fn key(raw: Option<&pb::ServiceObjectKey>) -> Result<ObjectKey, Status> {
     let raw = raw.ok_or_else(|| invalid("key", "required"))?;
     let kind = match pb::ServiceObjectKind::try_from(raw.kind) {
@@ -78,7 +66,8 @@ fn key(raw: Option<&pb::ServiceObjectKey>) -> Result<ObjectKey, Status> {
     })
 }
 
-fn key_proto(key: &ObjectKey) -> pb::ServiceObjectKey {
+/// `key` as the proto's.
+pub fn key_proto(key: &ObjectKey) -> pb::ServiceObjectKey {
     pb::ServiceObjectKey {
         kind: match key.kind {
             ObjectKind::Service => pb::ServiceObjectKind::Service,

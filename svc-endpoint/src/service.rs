@@ -953,7 +953,7 @@ impl pb::pod_metadata_service_server::PodMetadataService for EndpointApi {
             item: r.item.clone(),
             error: r.message.clone(),
             reason: r.reason as i32,
-            service_object: r.key.as_ref().map(crate::catalog_api::object_key),
+            service_object: r.key.as_ref().map(crate::catalog_api::key_proto),
         }));
         Ok(Response::new(pb::ReplayKubernetesResponse {
             pods: count(pods),

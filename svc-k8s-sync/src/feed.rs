@@ -446,6 +446,19 @@ mod tests {
         fn boot(&self) -> String {
             self.boot_id.lock().unwrap().clone()
         }
+        /// Whether service documents are refused with CLUSTER_IP_UNAVAILABLE.
+        fn cluster_ip_taken(&self, taken: bool) {
+            self.cluster_ip_taken.store(taken, std::sync::atomic::Ordering::SeqCst);
+        }
+        /// Desired holds one Service, shop/web.
+        fn web_service(desired: &Mutex<Desired>) {
+            let key = (pb::ServiceObjectKind::Service, "shop".to_string(), "web".to_string());
+            desired
+                .lock()
+                .unwrap()
+                .service_objects
+                .insert(key, "{\"kind\":\"Service\"}".into());
+        }
     }
 
     impl EndpointFeed for Recorder {
@@ -646,15 +659,8 @@ mod tests {
         f.status.update("Pod", |s| s.synced = true);
         f.feed.pass().await.unwrap();
         f.recorder.take();
-        f.recorder
-            .cluster_ip_taken
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let key = (pb::ServiceObjectKind::Service, "shop".to_string(), "web".to_string());
-        f.desired
-            .lock()
-            .unwrap()
-            .service_objects
-            .insert(key, "{\"kind\":\"Service\"}".into());
+        f.recorder.cluster_ip_taken(true);
+        Recorder::web_service(&f.desired);
         f.feed.pass().await.unwrap();
         assert!(
             f.feed.report().last_error.contains("belongs to shop/old"),
@@ -662,9 +668,7 @@ mod tests {
             f.feed.report()
         );
         assert!(f.recorder.take().is_empty());
-        f.recorder
-            .cluster_ip_taken
-            .store(false, std::sync::atomic::Ordering::SeqCst);
+        f.recorder.cluster_ip_taken(false);
         f.feed.pass().await.unwrap();
         assert_eq!(f.recorder.take(), ["ApplyServiceObject"], "tried again");
         assert_eq!(f.feed.report().last_error, "");
@@ -675,15 +679,8 @@ mod tests {
     #[tokio::test]
     async fn a_cluster_ip_conflict_in_a_replay_is_retried_on_the_next_poll() {
         let f = fixture();
-        f.recorder
-            .cluster_ip_taken
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let key = (pb::ServiceObjectKind::Service, "shop".to_string(), "web".to_string());
-        f.desired
-            .lock()
-            .unwrap()
-            .service_objects
-            .insert(key, "{\"kind\":\"Service\"}".into());
+        f.recorder.cluster_ip_taken(true);
+        Recorder::web_service(&f.desired);
         f.status.update("Pod", |s| s.synced = true);
         f.feed.pass().await.unwrap();
         assert_eq!(f.recorder.take(), ["Replay(2)"]);
@@ -692,9 +689,7 @@ mod tests {
             "{:?}",
             f.feed.report()
         );
-        f.recorder
-            .cluster_ip_taken
-            .store(false, std::sync::atomic::Ordering::SeqCst);
+        f.recorder.cluster_ip_taken(false);
         f.feed.pass().await.unwrap();
         assert_eq!(
             f.recorder.take(),

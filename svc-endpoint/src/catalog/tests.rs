@@ -392,39 +392,18 @@ async fn conflicts_are_refused_with_their_reason() {
     controllers.shutdown().await;
 }
 
-#[tokio::test]
-async fn a_kubernetes_replay_replaces_the_kubernetes_set_only() {
-    let dir = tempfile::tempdir().unwrap();
-    let loader = RecordingLoader::new();
-    let controllers = Controllers::new();
-    let c = catalog(dir.path(), loader.clone(), Pods::new(Some(Vec::new())));
-    c.start(&controllers);
-    let k8s = |name: &str, ip: &str| {
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n"
-        )
-    };
-    // The API server's addresses need not be in this node's CIDR.
-    c.apply(&k8s("a", "10.96.0.10"), Origin::Kubernetes, false, WAIT)
-        .await
-        .unwrap();
-    c.apply(&k8s("b", "10.96.0.11"), Origin::Kubernetes, false, WAIT)
-        .await
-        .unwrap();
-    c.apply(WEB, Origin::Api, false, WAIT).await.unwrap();
-    let outcome = c
-        .replay_kubernetes(vec![("item 1".into(), k8s("a", "10.96.0.10"))])
-        .await
-        .unwrap();
-    assert_eq!((outcome.applied, outcome.removed), (1, 1));
-    let names: Vec<String> = c.list("").into_iter().map(|s| s.name).collect();
-    assert_eq!(names, ["a", "web"]);
-    controllers.shutdown().await;
+/// A Service as the API server has it: its own clusterIP (need not be in
+/// this node's CIDR), one port.
+fn k8s(name: &str, ip: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n"
+    )
 }
 
-/// Refused documents do not hold back the clean-up: what no document
-/// names goes, a refused document that names its object keeps the one
-/// held, and a new Service may take a stale one's clusterIP.
+/// A replay replaces the KUBERNETES objects (the API's stay), and refused
+/// documents do not hold back the clean-up: what no document names goes,
+/// a refused document that names its object keeps the one held, and a new
+/// Service may take a stale one's clusterIP.
 #[tokio::test]
 async fn a_kubernetes_replay_removes_stale_objects_whatever_it_refused() {
     use rivet_proto::endpoint::v1::ErrorReason as R;
@@ -433,11 +412,6 @@ async fn a_kubernetes_replay_removes_stale_objects_whatever_it_refused() {
     let controllers = Controllers::new();
     let c = catalog(dir.path(), loader.clone(), Pods::new(Some(Vec::new())));
     c.start(&controllers);
-    let k8s = |name: &str, ip: &str| {
-        format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n"
-        )
-    };
     let slice = |service: &str| {
         SLICE
             .replace("web-1", &format!("{service}-1"))
