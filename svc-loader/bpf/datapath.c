@@ -1426,7 +1426,7 @@ static __always_inline int to_tunnel(struct __sk_buff *skb, const struct pkt *p,
  * 60999): no socket's automatic port is one of them. */
 #define LB_NAT_PORT_MIN 61000
 #define LB_NAT_PORT_MAX 65535
-#define LB_REMAP_TRIES 16
+#define LB_REMAP_TRIES 8
 
 static __always_inline __u32 rol32(__u32 word, unsigned int shift)
 {
@@ -1777,11 +1777,20 @@ static __always_inline int lb_port_unmap(struct __sk_buff *skb, struct pkt *p, _
 					 const struct ct_entry *e)
 {
 	struct lb_flow *in = lb_flow_get(p, 0, LB_FLOW_SNAT_IN);
+	__u64 mangled = p->protocol == IPPROTO_UDP ? BPF_F_MARK_MANGLED_0 : 0;
+	__u16 port;
 
 	if (!in)
 		return -1;
 	lb_flow_touch(in, e);
-	return lb_rewrite(skb, p, l4_off, has_l4, 1, p->daddr, in->port);
+	if (!has_l4)
+		return 0; /* a later fragment: no ports */
+	port = in->port;
+	if (bpf_l4_csum_replace(skb, l4_off + lb_l4_csum_off(p->protocol), p->dport, port, mangled | 2) < 0 ||
+	    bpf_skb_store_bytes(skb, l4_off + 2, &port, 2, 0) < 0)
+		return -1;
+	p->dport = port;
+	return 0;
 }
 
 /* A NodePort frontend the pod reaches at an address of this node
