@@ -477,6 +477,56 @@ disabled_plugins = [
         Ok(())
     }
 
+    /// Runs `args` in a container of `image` to completion with `ctr run
+    /// --rm` (no pod, no CNI: the container gets an empty network namespace
+    /// of its own) and returns its output (stdout and stderr, through a log
+    /// file: a container of plain `ctr run` keeps an open stdin, and a
+    /// program reading it, rivet-cni, never finishes). `id` names the container; its
+    /// cgroup is under [`cgroup_parent`](Self::cgroup_parent), as pods' are.
+    /// `binds` are host files mounted read-only at their path in the
+    /// container (e.g. a static busybox into an image without a shell).
+    pub fn run_container(
+        &self,
+        image: &str,
+        id: &str,
+        env: &[(&str, &str)],
+        binds: &[(&Path, &str)],
+        args: &[&str],
+    ) -> Result<String> {
+        let mut command = Command::new("ctr");
+        command
+            .arg("--address")
+            .arg(self.socket())
+            .args(["--namespace", CRI_NAMESPACE, "run", "--rm", "--snapshotter"])
+            .arg(&self.config.snapshotter)
+            .arg("--cgroup")
+            .arg(format!("{}/{id}", self.cgroup_parent));
+        for (name, value) in env {
+            command.arg("--env").arg(format!("{name}={value}"));
+        }
+        for (source, target) in binds {
+            command.arg("--mount").arg(format!(
+                "type=bind,src={},dst={target},options=rbind:ro",
+                source.display()
+            ));
+        }
+        let logs = self.path.join("ctr-run");
+        std::fs::create_dir_all(&logs).map_err(io_context(format!("creating {}", logs.display())))?;
+        let log = logs.join(format!("{id}.log"));
+        command.arg("--log-uri").arg(format!("file://{}", log.display()));
+        let result = run(command.arg(image).arg(id).args(args));
+        let output = std::fs::read_to_string(&log).unwrap_or_default();
+        match result {
+            Ok(_) => Ok(output),
+            Err(Error::Command { cmd, status, stderr }) => Err(Error::Command {
+                cmd,
+                status,
+                stderr: format!("{stderr}{output}"),
+            }),
+            Err(other) => Err(other),
+        }
+    }
+
     /// Builds the e2e archive ([`write_e2e_archive`](crate::image::write_e2e_archive):
     /// pause + busybox) and imports it.
     pub async fn import_e2e_images(&self) -> Result<()> {

@@ -19,7 +19,7 @@ use crate::Result;
 /// Writes the archive the e2e tests import: [`PAUSE_IMAGE`] and
 /// [`BUSYBOX_IMAGE`] on one layer built from [`HOST_BUSYBOX`].
 pub fn write_e2e_archive(path: &Path) -> Result<()> {
-    let layer = busybox::busybox_layer(Path::new(HOST_BUSYBOX))?;
+    let layer = busybox::busybox_layer(Path::new(HOST_BUSYBOX), rivet_oci::Compression::GZIP)?;
     let mut archive = OciArchive::new();
     archive
         .add(busybox::pause_image(PAUSE_IMAGE, &layer))

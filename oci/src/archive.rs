@@ -326,7 +326,7 @@ mod tests {
     fn two_images_on_a_shared_layer_are_one_layout_and_every_digest_matches() {
         let mut shared = LayerBuilder::new();
         shared.file("bin/tool", 0o755, b"tool".to_vec());
-        let shared = Arc::new(shared.build(Compression::Gzip).unwrap());
+        let shared = Arc::new(shared.build(Compression::GZIP).unwrap());
         let mut top = LayerBuilder::new();
         top.file("etc/app.conf", 0o644, b"x=1\n".to_vec());
         let top = Arc::new(top.build(Compression::None).unwrap());

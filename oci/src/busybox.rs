@@ -9,7 +9,7 @@
 //! ```no_run
 //! # fn t() -> rivet_oci::Result<()> {
 //! use rivet_oci::{OciArchive, busybox};
-//! let layer = busybox::busybox_layer(busybox::HOST_BUSYBOX.as_ref())?;
+//! let layer = busybox::busybox_layer(busybox::HOST_BUSYBOX.as_ref(), rivet_oci::Compression::GZIP)?;
 //! let mut archive = OciArchive::new();
 //! archive.add(busybox::pause_image(&rivet_oci::reference("pause", "v1"), &layer));
 //! archive.write("/tmp/pause.tar".as_ref())?;
@@ -46,7 +46,7 @@ pub const PAUSE_SCRIPT: &str = "trap 'exit 0' TERM INT; while :; do sleep 3600 &
 /// The layer: `/bin/busybox` (copied from `busybox`), a symlink per
 /// [`APPLETS`] entry, the usual empty directories and a minimal
 /// `/etc/passwd` and `/etc/group` (root and nobody).
-pub fn busybox_layer(busybox: &Path) -> Result<Arc<Layer>> {
+pub fn busybox_layer(busybox: &Path, compression: Compression) -> Result<Arc<Layer>> {
     let binary = std::fs::read(busybox).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
             Error::MissingBusybox {
@@ -82,7 +82,7 @@ pub fn busybox_layer(busybox: &Path) -> Result<Arc<Layer>> {
         0o644,
         b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n".to_vec(),
     );
-    Ok(Arc::new(layer.build(Compression::Gzip)?))
+    Ok(Arc::new(layer.build(compression)?))
 }
 
 /// The sandbox image `name` on `layer`: `sh -c` [`PAUSE_SCRIPT`].
@@ -123,8 +123,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let fake = dir.path().join("busybox");
         std::fs::write(&fake, b"#!fake busybox").unwrap();
-        let layer = busybox_layer(&fake).unwrap();
-        assert_eq!(layer, busybox_layer(&fake).unwrap(), "deterministic");
+        let layer = busybox_layer(&fake, Compression::GZIP).unwrap();
+        assert_eq!(layer, busybox_layer(&fake, Compression::GZIP).unwrap(), "deterministic");
         let mut tar = tar::Archive::new(flate2::read::GzDecoder::new(layer.blob()));
         let names: Vec<String> = tar
             .entries()
@@ -154,7 +154,7 @@ mod tests {
 
     #[test]
     fn a_missing_busybox_names_the_package() {
-        let err = busybox_layer(Path::new("/nonexistent/busybox")).unwrap_err();
+        let err = busybox_layer(Path::new("/nonexistent/busybox"), Compression::None).unwrap_err();
         assert!(err.to_string().contains("busybox-static"), "{err}");
     }
 }

@@ -11,6 +11,7 @@
 //!     busybox: rivet_oci::busybox::HOST_BUSYBOX.into(),
 //!     out_dir: "target/images".into(),
 //!     tag: "dev".into(),
+//!     compression: rivet_oci::Compression::GZIP_FAST,
 //! })?;
 //! println!("{}", written.rivet.path.display());
 //! # Ok(()) }
@@ -19,6 +20,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::archive::{ArchiveSummary, OciArchive};
+use crate::layer::Compression;
 use crate::{Result, busybox, io_context, reference, rivet};
 
 /// What to build and where.
@@ -32,6 +34,9 @@ pub struct ImageSet {
     pub out_dir: PathBuf,
     /// Every image's tag.
     pub tag: String,
+    /// The layers' compression ([`Compression::GZIP`] ships,
+    /// [`Compression::GZIP_FAST`] for dev images).
+    pub compression: Compression,
 }
 
 /// The archives written.
@@ -59,19 +64,20 @@ pub fn archive_path(out_dir: &Path, image: &str, tag: &str) -> PathBuf {
 
 /// Builds and writes the three archives of `set`.
 pub fn write_images(set: &ImageSet) -> Result<WrittenImages> {
+    crate::check_tag(&set.tag)?;
     std::fs::create_dir_all(&set.out_dir).map_err(io_context(format!("creating {}", set.out_dir.display())))?;
     let write_one = |name: &str, image| {
         let mut archive = OciArchive::new();
         archive.add(image);
         archive.write(&archive_path(&set.out_dir, name, &set.tag))
     };
-    let layer = rivet::rivet_layer(&set.bin_dir)?;
+    let layer = rivet::rivet_layer(&set.bin_dir, set.compression)?;
     let rivet = write_one(
         rivet::IMAGE,
         rivet::rivet_image(&reference(rivet::IMAGE, &set.tag), &layer),
     )?;
     drop(layer);
-    let layer = busybox::busybox_layer(&set.busybox)?;
+    let layer = busybox::busybox_layer(&set.busybox, set.compression)?;
     let pause = write_one("pause", busybox::pause_image(&reference("pause", &set.tag), &layer))?;
     let busybox = write_one(
         "busybox",

@@ -18,7 +18,7 @@
 //! ```no_run
 //! # fn t() -> rivet_oci::Result<()> {
 //! use rivet_oci::{OciArchive, busybox};
-//! let layer = busybox::busybox_layer(busybox::HOST_BUSYBOX.as_ref())?;
+//! let layer = busybox::busybox_layer(busybox::HOST_BUSYBOX.as_ref(), rivet_oci::Compression::GZIP)?;
 //! let mut archive = OciArchive::new();
 //! archive.add(busybox::pause_image(busybox::PAUSE_IMAGE, &layer));
 //! archive.add(busybox::busybox_image(busybox::BUSYBOX_IMAGE, &layer));
@@ -52,6 +52,23 @@ pub fn reference(name: &str, tag: &str) -> String {
     format!("{REPOSITORY}/{name}:{tag}")
 }
 
+/// Checks `tag` is a valid image tag (`[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}`,
+/// the distribution spec's rule).
+///
+/// ```
+/// assert!(rivet_oci::check_tag("1a2b3c4-dirty").is_ok());
+/// assert!(rivet_oci::check_tag("-x").is_err());
+/// ```
+pub fn check_tag(tag: &str) -> Result<()> {
+    let valid = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let ok = tag.len() <= 128 && tag.starts_with(valid) && tag.chars().all(|c| valid(c) || c == '.' || c == '-');
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::BadTag { tag: tag.to_owned() })
+    }
+}
+
 /// Everything that can go wrong while building or writing images.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -66,6 +83,12 @@ pub enum Error {
     MissingBinary {
         /// Where it was looked for.
         path: PathBuf,
+    },
+    /// An image tag the distribution spec does not allow.
+    #[error("image tag `{tag}`: a tag is 1-128 of A-Z a-z 0-9 _ . - and does not start with . or -")]
+    BadTag {
+        /// The tag given.
+        tag: String,
     },
     /// A path inside a layer is not a plain relative path.
     #[error("layer entry `{path}`: {reason}")]

@@ -14,7 +14,7 @@
 //! ```no_run
 //! # fn t() -> rivet_oci::Result<()> {
 //! use rivet_oci::{OciArchive, rivet};
-//! let layer = rivet::rivet_layer("target/release".as_ref())?;
+//! let layer = rivet::rivet_layer("target/release".as_ref(), rivet_oci::Compression::GZIP)?;
 //! let mut archive = OciArchive::new();
 //! archive.add(rivet::rivet_image(&rivet_oci::reference(rivet::IMAGE, "1a2b3c4"), &layer));
 //! archive.write("target/images/rivet-1a2b3c4.oci.tar".as_ref())?;
@@ -105,7 +105,7 @@ pub fn group() -> String {
 /// The layer of [`BINARIES`] from `bin_dir` (`target/release` or
 /// `target/debug`), stripped of debug info, with the shared libraries they
 /// load at the paths `ldd` gives.
-pub fn rivet_layer(bin_dir: &Path) -> Result<Arc<Layer>> {
+pub fn rivet_layer(bin_dir: &Path, compression: Compression) -> Result<Arc<Layer>> {
     let stripped = tempfile::Builder::new()
         .prefix("rivet-oci-strip-")
         .tempdir()
@@ -124,10 +124,10 @@ pub fn rivet_layer(bin_dir: &Path) -> Result<Arc<Layer>> {
             .arg("-o")
             .arg(&out)
             .arg(&binary))?;
-        layer.file_from_host(&format!("{BIN_DIR}/{name}"), 0o755, &out)?;
+        layer.file_from_host(&format!("{BIN_DIR}/{name}"), 0o755, &out);
     }
     for library in &libraries {
-        layer.file_from_host(&library.to_string_lossy(), 0o755, library)?;
+        layer.file_from_host(&library.to_string_lossy(), 0o755, library);
     }
     for (dir, mode) in [
         ("dev", 0o755),
@@ -140,7 +140,7 @@ pub fn rivet_layer(bin_dir: &Path) -> Result<Arc<Layer>> {
     }
     layer.file("etc/passwd", 0o644, passwd().into_bytes());
     layer.file("etc/group", 0o644, group().into_bytes());
-    Ok(Arc::new(layer.build(Compression::Gzip)?))
+    Ok(Arc::new(layer.build(compression)?))
 }
 
 /// The image `name` on `layer`: user [`DAEMON`], `PATH` [`BIN_DIR`], and
@@ -249,7 +249,7 @@ mod tests {
     #[test]
     fn a_missing_binary_says_how_to_build_it() {
         let dir = tempfile::tempdir().unwrap();
-        let err = rivet_layer(dir.path()).unwrap_err();
+        let err = rivet_layer(dir.path(), Compression::None).unwrap_err();
         assert!(matches!(err, Error::MissingBinary { .. }), "{err}");
         assert!(err.to_string().contains("cargo build --bins"), "{err}");
     }

@@ -27,6 +27,7 @@ use crate::cmd;
 ///   rivet-cni is compared with and chained after;
 /// - containerd, runc, busybox-static: a real container runtime calling rivet-cni
 ///   through CRI, with a locally built busybox image;
+/// - binutils: `strip`, for the binaries of `cargo xtask image`;
 /// - python3-grpcio, python3-venv: gRPC clients of another language calling every
 ///   daemon's socket (Debian's grpcio, and PyPI's newer one in [`GRPCIO_VENV`]).
 ///
@@ -46,6 +47,7 @@ pub const PACKAGES: &[&str] = &[
     "containerd",
     "runc",
     "busybox-static",
+    "binutils",
     "python3-grpcio",
     "python3-venv",
 ];

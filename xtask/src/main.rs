@@ -12,6 +12,7 @@ mod cmd;
 mod demo;
 mod demo_cluster;
 mod deps;
+mod image;
 mod install;
 mod test;
 
@@ -64,6 +65,9 @@ enum Command {
     /// in network namespaces, prints the kubeconfig), `down` (removes everything),
     /// `status`.
     Cluster(cluster::ClusterArgs),
+    /// Build the OCI images (rivet: every binary; pause; busybox) as archives in
+    /// target/images, tagged with the git revision, for `ctr -n k8s.io images import`.
+    Image(image::Args),
     /// Run one benchmark of the `rivet-bench` crate with the bench-release profile.
     Bench(bench::Args),
     /// Check that no daemon, the CLI or the CNI plugin links a crate it must not
@@ -112,6 +116,10 @@ fn run(command: Command) -> Result<()> {
         Command::Cluster(args) => {
             install::run()?;
             cluster::run(&args)
+        }
+        Command::Image(args) => {
+            install::run()?;
+            image::run(&args)
         }
         Command::Deps => deps::run(),
         Command::Crds => {
