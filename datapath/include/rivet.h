@@ -419,12 +419,23 @@ struct lb_sock_rev_key {
 	__u8 pad[5];
 };
 
+/* lb_sock_rev.flags */
+/* Written by sendmsg (an unconnected UDP socket, per datagram): svc-gc
+ * removes it once unused (sendmsg, recvmsg, getpeername) for longer than
+ * the UDP conntrack lifetime. Without it (connect: TCP, connected UDP) the
+ * entry is left to the LRU: a connected socket need not touch it again for
+ * its whole life (getpeername only), so its age says nothing. */
+#define LB_SOCK_REV_F_DATAGRAM (1 << 0)
+
 struct lb_sock_rev {
-	__u32 addr[4];    /* the VIP (IPv4 in addr[0]) */
-	__u16 port;       /* the VIP's port, network order */
-	__u8 family;      /* 4 or 6 */
-	__u8 pad;
-	__u32 service_id; /* the frontend's service */
+	__u32 addr[4];   /* the VIP (IPv4 in addr[0]) */
+	__u16 port;      /* the VIP's port, network order */
+	__u8 family;     /* 4 or 6 */
+	__u8 flags;      /* LB_SOCK_REV_F_*; 0 in entries of older datapaths (padding) */
+	/* Seconds of bpf_ktime_get_ns() at the entry's last use (written at
+	 * most once a second). Older datapaths kept the service id here, in
+	 * entries without LB_SOCK_REV_F_DATAGRAM: svc-gc never ages those. */
+	__u32 last_used;
 };
 
 /* ------------------------------------------------------------------ metrics */

@@ -28,7 +28,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV
 
 use aya::maps::lpm_trie::Key as LpmKey;
 use rivet_common::labels::ReservedIdentity;
-pub use socket_lb::{LbSockRev, LbSockRevKey};
+pub use socket_lb::{LB_SOCK_REV_F_DATAGRAM, LbSockRev, LbSockRevKey};
 
 // ------------------------------------------------------------------ identities
 
@@ -1556,8 +1556,8 @@ mod tests {
                 "family" => family: u8, "pad" => pad: [u8; 5],
             ]),
             layout!("lb_sock_rev", LbSockRev, [
-                "addr" => addr: [u32; 4], "port" => port: u16, "family" => family: u8, "pad" => pad: u8,
-                "service_id" => service_id: u32,
+                "addr" => addr: [u32; 4], "port" => port: u16, "family" => family: u8, "flags" => flags: u8,
+                "last_used" => last_used: u32,
             ]),
             layout!("ct_timeouts", CtTimeouts, [
                 "tcp_syn" => tcp_syn: u32, "tcp_established" => tcp_established: u32,
@@ -1703,6 +1703,7 @@ mod tests {
             ("LB_FLOW_SNAT_IN", LB_FLOW_SNAT_IN.into()),
             ("LB_FLOW_F_HAIRPIN", LB_FLOW_F_HAIRPIN.into()),
             ("LB_FLOW_F_PORT_MAPPED", LB_FLOW_F_PORT_MAPPED.into()),
+            ("LB_SOCK_REV_F_DATAGRAM", LB_SOCK_REV_F_DATAGRAM.into()),
             ("IDENTITY_REMOTE_NODE", IDENTITY_REMOTE_NODE.into()),
             ("ROUTING_NONE", ROUTING_NONE.into()),
             ("ROUTING_NATIVE", ROUTING_NATIVE.into()),

@@ -34,8 +34,9 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use rivet_datapath::maps::{
-    CT_TCP_CLOSING, CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, CtTimeouts, DIR_EGRESS, DIR_INGRESS, LbAffinity,
-    LbAffinityKey, LbFlow, LbFrontend, SVC_F_AFFINITY, ipv4_from_raw, ipv6_from_raw,
+    CT_TCP_CLOSING, CT_TCP_ESTABLISHED, Ct4Key, Ct6Key, CtEntry, CtTimeouts, DIR_EGRESS, DIR_INGRESS,
+    LB_SOCK_REV_F_DATAGRAM, LbAffinity, LbAffinityKey, LbFlow, LbFrontend, LbSockRev, SVC_F_AFFINITY, ipv4_from_raw,
+    ipv6_from_raw,
 };
 
 /// The datapath refreshes an entry's `expires` at most once a second: its
@@ -198,6 +199,27 @@ impl CtRules {
 pub fn flow_verdict(flow: &LbFlow, now: u64) -> Option<Reason> {
     let slack = REFRESH_GRANULARITY.as_nanos() as u64;
     (now >= flow.expires.saturating_add(slack)).then_some(Reason::Expired)
+}
+
+/// Socket-level load balancing's `lb_sock_rev`: an entry sendmsg wrote
+/// for an unconnected UDP socket ([`LB_SOCK_REV_F_DATAGRAM`]) goes once
+/// unused (sendmsg, recvmsg, getpeername) for longer than the UDP timeout,
+/// plus [`REFRESH_GRANULARITY`] and the second its whole-second
+/// `last_used` may lag. Entries of connected sockets (TCP, connected UDP)
+/// stay with the LRU: such a socket reads its entry only at getpeername,
+/// so an idle entry may belong to a live connection, and which sockets
+/// still exist (their cookies, in every pod's namespace) is not something
+/// a sweep can know.
+pub fn sock_rev_verdict(entry: &LbSockRev, udp_timeout: Duration, now: u64) -> Option<Reason> {
+    if entry.flags & LB_SOCK_REV_F_DATAGRAM == 0 {
+        return None;
+    }
+    let last_used = u64::from(entry.last_used) * 1_000_000_000;
+    let slack = (REFRESH_GRANULARITY + Duration::from_secs(1)).as_nanos() as u64;
+    let deadline = last_used
+        .saturating_add(udp_timeout.as_nanos() as u64)
+        .saturating_add(slack);
+    (now >= deadline).then_some(Reason::Expired)
 }
 
 /// Which `lb_affinity` entries go: those unused for longer than their

@@ -24,16 +24,20 @@
 //! After `ct4` and `ct6`, a pass sweeps the service maps that are pinned
 //! ([`ServiceSlots`]): `lb4_flows` / `lb6_flows` by their deadline
 //! ([`flow_verdict`]) and `lb_affinity` by its service's timeout read from
-//! `lb_frontends` at the start of its sweep ([`AffinityRules`]); the
-//! re-check and batch delete are the same ([`sweep`]).
+//! `lb_frontends` at the start of its sweep ([`AffinityRules`]), and
+//! `lb_sock_rev`'s datagram entries by their last use
+//! ([`sock_rev_verdict`]); the re-check and batch delete are the same
+//! ([`sweep`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rivet_datapath::maps::{Ct4Key, Ct6Key, CtEntry, LbAffinity, LbAffinityKey, LbFlow, LbFrontend, LbFrontendKey};
+use rivet_datapath::maps::{
+    Ct4Key, Ct6Key, CtEntry, LbAffinity, LbAffinityKey, LbFlow, LbFrontend, LbFrontendKey, LbSockRev, LbSockRevKey,
+};
 use rivet_datapath::spec::{self, MapDef};
 
-use crate::classify::{AffinityRules, CtKey, CtRules, Reason, flow_verdict};
+use crate::classify::{AffinityRules, CtKey, CtRules, Reason, Timeouts, flow_verdict, sock_rev_verdict};
 use crate::clock::Clock;
 use crate::map::{BatchMode, CHUNK, EntryMap, MapError, PinnedMap};
 
@@ -283,6 +287,8 @@ pub struct ServiceSlots {
     pub lb_affinity: Slot<LbAffinityKey, LbAffinity>,
     /// The frontends (read for the services' affinity timeouts).
     pub lb_frontends: Slot<LbFrontendKey, LbFrontend>,
+    /// Socket-level load balancing's translations (datagram entries).
+    pub lb_sock_rev: Slot<LbSockRevKey, LbSockRev>,
     /// Where the pins are: a map not pinned there (a datapath without
     /// services) is left out of the pass instead of failing it.
     pub pin_dir: Option<std::path::PathBuf>,
@@ -296,6 +302,7 @@ impl ServiceSlots {
             lb6_flows: Slot::pinned(pin_dir, &spec::LB6_FLOWS, mode),
             lb_affinity: Slot::pinned(pin_dir, &spec::LB_AFFINITY, mode),
             lb_frontends: Slot::pinned(pin_dir, &spec::LB_FRONTENDS, mode),
+            lb_sock_rev: Slot::pinned(pin_dir, &spec::LB_SOCK_REV, mode),
             pin_dir: Some(pin_dir.to_owned()),
         }
     }
@@ -327,10 +334,15 @@ impl ServiceSlots {
 
     /// Map names in sweep order (the frontends are read, not swept).
     pub fn names(&self) -> Vec<String> {
-        [&self.lb4_flows.name, &self.lb6_flows.name, &self.lb_affinity.name]
-            .into_iter()
-            .cloned()
-            .collect()
+        [
+            &self.lb4_flows.name,
+            &self.lb6_flows.name,
+            &self.lb_affinity.name,
+            &self.lb_sock_rev.name,
+        ]
+        .into_iter()
+        .cloned()
+        .collect()
     }
 }
 
@@ -507,7 +519,7 @@ pub fn run_pass(maps: &mut GcMaps, plan: &PassPlan, clock: &dyn Clock) -> Result
     }
     let mut reports = vec![ct4, ct6];
     if let Some(services) = &mut maps.services {
-        reports.extend(sweep_services(services, clock));
+        reports.extend(sweep_services(services, &rules.timeouts, clock));
     }
     let scanned = reports.iter().map(|m| m.scanned).sum::<u64>();
     let mut deleted = DeletedCounts::default();
@@ -535,8 +547,9 @@ pub fn run_pass(maps: &mut GcMaps, plan: &PassPlan, clock: &dyn Clock) -> Result
 
 /// Sweeps the service maps that are pinned: the flows, then affinity with
 /// the services' timeouts read from `lb_frontends` first (affinity is not
-/// swept when they cannot be read: a service's entries would look orphaned).
-fn sweep_services(slots: &mut ServiceSlots, clock: &dyn Clock) -> Vec<MapReport> {
+/// swept when they cannot be read: a service's entries would look
+/// orphaned), then the sockets' datagram translations (`timeouts.udp`).
+fn sweep_services(slots: &mut ServiceSlots, timeouts: &Timeouts, clock: &dyn Clock) -> Vec<MapReport> {
     let mut reports = Vec::new();
     if slots.present(&slots.lb4_flows.name) {
         reports.push(sweep_slot(&mut slots.lb4_flows, |_, v, now| flow_verdict(v, now), clock).0);
@@ -544,24 +557,32 @@ fn sweep_services(slots: &mut ServiceSlots, clock: &dyn Clock) -> Vec<MapReport>
     if slots.present(&slots.lb6_flows.name) {
         reports.push(sweep_slot(&mut slots.lb6_flows, |_, v, now| flow_verdict(v, now), clock).0);
     }
-    if !slots.present(&slots.lb_affinity.name) {
-        return reports;
+    if slots.present(&slots.lb_affinity.name) {
+        reports.push(sweep_affinity(slots, clock));
     }
+    if slots.present(&slots.lb_sock_rev.name) {
+        let udp = timeouts.udp;
+        reports.push(sweep_slot(&mut slots.lb_sock_rev, |_, v, now| sock_rev_verdict(v, udp, now), clock).0);
+    }
+    reports
+}
+
+/// Sweeps `lb_affinity` with the services' timeouts read from
+/// `lb_frontends` first.
+fn sweep_affinity(slots: &mut ServiceSlots, clock: &dyn Clock) -> MapReport {
     let read_at = clock.monotonic_nanos();
     let rules = match read_all(&mut slots.lb_frontends) {
         Ok(frontends) => AffinityRules::from_frontends(&frontends, read_at),
         Err(e) => {
             slots.lb_frontends.close();
-            reports.push(MapReport {
+            return MapReport {
                 map: slots.lb_affinity.name().to_owned(),
                 error: Some(format!("not swept: reading the services' timeouts: {e}")),
                 ..MapReport::default()
-            });
-            return reports;
+            };
         }
     };
-    reports.push(sweep_slot(&mut slots.lb_affinity, |k, v, now| rules.verdict(k, v, now), clock).0);
-    reports
+    sweep_slot(&mut slots.lb_affinity, |k, v, now| rules.verdict(k, v, now), clock).0
 }
 
 /// Every value of a slot's map.

@@ -525,7 +525,7 @@ async fn without_maps_run_now_is_unavailable_until_they_are_pinned() {
     assert_eq!(status.passes, 0);
     assert_eq!(
         status.totals.iter().map(|t| t.0.as_str()).collect::<Vec<_>>(),
-        ["ct4", "ct6", "lb4_flows", "lb6_flows", "lb_affinity"]
+        ["ct4", "ct6", "lb4_flows", "lb6_flows", "lb_affinity", "lb_sock_rev"]
     );
 
     // svc-loader pins the maps: the retry is the initial pass.
@@ -749,7 +749,10 @@ fn a_pass_expires_service_flows_and_stale_affinity() {
     }
 
     let mut gc = maps.gc_maps(BatchMode::Auto);
-    assert_eq!(gc.names(), ["ct4", "ct6", "lb4_flows", "lb6_flows", "lb_affinity"]);
+    assert_eq!(
+        gc.names(),
+        ["ct4", "ct6", "lb4_flows", "lb6_flows", "lb_affinity", "lb_sock_rev"]
+    );
     let plan = PassPlan {
         number: 1,
         trigger: Trigger::RunNow,
@@ -777,4 +780,65 @@ fn a_pass_expires_service_flows_and_stale_affinity() {
     );
     let left: HashSet<LbAffinityKey> = affinity.dump().unwrap().into_iter().map(|(k, _)| k).collect();
     assert_eq!(left, HashSet::from([fresh.0, new_service.0]));
+}
+
+/// Socket-level load balancing's translations: a datagram entry (sendmsg
+/// of an unconnected UDP socket) unused for longer than the UDP timeout
+/// goes; a recently used one stays; a connected socket's entry stays
+/// however old (its socket reads it only at getpeername), and so does an
+/// entry of an older datapath (no flags; the service id where last_used is).
+#[test]
+fn a_pass_expires_unused_datagram_socket_translations_only() {
+    use rivet_datapath::maps::{LB_SOCK_REV_F_DATAGRAM, LbSockRev, LbSockRevKey};
+    let maps = TestMaps::create("sockrev", 1024, 1024)
+        .unwrap()
+        .with_service_maps(1024)
+        .unwrap();
+    let clock = KernelClock::new();
+    let now_s = (clock.monotonic_nanos() / SECOND) as u32;
+    let mut sock_rev: PinnedMap<LbSockRevKey, LbSockRev> =
+        PinnedMap::open(maps.pin_dir(), &spec::LB_SOCK_REV, BatchMode::Auto).unwrap();
+    let key = |cookie: u64| LbSockRevKey::new(cookie, "198.18.0.3:53".parse().unwrap());
+    let value = |flags: u8, last_used: u32| LbSockRev {
+        addr: [u32::from_ne_bytes([198, 19, 128, 10]), 0, 0, 0],
+        port: 53u16.to_be(),
+        family: 4,
+        flags,
+        last_used,
+    };
+    // The UDP timeout is 30 s (timeouts()).
+    let stale_datagram = (key(1), value(LB_SOCK_REV_F_DATAGRAM, now_s - 40));
+    let fresh_datagram = (key(2), value(LB_SOCK_REV_F_DATAGRAM, now_s - 10));
+    let old_connected = (key(3), value(0, now_s - 3600));
+    let older_datapath = (key(4), value(0, 7));
+    for (k, v) in [stale_datagram, fresh_datagram, old_connected, older_datapath] {
+        sock_rev.insert(&k, &v).unwrap();
+    }
+
+    let mut gc = maps.gc_maps(BatchMode::Auto);
+    let plan = PassPlan {
+        number: 1,
+        trigger: Trigger::RunNow,
+        rules: CtRules {
+            timeouts: timeouts(),
+            endpoints: None,
+        },
+        orphan_check: OrphanCheck::SkippedListEmpty,
+    };
+    let report = run_pass(&mut gc, &plan, &clock).unwrap();
+    let rev = report
+        .maps
+        .iter()
+        .find(|m| m.map == "lb_sock_rev")
+        .expect("lb_sock_rev is swept");
+    assert_eq!(
+        (rev.error.as_deref(), rev.deleted.expired, rev.remaining),
+        (None, 1, 3),
+        "{rev:?}"
+    );
+    let left: HashSet<LbSockRevKey> = sock_rev.dump().unwrap().into_iter().map(|(k, _)| k).collect();
+    assert_eq!(
+        left,
+        HashSet::from([fresh_datagram.0, old_connected.0, older_datapath.0])
+    );
 }

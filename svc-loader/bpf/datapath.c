@@ -2605,7 +2605,8 @@ static __always_inline int sock_no_backend(const struct lb_frontend_key *k)
 /* Chooses the backend of a socket to frontend `k` and records the reverse
  * translation. Returns 1 with `*out` set, 0 to leave the socket alone, or
  * -1 when the frontend has no active backend. */
-static __always_inline int sock_translate(void *ctx, const struct lb_frontend_key *k, struct lb_backend *out)
+static __always_inline int sock_translate(void *ctx, const struct lb_frontend_key *k, struct lb_backend *out,
+					  __u8 flags)
 {
 	struct lb_frontend *fe;
 	struct lb_maglev_table *table;
@@ -2644,7 +2645,8 @@ static __always_inline int sock_translate(void *ctx, const struct lb_frontend_ke
 	__builtin_memcpy(rev.addr, k->addr, 16);
 	rev.port = k->port;
 	rev.family = k->family;
-	rev.service_id = fe->service_id;
+	rev.flags = flags;
+	rev.last_used = (__u32)(bpf_ktime_get_ns() / NSEC_PER_SEC);
 	/* Best effort: without it getpeername/recvmsg show the backend. */
 	bpf_map_update_elem(&lb_sock_rev, &rk, &rev, BPF_ANY);
 	return 1;
@@ -2685,8 +2687,9 @@ static __always_inline void sock_addr_store(struct bpf_sock_addr *ctx, __u8 fami
 	ctx->user_port = (__u32)port;
 }
 
-/* connect / sendmsg: a VIP becomes a backend. */
-static __always_inline int sock_forward(struct bpf_sock_addr *ctx, __u8 family)
+/* connect / sendmsg: a VIP becomes a backend (`flags`: LB_SOCK_REV_F_*
+ * of the entry it leaves). */
+static __always_inline int sock_forward(struct bpf_sock_addr *ctx, __u8 family, __u8 flags)
 {
 	struct lb_frontend_key k = {};
 	struct lb_backend be;
@@ -2699,7 +2702,7 @@ static __always_inline int sock_forward(struct bpf_sock_addr *ctx, __u8 family)
 	k.protocol = ctx->protocol;
 	k.family = family;
 	k.scope = SVC_SCOPE_INTERNAL;
-	r = sock_translate(ctx, &k, &be);
+	r = sock_translate(ctx, &k, &be, flags);
 	if (r < 0)
 		return sock_no_backend(&k);
 	if (r > 0)
@@ -2720,9 +2723,27 @@ static __always_inline int sock_reverse(struct bpf_sock_addr *ctx, __u8 family)
 	rk.port = (__u16)ctx->user_port;
 	rk.family = family;
 	rev = bpf_map_lookup_elem(&lb_sock_rev, &rk);
-	if (rev)
+	if (rev) {
+		__u32 now = (__u32)(bpf_ktime_get_ns() / NSEC_PER_SEC);
+
 		sock_addr_store(ctx, family, rev->addr, rev->port);
+		/* Used: svc-gc ages datagram entries by it. */
+		if (rev->last_used != now)
+			rev->last_used = now;
+	}
 	return SOCK_RESULT_PASS;
+}
+
+/* connect leaves an entry for the socket's life, sendmsg one per datagram
+ * (LB_SOCK_REV_F_DATAGRAM: svc-gc ages it). */
+static __always_inline int sock_connect(struct bpf_sock_addr *ctx, __u8 family)
+{
+	return sock_forward(ctx, family, 0);
+}
+
+static __always_inline int sock_sendmsg(struct bpf_sock_addr *ctx, __u8 family)
+{
+	return sock_forward(ctx, family, LB_SOCK_REV_F_DATAGRAM);
 }
 
 /* The eight programs: a hook of one family (a constant in each program:
@@ -2734,10 +2755,10 @@ static __always_inline int sock_reverse(struct bpf_sock_addr *ctx, __u8 family)
 		return step(ctx, family);                                                                   \
 	}
 
-SOCK_LB_PROGRAM(sock_connect4, "cgroup/connect4", sock_forward, 4)
-SOCK_LB_PROGRAM(sock_connect6, "cgroup/connect6", sock_forward, 6)
-SOCK_LB_PROGRAM(sock_sendmsg4, "cgroup/sendmsg4", sock_forward, 4)
-SOCK_LB_PROGRAM(sock_sendmsg6, "cgroup/sendmsg6", sock_forward, 6)
+SOCK_LB_PROGRAM(sock_connect4, "cgroup/connect4", sock_connect, 4)
+SOCK_LB_PROGRAM(sock_connect6, "cgroup/connect6", sock_connect, 6)
+SOCK_LB_PROGRAM(sock_sendmsg4, "cgroup/sendmsg4", sock_sendmsg, 4)
+SOCK_LB_PROGRAM(sock_sendmsg6, "cgroup/sendmsg6", sock_sendmsg, 6)
 SOCK_LB_PROGRAM(sock_recvmsg4, "cgroup/recvmsg4", sock_reverse, 4)
 SOCK_LB_PROGRAM(sock_recvmsg6, "cgroup/recvmsg6", sock_reverse, 6)
 SOCK_LB_PROGRAM(sock_getpeername4, "cgroup/getpeername4", sock_reverse, 4)

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use rivet_bpf_sys as sys;
-use rivet_datapath::maps::{Ct4Key, Ct6Key, LbSockRev, LbSockRevKey};
+use rivet_datapath::maps::{Ct4Key, Ct6Key, LB_SOCK_REV_F_DATAGRAM, LbSockRev, LbSockRevKey};
 use rivet_datapath::spec::{MAP_LB_SOCK_REV, MAP_LB4_FLOWS, MAP_LB6_FLOWS};
 use rivet_proto::loader::v1 as pb;
 use rivet_testkit::cgroup::{Probe, ProbeReport, TestCgroup, run_probe};
@@ -260,6 +260,14 @@ fn count_keys<K: aya::Pod>(map: &std::os::fd::OwnedFd) -> usize {
 const FAMILIES: [pb::Family; 2] = [pb::Family::Ipv4, pb::Family::Ipv6];
 
 /// TCP from a process of the cgroup reaches a backend through the
+/// The kernel's monotonic clock in whole seconds (`bpf_ktime_get_ns()`'s).
+fn now_s() -> u32 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given, nothing else.
+    assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) }, 0);
+    ts.tv_sec as u32
+}
+
 /// ClusterIP, translated once at connect: getpeername shows the VIP,
 /// lb_sock_rev holds the translation, and the per-packet path created no
 /// flow. Unconnected UDP: the reply's source is the VIP. A pod address is
@@ -300,6 +308,9 @@ async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
             .sock_rev(cookie, backend)
             .unwrap_or_else(|| panic!("{family:?}: lb_sock_rev holds the socket's backend {backend}"));
         assert_eq!(rev.frontend(), Some(frontend), "{family:?}");
+        // Written at connect: left to the LRU, never aged by svc-gc.
+        assert_eq!(rev.flags, 0, "{family:?}");
+        assert!(now_s().abs_diff(rev.last_used) <= 2, "{family:?}: {rev:?}");
 
         let frontend = SocketAddr::new(vip(family), UDP_PORT);
         let udp = node.probe(Some(&cgroup), Probe::Udp, frontend);
@@ -314,6 +325,14 @@ async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
             reply == "b1 hello" || reply == "b2 hello",
             "{family:?}: answered {reply:?}"
         );
+        // Written per datagram by sendto: svc-gc ages it by its last use.
+        let backend = SocketAddr::new(node.backend_addr(&reply[..2], family), BACKEND_PORT);
+        let cookie = udp.number("cookie").expect("the socket's cookie") as u64;
+        let rev = node
+            .sock_rev(cookie, backend)
+            .unwrap_or_else(|| panic!("{family:?}: lb_sock_rev holds the datagram's backend {backend}"));
+        assert_eq!(rev.flags, LB_SOCK_REV_F_DATAGRAM, "{family:?}");
+        assert!(now_s().abs_diff(rev.last_used) <= 2, "{family:?}: {rev:?}");
     }
     assert_eq!(
         node.per_packet_flows(),

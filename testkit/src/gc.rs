@@ -74,6 +74,7 @@ impl TestMaps {
             &spec::LB6_FLOWS,
             &spec::LB_AFFINITY,
             &spec::LB_FRONTENDS,
+            &spec::LB_SOCK_REV,
         ] {
             create_pinned_map(&self.pin_dir, def, max_entries).map_err(std::io::Error::other)?;
         }

@@ -42,6 +42,11 @@ impl LbSockRevKey {
     }
 }
 
+/// [`LbSockRev::flags`]: written per datagram by sendmsg (unconnected
+/// UDP); svc-gc ages these by [`LbSockRev::last_used`]. Entries without it
+/// (connect: TCP, connected UDP) are left to the LRU.
+pub const LB_SOCK_REV_F_DATAGRAM: u8 = 1 << 0;
+
 /// `struct lb_sock_rev`: the frontend (VIP and port) a socket asked for.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -52,10 +57,12 @@ pub struct LbSockRev {
     pub port: u16,
     /// 4 or 6.
     pub family: u8,
-    /// Zero.
-    pub pad: u8,
-    /// The frontend's service.
-    pub service_id: u32,
+    /// `LB_SOCK_REV_F_*` (0 in entries of datapaths before it: padding).
+    pub flags: u8,
+    /// Seconds of the kernel's monotonic clock at the entry's last use
+    /// (the service id in entries of older datapaths, which have no
+    /// [`LB_SOCK_REV_F_DATAGRAM`] and are never aged).
+    pub last_used: u32,
 }
 
 impl LbSockRev {
