@@ -15,7 +15,7 @@
 //!   NetworkReady, as it must for Rivet's DaemonSet to install its plugin);
 //!   a conflist written into one worker's `/etc/cni/net.d` from inside its
 //!   mount namespace (as a DaemonSet's init container writes it) makes that
-//!   Node Ready while the other stays NotReady.
+//!   Node Ready while the other stays NotReady, until it gets one too.
 //! - `down_after_a_killed_supervisor_removes_everything`: `rivet-kube-cluster
 //!   up` (what `cargo xtask cluster up` runs), its supervisor SIGKILLed with
 //!   the cluster running a pod, then `down`: the sweep from the cluster's
@@ -30,7 +30,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
 use rivet_common::testing::netns::list_netns;
 use rivet_e2e::image::BUSYBOX_IMAGE;
-use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, WorkerCni, node_ready};
+use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, Worker, WorkerCni, node_ready};
 
 const POD_TIMEOUT: Duration = Duration::from_secs(90);
 
@@ -239,7 +239,7 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cni_installed_later_inside_a_worker_makes_it_ready() {
-    let cluster = KubeCluster::start(KubeClusterOptions {
+    let mut cluster = KubeCluster::start(KubeClusterOptions {
         cni: WorkerCni::None,
         ..KubeClusterOptions::default()
     })
@@ -256,32 +256,19 @@ async fn a_cni_installed_later_inside_a_worker_makes_it_ready() {
     let [first, second] = cluster.workers() else {
         panic!("two workers")
     };
-    let conflist = serde_json::json!({
-        "cniVersion": "1.0.0",
-        "name": "later",
-        "plugins": [{
-            "type": "bridge",
-            "bridge": "cni0",
-            "isGateway": true,
-            "ipam": { "type": "host-local", "ranges": [[{ "subnet": first.pod_cidr }]] }
-        }]
-    });
-    let status = first
-        .command("sh")
-        .args(["-c", "cat > /etc/cni/net.d/10-later.conflist"])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut child| {
-            use std::io::Write as _;
-            child
-                .stdin
-                .take()
-                .expect("piped")
-                .write_all(conflist.to_string().as_bytes())?;
-            child.wait()
+    let conflist = |worker: &Worker| {
+        serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "later",
+            "plugins": [{
+                "type": "bridge",
+                "bridge": "cni0",
+                "isGateway": true,
+                "ipam": { "type": "host-local", "ranges": [[{ "subnet": worker.pod_cidr }]] }
+            }]
         })
-        .unwrap();
-    assert!(status.success(), "writing the conflist inside {}", first.name);
+    };
+    install_conflist(first, &conflist(first));
     assert!(first.host_path("/etc/cni/net.d/10-later.conflist").exists());
     assert!(!second.host_path("/etc/cni/net.d/10-later.conflist").exists());
 
@@ -305,6 +292,29 @@ async fn a_cni_installed_later_inside_a_worker_makes_it_ready() {
         "{} has no CNI config and stays NotReady",
         second.name
     );
+    install_conflist(second, &conflist(second));
+    cluster.wait_nodes_ready(POD_TIMEOUT).await.unwrap();
+}
+
+/// Writes `10-later.conflist` into the worker's /etc/cni/net.d from inside
+/// its mount namespace.
+fn install_conflist(worker: &Worker, conflist: &serde_json::Value) {
+    let status = worker
+        .command("sh")
+        .args(["-c", "cat > /etc/cni/net.d/10-later.conflist"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut child| {
+            use std::io::Write as _;
+            child
+                .stdin
+                .take()
+                .expect("piped")
+                .write_all(conflist.to_string().as_bytes())?;
+            child.wait()
+        })
+        .unwrap();
+    assert!(status.success(), "writing the conflist inside {}", worker.name);
 }
 
 /// `rivet-kube-cluster --state-dir <dir>`; `down` on drop, so a failing test

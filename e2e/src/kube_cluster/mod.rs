@@ -566,22 +566,38 @@ impl KubeCluster {
             self.workers.push(worker);
         }
         self.route_pod_cidrs()?;
+        self.wait_nodes(options.cni == WorkerCni::Bridge, WORKER_TIMEOUT).await
+    }
+
+    /// Waits until every worker's Node is Ready (e.g. after Rivet's
+    /// DaemonSet installed its CNI on a cluster started with
+    /// [`WorkerCni::None`]), failing early when a kubelet or control-plane
+    /// daemon exits.
+    ///
+    /// # Errors
+    /// [`KubeClusterError::Timeout`] naming the Nodes not Ready, or
+    /// [`KubeClusterError::Exited`].
+    pub async fn wait_nodes_ready(&mut self, timeout: Duration) -> Result<(), KubeClusterError> {
+        self.wait_nodes(true, timeout).await
+    }
+
+    /// Waits until every worker's Node registered, and is Ready if `ready`.
+    async fn wait_nodes(&mut self, ready: bool, timeout: Duration) -> Result<(), KubeClusterError> {
         let nodes: Api<Node> = Api::all(self.admin.clone());
         let names: Vec<String> = self.workers.iter().map(|w| w.name.clone()).collect();
-        let want_ready = options.cni == WorkerCni::Bridge;
-        let what = if want_ready {
+        let what = if ready {
             "waiting for every worker's Node to be Ready"
         } else {
             "waiting for every worker's Node to register"
         };
-        self.wait(what, WORKER_TIMEOUT, || {
+        self.wait(what, timeout, || {
             let nodes = nodes.clone();
             let names = names.clone();
             async move {
                 let mut missing = Vec::new();
                 for name in &names {
                     match nodes.get_opt(name).await {
-                        Ok(Some(node)) if !want_ready || node_ready(&node) => {}
+                        Ok(Some(node)) if !ready || node_ready(&node) => {}
                         Ok(Some(_)) => missing.push(format!("{name} not Ready")),
                         Ok(None) => missing.push(format!("{name} not registered")),
                         Err(e) => missing.push(format!("{name}: {e}")),
