@@ -76,6 +76,42 @@ async fn backend(cluster: &mut Cluster, node: usize, name: &str) -> Backend {
     Backend { pod, _server: server }
 }
 
+/// Three backends, be-1, be-2 and be-3, on nodes 1, 2 and 3.
+async fn three_backends(cluster: &mut Cluster) -> Vec<Backend> {
+    let mut backends = Vec::new();
+    for node in 1..=3 {
+        backends.push(backend(cluster, node, &format!("be-{node}")).await);
+    }
+    backends
+}
+
+/// Every pod a ready backend.
+fn all_ready<'a>(pods: &[&'a ClusterPod]) -> Vec<(&'a ClusterPod, Condition)> {
+    pods.iter().map(|p| (*p, Condition::Ready)).collect()
+}
+
+/// Applies [`service_yaml`] to every node and waits until every datapath
+/// holds its ready backends as active and its terminating ones.
+async fn apply_and_wait(
+    cluster: &Cluster,
+    name: &str,
+    vips: [IpAddr; 2],
+    affinity_seconds: Option<u32>,
+    backends: &[(&ClusterPod, Condition)],
+) {
+    cluster
+        .apply_service(&service_yaml(cluster, name, vips, affinity_seconds, backends))
+        .await;
+    let with = |condition: Condition| -> Vec<&ClusterPod> {
+        backends
+            .iter()
+            .filter(|(_, c)| *c == condition)
+            .map(|(p, _)| *p)
+            .collect()
+    };
+    wait_backends(cluster, vips, &with(Condition::Ready), &with(Condition::Terminating)).await;
+}
+
 /// A Service `name` (TCP and UDP port [`SERVICE_PORT`] → [`TARGET_PORT`],
 /// dual-stack ClusterIPs `vips`, no selector) and one EndpointSlice per
 /// family with `backends`, as multi-document YAML (JSON documents).
@@ -231,21 +267,14 @@ async fn start(routing: Routing) -> Cluster {
 /// hairpin, and policy on the backend's identity.
 async fn cluster_ip_across_nodes(routing: Routing) {
     let mut cluster = start(routing).await;
-    let be: Vec<Backend> = vec![
-        backend(&mut cluster, 1, "be-1").await,
-        backend(&mut cluster, 2, "be-2").await,
-        backend(&mut cluster, 3, "be-3").await,
-    ];
+    let be = three_backends(&mut cluster).await;
     let client = cluster.add_pod(1, NAMESPACE, "client", &["app=client"]).await;
     let other = cluster.add_pod(2, NAMESPACE, "other", &["app=other"]).await;
     cluster.wait_converged().await;
     let vips = vips(10);
     let pods: Vec<&ClusterPod> = be.iter().map(|b| &b.pod).collect();
-    let ready: Vec<_> = pods.iter().map(|p| (*p, Condition::Ready)).collect();
-    cluster
-        .apply_service(&service_yaml(&cluster, "web", vips, None, &ready))
-        .await;
-    wait_backends(&cluster, vips, &pods, &[]).await;
+    let ready = all_ready(&pods);
+    apply_and_wait(&cluster, "web", vips, None, &ready).await;
 
     for vip in vips {
         let dst = SocketAddr::new(vip, SERVICE_PORT);
@@ -360,20 +389,13 @@ fn assert_spread_evenly(seen: &BTreeMap<String, usize>, backends: &BTreeSet<Stri
 #[tokio::test(flavor = "multi_thread")]
 async fn new_connections_spread_evenly_and_a_removed_backend_moves_no_other_flow() {
     let mut cluster = start(Routing::Native).await;
-    let be: Vec<Backend> = vec![
-        backend(&mut cluster, 1, "be-1").await,
-        backend(&mut cluster, 2, "be-2").await,
-        backend(&mut cluster, 3, "be-3").await,
-    ];
+    let be = three_backends(&mut cluster).await;
     let client = cluster.add_pod(1, NAMESPACE, "client", &["app=client"]).await;
     cluster.wait_converged().await;
     let vips = vips(20);
     let pods: Vec<&ClusterPod> = be.iter().map(|b| &b.pod).collect();
-    let ready: Vec<_> = pods.iter().map(|p| (*p, Condition::Ready)).collect();
-    cluster
-        .apply_service(&service_yaml(&cluster, "web", vips, None, &ready))
-        .await;
-    wait_backends(&cluster, vips, &pods, &[]).await;
+    let ready = all_ready(&pods);
+    apply_and_wait(&cluster, "web", vips, None, &ready).await;
 
     for (vip, total) in [(vips[0], 10_000), (vips[1], 3_000)] {
         let dst = SocketAddr::new(vip, SERVICE_PORT);
@@ -391,11 +413,8 @@ async fn new_connections_spread_evenly_and_a_removed_backend_moves_no_other_flow
         })
         .collect();
     let survivors = [pods[0], pods[1]];
-    let two: Vec<_> = survivors.iter().map(|p| (*p, Condition::Ready)).collect();
-    cluster
-        .apply_service(&service_yaml(&cluster, "web", vips, None, &two))
-        .await;
-    wait_backends(&cluster, vips, &survivors, &[]).await;
+    let two = all_ready(&survivors);
+    apply_and_wait(&cluster, "web", vips, None, &two).await;
     let mut kept = 0;
     for (vip, connection) in &mut held {
         if connection.first == "be-3" {
@@ -427,24 +446,17 @@ async fn new_connections_spread_evenly_and_a_removed_backend_moves_no_other_flow
 #[tokio::test(flavor = "multi_thread")]
 async fn session_affinity_a_terminating_backend_and_zero_backends() {
     let mut cluster = start(Routing::Native).await;
-    let be: Vec<Backend> = vec![
-        backend(&mut cluster, 1, "be-1").await,
-        backend(&mut cluster, 2, "be-2").await,
-        backend(&mut cluster, 3, "be-3").await,
-    ];
+    let be = three_backends(&mut cluster).await;
     let client = cluster.add_pod(1, NAMESPACE, "client", &["app=client"]).await;
     let other = cluster.add_pod(2, NAMESPACE, "other", &["app=other"]).await;
     cluster.wait_converged().await;
     let pods: Vec<&ClusterPod> = be.iter().map(|b| &b.pod).collect();
-    let ready: Vec<_> = pods.iter().map(|p| (*p, Condition::Ready)).collect();
+    let ready = all_ready(&pods);
 
     // Session affinity ClientIP: every new connection of a client goes to
     // the backend its first one got.
     let sticky = vips(30);
-    cluster
-        .apply_service(&service_yaml(&cluster, "sticky", sticky, Some(60), &ready))
-        .await;
-    wait_backends(&cluster, sticky, &pods, &[]).await;
+    apply_and_wait(&cluster, "sticky", sticky, Some(60), &ready).await;
     for vip in sticky {
         let dst = SocketAddr::new(vip, SERVICE_PORT);
         for from in [&client, &other] {
@@ -460,10 +472,7 @@ async fn session_affinity_a_terminating_backend_and_zero_backends() {
 
     // A terminating backend keeps its flows and gets no new ones.
     let web = vips(31);
-    cluster
-        .apply_service(&service_yaml(&cluster, "web", web, None, &ready))
-        .await;
-    wait_backends(&cluster, web, &pods, &[]).await;
+    apply_and_wait(&cluster, "web", web, None, &ready).await;
     let mut held: Vec<HeldConnection> = web
         .iter()
         .flat_map(|vip| hold(&client, SocketAddr::new(*vip, SERVICE_PORT), 60))
@@ -477,10 +486,7 @@ async fn session_affinity_a_terminating_backend_and_zero_backends() {
         (pods[1], Condition::Terminating),
         (pods[2], Condition::Ready),
     ];
-    cluster
-        .apply_service(&service_yaml(&cluster, "web", web, None, &draining))
-        .await;
-    wait_backends(&cluster, web, &[pods[0], pods[2]], &[pods[1]]).await;
+    apply_and_wait(&cluster, "web", web, None, &draining).await;
     for connection in &mut held {
         let now = connection.ask().unwrap_or_else(|e| {
             panic!(
@@ -502,10 +508,7 @@ async fn session_affinity_a_terminating_backend_and_zero_backends() {
 
     // No backend: refused at once, and the drop is in rivet monitor.
     let empty = vips(32);
-    cluster
-        .apply_service(&service_yaml(&cluster, "empty", empty, None, &[]))
-        .await;
-    wait_backends(&cluster, empty, &[], &[]).await;
+    apply_and_wait(&cluster, "empty", empty, None, &[]).await;
     let monitor = NodeDrops::start(cluster.node(1).rivet(&["monitor", "-o", "json"]));
     for (vip, source) in empty
         .into_iter()
@@ -549,20 +552,13 @@ async fn loader_services(cluster: &Cluster, node: usize) -> Vec<ldpb::LbServiceS
 #[tokio::test(flavor = "multi_thread")]
 async fn kill9_of_svc_loader_and_svc_endpoint_under_service_traffic_loses_nothing() {
     let mut cluster = start(Routing::Native).await;
-    let be: Vec<Backend> = vec![
-        backend(&mut cluster, 1, "be-1").await,
-        backend(&mut cluster, 2, "be-2").await,
-        backend(&mut cluster, 3, "be-3").await,
-    ];
+    let be = three_backends(&mut cluster).await;
     let client = cluster.add_pod(1, NAMESPACE, "client", &["app=client"]).await;
     cluster.wait_converged().await;
     let vips = vips(40);
     let pods: Vec<&ClusterPod> = be.iter().map(|b| &b.pod).collect();
-    let ready: Vec<_> = pods.iter().map(|p| (*p, Condition::Ready)).collect();
-    cluster
-        .apply_service(&service_yaml(&cluster, "web", vips, None, &ready))
-        .await;
-    wait_backends(&cluster, vips, &pods, &[]).await;
+    let ready = all_ready(&pods);
+    apply_and_wait(&cluster, "web", vips, None, &ready).await;
     let before = loader_services(&cluster, 1).await;
     // What `rivet bpf service list` shows of the maps (not the flow and
     // affinity counts, which the traffic moves).
@@ -623,11 +619,8 @@ async fn kill9_of_svc_loader_and_svc_endpoint_under_service_traffic_loses_nothin
 
     // The restored index serves the next change: be-3 leaves, be-1 and
     // be-2 keep their backend ids and the services their tables.
-    let two: Vec<_> = [pods[0], pods[1]].iter().map(|p| (*p, Condition::Ready)).collect();
-    cluster
-        .apply_service(&service_yaml(&cluster, "web", vips, None, &two))
-        .await;
-    wait_backends(&cluster, vips, &[pods[0], pods[1]], &[]).await;
+    let two = all_ready(&[pods[0], pods[1]]);
+    apply_and_wait(&cluster, "web", vips, None, &two).await;
     let after = loader_services(&cluster, 1).await;
     assert_eq!(after.len(), before.len());
     for (old, new) in before.iter().zip(&after) {

@@ -216,6 +216,24 @@ impl ServiceNode {
         ["b1", "b2"].iter().map(|pod| self.backend_addr(pod, family)).collect()
     }
 
+    /// The `protocol` service of each family at its VIP (TCP: ids 10 and
+    /// 20 on [`TCP_PORT`]; UDP: 11 and 21 on [`UDP_PORT`]), with both
+    /// backends behind it or none.
+    async fn upsert_services(&self, protocol: pb::Protocol, with_backends: bool) {
+        let (ids, port) = match protocol {
+            pb::Protocol::Udp => ([11, 21], UDP_PORT),
+            _ => ([10, 20], TCP_PORT),
+        };
+        for (id, family) in ids.into_iter().zip(FAMILIES) {
+            let backends = if with_backends {
+                self.backends(family)
+            } else {
+                Vec::new()
+            };
+            self.upsert(service(id, family, protocol, port, &backends)).await;
+        }
+    }
+
     /// Programs `service` through svc-loader's UpsertService.
     async fn upsert(&self, service: pb::LbService) {
         self.node
@@ -259,6 +277,20 @@ fn count_keys<K: aya::Pod>(map: &std::os::fd::OwnedFd) -> usize {
 
 const FAMILIES: [pb::Family; 2] = [pb::Family::Ipv4, pb::Family::Ipv6];
 
+/// Asserts that a TCP probe to `frontend` was answered by a backend with
+/// the VIP as its peer (getpeername); the backend's name.
+fn answered_through_the_vip(tcp: &ProbeReport, frontend: SocketAddr) -> String {
+    assert_eq!(tcp.error(), None, "{frontend}: {tcp:?}");
+    assert_eq!(
+        tcp.addr("peer"),
+        Some(frontend),
+        "{frontend}: getpeername shows the VIP"
+    );
+    let name = tcp.get("reply").expect("a backend answered").to_owned();
+    assert!(["b1", "b2"].contains(&name.as_str()), "{frontend}: answered by {name}");
+    name
+}
+
 /// TCP from a process of the cgroup reaches a backend through the
 /// The kernel's monotonic clock in whole seconds (`bpf_ktime_get_ns()`'s).
 fn now_s() -> u32 {
@@ -277,31 +309,13 @@ fn now_s() -> u32 {
 async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
     let cgroup = cgroup();
     let mut node = ServiceNode::start(&cgroup).await;
-    for (i, family) in FAMILIES.into_iter().enumerate() {
-        let id = 10 * (i as u32 + 1);
-        node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &node.backends(family)))
-            .await;
-        node.upsert(service(
-            id + 1,
-            family,
-            pb::Protocol::Udp,
-            UDP_PORT,
-            &node.backends(family),
-        ))
-        .await;
-    }
+    node.upsert_services(pb::Protocol::Tcp, true).await;
+    node.upsert_services(pb::Protocol::Udp, true).await;
 
     for family in FAMILIES {
         let frontend = SocketAddr::new(vip(family), TCP_PORT);
         let tcp = node.probe(Some(&cgroup), Probe::Tcp, frontend);
-        assert_eq!(tcp.error(), None, "{family:?}: {tcp:?}");
-        assert_eq!(
-            tcp.addr("peer"),
-            Some(frontend),
-            "{family:?}: getpeername shows the VIP"
-        );
-        let name = tcp.get("reply").expect("a backend answered").to_owned();
-        assert!(["b1", "b2"].contains(&name.as_str()), "{family:?}: answered by {name}");
+        let name = answered_through_the_vip(&tcp, frontend);
         let backend = SocketAddr::new(node.backend_addr(&name, family), BACKEND_PORT);
         let cookie = tcp.number("cookie").expect("the socket's cookie") as u64;
         let rev = node
@@ -375,24 +389,12 @@ async fn tcp_and_udp_to_a_cluster_ip_are_translated_at_the_socket() {
 async fn the_nodes_own_sockets_are_translated_at_connect() {
     let cgroup = cgroup();
     let node = ServiceNode::start(&cgroup).await;
-    for (i, family) in FAMILIES.into_iter().enumerate() {
-        node.upsert(service(
-            10 * (i as u32 + 1),
-            family,
-            pb::Protocol::Tcp,
-            TCP_PORT,
-            &node.backends(family),
-        ))
-        .await;
-    }
+    node.upsert_services(pb::Protocol::Tcp, true).await;
     for family in FAMILIES {
         let frontend = SocketAddr::new(vip(family), TCP_PORT);
         let tcp = run_probe(&node.node.node.ns, Some(&cgroup), Probe::Tcp, frontend, PROBE_TIMEOUT)
             .expect("the socket probe runs");
-        assert_eq!(tcp.error(), None, "{family:?}: {tcp:?}");
-        assert_eq!(tcp.addr("peer"), Some(frontend), "{family:?}");
-        let name = tcp.get("reply").expect("a backend answered");
-        assert!(["b1", "b2"].contains(&name), "{family:?}: answered by {name}");
+        answered_through_the_vip(&tcp, frontend);
     }
 }
 
@@ -402,12 +404,8 @@ async fn the_nodes_own_sockets_are_translated_at_connect() {
 async fn a_cluster_ip_without_backends_refuses_at_connect_and_counts_the_drop() {
     let cgroup = cgroup();
     let node = ServiceNode::start(&cgroup).await;
-    for (i, family) in FAMILIES.into_iter().enumerate() {
-        let id = 10 * (i as u32 + 1);
-        node.upsert(service(id, family, pb::Protocol::Tcp, TCP_PORT, &[])).await;
-        node.upsert(service(id + 1, family, pb::Protocol::Udp, UDP_PORT, &[]))
-            .await;
-    }
+    node.upsert_services(pb::Protocol::Tcp, false).await;
+    node.upsert_services(pb::Protocol::Udp, false).await;
     let before = node.node.drops(pb::DropReason::NoServiceBackend).await;
     for family in FAMILIES {
         let tcp = node.probe(Some(&cgroup), Probe::Tcp, SocketAddr::new(vip(family), TCP_PORT));
@@ -429,23 +427,10 @@ async fn a_cluster_ip_without_backends_refuses_at_connect_and_counts_the_drop() 
 async fn sockets_outside_the_cgroup_take_the_per_packet_path() {
     let cgroup = cgroup();
     let node = ServiceNode::start(&cgroup).await;
-    for (i, family) in FAMILIES.into_iter().enumerate() {
-        node.upsert(service(
-            10 * (i as u32 + 1),
-            family,
-            pb::Protocol::Tcp,
-            TCP_PORT,
-            &node.backends(family),
-        ))
-        .await;
-    }
+    node.upsert_services(pb::Protocol::Tcp, true).await;
     for family in FAMILIES {
         let frontend = SocketAddr::new(vip(family), TCP_PORT);
-        let tcp = node.probe(None, Probe::Tcp, frontend);
-        assert_eq!(tcp.error(), None, "{family:?}: {tcp:?}");
-        assert_eq!(tcp.addr("peer"), Some(frontend), "{family:?}");
-        let name = tcp.get("reply").expect("a backend answered");
-        assert!(["b1", "b2"].contains(&name), "{family:?}: answered by {name}");
+        answered_through_the_vip(&node.probe(None, Probe::Tcp, frontend), frontend);
     }
     assert!(
         node.per_packet_flows() >= 4,
