@@ -89,6 +89,43 @@ pub fn load_average() -> anyhow::Result<f64> {
         .ok_or_else(|| anyhow::anyhow!("/proc/loadavg reads {text:?}"))
 }
 
+/// The median of per-round ratios and their spread (the lowest and the
+/// highest): rounds of the compared runs taken back to back, so that the
+/// machine's drifting load weighs on both sides of each ratio alike.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Spread {
+    /// The median (the mean of the middle two for an even count).
+    pub median: f64,
+    /// The lowest value.
+    pub min: f64,
+    /// The highest value.
+    pub max: f64,
+}
+
+impl Spread {
+    /// The spread of `values`; NaN everywhere when empty.
+    pub fn of(values: Vec<f64>) -> Self {
+        if values.is_empty() {
+            return Self {
+                median: f64::NAN,
+                min: f64::NAN,
+                max: f64::NAN,
+            };
+        }
+        Self {
+            min: values.iter().copied().fold(f64::INFINITY, f64::min),
+            max: values.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+            median: crate::datapath::median(values),
+        }
+    }
+}
+
+impl std::fmt::Display for Spread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:.3}x ({:.3}-{:.3})", self.median, self.min, self.max)
+    }
+}
+
 /// A duration in milliseconds.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -115,6 +152,14 @@ mod tests {
         assert_eq!(percentile(&mut v, 0.99), 198.0);
         assert_eq!(percentile(&mut [3.0], 0.99), 3.0);
         assert!(percentile(&mut [], 0.5).is_nan());
+    }
+
+    #[test]
+    fn a_spread_is_the_median_with_the_extremes() {
+        let s = Spread::of(vec![1.2, 0.5, 1.0, 0.9]);
+        assert_eq!((s.median, s.min, s.max), (0.95, 0.5, 1.2));
+        assert_eq!(s.to_string(), "0.950x (0.500-1.200)");
+        assert!(Spread::of(Vec::new()).median.is_nan());
     }
 
     #[test]

@@ -22,13 +22,21 @@
 //!   map order: the spread measures the average one). Each connection
 //!   binds the next source port of its ClusterIP's share of 41,000 (a
 //!   4-tuple comes back only every 41,000 connections; a port never serves
-//!   two ClusterIPs), connects and closes with a reset (no TIME_WAIT). `--rounds` rounds per count, the sides
-//!   back to back with the order flipping; ratio = median of per-round
-//!   connections/s ratios. Every backend must have accepted connections in
-//!   every run (the translation works on both sides);
-//! - **throughput**: one iperf3 stream through the ClusterIP vs to the
-//!   backend's pod IP on the same side (goal ≥ 0.95 for Rivet), interleaved
-//!   `--throughput-rounds` times;
+//!   two ClusterIPs), connects and closes with a reset (no TIME_WAIT).
+//!   `--rounds` short rounds per count, the sides back to back with the
+//!   order flipping; ratio = median of the per-round connections/s ratios,
+//!   printed with their lowest and highest (the spread). Every backend
+//!   must have accepted connections in every run (the translation works on
+//!   both sides);
+//! - **throughput**: one iperf3 stream client → b1 over five paths: Rivet's
+//!   ClusterIP (per-packet translation), Rivet's ClusterIP from an iperf3 in
+//!   the socket-LB cgroup (translated once at connect), b1's pod IP on
+//!   Rivet's node, and iptables' ClusterIP and pod IP. `--throughput-rounds`
+//!   rounds each run every path once, in a cycle where each compared pair
+//!   is adjacent, started one further and reversed every other round;
+//!   ratios (ClusterIP / pod IP on each side, goal ≥ 0.95 for Rivet; socket
+//!   LB / pod IP, goal ≥ 1.0; Rivet / iptables ClusterIP) are medians of
+//!   per-round ratios with their spread;
 //! - **programming**: with the largest count installed, a new service with
 //!   `--change-backends` backends (UpsertService until it returns: the
 //!   loader answers once the maps hold it) and one backend of such a service
@@ -74,7 +82,7 @@ use rivet_testkit::loader::{LoaderNode, cluster_ip_service, pod_spec, policy};
 
 use crate::datapath::{iperf, iperf_with, median};
 use crate::kube_proxy::{self, ServicePort};
-use crate::report::{BenchResult, load_average, ms, percentile, sibling_binary};
+use crate::report::{BenchResult, Spread, load_average, ms, percentile, sibling_binary};
 
 /// The pods of each side: the client, then the backends.
 const PODS: [&str; 4] = ["client", "b1", "b2", "b3"];
@@ -127,22 +135,22 @@ pub struct ServicesArgs {
     #[arg(long, default_value_t = 16)]
     targets: u32,
     /// Seconds per connection run.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 1)]
     seconds: u32,
     /// Connection rounds per count (each side once per round, order
-    /// flipping): short runs back to back, so that the machine's load
-    /// weighs on both sides alike.
-    #[arg(long, default_value_t = 5)]
+    /// flipping): many short runs back to back, so that the machine's load
+    /// weighs on both sides of each round's ratio alike.
+    #[arg(long, default_value_t = 8)]
     rounds: usize,
     /// Concurrent connecting threads in the client pod.
     #[arg(long, default_value_t = 1)]
     clients: u32,
     /// Seconds per iperf3 run.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 2)]
     iperf_seconds: u32,
-    /// Throughput rounds (ClusterIP and pod IP once each per round, order
-    /// flipping).
-    #[arg(long, default_value_t = 5)]
+    /// Throughput rounds (each path once per round, the order rotating
+    /// and flipping: see `round_order`).
+    #[arg(long, default_value_t = 10)]
     throughput_rounds: usize,
     /// Backends of the service the programming figures install and change.
     #[arg(long, default_value_t = 100)]
@@ -690,7 +698,8 @@ struct CountFigures {
     count: u32,
     rivet: ConnectRun,
     peer: ConnectRun,
-    ratio: f64,
+    /// Rivet / iptables connections/s, over the rounds.
+    ratio: Spread,
     rivet_install: Duration,
     peer_install: Duration,
     /// from_container ns per SYN to a ClusterIP, and to a pod IP.
@@ -831,49 +840,117 @@ fn peer_programming(peer: &Peer, installed: &[Service], args: &ServicesArgs) -> 
     Ok(Programming::of(new, change))
 }
 
-/// Throughput through the ClusterIP and to the pod IP on one side, and
-/// (Rivet) through the ClusterIP from a client in the socket-LB cgroup.
-#[derive(Debug, Clone, Copy, PartialEq)]
-struct Throughput {
-    vip_gbit_per_s: f64,
-    pod_gbit_per_s: f64,
-    ratio: f64,
-    socket_lb_gbit_per_s: Option<f64>,
-    socket_lb_ratio: Option<f64>,
+/// The routes of the throughput figures: iperf3 client → b1 on each side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// Rivet: through the ClusterIP from an iperf3 in the socket-LB cgroup
+    /// (translated once at connect).
+    RivetSocketLb,
+    /// Rivet: to b1's pod IP.
+    RivetPod,
+    /// Rivet: through the ClusterIP (translated per packet).
+    RivetClusterIp,
+    /// iptables: through the ClusterIP (kube-proxy's DNAT).
+    IptablesClusterIp,
+    /// iptables: to b1's pod IP.
+    IptablesPod,
 }
 
-/// `--throughput-rounds` rounds of iperf3 client → b1: to the ClusterIP, to
-/// b1's pod IP and, with `socket_lb`, to the ClusterIP from an iperf3 that
-/// joined that cgroup (translated at connect); the order rotates every
-/// round. Ratios are medians of per-round ratios to the pod IP.
-fn throughput(node: &TestNode, socket_lb: Option<&TestCgroup>, args: &ServicesArgs) -> anyhow::Result<Throughput> {
-    let (client, server) = (&node.pod("client").ns, &node.pod("b1").ns);
-    let (vip, pod) = (IpAddr::V4(IPERF_VIP), IpAddr::V4(pod_ip(2)));
-    let kinds = if socket_lb.is_some() { 3 } else { 2 };
-    let mut rounds: Vec<[f64; 3]> = Vec::with_capacity(args.throughput_rounds);
-    for round in 0..args.throughput_rounds {
-        let mut bps = [f64::NAN; 3];
-        for i in 0..kinds {
-            let kind = (round + i) % kinds;
-            bps[kind] = match (kind, socket_lb) {
-                (0, _) => iperf(client, server, vip, args.iperf_seconds)?,
-                (1, _) => iperf(client, server, pod, args.iperf_seconds)?,
-                (_, Some(cgroup)) => iperf_with(client, server, vip, args.iperf_seconds, |command| {
-                    cgroup.join_on_exec(command)
-                })?,
-                (_, None) => unreachable!("two kinds without socket LB"),
-            };
+/// The routes in a cycle in which each compared pair is adjacent (socket LB
+/// and Rivet's pod IP, Rivet's ClusterIP and pod IP, the two ClusterIPs,
+/// iptables' ClusterIP and pod IP); `route as usize` is its index here.
+const ROUTES: [Route; 5] = [
+    Route::RivetSocketLb,
+    Route::RivetPod,
+    Route::RivetClusterIp,
+    Route::IptablesClusterIp,
+    Route::IptablesPod,
+];
+
+/// Round `round`'s order of the routes: [`ROUTES`] started one further every
+/// two rounds and walked backwards every other round, so that each route
+/// runs in every position and before and after each neighbour alike.
+fn round_order(round: usize) -> [Route; 5] {
+    let n = ROUTES.len();
+    std::array::from_fn(|i| {
+        let step = if round.is_multiple_of(2) { i } else { n - i };
+        ROUTES[(round / 2 + step) % n]
+    })
+}
+
+/// The throughput figures: per route the median Gbit/s, per compared pair
+/// the median of the per-round ratios with their spread.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Throughput {
+    gbit_per_s: [f64; 5],
+    /// Rivet's ClusterIP / Rivet's pod IP.
+    cluster_ip: Spread,
+    /// Socket LB / Rivet's pod IP.
+    socket_lb: Spread,
+    /// iptables' ClusterIP / iptables' pod IP.
+    iptables: Spread,
+    /// Rivet's ClusterIP / iptables' ClusterIP.
+    over_iptables: Spread,
+}
+
+impl Throughput {
+    /// Summarises rounds of bits/s indexed by [`ROUTES`]' order.
+    fn of(rounds: &[[f64; 5]]) -> Self {
+        let ratio =
+            |num: Route, den: Route| Spread::of(rounds.iter().map(|r| r[num as usize] / r[den as usize]).collect());
+        Self {
+            gbit_per_s: std::array::from_fn(|i| median(rounds.iter().map(|r| r[i] / 1e9).collect())),
+            cluster_ip: ratio(Route::RivetClusterIp, Route::RivetPod),
+            socket_lb: ratio(Route::RivetSocketLb, Route::RivetPod),
+            iptables: ratio(Route::IptablesClusterIp, Route::IptablesPod),
+            over_iptables: ratio(Route::RivetClusterIp, Route::IptablesClusterIp),
         }
+    }
+
+    fn gbit_per_s(&self, route: Route) -> f64 {
+        self.gbit_per_s[route as usize]
+    }
+}
+
+/// The client's and b1's namespaces on `node`.
+fn client_and_b1(node: &TestNode) -> (&NetNs, &NetNs) {
+    (&node.pod("client").ns, &node.pod("b1").ns)
+}
+
+/// `--throughput-rounds` rounds of one iperf3 stream client → b1 over each
+/// [`Route`], in [`round_order`]: the runs of a compared pair are seconds
+/// apart, so the machine's load drifting moves both alike.
+fn throughput(rivet: &Rivet, peer: &TestNode, args: &ServicesArgs) -> anyhow::Result<Throughput> {
+    let (ours, theirs) = (client_and_b1(&rivet.node.node), client_and_b1(peer));
+    let (vip, pod) = (IpAddr::V4(IPERF_VIP), IpAddr::V4(pod_ip(2)));
+    let seconds = args.iperf_seconds;
+    let mut rounds = Vec::with_capacity(args.throughput_rounds);
+    for round in 0..args.throughput_rounds {
+        let mut bps = [f64::NAN; 5];
+        for route in round_order(round) {
+            let run = match route {
+                Route::RivetSocketLb => iperf_with(ours.0, ours.1, vip, seconds, |command| {
+                    rivet.socket_lb.join_on_exec(command)
+                })?,
+                Route::RivetPod => iperf(ours.0, ours.1, pod, seconds)?,
+                Route::RivetClusterIp => iperf(ours.0, ours.1, vip, seconds)?,
+                Route::IptablesClusterIp => iperf(theirs.0, theirs.1, vip, seconds)?,
+                Route::IptablesPod => iperf(theirs.0, theirs.1, pod, seconds)?,
+            };
+            bps[route as usize] = run;
+        }
+        println!(
+            "throughput round {round} (Gbit/s): {}",
+            ROUTES
+                .iter()
+                .zip(bps)
+                .map(|(p, b)| format!("{p:?} {:.2}", b / 1e9))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         rounds.push(bps);
     }
-    let of = |f: &dyn Fn(&[f64; 3]) -> f64| median(rounds.iter().map(f).collect());
-    Ok(Throughput {
-        vip_gbit_per_s: of(&|r| r[0] / 1e9),
-        pod_gbit_per_s: of(&|r| r[1] / 1e9),
-        ratio: of(&|r| r[0] / r[1]),
-        socket_lb_gbit_per_s: socket_lb.map(|_| of(&|r| r[2] / 1e9)),
-        socket_lb_ratio: socket_lb.map(|_| of(&|r| r[2] / r[1])),
-    })
+    Ok(Throughput::of(&rounds))
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
@@ -978,7 +1055,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
             count,
             rivet: summarise(&ours),
             peer: summarise(&theirs),
-            ratio: median(rounds.iter().map(|(r, p)| r.per_s / p.per_s).collect()),
+            ratio: Spread::of(rounds.iter().map(|(r, p)| r.per_s / p.per_s).collect()),
             rivet_install,
             peer_install,
             lookup_ns,
@@ -988,7 +1065,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
     }
 
     println!(
-        "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>6} | {:>11} {:>11} | {:>9} {:>9} {:>9}",
+        "{:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>19} | {:>11} {:>11} | {:>9} {:>9} {:>9}",
         "services",
         "rivet c/s",
         "p50 us",
@@ -996,7 +1073,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         "iptab c/s",
         "p50 us",
         "p99 us",
-        "ratio",
+        "ratio (min-max)",
         "rivet ms",
         "restore ms",
         "lookup ns",
@@ -1005,7 +1082,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
     );
     for f in &figures {
         println!(
-            "{:>8} | {:>10.0} {:>8.1} {:>8.1} | {:>10.0} {:>8.1} {:>8.1} | {:>6.2} | {:>11.1} {:>11.1} | {:>9.0} {:>9.0} {:>9.1}",
+            "{:>8} | {:>10.0} {:>8.1} {:>8.1} | {:>10.0} {:>8.1} {:>8.1} | {:>19} | {:>11.1} {:>11.1} | {:>9.0} {:>9.0} {:>9.1}",
             f.count,
             f.rivet.per_s,
             f.rivet.p50_us,
@@ -1013,7 +1090,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
             f.peer.per_s,
             f.peer.p50_us,
             f.peer.p99_us,
-            f.ratio,
+            f.ratio.to_string(),
             ms(f.rivet_install),
             ms(f.peer_install),
             f.lookup_ns,
@@ -1027,7 +1104,7 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
         metrics.push((format!("iptables_{n}_conn_per_s"), f.peer.per_s));
         metrics.push((format!("iptables_{n}_connect_p50_us"), f.peer.p50_us));
         metrics.push((format!("iptables_{n}_connect_p99_us"), f.peer.p99_us));
-        metrics.push((format!("conn_ratio_{n}"), f.ratio));
+        push_spread(&mut metrics, &format!("conn_ratio_{n}"), f.ratio);
         metrics.push((format!("rivet_{n}_syn_retransmits"), f.rivet.syn_retransmits as f64));
         metrics.push((format!("iptables_{n}_syn_retransmits"), f.peer.syn_retransmits as f64));
         let overflows = f.rivet.listen_overflows + f.peer.listen_overflows;
@@ -1047,33 +1124,44 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
     let flatness = last.rivet.per_s / first.rivet.per_s;
     metrics.push(("rivet_conn_per_s_last_over_first".into(), flatness));
     println!(
-        "rivet conn/s at {} services = {flatness:.2}x at {} (flat: ~1); at {}: {:.2}x iptables (goal >= 2)",
+        "rivet conn/s at {} services = {flatness:.2}x at {} (flat: ~1); at {}: {} iptables (goal >= 2)",
         last.count, first.count, last.count, last.ratio
     );
 
     if !args.skip_throughput {
-        let (r, p) = tokio::task::block_in_place(|| -> anyhow::Result<_> {
-            Ok((
-                throughput(&rivet.node.node, Some(&rivet.socket_lb), args)?,
-                throughput(&peer.node, None, args)?,
-            ))
-        })?;
+        let t = tokio::task::block_in_place(|| throughput(&rivet, &peer.node, args))?;
         println!(
-            "throughput: rivet ClusterIP {:.2} Gbit/s vs pod IP {:.2} = {:.3}x (goal >= 0.95); iptables ClusterIP \
-             {:.2} vs pod IP {:.2} = {:.3}x",
-            r.vip_gbit_per_s, r.pod_gbit_per_s, r.ratio, p.vip_gbit_per_s, p.pod_gbit_per_s, p.ratio
+            "throughput ({} interleaved rounds; ratios: median of the rounds' (min-max)): rivet ClusterIP {:.2} Gbit/s \
+             vs pod IP {:.2} = {} (goal >= 0.95); socket LB {:.2} = {} pod IP (goal >= 1.0); iptables ClusterIP {:.2} \
+             vs pod IP {:.2} = {}; rivet ClusterIP = {} iptables ClusterIP",
+            args.throughput_rounds,
+            t.gbit_per_s(Route::RivetClusterIp),
+            t.gbit_per_s(Route::RivetPod),
+            t.cluster_ip,
+            t.gbit_per_s(Route::RivetSocketLb),
+            t.socket_lb,
+            t.gbit_per_s(Route::IptablesClusterIp),
+            t.gbit_per_s(Route::IptablesPod),
+            t.iptables,
+            t.over_iptables,
         );
-        metrics.push(("rivet_clusterip_gbit_per_s".into(), r.vip_gbit_per_s));
-        metrics.push(("rivet_pod_ip_gbit_per_s".into(), r.pod_gbit_per_s));
-        metrics.push(("rivet_clusterip_over_pod_ip".into(), r.ratio));
-        if let (Some(gbit), Some(ratio)) = (r.socket_lb_gbit_per_s, r.socket_lb_ratio) {
-            println!("throughput with socket LB: rivet ClusterIP {gbit:.2} Gbit/s = {ratio:.3}x pod IP (goal >= 1.0)");
-            metrics.push(("rivet_socket_lb_gbit_per_s".into(), gbit));
-            metrics.push(("rivet_socket_lb_over_pod_ip".into(), ratio));
+        for (name, route) in [
+            ("rivet_clusterip", Route::RivetClusterIp),
+            ("rivet_pod_ip", Route::RivetPod),
+            ("rivet_socket_lb", Route::RivetSocketLb),
+            ("iptables_clusterip", Route::IptablesClusterIp),
+            ("iptables_pod_ip", Route::IptablesPod),
+        ] {
+            metrics.push((format!("{name}_gbit_per_s"), t.gbit_per_s(route)));
         }
-        metrics.push(("iptables_clusterip_gbit_per_s".into(), p.vip_gbit_per_s));
-        metrics.push(("iptables_pod_ip_gbit_per_s".into(), p.pod_gbit_per_s));
-        metrics.push(("iptables_clusterip_over_pod_ip".into(), p.ratio));
+        for (name, spread) in [
+            ("rivet_clusterip_over_pod_ip", t.cluster_ip),
+            ("rivet_socket_lb_over_pod_ip", t.socket_lb),
+            ("iptables_clusterip_over_pod_ip", t.iptables),
+            ("rivet_clusterip_over_iptables_clusterip", t.over_iptables),
+        ] {
+            push_spread(&mut metrics, name, spread);
+        }
     }
 
     let ours = rivet_programming(&mut rivet, args).await?;
@@ -1131,8 +1219,15 @@ pub async fn run(args: &ServicesArgs) -> anyhow::Result<BenchResult> {
     Ok(BenchResult {
         name: "services".into(),
         metrics,
-        ratio: last.ratio,
+        ratio: last.ratio.median,
     })
+}
+
+/// `<name>` (the median), `<name>_min` and `<name>_max`.
+fn push_spread(metrics: &mut Vec<(String, f64)>, name: &str, spread: Spread) {
+    metrics.push((name.to_owned(), spread.median));
+    metrics.push((format!("{name}_min"), spread.min));
+    metrics.push((format!("{name}_max"), spread.max));
 }
 
 #[cfg(test)]
@@ -1157,6 +1252,53 @@ mod tests {
         let set = service_set(3, 2);
         assert_eq!(set.len(), 4);
         assert_eq!(set[3], iperf_service());
+    }
+
+    #[test]
+    fn every_round_runs_each_route_once_and_compared_pairs_side_by_side() {
+        for (i, route) in ROUTES.iter().enumerate() {
+            assert_eq!(*route as usize, i, "ROUTES is in declaration order");
+        }
+        let pairs = [
+            (Route::RivetSocketLb, Route::RivetPod),
+            (Route::RivetClusterIp, Route::RivetPod),
+            (Route::IptablesClusterIp, Route::IptablesPod),
+            (Route::RivetClusterIp, Route::IptablesClusterIp),
+        ];
+        let mut in_position = [[0; 5]; 5];
+        for round in 0..10 {
+            let order = round_order(round);
+            let at = |p: Route| order.iter().position(|o| *o == p).unwrap();
+            for route in ROUTES {
+                in_position[route as usize][at(route)] += 1;
+            }
+            // At most one pair is split by the cycle's wrap.
+            let apart = pairs.iter().filter(|(a, b)| at(*a).abs_diff(at(*b)) != 1).count();
+            assert!(apart <= 1, "round {round}: {order:?}");
+        }
+        // Ten rounds: every route twice in every position.
+        assert_eq!(in_position, [[2; 5]; 5]);
+        // Each pair's order flips: socket LB before the pod IP in half the rounds.
+        let before = (0..10)
+            .filter(|&r| {
+                let order = round_order(r);
+                let at = |p: Route| order.iter().position(|o| *o == p).unwrap();
+                at(Route::RivetSocketLb) < at(Route::RivetPod)
+            })
+            .count();
+        assert_eq!(before, 5);
+    }
+
+    #[test]
+    fn throughput_ratios_are_per_round() {
+        // Round 1 ran on a slower machine: the per-round ratios stay 1.0.
+        let rounds = [[2e9, 2e9, 1.9e9, 1e9, 1e9], [1e9, 1e9, 0.95e9, 0.5e9, 0.5e9]];
+        let t = Throughput::of(&rounds);
+        assert_eq!(t.socket_lb.median, 1.0);
+        assert_eq!((t.cluster_ip.min, t.cluster_ip.max), (0.95, 0.95));
+        assert_eq!(t.iptables.median, 1.0);
+        assert_eq!(t.over_iptables.median, 1.9);
+        assert_eq!(t.gbit_per_s(Route::RivetPod), 1.5);
     }
 
     #[test]
