@@ -13,7 +13,8 @@
 //! the two daemons, delegated IPAM plugins); [`env`](mod@env), [`netconf`] and
 //! [`result`] are the spec's formats; [`netlink`], [`grpc`] and [`delegate`]
 //! are the real implementations; [`logging`] sends logs to the `logFile` and
-//! spans over OTLP. `main.rs` reads the environment and stdin and wires them.
+//! spans over OTLP; [`install`] puts the plugin into a runtime's CNI dirs
+//! (`rivet-cni install`). `main.rs` reads the environment and stdin and wires them.
 //! Running the binary the way a runtime does, for the cross-process tests
 //! and the `cni` benchmark, is rivet-testkit's (`rivet_testkit::cni`).
 
@@ -22,6 +23,7 @@ pub mod delegate;
 pub mod env;
 pub mod error;
 pub mod grpc;
+pub mod install;
 pub mod logging;
 pub mod naming;
 pub mod netconf;

@@ -2,9 +2,13 @@
 //! the real netlink, daemon clients and delegated-plugin runner into the
 //! verbs of `rivet_cni::plugin`, prints the result (or the error JSON) on
 //! stdout and exits. Logs never go to stdout.
+//!
+//! `rivet-cni install ...` (a runtime never passes arguments) installs the
+//! plugin instead ([`rivet_cni::install`]).
 
 use std::io::{Read as _, Write as _};
 use std::panic::AssertUnwindSafe;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -12,6 +16,7 @@ use rivet_cni::delegate::ExecDelegate;
 use rivet_cni::env::{self, CniEnv, Command};
 use rivet_cni::error::{CniError, codes};
 use rivet_cni::grpc::{GrpcEndpoints, GrpcIpam};
+use rivet_cni::install;
 use rivet_cni::logging::Telemetry;
 use rivet_cni::netconf::{self, NetConf};
 use rivet_cni::netlink::RtNetlink;
@@ -20,7 +25,75 @@ use rivet_cni::version::{self, CniVersion};
 use rivet_cni::{Outcome, render_outcome};
 use tracing::Instrument as _;
 
+/// `rivet-cni install`: copies this binary and writes the conflist into a
+/// runtime's CNI directories (the DaemonSet's init container).
+#[derive(Debug, clap::Parser)]
+#[command(name = "rivet-cni install", version)]
+struct InstallArgs {
+    /// The runtime's CNI plugin directory (`loopback` must be there).
+    #[arg(long, value_name = "DIR")]
+    bin_dir: PathBuf,
+    /// The runtime's CNI configuration directory.
+    #[arg(long, value_name = "DIR")]
+    conf_dir: PathBuf,
+    /// The daemons' socket directory as the runtime sees it.
+    #[arg(long, value_name = "DIR", default_value = "/var/run/rivet/sockets")]
+    socket_dir: PathBuf,
+    /// The svc-ipam pool pods get addresses from.
+    #[arg(long, default_value = "default")]
+    ipam_pool: String,
+    /// Prefix of the host-side veth names (svc-loader's --endpoint-interface-prefix).
+    #[arg(long, default_value = "lxc")]
+    host_interface_prefix: String,
+    /// The pods' MTU.
+    #[arg(long, default_value_t = 1500)]
+    mtu: u32,
+    /// rivet-cni's log file as the runtime sees it (none: no log file).
+    #[arg(long, value_name = "FILE")]
+    log_file: Option<PathBuf>,
+    /// Deadline of one call, seconds.
+    #[arg(long, default_value_t = 30)]
+    timeout_seconds: u64,
+    /// cniVersion of the conflist.
+    #[arg(long, default_value = install::DEFAULT_CNI_VERSION,
+          value_parser = clap::builder::PossibleValuesParser::new(install::CNI_VERSIONS))]
+    cni_version: String,
+}
+
+fn run_install(args: &[std::ffi::OsString]) -> ExitCode {
+    use clap::Parser as _;
+    let args = InstallArgs::parse_from(args);
+    let installed = std::env::current_exe()
+        .map_err(|e| format!("finding this binary: {e}"))
+        .and_then(|binary| {
+            let conflist = install::Conflist {
+                cni_version: args.cni_version,
+                socket_dir: args.socket_dir,
+                ipam_pool: args.ipam_pool,
+                host_interface_prefix: args.host_interface_prefix,
+                mtu: args.mtu,
+                log_file: args.log_file,
+                timeout_seconds: args.timeout_seconds,
+            };
+            install::install(&binary, &args.bin_dir, &args.conf_dir, &conflist).map_err(|e| e.to_string())
+        });
+    match installed {
+        Ok([binary, conflist]) => {
+            println!("rivet-cni: installed {} and {}", binary.display(), conflist.display());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("rivet-cni install: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
 fn main() -> ExitCode {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "install") {
+        return run_install(&args[1..]);
+    }
     let started = Instant::now();
     let mut stdin = Vec::new();
     let read = std::io::stdin().read_to_end(&mut stdin);

@@ -59,6 +59,12 @@ pub struct CommonArgs {
     /// the daemon keeps its uid (and still drops every other capability).
     #[arg(long, env = "RIVET_USER")]
     pub user: Option<String>,
+
+    /// Only check the configuration: parse the flags, environment and config
+    /// dir, say whether they are valid, and exit (0 when they are) without
+    /// touching anything.
+    #[arg(long)]
+    pub check_config: bool,
 }
 
 impl CommonArgs {
@@ -113,11 +119,21 @@ pub enum ConfigError {
     },
 }
 
+/// The id of the `--check-config` switch ([`CommonArgs::check_config`];
+/// a daemon without [`CommonArgs`] declares its own under this id).
+pub const CHECK_CONFIG: &str = "check_config";
+
 /// Parses `T` from the process arguments, environment and config dir; prints
-/// the error (or help) and exits like [`Parser::parse`] on failure.
+/// the error (or help) and exits like [`Parser::parse`] on failure. With
+/// `--check-config` it says the configuration is valid and exits 0 instead
+/// of returning.
 pub fn load<T: Parser>() -> T {
-    match try_load_from(std::env::args_os()) {
-        Ok(t) => t,
+    match try_load_checked(std::env::args_os()) {
+        Ok((t, false)) => t,
+        Ok((_, true)) => {
+            println!("{}: the configuration is valid", T::command().get_name());
+            std::process::exit(0);
+        }
         Err(ConfigError::Flags(e)) => e.exit(),
         Err(e) => {
             eprintln!("error: {e}");
@@ -151,11 +167,27 @@ where
     I: IntoIterator<Item = A>,
     A: Into<OsString> + Clone,
 {
+    try_load_checked(args).map(|(t, _)| t)
+}
+
+/// [`try_load_from`], and whether `--check-config` ([`CHECK_CONFIG`]) was given.
+fn try_load_checked<T, I, A>(args: I) -> Result<(T, bool), ConfigError>
+where
+    T: Parser,
+    I: IntoIterator<Item = A>,
+    A: Into<OsString> + Clone,
+{
     let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
     let command = T::command();
     let first = command.clone().try_get_matches_from(&args)?;
+    let checking = first
+        .try_get_one::<bool>(CHECK_CONFIG)
+        .ok()
+        .flatten()
+        .copied()
+        .unwrap_or(false);
     let Some(dir) = first.try_get_one::<PathBuf>("config_dir").ok().flatten() else {
-        return Ok(T::from_arg_matches(&first)?);
+        return Ok((T::from_arg_matches(&first)?, checking));
     };
 
     let mut extra = Vec::new();
@@ -189,7 +221,7 @@ where
     let mut full = args;
     full.extend(extra);
     let matches = command.try_get_matches_from(full)?;
-    Ok(T::from_arg_matches(&matches)?)
+    Ok((T::from_arg_matches(&matches)?, checking))
 }
 
 /// (flag name, file, trimmed value) for every regular entry of `dir`,
@@ -293,6 +325,34 @@ mod tests {
         assert!(matches!(err, ConfigError::Flags(_)), "{err}");
         let dir = dir_with(&[("verbose", "yes")]);
         assert!(matches!(load_with(&dir, &[]), Err(ConfigError::NotABool { .. })));
+    }
+
+    #[test]
+    fn check_config_is_reported_and_still_validates() {
+        let dir = dir_with(&[("color", "blue")]);
+        let args = |extra: &[&str]| {
+            let mut a = vec![
+                "daemon".to_string(),
+                "--config-dir".into(),
+                dir.path().display().to_string(),
+            ];
+            a.extend(extra.iter().map(|s| s.to_string()));
+            a
+        };
+        let (f, checking) = try_load_checked::<Flags, _, _>(args(&["--check-config"])).unwrap();
+        assert!(checking && f.common.check_config);
+        assert_eq!(f.color, "blue", "the config dir is read when checking");
+        let (_, checking) = try_load_checked::<Flags, _, _>(args(&[])).unwrap();
+        assert!(!checking);
+        let bad = dir_with(&[("colour", "blue")]);
+        let err = try_load_checked::<Flags, _, _>([
+            "daemon".as_ref(),
+            "--config-dir".as_ref(),
+            bad.path().as_os_str(),
+            "--check-config".as_ref(),
+        ])
+        .expect_err("checking still refuses a bad config dir");
+        assert!(matches!(err, ConfigError::UnknownKey { .. }), "{err}");
     }
 
     #[test]

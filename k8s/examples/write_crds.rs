@@ -1,5 +1,6 @@
 //! Writes `deploy/crds/` from the CRD types (`cargo xtask crds` runs this):
-//! one file per CRD, stale `*.yaml` files removed.
+//! one file per CRD and the kustomization listing them, stale `*.yaml`
+//! files removed.
 //!
 //! Usage: `cargo run -p rivet-k8s --example write_crds -- <dir>`
 
@@ -15,7 +16,10 @@ fn main() -> std::io::Result<()> {
     for entry in std::fs::read_dir(&dir)? {
         let path = entry?.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        if name.ends_with(".yaml") && !manifests.iter().any(|m| m.file_name == name) {
+        if name.ends_with(".yaml")
+            && name != rivet_k8s::CRD_KUSTOMIZATION
+            && !manifests.iter().any(|m| m.file_name == name)
+        {
             std::fs::remove_file(&path)?;
             println!("removed {}", path.display());
         }
@@ -25,5 +29,8 @@ fn main() -> std::io::Result<()> {
         std::fs::write(&path, manifest.yaml)?;
         println!("wrote {}", path.display());
     }
+    let path = dir.join(rivet_k8s::CRD_KUSTOMIZATION);
+    std::fs::write(&path, rivet_k8s::crd_kustomization())?;
+    println!("wrote {}", path.display());
     Ok(())
 }

@@ -30,6 +30,24 @@ pub fn crds() -> Vec<CustomResourceDefinition> {
     crds
 }
 
+/// The name of the kustomization in `deploy/crds/` (deploy/'s base lists
+/// the CRDs through it).
+pub const CRD_KUSTOMIZATION: &str = "kustomization.yaml";
+
+/// The kustomization of `deploy/crds/`, listing every file of
+/// [`crd_manifests`]: `kubectl apply -k deploy/` installs the CRDs through
+/// it, so a new CRD is in deploy/ as soon as `cargo xtask crds` ran.
+pub fn crd_kustomization() -> String {
+    let mut text = String::from(
+        "# Generated from rivet-k8s (k8s/src/crd/) by `cargo xtask crds`; do not edit.\n\
+         apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\nresources:\n",
+    );
+    for manifest in crd_manifests() {
+        text.push_str(&format!("- {}\n", manifest.file_name));
+    }
+    text
+}
+
 /// One CRD as the file `deploy/crds/` holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CrdManifest {

@@ -30,7 +30,7 @@ pub use crd::node::{
     NOT_READY_TAINT, NodeAddress, NodeCondition, RivetNode, RivetNodeSpec, RivetNodeStatus, format_time,
     is_not_ready_taint,
 };
-pub use crd::{API_GROUP, API_VERSION, CrdManifest, crd_manifests, crds};
+pub use crd::{API_GROUP, API_VERSION, CRD_KUSTOMIZATION, CrdManifest, crd_kustomization, crd_manifests, crds};
 pub use policy::policy_from_object;
 
 /// Re-exported so users name one kube and one k8s-openapi.

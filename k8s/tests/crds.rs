@@ -1,10 +1,11 @@
 //! The CRDs: what `kubectl` users see (names, scope, short names, columns)
-//! and that `deploy/crds/` holds exactly the generated files.
+//! and that `deploy/crds/` holds exactly the generated files (the CRDs and
+//! their kustomization).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use rivet_k8s::{crd_manifests, crds};
+use rivet_k8s::{CRD_KUSTOMIZATION, crd_kustomization, crd_manifests, crds};
 
 fn deploy_crds() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/crds")
@@ -12,7 +13,8 @@ fn deploy_crds() -> PathBuf {
 
 #[test]
 fn checked_in_crds_equal_the_generated_ones() {
-    let generated: BTreeMap<String, String> = crd_manifests().into_iter().map(|m| (m.file_name, m.yaml)).collect();
+    let mut generated: BTreeMap<String, String> = crd_manifests().into_iter().map(|m| (m.file_name, m.yaml)).collect();
+    generated.insert(CRD_KUSTOMIZATION.to_string(), crd_kustomization());
     let mut checked_in = BTreeMap::new();
     for entry in std::fs::read_dir(deploy_crds()).expect("deploy/crds exists (run `cargo xtask crds`)") {
         let path = entry.unwrap().path();

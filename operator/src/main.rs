@@ -57,6 +57,11 @@ struct Flags {
     #[arg(long, env = "RIVET_CONFIG_DIR")]
     config_dir: Option<PathBuf>,
 
+    /// Only check the configuration: parse the flags, environment and config
+    /// dir, say whether they are valid, and exit (0 when they are).
+    #[arg(long)]
+    check_config: bool,
+
     #[command(flatten)]
     election: LeaderElectionArgs,
 

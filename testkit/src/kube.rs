@@ -404,8 +404,8 @@ impl KubeApiServer {
         }
     }
 
-    /// Applies Rivet's CRDs from `deploy/crds/` (server-side apply) and
-    /// waits until each is Established.
+    /// Applies Rivet's CRDs from `deploy/crds/` (server-side apply; not its
+    /// kustomization) and waits until each is Established.
     ///
     /// # Errors
     /// A manifest that cannot be read, a refused apply, or a CRD not
@@ -416,6 +416,7 @@ impl KubeApiServer {
             .map_err(io_err(format!("listing {}", dir.display())))?
             .filter_map(|entry| entry.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+            .filter(|p| !p.ends_with(rivet_k8s::CRD_KUSTOMIZATION))
             .collect();
         files.sort();
         if files.is_empty() {

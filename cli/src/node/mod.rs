@@ -87,6 +87,7 @@ mod down;
 mod health;
 mod list;
 mod plan;
+mod prepare;
 mod record;
 mod render;
 mod supervisor;
@@ -149,28 +150,11 @@ const GC: &str = "svc-gc";
 /// from there, and peers probe its `/hello` there), unprivileged.
 const HEALTH: &str = "svc-health";
 
-/// The CNI plugin binary.
-pub const CNI_BINARY: &str = "rivet-cni";
-
-/// File name of the installed network configuration list.
-pub const CONFLIST_FILE: &str = "10-rivet.conflist";
-
-/// Network name in the conflist.
-pub const NETWORK_NAME: &str = "rivet";
-
-/// The CNI spec versions rivet-cni reads (its VERSION verb's
-/// `supportedVersions`), oldest first; `--cni-version` takes one of them.
-pub const CNI_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
-
-/// cniVersion of the conflist unless `--cni-version` says otherwise: the
-/// newest version common runtimes read (containerd 1.6's libcni refuses
-/// 1.1.0 results). rivet-cni still answers 1.1.0 to a conflist asking for it.
-pub const DEFAULT_CNI_VERSION: &str = "1.0.0";
-
-/// Plugins a runtime runs beside rivet-cni from the CNI bin dir:
-/// containerd's CRI plugin sets up every pod's `lo` with `loopback`, and a
-/// sandbox whose `loopback` is missing fails (and so does its cleanup).
-pub const COMPANION_PLUGINS: [&str; 1] = ["loopback"];
+/// The CNI plugin binary, its conflist and the plugins beside it: shared
+/// with `rivet-cni install` (the DaemonSet's init container).
+pub use rivet_cni::install::{
+    BINARY as CNI_BINARY, CNI_VERSIONS, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_CNI_VERSION, NETWORK_NAME,
+};
 
 /// Where Debian's containernetworking-plugins are; `--cni-plugins-dir`.
 pub const DEFAULT_CNI_PLUGINS_DIR: &str = "/usr/lib/cni";
@@ -200,10 +184,35 @@ pub enum NodeCommand {
     /// The node of node.json: namespace, directories and each daemon's pid,
     /// state and restarts.
     Status,
+    /// Prepare the node's directories for daemons another supervisor starts
+    /// (the Kubernetes DaemonSet's init container): the socket dir, each
+    /// daemon's state dir and the pin dir, as `up` does before starting them.
+    Prepare(PrepareArgs),
     /// The cluster's nodes as this node sees them (svc-identity's registry):
     /// name, underlay addresses, pod CIDRs, routing, health endpoint, boot
     /// id and who wrote the record; this node is marked `*`.
     List,
+}
+
+/// `rivet node prepare` (the socket and state dirs are the global
+/// `--socket-dir` and `--state-dir`).
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct PrepareArgs {
+    /// Node name (the pin dir is `<bpffs>/rivet/<node-name>`).
+    #[arg(long)]
+    pub node_name: String,
+    /// Mount point of the BPF filesystem.
+    #[arg(long, default_value = rivet_common::pin_layout::DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    /// User of svc-ipam, svc-identity, svc-endpoint and svc-k8s-sync.
+    #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DAEMON_USER)]
+    pub daemon_user: String,
+    /// User of svc-loader and svc-gc (the pins' owner).
+    #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DATAPATH_USER)]
+    pub datapath_user: String,
+    /// Group of the daemon sockets (a name or a GID); both users must be members.
+    #[arg(long, value_name = "GROUP", default_value = accounts::DEFAULT_READER_GROUP)]
+    pub reader_group: String,
 }
 
 /// `rivet node up`.
@@ -403,6 +412,7 @@ pub async fn run(ctx: &Context, state_dir: &Path, command: NodeCommand) -> Resul
     match command {
         NodeCommand::Up(args) => up::up(ctx, state_dir, &args).await,
         NodeCommand::Down { timeout_seconds } => down::down(state_dir, Duration::from_secs(timeout_seconds)).await,
+        NodeCommand::Prepare(args) => prepare::prepare(&ctx.socket_dir, state_dir, &args),
         NodeCommand::List => list::list(ctx).await.map(|()| true).map_err(Into::into),
         NodeCommand::Status => {
             let record = NodeRecord::load(state_dir)?.ok_or_else(|| no_node(state_dir))?;

@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 use rivet_common::pin_layout;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::{
     ALL_DAEMONS, CNI_BINARY, COMPANION_PLUGINS, CONFLIST_FILE, DEFAULT_NETNS_POOL, DEFAULT_NODE_ADDRESSES, DaemonSpec,
-    GC, HEALTH, IpamMode, K8S_SYNC, LOADER, NETWORK_NAME, NodePhase, NodeRecord, RoutingMode, UpArgs, VXLAN_OVERHEAD,
+    GC, HEALTH, IpamMode, K8S_SYNC, LOADER, NodePhase, NodeRecord, RoutingMode, UpArgs, VXLAN_OVERHEAD,
 };
 use crate::accounts::NodeAccounts;
 use crate::{netns, now_unix_nanos};
@@ -525,19 +525,16 @@ impl NodePlan {
 
     /// The network configuration list installed for runtimes.
     pub fn conflist(&self) -> Value {
-        json!({
-            "cniVersion": self.args.cni_version,
-            "name": NETWORK_NAME,
-            "plugins": [{
-                "type": CNI_BINARY,
-                "socketDir": self.socket_dir,
-                "ipamPool": self.ipam_pool,
-                "hostInterfacePrefix": self.args.host_interface_prefix,
-                "mtu": self.mtu(),
-                "logFile": self.log_dir.join("rivet-cni.log"),
-                "timeoutSeconds": self.args.cni_timeout_seconds,
-            }],
-        })
+        rivet_cni::install::Conflist {
+            cni_version: self.args.cni_version.clone(),
+            socket_dir: self.socket_dir.clone(),
+            ipam_pool: self.ipam_pool.clone(),
+            host_interface_prefix: self.args.host_interface_prefix.clone(),
+            mtu: self.mtu(),
+            log_file: Some(self.log_dir.join("rivet-cni.log")),
+            timeout_seconds: self.args.cni_timeout_seconds,
+        }
+        .to_json()
     }
 
     /// The initial node record.
@@ -578,6 +575,7 @@ pub(super) mod tests {
     use super::*;
     use crate::node::NODE_DAEMONS;
     use clap::Parser;
+    use serde_json::json;
 
     use crate::pod;
 

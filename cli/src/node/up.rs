@@ -1,7 +1,7 @@
 //! `rivet node up`: preflight, directories, the node namespace, the CNI
 //! install, the supervisor in the foreground or detached.
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -133,7 +133,13 @@ pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result
             // A node of a cluster forwards between its pods and the underlay.
             netns::sysctls(&netns::path(ns), super::NODE_NETNS_SYSCTLS)?;
         }
-        give_daemons_their_dirs(&plan, &accounts)?;
+        give_daemons_their_dirs(
+            &plan.state_dir,
+            &plan.socket_dir,
+            &plan.pin_dir,
+            &plan.daemons(),
+            &accounts,
+        )?;
         allow_health_echo(&plan, &accounts)?;
         if let Some(ns) = &plan.health_netns {
             // Recorded first: node down removes it even if this fails halfway.
@@ -259,21 +265,28 @@ fn check_reachable(plan: &NodePlan, accounts: &NodeAccounts) -> Result<()> {
 }
 
 /// What the daemons write becomes their users': each one's state dir
-/// (moving the entries of the layout before per-daemon dirs), stale lock
-/// files of their sockets, and the pin dir.
-fn give_daemons_their_dirs(plan: &NodePlan, accounts: &NodeAccounts) -> Result<()> {
-    for message in accounts::migrate_legacy_state(&plan.state_dir)? {
+/// (`<state_dir>/<daemon>`, moving the entries of the layout before
+/// per-daemon dirs), stale lock files of their sockets, and the pin dir.
+pub(super) fn give_daemons_their_dirs(
+    state_dir: &Path,
+    socket_dir: &Path,
+    pin_dir: &Path,
+    daemons: &[&str],
+    accounts: &NodeAccounts,
+) -> Result<()> {
+    for message in accounts::migrate_legacy_state(state_dir)? {
         eprintln!("rivet node: {message}");
     }
-    for daemon in plan.daemons() {
+    for daemon in daemons {
         let account = accounts.of(daemon);
-        accounts::give_private_dir(&plan.daemon_state_dir(daemon), account)?;
-        accounts::give_lock_file(&rivet_common::socket::lock_path(&plan.socket(daemon)), account)?;
+        accounts::give_private_dir(&state_dir.join(daemon), account)?;
+        let socket = rivet_common::socket::socket_path(socket_dir, daemon);
+        accounts::give_lock_file(&rivet_common::socket::lock_path(&socket), account)?;
     }
-    if let Some(bpf_root) = plan.pin_dir.parent() {
+    if let Some(bpf_root) = pin_dir.parent() {
         std::fs::create_dir_all(bpf_root).with_context(|| format!("creating {}", bpf_root.display()))?;
     }
-    accounts::give_private_dir(&plan.pin_dir, &accounts.datapath)
+    accounts::give_private_dir(pin_dir, &accounts.datapath)
 }
 
 /// The underlay interface's global addresses and MTU (`ip -j addr show`),
@@ -323,10 +336,10 @@ fn install_cni(plan: &NodePlan, companions: &[CompanionPlugin]) -> Result<()> {
     std::fs::create_dir_all(&plan.args.cni_bin_dir)
         .with_context(|| format!("creating {}", plan.args.cni_bin_dir.display()))?;
     let target = plan.cni_binary_path();
-    install_executable(&plan.bin_dir.join(CNI_BINARY), &target)?;
+    rivet_cni::install::install_executable(&plan.bin_dir.join(CNI_BINARY), &target)?;
     for plugin in companions {
         if let Some(source) = &plugin.source {
-            install_executable(source, &plugin.target)?;
+            rivet_cni::install::install_executable(source, &plugin.target)?;
             eprintln!(
                 "rivet node: installed {} from {}",
                 plugin.target.display(),
@@ -343,21 +356,6 @@ fn install_cni(plan: &NodePlan, companions: &[CompanionPlugin]) -> Result<()> {
         plan.conflist_path().display()
     );
     Ok(())
-}
-
-/// Copies an executable to `target` through a temp file beside it (a
-/// runtime never sees half a binary).
-fn install_executable(source: &Path, target: &Path) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let name = target.file_name().unwrap_or_default().to_string_lossy();
-    let tmp = target.with_file_name(format!(".{name}.tmp"));
-    std::fs::copy(source, &tmp).with_context(|| format!("copying {} to {}", source.display(), tmp.display()))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755))
-        .with_context(|| format!("making {} executable", tmp.display()))?;
-    File::open(&tmp)
-        .and_then(|f| f.sync_all())
-        .with_context(|| format!("syncing {}", tmp.display()))?;
-    std::fs::rename(&tmp, target).with_context(|| format!("installing {}", target.display()))
 }
 
 /// Starts this same command in the background and waits until its node
