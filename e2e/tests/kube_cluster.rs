@@ -6,7 +6,8 @@
 //!   as `system:node:<name>` and are Ready; a busybox pod on each node is
 //!   Running with an address of its node's pod CIDR; `kubectl exec` works
 //!   (the API server reaches each kubelet's serving port) and one pod pings
-//!   the other across nodes; a hostNetwork pod lands in its worker's
+//!   the other across nodes; a pod reaches the API server once its Node has
+//!   a pod CIDR (the control plane routes it); a hostNetwork pod lands in its worker's
 //!   network namespace and sees the worker's mount namespace (its
 //!   `/etc/cni/net.d`). Dropping the cluster leaves no namespace, process,
 //!   mount, cgroup or dir.
@@ -27,7 +28,7 @@
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use rivet_common::testing::netns::list_netns;
 use rivet_e2e::image::BUSYBOX_IMAGE;
 use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, Worker, WorkerCni, node_ready};
@@ -207,6 +208,43 @@ async fn two_kubelet_workers_run_pods_and_leave_nothing() {
         ping.contains("2 packets received"),
         "bb-1 pings bb-2 across nodes: {ping}"
     );
+
+    // A pod (not hostNetwork) reaches the API server: once its Node has a
+    // pod CIDR (Rivet's operator sets it; here the test does), the control
+    // plane routes the answers back.
+    for worker in cluster.workers() {
+        let patch = serde_json::json!({ "spec": { "podCIDR": worker.pod_cidr, "podCIDRs": [worker.pod_cidr] } });
+        nodes
+            .patch(&worker.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+    let api = format!("{}", rivet_e2e::kube_cluster::CONTROL_PLANE_V4);
+    let started = Instant::now();
+    loop {
+        let out = cluster
+            .kubectl()
+            .unwrap()
+            .args([
+                "exec",
+                "bb-2",
+                "--",
+                "sh",
+                "-c",
+                &format!("nc -w 2 {api} 6443 </dev/null"),
+            ])
+            .output()
+            .unwrap();
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            started.elapsed() < POD_TIMEOUT,
+            "pod bb-2 does not reach the API server at {api}:6443: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     // A hostNetwork pod is in its worker's network namespace.
     let worker = &cluster.workers()[1];

@@ -41,7 +41,9 @@
 //!   and `--root-ca-file`, so `kube-root-ca.crt` is published and projected
 //!   tokens work).
 //! - **`--allocate-node-cidrs=false`**: Rivet's operator assigns pod CIDRs
-//!   (issue 18 §4). The reference bridge stand-in uses 198.18.`i`.0/24 on
+//!   (issue 18 §4). The control-plane namespace routes each Node's
+//!   `spec.podCIDRs` to its InternalIP (a watch, as a cloud's route table),
+//!   so pods that are not hostNetwork get the API server's answers. The reference bridge stand-in uses 198.18.`i`.0/24 on
 //!   worker `i`, written into its conflist, with routes between workers.
 //! - **kubelet**: `cgroupDriver: cgroupfs` under its own cgroup root
 //!   `/<cluster>/w<i>` (created in every v1 hierarchy, removed on drop),
@@ -395,6 +397,8 @@ pub struct KubeCluster {
     /// etcd, kube-apiserver, kube-controller-manager, kube-scheduler.
     control_plane: Vec<Daemon>,
     relay: Option<NetnsRelay>,
+    /// Routes each Node's pod CIDRs in the control-plane namespace.
+    pod_routes: Option<tokio::task::JoinHandle<()>>,
     control_plane_ns: Option<NetNs>,
     underlay: Option<NetNs>,
     started_in: Duration,
@@ -458,6 +462,10 @@ impl KubeCluster {
             }
         };
         cluster.start_workers(&options).await?;
+        cluster.pod_routes = Some(tokio::spawn(route_pod_cidrs_to_nodes(
+            cluster.admin.clone(),
+            cluster.control_plane_netns().name().to_owned(),
+        )));
         cluster.started_in = started.elapsed();
         Ok(cluster)
     }
@@ -841,6 +849,9 @@ impl Drop for KubeCluster {
             daemon.stop();
         }
         drop(self.relay.take());
+        if let Some(routes) = self.pod_routes.take() {
+            routes.abort();
+        }
         // Workers' namespaces, then the control plane's, then the bridge.
         self.workers.clear();
         drop(self.control_plane_ns.take());
@@ -1012,6 +1023,7 @@ impl ControlPlaneParts {
             workers: Vec::new(),
             control_plane: Vec::new(),
             relay: Some(relay),
+            pod_routes: None,
             control_plane_ns: Some(control_plane_ns),
             underlay: Some(underlay),
             started_in: Duration::ZERO,
@@ -1196,6 +1208,43 @@ impl ControlPlaneParts {
             )
             .await?;
         Ok(cluster)
+    }
+}
+
+/// Keeps a route to every Node's pod CIDRs (`spec.podCIDRs`, set by Rivet's
+/// operator) via its InternalIP of the same family in the control-plane
+/// namespace, as a cloud's route table would: the API server's answers to
+/// pods (not hostNetwork) find their way back. kube's watcher re-lists with
+/// backoff after errors; the task ends with the cluster.
+async fn route_pod_cidrs_to_nodes(client: Client, control_plane_ns: String) {
+    use futures::StreamExt as _;
+    use kube::runtime::{WatchStreamExt as _, watcher};
+    let nodes: Api<Node> = Api::all(client);
+    let mut events = watcher::watcher(nodes, watcher::Config::default())
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    while let Some(event) = events.next().await {
+        let Ok(node) = event else { continue };
+        let cidrs = node.spec.and_then(|s| s.pod_cidrs).unwrap_or_default();
+        let addresses = node.status.and_then(|s| s.addresses).unwrap_or_default();
+        for cidr in cidrs {
+            let v6 = cidr.contains(':');
+            let Some(via) = addresses
+                .iter()
+                .find(|a| a.type_ == "InternalIP" && a.address.contains(':') == v6)
+            else {
+                continue;
+            };
+            let ns = control_plane_ns.clone();
+            let via = via.address.clone();
+            // `ip route replace` is idempotent; a failure shows in the
+            // control plane's routes, which tests check.
+            let _ = tokio::task::spawn_blocking(move || {
+                NetNs::existing(&ns).and_then(|ns| ns.ip(&["route", "replace", &cidr, "via", &via]))
+            })
+            .await;
+        }
     }
 }
 
