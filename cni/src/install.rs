@@ -142,7 +142,12 @@ pub fn install(
     conf_dir: &Path,
     conflist: &Conflist,
 ) -> Result<[PathBuf; 2], InstallError> {
-    if let Some(plugin) = COMPANION_PLUGINS.into_iter().find(|p| !bin_dir.join(p).is_file()) {
+    // An entry, not necessarily a file here: a node's plugins may be symlinks
+    // that resolve on the host and not in the installing container.
+    if let Some(plugin) = COMPANION_PLUGINS
+        .into_iter()
+        .find(|p| bin_dir.join(p).symlink_metadata().is_err())
+    {
         return Err(InstallError::MissingCompanion {
             plugin,
             bin_dir: bin_dir.to_path_buf(),
@@ -202,7 +207,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (bin, conf) = (dir.path().join("bin"), dir.path().join("net.d"));
         std::fs::create_dir(&bin).unwrap();
-        std::fs::write(bin.join("loopback"), "x").unwrap();
+        // As on a node whose plugins link to where the host keeps them.
+        std::os::unix::fs::symlink("/nonexistent-on-this-side/loopback", bin.join("loopback")).unwrap();
         let source = dir.path().join("source");
         std::fs::write(&source, "plugin").unwrap();
         let [binary, list] = install(&source, &bin, &conf, &conflist()).unwrap();
