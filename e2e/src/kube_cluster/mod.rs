@@ -1272,13 +1272,15 @@ fn attach_to_underlay(underlay: &NetNs, ns: &NetNs, port: &str, v4: &str, v6: &s
     .map_err(netns_err(context))
 }
 
-/// Symlinks every reference plugin of /usr/lib/cni into `bin`.
+/// Copies every reference plugin of /usr/lib/cni into `bin` (copies, not
+/// symlinks: a pod mounting the node's /opt/cni/bin, as Rivet's CNI
+/// installer does, must find the files there, as on a real node).
 fn link_reference_plugins(bin: &Path) -> Result<(), KubeClusterError> {
     let source = Path::new(crate::containerd::REFERENCE_CNI_DIR);
     let entries = std::fs::read_dir(source).map_err(io_err(format!("listing {}", source.display())))?;
     for entry in entries.flatten() {
         let target = bin.join(entry.file_name());
-        std::os::unix::fs::symlink(entry.path(), &target).map_err(io_err(format!("linking {}", target.display())))?;
+        std::fs::copy(entry.path(), &target).map_err(io_err(format!("copying {}", target.display())))?;
     }
     Ok(())
 }
