@@ -112,6 +112,16 @@ fn the_set() -> Vec<pb::LbService> {
     vec![v4, v6]
 }
 
+/// Every service `node`'s loader lists (no entry counts).
+async fn list(node: &LoaderNode) -> pb::ListServicesResponse {
+    node.lb_client()
+        .await
+        .list_services(pb::ListServicesRequest::default())
+        .await
+        .expect("ListServices answers")
+        .into_inner()
+}
+
 async fn replace(node: &LoaderNode, services: Vec<pb::LbService>) -> pb::ReplaceServicesResponse {
     node.lb_client()
         .await
@@ -282,24 +292,13 @@ async fn kill_9_restores_the_index_from_the_pins_and_a_replay_changes_nothing() 
         .await
         .expect("a test node starts");
     replace(&node, the_set()).await;
-    let listed_before = node
-        .lb_client()
-        .await
-        .list_services(pb::ListServicesRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed_before = list(&node).await;
     let before = read_maps(&node);
 
     node.loader.kill9();
     node.loader.restart().await.expect("the loader restarts on its pins");
 
-    let mut lb = node.lb_client().await;
-    let listed_after = lb
-        .list_services(pb::ListServicesRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed_after = list(&node).await;
     assert_ne!(listed_after.boot_id, listed_before.boot_id);
     assert_eq!(listed_after.services, listed_before.services, "the index is restored");
     let report = replace(&node, the_set()).await;
@@ -323,13 +322,7 @@ async fn an_upgrade_converts_first_layout_service_records() {
         .await
         .expect("a test node starts");
     replace(&node, the_set()).await;
-    let listed_before = node
-        .lb_client()
-        .await
-        .list_services(pb::ListServicesRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed_before = list(&node).await;
     let before = read_maps(&node);
     node.loader.kill9();
 
@@ -368,13 +361,7 @@ async fn an_upgrade_converts_first_layout_service_records() {
         !pins.join(svc_loader::datapath::LB_SERVICES_V1_PIN).exists(),
         "the old records are removed once converted"
     );
-    let listed_after = node
-        .lb_client()
-        .await
-        .list_services(pb::ListServicesRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed_after = list(&node).await;
     assert_eq!(listed_after.services, listed_before.services, "the index is restored");
     assert_eq!(read_maps(&node), before, "the maps say what they said");
     let report = replace(&node, the_set()).await;
