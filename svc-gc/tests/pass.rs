@@ -40,6 +40,20 @@ fn timeouts() -> Timeouts {
     }
 }
 
+/// A first RunNow pass by the timeouts alone (no endpoint list, so no
+/// orphan check).
+fn timeouts_only_plan() -> PassPlan {
+    PassPlan {
+        number: 1,
+        trigger: Trigger::RunNow,
+        rules: CtRules {
+            timeouts: timeouts(),
+            endpoints: None,
+        },
+        orphan_check: OrphanCheck::SkippedListEmpty,
+    }
+}
+
 fn k4(src: &str, dst: &str, protocol: u8, direction: u8) -> Ct4Key {
     Ct4Key::new(
         src.parse::<SocketAddrV4>().unwrap(),
@@ -753,15 +767,7 @@ fn a_pass_expires_service_flows_and_stale_affinity() {
         gc.names(),
         ["ct4", "ct6", "lb4_flows", "lb6_flows", "lb_affinity", "lb_sock_rev"]
     );
-    let plan = PassPlan {
-        number: 1,
-        trigger: Trigger::RunNow,
-        rules: CtRules {
-            timeouts: timeouts(),
-            endpoints: None,
-        },
-        orphan_check: OrphanCheck::SkippedListEmpty,
-    };
+    let plan = timeouts_only_plan();
     let report = run_pass(&mut gc, &plan, &clock).unwrap();
     let by_map: BTreeMap<&str, &MapReport> = report.maps.iter().map(|m| (m.map.as_str(), m)).collect();
     assert_eq!(by_map["lb4_flows"].deleted.expired, 2, "{report:?}");
@@ -816,15 +822,7 @@ fn a_pass_expires_unused_datagram_socket_translations_only() {
     }
 
     let mut gc = maps.gc_maps(BatchMode::Auto);
-    let plan = PassPlan {
-        number: 1,
-        trigger: Trigger::RunNow,
-        rules: CtRules {
-            timeouts: timeouts(),
-            endpoints: None,
-        },
-        orphan_check: OrphanCheck::SkippedListEmpty,
-    };
+    let plan = timeouts_only_plan();
     let report = run_pass(&mut gc, &plan, &clock).unwrap();
     let rev = report
         .maps
