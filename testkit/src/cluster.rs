@@ -50,8 +50,9 @@ pub use rivet_cli::cluster::Routing;
 pub const CONVERGE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long a node daemon killed by [`Cluster::kill9`] may take to be
-/// running again (the supervisor's first backoff is 200 ms).
-const RESTART_TIMEOUT: Duration = Duration::from_secs(30);
+/// running again (the supervisor's first backoff is 200 ms; a shared
+/// 2-core machine under a release link once took more than 30 s).
+const RESTART_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How often the fixture looks again at what it waits for.
 const POLL: Duration = Duration::from_millis(50);
@@ -609,7 +610,10 @@ impl Cluster {
         let file = tempfile::NamedTempFile::new_in(self.state_dir.path()).expect("a temp file for the service");
         std::fs::write(file.path(), yaml).expect("writing the service");
         let path = file.path().display().to_string();
-        self.cluster_command(&["service", "apply", "-f", &path, "--wait"]).await;
+        // --timeout bounds each document's wait; the CLI's 5 s default
+        // is what a loaded machine meets first.
+        self.cluster_command(&["service", "apply", "-f", &path, "--wait", "--timeout", "60"])
+            .await;
     }
 
     /// Waits until every running node's datapath holds the services of
