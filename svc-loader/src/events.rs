@@ -352,3 +352,23 @@ pub fn services_restored(m: &LoaderMetrics, report: &crate::lb::RestoreReport) {
     m.lb_restored_services.inc_by(report.services as u64);
     m.lb_restore_orphans.inc_by(report.orphans_removed as u64);
 }
+
+/// The loader's last event: what it left on the node as it stopped
+/// ([`crate::uninstall`]). Log only: no scrape follows the process's exit.
+pub fn shutdown(outcome: &crate::uninstall::Shutdown) {
+    match outcome {
+        crate::uninstall::Shutdown::Kept { pod_interfaces } => tracing::info!(
+            pods = pod_interfaces.len(),
+            interfaces = ?pod_interfaces,
+            "pods still use the datapath: kept (pins, filters, routes)"
+        ),
+        crate::uninstall::Shutdown::Removed(removed) => tracing::info!(
+            filters = removed.filters.len(),
+            routes = removed.routes,
+            tunnel_device = removed.tunnel_device,
+            socket_lb_links = removed.socket_lb_links,
+            pin_dir = ?removed.pin_dir,
+            "no pod uses the datapath: removed it from the node"
+        ),
+    }
+}

@@ -17,6 +17,8 @@
 //!   (`LoadBalancerService`), Maglev tables;
 //! - [`routing`]: the routing mode, peer nodes and their routes
 //!   (`NodeRoutingService`), the tunnel device;
+//! - [`uninstall`]: what a stopping loader leaves (nothing, once no pod
+//!   uses the datapath);
 //! - `rtnl`: one rtnetlink request, for [`tc`] and [`routing`].
 
 pub mod datapath;
@@ -32,6 +34,7 @@ pub mod routing;
 mod rtnl;
 pub mod service;
 pub mod tc;
+pub mod uninstall;
 pub mod validate;
 
 /// The daemon's name: its socket is `<socket-dir>/svc-loader.sock`.

@@ -635,6 +635,20 @@ impl EndpointDatapath {
         &self.datapath
     }
 
+    /// Names of the namespace's interfaces that carry the endpoint prefix:
+    /// the host ends of pods' veths, wired or being wired. Empty: no pod of
+    /// this node uses the datapath (what [`crate::uninstall`] asks).
+    pub fn pod_interfaces(&self) -> Result<Vec<String>, LoaderError> {
+        let links = datapath::interfaces().map_err(|source| LoaderError::Datapath {
+            action: "listing the interfaces of pods".into(),
+            source: Box::new(source),
+        })?;
+        Ok(links
+            .into_values()
+            .filter(|name| name.starts_with(&self.interface_prefix))
+            .collect())
+    }
+
     /// Checks that `ifindex` is an endpoint veth this loader may act on;
     /// returns its name and MAC.
     pub fn check_interface(&self, ifindex: u32) -> Result<(String, [u8; 6]), LoaderError> {

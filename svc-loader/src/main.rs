@@ -266,7 +266,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         &controllers,
     );
     let routing_service =
-        routing::service::NodeRoutingService::new(node_routing, identity.boot_id.clone(), metrics.clone());
+        routing::service::NodeRoutingService::new(node_routing.clone(), identity.boot_id.clone(), metrics.clone());
     let lb_sizes = endpoints
         .datapath()
         .map_status()
@@ -280,7 +280,7 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     .context("restoring the service index from the pinned maps")?;
     svc_loader::events::services_restored(&metrics, &restored);
     let lb_service = LoadBalancerService::new(Arc::new(lb), identity.boot_id.clone(), metrics.clone());
-    let service = LoaderService::new(endpoints, events, identity.boot_id.clone(), metrics)
+    let service = LoaderService::new(endpoints.clone(), events, identity.boot_id.clone(), metrics)
         .with_tunnel(tunnel.map(|t| t.ifindex))
         .with_nodeport_interfaces(served.attached);
     let routes = Routes::new(service.into_server())
@@ -296,5 +296,9 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         Health::default(),
     )
     .await?;
+    // Served no more: no endpoint can be added while this looks.
+    let outcome = svc_loader::uninstall::at_shutdown(&endpoints, &node_routing)
+        .context("removing the datapath of a node no pod uses")?;
+    svc_loader::events::shutdown(&outcome);
     Ok(())
 }

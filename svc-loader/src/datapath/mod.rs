@@ -48,7 +48,8 @@
 //! list), `legacy` (moving TCX link pins of earlier loaders to filters),
 //! `ct_migration` (conntrack maps of the first `ct_entry` layout),
 //! `typed_maps` (the shared typed map handles), `socket_lb` (the cgroup
-//! programs of socket-level load balancing and their pinned links).
+//! programs of socket-level load balancing and their pinned links),
+//! `teardown` (removing every filter and pin of the node: uninstall).
 
 mod attach;
 mod ct_migration;
@@ -60,6 +61,7 @@ mod options;
 mod overlay;
 mod pins;
 mod socket_lb;
+mod teardown;
 mod typed_maps;
 
 use std::collections::{BTreeMap, BTreeSet};

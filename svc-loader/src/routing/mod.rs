@@ -434,6 +434,15 @@ impl NodeRouting {
         self.realise(&desired).map(Some)
     }
 
+    /// Deletes every route of ours and forgets the peers (the loader's
+    /// uninstall on a node without endpoints; a resync then does nothing).
+    pub fn remove_all(&self) -> Result<RouteChanges, RoutingError> {
+        let mut held = self.held();
+        let changes = self.realise(&BTreeMap::new())?;
+        *held = None;
+        Ok(changes)
+    }
+
     /// Makes the routes of ours equal to `desired`; the caller holds the lock.
     fn realise(&self, desired: &BTreeMap<IpNet, PeerRoute>) -> Result<RouteChanges, RoutingError> {
         let existing: BTreeSet<PeerRoute> = self

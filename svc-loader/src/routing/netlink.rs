@@ -277,6 +277,21 @@ pub fn ensure_vxlan(name: &str, port: u16, underlay_mtu: u32) -> io::Result<Tunn
     })
 }
 
+/// Deletes interface `name` (the tunnel device at uninstall); `Ok(false)`
+/// if there is none.
+pub fn delete_link(name: &str) -> io::Result<bool> {
+    let Some(ifindex) = crate::netdev::name_to_ifindex(name)? else {
+        return Ok(false);
+    };
+    let mut msg = LinkMessage::default();
+    msg.header.index = ifindex;
+    match request(RouteNetlinkMessage::DelLink(msg), 0) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENODEV) => Ok(false),
+        Err(e) => Err(io::Error::new(e.kind(), format!("deleting interface {name}: {e}"))),
+    }
+}
+
 fn set_up(ifindex: u32) -> io::Result<()> {
     let mut msg = LinkMessage::default();
     msg.header.index = ifindex;
