@@ -284,10 +284,20 @@ pub enum NodeKeyEvent {
     },
 }
 
-/// The node records of the cluster in the store (the etcd store only: the
-/// embedded store is one node, the Kubernetes store's nodes are RivetNodes).
+/// The node records of the cluster in the store: the etcd store's
+/// `nodes/v1` keys, the Kubernetes store's RivetNodes
+/// ([`crate::kubernetes_cluster::ClusterObjects`]); the embedded store is
+/// one node and has none.
 #[tonic::async_trait]
 pub trait NodeStore: Send + Sync + 'static {
+    /// Whether the registry writes this node's record ([`put_node`](Self::put_node)). `false`:
+    /// other writers own it (the RivetNode: svc-k8s-sync its addresses,
+    /// rivet-operator its pod CIDRs), and the registry takes this node's
+    /// addresses and pod CIDRs from the record it lists instead.
+    fn publishes_own_record(&self) -> bool {
+        true
+    }
+
     /// Writes this node's record (JSON) under its key, bound to the node
     /// lease (the lease of its value keys and IP entries).
     async fn put_node(&self, value: Vec<u8>) -> Result<(), BackendError>;

@@ -42,10 +42,10 @@
 //!
 //! # IP cache
 //!
-//! Only identities are in the API: this node's IP cache entries stay local
-//! (svc-loader gets them as always) and no other node's are learned here;
-//! with Kubernetes the other nodes' pods come from their `RivetEndpoint`
-//! objects (svc-k8s-sync, the multi-node issue).
+//! This node's IP cache entries stay local (svc-loader gets them as always;
+//! svc-k8s-sync publishes the pods as `RivetEndpoint`s); the other nodes'
+//! pods come from their `RivetEndpoint`s when the store is given a
+//! [`ClusterObjects`] ([`KubernetesBackend::with_cluster`]), else none.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +62,7 @@ use crate::backend::{
     AcquireOutcome, BackendError, CreateOutcome, IdOrder, IdentityBackend, IdentityEvent, IdentityRecord, IpEntry,
     IpEvent, Revision,
 };
+use crate::kubernetes_cluster::ClusterObjects;
 
 /// The label holding a hash of the identity labels (for lookups by labels).
 pub const LABELS_HASH_LABEL: &str = "rivet.io/labels-hash";
@@ -99,6 +100,8 @@ pub struct KubernetesBackend {
     known: Known,
     /// Identities whose object carries the GC mark, as last seen.
     marked: Marked,
+    /// The other nodes' pods, for the IP cache.
+    cluster: Option<Arc<ClusterObjects>>,
 }
 
 /// Identity number → canonical labels.
@@ -127,6 +130,16 @@ impl KubernetesBackend {
             reads: Arc::default(),
             known: Known::default(),
             marked: Marked::default(),
+            cluster: None,
+        }
+    }
+
+    /// The same store with the other nodes' pods (their RivetEndpoints) as
+    /// its IP cache entries.
+    pub fn with_cluster(self, cluster: Arc<ClusterObjects>) -> Self {
+        Self {
+            cluster: Some(cluster),
+            ..self
         }
     }
 
@@ -371,17 +384,23 @@ impl IdentityBackend for KubernetesBackend {
         Ok(())
     }
 
-    /// No other node's entries come from here.
+    /// The other nodes' pods (none without [`ClusterObjects`]).
     async fn list_ips(&self) -> Result<(Vec<IpEntry>, Revision), BackendError> {
-        Ok((Vec::new(), 0))
+        match &self.cluster {
+            Some(cluster) => cluster.list_ips().await,
+            None => Ok((Vec::new(), 0)),
+        }
     }
 
-    /// Never yields: no other node's entries come from here.
+    /// Their changes (never yields without [`ClusterObjects`]).
     async fn watch_ips(
         &self,
-        _after: Revision,
+        after: Revision,
     ) -> Result<BoxStream<'static, Result<IpEvent, BackendError>>, BackendError> {
-        Ok(stream::pending().boxed())
+        match &self.cluster {
+            Some(cluster) => cluster.watch_ips(after).await,
+            None => Ok(stream::pending().boxed()),
+        }
     }
 
     /// No lease: never completes.

@@ -7,6 +7,9 @@
 //! - [`embedded_backend`]: the store in one crash-safe local file (one node);
 //! - [`kubernetes_backend`]: the store as `RivetIdentity` objects in the
 //!   Kubernetes API (CRD mode);
+//! - [`kubernetes_cluster`]: the other nodes (RivetNodes) and their pods
+//!   (RivetEndpoints) from the API, for the registry and the IP cache in
+//!   CRD mode;
 //! - [`allocator`]: allocation, local references, the identity cache and the
 //!   reconcile loop that keeps this node's value keys in the store;
 //! - [`ipcache`]: the IP cache, its publication to the store and the push to
@@ -34,6 +37,7 @@ pub mod heartbeat;
 pub mod ipcache;
 pub mod ipcache_service;
 pub mod kubernetes_backend;
+pub mod kubernetes_cluster;
 pub mod node_service;
 mod reconcile;
 pub mod registry;

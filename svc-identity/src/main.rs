@@ -29,6 +29,7 @@ use svc_identity::heartbeat::{HeartbeatArgs, HeartbeatWatchdog};
 use svc_identity::ipcache::{IpCache, IpCacheOptions, LoaderSync, LoaderSyncOptions};
 use svc_identity::ipcache_service::IpcacheService;
 use svc_identity::kubernetes_backend::KubernetesBackend;
+use svc_identity::kubernetes_cluster::{ClusterObjects, ClusterObjectsOptions};
 use svc_identity::node_service::NodeService;
 use svc_identity::registry::{DEFAULT_TUNNEL_PORT, NodeRegistry, RegistryOptions};
 use svc_identity::service::IdentityService;
@@ -100,18 +101,22 @@ struct Flags {
     /// cluster: `none` (a single node), `native` (pod CIDRs routed via the
     /// nodes' underlay addresses) or `vxlan`. With a mode, the peer nodes
     /// are pushed to svc-loader (its `--routing-mode` must match). Needs the
-    /// etcd store (nodes meet there).
+    /// etcd store (nodes meet in `nodes/v1`) or the kubernetes store (nodes
+    /// meet as RivetNodes).
     #[arg(long, env = "RIVET_ROUTING_MODE", value_enum, default_value_t = RoutingFlag::None)]
     routing_mode: RoutingFlag,
 
     /// This node's underlay address (repeatable, comma-separated): published
     /// in its node record; the IPv4 one is the tunnel endpoint other nodes
-    /// use for this node's pods.
+    /// use for this node's pods. With the kubernetes store: default, its
+    /// RivetNode's addresses (svc-k8s-sync writes them).
     #[arg(long = "node-address", env = "RIVET_NODE_ADDRESSES", value_delimiter = ',')]
     node_addresses: Vec<IpAddr>,
 
     /// A prefix this node's pods get addresses from (repeatable,
     /// comma-separated): published in its node record; peers route it here.
+    /// With the kubernetes store: default, its RivetNode's pod CIDRs (the
+    /// cluster pool's allocation).
     #[arg(long = "pod-cidr", env = "RIVET_POD_CIDRS", value_delimiter = ',', value_parser = pod_cidr)]
     pod_cidrs: Vec<IpNet>,
 
@@ -145,8 +150,22 @@ impl Flags {
             RoutingFlag::Native => EncapsulationMode::Direct,
             RoutingFlag::Vxlan => EncapsulationMode::Vxlan,
         };
-        if store != StoreKind::Etcd {
-            anyhow::bail!("--routing-mode needs the etcd store (--etcd-endpoints): nodes find each other there");
+        if store == StoreKind::Embedded {
+            anyhow::bail!(
+                "--routing-mode needs the etcd store (--etcd-endpoints) or the kubernetes store: nodes find each \
+                 other there"
+            );
+        }
+        // The kubernetes store: this node's addresses and pod CIDRs come
+        // from its RivetNode unless given.
+        if store == StoreKind::Kubernetes {
+            if mode == EncapsulationMode::Vxlan
+                && !self.node_addresses.is_empty()
+                && !self.node_addresses.iter().any(IpAddr::is_ipv4)
+            {
+                anyhow::bail!("--routing-mode vxlan needs an IPv4 --node-address (tunnel endpoints are IPv4)");
+            }
+            return Ok(Some(mode));
         }
         if self.node_addresses.is_empty() {
             anyhow::bail!("--routing-mode needs this node's underlay address (--node-address)");
@@ -223,7 +242,8 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
     let routing = flags.routing(store)?;
     // The operator's heartbeat lives in etcd only.
     let mut heartbeat = None;
-    // Node records live in etcd only (else the registry lists this node).
+    // Node records: etcd's nodes/v1 or the RivetNodes (the embedded store
+    // is one node: the registry lists this node only).
     let mut node_store: Option<Arc<dyn NodeStore>> = None;
     let (backend, snapshot): (Arc<dyn IdentityBackend>, Option<SnapshotOptions>) = if store == StoreKind::Embedded {
         let path = state_dir.join("store.json");
@@ -231,7 +251,17 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
         (Arc::new(backend), None)
     } else if let (StoreKind::Kubernetes, Some(access)) = (store, &flags.kubeconfig) {
         let client = access.client().await.context("configuring the Kubernetes client")?;
-        (Arc::new(KubernetesBackend::new(client)), None)
+        // Other nodes (RivetNodes) and their pods (RivetEndpoints).
+        let cluster = ClusterObjects::start(
+            client.clone(),
+            ClusterObjectsOptions {
+                node_name: node.clone(),
+                cluster: flags.cluster_name.clone(),
+            },
+            &controllers,
+        );
+        node_store = Some(cluster.clone());
+        (Arc::new(KubernetesBackend::new(client).with_cluster(cluster)), None)
     } else {
         let options = EtcdOptions {
             endpoints: flags.etcd_endpoints.clone(),

@@ -24,8 +24,15 @@
 //!   `NodeRoutingService.ReplaceNodes`); each join, leave, update and
 //!   restart is one [`events::node_changed`] event.
 //!
-//! Without a node store (the embedded store: one node; the Kubernetes store:
-//! RivetNodes are not read here yet) the registry lists this node only.
+//! With the Kubernetes store the records are the RivetNodes
+//! ([`crate::kubernetes_cluster`]): the registry writes none (svc-k8s-sync
+//! and rivet-operator own the RivetNode's fields), and this node's own
+//! RivetNode gives its addresses and pod CIDRs where no flag does (the
+//! cluster pool's allocation: a DaemonSet cannot pass `--pod-cidr` per
+//! node). Its peers and their routing are the same as with etcd.
+//!
+//! Without a node store (the embedded store: one node) the registry lists
+//! this node only.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -59,9 +66,11 @@ pub struct RegistryOptions {
     /// How pod traffic crosses nodes; `None`: a single node (published as
     /// `direct`, nothing pushed to svc-loader).
     pub routing: Option<EncapsulationMode>,
-    /// This node's underlay addresses (`--node-address`).
+    /// This node's underlay addresses (`--node-address`); empty: those of
+    /// its record in a store that does not publish it (a RivetNode).
     pub node_addresses: Vec<IpAddr>,
-    /// This node's pod CIDRs (`--pod-cidr`).
+    /// This node's pod CIDRs (`--pod-cidr`); empty: those of its record in
+    /// a store that does not publish it (the RivetNode's allocation).
     pub pod_cidrs: Vec<IpNet>,
     /// The VXLAN UDP port (`--tunnel-port`).
     pub tunnel_port: u16,
@@ -104,6 +113,9 @@ struct State {
     /// The record must be written even if the store holds it (a replaced
     /// lease).
     republish: bool,
+    /// This node's record as another writer keeps it in the store (the
+    /// RivetNode), when the registry does not publish its own.
+    own_listed: Option<NodeRecord>,
 }
 
 /// The node registry; see the module docs.
@@ -157,8 +169,12 @@ impl NodeRegistry {
             return;
         };
         let this = self.clone();
+        let publishes = store.publishes_own_record();
         let watch = Controller::new("node-registry-watch").backoff(self.opts.relist_backoff.clone());
         controllers.supervise(watch, move |progress| this.clone().follow(store.clone(), progress));
+        if !publishes {
+            return;
+        }
         let this = self.clone();
         let publish = Controller::new("node-registry-publish")
             .trigger(&self.publish)
@@ -180,20 +196,26 @@ impl NodeRegistry {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// This node's record as it is to be published now.
+    /// This node's record as it is to be published now (with a store that
+    /// does not publish it: the flags' addresses and pod CIDRs, else the
+    /// listed record's).
     pub fn own_record(&self) -> NodeRecord {
-        let mut addresses: Vec<NodeRecordAddress> = self
-            .opts
-            .node_addresses
-            .iter()
-            .map(|ip| NodeRecordAddress {
-                type_: "InternalIP".into(),
-                ip: *ip,
-            })
-            .collect();
+        let listed = self.state().own_listed.clone();
+        let mut addresses: Vec<NodeRecordAddress> = match (&listed, self.opts.node_addresses.is_empty()) {
+            (Some(record), true) => record.addresses.clone(),
+            _ => self
+                .opts
+                .node_addresses
+                .iter()
+                .map(|ip| NodeRecordAddress {
+                    type_: "InternalIP".into(),
+                    ip: *ip,
+                })
+                .collect(),
+        };
         addresses.sort();
         addresses.dedup();
-        let mut pod_cidrs = self.opts.pod_cidrs.clone();
+        let mut pod_cidrs = self.own_pod_cidrs(listed.as_ref());
         pod_cidrs.sort();
         pod_cidrs.dedup();
         let mode = self.opts.routing.unwrap_or_default();
@@ -209,6 +231,15 @@ impl NodeRegistry {
             boot_id: self.opts.boot_id.clone(),
             health_addresses: self.ipcache.local_health_addresses(),
             source: RecordSource::Node,
+        }
+    }
+
+    /// This node's pod CIDRs: `--pod-cidr`, else those of its listed
+    /// record (`listed`).
+    fn own_pod_cidrs(&self, listed: Option<&NodeRecord>) -> Vec<IpNet> {
+        match listed {
+            Some(record) if self.opts.pod_cidrs.is_empty() => record.pod_cidrs.clone(),
+            _ => self.opts.pod_cidrs.clone(),
         }
     }
 
@@ -333,11 +364,35 @@ impl NodeRegistry {
         }
         let mut st = self.state();
         st.listed = true;
-        st.own_in_store = own;
+        let own_changed = self.set_own(&mut st, own);
         let before = std::mem::replace(&mut st.peers, peers);
         tracing::info!(peers = st.peers.len(), "node records listed from the store");
-        self.peers_changed(st, &before);
+        self.peers_changed(st, &before, own_changed);
         self.publish.trigger();
+    }
+
+    /// Records this node's key as the store holds it; with a store that
+    /// does not publish it, its decoded record too. `true` when this node's
+    /// pod CIDRs changed (the peers' overlap checks change with them).
+    fn set_own(&self, st: &mut State, value: Option<Vec<u8>>) -> bool {
+        if self.store.as_ref().is_none_or(|s| s.publishes_own_record()) {
+            st.own_in_store = value;
+            return false;
+        }
+        let record = value.and_then(|v| self.decode(&self.opts.node_name, &v));
+        let before = self.own_pod_cidrs(st.own_listed.as_ref());
+        if record != st.own_listed {
+            if let Some(r) = &record {
+                tracing::info!(
+                    node = %r.name,
+                    addresses = ?r.addresses.iter().map(|a| a.ip).collect::<Vec<_>>(),
+                    pod_cidrs = ?r.pod_cidrs,
+                    "this node's record listed from the store"
+                );
+            }
+            st.own_listed = record;
+        }
+        self.own_pod_cidrs(st.own_listed.as_ref()) != before
     }
 
     fn apply_event(&self, event: NodeKeyEvent) {
@@ -345,14 +400,20 @@ impl NodeRegistry {
         let before = st.peers.clone();
         match event {
             NodeKeyEvent::Put { node, value } if node == self.opts.node_name => {
-                st.own_in_store = Some(value);
+                let own_changed = self.set_own(&mut st, Some(value));
                 // Not ours any more (another writer): the pass puts it back.
                 self.publish.trigger();
+                if own_changed {
+                    self.peers_changed(st, &before, true);
+                }
                 return;
             }
             NodeKeyEvent::Delete { node } if node == self.opts.node_name => {
-                st.own_in_store = None;
+                let own_changed = self.set_own(&mut st, None);
                 self.publish.trigger();
+                if own_changed {
+                    self.peers_changed(st, &before, true);
+                }
                 return;
             }
             NodeKeyEvent::Put { node, value } => match self.decode(&node, &value) {
@@ -367,14 +428,15 @@ impl NodeRegistry {
                 st.peers.remove(&node);
             }
         }
-        self.peers_changed(st, &before);
+        self.peers_changed(st, &before, false);
     }
 
-    /// After the peers changed from `before`: the events, the remote-node
-    /// claims and the set for svc-loader.
-    fn peers_changed(&self, st: MutexGuard<'_, State>, before: &BTreeMap<String, NodeRecord>) {
+    /// After the peers changed from `before` (or, `own_changed`, this
+    /// node's pod CIDRs did): the events, the remote-node claims and the
+    /// set for svc-loader.
+    fn peers_changed(&self, st: MutexGuard<'_, State>, before: &BTreeMap<String, NodeRecord>, own_changed: bool) {
         let first_listing = self.peers.borrow().is_none();
-        if st.peers == *before && !first_listing {
+        if st.peers == *before && !first_listing && !own_changed {
             return;
         }
         let known = st.peers.len() + 1;
@@ -402,7 +464,8 @@ impl NodeRegistry {
             .flat_map(|r| r.addresses.iter().map(|a| (a.ip, r.name.clone())))
             .collect();
         let mode = self.opts.routing.unwrap_or_default();
-        let (peers, skipped) = routable_peers(st.peers.values(), mode, &self.opts.pod_cidrs);
+        let own_cidrs = self.own_pod_cidrs(st.own_listed.as_ref());
+        let (peers, skipped) = routable_peers(st.peers.values(), mode, &own_cidrs);
         drop(st);
         for (node, reason) in &skipped {
             events::node_unroutable(m, node, reason);

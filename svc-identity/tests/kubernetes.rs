@@ -7,12 +7,22 @@ use std::path::Path;
 use std::time::Duration;
 
 use futures::StreamExt;
+use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
-use rivet_k8s::RivetIdentity;
 use rivet_k8s::k8s_openapi::api::core::v1::Pod;
+use rivet_k8s::kube::Client;
 use rivet_k8s::kube::api::{Api, DeleteParams, ListParams};
+use rivet_k8s::kube::api::{Patch, PatchParams, PostParams};
+use rivet_k8s::{
+    NodeAddress, RivetEndpoint, RivetEndpointSpec, RivetEndpointState, RivetEndpointStatus, RivetIdentity, RivetNode,
+    RivetNodeSpec,
+};
 use rivet_proto::identity::v1 as pb;
+use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
+use rivet_proto::identity::v1::node_service_client::NodeServiceClient;
 use rivet_testkit::kube::{KubeApiServer, ServiceAccountAccess};
+use serde_json::json;
+use std::time::Instant;
 use svc_identity::backend::{
     AcquireOutcome, BackendError, CreateOutcome, IdentityBackend, IdentityEvent, IdentityRecord,
 };
@@ -27,6 +37,11 @@ const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
 
 /// svc-identity as `node`, its identities in the API server of `kubeconfig`.
 async fn spawn(dir: &Path, node: &str, kubeconfig: &Path) -> DaemonProcess {
+    spawn_with(dir, node, kubeconfig, &[]).await
+}
+
+/// [`spawn`] with `extra` flags.
+async fn spawn_with(dir: &Path, node: &str, kubeconfig: &Path, extra: &[&str]) -> DaemonProcess {
     let sockets = dir.join(node).join("sockets");
     DaemonCommand::new(BIN, sockets.join("svc-identity.sock"))
         .args(["--socket-dir".as_ref(), sockets.as_os_str()])
@@ -40,6 +55,7 @@ async fn spawn(dir: &Path, node: &str, kubeconfig: &Path) -> DaemonProcess {
             "1",
         ])
         .args(["--kubeconfig".as_ref(), kubeconfig.as_os_str()])
+        .args(extra)
         .log_to(dir.join(format!("{node}.log")))
         .spawn()
         .await
@@ -382,4 +398,226 @@ async fn an_identity_held_here_but_deleted_anyway_is_recreated_by_the_reconcile_
     };
     assert_eq!(recreated.spec.labels, before.spec.labels);
     assert_eq!(allocate(&mut c, 7).await.unwrap(), id, "the same number");
+}
+
+/// A RivetNode as svc-k8s-sync and the operator leave it: addresses and
+/// pod CIDRs.
+fn rivet_node(name: &str, addresses: &[&str], pod_cidrs: &[&str]) -> RivetNode {
+    let mut node = RivetNode::new(
+        name,
+        RivetNodeSpec {
+            addresses: addresses
+                .iter()
+                .map(|ip| NodeAddress {
+                    type_: "InternalIP".into(),
+                    ip: ip.to_string(),
+                })
+                .collect(),
+            pod_cidrs: pod_cidrs.iter().map(ToString::to_string).collect(),
+            ..RivetNodeSpec::default()
+        },
+    );
+    node.metadata.resource_version = None;
+    node
+}
+
+/// Creates RivetEndpoint `shop/<name>` of a pod on `node` with `identity`
+/// at `ipv4`, ready (its status as svc-k8s-sync writes it).
+async fn create_endpoint(admin: &Client, name: &str, node: &str, identity: u32, ipv4: &str) {
+    let api = Api::<RivetEndpoint>::namespaced(admin.clone(), "shop");
+    api.create(&PostParams::default(), &RivetEndpoint::new(name, RivetEndpointSpec {}))
+        .await
+        .expect("RivetEndpoint created");
+    let status = RivetEndpointStatus {
+        id: 7,
+        node: node.into(),
+        identity: Some(identity),
+        ipv4: Some(ipv4.into()),
+        state: RivetEndpointState::Ready,
+        ..RivetEndpointStatus::default()
+    };
+    api.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "status": status })),
+    )
+    .await
+    .expect("RivetEndpoint status written");
+}
+
+/// `d`'s ListNodes once it listed and `pred` holds (polled, 20 s).
+async fn nodes_until(
+    d: &DaemonProcess,
+    what: &str,
+    pred: impl Fn(&BTreeMap<String, pb::Node>) -> bool,
+) -> BTreeMap<String, pb::Node> {
+    let mut nodes = NodeServiceClient::new(channel(d).await);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let listing = nodes
+            .list_nodes(pb::ListNodesRequest {})
+            .await
+            .expect("ListNodes")
+            .into_inner();
+        let by_name: BTreeMap<String, pb::Node> = listing.nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
+        if listing.listed && pred(&by_name) {
+            return by_name;
+        }
+        assert!(Instant::now() < deadline, "{what}: {by_name:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `d`'s IP cache entries of `source` as prefix → (identity, node, host
+/// IP) once `pred` holds (polled, 20 s).
+async fn ipcache_until(
+    d: &DaemonProcess,
+    source: pb::IpcacheSource,
+    what: &str,
+    pred: impl Fn(&BTreeMap<String, (u32, String, String)>) -> bool,
+) {
+    let mut ipcache = IpcacheServiceClient::new(channel(d).await);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let entries = ipcache
+            .list_ipcache(pb::ListIpcacheRequest {
+                source: source as i32,
+                page_size: 1000,
+                ..Default::default()
+            })
+            .await
+            .expect("ListIpcache")
+            .into_inner()
+            .entries;
+        let by_prefix: BTreeMap<String, (u32, String, String)> = entries
+            .into_iter()
+            .map(|e| {
+                let host = if e.host_ip.is_empty() {
+                    String::new()
+                } else {
+                    rivet_proto::net::format_address(&e.host_ip)
+                };
+                (
+                    rivet_proto::net::format_prefix(&e.prefix.unwrap()),
+                    (e.identity, e.node_name, host),
+                )
+            })
+            .collect();
+        if pred(&by_prefix) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {by_prefix:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn addresses(node: &pb::Node) -> Vec<String> {
+    node.addresses
+        .iter()
+        .map(|a| rivet_proto::net::format_address(a))
+        .collect()
+}
+
+fn pod_cidrs(node: &pb::Node) -> Vec<String> {
+    node.pod_cidrs.iter().map(rivet_proto::net::format_prefix).collect()
+}
+
+/// CRD mode across nodes: with exactly deploy/rbac/svc-identity.yaml,
+/// every other node's RivetNode is a peer (addresses, pod CIDRs; its
+/// addresses remote-node in the IP cache), this node's own RivetNode gives
+/// its addresses and pod CIDRs (no --node-address, no --pod-cidr: the
+/// cluster pool's allocation), and every other node's RivetEndpoint is an
+/// IP cache entry with its identity and its node as host, following
+/// changes and deletions; this node's own RivetEndpoints stay local.
+#[tokio::test]
+async fn rivet_nodes_are_the_peers_and_other_nodes_rivet_endpoints_the_ip_cache() {
+    let (server, access) = server_with_identity_account().await;
+    server.ensure_namespace("shop").await.expect("namespace shop");
+    let admin = server.admin_client();
+    let rivet_nodes = Api::<RivetNode>::all(admin.clone());
+    for node in [
+        rivet_node("node-a", &["198.19.254.1"], &["198.18.64.0/24"]),
+        rivet_node("node-b", &["2001:2:0:fe::2", "198.19.254.2"], &["198.18.65.0/24"]),
+    ] {
+        rivet_nodes
+            .create(&PostParams::default(), &node)
+            .await
+            .expect("RivetNode created");
+    }
+    create_endpoint(&admin, "web-b", "node-b", 300, "198.18.65.5").await;
+    create_endpoint(&admin, "web-a", "node-a", 301, "198.18.64.5").await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let a = spawn_with(dir.path(), "node-a", &access.kubeconfig, &["--routing-mode", "native"]).await;
+    let nodes = nodes_until(&a, "node-a lists node-b", |n| n.contains_key("node-b")).await;
+    let (own, peer) = (&nodes["node-a"], &nodes["node-b"]);
+    assert!(own.local && !peer.local);
+    assert_eq!(addresses(own), ["198.19.254.1"], "from its RivetNode");
+    assert_eq!(pod_cidrs(own), ["198.18.64.0/24"], "the allocation, not a flag");
+    assert_eq!(own.routing_mode, pb::RoutingMode::Native as i32);
+    assert_eq!(addresses(peer), ["198.19.254.2", "2001:2:0:fe::2"]);
+    assert_eq!(pod_cidrs(peer), ["198.18.65.0/24"]);
+    ipcache_until(&a, pb::IpcacheSource::Node, "node-b's addresses are remote-node", |c| {
+        c.get("198.19.254.2/32") == Some(&(6, "node-b".into(), String::new()))
+            && c.get("2001:2:0:fe::2/128").is_some_and(|e| e.0 == 6)
+            && c.len() == 2
+    })
+    .await;
+    ipcache_until(&a, pb::IpcacheSource::Kvstore, "node-b's pod, not node-a's", |c| {
+        c.get("198.18.65.5/32") == Some(&(300, "node-b".into(), "198.19.254.2".into())) && c.len() == 1
+    })
+    .await;
+
+    // The operator allocates another CIDR; the pod changes identity; a
+    // second pod comes; then the first goes.
+    rivet_nodes
+        .patch(
+            "node-a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "podCidrs": ["198.18.64.0/24", "2001:2:0:64::/64"] } })),
+        )
+        .await
+        .unwrap();
+    nodes_until(&a, "node-a's new allocation", |n| {
+        pod_cidrs(&n["node-a"]) == ["198.18.64.0/24", "2001:2:0:64::/64"]
+    })
+    .await;
+    let endpoints = Api::<RivetEndpoint>::namespaced(admin.clone(), "shop");
+    endpoints
+        .patch_status(
+            "web-b",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "status": { "identity": 310 } })),
+        )
+        .await
+        .unwrap();
+    create_endpoint(&admin, "db-b", "node-b", 320, "198.18.65.6").await;
+    ipcache_until(
+        &a,
+        pb::IpcacheSource::Kvstore,
+        "the new identity and the second pod",
+        |c| c.get("198.18.65.5/32").is_some_and(|e| e.0 == 310) && c.get("198.18.65.6/32").is_some_and(|e| e.0 == 320),
+    )
+    .await;
+    endpoints.delete("web-b", &DeleteParams::default()).await.unwrap();
+    ipcache_until(&a, pb::IpcacheSource::Kvstore, "the deleted pod's entry goes", |c| {
+        !c.contains_key("198.18.65.5/32") && c.contains_key("198.18.65.6/32")
+    })
+    .await;
+
+    // node-b leaves: no peer, no remote-node claims.
+    rivet_nodes.delete("node-b", &DeleteParams::default()).await.unwrap();
+    nodes_until(&a, "node-b left", |n| n.len() == 1).await;
+    ipcache_until(
+        &a,
+        pb::IpcacheSource::Node,
+        "node-b's addresses are not remote-node any more",
+        |c| c.is_empty(),
+    )
+    .await;
+    drop(a);
+}
+
+async fn channel(d: &DaemonProcess) -> DaemonChannel {
+    connect_unix(d.socket(), &ClientOptions::default()).await.unwrap()
 }
