@@ -1,6 +1,7 @@
 //! `rivet-bench <name>`: runs one benchmark, prints its `RESULT` line and
 //! writes `target/rivet-bench/<name>.json`. Run it through `cargo xtask bench`.
 
+mod cluster;
 mod cni;
 mod datapath;
 mod endpoint;
@@ -62,6 +63,9 @@ enum Bench {
     /// ClusterIP load balancing vs kube-proxy's iptables rules in the same topology: new connections/s and
     /// connect p50/p99 at 1, 1,000, 10,000 services, ClusterIP vs pod IP throughput, programming latency.
     Services(services::ServicesArgs),
+    /// A real kubelet cluster: a 100-pod Deployment until every pod is Running on Rivet (deploy/) vs on the
+    /// reference bridge + host-local plugins (a RuntimeClass) on the same cluster, interleaved rounds.
+    Cluster(cluster::ClusterArgs),
 }
 
 #[tokio::main]
@@ -128,6 +132,12 @@ async fn main() -> anyhow::Result<()> {
                  throughput; a 100-backend service and a backend change programmed, p50/p99 (ratio = Rivet / iptables \
                  conn/s at the largest count, goal >= 2)"
             );
+            println!(
+                "cluster  a 100-replica Deployment until every pod is Running on a real kubelet cluster: Rivet \
+                 (kubectl apply -k deploy/) vs the reference bridge + host-local plugins on the same cluster \
+                 (RuntimeClass), interleaved rounds; pods Running/s (ratio = median of per-round Rivet / bridge \
+                 times, goal <= 1.2)"
+            );
             return Ok(());
         }
     };
@@ -144,6 +154,7 @@ async fn main() -> anyhow::Result<()> {
         Bench::Multinode(args) => multinode::run(&args).await?,
         Bench::MultinodeScale(args) => multinode_scale::run(&args).await?,
         Bench::Services(args) => services::run(&args).await?,
+        Bench::Cluster(args) => cluster::run(&args).await?,
     };
     result.publish(&report::target_dir()?)?;
     Ok(())

@@ -104,6 +104,10 @@ pub struct ContainerdConfig {
     pub start_timeout: Duration,
     /// containerd's log level.
     pub log_level: String,
+    /// More runtime handlers, runc like the default, each with its own CNI
+    /// `conf_dir` (name, dir): a pod whose RuntimeClass names one gets that
+    /// network instead of [`cni_conf_dir`](Self::cni_conf_dir)'s.
+    pub network_handlers: Vec<(String, PathBuf)>,
 }
 
 impl ContainerdConfig {
@@ -119,6 +123,7 @@ impl ContainerdConfig {
             snapshotter: "overlayfs".to_owned(),
             start_timeout: Duration::from_secs(20),
             log_level: "info".to_owned(),
+            network_handlers: Vec::new(),
         }
     }
 
@@ -139,6 +144,13 @@ impl ContainerdConfig {
     /// Start does not wait for NetworkReady.
     pub fn network_later(mut self) -> Self {
         self.require_network_ready = false;
+        self
+    }
+
+    /// Adds runtime handler `name`, whose pods get the network of the first
+    /// config in `cni_conf_dir` (see [`network_handlers`](Self::network_handlers)).
+    pub fn network_handler(mut self, name: &str, cni_conf_dir: impl Into<PathBuf>) -> Self {
+        self.network_handlers.push((name.to_owned(), cni_conf_dir.into()));
         self
     }
 
@@ -432,7 +444,7 @@ disabled_plugins = [
       bin_dir = {bin}
       conf_dir = {conf}
       max_conf_num = 1
-"#,
+{handlers}"#,
             root = p("root"),
             state = p("state"),
             grpc = toml_string(&self.socket()),
@@ -444,7 +456,30 @@ disabled_plugins = [
             runc = p("runc"),
             bin = toml_string(&config.cni_bin_dir),
             conf = toml_string(&config.cni_conf_dir),
+            handlers = self.network_handlers_toml(),
         )
+    }
+
+    /// The runtimes of [`ContainerdConfig::network_handlers`]: the default's
+    /// runc settings, their own CNI dir.
+    fn network_handlers_toml(&self) -> String {
+        let runtimes = r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes"#;
+        let mut toml = String::new();
+        for (name, conf_dir) in &self.config.network_handlers {
+            let name = toml_quote(name);
+            toml.push_str(&format!(
+                r#"    {runtimes}.{name}]
+      runtime_type = "io.containerd.runc.v2"
+      cni_conf_dir = {conf}
+      cni_max_conf_num = 1
+      {runtimes}.{name}.options]
+        Root = {runc}
+"#,
+                conf = toml_string(conf_dir),
+                runc = toml_string(&self.path.join("runc")),
+            ));
+        }
+        toml
     }
 
     /// A CRI client on the socket.
@@ -992,6 +1027,35 @@ mod tests {
         ] {
             assert!(toml.contains(want), "{want} in\n{toml}");
         }
+    }
+
+    #[test]
+    fn a_network_handler_is_a_runc_runtime_with_its_own_cni_dir() {
+        let containerd = Containerd {
+            child: None,
+            config: ContainerdConfig::new("/t/cni/bin", "/t/cni/conf").network_handler("peer-net", "/t/cni/peer.d"),
+            cgroup_parent: "rivet-e2e-test".into(),
+            dir: None,
+            path: PathBuf::from("/t/ctrd"),
+            ready: false,
+            live: false,
+        };
+        let toml = containerd.config_toml();
+        let handler = toml
+            .split_once(r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes."peer-net"]"#)
+            .unwrap_or_else(|| panic!("the handler's table in\n{toml}"))
+            .1;
+        for want in [
+            "runtime_type = \"io.containerd.runc.v2\"",
+            "cni_conf_dir = \"/t/cni/peer.d\"",
+            "cni_max_conf_num = 1",
+            r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes."peer-net".options]"#,
+            "Root = \"/t/ctrd/runc\"",
+        ] {
+            assert!(handler.contains(want), "{want} in the handler's tables\n{handler}");
+        }
+        // The default network stays the node's.
+        assert!(toml.contains("conf_dir = \"/t/cni/conf\""), "{toml}");
     }
 
     #[test]

@@ -66,6 +66,11 @@ pub const RULES: &[Rule] = &[
         why: "test harnesses are for tests (dev-dependencies) and benchmarks",
     },
     Rule {
+        krate: "rivet-e2e",
+        linkers: Linkers::Only(&["rivet-bench"]),
+        why: "the end-to-end fixtures (the kubelet cluster) are for tests and benchmarks",
+    },
+    Rule {
         krate: "svc-loader",
         linkers: Linkers::Not(UNPRIVILEGED),
         why: "the privileged daemon's code stays out of the unprivileged binaries",

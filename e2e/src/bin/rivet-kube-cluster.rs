@@ -242,6 +242,7 @@ fn serve(state_dir: &Path, args: &UpArgs) -> Result<()> {
         },
         dir: Some(state_dir.join("cluster")),
         images: args.images.clone(),
+        reference_bridge_handler: false,
     };
     runtime.block_on(async {
         let mut term =

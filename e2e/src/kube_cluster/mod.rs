@@ -140,6 +140,13 @@ const KUBELET_SYSCTLS: &[(&str, &str)] = &[
     ("kernel/keys/root_maxbytes", "25000000"),
 ];
 
+/// The containerd runtime handler of
+/// [`KubeClusterOptions::reference_bridge_handler`] (a RuntimeClass's
+/// `handler`).
+pub const REFERENCE_BRIDGE_HANDLER: &str = "reference-bridge";
+/// Its CNI conf dir inside each worker.
+const REFERENCE_BRIDGE_CONF_DIR: &str = "/etc/cni/reference-bridge.d";
+
 /// The file in the cluster dir that lists what [`sweep`] removes.
 pub const RECORD_FILE: &str = "record.json";
 
@@ -265,6 +272,13 @@ pub struct KubeClusterOptions {
     /// More OCI archives imported into every worker's containerd (e.g. the
     /// Rivet image of `cargo xtask image`), beside pause and busybox.
     pub images: Vec<PathBuf>,
+    /// Also give every containerd the runtime handler
+    /// [`REFERENCE_BRIDGE_HANDLER`]: a pod whose RuntimeClass names it gets
+    /// the reference bridge + host-local network (the worker's
+    /// [`Worker::pod_cidr`]) whatever the node's own CNI is, so Rivet and
+    /// the reference plugins serve pods side by side on one cluster (the
+    /// cluster bench). Its conflist is in `/etc/cni/reference-bridge.d`.
+    pub reference_bridge_handler: bool,
 }
 
 impl Default for KubeClusterOptions {
@@ -274,6 +288,7 @@ impl Default for KubeClusterOptions {
             cni: WorkerCni::Bridge,
             dir: None,
             images: Vec::new(),
+            reference_bridge_handler: false,
         }
     }
 }
@@ -698,6 +713,11 @@ impl KubeCluster {
                 &bridge_conflist(&worker.pod_cidr),
             )?;
         }
+        if options.reference_bridge_handler {
+            let conf_dir = worker.host_path(REFERENCE_BRIDGE_CONF_DIR);
+            std::fs::create_dir_all(&conf_dir).map_err(io_err(format!("creating {}", conf_dir.display())))?;
+            write_file(&conf_dir.join("10-bridge.conflist"), &bridge_conflist(&worker.pod_cidr))?;
+        }
         create_mount_ns(worker)?;
         worker.mount_ns_mounted = true;
         create_cgroup_root(&worker.cgroup_root)?;
@@ -707,6 +727,9 @@ impl KubeCluster {
             .mount_ns(worker.mount_ns());
         if options.cni == WorkerCni::None {
             config = config.network_later();
+        }
+        if options.reference_bridge_handler {
+            config = config.network_handler(REFERENCE_BRIDGE_HANDLER, REFERENCE_BRIDGE_CONF_DIR);
         }
         let containerd_err = |source| KubeClusterError::Containerd {
             worker: name.clone(),
