@@ -182,6 +182,7 @@ mod tests {
             Ok(match krate {
                 "svc-loader" => ["svc-loader", "svc-endpoint", "svc-gc", "rivet-bench"],
                 "aya" => ["aya", "svc-loader", "svc-endpoint", "rivet-bench"],
+                "rivet-e2e" => ["rivet-e2e", "rivet-bench", "rivet-bench", "rivet-bench"],
                 _ => ["rivet-testkit", "rivet-bench", "svc-gc", "rivet-bench"],
             }
             .into_iter()
