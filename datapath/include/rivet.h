@@ -460,6 +460,7 @@ struct lb_sock_rev {
 #define DROP_TUNNEL_IDENTITY_INVALID 17 /* VXLAN whose VNI is no identity a node may send: 0, host (1) */
 #define DROP_NO_TUNNEL_ENDPOINT 18      /* to the overlay, but the destination has no tunnel endpoint */
 #define DROP_NO_SERVICE_BACKEND 19      /* a service with no active backend: rejected (TCP RST / ICMP unreachable) */
+#define DROP_NAT_NO_PORT 20             /* a service flow's translated tuple is taken and every port to remap it to is held */
 #define REASON_MAX 64
 #define METRICS_ENTRIES (REASON_MAX * 4)
 

@@ -177,6 +177,10 @@ pub const DROP_NO_TUNNEL_ENDPOINT: u8 = 18;
 /// Drop reason: a new flow to a service with no active backend, rejected
 /// at once (TCP RST / ICMP destination unreachable to the client).
 pub const DROP_NO_SERVICE_BACKEND: u8 = 19;
+/// Drop reason: a new service flow whose translated tuple another live
+/// flow holds, with every port it could be remapped to held as well
+/// (ClusterIP's client port remapping, NodePort's SNAT).
+pub const DROP_NAT_NO_PORT: u8 = 20;
 /// Number of reasons the metrics map has room for.
 pub const REASON_MAX: u32 = 64;
 /// Entries of the per-CPU metrics array: `reason * 4 + direction`.
@@ -211,6 +215,7 @@ pub const fn reason_name(reason: u8) -> &'static str {
         DROP_TUNNEL_IDENTITY_INVALID => "tunnel_identity_invalid",
         DROP_NO_TUNNEL_ENDPOINT => "no_tunnel_endpoint",
         DROP_NO_SERVICE_BACKEND => "no_service_backend",
+        DROP_NAT_NO_PORT => "nat_no_port",
         _ => "unknown",
     }
 }
@@ -1686,6 +1691,7 @@ mod tests {
             ("DROP_TUNNEL_IDENTITY_INVALID", DROP_TUNNEL_IDENTITY_INVALID.into()),
             ("DROP_NO_TUNNEL_ENDPOINT", DROP_NO_TUNNEL_ENDPOINT.into()),
             ("DROP_NO_SERVICE_BACKEND", DROP_NO_SERVICE_BACKEND.into()),
+            ("DROP_NAT_NO_PORT", DROP_NAT_NO_PORT.into()),
             ("LB_MAGLEV_SIZE", LB_MAGLEV_SIZE as u64),
             ("SVC_SCOPE_INTERNAL", SVC_SCOPE_INTERNAL.into()),
             ("SVC_SCOPE_EXTERNAL", SVC_SCOPE_EXTERNAL.into()),
@@ -1919,6 +1925,7 @@ mod tests {
         assert_eq!(flow.socket_addr(), Some(backend));
         assert_eq!(LbMaglevTable::default().backend_ids, [0; LB_MAGLEV_SIZE]);
         assert_eq!(reason_name(DROP_NO_SERVICE_BACKEND), "no_service_backend");
+        assert_eq!(reason_name(DROP_NAT_NO_PORT), "nat_no_port");
     }
 
     #[test]

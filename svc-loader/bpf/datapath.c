@@ -1731,22 +1731,61 @@ static __always_inline void lb_forward_touch(struct pkt *p, struct lb_flow *fwd,
 		lb_flow_touch(lb_flow_get(p, 1, LB_FLOW_SNAT_IN), e);
 }
 
-/* Whether REVERSE entry `rev` is of a flow to `vip`:`vip_port`. */
-static __always_inline int lb_flow_to(const struct pkt *p, const struct lb_flow *rev, const __u32 *vip, __u16 vip_port)
+/* Whether the translated tuple client:`port` -> backend:`backend_port` of
+ * new flow `p` (client -> `vip`:`vip_port`, not yet translated) is held by
+ * a live flow other than `p`'s own. Not held: no REVERSE entry, or an
+ * expired one; one of this very flow (its SYN sent again: to this VIP from
+ * this client port, directly or through its SNAT_IN entry); or one whose
+ * connection is over: its conntrack entry (the client's egress one, keyed
+ * by the same tuple) expired, closing (a reset, or a FIN each way: a new
+ * SYN replaces such a connection, as Linux conntrack's does in TIME_WAIT
+ * and CLOSE) or gone — unless the REVERSE entry was written in the last
+ * second (a flow being created on another CPU, its conntrack entry not yet
+ * made). */
+static __always_inline int lb_tuple_held(const struct pkt *p, const __u32 *backend, __u16 backend_port,
+					 const __u32 *vip, __u16 vip_port, __u16 port, __u64 now)
 {
-	return rev->port == vip_port && lb_addr_equal(p->family, rev->addr, vip);
+	struct lb_flow *rev = flow_get(p, p->saddr, port, backend, backend_port, LB_FLOW_REVERSE);
+	struct ct_entry *e;
+
+	if (!rev || rev->expires < now)
+		return 0;
+	if (rev->port == vip_port && lb_addr_equal(p->family, rev->addr, vip)) {
+		if (!(rev->flags & LB_FLOW_F_PORT_MAPPED)) {
+			if (port == p->sport)
+				return 0;
+		} else {
+			struct lb_flow *in = flow_get(p, backend, backend_port, p->saddr, port, LB_FLOW_SNAT_IN);
+
+			if (in && in->port == p->sport)
+				return 0;
+		}
+	}
+	if (p->family == 4) {
+		struct ct4_key k;
+		flow4_key(&k, p->saddr, port, backend, backend_port, p->protocol, DIR_EGRESS);
+		e = bpf_map_lookup_elem(&ct4, &k);
+	} else {
+		struct ct6_key k;
+		flow6_key(&k, p->saddr, port, backend, backend_port, p->protocol, DIR_EGRESS);
+		e = bpf_map_lookup_elem(&ct6, &k);
+	}
+	if (!e)
+		return rev->expires - (__u64)rev->lifetime * NSEC_PER_SEC + NSEC_PER_SEC > now;
+	return e->expires >= now && !(p->protocol == IPPROTO_TCP && e->tcp_state == CT_TCP_CLOSING);
 }
 
 /* The client port new flow `p` (client -> VIP, not yet translated) leaves
  * with towards backend:port. Its own, unless the translated tuple (client
- * -> backend) is held by another live flow: one client port reaching two
- * VIPs that share a backend is one tuple after DNAT, and the second SYN
- * would meet the first connection. Then, as the kernel's NAT does, another
- * one: the first of LB_REMAP_TRIES ports from a hash of the flow's tuple
- * in [LB_NAT_PORT_MIN, LB_NAT_PORT_MAX] (above Linux's default ephemeral
- * range, so the pod's own automatic ports never meet them) whose
- * translated tuple is free, expired, or this flow's own from before (its
- * SNAT_OUT entry lost: the same port again). Returns the port (network
+ * -> backend) is held by another live flow (lb_tuple_held): one client
+ * port reaching two VIPs that share a backend is one tuple after DNAT, and
+ * the second SYN would meet the first connection. Then, as the kernel's
+ * NAT does, another one: the first of LB_REMAP_TRIES ports from a hash of
+ * the flow's tuple in [LB_NAT_PORT_MIN, LB_NAT_PORT_MAX] (above Linux's
+ * default ephemeral range, so the pod's own automatic ports never meet
+ * them) that is not held (the same flow finds the same port again). Only
+ * live connections of this client to this backend hold ports, so every try
+ * is held only when thousands are open at once. Returns the port (network
  * order), 0 when every try is held. */
 static __always_inline __u16 lb_port_remap(const struct pkt *p, const __u32 *backend, __u16 backend_port,
 					   const __u32 *vip, __u16 vip_port, __u64 now)
@@ -1756,14 +1795,12 @@ static __always_inline __u16 lb_port_remap(const struct pkt *p, const __u32 *bac
 				((__u32)p->sport << 16) | vip_port, p->protocol);
 	int i;
 
-	/* Try -1 is the client's own port; one lookup in the loop keeps the
+	/* Try -1 is the client's own port; one check in the loop keeps the
 	 * caller's frame small. */
 	for (i = -1; i < LB_REMAP_TRIES; i++) {
 		__u16 port = i < 0 ? p->sport : bpf_htons(LB_NAT_PORT_MIN + (start + i) % range);
-		struct lb_flow *held = flow_get(p, p->saddr, port, backend, backend_port, LB_FLOW_REVERSE);
 
-		if (!held || held->expires < now ||
-		    ((i < 0 || (held->flags & LB_FLOW_F_PORT_MAPPED)) && lb_flow_to(p, held, vip, vip_port)))
+		if (!lb_tuple_held(p, backend, backend_port, vip, vip_port, port, now))
 			return port;
 	}
 	return 0;
@@ -1839,9 +1876,14 @@ __noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
 		be = bpf_map_lookup_elem(&lb_backends, &fid);
 		if (!be || be->family != p->family || be->port != f->port || !lb_addr_equal(p->family, be->addr, f->addr))
 			f = 0; /* its backend is gone (or the id was reused) */
-		else if (be->state != LB_BACKEND_ACTIVE && p->protocol == IPPROTO_TCP &&
-			 (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN)
-			f = 0; /* a new connection on a reused port: not to a terminating backend */
+		else if (f->expires < now)
+			f = 0; /* its connection is over: its tuple may be another's */
+		else if (p->protocol == IPPROTO_TCP && (p->tcp_flags & (TCP_FLAG_SYN | TCP_FLAG_ACK)) == TCP_FLAG_SYN)
+			/* A new connection (or its SYN again) on a reused port:
+			 * chosen afresh, as for a first SYN. Its old flow's
+			 * translated tuple may be another flow's by now, and a
+			 * terminating backend takes no new connection. */
+			f = 0;
 	}
 	/* Its client port remapped: the port is in its SNAT_OUT entry (lost:
 	 * chosen again, the same one). */
@@ -1871,7 +1913,7 @@ __noinline int lb_forward(struct __sk_buff *skb, struct pkt *p)
 		if (!lb_addr_equal(p->family, backend_addr, p->saddr)) {
 			port = lb_port_remap(p, backend_addr, backend_port, vip, vip_port, now);
 			if (!port)
-				return DROP_CT_MAP_FULL;
+				return DROP_NAT_NO_PORT;
 		}
 		__builtin_memset(&v, 0, sizeof(v));
 		v.lifetime = ct_lifetime(cfg, p->protocol, p->protocol == IPPROTO_TCP ? CT_TCP_SYN : 0);

@@ -501,7 +501,7 @@ __noinline int nodeport_snat(struct __sk_buff *skb, struct pkt *p)
 		__builtin_memcpy(snat_addr, rev->addr, 16);
 		snat_port = snat_claim(p, snat_addr, rev->backend_id, rev->service_id, cfg);
 		if (!snat_port)
-			return DROP_CT_MAP_FULL;
+			return DROP_NAT_NO_PORT;
 	}
 	if (lb_rewrite(skb, p, p->l4_off, 1, 0, snat_addr, snat_port) < 0)
 		return DROP_INVALID_PACKET;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use rivet_datapath::maps::{LbAffinity, LbAffinityKey, LbBackend};
 use rivet_proto::loader::v1 as pb;
 use rivet_testkit::loader::{LoaderNode, cluster_ip_service, entry, policy};
-use rivet_testkit::service::{HeldConnection, NameServer, ask_name, ask_name_udp, ask_names};
+use rivet_testkit::service::{HeldConnection, NameServer, ask_name, ask_name_udp, ask_names, connect_and_reset};
 
 mod lb_maps;
 use lb_maps::LbMaps;
@@ -213,6 +213,49 @@ async fn one_client_port_reaches_two_services_sharing_a_backend() {
                 assert_eq!(answer, "b1", "{local} → {service}");
             }
         }
+    }
+}
+
+/// The release services bench's pattern (issue 17's lost flow): one client
+/// pod connects from the same `PORTS` client ports to one service after
+/// another, all sharing two backends, each connection closed with a reset.
+/// A port coming back to another service lands, after translation, on the
+/// tuple an earlier, closed flow to the same backend held: that flow's
+/// entries must not keep the tuple (nor the remapped ports) from new flows.
+/// Every connect is answered, nothing is dropped.
+#[tokio::test]
+async fn client_ports_reused_across_services_sharing_backends_lose_no_connection() {
+    const SERVICES: u8 = 12;
+    const PORTS: u16 = 1000;
+    let mut t = ServiceNode::start(&["client", "b1", "b2"]).await;
+    for family in 0..2 {
+        let services: Vec<SocketAddr> = (0..SERVICES)
+            .map(|s| SocketAddr::new(vips(100 + s)[family], SERVICE_PORT))
+            .collect();
+        for (s, service) in services.iter().enumerate() {
+            let id = 100 + 100 * family as u32 + s as u32;
+            t.upsert(id, service.ip(), Protocol::Tcp, &[("b1", ACTIVE), ("b2", ACTIVE)])
+                .await;
+        }
+        let client = addr_of(&t.node, "client", services[0].ip());
+        let drops_before = t.node.drop_counters().await;
+        for service in &services {
+            let connections = (0..PORTS)
+                .map(|k| (SocketAddr::new(client, 20000 + k), *service))
+                .collect();
+            if let Err((k, e)) = connect_and_reset(t.client_ns(), connections, Duration::from_secs(3)) {
+                panic!(
+                    "connection {k} to {service} unanswered: {e}; drops before {drops_before:?}, now {:?}",
+                    t.node.drop_counters().await
+                );
+            }
+        }
+        assert_eq!(
+            t.node.drop_counters().await,
+            drops_before,
+            "no packet of the {} connections was dropped",
+            services.len() * usize::from(PORTS)
+        );
     }
 }
 

@@ -11,10 +11,22 @@ fn object() -> Ebpf {
         .expect("the datapath object loads (needs CAP_BPF)")
 }
 
+/// Instructions the verifier may walk for one program before a change
+/// counts as a regression: half the kernel's limit of 1M, so a program
+/// that grew this far is noticed while it still loads.
+const VERIFIED_INSTRUCTIONS_MAX: u32 = 500_000;
+
 #[test]
-fn both_programs_pass_the_verifier() {
+fn the_tc_programs_pass_the_verifier_well_under_its_limit() {
     let mut bpf = object();
-    for name in ["from_container", "to_container"] {
+    for name in [
+        "from_container",
+        "to_container",
+        "from_overlay",
+        "to_overlay",
+        "from_netdev",
+        "to_netdev",
+    ] {
         let program: &mut SchedClassifier = bpf
             .program_mut(name)
             .unwrap_or_else(|| panic!("{name} is in the object"))
@@ -23,6 +35,16 @@ fn both_programs_pass_the_verifier() {
         if let Err(e) = program.load() {
             panic!("{name} must pass the verifier: {e:#?}");
         }
+        let verified = program
+            .info()
+            .expect("a loaded program's info")
+            .verified_instruction_count()
+            .expect("the kernel reports verified instructions (5.16+)");
+        println!("{name}: {verified} instructions verified");
+        assert!(
+            verified < VERIFIED_INSTRUCTIONS_MAX,
+            "{name}: {verified} instructions verified, over {VERIFIED_INSTRUCTIONS_MAX}"
+        );
     }
 }
 

@@ -2,7 +2,8 @@
 //! TCP and UDP server in a pod that answers every request with the pod's
 //! name, and its clients — [`ask_name`] (one new connection),
 //! [`HeldConnection`] (one connection asked again and again, held across a
-//! change) and [`UdpStream`] (datagrams in lockstep, counted, for "no packet
+//! change), [`connect_and_reset`] (many short connections from chosen
+//! ports) and [`UdpStream`] (datagrams in lockstep, counted, for "no packet
 //! lost" across a restart).
 //!
 //! The protocol: over TCP, every chunk the client writes is answered with
@@ -250,6 +251,36 @@ pub fn ask_name_udp(netns: &NetNs, dst: SocketAddr, timeout: Duration) -> std::i
             ))
         })
         .map_err(std::io::Error::other)?
+}
+
+/// New TCP connections from `netns`, one after the other on one thread in
+/// the namespace, each `(local, dst)` bound to `local` (with `SO_REUSEADDR`)
+/// and closed with a reset once connected (no TIME_WAIT on either side, so
+/// a client port can come back at once, as in the services benchmark).
+/// Returns how many connected, or the first failure (its index and error;
+/// a lost SYN is a `TimedOut` after `timeout`).
+pub fn connect_and_reset(
+    netns: &NetNs,
+    connections: Vec<(SocketAddr, SocketAddr)>,
+    timeout: Duration,
+) -> Result<usize, (usize, std::io::Error)> {
+    let made = netns.in_ns(move || -> Result<usize, (usize, std::io::Error)> {
+        for (i, (local, dst)) in connections.iter().enumerate() {
+            let failed = |e: std::io::Error| (i, std::io::Error::new(e.kind(), format!("{local} -> {dst}: {e}")));
+            let socket = socket2::Socket::new(
+                socket2::Domain::for_address(*dst),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )
+            .map_err(failed)?;
+            socket.set_reuse_address(true).map_err(failed)?;
+            socket.set_linger(Some(Duration::ZERO)).map_err(failed)?;
+            socket.bind(&(*local).into()).map_err(failed)?;
+            socket.connect_timeout(&(*dst).into(), timeout).map_err(failed)?;
+        }
+        Ok(connections.len())
+    });
+    made.map_err(|e| (0, std::io::Error::other(e)))?
 }
 
 /// A TCP connection made in a pod and kept open, asked for the name of its
