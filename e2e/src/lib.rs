@@ -10,6 +10,9 @@
 //! - [`cri`]: a small CRI client (pod sandboxes, containers, `ExecSync`);
 //! - [`kube_cluster`]: a real Kubernetes cluster (control plane + kubelet
 //!   workers, each with its own containerd) in network namespaces;
+//! - [`kube_deploy`]: Rivet installed on that cluster with `kubectl apply -k
+//!   deploy/` (its image under two tags, an overlay for a rolling update),
+//!   and traffic from pods counted while Rivet is disrupted;
 //! - [`node`]: a Rivet node made by `rivet node up` whose CNI directories
 //!   containerd reads;
 //! - [`runtime::v1`]: the generated CRI API (`runtime.v1`, client side).
@@ -25,6 +28,7 @@ pub mod containerd;
 pub mod cri;
 pub mod image;
 pub mod kube_cluster;
+pub mod kube_deploy;
 pub mod node;
 
 use std::path::PathBuf;

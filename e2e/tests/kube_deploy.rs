@@ -1,0 +1,839 @@
+//! Rivet installed with `kubectl apply -k deploy/` on the real cluster
+//! (issue 18 §4): control plane and two kubelet + containerd workers of
+//! `rivet_e2e::kube_cluster`, started with no CNI, the Rivet image of this
+//! run's binaries imported into both. One scenario, steps in order, each
+//! failure naming its step:
+//!
+//! 1. `kubectl apply -k deploy/`: the DaemonSet is Ready on both nodes, the
+//!    operator holds its Lease, each Node got a pod CIDR and became Ready.
+//! 2. A Deployment of 10 busybox pods spread over both nodes (topology
+//!    spread): every pod Running with an address of its node's pod CIDR;
+//!    pod to pod on each node.
+//! 3. A ClusterIP Service answers from every pod.
+//! 4. A NetworkPolicy applied with kubectl: a pod it does not allow is
+//!    refused, one it allows gets through; deleting it lifts it.
+//!    `kubectl get rivetendpoints` shows every pod ready with its identity.
+//! 5. Rolling update of the DaemonSet to a second tag of the image while a
+//!    pod pings another and keeps a TCP stream to the Service: no echo
+//!    reply missing by sequence number, every streamed byte echoed, the
+//!    connection the same.
+//! 6. Each daemon container on node 1 SIGKILLed through containerd: the
+//!    kubelet restarts it (restartCount rises, Ready again); the same
+//!    traffic loses nothing.
+//!
+//! Traffic crosses nodes only where Rivet routes between nodes with the CRD
+//! store (not on main yet: deploy/README.md): until then pod to pod and the
+//! Services stay within a node (one Service per node).
+//!
+//! Needs root, containerd, runc, ctr, /usr/lib/cni, busybox-static, the
+//! Kubernetes tools (`cargo xtask install`) and the workspace's binaries
+//! (`cargo build --bins`; `cargo test --workspace` builds them).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, ListParams};
+use rivet_common::testing::workspace_binary;
+use rivet_e2e::image::BUSYBOX_IMAGE;
+use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, Worker, WorkerCni, node_ready};
+use rivet_e2e::kube_deploy::{
+    DEPLOY_TAG, EchoStream, PingMonitor, deploy_dir, kill_container, poll, rivet_image, write_image_tag_overlay,
+    write_rivet_archives,
+};
+use rivet_k8s::{RivetEndpoint, RivetNode};
+
+/// How long one step may wait for the cluster.
+const STEP_TIMEOUT: Duration = Duration::from_secs(120);
+/// The web Deployment's size.
+const REPLICAS: usize = 10;
+/// The web pods' echo port.
+const ECHO_PORT: u16 = 9000;
+/// The daemon containers of `rivet-node`.
+const DAEMONS: [&str; 6] = [
+    "svc-ipam",
+    "svc-identity",
+    "svc-endpoint",
+    "svc-loader",
+    "svc-gc",
+    "svc-k8s-sync",
+];
+
+/// The cluster and what the steps share; a failing step dumps the
+/// cluster's state before the cluster goes.
+struct Scenario {
+    cluster: KubeCluster,
+    step: &'static str,
+}
+
+impl Drop for Scenario {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.dump();
+        }
+    }
+}
+
+impl Scenario {
+    /// `kubectl <args>`; fails the step with kubectl's output.
+    fn kubectl(&self, args: &[&str]) -> String {
+        self.kubectl_stdin(args, None)
+    }
+
+    /// `kubectl <args>` with `stdin` (e.g. `apply -f -`).
+    fn kubectl_stdin(&self, args: &[&str], stdin: Option<&str>) -> String {
+        let out = self.try_kubectl(args, stdin);
+        match out {
+            Ok(out) => out,
+            Err(out) => panic!("step {}: kubectl {args:?} failed: {out}", self.step),
+        }
+    }
+
+    /// `kubectl <args>`: `Ok(stdout)` or `Err(stdout + stderr)`.
+    fn try_kubectl(&self, args: &[&str], stdin: Option<&str>) -> Result<String, String> {
+        use std::io::Write as _;
+        let mut command = self.cluster.kubectl().unwrap();
+        command
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = command.spawn().expect("running kubectl");
+        let mut input = child.stdin.take().expect("piped");
+        if let Some(stdin) = stdin {
+            input.write_all(stdin.as_bytes()).expect("writing kubectl's stdin");
+        }
+        drop(input);
+        let out = child.wait_with_output().expect("waiting for kubectl");
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() {
+            Ok(stdout)
+        } else {
+            Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
+        }
+    }
+
+    /// `kubectl exec <pod> -- sh -c <script>`: `Ok(stdout)` or the failure.
+    fn exec(&self, pod: &str, script: &str) -> Result<String, String> {
+        self.try_kubectl(&["exec", pod, "--", "sh", "-c", script], None)
+    }
+
+    /// `line` sent from `pod` to `address:port` comes back from an echo
+    /// server (a 3 s connect timeout).
+    fn echoes(&self, pod: &str, address: IpAddr, port: u16, line: &str) -> Result<(), String> {
+        let out = self.exec(pod, &format!("echo {line} | timeout 6 nc -w 3 {address} {port}"))?;
+        if out.trim() == line {
+            Ok(())
+        } else {
+            Err(format!("echoed {out:?}"))
+        }
+    }
+
+    /// Waits for `check` (see [`poll`]), failing the step with what was seen.
+    async fn wait<T, F, Fut>(&self, what: &str, check: F) -> T
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, String>>,
+    {
+        poll(what, STEP_TIMEOUT, check)
+            .await
+            .unwrap_or_else(|e| panic!("step {}: {e}", self.step))
+    }
+
+    /// What a failed step leaves to read: every pod, the Nodes, the
+    /// events, and the logs of Rivet's pods.
+    fn dump(&self) {
+        for args in [
+            &["get", "nodes", "-o", "wide"][..],
+            &["get", "pods", "-A", "-o", "wide"],
+            &["get", "events", "-A", "--sort-by=.lastTimestamp"],
+            &[
+                "logs",
+                "-n",
+                "kube-system",
+                "-l",
+                "app.kubernetes.io/part-of=rivet",
+                "--all-containers",
+                "--prefix",
+                "--tail=30",
+                "--max-log-requests=30",
+            ],
+        ] {
+            let out = self.try_kubectl(args, None).unwrap_or_else(|e| e);
+            eprintln!("--- kubectl {}\n{out}", args.join(" "));
+        }
+    }
+
+    fn worker(&self, node: &str) -> &Worker {
+        self.cluster
+            .workers()
+            .iter()
+            .find(|w| w.name == node)
+            .unwrap_or_else(|| panic!("step {}: no worker {node}", self.step))
+    }
+
+    fn pods(&self, namespace: &str) -> Api<Pod> {
+        Api::namespaced(self.cluster.admin_client(), namespace)
+    }
+
+    /// Pods of `namespace` matching `selector`, by name.
+    async fn list_pods(&self, namespace: &str, selector: &str) -> Vec<Pod> {
+        self.pods(namespace)
+            .list(&ListParams::default().labels(selector))
+            .await
+            .unwrap_or_else(|e| panic!("step {}: listing pods {selector}: {e}", self.step))
+            .items
+    }
+
+    /// The `rivet-node` pod on `node`.
+    async fn rivet_node_pod(&self, node: &str) -> Pod {
+        self.list_pods("kube-system", "app.kubernetes.io/name=rivet-node")
+            .await
+            .into_iter()
+            .find(|p| spec_node(p) == node && p.metadata.deletion_timestamp.is_none())
+            .unwrap_or_else(|| panic!("step {}: no rivet-node pod on {node}", self.step))
+    }
+}
+
+fn name(pod: &Pod) -> &str {
+    pod.metadata.name.as_deref().unwrap_or_default()
+}
+
+fn spec_node(pod: &Pod) -> &str {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .unwrap_or_default()
+}
+
+fn pod_ip(pod: &Pod) -> Option<IpAddr> {
+    pod.status.as_ref()?.pod_ip.as_ref()?.parse().ok()
+}
+
+fn pod_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// `(name, node, ip)` of ready pods, or what is not ready.
+fn ready_pods(pods: &[Pod], want: usize) -> Result<Vec<(String, String, IpAddr)>, String> {
+    let ready: Vec<_> = pods
+        .iter()
+        .filter(|p| pod_ready(p) && p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| Some((name(p).to_owned(), spec_node(p).to_owned(), pod_ip(p)?)))
+        .collect();
+    if ready.len() == want {
+        Ok(ready)
+    } else {
+        let phases: Vec<String> = pods
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} on {:?}: {:?}",
+                    name(p),
+                    spec_node(p),
+                    p.status.as_ref().and_then(|s| s.phase.clone())
+                )
+            })
+            .collect();
+        Err(format!("{} of {want} ready: {phases:?}", ready.len()))
+    }
+}
+
+fn web_deployment() -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": { "name": "web", "namespace": "default" },
+        "spec": {
+            "replicas": REPLICAS,
+            "selector": { "matchLabels": { "app": "web" } },
+            "template": {
+                "metadata": { "labels": { "app": "web" } },
+                "spec": {
+                    "terminationGracePeriodSeconds": 0,
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1,
+                        "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "DoNotSchedule",
+                        "labelSelector": { "matchLabels": { "app": "web" } }
+                    }],
+                    "containers": [{
+                        "name": "echo",
+                        "image": BUSYBOX_IMAGE,
+                        "imagePullPolicy": "Never",
+                        // An echo server: one `cat` per connection.
+                        "command": ["nc", "-ll", "-p", ECHO_PORT.to_string(), "-e", "/bin/cat"]
+                    }]
+                }
+            }
+        }
+    })
+}
+
+fn busybox_pod(name: &str, node: &str, labels: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": name, "namespace": "default", "labels": labels },
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "main",
+                "image": BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["sleep", "3600"]
+            }]
+        }
+    })
+}
+
+fn echo_service(name: &str, selector: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": {
+            "selector": selector,
+            "ports": [{ "name": "echo", "protocol": "TCP", "port": ECHO_PORT, "targetPort": ECHO_PORT }]
+        }
+    })
+}
+
+fn yaml(objects: &[serde_json::Value]) -> String {
+    serde_json::json!({ "apiVersion": "v1", "kind": "List", "items": objects }).to_string()
+}
+
+/// Whether the DaemonSet rolled out `image` on every node: status for the
+/// current generation, every pod updated, ready and available.
+fn daemonset_rolled_out(ds: &DaemonSet) -> Result<(), String> {
+    let status = ds.status.clone().unwrap_or_default();
+    let generation = ds.metadata.generation.unwrap_or_default();
+    let desired = status.desired_number_scheduled;
+    if desired == 2
+        && status.observed_generation == Some(generation)
+        && status.updated_number_scheduled == Some(desired)
+        && status.number_ready == desired
+        && status.number_available == Some(desired)
+    {
+        Ok(())
+    } else {
+        Err(format!(
+            "generation {generation}, observed {:?}, desired {desired}, updated {:?}, ready {}, available {:?}",
+            status.observed_generation, status.updated_number_scheduled, status.number_ready, status.number_available
+        ))
+    }
+}
+
+/// Whether a Deployment rolled out: status for the current generation,
+/// every replica updated and available.
+fn deployment_rolled_out(deployment: &Deployment) -> Result<(), String> {
+    let status = deployment.status.clone().unwrap_or_default();
+    let generation = deployment.metadata.generation.unwrap_or_default();
+    let want = deployment.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    if status.observed_generation == Some(generation)
+        && status.updated_replicas == Some(want)
+        && status.available_replicas == Some(want)
+        && status.replicas == Some(want)
+    {
+        Ok(())
+    } else {
+        Err(format!("{:?}", status))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
+    // The Rivet image of this run's binaries, under deploy/'s tag and a
+    // second tag for the rolling update.
+    let images = tempfile::Builder::new().prefix("rivet-e2e-deploy-").tempdir().unwrap();
+    let second_tag = format!("e2e-{}", std::process::id());
+    let bin_dir = workspace_binary("rivet").parent().unwrap().to_path_buf();
+    let archives = write_rivet_archives(&bin_dir, images.path(), &[DEPLOY_TAG, &second_tag])
+        .unwrap_or_else(|e| panic!("writing the Rivet images from {}: {e}", bin_dir.display()));
+    let cluster = KubeCluster::start(KubeClusterOptions {
+        cni: WorkerCni::None,
+        images: vec![archives[0].clone()],
+        ..KubeClusterOptions::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("starting the cluster: {e}"));
+    println!(
+        "cluster {} up in {:.1} s",
+        cluster.name(),
+        cluster.started_in().as_secs_f64()
+    );
+
+    // 1. kubectl apply -k deploy/.
+    let started = std::time::Instant::now();
+    let deploy = deploy_dir();
+    let mut scenario = Scenario {
+        cluster,
+        step: "1 (kubectl apply -k deploy/)",
+    };
+    scenario.kubectl(&["apply", "-k", &deploy.display().to_string()]);
+    let daemonsets: Api<DaemonSet> = Api::namespaced(scenario.cluster.admin_client(), "kube-system");
+    scenario
+        .wait("the rivet-node DaemonSet Ready on both nodes", || {
+            let daemonsets = daemonsets.clone();
+            async move {
+                let ds = daemonsets.get("rivet-node").await.map_err(|e| e.to_string())?;
+                daemonset_rolled_out(&ds)
+            }
+        })
+        .await;
+    let leases: Api<Lease> = Api::namespaced(scenario.cluster.admin_client(), "kube-system");
+    let holder = scenario
+        .wait("the operator's Lease kube-system/rivet-operator held", || {
+            let leases = leases.clone();
+            async move {
+                let lease = leases.get_opt("rivet-operator").await.map_err(|e| e.to_string())?;
+                lease
+                    .as_ref()
+                    .and_then(|l| l.spec.as_ref()?.holder_identity.clone())
+                    .filter(|h| !h.is_empty())
+                    .ok_or_else(|| format!("{lease:?}"))
+            }
+        })
+        .await;
+    let nodes: Api<Node> = Api::all(scenario.cluster.admin_client());
+    let rivet_nodes: Api<RivetNode> = Api::all(scenario.cluster.admin_client());
+    let names: Vec<String> = scenario.cluster.workers().iter().map(|w| w.name.clone()).collect();
+    // The operator's cluster-pool allocation is the RivetNode's
+    // spec.podCidrs (as Cilium's is the CiliumNode's).
+    let pod_cidrs: BTreeMap<String, ipnet::IpNet> = scenario
+        .wait("a pod CIDR in every node's RivetNode", || {
+            let (rivet_nodes, names) = (rivet_nodes.clone(), names.clone());
+            async move {
+                let mut cidrs = BTreeMap::new();
+                for name in &names {
+                    let node = rivet_nodes.get_opt(name).await.map_err(|e| e.to_string())?;
+                    let cidr = node
+                        .and_then(|n| n.spec.pod_cidrs.first().cloned())
+                        .ok_or(format!("{name}: no pod CIDR"))?;
+                    cidrs.insert(name.clone(), cidr.parse().map_err(|e| format!("{name}: {cidr}: {e}"))?);
+                }
+                Ok(cidrs)
+            }
+        })
+        .await;
+    scenario
+        .cluster
+        .wait_nodes_ready(STEP_TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("step {}: {e}", scenario.step));
+    for node in nodes.list(&ListParams::default()).await.unwrap() {
+        assert!(
+            node_ready(&node),
+            "step {}: {:?} Ready",
+            scenario.step,
+            node.metadata.name
+        );
+    }
+    println!(
+        "rivet-node Ready on both nodes {:.1} s after the apply; Lease held by {holder}; pod CIDRs {pod_cidrs:?}",
+        started.elapsed().as_secs_f64()
+    );
+
+    // 2. 10 pods over both nodes, each with an address of its node's CIDR.
+    scenario.step = "2 (a Deployment of 10 pods over both nodes)";
+    let (node1, node2) = (names[0].clone(), names[1].clone());
+    scenario.kubectl_stdin(
+        &["apply", "-f", "-"],
+        Some(&yaml(&[
+            web_deployment(),
+            busybox_pod("client", &node1, serde_json::json!({ "role": "client" })),
+            busybox_pod("intruder", &node1, serde_json::json!({ "role": "intruder" })),
+        ])),
+    );
+    let web = scenario
+        .wait("10 web pods Ready", || async {
+            ready_pods(&scenario.list_pods("default", "app=web").await, REPLICAS)
+        })
+        .await;
+    let others = scenario
+        .wait("the client and intruder pods Ready", || async {
+            ready_pods(&scenario.list_pods("default", "role").await, 2)
+        })
+        .await;
+    for (pod, node, ip) in web.iter().chain(&others) {
+        let cidr = &pod_cidrs[node];
+        assert!(
+            cidr.contains(ip),
+            "step {}: pod {pod} on {node} has {ip}, outside its node's pod CIDR {cidr}",
+            scenario.step
+        );
+    }
+    let on = |node: &str| -> Vec<(String, IpAddr)> {
+        web.iter()
+            .filter(|(_, n, _)| n == node)
+            .map(|(p, _, ip)| (p.clone(), *ip))
+            .collect()
+    };
+    let (web1, web2) = (on(&node1), on(&node2));
+    assert_eq!(
+        (web1.len(), web2.len()),
+        (REPLICAS / 2, REPLICAS / 2),
+        "step {}: the topology spread puts half the pods on each node: {web:?}",
+        scenario.step
+    );
+    // Each web pod pings the next one on its node.
+    for pods in [&web1, &web2] {
+        for (i, (pod, _)) in pods.iter().enumerate() {
+            let (peer, ip) = &pods[(i + 1) % pods.len()];
+            let out = scenario
+                .exec(pod, &format!("ping -c 1 -W 3 {ip}"))
+                .unwrap_or_else(|e| panic!("step {}: {pod} pings {peer} ({ip}): {e}", scenario.step));
+            assert!(
+                out.contains("1 packets received"),
+                "step {}: {pod} → {peer}: {out}",
+                scenario.step
+            );
+        }
+    }
+
+    // 3. A ClusterIP Service from every pod: one per node while Rivet does
+    // not route between nodes (the pods of node i get the label node=i).
+    scenario.step = "3 (a ClusterIP Service from every pod)";
+    let mut services = Vec::new();
+    for (index, pods) in [&web1, &web2].into_iter().enumerate() {
+        let label = format!("rivet-e2e/node={}", index + 1);
+        let mut args = vec!["label", "pod", "--overwrite"];
+        args.extend(pods.iter().map(|(p, _)| p.as_str()));
+        args.push(&label);
+        scenario.kubectl(&args);
+        services.push(echo_service(
+            &format!("web-{}", index + 1),
+            serde_json::json!({ "app": "web", "rivet-e2e/node": (index + 1).to_string() }),
+        ));
+    }
+    scenario.kubectl_stdin(&["apply", "-f", "-"], Some(&yaml(&services)));
+    let service_api: Api<Service> = Api::namespaced(scenario.cluster.admin_client(), "default");
+    let slices: Api<EndpointSlice> = Api::namespaced(scenario.cluster.admin_client(), "default");
+    let mut vips = Vec::new();
+    for (index, pods) in [&web1, &web2].into_iter().enumerate() {
+        let service = format!("web-{}", index + 1);
+        let vip: IpAddr = service_api
+            .get(&service)
+            .await
+            .unwrap()
+            .spec
+            .and_then(|s| s.cluster_ip)
+            .and_then(|ip| ip.parse().ok())
+            .unwrap_or_else(|| panic!("step {}: {service} has no ClusterIP", scenario.step));
+        scenario
+            .wait(&format!("{service}'s EndpointSlice with 5 ready endpoints"), || {
+                let (slices, service) = (slices.clone(), service.clone());
+                async move {
+                    let list = slices
+                        .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={service}")))
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let ready = list
+                        .items
+                        .iter()
+                        .flat_map(|s| &s.endpoints)
+                        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+                        .count();
+                    if ready == REPLICAS / 2 {
+                        Ok(())
+                    } else {
+                        Err(format!("{ready} ready endpoints"))
+                    }
+                }
+            })
+            .await;
+        // The first answer on a node says Rivet programmed the Service
+        // there; from then on every pod must get through at once.
+        let (first, _) = &pods[0];
+        scenario
+            .wait(&format!("{first} reaches {service} at {vip}"), || async {
+                scenario.echoes(first, vip, ECHO_PORT, "first")
+            })
+            .await;
+        for (pod, _) in pods.iter() {
+            scenario
+                .echoes(pod, vip, ECHO_PORT, pod)
+                .unwrap_or_else(|e| panic!("step {}: {pod} → {service} ({vip}): {e}", scenario.step));
+        }
+        vips.push(vip);
+    }
+    scenario
+        .echoes("client", vips[0], ECHO_PORT, "client")
+        .unwrap_or_else(|e| panic!("step {}: client → web-1 ({}): {e}", scenario.step, vips[0]));
+
+    // 4. A NetworkPolicy: only role=client reaches the web pods' echo port.
+    scenario.step = "4 (a NetworkPolicy applied with kubectl)";
+    let policy = serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": { "name": "web-from-clients", "namespace": "default" },
+        "spec": {
+            "podSelector": { "matchLabels": { "app": "web" } },
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "from": [{ "podSelector": { "matchLabels": { "role": "client" } } }],
+                "ports": [{ "protocol": "TCP", "port": ECHO_PORT }]
+            }]
+        }
+    });
+    scenario.kubectl_stdin(&["apply", "-f", "-"], Some(&policy.to_string()));
+    let endpoints: Api<RivetEndpoint> = Api::namespaced(scenario.cluster.admin_client(), "default");
+    let enforced = |want: bool| {
+        let endpoints = endpoints.clone();
+        async move {
+            let list = endpoints
+                .list(&ListParams::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            let web: Vec<_> = list
+                .items
+                .iter()
+                .filter(|e| e.metadata.name.as_deref().is_some_and(|n| n.starts_with("web-")))
+                .map(|e| {
+                    let status = e.status.clone().unwrap_or_default();
+                    (e.metadata.name.clone().unwrap_or_default(), status.ingress_enforced)
+                })
+                .collect();
+            if web.len() == REPLICAS && web.iter().all(|(_, e)| *e == want) {
+                Ok(())
+            } else {
+                Err(format!("ingress enforced: {web:?}"))
+            }
+        }
+    };
+    scenario
+        .wait("every web pod's RivetEndpoint ingress-enforced", || enforced(true))
+        .await;
+    let (target, target_ip) = &web1[0];
+    let denied = scenario.echoes("intruder", *target_ip, ECHO_PORT, "intruder");
+    assert!(
+        denied.is_err(),
+        "step {}: intruder reached {target} ({target_ip}) through the policy",
+        scenario.step
+    );
+    scenario
+        .echoes("client", *target_ip, ECHO_PORT, "client")
+        .unwrap_or_else(|e| panic!("step {}: client → {target} ({target_ip}), allowed: {e}", scenario.step));
+    scenario
+        .echoes("client", vips[0], ECHO_PORT, "client")
+        .unwrap_or_else(|e| panic!("step {}: client → web-1 ({}), allowed: {e}", scenario.step, vips[0]));
+
+    // kubectl get rivetendpoints: every pod, ready, with its identity.
+    scenario.step = "4 (kubectl get rivetendpoints)";
+    let table = scenario.kubectl(&["get", "rivetendpoints", "-n", "default"]);
+    let listed: serde_json::Value =
+        serde_json::from_str(&scenario.kubectl(&["get", "rivetendpoints", "-n", "default", "-o", "json"])).unwrap();
+    let mut identities = BTreeMap::new();
+    for (pod, node, ip) in web.iter().chain(&others) {
+        let item = listed["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|i| i["metadata"]["name"] == pod.as_str())
+            .unwrap_or_else(|| panic!("step {}: no RivetEndpoint for {pod}:\n{table}", scenario.step));
+        let status = &item["status"];
+        assert_eq!(status["state"], "ready", "step {}: {pod}: {status}", scenario.step);
+        assert_eq!(
+            status["ipv4"],
+            ip.to_string(),
+            "step {}: {pod}: {status}",
+            scenario.step
+        );
+        assert_eq!(status["node"], node.as_str(), "step {}: {pod}: {status}", scenario.step);
+        let identity = status["identity"].as_u64().unwrap_or_default();
+        assert!(
+            identity >= 256,
+            "step {}: {pod} has a cluster identity: {status}",
+            scenario.step
+        );
+        let row = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(pod.as_str()))
+            .unwrap_or_else(|| panic!("step {}: {pod} not in the table:\n{table}", scenario.step));
+        assert!(
+            row.contains(" ready ") && row.contains(&format!(" {identity} ")),
+            "step {}: {pod}'s row shows its state and identity {identity}: {row}",
+            scenario.step
+        );
+        identities.insert(pod.clone(), identity);
+    }
+    let web1_identity = identities[&web1[0].0];
+    assert!(
+        web1.iter().all(|(p, _)| identities[p] == web1_identity),
+        "step {}: the web pods of one node share an identity: {identities:?}",
+        scenario.step
+    );
+    assert_ne!(
+        identities["client"], identities["intruder"],
+        "step {}: {identities:?}",
+        scenario.step
+    );
+    println!("kubectl get rivetendpoints:\n{table}");
+
+    scenario.step = "4 (deleting the NetworkPolicy)";
+    scenario.kubectl(&["delete", "networkpolicy", "web-from-clients", "-n", "default"]);
+    scenario
+        .wait("no web pod's RivetEndpoint ingress-enforced", || enforced(false))
+        .await;
+    scenario
+        .echoes("intruder", *target_ip, ECHO_PORT, "intruder")
+        .unwrap_or_else(|e| panic!("step {}: intruder → {target} without the policy: {e}", scenario.step));
+
+    // 5. Rolling update to the second tag under traffic.
+    scenario.step = "5 (rolling update of the DaemonSet)";
+    let second = rivet_image(&second_tag);
+    scenario
+        .cluster
+        .import_images(&archives[1], &[&second])
+        .await
+        .unwrap_or_else(|e| panic!("step {}: importing {second}: {e}", scenario.step));
+    let before: Vec<String> = scenario
+        .list_pods("kube-system", "app.kubernetes.io/name=rivet-node")
+        .await
+        .iter()
+        .filter_map(|p| p.metadata.uid.clone())
+        .collect();
+    let (peer, peer_ip) = web1[1].clone();
+    let traffic = Traffic::start(&scenario, &peer, peer_ip, vips[0]).await;
+    let overlay = tempfile::Builder::new().prefix("rivet-e2e-overlay-").tempdir().unwrap();
+    write_image_tag_overlay(overlay.path(), &second_tag).unwrap();
+    let rollout = std::time::Instant::now();
+    scenario.kubectl(&["apply", "-k", &overlay.path().display().to_string()]);
+    scenario
+        .wait(&format!("rivet-node rolled out to {second}"), || {
+            let daemonsets = daemonsets.clone();
+            let scenario = &scenario;
+            let second = second.clone();
+            async move {
+                let ds = daemonsets.get("rivet-node").await.map_err(|e| e.to_string())?;
+                daemonset_rolled_out(&ds)?;
+                let pods = scenario
+                    .list_pods("kube-system", "app.kubernetes.io/name=rivet-node")
+                    .await;
+                let old: Vec<_> = pods
+                    .iter()
+                    .filter(|p| {
+                        p.spec.as_ref().is_none_or(|s| {
+                            s.containers
+                                .iter()
+                                .chain(s.init_containers.iter().flatten())
+                                .any(|c| c.image.as_deref() != Some(second.as_str()))
+                        }) || !pod_ready(p)
+                    })
+                    .map(name)
+                    .collect();
+                if pods.len() == 2 && old.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!("{} pods, not updated or not ready: {old:?}", pods.len()))
+                }
+            }
+        })
+        .await;
+    let deployments: Api<Deployment> = Api::namespaced(scenario.cluster.admin_client(), "kube-system");
+    scenario
+        .wait("rivet-operator rolled out", || {
+            let deployments = deployments.clone();
+            async move { deployment_rolled_out(&deployments.get("rivet-operator").await.map_err(|e| e.to_string())?) }
+        })
+        .await;
+    let after = scenario
+        .list_pods("kube-system", "app.kubernetes.io/name=rivet-node")
+        .await;
+    assert!(
+        after
+            .iter()
+            .all(|p| p.metadata.uid.as_ref().is_some_and(|u| !before.contains(u))),
+        "step {}: both rivet-node pods replaced",
+        scenario.step
+    );
+    println!("rolled out in {:.1} s", rollout.elapsed().as_secs_f64());
+    traffic.check(&scenario).await;
+
+    // 6. Each daemon container on node 1 killed through containerd.
+    scenario.step = "6 (daemon containers killed through the CRI)";
+    let traffic = Traffic::start(&scenario, &peer, peer_ip, vips[0]).await;
+    let worker = scenario.worker(&node1);
+    for daemon in DAEMONS {
+        let status = |pod: &Pod| {
+            pod.status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .and_then(|c| c.iter().find(|c| c.name == daemon).cloned())
+                .unwrap_or_else(|| panic!("step {}: no status of {daemon} in {}", scenario.step, name(pod)))
+        };
+        let pod = scenario.rivet_node_pod(&node1).await;
+        let was = status(&pod);
+        let id = was
+            .container_id
+            .clone()
+            .unwrap_or_else(|| panic!("step {}: {daemon} has no container id", scenario.step));
+        kill_container(worker, &id).unwrap_or_else(|e| panic!("step {}: killing {daemon}: {e}", scenario.step));
+        scenario
+            .wait(&format!("{daemon} on {node1} restarted and Ready"), || async {
+                let now = status(&scenario.rivet_node_pod(&node1).await);
+                if now.restart_count > was.restart_count && now.ready && now.container_id != was.container_id {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "restarts {} (was {}), ready {}, id {:?}",
+                        now.restart_count, was.restart_count, now.ready, now.container_id
+                    ))
+                }
+            })
+            .await;
+    }
+    traffic.check(&scenario).await;
+}
+
+/// A ping from `client` to a pod and a TCP stream from `client` to a
+/// Service, running while a step disrupts Rivet.
+struct Traffic {
+    ping: PingMonitor,
+    stream: EchoStream,
+}
+
+impl Traffic {
+    async fn start(scenario: &Scenario, peer: &str, peer_ip: IpAddr, vip: IpAddr) -> Self {
+        let ping = PingMonitor::start(scenario.cluster.kubectl().unwrap(), "client", peer_ip)
+            .unwrap_or_else(|e| panic!("step {}: ping client → {peer}: {e}", scenario.step));
+        let stream = EchoStream::start(scenario.cluster.kubectl().unwrap(), "client", vip, ECHO_PORT)
+            .unwrap_or_else(|e| panic!("step {}: stream client → {vip}: {e}", scenario.step));
+        // Both flow before the disruption starts.
+        ping.wait_replies(3, Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|e| panic!("step {}: {e}", scenario.step));
+        stream
+            .wait_echoed(3, Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|e| panic!("step {}: {e}", scenario.step));
+        Self { ping, stream }
+    }
+
+    /// After the disruption: both still flow, then nothing was lost.
+    async fn check(self, scenario: &Scenario) {
+        let _ = self.ping.wait_replies(3, Duration::from_secs(30)).await;
+        let _ = self.stream.wait_echoed(3, Duration::from_secs(30)).await;
+        let ping = self.ping.stop();
+        let stream = self.stream.stop();
+        println!("step {}: ping {ping:?}; stream {stream:?}", scenario.step);
+        assert!(
+            ping.lost.is_empty() && ping.received > 6,
+            "step {}: echo replies lost (by sequence number): {ping:?}",
+            scenario.step
+        );
+        assert!(
+            stream.failure.is_none() && stream.echoed > 6,
+            "step {}: the TCP stream to the Service: {stream:?}",
+            scenario.step
+        );
+    }
+}
