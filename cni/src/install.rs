@@ -9,8 +9,9 @@
 //! bin dir has no `loopback` plugin (runtimes set up every pod's `lo` with
 //! it) before it writes anything.
 //!
-//! Not here: removing them (`rivet node down`; on Kubernetes, draining the
-//! node), the daemons' directories (`rivet node prepare`).
+//! [`uninstall`] removes both again, the conflist first (`rivet node
+//! cleanup`, the DaemonSet's last container; `rivet node down`). Not here:
+//! the daemons' directories (`rivet node prepare`).
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -165,6 +166,25 @@ pub fn install(
     Ok([target, path])
 }
 
+/// Removes `<conf_dir>/10-rivet.conflist`, then `<bin_dir>/rivet-cni` (a
+/// runtime stops choosing Rivet before the plugin goes); returns the paths
+/// it removed. Files already gone are not an error; other plugins and
+/// conflists stay.
+///
+/// # Errors
+/// [`InstallError::Io`] naming the file that could not be removed.
+pub fn uninstall(bin_dir: &Path, conf_dir: &Path) -> Result<Vec<PathBuf>, InstallError> {
+    let mut removed = Vec::new();
+    for path in [conf_dir.join(CONFLIST_FILE), bin_dir.join(BINARY)] {
+        match std::fs::remove_file(&path) {
+            Ok(()) => removed.push(path),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("removing", &path)(e)),
+        }
+    }
+    Ok(removed)
+}
+
 /// Copies an executable to `target` (mode 0755) through a temp file beside
 /// it, synced before the rename: a runtime never runs half a binary.
 ///
@@ -237,6 +257,25 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["loopback", "rivet-cni"]);
+    }
+
+    #[test]
+    fn uninstall_removes_the_binary_and_the_conflist_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let (bin, conf) = (dir.path().join("bin"), dir.path().join("net.d"));
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("loopback"), b"").unwrap();
+        std::fs::create_dir_all(&conf).unwrap();
+        std::fs::write(conf.join("05-other.conflist"), b"{}").unwrap();
+        let source = dir.path().join("source");
+        std::fs::write(&source, "plugin").unwrap();
+        install(&source, &bin, &conf, &conflist()).unwrap();
+
+        let removed = uninstall(&bin, &conf).unwrap();
+        assert_eq!(removed, [conf.join(CONFLIST_FILE), bin.join(BINARY)]);
+        assert!(bin.join("loopback").exists() && conf.join("05-other.conflist").exists());
+        assert!(!bin.join(BINARY).exists() && !conf.join(CONFLIST_FILE).exists());
+        assert_eq!(uninstall(&bin, &conf).unwrap(), Vec::<PathBuf>::new(), "idempotent");
     }
 
     #[test]

@@ -12,7 +12,9 @@
 //! - every container's command line parses with the real binaries: each
 //!   daemon with its ConfigMap as config dir, its environment and
 //!   `--check-config`; the init containers really run (`rivet node prepare`
-//!   and `rivet-cni install`, their host paths moved into a temp dir).
+//!   and `rivet-cni install`, their host paths moved into a temp dir), and
+//!   the `cleanup` sidecar waits for SIGTERM, then removes what they left
+//!   (this namespace has no pod interface and no daemon serves).
 //!
 //! Needs kube-apiserver and kubectl (`cargo xtask install`), the rivet
 //! users and the workspace binaries (`cargo build --bins`).
@@ -467,9 +469,74 @@ fn every_container_s_command_line_works_with_the_real_binaries() {
                             .unwrap();
                         assert_eq!(sockets["hostPath"]["path"], "/var/run/rivet/sockets", "{dir}");
                     }
+                    "cleanup" => {
+                        assert_eq!(
+                            c["restartPolicy"], "Always",
+                            "{dir}: a sidecar, stopped after the daemons"
+                        );
+                        run_cleanup_sidecar(dir, &line, &env, root.path());
+                    }
                     other => panic!("{dir}: an init container nobody checks: {other}"),
                 }
             }
         }
     }
+}
+
+/// The `cleanup` sidecar's command line over what `prepare` and
+/// `install-cni` leave (moved into `root`): it waits, and on SIGTERM removes
+/// the plugin, the conflist, the CNI log, dead sockets and lock files and
+/// the empty dirs, and nothing else.
+fn run_cleanup_sidecar(dir: &str, line: &[String], env: &BTreeMap<String, String>, root: &Path) {
+    use std::io::BufRead as _;
+    let leftovers = [
+        "cni-bin/rivet-cni",
+        "cni-conf/10-rivet.conflist",
+        "run/rivet-cni.log",
+        "run/sockets/svc-ipam.sock.lock",
+    ];
+    for file in leftovers {
+        std::fs::create_dir_all(root.join(file).parent().unwrap()).unwrap();
+        std::fs::write(root.join(file), "").unwrap();
+    }
+    std::fs::write(root.join("cni-bin/loopback"), "").unwrap();
+    std::fs::create_dir_all(root.join("run/svc-ipam")).unwrap();
+    std::fs::create_dir_all(root.join("bpffs/rivet/node-1")).unwrap();
+    std::fs::write(root.join("run/svc-endpoint-state"), "").unwrap();
+    let mut child = Command::new(workspace_binary(&line[0]))
+        .args(&line[1..])
+        .env_clear()
+        .envs(env)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("running rivet node cleanup");
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert!(first.contains("waiting for SIGTERM"), "{dir}: {line:?}: {first:?}");
+    assert!(
+        root.join("cni-conf/10-rivet.conflist").exists(),
+        "{dir}: nothing removed before the signal"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{dir}: {status}: {rest}");
+    assert!(
+        rest.contains("no pod and no daemon uses the node: removed"),
+        "{dir}: {rest}"
+    );
+    for gone in leftovers.iter().chain(&["run/sockets", "run/svc-ipam", "bpffs/rivet"]) {
+        assert!(!root.join(gone).exists(), "{dir}: {gone} removed: {rest}");
+    }
+    assert!(root.join("cni-bin/loopback").exists(), "{dir}: other plugins stay");
+    assert!(
+        root.join("run/svc-endpoint-state").exists(),
+        "{dir}: daemons' files stay"
+    );
 }

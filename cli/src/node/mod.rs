@@ -83,6 +83,7 @@ use clap::{Args, Subcommand};
 use crate::Context;
 use crate::accounts;
 
+mod cleanup;
 mod down;
 mod health;
 mod list;
@@ -188,6 +189,11 @@ pub enum NodeCommand {
     /// (the Kubernetes DaemonSet's init container): the socket dir, each
     /// daemon's state dir and the pin dir, as `up` does before starting them.
     Prepare(PrepareArgs),
+    /// Remove what `prepare` and `rivet-cni install` put on the node (CNI
+    /// plugin and conflist, dead sockets, empty dirs) once no pod and no
+    /// daemon uses it; otherwise keep everything. The Kubernetes
+    /// DaemonSet's `cleanup` sidecar runs it with --wait-for-signal.
+    Cleanup(CleanupArgs),
     /// The cluster's nodes as this node sees them (svc-identity's registry):
     /// name, underlay addresses, pod CIDRs, routing, health endpoint, boot
     /// id and who wrote the record; this node is marked `*`.
@@ -213,6 +219,33 @@ pub struct PrepareArgs {
     /// Group of the daemon sockets (a name or a GID); both users must be members.
     #[arg(long, value_name = "GROUP", default_value = accounts::DEFAULT_READER_GROUP)]
     pub reader_group: String,
+}
+
+/// `rivet node cleanup` (the socket and state dirs are the global
+/// `--socket-dir` and `--state-dir`).
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct CleanupArgs {
+    /// Node name (the pin dir is `<bpffs>/rivet/<node-name>`).
+    #[arg(long)]
+    pub node_name: String,
+    /// Mount point of the BPF filesystem.
+    #[arg(long, default_value = rivet_common::pin_layout::DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    /// The runtime's CNI plugin directory.
+    #[arg(long, value_name = "DIR")]
+    pub cni_bin_dir: PathBuf,
+    /// The runtime's CNI configuration directory.
+    #[arg(long, value_name = "DIR")]
+    pub cni_conf_dir: PathBuf,
+    /// rivet-cni's log file (`rivet-cni install --log-file`).
+    #[arg(long, value_name = "FILE")]
+    pub cni_log_file: Option<PathBuf>,
+    /// Prefix of the pods' host-side veths: while one exists, nothing is removed.
+    #[arg(long, default_value = "lxc")]
+    pub endpoint_interface_prefix: String,
+    /// Wait for SIGTERM or SIGINT first (a container that runs until its pod ends).
+    #[arg(long)]
+    pub wait_for_signal: bool,
 }
 
 /// `rivet node up`.
@@ -413,6 +446,7 @@ pub async fn run(ctx: &Context, state_dir: &Path, command: NodeCommand) -> Resul
         NodeCommand::Up(args) => up::up(ctx, state_dir, &args).await,
         NodeCommand::Down { timeout_seconds } => down::down(state_dir, Duration::from_secs(timeout_seconds)).await,
         NodeCommand::Prepare(args) => prepare::prepare(&ctx.socket_dir, state_dir, &args),
+        NodeCommand::Cleanup(args) => cleanup::cleanup(&ctx.socket_dir, state_dir, &args).await,
         NodeCommand::List => list::list(ctx).await.map(|()| true).map_err(Into::into),
         NodeCommand::Status => {
             let record = NodeRecord::load(state_dir)?.ok_or_else(|| no_node(state_dir))?;

@@ -37,16 +37,33 @@ impl Datapath {
         Ok(removed)
     }
 
-    /// Removes the pin directory and everything pinned in it (maps, link
-    /// pins). Maps stay alive while a program or a handle still holds them;
-    /// with no filter left, they go when the loader exits. `Ok(false)` if
-    /// there was none.
+    /// Removes everything pinned in the pin directory (maps, link pins),
+    /// then the directory itself where the loader may (a loader that
+    /// switched to `--user` may not write the root-owned `<bpffs>/rivet`;
+    /// the empty directory is then `rivet node cleanup`'s). Maps stay alive
+    /// while a program or a handle still holds them; with no filter left,
+    /// they go when the loader exits. `Ok(false)` if there was none.
     pub fn remove_pins(&self) -> Result<bool, DatapathError> {
         let dir = self.pin_dir();
-        match std::fs::remove_dir_all(dir) {
-            Ok(()) => Ok(true),
-            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(false),
-            Err(error) => Err(io_err("removing the pin directory", dir)(error)),
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(error) => return Err(io_err("listing the pin directory", dir)(error)),
+        };
+        for entry in entries {
+            let path = entry.map_err(io_err("listing the pin directory", dir))?.path();
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            removed.map_err(io_err("removing the pin", &path))?;
+        }
+        match std::fs::remove_dir(dir) {
+            Err(error) if !matches!(error.kind(), io::ErrorKind::PermissionDenied | io::ErrorKind::NotFound) => {
+                Err(io_err("removing the pin directory", dir)(error))
+            }
+            _ => Ok(true),
         }
     }
 }
