@@ -8,6 +8,8 @@
 //! - [`image`]: the pause and busybox images (`rivet-oci`, from the host's
 //!   static busybox), imported with `ctr`;
 //! - [`cri`]: a small CRI client (pod sandboxes, containers, `ExecSync`);
+//! - [`cross_node`]: pod to pod across the cluster's nodes (ping and a TCP
+//!   echo through `kubectl exec`);
 //! - [`kube_cluster`]: a real Kubernetes cluster (control plane + kubelet
 //!   workers, each with its own containerd) in network namespaces;
 //! - [`kube_deploy`]: Rivet installed on that cluster with `kubectl apply -k
@@ -26,6 +28,7 @@
 
 pub mod containerd;
 pub mod cri;
+pub mod cross_node;
 pub mod image;
 pub mod kube_cluster;
 pub mod kube_deploy;
