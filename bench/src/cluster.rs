@@ -14,8 +14,9 @@
 //! A round applies a Deployment of `--replicas` pause pods (spread evenly
 //! over the workers, `maxSkew: 1`) and times it until every pod is Running
 //! with an address (a pod watch started before the apply), checks each
-//! address is of its side's network on its node, deletes the Deployment and
-//! waits until every pod is gone. Rounds alternate the sides, the order
+//! address is of its side's network on its node, counts the sandboxes the
+//! kubelets failed to create and retried (their `FailedCreatePodSandBox`
+//! events), deletes the Deployment and waits until every pod is gone. Rounds alternate the sides, the order
 //! flipping every round, after one untimed warm-up round each; ratio =
 //! median of per-round Rivet / bridge times (lower is better, goal ≤ 1.2).
 
@@ -253,6 +254,9 @@ struct RoundFigures {
     first: Duration,
     /// Delete to every pod gone.
     gone: Duration,
+    /// Sandboxes the kubelet failed to create (and retried) for the round's
+    /// pods, from its `FailedCreatePodSandBox` events (a failed CNI ADD).
+    failed_sandboxes: u32,
 }
 
 /// The cluster with Rivet installed and the bridge's RuntimeClass.
@@ -461,6 +465,7 @@ impl Bench {
         }
         let running = started.elapsed();
         let per_node = self.check_addresses(side, &table)?;
+        let failed_sandboxes = failed_sandboxes(&self.cluster.admin_client(), &table).await?;
         self.cluster.check_running().context("the cluster after a round")?;
 
         let deleting = Instant::now();
@@ -476,18 +481,41 @@ impl Bench {
             running,
             first: first.unwrap_or(running),
             gone: deleting.elapsed(),
+            failed_sandboxes,
         };
         println!(
-            "  {:<6} {replicas} pods Running in {:.2} s ({:.1} pods/s, first {:.2} s; {per_node:?}), gone {:.2} s after \
-             the delete",
+            "  {:<6} {replicas} pods Running in {:.2} s ({:.1} pods/s, first {:.2} s; {per_node:?}; {} failed \
+             sandboxes retried), gone {:.2} s after the delete",
             side.name(),
             figures.running.as_secs_f64(),
             f64::from(replicas) / figures.running.as_secs_f64(),
             figures.first.as_secs_f64(),
+            figures.failed_sandboxes,
             figures.gone.as_secs_f64()
         );
         Ok(figures)
     }
+}
+
+/// The kubelets' `FailedCreatePodSandBox` events for the pods of `table`
+/// (each event's count: the kubelet folds repeats into one), as posted by now.
+async fn failed_sandboxes(client: &kube::Client, table: &PodTable) -> anyhow::Result<u32> {
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(client.clone(), NAMESPACE);
+    let listed = events
+        .list(&kube::api::ListParams::default().fields("reason=FailedCreatePodSandBox"))
+        .await
+        .context("listing the FailedCreatePodSandBox events")?;
+    Ok(listed
+        .items
+        .iter()
+        .filter(|e| {
+            e.involved_object
+                .name
+                .as_ref()
+                .is_some_and(|name| table.pods.contains_key(name))
+        })
+        .map(|e| e.count.map_or(1, |c| c.max(1) as u32))
+        .sum())
 }
 
 type PodWatch = futures::stream::BoxStream<'static, Result<Event<Pod>, watcher::Error>>;
@@ -577,6 +605,7 @@ pub async fn run(args: &ClusterArgs) -> anyhow::Result<BenchResult> {
                 .collect(),
         )
     };
+    let failures = |rounds: &[RoundFigures]| Spread::of(rounds.iter().map(|r| f64::from(r.failed_sandboxes)).collect());
     let ratios = Spread::of(
         rivet
             .iter()
@@ -608,6 +637,8 @@ pub async fn run(args: &ClusterArgs) -> anyhow::Result<BenchResult> {
         ("bridge_pods_per_s".into(), rate(&bridge).median),
         ("rivet_first_running_s".into(), secs(&rivet, |r| r.first).median),
         ("bridge_first_running_s".into(), secs(&bridge, |r| r.first).median),
+        ("rivet_failed_sandboxes".into(), failures(&rivet).median),
+        ("bridge_failed_sandboxes".into(), failures(&bridge).median),
         ("rivet_gone_s".into(), secs(&rivet, |r| r.gone).median),
         ("bridge_gone_s".into(), secs(&bridge, |r| r.gone).median),
         ("ratio_min".into(), ratios.min),
