@@ -4,8 +4,8 @@
 //!
 //! One `rivet_e2e::kube_cluster::KubeCluster` (control plane, two kubelet +
 //! containerd workers, `--cni none`) with the Rivet image imported gets
-//! Rivet from `kubectl apply -k deploy/` (the archive's tag set by a
-//! kustomization of its own). Every worker's containerd also has the runtime
+//! Rivet from `kubectl apply -k deploy/` (deploy/ as of the image's git
+//! revision, the archive's tag set by a kustomization of its own). Every worker's containerd also has the runtime
 //! handler `reference-bridge`, whose CNI config is the reference bridge +
 //! host-local conflist; a RuntimeClass of that name puts a pod on it. So
 //! both sides run on the same kubelets, containerd, scheduler and API
@@ -117,6 +117,59 @@ fn image_tag(archive: &Path) -> anyhow::Result<String> {
             )
         })?;
     Ok(tag.to_owned())
+}
+
+/// deploy/ as of the image's revision: `git archive <tag> deploy` unpacked
+/// into `dir` when the tag names a commit of this checkout (the manifests
+/// must be the ones that image was built with: a later deploy/ may run a
+/// command an older image lacks); else (`-dirty`, another tag) the
+/// checkout's own deploy/. Returns the absolute path.
+fn deploy_of_revision(tag: &str, dir: &Path) -> anyhow::Result<PathBuf> {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .current_dir(&workspace)
+            .args(args)
+            .output()
+            .with_context(|| format!("running git {args:?}"))
+    };
+    let commit = format!("{tag}^{{commit}}");
+    if git(&["rev-parse", "--verify", "--quiet", &commit])?.status.success() {
+        let archive = dir.join("deploy.tar");
+        let out = git(&[
+            "archive",
+            "--format=tar",
+            "-o",
+            &archive.display().to_string(),
+            tag,
+            "deploy",
+        ])?;
+        ensure!(
+            out.status.success(),
+            "git archive {tag} deploy: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = std::process::Command::new("tar")
+            .arg("-xf")
+            .arg(&archive)
+            .arg("-C")
+            .arg(dir)
+            .output()
+            .context("running tar")?;
+        ensure!(
+            out.status.success(),
+            "unpacking {}: {}",
+            archive.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        println!("deploy/ as of {tag} (the image's revision)");
+        return Ok(dir.join("deploy"));
+    }
+    let deploy = workspace.join("deploy");
+    println!("deploy/ of this checkout ({tag} names no commit here)");
+    deploy
+        .canonicalize()
+        .with_context(|| format!("finding deploy/ at {}", deploy.display()))
 }
 
 /// `target` (absolute) as a path relative to the absolute dir `from`:
@@ -307,11 +360,8 @@ impl Bench {
     /// DaemonSet is Ready on every node and every Node is Ready. Returns the
     /// time that took.
     async fn install_rivet(&mut self, tag: &str) -> anyhow::Result<Duration> {
-        let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
-        let deploy = deploy
-            .canonicalize()
-            .with_context(|| format!("finding deploy/ at {}", deploy.display()))?;
         let dir = tempfile::Builder::new().prefix("rivet-bench-cluster-").tempdir()?;
+        let deploy = deploy_of_revision(tag, dir.path())?;
         std::fs::write(
             dir.path().join("kustomization.yaml"),
             kustomization(&relative_to(&deploy, dir.path()), tag),
@@ -703,6 +753,28 @@ mod tests {
             .spec
             .unwrap();
         assert_eq!(rivet.runtime_class_name, None);
+    }
+
+    #[test]
+    fn deploy_comes_from_the_image_s_revision() {
+        let dir = tempfile::tempdir().unwrap();
+        let head = std::process::Command::new("git")
+            .args(["rev-parse", "--short", "HEAD"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        let head = String::from_utf8(head.stdout).unwrap().trim().to_owned();
+        let deploy = deploy_of_revision(&head, dir.path()).unwrap();
+        assert_eq!(deploy, dir.path().join("deploy"));
+        assert!(deploy.join("kustomization.yaml").exists());
+        // A dirty tag names no commit: this checkout's deploy/.
+        let other = tempfile::tempdir().unwrap();
+        let deploy = deploy_of_revision(&format!("{head}-dirty"), other.path()).unwrap();
+        assert!(
+            deploy.ends_with("deploy") && !deploy.starts_with(other.path()),
+            "{}",
+            deploy.display()
+        );
     }
 
     #[test]
