@@ -17,6 +17,8 @@
 //!   and traffic from pods counted while Rivet is disrupted;
 //! - [`node`]: a Rivet node made by `rivet node up` whose CNI directories
 //!   containerd reads;
+//! - [`node_clean`]: what Rivet left on a worker of [`kube_cluster`] (the
+//!   uninstall check);
 //! - [`runtime::v1`]: the generated CRI API (`runtime.v1`, client side).
 //!
 //! The test flow (`tests/containerd.rs`, README "Running pods with
@@ -33,6 +35,7 @@ pub mod image;
 pub mod kube_cluster;
 pub mod kube_deploy;
 pub mod node;
+pub mod node_clean;
 
 use std::path::PathBuf;
 use std::process::ExitStatus;
