@@ -7,11 +7,14 @@
 //!   Rivet image starts in a container of it (`--version`, rivet-cni's
 //!   `CNI_COMMAND=VERSION`) with only the libraries the image carries, as
 //!   the image's default user (`id` of a static busybox mounted in), with
-//!   no shell; the busybox image runs `sh` and `ping`; two builds of
-//!   the same binaries give the same digests and the same archive bytes.
+//!   no shell; the busybox image runs `sh` and `ping`; the Jaeger image
+//!   (the jaeger of `cargo xtask install`, tag v1.76.0) runs `jaeger
+//!   version` as uid 10001; two builds of the same binaries give the same
+//!   digests and the same archive bytes.
 //!
 //! Needs root, containerd, ctr, runc, strip and ldd (binutils, libc-bin),
-//! /bin/busybox (busybox-static) and /usr/lib/cni/loopback: a missing one
+//! /bin/busybox (busybox-static), /usr/lib/cni/loopback and the Go-built
+//! jaeger (`cargo xtask install`): a missing one
 //! fails the test with its name.
 
 use std::path::Path;
@@ -20,7 +23,7 @@ use rivet_common::testing::netns::NetNs;
 use rivet_common::testing::workspace_binary;
 use rivet_e2e::containerd::{Containerd, ContainerdConfig, REFERENCE_CNI_DIR};
 use rivet_oci::busybox::HOST_BUSYBOX;
-use rivet_oci::images::{ImageSet, write_images};
+use rivet_oci::images::{ImageSet, JaegerBinary, write_images};
 use rivet_oci::rivet::{BINARIES, DAEMON};
 
 /// A CNI config dir with a loopback-only conflist: the CRI plugin reports
@@ -49,6 +52,7 @@ async fn rivet_image_runs_every_binary_under_containerd() {
         out_dir: dir.path().join("one"),
         tag: tag.clone(),
         compression: rivet_oci::Compression::GZIP_FAST,
+        jaeger: Some(JaegerBinary::installed().unwrap_or_else(|e| panic!("{e}"))),
     };
     let started = std::time::Instant::now();
     let written = write_images(&set).unwrap_or_else(|e| panic!("{e}"));
@@ -56,7 +60,7 @@ async fn rivet_image_runs_every_binary_under_containerd() {
     for archive in written.all() {
         let image = &archive.images[0];
         eprintln!(
-            "{}: archive {} bytes, layers {} compressed, {} unpacked ({took:?} for all three)",
+            "{}: archive {} bytes, layers {} compressed, {} unpacked ({took:?} for all four)",
             image.name, archive.archive_bytes, image.compressed_bytes, image.unpacked_bytes
         );
     }
@@ -144,4 +148,30 @@ async fn rivet_image_runs_every_binary_under_containerd() {
         )
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(pong.trim(), "pong");
+
+    let jaeger = &written.jaeger.as_ref().expect("asked for the Jaeger image").images[0].name;
+    assert_eq!(jaeger, "docker.io/rivet/jaeger:v1.76.0");
+    let out = containerd
+        .run_container(
+            jaeger,
+            &format!("rivet-img-{}-jaeger", std::process::id()),
+            &[],
+            &[],
+            &["/usr/bin/jaeger", "version"],
+        )
+        .unwrap_or_else(|e| panic!("jaeger version in {jaeger}: {e}"));
+    // Its log line (stderr) and the JSON (stdout) share the log, in either order.
+    let version = out.lines().find(|l| l.starts_with('{')).unwrap_or_default();
+    let version: serde_json::Value = serde_json::from_str(version).unwrap_or_else(|e| panic!("{out}: {e}"));
+    assert!(version.get("gitVersion").is_some(), "{out}");
+    let out = containerd
+        .run_container(
+            jaeger,
+            &format!("rivet-img-{}-jaeger-id", std::process::id()),
+            &[],
+            &[(busybox, "/bin/busybox")],
+            &["/bin/busybox", "id", "-u"],
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(out.trim(), "10001", "the Jaeger image's user");
 }

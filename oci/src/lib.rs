@@ -12,8 +12,9 @@
 //!   busybox;
 //! - [`rivet`]: the Rivet image, every daemon, the CNI plugin, the operator
 //!   and the CLI with only the shared libraries they load;
-//! - [`images`]: the three archives Rivet ships (rivet, pause, busybox),
-//!   tagged alike.
+//! - [`jaeger`]: the Jaeger image deploy/ runs, from the Go-built binary;
+//! - [`images`]: the archives Rivet ships (rivet, pause, busybox tagged
+//!   alike; jaeger tagged with its version).
 //!
 //! ```no_run
 //! # fn t() -> rivet_oci::Result<()> {
@@ -30,6 +31,7 @@
 pub mod archive;
 pub mod busybox;
 pub mod images;
+pub mod jaeger;
 pub mod layer;
 pub mod rivet;
 
@@ -81,6 +83,12 @@ pub enum Error {
     /// A binary of the Rivet image is not built.
     #[error("{} not found: build the workspace binaries first (`cargo build --bins`, or `--profile release`)", path.display())]
     MissingBinary {
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+    /// The Go-built jaeger binary of the Jaeger image.
+    #[error("{} not found: the Jaeger image packs the jaeger binary `cargo xtask install` builds", path.display())]
+    MissingJaeger {
         /// Where it was looked for.
         path: PathBuf,
     },

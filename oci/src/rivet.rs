@@ -119,11 +119,7 @@ pub fn rivet_layer(bin_dir: &Path, compression: Compression) -> Result<Arc<Layer
         }
         libraries.extend(shared_libraries(&binary)?);
         let out = stripped.path().join(name);
-        run(Command::new("strip")
-            .arg("--strip-debug")
-            .arg("-o")
-            .arg(&out)
-            .arg(&binary))?;
+        strip_debug(&binary, &out)?;
         layer.file_from_host(&format!("{BIN_DIR}/{name}"), 0o755, &out);
     }
     for library in &libraries {
@@ -163,6 +159,17 @@ pub fn rivet_image(name: &str, layer: &Arc<Layer>) -> Image {
         },
         layers: vec![layer.clone()],
     }
+}
+
+/// Copies `binary` to `out` without its debug info (`strip --strip-debug`:
+/// the symbol table stays).
+pub(crate) fn strip_debug(binary: &Path, out: &Path) -> Result<()> {
+    run(Command::new("strip")
+        .arg("--strip-debug")
+        .arg("-o")
+        .arg(out)
+        .arg(binary))
+    .map(drop)
 }
 
 /// The shared libraries `binary` loads (the dynamic loader included), by

@@ -1,12 +1,14 @@
 //! `cargo xtask image`: the Rivet, pause and busybox images as OCI archives
 //! (`rivet_oci::images`), from the workspace binaries of one profile, tagged
-//! with the git revision, ready for `ctr -n k8s.io images import`.
+//! with the git revision, and the Jaeger image deploy/ runs (the jaeger of
+//! `cargo xtask install`, tagged with its version), ready for
+//! `ctr -n k8s.io images import`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result};
-use rivet_oci::images::{ImageSet, write_images};
+use rivet_oci::images::{ImageSet, JaegerBinary, write_images};
 
 use crate::cmd;
 
@@ -27,8 +29,9 @@ pub struct Args {
     tag: Option<String>,
 }
 
-/// Builds the binaries, writes the three archives and prints their sizes.
+/// Builds the binaries, writes the four archives and prints their sizes.
 pub fn run(args: &Args) -> Result<()> {
+    let jaeger = JaegerBinary::installed().context("the Jaeger image packs the installed jaeger")?;
     let tag = match &args.tag {
         Some(tag) => tag.clone(),
         None => git_tag()?,
@@ -49,6 +52,7 @@ pub fn run(args: &Args) -> Result<()> {
             "dev" => rivet_oci::Compression::GZIP_FAST,
             _ => rivet_oci::Compression::GZIP,
         },
+        jaeger: Some(jaeger),
     })?;
     println!("{:<40} {:>12} {:>12}  archive", "image", "compressed", "unpacked");
     for archive in written.all() {
