@@ -59,6 +59,9 @@ pub struct Conflist {
     pub log_file: Option<PathBuf>,
     /// Deadline of one call, seconds.
     pub timeout_seconds: u64,
+    /// Where rivet-cni exports its spans (`tracing.otlpEndpoint`), if
+    /// anywhere.
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Conflist {
@@ -73,9 +76,11 @@ impl Conflist {
     ///     mtu: 1500,
     ///     log_file: None,
     ///     timeout_seconds: 30,
+    ///     otlp_endpoint: Some("http://198.19.255.10:4317".into()),
     /// }
     /// .to_json();
     /// assert_eq!(list["plugins"][0]["type"], "rivet-cni");
+    /// assert_eq!(list["plugins"][0]["tracing"]["otlpEndpoint"], "http://198.19.255.10:4317");
     /// ```
     pub fn to_json(&self) -> Value {
         let mut plugin = json!({
@@ -88,6 +93,9 @@ impl Conflist {
         });
         if let Some(log_file) = &self.log_file {
             plugin["logFile"] = json!(log_file);
+        }
+        if let Some(endpoint) = &self.otlp_endpoint {
+            plugin["tracing"] = json!({ "otlpEndpoint": endpoint });
         }
         json!({
             "cniVersion": self.cni_version,
@@ -219,6 +227,7 @@ mod tests {
             mtu: 1450,
             log_file: Some("/var/run/rivet/rivet-cni.log".into()),
             timeout_seconds: 30,
+            otlp_endpoint: Some("http://198.19.255.10:4317".into()),
         }
     }
 
@@ -250,6 +259,7 @@ mod tests {
             conf.log_file.as_deref(),
             Some(Path::new("/var/run/rivet/rivet-cni.log"))
         );
+        assert_eq!(conf.otlp_endpoint.as_deref(), Some("http://198.19.255.10:4317"));
         // Nothing else left behind (temp files renamed).
         let mut names: Vec<String> = std::fs::read_dir(&bin)
             .unwrap()

@@ -3,8 +3,9 @@
 //! concurrent invocations) or, without one, to stderr (which the spec allows
 //! and runtimes collect) at `warn` unless `logLevel` says otherwise.
 //!
-//! With `OTEL_EXPORTER_OTLP_ENDPOINT` set, spans are exported over OTLP/gRPC
-//! too: the invocation's root span (`cni.add`, `cni.del`, ...) starts the
+//! With the netconf's `tracing.otlpEndpoint`, or else the runtime's
+//! `OTEL_EXPORTER_OTLP_ENDPOINT`, spans are exported over OTLP/gRPC too
+//! (service `rivet-cni`): the invocation's root span (`cni.add`, `cni.del`, ...) starts the
 //! pod's trace, and every daemon call carries its context, so svc-ipam's and
 //! svc-endpoint's spans (and svc-loader's below them) are its children.
 //! [`Telemetry::shutdown`] flushes the exporter before the process exits.
@@ -23,6 +24,9 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 use tracing_subscriber::{Layer as _, Registry};
 
 use crate::netconf::LogLevel;
+
+/// The `service.name` of rivet-cni's spans.
+pub const SERVICE_NAME: &str = "rivet-cni";
 
 /// How long the exit waits for pending spans to reach the collector: a
 /// collector that is down must not hold up the container runtime.
@@ -45,8 +49,9 @@ impl std::fmt::Debug for Telemetry {
 impl Telemetry {
     /// Installs the global subscriber. Never fails: a log file that cannot
     /// be opened falls back to stderr (noted in [`log_problem`](Self::log_problem)),
-    /// an exporter that cannot be built is left out.
-    pub fn init(log_file: Option<&Path>, level: Option<LogLevel>) -> Self {
+    /// an exporter that cannot be built is left out. `otlp_endpoint` (the
+    /// netconf's) wins over `OTEL_EXPORTER_OTLP_ENDPOINT`.
+    pub fn init(log_file: Option<&Path>, level: Option<LogLevel>, otlp_endpoint: Option<&str>) -> Self {
         rivet_common::telemetry::install_propagator();
         let mut log_problem = None;
         let file = log_file.and_then(|path| {
@@ -95,7 +100,11 @@ impl Telemetry {
             "service.instance.id".to_owned(),
             rivet_common::grpc::BootId::random().to_string(),
         )];
-        let export = match OtlpExporter::from_env("rivet-cni", &instance) {
+        let export = match otlp_endpoint {
+            Some(endpoint) => OtlpExporter::to_endpoint(SERVICE_NAME, &instance, endpoint).map(Some),
+            None => OtlpExporter::from_env(SERVICE_NAME, &instance),
+        };
+        let export = match export {
             Ok(export) => export,
             Err(e) => {
                 log_problem = Some(format!("OTLP export is off: {e}"));

@@ -54,6 +54,10 @@ struct InstallArgs {
     /// Deadline of one call, seconds.
     #[arg(long, default_value_t = 30)]
     timeout_seconds: u64,
+    /// Where rivet-cni exports its spans over OTLP/gRPC (`http://host:port`;
+    /// the conflist's `tracing.otlpEndpoint`). Empty: none in the conflist.
+    #[arg(long, env = "RIVET_CNI_OTLP_ENDPOINT", value_name = "URL")]
+    otlp_endpoint: Option<String>,
     /// cniVersion of the conflist.
     #[arg(long, default_value = install::DEFAULT_CNI_VERSION,
           value_parser = clap::builder::PossibleValuesParser::new(install::CNI_VERSIONS))]
@@ -63,6 +67,13 @@ struct InstallArgs {
 fn run_install(args: &[std::ffi::OsString]) -> ExitCode {
     use clap::Parser as _;
     let args = InstallArgs::parse_from(args);
+    let otlp_endpoint = args.otlp_endpoint.filter(|e| !e.is_empty());
+    if let Some(endpoint) = &otlp_endpoint
+        && let Err(why) = netconf::check_otlp_endpoint(endpoint)
+    {
+        eprintln!("rivet-cni install: --otlp-endpoint {endpoint:?}: {why}");
+        return ExitCode::FAILURE;
+    }
     let installed = std::env::current_exe()
         .map_err(|e| format!("finding this binary: {e}"))
         .and_then(|binary| {
@@ -74,6 +85,7 @@ fn run_install(args: &[std::ffi::OsString]) -> ExitCode {
                 mtu: args.mtu,
                 log_file: args.log_file,
                 timeout_seconds: args.timeout_seconds,
+                otlp_endpoint,
             };
             install::install(&binary, &args.bin_dir, &args.conf_dir, &conflist).map_err(|e| e.to_string())
         });
@@ -104,7 +116,12 @@ fn main() -> ExitCode {
         None
     } else {
         let (log_file, log_level) = netconf::sniff_logging(&stdin);
-        Some(Telemetry::init(log_file.as_deref(), log_level))
+        let otlp_endpoint = netconf::sniff_otlp_endpoint(&stdin);
+        Some(Telemetry::init(
+            log_file.as_deref(),
+            log_level,
+            otlp_endpoint.as_deref(),
+        ))
     };
     std::panic::set_hook(Box::new(|info| {
         tracing::error!(panic = %info, "rivet-cni panicked");

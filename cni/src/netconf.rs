@@ -44,7 +44,11 @@ pub const RIVET_KEYS: &[&str] = &[
     "logLevel",
     "timeoutSeconds",
     "endpointKind",
+    "tracing",
 ];
+
+/// Keys of `tracing`.
+const TRACING_KEYS: &[&str] = &["otlpEndpoint"];
 
 /// Keys of the spec and its conventions that rivet-cni reads or tolerates.
 const SPEC_KEYS: &[&str] = &[
@@ -178,6 +182,10 @@ pub struct NetConf {
     /// endpoint, which `rivet node up` creates with a netconf of its own
     /// (svc-endpoint accepts it from root only, with no labels).
     pub endpoint_kind: EndpointKind,
+    /// `tracing.otlpEndpoint`: where spans go over OTLP/gRPC
+    /// (`http://host:port`); wins over the runtime's
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`.
+    pub otlp_endpoint: Option<String>,
 }
 
 /// What the interface is for.
@@ -203,6 +211,16 @@ pub fn sniff_logging(stdin: &[u8]) -> (Option<PathBuf>, Option<LogLevel>) {
         .filter(|p| p.is_absolute());
     let level = map.get("logLevel").and_then(Value::as_str).and_then(LogLevel::parse);
     (file, level)
+}
+
+/// `tracing.otlpEndpoint`, read before the netconf is parsed (the exporter
+/// must exist before the invocation's first span); only a valid one, so a
+/// netconf that [`NetConf::parse`] rejects for it exports nowhere.
+pub fn sniff_otlp_endpoint(stdin: &[u8]) -> Option<String> {
+    let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(stdin) else {
+        return None;
+    };
+    parse_tracing(map.get("tracing")).ok().flatten()
 }
 
 /// The `cniVersion` of a netconf, if it names a supported one (for the error
@@ -359,6 +377,7 @@ impl NetConf {
                 )));
             }
         };
+        let otlp_endpoint = parse_tracing(map.get("tracing"))?;
         if endpoint_kind == EndpointKind::Health && (!labels.is_empty() || !named_ports.is_empty()) {
             return Err(CniError::netconf(
                 "endpointKind=health: the health endpoint takes no labels or container ports (its identity is \
@@ -385,6 +404,7 @@ impl NetConf {
             dns,
             valid_attachments,
             endpoint_kind,
+            otlp_endpoint,
         })
     }
 
@@ -458,6 +478,88 @@ fn optional_u64(map: &Map<String, Value>, key: &str) -> Result<Option<u64>, CniE
             .ok_or_else(|| CniError::netconf(format!("{key}={n}: expected a non-negative integer"))),
         Some(other) => Err(CniError::netconf(format!("{key}: expected a number, found {other}"))),
     }
+}
+
+/// `tracing`: an object with Rivet's keys only ([`TRACING_KEYS`]);
+/// `otlpEndpoint` is `http://` or `https://`, a host, an optional port and
+/// no path (OTLP/gRPC has none), as the exporter takes it.
+fn parse_tracing(value: Option<&Value>) -> Result<Option<String>, CniError> {
+    let map = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(m)) => m,
+        Some(other) => return Err(CniError::netconf(format!("tracing: expected an object, found {other}"))),
+    };
+    if let Some(key) = map.keys().find(|k| !TRACING_KEYS.contains(&k.as_str())) {
+        return Err(CniError::new(
+            codes::UNSUPPORTED_FIELD,
+            format!(
+                "unsupported field tracing.{key}: tracing takes {}",
+                TRACING_KEYS.join(", ")
+            ),
+        ));
+    }
+    let endpoint = match map.get("otlpEndpoint") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) => s,
+        Some(other) => {
+            return Err(CniError::netconf(format!(
+                "tracing.otlpEndpoint: expected a string, found {other}"
+            )));
+        }
+    };
+    check_otlp_endpoint(endpoint)
+        .map_err(|why| CniError::netconf(format!("tracing.otlpEndpoint={endpoint:?}: {why}")))?;
+    Ok(Some(endpoint.clone()))
+}
+
+/// `http[s]://host[:port][/]`: what an OTLP/gRPC exporter dials; `Err`
+/// says what is wrong.
+///
+/// ```
+/// use rivet_cni::netconf::check_otlp_endpoint;
+/// assert!(check_otlp_endpoint("http://198.19.255.10:4317").is_ok());
+/// assert!(check_otlp_endpoint("198.19.255.10:4317").is_err());
+/// ```
+pub fn check_otlp_endpoint(endpoint: &str) -> Result<(), &'static str> {
+    let rest = endpoint
+        .strip_prefix("http://")
+        .or_else(|| endpoint.strip_prefix("https://"))
+        .ok_or("must start with http:// or https://")?;
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    if authority.is_empty() {
+        return Err("must name a host");
+    }
+    if authority.contains(['/', '?', '#', '@']) || authority.chars().any(char::is_whitespace) {
+        return Err("must be a scheme, a host and a port, with no path, query or user");
+    }
+    // `[v6]:port`, `host:port` or a bare host.
+    let port = match authority.strip_prefix('[') {
+        Some(v6) => {
+            let (address, after) = v6.split_once(']').ok_or("an IPv6 address needs its closing ]")?;
+            address
+                .parse::<std::net::Ipv6Addr>()
+                .map_err(|_| "not an IPv6 address in [ ]")?;
+            match after {
+                "" => None,
+                port => Some(port.strip_prefix(':').ok_or("only :port may follow ]")?),
+            }
+        }
+        None => match authority.split_once(':') {
+            Some((host, port)) => {
+                if host.is_empty() {
+                    return Err("must name a host");
+                }
+                Some(port)
+            }
+            None => None,
+        },
+    };
+    if let Some(port) = port
+        && !port.parse::<u16>().is_ok_and(|p| p != 0)
+    {
+        return Err("the port must be 1 to 65535");
+    }
+    Ok(())
 }
 
 fn parse_ipam(value: Option<&Value>) -> Result<Option<DelegatedIpam>, CniError> {
@@ -1049,5 +1151,93 @@ mod tests {
         assert_eq!(sniff_version(text), Some(CniVersion::V0_4_0));
         assert_eq!(sniff_logging(b"garbage"), (None, None));
         assert_eq!(sniff_version(br#"{"cniVersion": "9"}"#), None);
+    }
+
+    #[test]
+    fn tracing_names_a_valid_otlp_endpoint() {
+        assert_eq!(parse(base()).unwrap().otlp_endpoint, None);
+        for good in [
+            "http://198.19.255.10:4317",
+            "https://jaeger.kube-system:4317/",
+            "http://[2001:2::1]:4317",
+            "http://localhost",
+        ] {
+            let conf = parse(with("tracing", json!({"otlpEndpoint": good}))).unwrap_or_else(|e| panic!("{good}: {e}"));
+            assert_eq!(conf.otlp_endpoint.as_deref(), Some(good));
+            let text = with("tracing", json!({"otlpEndpoint": good})).to_string();
+            assert_eq!(sniff_otlp_endpoint(text.as_bytes()).as_deref(), Some(good));
+        }
+        for (tracing, code, says) in [
+            (
+                json!("http://x:4317"),
+                codes::INVALID_NETCONF,
+                "tracing: expected an object",
+            ),
+            (
+                json!({"otlpEndpoint": 4317}),
+                codes::INVALID_NETCONF,
+                "tracing.otlpEndpoint: expected a string",
+            ),
+            (
+                json!({"otlpEndpoint": "x:4317"}),
+                codes::INVALID_NETCONF,
+                "must start with http:// or https://",
+            ),
+            (
+                json!({"otlpEndpoint": "grpc://x:4317"}),
+                codes::INVALID_NETCONF,
+                "must start with http://",
+            ),
+            (
+                json!({"otlpEndpoint": "http://"}),
+                codes::INVALID_NETCONF,
+                "must name a host",
+            ),
+            (
+                json!({"otlpEndpoint": "http://:4317"}),
+                codes::INVALID_NETCONF,
+                "must name a host",
+            ),
+            (
+                json!({"otlpEndpoint": "http://x:0"}),
+                codes::INVALID_NETCONF,
+                "the port must be 1 to 65535",
+            ),
+            (
+                json!({"otlpEndpoint": "http://x:99999"}),
+                codes::INVALID_NETCONF,
+                "the port must be",
+            ),
+            (
+                json!({"otlpEndpoint": "http://x:4317/v1/traces"}),
+                codes::INVALID_NETCONF,
+                "no path",
+            ),
+            (
+                json!({"otlpEndpoint": "http://[2001:2::1:4317"}),
+                codes::INVALID_NETCONF,
+                "closing ]",
+            ),
+            (
+                json!({"otlpEndpoint": "http://[x]:4317"}),
+                codes::INVALID_NETCONF,
+                "not an IPv6 address",
+            ),
+            (
+                json!({"otlpEndpoint": "http://x:4317", "serviceName": "y"}),
+                codes::UNSUPPORTED_FIELD,
+                "unsupported field tracing.serviceName",
+            ),
+        ] {
+            let err = parse(with("tracing", tracing.clone())).unwrap_err();
+            assert_eq!(err.code, code, "{tracing}: {err}");
+            assert!(err.msg.contains(says), "{tracing}: {err}");
+            // What parse refuses exports nowhere.
+            let text = with("tracing", tracing.clone()).to_string();
+            assert_eq!(sniff_otlp_endpoint(text.as_bytes()), None, "{tracing}");
+        }
+        // A near miss of the key is caught like the others.
+        let err = parse(with("Tracing", json!({}))).unwrap_err();
+        assert!(err.msg.contains("did you mean tracing?"), "{err}");
     }
 }

@@ -36,6 +36,7 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use opentelemetry::Context;
 use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
+use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tower::{Layer, Service};
@@ -167,7 +168,7 @@ pub enum TelemetryError {
     /// The OTLP span exporter rejected its configuration (endpoint, headers, ...).
     #[error("building the OTLP/gRPC span exporter for {endpoint:?}")]
     Exporter {
-        /// Value of `OTEL_EXPORTER_OTLP_ENDPOINT`.
+        /// The endpoint: `OTEL_EXPORTER_OTLP_ENDPOINT`, or the one given.
         endpoint: String,
         /// What the exporter complained about.
         #[source]
@@ -243,10 +244,28 @@ impl OtlpExporter {
     ) -> Result<Option<Self>, TelemetryError> {
         match std::env::var(OTLP_ENDPOINT_VAR) {
             Ok(endpoint) if !endpoint.trim().is_empty() => {
-                otlp_export(service_name, resource_attributes, endpoint).map(Some)
+                otlp_export(service_name, resource_attributes, endpoint, false).map(Some)
             }
             _ => Ok(None),
         }
+    }
+
+    /// The exporter sending to `endpoint` (`http://host:4317`), which wins
+    /// over the `OTEL_EXPORTER_OTLP_*ENDPOINT` variables (the other
+    /// `OTEL_EXPORTER_OTLP_*` settings still apply): rivet-cni's netconf
+    /// names its collector.
+    ///
+    /// ```no_run
+    /// # fn f() -> Result<(), rivet_common::telemetry::TelemetryError> {
+    /// let exporter = rivet_common::telemetry::OtlpExporter::to_endpoint("rivet-cni", &[], "http://198.19.255.10:4317")?;
+    /// # Ok(()) }
+    /// ```
+    pub fn to_endpoint(
+        service_name: &str,
+        resource_attributes: &[(String, String)],
+        endpoint: &str,
+    ) -> Result<Self, TelemetryError> {
+        otlp_export(service_name, resource_attributes, endpoint.to_owned(), true)
     }
 
     /// The subscriber layer exporting spans, without the export machinery's
@@ -417,11 +436,14 @@ fn env_filter(default_filter: &str) -> Result<EnvFilter, TelemetryError> {
     }
 }
 
-/// Builds the OTLP/gRPC exporter on its own runtime and the tracer provider.
+/// Builds the OTLP/gRPC exporter on its own runtime and the tracer provider;
+/// `explicit`: `endpoint` is given to the builder rather than left to the
+/// variables.
 fn otlp_export(
     service_name: &str,
     resource_attributes: &[(String, String)],
     endpoint: String,
+    explicit: bool,
 ) -> Result<OtlpExporter, TelemetryError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -435,7 +457,12 @@ fn otlp_export(
         let _entered = runtime.enter();
         // The endpoint itself is read by the builder from the standard
         // variables (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT wins over ours).
-        opentelemetry_otlp::SpanExporter::builder().with_tonic().build()
+        let builder = opentelemetry_otlp::SpanExporter::builder().with_tonic();
+        if explicit {
+            builder.with_endpoint(endpoint.clone()).build()
+        } else {
+            builder.build()
+        }
     };
     let exporter = match exporter {
         Ok(exporter) => exporter,

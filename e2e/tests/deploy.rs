@@ -461,6 +461,11 @@ fn every_container_s_command_line_works_with_the_real_binaries() {
                         .unwrap();
                         // The host's socket dir, where the daemons' containers put their sockets.
                         assert_eq!(conflist["plugins"][0]["socketDir"], "/var/run/rivet/sockets", "{dir}");
+                        // rivet-cni exports to the jaeger Service (the runtime's environment has no OTLP).
+                        assert_eq!(
+                            conflist["plugins"][0]["tracing"]["otlpEndpoint"], "http://198.18.0.9:4317",
+                            "{dir}"
+                        );
                         let sockets = pod["volumes"]
                             .as_array()
                             .unwrap()

@@ -533,6 +533,8 @@ impl NodePlan {
             mtu: self.mtu(),
             log_file: Some(self.log_dir.join("rivet-cni.log")),
             timeout_seconds: self.args.cni_timeout_seconds,
+            // The runtime's OTEL_EXPORTER_OTLP_ENDPOINT, if it has one.
+            otlp_endpoint: None,
         }
         .to_json()
     }
