@@ -10,7 +10,8 @@
 //!   ServiceAccount ([`ClusterAccess`]); API errors' status and metric
 //!   label ([`status_code`], [`error_kind`]);
 //! - turning a policy object read from the API into a `rivet_policy::Policy`
-//!   ([`policy_from_object`]).
+//!   ([`policy_from_object`]);
+//! - a RivetNode as a node record of the cluster ([`records`]).
 //!
 //! Not here: watching, reconciling and writing (svc-k8s-sync), identity
 //! allocation (svc-identity).
@@ -18,6 +19,7 @@
 mod client;
 mod crd;
 mod policy;
+pub mod records;
 
 pub use client::{ClientError, ClusterAccess, error_kind, status_code};
 pub use crd::endpoint::{RivetEndpoint, RivetEndpointSpec, RivetEndpointState, RivetEndpointStatus};

@@ -41,8 +41,7 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 
 use futures::stream::{self, BoxStream, StreamExt};
-use ipnet::IpNet;
-use rivet_common::cluster::{EncapsulationMode, NodeRecord, NodeRecordAddress, NodeRecordEncapsulation, RecordSource};
+use rivet_common::cluster::{NodeRecord, RecordSource};
 use rivet_common::controller::{Action, Controller, Controllers, Trigger};
 use rivet_k8s::kube::api::Api;
 use rivet_k8s::kube::runtime::reflector::Store;
@@ -192,59 +191,15 @@ impl NodeStore for ClusterObjects {
     }
 }
 
-/// A RivetNode as a node record of `cluster`: addresses and pod CIDRs
-/// that do not parse are left out (logged), so a typo in one field does not
-/// hide the node.
+/// A RivetNode as a node record of `cluster` (source `node`: svc-k8s-sync
+/// writes its addresses): addresses and pod CIDRs that do not parse are
+/// left out (logged), so a typo in one field does not hide the node.
 pub fn node_record(node: &RivetNode, cluster: &str) -> NodeRecord {
-    let name = node.name_any();
-    let mut addresses: Vec<NodeRecordAddress> = node
-        .spec
-        .addresses
-        .iter()
-        .filter_map(|a| match a.ip.parse::<IpAddr>() {
-            Ok(ip) => Some(NodeRecordAddress {
-                type_: a.type_.clone(),
-                ip,
-            }),
-            Err(e) => {
-                tracing::warn!(node = %name, address = %a.ip, error = %e, "skipping a RivetNode address that is no IP address");
-                None
-            }
-        })
-        .collect();
-    addresses.sort();
-    addresses.dedup();
-    let mut pod_cidrs: Vec<IpNet> = node
-        .spec
-        .pod_cidrs
-        .iter()
-        .filter_map(|c| match c.parse::<IpNet>() {
-            Ok(cidr) => Some(cidr),
-            Err(e) => {
-                tracing::warn!(node = %name, cidr = %c, error = %e, "skipping a RivetNode pod CIDR that is no prefix");
-                None
-            }
-        })
-        .collect();
-    pod_cidrs.sort();
-    pod_cidrs.dedup();
-    let mode = match node.spec.encapsulation.mode {
-        rivet_k8s::EncapsulationMode::Direct => EncapsulationMode::Direct,
-        rivet_k8s::EncapsulationMode::Vxlan => EncapsulationMode::Vxlan,
-    };
-    NodeRecord {
-        name,
-        cluster: cluster.to_string(),
-        addresses,
-        pod_cidrs,
-        encapsulation: NodeRecordEncapsulation {
-            mode,
-            port: node.spec.encapsulation.port,
-        },
-        boot_id: String::new(),
-        health_addresses: Vec::new(),
-        source: RecordSource::Node,
+    let (record, skipped) = rivet_k8s::records::node_record(node, cluster, RecordSource::Node);
+    for field in skipped {
+        tracing::warn!(field = %field.field, reason = %field.reason, "skipping a RivetNode field that does not parse");
     }
+    record
 }
 
 /// The IP cache entries of the RivetEndpoints of nodes other than `me`:
@@ -527,6 +482,8 @@ fn diff<V: PartialEq, E>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ipnet::IpNet;
+    use rivet_common::cluster::EncapsulationMode;
     use rivet_k8s::kube::api::ObjectMeta;
     use rivet_k8s::{NodeAddress, RivetEndpointStatus, RivetNodeSpec};
 

@@ -7,7 +7,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use futures::StreamExt;
-use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_k8s::k8s_openapi::api::core::v1::Pod;
 use rivet_k8s::kube::Client;
@@ -19,7 +18,6 @@ use rivet_k8s::{
 };
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
-use rivet_proto::identity::v1::node_service_client::NodeServiceClient;
 use rivet_testkit::kube::{KubeApiServer, ServiceAccountAccess};
 use serde_json::json;
 use std::time::Instant;
@@ -31,7 +29,7 @@ use tonic::Code;
 
 mod support;
 
-use support::{allocate, client, labels};
+use support::{allocate, channel, client, labels, nodes_until};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
 
@@ -445,29 +443,6 @@ async fn create_endpoint(admin: &Client, name: &str, node: &str, identity: u32, 
     .expect("RivetEndpoint status written");
 }
 
-/// `d`'s ListNodes once it listed and `pred` holds (polled, 20 s).
-async fn nodes_until(
-    d: &DaemonProcess,
-    what: &str,
-    pred: impl Fn(&BTreeMap<String, pb::Node>) -> bool,
-) -> BTreeMap<String, pb::Node> {
-    let mut nodes = NodeServiceClient::new(channel(d).await);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let listing = nodes
-            .list_nodes(pb::ListNodesRequest {})
-            .await
-            .expect("ListNodes")
-            .into_inner();
-        let by_name: BTreeMap<String, pb::Node> = listing.nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
-        if listing.listed && pred(&by_name) {
-            return by_name;
-        }
-        assert!(Instant::now() < deadline, "{what}: {by_name:#?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// `d`'s IP cache entries of `source` as prefix → (identity, node, host
 /// IP) once `pred` holds (polled, 20 s).
 async fn ipcache_until(
@@ -616,8 +591,4 @@ async fn rivet_nodes_are_the_peers_and_other_nodes_rivet_endpoints_the_ip_cache(
     )
     .await;
     drop(a);
-}
-
-async fn channel(d: &DaemonProcess) -> DaemonChannel {
-    connect_unix(d.socket(), &ClientOptions::default()).await.unwrap()
 }

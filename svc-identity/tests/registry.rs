@@ -9,15 +9,17 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
 use rivet_common::testing::etcd::EtcdServer;
 use rivet_common::testing::{DaemonCommand, DaemonProcess};
 use rivet_proto::identity::v1 as pb;
 use rivet_proto::identity::v1::identity_service_client::IdentityServiceClient;
 use rivet_proto::identity::v1::ipcache_service_client::IpcacheServiceClient;
-use rivet_proto::identity::v1::node_service_client::NodeServiceClient;
 use rivet_proto::loader::v1 as loader_pb;
 use rivet_testkit::loader::{LoaderNode, UNDERLAY_IFNAME, Underlay};
+
+mod support;
+
+use support::{channel, list_nodes, nodes_until};
 
 const BIN: &str = env!("CARGO_BIN_EXE_svc-identity");
 
@@ -82,36 +84,6 @@ impl TestNode {
             .spawn()
             .await
             .expect("svc-identity starts")
-    }
-}
-
-async fn channel(d: &DaemonProcess) -> DaemonChannel {
-    connect_unix(d.socket(), &ClientOptions::default()).await.unwrap()
-}
-
-async fn list_nodes(d: &DaemonProcess) -> pb::ListNodesResponse {
-    NodeServiceClient::new(channel(d).await)
-        .list_nodes(pb::ListNodesRequest {})
-        .await
-        .expect("ListNodes")
-        .into_inner()
-}
-
-/// Polls `d`'s ListNodes until `pred` holds (15 s); the listing.
-async fn nodes_until(
-    d: &DaemonProcess,
-    what: &str,
-    pred: impl Fn(&BTreeMap<String, pb::Node>) -> bool,
-) -> BTreeMap<String, pb::Node> {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let listing = list_nodes(d).await;
-        let nodes: BTreeMap<String, pb::Node> = listing.nodes.into_iter().map(|n| (n.name.clone(), n)).collect();
-        if listing.listed && pred(&nodes) {
-            return nodes;
-        }
-        assert!(Instant::now() < deadline, "{what}: {nodes:#?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

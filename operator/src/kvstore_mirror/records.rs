@@ -3,12 +3,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use rivet_common::cluster::{
-    EncapsulationMode, GLOBAL_SERVICE_ANNOTATION, NodeRecord, NodeRecordAddress, NodeRecordEncapsulation, Protocol,
-    RecordSource, ServiceAddress, ServicePort, ServiceRecord, SessionAffinity,
+    GLOBAL_SERVICE_ANNOTATION, NodeRecord, Protocol, RecordSource, ServiceAddress, ServicePort, ServiceRecord,
+    SessionAffinity,
 };
 use rivet_k8s::RivetNode;
 
@@ -17,17 +16,11 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// Kubernetes' default `ClientIP` affinity timeout (3 hours).
 const DEFAULT_AFFINITY_TIMEOUT_SECONDS: u32 = 10_800;
 
-/// A field of an object that could not be mirrored (the rest is).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Skipped {
-    /// `RivetNode/n1 spec.podCidrs[1]`.
-    pub field: String,
-    /// The value and why.
-    pub reason: String,
-}
+pub use rivet_k8s::records::Skipped;
 
-/// The record of `node` in `cluster`, and the fields left out because
-/// they do not parse.
+/// The record of `node` in `cluster` as rivet-operator mirrors it (source
+/// `operator`), and the fields left out because they do not parse
+/// ([`rivet_k8s::records::node_record`]).
 ///
 /// ```
 /// use rivet_k8s::{RivetNode, RivetNodeSpec};
@@ -41,64 +34,7 @@ pub struct Skipped {
 /// assert_eq!(skipped[0].field, "RivetNode/n1 spec.podCidrs[2]");
 /// ```
 pub fn node_record(node: &RivetNode, cluster: &str) -> (NodeRecord, Vec<Skipped>) {
-    let name = node.metadata.name.clone().unwrap_or_default();
-    let mut skipped = Vec::new();
-    let mut addresses: Vec<NodeRecordAddress> = node
-        .spec
-        .addresses
-        .iter()
-        .enumerate()
-        .filter_map(|(i, a)| match a.ip.parse::<IpAddr>() {
-            Ok(ip) => Some(NodeRecordAddress {
-                type_: a.type_.clone(),
-                ip,
-            }),
-            Err(e) => {
-                skipped.push(Skipped {
-                    field: format!("RivetNode/{name} spec.addresses[{i}].ip"),
-                    reason: format!("{:?}: {e}", a.ip),
-                });
-                None
-            }
-        })
-        .collect();
-    addresses.sort();
-    addresses.dedup();
-    let mut pod_cidrs: Vec<IpNet> = node
-        .spec
-        .pod_cidrs
-        .iter()
-        .enumerate()
-        .filter_map(|(i, c)| match c.parse::<IpNet>() {
-            Ok(net) => Some(net),
-            Err(e) => {
-                skipped.push(Skipped {
-                    field: format!("RivetNode/{name} spec.podCidrs[{i}]"),
-                    reason: format!("{c:?}: {e}"),
-                });
-                None
-            }
-        })
-        .collect();
-    pod_cidrs.sort();
-    pod_cidrs.dedup();
-    let record = NodeRecord {
-        name,
-        cluster: cluster.to_string(),
-        addresses,
-        pod_cidrs,
-        encapsulation: NodeRecordEncapsulation {
-            mode: match node.spec.encapsulation.mode {
-                rivet_k8s::EncapsulationMode::Direct => EncapsulationMode::Direct,
-                rivet_k8s::EncapsulationMode::Vxlan => EncapsulationMode::Vxlan,
-            },
-            port: node.spec.encapsulation.port,
-        },
-        boot_id: String::new(),
-        health_addresses: Vec::new(),
-        source: RecordSource::Operator,
-    };
-    (record, skipped)
+    rivet_k8s::records::node_record(node, cluster, RecordSource::Operator)
 }
 
 /// Whether `service` is shared through the kvstore: annotated
@@ -271,6 +207,7 @@ mod tests {
     use k8s_openapi::api::core::v1::{ClientIPConfig, ServicePort as K8sPort, ServiceSpec, SessionAffinityConfig};
     use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
     use kube::api::ObjectMeta;
+    use rivet_common::cluster::EncapsulationMode;
     use rivet_k8s::{Encapsulation, NodeAddress, RivetNodeSpec};
 
     use super::*;
