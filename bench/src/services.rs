@@ -21,8 +21,9 @@
 //!   services (a service's position in kube-proxy's `KUBE-SERVICES` is its
 //!   map order: the spread measures the average one). Each connection
 //!   binds the next source port of its ClusterIP's share of 41,000 (a
-//!   4-tuple comes back only every 41,000 connections; a port never serves
-//!   two ClusterIPs), connects and closes with a reset (no TIME_WAIT).
+//!   4-tuple comes back only every 41,000 connections; within a count a
+//!   port serves one ClusterIP, and the next count's targets take the
+//!   ports on), connects and closes with a reset (no TIME_WAIT).
 //!   `--rounds` short rounds per count, the sides back to back with the
 //!   order flipping; ratio = median of the per-round connections/s ratios,
 //!   printed with their lowest and highest (the spread). Every backend
@@ -388,11 +389,13 @@ struct ConnectRun {
 /// only; a 4-tuple comes back every `SOURCE_PORTS` connections), closed
 /// with a reset. Fails on any failed connect().
 ///
-/// One port for several ClusterIPs in a row made Rivet's clients resend a
-/// SYN now and then (1 s each; the kernel's NAT avoids the clash of two
-/// services' flows that reach one backend from one client port by
-/// choosing another port, Rivet's datapath does not): a correctness
-/// matter for the datapath, kept out of this rate measurement.
+/// One port for several ClusterIPs in a row would have two services'
+/// flows reach one backend from one client port, which the datapath (as
+/// the kernel's NAT) resolves by choosing another port: a correctness
+/// matter (svc-loader's `client_ports_reused_across_services_sharing_backends_lose_no_connection`),
+/// kept out of this rate measurement within a count. Across counts the
+/// ports do come back to other ClusterIPs, closed flows' tuples taken
+/// over by new ones.
 fn connect_run(
     client: &NetNs,
     client_ip: Ipv4Addr,
