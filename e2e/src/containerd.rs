@@ -379,6 +379,11 @@ impl Containerd {
         self.path.join(NETNS_DIR)
     }
 
+    /// containerd's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// The cgroup parent to give pods (relative: below the test's own
     /// cgroup in every hierarchy; removed on drop).
     pub fn cgroup_parent(&self) -> &str {

@@ -296,13 +296,7 @@ impl Jaeger {
     pub async fn traces_of(&self, service: &str) -> Result<Vec<JaegerSpan>, JaegerError> {
         let since = self.started - Duration::from_secs(60);
         let until = SystemTime::now() + Duration::from_secs(60);
-        self.query(&format!(
-            "/api/v3/traces?query.service_name={}&query.start_time_min={}&query.start_time_max={}&query.num_traces=10000",
-            encode(service),
-            humantime::format_rfc3339_nanos(since),
-            humantime::format_rfc3339_nanos(until),
-        ))
-        .await
+        self.query(&service_query_path(service, since, until)).await
     }
 
     /// Polls [`trace`](Self::trace) until `done` holds for its spans or
@@ -353,11 +347,7 @@ impl Jaeger {
             .await
             .map_err(|e| failed(e.to_string()))?;
         match status {
-            200 => {
-                let wrapper: otlp_json::Wrapper = serde_json::from_slice(&body)
-                    .map_err(|e| failed(format!("{e} in {}", String::from_utf8_lossy(&body))))?;
-                Ok(wrapper.result.spans())
-            }
+            200 => parse_traces(&body).map_err(|e| failed(format!("{e} in {}", String::from_utf8_lossy(&body)))),
             404 => Ok(Vec::new()),
             _ => Err(failed(format!("HTTP {status}: {}", String::from_utf8_lossy(&body)))),
         }
@@ -370,6 +360,28 @@ impl Drop for Jaeger {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The query API path (`/api/v3/traces?...`) of every trace holding a span
+/// of `service` that started between `since` and `until`, for a Jaeger
+/// reached another way (a Kubernetes Service proxy); [`parse_traces`]
+/// reads the answer.
+pub fn service_query_path(service: &str, since: SystemTime, until: SystemTime) -> String {
+    format!(
+        "/api/v3/traces?query.service_name={}&query.start_time_min={}&query.start_time_max={}&query.num_traces=10000",
+        encode(service),
+        humantime::format_rfc3339_nanos(since),
+        humantime::format_rfc3339_nanos(until),
+    )
+}
+
+/// The spans of a `/api/v3/traces` answer (OTLP JSON), flattened.
+///
+/// # Errors
+/// The body is not such an answer.
+pub fn parse_traces(body: &[u8]) -> Result<Vec<JaegerSpan>, serde_json::Error> {
+    let wrapper: otlp_json::Wrapper = serde_json::from_slice(body)?;
+    Ok(wrapper.result.spans())
 }
 
 /// Percent-encodes a query parameter value.

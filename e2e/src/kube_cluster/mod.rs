@@ -24,7 +24,11 @@
 //!   pause image, `restrict_oom_score_adj = true`) and the kubelet both run
 //!   in the worker's network and mount namespaces, so hostNetwork pods land
 //!   in the worker's network namespace and the kubelet's volume mounts are
-//!   the ones runc binds into containers.
+//!   the ones runc binds into containers. The worker's cgroup v2
+//!   directory (below) shows at [`NODE_CGROUP_DIR`] there, and
+//!   containerd runs in it (`<root>/runtime`), as a node's processes are
+//!   all in its cgroup tree: deploy/'s socket load balancing on it serves
+//!   this worker's host-network sockets and rivet-cni's.
 //! - Host access: a relay on the host's 127.0.0.1 whose connections are
 //!   made inside the control-plane namespace; the admin kubeconfig
 //!   ([`KubeCluster::kubeconfig`]) points at it. Nothing is added to the
@@ -83,6 +87,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod jaeger;
 mod pki;
 mod process;
 mod relay;
@@ -146,6 +151,16 @@ const KUBELET_SYSCTLS: &[(&str, &str)] = &[
 pub const REFERENCE_BRIDGE_HANDLER: &str = "reference-bridge";
 /// Its CNI conf dir inside each worker.
 const REFERENCE_BRIDGE_CONF_DIR: &str = "/etc/cni/reference-bridge.d";
+
+/// Where a worker's mount namespace shows its own cgroup v2 directory
+/// (`<unified>/<cgroup root>`), the node's cgroup deploy/'s svc-loader
+/// attaches socket load balancing to (`socket-lb-cgroup`): the kubelet's
+/// pods and containerd (so rivet-cni) are below it, nothing of another
+/// worker is.
+pub const NODE_CGROUP_DIR: &str = "/run/rivet-cgroupv2";
+
+/// containerd's cgroup below a worker's cgroup root (unified hierarchy).
+const RUNTIME_CGROUP: &str = "runtime";
 
 /// The file in the cluster dir that lists what [`sweep`] removes.
 pub const RECORD_FILE: &str = "record.json";
@@ -718,9 +733,9 @@ impl KubeCluster {
             std::fs::create_dir_all(&conf_dir).map_err(io_err(format!("creating {}", conf_dir.display())))?;
             write_file(&conf_dir.join("10-bridge.conflist"), &bridge_conflist(&worker.pod_cidr))?;
         }
+        create_cgroup_root(&worker.cgroup_root)?;
         create_mount_ns(worker)?;
         worker.mount_ns_mounted = true;
-        create_cgroup_root(&worker.cgroup_root)?;
 
         let mut config = ContainerdConfig::new("/opt/cni/bin", "/etc/cni/net.d")
             .netns(worker.netns.path())
@@ -736,6 +751,11 @@ impl KubeCluster {
             source: Box::new(source),
         };
         let containerd = Containerd::start(config).await.map_err(containerd_err)?;
+        // Into the node's cgroup v2 directory before it runs any plugin, so
+        // rivet-cni's sockets are the node's (socket load balancing).
+        if let Some(pid) = containerd.pid() {
+            join_node_cgroup(&worker.cgroup_root, RUNTIME_CGROUP, pid)?;
+        }
         containerd.import_e2e_images().await.map_err(containerd_err)?;
         for archive in &options.images {
             containerd.import_images(archive, &[]).await.map_err(containerd_err)?;
@@ -1356,6 +1376,15 @@ fn create_mount_ns(worker: &Worker) -> Result<(), KubeClusterError> {
     ] {
         script.push_str(&format!("mount --bind {} {inside}\n", q(&dir.join(host))));
     }
+    // The node's cgroup v2 directory where deploy/ looks for it (a real
+    // node binds its /sys/fs/cgroup there).
+    if let Some(unified) = unified_hierarchy() {
+        let node_cgroup = unified.join(worker.cgroup_root.trim_start_matches('/'));
+        script.push_str(&format!(
+            "mkdir -p {NODE_CGROUP_DIR}\nmount --bind {} {NODE_CGROUP_DIR}\n",
+            q(&node_cgroup)
+        ));
+    }
     for (key, value) in KUBELET_SYSCTLS {
         let file = dir.join("sysctl").join(key.replace('/', "."));
         write_file(&file, &format!("{value}\n"))?;
@@ -1446,12 +1475,6 @@ pub fn node_ready(node: &Node) -> bool {
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-/// The v1 cgroup hierarchies (each mount under /sys/fs/cgroup but the
-/// unified one): where the kubelet's cgroup root must exist.
-fn cgroup_hierarchies() -> Vec<PathBuf> {
-    cgroup_mounts(&["cgroup"])
-}
-
 /// Every cgroup hierarchy, the unified one too (runc makes the pods'
 /// cgroups there as well on this hybrid machine): what teardown cleans.
 fn all_cgroup_hierarchies() -> Vec<PathBuf> {
@@ -1482,10 +1505,29 @@ fn cgroup_dirs(root: &str) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Creates the kubelet's cgroup root in every v1 hierarchy (the kubelet
-/// checks it exists), with the cpuset of the hierarchy's root.
+/// The cgroup v2 (unified) hierarchy's mount point, if there is one.
+fn unified_hierarchy() -> Option<PathBuf> {
+    cgroup_mounts(&["cgroup2"]).into_iter().next()
+}
+
+/// Moves process `pid` into `<root>/<child>` of the unified hierarchy
+/// (created), where the node's socket load balancing sees its sockets.
+/// Nothing to do without a unified hierarchy.
+fn join_node_cgroup(root: &str, child: &str, pid: u32) -> Result<(), KubeClusterError> {
+    let Some(unified) = unified_hierarchy() else {
+        return Ok(());
+    };
+    let dir = unified.join(root.trim_start_matches('/')).join(child);
+    std::fs::create_dir_all(&dir).map_err(io_err(format!("creating cgroup {}", dir.display())))?;
+    let procs = dir.join("cgroup.procs");
+    std::fs::write(&procs, pid.to_string()).map_err(io_err(format!("moving process {pid} into {}", procs.display())))
+}
+
+/// Creates the kubelet's cgroup root in every hierarchy (the kubelet
+/// checks it exists in v1; in v2 it is the node's cgroup that
+/// [`NODE_CGROUP_DIR`] shows), with the cpuset of the hierarchy's root.
 fn create_cgroup_root(root: &str) -> Result<(), KubeClusterError> {
-    for hierarchy in cgroup_hierarchies() {
+    for hierarchy in all_cgroup_hierarchies() {
         let mut dir = hierarchy.clone();
         for part in root.trim_start_matches('/').split('/') {
             dir.push(part);
