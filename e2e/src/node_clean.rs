@@ -3,8 +3,8 @@
 //! on the nodes"; deploy/README.md "Uninstall").
 //!
 //! [`rivet_leftovers`] looks where deploy/ puts things, as the worker sees
-//! them: its pins under the host's bpffs (`/sys/fs/bpf/rivet/<node>`, the
-//! one bpffs every worker shares), `rivet-…` tc filters on any interface of
+//! them: its pins under its bpffs (`/sys/fs/bpf/rivet/<node>` of the
+//! worker's own bpffs, [`Worker::host_path`]), `rivet-…` tc filters on any interface of
 //! its network namespace, pods' veths (`lxc…`), `rivet_vxlan`, routes of
 //! protocol 77, `rivet-cni` and `10-rivet.conflist` in its CNI dirs,
 //! rivet-cni's log, and any socket or lock file in its socket dir.
@@ -35,7 +35,7 @@ pub const CNI_FILES: [&str; 2] = ["/opt/cni/bin/rivet-cni", "/etc/cni/net.d/10-r
 /// empty when the node is clean. A check that cannot run is a line too.
 pub fn rivet_leftovers(worker: &Worker) -> Vec<String> {
     let mut left = Vec::new();
-    let pins = Path::new("/sys/fs/bpf/rivet").join(&worker.name);
+    let pins = worker.host_path(&format!("/sys/fs/bpf/rivet/{}", worker.name));
     if pins.exists() {
         left.push(format!("pin dir: {} ({:?})", pins.display(), entries(&pins)));
     }

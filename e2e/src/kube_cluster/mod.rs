@@ -17,7 +17,9 @@
 //!   view of the file system): `/etc` and `/var/lib` are overlays whose
 //!   upper dirs are the worker's, and `/opt`, `/run`, `/var/log` and
 //!   `/var/lib/cni` are the worker's own directories bound over the
-//!   host's. So a DaemonSet's hostPath `/etc/cni/net.d`, `/opt/cni/bin`,
+//!   host's; `/sys/fs/bpf` is a bpffs of its own (mounted at `<dir>/bpf`
+//!   on the host), so the pins a node's Rivet keeps across restarts go
+//!   with the worker, as with a machine's. So a DaemonSet's hostPath `/etc/cni/net.d`, `/opt/cni/bin`,
 //!   `/run/rivet` or `/var/lib/kubelet` is that node's alone, exactly as on separate machines, and nothing a pod or
 //!   the kubelet writes there reaches the host. containerd (CNI dirs
 //!   `/opt/cni/bin` and `/etc/cni/net.d`, `sandbox_image` the imported
@@ -324,7 +326,7 @@ pub struct Worker {
     /// Its network namespace.
     pub netns: NetNs,
     /// Its files: configs, and what the worker's mount namespace shows as
-    /// `/opt`, `/run`, `/var/log`, `/var/lib/cni`, and the upper dirs of
+    /// `/opt`, `/run`, `/var/log`, `/var/lib/cni`, `/sys/fs/bpf`, and the upper dirs of
     /// its `/etc` and `/var/lib` (the kubelet's root dir is the usual
     /// `/var/lib/kubelet` in it).
     pub dir: PathBuf,
@@ -352,6 +354,7 @@ impl Worker {
             ("run", "run"),
             ("var/log", "log"),
             ("var/lib/cni", "var-lib-cni"),
+            ("sys/fs/bpf", "bpf"),
         ] {
             if let Some(rest) = relative.strip_prefix(inside)
                 && (rest.is_empty() || rest.starts_with('/'))
@@ -408,6 +411,15 @@ impl Worker {
                 "rivet kube cluster teardown: releasing {}: {e}",
                 self.mount_ns().display()
             );
+        }
+        // With the namespace gone, this is the bpffs's last mount: its
+        // pins go with it.
+        let bpffs = self.dir.join("bpf");
+        if let Err(e) = nix::mount::umount2(&bpffs, nix::mount::MntFlags::MNT_DETACH)
+            && e != nix::errno::Errno::EINVAL
+            && e != nix::errno::Errno::ENOENT
+        {
+            eprintln!("rivet kube cluster teardown: unmounting {}: {e}", bpffs.display());
         }
         // The top of the root (`/<cluster>`) goes with the cluster.
         for dir in dirs {
@@ -1354,13 +1366,26 @@ fn bridge_conflist(pod_cidr: &str) -> String {
 
 /// Makes the worker's mount namespace, bound at [`Worker::mount_ns`]: `/etc`
 /// an overlay with the worker's upper dir; `/opt`, `/run`, `/var/log`,
-/// `/var/lib/cni` the worker's dirs; the kubelet's sysctls shown as files.
+/// `/var/lib/cni` the worker's dirs; `/sys/fs/bpf` a new bpffs (at
+/// `<dir>/bpf` on the host); the kubelet's sysctls shown as files.
 fn create_mount_ns(worker: &Worker) -> Result<(), KubeClusterError> {
     let dir = &worker.dir;
     let mnt = worker.mount_ns();
     std::fs::File::create(&mnt).map_err(io_err(format!("creating {}", mnt.display())))?;
+    let bpffs = dir.join("bpf");
+    std::fs::create_dir_all(&bpffs).map_err(io_err(format!("creating {}", bpffs.display())))?;
+    // Every bpf mount is a new instance: the worker's pins are its own.
+    nix::mount::mount(
+        Some("bpf"),
+        &bpffs,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|e| io_err(format!("mounting a bpffs at {}", bpffs.display()))(e.into()))?;
     let q = |p: &Path| shell_quote(&p.display().to_string());
     let mut script = String::from("set -e\n");
+    script.push_str(&format!("mount --bind {} /sys/fs/bpf\n", q(&bpffs)));
     for (inside, host) in [("/etc", "etc"), ("/var/lib", "var-lib")] {
         script.push_str(&format!(
             "mount -t overlay overlay -o lowerdir={inside},upperdir={},workdir={} {inside}\n",
@@ -1398,6 +1423,7 @@ fn create_mount_ns(worker: &Worker) -> Result<(), KubeClusterError> {
     if !out.status.success() {
         // unshare may have bound the namespace before the script failed.
         let _ = nix::mount::umount2(&mnt, nix::mount::MntFlags::MNT_DETACH);
+        let _ = nix::mount::umount2(&bpffs, nix::mount::MntFlags::MNT_DETACH);
         return Err(KubeClusterError::Io {
             context: format!(
                 "setting up worker {}'s mount namespace: {}",
