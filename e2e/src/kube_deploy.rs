@@ -145,6 +145,8 @@ pub fn kill_container(worker: &Worker, container_id: &str) -> Result<()> {
 struct PodExec {
     child: Child,
     stdin: Option<ChildStdin>,
+    /// kubectl's (and the command's) stderr, collected by a thread.
+    stderr: Arc<Mutex<String>>,
 }
 
 impl PodExec {
@@ -154,11 +156,20 @@ impl PodExec {
             .args(command)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .map_err(io_context(format!("running kubectl exec -i {pod} -- {command:?}")))?;
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().expect("piped");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (pipe, collected) = (child.stderr.take().expect("piped"), Arc::clone(&stderr));
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(std::io::Result::ok) {
+                let mut collected = collected.lock().expect("not poisoned");
+                collected.push_str(&line);
+                collected.push('\n');
+            }
+        });
         let (send, lines) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines() {
@@ -168,17 +179,19 @@ impl PodExec {
                 }
             }
         });
-        Ok((Self { child, stdin }, lines))
+        Ok((Self { child, stdin, stderr }, lines))
     }
 
     /// Closes stdin (the command in the pod ends) and waits up to `timeout`
-    /// for kubectl to exit before killing it.
-    fn finish(mut self, timeout: Duration) {
+    /// for kubectl to exit before killing it; returns what it wrote to
+    /// stderr.
+    fn finish(mut self, timeout: Duration) -> String {
         drop(self.stdin.take());
         let deadline = Instant::now() + timeout;
         while matches!(self.child.try_wait(), Ok(None)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
+        self.stderr.lock().expect("not poisoned").clone()
     }
 }
 
@@ -312,6 +325,9 @@ pub struct EchoReport {
 
 /// How long one line may take to come back.
 const ECHO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the first line may take: kubectl exec's session and the
+/// connection come first.
+const FIRST_ECHO_TIMEOUT: Duration = Duration::from_secs(20);
 
 impl EchoStream {
     /// Connects from `pod` to `address:port` and starts the lines.
@@ -336,7 +352,12 @@ impl EchoStream {
                     report.failure = Some(format!("writing line {}: {e}", report.echoed));
                     break;
                 }
-                match lines.recv_timeout(ECHO_TIMEOUT) {
+                let timeout = if report.echoed == 0 {
+                    FIRST_ECHO_TIMEOUT
+                } else {
+                    ECHO_TIMEOUT
+                };
+                match lines.recv_timeout(timeout) {
                     Ok(echo) if echo == line => {
                         report.echoed += 1;
                         report.bytes += line.len() as u64 + 1;
@@ -347,7 +368,7 @@ impl EchoStream {
                         break;
                     }
                     Err(mpsc::RecvTimeoutError::Timeout) => {
-                        report.failure = Some(format!("line {} not echoed within {ECHO_TIMEOUT:?}", report.echoed));
+                        report.failure = Some(format!("line {} not echoed within {timeout:?}", report.echoed));
                         break;
                     }
                     Err(mpsc::RecvTimeoutError::Disconnected) => {
@@ -358,7 +379,12 @@ impl EchoStream {
                 std::thread::sleep(Duration::from_millis(50));
             }
             exec.stdin = Some(stdin);
-            exec.finish(Duration::from_secs(5));
+            let stderr = exec.finish(Duration::from_secs(5));
+            if let Some(failure) = report.failure.as_mut()
+                && !stderr.trim().is_empty()
+            {
+                failure.push_str(&format!("; kubectl exec: {}", stderr.trim()));
+            }
             report
         });
         Ok(Self {
@@ -374,25 +400,29 @@ impl EchoStream {
         self.echoed.load(Ordering::Relaxed)
     }
 
-    /// Waits until `more` lines beyond the current count came back (or the
-    /// stream failed: [`stop`](Self::stop) says how).
+    /// Waits until `more` lines beyond the current count came back.
     ///
     /// # Errors
-    /// [`KubeClusterError::Timeout`] with the count.
+    /// [`KubeClusterError::Timeout`] with the count, at once if the stream
+    /// ended.
     pub async fn wait_echoed(&self, more: u64, timeout: Duration) -> Result<(), KubeClusterError> {
         let goal = self.echoed() + more;
-        poll(&format!("{}: {more} more lines", self.description), timeout, || {
+        let what = format!("{}: {more} more lines", self.description);
+        let outcome = poll(&what, timeout, || {
             let echoed = self.echoed();
             let ended = self.thread.as_ref().is_none_or(std::thread::JoinHandle::is_finished);
             async move {
-                if echoed >= goal || ended {
-                    Ok(())
+                if echoed >= goal {
+                    Ok(Ok(()))
+                } else if ended {
+                    Ok(Err(format!("the stream ended after {echoed} lines (stop() says why)")))
                 } else {
                     Err(format!("{echoed} lines echoed, waiting for {goal}"))
                 }
             }
         })
-        .await
+        .await?;
+        outcome.map_err(|last| KubeClusterError::Timeout { what, timeout, last })
     }
 
     /// Ends the stream (closing the connection) and reports.

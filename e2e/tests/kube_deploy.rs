@@ -7,23 +7,24 @@
 //! 1. `kubectl apply -k deploy/`: the DaemonSet is Ready on both nodes, the
 //!    operator holds its Lease, each Node got a pod CIDR and became Ready.
 //! 2. A Deployment of 10 busybox pods spread over both nodes (topology
-//!    spread): every pod Running with an address of its node's pod CIDR;
-//!    pod to pod on each node.
-//! 3. A ClusterIP Service answers from every pod.
+//!    spread): every pod Running with an address of its node's pod CIDR
+//!    (its RivetNode's); each pings a pod on the other node and gets a line
+//!    echoed by it over TCP.
+//! 3. A ClusterIP Service over them answers from every pod; backends on
+//!    both nodes answer a pod on node 1.
 //! 4. A NetworkPolicy applied with kubectl: a pod it does not allow is
-//!    refused, one it allows gets through; deleting it lifts it.
-//!    `kubectl get rivetendpoints` shows every pod ready with its identity.
+//!    refused by a web pod on either node, one it allows gets through;
+//!    deleting it lifts it. `kubectl get rivetendpoints` shows every pod
+//!    ready with its identity (one for all web pods).
 //! 5. Rolling update of the DaemonSet to a second tag of the image while a
-//!    pod pings another and keeps a TCP stream to the Service: no echo
-//!    reply missing by sequence number, every streamed byte echoed, the
-//!    connection the same.
+//!    pod on node 1 pings a pod on node 2 and keeps a TCP stream to the
+//!    Service: no echo reply missing by sequence number, every streamed
+//!    byte echoed, the connection the same.
 //! 6. Each daemon container on node 1 SIGKILLed through containerd: the
 //!    kubelet restarts it (restartCount rises, Ready again); the same
 //!    traffic loses nothing.
 //!
-//! Traffic crosses nodes only where Rivet routes between nodes with the CRD
-//! store (not on main yet: deploy/README.md): until then pod to pod and the
-//! Services stay within a node (one Service per node).
+//! Each node's pins are in the worker's own bpffs and go with the cluster.
 //!
 //! Needs root, containerd, runc, ctr, /usr/lib/cni, busybox-static, the
 //! Kubernetes tools (`cargo xtask install`) and the workspace's binaries
@@ -39,6 +40,7 @@ use k8s_openapi::api::core::v1::{Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ListParams};
 use rivet_common::testing::workspace_binary;
+use rivet_e2e::cross_node;
 use rivet_e2e::image::BUSYBOX_IMAGE;
 use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, Worker, WorkerCni, node_ready};
 use rivet_e2e::kube_deploy::{
@@ -53,6 +55,8 @@ const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 const REPLICAS: usize = 10;
 /// The web pods' echo port.
 const ECHO_PORT: u16 = 9000;
+/// The web pods' port that answers with the pod's name.
+const NAME_PORT: u16 = 9001;
 /// The daemon containers of `rivet-node`.
 const DAEMONS: [&str; 6] = [
     "svc-ipam",
@@ -122,15 +126,10 @@ impl Scenario {
         self.try_kubectl(&["exec", pod, "--", "sh", "-c", script], None)
     }
 
-    /// `line` sent from `pod` to `address:port` comes back from an echo
-    /// server (a 3 s connect timeout).
-    fn echoes(&self, pod: &str, address: IpAddr, port: u16, line: &str) -> Result<(), String> {
-        let out = self.exec(pod, &format!("echo {line} | timeout 6 nc -w 3 {address} {port}"))?;
-        if out.trim() == line {
-            Ok(())
-        } else {
-            Err(format!("echoed {out:?}"))
-        }
+    /// `pod` gets a line echoed by `address:port`
+    /// ([`rivet_e2e::cross_node::echoes`]).
+    fn echoes(&self, pod: &str, address: IpAddr, port: u16) -> Result<(), String> {
+        cross_node::echoes(&|| self.cluster.kubectl().unwrap(), pod, address, port)
     }
 
     /// Waits for `check` (see [`poll`]), failing the step with what was seen.
@@ -270,6 +269,12 @@ fn web_deployment() -> serde_json::Value {
                         "imagePullPolicy": "Never",
                         // An echo server: one `cat` per connection.
                         "command": ["nc", "-ll", "-p", ECHO_PORT.to_string(), "-e", "/bin/cat"]
+                    }, {
+                        "name": "name",
+                        "image": BUSYBOX_IMAGE,
+                        "imagePullPolicy": "Never",
+                        // Answers every connection with the pod's name.
+                        "command": ["nc", "-ll", "-p", NAME_PORT.to_string(), "-e", "/bin/hostname"]
                     }]
                 }
             }
@@ -295,14 +300,18 @@ fn busybox_pod(name: &str, node: &str, labels: serde_json::Value) -> serde_json:
     })
 }
 
-fn echo_service(name: &str, selector: serde_json::Value) -> serde_json::Value {
+/// `web`: the echo port and the name port of the web pods.
+fn web_service() -> serde_json::Value {
     serde_json::json!({
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": { "name": name, "namespace": "default" },
+        "metadata": { "name": "web", "namespace": "default" },
         "spec": {
-            "selector": selector,
-            "ports": [{ "name": "echo", "protocol": "TCP", "port": ECHO_PORT, "targetPort": ECHO_PORT }]
+            "selector": { "app": "web" },
+            "ports": [
+                { "name": "echo", "protocol": "TCP", "port": ECHO_PORT, "targetPort": ECHO_PORT },
+                { "name": "name", "protocol": "TCP", "port": NAME_PORT, "targetPort": NAME_PORT }
+            ]
         }
     })
 }
@@ -437,6 +446,22 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
             node.metadata.name
         );
     }
+    // Each node's pins are in its own bpffs, none in the host's.
+    for worker in scenario.cluster.workers() {
+        let pins = format!("/sys/fs/bpf/rivet/{}", worker.name);
+        assert!(
+            worker.host_path(&pins).join("endpoints").exists(),
+            "step {}: {}'s pins in its bpffs at {}",
+            scenario.step,
+            worker.name,
+            worker.host_path(&pins).display()
+        );
+        assert!(
+            !std::path::Path::new(&pins).exists(),
+            "step {}: {pins} in the host's bpffs",
+            scenario.step
+        );
+    }
     println!(
         "rivet-node Ready on both nodes {:.1} s after the apply; Lease held by {holder}; pod CIDRs {pod_cidrs:?}",
         started.elapsed().as_secs_f64()
@@ -484,90 +509,84 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
         "step {}: the topology spread puts half the pods on each node: {web:?}",
         scenario.step
     );
-    // Each web pod pings the next one on its node.
-    for pods in [&web1, &web2] {
-        for (i, (pod, _)) in pods.iter().enumerate() {
-            let (peer, ip) = &pods[(i + 1) % pods.len()];
-            let out = scenario
-                .exec(pod, &format!("ping -c 1 -W 3 {ip}"))
-                .unwrap_or_else(|e| panic!("step {}: {pod} pings {peer} ({ip}): {e}", scenario.step));
-            assert!(
-                out.contains("1 packets received"),
-                "step {}: {pod} → {peer}: {out}",
-                scenario.step
-            );
+    // Each web pod pings one on the other node and gets a line echoed.
+    for (pods, remote) in [(&web1, &web2), (&web2, &web1)] {
+        for ((pod, _), (peer, peer_ip)) in pods.iter().zip(remote.iter()) {
+            cross_node::reaches(&|| scenario.cluster.kubectl().unwrap(), pod, *peer_ip, ECHO_PORT)
+                .unwrap_or_else(|e| panic!("step {}: {pod} → {peer} on the other node: {e}", scenario.step));
         }
     }
 
-    // 3. A ClusterIP Service from every pod: one per node while Rivet does
-    // not route between nodes (the pods of node i get the label node=i).
+    // 3. A ClusterIP Service over the 10 pods, from every pod.
     scenario.step = "3 (a ClusterIP Service from every pod)";
-    let mut services = Vec::new();
-    for (index, pods) in [&web1, &web2].into_iter().enumerate() {
-        let label = format!("rivet-e2e/node={}", index + 1);
-        let mut args = vec!["label", "pod", "--overwrite"];
-        args.extend(pods.iter().map(|(p, _)| p.as_str()));
-        args.push(&label);
-        scenario.kubectl(&args);
-        services.push(echo_service(
-            &format!("web-{}", index + 1),
-            serde_json::json!({ "app": "web", "rivet-e2e/node": (index + 1).to_string() }),
-        ));
-    }
-    scenario.kubectl_stdin(&["apply", "-f", "-"], Some(&yaml(&services)));
+    scenario.kubectl_stdin(&["apply", "-f", "-"], Some(&web_service().to_string()));
     let service_api: Api<Service> = Api::namespaced(scenario.cluster.admin_client(), "default");
     let slices: Api<EndpointSlice> = Api::namespaced(scenario.cluster.admin_client(), "default");
-    let mut vips = Vec::new();
-    for (index, pods) in [&web1, &web2].into_iter().enumerate() {
-        let service = format!("web-{}", index + 1);
-        let vip: IpAddr = service_api
-            .get(&service)
-            .await
-            .unwrap()
-            .spec
-            .and_then(|s| s.cluster_ip)
-            .and_then(|ip| ip.parse().ok())
-            .unwrap_or_else(|| panic!("step {}: {service} has no ClusterIP", scenario.step));
-        scenario
-            .wait(&format!("{service}'s EndpointSlice with 5 ready endpoints"), || {
-                let (slices, service) = (slices.clone(), service.clone());
-                async move {
-                    let list = slices
-                        .list(&ListParams::default().labels(&format!("kubernetes.io/service-name={service}")))
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let ready = list
-                        .items
-                        .iter()
-                        .flat_map(|s| &s.endpoints)
-                        .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
-                        .count();
-                    if ready == REPLICAS / 2 {
-                        Ok(())
-                    } else {
-                        Err(format!("{ready} ready endpoints"))
-                    }
-                }
-            })
-            .await;
-        // The first answer on a node says Rivet programmed the Service
-        // there; from then on every pod must get through at once.
-        let (first, _) = &pods[0];
-        scenario
-            .wait(&format!("{first} reaches {service} at {vip}"), || async {
-                scenario.echoes(first, vip, ECHO_PORT, "first")
-            })
-            .await;
-        for (pod, _) in pods.iter() {
-            scenario
-                .echoes(pod, vip, ECHO_PORT, pod)
-                .unwrap_or_else(|e| panic!("step {}: {pod} → {service} ({vip}): {e}", scenario.step));
-        }
-        vips.push(vip);
-    }
+    let vip: IpAddr = service_api
+        .get("web")
+        .await
+        .unwrap()
+        .spec
+        .and_then(|s| s.cluster_ip)
+        .and_then(|ip| ip.parse().ok())
+        .unwrap_or_else(|| panic!("step {}: Service web has no ClusterIP", scenario.step));
     scenario
-        .echoes("client", vips[0], ECHO_PORT, "client")
-        .unwrap_or_else(|e| panic!("step {}: client → web-1 ({}): {e}", scenario.step, vips[0]));
+        .wait("the web Service's EndpointSlice with 10 ready endpoints", || {
+            let slices = slices.clone();
+            async move {
+                let list = slices
+                    .list(&ListParams::default().labels("kubernetes.io/service-name=web"))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let ready = list
+                    .items
+                    .iter()
+                    .flat_map(|s| &s.endpoints)
+                    .filter(|e| e.conditions.as_ref().and_then(|c| c.ready) == Some(true))
+                    .count();
+                if ready == REPLICAS {
+                    Ok(())
+                } else {
+                    Err(format!("{ready} ready endpoints"))
+                }
+            }
+        })
+        .await;
+    // The first answer on each node says Rivet programmed the Service
+    // there; from then on every pod must get through at once.
+    for (first, _) in [&web1[0], &web2[0]] {
+        scenario
+            .wait(&format!("{first} reaches the web Service at {vip}"), || async {
+                scenario.echoes(first, vip, ECHO_PORT)
+            })
+            .await;
+    }
+    for pod in web.iter().chain(&others).map(|(p, _, _)| p) {
+        scenario
+            .echoes(pod, vip, ECHO_PORT)
+            .unwrap_or_else(|e| panic!("step {}: {pod} → web ({vip}): {e}", scenario.step));
+    }
+    // Backends on both nodes answer a pod on node 1 through the ClusterIP.
+    let names = scenario
+        .exec(
+            "client",
+            &format!("i=0; while [ $i -lt 40 ]; do nc -w 3 {vip} {NAME_PORT} </dev/null; i=$((i+1)); done"),
+        )
+        .unwrap_or_else(|e| panic!("step {}: client → web ({vip}:{NAME_PORT}): {e}", scenario.step));
+    let answered: Vec<&str> = names.lines().collect();
+    assert_eq!(
+        answered.len(),
+        40,
+        "step {}: 40 connections from client to {vip}:{NAME_PORT}, each answered by a backend: {answered:?}",
+        scenario.step
+    );
+    for (node, pods) in [(&node1, &web1), (&node2, &web2)] {
+        assert!(
+            answered.iter().any(|a| pods.iter().any(|(p, _)| p == a)),
+            "step {}: no backend on {node} answered client through {vip}: {answered:?}",
+            scenario.step
+        );
+    }
 
     // 4. A NetworkPolicy: only role=client reaches the web pods' echo port.
     scenario.step = "4 (a NetworkPolicy applied with kubectl)";
@@ -612,19 +631,22 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
     scenario
         .wait("every web pod's RivetEndpoint ingress-enforced", || enforced(true))
         .await;
-    let (target, target_ip) = &web1[0];
-    let denied = scenario.echoes("intruder", *target_ip, ECHO_PORT, "intruder");
-    assert!(
-        denied.is_err(),
-        "step {}: intruder reached {target} ({target_ip}) through the policy",
-        scenario.step
-    );
+    // A web pod on the other node and one on the same node as the clients.
+    let targets = [web2[0].clone(), web1[0].clone()];
+    for (target, target_ip) in &targets {
+        let denied = scenario.echoes("intruder", *target_ip, ECHO_PORT);
+        assert!(
+            denied.is_err(),
+            "step {}: intruder reached {target} ({target_ip}) through the policy",
+            scenario.step
+        );
+        scenario
+            .echoes("client", *target_ip, ECHO_PORT)
+            .unwrap_or_else(|e| panic!("step {}: client → {target} ({target_ip}), allowed: {e}", scenario.step));
+    }
     scenario
-        .echoes("client", *target_ip, ECHO_PORT, "client")
-        .unwrap_or_else(|e| panic!("step {}: client → {target} ({target_ip}), allowed: {e}", scenario.step));
-    scenario
-        .echoes("client", vips[0], ECHO_PORT, "client")
-        .unwrap_or_else(|e| panic!("step {}: client → web-1 ({}), allowed: {e}", scenario.step, vips[0]));
+        .echoes("client", vip, ECHO_PORT)
+        .unwrap_or_else(|e| panic!("step {}: client → web ({vip}), allowed: {e}", scenario.step));
 
     // kubectl get rivetendpoints: every pod, ready, with its identity.
     scenario.step = "4 (kubectl get rivetendpoints)";
@@ -665,10 +687,10 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
         );
         identities.insert(pod.clone(), identity);
     }
-    let web1_identity = identities[&web1[0].0];
+    let web_identity = identities[&web1[0].0];
     assert!(
-        web1.iter().all(|(p, _)| identities[p] == web1_identity),
-        "step {}: the web pods of one node share an identity: {identities:?}",
+        web.iter().all(|(p, _, _)| identities[p] == web_identity),
+        "step {}: the web pods share an identity on both nodes: {identities:?}",
         scenario.step
     );
     assert_ne!(
@@ -683,9 +705,11 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
     scenario
         .wait("no web pod's RivetEndpoint ingress-enforced", || enforced(false))
         .await;
-    scenario
-        .echoes("intruder", *target_ip, ECHO_PORT, "intruder")
-        .unwrap_or_else(|e| panic!("step {}: intruder → {target} without the policy: {e}", scenario.step));
+    for (target, target_ip) in &targets {
+        scenario
+            .echoes("intruder", *target_ip, ECHO_PORT)
+            .unwrap_or_else(|e| panic!("step {}: intruder → {target} without the policy: {e}", scenario.step));
+    }
 
     // 5. Rolling update to the second tag under traffic.
     scenario.step = "5 (rolling update of the DaemonSet)";
@@ -701,8 +725,9 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
         .iter()
         .filter_map(|p| p.metadata.uid.clone())
         .collect();
-    let (peer, peer_ip) = web1[1].clone();
-    let traffic = Traffic::start(&scenario, &peer, peer_ip, vips[0]).await;
+    // Pod to pod across the nodes, and to the Service.
+    let (peer, peer_ip) = web2[1].clone();
+    let traffic = Traffic::start(&scenario, &peer, peer_ip, vip).await;
     let overlay = tempfile::Builder::new().prefix("rivet-e2e-overlay-").tempdir().unwrap();
     write_image_tag_overlay(overlay.path(), &second_tag).unwrap();
     let rollout = std::time::Instant::now();
@@ -760,7 +785,7 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
 
     // 6. Each daemon container on node 1 killed through containerd.
     scenario.step = "6 (daemon containers killed through the CRI)";
-    let traffic = Traffic::start(&scenario, &peer, peer_ip, vips[0]).await;
+    let traffic = Traffic::start(&scenario, &peer, peer_ip, vip).await;
     let worker = scenario.worker(&node1);
     for daemon in DAEMONS {
         let status = |pod: &Pod| {
@@ -792,6 +817,18 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
             .await;
     }
     traffic.check(&scenario).await;
+
+    // The cluster gone, so are the nodes' bpffs and their pins.
+    let bpffs: Vec<_> = scenario
+        .cluster
+        .workers()
+        .iter()
+        .map(|w| w.host_path("/sys/fs/bpf"))
+        .collect();
+    drop(scenario);
+    for bpffs in bpffs {
+        assert!(!bpffs.exists(), "{} left", bpffs.display());
+    }
 }
 
 /// A ping from `client` to a pod and a TCP stream from `client` to a
@@ -811,10 +848,9 @@ impl Traffic {
         ping.wait_replies(3, Duration::from_secs(30))
             .await
             .unwrap_or_else(|e| panic!("step {}: {e}", scenario.step));
-        stream
-            .wait_echoed(3, Duration::from_secs(30))
-            .await
-            .unwrap_or_else(|e| panic!("step {}: {e}", scenario.step));
+        if let Err(e) = stream.wait_echoed(3, Duration::from_secs(30)).await {
+            panic!("step {}: {e}: {:?}", scenario.step, stream.stop());
+        }
         Self { ping, stream }
     }
 
