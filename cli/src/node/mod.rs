@@ -210,15 +210,35 @@ pub struct PrepareArgs {
     /// Mount point of the BPF filesystem.
     #[arg(long, default_value = rivet_common::pin_layout::DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
-    /// User of svc-ipam, svc-identity, svc-endpoint and svc-k8s-sync.
+    /// The daemons' accounts.
+    #[command(flatten)]
+    pub accounts: AccountArgs,
+}
+
+/// The accounts the node's daemons run as (`rivet node up` and `prepare`).
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct AccountArgs {
+    /// User of svc-ipam, svc-identity, svc-endpoint, svc-k8s-sync and
+    /// svc-health, which run with no capabilities (`cargo xtask install`
+    /// creates it).
     #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DAEMON_USER)]
     pub daemon_user: String,
-    /// User of svc-loader and svc-gc (the pins' owner).
+    /// User of svc-loader (which keeps CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)
+    /// and svc-gc (none); the pins are this user's. Must differ from --daemon-user.
     #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DATAPATH_USER)]
     pub datapath_user: String,
-    /// Group of the daemon sockets (a name or a GID); both users must be members.
+    /// Group of the daemon sockets (a name or a GID; both users must be
+    /// members): its members may make read-only calls (`rivet status`,
+    /// `... list`, `rivet monitor`); changes need root.
     #[arg(long, value_name = "GROUP", default_value = accounts::DEFAULT_READER_GROUP)]
     pub reader_group: String,
+}
+
+impl AccountArgs {
+    /// The accounts, looked up on this machine.
+    pub fn resolve(&self) -> Result<accounts::NodeAccounts> {
+        accounts::NodeAccounts::resolve(&self.daemon_user, &self.datapath_user, &self.reader_group)
+    }
 }
 
 /// `rivet node cleanup` (the socket and state dirs are the global
@@ -360,18 +380,9 @@ pub struct UpArgs {
     /// `svc-endpoint=--policy-dir=/etc/rivet/policies`); repeat for several.
     #[arg(long = "daemon-arg", value_name = "DAEMON=ARG")]
     pub daemon_args: Vec<String>,
-    /// User of svc-ipam, svc-identity and svc-endpoint, which run with no
-    /// capabilities (`cargo xtask install` creates it).
-    #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DAEMON_USER)]
-    pub daemon_user: String,
-    /// User of svc-loader (which keeps CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)
-    /// and svc-gc (none); the pins are this user's. Must differ from --daemon-user.
-    #[arg(long, value_name = "USER", default_value = accounts::DEFAULT_DATAPATH_USER)]
-    pub datapath_user: String,
-    /// Group of the daemon sockets: its members may make read-only calls
-    /// (`rivet status`, `... list`, `rivet monitor`); changes need root.
-    #[arg(long, value_name = "GROUP", default_value = accounts::DEFAULT_READER_GROUP)]
-    pub reader_group: String,
+    /// The daemons' accounts.
+    #[command(flatten)]
+    pub accounts: AccountArgs,
     /// How long a daemon may take to answer on its socket, seconds.
     #[arg(long, default_value_t = 30)]
     pub ready_timeout_seconds: u64,

@@ -14,10 +14,10 @@ use std::path::Path;
 use anyhow::{Context as _, Result};
 
 use super::{ALL_DAEMONS, PrepareArgs};
-use crate::accounts::{self, NodeAccounts};
+use crate::accounts;
 
 pub(super) fn prepare(socket_dir: &Path, state_dir: &Path, args: &PrepareArgs) -> Result<bool> {
-    let accounts = NodeAccounts::resolve(&args.daemon_user, &args.datapath_user, &args.reader_group)?;
+    let accounts = args.accounts.resolve()?;
     let pin_dir = rivet_common::pin_layout::pin_dir(&args.bpffs, &args.node_name)?;
     std::fs::create_dir_all(socket_dir).with_context(|| format!("creating {}", socket_dir.display()))?;
     accounts::set_up_socket_dir(socket_dir, &accounts)?;

@@ -78,7 +78,7 @@ pub(super) async fn up(ctx: &Context, state_dir: &Path, args: &UpArgs) -> Result
 
     preflight(&plan).await?;
     let companions = plan.companion_plugins()?;
-    let accounts = NodeAccounts::resolve(&args.daemon_user, &args.datapath_user, &args.reader_group)?;
+    let accounts = args.accounts.resolve()?;
     check_reachable(&plan, &accounts)?;
     let socket_dir_created = !plan.socket_dir.exists();
     std::fs::create_dir_all(&plan.socket_dir).with_context(|| format!("creating {}", plan.socket_dir.display()))?;
