@@ -77,7 +77,8 @@
 //!   ([`crate::image`]: pause and busybox); use `imagePullPolicy: Never`.
 //!
 //! Dropping the cluster stops each kubelet, removes every pod sandbox
-//! through containerd's CRI (CNI DEL) and containerd itself, releases the
+//! through containerd's CRI (CNI DEL) and containerd itself, removes the
+//! worker's pins (`/sys/fs/bpf/rivet/<worker>`), releases the
 //! worker's mount namespace (all its mounts go with it), removes the cgroup
 //! roots, stops the control plane, deletes the namespaces and the dir.
 //!
@@ -396,6 +397,14 @@ impl Worker {
         }
         // Every sandbox through the CRI (CNI DEL), containerd, shims.
         drop(self.containerd.take());
+        // The node's pins, on the host's bpffs every worker shares: Rivet's
+        // DaemonSet leaves them when its pods are not drained first.
+        if let Ok(pins) = rivet_common::pin_layout::pin_dir(rivet_common::pin_layout::DEFAULT_BPFFS, &self.name)
+            && let Err(e) = std::fs::remove_dir_all(&pins)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            eprintln!("rivet kube cluster teardown: removing {}: {e}", pins.display());
+        }
         // Whatever still runs in the kubelet's cgroups (pods of a dead
         // containerd), then the cgroups.
         let dirs = cgroup_dirs(&self.cgroup_root);
