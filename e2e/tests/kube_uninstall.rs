@@ -27,27 +27,9 @@ use rivet_e2e::node_clean::rivet_leftovers;
 
 /// `kubectl <args>` (with `stdin`); its stdout, or a panic naming `step`.
 fn kubectl(cluster: &KubeCluster, step: &str, args: &[&str], stdin: Option<&str>) -> String {
-    use std::io::Write as _;
-    let mut child = cluster
-        .kubectl()
-        .unwrap()
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("running kubectl");
-    let mut input = child.stdin.take().expect("piped");
-    input.write_all(stdin.unwrap_or_default().as_bytes()).unwrap();
-    drop(input);
-    let out = child.wait_with_output().expect("waiting for kubectl");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(
-        out.status.success(),
-        "step {step}: kubectl {args:?}: {stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    cluster
+        .kubectl_output(args, stdin)
+        .unwrap_or_else(|out| panic!("step {step}: kubectl {args:?}: {out}"))
 }
 
 fn busybox_pod(name: &str, node: &str) -> String {

@@ -635,17 +635,22 @@ impl EndpointDatapath {
         &self.datapath
     }
 
-    /// Names of the namespace's interfaces that carry the endpoint prefix:
-    /// the host ends of pods' veths, wired or being wired. Empty: no pod of
-    /// this node uses the datapath (what [`crate::uninstall`] asks).
+    /// Names of the interfaces that still serve a pod: an endpoint's whose
+    /// interface exists, and any carrying our endpoint filters without an
+    /// endpoint. Empty: no pod of this node uses the datapath (what
+    /// [`crate::uninstall`] asks). A removed endpoint's veth that the kernel
+    /// has not yet destroyed with its pod's namespace (asynchronous) does
+    /// not count.
     pub fn pod_interfaces(&self) -> Result<Vec<String>, LoaderError> {
-        let links = datapath::interfaces().map_err(|source| LoaderError::Datapath {
-            action: "listing the interfaces of pods".into(),
-            source: Box::new(source),
-        })?;
-        Ok(links
-            .into_values()
-            .filter(|name| name.starts_with(&self.interface_prefix))
+        let listing = self.list()?;
+        let name =
+            |ifname: &Option<String>, ifindex: u32| ifname.clone().unwrap_or_else(|| format!("ifindex {ifindex}"));
+        Ok(listing
+            .endpoints
+            .iter()
+            .filter(|e| e.ifname.is_some())
+            .map(|e| name(&e.ifname, e.info.ifindex))
+            .chain(listing.orphan_attachments.iter().map(|a| name(&a.ifname, a.ifindex)))
             .collect())
     }
 

@@ -1,7 +1,8 @@
 //! What a stopping loader leaves on the node (README "Uninstall").
 //!
 //! A loader that stops (SIGTERM) on a node where no pod uses the datapath
-//! any more — no interface carries the endpoint prefix: the node is
+//! any more — no endpoint with a live interface, no interface with our
+//! endpoint filters ([`EndpointDatapath::pod_interfaces`]): the node is
 //! drained, or Rivet's DaemonSet is being deleted after the drain — removes
 //! what it owns: every tc filter of this node (NodePort, overlay and any
 //! endpoint filter), the routes of protocol 77 to peer nodes, the tunnel

@@ -68,22 +68,6 @@ async fn replace(node: &LoaderNode, nodes: Vec<pb::PeerNode>) -> pb::ReplaceNode
         .into_inner()
 }
 
-/// `ip route show proto 77` of both families in the node, one line each.
-fn rivet_routes(node: &LoaderNode) -> Vec<String> {
-    ["-4", "-6"]
-        .iter()
-        .flat_map(|family| {
-            node.node
-                .ns
-                .ip(&[family, "route", "show", "proto", "77"])
-                .expect("ip route runs")
-                .lines()
-                .map(|l| l.trim().to_owned())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 fn pings(node: &LoaderNode, pod: &str, to: IpAddr) -> u32 {
     node.pod(pod)
         .ping(to, 3, Duration::from_millis(50), Duration::from_secs(2))
@@ -148,7 +132,7 @@ async fn native_routing_reaches_pods_across_nodes_and_replace_nodes_owns_only_it
     assert_eq!((r.routes_added, r.routes_removed, r.routes_unchanged), (2, 0, 0));
     replace(&n2, vec![peer(1)]).await;
     assert_eq!(
-        rivet_routes(&n1),
+        n1.rivet_routes(),
         [
             "198.18.2.0/24 via 198.19.254.2 dev ul0",
             "2001:2:0:2::/64 via 2001:2:0:fe::2 dev ul0 metric 1024 pref medium"
@@ -171,7 +155,7 @@ async fn native_routing_reaches_pods_across_nodes_and_replace_nodes_owns_only_it
     // The peer leaves: exactly its routes go.
     let gone = replace(&n1, Vec::new()).await;
     assert_eq!((gone.routes_added, gone.routes_removed), (0, 2));
-    assert!(rivet_routes(&n1).is_empty(), "{:?}", rivet_routes(&n1));
+    assert!(n1.rivet_routes().is_empty(), "{:?}", n1.rivet_routes());
     let others = n1.node.ns.ip(&["route", "show", "198.18.99.0/24"]).unwrap();
     assert!(others.contains("via 198.19.254.2"), "{others}");
 }
@@ -181,7 +165,7 @@ async fn bad_replace_nodes_input_is_refused_naming_the_field_and_changes_nothing
     let underlay = Underlay::new().unwrap();
     let n1 = node(&underlay, 1, "vxlan", A, open()).await;
     replace(&n1, vec![peer(2)]).await;
-    let before = rivet_routes(&n1);
+    let before = n1.rivet_routes();
     assert_eq!(before.len(), 2, "{before:?}");
 
     let mut bad_name = peer(3);
@@ -216,7 +200,7 @@ async fn bad_replace_nodes_input_is_refused_naming_the_field_and_changes_nothing
         assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err:?}");
         assert!(err.message().starts_with(field), "{field}: {}", err.message());
     }
-    assert_eq!(rivet_routes(&n1), before, "nothing changed");
+    assert_eq!(n1.rivet_routes(), before, "nothing changed");
 
     // A routing mode needs an underlay that exists.
     let err = LoaderNode::start(
@@ -260,7 +244,7 @@ async fn the_vxlan_device_is_created_with_the_tunnel_mtu_and_adopted_by_a_restar
     let ifindex = ns.ifindex("rivet_vxlan").unwrap();
     replace(&n1, vec![peer(2)]).await;
     assert_eq!(
-        rivet_routes(&n1),
+        n1.rivet_routes(),
         [
             "198.18.2.0/24 dev rivet_vxlan scope link src 198.19.254.1",
             "2001:2:0:2::/64 dev rivet_vxlan src 2001:2:0:fe::1 metric 1024 pref medium"
@@ -275,7 +259,7 @@ async fn the_vxlan_device_is_created_with_the_tunnel_mtu_and_adopted_by_a_restar
         "adopted, not recreated"
     );
     assert_eq!(
-        rivet_routes(&n1).len(),
+        n1.rivet_routes().len(),
         2,
         "routes stay until the peers are pushed again"
     );
@@ -718,7 +702,7 @@ async fn kill_9_of_either_loader_loses_no_packet_across_the_tunnel_and_the_resta
         tunnel,
         "adopted, not recreated"
     );
-    assert_eq!(rivet_routes(&n1).len(), 2);
+    assert_eq!(n1.rivet_routes().len(), 2);
     assert_eq!(
         overlay_programs(&n1).await,
         [("from_overlay".to_owned(), 1), ("to_overlay".to_owned(), 1)],
@@ -781,7 +765,7 @@ async fn native_receive_judges_a_remote_pod_by_its_ipcache_identity() {
 async fn wait_routes(node: &LoaderNode, count: usize, what: &str) -> Vec<String> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let routes = rivet_routes(node);
+        let routes = node.rivet_routes();
         if routes.len() == count {
             return routes;
         }
@@ -824,7 +808,7 @@ async fn native_routes_taken_by_the_underlay_going_down_or_deleted_come_back() {
     let n2 = node(&underlay, 2, "native", B, open()).await;
     replace(&n1, vec![peer(2)]).await;
     replace(&n2, vec![peer(1)]).await;
-    let before = rivet_routes(&n1);
+    let before = n1.rivet_routes();
     assert_eq!(before.len(), 2, "{before:?}");
     p1_reaches_p2(&n1, &n2, "native");
 
@@ -853,7 +837,7 @@ async fn vxlan_routes_come_back_when_the_tunnel_device_goes_down_and_up() {
     let underlay = Underlay::new().unwrap();
     let n1 = node(&underlay, 1, "vxlan", A, open()).await;
     replace(&n1, vec![peer(2)]).await;
-    let before = rivet_routes(&n1);
+    let before = n1.rivet_routes();
     assert_eq!(before.len(), 2, "{before:?}");
     let ns = &n1.node.ns;
     ns.ip(&["link", "set", "rivet_vxlan", "down"]).unwrap();

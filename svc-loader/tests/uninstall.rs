@@ -81,22 +81,6 @@ fn rivet_filters(node: &LoaderNode) -> Vec<String> {
     found
 }
 
-/// `ip route show proto 77` of both families.
-fn rivet_routes(node: &LoaderNode) -> Vec<String> {
-    ["-4", "-6"]
-        .iter()
-        .flat_map(|family| {
-            node.node
-                .ns
-                .ip(&[family, "route", "show", "proto", "77"])
-                .expect("ip route runs")
-                .lines()
-                .map(|l| l.trim().to_owned())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 fn has_tunnel(node: &LoaderNode) -> bool {
     node.node.ns.has_link("rivet_vxlan").expect("ip link runs")
 }
@@ -111,7 +95,7 @@ async fn sigterm_on_a_node_no_pod_uses_removes_its_filters_routes_tunnel_and_pin
             !rivet_filters(&node).is_empty(),
             "{mode}: NodePort filters on ul0 before"
         );
-        assert_eq!(rivet_routes(&node).len(), 2, "{mode}: routes to the peer before");
+        assert_eq!(node.rivet_routes().len(), 2, "{mode}: routes to the peer before");
         assert_eq!(has_tunnel(&node), mode == "vxlan", "{mode}: the tunnel device before");
 
         let status = node.loader.terminate().await.expect("SIGTERM stops the loader");
@@ -132,7 +116,7 @@ async fn sigterm_on_a_node_no_pod_uses_removes_its_filters_routes_tunnel_and_pin
             "{mode}: no filter of ours left"
         );
         assert_eq!(
-            rivet_routes(&node),
+            node.rivet_routes(),
             Vec::<String>::new(),
             "{mode}: no route of ours left"
         );
@@ -161,7 +145,7 @@ async fn sigterm_on_a_node_with_a_pod_keeps_the_datapath() {
     );
     assert!(node.pins.0.join("endpoints").exists(), "the pins stay");
     assert_eq!(rivet_filters(&node), filters, "every filter stays");
-    assert_eq!(rivet_routes(&node).len(), 2, "the routes stay");
+    assert_eq!(node.rivet_routes().len(), 2, "the routes stay");
     assert!(has_tunnel(&node), "the tunnel device stays");
     // The pods keep their datapath with no loader running.
     for to in node.pod("p2").addrs() {

@@ -378,6 +378,23 @@ impl LoaderNode {
         )
     }
 
+    /// The loader's routes to peers in the node (`ip route show proto 77`
+    /// of both families), one trimmed line each.
+    pub fn rivet_routes(&self) -> Vec<String> {
+        ["-4", "-6"]
+            .iter()
+            .flat_map(|family| {
+                self.node
+                    .ns
+                    .ip(&[family, "route", "show", "proto", "77"])
+                    .expect("ip route runs")
+                    .lines()
+                    .map(|l| l.trim().to_owned())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     /// The datapath's non-zero drop counters (by reason and direction).
     pub async fn drop_counters(&self) -> Vec<pb::DropCounter> {
         self.client()

@@ -3,9 +3,12 @@
 //! Kubernetes DaemonSet's `cleanup` sidecar, which kubelet stops after
 //! every daemon container; deploy/README.md "Uninstall").
 //!
-//! It removes nothing while an interface carries the endpoint prefix (a
-//! pod on Rivet: the node is not drained) or a daemon still answers on its
-//! socket (a restart of this container alone). Otherwise it removes the
+//! It removes nothing while svc-loader's pins are there (svc-loader removes
+//! them when it stops on a node no pod uses, so pins mean pods on Rivet, or
+//! a loader that could not clean up) or a daemon still answers on its
+//! socket (a restart of this container alone). svc-loader decides because it
+//! knows the endpoints: a pod's veth that the kernel has not yet destroyed
+//! with its namespace is no pod. Otherwise it removes the
 //! conflist and the plugin ([`rivet_cni::install::uninstall`]), rivet-cni's
 //! log file, the daemons' dead sockets and their lock files, and then every
 //! directory of [`prepare`](super::prepare) that is empty: the socket dir,
@@ -23,8 +26,8 @@ use super::{ALL_DAEMONS, CleanupArgs};
 /// Why a node keeps its files.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum InUse {
-    /// Interfaces of pods (the endpoint prefix).
-    Pods(Vec<String>),
+    /// svc-loader's pins (it removes them once no pod uses the node).
+    Pins,
     /// Daemons answering on their sockets.
     Daemons(Vec<String>),
 }
@@ -42,17 +45,13 @@ pub(super) async fn cleanup(socket_dir: &Path, state_dir: &Path, args: &CleanupA
             _ = int.recv() => {}
         }
     }
-    let interfaces: Vec<String> = nix::net::if_::if_nameindex()
-        .context("listing the node's interfaces")?
-        .iter()
-        .map(|i| i.name().to_string_lossy().into_owned())
-        .collect();
-    match in_use(&interfaces, &args.endpoint_interface_prefix, socket_dir) {
-        Some(InUse::Pods(pods)) => {
+    let pin_dir = rivet_common::pin_layout::pin_dir(&args.bpffs, &args.node_name)?;
+    match in_use(&pin_dir, socket_dir) {
+        Some(InUse::Pins) => {
             println!(
-                "rivet node cleanup: {} pod interface(s) on the node ({}): keeping everything",
-                pods.len(),
-                pods.join(", ")
+                "rivet node cleanup: svc-loader's pins are still in {} (pods use the node, or the loader \
+                 could not clean up): keeping everything",
+                pin_dir.display()
             );
             return Ok(true);
         }
@@ -81,12 +80,16 @@ pub(super) async fn cleanup(socket_dir: &Path, state_dir: &Path, args: &CleanupA
     Ok(true)
 }
 
-/// What still uses the node: pods' interfaces first, then daemons whose
-/// socket answers. `None`: nothing.
-pub(crate) fn in_use(interfaces: &[String], prefix: &str, socket_dir: &Path) -> Option<InUse> {
-    let pods: Vec<String> = interfaces.iter().filter(|i| i.starts_with(prefix)).cloned().collect();
-    if !pods.is_empty() {
-        return Some(InUse::Pods(pods));
+/// What still uses the node: svc-loader's pins first, then daemons whose
+/// socket answers. `None`: nothing. An empty pin dir is removed on the way:
+/// `rmdir` tells an empty dir from a full one without reading it (it is
+/// svc-loader's user's, 0700).
+pub(crate) fn in_use(pin_dir: &Path, socket_dir: &Path) -> Option<InUse> {
+    match std::fs::remove_dir(pin_dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        // Not empty, or not ours to judge: keep.
+        Err(_) => return Some(InUse::Pins),
     }
     let daemons: Vec<String> = ALL_DAEMONS
         .iter()
@@ -168,23 +171,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_pod_interface_or_a_serving_daemon_keeps_the_node() {
+    fn pins_or_a_serving_daemon_keep_the_node() {
         let dir = tempfile::tempdir().unwrap();
-        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        assert_eq!(
-            in_use(&names(&["lo", "ul0", "lxc1234"]), "lxc", dir.path()),
-            Some(InUse::Pods(names(&["lxc1234"])))
-        );
-        assert_eq!(in_use(&names(&["lo", "ul0"]), "lxc", dir.path()), None);
+        let pins = dir.path().join("pins");
+        std::fs::create_dir(&pins).unwrap();
+        std::fs::write(pins.join("endpoints"), "").unwrap();
+        assert_eq!(in_use(&pins, dir.path()), Some(InUse::Pins));
+        std::fs::remove_file(pins.join("endpoints")).unwrap();
+        assert_eq!(in_use(&pins, dir.path()), None, "an empty pin dir is no pod");
+        assert!(!pins.exists(), "and is removed");
         // A dead daemon's socket is no daemon; a listening one is.
         let dead = rivet_common::socket::socket_path(dir.path(), "svc-ipam");
         drop(std::os::unix::net::UnixListener::bind(&dead).unwrap());
-        assert_eq!(in_use(&names(&["lo"]), "lxc", dir.path()), None);
+        assert_eq!(in_use(&pins, dir.path()), None);
         let _live =
             std::os::unix::net::UnixListener::bind(rivet_common::socket::socket_path(dir.path(), "svc-gc")).unwrap();
-        assert_eq!(
-            in_use(&names(&["lo"]), "lxc", dir.path()),
-            Some(InUse::Daemons(names(&["svc-gc"])))
-        );
+        assert_eq!(in_use(&pins, dir.path()), Some(InUse::Daemons(vec!["svc-gc".into()])));
     }
 }

@@ -190,8 +190,9 @@ pub enum NodeCommand {
     /// daemon's state dir and the pin dir, as `up` does before starting them.
     Prepare(PrepareArgs),
     /// Remove what `prepare` and `rivet-cni install` put on the node (CNI
-    /// plugin and conflist, dead sockets, empty dirs) once no pod and no
-    /// daemon uses it; otherwise keep everything. The Kubernetes
+    /// plugin and conflist, dead sockets, empty dirs) once svc-loader has
+    /// removed its pins (no pod) and no daemon serves; otherwise keep
+    /// everything. The Kubernetes
     /// DaemonSet's `cleanup` sidecar runs it with --wait-for-signal.
     Cleanup(CleanupArgs),
     /// The cluster's nodes as this node sees them (svc-identity's registry):
@@ -260,9 +261,6 @@ pub struct CleanupArgs {
     /// rivet-cni's log file (`rivet-cni install --log-file`).
     #[arg(long, value_name = "FILE")]
     pub cni_log_file: Option<PathBuf>,
-    /// Prefix of the pods' host-side veths: while one exists, nothing is removed.
-    #[arg(long, default_value = "lxc")]
-    pub endpoint_interface_prefix: String,
     /// Wait for SIGTERM or SIGINT first (a container that runs until its pod ends).
     #[arg(long)]
     pub wait_for_signal: bool,

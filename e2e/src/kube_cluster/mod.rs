@@ -552,6 +552,35 @@ impl KubeCluster {
         Ok(command)
     }
 
+    /// Runs `kubectl <args>` with `stdin` (e.g. `apply -f -`): `Ok(stdout)`,
+    /// or `Err(stdout + stderr)` (also when kubectl cannot run).
+    pub fn kubectl_output(&self, args: &[&str], stdin: Option<&str>) -> Result<String, String> {
+        use std::io::Write as _;
+        let mut child = self
+            .kubectl()
+            .map_err(|e| e.to_string())?
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("running kubectl: {e}"))?;
+        let mut input = child.stdin.take().expect("stdin is piped");
+        input
+            .write_all(stdin.unwrap_or_default().as_bytes())
+            .map_err(|e| format!("writing kubectl's stdin: {e}"))?;
+        drop(input);
+        let out = child
+            .wait_with_output()
+            .map_err(|e| format!("waiting for kubectl: {e}"))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() {
+            Ok(stdout)
+        } else {
+            Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
+        }
+    }
+
     /// Imports an OCI archive into every worker's containerd (a new image
     /// tag for a rolling update) and waits until each CRI sees `names`.
     ///
