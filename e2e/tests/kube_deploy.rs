@@ -23,6 +23,9 @@
 //! 6. Each daemon container on node 1 SIGKILLed through containerd: the
 //!    kubelet restarts it (restartCount rises, Ready again); the same
 //!    traffic loses nothing.
+//! 7. Both nodes drained (and their pods' veths gone), `kubectl delete -k
+//!    deploy/`: once the DaemonSet's pods are gone,
+//!    `rivet_e2e::node_clean::rivet_leftovers` finds nothing on either node.
 //!
 //! Each node's pins are in the worker's own bpffs and go with the cluster.
 //!
@@ -47,6 +50,7 @@ use rivet_e2e::kube_deploy::{
     DEPLOY_TAG, EchoStream, PingMonitor, deploy_dir, kill_container, poll, rivet_image, write_image_tag_overlay,
     write_rivet_archives,
 };
+use rivet_e2e::node_clean::rivet_leftovers;
 use rivet_k8s::{RivetEndpoint, RivetNode};
 
 /// How long one step may wait for the cluster.
@@ -817,6 +821,64 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
             .await;
     }
     traffic.check(&scenario).await;
+
+    // 7. Drained and deleted: nothing of Rivet on the nodes.
+    scenario.step = "7 (drain, kubectl delete -k deploy/)";
+    for node in [&node1, &node2] {
+        // --force: the client and intruder pods have no controller.
+        scenario.kubectl(&[
+            "drain",
+            node,
+            "--ignore-daemonsets",
+            "--delete-emptydir-data",
+            "--force",
+            "--timeout=180s",
+        ]);
+    }
+    // Pods of grace 0 leave the API before their kubelet removed their
+    // sandboxes; a node is drained once its pods' veths are gone.
+    for worker in scenario.cluster.workers() {
+        scenario
+            .wait(&format!("no pod veth left on {}", worker.name), || async {
+                let veths: Vec<String> = rivet_leftovers(worker)
+                    .into_iter()
+                    .filter(|l| l.starts_with("interface: lxc"))
+                    .collect();
+                if veths.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!("{veths:?}"))
+                }
+            })
+            .await;
+    }
+    // --ignore-not-found: the token controller may delete the
+    // rivet-identity-token Secret with its ServiceAccount first.
+    scenario.kubectl(&["delete", "-k", &deploy.display().to_string(), "--ignore-not-found"]);
+    scenario
+        .wait("the rivet-node pods gone", || async {
+            let left: Vec<String> = scenario
+                .list_pods("kube-system", "app.kubernetes.io/name=rivet-node")
+                .await
+                .iter()
+                .map(|p| name(p).to_owned())
+                .collect();
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        })
+        .await;
+    for worker in scenario.cluster.workers() {
+        let left = rivet_leftovers(worker);
+        assert!(
+            left.is_empty(),
+            "step {}: {} still holds {left:#?}",
+            scenario.step,
+            worker.name
+        );
+    }
 
     // The cluster gone, so are the nodes' bpffs and their pins.
     let bpffs: Vec<_> = scenario
