@@ -2,37 +2,13 @@
 //! between nodes with the CRD store), checked from inside the pods with
 //! `kubectl exec`, so other tests on the same cluster reuse it:
 //!
-//! - [`echo_pod`]: a busybox pod pinned to a node that echoes every TCP
-//!   connection on a port (`nc -ll -e /bin/cat`);
 //! - [`reaches`]: a pod pings an address and gets a line echoed over TCP;
-//! - [`pods_reach_each_other`]: [`reaches`] both ways between two pods.
+//! - [`echoes`]: a pod gets a line echoed over TCP.
 //!
-//! Used by `tests/kube_cross_node.rs`.
+//! Used by `tests/kube_deploy.rs`.
 
 use std::net::IpAddr;
 use std::process::Command;
-
-use crate::image::BUSYBOX_IMAGE;
-
-/// Pod `name` in `default` on `node` with `labels`, echoing every TCP
-/// connection on `port` back to its sender.
-pub fn echo_pod(name: &str, node: &str, labels: serde_json::Value, port: u16) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": { "name": name, "namespace": "default", "labels": labels },
-        "spec": {
-            "nodeName": node,
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{
-                "name": "echo",
-                "image": BUSYBOX_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": ["nc", "-ll", "-p", port.to_string(), "-e", "/bin/cat"]
-            }]
-        }
-    })
-}
 
 /// `kubectl exec <pod> -- sh -c <script>` with the command `kubectl`
 /// makes: stdout, or stdout and stderr of a failure.
@@ -50,7 +26,7 @@ fn exec(kubectl: &dyn Fn() -> Command, pod: &str, script: &str) -> Result<String
 }
 
 /// Pod `from` pings `to` (3 echo requests, every reply back) and gets a
-/// line echoed by `to`'s TCP `port` (an [`echo_pod`]); `Err` says which
+/// line echoed by `to`'s TCP `port` (a pod echoing TCP back); `Err` says which
 /// failed and what the pod printed.
 pub fn reaches(kubectl: &dyn Fn() -> Command, from: &str, to: IpAddr, port: u16) -> Result<(), String> {
     let ping = exec(kubectl, from, &format!("ping -c 3 -W 3 {to}")).map_err(|e| format!("{from} pings {to}: {e}"))?;
@@ -71,15 +47,4 @@ pub fn echoes(kubectl: &dyn Fn() -> Command, from: &str, to: IpAddr, port: u16) 
     } else {
         Err(format!("{from} → {to}:{port} over TCP echoed {out:?}"))
     }
-}
-
-/// [`reaches`] both ways between the pods `a` and `b` (name, address).
-pub fn pods_reach_each_other(
-    kubectl: &dyn Fn() -> Command,
-    a: (&str, IpAddr),
-    b: (&str, IpAddr),
-    port: u16,
-) -> Result<(), String> {
-    reaches(kubectl, a.0, b.1, port)?;
-    reaches(kubectl, b.0, a.1, port)
 }
