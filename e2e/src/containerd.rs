@@ -1006,18 +1006,22 @@ mod tests {
         assert!(text.contains("`runc` is not on PATH (Debian package runc)"), "{text}");
     }
 
-    #[test]
-    fn config_points_everything_at_the_temp_dir() {
-        let containerd = Containerd {
+    /// A containerd of `config` under `/t/ctrd` that was never started.
+    fn unstarted(config: ContainerdConfig) -> Containerd {
+        Containerd {
             child: None,
-            config: ContainerdConfig::new("/t/cni/bin", "/t/cni/conf"),
+            config,
             cgroup_parent: "rivet-e2e-test".into(),
             dir: None,
             path: PathBuf::from("/t/ctrd"),
             ready: false,
             live: false,
-        };
-        let toml = containerd.config_toml();
+        }
+    }
+
+    #[test]
+    fn config_points_everything_at_the_temp_dir() {
+        let toml = unstarted(ContainerdConfig::new("/t/cni/bin", "/t/cni/conf")).config_toml();
         for want in [
             "root = \"/t/ctrd/root\"",
             "state = \"/t/ctrd/state\"",
@@ -1036,16 +1040,8 @@ mod tests {
 
     #[test]
     fn a_network_handler_is_a_runc_runtime_with_its_own_cni_dir() {
-        let containerd = Containerd {
-            child: None,
-            config: ContainerdConfig::new("/t/cni/bin", "/t/cni/conf").network_handler("peer-net", "/t/cni/peer.d"),
-            cgroup_parent: "rivet-e2e-test".into(),
-            dir: None,
-            path: PathBuf::from("/t/ctrd"),
-            ready: false,
-            live: false,
-        };
-        let toml = containerd.config_toml();
+        let config = ContainerdConfig::new("/t/cni/bin", "/t/cni/conf").network_handler("peer-net", "/t/cni/peer.d");
+        let toml = unstarted(config).config_toml();
         let handler = toml
             .split_once(r#"[plugins."io.containerd.grpc.v1.cri".containerd.runtimes."peer-net"]"#)
             .unwrap_or_else(|| panic!("the handler's table in\n{toml}"))
