@@ -575,6 +575,46 @@ pub fn extract_context(headers: &HeaderMap) -> Context {
     opentelemetry::global::get_text_map_propagator(|propagator| propagator.extract(&HeaderExtractor(headers)))
 }
 
+/// The current span's context as a W3C `traceparent` value (see
+/// [`inject_context`]); empty when there is none (e.g. OTLP export is off).
+/// For trace context carried in data rather than in request headers (an
+/// object followed through a pipeline, as svc-endpoint's watch items).
+pub fn current_traceparent() -> String {
+    let mut headers = HeaderMap::new();
+    inject_context(&mut headers);
+    headers
+        .get(TRACEPARENT)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Makes the span context of `traceparent` (a W3C value from
+/// [`current_traceparent`]) the parent of `span`, which must not have been
+/// entered yet. Returns `false`, leaving `span` without a remote parent, when
+/// `traceparent` is empty or not a valid context.
+///
+/// ```
+/// let span = tracing::info_span!("apply");
+/// assert!(!rivet_common::telemetry::set_parent_from_traceparent(&span, "not a traceparent"));
+/// ```
+pub fn set_parent_from_traceparent(span: &tracing::Span, traceparent: &str) -> bool {
+    let Ok(value) = HeaderValue::from_str(traceparent) else {
+        return false;
+    };
+    let mut headers = HeaderMap::new();
+    headers.insert(TRACEPARENT, value);
+    let parent = extract_context(&headers);
+    if !parent.span().span_context().is_valid() {
+        return false;
+    }
+    let _ = span.set_parent(parent);
+    true
+}
+
+/// The W3C header (and field) holding a span context.
+const TRACEPARENT: &str = "traceparent";
+
 /// The trace context of one span, kept so that work it causes later, in
 /// another task and possibly batched with other causes, links back to it.
 /// A span link (not a parent) fits such work: it outlives the cause and may
@@ -955,6 +995,32 @@ mod tests {
                 "the injected parent is the current span"
             );
         });
+    }
+
+    #[test]
+    fn telemetry_a_traceparent_carried_in_data_parents_a_later_span() {
+        let (subscriber, memory) = otel_subscriber();
+        tracing::subscriber::with_default(subscriber, || {
+            let cause = tracing::info_span!("create");
+            let traceparent = cause.in_scope(current_traceparent);
+            assert!(traceparent.starts_with("00-"), "inside a traced span: {traceparent:?}");
+            drop(cause);
+
+            let effect = tracing::info_span!("apply");
+            assert!(set_parent_from_traceparent(&effect, &traceparent));
+            drop(effect);
+            let invalid = tracing::info_span!("apply.invalid");
+            assert!(!set_parent_from_traceparent(&invalid, "00-zz-yy-01"));
+            assert!(!set_parent_from_traceparent(&invalid, ""));
+            drop(invalid);
+        });
+        assert_eq!(tracing::info_span!("outside").in_scope(current_traceparent), "");
+        let spans = memory.0.lock().unwrap();
+        let by_name = |name: &str| spans.iter().find(|s| s.name == name).expect(name).clone();
+        let (cause, effect, invalid) = (by_name("create"), by_name("apply"), by_name("apply.invalid"));
+        assert_eq!(effect.span_context.trace_id(), cause.span_context.trace_id());
+        assert_eq!(effect.parent_span_id, cause.span_context.span_id());
+        assert_ne!(invalid.span_context.trace_id(), cause.span_context.trace_id());
     }
 
     #[test]

@@ -8,8 +8,10 @@
 //!   from worker 1's network namespace
 //!   (`rivet_e2e::kube_cluster::jaeger::ClusterJaeger`), holds the pod's
 //!   `cni.add` trace (rivet-cni, its conflist's `tracing.otlpEndpoint`) with
-//!   spans of svc-ipam, svc-endpoint, svc-identity and svc-loader under its
-//!   trace id: the host-network daemons and rivet-cni (run by the worker's
+//!   spans of svc-ipam, svc-endpoint, svc-identity, svc-loader and
+//!   svc-k8s-sync (`apply_rivet_endpoint` of the pod's RivetEndpoint, its
+//!   parent the context svc-endpoint's watch item carries) under its trace
+//!   id: the host-network daemons and rivet-cni (run by the worker's
 //!   containerd) reach the jaeger ClusterIP through socket load balancing
 //!   on the node's cgroup (`socket-lb-cgroup`, deploy/README "Traces").
 //!
@@ -39,7 +41,14 @@ const TRACE_TIMEOUT: Duration = Duration::from_secs(90);
 const POLL: Duration = Duration::from_millis(500);
 
 /// The components whose spans the pod's creation trace holds.
-const TRACED: [&str; 5] = ["rivet-cni", "svc-ipam", "svc-endpoint", "svc-identity", "svc-loader"];
+const TRACED: [&str; 6] = [
+    "rivet-cni",
+    "svc-ipam",
+    "svc-endpoint",
+    "svc-identity",
+    "svc-loader",
+    "svc-k8s-sync",
+];
 
 async fn wait_for<T>(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> Result<T, String>) -> T {
     let started = Instant::now();
@@ -206,6 +215,16 @@ async fn one_pod_creation_is_one_trace_in_the_cluster_s_jaeger() {
     for service in TRACED {
         assert!(services.contains(service), "{service} in {services:?}");
     }
+    let apply = spans
+        .iter()
+        .find(|s| s.service_name == "svc-k8s-sync" && s.name == "apply_rivet_endpoint")
+        .unwrap_or_else(|| panic!("svc-k8s-sync's apply_rivet_endpoint in the trace: {spans:#?}"));
+    assert_eq!(apply.attribute("pod"), Some(name.as_str()), "{apply:#?}");
+    assert_eq!(
+        spans.iter().filter(|s| s.name == "apply_rivet_endpoint").count(),
+        1,
+        "one apply span per traced change, not one per watch item: {spans:#?}"
+    );
 }
 
 /// Each trace's services, for the failure message.

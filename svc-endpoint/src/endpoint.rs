@@ -290,6 +290,9 @@ pub struct EndpointStatus {
     pub last_error: Option<RegenerationFailure>,
     /// Recent transitions, oldest first.
     pub history: VecDeque<Transition>,
+    /// W3C `traceparent` of the request that created the endpoint or last
+    /// changed its labels; empty when untraced (and after a restore).
+    pub traceparent: String,
 }
 
 impl EndpointStatus {
@@ -305,6 +308,7 @@ impl EndpointStatus {
             regenerations: 0,
             last_error: None,
             history: VecDeque::with_capacity(HISTORY_LEN),
+            traceparent: String::new(),
         };
         status.history.push_back(Transition {
             from: state,
@@ -373,6 +377,7 @@ pub fn to_proto(spec: &EndpointSpec, status: &EndpointStatus, include_history: b
         pod_uid: spec.pod_uid.clone(),
         labels: spec.labels.iter().map(ToString::to_string).collect(),
         kind: spec.kind.to_proto().into(),
+        traceparent: status.traceparent.clone(),
         identity_labels: status.identity_labels.iter().map(ToString::to_string).collect(),
         identity: status.identity,
         state: status.state.to_proto().into(),

@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use rivet_common::telemetry::{self, TelemetryOptions};
+use rivet_proto::endpoint::v1 as pb;
 use rivet_testkit::jaeger::{Jaeger, JaegerSpan, orphans};
 use rivet_testkit::node::{EndpointNode, NodeOptions};
 use tracing::Instrument;
@@ -81,4 +82,34 @@ async fn an_endpoint_creation_is_one_trace_across_the_daemons() {
         .map(|s| s.name.as_str())
         .collect();
     assert_eq!(roots, BTreeSet::from(["test.create_endpoint"]), "one root");
+
+    // The watch item carries the creation's context, so that a watcher's
+    // work for it (svc-k8s-sync's RivetEndpoint write) joins this trace.
+    let mut watch = node
+        .endpoints()
+        .await
+        .watch_endpoints(pb::WatchEndpointsRequest::default())
+        .await
+        .expect("WatchEndpoints opens")
+        .into_inner();
+    let endpoint = loop {
+        let item = watch
+            .message()
+            .await
+            .expect("the watch streams")
+            .expect("the snapshot holds the endpoint");
+        match item.event {
+            Some(pb::watch_endpoints_response::Event::Upserted(e)) if e.pod_name == "traced" => break e,
+            Some(pb::watch_endpoints_response::Event::Synced(_)) => panic!("snapshot without the endpoint"),
+            _ => {}
+        }
+    };
+    let parts: Vec<&str> = endpoint.traceparent.split('-').collect();
+    assert_eq!(parts.len(), 4, "a W3C traceparent: {:?}", endpoint.traceparent);
+    assert_eq!(parts[1], root.trace_id, "the creation's trace");
+    let parent = trace
+        .iter()
+        .find(|s| s.span_id == parts[2])
+        .unwrap_or_else(|| panic!("the traceparent's span {} in {trace:#?}", parts[2]));
+    assert_eq!(parent.service_name, "svc-endpoint", "{parent:#?}");
 }

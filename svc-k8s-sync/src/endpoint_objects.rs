@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
 use kube::Client;
@@ -24,6 +24,7 @@ use rivet_k8s::{RivetEndpoint, RivetEndpointState, RivetEndpointStatus};
 use rivet_proto::endpoint::v1 as pb;
 use rivet_proto::endpoint::v1::endpoint_service_client::EndpointServiceClient;
 use serde_json::json;
+use tracing::Instrument as _;
 
 use crate::caches::Caches;
 use crate::error::ApiError;
@@ -125,11 +126,13 @@ impl EndpointObjects {
     pub fn start(self, controllers: &Controllers, socket: &Path) {
         let channel = connect_unix_lazy(socket, &ClientOptions::default());
         let this = Arc::new(self);
+        // Kept across streams: a resync's snapshot repeats traceparents.
+        let traced = Arc::new(Mutex::new(TracedPods::new()));
         controllers.supervise(Controller::new("rivet-endpoints"), move |progress| {
-            let (this, channel) = (this.clone(), channel.clone());
+            let (this, channel, traced) = (this.clone(), channel.clone(), traced.clone());
             async move {
                 this.caches.status.wait_synced().await;
-                this.run(channel, &progress).await
+                this.run(channel, &progress, &traced).await
             }
         });
     }
@@ -138,6 +141,7 @@ impl EndpointObjects {
         &self,
         channel: DaemonChannel,
         progress: &rivet_common::controller::Progress,
+        traced: &Mutex<TracedPods>,
     ) -> Result<(), EndpointObjectsError> {
         let mut stream = EndpointServiceClient::new(channel)
             .watch_endpoints(pb::WatchEndpointsRequest::default())
@@ -163,7 +167,18 @@ impl EndpointObjects {
                     if applied.get(&key) == Some(&status) {
                         continue;
                     }
-                    if self.apply(&key, &endpoint, &status).await? {
+                    let traceparent = &endpoint.traceparent;
+                    let new_trace =
+                        !traceparent.is_empty() && lock(traced).get(&key).is_none_or(|seen| seen != traceparent);
+                    let span = if new_trace {
+                        self.apply_span(&key, traceparent)
+                    } else {
+                        tracing::Span::none()
+                    };
+                    if self.apply(&key, &endpoint, &status).instrument(span).await? {
+                        if new_trace {
+                            lock(traced).insert(key.clone(), traceparent.clone());
+                        }
                         applied.insert(key, status);
                     }
                 }
@@ -176,6 +191,7 @@ impl EndpointObjects {
                     if left.unwrap_or(0) == 0 {
                         pods.remove(&key);
                         applied.remove(&key);
+                        lock(traced).remove(&key);
                         self.delete(&key).await?;
                     }
                 }
@@ -186,6 +202,17 @@ impl EndpointObjects {
             }
         }
         Ok(())
+    }
+
+    /// The span of applying `key`'s RivetEndpoint for the request whose
+    /// context is `traceparent` (svc-endpoint's CreateEndpoint or
+    /// UpdateLabels): a child of it, so the write joins that request's trace.
+    fn apply_span(&self, (namespace, pod): &PodKey, traceparent: &str) -> tracing::Span {
+        let span = tracing::info_span!("apply_rivet_endpoint", namespace = %namespace, pod = %pod);
+        if !rivet_common::telemetry::set_parent_from_traceparent(&span, traceparent) {
+            self.metrics.invalid_traceparent(namespace, pod, traceparent);
+        }
+        span
     }
 
     /// Applies the object and its status; `false` when the pod is not in
@@ -276,6 +303,14 @@ impl EndpointObjects {
                 .call_failed(call, crate::error::kind_label(e), &format!("{call}: {e}")),
         }
     }
+}
+
+/// Per pod, the endpoint traceparent whose RivetEndpoint write was traced.
+type TracedPods = BTreeMap<PodKey, String>;
+
+/// `traced`, whatever a panicking holder left (a plain map stays consistent).
+fn lock(traced: &Mutex<TracedPods>) -> std::sync::MutexGuard<'_, TracedPods> {
+    traced.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn pod_key(endpoint: &pb::Endpoint) -> Option<PodKey> {

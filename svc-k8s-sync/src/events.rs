@@ -52,6 +52,7 @@ pub struct SyncMetrics {
     node_ready: Gauge,
     pod_cidrs_applied: Gauge,
     pod_cidrs_not_applied: Family<ReasonLabels, Counter>,
+    invalid_traceparents: Counter,
 }
 
 impl SyncMetrics {
@@ -104,6 +105,23 @@ impl SyncMetrics {
             "pod_cidrs_not_applied",
             "Cluster-pool IPAM: changes to not applied, per reason (WaitingForPodCIDRs, PoolChangeStrandsAllocations, ...)",
             self.pod_cidrs_not_applied.clone(),
+        );
+        r.register(
+            "invalid_traceparents",
+            "Endpoints whose traceparent was not a valid W3C context (their RivetEndpoint write got a trace of its own)",
+            self.invalid_traceparents.clone(),
+        );
+    }
+
+    /// An endpoint's traceparent was not a valid context; its write is traced
+    /// without a parent.
+    pub fn invalid_traceparent(&self, namespace: &str, pod: &str, traceparent: &str) {
+        self.invalid_traceparents.inc();
+        tracing::debug!(
+            namespace,
+            pod,
+            traceparent,
+            "endpoint traceparent is not a valid W3C context"
         );
     }
 

@@ -105,11 +105,13 @@ impl EndpointManager {
                 };
                 events::endpoint_created(id, &spec.container_id, &spec.interface, &pod);
                 let queue = Queue::new(!new.sync, false);
+                let mut status = EndpointStatus::new(EndpointState::WaitingForIdentity, "created");
+                status.traceparent = rivet_common::telemetry::current_traceparent();
                 state.endpoints.insert(
                     id,
                     Slot {
                         spec,
-                        status: EndpointStatus::new(EndpointState::WaitingForIdentity, "created"),
+                        status,
                         queue: queue.clone(),
                         persisted: None,
                         resolving: None,

@@ -90,6 +90,7 @@ impl EndpointManager {
                     continue;
                 }
                 slot.spec.labels = labels.clone();
+                slot.status.traceparent = rivet_common::telemetry::current_traceparent();
                 slot.status
                     .transition(id, EndpointState::WaitingToRegenerate, "labels changed");
                 let wait = (
