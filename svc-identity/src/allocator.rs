@@ -636,6 +636,15 @@ impl IdentityAllocator {
         if cache.by_id.range(min..=max).count() + tried.len() >= size {
             return Err(AllocError::Exhausted { min, max });
         }
+        // The watch may have brought this set's own id since the caller
+        // looked it up: offer that id (its create answers `LabelsHeldAs`),
+        // or the walk below would skip it as taken and give the set a
+        // second identity (two nodes racing on one set in CRD mode did).
+        if let Some(&id) = cache.by_labels.get(key)
+            && !tried.contains(&id)
+        {
+            return Ok(id);
+        }
         let start = match self.backend.id_order() {
             // A random start spreads concurrent nodes over the range.
             IdOrder::Random => rand::rng().random_range(min..=max),
@@ -1357,6 +1366,30 @@ mod tests {
         let (ids, objects) = two_nodes_on_a_create_by_id_store(IdOrder::Random).await;
         assert!(ids.iter().any(|(a, b)| a != b), "random ids split sets here");
         assert!(objects > 200);
+    }
+
+    #[tokio::test]
+    async fn a_set_the_cache_learnt_after_the_lookup_is_offered_its_own_id() {
+        let store = Arc::new(CreateByIdOnly {
+            objects: Mutex::default(),
+            order: IdOrder::LabelHash,
+        });
+        let allocator = IdentityAllocator::new(store, AllocatorOptions::default());
+        let key = labels("k8s:app=web").to_string();
+        let own = label_hash_id(&key, CLUSTER_IDENTITY_MIN, AllocatorOptions::default().max_id);
+        // Another node created the set at its first id; the watch brings it
+        // between allocate's lookup by labels and the walk.
+        allocator.cache.write().unwrap().insert(own, key.clone());
+        assert_eq!(
+            allocator.free_id(&key, &HashSet::new()).unwrap(),
+            own,
+            "a set's own id must not be skipped as taken (the set would get a second identity)"
+        );
+        assert_ne!(
+            allocator.free_id(&key, &HashSet::from([own])).unwrap(),
+            own,
+            "a tried id is not offered again"
+        );
     }
 
     #[test]
