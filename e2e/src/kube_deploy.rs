@@ -14,7 +14,8 @@
 //!   for byte;
 //! - [`kill_container`]: SIGKILL of a container through its worker's
 //!   containerd (what a crashing daemon looks like to the kubelet);
-//! - [`poll`]: waits for a condition read from the cluster.
+//! - [`poll`]: waits for a condition read from the cluster;
+//! - [`busybox_pod`]: a sleeping busybox pod pinned to a node.
 //!
 //! Used by `tests/kube_deploy.rs`.
 
@@ -444,6 +445,26 @@ impl Drop for EchoStream {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
     }
+}
+
+/// Pod `name` in `default` on `node` with `labels`: the test busybox image
+/// sleeping for an hour, deleted at once (grace 0).
+pub fn busybox_pod(name: &str, node: &str, labels: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": { "name": name, "namespace": "default", "labels": labels },
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{
+                "name": "main",
+                "image": crate::image::BUSYBOX_IMAGE,
+                "imagePullPolicy": "Never",
+                "command": ["/bin/sleep", "3600"]
+            }]
+        }
+    })
 }
 
 #[cfg(test)]

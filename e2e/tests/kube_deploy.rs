@@ -47,8 +47,8 @@ use rivet_e2e::cross_node;
 use rivet_e2e::image::BUSYBOX_IMAGE;
 use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, Worker, WorkerCni, node_ready};
 use rivet_e2e::kube_deploy::{
-    DEPLOY_TAG, EchoStream, PingMonitor, deploy_dir, kill_container, poll, rivet_image, write_image_tag_overlay,
-    write_rivet_archives,
+    DEPLOY_TAG, EchoStream, PingMonitor, busybox_pod, deploy_dir, kill_container, poll, rivet_image,
+    write_image_tag_overlay, write_rivet_archives,
 };
 use rivet_e2e::node_clean::rivet_leftovers;
 use rivet_k8s::{RivetEndpoint, RivetNode};
@@ -282,24 +282,6 @@ fn web_deployment() -> serde_json::Value {
                     }]
                 }
             }
-        }
-    })
-}
-
-fn busybox_pod(name: &str, node: &str, labels: serde_json::Value) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": { "name": name, "namespace": "default", "labels": labels },
-        "spec": {
-            "nodeName": node,
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{
-                "name": "main",
-                "image": BUSYBOX_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": ["sleep", "3600"]
-            }]
         }
     })
 }

@@ -27,9 +27,9 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use rivet_common::testing::workspace_binary;
-use rivet_e2e::image::BUSYBOX_IMAGE;
 use rivet_e2e::kube_cluster::jaeger::ClusterJaeger;
 use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, WorkerCni};
+use rivet_e2e::kube_deploy::busybox_pod;
 use rivet_oci::images::{ImageSet, JaegerBinary, write_images};
 use rivet_testkit::jaeger::{JaegerSpan, parse_traces, service_query_path};
 
@@ -147,22 +147,7 @@ async fn one_pod_creation_is_one_trace_in_the_cluster_s_jaeger() {
     let since = SystemTime::now();
     let name = format!("traced-{}", std::process::id());
     let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
-    let pod: Pod = serde_json::from_value(serde_json::json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": { "name": name, "namespace": "default" },
-        "spec": {
-            "nodeName": node,
-            "terminationGracePeriodSeconds": 0,
-            "containers": [{
-                "name": "main",
-                "image": BUSYBOX_IMAGE,
-                "imagePullPolicy": "Never",
-                "command": ["/bin/sleep", "3600"]
-            }]
-        }
-    }))
-    .unwrap();
+    let pod: Pod = serde_json::from_value(busybox_pod(&name, &node, serde_json::json!({}))).unwrap();
     pods.create(&PostParams::default(), &pod).await.unwrap();
     wait_for("the traced pod Running with an address", DEPLOY_TIMEOUT, async || {
         let status = pods
