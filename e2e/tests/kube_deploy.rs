@@ -47,14 +47,13 @@ use rivet_e2e::cross_node;
 use rivet_e2e::image::BUSYBOX_IMAGE;
 use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, Worker, WorkerCni, node_ready};
 use rivet_e2e::kube_deploy::{
-    DEPLOY_TAG, EchoStream, PingMonitor, busybox_pod, deploy_dir, kill_container, poll, rivet_image,
-    write_image_tag_overlay, write_rivet_archives,
+    DEPLOY_TAG, EchoStream, PingMonitor, STEP_TIMEOUT, Scenario, busybox_pod, daemonset_rolled_out, deploy_dir,
+    kill_container, name, poll, ready_pods, rivet_image, spec_node, write_image_tag_overlay, write_rivet_archives,
+    yaml,
 };
 use rivet_e2e::node_clean::rivet_leftovers;
 use rivet_k8s::{RivetEndpoint, RivetNode};
 
-/// How long one step may wait for the cluster.
-const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 /// The web Deployment's size.
 const REPLICAS: usize = 10;
 /// The web pods' echo port.
@@ -70,184 +69,6 @@ const DAEMONS: [&str; 6] = [
     "svc-gc",
     "svc-k8s-sync",
 ];
-
-/// The cluster and what the steps share; a failing step dumps the
-/// cluster's state before the cluster goes.
-struct Scenario {
-    cluster: KubeCluster,
-    step: &'static str,
-}
-
-impl Drop for Scenario {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.dump();
-        }
-    }
-}
-
-impl Scenario {
-    /// `kubectl <args>`; fails the step with kubectl's output.
-    fn kubectl(&self, args: &[&str]) -> String {
-        self.kubectl_stdin(args, None)
-    }
-
-    /// `kubectl <args>` with `stdin` (e.g. `apply -f -`).
-    fn kubectl_stdin(&self, args: &[&str], stdin: Option<&str>) -> String {
-        let out = self.try_kubectl(args, stdin);
-        match out {
-            Ok(out) => out,
-            Err(out) => panic!("step {}: kubectl {args:?} failed: {out}", self.step),
-        }
-    }
-
-    /// `kubectl <args>`: `Ok(stdout)` or `Err(stdout + stderr)`.
-    fn try_kubectl(&self, args: &[&str], stdin: Option<&str>) -> Result<String, String> {
-        use std::io::Write as _;
-        let mut command = self.cluster.kubectl().unwrap();
-        command
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        let mut child = command.spawn().expect("running kubectl");
-        let mut input = child.stdin.take().expect("piped");
-        if let Some(stdin) = stdin {
-            input.write_all(stdin.as_bytes()).expect("writing kubectl's stdin");
-        }
-        drop(input);
-        let out = child.wait_with_output().expect("waiting for kubectl");
-        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-        if out.status.success() {
-            Ok(stdout)
-        } else {
-            Err(format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
-        }
-    }
-
-    /// `kubectl exec <pod> -- sh -c <script>`: `Ok(stdout)` or the failure.
-    fn exec(&self, pod: &str, script: &str) -> Result<String, String> {
-        self.try_kubectl(&["exec", pod, "--", "sh", "-c", script], None)
-    }
-
-    /// `pod` gets a line echoed by `address:port`
-    /// ([`rivet_e2e::cross_node::echoes`]).
-    fn echoes(&self, pod: &str, address: IpAddr, port: u16) -> Result<(), String> {
-        cross_node::echoes(&|| self.cluster.kubectl().unwrap(), pod, address, port)
-    }
-
-    /// Waits for `check` (see [`poll`]), failing the step with what was seen.
-    async fn wait<T, F, Fut>(&self, what: &str, check: F) -> T
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<T, String>>,
-    {
-        poll(what, STEP_TIMEOUT, check)
-            .await
-            .unwrap_or_else(|e| panic!("step {}: {e}", self.step))
-    }
-
-    /// What a failed step leaves to read: every pod, the Nodes, the
-    /// events, and the logs of Rivet's pods.
-    fn dump(&self) {
-        for args in [
-            &["get", "nodes", "-o", "wide"][..],
-            &["get", "pods", "-A", "-o", "wide"],
-            &["get", "events", "-A", "--sort-by=.lastTimestamp"],
-            &[
-                "logs",
-                "-n",
-                "kube-system",
-                "-l",
-                "app.kubernetes.io/part-of=rivet",
-                "--all-containers",
-                "--prefix",
-                "--tail=30",
-                "--max-log-requests=30",
-            ],
-        ] {
-            let out = self.try_kubectl(args, None).unwrap_or_else(|e| e);
-            eprintln!("--- kubectl {}\n{out}", args.join(" "));
-        }
-    }
-
-    fn worker(&self, node: &str) -> &Worker {
-        self.cluster
-            .workers()
-            .iter()
-            .find(|w| w.name == node)
-            .unwrap_or_else(|| panic!("step {}: no worker {node}", self.step))
-    }
-
-    fn pods(&self, namespace: &str) -> Api<Pod> {
-        Api::namespaced(self.cluster.admin_client(), namespace)
-    }
-
-    /// Pods of `namespace` matching `selector`, by name.
-    async fn list_pods(&self, namespace: &str, selector: &str) -> Vec<Pod> {
-        self.pods(namespace)
-            .list(&ListParams::default().labels(selector))
-            .await
-            .unwrap_or_else(|e| panic!("step {}: listing pods {selector}: {e}", self.step))
-            .items
-    }
-
-    /// The `rivet-node` pod on `node`.
-    async fn rivet_node_pod(&self, node: &str) -> Pod {
-        self.list_pods("kube-system", "app.kubernetes.io/name=rivet-node")
-            .await
-            .into_iter()
-            .find(|p| spec_node(p) == node && p.metadata.deletion_timestamp.is_none())
-            .unwrap_or_else(|| panic!("step {}: no rivet-node pod on {node}", self.step))
-    }
-}
-
-fn name(pod: &Pod) -> &str {
-    pod.metadata.name.as_deref().unwrap_or_default()
-}
-
-fn spec_node(pod: &Pod) -> &str {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.node_name.as_deref())
-        .unwrap_or_default()
-}
-
-fn pod_ip(pod: &Pod) -> Option<IpAddr> {
-    pod.status.as_ref()?.pod_ip.as_ref()?.parse().ok()
-}
-
-fn pod_ready(pod: &Pod) -> bool {
-    pod.status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
-}
-
-/// `(name, node, ip)` of ready pods, or what is not ready.
-fn ready_pods(pods: &[Pod], want: usize) -> Result<Vec<(String, String, IpAddr)>, String> {
-    let ready: Vec<_> = pods
-        .iter()
-        .filter(|p| pod_ready(p) && p.metadata.deletion_timestamp.is_none())
-        .filter_map(|p| Some((name(p).to_owned(), spec_node(p).to_owned(), pod_ip(p)?)))
-        .collect();
-    if ready.len() == want {
-        Ok(ready)
-    } else {
-        let phases: Vec<String> = pods
-            .iter()
-            .map(|p| {
-                format!(
-                    "{} on {:?}: {:?}",
-                    name(p),
-                    spec_node(p),
-                    p.status.as_ref().and_then(|s| s.phase.clone())
-                )
-            })
-            .collect();
-        Err(format!("{} of {want} ready: {phases:?}", ready.len()))
-    }
-}
 
 fn web_deployment() -> serde_json::Value {
     serde_json::json!({
@@ -300,31 +121,6 @@ fn web_service() -> serde_json::Value {
             ]
         }
     })
-}
-
-fn yaml(objects: &[serde_json::Value]) -> String {
-    serde_json::json!({ "apiVersion": "v1", "kind": "List", "items": objects }).to_string()
-}
-
-/// Whether the DaemonSet rolled out `image` on every node: status for the
-/// current generation, every pod updated, ready and available.
-fn daemonset_rolled_out(ds: &DaemonSet) -> Result<(), String> {
-    let status = ds.status.clone().unwrap_or_default();
-    let generation = ds.metadata.generation.unwrap_or_default();
-    let desired = status.desired_number_scheduled;
-    if desired == 2
-        && status.observed_generation == Some(generation)
-        && status.updated_number_scheduled == Some(desired)
-        && status.number_ready == desired
-        && status.number_available == Some(desired)
-    {
-        Ok(())
-    } else {
-        Err(format!(
-            "generation {generation}, observed {:?}, desired {desired}, updated {:?}, ready {}, available {:?}",
-            status.observed_generation, status.updated_number_scheduled, status.number_ready, status.number_available
-        ))
-    }
 }
 
 /// Whether a Deployment rolled out: status for the current generation,

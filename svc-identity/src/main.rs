@@ -115,8 +115,10 @@ struct Flags {
 
     /// A prefix this node's pods get addresses from (repeatable,
     /// comma-separated): published in its node record; peers route it here.
-    /// With the kubernetes store: default, its RivetNode's pod CIDRs (the
-    /// cluster pool's allocation).
+    /// Default: its RivetNode's pod CIDRs (the cluster pool's allocation),
+    /// read from the node's RivetNode (kubernetes store) or, with etcd,
+    /// from the record rivet-operator mirrors from it, which this node then
+    /// leaves as it is instead of publishing its own.
     #[arg(long = "pod-cidr", env = "RIVET_POD_CIDRS", value_delimiter = ',', value_parser = pod_cidr)]
     pod_cidrs: Vec<IpNet>,
 
@@ -173,9 +175,8 @@ impl Flags {
         if mode == EncapsulationMode::Vxlan && !self.node_addresses.iter().any(IpAddr::is_ipv4) {
             anyhow::bail!("--routing-mode vxlan needs an IPv4 --node-address (tunnel endpoints are IPv4)");
         }
-        if self.pod_cidrs.is_empty() {
-            anyhow::bail!("--routing-mode needs this node's pod CIDRs (--pod-cidr)");
-        }
+        // Without --pod-cidr the node's record is rivet-operator's mirror
+        // of its RivetNode (cluster-pool IPAM): see `publishes_own_record`.
         Ok(Some(mode))
     }
 
@@ -334,6 +335,9 @@ async fn run(flags: Flags, privileges: Dropped) -> anyhow::Result<()> {
             routing,
             node_addresses: flags.node_addresses.clone(),
             pod_cidrs: flags.pod_cidrs.clone(),
+            // Routed without --pod-cidr: the record is rivet-operator's
+            // mirror of the node's RivetNode, the node reads it.
+            publish_own_record: routing.is_none() || !flags.pod_cidrs.is_empty(),
             tunnel_port: flags.tunnel_port,
             metrics: metrics.clone(),
             ..RegistryOptions::new(node.clone(), flags.cluster_name.clone(), identity.boot_id.to_string())

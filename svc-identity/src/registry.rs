@@ -31,6 +31,11 @@
 //! cluster pool's allocation: a DaemonSet cannot pass `--pod-cidr` per
 //! node). Its peers and their routing are the same as with etcd.
 //!
+//! With etcd and no `--pod-cidr` ([`RegistryOptions::publish_own_record`]
+//! `false`: a DaemonSet with cluster-pool IPAM) the same holds for this
+//! node's key: rivet-operator's mirror of its RivetNode writes it, and the
+//! registry reads its pod CIDRs from there instead of overwriting it.
+//!
 //! Without a node store (the embedded store: one node) the registry lists
 //! this node only.
 
@@ -72,6 +77,11 @@ pub struct RegistryOptions {
     /// This node's pod CIDRs (`--pod-cidr`); empty: those of its record in
     /// a store that does not publish it (the RivetNode's allocation).
     pub pod_cidrs: Vec<IpNet>,
+    /// Whether this node writes its own record where the store lets it
+    /// (etcd). `false`: another writer keeps it (rivet-operator's mirror of
+    /// the node's RivetNode) and the registry reads it, as with the
+    /// Kubernetes store.
+    pub publish_own_record: bool,
     /// The VXLAN UDP port (`--tunnel-port`).
     pub tunnel_port: u16,
     /// This process's boot id.
@@ -91,6 +101,7 @@ impl RegistryOptions {
             routing: None,
             node_addresses: Vec::new(),
             pod_cidrs: Vec::new(),
+            publish_own_record: true,
             tunnel_port: DEFAULT_TUNNEL_PORT,
             boot_id: boot_id.into(),
             relist_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
@@ -169,7 +180,7 @@ impl NodeRegistry {
             return;
         };
         let this = self.clone();
-        let publishes = store.publishes_own_record();
+        let publishes = self.publishes();
         let watch = Controller::new("node-registry-watch").backoff(self.opts.relist_backoff.clone());
         controllers.supervise(watch, move |progress| this.clone().follow(store.clone(), progress));
         if !publishes {
@@ -194,6 +205,12 @@ impl NodeRegistry {
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the registry writes this node's record (else it reads it
+    /// from the store like a peer's).
+    fn publishes(&self) -> bool {
+        self.opts.publish_own_record && self.store.as_ref().is_none_or(|s| s.publishes_own_record())
     }
 
     /// This node's record as it is to be published now (with a store that
@@ -375,7 +392,7 @@ impl NodeRegistry {
     /// does not publish it, its decoded record too. `true` when this node's
     /// pod CIDRs changed (the peers' overlap checks change with them).
     fn set_own(&self, st: &mut State, value: Option<Vec<u8>>) -> bool {
-        if self.store.as_ref().is_none_or(|s| s.publishes_own_record()) {
+        if self.publishes() {
             st.own_in_store = value;
             return false;
         }

@@ -28,6 +28,9 @@ struct TestNode {
     name: String,
     ttl_seconds: u32,
     metrics: Option<SocketAddr>,
+    /// Whether it gets `--pod-cidr` (else its record is the operator's
+    /// mirror).
+    pod_cidr_flags: bool,
 }
 
 impl TestNode {
@@ -36,6 +39,7 @@ impl TestNode {
             name: format!("node-{i}"),
             ttl_seconds,
             metrics: None,
+            pod_cidr_flags: true,
         }
     }
 
@@ -66,13 +70,15 @@ impl TestNode {
             .args(["--lease-ttl-seconds", &self.ttl_seconds.to_string()])
             .args(["--routing-mode", "vxlan", "--tunnel-port", "8472"])
             .args(["--node-address", &v4.to_string(), "--node-address", &v6.to_string()])
-            .args([
+            .log_to(dir.join(format!("{}.log", self.name)));
+        if self.pod_cidr_flags {
+            cmd = cmd.args([
                 "--pod-cidr",
                 &format!("198.18.{i}.0/24"),
                 "--pod-cidr",
                 &format!("2001:2:0:{i}::/64"),
-            ])
-            .log_to(dir.join(format!("{}.log", self.name)));
+            ]);
+        }
         if let Some(address) = self.metrics {
             cmd = cmd.args(["--metrics-address", &address.to_string()]);
         }
@@ -308,8 +314,84 @@ async fn unusable_records_are_skipped_and_counted_and_operator_records_are_peers
     assert_eq!(sample("rivet_identity_nodes"), 1.0);
 }
 
+/// A node record as rivet-operator mirrors a RivetNode into etcd.
+fn mirrored_record(node: &str, underlay: &str, pod_cidr: &str) -> String {
+    serde_json::json!({
+        "name": node,
+        "cluster": "default",
+        "addresses": [{ "type": "InternalIP", "ip": underlay }],
+        "podCidrs": [pod_cidr],
+        "encapsulation": { "mode": "direct" },
+        "source": "operator",
+    })
+    .to_string()
+}
+
+/// `node`'s pod CIDRs as `ListNodes` shows them.
+fn pod_cidrs(node: &pb::Node) -> Vec<String> {
+    node.pod_cidrs
+        .iter()
+        .map(|p| format!("{}/{}", ip(&p.address), p.prefix_length))
+        .collect()
+}
+
+/// A routed node given no `--pod-cidr` (deploy/'s etcd overlay: the
+/// DaemonSet cannot give one per node) takes its pod CIDRs from the record
+/// rivet-operator mirrors from its RivetNode (the cluster pool's
+/// allocation), follows their change, and never overwrites that key: its
+/// peers route the mirrored CIDRs to it.
 #[tokio::test]
-async fn routing_needs_etcd_an_underlay_address_and_pod_cidrs() {
+async fn a_routed_node_without_pod_cidrs_reads_the_operator_s_mirror_of_its_record() {
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    let mut client = etcd_client::Client::connect([etcd.endpoint()], None).await.unwrap();
+    let key = "rivet/state/nodes/v1/default/node-1";
+    let first = mirrored_record("node-1", "198.19.254.1", "198.18.65.0/24");
+    client.put(key, first.clone(), None).await.unwrap();
+    let mut n1 = TestNode::new(1, 2);
+    n1.pod_cidr_flags = false;
+    let a = n1.spawn(dir.path(), &etcd).await;
+    let b = TestNode::new(2, 2).spawn(dir.path(), &etcd).await;
+
+    let nodes = nodes_until(&a, "node-1 lists its own pod CIDRs from the mirror and node-2", |n| {
+        n.len() == 2 && n.get("node-1").is_some_and(|r| pod_cidrs(r) == ["198.18.65.0/24"])
+    })
+    .await;
+    assert!(nodes["node-1"].local, "{nodes:#?}");
+    nodes_until(&b, "node-2 routes the mirrored pod CIDR to node-1", |n| {
+        n.get("node-1").is_some_and(|r| pod_cidrs(r) == ["198.18.65.0/24"])
+    })
+    .await;
+
+    // The cluster pool moves the node: the mirror changes, the node follows.
+    let second = mirrored_record("node-1", "198.19.254.1", "198.18.66.0/24");
+    client.put(key, second.clone(), None).await.unwrap();
+    nodes_until(&a, "node-1 follows its mirrored record", |n| {
+        n.get("node-1").is_some_and(|r| pod_cidrs(r) == ["198.18.66.0/24"])
+    })
+    .await;
+    nodes_until(&b, "node-2 follows the mirrored record", |n| {
+        n.get("node-1").is_some_and(|r| pod_cidrs(r) == ["198.18.66.0/24"])
+    })
+    .await;
+
+    // node-1 wrote nothing under its key: still the mirror's, without a
+    // lease (node-2, given --pod-cidr, publishes its own on its lease).
+    let held = client.get(key, None).await.unwrap();
+    let kv = &held.kvs()[0];
+    assert_eq!(
+        kv.value_str().unwrap(),
+        second,
+        "a node without --pod-cidr must not overwrite the operator's record of it"
+    );
+    assert_eq!(kv.lease(), 0, "the mirror's key stays without a lease");
+    let own = client.get("rivet/state/nodes/v1/default/node-2", None).await.unwrap();
+    assert_ne!(own.kvs()[0].lease(), 0, "node-2 publishes its own record on its lease");
+    drop(b);
+}
+
+#[tokio::test]
+async fn routing_needs_a_node_store_and_an_underlay_address() {
     let dir = tempfile::tempdir().unwrap();
     let run = |extra: &[&str]| {
         let sockets = dir.path().join("sockets");
@@ -337,14 +419,6 @@ async fn routing_needs_etcd_an_underlay_address_and_pod_cidrs() {
         ]
         .concat(),
         "needs an IPv4 --node-address",
-    );
-    refused(
-        &[
-            &etcd[..],
-            &["--routing-mode", "native", "--node-address", "198.19.254.1"],
-        ]
-        .concat(),
-        "--pod-cidr",
     );
     refused(&["--pod-cidr", "198.18.1.1/24"], "host bits");
 }

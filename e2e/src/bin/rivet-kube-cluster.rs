@@ -260,7 +260,10 @@ fn serve(state_dir: &Path, args: &UpArgs) -> Result<()> {
         for worker in cluster.workers() {
             ready.push_str(&format!(" {} ({})", worker.name, worker.address));
         }
-        ready.push('\n');
+        ready.push_str(&format!(
+            "\nrivet etcd (deploy/overlays/etcd): {}\n",
+            cluster.rivet_etcd_endpoint()
+        ));
         println!("{ready}");
         std::fs::write(ready_file(state_dir), &ready).context("writing the ready file")?;
         tokio::select! {

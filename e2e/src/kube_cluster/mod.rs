@@ -9,6 +9,9 @@
 //! - the underlay: namespace `kcul-*` with bridge `ul`;
 //! - the control plane: namespace `kccp-*`, `ul0` = [`CONTROL_PLANE_V4`] and
 //!   [`CONTROL_PLANE_V6`] on the bridge; etcd 3.6 on its 127.0.0.1,
+//!   a second etcd for Rivet's kvstore (deploy/overlays/etcd) on
+//!   [`CONTROL_PLANE_V4`]:[`RIVET_ETCD_PORT`] (the API server's etcd stays
+//!   private, as on a real control plane),
 //!   kube-apiserver on `0.0.0.0:6443` (workers reach it at
 //!   `https://198.19.254.254:6443`), kube-controller-manager and
 //!   kube-scheduler talking to it over the namespace's loopback;
@@ -121,6 +124,8 @@ pub const CONTROL_PLANE_V4: Ipv4Addr = Ipv4Addr::new(198, 19, 254, 254);
 pub const CONTROL_PLANE_V6: Ipv6Addr = Ipv6Addr::new(0x2001, 2, 0, 0xfe, 0, 0, 0, 0xfe);
 /// kube-apiserver's port.
 pub const API_SERVER_PORT: u16 = 6443;
+/// The client port of Rivet's etcd on [`CONTROL_PLANE_V4`].
+pub const RIVET_ETCD_PORT: u16 = 2379;
 /// `--service-cluster-ip-range`.
 pub const SERVICE_CIDR: &str = "198.19.255.0/24";
 /// The first Service IP (the `kubernetes` Service).
@@ -621,6 +626,12 @@ impl KubeCluster {
     /// The URL the workers (and pods) reach kube-apiserver at.
     pub fn api_server_url(&self) -> String {
         format!("https://{CONTROL_PLANE_V4}:{API_SERVER_PORT}")
+    }
+
+    /// The endpoint the workers reach Rivet's etcd at (deploy/overlays/etcd
+    /// names it).
+    pub fn rivet_etcd_endpoint(&self) -> String {
+        format!("http://{CONTROL_PLANE_V4}:{RIVET_ETCD_PORT}")
     }
 
     /// Each control-plane daemon's log, by name.
@@ -1144,6 +1155,27 @@ impl ControlPlaneParts {
                 "--log-level=warn".into(),
             ],
             log("etcd"),
+        )?);
+        // Rivet's kvstore: the workers' etcd overlay reaches it over the
+        // underlay; a peer port of its own beside the API server's etcd.
+        let rivet_etcd_url = cluster.rivet_etcd_endpoint();
+        let rivet_peer_url = "http://127.0.0.1:2382";
+        cluster.control_plane.push(Daemon::spawn(
+            "rivet-etcd",
+            &ns_arg,
+            &tool_path(Tool::Etcd)?,
+            &[
+                "--name=rivet".into(),
+                format!("--data-dir={}", dir.join("rivet-etcd").display()),
+                format!("--listen-client-urls={rivet_etcd_url}"),
+                format!("--advertise-client-urls={rivet_etcd_url}"),
+                format!("--listen-peer-urls={rivet_peer_url}"),
+                format!("--initial-advertise-peer-urls={rivet_peer_url}"),
+                format!("--initial-cluster=rivet={rivet_peer_url}"),
+                "--initial-cluster-state=new".into(),
+                "--log-level=warn".into(),
+            ],
+            log("rivet-etcd"),
         )?);
 
         let serving = pki.server(
