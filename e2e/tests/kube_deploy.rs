@@ -45,11 +45,10 @@ use kube::api::{Api, ListParams};
 use rivet_common::testing::workspace_binary;
 use rivet_e2e::cross_node;
 use rivet_e2e::image::BUSYBOX_IMAGE;
-use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, Worker, WorkerCni, node_ready};
+use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, WorkerCni, node_ready};
 use rivet_e2e::kube_deploy::{
     DEPLOY_TAG, EchoStream, PingMonitor, STEP_TIMEOUT, Scenario, busybox_pod, daemonset_rolled_out, deploy_dir,
-    kill_container, name, poll, ready_pods, rivet_image, spec_node, write_image_tag_overlay, write_rivet_archives,
-    yaml,
+    kill_container, name, pod_ready, ready_pods, rivet_image, write_image_tag_overlay, write_rivet_archives, yaml,
 };
 use rivet_e2e::node_clean::rivet_leftovers;
 use rivet_k8s::{RivetEndpoint, RivetNode};

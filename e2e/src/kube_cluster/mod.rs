@@ -1469,6 +1469,11 @@ fn create_mount_ns(worker: &Worker) -> Result<(), KubeClusterError> {
         ("/var/log", "log"),
         ("/var/lib/cni", "var-lib-cni"),
     ] {
+        // A fresh machine has no /var/lib/cni: made in the /var/lib
+        // overlay's upper dir (the worker's), never on the host.
+        if inside.starts_with("/var/lib/") {
+            script.push_str(&format!("mkdir -p {inside}\n"));
+        }
         script.push_str(&format!("mount --bind {} {inside}\n", q(&dir.join(host))));
     }
     // The node's cgroup v2 directory where deploy/ looks for it (a real
