@@ -330,6 +330,7 @@ fn container_env(objects: &[Value], container: &Value) -> BTreeMap<String, Strin
         let value = match var["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
             Some("spec.nodeName") => "node-1".to_string(),
             Some("status.hostIP") => "198.18.0.2".to_string(),
+            Some("status.hostIPs") => "198.18.0.2,2001:2::2".to_string(),
             Some(other) => panic!("an unexpected fieldRef {other}"),
             None => expand(var["value"].as_str().expect("a value"), &env),
         };
