@@ -473,35 +473,6 @@ pub fn busybox_pod(name: &str, node: &str, labels: serde_json::Value) -> serde_j
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reply_seq_reads_busybox_ping_lines() {
-        assert_eq!(
-            reply_seq("64 bytes from 198.18.64.5: seq=17 ttl=63 time=0.211 ms"),
-            Some(17)
-        );
-        assert_eq!(reply_seq("PING 198.18.64.5 (198.18.64.5): 56 data bytes"), None);
-        assert_eq!(reply_seq("3 packets transmitted, 3 packets received"), None);
-    }
-
-    #[test]
-    fn the_overlay_names_deploy_by_a_relative_path() {
-        let dir = tempfile::tempdir().unwrap();
-        write_image_tag_overlay(dir.path(), "second").unwrap();
-        let text = std::fs::read_to_string(dir.path().join("kustomization.yaml")).unwrap();
-        let base = text.lines().find(|l| l.starts_with("- ../")).expect(&text);
-        let resolved = std::fs::canonicalize(dir.path().join(base.trim_start_matches("- "))).unwrap();
-        assert_eq!(resolved, std::fs::canonicalize(deploy_dir()).unwrap());
-        assert!(
-            text.contains("- name: docker.io/rivet/rivet\n  newTag: second\n"),
-            "{text}"
-        );
-    }
-}
-
 /// How long one step of a [`Scenario`] may wait for the cluster.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -713,5 +684,34 @@ pub fn daemonset_rolled_out(ds: &DaemonSet) -> std::result::Result<(), String> {
             "generation {generation}, observed {:?}, desired {desired}, updated {:?}, ready {}, available {:?}",
             status.observed_generation, status.updated_number_scheduled, status.number_ready, status.number_available
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reply_seq_reads_busybox_ping_lines() {
+        assert_eq!(
+            reply_seq("64 bytes from 198.18.64.5: seq=17 ttl=63 time=0.211 ms"),
+            Some(17)
+        );
+        assert_eq!(reply_seq("PING 198.18.64.5 (198.18.64.5): 56 data bytes"), None);
+        assert_eq!(reply_seq("3 packets transmitted, 3 packets received"), None);
+    }
+
+    #[test]
+    fn the_overlay_names_deploy_by_a_relative_path() {
+        let dir = tempfile::tempdir().unwrap();
+        write_image_tag_overlay(dir.path(), "second").unwrap();
+        let text = std::fs::read_to_string(dir.path().join("kustomization.yaml")).unwrap();
+        let base = text.lines().find(|l| l.starts_with("- ../")).expect(&text);
+        let resolved = std::fs::canonicalize(dir.path().join(base.trim_start_matches("- "))).unwrap();
+        assert_eq!(resolved, std::fs::canonicalize(deploy_dir()).unwrap());
+        assert!(
+            text.contains("- name: docker.io/rivet/rivet\n  newTag: second\n"),
+            "{text}"
+        );
     }
 }
