@@ -15,6 +15,10 @@ use crate::cmd;
 /// `cargo xtask cluster ...`.
 #[derive(Debug, Args)]
 pub struct ClusterArgs {
+    /// Where the cluster's files are (default `/tmp/rivet-kube-cluster`): one
+    /// per cluster, so two users or two clusters do not meet.
+    #[arg(long, global = true, value_name = "DIR")]
+    state_dir: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: ClusterCommand,
 }
@@ -48,7 +52,12 @@ enum ClusterCommand {
 pub fn run(args: &ClusterArgs) -> Result<()> {
     cmd::run(cmd::cargo().args(["build", "-p", "rivet-e2e", "--bin", "rivet-kube-cluster"]))?;
     let binary = cmd::target_dir().join("debug").join("rivet-kube-cluster");
-    cmd::run(Command::new(binary).args(binary_args(&args.command)))
+    let mut command = Command::new(binary);
+    if let Some(dir) = &args.state_dir {
+        // The binary runs from the workspace root: an absolute path.
+        command.arg("--state-dir").arg(std::path::absolute(dir)?);
+    }
+    cmd::run(command.args(binary_args(&args.command)))
 }
 
 /// The arguments of `rivet-kube-cluster`.
@@ -91,5 +100,22 @@ mod tests {
             ["up", "--workers", "3", "--cni", "none", "--image", "/tmp/rivet.tar"]
         );
         assert_eq!(binary_args(&ClusterCommand::Down), ["down"]);
+    }
+
+    #[test]
+    fn the_state_dir_is_taken_before_or_after_the_subcommand() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            cluster: ClusterArgs,
+        }
+        for argv in [
+            ["x", "--state-dir", "/tmp/c2", "down"],
+            ["x", "down", "--state-dir", "/tmp/c2"],
+        ] {
+            let cli = Cli::try_parse_from(argv).expect("--state-dir is global");
+            assert_eq!(cli.cluster.state_dir.as_deref(), Some(std::path::Path::new("/tmp/c2")));
+        }
     }
 }
