@@ -27,6 +27,7 @@ use futures::future::BoxFuture;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tower::{Layer, Service};
 
@@ -246,20 +247,71 @@ struct DeniedLabels {
     reason: &'static str,
 }
 
-/// Calls refused by a daemon's socket, by method and reason.
+/// A daemon socket's counters: calls refused by method and reason, the
+/// connections open, and connections closed at once by the connection limit.
 #[derive(Clone, Debug, Default)]
 pub struct AccessMetrics {
     denied: Family<DeniedLabels, Counter>,
+    connections: Gauge,
+    connections_refused: Counter,
 }
 
 impl AccessMetrics {
-    /// Registers `rivet_socket_calls_denied_total` (prefix the registry with `rivet`).
+    /// Registers `rivet_socket_calls_denied_total`, `rivet_socket_connections`
+    /// and `rivet_socket_connections_refused_total` (prefix the registry
+    /// with `rivet`).
     pub fn register(&self, registry: &mut Registry) {
-        registry.sub_registry_with_prefix("socket").register(
+        let socket = registry.sub_registry_with_prefix("socket");
+        socket.register(
             "calls_denied",
             "Calls refused by the daemon's socket access policy, by method and reason",
             self.denied.clone(),
         );
+        socket.register(
+            "connections",
+            "Connections the daemon's socket holds open",
+            self.connections.clone(),
+        );
+        socket.register(
+            "connections_refused",
+            "Connections closed at once because the socket held --max-connections (peers without full access)",
+            self.connections_refused.clone(),
+        );
+    }
+
+    /// Connections open now.
+    pub fn connections(&self) -> i64 {
+        self.connections.get()
+    }
+
+    /// Connections refused so far by the connection limit.
+    pub fn connections_refused(&self) -> u64 {
+        self.connections_refused.get()
+    }
+
+    /// A connection was admitted (its [`ConnectionSlot`] gives it back).
+    pub(crate) fn connection_opened(&self) -> ConnectionSlot {
+        self.connections.inc();
+        ConnectionSlot {
+            connections: self.connections.clone(),
+        }
+    }
+
+    /// The event: a connection closed at once by the limit. Counted every
+    /// time, logged at 1, 2, 4, 8, ... refusals so a peer opening
+    /// connections in a loop cannot flood the log.
+    pub(crate) fn connection_refused(&self, socket: &std::path::Path, peer: &Peer, limit: usize) {
+        let refused = self.connections_refused.inc() + 1;
+        if refused.is_power_of_two() {
+            tracing::warn!(
+                socket = %socket.display(),
+                uid = peer.uid,
+                pid = peer.pid,
+                limit,
+                refused,
+                "the socket holds --max-connections connections: closed a new one from a peer without full access"
+            );
+        }
     }
 
     /// The event: a call refused. Logs it and counts it, by `method` (see
@@ -280,6 +332,19 @@ impl AccessMetrics {
                 reason: refusal.as_str(),
             })
             .inc();
+    }
+}
+
+/// One admitted connection, counted in `rivet_socket_connections` until it
+/// drops (with the connection).
+#[derive(Debug)]
+pub struct ConnectionSlot {
+    connections: Gauge,
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.connections.dec();
     }
 }
 

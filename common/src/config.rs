@@ -49,6 +49,13 @@ pub struct CommonArgs {
     #[arg(long, env = "RIVET_READ_ONLY_GIDS", value_delimiter = ',')]
     pub read_only_gids: Vec<u32>,
 
+    /// Connections the socket holds open at once before it closes new ones
+    /// from peers without full access (`--allowed-uids`), so that readers
+    /// and strangers cannot use up the daemon's file descriptors; peers with
+    /// full access are always admitted.
+    #[arg(long, env = "RIVET_MAX_CONNECTIONS", default_value_t = crate::socket::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+
     /// Group of the socket file (a GID; the daemon's user must be a member);
     /// default: the daemon's primary group.
     #[arg(long, env = "RIVET_SOCKET_GID")]

@@ -80,8 +80,9 @@ pub fn drop_privileges(
 }
 
 /// Binds the daemon's socket `<socket-dir>/<name>.sock` with the common
-/// flags' group and access policy (`--allowed-uids`, `--read-only-gids`;
-/// `read_only` lists the daemon's read-only methods). Call it before
+/// flags' group, access policy (`--allowed-uids`, `--read-only-gids`;
+/// `read_only` lists the daemon's read-only methods) and connection limit
+/// (`--max-connections`). Call it before
 /// touching state: it holds the single-instance lock, so two instances never
 /// share a state dir.
 pub fn bind_socket(
@@ -93,6 +94,7 @@ pub fn bind_socket(
         &common.socket_path(name),
         &SocketOptions {
             group: common.socket_gid,
+            max_connections: common.max_connections,
             access: AccessPolicy {
                 full_uids: common.allowed_uids.clone(),
                 read_only_gids: common.read_only_gids.clone(),

@@ -19,10 +19,22 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::transport::server::Connected;
 
-use crate::access::{AccessMetrics, AccessPolicy, Peer, PeerAccess};
+use crate::access::{AccessMetrics, AccessPolicy, ConnectionSlot, Peer, PeerAccess};
 
 /// Default mode of a daemon socket: owner and group may connect.
 pub const DEFAULT_SOCKET_MODE: u32 = 0o660;
+
+/// Default `--max-connections`: far above what a node's daemons and
+/// operators open (a few per client daemon, one per CNI call in flight, 100
+/// concurrent ADDs in the `cni` bench) and below the common 1024 soft limit
+/// of open files, so peers without full access cannot exhaust it.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
+
+/// How long the accept loop pauses after the kernel refused an accept for
+/// lack of resources (EMFILE, ENFILE, ENOBUFS, ENOMEM): the listener stays
+/// readable, and retrying at once would spin a core until a descriptor is
+/// freed.
+const ACCEPT_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Path of a daemon's socket: `<socket_dir>/<daemon>.sock`.
 ///
@@ -82,6 +94,11 @@ pub struct SocketOptions {
     /// Who may call what, checked per call against the peer's credentials
     /// (SO_PEERCRED, SO_PEERGROUPS). Open by default.
     pub access: AccessPolicy,
+    /// Connections held open at once beyond which a new one from a peer
+    /// without full access is closed at once (counted in
+    /// `rivet_socket_connections_refused_total`); peers with full access are
+    /// always admitted.
+    pub max_connections: usize,
 }
 
 impl Default for SocketOptions {
@@ -90,6 +107,7 @@ impl Default for SocketOptions {
             mode: DEFAULT_SOCKET_MODE,
             group: None,
             access: AccessPolicy::default(),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -110,6 +128,7 @@ pub struct UnixSocketListener {
     guard: SocketGuard,
     access: Arc<AccessPolicy>,
     metrics: AccessMetrics,
+    max_connections: usize,
 }
 
 #[derive(Debug)]
@@ -188,6 +207,7 @@ impl UnixSocketListener {
             guard,
             access: Arc::new(options.access.clone()),
             metrics: AccessMetrics::default(),
+            max_connections: options.max_connections,
         })
     }
 
@@ -201,24 +221,57 @@ impl UnixSocketListener {
         Arc::clone(&self.access)
     }
 
-    /// Counters of refused calls (register them with the daemon's metrics).
+    /// Counters of refused calls and of connections (register them with the
+    /// daemon's metrics).
     pub fn access_metrics(&self) -> &AccessMetrics {
         &self.metrics
     }
 
     /// Accepted connections, each tagged with its peer and what the peer may
     /// do; refusals happen per call ([`crate::access::AccessLayer`]). A peer
-    /// whose credentials cannot be read may do nothing. The socket file is
-    /// removed when the returned stream is dropped.
+    /// whose credentials cannot be read may do nothing. While the socket
+    /// holds `max_connections`, a new connection from a peer without full
+    /// access is closed at once (its calls fail as a transport error) and
+    /// counted. The socket file is removed when the returned stream is
+    /// dropped.
     pub fn incoming(mut self) -> impl Stream<Item = io::Result<PeerStream>> + Send + 'static {
         let listener = self.listener.take().expect("listener is present until incoming()");
         let access = Arc::clone(&self.access);
+        let metrics = self.metrics.clone();
+        let limit = self.max_connections;
         let path = self.guard.path.clone();
         // Keep the guard alive as long as the stream.
         let holder = self;
-        UnixListenerStream::new(listener).map(move |conn| {
+        let accepted = futures::StreamExt::then(UnixListenerStream::new(listener), |conn| async move {
+            if let Err(e) = &conn
+                && matches!(
+                    e.raw_os_error(),
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                )
+            {
+                tracing::warn!(error = %e, "accepting a connection failed for lack of resources; pausing");
+                tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+            }
+            conn
+        });
+        accepted.filter_map(move |conn| {
             let _ = &holder;
-            conn.map(|stream| PeerStream::new(stream, &access, &path))
+            let stream = match conn {
+                Ok(stream) => stream,
+                Err(e) => return Some(Err(e)),
+            };
+            let peer = peer_access(&stream, &access, &path);
+            let open = usize::try_from(metrics.connections()).unwrap_or(0);
+            if open >= limit && peer.access != crate::access::Access::Full {
+                metrics.connection_refused(&path, &peer.peer, limit);
+                // Dropping the stream closes the connection.
+                return None;
+            }
+            Some(Ok(PeerStream {
+                stream,
+                peer,
+                _slot: metrics.connection_opened(),
+            }))
         })
     }
 }
@@ -228,26 +281,27 @@ impl UnixSocketListener {
 pub struct PeerStream {
     stream: UnixStream,
     peer: PeerAccess,
+    _slot: ConnectionSlot,
+}
+
+/// The peer of `stream` and what `policy` lets it do.
+fn peer_access(stream: &UnixStream, policy: &AccessPolicy, path: &Path) -> PeerAccess {
+    match peer_of(stream) {
+        Ok(peer) => PeerAccess {
+            access: policy.access(&peer),
+            peer,
+        },
+        Err(e) => {
+            tracing::warn!(socket = %path.display(), error = %e, "reading the peer's credentials failed; it may call nothing");
+            PeerAccess {
+                peer: Peer::unknown(),
+                access: crate::access::Access::Denied,
+            }
+        }
+    }
 }
 
 impl PeerStream {
-    fn new(stream: UnixStream, policy: &AccessPolicy, path: &Path) -> Self {
-        let peer = match peer_of(&stream) {
-            Ok(peer) => PeerAccess {
-                access: policy.access(&peer),
-                peer,
-            },
-            Err(e) => {
-                tracing::warn!(socket = %path.display(), error = %e, "reading the peer's credentials failed; it may call nothing");
-                PeerAccess {
-                    peer: Peer::unknown(),
-                    access: crate::access::Access::Denied,
-                }
-            }
-        };
-        Self { stream, peer }
-    }
-
     /// The peer and what it may do.
     pub fn peer(&self) -> &PeerAccess {
         &self.peer
@@ -461,6 +515,74 @@ mod tests {
             assert_eq!(peer.peer.pid, Some(std::process::id() as i32), "{name}");
             assert_eq!(peer.peer.groups, my_groups, "SO_PEERGROUPS: {name}");
         }
+    }
+
+    #[tokio::test]
+    async fn beyond_the_connection_limit_peers_without_full_access_are_closed() {
+        use tokio::io::AsyncReadExt as _;
+        let dir = tempfile::tempdir().unwrap();
+        let my_uid = nix::unistd::getuid().as_raw();
+        let start = |name: &str, full_uids: Vec<u32>| {
+            let path = dir.path().join(format!("{name}.sock"));
+            let opts = SocketOptions {
+                access: AccessPolicy {
+                    full_uids,
+                    ..AccessPolicy::default()
+                },
+                max_connections: 2,
+                ..SocketOptions::default()
+            };
+            let listener = UnixSocketListener::bind(&path, &opts).unwrap();
+            let metrics = listener.access_metrics().clone();
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let mut incoming = Box::pin(listener.incoming());
+            let task = tokio::spawn(async move {
+                while let Some(conn) = incoming.next().await {
+                    if tx.send(conn.unwrap()).is_err() {
+                        break;
+                    }
+                }
+            });
+            (path, metrics, rx, task)
+        };
+        let within = std::time::Duration::from_secs(5);
+
+        // This process is not a full-access peer here.
+        let (path, metrics, mut accepted, task) = start("limited", vec![my_uid.wrapping_add(4242)]);
+        let _c1 = UnixStream::connect(&path).await.unwrap();
+        let _c2 = UnixStream::connect(&path).await.unwrap();
+        let a1 = tokio::time::timeout(within, accepted.recv()).await.unwrap().unwrap();
+        let _a2 = tokio::time::timeout(within, accepted.recv()).await.unwrap().unwrap();
+        assert_eq!(metrics.connections(), 2);
+        let mut c3 = UnixStream::connect(&path).await.unwrap();
+        let mut buf = [0u8; 1];
+        let read = tokio::time::timeout(within, c3.read(&mut buf))
+            .await
+            .expect("the third connection is closed at once, not left hanging");
+        assert_eq!(read.unwrap(), 0, "closed without a byte");
+        assert_eq!(metrics.connections_refused(), 1);
+        assert_eq!(metrics.connections(), 2, "the refused one was never counted open");
+        // A connection that ends gives its slot back.
+        drop(a1);
+        assert_eq!(metrics.connections(), 1);
+        let _c4 = UnixStream::connect(&path).await.unwrap();
+        let _a4 = tokio::time::timeout(within, accepted.recv())
+            .await
+            .expect("admitted again below the limit")
+            .unwrap();
+        assert_eq!(metrics.connections(), 2);
+        task.abort();
+
+        // Full-access peers are admitted whatever the count.
+        let (path, metrics, mut accepted, task) = start("full", vec![my_uid]);
+        let mut clients = Vec::new();
+        let mut admitted = Vec::new();
+        for _ in 0..4 {
+            clients.push(UnixStream::connect(&path).await.unwrap());
+            admitted.push(tokio::time::timeout(within, accepted.recv()).await.unwrap().unwrap());
+        }
+        assert_eq!((metrics.connections(), metrics.connections_refused()), (4, 0));
+        task.abort();
     }
 
     #[tokio::test]

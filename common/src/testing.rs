@@ -18,6 +18,7 @@
 
 pub mod etcd;
 pub mod netns;
+pub mod peer;
 mod process;
 pub use process::{DaemonCommand, DaemonProcess};
 
