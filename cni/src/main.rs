@@ -6,7 +6,7 @@
 //! `rivet-cni install ...` (a runtime never passes arguments) installs the
 //! plugin instead ([`rivet_cni::install`]).
 
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -107,8 +107,10 @@ fn main() -> ExitCode {
         return run_install(&args[1..]);
     }
     let started = Instant::now();
-    let mut stdin = Vec::new();
-    let read = std::io::stdin().read_to_end(&mut stdin);
+    let (stdin, read) = match netconf::read_stdin(std::io::stdin().lock()) {
+        Ok(bytes) => (bytes, Ok(())),
+        Err(e) => (Vec::new(), Err(e)),
+    };
     let env = env::parse(|key| std::env::var_os(key).map(|v| v.to_string_lossy().into_owned()));
     let version = netconf::sniff_version(&stdin).unwrap_or(CniVersion::LATEST);
     let is_version = env.as_ref().is_ok_and(|e| e.command == Command::Version);
@@ -129,7 +131,7 @@ fn main() -> ExitCode {
     }));
 
     let outcome: Outcome = match (read, env) {
-        (Err(e), _) => Err(CniError::new(codes::IO_FAILURE, format!("reading stdin: {e}"))),
+        (Err(e), _) => Err(e),
         (Ok(_), Err(e)) => Err(e),
         (Ok(_), Ok(env)) if env.command == Command::Version => version::version_output(&stdin).map(Some),
         (Ok(_), Ok(env)) => match NetConf::parse(&stdin) {

@@ -223,6 +223,36 @@ pub fn sniff_otlp_endpoint(stdin: &[u8]) -> Option<String> {
     parse_tracing(map.get("tracing")).ok().flatten()
 }
 
+/// The largest network configuration rivet-cni reads from stdin (1 MiB: a
+/// netconf with a `prevResult` of every chained plugin is a few KiB). A
+/// runtime sending more is refused before anything is parsed, so a huge or
+/// endless stdin neither fills memory nor holds the plugin.
+pub const STDIN_MAX: usize = 1 << 20;
+
+/// Reads the invocation's stdin: at most [`STDIN_MAX`] bytes, or DECODE
+/// (6) when there is more; IO_FAILURE (5) when reading fails.
+///
+/// ```
+/// use rivet_cni::netconf::{read_stdin, STDIN_MAX};
+/// assert_eq!(read_stdin(&b"{}"[..]).unwrap(), b"{}");
+/// let huge = vec![b' '; STDIN_MAX + 1];
+/// assert_eq!(read_stdin(&huge[..]).unwrap_err().code, 6);
+/// ```
+pub fn read_stdin(input: impl std::io::Read) -> Result<Vec<u8>, CniError> {
+    use std::io::Read as _;
+    let mut bytes = Vec::new();
+    input
+        .take(STDIN_MAX as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| CniError::new(codes::IO_FAILURE, format!("reading stdin: {e}")))?;
+    if bytes.len() > STDIN_MAX {
+        return Err(CniError::decode(format!(
+            "the network configuration on stdin is larger than {STDIN_MAX} bytes; refusing to read it"
+        )));
+    }
+    Ok(bytes)
+}
+
 /// The `cniVersion` of a netconf, if it names a supported one (for the error
 /// result of an invocation whose netconf is otherwise invalid).
 pub fn sniff_version(stdin: &[u8]) -> Option<CniVersion> {

@@ -245,7 +245,12 @@ pub async fn exec_in_netns(
         .spawn()
         .map_err(|e| std::io::Error::new(e.kind(), format!("running {program} under nsenter: {e}")))?;
     if let Some(mut input) = child.stdin.take() {
-        input.write_all(stdin).await?;
+        // A plugin may stop reading (an oversized netconf) and exit: like
+        // Go's os/exec under libcni, that is not the runtime's error.
+        match input.write_all(stdin).await {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => return Err(e),
+            _ => {}
+        }
     }
     let output = tokio::time::timeout(timeout, child.wait_with_output())
         .await
