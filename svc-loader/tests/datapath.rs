@@ -494,17 +494,74 @@ async fn identity_change_under_traffic_drops_nothing_still_allowed() {
     );
 }
 
-#[tokio::test]
-async fn bad_requests_are_refused_and_change_nothing() {
-    let node = node(&["a"]).await;
-    let mut client = node.client().await;
-    let good = node.endpoint("a", 1, A, unrestricted(1));
-    let before = client
+/// What refused requests must leave as it was: the loader's endpoints and
+/// IP cache, its peer nodes, and the tc filters of every interface a request
+/// named.
+async fn datapath_snapshot(node: &LoaderNode, client: &mut Client, interfaces: &[&str]) -> String {
+    let endpoints = client
         .list_endpoints(pb::ListEndpointsRequest {})
         .await
         .unwrap()
+        .into_inner();
+    let ipcache = client
+        .list_ipcache(pb::ListIpcacheRequest::default())
+        .await
+        .unwrap()
         .into_inner()
-        .endpoints;
+        .entries;
+    let nodes = node
+        .routing_client()
+        .await
+        .list_nodes(pb::ListNodesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let mut filters = Vec::new();
+    for name in interfaces {
+        let ifindex = node.node.ns.ifindex(name).unwrap();
+        let found = node
+            .node
+            .ns
+            .in_ns(move || {
+                [svc_loader::tc::Direction::Ingress, svc_loader::tc::Direction::Egress]
+                    .map(|d| svc_loader::tc::bpf_filters(ifindex, d).expect("listing tc filters"))
+            })
+            .unwrap();
+        filters.push(format!("{name}: {found:?}"));
+    }
+    format!(
+        "endpoints {:?} {:?} {:?}\nipcache {ipcache:?}\nnodes {:?}\nfilters {filters:?}",
+        endpoints.endpoints, endpoints.orphan_attachments, endpoints.orphan_policy_endpoint_ids, nodes.nodes
+    )
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_and_change_nothing() {
+    let node = node(&["a", "b"]).await;
+    let mut client = node.client().await;
+    let good = node.endpoint("a", 1, A, unrestricted(1));
+    apply(&mut client, node.endpoint("b", 2, B, unrestricted(1))).await;
+    // Interfaces a request may name that are not a pod's veth: a veth
+    // without the endpoint prefix, a bridge with it, loopback.
+    node.node
+        .ns
+        .ip(&["link", "add", "other0", "type", "veth", "peer", "name", "other1"])
+        .unwrap();
+    node.node
+        .ns
+        .ip(&[
+            "link",
+            "add",
+            &format!("{}br0", rivet_testkit::loader::HOST_PREFIX),
+            "type",
+            "bridge",
+        ])
+        .unwrap();
+    let bridge = format!("{}br0", rivet_testkit::loader::HOST_PREFIX);
+    let a_veth = node.pod("a").host_ifname.clone();
+    let b_veth = node.pod("b").host_ifname.clone();
+    let interfaces = ["lo", "other0", bridge.as_str(), a_veth.as_str(), b_veth.as_str()];
+    let before = datapath_snapshot(&node, &mut client, &interfaces).await;
 
     // What a client acts on is the reason (svc-endpoint drops an endpoint
     // whose interface is gone), decoded into the typed client error.
@@ -515,40 +572,115 @@ async fn bad_requests_are_refused_and_change_nothing() {
     assert_eq!(err.code(), Code::NotFound, "unknown interface");
     assert_eq!(err.reason(), Some(pb::ErrorReason::InterfaceNotFound), "{err:?}");
 
-    let mut not_veth = good.clone();
-    not_veth.host_ifindex = node.node.ns.ifindex("lo").unwrap();
-    let err = LoaderError::from(client.apply_endpoint(not_veth).await.unwrap_err());
-    assert_eq!(
-        err.code(),
-        Code::PermissionDenied,
-        "a non-veth is refused: {}",
-        err.message()
-    );
-    assert_eq!(err.reason(), Some(pb::ErrorReason::InterfaceNotEndpoint), "{err:?}");
+    for (name, refused) in [
+        ("loopback", "lo"),
+        ("a bridge with the endpoint prefix", bridge.as_str()),
+    ] {
+        let mut not_veth = good.clone();
+        not_veth.host_ifindex = node.node.ns.ifindex(refused).unwrap();
+        let err = LoaderError::from(client.apply_endpoint(not_veth).await.unwrap_err());
+        assert_eq!(
+            err.code(),
+            Code::PermissionDenied,
+            "{name}: a non-veth is refused: {}",
+            err.message()
+        );
+        assert_eq!(
+            err.reason(),
+            Some(pb::ErrorReason::InterfaceNotEndpoint),
+            "{name}: {err:?}"
+        );
+    }
 
     // A veth without the endpoint prefix.
-    node.node
-        .ns
-        .ip(&["link", "add", "other0", "type", "veth", "peer", "name", "other1"])
-        .unwrap();
     let mut wrong_prefix = good.clone();
     wrong_prefix.host_ifindex = node.node.ns.ifindex("other0").unwrap();
     let err = client.apply_endpoint(wrong_prefix).await.unwrap_err();
     assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
     assert!(err.message().contains("prefix"), "{}", err.message());
 
-    let mut bad_mac = good.clone();
-    bad_mac.mac = vec![1, 2, 3];
-    assert_eq!(
-        client.apply_endpoint(bad_mac).await.unwrap_err().code(),
-        Code::InvalidArgument
-    );
-    let mut bad_addr = good.clone();
-    bad_addr.addresses = vec![vec![198, 18, 0]];
-    assert_eq!(
-        client.apply_endpoint(bad_addr).await.unwrap_err().code(),
-        Code::InvalidArgument
-    );
+    // Another endpoint's veth, and its addresses.
+    let mut held = good.clone();
+    held.host_ifindex = node.pod("b").host_ifindex;
+    let err = LoaderError::from(client.apply_endpoint(held).await.unwrap_err());
+    assert_eq!(err.reason(), Some(pb::ErrorReason::InterfaceHeld), "{err:?}");
+    let mut stolen = good.clone();
+    stolen.addresses = node.endpoint("b", 2, B, unrestricted(1)).addresses;
+    let err = LoaderError::from(client.apply_endpoint(stolen).await.unwrap_err());
+    assert_eq!(err.reason(), Some(pb::ErrorReason::AddressHeld), "{err:?}");
+
+    // Fields out of range.
+    type Edit = Box<dyn Fn(&mut pb::ApplyEndpointRequest)>;
+    let out_of_range: [(&str, Edit); 9] = [
+        ("endpoint_id", Box::new(|r| r.endpoint_id = 0)),
+        ("endpoint_id", Box::new(|r| r.endpoint_id = 65_536)),
+        ("endpoint_id", Box::new(|r| r.endpoint_id = u32::MAX)),
+        ("identity", Box::new(|r| r.identity = 0)),
+        ("mac", Box::new(|r| r.mac = vec![1, 2, 3])),
+        ("addresses", Box::new(|r| r.addresses = vec![vec![198, 18, 0]])),
+        ("addresses", Box::new(|r| r.addresses = Vec::new())),
+        (
+            "policy.entries",
+            Box::new(|r| {
+                r.policy = Some(policy(
+                    2,
+                    true,
+                    false,
+                    vec![entry(Ingress, B, Protocol::Tcp, 70_000, 0, Allow)],
+                ))
+            }),
+        ),
+        (
+            "policy.entries",
+            Box::new(|r| {
+                r.policy = Some(policy(
+                    2,
+                    true,
+                    false,
+                    vec![entry(Ingress, B, Protocol::Tcp, 8080, 80, Allow)],
+                ))
+            }),
+        ),
+    ];
+    for (field, edit) in out_of_range {
+        let mut bad = good.clone();
+        edit(&mut bad);
+        let err = client.apply_endpoint(bad).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {}", err.message());
+        assert!(
+            err.message().contains(field),
+            "the refusal names {field}: {}",
+            err.message()
+        );
+    }
+    for endpoint_id in [0, 65_536] {
+        let err = client
+            .remove_endpoint(pb::RemoveEndpointRequest {
+                endpoint_id,
+                host_ifindex: 0,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Code::InvalidArgument,
+            "RemoveEndpoint {endpoint_id}: {err:?}"
+        );
+    }
+    // Removing by an interface that is no endpoint's touches nothing.
+    for name in ["lo", "other0", bridge.as_str()] {
+        let host_ifindex = node.node.ns.ifindex(name).unwrap();
+        match client
+            .remove_endpoint(pb::RemoveEndpointRequest {
+                endpoint_id: 0,
+                host_ifindex,
+            })
+            .await
+        {
+            Ok(r) => assert!(!r.into_inner().removed, "{name}: nothing to remove"),
+            Err(e) => assert_eq!(e.code(), Code::PermissionDenied, "{name}: {e:?}"),
+        }
+    }
     let big = pb::UpsertIpcacheRequest {
         entries: vec![
             pb::IpcacheEntry {
@@ -567,14 +699,45 @@ async fn bad_requests_are_refused_and_change_nothing() {
         Code::InvalidArgument,
         "batch size limit"
     );
-
-    let after = client
-        .list_endpoints(pb::ListEndpointsRequest {})
+    let bad_prefix = pb::UpsertIpcacheRequest {
+        entries: vec![pb::IpcacheEntry {
+            prefix: Some(rivet_proto::net::IpPrefix {
+                address: vec![198, 18, 1, 1],
+                prefix_length: 33,
+            }),
+            identity: 7,
+            tunnel_endpoint: vec![],
+        }],
+    };
+    assert_eq!(
+        client.upsert_ipcache(bad_prefix).await.unwrap_err().code(),
+        Code::InvalidArgument,
+        "a /33"
+    );
+    // Path-like node names (this loader routes nothing: refused either way).
+    let err = node
+        .routing_client()
         .await
-        .unwrap()
-        .into_inner()
-        .endpoints;
-    assert_eq!(before, after, "refused requests change nothing");
+        .replace_nodes(pb::ReplaceNodesRequest {
+            nodes: vec![pb::PeerNode {
+                name: "../../../sys/fs/bpf/x".into(),
+                underlay_ipv4: vec![198, 19, 9, 1],
+                underlay_ipv6: vec![],
+                pod_cidrs: vec![],
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err.code(), Code::InvalidArgument | Code::FailedPrecondition),
+        "{err:?}"
+    );
+
+    assert_eq!(
+        datapath_snapshot(&node, &mut client, &interfaces).await,
+        before,
+        "refused requests change nothing"
+    );
     client.apply_endpoint(good).await.expect("a good request still works");
 }
 
