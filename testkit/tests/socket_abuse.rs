@@ -8,7 +8,9 @@
 //!   PERMISSION_DENIED naming its uid and the method, and the daemon's state
 //!   is what it was;
 //! - a request beyond the message size limit (4 MiB) is refused with
-//!   OUT_OF_RANGE or RESOURCE_EXHAUSTED and the daemon keeps serving;
+//!   OUT_OF_RANGE or RESOURCE_EXHAUSTED, one with 64 KiB of metadata (the
+//!   HTTP/2 header list limit is 16 KiB) is refused too, and the daemon
+//!   keeps serving;
 //! - 500 connected, silent sockets do not delay a normal client's call;
 //! - beyond `--max-connections`, new connections of peers without full
 //!   access are closed at once and counted, and root is still served.
@@ -454,6 +456,16 @@ async fn every_daemon_refuses_strangers_oversized_requests_and_survives_idle_con
             "{name}: {huge:?}"
         );
         get_info_in_time(&socket, &format!("{name} after a 5 MiB request")).await;
+        // Headers beyond HTTP/2's list limit (16 KiB): refused, serving on.
+        let mut request = tonic::Request::new(dpb::GetInfoRequest {});
+        request
+            .metadata_mut()
+            .insert("x-pad", "x".repeat(64 << 10).parse().unwrap());
+        let padded = dpb::daemon_client::DaemonClient::new(root_channel(&socket).await)
+            .get_info(request)
+            .await;
+        assert!(padded.is_err(), "{name}: 64 KiB of metadata must be refused");
+        get_info_in_time(&socket, &format!("{name} after 64 KiB of metadata")).await;
 
         // Silent connections (of a stranger: they count against the limit)
         // do not delay a normal client.
