@@ -13,7 +13,9 @@
 //!   keeps serving;
 //! - 500 connected, silent sockets do not delay a normal client's call;
 //! - beyond `--max-connections`, new connections of peers without full
-//!   access are closed at once and counted, and root is still served.
+//!   access are closed at once and counted, and root is still served;
+//! - a daemon out of file descriptors pauses its accept loop instead of
+//!   spinning, and serves again once descriptors come free.
 //!
 //! Other uids connect through `rivet_common::testing::peer` (a thread with
 //! its own credentials), so no helper process is needed.
@@ -525,4 +527,66 @@ fn first_bytes(stream: &std::os::unix::net::UnixStream) -> usize {
     (&*stream)
         .read(&mut buf)
         .expect("the server answers a new connection with SETTINGS or closes it within 5 s")
+}
+
+/// CPU time (user + system) of process `pid` so far.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces): utime is the
+    // 14th field of the line, stime the 15th.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf reads a constant of the system.
+    let per_second = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap();
+    Duration::from_millis(ticks * 1000 / per_second)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_daemon_out_of_descriptors_neither_spins_nor_stops_serving() {
+    // svc-ipam with room for 64 descriptors; root's connections are always
+    // admitted, so 200 of them run it out and the rest wait in the backlog.
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("svc-ipam.sock");
+    let mut ipam = DaemonCommand::new("prlimit", &socket)
+        .args(["--nofile=64:64", "--"])
+        .arg(workspace_binary("svc-ipam"))
+        .args(["--socket-dir".as_ref(), dir.path().as_os_str()])
+        .args(["--state-dir".as_ref(), dir.path().join("state").as_os_str()])
+        .args(["--pool", "default=198.18.0.0/24"])
+        .spawn()
+        .await
+        .expect("svc-ipam starts");
+    let pid = ipam.pid().expect("svc-ipam runs");
+    let held: Vec<_> = (0..200)
+        .map(|i| std::os::unix::net::UnixStream::connect(&socket).unwrap_or_else(|e| panic!("connection {i}: {e}")))
+        .collect();
+    // Until every descriptor is taken the daemon accepts; then accept fails
+    // with EMFILE (which it logs), and the listener stays readable.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ipam.log().contains("for lack of resources") {
+        assert!(Instant::now() < deadline, "svc-ipam never ran out: {}", ipam.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // CPU over a measurement window at EMFILE.
+    let window = Duration::from_secs(1);
+    let before = cpu_time(pid);
+    tokio::time::sleep(window).await;
+    let spent = cpu_time(pid) - before;
+    eprintln!("svc-ipam out of descriptors: {spent:?} of CPU in {window:?}");
+    assert!(
+        spent < window / 10,
+        "svc-ipam out of descriptors spent {spent:?} of CPU in {window:?}: its accept loop spins"
+    );
+    // Descriptors come free: the daemon serves again.
+    drop(held);
+    let info = tokio::time::timeout(
+        Duration::from_secs(10),
+        dpb::daemon_client::DaemonClient::new(root_channel(&socket).await).get_info(dpb::GetInfoRequest {}),
+    )
+    .await
+    .expect("svc-ipam answers once descriptors are free")
+    .expect("GetInfo");
+    assert_eq!(info.into_inner().name, "svc-ipam");
+    ipam.kill9();
 }
