@@ -519,15 +519,28 @@ impl Cluster {
 
     /// `rivet --node <node> pod add <name> -n <namespace> -l <label>...`
     /// through the node's real rivet-cni; `labels` are `key=value`.
+    /// Panics when the add fails ([`try_add_pod`](Self::try_add_pod) does not).
     pub async fn add_pod(&mut self, node: usize, namespace: &str, name: &str, labels: &[&str]) -> ClusterPod {
+        self.try_add_pod(node, namespace, name, labels)
+            .await
+            .unwrap_or_else(|e| panic!("adding pod {namespace}/{name}: {e}"))
+    }
+
+    /// [`add_pod`](Self::add_pod), with a failed `rivet pod add` (a CNI
+    /// error, e.g. while the kvstore is away) as `Err(its output)`.
+    pub async fn try_add_pod(
+        &mut self,
+        node: usize,
+        namespace: &str,
+        name: &str,
+        labels: &[&str],
+    ) -> Result<ClusterPod, String> {
         let mut args = vec!["pod", "add", name, "-n", namespace, "-o", "json"];
         for label in labels {
             args.extend(["--label", label]);
         }
         let cmd = self.node(node).rivet(&args);
-        let stdout = checked(cmd)
-            .await
-            .unwrap_or_else(|e| panic!("adding pod {namespace}/{name}: {e}"));
+        let stdout = checked(cmd).await.map_err(|e| e.to_string())?;
         let record: PodRecord = serde_json::from_str(&stdout)
             .unwrap_or_else(|e| panic!("`rivet pod add -o json` prints the pod record ({e}): {stdout}"));
         let addresses: Vec<IpAddr> = record
@@ -556,14 +569,14 @@ impl Cluster {
             name: name.into(),
             addrs: [IpAddr::V4(ipv4), IpAddr::V6(ipv6)],
         });
-        ClusterPod {
+        Ok(ClusterPod {
             node,
             namespace: namespace.into(),
             name: name.into(),
             netns,
             ipv4,
             ipv6,
-        }
+        })
     }
 
     /// A client host outside the cluster on its underlay bridge (a
