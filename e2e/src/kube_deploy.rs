@@ -22,7 +22,7 @@
 //! Used by `tests/kube_deploy.rs`, `tests/kube_etcd.rs` and
 //! `tests/kube_jaeger.rs`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead as _, BufReader, Write as _};
 use std::net::IpAddr;
 use std::path::{Component, Path, PathBuf};
@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
+use rivet_k8s::RivetNode;
 use rivet_oci::{Compression, OciArchive, reference, rivet};
 
 use crate::kube_cluster::{KubeCluster, KubeClusterError, Worker, io_err};
@@ -598,6 +599,43 @@ impl Scenario {
             .await
             .unwrap_or_else(|e| panic!("step {}: listing pods {selector}: {e}", self.step))
             .items
+    }
+
+    /// Waits until the `rivet-node` DaemonSet rolled out on both nodes
+    /// ([`daemonset_rolled_out`]).
+    pub async fn wait_rivet_node_rolled_out(&self) {
+        let daemonsets: Api<DaemonSet> = Api::namespaced(self.cluster.admin_client(), "kube-system");
+        self.wait("the rivet-node DaemonSet Ready on both nodes", || {
+            let daemonsets = daemonsets.clone();
+            async move {
+                let ds = daemonsets.get("rivet-node").await.map_err(|e| e.to_string())?;
+                daemonset_rolled_out(&ds)
+            }
+        })
+        .await;
+    }
+
+    /// Waits until every worker's RivetNode holds a pod CIDR (the
+    /// operator's cluster-pool allocation, as Cilium's is the CiliumNode's
+    /// `spec.podCIDRs`); the first of each, by node name.
+    pub async fn wait_pod_cidrs(&self) -> BTreeMap<String, ipnet::IpNet> {
+        let rivet_nodes: Api<RivetNode> = Api::all(self.cluster.admin_client());
+        let names: Vec<String> = self.cluster.workers().iter().map(|w| w.name.clone()).collect();
+        self.wait("a pod CIDR in every node's RivetNode", || {
+            let (rivet_nodes, names) = (rivet_nodes.clone(), names.clone());
+            async move {
+                let mut cidrs = BTreeMap::new();
+                for name in &names {
+                    let node = rivet_nodes.get_opt(name).await.map_err(|e| e.to_string())?;
+                    let cidr = node
+                        .and_then(|n| n.spec.pod_cidrs.first().cloned())
+                        .ok_or(format!("{name}: no pod CIDR"))?;
+                    cidrs.insert(name.clone(), cidr.parse().map_err(|e| format!("{name}: {cidr}: {e}"))?);
+                }
+                Ok(cidrs)
+            }
+        })
+        .await
     }
 
     /// The `rivet-node` pod on `node`.

@@ -51,7 +51,7 @@ use rivet_e2e::kube_deploy::{
     kill_container, name, pod_ready, ready_pods, rivet_image, write_image_tag_overlay, write_rivet_archives, yaml,
 };
 use rivet_e2e::node_clean::rivet_leftovers;
-use rivet_k8s::{RivetEndpoint, RivetNode};
+use rivet_k8s::RivetEndpoint;
 
 /// The web Deployment's size.
 const REPLICAS: usize = 10;
@@ -169,16 +169,7 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
         step: "1 (kubectl apply -k deploy/)",
     };
     scenario.kubectl(&["apply", "-k", &deploy.display().to_string()]);
-    let daemonsets: Api<DaemonSet> = Api::namespaced(scenario.cluster.admin_client(), "kube-system");
-    scenario
-        .wait("the rivet-node DaemonSet Ready on both nodes", || {
-            let daemonsets = daemonsets.clone();
-            async move {
-                let ds = daemonsets.get("rivet-node").await.map_err(|e| e.to_string())?;
-                daemonset_rolled_out(&ds)
-            }
-        })
-        .await;
+    scenario.wait_rivet_node_rolled_out().await;
     let leases: Api<Lease> = Api::namespaced(scenario.cluster.admin_client(), "kube-system");
     let holder = scenario
         .wait("the operator's Lease kube-system/rivet-operator held", || {
@@ -194,26 +185,8 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
         })
         .await;
     let nodes: Api<Node> = Api::all(scenario.cluster.admin_client());
-    let rivet_nodes: Api<RivetNode> = Api::all(scenario.cluster.admin_client());
     let names: Vec<String> = scenario.cluster.workers().iter().map(|w| w.name.clone()).collect();
-    // The operator's cluster-pool allocation is the RivetNode's
-    // spec.podCidrs (as Cilium's is the CiliumNode's).
-    let pod_cidrs: BTreeMap<String, ipnet::IpNet> = scenario
-        .wait("a pod CIDR in every node's RivetNode", || {
-            let (rivet_nodes, names) = (rivet_nodes.clone(), names.clone());
-            async move {
-                let mut cidrs = BTreeMap::new();
-                for name in &names {
-                    let node = rivet_nodes.get_opt(name).await.map_err(|e| e.to_string())?;
-                    let cidr = node
-                        .and_then(|n| n.spec.pod_cidrs.first().cloned())
-                        .ok_or(format!("{name}: no pod CIDR"))?;
-                    cidrs.insert(name.clone(), cidr.parse().map_err(|e| format!("{name}: {cidr}: {e}"))?);
-                }
-                Ok(cidrs)
-            }
-        })
-        .await;
+    let pod_cidrs = scenario.wait_pod_cidrs().await;
     scenario
         .cluster
         .wait_nodes_ready(STEP_TIMEOUT)
@@ -513,6 +486,7 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
     write_image_tag_overlay(overlay.path(), &second_tag).unwrap();
     let rollout = std::time::Instant::now();
     scenario.kubectl(&["apply", "-k", &overlay.path().display().to_string()]);
+    let daemonsets: Api<DaemonSet> = Api::namespaced(scenario.cluster.admin_client(), "kube-system");
     scenario
         .wait(&format!("rivet-node rolled out to {second}"), || {
             let daemonsets = daemonsets.clone();

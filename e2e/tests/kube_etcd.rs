@@ -24,15 +24,12 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use k8s_openapi::api::apps::v1::DaemonSet;
 use kube::api::{Api, ListParams};
 use rivet_common::testing::workspace_binary;
 use rivet_e2e::cross_node;
 use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, WorkerCni};
-use rivet_e2e::kube_deploy::{
-    DEPLOY_TAG, Scenario, busybox_pod, daemonset_rolled_out, deploy_dir, ready_pods, write_rivet_archives, yaml,
-};
-use rivet_k8s::{RivetEndpoint, RivetNode};
+use rivet_e2e::kube_deploy::{DEPLOY_TAG, Scenario, busybox_pod, deploy_dir, ready_pods, write_rivet_archives, yaml};
+use rivet_k8s::RivetEndpoint;
 
 /// The server pod's echo port.
 const ECHO_PORT: u16 = 9000;
@@ -74,34 +71,9 @@ async fn the_etcd_overlay_routes_and_enforces_policy_across_two_nodes() {
         step: "1 (kubectl apply -k deploy/overlays/etcd)",
     };
     scenario.kubectl(&["apply", "-k", &overlay.display().to_string()]);
-    let daemonsets: Api<DaemonSet> = Api::namespaced(scenario.cluster.admin_client(), "kube-system");
-    scenario
-        .wait("the rivet-node DaemonSet Ready on both nodes", || {
-            let daemonsets = daemonsets.clone();
-            async move {
-                let ds = daemonsets.get("rivet-node").await.map_err(|e| e.to_string())?;
-                daemonset_rolled_out(&ds)
-            }
-        })
-        .await;
-    let rivet_nodes: Api<RivetNode> = Api::all(scenario.cluster.admin_client());
-    let names: Vec<String> = scenario.cluster.workers().iter().map(|w| w.name.clone()).collect();
-    let pod_cidrs: BTreeMap<String, ipnet::IpNet> = scenario
-        .wait("a pod CIDR in every node's RivetNode", || {
-            let (rivet_nodes, names) = (rivet_nodes.clone(), names.clone());
-            async move {
-                let mut cidrs = BTreeMap::new();
-                for name in &names {
-                    let node = rivet_nodes.get_opt(name).await.map_err(|e| e.to_string())?;
-                    let cidr = node
-                        .and_then(|n| n.spec.pod_cidrs.first().cloned())
-                        .ok_or(format!("{name}: no pod CIDR"))?;
-                    cidrs.insert(name.clone(), cidr.parse().map_err(|e| format!("{name}: {cidr}: {e}"))?);
-                }
-                Ok(cidrs)
-            }
-        })
-        .await;
+    scenario.wait_rivet_node_rolled_out().await;
+    let pod_cidrs = scenario.wait_pod_cidrs().await;
+    let names: Vec<String> = pod_cidrs.keys().cloned().collect();
     println!(
         "rivet-node (etcd overlay) Ready on both nodes {:.1} s after the apply; pod CIDRs {pod_cidrs:?}",
         started.elapsed().as_secs_f64()
