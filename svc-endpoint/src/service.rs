@@ -304,6 +304,32 @@ pub fn parse_ref(r: Option<&pb::EndpointRef>) -> Result<EndpointSelector, Status
     }
 }
 
+/// Validates an UpdateLabels request: the endpoints and their new labels.
+pub fn validate_update_labels(r: &pb::UpdateLabelsRequest) -> Result<(EndpointSelector, Labels), Status> {
+    Ok((parse_ref(r.r#ref.as_ref())?, parse_labels("labels", &r.labels)?))
+}
+
+/// Validates an UpsertPolicy request: its document parses as a policy
+/// (of at most 1 MiB) and its origin is known.
+pub fn validate_upsert_policy(r: &pb::UpsertPolicyRequest) -> Result<(Policy, PolicyOrigin), Status> {
+    if r.document.len() > MAX_DOCUMENT_BYTES {
+        return Err(invalid("document", format!("at most {MAX_DOCUMENT_BYTES} bytes")));
+    }
+    let origin = origin(r.origin)?;
+    let policy = Policy::parse(&r.document).map_err(|e| invalid("document", e))?;
+    Ok((policy, origin))
+}
+
+/// Validates a DeletePolicy request: the key and the origin.
+pub fn validate_delete_policy(r: &pb::DeletePolicyRequest) -> Result<(PolicyKey, PolicyOrigin), Status> {
+    Ok((parse_key(r.key.as_ref())?, origin(r.origin)?))
+}
+
+/// Validates a SetNamespaceLabels request into the namespace's labels.
+pub fn validate_namespace_labels(r: &pb::SetNamespaceLabelsRequest) -> Result<BTreeMap<String, String>, Status> {
+    parse_namespace_labels("", r)
+}
+
 fn origin(raw: i32) -> Result<PolicyOrigin, Status> {
     match pb::PolicyOrigin::try_from(raw) {
         Ok(pb::PolicyOrigin::Unspecified | pb::PolicyOrigin::Api) => Ok(PolicyOrigin::Api),
@@ -423,8 +449,7 @@ impl pb::endpoint_service_server::EndpointService for EndpointApi {
     ) -> Result<Response<pb::UpdateLabelsResponse>, Status> {
         let deadline = deadline(&request);
         let r = request.into_inner();
-        let selector = parse_ref(r.r#ref.as_ref())?;
-        let labels = parse_labels("labels", &r.labels)?;
+        let (selector, labels) = validate_update_labels(&r)?;
         let (views, reidentified) = self
             .manager
             .update_labels(&selector, labels, !r.r#async, deadline)
@@ -575,11 +600,7 @@ impl pb::policy_service_server::PolicyService for EndpointApi {
     ) -> Result<Response<pb::UpsertPolicyResponse>, Status> {
         let deadline = deadline(&request);
         let r = request.into_inner();
-        if r.document.len() > MAX_DOCUMENT_BYTES {
-            return Err(invalid("document", format!("at most {MAX_DOCUMENT_BYTES} bytes")));
-        }
-        let origin = origin(r.origin)?;
-        let policy = Policy::parse(&r.document).map_err(|e| invalid("document", e))?;
+        let (policy, origin) = validate_upsert_policy(&r)?;
         let update = self
             .manager
             .upsert_policy(policy, origin, r.wait, deadline)
@@ -601,8 +622,7 @@ impl pb::policy_service_server::PolicyService for EndpointApi {
     ) -> Result<Response<pb::DeletePolicyResponse>, Status> {
         let deadline = deadline(&request);
         let r = request.into_inner();
-        let key = parse_key(r.key.as_ref())?;
-        let origin = origin(r.origin)?;
+        let (key, origin) = validate_delete_policy(&r)?;
         let update = self
             .manager
             .delete_policy(&key, origin, r.wait, deadline)
@@ -675,7 +695,7 @@ impl pb::namespace_service_server::NamespaceService for EndpointApi {
         request: Request<pb::SetNamespaceLabelsRequest>,
     ) -> Result<Response<pb::SetNamespaceLabelsResponse>, Status> {
         let r = request.into_inner();
-        let labels = parse_namespace_labels("", &r)?;
+        let labels = validate_namespace_labels(&r)?;
         let (changed, affected) = self
             .manager
             .set_namespace_labels(&r.namespace, labels)

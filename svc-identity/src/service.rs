@@ -81,6 +81,35 @@ fn kind_proto(kind: IdentityKind) -> pb::IdentityKind {
     }
 }
 
+/// Validates an AllocateIdentity request: the labels and the optional owner.
+pub fn validate_allocate(r: &pb::AllocateIdentityRequest) -> Result<(Labels, Option<&str>), Status> {
+    Ok((parse_labels(&r.labels)?, owner(&r.owner)?))
+}
+
+/// Validates a ReleaseIdentity request: an id (0: every identity of the
+/// owner, which is then required) and the optional owner.
+pub fn validate_release(r: &pb::ReleaseIdentityRequest) -> Result<(u32, Option<&str>), Status> {
+    match (r.id, owner(&r.owner)?) {
+        (0, None) => Err(Status::invalid_argument("id or owner: one is required")),
+        (id, owner) => Ok((id, owner)),
+    }
+}
+
+/// Validates a LookupIdentity request's labels.
+pub fn validate_lookup(r: &pb::LookupIdentityRequest) -> Result<Labels, Status> {
+    parse_labels(&r.labels)
+}
+
+/// Validates the owner (required) and prefixes of an
+/// AllocateCidrIdentities or ReleaseCidrIdentities request.
+pub fn validate_cidr_request<'a>(
+    owner_text: &'a str,
+    raw: &[rivet_proto::net::IpPrefix],
+) -> Result<(&'a str, Vec<ipnet::IpNet>), Status> {
+    let owner = owner(owner_text)?.ok_or_else(|| Status::invalid_argument("owner: required"))?;
+    Ok((owner, prefixes(raw)?))
+}
+
 fn parse_labels(raw: &[String]) -> Result<Labels, Status> {
     Labels::parse(raw).map_err(|e| Status::invalid_argument(format!("labels: {e}")))
 }
@@ -188,8 +217,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         request: Request<pb::AllocateIdentityRequest>,
     ) -> Result<Response<pb::AllocateIdentityResponse>, Status> {
         let r = request.into_inner();
-        let labels = parse_labels(&r.labels)?;
-        let owner = owner(&r.owner)?;
+        let (labels, owner) = validate_allocate(&r)?;
         let a = self.allocator.allocate(&labels, owner).await.map_err(status)?;
         let identity = self.identity(a.id, &a.labels, a.kind);
         let span = tracing::Span::current();
@@ -209,9 +237,8 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         request: Request<pb::ReleaseIdentityRequest>,
     ) -> Result<Response<pb::ReleaseIdentityResponse>, Status> {
         let r = request.into_inner();
-        let owner = owner(&r.owner)?;
-        let released = match (r.id, owner) {
-            (0, None) => return Err(Status::invalid_argument("id or owner: one is required")),
+        // validate_release refuses (0, None).
+        let released = match validate_release(&r)? {
             (0, Some(owner)) => {
                 let mut out = Vec::new();
                 for id in self.allocator.release_owner(owner).await {
@@ -268,7 +295,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         &self,
         request: Request<pb::LookupIdentityRequest>,
     ) -> Result<Response<pb::LookupIdentityResponse>, Status> {
-        let labels = parse_labels(&request.get_ref().labels)?;
+        let labels = validate_lookup(request.get_ref())?;
         let id = self
             .allocator
             .lookup(&labels)
@@ -360,8 +387,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         request: Request<pb::AllocateCidrIdentitiesRequest>,
     ) -> Result<Response<pb::AllocateCidrIdentitiesResponse>, Status> {
         let r = request.into_inner();
-        let owner = owner(&r.owner)?.ok_or_else(|| Status::invalid_argument("owner: required"))?;
-        let prefixes = prefixes(&r.prefixes)?;
+        let (owner, prefixes) = validate_cidr_request(&r.owner, &r.prefixes)?;
         let got = self.cidrs.allocate(&prefixes, owner).await.map_err(cidr_status)?;
         Ok(Response::new(pb::AllocateCidrIdentitiesResponse {
             identities: got.iter().map(|(p, id)| cidr_proto(p, *id)).collect(),
@@ -374,8 +400,7 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         request: Request<pb::ReleaseCidrIdentitiesRequest>,
     ) -> Result<Response<pb::ReleaseCidrIdentitiesResponse>, Status> {
         let r = request.into_inner();
-        let owner = owner(&r.owner)?.ok_or_else(|| Status::invalid_argument("owner: required"))?;
-        let prefixes = prefixes(&r.prefixes)?;
+        let (owner, prefixes) = validate_cidr_request(&r.owner, &r.prefixes)?;
         let removed = self.cidrs.release(&prefixes, owner).await.map_err(cidr_status)?;
         Ok(Response::new(pb::ReleaseCidrIdentitiesResponse {
             removed: removed.iter().map(|(p, id)| cidr_proto(p, *id)).collect(),

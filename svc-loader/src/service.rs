@@ -16,7 +16,7 @@ use crate::datapath::{AttachState, PROG_FROM_NETDEV, PROG_FROM_OVERLAY, PROG_TO_
 use crate::events::{self, LoaderMetrics};
 use crate::loader::{EndpointDatapath, LoaderError};
 use crate::monitor::EventHub;
-use crate::validate::{self, InvalidField, MAX_IPCACHE_BATCH};
+use crate::validate::{self, InvalidField};
 use rivet_datapath::maps::{self, Ct4Key, Ct6Key, CtEntry, DIR_EGRESS, DIR_INGRESS, Event, IpcacheValue};
 
 /// Implements `rivet.loader.v1.LoaderService`.
@@ -170,46 +170,6 @@ fn endpoint_proto(v: &crate::loader::EndpointView) -> pb::Endpoint {
         to_container: attach_state(v.egress) as i32,
         policy_prefixes: v.policy_prefixes as u32,
     }
-}
-
-fn ipcache_entries(field: &str, entries: &[pb::IpcacheEntry]) -> Result<Vec<(IpAddr, u8, IpcacheValue)>, InvalidField> {
-    if entries.len() > MAX_IPCACHE_BATCH {
-        return Err(InvalidField {
-            field: field.into(),
-            reason: format!(
-                "{} entries exceed the batch limit of {MAX_IPCACHE_BATCH}",
-                entries.len()
-            ),
-        });
-    }
-    entries
-        .iter()
-        .enumerate()
-        .map(|(i, e)| {
-            let f = format!("{field}[{i}]");
-            let (addr, len) = validate::prefix(&format!("{f}.prefix"), e.prefix.as_ref())?;
-            if e.identity == 0 {
-                return Err(InvalidField {
-                    field: format!("{f}.identity"),
-                    reason: "must be non-zero".into(),
-                });
-            }
-            let tunnel = match rivet_proto::net::optional_address_from_bytes(&e.tunnel_endpoint) {
-                Ok(None) => None,
-                Ok(Some(IpAddr::V4(a))) => Some(a),
-                _ => {
-                    return Err(InvalidField {
-                        field: format!("{f}.tunnel_endpoint"),
-                        reason: format!(
-                            "must be empty or 4 bytes (IPv4 underlay), got {}",
-                            e.tunnel_endpoint.len()
-                        ),
-                    });
-                }
-            };
-            Ok((addr, len, IpcacheValue::new(e.identity, tunnel)))
-        })
-        .collect()
 }
 
 fn ipcache_proto(addr: IpAddr, len: u8, v: &IpcacheValue) -> pb::IpcacheEntry {
@@ -523,7 +483,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         &self,
         request: Request<pb::UpsertIpcacheRequest>,
     ) -> Result<Response<pb::UpsertIpcacheResponse>, Status> {
-        let entries = ipcache_entries("entries", &request.get_ref().entries).map_err(invalid)?;
+        let entries = validate::ipcache_entries("entries", &request.get_ref().entries).map_err(invalid)?;
         let (upserted, unchanged) = self.blocking(move |dp| dp.upsert_ipcache(&entries)).await?;
         Ok(Response::new(pb::UpsertIpcacheResponse {
             upserted,
@@ -536,20 +496,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         &self,
         request: Request<pb::DeleteIpcacheRequest>,
     ) -> Result<Response<pb::DeleteIpcacheResponse>, Status> {
-        let r = request.get_ref();
-        if r.prefixes.len() > MAX_IPCACHE_BATCH {
-            return Err(Status::invalid_argument(format!(
-                "prefixes: {} entries exceed the batch limit of {MAX_IPCACHE_BATCH}",
-                r.prefixes.len()
-            )));
-        }
-        let prefixes = r
-            .prefixes
-            .iter()
-            .enumerate()
-            .map(|(i, p)| validate::prefix(&format!("prefixes[{i}]"), Some(p)))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(invalid)?;
+        let prefixes = validate::ipcache_prefixes("prefixes", &request.get_ref().prefixes).map_err(invalid)?;
         let deleted = self.blocking(move |dp| dp.delete_ipcache(&prefixes)).await?;
         Ok(Response::new(pb::DeleteIpcacheResponse {
             deleted,
@@ -565,7 +512,7 @@ impl pb::loader_service_server::LoaderService for LoaderService {
         let mut wanted = std::collections::BTreeSet::new();
         let (mut upserted, mut unchanged) = (0, 0);
         while let Some(chunk) = stream.message().await? {
-            let entries = ipcache_entries("entries", &chunk.entries).map_err(invalid)?;
+            let entries = validate::ipcache_entries("entries", &chunk.entries).map_err(invalid)?;
             wanted.extend(entries.iter().map(|(a, l, _)| (*a, *l)));
             let (u, n) = self.blocking(move |dp| dp.upsert_ipcache(&entries)).await?;
             upserted += u;

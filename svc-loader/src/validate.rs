@@ -10,7 +10,7 @@ use rivet_proto::net::IpPrefix;
 
 use crate::policy_lpm::PolicyRule;
 use crate::routing::{MAX_PEERS, MAX_POD_CIDRS, PeerNode, RoutingMode};
-use rivet_datapath::maps::{DIR_EGRESS, DIR_INGRESS, VERDICT_ALLOW, VERDICT_DENY};
+use rivet_datapath::maps::{DIR_EGRESS, DIR_INGRESS, IpcacheValue, VERDICT_ALLOW, VERDICT_DENY};
 
 /// Most policy entries one endpoint may have (Cilium's per-endpoint map size).
 pub const MAX_POLICY_ENTRIES: usize = 16384;
@@ -159,6 +159,68 @@ pub fn prefix(field: &str, p: Option<&IpPrefix>) -> Result<(IpAddr, u8), Invalid
         invalid(format!("{field}.{part}"), e.to_string())
     })?;
     Ok((net.addr(), net.prefix_len()))
+}
+
+/// Checks the entries of an UpsertIpcache request or of one ReplaceIpcache
+/// chunk: at most [`MAX_IPCACHE_BATCH`], each a canonical prefix with a
+/// non-zero identity and an empty or IPv4 tunnel endpoint.
+pub fn ipcache_entries(
+    field: &str,
+    entries: &[pb::IpcacheEntry],
+) -> Result<Vec<(IpAddr, u8, IpcacheValue)>, InvalidField> {
+    if entries.len() > MAX_IPCACHE_BATCH {
+        return Err(invalid(
+            field,
+            format!(
+                "{} entries exceed the batch limit of {MAX_IPCACHE_BATCH}",
+                entries.len()
+            ),
+        ));
+    }
+    entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let f = format!("{field}[{i}]");
+            let (addr, len) = prefix(&format!("{f}.prefix"), e.prefix.as_ref())?;
+            if e.identity == 0 {
+                return Err(invalid(format!("{f}.identity"), "must be non-zero"));
+            }
+            let tunnel = match rivet_proto::net::optional_address_from_bytes(&e.tunnel_endpoint) {
+                Ok(None) => None,
+                Ok(Some(IpAddr::V4(a))) => Some(a),
+                _ => {
+                    return Err(invalid(
+                        format!("{f}.tunnel_endpoint"),
+                        format!(
+                            "must be empty or 4 bytes (IPv4 underlay), got {}",
+                            e.tunnel_endpoint.len()
+                        ),
+                    ));
+                }
+            };
+            Ok((addr, len, IpcacheValue::new(e.identity, tunnel)))
+        })
+        .collect()
+}
+
+/// Checks the prefixes of a DeleteIpcache request: at most
+/// [`MAX_IPCACHE_BATCH`], each canonical.
+pub fn ipcache_prefixes(field: &str, prefixes: &[IpPrefix]) -> Result<Vec<(IpAddr, u8)>, InvalidField> {
+    if prefixes.len() > MAX_IPCACHE_BATCH {
+        return Err(invalid(
+            field,
+            format!(
+                "{} entries exceed the batch limit of {MAX_IPCACHE_BATCH}",
+                prefixes.len()
+            ),
+        ));
+    }
+    prefixes
+        .iter()
+        .enumerate()
+        .map(|(i, p)| prefix(&format!("{field}[{i}]"), Some(p)))
+        .collect()
 }
 
 fn direction(field: String, raw: i32, p: &pb::EndpointPolicy) -> Result<u8, InvalidField> {

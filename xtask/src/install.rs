@@ -91,7 +91,47 @@ pub fn run() -> Result<()> {
     install_pypi_grpcio()?;
     mount_bpffs()?;
     create_users()?;
+    cargo_fuzz()?;
     go_tools::install()
+}
+
+/// The cargo-fuzz release `cargo xtask fuzz` drives.
+pub const CARGO_FUZZ_VERSION: &str = "0.13.2";
+
+/// Installs cargo-fuzz [`CARGO_FUZZ_VERSION`] from crates.io (`cargo install
+/// --locked`, about 2 min of CPU) unless `cargo fuzz --version` reports it,
+/// and checks that the nightly toolchain it builds with is there (the fuzz
+/// targets need `-Zsanitizer`).
+pub fn cargo_fuzz() -> Result<()> {
+    let nightly = Command::new("rustup")
+        .args(["run", "nightly", "rustc", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !nightly {
+        bail!(
+            "the nightly toolchain is missing: cargo fuzz builds with it (`rustup toolchain install nightly \
+             --profile minimal`)"
+        );
+    }
+    let version = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .env_remove("CARGO")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if version.as_deref() == Some(&format!("cargo-fuzz {CARGO_FUZZ_VERSION}")) {
+        println!("cargo-fuzz: {CARGO_FUZZ_VERSION} present");
+        return Ok(());
+    }
+    println!("cargo-fuzz: installing {CARGO_FUZZ_VERSION} from crates.io");
+    cmd::run_keeping_stderr(Command::new("cargo").env_remove("CARGO").args([
+        "install",
+        "--locked",
+        "cargo-fuzz",
+        "--version",
+        CARGO_FUZZ_VERSION,
+    ]))
 }
 
 /// Creates [`GRPCIO_VENV`] with grpcio [`GRPCIO_VERSION`] and

@@ -12,6 +12,7 @@ mod cmd;
 mod demo;
 mod demo_cluster;
 mod deps;
+mod fuzz;
 mod image;
 mod install;
 mod test;
@@ -70,6 +71,11 @@ enum Command {
     Image(image::Args),
     /// Run one benchmark of the `rivet-bench` crate with the bench-release profile.
     Bench(bench::Args),
+    /// Build the cargo-fuzz targets of `fuzz/` (nightly) and run each for
+    /// `--seconds` (default 30) from its checked-in seeds, printing
+    /// executions, exec/s, corpus size and findings per target; fails on any
+    /// finding.
+    Fuzz(fuzz::Args),
     /// Check that no daemon, the CLI or the CNI plugin links a crate it must not
     /// (rivet-testkit; aya and svc-loader in the unprivileged ones; svc-loader in svc-gc), as a workspace
     /// build resolves it.
@@ -121,6 +127,7 @@ fn run(command: Command) -> Result<()> {
             install::run()?;
             image::run(&args)
         }
+        Command::Fuzz(args) => fuzz::run(&args),
         Command::Deps => deps::run(),
         Command::Crds => {
             let dir = cmd::workspace_root().join("deploy/crds");
@@ -150,5 +157,19 @@ mod tests {
             panic!("expected test, got {:?}", cli.command);
         };
         assert_eq!(cargo_test_args, ["ipam", "--", "--nocapture"]);
+    }
+
+    #[test]
+    fn fuzz_takes_seconds_and_one_target() {
+        let cli = Cli::try_parse_from(["xtask", "fuzz", "--seconds", "5", "cni_netconf"]).expect("parses");
+        let Command::Fuzz(args) = cli.command else {
+            panic!("expected fuzz, got {:?}", cli.command);
+        };
+        assert_eq!((args.seconds, args.target.as_deref()), (5, Some("cni_netconf")));
+        assert!(Cli::try_parse_from(["xtask", "fuzz", "no_such_target"]).is_err());
+        let Command::Fuzz(args) = Cli::try_parse_from(["xtask", "fuzz"]).expect("parses").command else {
+            panic!("expected fuzz");
+        };
+        assert_eq!((args.seconds, args.target), (fuzz::DEFAULT_SECONDS, None));
     }
 }
