@@ -540,7 +540,7 @@ impl Scenario {
     }
 
     /// `pod` gets a line echoed by `address:port`
-    /// ([`rivet_e2e::cross_node::echoes`]).
+    /// ([`crate::cross_node::echoes`]).
     pub fn echoes(&self, pod: &str, address: IpAddr, port: u16) -> std::result::Result<(), String> {
         crate::cross_node::echoes(&|| self.cluster.kubectl().unwrap(), pod, address, port)
     }
