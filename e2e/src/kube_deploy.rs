@@ -454,6 +454,24 @@ impl Drop for EchoStream {
     }
 }
 
+/// NetworkPolicy `name` in `default`: pods labelled `app=<app>` take
+/// ingress only from pods labelled `role=client`, on TCP `port`.
+pub fn clients_only_policy(name: &str, app: &str, port: u16) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": { "name": name, "namespace": "default" },
+        "spec": {
+            "podSelector": { "matchLabels": { "app": app } },
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "from": [{ "podSelector": { "matchLabels": { "role": "client" } } }],
+                "ports": [{ "protocol": "TCP", "port": port }]
+            }]
+        }
+    })
+}
+
 /// Pod `name` in `default` on `node` with `labels`: the test busybox image
 /// sleeping for an hour, deleted at once (grace 0).
 pub fn busybox_pod(name: &str, node: &str, labels: serde_json::Value) -> serde_json::Value {

@@ -47,8 +47,9 @@ use rivet_e2e::cross_node;
 use rivet_e2e::image::BUSYBOX_IMAGE;
 use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, WorkerCni, node_ready};
 use rivet_e2e::kube_deploy::{
-    DEPLOY_TAG, EchoStream, PingMonitor, STEP_TIMEOUT, Scenario, busybox_pod, daemonset_rolled_out, deploy_dir,
-    kill_container, name, pod_ready, ready_pods, rivet_image, write_image_tag_overlay, write_rivet_archives, yaml,
+    DEPLOY_TAG, EchoStream, PingMonitor, STEP_TIMEOUT, Scenario, busybox_pod, clients_only_policy,
+    daemonset_rolled_out, deploy_dir, kill_container, name, pod_ready, ready_pods, rivet_image,
+    write_image_tag_overlay, write_rivet_archives, yaml,
 };
 use rivet_e2e::node_clean::rivet_leftovers;
 use rivet_k8s::RivetEndpoint;
@@ -344,19 +345,7 @@ async fn rivet_installed_with_kubectl_serves_a_two_node_cluster() {
 
     // 4. A NetworkPolicy: only role=client reaches the web pods' echo port.
     scenario.step = "4 (a NetworkPolicy applied with kubectl)";
-    let policy = serde_json::json!({
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": { "name": "web-from-clients", "namespace": "default" },
-        "spec": {
-            "podSelector": { "matchLabels": { "app": "web" } },
-            "policyTypes": ["Ingress"],
-            "ingress": [{
-                "from": [{ "podSelector": { "matchLabels": { "role": "client" } } }],
-                "ports": [{ "protocol": "TCP", "port": ECHO_PORT }]
-            }]
-        }
-    });
+    let policy = clients_only_policy("web-from-clients", "web", ECHO_PORT);
     scenario.kubectl_stdin(&["apply", "-f", "-"], Some(&policy.to_string()));
     let endpoints: Api<RivetEndpoint> = Api::namespaced(scenario.cluster.admin_client(), "default");
     let enforced = |want: bool| {

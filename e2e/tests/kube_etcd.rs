@@ -28,7 +28,9 @@ use kube::api::{Api, ListParams};
 use rivet_common::testing::workspace_binary;
 use rivet_e2e::cross_node;
 use rivet_e2e::kube_cluster::{KubeCluster, KubeClusterOptions, WorkerCni};
-use rivet_e2e::kube_deploy::{DEPLOY_TAG, Scenario, busybox_pod, deploy_dir, ready_pods, write_rivet_archives, yaml};
+use rivet_e2e::kube_deploy::{
+    DEPLOY_TAG, Scenario, busybox_pod, clients_only_policy, deploy_dir, ready_pods, write_rivet_archives, yaml,
+};
 use rivet_k8s::RivetEndpoint;
 
 /// The server pod's echo port.
@@ -116,19 +118,7 @@ async fn the_etcd_overlay_routes_and_enforces_policy_across_two_nodes() {
 
     // 3. A NetworkPolicy across the nodes.
     scenario.step = "3 (a NetworkPolicy across the nodes)";
-    let policy = serde_json::json!({
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": { "name": "db-from-clients", "namespace": "default" },
-        "spec": {
-            "podSelector": { "matchLabels": { "app": "db" } },
-            "policyTypes": ["Ingress"],
-            "ingress": [{
-                "from": [{ "podSelector": { "matchLabels": { "role": "client" } } }],
-                "ports": [{ "protocol": "TCP", "port": ECHO_PORT }]
-            }]
-        }
-    });
+    let policy = clients_only_policy("db-from-clients", "db", ECHO_PORT);
     scenario.kubectl_stdin(&["apply", "-f", "-"], Some(&policy.to_string()));
     let endpoints: Api<RivetEndpoint> = Api::namespaced(scenario.cluster.admin_client(), "default");
     scenario
