@@ -27,8 +27,6 @@ use rivet_testkit::traffic::Pinger;
 
 /// How long etcd is away.
 const OUTAGE: Duration = Duration::from_secs(60);
-/// svc-identity's lease TTL on both nodes (see its use).
-const LEASE_TTL_SECONDS: u64 = 300;
 /// How long a flood ping may take to complete a run.
 const PING_RUN_WITHIN: Duration = Duration::from_secs(30);
 /// How long the new label set may take to get its pod once etcd is back.
@@ -96,14 +94,9 @@ async fn an_etcd_outage_under_churn_loses_no_traffic_and_duplicates_nothing() {
     let mut cluster = Cluster::start(ClusterOptions {
         nodes: 2,
         routing: Routing::Native,
-        // Longer than the outage: a single etcd member that hangs expires
-        // every lease shorter than the hang when it continues (unlike a
-        // restart, which resets them), so each node's records and pods'
-        // entries vanish for an instant and a few packets of 10 million
-        // are lost while the peers' routes are replaced (measured with
-        // the default 15 s: 2-4 lost, no datapath drop). Cilium's default
-        // kvstore lease TTL is 15 min for this reason.
-        lease_ttl_seconds: Some(LEASE_TTL_SECONDS),
+        // svc-identity's default lease TTL (15 min): the outage must be
+        // survived as a user's nodes would (with a TTL shorter than the
+        // hang, 2-4 packets of 10 million were lost: see DEFAULT_LEASE_TTL).
         ..Default::default()
     })
     .await

@@ -101,8 +101,14 @@ use crate::backend::{
 pub const DEFAULT_PREFIX: &str = "rivet/state/";
 /// Default cluster name (IP cache keys).
 pub const DEFAULT_CLUSTER: &str = "default";
-/// Default lease TTL.
-pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15);
+/// Default lease TTL: 15 min, as Cilium's kvstore lease. A single etcd
+/// member that hangs (rather than restarts, which resets leases) expires
+/// every lease shorter than the hang when it continues: the nodes' records
+/// and their pods' IP entries would vanish for an instant and peers would
+/// replace their routes (2-4 packets of 10 million lost after a 60 s hang
+/// with 15 s). The cost: a node that crashes without Kubernetes to remove
+/// it stays a peer, and its identities referenced, until the lease ends.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(15 * 60);
 /// Default timeout of a connection attempt.
 pub const DEFAULT_DIAL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default timeout of one request.

@@ -68,8 +68,9 @@ struct Flags {
     cluster_name: String,
 
     /// TTL of this node's etcd lease, seconds: a crashed node's keys vanish
-    /// after it.
-    #[arg(long, env = "RIVET_LEASE_TTL_SECONDS", default_value_t = 15)]
+    /// after it, and an etcd that hangs longer expires them (15 min, as
+    /// Cilium's kvstore lease).
+    #[arg(long, env = "RIVET_LEASE_TTL_SECONDS", default_value_t = svc_identity::etcd_backend::DEFAULT_LEASE_TTL.as_secs())]
     lease_ttl_seconds: u64,
 
     /// How often this node's value keys are reconciled with the store
