@@ -122,6 +122,20 @@ pub fn run_keeping_stderr(cmd: &mut Command) -> Result<()> {
     check_status(cmd, status, &String::from_utf8_lossy(&stderr))
 }
 
+/// Runs a command with its stderr shown live and returns its stdout (for
+/// machine-readable output such as cargo's JSON messages); fails naming the
+/// command if it exits non-zero.
+pub fn output_streaming_stderr(cmd: &mut Command) -> Result<String> {
+    echo(cmd);
+    let output = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .output()
+        .with_context(|| spawn_error(cmd))?;
+    check_status(cmd, output.status, "")?;
+    String::from_utf8(output.stdout).with_context(|| format!("`{}` printed output that is not UTF-8", display(cmd)))
+}
+
 /// Turns a non-success exit status into an error naming the command and quoting the
 /// tail of its stderr, if any was captured.
 fn check_status(cmd: &Command, status: ExitStatus, stderr: &str) -> Result<()> {

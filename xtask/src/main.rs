@@ -15,6 +15,7 @@ mod deps;
 mod fuzz;
 mod image;
 mod install;
+mod suite;
 mod test;
 
 use std::process::ExitCode;
@@ -41,8 +42,10 @@ enum Command {
     /// Run the whole suite: fmt check, the dependency rules, clippy -D warnings, all
     /// tests, doc tests.
     ///
-    /// Arguments after `--` are appended to both `cargo test` invocations, e.g.
-    /// `cargo xtask test -- ipam -- --nocapture`.
+    /// Without arguments the test binaries run several at a time
+    /// (`RIVET_TEST_JOBS`, default cores + 1), longest first. Arguments after
+    /// `--` are appended to both `cargo test` invocations instead, which then
+    /// run one binary at a time, e.g. `cargo xtask test -- ipam -- --nocapture`.
     Test {
         /// Extra arguments for `cargo test` (after `--`).
         #[arg(last = true, value_name = "CARGO_TEST_ARGS")]

@@ -6,10 +6,11 @@
 //! straight to the terminal: CI reads cargo test's own summary lines from stdout.
 
 use std::process::Command;
+use std::time::Instant;
 
 use anyhow::{Context, Result};
 
-use crate::{cmd, deps, fuzz};
+use crate::{cmd, deps, fuzz, suite};
 
 /// One step of the suite.
 enum Step {
@@ -17,6 +18,8 @@ enum Step {
     Run(Command),
     /// A check done here.
     Check(fn() -> Result<()>),
+    /// Every test binary, several at a time ([`suite`]).
+    Suite,
 }
 
 /// Seconds each fuzz target runs in the suite: a smoke run proving that
@@ -33,11 +36,14 @@ pub const CI_FUZZ_SECONDS: u64 = 5;
 pub fn run(cargo_test_args: &[String]) -> Result<()> {
     for (name, step) in steps(cargo_test_args) {
         println!("==> {name}");
+        let started = Instant::now();
         match step {
             Step::Run(mut command) => cmd::run(&mut command),
             Step::Check(check) => check(),
+            Step::Suite => suite::Options::from_env().and_then(|options| suite::run(&options, &[], &[])),
         }
         .with_context(|| format!("step `{name}` failed"))?;
+        println!("==> {name} took {:.1} s", started.elapsed().as_secs_f64());
     }
     println!("==> all steps passed");
     Ok(())
@@ -64,10 +70,17 @@ fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Step)> {
         .env("RUSTDOCFLAGS", "-D warnings");
 
     // `--all-targets` does not include doc tests, hence the separate `--doc` run.
-    let mut tests = cmd::cargo();
-    tests
-        .args(["test", "--workspace", "--all-targets"])
-        .args(cargo_test_args);
+    // The whole suite runs its binaries side by side; a run narrowed by
+    // arguments (a filter, `-p`, `--nocapture`) is cargo's own, one at a time.
+    let tests = if cargo_test_args.is_empty() {
+        Step::Suite
+    } else {
+        let mut tests = cmd::cargo();
+        tests
+            .args(["test", "--workspace", "--all-targets"])
+            .args(cargo_test_args);
+        Step::Run(tests)
+    };
 
     let mut doc_tests = cmd::cargo();
     doc_tests.args(["test", "--workspace", "--doc"]).args(cargo_test_args);
@@ -77,7 +90,7 @@ fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Step)> {
         ("dependencies", Step::Check(deps::run)),
         ("clippy", Step::Run(clippy)),
         ("docs", Step::Run(docs)),
-        ("test", Step::Run(tests)),
+        ("test", tests),
         ("doc tests", Step::Run(doc_tests)),
         ("fuzz", Step::Check(fuzz_step)),
     ]
@@ -118,7 +131,7 @@ mod tests {
             .iter()
             .filter_map(|(name, step)| match step {
                 Step::Run(command) => Some((*name, cmd::display(command))),
-                Step::Check(_) => None,
+                Step::Check(_) | Step::Suite => None,
             })
             .collect();
         assert!(rendered[0].1.ends_with("fmt --all -- --check"));
@@ -130,6 +143,15 @@ mod tests {
                 .ends_with("test --workspace --all-targets ipam -- --nocapture")
         );
         assert!(rendered[4].1.ends_with("test --workspace --doc ipam -- --nocapture"));
+    }
+
+    #[test]
+    fn the_whole_suite_runs_its_binaries_side_by_side() {
+        let steps = steps(&[]);
+        assert!(
+            matches!(steps.iter().find(|(name, _)| *name == "test"), Some((_, Step::Suite))),
+            "without arguments the test step must be the parallel suite"
+        );
     }
 
     #[test]
