@@ -10,7 +10,8 @@
 //!
 //! [`run`] builds the binaries with `cargo test --no-run`, then runs
 //! [`Options::jobs`] of them at a time, longest first by the durations kept
-//! from the last run ([`TIMES_FILE`] in the target dir). Each binary's output
+//! from the last run ([`TIMES_FILE`] in the target dir) or, for binaries it
+//! did not run (a fresh clone), by a reference run's ([`REFERENCE_TIMES`]). Each binary's output
 //! is printed whole when it ends, under the same `Running ...` header cargo
 //! prints, so `test result:` lines keep their meaning in a CI log. A failed
 //! binary does not stop the others; the summary names every failure.
@@ -29,8 +30,12 @@ use serde_json::Value;
 use crate::cmd;
 
 /// Durations of the last run, one `<key>\t<seconds>` line per binary, in the
-/// target dir (a fresh clone has none and runs integration tests first).
+/// target dir.
 pub const TIMES_FILE: &str = "rivet-test-times.tsv";
+
+/// Durations of a reference run, the order of a first run: a long binary
+/// started last would hold the whole step (`xtask/test-durations.tsv`).
+const REFERENCE_TIMES: &str = include_str!("../test-durations.tsv");
 
 /// How often the names of the binaries still running are printed, so a CI
 /// log shows progress while whole outputs wait for their binary's end.
@@ -96,14 +101,7 @@ impl TestBinary {
             "test" | "bench" | "example" => relative.to_string(),
             _ => format!("unittests {relative}"),
         };
-        // A package's name is its id's fragment (`path+file:///..#name@0.1.0`)
-        // or, for an unversioned id, the target's name.
-        let id = message["package_id"].as_str()?;
-        let package = id
-            .rsplit_once('#')
-            .map(|(_, fragment)| fragment.split('@').next().unwrap_or(fragment).to_string())
-            .filter(|name| !name.is_empty() && !name.contains('/'))
-            .unwrap_or_else(|| message["target"]["name"].as_str().unwrap_or("?").to_string());
+        let package = package_name(message["package_id"].as_str()?)?;
         Some(Self {
             package,
             package_dir,
@@ -115,6 +113,20 @@ impl TestBinary {
     /// Whether it is an integration test (the long ones), not unit tests.
     fn is_integration(&self) -> bool {
         !self.source.starts_with("unittests ")
+    }
+}
+
+/// A package's name from its id: `path+file:///w/svc-ipam#rivet-svc-ipam@0.1.0`,
+/// or `path+file:///w/xtask#0.1.0` when the name is the directory's.
+fn package_name(id: &str) -> Option<String> {
+    let (url, fragment) = id.rsplit_once('#')?;
+    match fragment.split_once('@') {
+        Some((name, _version)) => Some(name.to_string()),
+        None => url
+            .rsplit('/')
+            .next()
+            .filter(|name| !name.is_empty())
+            .map(str::to_string),
     }
 }
 
@@ -183,7 +195,9 @@ pub fn run(options: &Options, cargo_build_args: &[String], test_args: &[String])
     let binaries = build(cargo_build_args)?;
     let times_path = cmd::target_dir().join(TIMES_FILE);
     let mut times = parse_times(&std::fs::read_to_string(&times_path).unwrap_or_default());
-    let queue = schedule(binaries, &times);
+    let mut hints = parse_times(REFERENCE_TIMES);
+    hints.extend(times.clone());
+    let queue = schedule(binaries, &hints);
     let total = queue.len();
     println!(
         "running {total} test binaries, {} at a time (RIVET_TEST_JOBS), longest first",
@@ -363,6 +377,27 @@ mod tests {
             None
         );
         assert_eq!(TestBinary::from_cargo_message("Compiling x"), None);
+    }
+
+    #[test]
+    fn the_reference_durations_parse_and_name_the_longest_binaries() {
+        let reference = parse_times(REFERENCE_TIMES);
+        assert!(
+            reference
+                .get("rivet-e2e tests/kube_deploy.rs")
+                .is_some_and(|&s| s > 60.0),
+            "the reference run must hold the long e2e binaries, by package and source"
+        );
+    }
+
+    #[test]
+    fn package_names_come_from_either_form_of_id() {
+        assert_eq!(
+            package_name("path+file:///w/svc-ipam#rivet-svc-ipam@0.1.0").as_deref(),
+            Some("rivet-svc-ipam")
+        );
+        assert_eq!(package_name("path+file:///w/xtask#0.1.0").as_deref(), Some("xtask"));
+        assert_eq!(package_name("no fragment"), None);
     }
 
     #[test]
