@@ -96,7 +96,7 @@ pub fn run(args: &Args) -> Result<()> {
 /// `cargo +nightly fuzz build`: every target, optimised with debug
 /// assertions (or, `dev`, unoptimised without a sanitizer), so a run below
 /// starts at once.
-fn build(dev: bool, no_k8s_daemons: bool) -> Command {
+pub fn build(dev: bool, no_k8s_daemons: bool) -> Command {
     let mut build = nightly_cargo();
     build.args(["fuzz", "build"]);
     if dev {

@@ -5,7 +5,9 @@
 //! build. Output of every step goes
 //! straight to the terminal: CI reads cargo test's own summary lines from stdout.
 
-use std::process::Command;
+use std::io::{self, Read};
+use std::process::{Child, Command, Stdio};
+use std::thread::{self, JoinHandle};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -20,6 +22,9 @@ enum Step {
     Check(fn() -> Result<()>),
     /// Every test binary, several at a time ([`suite`]).
     Suite,
+    /// The fuzz targets' smoke run ([`fuzz_step`]), its build started beside
+    /// [`Step::Suite`] ([`FuzzBuild`]).
+    Fuzz,
 }
 
 /// Seconds each fuzz target runs in the suite: a smoke run proving that
@@ -34,13 +39,21 @@ pub const CI_FUZZ_SECONDS: u64 = 5;
 /// `cargo_test_args` are appended to both `cargo test` invocations (a filter, cargo
 /// flags, or `-- <test binary args>`).
 pub fn run(cargo_test_args: &[String]) -> Result<()> {
+    let mut fuzz_build = None;
     for (name, step) in steps(cargo_test_args) {
         println!("==> {name}");
         let started = Instant::now();
         match step {
             Step::Run(mut command) => cmd::run(&mut command),
             Step::Check(check) => check(),
-            Step::Suite => suite::Options::from_env().and_then(|options| suite::run(&options, &[], &[])),
+            Step::Suite => {
+                fuzz_build = FuzzBuild::start();
+                suite::Options::from_env().and_then(|options| suite::run(&options, &[], &[]))
+            }
+            Step::Fuzz => fuzz_build
+                .take()
+                .map_or(Ok(()), FuzzBuild::finish)
+                .and_then(|()| fuzz_step()),
         }
         .with_context(|| format!("step `{name}` failed"))?;
         println!("==> {name} took {:.1} s", started.elapsed().as_secs_f64());
@@ -92,8 +105,111 @@ fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Step)> {
         ("docs", Step::Run(docs)),
         ("test", tests),
         ("doc tests", Step::Run(doc_tests)),
-        ("fuzz", Step::Check(fuzz_step)),
+        ("fuzz", Step::Fuzz),
     ]
+}
+
+/// The fuzz step's cold build (about 3 min of both cores), run beside the
+/// test binaries at the lowest priority, in a session of its own so that
+/// its autogroup is niced too (a nice value alone competes only within its
+/// session's group): it takes the cores the tests leave idle while they wait
+/// on kubelets, etcd and floods, and yields them when the tests compute. The
+/// fuzz step then finds the targets built.
+struct FuzzBuild {
+    command: String,
+    /// `None` once waited for.
+    child: Option<Child>,
+    output: Option<JoinHandle<Vec<u8>>>,
+}
+
+impl FuzzBuild {
+    /// Starts the build of the suite's fuzz run; `None` (the fuzz step then
+    /// builds, or names what is missing) without the nightly toolchain or
+    /// if it cannot start.
+    fn start() -> Option<Self> {
+        if !crate::install::has_nightly() {
+            return None;
+        }
+        let mut build = fuzz::build(true, true);
+        let command = cmd::display(&build);
+        at_idle_priority(&mut build);
+        let (mut reader, writer) = io::pipe().ok()?;
+        let child = build
+            .stdin(Stdio::null())
+            .stdout(writer.try_clone().ok()?)
+            .stderr(writer)
+            .spawn()
+            .map_err(|error| eprintln!("warning: could not start `{command}` beside the tests: {error}"))
+            .ok()?;
+        drop(build);
+        println!("$ {command} (beside the tests, lowest priority)");
+        let output = thread::spawn(move || {
+            let mut output = Vec::new();
+            let _ = reader.read_to_end(&mut output);
+            output
+        });
+        Some(Self {
+            command,
+            child: Some(child),
+            output: Some(output),
+        })
+    }
+
+    /// Waits for the build, prints its output and fails if it failed.
+    fn finish(mut self) -> Result<()> {
+        let mut child = self.child.take().expect("a build is waited for once");
+        let status = child
+            .wait()
+            .with_context(|| format!("waiting for `{}`", self.command))?;
+        let output = self
+            .output
+            .take()
+            .and_then(|output| output.join().ok())
+            .unwrap_or_default();
+        println!("$ {} (built beside the tests)", self.command);
+        print!("{}", String::from_utf8_lossy(&output));
+        if !status.success() {
+            anyhow::bail!("`{}` failed ({status})", self.command);
+        }
+        Ok(())
+    }
+}
+
+/// Makes `command` run in a session of its own at niceness 19, the session's
+/// autogroup niced too: the lowest priority against every other session.
+fn at_idle_priority(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: only async-signal-safe calls (setsid, open, write, close, nice)
+    // run between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() == -1 {
+                return Err(io::Error::last_os_error());
+            }
+            // Kernels without autogroups have no such file: nice alone then.
+            let autogroup = libc::open(c"/proc/self/autogroup".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if autogroup >= 0 {
+                libc::write(autogroup, b"19".as_ptr().cast(), 2);
+                libc::close(autogroup);
+            }
+            libc::nice(19);
+            Ok(())
+        });
+    }
+}
+
+impl Drop for FuzzBuild {
+    /// A step failed before the fuzz step: the build and its rustc children
+    /// (its own process group) stop with the suite instead of outliving it.
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            if let Ok(pid) = i32::try_from(child.id()) {
+                // SAFETY: a plain syscall on the build's own process group.
+                unsafe { libc::kill(-pid, libc::SIGKILL) };
+            }
+            let _ = child.wait();
+        }
+    }
 }
 
 /// Every fuzz target for [`CI_FUZZ_SECONDS`] (see there for the build);
@@ -131,7 +247,7 @@ mod tests {
             .iter()
             .filter_map(|(name, step)| match step {
                 Step::Run(command) => Some((*name, cmd::display(command))),
-                Step::Check(_) | Step::Suite => None,
+                Step::Check(_) | Step::Suite | Step::Fuzz => None,
             })
             .collect();
         assert!(rendered[0].1.ends_with("fmt --all -- --check"));
@@ -143,6 +259,23 @@ mod tests {
                 .ends_with("test --workspace --all-targets ipam -- --nocapture")
         );
         assert!(rendered[4].1.ends_with("test --workspace --doc ipam -- --nocapture"));
+    }
+
+    #[test]
+    fn a_background_build_runs_at_the_lowest_priority_in_a_session_of_its_own() {
+        let mut probe = Command::new("sh");
+        probe.args(["-c", "nice; cut -d' ' -f6 /proc/self/stat; cat /proc/self/autogroup"]);
+        at_idle_priority(&mut probe);
+        let output = probe.output().expect("sh runs");
+        let text = String::from_utf8_lossy(&output.stdout);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "19", "the build must run at niceness 19: {text}");
+        // SAFETY: getsid(0) only reads this process's session id.
+        let ours = unsafe { libc::getsid(0) }.to_string();
+        assert_ne!(lines[1], ours, "the build must not share the suite's session: {text}");
+        if let Some(autogroup) = lines.get(2) {
+            assert!(autogroup.ends_with("nice 19"), "its autogroup must be niced: {text}");
+        }
     }
 
     #[test]
