@@ -233,6 +233,82 @@ fn regressions_found_by_the_differential_test() {
     });
 }
 
+/// Inputs the packet fuzzer (`fuzz/fuzz_targets/packet_path.rs`) found,
+/// kept as fixed cases: each was a datapath bug.
+#[test]
+fn regressions_found_by_the_packet_fuzzer() {
+    in_test_namespace(|pin_dir| {
+        let mut harness = Harness::new(pin_dir);
+        let mut repo = PolicyRepository::new();
+        let doc = json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "pods-out-web-in", "namespace": "ns-a"},
+            "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"],
+                     "egress": [{"to": [{"podSelector": {}}]}],
+                     "ingress": [{"ports": [{"protocol": "TCP", "port": 80}]}]},
+        });
+        repo.upsert(Policy::parse(&doc.to_string()).unwrap(), PolicyOrigin::Api)
+            .unwrap();
+        let subject: Labels = "k8s:io.kubernetes.pod.namespace=ns-a".parse().unwrap();
+        let mut cache = SelectorCache::new();
+        cache.upsert_identity(SUBJECT_ID, subject.clone());
+        let resolved = repo.resolve(&Subject::new(&subject), &cache);
+        harness.apply(&resolved, 1, false);
+        let (pod_mac, node_mac) = ([2, 0, 0, 0, 0, 2], [2, 0, 0, 0, 0, 1]);
+        let dropped_invalid = [Outcome::Drop(maps::DROP_INVALID_PACKET, maps::DIR_EGRESS)];
+
+        // A truncated ARP request or neighbour solicitation was dropped
+        // with no drop event and in no counter.
+        let mut arp = frames::ethernet([0xff; 6], pod_mac, 0x0806, &[0, 1, 8, 0, 6, 4, 0, 1]);
+        arp.extend_from_slice(&pod_mac);
+        arp.extend_from_slice(&SUBJECT_V4.octets());
+        assert_eq!(
+            harness.run(Direction::Egress, &[arp]),
+            dropped_invalid,
+            "an ARP request cut before its target is an invalid packet"
+        );
+        let solicited: Ipv6Addr = "ff02::1:ff00:1".parse().unwrap();
+        let target = Ipv6Addr::new(0x2001, 2, 0, 0, 0, 0, 0, 1);
+        let ns = frames::icmp6(SUBJECT_V6, solicited, 135, 0, [0; 4], &target.octets());
+        let packet = frames::ipv6(SUBJECT_V6, solicited, 255, &[], proto::ICMPV6, &ns);
+        let mut frame = frames::ethernet(node_mac, pod_mac, frames::ETH_P_IPV6, &packet);
+        frame.truncate(frame.len() - 8);
+        assert_eq!(
+            harness.run(Direction::Egress, &[frame]),
+            dropped_invalid,
+            "a neighbour solicitation shorter than its payload length is an invalid packet"
+        );
+
+        // A pod's packet to itself with equal ports (every ICMP echo to
+        // itself) passed its own ingress policy as the reply of the egress
+        // conntrack entry it had just opened.
+        let own = IpAddr::V6(SUBJECT_V6);
+        let udp = frames::ipv6(
+            SUBJECT_V6,
+            SUBJECT_V6,
+            64,
+            &[],
+            proto::UDP,
+            &frames::udp(own, own, 53, 53, b"x"),
+        );
+        let udp = frames::ethernet(node_mac, pod_mac, frames::ETH_P_IPV6, &udp);
+        let denied_in = Outcome::Drop(maps::DROP_POLICY_DEFAULT_DENY, maps::DIR_INGRESS);
+        assert_eq!(
+            harness.run(Direction::Egress, &[udp.clone(), udp]),
+            [denied_in; 2],
+            "UDP 53 -> 53 to itself leaves (egress allows pods) and is refused by its ingress, each time"
+        );
+        let echo = frames::icmp6(SUBJECT_V6, SUBJECT_V6, 128, 0, frames::echo_rest(7, 1), &[]);
+        let echo = frames::ipv6(SUBJECT_V6, SUBJECT_V6, 64, &[], proto::ICMPV6, &echo);
+        let echo = frames::ethernet(node_mac, pod_mac, frames::ETH_P_IPV6, &echo);
+        assert_eq!(
+            harness.run(Direction::Egress, &[echo.clone(), echo]),
+            [denied_in; 2],
+            "an echo to itself is refused by its ingress, each time"
+        );
+    });
+}
+
 /// One identity the packets come from or go to.
 struct PeerSpec {
     identity: u32,

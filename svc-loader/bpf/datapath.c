@@ -934,7 +934,10 @@ static __always_inline __u8 tcp_advance(struct ct_entry *e, __u8 flags, int repl
 }
 
 /* The entry of the packet's connection: forward (`*reply` 0) or as its
- * reply (`*reply` 1), or NULL. */
+ * reply (`*reply` 1), or NULL. A packet whose reply has its own tuple (a
+ * pod to itself with equal ports: every ICMP echo to itself) only matches
+ * forward: else the egress entry it opens would pass it at the pod's own
+ * ingress check as the reply of itself (found by the packet fuzzer). */
 static __always_inline struct ct_entry *ct_find_either(const struct pkt *p, __u8 dir, int *reply)
 {
 	struct ct_entry *e = ct_find(p, dir, 0);
@@ -942,6 +945,8 @@ static __always_inline struct ct_entry *ct_find_either(const struct pkt *p, __u8
 	*reply = 0;
 	if (e)
 		return e;
+	if (p->sport == p->dport && ipv6_equal(p->saddr, p->daddr))
+		return 0;
 	*reply = 1;
 	return ct_find(p, dir, 1);
 }
@@ -1152,7 +1157,9 @@ struct arp_eth {
 } __attribute__((packed));
 
 /* Answers the pod's ARP requests (its gateway, or any address it believes
- * on-link) with the host-side veth MAC, so no proxy-ARP sysctl is needed. */
+ * on-link) with the host-side veth MAC, so no proxy-ARP sysctl is needed.
+ * Returns the tc verdict, or -1 for a frame too short for an ARP message
+ * (the caller drops and counts it). */
 static __noinline int arp_respond(struct __sk_buff *skb, const struct endpoint_info *ep)
 {
 	struct arp_eth a;
@@ -1160,7 +1167,7 @@ static __noinline int arp_respond(struct __sk_buff *skb, const struct endpoint_i
 	__u32 target;
 
 	if (bpf_skb_load_bytes(skb, 0, &a, sizeof(a)) < 0)
-		return TC_ACT_SHOT;
+		return -1;
 	if (a.htype != bpf_htons(ARPHRD_ETHER) || a.ptype != bpf_htons(ETH_P_IP) || a.op != bpf_htons(ARPOP_REQUEST))
 		return TC_ACT_OK;
 	/* Its own address: duplicate address detection or gratuitous ARP. */
@@ -1208,7 +1215,9 @@ static __always_inline __u16 csum_fold(__u32 s)
 /* Answers neighbour solicitations from the pod (`p`: parsed as one, right
  * behind the IPv6 header) for anything but its own address with a
  * neighbour advertisement carrying the host-side veth MAC, delivered into
- * the pod directly (bpf_redirect_peer). */
+ * the pod directly (bpf_redirect_peer). Returns the tc verdict, or -1 for
+ * a solicitation shorter than its payload length says (the caller drops
+ * and counts it). */
 static __noinline int nd_respond(struct __sk_buff *skb, const struct endpoint_info *ep, const struct pkt *p)
 {
 	struct ipv6hdr ip;
@@ -1228,7 +1237,7 @@ static __noinline int nd_respond(struct __sk_buff *skb, const struct endpoint_in
 	if (len != 24 && len != 32)
 		return TC_ACT_OK;
 	if (bpf_skb_load_bytes(skb, icmp_off, &nd, len == 32 ? 32 : 24) < 0)
-		return TC_ACT_SHOT;
+		return -1;
 	/* Nor is the pod's own address. */
 	if (ipv6_equal(nd.target, ep->ipv6))
 		return TC_ACT_OK;
@@ -2321,8 +2330,14 @@ int from_container(struct __sk_buff *skb)
 	if (!ep)
 		return drop(DROP_UNKNOWN_ENDPOINT, DIR_EGRESS, &p, 0, 0, 0);
 
-	if (skb->protocol == bpf_htons(ETH_P_ARP))
-		return arp_respond(skb, ep);
+	/* A truncated ARP request or neighbour solicitation is dropped like any
+	 * invalid packet: counted, with an event (found by the packet fuzzer). */
+	if (skb->protocol == bpf_htons(ETH_P_ARP)) {
+		r = arp_respond(skb, ep);
+		if (r < 0)
+			return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
+		return r;
+	}
 	if (skb->protocol == bpf_htons(ETH_P_IP)) {
 		r = parse_ipv4(skb, &p);
 		if (r)
@@ -2336,6 +2351,8 @@ int from_container(struct __sk_buff *skb)
 		if (p.protocol == IPPROTO_ICMPV6 && p.icmp_type == ICMPV6_NEIGHBOR_SOLICIT && !p.in_fragment &&
 		    p.l4_off == IP6_OFF + sizeof(struct ipv6hdr)) {
 			r = nd_respond(skb, ep, &p);
+			if (r < 0)
+				return drop(DROP_INVALID_PACKET, DIR_EGRESS, &p, ep, ep->identity, 0);
 			if (r != TC_ACT_OK)
 				return r;
 		}
