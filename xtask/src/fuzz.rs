@@ -18,7 +18,13 @@ use anyhow::{Context, Result, bail};
 use crate::cmd;
 
 /// The targets, in the order they run (the `[[bin]]`s of fuzz/Cargo.toml).
-pub const TARGETS: [&str; 4] = ["cni_netconf", "labels_selectors", "policy_document", "grpc_requests"];
+pub const TARGETS: [&str; 5] = [
+    "cni_netconf",
+    "labels_selectors",
+    "policy_document",
+    "grpc_requests",
+    "packet_path",
+];
 
 /// Seconds per target of `cargo xtask fuzz` without `--seconds`.
 pub const DEFAULT_SECONDS: u64 = 30;
