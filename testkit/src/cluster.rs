@@ -301,6 +301,8 @@ pub struct ClusterPod {
     pub ipv4: Ipv4Addr,
     /// IPv6 address.
     pub ipv6: Ipv6Addr,
+    /// The container id its CNI calls named (svc-ipam's owner of its addresses).
+    pub container_id: String,
 }
 
 impl ClusterPod {
@@ -535,13 +537,40 @@ impl Cluster {
         name: &str,
         labels: &[&str],
     ) -> Result<ClusterPod, String> {
+        let cmd = self.pod_add_command(node, namespace, name, labels);
+        let stdout = checked(cmd).await.map_err(|e| e.to_string())?;
+        Ok(self.pod_added(node, namespace, name, &stdout))
+    }
+
+    /// [`try_add_pod`](Self::try_add_pod) while daemon `daemon` of the same
+    /// node is killed with SIGKILL as soon as the add started
+    /// ([`kill9`](Self::kill9): returns once the daemon runs again and the
+    /// add ended). The add may fail (a runtime would retry) or succeed.
+    pub async fn try_add_pod_during_kill9(
+        &mut self,
+        node: usize,
+        namespace: &str,
+        name: &str,
+        labels: &[&str],
+        daemon: &str,
+    ) -> Result<ClusterPod, String> {
+        let cmd = self.pod_add_command(node, namespace, name, labels);
+        let (added, ()) = tokio::join!(checked(cmd), self.kill9(node, daemon));
+        let stdout = added.map_err(|e| e.to_string())?;
+        Ok(self.pod_added(node, namespace, name, &stdout))
+    }
+
+    fn pod_add_command(&self, node: usize, namespace: &str, name: &str, labels: &[&str]) -> Command {
         let mut args = vec!["pod", "add", name, "-n", namespace, "-o", "json"];
         for label in labels {
             args.extend(["--label", label]);
         }
-        let cmd = self.node(node).rivet(&args);
-        let stdout = checked(cmd).await.map_err(|e| e.to_string())?;
-        let record: PodRecord = serde_json::from_str(&stdout)
+        self.node(node).rivet(&args)
+    }
+
+    /// Records the pod `rivet pod add -o json` printed as `stdout`.
+    fn pod_added(&mut self, node: usize, namespace: &str, name: &str, stdout: &str) -> ClusterPod {
+        let record: PodRecord = serde_json::from_str(stdout)
             .unwrap_or_else(|e| panic!("`rivet pod add -o json` prints the pod record ({e}): {stdout}"));
         let addresses: Vec<IpAddr> = record
             .addresses()
@@ -569,14 +598,15 @@ impl Cluster {
             name: name.into(),
             addrs: [IpAddr::V4(ipv4), IpAddr::V6(ipv6)],
         });
-        Ok(ClusterPod {
+        ClusterPod {
             node,
             namespace: namespace.into(),
             name: name.into(),
             netns,
             ipv4,
             ipv6,
-        })
+            container_id: record.container_id.clone(),
+        }
     }
 
     /// A client host outside the cluster on its underlay bridge (a
@@ -590,14 +620,21 @@ impl Cluster {
 
     /// `rivet --node <node> pod del`: CNI DEL, then its namespace.
     pub async fn delete_pod(&mut self, pod: ClusterPod) {
+        self.try_delete_pod(&pod)
+            .await
+            .unwrap_or_else(|e| panic!("deleting pod {}/{}: {e}", pod.namespace, pod.name));
+    }
+
+    /// [`delete_pod`](Self::delete_pod), with a failed `rivet pod del` (a
+    /// DEL error; the pod stays, for a retry) as `Err(its output)`.
+    pub async fn try_delete_pod(&mut self, pod: &ClusterPod) -> Result<(), String> {
         let cmd = self
             .node(pod.node)
             .rivet(&["pod", "del", &pod.name, "-n", &pod.namespace]);
-        checked(cmd)
-            .await
-            .unwrap_or_else(|e| panic!("deleting pod {}/{}: {e}", pod.namespace, pod.name));
+        checked(cmd).await.map_err(|e| e.to_string())?;
         self.pods
             .retain(|p| !(p.node == pod.node && p.namespace == pod.namespace && p.name == pod.name));
+        Ok(())
     }
 
     /// Applies policy documents (YAML) on every node and waits until each
@@ -712,6 +749,25 @@ impl Cluster {
             );
             tokio::time::sleep(POLL).await;
         }
+    }
+
+    /// Crashes the cluster's etcd (SIGKILL) and starts it again on the same
+    /// ports and data (`rivet cluster restart-etcd`); returns once it is
+    /// healthy. Its new pid is in [`record`](Self::record) afterwards.
+    pub async fn restart_etcd(&mut self) -> Result<(), ClusterError> {
+        let cmd = self.rivet(&["cluster", "restart-etcd", "--name", &self.name]);
+        checked(cmd).await?;
+        let dir = self.record.dir.clone();
+        self.record = ClusterRecord::load(&dir)
+            .map_err(|e| ClusterError::Record {
+                dir: dir.clone(),
+                message: format!("{e:#}"),
+            })?
+            .ok_or_else(|| ClusterError::Record {
+                dir,
+                message: "no cluster.json after restart-etcd".into(),
+            })?;
+        Ok(())
     }
 
     /// Stops node `i` cleanly (`rivet cluster stop-node`): its pods are

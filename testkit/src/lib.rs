@@ -14,6 +14,9 @@
 //!   (etcd, an underlay bridge, node namespaces each running `rivet node
 //!   up`), pods on any node, node stop/crash/restart, waiting for
 //!   convergence;
+//! - [`chaos`]: a randomised churn of pods, policies, daemon kills and
+//!   etcd restarts on such a cluster, with Rivet's invariants checked
+//!   throughout and nothing left at the end (`cargo xtask chaos`);
 //! - [`loader`]: a node namespace with pods and svc-loader only
 //!   ([`loader::LoaderNode`]), and policy entries for it;
 //! - [`gc`]: the datapath's maps pinned for svc-gc, synthetic conntrack
@@ -47,6 +50,7 @@
 //! removed on drop, also on panic.
 
 pub mod cgroup;
+pub mod chaos;
 pub mod cluster;
 pub mod cni;
 pub mod frames;

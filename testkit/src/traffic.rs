@@ -20,6 +20,10 @@ use std::time::{Duration, Instant};
 /// one. 20 000 take 0.1-0.2 s locally, longer across nodes.
 pub const PING_BATCH: u32 = 20_000;
 
+/// The interval of a flood ([`Pinger::start`]): `-i 0.0002`, which iputils
+/// rounds to 0.
+pub const FLOOD: Duration = Duration::from_micros(200);
+
 /// What the pings of a [`Pinger`] saw.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct PingTotals {
@@ -38,10 +42,12 @@ impl PingTotals {
     }
 }
 
-/// Completed runs, and whether the pinger ended (failed or stopped).
+/// Completed runs, their totals, and whether the pinger ended (failed or
+/// stopped).
 #[derive(Default)]
 struct Progress {
     runs: u64,
+    totals: PingTotals,
     ended: bool,
 }
 
@@ -63,13 +69,20 @@ impl Pinger {
 
     /// The same with `batch` requests per run.
     pub fn with_batch(netns: &str, dst: IpAddr, batch: u32) -> Self {
+        Self::with_interval(netns, dst, batch, FLOOD)
+    }
+
+    /// `batch` requests per run, one every `interval` (iputils' resolution
+    /// is 1 ms; [`FLOOD`] sends each as the previous reply arrives): a
+    /// steady stream that leaves the CPU to others, for long runs.
+    pub fn with_interval(netns: &str, dst: IpAddr, batch: u32, interval: Duration) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let progress = Arc::new((Mutex::new(Progress::default()), Condvar::new()));
         let thread = {
             let (stop, progress) = (stop.clone(), progress.clone());
             let (netns, dst) = (netns.to_owned(), dst.to_string());
             std::thread::spawn(move || {
-                let result = ping_runs(&netns, &dst, batch, &stop, &progress.0, &progress.1);
+                let result = ping_runs(&netns, &dst, batch, interval, &stop, &progress.0, &progress.1);
                 progress.0.lock().unwrap().ended = true;
                 progress.1.notify_all();
                 result
@@ -101,6 +114,11 @@ impl Pinger {
         }
     }
 
+    /// What the runs completed so far saw (a run in flight is not counted).
+    pub fn totals(&self) -> PingTotals {
+        self.progress.0.lock().unwrap().totals
+    }
+
     /// Stops after the run in flight; what every run saw. Panics if a run
     /// failed or nothing was sent.
     pub fn stop(mut self) -> PingTotals {
@@ -128,6 +146,7 @@ fn ping_runs(
     netns: &str,
     dst: &str,
     batch: u32,
+    interval: Duration,
     stop: &AtomicBool,
     progress: &Mutex<Progress>,
     changed: &Condvar,
@@ -138,7 +157,18 @@ fn ping_runs(
     while !stop.load(Ordering::SeqCst) {
         let out = Command::new("ip")
             .args([
-                "netns", "exec", netns, "ping", family, "-n", "-q", "-i", "0.0002", "-W", "1", "-c",
+                "netns",
+                "exec",
+                netns,
+                "ping",
+                family,
+                "-n",
+                "-q",
+                "-i",
+                &format!("{:.4}", interval.as_secs_f64()),
+                "-W",
+                "1",
+                "-c",
             ])
             .args([batch.to_string().as_str(), dst])
             .env("LC_ALL", "C")
@@ -153,7 +183,11 @@ fn ping_runs(
         })?;
         totals.transmitted += sent;
         totals.received += received;
-        progress.lock().unwrap().runs += 1;
+        totals.elapsed = started.elapsed();
+        let mut now = progress.lock().unwrap();
+        now.runs += 1;
+        now.totals = totals;
+        drop(now);
         changed.notify_all();
     }
     totals.elapsed = started.elapsed();

@@ -1,7 +1,9 @@
 //! The cluster's etcd: one etcd v3.6 member (the binary `cargo xtask
 //! install` builds, or `--etcd-binary`) on 127.0.0.1 with free ports and its
 //! data under the cluster dir, running in its own session so that it
-//! outlives `rivet cluster up`; stopped by `rivet cluster down`.
+//! outlives `rivet cluster up`; stopped by `rivet cluster down`, crashed
+//! and started again on the same ports and data by `rivet cluster
+//! restart-etcd` (what a chaos run does to it).
 
 use std::fs::OpenOptions;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
@@ -31,6 +33,14 @@ pub struct EtcdRecord {
     pub data_dir: PathBuf,
     /// stdout and stderr.
     pub log: PathBuf,
+    /// Its peer address (`None` in records of older versions: a restart
+    /// then picks a free port).
+    #[serde(default)]
+    pub peer_addr: Option<SocketAddr>,
+    /// The binary it runs (`None` in records of older versions: a restart
+    /// then needs `--etcd-binary` or the installed one).
+    #[serde(default)]
+    pub binary: Option<PathBuf>,
 }
 
 /// Starts etcd in its own session with its data in `dir`, and waits until
@@ -42,9 +52,48 @@ pub fn start(
     dir: &Path,
     record: impl FnOnce(&EtcdRecord) -> Result<()>,
 ) -> Result<EtcdRecord> {
+    let (client_port, peer_port) = free_port_pair()?;
+    launch(binary, name, dir, (client_port, peer_port), record)
+}
+
+/// SIGKILLs the recorded etcd (a crash: no clean shutdown) and starts it
+/// again with the same name, ports and data dir, waiting until it is
+/// healthy; `record` is called with the new process before the wait.
+pub fn restart(
+    binary: &Path,
+    name: &str,
+    old: &EtcdRecord,
+    record: impl FnOnce(&EtcdRecord) -> Result<()>,
+) -> Result<EtcdRecord> {
+    if alive(old) {
+        let pid = nix::unistd::Pid::from_raw(old.pid as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL)
+            .with_context(|| format!("SIGKILL to etcd (pid {})", old.pid))?;
+        while alive(old) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let dir = old
+        .data_dir
+        .parent()
+        .with_context(|| format!("the etcd dir above {}", old.data_dir.display()))?;
+    let peer_port = match old.peer_addr {
+        Some(addr) => addr.port(),
+        None => free_port_pair()?.1,
+    };
+    launch(binary, name, dir, (old.client_addr.port(), peer_port), record)
+}
+
+/// Starts etcd on `ports` (client, peer) with its data in `dir/data`.
+fn launch(
+    binary: &Path,
+    name: &str,
+    dir: &Path,
+    (client_port, peer_port): (u16, u16),
+    record: impl FnOnce(&EtcdRecord) -> Result<()>,
+) -> Result<EtcdRecord> {
     use std::os::unix::process::CommandExt;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let (client_port, peer_port) = free_port_pair()?;
     let client_url = format!("http://127.0.0.1:{client_port}");
     let peer_url = format!("http://127.0.0.1:{peer_port}");
     let log = dir.join("etcd.log");
@@ -98,6 +147,8 @@ pub fn start(
         client_addr: SocketAddr::from((Ipv4Addr::LOCALHOST, client_port)),
         data_dir,
         log: log.clone(),
+        peer_addr: Some(SocketAddr::from((Ipv4Addr::LOCALHOST, peer_port))),
+        binary: Some(binary.to_path_buf()),
     };
     record(&etcd)?;
     let deadline = Instant::now() + READY_TIMEOUT;
@@ -123,9 +174,16 @@ pub fn start(
     }
 }
 
-/// Whether the recorded etcd still runs (its pid is an `etcd`).
+/// Whether the recorded etcd still runs (its pid is an `etcd`, not a zombie).
 pub fn alive(etcd: &EtcdRecord) -> bool {
-    std::fs::read_to_string(format!("/proc/{}/comm", etcd.pid)).is_ok_and(|comm| comm.trim() == "etcd")
+    std::fs::read_to_string(format!("/proc/{}/stat", etcd.pid)).is_ok_and(|stat| {
+        let (head, rest) = stat.rsplit_once(')').unwrap_or_default();
+        head.ends_with("(etcd")
+            && rest
+                .split_whitespace()
+                .next()
+                .is_some_and(|state| state != "Z" && state != "X")
+    })
 }
 
 /// SIGTERM to the recorded etcd, SIGKILL after `grace`; waits until it is gone.

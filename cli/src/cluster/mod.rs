@@ -1,4 +1,4 @@
-//! `rivet cluster up|down|status|start-node|stop-node|policy|service|namespace`: a
+//! `rivet cluster up|down|status|start-node|stop-node|restart-etcd|policy|service|namespace`: a
 //! multi-node cluster simulated on one machine (DESIGN.md §8, issue 16 §5),
 //! for demos, tests and benchmarks. Nothing touches the machine's real
 //! interfaces.
@@ -33,6 +33,9 @@
 //! `rivet cluster namespace label ...` run the same command on every node;
 //! so does `rivet cluster service ...`, whose `apply` gives every node the
 //! first node's clusterIPs and node ports for a Service that names none.
+//!
+//! `rivet cluster restart-etcd` crashes etcd (SIGKILL) and starts it again
+//! on the same ports and data.
 //!
 //! `rivet cluster stop-node NODE` stops one node cleanly (it leaves the
 //! cluster at once; its namespace and underlay link stay) and
@@ -109,6 +112,18 @@ pub enum ClusterCommand {
         /// Cluster name.
         #[arg(long, default_value = DEFAULT_NAME)]
         name: String,
+    },
+    /// Crash the cluster's etcd (SIGKILL) and start it again on the same
+    /// ports and data; returns once it is healthy. The nodes' clients
+    /// reconnect on their own.
+    RestartEtcd {
+        /// Cluster name.
+        #[arg(long, default_value = DEFAULT_NAME)]
+        name: String,
+        /// The etcd v3.6 binary; default: the one it ran, else the one
+        /// `cargo xtask install` built.
+        #[arg(long, value_name = "PATH")]
+        etcd_binary: Option<PathBuf>,
     },
     /// `rivet policy ...` on every node, in order (policies are per node
     /// without Kubernetes).
@@ -323,6 +338,14 @@ pub async fn run(ctx: &Context, state_dir: &Path, command: ClusterCommand) -> Re
             let cluster = ClusterRecord::find(state_dir, &name)?;
             let plan = cluster.node(&node)?.clone();
             up::start_node(&cluster, &plan).await
+        }
+        ClusterCommand::RestartEtcd { name, etcd_binary } => {
+            let cluster = ClusterRecord::find(state_dir, &name)?;
+            let restarted = tokio::task::spawn_blocking(move || up::restart_etcd(cluster, etcd_binary))
+                .await
+                .context("restarting etcd on the blocking pool")??;
+            println!("etcd {} restarted (pid {})", restarted.endpoint, restarted.pid);
+            Ok(true)
         }
         ClusterCommand::Policy { name, command } => {
             let cluster = ClusterRecord::find(state_dir, &name)?;

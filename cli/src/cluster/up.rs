@@ -281,6 +281,24 @@ pub(super) async fn down(dir: &Path) -> Result<bool> {
     }
 }
 
+/// `rivet cluster restart-etcd`: etcd crashed and started again on its
+/// ports and data, recorded in cluster.json before the wait for health.
+pub(super) fn restart_etcd(mut record: ClusterRecord, binary: Option<PathBuf>) -> Result<etcd::EtcdRecord> {
+    let old = record
+        .etcd
+        .clone()
+        .with_context(|| format!("cluster {} has no etcd recorded", record.plan.name))?;
+    let binary = match binary.or_else(|| old.binary.clone()) {
+        Some(path) => path,
+        None => rivet_tools::tool_path(rivet_tools::Tool::Etcd)?,
+    };
+    let name = format!("{}-etcd", record.plan.name);
+    etcd::restart(&binary, &name, &old, |running| {
+        record.etcd = Some(running.clone());
+        record.store()
+    })
+}
+
 fn node_down_command(record: &ClusterRecord, node: &str) -> Result<tokio::process::Command> {
     let mut command = tokio::process::Command::new(own_exe()?);
     command
