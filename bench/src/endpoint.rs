@@ -48,6 +48,7 @@ use rivet_proto::loader::v1::loader_service_client::LoaderServiceClient;
 use rivet_testkit::loader::HOST_PREFIX;
 use rivet_testkit::node::{EndpointNode, NodeOptions};
 
+use crate::procfs::{memory, pid, rss_mib};
 use crate::report::{BenchResult, ms, percentile, sibling_binary};
 
 /// The node's IPv4 pool (`rivet_testkit::node::POOL4`, a /22) bounds the
@@ -61,7 +62,7 @@ pub(crate) const LOADER_ENDPOINTS_MAX: u32 = 2 * MAX_ENDPOINTS + 48;
 pub(crate) const APPS: u32 = 10;
 /// Selects every endpoint (they all carry `tier=bench`), ingress from any
 /// pod of the namespace (all `APPS` identities) on two ports.
-const POLICY: &str = r#"apiVersion: networking.k8s.io/v1
+pub(crate) const POLICY: &str = r#"apiVersion: networking.k8s.io/v1
 kind: NetworkPolicy
 metadata:
   name: bench-all
@@ -514,7 +515,7 @@ pub(crate) async fn create_all(
 
 /// Checks that svc-loader holds exactly `count` endpoints, each with policy
 /// `revision` (or newer) enforced on ingress; returns the entries of one.
-async fn check_datapath(
+pub(crate) async fn check_datapath(
     loader: &mut LoaderServiceClient<DaemonChannel>,
     count: usize,
     revision: u64,
@@ -584,49 +585,6 @@ fn restore_took_ms(log: &str) -> Option<u64> {
         .take_while(char::is_ascii_digit)
         .collect();
     digits.parse().ok()
-}
-
-pub(crate) fn pid(pid: Option<u32>) -> anyhow::Result<u32> {
-    pid.ok_or_else(|| anyhow::anyhow!("a daemon of the node is not running"))
-}
-
-/// Where a daemon's resident memory is (from `/proc/<pid>/status`), MiB.
-#[derive(Debug, Clone, Copy)]
-struct Memory {
-    /// VmRSS.
-    rss: f64,
-    /// RssAnon: heap, stacks, anonymous mappings.
-    anon: f64,
-    /// RssFile: the binary's and libraries' pages.
-    file: f64,
-    /// Threads.
-    threads: f64,
-}
-
-/// The memory of `pid`, after checking it is `name` (svc-loader runs
-/// through nsenter, which execs it in place).
-fn memory(pid: u32, name: &str) -> anyhow::Result<Memory> {
-    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm"))?;
-    anyhow::ensure!(comm.trim() == name, "pid {pid} is {:?}, not {name}", comm.trim());
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let field = |name: &str| -> anyhow::Result<f64> {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .ok_or_else(|| anyhow::anyhow!("no {name} in /proc/{pid}/status"))
-    };
-    Ok(Memory {
-        rss: field("VmRSS")? / 1024.0,
-        anon: field("RssAnon")? / 1024.0,
-        file: field("RssFile")? / 1024.0,
-        threads: field("Threads")?,
-    })
-}
-
-/// VmRSS of `pid` in MiB (see [`memory`]).
-pub(crate) fn rss_mib(pid: u32, name: &str) -> anyhow::Result<f64> {
-    Ok(memory(pid, name)?.rss)
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ use svc_gc::clock::{Clock as _, KernelClock};
 use svc_gc::sys;
 use svc_loader::maps::{Ct4Key, CtEntry};
 
+use crate::procfs::cpu_seconds;
 use crate::report::{BenchResult, sibling_binary};
 
 /// Options of the gc benchmark.
@@ -97,22 +98,6 @@ async fn wait_passes(daemon: &DaemonProcess, n: u64) -> anyhow::Result<pb::Statu
         anyhow::ensure!(started.elapsed() < Duration::from_secs(120), "svc-gc ran no pass");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-}
-
-/// utime + stime of `pid` in seconds (all its threads, also exited ones).
-fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the parenthesised command name; utime and stime are
-    // fields 14 and 15 of the whole line.
-    let rest = stat
-        .rsplit_once(')')
-        .map(|(_, r)| r)
-        .ok_or_else(|| anyhow::anyhow!("unreadable /proc/{pid}/stat"))?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
-    // SAFETY: sysconf has no memory effects.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Ok(ticks as f64 / hz)
 }
 
 /// Runs the benchmark.

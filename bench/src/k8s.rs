@@ -49,8 +49,9 @@ use rivet_testkit::node::{EndpointNode, NodeOptions};
 use tokio::sync::watch;
 
 use crate::endpoint::{
-    APPS, CALL_TIMEOUT, LOADER_ENDPOINTS_MAX, MAX_ENDPOINTS, container_id, create_all, endpoint_requests, pid, rss_mib,
+    APPS, CALL_TIMEOUT, LOADER_ENDPOINTS_MAX, MAX_ENDPOINTS, container_id, create_all, endpoint_requests,
 };
+use crate::procfs::{cpu_seconds, pid, rss_mib};
 use crate::report::{BenchResult, load_average, ms, percentile, sibling_binary};
 
 /// Namespaces of the other nodes' pods and of the policies of (3).
@@ -560,28 +561,6 @@ async fn replays(client: &mut KubernetesSyncServiceClient<DaemonChannel>) -> any
     Ok(status.fed.iter().map(|f| f.replays).sum())
 }
 
-/// utime + stime of `pid`, seconds.
-pub(crate) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    anyhow::ensure!(hz > 0, "sysconf(_SC_CLK_TCK) returned {hz}");
-    cpu_ticks(&stat)
-        .map(|ticks| ticks as f64 / hz as f64)
-        .ok_or_else(|| anyhow::anyhow!("/proc/{pid}/stat has no utime and stime: {stat:?}"))
-}
-
-/// utime + stime (fields 14 and 15) of a `/proc/<pid>/stat` line, clock
-/// ticks. The command name in parentheses may hold spaces and ')': fields
-/// are counted after its last ')'.
-fn cpu_ticks(stat: &str) -> Option<u64> {
-    let (_, after) = stat.rsplit_once(')')?;
-    let mut fields = after.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some(utime + stime)
-}
-
 fn other_namespace(k: u32) -> String {
     format!("bench-other-{k}")
 }
@@ -690,14 +669,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpu_ticks_are_utime_plus_stime_after_the_command_name() {
-        let stat = "4242 (svc k8s) sync) S 1 4242 4242 0 -1 4194560 900 0 0 0 123 45 0 0 20 0 7 0 100 0 0";
-        assert_eq!(cpu_ticks(stat), Some(168));
-        assert_eq!(cpu_ticks("4242 (x) S 1"), None);
-        assert!(cpu_seconds(std::process::id()).is_ok());
-    }
 
     #[test]
     fn the_direct_policy_is_the_api_policy_renamed() {

@@ -84,15 +84,15 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
     let ipcache_max = (total + args.samples + 2 * args.nodes + 1024).next_power_of_two();
     let node = EtcdNode::start(&bin_dir, &etcd.endpoint(), &spec.cluster, ipcache_max, &[]).await?;
     let ipcache = node.ipcache()?;
-    let identity_pid = crate::endpoint::pid(node.identity.pid())?;
-    let loader_pid = crate::endpoint::pid(node.node.loader.pid())?;
+    let identity_pid = crate::procfs::pid(node.identity.pid())?;
+    let loader_pid = crate::procfs::pid(node.node.loader.pid())?;
     let (identity_rss_idle, loader_rss_idle) = (
-        crate::endpoint::rss_mib(identity_pid, "svc-identity")?,
-        crate::endpoint::rss_mib(loader_pid, "svc-loader")?,
+        crate::procfs::rss_mib(identity_pid, "svc-identity")?,
+        crate::procfs::rss_mib(loader_pid, "svc-loader")?,
     );
     let (identity_cpu0, loader_cpu0) = (
-        crate::k8s::cpu_seconds(identity_pid)?,
-        crate::k8s::cpu_seconds(loader_pid)?,
+        crate::procfs::cpu_seconds(identity_pid)?,
+        crate::procfs::cpu_seconds(loader_pid)?,
     );
     let load_before = load_average()?;
 
@@ -111,11 +111,11 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
         ),
     }
     let converged = started.elapsed();
-    let identity_cpu = crate::k8s::cpu_seconds(identity_pid)? - identity_cpu0;
-    let loader_cpu = crate::k8s::cpu_seconds(loader_pid)? - loader_cpu0;
-    let identity_rss = crate::endpoint::rss_mib(identity_pid, "svc-identity")?;
+    let identity_cpu = crate::procfs::cpu_seconds(identity_pid)? - identity_cpu0;
+    let loader_cpu = crate::procfs::cpu_seconds(loader_pid)? - loader_cpu0;
+    let identity_rss = crate::procfs::rss_mib(identity_pid, "svc-identity")?;
     let map_bytes = ipcache.memory_bytes()?;
-    let loader_rss = crate::endpoint::rss_mib(loader_pid, "svc-loader")?;
+    let loader_rss = crate::procfs::rss_mib(loader_pid, "svc-loader")?;
     println!(
         "{} nodes x {} pods ({total} entries, {} identities): published in {:.2} s, in the real node's ipcache after \
          {:.2} s; svc-identity VmRSS {identity_rss_idle:.1} -> {identity_rss:.1} MiB, CPU {identity_cpu:.2} s; \
@@ -130,8 +130,8 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
     );
 
     let (identity_cpu1, loader_cpu1) = (
-        crate::k8s::cpu_seconds(identity_pid)?,
-        crate::k8s::cpu_seconds(loader_pid)?,
+        crate::procfs::cpu_seconds(identity_pid)?,
+        crate::procfs::cpu_seconds(loader_pid)?,
     );
     let mut latencies = Vec::with_capacity(args.samples as usize);
     let mut all = cluster.expected().to_vec();
@@ -140,8 +140,8 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
         latencies.push(ms(took));
         all.push(entry);
     }
-    let identity_cpu_per_pod = (crate::k8s::cpu_seconds(identity_pid)? - identity_cpu1) / f64::from(args.samples);
-    let loader_cpu_per_pod = (crate::k8s::cpu_seconds(loader_pid)? - loader_cpu1) / f64::from(args.samples);
+    let identity_cpu_per_pod = (crate::procfs::cpu_seconds(identity_pid)? - identity_cpu1) / f64::from(args.samples);
+    let loader_cpu_per_pod = (crate::procfs::cpu_seconds(loader_pid)? - loader_cpu1) / f64::from(args.samples);
     let (p50, p99) = (percentile(&mut latencies, 0.50), percentile(&mut latencies, 0.99));
     println!(
         "one more pod ({} samples): etcd put -> pinned ipcache p50 {p50:.2} ms, p99 {p99:.2} ms; CPU per pod: \
@@ -170,7 +170,7 @@ pub async fn measure(args: &ScaleArgs) -> anyhow::Result<BenchResult> {
             )
         }
     };
-    let joiner_rss = crate::endpoint::rss_mib(crate::endpoint::pid(joiner.identity.pid())?, "svc-identity")?;
+    let joiner_rss = crate::procfs::rss_mib(crate::procfs::pid(joiner.identity.pid())?, "svc-identity")?;
     println!(
         "a node joining now: its ipcache holds all {} entries {join_s:.2} s after its daemons started (svc-identity VmRSS {joiner_rss:.1} MiB)",
         all.len()

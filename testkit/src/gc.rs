@@ -142,6 +142,28 @@ pub fn synthetic_key(i: u32) -> Ct4Key {
     )
 }
 
+/// `count` live established-TCP entries at `now` (refreshed just now, with
+/// `lifetime_s`), opened by the pods at `sources` in turn: entry `i` goes
+/// from `sources[i % n]` to 198.19.x.y:80, so every entry belongs to a
+/// local endpoint (none is an orphan to svc-gc) and each source has up to
+/// 2^16 × 45535 distinct ones.
+pub fn flows_from(sources: &[Ipv4Addr], count: u32, now: u64, lifetime_s: u32) -> (Vec<Ct4Key>, Vec<CtEntry>) {
+    let n = sources.len().max(1) as u32;
+    let keys: Vec<Ct4Key> = (0..count)
+        .map(|i| {
+            let (src, k) = (sources[(i % n) as usize], i / n);
+            Ct4Key::new(
+                SocketAddrV4::new(src, 20_000 + (k >> 16) as u16),
+                SocketAddrV4::new(Ipv4Addr::new(198, 19, (k >> 8) as u8, k as u8), 80),
+                6,
+                DIR_EGRESS,
+            )
+        })
+        .collect();
+    let values = vec![entry(now, lifetime_s, CT_TCP_ESTABLISHED); count as usize];
+    (keys, values)
+}
+
 /// `live + expired` synthetic established-TCP entries at `now`: the first
 /// `live` refreshed just now with `lifetime_s`, the rest refreshed a minute
 /// ago with a 10 s lifetime (past the datapath's own deadline: expired

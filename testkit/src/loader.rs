@@ -252,6 +252,16 @@ pub fn small_flow_maps<'a>(extra_args: &[&str]) -> Vec<&'a str> {
         .collect()
 }
 
+/// `[flag, value]` unless `extra_args` sets `flag` itself (clap refuses a
+/// flag given twice).
+fn unless_given<'a>(extra_args: &[&str], flag: &'a str, value: &'a str) -> Vec<&'a str> {
+    if extra_args.contains(&flag) {
+        Vec::new()
+    } else {
+        vec![flag, value]
+    }
+}
+
 impl LoaderNode {
     /// Creates the node with `pods` and starts `loader_bin` inside it with
     /// small maps and `extra_args` (which may size the flow maps itself:
@@ -336,7 +346,8 @@ impl LoaderNode {
             .args(["--node-name", &node_name, "--endpoint-interface-prefix", HOST_PREFIX])
             .args(small_flow_maps(extra_args))
             .args(["--endpoints-max", &endpoints_max])
-            .args(["--ipcache-max", &ipcache_max, "--policy-max", "65536"])
+            .args(["--ipcache-max", &ipcache_max])
+            .args(unless_given(extra_args, "--policy-max", "65536"))
             .args(["--events-bytes", "262144", "--host-address-sync-seconds", "1"])
             .args(extra_args)
             .log_to(dir.path().join("svc-loader.log"))

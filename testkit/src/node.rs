@@ -1,7 +1,8 @@
 //! A whole simulated node — the node network namespace with svc-loader
-//! inside it, svc-identity (embedded store), svc-ipam and svc-endpoint as
-//! real processes sharing one socket dir — and pods wired to it, all
-//! removed on drop.
+//! inside it, svc-identity (embedded store, or etcd through
+//! [`NodeOptions::identity_args`]), svc-ipam, svc-endpoint and, with
+//! [`NodeOptions::gc_args`], svc-gc as real processes sharing one socket
+//! dir — and pods wired to it, all removed on drop.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
@@ -34,11 +35,13 @@ pub const POOL6: &str = "2001:2::/64";
 /// is 5 s): a test sees a trace without stopping the daemons.
 pub const EXPORT_DELAY_MS: &str = "100";
 
-/// A node running all four node daemons. Fields drop in order: the
-/// unprivileged daemons, then the loader node (loader, namespaces, pins,
-/// temp dir).
+/// A node running all four node daemons (five with svc-gc). Fields drop in
+/// order: svc-gc, the unprivileged daemons, then the loader node (loader,
+/// namespaces, pins, temp dir).
 #[derive(Debug)]
 pub struct EndpointNode {
+    /// svc-gc (with [`NodeOptions::gc_args`]), on the loader's pinned maps.
+    pub gc: Option<DaemonProcess>,
     /// svc-endpoint (absent with [`NodeOptions::without_endpoint_daemon`]).
     pub endpoint: Option<DaemonProcess>,
     /// svc-identity (embedded store).
@@ -80,6 +83,16 @@ pub struct NodeOptions {
     /// its pool from SetPool (svc-k8s-sync with `--ipam-mode cluster-pool`,
     /// which the test starts, or the test itself).
     pub cluster_pool: bool,
+    /// svc-ipam's IPv4 CIDR; `None`: [`POOL4`] (a /22: 1000 pods).
+    pub pool4: Option<String>,
+    /// Added to svc-loader's command line (map sizes replace the test
+    /// loader's: `--ct-max`, `--policy-max`, ...).
+    pub loader_args: Vec<String>,
+    /// Added to svc-identity's command line (e.g. `--etcd-endpoints` for a
+    /// real store instead of the embedded one).
+    pub identity_args: Vec<String>,
+    /// Start svc-gc too, with these flags added.
+    pub gc_args: Option<Vec<String>>,
 }
 
 impl NodeOptions {
@@ -99,18 +112,25 @@ impl EndpointNode {
         // (and the receiver on it) is out of reach: it exports through a relay.
         let mut otlp_relay = None;
         let endpoints_max = options.loader_endpoints_max.unwrap_or(DEFAULT_ENDPOINTS_MAX);
-        let node = LoaderNode::start_with_env(&options.binary("svc-loader"), &[], &[], endpoints_max, |node| {
-            let Some(receiver) = options.otlp else {
-                return Ok(Vec::new());
-            };
-            let relay = OtlpRelay::start(&node.ns, receiver).map_err(std::io::Error::other)?;
-            let endpoint = relay.endpoint();
-            otlp_relay = Some(relay);
-            Ok(vec![
-                ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
-                ("OTEL_BSP_SCHEDULE_DELAY".into(), EXPORT_DELAY_MS.into()),
-            ])
-        })
+        let loader_args: Vec<&str> = options.loader_args.iter().map(String::as_str).collect();
+        let node = LoaderNode::start_with_env(
+            &options.binary("svc-loader"),
+            &[],
+            &loader_args,
+            endpoints_max,
+            |node| {
+                let Some(receiver) = options.otlp else {
+                    return Ok(Vec::new());
+                };
+                let relay = OtlpRelay::start(&node.ns, receiver).map_err(std::io::Error::other)?;
+                let endpoint = relay.endpoint();
+                otlp_relay = Some(relay);
+                Ok(vec![
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
+                    ("OTEL_BSP_SCHEDULE_DELAY".into(), EXPORT_DELAY_MS.into()),
+                ])
+            },
+        )
         .await?;
         let otlp_env = options.otlp.map(|addr| format!("http://{addr}"));
         let dir = node.dir.path().to_path_buf();
@@ -128,7 +148,7 @@ impl EndpointNode {
                 None => command,
             }
         };
-        let pool = format!("default={POOL4},{POOL6}");
+        let pool = format!("default={},{POOL6}", options.pool4.as_deref().unwrap_or(POOL4));
         let ipam = common("svc-ipam")
             .args(if options.cluster_pool {
                 Vec::new()
@@ -137,7 +157,7 @@ impl EndpointNode {
             })
             .spawn()
             .await?;
-        let identity = common("svc-identity").spawn().await?;
+        let identity = common("svc-identity").args(&options.identity_args).spawn().await?;
         let endpoint = if options.without_endpoint_daemon {
             None
         } else {
@@ -157,7 +177,19 @@ impl EndpointNode {
                     .await?,
             )
         };
+        let gc = match &options.gc_args {
+            Some(args) => {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                Some(
+                    crate::gc::daemon_command(&options.binary("svc-gc"), &dir, &node.node_name, &args)
+                        .spawn()
+                        .await?,
+                )
+            }
+            None => None,
+        };
         Ok(Self {
+            gc,
             endpoint,
             identity,
             ipam,

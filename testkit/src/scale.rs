@@ -53,6 +53,12 @@ pub const NAMESPACE: &str = "scale";
 pub const LEASE_TTL: Duration = Duration::from_secs(30);
 /// Concurrent etcd writes of the generator.
 const CONCURRENCY: usize = 64;
+/// The first id of [`SimulatedCluster::add_identities`]: past
+/// svc-identity's default `--max-identity`.
+pub const BULK_FIRST_ID: u32 = rivet_common::identity::DEFAULT_MAX_CLUSTER_IDENTITY + 1;
+/// Identities per transaction of [`SimulatedCluster::add_identities`]: two
+/// puts each, within etcd's default `--max-txn-ops` of 128.
+pub const IDENTITY_BATCH: usize = 50;
 
 /// Why the load generator or the observed node failed.
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +98,18 @@ pub enum ScaleError {
     NodeRecord {
         /// The node.
         node: String,
+        /// etcd's error.
+        source: Box<etcd_client::Error>,
+    },
+    /// Writing a batch of identities failed.
+    #[error("simulated node {node}: putting identities {first}..={last}: {source}")]
+    Identities {
+        /// The node holding them.
+        node: String,
+        /// The batch's first id.
+        first: u32,
+        /// Its last id.
+        last: u32,
         /// etcd's error.
         source: Box<etcd_client::Error>,
     },
@@ -354,6 +372,56 @@ impl SimulatedCluster {
             })?;
         let value = serde_json::to_vec(&entry).expect("an IP entry serialises");
         Ok(node.backend.layout().ip_key(&entry.ip).len() + value.len())
+    }
+
+    /// `count` more identities in the store, as many label sets no pod of
+    /// the spec runs (apps `spec.apps..`, namespace [`NAMESPACE`]), each
+    /// held by one simulated node in turn: its master key
+    /// `identities/v1/id/<id>` and a value key on that node's lease — the
+    /// keys an allocation writes (svc-identity's layout), put
+    /// [`IDENTITY_BATCH`] identities to a transaction instead of one each
+    /// (an allocation's transaction per identity would take minutes for
+    /// 100,000). The ids are [`BULK_FIRST_ID`] upwards, above the
+    /// allocators' default range so they never collide with an app's: a
+    /// node that is to hold them needs `--max-identity` of at least the
+    /// last one returned. Returns the ids in order.
+    pub async fn add_identities(&self, count: u32) -> Result<Vec<u32>, ScaleError> {
+        let ids: Vec<u32> = (BULK_FIRST_ID..).take(count as usize).collect();
+        let batches: Vec<&[u32]> = ids.chunks(IDENTITY_BATCH).collect();
+        futures::stream::iter(batches.into_iter().enumerate().map(|(b, batch)| {
+            let node = &self.nodes[b % self.nodes.len()];
+            let apps = batch.iter().map(|id| self.spec.apps + (id - BULK_FIRST_ID));
+            async move {
+                let lease = etcd_client::PutOptions::new().with_lease(node.backend.lease_id());
+                let layout = node.backend.layout();
+                let mut ops = Vec::with_capacity(2 * batch.len());
+                for (&id, app) in batch.iter().zip(apps) {
+                    let labels = ScaleSpec::app_labels(app)?.to_string();
+                    ops.push(etcd_client::TxnOp::put(layout.id_key(id), labels.clone(), None));
+                    ops.push(etcd_client::TxnOp::put(
+                        layout.value_key(&labels, &node.name),
+                        id.to_string(),
+                        Some(lease.clone()),
+                    ));
+                }
+                node.backend
+                    .etcd_client()
+                    .kv_client()
+                    .txn(etcd_client::Txn::new().and_then(ops))
+                    .await
+                    .map_err(|source| ScaleError::Identities {
+                        node: node.name.clone(),
+                        first: batch[0],
+                        last: batch[batch.len() - 1],
+                        source: Box::new(source),
+                    })?;
+                Ok::<_, ScaleError>(())
+            }
+        }))
+        .buffer_unordered(8)
+        .try_collect::<()>()
+        .await?;
+        Ok(ids)
     }
 
     /// Revokes every simulated node's lease (a clean stop of each): their

@@ -6,6 +6,8 @@
 //! that binary with the arguments. `cluster` is the exception: it measures the binaries
 //! of the image it is given, running in a kubelet cluster; the local binary only applies
 //! objects and watches them, so the dev build does (no minutes of optimised rebuild).
+//! `--dev` runs any benchmark on the dev build: unoptimised daemons, so its times are
+//! not the figures of record and its memory figures are upper bounds.
 
 use anyhow::Result;
 
@@ -17,6 +19,11 @@ pub struct Args {
     /// List the benchmarks instead of running one.
     #[arg(long, conflicts_with = "name")]
     list: bool,
+    /// Build and run the dev profile instead of `bench-release` (a fat-LTO
+    /// build of 45+ minutes on 2 cores); give it before the benchmark's
+    /// own flags.
+    #[arg(long)]
+    dev: bool,
     /// The benchmark to run, e.g. `ipam`.
     #[arg(required_unless_present = "list")]
     name: Option<String>,
@@ -33,7 +40,7 @@ pub struct Args {
 /// Builds every binary in the bench profile (benchmarks drive the real
 /// daemons, found next to `rivet-bench`), then runs the chosen benchmark.
 pub fn run(args: &Args) -> Result<()> {
-    let profile = profile(args.name.as_deref());
+    let profile = if args.dev { "dev" } else { profile(args.name.as_deref()) };
     cmd::run(cmd::cargo().args(["build", "--profile", profile, "--workspace", "--bins"]))?;
     // The binary of that workspace build: `cargo run -p rivet-bench` would
     // resolve features for one package and rebuild much of it (fat LTO).
@@ -89,6 +96,22 @@ mod tests {
         assert_eq!(profile(Some("cluster")), "dev");
         assert_eq!(profile(Some("services")), "bench-release");
         assert_eq!(profile(None), "bench-release");
+    }
+
+    #[test]
+    fn dev_before_the_benchmark_s_own_flags_is_ours() {
+        for argv in [
+            ["bench", "--dev", "scale", "--endpoints", "10"],
+            ["bench", "scale", "--dev", "--endpoints", "10"],
+        ] {
+            let cli = Cli::try_parse_from(argv).unwrap();
+            assert!(cli.args.dev, "{argv:?}");
+            assert_eq!(bench_args(&cli.args), ["scale", "--endpoints", "10"]);
+        }
+        let cli = Cli::try_parse_from(["bench", "scale", "--endpoints", "10", "--dev"]).unwrap();
+        assert!(!cli.args.dev);
+        assert_eq!(bench_args(&cli.args), ["scale", "--endpoints", "10", "--dev"]);
+        assert_eq!(profile(Some("scale")), "bench-release");
     }
 
     #[test]
