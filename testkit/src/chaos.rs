@@ -97,7 +97,7 @@ pub const GC_MAX_INTERVAL: Duration = Duration::from_secs(5);
 /// snapshot or the store) that no endpoint claims again this long before
 /// it withdraws them, so an entry of a pod deleted just before a kill -9
 /// of svc-identity outlives the pod by up to this. Shortened so the end's
-/// wait ([`END_TIMEOUT`]) covers it; svc-endpoint claims its endpoints'
+/// wait (60 s) covers it; svc-endpoint claims its endpoints'
 /// entries again as soon as it sees the new svc-identity.
 pub const IDENTITY_RESTORE_GRACE: Duration = Duration::from_secs(15);
 /// Pods a run keeps at least (adds are forced below).
