@@ -29,9 +29,9 @@ enum Step {
 
 /// Seconds each fuzz target runs in the suite: a smoke run proving that
 /// every target builds, loads its seeds and holds its invariants a while.
-/// The cold build is most of the step: an unoptimised one without a
-/// sanitizer and without svc-identity and svc-endpoint, about 5.6 min of
-/// CPU (13.7 optimised with AddressSanitizer), ~3 min on the 2 cores.
+/// The cold build (unoptimised, no sanitizer, without svc-identity and
+/// svc-endpoint: about 5.6 min of CPU, 13.7 optimised with
+/// AddressSanitizer) runs beside the test binaries ([`FuzzBuild`]).
 pub const CI_FUZZ_SECONDS: u64 = 5;
 
 /// Runs fmt check, the dependency rules, clippy, the docs, all tests and doc tests
