@@ -64,7 +64,7 @@ const CONVERGE_TIMEOUT: Duration = Duration::from_secs(900);
 const CALL_TIMEOUT: Duration = Duration::from_secs(600);
 /// Endpoints created between two progress lines.
 const PROGRESS_EVERY: usize = 1000;
-/// The node's pods: 198.18.0.0/<len>, large enough for `--endpoints`.
+/// The node's pods: `198.18.0.0/<len>`, large enough for `--endpoints`.
 const POOL_BASE: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 0);
 /// Lifetime of the conntrack entries, seconds (the datapath's established
 /// TCP default: nothing expires during the run).
