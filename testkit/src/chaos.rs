@@ -110,6 +110,10 @@ pub struct ChaosOptions {
     pub seed: u64,
     /// How long the churn goes on (the end's checks come after).
     pub duration: Duration,
+    /// Steps the churn makes at least, however long they take: the seed's
+    /// choices up to that step (a fault of each kind, say) happen also on a
+    /// loaded machine, where fewer steps fit in `duration`.
+    pub min_steps: u64,
     /// Nodes (2 or 3).
     pub nodes: usize,
     /// Churned pods live at most at once.
@@ -132,6 +136,7 @@ impl ChaosOptions {
         Self {
             seed,
             duration: Duration::from_secs(minutes * 60),
+            min_steps: 0,
             nodes: 3,
             max_pods: 200,
             probes_per_check: 4,
@@ -564,7 +569,7 @@ impl Chaos {
         let baseline = inventory(&self.cluster).await;
         self.start_flows().await;
         let deadline = Instant::now() + self.options.duration;
-        while Instant::now() < deadline {
+        while Instant::now() < deadline || self.step < self.options.min_steps {
             self.step += 1;
             let action = choose_action(
                 &mut self.rng,
