@@ -59,6 +59,13 @@ const POLL: Duration = Duration::from_millis(50);
 
 static CLUSTERS: AtomicU32 = AtomicU32::new(0);
 
+/// `--timeout` of the policy commands, seconds: longer than the CLI's 5 s
+/// default, which a node whose svc-identity is reconnecting to a restarted
+/// etcd (5 s to dial, 5 s per request) can exceed on a loaded machine (seen
+/// in the chaos run: "Cancelled: Timeout expired" right after an etcd
+/// restart at load 17).
+const POLICY_WAIT_SECONDS: &str = "30";
+
 /// What [`Cluster::start`] builds.
 #[derive(Debug, Clone)]
 pub struct ClusterOptions {
@@ -643,13 +650,23 @@ impl Cluster {
         let file = tempfile::NamedTempFile::new_in(self.state_dir.path()).expect("a temp file for the policy");
         std::fs::write(file.path(), yaml).expect("writing the policy");
         let path = file.path().display().to_string();
-        self.cluster_command(&["policy", "apply", "-f", &path, "--wait"]).await;
+        self.cluster_command(&[
+            "policy",
+            "apply",
+            "-f",
+            &path,
+            "--wait",
+            "--timeout",
+            POLICY_WAIT_SECONDS,
+        ])
+        .await;
     }
 
     /// Deletes a policy (`kind/namespace/name`, or `namespace/name` for a
     /// NetworkPolicy) on every node, waiting until it is realised.
     pub async fn delete_policy(&self, key: &str) {
-        self.cluster_command(&["policy", "delete", key, "--wait"]).await;
+        self.cluster_command(&["policy", "delete", key, "--wait", "--timeout", POLICY_WAIT_SECONDS])
+            .await;
     }
 
     /// Applies Service and EndpointSlice documents (multi-document YAML)
