@@ -160,16 +160,10 @@ pub async fn run(args: &EndpointArgs) -> anyhow::Result<BenchResult> {
         request_timeout: CALL_TIMEOUT,
         ..ClientOptions::default()
     };
-    let sockets = node.sockets();
-    let channel = |name: &str| {
-        let path = sockets.join(format!("{name}.sock"));
-        let options = options.clone();
-        async move { connect_unix(&path, &options).await }
-    };
-    let mut endpoints = EndpointServiceClient::new(channel("svc-endpoint").await?);
-    let mut policies = PolicyServiceClient::new(channel("svc-endpoint").await?);
-    let ipam = IpamClient::new(channel("svc-ipam").await?);
-    let mut loader = LoaderServiceClient::new(channel("svc-loader").await?);
+    let mut endpoints = EndpointServiceClient::new(node.connect("svc-endpoint", &options).await?);
+    let mut policies = PolicyServiceClient::new(node.connect("svc-endpoint", &options).await?);
+    let ipam = IpamClient::new(node.connect("svc-ipam", &options).await?);
+    let mut loader = LoaderServiceClient::new(node.connect("svc-loader", &options).await?);
     let mut raw = LoaderServiceClient::new(connect_unix(peer.node.loader.socket(), &options).await?);
 
     // Interfaces and addresses for every endpoint, up front (not measured).

@@ -36,7 +36,7 @@
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
-use rivet_common::grpc::{ClientOptions, DaemonChannel, connect_unix};
+use rivet_common::grpc::{ClientOptions, DaemonChannel};
 use rivet_common::testing::etcd::EtcdServer;
 use rivet_datapath::spec;
 use rivet_proto::endpoint::v1 as pb;
@@ -209,12 +209,6 @@ pub async fn run(args: &ResourceArgs) -> anyhow::Result<BenchResult> {
         request_timeout: CALL_TIMEOUT,
         ..ClientOptions::default()
     };
-    let sockets = node.sockets();
-    let channel = |name: &str| {
-        let path = sockets.join(format!("{name}.sock"));
-        let options = options.clone();
-        async move { connect_unix(&path, &options).await }
-    };
 
     // 1. The store: remote nodes and pods, then identities up to the count.
     let step = Instant::now();
@@ -222,7 +216,7 @@ pub async fn run(args: &ResourceArgs) -> anyhow::Result<BenchResult> {
     let ids = cluster.add_identities(bulk).await?;
     let published_s = step.elapsed().as_secs_f64();
     let total_identities = app_identities + ids.len() as u32;
-    let mut identity = IdentityServiceClient::new(channel("svc-identity").await?);
+    let mut identity = IdentityServiceClient::new(node.connect("svc-identity", &options).await?);
     let cached = wait_identities(&mut identity, total_identities).await?;
     let ipcache = IpcacheReader::open(&node.node.pins.0)?;
     if let Err(missing) = ipcache
@@ -246,14 +240,14 @@ pub async fn run(args: &ResourceArgs) -> anyhow::Result<BenchResult> {
 
     // 2. Endpoints, then one policy selecting them all.
     let step = Instant::now();
-    let ipam = IpamClient::new(channel("svc-ipam").await?);
+    let ipam = IpamClient::new(node.connect("svc-ipam", &options).await?);
     let requests = endpoint_requests(&node, &ipam, args.endpoints, args.concurrency).await?;
     let wired_s = step.elapsed().as_secs_f64();
     println!(
         "{} veth pairs in the node namespace and as many addresses from svc-ipam in {wired_s:.1} s",
         requests.len()
     );
-    let endpoints = EndpointServiceClient::new(channel("svc-endpoint").await?);
+    let endpoints = EndpointServiceClient::new(node.connect("svc-endpoint", &options).await?);
     let create = Instant::now();
     for (i, chunk) in requests.chunks(PROGRESS_EVERY).enumerate() {
         let took = create_all(&endpoints, chunk, args.concurrency).await?;
@@ -280,9 +274,9 @@ pub async fn run(args: &ResourceArgs) -> anyhow::Result<BenchResult> {
         );
     }
     let n = args.endpoints as usize;
-    let mut loader = LoaderServiceClient::new(channel("svc-loader").await?);
+    let mut loader = LoaderServiceClient::new(node.connect("svc-loader", &options).await?);
     let policy_started = Instant::now();
-    let mut policies = PolicyServiceClient::new(channel("svc-endpoint").await?);
+    let mut policies = PolicyServiceClient::new(node.connect("svc-endpoint", &options).await?);
     let upsert = pb::UpsertPolicyRequest {
         document: POLICY.into(),
         origin: pb::PolicyOrigin::Api.into(),
@@ -351,7 +345,7 @@ pub async fn run(args: &ResourceArgs) -> anyhow::Result<BenchResult> {
     ct4.insert_all(&keys, &values)?;
     drop((keys, values));
     let written_s = step.elapsed().as_secs_f64();
-    let pass = GcServiceClient::new(channel("svc-gc").await?)
+    let pass = GcServiceClient::new(node.connect("svc-gc", &options).await?)
         .run_now(gcpb::RunNowRequest {})
         .await?
         .into_inner()

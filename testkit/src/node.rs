@@ -203,6 +203,16 @@ impl EndpointNode {
         self.node.dir.path().join("sockets")
     }
 
+    /// A channel to `daemon`'s socket (`svc-endpoint`, `svc-ipam`, ...)
+    /// with `options`, for clients that set their own deadlines.
+    pub async fn connect(
+        &self,
+        daemon: &str,
+        options: &ClientOptions,
+    ) -> Result<DaemonChannel, rivet_common::grpc::ConnectError> {
+        connect_unix(&self.sockets().join(format!("{daemon}.sock")), options).await
+    }
+
     /// The shared state dir.
     pub fn state_dir(&self) -> PathBuf {
         self.node.dir.path().join("state")
