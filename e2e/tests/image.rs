@@ -160,9 +160,14 @@ async fn rivet_image_runs_every_binary_under_containerd() {
             &["/usr/bin/jaeger", "version"],
         )
         .unwrap_or_else(|e| panic!("jaeger version in {jaeger}: {e}"));
-    // Its log line (stderr) and the JSON (stdout) share the log, in either order.
-    let version = out.lines().find(|l| l.starts_with('{')).unwrap_or_default();
-    let version: serde_json::Value = serde_json::from_str(version).unwrap_or_else(|e| panic!("{out}: {e}"));
+    // Its log line (stderr) and the JSON (stdout, no newline) share the log in
+    // either order, even on one line: read the first JSON value from its brace.
+    let version = &out[out.find('{').unwrap_or(out.len())..];
+    let version: serde_json::Value = serde_json::Deserializer::from_str(version)
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| panic!("no JSON in `jaeger version`: {out}"))
+        .unwrap_or_else(|e| panic!("{out}: {e}"));
     assert!(version.get("gitVersion").is_some(), "{out}");
     let out = containerd
         .run_container(
