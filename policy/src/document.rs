@@ -221,7 +221,7 @@ impl Policy {
     /// CIDR identity for each too, so that the endpoint's prefixes tell that
     /// pod's address apart from the rest of the block and the rule allows
     /// exactly that pod's own port number there (see the module docs).
-    pub(crate) fn named_port_hosts(&self, cache: &SelectorCache) -> Vec<IpNet> {
+    pub fn named_port_hosts(&self, cache: &SelectorCache) -> Vec<IpNet> {
         let mut out = Vec::new();
         if !self.spec.applies(Direction::Egress) {
             return out;

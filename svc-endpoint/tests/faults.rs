@@ -533,6 +533,71 @@ async fn a_stale_cidr_pass_never_reinserts_a_prefix_after_its_policy_was_deleted
     .await;
 }
 
+/// A policy change answers by its deadline whatever svc-identity does (the
+/// chaos run saw an apply right after an etcd restart outlive its own
+/// deadline): with AllocateCidrIdentities hanging, an apply that needs a
+/// CIDR identity ends in DEADLINE at its deadline, the policy stored, and
+/// an apply that needs none meanwhile is realised at once instead of
+/// queueing behind it. Before, both waited on the hung pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_policy_change_answers_by_its_deadline_while_svc_identity_hangs() {
+    let t = Setup::start(&["a"], None).await;
+    let a = t.create("a", &["k8s:app=a"]).await;
+    t.faults.allocate_cidrs.set(Mode::Block);
+    let egress = Policy::parse(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: out}\nspec:\n  podSelector: {}\n  policyTypes: [Egress]\n  egress:\n  - to:\n    - ipBlock: {cidr: 198.19.64.0/24}\n",
+    )
+    .unwrap();
+    let deadline = Duration::from_secs(3);
+    let apply = tokio::spawn({
+        let manager = t.manager.clone();
+        async move {
+            let started = Instant::now();
+            let result = manager.upsert_policy(egress, PolicyOrigin::Api, true, deadline).await;
+            (result, started.elapsed())
+        }
+    });
+    t.faults.allocate_cidrs.blocked(1).await;
+
+    let ingress = Policy::parse(
+        "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata: {name: in}\nspec:\n  podSelector: {matchLabels: {app: a}}\n  ingress:\n  - from:\n    - podSelector: {matchLabels: {app: b}}\n",
+    )
+    .unwrap();
+    let update = tokio::time::timeout(
+        Duration::from_secs(10),
+        t.manager
+            .upsert_policy(ingress, PolicyOrigin::Api, true, Duration::from_secs(20)),
+    )
+    .await
+    .expect("a policy without CIDR peers must not queue behind one waiting on svc-identity")
+    .expect("a policy without CIDR peers is realised while another waits on svc-identity");
+    assert_eq!(update.endpoints, [a], "the ingress policy selects a");
+    assert_eq!(update.realised, 1, "a realised the ingress policy");
+
+    let (result, took) = apply.await.unwrap();
+    let e = result.expect_err("the egress policy cannot be realised without its CIDR identity");
+    assert!(matches!(e, ManagerError::Deadline { undone: false, .. }), "{e}");
+    assert!(
+        took < deadline + Duration::from_millis(500),
+        "a policy change must answer by its deadline ({deadline:?}), not after {took:?}"
+    );
+    assert_eq!(t.manager.policy_summary().1, 2, "both policies are stored");
+
+    t.faults.allocate_cidrs.set(Mode::Pass);
+    eventually(
+        Duration::from_secs(10),
+        "the CIDR identity is allocated once svc-identity answers",
+        async || {
+            let listed = t.node.local_identities().await;
+            listed
+                .identities
+                .iter()
+                .any(|i| i.labels.iter().any(|l| l == "cidr:198.19.64.0/24") && i.local_references > 0)
+        },
+    )
+    .await;
+}
+
 /// Issue 12 §4: an identity event resolves only the endpoints whose
 /// policies' selectors it changes (before, every endpoint's policy was
 /// resolved under the manager's lock on each event). A new web pod's

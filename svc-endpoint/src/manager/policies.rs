@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use tokio::sync::MutexGuard;
 
 use super::queue::Queue;
 use super::{EndpointManager, ManagerError, State, store};
@@ -247,8 +249,9 @@ impl EndpointManager {
         wait: bool,
         deadline: Duration,
     ) -> Result<PolicyUpdate, ManagerError> {
+        let started = Instant::now();
         self.require_policy_source(origin)?;
-        let _config = self.inner.config_lock.lock().await;
+        let config = self.inner.config_lock.lock().await;
         let change = {
             let mut state = self.state();
             // Check the origin before touching anything.
@@ -264,7 +267,8 @@ impl EndpointManager {
             }
             state.repository.upsert(policy, origin)?
         };
-        self.policy_changed(change, origin, wait, deadline).await
+        self.policy_changed(config, change, origin, wait, started + deadline)
+            .await
     }
 
     /// Removes a policy; `Ok(None)` when it did not exist.
@@ -275,21 +279,31 @@ impl EndpointManager {
         wait: bool,
         deadline: Duration,
     ) -> Result<Option<PolicyUpdate>, ManagerError> {
+        let started = Instant::now();
         self.require_policy_source(origin)?;
-        let _config = self.inner.config_lock.lock().await;
+        let config = self.inner.config_lock.lock().await;
         let change = self.state().repository.delete(key, origin)?;
         match change {
             None => Ok(None),
-            Some(change) => self.policy_changed(change, origin, wait, deadline).await.map(Some),
+            Some(change) => self
+                .policy_changed(config, change, origin, wait, started + deadline)
+                .await
+                .map(Some),
         }
     }
 
+    /// Persists a changed repository (under `config`, released before any
+    /// wait so that other changes never queue behind a realisation) and
+    /// regenerates the endpoints the change affects. The answer comes by
+    /// `deadline` whatever svc-identity does: the CIDR identities are waited
+    /// for only while some are missing, and only within the deadline.
     async fn policy_changed(
         &self,
+        config: MutexGuard<'_, ()>,
         change: PolicyChange,
         origin: PolicyOrigin,
         wait: bool,
-        deadline: Duration,
+        deadline: Instant,
     ) -> Result<PolicyUpdate, ManagerError> {
         if !change.changed {
             return Ok(PolicyUpdate {
@@ -311,9 +325,23 @@ impl EndpointManager {
             };
             store(&self.inner.api_policies, documents, "API policies").await?;
         }
-        // CIDR identities first, so the regenerations see them.
-        if let Err(e) = self.reconcile_cidrs(false).await {
-            tracing::warn!(error = %e, "CIDR identities for policies not allocated yet; retrying in the background");
+        drop(config);
+        // The policy's CIDR identities first, so the regenerations see them.
+        // The pass runs in `cidr-identities` (it may be waiting on a
+        // svc-identity that waits on etcd); regenerations are queued again
+        // when they come.
+        let cidrs_missing = change.current.as_ref().is_some_and(|policy| {
+            let state = self.state();
+            let mut needed = policy.cidrs();
+            needed.extend(policy.named_port_hosts(&state.selectors));
+            needed.iter().any(|p| !state.cidr_identities.contains_key(p))
+        });
+        if cidrs_missing && wait {
+            let limit = deadline.saturating_duration_since(Instant::now());
+            if !self.cidrs_reconciled(limit).await {
+                tracing::warn!(waited = ?limit, "CIDR identities for the policy not allocated yet; retrying in the background");
+            }
+        } else {
             self.inner.cidr_wake.trigger();
         }
         let waits: Vec<(u16, Arc<Queue>, u64)> = {
@@ -332,7 +360,8 @@ impl EndpointManager {
         tracing::info!(policy = %change.key, revision = change.revision, affected = waits.len(), "policy changed");
         let affected = waits.len();
         let realised = if wait {
-            self.wait_all(&waits, deadline).await?
+            self.wait_all(&waits, deadline.saturating_duration_since(Instant::now()))
+                .await?
         } else {
             0
         };
