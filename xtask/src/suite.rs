@@ -188,11 +188,10 @@ struct Finished {
     output: Vec<u8>,
 }
 
-/// Builds and runs every test binary, `options.jobs` at a time; `test_args`
-/// go to every binary (a filter, `--nocapture`). Fails naming each binary
-/// that failed.
-pub fn run(options: &Options, cargo_build_args: &[String], test_args: &[String]) -> Result<()> {
-    let binaries = build(cargo_build_args)?;
+/// Runs the test binaries [`build`] built, `options.jobs` at a time;
+/// `test_args` go to every binary (a filter, `--nocapture`). Fails naming
+/// each binary that failed.
+pub fn run(options: &Options, binaries: Vec<TestBinary>, test_args: &[String]) -> Result<()> {
     let times_path = cmd::target_dir().join(TIMES_FILE);
     let mut times = parse_times(&std::fs::read_to_string(&times_path).unwrap_or_default());
     let mut hints = parse_times(REFERENCE_TIMES);

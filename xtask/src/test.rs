@@ -2,7 +2,10 @@
 //!
 //! Steps run in order and stop at the first failure, cheapest first, so a formatting
 //! slip or a daemon linking test code fails in seconds instead of after a full test
-//! build. Output of every step goes
+//! build. The whole suite starts clippy, the docs and the fuzz build beside its
+//! test binaries, at the lowest priority, and waits for them after: the binaries
+//! mostly wait (on kubelets, etcd, floods), and those builds take the idle cores
+//! instead of ten minutes of their own before the tests. Output of every step goes
 //! straight to the terminal: CI reads cargo test's own summary lines from stdout.
 
 use std::io::{self, Read};
@@ -20,18 +23,24 @@ enum Step {
     Run(Command),
     /// A check done here.
     Check(fn() -> Result<()>),
-    /// Every test binary, several at a time ([`suite`]).
-    Suite,
+    /// Every test binary, several at a time ([`suite`]), with these commands
+    /// started beside them ([`Beside`]).
+    Suite(Vec<(&'static str, Command)>),
+    /// Waits for the command of this name started beside the test binaries.
+    Beside(&'static str),
     /// The fuzz targets' smoke run ([`fuzz_step`]), its build started beside
-    /// [`Step::Suite`] ([`FuzzBuild`]).
+    /// [`Step::Suite`].
     Fuzz,
 }
+
+/// The name of the fuzz build started beside the test binaries.
+const FUZZ_BUILD: &str = "fuzz build";
 
 /// Seconds each fuzz target runs in the suite: a smoke run proving that
 /// every target builds, loads its seeds and holds its invariants a while.
 /// The cold build (unoptimised, no sanitizer, without svc-identity and
 /// svc-endpoint: about 5.6 min of CPU, 13.7 optimised with
-/// AddressSanitizer) runs beside the test binaries ([`FuzzBuild`]).
+/// AddressSanitizer) runs beside the test binaries ([`Beside`]).
 pub const CI_FUZZ_SECONDS: u64 = 5;
 
 /// Runs fmt check, the dependency rules, clippy, the docs, all tests and doc tests
@@ -39,21 +48,30 @@ pub const CI_FUZZ_SECONDS: u64 = 5;
 /// `cargo_test_args` are appended to both `cargo test` invocations (a filter, cargo
 /// flags, or `-- <test binary args>`).
 pub fn run(cargo_test_args: &[String]) -> Result<()> {
-    let mut fuzz_build = None;
+    // Dropped on a failure: what still runs beside the tests is killed.
+    let mut beside: Vec<Beside> = Vec::new();
+    // Only the fuzz build may be missing (no nightly: the fuzz step says so).
+    let finish = |beside: &mut Vec<Beside>, name: &str| match beside.iter().position(|b| b.name == name) {
+        Some(at) => beside.remove(at).finish(),
+        None => Ok(()),
+    };
     for (name, step) in steps(cargo_test_args) {
         println!("==> {name}");
         let started = Instant::now();
         match step {
             Step::Run(mut command) => cmd::run(&mut command),
             Step::Check(check) => check(),
-            Step::Suite => {
-                fuzz_build = FuzzBuild::start();
-                suite::Options::from_env().and_then(|options| suite::run(&options, &[], &[]))
-            }
-            Step::Fuzz => fuzz_build
-                .take()
-                .map_or(Ok(()), FuzzBuild::finish)
-                .and_then(|()| fuzz_step()),
+            // Built first: cargo's lock on the target dir would keep the
+            // test build waiting for clippy.
+            Step::Suite(commands) => suite::Options::from_env().and_then(|options| {
+                let binaries = suite::build(&[])?;
+                for (name, command) in commands {
+                    beside.push(Beside::start(name, command)?);
+                }
+                suite::run(&options, binaries, &[])
+            }),
+            Step::Beside(name) => finish(&mut beside, name),
+            Step::Fuzz => finish(&mut beside, FUZZ_BUILD).and_then(|()| fuzz_step()),
         }
         .with_context(|| format!("step `{name}` failed"))?;
         println!("==> {name} took {:.1} s", started.elapsed().as_secs_f64());
@@ -83,81 +101,82 @@ fn steps(cargo_test_args: &[String]) -> Vec<(&'static str, Step)> {
         .env("RUSTDOCFLAGS", "-D warnings");
 
     // `--all-targets` does not include doc tests, hence the separate `--doc` run.
-    // The whole suite runs its binaries side by side; a run narrowed by
-    // arguments (a filter, `-p`, `--nocapture`) is cargo's own, one at a time.
-    let tests = if cargo_test_args.is_empty() {
-        Step::Suite
+    let mut doc_tests = cmd::cargo();
+    doc_tests.args(["test", "--workspace", "--doc"]).args(cargo_test_args);
+
+    let mut steps = vec![("fmt", Step::Run(fmt)), ("dependencies", Step::Check(deps::run))];
+    if cargo_test_args.is_empty() {
+        // The whole suite runs its binaries side by side, clippy, the docs
+        // and the fuzz build beside them; a run narrowed by arguments (a
+        // filter, `-p`, `--nocapture`) is cargo's own, one at a time.
+        let mut beside = vec![("clippy", clippy), ("docs", docs)];
+        if crate::install::has_nightly() {
+            beside.push((FUZZ_BUILD, fuzz::build(true, true)));
+        }
+        steps.extend([
+            ("test", Step::Suite(beside)),
+            ("clippy", Step::Beside("clippy")),
+            ("docs", Step::Beside("docs")),
+        ]);
     } else {
         let mut tests = cmd::cargo();
         tests
             .args(["test", "--workspace", "--all-targets"])
             .args(cargo_test_args);
-        Step::Run(tests)
-    };
-
-    let mut doc_tests = cmd::cargo();
-    doc_tests.args(["test", "--workspace", "--doc"]).args(cargo_test_args);
-
-    vec![
-        ("fmt", Step::Run(fmt)),
-        ("dependencies", Step::Check(deps::run)),
-        ("clippy", Step::Run(clippy)),
-        ("docs", Step::Run(docs)),
-        ("test", tests),
-        ("doc tests", Step::Run(doc_tests)),
-        ("fuzz", Step::Fuzz),
-    ]
+        steps.extend([
+            ("clippy", Step::Run(clippy)),
+            ("docs", Step::Run(docs)),
+            ("test", Step::Run(tests)),
+        ]);
+    }
+    steps.extend([("doc tests", Step::Run(doc_tests)), ("fuzz", Step::Fuzz)]);
+    steps
 }
 
-/// The fuzz step's cold build (about 3 min of both cores), run beside the
-/// test binaries at the lowest priority, in a session of its own so that
-/// its autogroup is niced too (a nice value alone competes only within its
-/// session's group): it takes the cores the tests leave idle while they wait
-/// on kubelets, etcd and floods, and yields them when the tests compute. The
-/// fuzz step then finds the targets built.
-struct FuzzBuild {
+/// A command run beside the test binaries at the lowest priority, in a
+/// session of its own so that its autogroup is niced too (a nice value
+/// alone competes only within its session's group): it takes the cores the
+/// tests leave idle while they wait on kubelets, etcd and floods, and yields
+/// them when the tests compute. Its output is printed when it is waited for.
+struct Beside {
+    name: &'static str,
     command: String,
     /// `None` once waited for.
     child: Option<Child>,
     output: Option<JoinHandle<Vec<u8>>>,
 }
 
-impl FuzzBuild {
-    /// Starts the build of the suite's fuzz run; `None` (the fuzz step then
-    /// builds, or names what is missing) without the nightly toolchain or
-    /// if it cannot start.
-    fn start() -> Option<Self> {
-        if !crate::install::has_nightly() {
-            return None;
-        }
-        let mut build = fuzz::build(true, true);
-        let command = cmd::display(&build);
-        at_idle_priority(&mut build);
-        let (mut reader, writer) = io::pipe().ok()?;
-        let child = build
+impl Beside {
+    /// Starts `command`, its stdout and stderr into one pipe.
+    fn start(name: &'static str, mut command: Command) -> Result<Self> {
+        let display = cmd::display(&command);
+        at_idle_priority(&mut command);
+        let starting = || format!("starting `{display}` beside the tests");
+        let (mut reader, writer) = io::pipe().with_context(starting)?;
+        let child = command
             .stdin(Stdio::null())
-            .stdout(writer.try_clone().ok()?)
+            .stdout(writer.try_clone().with_context(starting)?)
             .stderr(writer)
             .spawn()
-            .map_err(|error| eprintln!("warning: could not start `{command}` beside the tests: {error}"))
-            .ok()?;
-        drop(build);
-        println!("$ {command} (beside the tests, lowest priority)");
+            .with_context(starting)?;
+        drop(command);
+        println!("$ {display} (beside the tests, lowest priority)");
         let output = thread::spawn(move || {
             let mut output = Vec::new();
             let _ = reader.read_to_end(&mut output);
             output
         });
-        Some(Self {
-            command,
+        Ok(Self {
+            name,
+            command: display,
             child: Some(child),
             output: Some(output),
         })
     }
 
-    /// Waits for the build, prints its output and fails if it failed.
+    /// Waits for the command, prints its output and fails if it failed.
     fn finish(mut self) -> Result<()> {
-        let mut child = self.child.take().expect("a build is waited for once");
+        let mut child = self.child.take().expect("a command is waited for once");
         let status = child
             .wait()
             .with_context(|| format!("waiting for `{}`", self.command))?;
@@ -166,7 +185,7 @@ impl FuzzBuild {
             .take()
             .and_then(|output| output.join().ok())
             .unwrap_or_default();
-        println!("$ {} (built beside the tests)", self.command);
+        println!("$ {} (ran beside the tests)", self.command);
         print!("{}", String::from_utf8_lossy(&output));
         if !status.success() {
             anyhow::bail!("`{}` failed ({status})", self.command);
@@ -198,9 +217,10 @@ fn at_idle_priority(command: &mut Command) {
     }
 }
 
-impl Drop for FuzzBuild {
-    /// A step failed before the fuzz step: the build and its rustc children
-    /// (its own process group) stop with the suite instead of outliving it.
+impl Drop for Beside {
+    /// A step failed before this one was waited for: the command and its
+    /// children (its own process group) stop with the suite instead of
+    /// outliving it.
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             if let Ok(pid) = i32::try_from(child.id()) {
@@ -247,7 +267,7 @@ mod tests {
             .iter()
             .filter_map(|(name, step)| match step {
                 Step::Run(command) => Some((*name, cmd::display(command))),
-                Step::Check(_) | Step::Suite | Step::Fuzz => None,
+                Step::Check(_) | Step::Suite(_) | Step::Beside(_) | Step::Fuzz => None,
             })
             .collect();
         assert!(rendered[0].1.ends_with("fmt --all -- --check"));
@@ -279,24 +299,52 @@ mod tests {
     }
 
     #[test]
-    fn the_whole_suite_runs_its_binaries_side_by_side() {
+    fn the_whole_suite_runs_its_binaries_side_by_side_with_clippy_docs_and_fuzz_build_beside() {
         let steps = steps(&[]);
-        assert!(
-            matches!(steps.iter().find(|(name, _)| *name == "test"), Some((_, Step::Suite))),
-            "without arguments the test step must be the parallel suite"
+        let names: Vec<&str> = steps.iter().map(|(name, _)| *name).collect();
+        assert_eq!(
+            names,
+            ["fmt", "dependencies", "test", "clippy", "docs", "doc tests", "fuzz"],
+            "clippy and the docs are waited for after the test binaries"
         );
-    }
-
-    #[test]
-    fn docs_are_built_with_warnings_denied() {
-        let steps = steps(&[]);
-        let Some((_, Step::Run(docs))) = steps.iter().find(|(name, _)| *name == "docs") else {
-            panic!("no docs step");
+        let Some((_, Step::Suite(beside))) = steps.iter().find(|(name, _)| *name == "test") else {
+            panic!("without arguments the test step must be the parallel suite");
         };
+        let beside: Vec<(&str, String)> = beside.iter().map(|(name, c)| (*name, cmd::display(c))).collect();
+        assert_eq!(beside[0].0, "clippy");
+        assert!(beside[0].1.ends_with("-- -D warnings"), "{beside:?}");
+        assert_eq!(beside[1].0, "docs");
+        let docs = &steps_docs(&steps);
         let flags = docs
             .get_envs()
             .find(|(key, _)| *key == "RUSTDOCFLAGS")
             .and_then(|(_, v)| v);
-        assert_eq!(flags, Some(std::ffi::OsStr::new("-D warnings")));
+        assert_eq!(
+            flags,
+            Some(std::ffi::OsStr::new("-D warnings")),
+            "docs are built with warnings denied"
+        );
+        if crate::install::has_nightly() {
+            assert_eq!(beside.get(2).map(|b| b.0), Some(FUZZ_BUILD), "{beside:?}");
+        }
+        for name in ["clippy", "docs"] {
+            assert!(
+                steps
+                    .iter()
+                    .any(|(n, step)| *n == name && matches!(step, Step::Beside(b) if *b == name)),
+                "the {name} step waits for the {name} started beside the tests"
+            );
+        }
+    }
+
+    /// The docs command of the whole suite's steps.
+    fn steps_docs<'a>(steps: &'a [(&'static str, Step)]) -> &'a Command {
+        steps
+            .iter()
+            .find_map(|(_, step)| match step {
+                Step::Suite(beside) => beside.iter().find(|(name, _)| *name == "docs").map(|(_, c)| c),
+                _ => None,
+            })
+            .expect("the docs run beside the tests")
     }
 }
