@@ -1,7 +1,7 @@
 //! A real etcd server under test: etcd v3.6 as built by `cargo xtask install`
 //! (`rivet_tools`, `~/.cache/rivet/tools/etcd-v3.6.16/bin/etcd`; Debian's 3.4
 //! is too old for kube-apiserver 1.34 and every test uses the same etcd), on
-//! `127.0.0.1` with free ports and a temp data dir, with fast raft timings
+//! `127.0.0.1` with free ports and a data dir on tmpfs (else the temp dir), with fast raft timings
 //! (`--heartbeat-interval=10 --election-timeout=100`), so it answers within a
 //! few hundred milliseconds; killed and removed on drop.
 //!
@@ -25,7 +25,7 @@
 use std::fs::OpenOptions;
 use std::io::Write as _;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -127,6 +127,21 @@ pub struct EtcdServer {
     child: Option<Child>,
 }
 
+/// Creates the dir a test etcd keeps its data and log in: on tmpfs
+/// (`/dev/shm`) where it can, so that a member's fsyncs do not wait behind
+/// the disk traffic of a parallel build (etcd's request timeouts were seen
+/// at load 37 on disk), else in the temp dir. Either way the data outlives
+/// [`EtcdServer::stop`] for a restart.
+fn create_root(name: &str) -> Result<PathBuf, EtcdError> {
+    let shm = Path::new("/dev/shm").join(name);
+    if std::fs::create_dir_all(&shm).is_ok() {
+        return Ok(shm);
+    }
+    let root = std::env::temp_dir().join(name);
+    std::fs::create_dir_all(&root).map_err(io_err(format!("creating etcd's temp dir {}", root.display())))?;
+    Ok(root)
+}
+
 impl EtcdServer {
     /// Starts a single-member etcd and waits until `GET /health` says
     /// `{"health":"true"}` (10 s at most). A port taken between choosing and
@@ -145,8 +160,7 @@ impl EtcdServer {
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
         let name = format!("rivet-etcd-{}-{id}-{nanos:08x}", std::process::id());
-        let root = std::env::temp_dir().join(&name);
-        std::fs::create_dir_all(&root).map_err(io_err(format!("creating etcd's temp dir {}", root.display())))?;
+        let root = create_root(&name)?;
         let mut server = Self {
             bin,
             name,
