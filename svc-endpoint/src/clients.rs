@@ -58,6 +58,8 @@ pub trait IdentityApi: Send + Sync + 'static {
     fn upsert_ip(&self, request: identity::UpsertIpRequest) -> BoxFuture<'_, ApiResult<identity::UpsertIpResponse>>;
     /// IpcacheService.DeleteIp.
     fn delete_ip(&self, request: identity::DeleteIpRequest) -> BoxFuture<'_, ApiResult<identity::DeleteIpResponse>>;
+    /// EndReplay: every claim was replayed to the boot it names.
+    fn end_replay(&self, request: identity::EndReplayRequest) -> BoxFuture<'_, ApiResult<identity::EndReplayResponse>>;
 }
 
 /// svc-ipam as svc-endpoint uses it.
@@ -198,6 +200,9 @@ impl IdentityApi for GrpcIdentity {
     }
     fn upsert_ip(&self, request: identity::UpsertIpRequest) -> BoxFuture<'_, ApiResult<identity::UpsertIpResponse>> {
         unary!(self.ipcache(), upsert_ip, request)
+    }
+    fn end_replay(&self, request: identity::EndReplayRequest) -> BoxFuture<'_, ApiResult<identity::EndReplayResponse>> {
+        unary!(self.identities(), end_replay, request)
     }
     fn delete_ip(&self, request: identity::DeleteIpRequest) -> BoxFuture<'_, ApiResult<identity::DeleteIpResponse>> {
         unary!(self.ipcache(), delete_ip, request)

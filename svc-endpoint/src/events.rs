@@ -51,6 +51,7 @@ pub struct EndpointMetrics {
     removal_errors: MetricFamily<StepLabels, Counter>,
     removals_converged: MetricFamily<ReasonLabels, Counter>,
     resyncs: MetricFamily<DependencyLabels, Counter>,
+    replays_ended: Counter,
     policy_revision: Gauge,
     policies: Gauge,
     restore_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -79,6 +80,7 @@ impl Default for EndpointMetrics {
             removal_errors: Default::default(),
             removals_converged: Default::default(),
             resyncs: Default::default(),
+            replays_ended: Counter::default(),
             policy_revision: Default::default(),
             policies: Default::default(),
             restore_seconds: Default::default(),
@@ -127,6 +129,11 @@ impl EndpointMetrics {
             "dependency_resyncs",
             "Replays of desired state after a dependency restarted",
             self.resyncs.clone(),
+        );
+        r.register(
+            "identity_replays_ended",
+            "Replays of every endpoint's claims to a svc-identity boot ended with EndReplay",
+            self.replays_ended.clone(),
         );
         r.register(
             "policy_revision",
@@ -282,6 +289,25 @@ pub fn removal_converged(
 pub fn dependency_resynced(m: &EndpointMetrics, dependency: &'static str, endpoints: usize) {
     tracing::info!(dependency, endpoints, "dependency restarted; desired state replayed");
     m.resyncs.get_or_create(&DependencyLabels { dependency }).inc();
+}
+
+/// Every endpoint claimed again in svc-identity boot `boot_id`, and
+/// EndReplay told it so: what it restored and nobody claimed went.
+pub fn identity_replay_ended(
+    m: &EndpointMetrics,
+    boot_id: &str,
+    endpoints: usize,
+    released_identities: u32,
+    withdrawn_ip_claims: u32,
+) {
+    tracing::info!(
+        boot_id,
+        endpoints,
+        released_identities,
+        withdrawn_ip_claims,
+        "replay to svc-identity ended; it released what was restored and not claimed again"
+    );
+    m.replays_ended.inc();
 }
 
 /// Restore finished.

@@ -1249,3 +1249,232 @@ async fn restore_keeps_the_named_port_entries_of_peers_not_regenerated_yet() {
     }
     eprintln!("{snapshots} snapshots of the client's policy during restore");
 }
+
+// ------------------------------- svc-identity killed right after a delete --
+
+/// svc-identity's local snapshot under `node`'s state dir, if written.
+fn identity_snapshot(node: &EndpointNode) -> Option<serde_json::Value> {
+    let path = node.state_dir().join("identity").join("etcd-snapshot.json");
+    let text = std::fs::read_to_string(path).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// Whether the snapshot holds a LOCAL_ENDPOINT claim on `ip`.
+fn snapshot_claims(snapshot: Option<&serde_json::Value>, ip: IpAddr) -> bool {
+    snapshot
+        .and_then(|s| s.pointer("/data/ipcache/local"))
+        .and_then(|v| v.as_array())
+        .is_some_and(|local| local.iter().any(|e| e["ip"].as_str() == Some(&ip.to_string())))
+}
+
+/// Issue 19 §1: svc-identity killed right after a pod's delete, before its
+/// snapshot (written at most every 500 ms) lost the pod, restores the pod's
+/// IP cache claim; it used to publish it again and keep it (in etcd, in
+/// every node's ipcache) for its restore grace, 120 s by default. Now
+/// svc-endpoint ends its replay with `EndReplay` once every endpoint
+/// claimed again, and svc-identity drops the rest at once: the deleted
+/// pod's IP entries and identity value key are gone from etcd within
+/// seconds, and the live pod's never leave it (no delete in etcd's history
+/// through the restart).
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_of_svc_identity_right_after_a_delete_drops_the_deleted_pods_entries_long_before_the_grace() {
+    let etcd = rivet_common::testing::etcd::EtcdServer::start_async()
+        .await
+        .expect("etcd starts");
+    let mut node = EndpointNode::start(NodeOptions {
+        identity_args: vec!["--etcd-endpoints".into(), etcd.endpoint()],
+        ..NodeOptions::default()
+    })
+    .await
+    .expect("the node's daemons start");
+    let me = node.node.node_name.clone();
+    let live = node.add_pod("a", labels(0)).await;
+    let live_ips = addresses(&live);
+    let mut raw = etcd_client::Client::connect([etcd.endpoint()], None)
+        .await
+        .expect("etcd answers");
+    let ip_key = |ip: IpAddr| move |k: &str| k.starts_with("rivet/state/ip/v1/") && k.ends_with(&format!("/{ip}"));
+    let value_key = |app: &'static str| {
+        let me = me.clone();
+        move |k: &str| {
+            k.contains("/identities/v1/value/")
+                && k.contains(&format!("k8s:app={app}"))
+                && k.ends_with(&format!("/{me}"))
+        }
+    };
+
+    // The kill must come before the snapshot lost the deleted pod: try
+    // again with another pod when it was written first (a slow delete).
+    let mut attempt = 0;
+    let (gone_ips, mut watch, mut keys, killed) = loop {
+        attempt += 1;
+        assert!(attempt <= 5, "the kill never came before the snapshot write");
+        let name = format!("b{attempt}");
+        let gone = node.add_pod(&name, labels(1)).await;
+        let gone_ips = addresses(&gone);
+        let node_ref = &node;
+        eventually("the snapshot holds the new pod's claims", DEADLINE, || async {
+            let snapshot = identity_snapshot(node_ref);
+            if gone_ips.iter().all(|ip| snapshot_claims(snapshot.as_ref(), *ip)) {
+                Ok(())
+            } else {
+                Err(format!("{snapshot:?}"))
+            }
+        })
+        .await;
+        // etcd's history from here on.
+        let listing = raw
+            .get("rivet/state/", Some(etcd_client::GetOptions::new().with_prefix()))
+            .await
+            .expect("etcd lists");
+        let revision = listing.header().expect("a header").revision();
+        let keys: BTreeSet<String> = listing
+            .kvs()
+            .iter()
+            .map(|kv| kv.key_str().unwrap().to_string())
+            .collect();
+        let watch = raw
+            .watch(
+                "rivet/state/",
+                Some(
+                    etcd_client::WatchOptions::new()
+                        .with_prefix()
+                        .with_start_revision(revision + 1),
+                ),
+            )
+            .await
+            .expect("etcd watches");
+        for ip in live_ips.iter().chain(&gone_ips) {
+            assert!(keys.iter().any(|k| ip_key(*ip)(k)), "{ip} is published: {keys:?}");
+        }
+        assert!(
+            keys.iter().any(|k| value_key("api")(k)),
+            "the pod's identity is referenced: {keys:?}"
+        );
+        node.endpoints()
+            .await
+            .delete_endpoint(delete_pod_request(&name))
+            .await
+            .expect("the CNI's delete");
+        node.identity.kill9();
+        let killed = Instant::now();
+        release_addresses(&node, &name).await;
+        let stale = gone_ips
+            .iter()
+            .all(|ip| snapshot_claims(identity_snapshot(&node).as_ref(), *ip));
+        node.identity.restart().await.expect("svc-identity restarts");
+        if stale {
+            break (gone_ips, watch, keys, killed);
+        }
+        eprintln!("attempt {attempt}: the snapshot was written before the kill; again");
+        let node_ref = &node;
+        restore_complete(node_ref, "svc-endpoint stays restored").await;
+        eventually(
+            "the deleted pod's entries are gone before the next attempt",
+            Duration::from_secs(60),
+            || async {
+                let now = raw_keys(&etcd.endpoint()).await;
+                match now.iter().find(|k| gone_ips.iter().any(|ip| ip_key(*ip)(k))) {
+                    Some(k) => Err(k.clone()),
+                    None => Ok(()),
+                }
+            },
+        )
+        .await;
+    };
+
+    // svc-identity restored the deleted pod's claims from its snapshot; once
+    // svc-endpoint ended its replay it holds only the live pod's, and has
+    // the store in sync with that.
+    let node_ref = &node;
+    let released = eventually(
+        "svc-identity holds only the live pod's claims, in sync with etcd",
+        DEADLINE,
+        || async {
+            let channel = identity_channel(node_ref).await;
+            let listed: BTreeSet<IpAddr> = IpcacheServiceClient::new(channel.clone())
+                .list_ipcache(idpb::ListIpcacheRequest {
+                    source: idpb::IpcacheSource::LocalEndpoint.into(),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| e.to_string())?
+                .into_inner()
+                .entries
+                .iter()
+                .filter_map(|e| host_prefix(e.prefix.as_ref()))
+                .collect();
+            let store = IdentityServiceClient::new(channel)
+                .get_status(idpb::GetStatusRequest {})
+                .await
+                .map_err(|e| e.to_string())?
+                .into_inner()
+                .store
+                .unwrap_or_default();
+            if listed == live_ips && store.connected && store.pending_writes == 0 {
+                Ok(())
+            } else {
+                Err(format!("claims {listed:?}, store {store:?}"))
+            }
+        },
+    )
+    .await;
+    // etcd's history since before the delete, up to a sentinel put now.
+    raw.put("rivet/state/test-sentinel", "", None)
+        .await
+        .expect("etcd takes a put");
+    let is_gone = |k: &str| gone_ips.iter().any(|ip| ip_key(*ip)(k)) || value_key("api")(k);
+    let mut deleted = Vec::new();
+    'history: loop {
+        let message = tokio::time::timeout(DEADLINE, watch.message())
+            .await
+            .expect("the etcd watch delivers the sentinel")
+            .expect("the etcd watch works")
+            .expect("the etcd watch stays open");
+        for event in message.events() {
+            let key = event.kv().unwrap().key_str().unwrap().to_string();
+            if key == "rivet/state/test-sentinel" {
+                break 'history;
+            }
+            match event.event_type() {
+                etcd_client::EventType::Put => keys.insert(key),
+                etcd_client::EventType::Delete => {
+                    deleted.push(key.clone());
+                    keys.remove(&key)
+                }
+            };
+        }
+    }
+    let left: Vec<&String> = keys.iter().filter(|k| is_gone(k)).collect();
+    assert!(left.is_empty(), "the deleted pod's keys left etcd: {left:?}");
+    let kept: Vec<&String> = deleted.iter().filter(|k| !is_gone(k)).collect();
+    assert!(kept.is_empty(), "only the deleted pod's keys left etcd: {kept:?}");
+    for ip in &live_ips {
+        assert!(
+            keys.iter().any(|k| ip_key(*ip)(k)),
+            "the live pod's {ip} stays: {keys:?}"
+        );
+    }
+    assert!(
+        keys.iter().any(|k| value_key("web")(k)),
+        "the live pod's identity stays referenced: {keys:?}"
+    );
+    eprintln!(
+        "svc-identity dropped the deleted pod's restored claims {:?} after its kill -9 ({released:?} after its restart)",
+        killed.elapsed()
+    );
+}
+
+/// Every key under `rivet/state/` now.
+async fn raw_keys(endpoint: &str) -> BTreeSet<String> {
+    let mut c = etcd_client::Client::connect([endpoint], None)
+        .await
+        .expect("etcd answers");
+    c.get("rivet/state/", Some(etcd_client::GetOptions::new().with_prefix()))
+        .await
+        .expect("etcd lists")
+        .kvs()
+        .iter()
+        .map(|kv| kv.key_str().unwrap().to_string())
+        .collect()
+}

@@ -14,6 +14,17 @@
 //! store answers). Only a set with no identity anywhere needs the store
 //! ([`AllocError::Unavailable`]).
 //!
+//! # After a restart
+//!
+//! This node's value keys of the previous run stay in the store (nothing
+//! references them in this process yet) until the clients that held them
+//! claimed again what they still use: a client that ends its replay
+//! ([`IdentityAllocator::end_replay`], svc-endpoint's `EndReplay` after it
+//! replayed its endpoints to the new boot id) releases at once the keys
+//! whose references were all its own by the local snapshot; the others go
+//! after [`AllocatorOptions::restore_grace`] (a client that never comes
+//! back; no snapshot, as with the embedded store).
+//!
 //! With etcd, a restart during an outage starts from the local snapshot
 //! ([`IdentityAllocator::restore`], [`crate::snapshot`]): the cache is
 //! served and the released sets' keys deleted by the first pass once the
@@ -24,14 +35,14 @@
 //! A pass writes the value key (and, if it vanished, the master key) of
 //! every held identity, lists this node's value keys in the store and
 //! deletes those no local reference backs: at once for sets released in
-//! this process, after [`AllocatorOptions::restore_grace`] for the others
-//! (keys of a previous run: svc-endpoint replays its endpoints after a
-//! restart). Passes run when the store is back after an error (the cache
+//! this process and for keys of a previous run whose clients ended their
+//! replay without them, after [`AllocatorOptions::restore_grace`] for the
+//! others. Passes run when the store is back after an error (the cache
 //! watcher re-listed it), when the lease was replaced, after a local change
 //! the store missed, periodically ([`AllocatorOptions::resync_interval`]),
 //! and again with backoff after a failed pass.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -47,7 +58,7 @@ use tokio::time::Instant;
 use crate::backend::{
     AcquireOutcome, BackendError, CreateOutcome, IdOrder, IdentityBackend, IdentityEvent, IdentityRecord, Revision,
 };
-use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, StoreKey};
+use crate::events::{self, IdentityMetrics, KeyAction, ReconciledKeys, RestoredCause, RestoredKind, StoreKey};
 use crate::reconcile;
 use crate::snapshot::{IdentitySnapshot, SnapshotPart};
 
@@ -283,6 +294,12 @@ pub struct IdentityAllocator {
     started: Instant,
     /// What is served while the store was not listed since a restore.
     restored_from: Mutex<Option<String>>,
+    /// The owners of the previous run's references by label set, from the
+    /// restored snapshot (`None` without one). Taken after every other lock
+    /// (`replay_ended` before it).
+    restored_owners: Mutex<Option<HashMap<String, BTreeSet<String>>>>,
+    /// Owner prefixes of the clients that ended their replay to this process.
+    replay_ended: Mutex<BTreeSet<String>>,
     /// Its part of the local snapshot: changes and store revision.
     snapshot_part: SnapshotPart,
 }
@@ -317,6 +334,8 @@ impl IdentityAllocator {
             pass: tokio::sync::Mutex::new(()),
             started: Instant::now(),
             restored_from: Mutex::new(None),
+            restored_owners: Mutex::new(None),
+            replay_ended: Mutex::new(BTreeSet::new()),
             snapshot_part: SnapshotPart::default(),
         })
     }
@@ -344,10 +363,25 @@ impl IdentityAllocator {
             .cloned()
             .collect();
         released.sort();
+        let held = self
+            .local
+            .lock()
+            .expect("local refs poisoned")
+            .iter()
+            .map(|(key, r)| {
+                let mut owners: Vec<String> = r.owners.iter().cloned().collect();
+                if r.anonymous > 0 {
+                    owners.push(String::new());
+                }
+                owners.sort();
+                (key.clone(), owners)
+            })
+            .collect();
         IdentitySnapshot {
             store_revision: self.store_revision(),
             identities,
             released,
+            held: Some(held),
         }
     }
 
@@ -361,6 +395,11 @@ impl IdentityAllocator {
             .lock()
             .expect("released poisoned")
             .extend(snapshot.released);
+        *self.restored_owners.lock().expect("restored owners poisoned") = snapshot.held.map(|held| {
+            held.into_iter()
+                .map(|(key, owners)| (key, owners.into_iter().collect()))
+                .collect()
+        });
         self.snapshot_part.set_store_revision(snapshot.store_revision);
         *self.restored_from.lock().expect("restored_from poisoned") = Some(origin.to_string());
         self.ready.send_replace(true);
@@ -515,6 +554,8 @@ impl IdentityAllocator {
             }
             entry.count()
         };
+        // The snapshot's owners changed.
+        self.snapshot_part.changed();
         self.apply_upsert(IdentityRecord {
             id,
             labels: key.clone(),
@@ -534,13 +575,19 @@ impl IdentityAllocator {
     fn reference_local(&self, key: &str, owner: Option<&str>) -> Option<u64> {
         let mut local = self.local.lock().expect("local refs poisoned");
         let entry = local.get_mut(key)?;
-        match owner {
-            Some(o) => {
-                entry.owners.insert(o.to_string());
+        let new_owner = match owner {
+            Some(o) => entry.owners.insert(o.to_string()),
+            None => {
+                entry.anonymous += 1;
+                entry.anonymous == 1
             }
-            None => entry.anonymous += 1,
+        };
+        let count = entry.count();
+        drop(local);
+        if new_owner {
+            self.snapshot_part.changed();
         }
-        Some(entry.count())
+        Some(count)
     }
 
     async fn allocate_in_store(&self, key: &str) -> Result<StoreAllocation, AllocError> {
@@ -679,6 +726,8 @@ impl IdentityAllocator {
             if !dropped {
                 return Some(entry.count());
             }
+            // The snapshot's owners changed.
+            self.snapshot_part.changed();
             let (key, left) = (key.clone(), entry.count());
             if left == 0 {
                 local.remove(&key);
@@ -737,6 +786,56 @@ impl IdentityAllocator {
             .expect("local refs poisoned")
             .get(key)
             .is_some_and(|r| r.id == id)
+    }
+
+    /// Ends the replay of the client whose owners all start with
+    /// `owner_prefix` (non-empty): this node's value keys of the previous run
+    /// that no reference backs now and whose references were all that
+    /// client's by the restored snapshot are deleted by a pass started now
+    /// (see the module docs); so are keys the snapshot does not know when
+    /// every owner it recorded was that client's. Returns how many label
+    /// sets of the snapshot this releases. Idempotent; a later claim is an
+    /// ordinary allocation.
+    pub fn end_replay(&self, owner_prefix: &str) -> usize {
+        self.replay_ended
+            .lock()
+            .expect("replay ends poisoned")
+            .insert(owner_prefix.to_string());
+        let restored: Vec<String> = self
+            .restored_owners
+            .lock()
+            .expect("restored owners poisoned")
+            .as_ref()
+            .map(|r| r.keys().cloned().collect())
+            .unwrap_or_default();
+        let local = self.local.lock().expect("local refs poisoned");
+        let released = restored
+            .iter()
+            .filter(|k| !local.contains_key(*k) && self.replay_released(k))
+            .count();
+        drop(local);
+        self.reconcile.trigger();
+        released
+    }
+
+    /// Whether the clients that ended their replay held every reference the
+    /// previous run had on `key` (by the restored snapshot; a key it does
+    /// not know counts as theirs when every owner it recorded was theirs).
+    fn replay_released(&self, key: &str) -> bool {
+        let ended = self.replay_ended.lock().expect("replay ends poisoned");
+        if ended.is_empty() {
+            return false;
+        }
+        // Anonymous references (`""`) belong to no client that can end.
+        let theirs = |owner: &String| ended.iter().any(|p| owner.starts_with(p.as_str()));
+        let restored = self.restored_owners.lock().expect("restored owners poisoned");
+        let Some(restored) = restored.as_ref() else {
+            return false;
+        };
+        match restored.get(key) {
+            Some(owners) => owners.iter().all(theirs),
+            None => restored.values().flatten().all(theirs),
+        }
     }
 
     /// Drops every reference `owner` holds; returns the ids released.
@@ -980,25 +1079,46 @@ impl IdentityAllocator {
             let listed: HashSet<&String> = listed.iter().collect();
             // Released sets whose key is gone already need nothing more.
             released.retain(|k| listed.contains(k));
-            let stale: Vec<String> = listed
+            // A previous run's key goes when its clients ended their replay
+            // without it, else when the grace ends.
+            let stale: Vec<(String, Option<RestoredCause>)> = listed
                 .into_iter()
-                .filter(|k| !local.contains_key(*k) && (grace_over || released.contains(*k)))
-                .cloned()
+                .filter(|k| !local.contains_key(*k))
+                .filter_map(|k| {
+                    if released.contains(k) {
+                        Some((k.clone(), None))
+                    } else if self.replay_released(k) {
+                        Some((k.clone(), Some(RestoredCause::ReplayEnded)))
+                    } else {
+                        grace_over.then(|| (k.clone(), Some(RestoredCause::GraceEnded)))
+                    }
+                })
                 .collect();
-            released.extend(stale.iter().cloned());
+            released.extend(stale.iter().map(|(k, _)| k.clone()));
             (stale, *released != before)
         };
         if released_changed {
             self.snapshot_part.changed();
         }
-        for key in stale {
+        let (mut by_replay, mut by_grace) = (0, 0);
+        for (key, cause) in stale {
             match self.delete_released(&key).await {
-                Ok(deleted) => counts.value_deleted += usize::from(deleted),
+                Ok(deleted) => {
+                    counts.value_deleted += usize::from(deleted);
+                    match cause {
+                        Some(RestoredCause::ReplayEnded) => by_replay += usize::from(deleted),
+                        Some(RestoredCause::GraceEnded) => by_grace += usize::from(deleted),
+                        None => {}
+                    }
+                }
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
             }
         }
+        let m = &self.opts.metrics;
+        events::restored_released(m, RestoredKind::ValueKeys, RestoredCause::ReplayEnded, by_replay);
+        events::restored_released(m, RestoredKind::ValueKeys, RestoredCause::GraceEnded, by_grace);
         first_error.map_or(Ok(()), Err)
     }
 }

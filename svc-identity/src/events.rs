@@ -23,7 +23,11 @@
 //!   `joined`, `left`, were `updated` or `restarted` (a new boot id);
 //! - `rivet_identity_node_records_invalid_total{reason}`: records under
 //!   `nodes/v1` skipped (`undecodable`, `name_mismatch`, `other_cluster`),
-//!   and peers left out of svc-loader's set (`unroutable`).
+//!   and peers left out of svc-loader's set (`unroutable`);
+//! - `rivet_identity_restored_released_total{kind, cause}`: state restored
+//!   at start that no client claimed again, released (`ip_claims`,
+//!   `value_keys`) when its client ended its replay (`replay_ended`) or
+//!   when the restore grace ended (`grace_ended`).
 
 use std::time::Duration;
 
@@ -116,6 +120,30 @@ struct OutcomeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RestoredLabels {
+    kind: &'static str,
+    cause: &'static str,
+}
+
+/// What restored state was released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoredKind {
+    /// LOCAL_ENDPOINT claims of the IP cache.
+    IpClaims,
+    /// This node's value keys of a previous run.
+    ValueKeys,
+}
+
+/// Why restored state was released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoredCause {
+    /// Its client ended its replay without claiming it (EndReplay).
+    ReplayEnded,
+    /// `--restore-grace-seconds` ended with no claim.
+    GraceEnded,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PendingLabels {
     keys: &'static str,
 }
@@ -133,6 +161,7 @@ pub struct IdentityMetrics {
     nodes: Gauge,
     node_changes: MetricFamily<ChangeLabels, Counter>,
     node_records_invalid: MetricFamily<ReasonLabels, Counter>,
+    restored_released: MetricFamily<RestoredLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -157,6 +186,7 @@ impl Default for IdentityMetrics {
             nodes: Gauge::default(),
             node_changes: MetricFamily::default(),
             node_records_invalid: MetricFamily::default(),
+            restored_released: MetricFamily::default(),
         }
     }
 }
@@ -215,6 +245,11 @@ impl IdentityMetrics {
             "node_records_invalid",
             "Node records of the store skipped because they are unusable, by reason",
             self.node_records_invalid.clone(),
+        );
+        r.register(
+            "restored_released",
+            "State restored at start that no client claimed again, released, by kind and cause",
+            self.restored_released.clone(),
         );
         r.register_collector(Box::new(PendingWrites(Box::new(pending_writes))));
     }
@@ -305,6 +340,30 @@ pub fn keys_reconciled(m: &IdentityMetrics, key: StoreKey, action: KeyAction, co
             key: key.as_str(),
             action: action.as_str(),
         })
+        .inc_by(count as u64);
+}
+
+/// `count` restored items nobody claimed again were released.
+pub fn restored_released(m: &IdentityMetrics, kind: RestoredKind, cause: RestoredCause, count: usize) {
+    if count == 0 {
+        return;
+    }
+    let (kind, what) = match kind {
+        RestoredKind::IpClaims => ("ip_claims", "IP cache entries of this node"),
+        RestoredKind::ValueKeys => ("value_keys", "value keys of this node"),
+    };
+    let cause = match cause {
+        RestoredCause::ReplayEnded => "replay_ended",
+        RestoredCause::GraceEnded => "grace_ended",
+    };
+    tracing::info!(
+        kind,
+        cause,
+        count,
+        "releasing {what} restored at start (from the store or the local snapshot) that no client claimed again"
+    );
+    m.restored_released
+        .get_or_create(&RestoredLabels { kind, cause })
         .inc_by(count as u64);
 }
 

@@ -16,7 +16,7 @@ use crate::backend::BackendError;
 use crate::backend::IdentityRecord;
 use crate::cidr::{CidrError, CidrIdentities};
 use crate::heartbeat::{HeartbeatReport, HeartbeatWatchdog};
-use crate::ipcache::{IpCache, LoaderSync, prefix_text};
+use crate::ipcache::{IpCache, IpcacheSource, LoaderSync, prefix_text};
 
 /// Identities per snapshot message (keeps messages far below 4 MiB).
 const SNAPSHOT_CHUNK: usize = 1000;
@@ -108,6 +108,50 @@ pub fn validate_cidr_request<'a>(
 ) -> Result<(&'a str, Vec<ipnet::IpNet>), Status> {
     let owner = owner(owner_text)?.ok_or_else(|| Status::invalid_argument("owner: required"))?;
     Ok((owner, prefixes(raw)?))
+}
+
+/// Longest owner prefix an EndReplay request may name.
+const MAX_OWNER_PREFIX: usize = 64;
+
+/// Validates an EndReplay request's fields (the boot id is compared by the
+/// handler): the owner prefix (`None`: the client holds no references)
+/// and the IP cache sources, each client-owned and named once.
+pub fn validate_end_replay(r: &pb::EndReplayRequest) -> Result<(Option<&str>, Vec<IpcacheSource>), Status> {
+    if r.boot_id.is_empty() {
+        return Err(Status::invalid_argument("boot_id: required"));
+    }
+    if r.boot_id.len() > 128 || r.boot_id.chars().any(char::is_control) {
+        return Err(Status::invalid_argument("boot_id: at most 128 printable characters"));
+    }
+    let prefix = r.owner_prefix.as_str();
+    if !prefix.is_empty()
+        && (prefix.len() < 2
+            || prefix.len() > MAX_OWNER_PREFIX
+            || !prefix.ends_with('/')
+            || prefix.chars().any(|c| c.is_control() || c.is_whitespace()))
+    {
+        return Err(Status::invalid_argument(format!(
+            "owner_prefix: 2 to {MAX_OWNER_PREFIX} printable characters without spaces, ending with '/' (e.g. \"endpoint/\")"
+        )));
+    }
+    let mut sources = Vec::new();
+    for (i, raw) in r.ip_sources.iter().enumerate() {
+        let field = format!("ip_sources[{i}]");
+        let source = match IpcacheSource::from_proto(*raw) {
+            Some(s @ (IpcacheSource::LocalEndpoint | IpcacheSource::Kubernetes)) => s,
+            Some(s) => {
+                return Err(Status::invalid_argument(format!(
+                    "{field}: {s} is server-owned; clients claim with LOCAL_ENDPOINT or KUBERNETES"
+                )));
+            }
+            None => return Err(Status::invalid_argument(format!("{field}: unknown source {raw}"))),
+        };
+        if sources.contains(&source) {
+            return Err(Status::invalid_argument(format!("{field}: {source} named twice")));
+        }
+        sources.push(source);
+    }
+    Ok(((!prefix.is_empty()).then_some(prefix), sources))
 }
 
 fn parse_labels(raw: &[String]) -> Result<Labels, Status> {
@@ -404,6 +448,43 @@ impl pb::identity_service_server::IdentityService for IdentityService {
         let removed = self.cidrs.release(&prefixes, owner).await.map_err(cidr_status)?;
         Ok(Response::new(pb::ReleaseCidrIdentitiesResponse {
             removed: removed.iter().map(|(p, id)| cidr_proto(p, *id)).collect(),
+            boot_id: self.boot_id.to_string(),
+        }))
+    }
+
+    #[tracing::instrument(name = "identity.end_replay", skip_all, fields(rivet.owner_prefix))]
+    async fn end_replay(
+        &self,
+        request: Request<pb::EndReplayRequest>,
+    ) -> Result<Response<pb::EndReplayResponse>, Status> {
+        let r = request.into_inner();
+        let (owner_prefix, sources) = validate_end_replay(&r)?;
+        if r.boot_id != self.boot_id.as_str() {
+            return Err(status_with_reason(
+                tonic::Code::FailedPrecondition,
+                format!(
+                    "ending a replay to svc-identity boot {}: this is boot {}; replay to this one",
+                    r.boot_id, self.boot_id
+                ),
+                pb::ErrorReason::BootIdMismatch,
+            ));
+        }
+        tracing::Span::current().record("rivet.owner_prefix", owner_prefix.unwrap_or_default());
+        let released_identities = owner_prefix.map_or(0, |p| self.allocator.end_replay(p));
+        let withdrawn_ip_claims = match &self.ipcache {
+            Some((ipcache, _)) => ipcache.end_replay(&sources).await,
+            None => 0,
+        };
+        tracing::info!(
+            owner_prefix = owner_prefix.unwrap_or_default(),
+            ?sources,
+            released_identities,
+            withdrawn_ip_claims,
+            "a client ended its replay"
+        );
+        Ok(Response::new(pb::EndReplayResponse {
+            withdrawn_ip_claims,
+            released_identities: released_identities as u32,
             boot_id: self.boot_id.to_string(),
         }))
     }

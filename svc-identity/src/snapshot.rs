@@ -18,10 +18,15 @@
 //!   the other nodes' entries would cut the traffic to them), and entries
 //!   withdrawn here but still in the store are withdrawn when it is back.
 //!
-//! Not held: local references (clients replay theirs when they see the new
-//! boot id; value keys of a previous run nobody claims again go after the
-//! restore grace, as after any restart), CIDR identities and KUBERNETES
-//! claims (node-local, replayed by their owners).
+//! - the owners of the references held here, by label set: not served
+//!   (clients replay their references when they see the new boot id), but
+//!   what tells whose `EndReplay` releases a value key of the previous run
+//!   nobody claimed again.
+//!
+//! Not held: the local references themselves (value keys of a previous run
+//! nobody claims again go when their clients end their replay, or after the
+//! restore grace), CIDR identities and KUBERNETES claims (node-local,
+//! replayed by their owners).
 //!
 //! # When it is read and written
 //!
@@ -36,6 +41,7 @@
 //! more at a clean stop. A snapshot of another node, key prefix or cluster
 //! is ignored.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -111,6 +117,11 @@ pub struct IdentitySnapshot {
     /// Label sets released here whose value key of this node the store may
     /// still hold.
     pub released: Vec<String>,
+    /// Label sets held here → the owners of their references (`""` for
+    /// anonymous ones): whose client's `EndReplay` releases a value key a
+    /// restart finds unclaimed (absent in older snapshots).
+    #[serde(default)]
+    pub held: Option<BTreeMap<String, Vec<String>>>,
 }
 
 /// The IP cache's part of the snapshot.

@@ -1477,3 +1477,182 @@ fn named_port(name: &str, protocol: &str, port: u32) -> pb::NamedPort {
         port,
     }
 }
+
+/// Issue 19 §1: a client that ended its replay (svc-endpoint after it saw
+/// the new boot id) has what the restart restored and it did not claim again
+/// released at once, not after the restore grace (default 120 s): the IP
+/// entry and value key of an endpoint deleted while svc-identity was down go
+/// within seconds, while the replayed endpoint's entries and another
+/// client's reference, which that client never replays, stay without a gap.
+/// A marker for an earlier boot is refused with its reason.
+#[tokio::test]
+async fn ending_a_replay_releases_at_once_what_was_restored_and_not_claimed_again() {
+    let etcd = EtcdServer::start_async().await.expect("etcd starts");
+    let dir = tempfile::tempdir().unwrap();
+    // A lease that outlives the test: only a deletion removes the old run's keys.
+    let mut a = command_with_ttl(dir.path(), "node-a", Some(&etcd.endpoint()), 900)
+        .spawn()
+        .await
+        .expect("svc-identity starts");
+    let mut c = client(&a).await;
+    let mut ip = ipcache_client(&a).await;
+    let live = allocate_owned(&mut c, 1, "endpoint/1").await.unwrap();
+    let gone = allocate_owned(&mut c, 2, "endpoint/2").await.unwrap();
+    allocate_owned(&mut c, 3, "other/3").await.unwrap();
+    upsert_local(&mut ip, "198.18.7.1/32", live).await.unwrap();
+    upsert_local(&mut ip, "198.18.7.2/32", gone).await.unwrap();
+    let state = dir.path().join("node-a").join("state");
+    wait_snapshot(&state, "the claims and their owners", |s| {
+        snapshot_ips(s, "local").len() == 2
+            && s.pointer("/data/identities/held")
+                .is_some_and(|h| h.as_object().is_some_and(|h| h.len() == 3))
+    })
+    .await;
+
+    let is_value = |set: usize| {
+        move |k: &str| k.contains("/value/") && k.contains(&format!("app=app-{set},")) && k.ends_with("/node-a")
+    };
+    let is_ip =
+        |last: u8| move |k: &str| k.starts_with("rivet/state/ip/v1/") && k.ends_with(&format!("/198.18.7.{last}"));
+    let (mut watch, mut keys) = watch_keys(&etcd.endpoint(), "rivet/state/").await;
+    for (what, present) in [
+        ("set 1's value key", keys.iter().any(|k| is_value(1)(k))),
+        ("set 2's value key", keys.iter().any(|k| is_value(2)(k))),
+        ("set 3's value key", keys.iter().any(|k| is_value(3)(k))),
+        ("198.18.7.1", keys.iter().any(|k| is_ip(1)(k))),
+        ("198.18.7.2", keys.iter().any(|k| is_ip(2)(k))),
+    ] {
+        assert!(present, "{what} is in etcd before the kill: {keys:?}");
+    }
+    let old_boot = c
+        .get_status(pb::GetStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .boot_id;
+
+    // Endpoint 2 goes while svc-identity is down: nobody claims set 2 or
+    // 198.18.7.2 again; other/3 never replays.
+    a.kill9();
+    a.restart().await.expect("svc-identity restarts");
+    let restarted = std::time::Instant::now();
+    let mut c = client(&a).await;
+    let mut ip = ipcache_client(&a).await;
+    let mut view = IpcacheView::watch(&mut ip).await;
+    view.until("the restored view", |v| v.contains_key("198.18.7.1/32"))
+        .await;
+    let replayed = c
+        .allocate_identity(pb::AllocateIdentityRequest {
+            labels: labels(1),
+            owner: "endpoint/1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(replayed.identity.unwrap().id, live);
+    upsert_local(&mut ip, "198.18.7.1/32", live).await.unwrap();
+    let boot_id = replayed.boot_id;
+    assert_ne!(boot_id, old_boot);
+
+    let end = |boot_id: &str| pb::EndReplayRequest {
+        boot_id: boot_id.into(),
+        owner_prefix: "endpoint/".into(),
+        ip_sources: vec![pb::IpcacheSource::LocalEndpoint as i32],
+    };
+    let stale = c.end_replay(end(&old_boot)).await.unwrap_err();
+    assert_eq!(stale.code(), Code::FailedPrecondition, "{stale:?}");
+    assert_eq!(
+        rivet_common::grpc::error_reason::<pb::ErrorReason>(&stale),
+        Some(pb::ErrorReason::BootIdMismatch),
+        "{stale:?}"
+    );
+    for (bad, field) in [
+        (
+            pb::EndReplayRequest {
+                owner_prefix: "endpoint".into(),
+                ..end(&boot_id)
+            },
+            "owner_prefix",
+        ),
+        (
+            pb::EndReplayRequest {
+                ip_sources: vec![pb::IpcacheSource::Kvstore as i32],
+                ..end(&boot_id)
+            },
+            "ip_sources[0]",
+        ),
+        (end(""), "boot_id"),
+    ] {
+        let refused = c.end_replay(bad).await.unwrap_err();
+        assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+        assert!(refused.message().starts_with(field), "{refused:?} names {field}");
+    }
+
+    let ended = c.end_replay(end(&boot_id)).await.expect("EndReplay").into_inner();
+    assert_eq!(
+        (ended.withdrawn_ip_claims, ended.released_identities),
+        (1, 1),
+        "198.18.7.2 and set 2 were endpoint 2's; set 3 is another client's"
+    );
+    // Every delete since before the kill, until endpoint 2's keys are gone.
+    let mut deleted = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let marker = std::time::Instant::now();
+    while keys.iter().any(|k| is_value(2)(k) || is_ip(2)(k)) {
+        let message = tokio::time::timeout_at(deadline, watch.message())
+            .await
+            .unwrap_or_else(|_| panic!("endpoint 2's keys still there 20 s after the marker: {keys:?}"))
+            .expect("the etcd watch works")
+            .expect("the etcd watch stays open");
+        for event in message.events() {
+            let key = event.kv().unwrap().key_str().unwrap().to_string();
+            match event.event_type() {
+                etcd_client::EventType::Put => keys.insert(key),
+                etcd_client::EventType::Delete => {
+                    deleted.push(key.clone());
+                    keys.remove(&key)
+                }
+            };
+        }
+    }
+    let took = marker.elapsed();
+    eprintln!(
+        "endpoint 2's IP entry and value key gone {took:?} after the marker, {:?} after the restart (grace 120 s)",
+        restarted.elapsed()
+    );
+    let gap = std::cell::Cell::new(false);
+    view.until("198.18.7.2 withdrawn from the view", |v| {
+        gap.set(gap.get() || !v.contains_key("198.18.7.1/32"));
+        !v.contains_key("198.18.7.2/32")
+    })
+    .await;
+    assert!(!gap.get(), "198.18.7.1 never left the view");
+
+    // No gap: since before the kill etcd deleted endpoint 2's keys only.
+    assert!(
+        deleted.iter().all(|k| is_value(2)(k) || is_ip(2)(k)),
+        "only endpoint 2's keys were deleted: {deleted:?}"
+    );
+    let now = raw_keys(&etcd.endpoint(), "rivet/state/").await;
+    for (what, present) in [
+        ("set 1's value key", now.keys().any(|k| is_value(1)(k))),
+        (
+            "set 3's value key (another client's)",
+            now.keys().any(|k| is_value(3)(k)),
+        ),
+        ("198.18.7.1", now.keys().any(|k| is_ip(1)(k))),
+    ] {
+        assert!(present, "{what} stays: {now:?}");
+    }
+    // A claim after the marker is an ordinary claim.
+    upsert_local(&mut ip, "198.18.7.2/32", gone).await.unwrap();
+    view.until("198.18.7.2 claimed again", |v| v.contains_key("198.18.7.2/32"))
+        .await;
+    assert!(
+        raw_keys(&etcd.endpoint(), "rivet/state/ip/v1/")
+            .await
+            .keys()
+            .any(|k| is_ip(2)(k)),
+        "published again"
+    );
+}

@@ -92,16 +92,16 @@ const FLOW_RUN_WITHIN: Duration = Duration::from_secs(30);
 /// svc-gc's longest interval in a run, so the end waits for its passes
 /// seconds, not half an hour.
 pub const GC_MAX_INTERVAL: Duration = Duration::from_secs(5);
-/// svc-identity's restore grace in a run (120 s by default): a restarted
-/// svc-identity keeps this node's IP cache entries it restored (from its
-/// snapshot or the store) that no endpoint claims again this long before
-/// it withdraws them, so an entry of a pod deleted just before a kill -9
-/// of svc-identity outlives the pod by up to this. Shortened so the end's
-/// wait (60 s) covers it; svc-endpoint claims its endpoints'
-/// entries again as soon as it sees the new svc-identity.
-pub const IDENTITY_RESTORE_GRACE: Duration = Duration::from_secs(15);
 /// Pods a run keeps at least (adds are forced below).
 const MIN_PODS: usize = 4;
+/// A run allowed more live pods than this biases its adds toward its
+/// `max_pods` (else adds barely outweigh deletes and 200 live pods take
+/// hours); smaller runs, the suite's (30) among them, keep the balanced
+/// weights their seeds were chosen with.
+const FILL_BIAS_ABOVE: usize = 50;
+/// The add weight a run far below its max gets on top of the base 30
+/// (scaled by how far below it is).
+const FILL_BIAS: usize = 60;
 
 /// What [`run`] does.
 #[derive(Debug, Clone)]
@@ -403,6 +403,17 @@ enum Action {
     Check,
 }
 
+/// The weight of an add with `live` of `max` pods (room left): 30, plus up
+/// to [`FILL_BIAS`] by how far below its max a large run is.
+fn add_weight(live: usize, max: usize) -> u32 {
+    let bias = if max > FILL_BIAS_ABOVE {
+        FILL_BIAS * max.saturating_sub(live) / max
+    } else {
+        0
+    };
+    30 + bias as u32
+}
+
 /// The next action, weighted by what the cluster holds.
 fn choose_action(rng: &mut ChaosRng, live: usize, max: usize, active: usize, candidates: usize) -> Action {
     if live < MIN_PODS.min(max) {
@@ -410,7 +421,7 @@ fn choose_action(rng: &mut ChaosRng, live: usize, max: usize, active: usize, can
     }
     let room = live < max;
     let weights = [
-        (Action::Add, if room { 30 } else { 0 }),
+        (Action::Add, if room { add_weight(live, max) } else { 0 }),
         (Action::Delete, if live > 0 { 22 } else { 0 }),
         (Action::ApplyPolicy, if active < candidates { 12 } else { 0 }),
         (Action::DeletePolicy, if active > 0 { 7 } else { 0 }),
@@ -472,10 +483,6 @@ pub async fn run(options: &ChaosOptions) -> Result<Summary, ChaosError> {
             "svc-gc=--start-interval-seconds=1".into(),
             "svc-gc=--min-interval-seconds=1".into(),
             format!("svc-gc=--max-interval-seconds={gc_max}"),
-            format!(
-                "svc-identity=--restore-grace-seconds={}",
-                IDENTITY_RESTORE_GRACE.as_secs()
-            ),
         ],
         bin_dir: options.bin_dir.clone(),
         ..Default::default()
@@ -1715,6 +1722,41 @@ mod tests {
         for _ in 0..1000 {
             assert!(rng.below(3) < 3);
         }
+    }
+
+    /// Played with every add succeeding: a long run fills up to its 200 pods
+    /// within the steps a 30-minute run makes (about 1,800; 600 in 10
+    /// minutes), while the suite's 30-pod run keeps its unbiased weights.
+    #[test]
+    fn a_long_run_fills_toward_its_max_and_a_small_one_keeps_its_weights() {
+        let play = |seed: u64, max: usize, steps: u64| {
+            let mut rng = ChaosRng::new(seed);
+            let (mut live, mut full_at) = (0usize, None);
+            for step in 0..steps {
+                match choose_action(&mut rng, live, max, 0, 32) {
+                    Action::Add | Action::KillDuringAdd => live += 1,
+                    Action::Delete => live -= 1,
+                    _ => {}
+                }
+                if live == max && full_at.is_none() {
+                    full_at = Some(step);
+                }
+            }
+            full_at
+        };
+        for seed in 0..5 {
+            let full_at = play(seed, 200, 1_800);
+            assert!(
+                full_at.is_some_and(|s| s < 1_200),
+                "seed {seed}: 200 live pods only at step {full_at:?}"
+            );
+        }
+        for live in 0..30 {
+            assert_eq!(add_weight(live, 30), 30, "no bias at the suite's 30 pods");
+        }
+        assert_eq!(add_weight(0, 200), 90);
+        assert_eq!(add_weight(100, 200), 60);
+        assert_eq!(add_weight(199, 200), 30);
     }
 
     #[test]

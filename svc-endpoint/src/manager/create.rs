@@ -116,6 +116,7 @@ impl EndpointManager {
                         persisted: None,
                         resolving: None,
                         changed: 0,
+                        claimed_in: None,
                     },
                 );
                 state.changed(id);

@@ -12,8 +12,11 @@ use rivet_common::controller::{Action, Progress};
 use rivet_common::labels::Labels;
 use tonic::Status;
 
+use rivet_common::grpc::error_reason;
+
 use super::service_pods::{RemotePod, remote_pod};
 use super::{EndpointManager, RemoteNamedPorts};
+use crate::endpoint::IDENTITY_OWNER_PREFIX;
 use crate::events;
 use rivet_policy::{NamedPort, Protocol};
 use rivet_proto::identity::v1 as idpb;
@@ -88,6 +91,15 @@ pub(super) enum DependencyError {
     /// The ipcache watch broke.
     #[error("svc-identity's ipcache watch broke: {}", .0.message())]
     IpcacheWatchBroken(#[source] Status),
+    /// svc-identity did not take the end of the replay.
+    #[error("ending the replay of the endpoints' claims to svc-identity boot {boot_id}: {}", source.message())]
+    EndReplay {
+        /// The boot replayed to.
+        boot_id: String,
+        /// svc-identity's answer.
+        #[source]
+        source: Status,
+    },
     /// A restarted svc-ipam did not take an endpoint's addresses back.
     #[error("re-reserving the addresses of endpoint {id} in the restarted svc-ipam: {}", source.message())]
     ReserveAddresses {
@@ -320,9 +332,73 @@ impl EndpointManager {
                 failed.get_or_insert(e);
             }
         }
+        if let Err(e) = self.end_identity_replay().await {
+            failed.get_or_insert(e);
+        }
         match failed {
             None => Ok(Action::requeue(self.inner.options.dependency_poll)),
             Some(e) => Err(e),
+        }
+    }
+
+    /// Once every endpoint claimed its identity reference and IP cache
+    /// entries in svc-identity's current boot (after its restart, or this
+    /// process's restore), tells it so with `EndReplay`, once per boot: it
+    /// then drops at once what it restored and nobody claimed (a pod deleted
+    /// just before or while it was down) instead of keeping it for its
+    /// restore grace. An endpoint still to claim (a regeneration failing, as
+    /// while svc-loader is down) holds the marker back, so no live entry
+    /// ever goes; the grace stays the fallback.
+    async fn end_identity_replay(&self) -> Result<(), DependencyError> {
+        if !*self.inner.restore_done.borrow() {
+            return Ok(());
+        }
+        let boot_id = {
+            let all = self.inner.dependencies.lock().expect("dependency lock poisoned");
+            let identity = &all[Dependency::Identity.index()];
+            if !identity.connected || identity.resync_owed || identity.seen_boot_id.is_empty() {
+                return Ok(());
+            }
+            identity.seen_boot_id.clone()
+        };
+        if self.inner.replay_ended.lock().expect("replay lock poisoned").as_deref() == Some(&boot_id) {
+            return Ok(());
+        }
+        let endpoints = {
+            let state = self.state();
+            let live = state.endpoints.values().filter(|s| !s.queue.is_closed());
+            let mut count = 0;
+            for slot in live {
+                if slot.claimed_in.as_deref() != Some(boot_id.as_str()) {
+                    return Ok(());
+                }
+                count += 1;
+            }
+            count
+        };
+        let request = idpb::EndReplayRequest {
+            boot_id: boot_id.clone(),
+            owner_prefix: IDENTITY_OWNER_PREFIX.to_string(),
+            ip_sources: vec![idpb::IpcacheSource::LocalEndpoint.into()],
+        };
+        match self.inner.deps.identity.end_replay(request).await {
+            Ok(response) => {
+                events::identity_replay_ended(
+                    &self.inner.metrics,
+                    &boot_id,
+                    endpoints,
+                    response.released_identities,
+                    response.withdrawn_ip_claims,
+                );
+                *self.inner.replay_ended.lock().expect("replay lock poisoned") = Some(boot_id);
+                Ok(())
+            }
+            // Restarted again: the next probe sees its boot id and replays.
+            Err(status) if error_reason::<idpb::ErrorReason>(&status) == Some(idpb::ErrorReason::BootIdMismatch) => {
+                tracing::info!(boot_id, error = %status.message(), "svc-identity restarted again before the replay ended");
+                Ok(())
+            }
+            Err(source) => Err(DependencyError::EndReplay { boot_id, source }),
         }
     }
 

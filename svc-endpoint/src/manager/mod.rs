@@ -190,6 +190,10 @@ struct Slot {
     /// [`ChangeFeed`] revision of its last change (WatchEndpoints readers
     /// send the endpoints whose revision moved).
     changed: u64,
+    /// The svc-identity boot id its last regeneration claimed its identity
+    /// reference and IP cache entries in (`EndReplay` waits for every
+    /// endpoint's claims in the current boot).
+    claimed_in: Option<String>,
 }
 
 impl Slot {
@@ -347,6 +351,8 @@ struct Inner {
     ipcache_synced: watch::Sender<bool>,
     /// One per [`Dependency`], in the order of [`Dependency::ALL`].
     dependencies: Mutex<[DependencyStatus; Dependency::ALL.len()]>,
+    /// The svc-identity boot id this process ended its replay to.
+    replay_ended: Mutex<Option<String>>,
     policy_dir: Mutex<PolicyDirStatus>,
     /// Wakes the CIDR identity reconciliation (`cidr-identities`).
     cidr_wake: Trigger,
@@ -454,6 +460,7 @@ impl EndpointManager {
                 name: dependency.name(),
                 ..Default::default()
             })),
+            replay_ended: Mutex::new(None),
             policy_dir: Mutex::default(),
             cidr_wake: Trigger::new(),
             cidr_reallocate: AtomicBool::new(false),

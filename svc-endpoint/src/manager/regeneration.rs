@@ -29,6 +29,9 @@ struct Regenerated {
     revision: u64,
     /// The record written to the state dir; `None` when it already held it.
     written: Option<EndpointRecord>,
+    /// The svc-identity boot id that took both the identity reference and
+    /// the IP cache entries (`None`: it restarted between the two calls).
+    claimed_in: Option<String>,
 }
 
 impl EndpointManager {
@@ -82,6 +85,7 @@ impl EndpointManager {
                     policy,
                     revision,
                     written,
+                    claimed_in,
                 }) => {
                     let took = started.elapsed();
                     let addresses: Vec<IpAddr> = slot.spec.addresses.iter().map(|a| a.address).collect();
@@ -95,6 +99,7 @@ impl EndpointManager {
                     if let Some(record) = written {
                         slot.persisted = Some(record);
                     }
+                    slot.claimed_in = claimed_in;
                     slot.status.transition(id, EndpointState::Ready, reason);
                     state.changed(id);
                     events::regeneration_completed(&self.inner.metrics, id, identity, revision, reason, took);
@@ -238,7 +243,8 @@ impl EndpointManager {
         }
         // 4. ipcache
         open(RegenerationStep::Ipcache)?;
-        deps.identity
+        let published = deps
+            .identity
             .upsert_ip(idpb::UpsertIpRequest {
                 entries: spec
                     .addresses
@@ -268,6 +274,7 @@ impl EndpointManager {
             .instrument(tracing::info_span!("regenerate.ipcache"))
             .await
             .map_err(|s| RegenError::new(RegenerationStep::Ipcache, s))?;
+        let claimed_in = (published.boot_id == allocated.boot_id).then_some(published.boot_id);
         // 5. state dir (skipped when it already holds exactly this)
         let record = EndpointRecord {
             spec: spec.clone(),
@@ -321,6 +328,7 @@ impl EndpointManager {
             policy: resolved,
             revision,
             written,
+            claimed_in,
         })
     }
 

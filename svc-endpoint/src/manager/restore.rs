@@ -279,6 +279,7 @@ impl EndpointManager {
                         persisted: Some(record),
                         resolving: None,
                         changed: 0,
+                        claimed_in: None,
                     },
                 );
                 state.changed(id);

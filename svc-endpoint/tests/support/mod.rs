@@ -257,6 +257,9 @@ impl IdentityApi for FaultyIdentity {
             self.inner.upsert_ip(request)
         })
     }
+    fn end_replay(&self, request: idpb::EndReplayRequest) -> BoxFuture<'_, ApiResult<idpb::EndReplayResponse>> {
+        self.inner.end_replay(request)
+    }
     fn delete_ip(&self, request: idpb::DeleteIpRequest) -> BoxFuture<'_, ApiResult<idpb::DeleteIpResponse>> {
         let key = prefixes_key(request.prefixes.iter());
         faulty(

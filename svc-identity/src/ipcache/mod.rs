@@ -65,7 +65,7 @@ use tokio::sync::{broadcast, watch};
 use tokio::time::Instant;
 
 use crate::backend::{IdentityBackend, IpEntry, Revision};
-use crate::events::{IdentityMetrics, ReconciledKeys};
+use crate::events::{self, IdentityMetrics, ReconciledKeys, RestoredCause, RestoredKind};
 use crate::reconcile;
 use crate::snapshot::{IpcacheSnapshot, SnapshotPart};
 
@@ -163,6 +163,10 @@ struct State {
     /// Every claim must be written again (on this process's lease): set by
     /// the first listing, cleared by the pass that did it.
     republish_pending: bool,
+    /// svc-endpoint ended its replay of the LOCAL_ENDPOINT claims
+    /// ([`IpCache::end_replay`]): nothing restored is kept any more, nor
+    /// adopted by a first listing after it.
+    replay_ended: bool,
 }
 
 impl State {
@@ -511,6 +515,47 @@ impl IpCache {
             self.publish(generation).await;
         }
         Ok(changed)
+    }
+
+    /// Ends the replay of the client that makes every claim of `sources`
+    /// (LOCAL_ENDPOINT: this node's svc-endpoint): the LOCAL_ENDPOINT claims
+    /// restored at start that it did not claim again are withdrawn now, not
+    /// when the restore grace ends, locally and from the store (waited for
+    /// like [`delete`](Self::delete)), and a first listing after it adopts
+    /// none (the pass withdraws them). A claim after it is a new claim.
+    /// Returns how many restored claims went. Idempotent.
+    pub async fn end_replay(&self, sources: &[IpcacheSource]) -> u32 {
+        // Only LOCAL_ENDPOINT claims are restored (KUBERNETES ones are not
+        // kept across a restart).
+        if !sources.contains(&IpcacheSource::LocalEndpoint) {
+            return 0;
+        }
+        let (withdrawn, generation) = {
+            let mut st = self.lock();
+            st.replay_ended = true;
+            st.restore_deadline = None;
+            let expired = std::mem::take(&mut st.restored);
+            for prefix in &expired {
+                self.update(&mut st, *prefix, |c| {
+                    c.remove(&IpcacheSource::LocalEndpoint);
+                });
+            }
+            if !expired.is_empty() {
+                st.local_generation += 1;
+                self.snapshot_part.changed();
+            }
+            (expired.len(), st.local_generation)
+        };
+        events::restored_released(
+            &self.opts.metrics,
+            RestoredKind::IpClaims,
+            RestoredCause::ReplayEnded,
+            withdrawn,
+        );
+        if withdrawn > 0 {
+            self.publish(generation).await;
+        }
+        withdrawn as u32
     }
 
     /// Withdraws `source`'s claims on `prefixes`, effective at once

@@ -40,7 +40,7 @@ use tokio::time::Instant;
 use super::{IpCache, IpcacheEntry, IpcacheSource, State, parse_prefix, store_ip};
 
 use crate::backend::{BackendError, IpEntry, IpEvent};
-use crate::events::{self, KeyAction, StoreKey};
+use crate::events::{self, KeyAction, RestoredCause, RestoredKind, StoreKey};
 use crate::store_watch;
 
 /// Store writes in flight at once for one batch.
@@ -253,8 +253,9 @@ impl IpCache {
                     .claims
                     .get(prefix)
                     .is_some_and(|c| c.contains_key(&IpcacheSource::LocalEndpoint));
-                // Withdrawn here before the restart: the pass withdraws it.
-                if !claimed && !withdrawn.contains(prefix) {
+                // Withdrawn here before the restart, or svc-endpoint ended
+                // its replay without it: the pass withdraws it.
+                if !claimed && !withdrawn.contains(prefix) && !st.replay_ended {
                     let entry = Self::claim_from_store(*prefix, e, IpcacheSource::LocalEndpoint);
                     self.update(&mut st, *prefix, |c| {
                         c.insert(IpcacheSource::LocalEndpoint, entry);
@@ -371,12 +372,13 @@ impl IpCache {
                 c.remove(&IpcacheSource::LocalEndpoint);
             });
         }
-        if !expired.is_empty() {
-            tracing::info!(
-                count = expired.len(),
-                "withdrawing entries of this node restored at start (from the store or the local snapshot) that no endpoint claimed again"
-            );
-        }
+        drop(st);
+        events::restored_released(
+            &self.opts.metrics,
+            RestoredKind::IpClaims,
+            RestoredCause::GraceEnded,
+            expired.len(),
+        );
     }
 
     /// One pass: every LOCAL_ENDPOINT claim is in the store (all written
