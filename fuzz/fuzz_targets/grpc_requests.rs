@@ -65,7 +65,7 @@ fuzz_target!(|data: &[u8]| {
 async fn frame(kind: u8, bytes: &[u8], ipam: &IpamService, store: &IpamStore) {
     use ipam::ipam_server::Ipam as _;
     let before = snapshot(store);
-    let outcome: Option<Result<(), Status>> = match kind % 24 {
+    let outcome: Option<Result<(), Status>> = match kind % 25 {
         0 => call(bytes, |r| ipam.allocate(Request::new(r))).await,
         1 => call(bytes, |r| ipam.release(Request::new(r))).await,
         2 => call(bytes, |r| ipam.release_address(Request::new(r))).await,
@@ -217,6 +217,7 @@ mod k8s_daemons {
                 Some(m) => es::parse_pod_metadata("metadata", m).map(drop),
                 None => Ok(()),
             }),
+            24 => check::<identity::EndReplayRequest>(bytes, |r| is::validate_end_replay(r).map(drop)),
             _ => None,
         }
     }
