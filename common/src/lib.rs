@@ -19,6 +19,8 @@
 //!   ever; restarted on panic or end, counted, shown in `rivet status`);
 //! - [`backoff`]: retry delays;
 //! - [`identity`]: the numeric identity ranges (reserved, cluster, CIDR);
+//! - [`intern`]: interned strings (label keys and values shared by every
+//!   identity);
 //! - [`named_port`]: the rule for named container ports' names;
 //! - [`mac`]: MAC addresses as text;
 //! - [`pin_layout`]: where a node's datapath maps are pinned (aya-free;
@@ -38,6 +40,7 @@ pub mod etcd_probe;
 pub mod grpc;
 pub mod h2_authority;
 pub mod identity;
+pub mod intern;
 pub mod k8s_name;
 pub mod labels;
 pub mod mac;
