@@ -91,6 +91,12 @@ pub trait PodSource: Send + Sync + 'static {
     fn pods(&self) -> Option<Vec<PodInfo>>;
     /// Changes whenever [`pods`](Self::pods) may have changed.
     fn changes(&self) -> watch::Receiver<u64>;
+    /// The value [`changes`](Self::changes) holds now: equal revisions
+    /// mean equal pods, so a caller that kept the pods of one need not
+    /// build them again.
+    fn revision(&self) -> u64 {
+        *self.changes().borrow()
+    }
 }
 
 /// How the catalog behaves.
@@ -304,6 +310,9 @@ struct State {
     resolved: BTreeMap<Name, Vec<rivet_proto::loader::v1::LbService>>,
     /// The pods `resolved` was computed with (other pods: resolve all again).
     resolved_pods: Option<Vec<PodInfo>>,
+    /// The [`PodSource::revision`] `resolved_pods` were built at, once
+    /// complete: while it holds, a pass builds no pods.
+    resolved_revision: Option<u64>,
     /// Services whose objects changed since they were resolved.
     dirty: BTreeSet<Name>,
 }

@@ -106,21 +106,40 @@ impl ServiceCatalog {
 
     /// One pass of `service-push`.
     pub(super) async fn push_pass(&self) -> Result<Action, PushError> {
-        let pods = self.inner.pods.pods().map(|p| self.with_node_name(p));
+        // Building the pods walks every endpoint and other nodes' pod under
+        // the endpoint manager's lock: only when a Service may resolve
+        // against them and they changed since the last pass built them.
+        // (Built on every pass, it was most of svc-endpoint's CPU at 1,000
+        // endpoints and held every regeneration up behind that lock.)
+        let revision = self.inner.pods.revision();
+        let build = {
+            let mut state = self.state();
+            if state.services.is_empty() {
+                state.resolved_pods = None;
+                state.resolved_revision = None;
+            }
+            !state.services.is_empty() && state.resolved_revision != Some(revision)
+        };
+        let pods = build.then(|| self.inner.pods.pods().map(|p| self.with_node_name(p)));
         let (generation, desired) = {
             let mut state = self.state();
-            if pods.is_none() && state.needs_pods() {
-                // A restart must not push selector Services without their pods.
-                return Ok(Action::requeue(self.inner.options.loader_poll));
+            if let Some(pods) = pods {
+                if pods.is_none() && state.needs_pods() {
+                    // A restart must not push selector Services without their pods.
+                    return Ok(Action::requeue(self.inner.options.loader_poll));
+                }
+                // Complete pods only: the next pass builds them again until then.
+                state.resolved_revision = pods.is_some().then_some(revision);
+                let pods = pods.unwrap_or_default();
+                // Only Services whose objects changed are resolved again, all of
+                // them when the pods changed.
+                if state.resolved_pods.as_ref() != Some(&pods) {
+                    let all: Vec<_> = state.services.keys().cloned().collect();
+                    state.dirty.extend(all);
+                    state.resolved_pods = Some(pods);
+                }
             }
-            let pods = pods.unwrap_or_default();
-            // Only Services whose objects changed are resolved again, all of
-            // them when the pods changed.
-            if state.resolved_pods.as_ref() != Some(&pods) {
-                let all: Vec<_> = state.services.keys().cloned().collect();
-                state.dirty.extend(all);
-                state.resolved_pods = Some(pods.clone());
-            }
+            let pods = state.resolved_pods.take().unwrap_or_default();
             let dirty = std::mem::take(&mut state.dirty);
             let mut fresh = Vec::with_capacity(dirty.len());
             for name in dirty {
@@ -136,6 +155,7 @@ impl ServiceCatalog {
                     None => state.resolved.remove(&name),
                 };
             }
+            state.resolved_pods = Some(pods);
             let desired: BTreeMap<u32, lb::LbService> = state
                 .resolved
                 .values()

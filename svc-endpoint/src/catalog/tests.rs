@@ -117,6 +117,8 @@ impl LoadBalancerApi for RecordingLoader {
 struct Pods {
     pods: Mutex<Option<Vec<PodInfo>>>,
     changes: watch::Sender<u64>,
+    /// Calls of `pods()`: what building the pods costs the endpoint manager.
+    built: std::sync::atomic::AtomicUsize,
 }
 
 impl Pods {
@@ -124,7 +126,12 @@ impl Pods {
         Arc::new(Self {
             pods: Mutex::new(pods),
             changes: watch::channel(0).0,
+            built: Default::default(),
         })
+    }
+
+    fn built(&self) -> usize {
+        self.built.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn set(&self, pods: Vec<PodInfo>) {
@@ -135,6 +142,7 @@ impl Pods {
 
 impl PodSource for Pods {
     fn pods(&self) -> Option<Vec<PodInfo>> {
+        self.built.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.pods.lock().unwrap().clone()
     }
     fn changes(&self) -> watch::Receiver<u64> {
@@ -307,6 +315,37 @@ async fn pods_joining_and_leaving_move_the_backends() {
     .await
     .expect("the deleted pod leaves");
     controllers.shutdown().await;
+}
+
+#[tokio::test]
+async fn passes_build_the_pods_only_for_services_and_only_after_they_changed() {
+    let dir = tempfile::tempdir().unwrap();
+    let loader = RecordingLoader::new();
+    let pods = Pods::new(Some(vec![pod("web-1", "198.18.0.5")]));
+    // Not started: the test runs each pass itself.
+    let c = catalog(dir.path(), loader.clone(), pods.clone());
+    for _ in 0..3 {
+        c.push_pass().await.unwrap();
+    }
+    pods.set(vec![pod("web-2", "198.18.0.6")]);
+    c.push_pass().await.unwrap();
+    assert_eq!(pods.built(), 0, "no Service: the pods are never built");
+
+    let web = WEB.replace("ipFamilyPolicy: PreferDualStack", "ipFamilyPolicy: SingleStack");
+    c.apply(&web, Origin::Api, false, WAIT).await.unwrap();
+    c.push_pass().await.unwrap();
+    let held = || loader.held().into_values().map(|s| backends(&s)).collect::<Vec<_>>();
+    assert_eq!(held(), [["198.18.0.6:8080"]]);
+    assert_eq!(pods.built(), 1);
+    for _ in 0..3 {
+        c.push_pass().await.unwrap();
+    }
+    assert_eq!(pods.built(), 1, "the same revision: the pods of the last pass");
+
+    pods.set(vec![pod("web-3", "198.18.0.7")]);
+    c.push_pass().await.unwrap();
+    assert_eq!(pods.built(), 2);
+    assert_eq!(held(), [["198.18.0.7:8080"]]);
 }
 
 #[tokio::test]

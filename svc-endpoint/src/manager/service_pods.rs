@@ -151,4 +151,8 @@ impl PodSource for EndpointManager {
     fn changes(&self) -> watch::Receiver<u64> {
         self.state().changes.published.subscribe()
     }
+
+    fn revision(&self) -> u64 {
+        self.state().changes.revision
+    }
 }
