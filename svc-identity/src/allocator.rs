@@ -196,10 +196,12 @@ pub enum IdentityChange {
     Delete(u32),
 }
 
+/// Every identity of the cluster (100,000 at scale): each label text is one
+/// allocation shared by both maps.
 #[derive(Debug, Default)]
 struct Cache {
-    by_id: BTreeMap<u32, String>,
-    by_labels: HashMap<String, u32>,
+    by_id: BTreeMap<u32, Arc<str>>,
+    by_labels: HashMap<Arc<str>, u32>,
     /// Bumped by every change; each change is broadcast with it.
     revision: u64,
 }
@@ -210,15 +212,16 @@ impl Cache {
             .iter()
             .map(|(id, labels)| IdentityRecord {
                 id: *id,
-                labels: labels.clone(),
+                labels: labels.to_string(),
             })
             .collect()
     }
 
     fn insert(&mut self, id: u32, labels: String) -> bool {
-        if self.by_id.get(&id) == Some(&labels) {
+        if self.by_id.get(&id).is_some_and(|held| **held == *labels) {
             return false;
         }
+        let labels: Arc<str> = labels.into();
         if let Some(old) = self.by_id.insert(id, labels.clone())
             && self.by_labels.get(&old) == Some(&id)
         {
@@ -874,7 +877,7 @@ impl IdentityAllocator {
             .read()
             .expect("cache poisoned")
             .by_labels
-            .get(&labels.to_string())
+            .get(labels.to_string().as_str())
             .copied())
     }
 
