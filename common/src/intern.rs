@@ -192,7 +192,7 @@ mod tests {
         };
         let a = Interned::new("intern-test-a");
         assert_eq!(hash(&|h| a.hash(h)), hash(&|h| "intern-test-a".hash(h)));
-        let mut sorted = vec![
+        let mut sorted = [
             Interned::new("b"),
             Interned::new(""),
             Interned::new("ab"),
