@@ -175,8 +175,16 @@ async fn raw_keys(endpoint: &str, prefix: &str) -> BTreeMap<String, String> {
 async fn two_nodes_racing_on_overlapping_label_sets_agree_on_one_id_each() {
     let etcd = EtcdServer::start_async().await.expect("etcd starts");
     let dir = tempfile::tempdir().unwrap();
-    let a = spawn(dir.path(), "node-a", &etcd).await;
-    let b = spawn(dir.path(), "node-b", &etcd).await;
+    // 2,000 allocations: a 2 s lease expired once under a starved CPU (load
+    // 30), and a node without a lease rightly refuses new identities.
+    let spawn = async |node| {
+        command_with_ttl(dir.path(), node, Some(&etcd.endpoint()), 30)
+            .spawn()
+            .await
+            .expect("svc-identity starts")
+    };
+    let a = spawn("node-a").await;
+    let b = spawn("node-b").await;
     let mut tasks = Vec::new();
     for (node, daemon) in [("a", &a), ("b", &b)] {
         for worker in 0..10 {
@@ -266,15 +274,17 @@ async fn watch_keys(endpoint: &str, prefix: &str) -> (etcd_client::WatchStream, 
 }
 
 /// Follows `watch` (started over `keys`) until no key satisfies `gone`;
-/// returns how long that took. Panics after `limit`.
+/// returns how long that took and every key deleted meanwhile. Panics
+/// after `limit`.
 async fn wait_keys_gone(
     watch: &mut etcd_client::WatchStream,
     keys: &mut BTreeSet<String>,
     limit: Duration,
     gone: impl Fn(&str) -> bool,
-) -> Duration {
+) -> (Duration, Vec<String>) {
     let started = std::time::Instant::now();
     let deadline = tokio::time::Instant::now() + limit;
+    let mut deleted = Vec::new();
     while keys.iter().any(|k| gone(k)) {
         let message = tokio::time::timeout_at(deadline, watch.message())
             .await
@@ -285,11 +295,14 @@ async fn wait_keys_gone(
             let key = event.kv().unwrap().key_str().unwrap().to_string();
             match event.event_type() {
                 etcd_client::EventType::Put => keys.insert(key),
-                etcd_client::EventType::Delete => keys.remove(&key),
+                etcd_client::EventType::Delete => {
+                    deleted.push(key.clone());
+                    keys.remove(&key)
+                }
             };
         }
     }
-    started.elapsed()
+    (started.elapsed(), deleted)
 }
 
 #[tokio::test]
@@ -306,7 +319,7 @@ async fn a_killed_node_loses_its_value_keys_after_the_lease_ttl() {
     assert_eq!(keys.iter().filter(|k| k.ends_with("/node-a")).count(), 2, "{keys:?}");
     a.kill9();
     // The signal: etcd deletes the keys when the lease (TTL 2 s) expires.
-    let took = wait_keys_gone(&mut watch, &mut keys, Duration::from_secs(10), |k| {
+    let (took, _) = wait_keys_gone(&mut watch, &mut keys, Duration::from_secs(10), |k| {
         k.ends_with("/node-a")
     })
     .await;
@@ -348,7 +361,7 @@ async fn a_cleanly_stopped_node_revokes_its_lease_so_its_keys_go_at_once() {
     let stopped = std::time::Instant::now();
     let status = a.terminate().await.expect("SIGTERM stops node-a");
     assert!(status.success(), "node-a exits cleanly: {status}");
-    let took = wait_keys_gone(&mut watch, &mut keys, Duration::from_secs(10), |k| {
+    let (took, _) = wait_keys_gone(&mut watch, &mut keys, Duration::from_secs(10), |k| {
         k.ends_with("/node-a") || k.ends_with("/198.18.7.1")
     })
     .await;
@@ -1595,27 +1608,10 @@ async fn ending_a_replay_releases_at_once_what_was_restored_and_not_claimed_agai
         "198.18.7.2 and set 2 were endpoint 2's; set 3 is another client's"
     );
     // Every delete since before the kill, until endpoint 2's keys are gone.
-    let mut deleted = Vec::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let marker = std::time::Instant::now();
-    while keys.iter().any(|k| is_value(2)(k) || is_ip(2)(k)) {
-        let message = tokio::time::timeout_at(deadline, watch.message())
-            .await
-            .unwrap_or_else(|_| panic!("endpoint 2's keys still there 20 s after the marker: {keys:?}"))
-            .expect("the etcd watch works")
-            .expect("the etcd watch stays open");
-        for event in message.events() {
-            let key = event.kv().unwrap().key_str().unwrap().to_string();
-            match event.event_type() {
-                etcd_client::EventType::Put => keys.insert(key),
-                etcd_client::EventType::Delete => {
-                    deleted.push(key.clone());
-                    keys.remove(&key)
-                }
-            };
-        }
-    }
-    let took = marker.elapsed();
+    let (took, deleted) = wait_keys_gone(&mut watch, &mut keys, Duration::from_secs(20), |k| {
+        is_value(2)(k) || is_ip(2)(k)
+    })
+    .await;
     eprintln!(
         "endpoint 2's IP entry and value key gone {took:?} after the marker, {:?} after the restart (grace 120 s)",
         restarted.elapsed()
