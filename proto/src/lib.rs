@@ -238,7 +238,7 @@ mod tests {
     #[test]
     fn every_reason_enum_round_trips() {
         round_trips::<crate::ipam::v1::ErrorReason>(11);
-        round_trips::<crate::identity::v1::ErrorReason>(6);
+        round_trips::<crate::identity::v1::ErrorReason>(7);
         round_trips::<crate::endpoint::v1::ErrorReason>(22);
         round_trips::<crate::loader::v1::ErrorReason>(10);
         round_trips::<crate::gc::v1::ErrorReason>(3);
