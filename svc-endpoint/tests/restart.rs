@@ -1323,27 +1323,9 @@ async fn kill_9_of_svc_identity_right_after_a_delete_drops_the_deleted_pods_entr
         })
         .await;
         // etcd's history from here on.
-        let listing = raw
-            .get("rivet/state/", Some(etcd_client::GetOptions::new().with_prefix()))
+        let (watch, keys) = rivet_common::testing::etcd::watch_from_listing(&mut raw, "rivet/state/")
             .await
-            .expect("etcd lists");
-        let revision = listing.header().expect("a header").revision();
-        let keys: BTreeSet<String> = listing
-            .kvs()
-            .iter()
-            .map(|kv| kv.key_str().unwrap().to_string())
-            .collect();
-        let watch = raw
-            .watch(
-                "rivet/state/",
-                Some(
-                    etcd_client::WatchOptions::new()
-                        .with_prefix()
-                        .with_start_revision(revision + 1),
-                ),
-            )
-            .await
-            .expect("etcd watches");
+            .expect("etcd lists and watches");
         for ip in live_ips.iter().chain(&gone_ips) {
             assert!(keys.iter().any(|k| ip_key(*ip)(k)), "{ip} is published: {keys:?}");
         }

@@ -252,25 +252,9 @@ async fn two_nodes_racing_on_overlapping_label_sets_agree_on_one_id_each() {
 /// it now.
 async fn watch_keys(endpoint: &str, prefix: &str) -> (etcd_client::WatchStream, BTreeSet<String>) {
     let mut c = etcd_client::Client::connect([endpoint], None).await.unwrap();
-    let listing = c.get(prefix, Some(GetOptions::new().with_prefix())).await.unwrap();
-    let revision = listing.header().expect("a header").revision();
-    let keys = listing
-        .kvs()
-        .iter()
-        .map(|kv| kv.key_str().unwrap().to_string())
-        .collect();
-    let stream = c
-        .watch(
-            prefix,
-            Some(
-                etcd_client::WatchOptions::new()
-                    .with_prefix()
-                    .with_start_revision(revision + 1),
-            ),
-        )
+    rivet_common::testing::etcd::watch_from_listing(&mut c, prefix)
         .await
-        .unwrap();
-    (stream, keys)
+        .expect("etcd lists and watches")
 }
 
 /// Follows `watch` (started over `keys`) until no key satisfies `gone`;

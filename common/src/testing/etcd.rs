@@ -142,6 +142,37 @@ fn create_root(name: &str) -> Result<PathBuf, EtcdError> {
     Ok(root)
 }
 
+/// The keys under `prefix` now and a watch of every change after that
+/// listing (from its revision + 1): a test follows etcd's history from here.
+///
+/// # Errors
+/// etcd's error for the listing or the watch.
+pub async fn watch_from_listing(
+    client: &mut etcd_client::Client,
+    prefix: &str,
+) -> Result<(etcd_client::WatchStream, std::collections::BTreeSet<String>), etcd_client::Error> {
+    let listing = client
+        .get(prefix, Some(etcd_client::GetOptions::new().with_prefix()))
+        .await?;
+    let revision = listing.header().map_or(0, |h| h.revision());
+    let keys = listing
+        .kvs()
+        .iter()
+        .map(|kv| String::from_utf8_lossy(kv.key()).into_owned())
+        .collect();
+    let stream = client
+        .watch(
+            prefix,
+            Some(
+                etcd_client::WatchOptions::new()
+                    .with_prefix()
+                    .with_start_revision(revision + 1),
+            ),
+        )
+        .await?;
+    Ok((stream, keys))
+}
+
 impl EtcdServer {
     /// Starts a single-member etcd and waits until `GET /health` says
     /// `{"health":"true"}` (10 s at most). A port taken between choosing and
